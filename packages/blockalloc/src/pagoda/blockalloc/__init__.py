@@ -1,0 +1,1 @@
+"""pagoda.blockalloc package."""

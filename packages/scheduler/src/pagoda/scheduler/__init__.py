@@ -1,0 +1,1 @@
+"""pagoda.scheduler package."""

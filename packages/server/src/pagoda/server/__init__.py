@@ -1,0 +1,1 @@
+"""Pagoda engine and OpenAI-compatible server."""

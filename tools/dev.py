@@ -1,0 +1,84 @@
+"""Workspace driver: create or refresh `.venv`, then serve, test, or run a command inside it.
+
+Needs only Python 3.11+ and pip on a fresh machine:
+
+    python3 tools/dev.py serve [ARGS...]   # install everything, then `pagoda serve ARGS...`
+    python3 tools/dev.py test [PYTEST ARGS...]   # install everything, then mypy strict and pytest
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+PACKAGES = ("blockalloc", "pagedkernel", "scheduler", "server")
+STAMP = VENV / ".pagoda-install-stamp"
+
+
+def venv_python() -> Path:
+    """Path of the virtual environment's interpreter."""
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def dependency_groups() -> list[str]:
+    """Requirements of the root workspace's `cpu` and `dev` dependency groups."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        groups: dict[str, list[str]] = tomllib.load(f)["dependency-groups"]
+    return groups["cpu"] + groups["dev"]
+
+
+def install_fingerprint() -> str:
+    """Hash of every file that decides what gets installed, so an unchanged workspace skips pip."""
+    digest = hashlib.sha256()
+    for path in [ROOT / "pyproject.toml", *(ROOT / "packages" / p / "pyproject.toml" for p in PACKAGES)]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def ensure_venv() -> Path:
+    """Create `.venv` if missing and (re)install the workspace when its manifests changed."""
+    python = venv_python()
+    if not python.exists():
+        print(f"creating {VENV}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    fingerprint = install_fingerprint()
+    if STAMP.exists() and STAMP.read_text() == fingerprint:
+        return python
+    print("installing the workspace into .venv (first run takes a few minutes)", flush=True)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    editable: list[str] = []
+    for package in PACKAGES:
+        editable += ["-e", str(ROOT / "packages" / package)]
+    subprocess.run([*pip, *dependency_groups(), *editable], check=True)
+    STAMP.write_text(fingerprint)
+    return python
+
+
+def run(argv: list[str]) -> int:
+    """Dispatch `serve`, `test` or `exec` and return the exit status."""
+    if not argv or argv[0] not in {"serve", "test", "exec"}:
+        print(__doc__)
+        return 2
+    python = ensure_venv()
+    command, rest = argv[0], argv[1:]
+    os.chdir(ROOT)
+    if command == "serve":
+        return subprocess.call([str(python), "-m", "pagoda.server.cli", "serve", *rest])
+    if command == "exec":
+        return subprocess.call([str(python), *rest])
+    mypy = subprocess.call([str(python), "-m", "mypy"])
+    if mypy != 0:
+        print("mypy failed", file=sys.stderr)
+        return mypy
+    return subprocess.call([str(python), "-m", "pytest", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
