@@ -1,0 +1,82 @@
+"""Per-request sampling parameters (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request: temperature 0 is greedy; None disables top_k, seed and logprobs."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+
+    def __post_init__(self) -> None:
+        """Reject out-of-range values with an error naming the field."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.n >= 1, "n", "n must be at least 1"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature",
+                "temperature must be >= 0",
+            ),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k is None or self.top_k >= 1, "top_k", "top_k must be at least 1 (or None to disable)"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (
+                0.0 < self.repetition_penalty <= 2.0,
+                "repetition_penalty",
+                "repetition_penalty must be in (0, 2]",
+            ),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+            (all(self.stop), "stop", "stop strings must not be empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, message)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0
