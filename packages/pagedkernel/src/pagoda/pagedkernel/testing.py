@@ -1,0 +1,98 @@
+"""Test helpers for every backend: random paged-attention inputs and a dense float64 reference."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PagedCase:
+    """One batch of sequences stored in a paged cache, with queries for each sequence's last tokens."""
+
+    q: Tensor  # [total_query_tokens, num_heads, head_dim]
+    k_cache: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    query_start_loc: Tensor  # int32 [num_seqs + 1]
+    context_lens: Tensor  # int32 [num_seqs]
+    scale: float
+
+
+def make_case(
+    seqs: Sequence[tuple[int, int]],  # (context_len, q_len) per sequence
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str = "cpu",
+) -> PagedCase:
+    """Random K/V in shuffled blocks (spare blocks hold junk too), garbage past each table's last block."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(ctx / block_size) for ctx, _ in seqs]
+    num_blocks = sum(needed) + 3
+    max_blocks = max(needed) + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    # Entries past a sequence's last block may hold any value, even out-of-range block ids.
+    block_tables = torch.randint(
+        -5, 10 * num_blocks, (len(seqs), max_blocks), generator=gen, dtype=torch.int32
+    )
+    used = 0
+    for i, n in enumerate(needed):
+        block_tables[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    q_lens = [q_len for _, q_len in seqs]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return PagedCase(
+        q=q.to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(device),
+        query_start_loc=starts.to(device),
+        context_lens=torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_attention(
+    case: PagedCase, *, sliding_window: int | None = None, logit_softcap: float | None = None
+) -> Tensor:  # float64 [total_query_tokens, num_heads, head_dim]
+    """Plain dense causal attention per sequence in float64, reading K/V token by token through the table."""
+    block_size, num_kv_heads = case.k_cache.shape[1], case.k_cache.shape[2]
+    num_heads = case.q.shape[1]
+    outs = []
+    for i, ctx in enumerate(case.context_lens.tolist()):
+        start, stop = case.query_start_loc[i].item(), case.query_start_loc[i + 1].item()
+        pos = torch.arange(ctx)
+        blocks = case.block_tables[i].cpu().long()[pos // block_size]
+        k = case.k_cache.cpu()[blocks, pos % block_size].double()  # [ctx, num_kv_heads, head_dim]
+        v = case.v_cache.cpu()[blocks, pos % block_size].double()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        q = case.q.cpu()[start:stop].double()  # [q_len, num_heads, head_dim]
+        q_pos = torch.arange(ctx - (stop - start), ctx)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        visible = pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= q_pos[:, None] - pos[None, :] < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v))
+    return torch.cat(outs)
+
+
+def relative_error(out: Tensor, ref: Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    diff = out.double().cpu() - ref.double().cpu()
+    return float(diff.norm() / ref.double().cpu().norm())

@@ -1,0 +1,97 @@
+"""Backend selection by name and device, and its errors when a library or device is missing."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+
+import pytest
+import torch
+from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, get_backend, registry, torch_backend
+
+
+def _hide_library(monkeypatch: pytest.MonkeyPatch, library: str) -> None:
+    """Make `library` look uninstalled to the registry."""
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> ModuleSpec | None:
+        return None if name == library else real(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_torch_backend_by_name_and_auto_on_cpu() -> None:
+    """'torch' and 'auto' on the CPU give the torch backend, whose ops are the module's."""
+    for name in ("torch", "auto"):
+        backend: KernelBackend = get_backend(name, "cpu")
+        assert backend.name == "torch"
+    case_q = torch.randn(1, 2, 4)
+    cache = torch.randn(1, 2, 1, 4)
+    args = (
+        case_q,
+        cache,
+        cache,
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        0.5,
+    )
+    torch.testing.assert_close(
+        get_backend("torch").paged_decode_attention(*args), torch_backend.paged_decode_attention(*args)
+    )
+
+
+def test_unknown_name() -> None:
+    """A typo is a ValueError listing the choices."""
+    with pytest.raises(ValueError, match="cupy"):
+        get_backend("cuda")
+
+
+def test_missing_cupy_names_the_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for cupy without it installed says to install cupy-cuda12x."""
+    _hide_library(monkeypatch, "cupy")
+    with pytest.raises(BackendUnavailableError, match="cupy-cuda12x"):
+        get_backend("cupy", "cuda")
+
+
+def test_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for triton without it installed names the pip extra; 'auto' falls back to torch."""
+    _hide_library(monkeypatch, "triton")
+    with pytest.raises(BackendUnavailableError, match=r"pagoda-pagedkernel\[triton\]"):
+        get_backend("triton", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert get_backend("auto", "cuda").name == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton on a CPU tensor device is refused unless TRITON_INTERPRET=1, and the message says so."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match=r"needs a CUDA device.*TRITON_INTERPRET=1"):
+        get_backend("triton", "cpu")
+
+
+def test_cuda_device_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA device on a machine where torch sees none is refused with the reason."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="no CUDA device"):
+        get_backend("triton", "cuda")
+    assert get_backend("auto", None).name == "torch"
+
+
+def test_error_is_importerror_and_runtimeerror() -> None:
+    """Callers may catch either base class."""
+    assert issubclass(BackendUnavailableError, ImportError)
+    assert issubclass(BackendUnavailableError, RuntimeError)
+
+
+def test_failing_backend_import_becomes_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ImportError raised while importing a backend module is re-raised with the install hint."""
+
+    def import_module(name: str, package: str | None = None) -> ModuleType:
+        raise ModuleNotFoundError("No module named 'cupy._core'")
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    with pytest.raises(BackendUnavailableError, match="cupy-cuda12x") as info:
+        registry._import_backend("cupy")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)

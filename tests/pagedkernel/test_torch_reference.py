@@ -1,0 +1,175 @@
+"""The torch backend against dense float64 attention, and its cache ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.pagedkernel import allocate_host_cache, torch_backend
+from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel.testing import make_case, reference_attention, relative_error
+
+# mypy proves that the module's functions match the shared signatures.
+_OPS: KernelOps = torch_backend
+
+PREFILL_SEQS = [
+    (1, 1),
+    (17, 17),
+    (40, 9),
+    (33, 1),
+    (64, 30),
+    (5, 2),
+]  # (context_len, q_len): new, chunked, decode
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("logit_softcap", [None, 5.0])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)])
+def test_prefill_matches_dense(
+    sliding_window: int | None, logit_softcap: float | None, num_heads: int, num_kv_heads: int
+) -> None:
+    """Varlen prefill (fresh prompts, chunked prefill, prefix hits, decodes) equals dense causal attention."""
+    case = make_case(PREFILL_SEQS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=8)
+    out = torch.full_like(case.q, float("nan"))
+    result = torch_backend.paged_prefill_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.context_lens,
+        case.scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        out=out,
+    )
+    assert result is out
+    ref = reference_attention(case, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    assert relative_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 20])
+@pytest.mark.parametrize("logit_softcap", [None, 2.0])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)])
+def test_decode_matches_dense(
+    sliding_window: int | None, logit_softcap: float | None, num_heads: int, num_kv_heads: int
+) -> None:
+    """Decode (one query at position context_len - 1) equals dense attention, lengths 1 to several blocks."""
+    seqs = [(n, 1) for n in (1, 8, 9, 50, 3)]
+    case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=8, seed=1)
+    out = torch_backend.paged_decode_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.context_lens,
+        case.scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+    ref = reference_attention(case, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    assert out.dtype == case.q.dtype
+    assert relative_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_dtypes(dtype: torch.dtype) -> None:
+    """bfloat16/float16 inputs give outputs of the same dtype, accurate to the input rounding."""
+    case = make_case(PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=dtype)
+    out = torch_backend.paged_prefill_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.context_lens,
+        case.scale,
+    )
+    assert out.dtype == dtype
+    assert relative_error(out, reference_attention(case)) < 1e-2
+
+
+def test_prefill_of_decodes_equals_decode() -> None:
+    """Decode is prefill with q_len = 1."""
+    seqs = [(n, 1) for n in (4, 19, 1)]
+    case = make_case(seqs, num_heads=4, num_kv_heads=1, head_dim=16, block_size=4, seed=3)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables)
+    decode = torch_backend.paged_decode_attention(*args, case.context_lens, case.scale)
+    prefill = torch_backend.paged_prefill_attention(
+        *args, case.query_start_loc, case.context_lens, case.scale
+    )
+    torch.testing.assert_close(decode, prefill)
+
+
+def test_uneven_prefill_batches() -> None:
+    """A long prompt next to short chunks and decodes (split into several padded groups) is still exact."""
+    seqs = [(200, 200), (3, 1), (90, 2), (120, 100), (10, 10), (7, 1)]
+    case = make_case(seqs, num_heads=2, num_kv_heads=1, head_dim=8, block_size=16, seed=4)
+    out = torch_backend.paged_prefill_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.context_lens,
+        case.scale,
+    )
+    assert relative_error(out, reference_attention(case)) < 1e-5
+
+
+def test_batches_group_by_length() -> None:
+    """Decodes share one group; lengths far apart are not padded together."""
+    groups = torch_backend._batches(torch.tensor([1, 300, 1, 290, 5, 0]))
+    assert sorted(map(sorted, groups)) == [[0, 2], [1, 3], [4]]
+
+
+def test_reshape_and_cache_skips_negative_slots() -> None:
+    """Each token lands in its slot; padding (negative) slots write nothing."""
+    k_cache = torch.zeros(4, 4, 2, 3)
+    v_cache = torch.zeros(4, 4, 2, 3)
+    key = torch.randn(5, 2, 3)
+    value = torch.randn(5, 2, 3)
+    slots = torch.tensor([5, -1, 0, 15, -7])
+    torch_backend.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    for t, slot in [(0, 5), (2, 0), (3, 15)]:
+        torch.testing.assert_close(k_cache[slot // 4, slot % 4], key[t])
+        torch.testing.assert_close(v_cache[slot // 4, slot % 4], value[t])
+    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 3
+    assert int((v_cache != 0).any(dim=(2, 3)).sum()) == 3
+
+
+def test_reshape_and_cache_rejects_non_contiguous_cache() -> None:
+    """Writing into a strided cache view would silently write into a copy, so it fails instead."""
+    cache = torch.zeros(4, 2, 4, 3).transpose(1, 2)
+    with pytest.raises(RuntimeError):
+        torch_backend.reshape_and_cache(
+            torch.ones(1, 2, 3), torch.ones(1, 2, 3), cache, cache, torch.tensor([0])
+        )
+
+
+def test_copy_blocks_all_layers() -> None:
+    """Every layer's K and V get block src copied into dst; other blocks untouched."""
+    k_caches = [torch.randn(6, 4, 2, 3) for _ in range(3)]
+    v_caches = [torch.randn(6, 4, 2, 3) for _ in range(3)]
+    before = [c.clone() for c in [*k_caches, *v_caches]]
+    pairs = torch.tensor([[0, 3], [2, 5]])
+    torch_backend.copy_blocks(k_caches, v_caches, pairs)
+    for cache, old in zip([*k_caches, *v_caches], before, strict=True):
+        expected = old.clone()
+        expected[3], expected[5] = old[0], old[2]
+        torch.testing.assert_close(cache, expected)
+    torch_backend.copy_blocks(k_caches, v_caches, torch.empty(0, 2, dtype=torch.long))
+
+
+def test_swap_blocks_roundtrip_host_cache() -> None:
+    """Blocks swapped out to a host cache and back come back identical, in the requested slots."""
+    device_cache = torch.randn(5, 4, 2, 8, dtype=torch.bfloat16)
+    host = allocate_host_cache(3, 4, 2, 8, torch.bfloat16)
+    assert host.shape == (3, 4, 2, 8) and host.device.type == "cpu"
+    torch_backend.swap_blocks(device_cache, host, torch.tensor([[4, 0], [1, 2]]))
+    torch.testing.assert_close(host[0], device_cache[4])
+    torch.testing.assert_close(host[2], device_cache[1])
+    restored = torch.zeros_like(device_cache)
+    torch_backend.swap_blocks(host, restored, torch.tensor([[0, 1], [2, 3]]))
+    torch.testing.assert_close(restored[1], device_cache[4])
+    torch.testing.assert_close(restored[3], device_cache[1])
+    assert not restored[0].any() and not restored[2].any() and not restored[4].any()
