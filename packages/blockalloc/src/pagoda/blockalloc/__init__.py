@@ -1,1 +1,21 @@
-"""pagoda.blockalloc package."""
+"""pagoda.blockalloc: paged KV-cache block allocator (block pool, prefix caching, block tables, CoW, swap)."""
+
+from pagoda.blockalloc.block import KVCacheBlock
+from pagoda.blockalloc.free_queue import FreeKVCacheBlockQueue
+from pagoda.blockalloc.hashing import BlockHash, hash_block_tokens
+from pagoda.blockalloc.manager import BlockManager
+from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
+from pagoda.blockalloc.pool import BlockPool
+from pagoda.blockalloc.sequence import SeqId
+
+__all__ = [
+    "BlockHash",
+    "BlockManager",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "KVCacheStats",
+    "SeqId",
+    "SlotAllocation",
+    "hash_block_tokens",
+]

@@ -1,0 +1,44 @@
+"""Prefix-cache content hashes: sha256 over the parent block's hash, the block's token ids and a salt."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""sha256 digest naming a full block's content and its whole prefix (never Python's `hash()`)."""
+
+# Parent of a sequence's first block: a fixed value so hashes are reproducible across processes.
+ROOT_BLOCK_HASH = BlockHash(hashlib.sha256(b"pagoda.blockalloc root block").digest())
+
+
+def salt_bytes(salt: str | None) -> bytes:
+    """Encode a per-request salt so that no salt, an empty salt and any other salt all hash apart."""
+    return b"\x00" if salt is None else b"\x01" + salt.encode()
+
+
+def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], salt: bytes) -> BlockHash:
+    """Hash of one full block chained with its parent's hash; `salt` comes from `salt_bytes`."""
+    # Token ids are packed as fixed-width int64 so that no two token lists share a byte string.
+    return BlockHash(hashlib.sha256(parent + array("q", token_ids).tobytes() + salt).digest())
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    start_block: int,
+    end_block: int,
+    parent: BlockHash,
+    salt: bytes,
+) -> list[BlockHash]:
+    """Chained hashes of full blocks `start_block..end_block-1` of `token_ids`, given the parent hash."""
+    hashes: list[BlockHash] = []
+    sha256 = hashlib.sha256
+    for start in range(start_block * block_size, end_block * block_size, block_size):
+        parent = BlockHash(
+            sha256(parent + array("q", token_ids[start : start + block_size]).tobytes() + salt).digest()
+        )
+        hashes.append(parent)
+    return hashes
