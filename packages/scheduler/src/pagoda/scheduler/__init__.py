@@ -1,1 +1,35 @@
-"""pagoda.scheduler package."""
+"""pagoda.scheduler: continuous-batching scheduler (token budget, chunked prefill, prefix-cache-aware
+admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
+
+from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
+from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
+from pagoda.scheduler.protocols import (
+    KVBlockManager,
+    KVCacheStatsLike,
+    SamplingParamsLike,
+    SchedulingPolicy,
+    SlotAllocationLike,
+)
+from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+from pagoda.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "FCFSPolicy",
+    "KVBlockManager",
+    "KVCacheStatsLike",
+    "PreemptionMode",
+    "PriorityPolicy",
+    "Request",
+    "RequestRejectedError",
+    "RequestStatus",
+    "SamplingParamsLike",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "SchedulingPolicy",
+    "SlotAllocationLike",
+    "StaticBatchPolicy",
+]

@@ -1,0 +1,141 @@
+"""Scheduling policies: objects deciding queue order, admission and preemption victims.
+
+A policy never touches blocks, budgets or slots (the scheduler's mechanism); it only orders requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+
+from pagoda.scheduler.request import Request
+
+
+def _arrival_key(request: Request) -> tuple[float, int]:
+    """FCFS order: arrival time, then sample index (children after their parent)."""
+    return (request.arrival_time, request.sample_index)
+
+
+def _priority_key(request: Request) -> tuple[int, float, int]:
+    """Priority order: lower priority value first, then FCFS."""
+    return (request.priority, request.arrival_time, request.sample_index)
+
+
+def _latest(candidates: Sequence[Request], key: Callable[[Request], tuple[float, ...]]) -> Request:
+    """The candidate with the largest key; ties go to the latest in running order (the latest admitted)."""
+    if not candidates:
+        raise ValueError("no preemption candidates")
+    return max(reversed(candidates), key=key)
+
+
+class FCFSPolicy:
+    """First come, first served: admission in arrival order; the latest-arrived running request is preempted.
+
+    A preempted request goes to the FRONT of its queue, so it is readmitted (or swapped in) before newer ones.
+    """
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """New requests at the back, preempted ones at the front."""
+        if preempted:
+            queue.insert(0, request)
+        else:
+            queue.append(request)
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """Every waiting request, in queue order."""
+        return waiting
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The latest arrival."""
+        return _latest(candidates, _arrival_key)
+
+
+class PriorityPolicy:
+    """Lower `priority` value first, FCFS among equals; the victim is the lowest-priority, latest-arrived one.
+
+    Queues stay sorted by (priority, arrival): a preempted request re-enters by its key, not at the front, so
+    it never jumps ahead of a more urgent one. Waiting requests never preempt running ones (only a running
+    request that needs a block preempts).
+    """
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """Insert by (priority, arrival), after equal keys."""
+        bisect.insort_right(queue, request, key=_priority_key)
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """Every waiting request, most urgent first."""
+        return waiting
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The least urgent, latest arrival."""
+        return _latest(candidates, _priority_key)
+
+
+class StaticBatchPolicy:
+    """Traditional (static) batching, the baseline continuous batching is measured against.
+
+    Waits until `batch_size` sequences are waiting (default: `max_num_seqs`) or the oldest has waited
+    `timeout_s` on `clock` (the clock of `Request.arrival_time`), then admits that batch and nothing else
+    until every member has finished: no joins. Members that do not fit in KV memory at once wait inside the
+    batch and join as earlier members finish; preempted members stay members.
+    """
+
+    def __init__(
+        self,
+        batch_size: int | None = None,
+        timeout_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`batch_size` None means the scheduler's `max_num_seqs`."""
+        if batch_size is not None and batch_size < 1:
+            raise ValueError("batch_size must be positive")
+        self.batch_size = batch_size
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._batch: set[str] = set()  # group ids of the batch in flight
+
+    @property
+    def batch(self) -> frozenset[str]:
+        """Group ids of the batch in flight (empty between batches)."""
+        return frozenset(self._batch)
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """FCFS queues; preempted members go to the front."""
+        if preempted:
+            queue.insert(0, request)
+        else:
+            queue.append(request)
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """Members of the batch in flight; or a new batch when none runs and one is due; else nothing."""
+        if self._batch:
+            members = [r for r in waiting if r.group_id in self._batch]
+            if members or num_running_seqs:
+                return members
+            self._batch.clear()  # every member finished: the next batch may form
+        if num_running_seqs or not waiting:
+            return []
+        size = min(self.batch_size or max_num_seqs, max_num_seqs)
+        num_seqs = sum(r.num_seqs for r in waiting)
+        oldest = min(r.arrival_time for r in waiting)
+        if num_seqs < size and self.clock() - oldest < self.timeout_s:
+            return []
+        batch: list[Request] = []
+        for request in waiting:
+            if size < request.num_seqs:
+                break
+            size -= request.num_seqs
+            batch.append(request)
+        self._batch = {r.group_id for r in batch}
+        return batch
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The latest arrival."""
+        return _latest(candidates, _arrival_key)

@@ -1,0 +1,159 @@
+"""A request's state as the scheduler tracks it (after vLLM v1's `Request` and `RequestStatus`)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from pagoda.scheduler.protocols import SamplingParamsLike
+
+
+class RequestRejectedError(ValueError):
+    """`Scheduler.add_request` refused a request that could never run (or whose id is taken)."""
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # in the waiting queue (recompute) or in the host tier (swap)
+    FINISHED_STOPPED = enum.auto()  # a stop token (or the engine's stop string)
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        """Whether `status` is one of the finished ones."""
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """OpenAI-style reason ("stop", "length", "abort") of a finished status, None while unfinished."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence: a prompt, its outputs so far, and how much of it has KV computed.
+
+    The model never distinguishes prefill from decode: the scheduler gives each request a chunk of its
+    `num_tokens - num_computed_tokens` uncomputed tokens. A request with `n > 1` forks, when its prompt is
+    computed, into itself (sample 0) and `n - 1` children with ids `f"{request_id}:{i}"`; children carry
+    `parent_id` and `sample_index`, so `group_id` groups the n outputs.
+    """
+
+    __slots__ = (
+        "_all_token_ids",
+        "arrival_time",
+        "cache_salt",
+        "num_children_to_fork",
+        "num_computed_tokens",
+        "num_preemptions",
+        "parent_id",
+        "prompt_token_ids",
+        "request_id",
+        "sample_index",
+        "sampling_params",
+        "status",
+        "stop_token_id",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParamsLike,
+        *,
+        arrival_time: float = 0.0,
+        cache_salt: str | None = None,
+        parent_id: str | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        """A fresh WAITING request; `arrival_time` is on the clock the policies use."""
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.cache_salt = cache_salt  # isolates prefix-cache sharing (e.g. per tenant)
+        self.parent_id = parent_id
+        self.sample_index = sample_index
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_token_id: int | None = None  # the stop token that finished the request
+        # Forks still to make when the prompt completes; children never fork again.
+        self.num_children_to_fork = sampling_params.n - 1 if parent_id is None else 0
+        # prompt + outputs kept as one list: the allocator hashes it and the chunk is sliced from it every step.
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    def __repr__(self) -> str:
+        """Short form for test failures and logs."""
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}, "
+            f"tokens={self.num_tokens}, outputs={self.num_output_tokens})"
+        )
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt then output token ids (read-only view)."""
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """Sampled token ids so far."""
+        return self._all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far."""
+        return len(self._all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def priority(self) -> int:
+        """The sampling parameters' priority (lower is served first)."""
+        return self.sampling_params.priority
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request has finished (stopped, length-capped or aborted)."""
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop", "length", "abort", or None while unfinished."""
+        return RequestStatus.finish_reason(self.status)
+
+    @property
+    def group_id(self) -> str:
+        """Id shared by the n samples of one user request (the parent's id)."""
+        return self.request_id if self.parent_id is None else self.parent_id
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request will occupy in the running batch (itself plus children still to fork)."""
+        return 1 + self.num_children_to_fork
+
+    def child_ids(self) -> tuple[str, ...]:
+        """Ids of the children a fork of this request creates (empty for n == 1 and for children)."""
+        return tuple(f"{self.request_id}:{i}" for i in range(1, self.num_children_to_fork + 1))
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record a sampled token (its KV is computed in a later step)."""
+        self._all_token_ids.append(token_id)

@@ -1,0 +1,426 @@
+"""The continuous-batching scheduler: one token budget per step, shared by decodes, prefill chunks and admissions.
+
+Every request has `num_computed_tokens` (KV in the cache) and `num_tokens` (prompt + outputs); a step gives
+each scheduled request a chunk that moves the first towards the second. A decode is a chunk of one token, a
+prefill a chunk of many, a prefix-cache hit starts `num_computed_tokens` at the cached length, and a
+recompute preemption resets it to 0 — one mechanism (vLLM v1's model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pagoda.scheduler.config import SchedulerConfig
+from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from pagoda.scheduler.policy import FCFSPolicy
+from pagoda.scheduler.protocols import KVBlockManager, SchedulingPolicy, SlotAllocationLike
+from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+
+RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one `schedule()` call accumulates."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides, every step, which requests compute how many tokens, and keeps their KV blocks in step.
+
+    Order inside a step: running decodes, then running prefill chunks (preempting when a running request
+    needs a block and none is free), then swapped-out requests swapped back in, then admission of waiting
+    requests — the last two only in a step that preempted nobody.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv: KVBlockManager, policy: SchedulingPolicy | None = None
+    ) -> None:
+        """Schedule over the blocks of `kv`; `policy` defaults to FCFS."""
+        self.config = config
+        self.kv = kv
+        self.policy: SchedulingPolicy = FCFSPolicy() if policy is None else policy
+        self.waiting: list[Request] = []  # new and recompute-preempted requests, in policy order
+        self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # preempted into the host tier, in policy order
+        self._requests: dict[str, Request] = {}  # every unfinished request, children included
+        self._reserved_ids: set[str] = set()  # ids of children still to fork
+        self._num_pending_forks = 0  # children still to fork by running requests (they hold batch seats)
+        self._finished_ids: list[str] = []  # finished since the last schedule()
+        self._num_preemptions = 0
+        self._watermark_blocks = int(config.watermark * kv.num_blocks)
+
+    # ------------------------------------------------------------------ queries
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting, running or swapped out."""
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Unfinished requests (each forked child counts as one)."""
+        return len(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self._requests.get(request_id)
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Batch seats taken: running requests plus the children they will fork."""
+        return len(self.running) + self._num_pending_forks
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, preemptions, and the allocator's usage and prefix-cache counters."""
+        kv = self.kv.stats()
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            num_preemptions=self._num_preemptions,
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; RequestRejectedError if it could never run or its id is taken."""
+        rid, cfg = request.request_id, self.config
+        sp = request.sampling_params
+        ids = (rid, *request.child_ids())
+        if any(i in self._requests or i in self._reserved_ids for i in ids):
+            raise RequestRejectedError(f"request id {rid!r} (or one of its sample ids) is already in use")
+        if (
+            request.status is not RequestStatus.WAITING
+            or request.num_output_tokens
+            or request.num_computed_tokens
+        ):
+            raise RequestRejectedError(f"request {rid!r} is not fresh")
+        if request.num_prompt_tokens == 0 or sp.max_tokens < 1 or sp.n < 1:
+            raise RequestRejectedError(f"request {rid!r} needs a prompt, max_tokens >= 1 and n >= 1")
+        if request.num_prompt_tokens + sp.max_tokens > cfg.max_model_len:
+            raise RequestRejectedError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens ({sp.max_tokens}) exceeds "
+                f"max_model_len ({cfg.max_model_len})"
+            )
+        # The last sampled token is never fed back, so a sequence holds at most prompt + max_tokens - 1 slots.
+        blocks = -(-(request.num_prompt_tokens + sp.max_tokens - 1) // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise RequestRejectedError(
+                f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})"
+            )
+        if sp.n > cfg.max_num_seqs:
+            raise RequestRejectedError(f"request {rid!r}: n={sp.n} exceeds max_num_seqs ({cfg.max_num_seqs})")
+        self._requests[rid] = request
+        self._reserved_ids.update(ids[1:])
+        self.policy.enqueue(self.waiting, request, preempted=False)
+
+    def abort_request(self, request_id: str) -> list[Request]:
+        """Finish a request as aborted in whatever state it is, with its forked samples; frees blocks at once.
+
+        Returns the aborted requests; an unknown (e.g. already finished) id aborts nothing.
+        """
+        targets = [r for r in self._requests.values() if request_id in (r.request_id, r.parent_id)]
+        for request in targets:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return targets
+
+    # -------------------------------------------------------------------- step
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (allocating its slots and advancing `num_computed_tokens` of scheduled requests)."""
+        step = _Step(self.config.max_num_batched_tokens)
+        # Decodes first so a long prefill never stalls token generation, then continuing prefill chunks.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in (*decodes, *prefills):
+            if step.budget == 0:
+                break
+            if request.status is not RUNNING:  # preempted earlier in this step
+                continue
+            num_new = self._chunk_len(request, request.num_computed_tokens, step.budget)
+            if num_new:
+                allocation = self._allocate_or_preempt(request, num_new, step)
+                if allocation is not None:
+                    self._emit(request, num_new, allocation, step)
+        if not step.preempted:
+            self._swap_in(step)
+            if not self.swapped:  # swapped requests come back before anyone new is admitted
+                self._admit(step)
+        output = SchedulerOutput(
+            scheduled=tuple(step.scheduled),
+            blocks_to_swap_out=tuple(step.swap_out),
+            blocks_to_swap_in=tuple(step.swap_in),
+            blocks_to_copy=tuple(step.copies),
+            preempted_request_ids=tuple(step.preempted),
+            finished_request_ids=tuple(self._finished_ids),
+            num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+        )
+        self._finished_ids = []
+        return output
+
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, Sequence[int]],
+        stop_request_ids: Collection[str] = (),
+    ) -> list[Request]:
+        """Append each sample id's sampled tokens, fork n > 1 requests, apply stop rules, free the finished.
+
+        `stop_request_ids` are requests the engine stops (e.g. on a stop string); they finish as stopped.
+        Returns the requests that finished in this update (their status tells why).
+        """
+        finished: list[Request] = []
+        for chunk in output.scheduled:
+            if not chunk.num_samples:
+                continue
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.status is not RUNNING:  # aborted since schedule()
+                continue
+            if request.num_children_to_fork:
+                self._fork(request)
+            for sample_id in chunk.sample_ids:
+                target = self._requests[sample_id]
+                tokens = sampled_token_ids.get(sample_id)
+                if not tokens:
+                    raise ValueError(f"no sampled token for scheduled sample {sample_id!r}")
+                for token in tokens:
+                    target.append_output_token(token)
+                    status = self._stop_status(target, token)
+                    if status is not None:
+                        self._finish(target, status)
+                        finished.append(target)
+                        break
+        for request_id in stop_request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+        return finished
+
+    # ----------------------------------------------------------------- helpers
+
+    def _chunk_len(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute for `request` this step given the remaining budget (0: not this step)."""
+        num_new = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill:
+            return num_new if num_new <= budget else 0
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and num_new > threshold:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> SlotAllocationLike | None:
+        """Slots for a running request, preempting policy-chosen victims until they fit (None: it was one)."""
+        while True:
+            allocation = self.kv.allocate_slots(
+                request.request_id, request.all_token_ids, num_new, salt=request.cache_salt
+            )
+            if allocation is not None:
+                return allocation
+            # Requests already scheduled this step hold allocations the runner will use: never victims.
+            candidates = [r for r in self.running if r.request_id not in step.scheduled_ids]
+            victim = self.policy.select_victim(candidates)
+            if victim not in candidates:
+                raise ValueError(f"policy chose {victim.request_id!r}, not a preemption candidate")
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Swap `victim` out if so configured and the host tier has room, else free it for recompute."""
+        self._remove_running(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self._num_preemptions += 1
+        step.preempted.append(victim.request_id)
+        rid = victim.request_id
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
+            pairs = self.kv.swap_out(rid)
+            if pairs is not None:
+                step.swap_out.extend(pairs)
+                self.policy.enqueue(self.swapped, victim, preempted=True)
+                return
+        # Recompute: outputs so far are kept and computed again as part of the prompt.
+        self.kv.free(rid)
+        victim.num_computed_tokens = 0
+        self.policy.enqueue(self.waiting, victim, preempted=True)
+
+    def _swap_in(self, step: _Step) -> None:
+        """Bring swapped-out requests back while seats and blocks (above the watermark) allow; schedule them."""
+        bs = self.kv.block_size
+        while self.swapped:
+            request = self.swapped[0]
+            rid = request.request_id
+            blocks = -(-self.kv.num_tokens(rid) // bs)
+            if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
+                break
+            if not self.kv.can_swap_in(rid):
+                break
+            if self.running and self.kv.num_free_blocks() - blocks < self._watermark_blocks:
+                break
+            pairs = self.kv.swap_in(rid)
+            if pairs is None:
+                break
+            step.swap_in.extend(pairs)
+            del self.swapped[0]
+            self._add_running(request)
+            num_new = self._chunk_len(request, request.num_computed_tokens, step.budget)
+            if num_new:
+                allocation = self.kv.allocate_slots(
+                    rid, request.all_token_ids, num_new, salt=request.cache_salt
+                )
+                if allocation is not None:
+                    self._emit(request, num_new, allocation, step)
+
+    def _admit(self, step: _Step) -> None:
+        """Admit waiting requests in policy order while budget, seats and free blocks allow."""
+        cfg, kv = self.config, self.kv
+        candidates = list(self.policy.admissible(self.waiting, self.num_running_seqs, cfg.max_num_seqs))
+        for request in candidates:
+            rid = request.request_id
+            if step.budget == 0 or self.num_running_seqs + request.num_seqs > cfg.max_num_seqs:
+                break
+            num_cached = 0
+            if cfg.enable_prefix_caching:
+                # At least one token is always computed: its logits are needed.
+                num_cached = kv.get_num_cached_tokens(
+                    request.all_token_ids, salt=request.cache_salt, max_tokens=request.num_tokens - 1
+                )
+            num_new = self._chunk_len(request, num_cached, step.budget)
+            if num_new == 0:
+                break
+            if self.running:  # leave a few blocks so running decodes do not preempt right away
+                needed = kv.num_blocks_needed(rid, num_new, num_computed_tokens=num_cached)
+                if kv.num_free_blocks() - needed < self._watermark_blocks:
+                    break
+            allocation = kv.allocate_slots(
+                rid, request.all_token_ids, num_new, num_computed_tokens=num_cached, salt=request.cache_salt
+            )
+            if allocation is None:
+                break
+            self.waiting.remove(request)
+            request.num_computed_tokens = num_cached
+            self._add_running(request)
+            self._emit(request, num_new, allocation, step)
+
+    def _emit(self, request: Request, num_new: int, allocation: SlotAllocationLike, step: _Step) -> None:
+        """Record `request`'s chunk in the step and advance its computed tokens."""
+        rid = request.request_id
+        start = request.num_computed_tokens
+        end = start + num_new
+        if end < request.num_tokens:
+            sample_ids: tuple[str, ...] = ()
+        else:
+            sample_ids = (rid, *request.child_ids())
+        step.scheduled.append(
+            ScheduledRequest(
+                request_id=rid,
+                token_ids=tuple(request.all_token_ids[start:end]),
+                start=start,
+                num_tokens=num_new,
+                block_table=tuple(self.kv.block_table(rid)),
+                slots=tuple(allocation.slots),
+                num_samples=len(sample_ids),
+                sample_ids=sample_ids,
+            )
+        )
+        step.scheduled_ids.add(rid)
+        step.copies.extend(allocation.copies)
+        step.budget -= num_new
+        request.num_computed_tokens = end
+
+    def _fork(self, parent: Request) -> None:
+        """Make the parent's n - 1 children, sharing its computed prompt blocks (copy-on-write)."""
+        pid = parent.request_id
+        for index, child_id in enumerate(parent.child_ids(), start=1):
+            self.kv.fork(pid, child_id)
+            child = Request(
+                child_id,
+                parent.prompt_token_ids,
+                parent.sampling_params,
+                arrival_time=parent.arrival_time,
+                cache_salt=parent.cache_salt,
+                parent_id=pid,
+                sample_index=index,
+            )
+            child.status = RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._reserved_ids.discard(child_id)
+            self._requests[child_id] = child
+            self.running.append(child)
+        self._num_pending_forks -= parent.num_children_to_fork
+        parent.num_children_to_fork = 0
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """Finished status after appending `token`, if any (a stop token wins over the length cap)."""
+        sp = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= sp.min_tokens and token in sp.stop_token_ids:
+            request.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Take `request` out of its queue, free its blocks, and mark it finished with `status`."""
+        rid = request.request_id
+        if request.status is RUNNING:
+            self._remove_running(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
+        if self.kv.has_seq(rid) or self.kv.is_swapped(rid):
+            self.kv.free(rid)
+        self._reserved_ids.difference_update(request.child_ids())
+        request.num_children_to_fork = 0
+        request.status = status
+        del self._requests[rid]
+        self._finished_ids.append(rid)
+
+    def _add_running(self, request: Request) -> None:
+        """Put `request` into the running batch."""
+        request.status = RUNNING
+        self.running.append(request)
+        self._num_pending_forks += request.num_children_to_fork
+
+    def _remove_running(self, request: Request) -> None:
+        """Take `request` out of the running batch."""
+        self.running.remove(request)
+        self._num_pending_forks -= request.num_children_to_fork
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """AssertionError if queues, statuses, seats or the allocator's view of any request disagree."""
+        kv = self.kv
+        queued = [*self.waiting, *self.running, *self.swapped]
+        assert len({r.request_id for r in queued}) == len(queued), "a request sits in two queues"
+        assert {r.request_id for r in queued} == self._requests.keys(), "queues and the request map disagree"
+        assert self.num_running_seqs <= self.config.max_num_seqs, "too many running sequences"
+        assert self._num_pending_forks == sum(r.num_children_to_fork for r in self.running), "fork seat count"
+        for r in self.running:
+            assert r.status is RUNNING and kv.has_seq(r.request_id), r
+            # Equal only between schedule() and update_from_output(), for a chunk that completes the sequence.
+            assert kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens, r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0 and not kv.has_seq(r.request_id), r
+            assert not kv.is_swapped(r.request_id), r
+        for r in self.swapped:
+            assert r.status is RequestStatus.PREEMPTED and kv.is_swapped(r.request_id), r
+            assert kv.num_tokens(r.request_id) == r.num_computed_tokens < r.num_tokens, r
+        for rid in self._reserved_ids:
+            assert rid not in self._requests, rid

@@ -1,0 +1,257 @@
+"""Simulation helpers: a token-level stand-in for the model runner, and a contiguous-preallocation adapter.
+
+`TokenCacheModel` executes a `SchedulerOutput` the way a real runner does (swap out, swap in, copies, write
+the chunk's tokens into their slots, read each context back through the block table) but stores token ids
+instead of K/V vectors and "samples" a deterministic function of the context it read. Any slot, block table,
+copy or swap the scheduler and allocator get wrong shows up as a wrong token, so tests compare its output with
+`reference_output` (the same function applied to the plain sequence). `ContiguousKVManager` models a
+FasterTransformer/Orca-style KV cache on top of any `KVBlockManager`, for the simulator's baselines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pagoda.scheduler.output import SchedulerOutput
+from pagoda.scheduler.protocols import KVBlockManager, SamplingParamsLike, SlotAllocationLike
+from pagoda.scheduler.request import Request
+from pagoda.scheduler.scheduler import Scheduler
+
+VOCAB_SIZE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SimSamplingParams:
+    """Minimal sampling parameters satisfying `SamplingParamsLike` (for tests, tools and other embedders)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+
+
+def next_token(context: Sequence[int], salt: int = 0) -> int:
+    """The fake model: a rolling polynomial of the whole context (so any wrong KV entry changes it)."""
+    h = salt * 7919 + len(context)
+    for token in context:
+        h = (h * 31 + token) % 1_000_003
+    return h % VOCAB_SIZE
+
+
+def reference_output(
+    prompt: Sequence[int], params: SamplingParamsLike, max_model_len: int, sample_index: int = 0
+) -> list[int]:
+    """What `TokenCacheModel` must produce for one sample, computed without any cache or scheduler."""
+    context, output = list(prompt), []
+    salt = sample_index  # the samples of one prompt differ only in their first token's salt
+    while True:
+        token = next_token(context, salt)
+        salt = 0
+        context.append(token)
+        output.append(token)
+        if len(output) >= params.min_tokens and token in params.stop_token_ids:
+            return output
+        if len(output) >= params.max_tokens or len(context) >= max_model_len:
+            return output
+
+
+class TokenCacheModel:
+    """A model runner over a paged cache of token ids (one int per slot) instead of K/V vectors."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        """A cache shaped like the allocator's two tiers; every slot starts empty (None)."""
+        self.block_size = block_size
+        self.device: list[int | None] = [None] * (num_blocks * block_size)
+        self.host: list[int | None] = [None] * (num_host_blocks * block_size)
+
+    def _copy(self, src: list[int | None], src_block: int, dst: list[int | None], dst_block: int) -> None:
+        """Copy one block's slots between tiers (or within one)."""
+        bs = self.block_size
+        dst[dst_block * bs : (dst_block + 1) * bs] = src[src_block * bs : (src_block + 1) * bs]
+
+    def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step; the sampled tokens per sample id, as `Scheduler.update_from_output` takes them."""
+        bs = self.block_size
+        for device_block, host_block in output.blocks_to_swap_out:
+            self._copy(self.device, device_block, self.host, host_block)
+        for host_block, device_block in output.blocks_to_swap_in:
+            self._copy(self.host, host_block, self.device, device_block)
+        for src, dst in output.blocks_to_copy:
+            self._copy(self.device, src, self.device, dst)
+        # Every chunk's KV is written before any context is read, as reshape_and_cache precedes attention.
+        for chunk in output.scheduled:
+            assert len(chunk.token_ids) == len(chunk.slots) == chunk.num_tokens, chunk
+            for pos, (token, slot) in enumerate(zip(chunk.token_ids, chunk.slots, strict=True), chunk.start):
+                assert slot == chunk.block_table[pos // bs] * bs + pos % bs, (chunk, pos)
+                self.device[slot] = token
+        sampled: dict[str, list[int]] = {}
+        for chunk in output.scheduled:
+            if not chunk.num_samples:
+                continue
+            table = chunk.block_table
+            context = [self.device[table[p // bs] * bs + p % bs] for p in range(chunk.seq_len)]
+            known = [t for t in context if t is not None]
+            assert len(known) == len(context), f"{chunk.request_id!r} reads an empty slot"
+            for index, sample_id in enumerate(chunk.sample_ids):
+                sampled[sample_id] = [next_token(known, index)]
+        return sampled
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What `run_to_completion` saw."""
+
+    finished: list[Request] = field(default_factory=list)
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    model: TokenCacheModel,
+    *,
+    max_steps: int = 100_000,
+    before_step: Callable[[int], None] | None = None,
+    after_schedule: Callable[[SchedulerOutput], None] | None = None,
+    pending: Callable[[], bool] | None = None,
+) -> RunResult:
+    """Step `scheduler` with `model` until nothing is unfinished (and `pending()`, if given, is False).
+
+    `before_step(i)` may add or abort requests; `after_schedule(output)` may check invariants.
+    """
+    result = RunResult()
+    for step in range(max_steps):
+        if before_step is not None:
+            before_step(step)
+        if not scheduler.has_unfinished_requests() and (pending is None or not pending()):
+            return result
+        output = scheduler.schedule()
+        if after_schedule is not None:
+            after_schedule(output)
+        result.outputs.append(output)
+        result.finished += scheduler.update_from_output(output, model.execute(output))
+    raise RuntimeError(f"not done after {max_steps} steps")
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousStats:
+    """`KVCacheStatsLike` of a `ContiguousKVManager`: a reserved block counts as used."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    usage: float
+    num_free_host_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class ContiguousKVManager:
+    """Contiguous per-request preallocation, modelled over a paged allocator.
+
+    A new sequence reserves `ceil(reserve_tokens / block_size)` blocks at once (a contiguous region sized for
+    the longest possible sequence, as FasterTransformer and Orca do), whatever it will really use. The inner
+    manager (same number of blocks, prefix caching off) only tracks where tokens go. No swapping, no prefix
+    sharing; `fork` reserves a whole region for the child.
+    """
+
+    def __init__(self, inner: KVBlockManager, reserve_tokens: int) -> None:
+        """Wrap `inner`; every sequence reserves blocks for `reserve_tokens` tokens (e.g. max_model_len)."""
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.num_blocks = inner.num_blocks
+        self.blocks_per_seq = -(-reserve_tokens // inner.block_size)
+        if self.blocks_per_seq > self.num_blocks:
+            raise ValueError("one reservation exceeds the pool")
+        self._seqs: set[str] = set()
+
+    def num_free_blocks(self) -> int:
+        """Blocks no reservation holds."""
+        return self.num_blocks - len(self._seqs) * self.blocks_per_seq
+
+    def has_seq(self, seq_id: str) -> bool:
+        """Whether `seq_id` holds a reservation."""
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: str) -> bool:
+        """Never: contiguous caches do not swap here."""
+        return False
+
+    def num_tokens(self, seq_id: str) -> int:
+        """Token slots written by `seq_id`."""
+        return self.inner.num_tokens(seq_id)
+
+    def block_table(self, seq_id: str) -> Sequence[int]:
+        """Where the inner allocator put the tokens (only the slots matter to a runner)."""
+        return self.inner.block_table(seq_id)
+
+    def get_num_cached_tokens(
+        self, token_ids: Sequence[int], *, salt: str | None = None, max_tokens: int | None = None
+    ) -> int:
+        """No prefix sharing across contiguous regions."""
+        return 0
+
+    def num_blocks_needed(self, seq_id: str, num_new_tokens: int, *, num_computed_tokens: int = 0) -> int:
+        """A whole reservation for a new sequence, nothing afterwards."""
+        return 0 if seq_id in self._seqs else self.blocks_per_seq
+
+    def allocate_slots(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        num_computed_tokens: int = 0,
+        salt: str | None = None,
+    ) -> SlotAllocationLike | None:
+        """Reserve the region on first use (None if it does not fit), then place tokens inside it."""
+        if seq_id not in self._seqs:
+            if self.num_free_blocks() < self.blocks_per_seq:
+                return None
+            self._seqs.add(seq_id)
+        allocation = self.inner.allocate_slots(seq_id, token_ids, num_new_tokens, salt=salt)
+        if allocation is None:  # the inner pool has as many blocks as all reservations together
+            raise AssertionError(f"inner allocator out of blocks for {seq_id!r}")
+        return allocation
+
+    def fork(self, parent: str, child: str) -> None:
+        """Reserve a region for `child` sharing the parent's written blocks; ValueError if none is free."""
+        if self.num_free_blocks() < self.blocks_per_seq:
+            raise ValueError(f"no room to reserve a region for {child!r}")
+        self.inner.fork(parent, child)
+        self._seqs.add(child)
+
+    def free(self, seq_id: str) -> None:
+        """Release the region."""
+        self.inner.free(seq_id)
+        self._seqs.discard(seq_id)
+
+    def can_swap_out(self, seq_id: str) -> bool:
+        """Never."""
+        return False
+
+    def can_swap_in(self, seq_id: str) -> bool:
+        """Never."""
+        return False
+
+    def swap_out(self, seq_id: str) -> Sequence[tuple[int, int]] | None:
+        """No host tier: always None."""
+        return None
+
+    def swap_in(self, seq_id: str) -> Sequence[tuple[int, int]] | None:
+        """No host tier: always None."""
+        return None
+
+    def stats(self) -> ContiguousStats:
+        """Reserved blocks count as used."""
+        free = self.num_free_blocks()
+        return ContiguousStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=free,
+            num_used_blocks=self.num_blocks - free,
+            usage=(self.num_blocks - free) / self.num_blocks,
+            num_free_host_blocks=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+        )
