@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.blockalloc import BlockManager, KVCacheStats, SlotAllocation
+import pagoda.blockalloc.manager as manager_module
+import pytest
+from pagoda.blockalloc import BlockHash, BlockManager, KVCacheStats, SlotAllocation, hashing
 
 BS = 4
 
@@ -340,3 +342,38 @@ def snapshot(m: BlockManager) -> tuple[object, ...]:
         [b.ref_cnt for b in m.host_pool.blocks],
         {h: b.block_id for h, b in m.pool.cached_block_hash_to_block.items()},
     )
+
+
+def test_lookup_hashes_are_reused_by_the_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup followed by an allocation of the same prompt hashes each full block once."""
+    hashed: list[int] = []
+    real = hashing.hash_blocks
+
+    def counting(*args: Any) -> list[BlockHash]:
+        out = real(*args)
+        hashed.append(len(out))
+        return out
+
+    monkeypatch.setattr(manager_module, "hash_blocks", counting)
+    m = BlockManager(16, BS)
+    prompt = list(range(20))
+    assert m.get_num_cached_tokens(prompt, max_tokens=19) == 0
+    assert sum(hashed) == 4
+    alloc(m, "a", prompt, 20)
+    assert sum(hashed) == 5  # only the fifth block, which the lookup's max_tokens left out
+    assert m.get_num_cached_tokens(prompt) == 20
+    assert sum(hashed) == 5
+
+
+def test_lookup_reuse_never_serves_stale_hashes() -> None:
+    """Reusing the last chain compares token ids: a list changed in place is hashed again."""
+    m = BlockManager(16, BS)
+    alloc(m, "a", list(range(8)), 8)
+    other = [9] * 8
+    assert m.get_num_cached_tokens(other) == 0
+    other[:] = range(8)
+    assert m.get_num_cached_tokens(other) == 8
+    other[5] = 99
+    assert m.get_num_cached_tokens(other) == 4
+    assert m.get_num_cached_tokens(tuple(range(8)), salt="x") == 0
+    assert m.get_num_cached_tokens(tuple(range(8))) == 8

@@ -34,11 +34,17 @@ def hash_blocks(
     salt: bytes,
 ) -> list[BlockHash]:
     """Chained hashes of full blocks `start_block..end_block-1` of `token_ids`, given the parent hash."""
+    if end_block <= start_block:
+        return []
+    # Pack the whole range once and feed per-block views: fewer Python-level copies than per-block packing.
+    raw = memoryview(array("q", token_ids[start_block * block_size : end_block * block_size]).tobytes())
+    width = block_size * 8  # bytes per block: int64 token ids
     hashes: list[BlockHash] = []
     sha256 = hashlib.sha256
-    for start in range(start_block * block_size, end_block * block_size, block_size):
-        parent = BlockHash(
-            sha256(parent + array("q", token_ids[start : start + block_size]).tobytes() + salt).digest()
-        )
+    for start in range(0, len(raw), width):
+        digest = sha256(parent)
+        digest.update(raw[start : start + width])
+        digest.update(salt)
+        parent = BlockHash(digest.digest())
         hashes.append(parent)
     return hashes

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from pagoda.blockalloc.block import KVCacheBlock
-from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_block_tokens, hash_blocks, salt_bytes
+from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_blocks, salt_bytes
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId, SequenceBlocks
@@ -21,6 +21,7 @@ class BlockManager:
         "block_size",
         "enable_prefix_caching",
         "host_pool",
+        "last_chain",
         "num_blocks",
         "num_host_blocks",
         "pool",
@@ -53,6 +54,9 @@ class BlockManager:
         self.swapped: dict[SeqId, SequenceBlocks] = {}  # host tier
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The last hash chain computed for a token list: (salt, hashed tokens, hashes). A scheduler looks a
+        # prompt up and then allocates it, so the allocation reuses the lookup's hashes instead of redoing them.
+        self.last_chain: tuple[bytes, list[int], list[BlockHash]] | None = None
 
     # ----------------------------------------------------------------- queries
 
@@ -94,8 +98,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
-        blocks, _ = self._find_cached_blocks(token_ids, limit // self.block_size, salt_bytes(salt))
-        return len(blocks) * self.block_size
+        cache_map = self.pool.cached_block_hash_to_block
+        num_hits = 0
+        for block_hash in self._block_hashes(token_ids, limit // self.block_size, salt_bytes(salt)):
+            if block_hash not in cache_map:
+                break
+            num_hits += 1
+        return num_hits * self.block_size
 
     def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int, *, num_computed_tokens: int = 0) -> int:
         """Free blocks `allocate_slots` may consume: exact for a known sequence, an upper bound for a new one."""
@@ -313,21 +322,28 @@ class BlockManager:
     ) -> SlotAllocation | None:
         """Create `seq_id`, sharing the cached blocks of its first `num_computed_tokens` tokens."""
         self._check_new_seq(seq_id, num_computed_tokens)
+        if num_computed_tokens > len(token_ids) or (num_computed_tokens and not self.enable_prefix_caching):
+            raise ValueError(f"sequence {seq_id!r}: {num_computed_tokens} computed tokens are not cached")
         bs = self.block_size
         salt_b = salt_bytes(salt)
+        end = num_computed_tokens + num_new_tokens
         num_cached_blocks = num_computed_tokens // bs
+        # Hashes of every full block with known tokens: the cached ones to look up, the rest to register.
+        hashes = (
+            self._block_hashes(token_ids, min(end, len(token_ids)) // bs, salt_b)
+            if self.enable_prefix_caching
+            else []
+        )
+        cache_map = self.pool.cached_block_hash_to_block
         hit_blocks: list[KVCacheBlock] = []
-        hashes: list[BlockHash] = []
-        if num_cached_blocks:
-            if num_computed_tokens > len(token_ids) or not self.enable_prefix_caching:
-                raise ValueError(f"sequence {seq_id!r}: {num_computed_tokens} computed tokens are not cached")
-            hit_blocks, hashes = self._find_cached_blocks(token_ids, num_cached_blocks, salt_b)
-            if len(hit_blocks) < num_cached_blocks:
+        for block_hash in hashes[:num_cached_blocks]:
+            block = cache_map.get(block_hash)
+            if block is None:
                 raise ValueError(
                     f"sequence {seq_id!r}: only {len(hit_blocks) * bs} of {num_computed_tokens} computed tokens "
                     "are cached"
                 )
-        end = num_computed_tokens + num_new_tokens
+            hit_blocks.append(block)
         num_new_blocks = -(-end // bs) - num_cached_blocks
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         pool = self.pool
@@ -337,34 +353,39 @@ class BlockManager:
         pool.touch(hit_blocks)
         blocks = hit_blocks
         blocks.extend(pool.get_new_blocks(num_new_blocks))
-        seq = SequenceBlocks(blocks, end, hashes, salt_b)
-        self.seqs[seq_id] = seq
+        self.seqs[seq_id] = SequenceBlocks(blocks, end, hashes, salt_b)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed_tokens
-        self._cache_full_blocks(seq, token_ids)
+            self._register(blocks, hashes, num_cached_blocks)
         if num_new_tokens == 0:
             return SlotAllocation((), (), num_computed_tokens)
         return SlotAllocation(self._slots(blocks, num_computed_tokens, end), (), num_computed_tokens)
 
-    def _find_cached_blocks(
-        self, token_ids: Sequence[int], max_blocks: int, salt: bytes
-    ) -> tuple[list[KVCacheBlock], list[BlockHash]]:
-        """Cached blocks (and their hashes) of the longest cached prefix of the first `max_blocks` full blocks."""
+    def _block_hashes(self, token_ids: Sequence[int], num_blocks: int, salt: bytes) -> list[BlockHash]:
+        """Chained hashes of the first `num_blocks` full blocks, reusing the last chain where its tokens match."""
         bs = self.block_size
-        cache_map = self.pool.cached_block_hash_to_block
-        blocks: list[KVCacheBlock] = []
         hashes: list[BlockHash] = []
-        parent = ROOT_BLOCK_HASH
-        # Hash one block at a time: the first miss ends the prefix, so later blocks are never hashed.
-        for start in range(0, max_blocks * bs, bs):
-            parent = hash_block_tokens(parent, token_ids[start : start + bs], salt)
-            block = cache_map.get(parent)
-            if block is None:
-                break
-            blocks.append(block)
-            hashes.append(parent)
-        return blocks, hashes
+        last = self.last_chain
+        if last is not None and last[0] == salt:
+            n = min(num_blocks, len(last[2])) * bs
+            # Comparing token ids runs in C and is far cheaper than hashing them again.
+            if n and list(token_ids[:n]) == last[1][:n]:
+                hashes = last[2][: n // bs]
+        if len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            hashes = hashes + hash_blocks(token_ids, bs, len(hashes), num_blocks, parent, salt)
+            self.last_chain = (salt, list(token_ids[: num_blocks * bs]), hashes)
+        return list(hashes)
+
+    def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int) -> None:
+        """Register blocks[i] under hashes[i] for i >= start; first writer wins, duplicates stay uncached."""
+        cache_map = self.pool.cached_block_hash_to_block
+        for i in range(start, len(hashes)):
+            block, block_hash = blocks[i], hashes[i]
+            if block.block_hash is None and block_hash not in cache_map:
+                cache_map[block_hash] = block
+                block.block_hash = block_hash
 
     def _cache_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> None:
         """Hash and register each block of `seq` that is now full with known tokens (only when it fills)."""
@@ -375,14 +396,8 @@ class BlockManager:
         if num_full <= num_hashed:
             return
         parent = seq.block_hashes[-1] if num_hashed else ROOT_BLOCK_HASH
-        new_hashes = hash_blocks(token_ids, self.block_size, num_hashed, num_full, parent, seq.salt)
-        seq.block_hashes.extend(new_hashes)
-        cache_map = self.pool.cached_block_hash_to_block
-        for block, block_hash in zip(seq.blocks[num_hashed:num_full], new_hashes, strict=True):
-            # First writer wins: a duplicate block keeps no hash and is reused like any uncached block.
-            if block.block_hash is None and block_hash not in cache_map:
-                cache_map[block_hash] = block
-                block.block_hash = block_hash
+        seq.block_hashes += hash_blocks(token_ids, self.block_size, num_hashed, num_full, parent, seq.salt)
+        self._register(seq.blocks, seq.block_hashes, num_hashed)
 
     def _slots(self, blocks: list[KVCacheBlock], start: int, end: int) -> tuple[int, ...]:
         """Slot ids of token positions [start, end): per-block range arithmetic, no per-token Python work."""
