@@ -129,7 +129,7 @@ class StaticBatchPolicy:
             return []
         batch: list[Request] = []
         for request in waiting:
-            if size < request.num_seqs:
+            if batch and size < request.num_seqs:  # the first always goes: its n never exceeds max_num_seqs
                 break
             size -= request.num_seqs
             batch.append(request)
