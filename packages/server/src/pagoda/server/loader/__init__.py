@@ -1,0 +1,66 @@
+"""Load a model for the engine: a Hugging Face safetensors folder, a .gguf file, or the default Gemma 3 270M."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pagoda.server.loader.default import DEFAULT_MODEL_NAME, default_model_folder
+from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
+from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
+from pagoda.server.models import CausalLM, build_model
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "DEFAULT_MODEL_NAME",
+    "LoadedModel",
+    "WeightLoadError",
+    "cache_folder",
+    "convert_gguf",
+    "default_cache_root",
+    "load_model",
+    "resolve_model_folder",
+]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model with its weights loaded, its Hugging Face config and tokenizer, and the folder they came from."""
+
+    model: CausalLM
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    model_path: Path
+
+
+def resolve_model_folder(model: str | None, cache_dir: Path | None = None) -> Path:
+    """The safetensors model folder for `model`: None = the default model, a folder, or a .gguf file (converted)."""
+    if model is None:
+        return default_model_folder(cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"{model!r} is neither a model folder (config.json + safetensors) nor a .gguf file "
+        "(Pagoda loads local files only and never downloads from a hub)"
+    )
+
+
+def load_model(
+    model: str | None, *, dtype: torch.dtype, device: torch.device, cache_dir: Path | None = None
+) -> LoadedModel:
+    """Load `model` (see `resolve_model_folder`) onto `device` in `dtype`, with its config and tokenizer.
+
+    Every parameter must come from the checkpoint (`WeightLoadError` otherwise); an unsupported architecture
+    raises `UnsupportedArchitectureError` listing the supported ones.
+    """
+    folder = resolve_model_folder(model, cache_dir)
+    hf_config = AutoConfig.from_pretrained(folder)
+    built = build_model(hf_config, dtype, device)
+    load_safetensors(built, safetensors_files(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(model=built, hf_config=hf_config, tokenizer=tokenizer, model_path=folder)

@@ -1,0 +1,94 @@
+"""GGUF files: dequantized once through transformers' GGUF reader, cached as a safetensors model folder."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from pagoda.server.loader.weights import SAFETENSORS_SINGLE
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "PAGODA_CACHE_DIR"
+
+
+def default_cache_root() -> Path:
+    """Where converted GGUF models live: $PAGODA_CACHE_DIR, else ~/.cache/pagoda/models."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda" / "models"
+
+
+def cache_folder(gguf_path: Path, cache_root: Path) -> Path:
+    """The cache folder of one GGUF file: `<stem>-<key>`, the key hashing its absolute path, size and mtime.
+
+    Hashing metadata instead of the content keeps a cache hit free of reading the file; replacing the file
+    changes its mtime and so leads to a fresh conversion.
+    """
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return cache_root / f"{gguf_path.stem}-{key}"
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether a conversion is complete there (a folder only gets its final name once fully written)."""
+    return (folder / "config.json").is_file() and (folder / SAFETENSORS_SINGLE).is_file()
+
+
+def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
+    """The safetensors model folder for `gguf_path`, converting it on the first call.
+
+    The conversion writes into a temporary folder next to the cache folder and renames it into place, so an
+    interrupted conversion is never taken for a complete one.
+    """
+    root = default_cache_root() if cache_root is None else cache_root
+    target = cache_folder(gguf_path, root)
+    if is_converted(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info(
+        "converting %s to %s once (dequantizing takes a while; later loads read the cache)", gguf_path, target
+    )
+    started = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
+    try:
+        _convert_into(gguf_path, scratch)
+        try:
+            scratch.rename(target)
+        except OSError:
+            if not is_converted(target):  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+    return target
+
+
+def _convert_into(gguf_path: Path, folder: Path) -> None:
+    """Dequantize `gguf_path` with transformers and save config, float32 safetensors and tokenizer in `folder`."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    config = hf_model.config
+    # The weights are saved dequantized: the GGUF quantization entry would make transformers re-quantize.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(hf_model).__name__]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {
+        name: tensor.contiguous()
+        for name, tensor in hf_model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(state, str(folder / SAFETENSORS_SINGLE), metadata={"format": "pt", "source": gguf_path.name})
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

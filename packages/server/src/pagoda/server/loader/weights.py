@@ -1,0 +1,147 @@
+"""Copy a safetensors checkpoint (single file or sharded) into a model's parameters, strictly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pagoda.server.models.base import CausalLM
+from pagoda.server.models.layers import MergedLinear
+from safetensors import safe_open
+from torch import Tensor
+from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+# How many names an error message lists before "...".
+_MAX_NAMES_SHOWN = 10
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or mis-shaped tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """The parameter (and, for a fused projection, the row range) a checkpoint tensor fills."""
+
+    param: str
+    shard: int | None  # shard index inside a MergedLinear, None for a whole parameter
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint files of a model folder: the shards of `model.safetensors.index.json`, else the single file."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / SAFETENSORS_SINGLE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"no safetensors weights in {folder}: expected {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} "
+        "(PyTorch .bin checkpoints are not supported)"
+    )
+
+
+def _expected_targets(model: CausalLM) -> set[_Target]:
+    """Every parameter, and every shard of every fused parameter, that a checkpoint must provide."""
+    expected: set[_Target] = set()
+    for module_name, module in model.named_modules():
+        for attr, _ in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}" if module_name else attr
+            if isinstance(module, MergedLinear):
+                expected.update(_Target(name, i) for i in range(len(module.shard_sizes)))
+            else:
+                expected.add(_Target(name, None))
+    return expected
+
+
+def _resolve(model: CausalLM, params: dict[str, Tensor], name: str) -> _Target | None:
+    """Where checkpoint tensor `name` goes, or None when the model has no such parameter."""
+    name = model.weight_aliases().get(name, name)
+    if name in params:
+        return _Target(name, None)
+    parent, _, rest = name.rpartition(".")  # "model.layers.0.self_attn.q_proj", "weight"
+    owner, _, leaf = parent.rpartition(".")
+    packed = model.packed_modules.get(leaf)
+    if packed is None:
+        return None
+    fused = f"{owner}.{packed.module}.{rest}" if owner else f"{packed.module}.{rest}"
+    return _Target(fused, packed.index) if fused in params else None
+
+
+def _destination(model: CausalLM, params: dict[str, Tensor], target: _Target) -> Tensor:
+    """The parameter view that a checkpoint tensor is copied into."""
+    param = params[target.param]
+    if target.shard is None:
+        return param
+    fused = model.get_submodule(target.param.rpartition(".")[0])
+    assert isinstance(fused, MergedLinear), target
+    start, rows = fused.shard_rows(target.shard)
+    return param.narrow(0, start, rows)
+
+
+class _Checkpoint:
+    """One safetensors file opened lazily (memory-mapped); typed wrapper over the untyped `safe_open`."""
+
+    def __init__(self, path: Path) -> None:
+        self._handle = safe_open(str(path), framework="pt", device="cpu")
+
+    def names(self) -> list[str]:
+        """The tensor names in the file."""
+        names: list[str] = self._handle.keys()  # type: ignore[no-untyped-call]
+        return names
+
+    def get(self, name: str) -> Tensor:
+        """One tensor, read from the mapped file."""
+        tensor: Tensor = self._handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor
+
+
+def _names(items: Sequence[str]) -> str:
+    """A short, sorted listing of names for an error message."""
+    shown = sorted(items)[:_MAX_NAMES_SHOWN]
+    more = len(items) - len(shown)
+    return ", ".join(shown) + (f", ... ({more} more)" if more else "")
+
+
+@torch.no_grad()
+def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
+    """Fill every parameter of `model` from `files`, casting to the parameter dtype and device.
+
+    Raises `WeightLoadError` when a tensor has no parameter, a shape differs, or a parameter stays unloaded.
+    """
+    params: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    ignored = model.ignored_weights()
+    expected = _expected_targets(model)
+    loaded: set[_Target] = set()
+    unexpected: list[str] = []
+    checkpoints = [_Checkpoint(path) for path in files]
+    total = sum(len(checkpoint.names()) for checkpoint in checkpoints)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as progress:
+        for checkpoint in checkpoints:
+            for name in checkpoint.names():
+                progress.update(1)
+                target = _resolve(model, params, name)
+                if target is None:
+                    if name not in ignored:
+                        unexpected.append(name)
+                    continue
+                dest = _destination(model, params, target)
+                tensor = checkpoint.get(name)
+                if tensor.shape != dest.shape:
+                    raise WeightLoadError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                loaded.add(target)
+    if unexpected:
+        raise WeightLoadError(f"checkpoint tensors with no matching parameter: {_names(unexpected)}")
+    missing = expected - loaded
+    if missing:
+        described = [t.param if t.shard is None else f"{t.param} (shard {t.shard})" for t in missing]
+        raise WeightLoadError(f"weights missing from the checkpoint: {_names(described)}")

@@ -1,0 +1,22 @@
+"""Model implementations over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3 and Gemma 3 (text)."""
+
+from pagoda.server.models.attention import Attention, AttentionMetadata
+from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
+from pagoda.server.models.registry import (
+    UnsupportedArchitectureError,
+    build_model,
+    model_class,
+    supported_architectures,
+)
+
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "CausalLM",
+    "KVCacheSpec",
+    "PackedShard",
+    "UnsupportedArchitectureError",
+    "build_model",
+    "model_class",
+    "supported_architectures",
+]

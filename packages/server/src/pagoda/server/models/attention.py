@@ -1,0 +1,87 @@
+"""Paged attention for one layer, and the per-step metadata the runner builds for every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagoda.pagedkernel import KernelBackend
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the step's tokens go in the paged KV cache and what each sequence attends to (shared by all layers)."""
+
+    slot_mapping: Tensor  # int64 [num_tokens], cache slot of each token (negative = do not write)
+    block_tables: Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    context_lens: Tensor  # int32 [num_seqs], tokens of each sequence including this step's
+    query_start_loc: Tensor  # int32 [num_seqs + 1], sequence i's tokens are rows [start[i], start[i + 1])
+    max_query_len: int
+    is_decode: bool  # every sequence has exactly one query token this step
+    backend: KernelBackend
+
+
+class Attention(nn.Module):
+    """Write this step's keys/values into the layer's paged cache, then attend over each sequence's tokens."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+
+    def forward(
+        self,
+        q: Tensor,  # [num_tokens, num_heads, head_dim]
+        k: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: tuple[Tensor, Tensor],  # [num_blocks, block_size, num_kv_heads, head_dim] each
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, num_heads * head_dim]
+        """Attention output of every query token, heads flattened."""
+        k_cache, v_cache = kv_cache
+        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        if attn.is_decode:
+            out = attn.backend.paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.context_lens,
+                self.scale,
+                sliding_window=self.sliding_window,
+                logit_softcap=self.logit_softcap,
+            )
+        else:
+            out = attn.backend.paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.query_start_loc,
+                attn.context_lens,
+                self.scale,
+                sliding_window=self.sliding_window,
+                logit_softcap=self.logit_softcap,
+            )
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        """Shown by print(model)."""
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, logit_softcap={self.logit_softcap}"
+        )

@@ -1,0 +1,217 @@
+"""Gemma 3 text decoder (Gemma3ForCausalLM, model_type "gemma3_text").
+
+Differences from Llama: embeddings scaled by sqrt(hidden_size) in the embedding dtype, (1 + w) RMSNorms with
+extra norms after attention and after the MLP, per-head q/k norms, GELU-tanh MLP, query scale
+query_pre_attn_scalar ** -0.5, sliding-window and full-attention layers interleaved per `layer_types` with one rope
+theta per layer type, tied embeddings, and optional attention / final logit soft-capping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from pagoda.server.models.attention import Attention, AttentionMetadata
+from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
+from pagoda.server.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    embedding,
+    head_dim_of,
+    linear,
+)
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """cap * tanh(x / cap), Gemma's smooth clamp of logits."""
+    return torch.tanh(x / cap) * cap
+
+
+def gemma3_layer_types(config: PretrainedConfig) -> list[str]:
+    """Each layer's attention kind: "sliding_attention" or "full_attention"."""
+    # Gemma3TextConfig derives layer_types from the older sliding_window_pattern when a config lacks it.
+    return [str(kind) for kind in config.layer_types]
+
+
+class Gemma3Attention(nn.Module):
+    """Fused QKV, per-head (1 + w) q/k norms, rope of this layer's type, paged attention, output projection."""
+
+    def __init__(
+        self, config: PretrainedConfig, layer_type: str, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        hidden = int(config.hidden_size)
+        eps = float(config.rms_norm_eps)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.layer_type = layer_type
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            hidden, [self.q_size, self.kv_size, self.kv_size], bias=bias, dtype=dtype, device=device
+        )
+        self.o_proj = linear(self.q_size, hidden, bias=bias, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
+        window = getattr(config, "sliding_window", None)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            float(config.query_pre_attn_scalar) ** -0.5,
+            sliding_window=int(window) if layer_type == "sliding_attention" and window is not None else None,
+            logit_softcap=getattr(config, "attn_logit_softcapping", None),
+        )
+
+    def forward(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: tuple[Tensor, Tensor],
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """Self-attention of the step's tokens."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out: Tensor = self.o_proj(self.attn(q, k, v, kv_cache, attn))
+        return out
+
+
+class Gemma3MLP(nn.Module):
+    """GeGLU feed-forward (tanh-approximated GELU) with fused gate and up projections."""
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inner = int(config.hidden_size), int(config.intermediate_size)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise NotImplementedError(f"hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+        self.inner = inner
+        self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=False, dtype=dtype, device=device)
+        self.down_proj = linear(inner, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+        """down(gelu_tanh(gate(x)) * up(x))."""
+        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
+        out: Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return out
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich-norm block: x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
+
+    def __init__(
+        self, config: PretrainedConfig, layer_type: str, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
+        self.layer_type = layer_type
+        self.self_attn = Gemma3Attention(config, layer_type, dtype=dtype, device=device)
+        self.mlp = Gemma3MLP(config, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: tuple[Tensor, Tensor],
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """One block over the step's tokens."""
+        attn_out: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        x = x + self.post_attention_layernorm(attn_out)
+        mlp_out: Tensor = self.mlp(self.pre_feedforward_layernorm(x))
+        out: Tensor = x + self.post_feedforward_layernorm(mlp_out)
+        return out
+
+
+class Gemma3TextModel(nn.Module):
+    """Scaled embedding, decoder layers, final norm, and one rotary embedding per layer type."""
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = int(config.hidden_size)
+        layer_types = gemma3_layer_types(config)
+        self.embed_tokens = embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
+        # Rounded to the embedding dtype before the multiply, as Hugging Face does (it matters in bfloat16).
+        self.embed_scale = float(torch.tensor(hidden**0.5, dtype=dtype).item())
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, kind, dtype=dtype, device=device) for kind in layer_types
+        )
+        self.norm = RMSNorm(hidden, float(config.rms_norm_eps), unit_offset=True, dtype=dtype, device=device)
+        self.rotary_emb = nn.ModuleDict(
+            {kind: RotaryEmbedding(config, kind, device) for kind in sorted(set(layer_types))}
+        )
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3 text-only causal LM with tied embeddings."""
+
+    packed_modules = MappingProxyType(
+        {
+            "q_proj": PackedShard("qkv_proj", 0),
+            "k_proj": PackedShard("qkv_proj", 1),
+            "v_proj": PackedShard("qkv_proj", 2),
+            "gate_proj": PackedShard("gate_up_proj", 0),
+            "up_proj": PackedShard("gate_up_proj", 1),
+        }
+    )
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3TextModel(config, dtype=dtype, device=device)
+        self.layer_types = gemma3_layer_types(config)
+        self.spec = KVCacheSpec(len(self.layer_types), int(config.num_key_value_heads), head_dim_of(config))
+        self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+        kv_caches: Sequence[
+            tuple[Tensor, Tensor]
+        ],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """Final hidden states of the step's tokens."""
+        x: Tensor = self.model.embed_tokens(input_ids) * self.model.embed_scale
+        rope = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary_emb.items()}
+        for layer, layer_type, kv_cache in zip(self.model.layers, self.layer_types, kv_caches, strict=True):
+            cos, sin = rope[layer_type]
+            x = layer(x, cos, sin, kv_cache, attn)
+        out: Tensor = self.model.norm(x)
+        return out
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> float32 [num_rows, vocab]
+        """Logits of the given rows through the tied embedding, soft-capped when the config says so."""
+        logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.final_logit_softcapping is not None:
+            logits = softcap(logits, float(self.final_logit_softcapping))
+        return logits
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One K and one V cache per layer (sliding layers use the same paged layout)."""
+        return self.spec
+
+    def weight_aliases(self) -> Mapping[str, str]:
+        """A checkpoint's `lm_head.weight` is the tied embedding."""
+        return {"lm_head.weight": "model.embed_tokens.weight"}

@@ -1,0 +1,145 @@
+"""Building blocks shared by the models: uninitialised linear layers, RMSNorm and rotary embeddings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# Rope types whose frequencies depend on the running sequence length: a paged batch mixes lengths, so they are refused.
+_DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
+
+
+def linear(
+    in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device: torch.device
+) -> nn.Linear:
+    """An `nn.Linear` with uninitialised storage: the loader fills every parameter, so random init is wasted time."""
+    layer = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+    return layer.to_empty(device=device).requires_grad_(False)
+
+
+class MergedLinear(nn.Linear):
+    """A linear layer whose output rows stack several checkpoint projections (e.g. q, k, v), one matmul for all."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: Sequence[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias, device="meta", dtype=dtype)
+        self.shard_sizes = tuple(shard_sizes)
+        self.to_empty(device=device).requires_grad_(False)
+
+    def shard_rows(self, index: int) -> tuple[int, int]:
+        """(first row, number of rows) of shard `index` in the weight and bias."""
+        return sum(self.shard_sizes[:index]), self.shard_sizes[index]
+
+
+def embedding(num_embeddings: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> nn.Embedding:
+    """An `nn.Embedding` with uninitialised storage (see `linear`)."""
+    layer = nn.Embedding(num_embeddings, dim, device="meta", dtype=dtype)
+    return layer.to_empty(device=device).requires_grad_(False)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in float32.
+
+    `unit_offset` selects Gemma's form, `x_hat * (1 + w)` in float32 then cast; otherwise Llama's form, the cast
+    `x_hat` times `w`. Both orders match their Hugging Face implementations bit for bit in float32.
+    """
+
+    def __init__(
+        self, dim: int, eps: float, *, unit_offset: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., dim] -> [..., dim]
+        """Normalise `x` by its root mean square and scale it."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        """Shown by print(model)."""
+        return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """The attention head size: `head_dim` when the config sets it, else hidden_size / num_attention_heads."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the half-split "rotate_half" form of Hugging Face checkpoints)."""
+
+    def __init__(self, config: PretrainedConfig, layer_type: str | None, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(config, layer_type, device)
+        self.inv_freq: Tensor  # float32 [head_dim // 2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        positions: Tensor,  # int64 [num_tokens]
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:  # cos, sin: [num_tokens, 1, head_dim // 2] each
+        """cos and sin of every token's angles, computed in float32 then cast like Hugging Face does."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        cos = freqs.cos()
+        sin = freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos = cos * self.attention_scaling
+            sin = sin * self.attention_scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    x: Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+) -> Tensor:  # [num_tokens, num_heads, head_dim]
+    """Rotate each (x[i], x[i + head_dim / 2]) pair by its position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_inv_freq(
+    config: PretrainedConfig, layer_type: str | None, device: torch.device
+) -> tuple[Tensor, float]:
+    """Inverse frequencies (float32 [head_dim // 2]) and cos/sin scaling of a config's rope (per layer type)."""
+    params: dict[str, Any] = dict(config.rope_parameters or {})
+    nested = layer_type is not None and isinstance(params.get(layer_type), dict)
+    if nested:
+        params = dict(params[str(layer_type)])
+    rope_type = str(params.get("rope_type", "default"))
+    head_dim = head_dim_of(config)
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)
+        scaling = 1.0
+    elif rope_type in _DYNAMIC_ROPE_TYPES:
+        raise NotImplementedError(f"rope_type {rope_type!r} (sequence-length dependent) is not supported")
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+            config, device, layer_type=layer_type if nested else None
+        )
+    else:
+        raise NotImplementedError(f"unknown rope_type {rope_type!r}")
+    if inv_freq.shape[0] * 2 != head_dim:
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    return inv_freq.to(device=device, dtype=torch.float32), float(scaling)

@@ -1,0 +1,235 @@
+"""Llama-family decoders: Llama 2/3 (incl. Llama 3 rope scaling), Mistral, Qwen2 and Qwen3.
+
+One implementation with the differences read from the Hugging Face config: Qwen2 adds biases to the QKV
+projection, Qwen3 normalises each query/key head (RMSNorm over head_dim) before rope, Mistral applies its
+`sliding_window` to every layer, and Qwen2/Qwen3 to the layers that `layer_types` marks "sliding_attention".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from pagoda.server.models.attention import Attention, AttentionMetadata
+from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
+from pagoda.server.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    embedding,
+    head_dim_of,
+    linear,
+)
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+
+def layer_sliding_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None = full attention)."""
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None:  # Mistral: one window for every layer
+        return [int(window)] * num_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional per-head q/k norm, rope, paged attention and the output projection."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        sliding_window: int | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden = int(config.hidden_size)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads or self.num_heads)
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = MergedLinear(
+            hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = linear(self.q_size, hidden, bias=o_bias, dtype=dtype, device=device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type == "qwen3":
+            eps = float(config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=False, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=False, dtype=dtype, device=device)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            sliding_window=sliding_window,
+        )
+
+    def forward(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: tuple[Tensor, Tensor],
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """Self-attention of the step's tokens."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out: Tensor = self.o_proj(self.attn(q, k, v, kv_cache, attn))
+        return out
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inner = int(config.hidden_size), int(config.intermediate_size)
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.inner = inner
+        self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=bias, dtype=dtype, device=device)
+        self.down_proj = linear(inner, hidden, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+        """down(silu(gate(x)) * up(x))."""
+        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
+        out: Tensor = self.down_proj(F.silu(gate) * up)
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        sliding_window: int | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        eps = float(config.rms_norm_eps)
+        hidden = int(config.hidden_size)
+        self.self_attn = LlamaAttention(config, sliding_window, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=False, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=False, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: tuple[Tensor, Tensor],
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """One block over the step's tokens."""
+        attn_out: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        x = x + attn_out
+        mlp_out: Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp_out
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm (the `model.` prefix of checkpoints)."""
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = int(config.hidden_size)
+        self.embed_tokens = embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, window, dtype=dtype, device=device)
+            for window in layer_sliding_windows(config)
+        )
+        self.norm = RMSNorm(hidden, float(config.rms_norm_eps), unit_offset=False, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config, None, device)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama, Mistral, Qwen2 and Qwen3 causal LMs (see the module docstring for what differs)."""
+
+    packed_modules = MappingProxyType(
+        {
+            "q_proj": PackedShard("qkv_proj", 0),
+            "k_proj": PackedShard("qkv_proj", 1),
+            "v_proj": PackedShard("qkv_proj", 2),
+            "gate_proj": PackedShard("gate_up_proj", 0),
+            "up_proj": PackedShard("gate_up_proj", 1),
+        }
+    )
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype=dtype, device=device)
+        self.spec = KVCacheSpec(
+            int(config.num_hidden_layers),
+            int(config.num_key_value_heads or config.num_attention_heads),
+            head_dim_of(config),
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head: nn.Linear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = linear(
+                int(config.hidden_size), int(config.vocab_size), bias=False, dtype=dtype, device=device
+            )
+
+    def forward(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+        kv_caches: Sequence[
+            tuple[Tensor, Tensor]
+        ],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """Final hidden states of the step's tokens."""
+        x: Tensor = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn)
+        out: Tensor = self.model.norm(x)
+        return out
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> float32 [num_rows, vocab]
+        """Logits of the given rows through the LM head (the embedding matrix when tied)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One K and one V cache per layer."""
+        return self.spec
+
+    def weight_aliases(self) -> Mapping[str, str]:
+        """With tied embeddings, a checkpoint's `lm_head.weight` is the embedding."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
+
+    def ignored_weights(self) -> frozenset[str]:
+        """Rotary tables some old checkpoints store (recomputed here)."""
+        return frozenset(
+            f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(len(self.model.layers))
+        )

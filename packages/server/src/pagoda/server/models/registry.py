@@ -1,0 +1,51 @@
+"""Pick and build the model class for a Hugging Face config."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+from pagoda.server.models.base import CausalLM
+from pagoda.server.models.gemma3 import Gemma3ForCausalLM
+from pagoda.server.models.llama import LlamaForCausalLM
+from transformers import PretrainedConfig
+
+# Hugging Face architecture name -> (model_type, implementation).
+ARCHITECTURES: MappingProxyType[str, tuple[str, type[CausalLM]]] = MappingProxyType(
+    {
+        "LlamaForCausalLM": ("llama", LlamaForCausalLM),
+        "MistralForCausalLM": ("mistral", LlamaForCausalLM),
+        "Qwen2ForCausalLM": ("qwen2", LlamaForCausalLM),
+        "Qwen3ForCausalLM": ("qwen3", LlamaForCausalLM),
+        "Gemma3ForCausalLM": ("gemma3_text", Gemma3ForCausalLM),
+    }
+)
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The config names a model architecture that Pagoda does not implement."""
+
+
+def supported_architectures() -> list[str]:
+    """The architecture names `build_model` accepts, with their model_type."""
+    return [f"{arch} ({model_type})" for arch, (model_type, _) in ARCHITECTURES.items()]
+
+
+def model_class(hf_config: PretrainedConfig) -> type[CausalLM]:
+    """The implementation for a config, chosen by `architectures` and else by `model_type`."""
+    for arch in hf_config.architectures or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch][1]
+    by_type = {model_type: cls for model_type, cls in ARCHITECTURES.values()}
+    if not hf_config.architectures and hf_config.model_type in by_type:
+        return by_type[hf_config.model_type]
+    raise UnsupportedArchitectureError(
+        f"unsupported model: architectures={hf_config.architectures}, model_type={hf_config.model_type!r}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
+
+
+def build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """An inference-mode model for the config, its parameters allocated on `device` but not yet loaded."""
+    model = model_class(hf_config)(hf_config, dtype=dtype, device=device)
+    return model.requires_grad_(False).eval()

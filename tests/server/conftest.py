@@ -1,0 +1,46 @@
+"""Fixtures for the server tests: tiny model folders built once per session, an isolated GGUF cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from pagoda.pagedkernel import KernelBackend, get_backend
+from pagoda.server.loader import CACHE_DIR_ENV
+from tiny_models import make_tiny_model  # type: ignore[import-not-found,unused-ignore]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hub_offline() -> Iterator[None]:
+    """Tests read local folders only: make any accidental hub access fail fast instead of hanging."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_path(arch)`: the folder of the tiny `arch` model (see tiny_models.ARCHS), built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def torch_backend() -> KernelBackend:
+    """The reference (torch) kernel backend."""
+    return get_backend("torch", "cpu")
+
+
+@pytest.fixture
+def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty GGUF conversion cache for one test, also set as $PAGODA_CACHE_DIR."""
+    root = tmp_path / "pagoda-cache"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(root))
+    return root
