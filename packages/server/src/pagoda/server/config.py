@@ -1,0 +1,54 @@
+"""Engine arguments (vLLM's names where the meaning is the same)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+KernelBackendName = Literal["auto", "torch", "triton", "cupy"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything needed to build an engine; None means "derive from the model or the machine"."""
+
+    model: str | None = None  # HF folder or .gguf path; None: the default Gemma 3 270M
+    tokenizer: str | None = None  # defaults to the model folder
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped at 8192)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len) when None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total GPU memory the engine may use
+    kv_cache_gib: float = 4.0  # CPU: KV cache size
+    swap_space_gib: float = 4.0  # host tier for preemption by swap
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    preemption_mode: PreemptionMode = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    enforce_eager: bool = False  # CUDA: skip torch.compile of the decode path
+    kernel_backend: KernelBackendName = "auto"
+    dtype: DTypeName = "auto"
+    device: str | None = None  # "cuda" when available, else "cpu"
+    seed: int = 0
+    num_kv_blocks: int | None = None  # override the computed KV capacity (tests use tiny pools)
+    cache_dir: str | None = None  # where converted GGUF models are cached
+
+    def __post_init__(self) -> None:
+        """Reject impossible sizes early, naming the field."""
+        positive = {
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "num_kv_blocks": self.num_kv_blocks,
+        }
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_gib <= 0 or self.swap_space_gib < 0:
+            raise ValueError("kv_cache_gib must be > 0 and swap_space_gib >= 0")

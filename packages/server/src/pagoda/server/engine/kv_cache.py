@@ -1,0 +1,94 @@
+"""KV-cache tensors: one (k, v) pair per layer on the device, a second tier in host memory for swapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pagoda.pagedkernel import KernelBackend
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheShape:
+    """Per-layer cache geometry; every layer shares it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all layers, K and V together."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def blocks_in(self, num_bytes: float) -> int:
+        """How many whole blocks fit in num_bytes."""
+        return int(num_bytes // self.bytes_per_block)
+
+
+def allocate_caches(
+    shape: KVCacheShape, num_blocks: int, device: torch.device, *, pin: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    pin = pin and device.type == "cpu" and torch.cuda.is_available()
+    return [
+        (
+            torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin),
+            torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin),
+        )
+        for _ in range(shape.num_layers)
+    ]
+
+
+class KVCache:
+    """Device caches plus the host tier, and the block moves the scheduler asks for."""
+
+    def __init__(
+        self,
+        shape: KVCacheShape,
+        num_blocks: int,
+        num_host_blocks: int,
+        device: torch.device,
+        backend: KernelBackend,
+    ) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.backend = backend
+        self.device_caches = allocate_caches(shape, num_blocks, device)
+        self.host_caches = allocate_caches(shape, num_host_blocks, torch.device("cpu"), pin=True)
+        self._device = device
+
+    def _pairs(self, pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        # [num_pairs, 2] (src, dst) block ids
+        return torch.tensor(pairs, dtype=torch.int64, device=self._device).view(-1, 2)
+
+    def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy device blocks to host blocks, (device, host) pairs."""
+        if not pairs:
+            return
+        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        for (dk, dv), (hk, hv) in zip(self.device_caches, self.host_caches, strict=True):
+            self.backend.swap_blocks(dk, hk, block_pairs)
+            self.backend.swap_blocks(dv, hv, block_pairs)
+
+    def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy host blocks back to device blocks, (host, device) pairs."""
+        if not pairs:
+            return
+        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        for (dk, dv), (hk, hv) in zip(self.device_caches, self.host_caches, strict=True):
+            self.backend.swap_blocks(hk, dk, block_pairs)
+            self.backend.swap_blocks(hv, dv, block_pairs)
+
+    def copy(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: duplicate device blocks in every layer, (src, dst) pairs."""
+        if not pairs:
+            return
+        self.backend.copy_blocks(
+            [k for k, _ in self.device_caches], [v for _, v in self.device_caches], self._pairs(pairs)
+        )

@@ -1,0 +1,91 @@
+"""Turns a SchedulerOutput into flat varlen tensors, moves KV blocks, runs the model, returns sampled-row logits."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from pagoda.pagedkernel import KernelBackend
+from pagoda.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.server.engine.kv_cache import KVCache
+from pagoda.server.models.attention import AttentionMetadata
+from pagoda.server.models.base import CausalLM
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    """The model's inputs for one step: every scheduled token of every request, concatenated."""
+
+    input_ids: Tensor  # int64 [num_tokens]
+    positions: Tensor  # int64 [num_tokens]
+    attn: AttentionMetadata
+    logits_indices: Tensor  # int64 [num_sampled_chunks]: the last token row of each chunk that samples
+    num_samples: Tensor  # int64 [num_sampled_chunks]: samples drawn from that row (n when a prompt forks)
+
+
+class ModelRunner:
+    """Owns the model and its KV cache tensors; `execute` performs one scheduled step."""
+
+    def __init__(
+        self, model: CausalLM, kv_cache: KVCache, backend: KernelBackend, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> PreparedBatch:
+        """Flatten the scheduled chunks into the model's varlen inputs and attention metadata."""
+        input_ids = list(itertools.chain.from_iterable(c.token_ids for c in scheduled))
+        positions = list(itertools.chain.from_iterable(range(c.start, c.seq_len) for c in scheduled))
+        slots = list(itertools.chain.from_iterable(c.slots for c in scheduled))
+        query_start_loc = [0, *itertools.accumulate(c.num_tokens for c in scheduled)]
+        width = max(len(c.block_table) for c in scheduled)
+        block_tables = [[*c.block_table, *([0] * (width - len(c.block_table)))] for c in scheduled]
+        # Each request's samples come from its chunk's last token; mid-prompt chunks sample nothing.
+        sampling = [
+            (end - 1, c.num_samples)
+            for c, end in zip(scheduled, query_start_loc[1:], strict=True)
+            if c.num_samples
+        ]
+
+        def tensor(values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        attn = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(block_tables, torch.int32),
+            context_lens=tensor([c.seq_len for c in scheduled], torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            max_query_len=max(c.num_tokens for c in scheduled),
+            is_decode=all(c.num_tokens == 1 for c in scheduled),
+            backend=self.backend,
+        )
+        return PreparedBatch(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            attn=attn,
+            logits_indices=tensor([row for row, _ in sampling], torch.int64),
+            num_samples=tensor([n for _, n in sampling], torch.int64),
+        )
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> Tensor:  # float32 [num_rows, vocab]
+        """Swap out, swap in, copy-on-write, then the forward pass; logits of the rows to sample, in order."""
+        self.kv_cache.swap_out(output.blocks_to_swap_out)
+        self.kv_cache.swap_in(output.blocks_to_swap_in)
+        self.kv_cache.copy(output.blocks_to_copy)
+        if not output.scheduled:
+            return torch.empty(0, 0)
+        batch = self.prepare(output.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.device_caches, batch.attn)
+        if batch.logits_indices.numel() == 0:
+            return torch.empty(0, 0)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits.shape[0] == batch.num_samples.sum().item():
+            return logits
+        # A prompt that forks into n samples: its logits row is computed once and drawn from n times.
+        return logits.repeat_interleave(batch.num_samples, dim=0)

@@ -1,0 +1,143 @@
+"""The engine's per-request bookkeeping: what the scheduler does not track (text, RNG, logprobs, timings)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from pagoda.server.outputs import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagoda.server.sampling import IncrementalDetokenizer, TokenLogprobs, make_generator
+from pagoda.server.sampling_params import SamplingParams
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerParams:
+    """The slice of SamplingParams the scheduler reads; eos is folded into stop_token_ids unless ignored."""
+
+    max_tokens: int
+    min_tokens: int
+    n: int
+    stop_token_ids: tuple[int, ...]  # sorted
+    priority: int
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_token_ids: frozenset[int]) -> SchedulerParams:
+        """Derive from the user's parameters and the model's eos ids."""
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        return cls(params.max_tokens, params.min_tokens, params.n, tuple(sorted(stops)), params.priority)
+
+
+@dataclass(slots=True)
+class SampleState:
+    """One of a request's n samples: its detokenizer, RNG, logprobs and finish."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
+        """Record a sampled token; return the stop string it completes, if any."""
+        self.token_ids.append(token_id)
+        if logprobs is not None and self.logprobs is not None:
+            decode = self.detokenizer.decode_token
+            entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode(token_id))}
+            for rank, (tid, lp) in enumerate(
+                zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True), 1
+            ):
+                entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
+            self.logprobs.append(entry)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
+        return self.detokenizer.add_tokens([token_id])
+
+    def snapshot(self) -> CompletionOutput:
+        """An immutable copy of everything generated so far."""
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text(self.finish_reason is not None),
+            token_ids=tuple(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class RequestState:
+    """A user request: prompt, parameters, timings, and its samples keyed by scheduler sequence id."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        tokenizer: PreTrainedTokenizerBase,
+        arrival_time: float,
+        device: torch.device,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.stop_token_ids: tuple[
+            int, ...
+        ] = ()  # stop ids incl. eos, masked by the sampler under min_tokens
+        self.samples: dict[str, SampleState] = {}
+        # Sequence ids follow the scheduler's fork naming: the request's own id, then f"{id}:{i}".
+        for index in range(params.n):
+            seq_id = request_id if index == 0 else f"{request_id}:{index}"
+            self.samples[seq_id] = SampleState(
+                index=index,
+                detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
+                generator=make_generator(params, index, device),
+                logprobs=None if params.logprobs is None else [],
+                cumulative_logprob=None if params.logprobs is None else 0.0,
+            )
+
+    @property
+    def finished(self) -> bool:
+        """True once every sample has finished."""
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+    def finish(self, seq_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Mark one sample finished (the first reason wins)."""
+        sample = self.samples[seq_id]
+        if sample.finish_reason is None:
+            sample.finish_reason = reason
+            sample.stop_reason = stop_reason
+        if self.finished and self.metrics.finished_time is None:
+            self.touch(finished_time=time.monotonic())
+
+    def touch(self, **times: float) -> None:
+        """Set metric timestamps (first_scheduled_time, first_token_time, ...) that are not set yet."""
+        current = {name: getattr(self.metrics, name) for name in RequestMetrics.__dataclass_fields__}
+        current.update({k: v for k, v in times.items() if current[k] is None or k == "last_token_time"})
+        self.metrics = RequestMetrics(**current)
+
+    def snapshot(self) -> RequestOutput:
+        """The request's cumulative output now."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=tuple(s.snapshot() for s in self.samples.values()),
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,147 @@
+"""Engine construction: device and dtype choice, model loading, KV-cache sizing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pagoda.pagedkernel import KernelBackend, get_backend
+from pagoda.server.config import EngineConfig
+from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
+from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model
+from pagoda.server.models.base import CausalLM
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger("pagoda.engine")
+
+DEFAULT_MAX_MODEL_LEN = (
+    8192  # cap for models whose context is longer (a 128k KV cache per request is rarely wanted)
+)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfigError(ValueError):
+    """The configuration cannot serve (e.g. one max-length request does not fit in the KV cache)."""
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything `LLMEngine` is built from."""
+
+    model: CausalLM
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    model_name: str
+    model_path: Path
+    device: torch.device
+    backend: KernelBackend
+    kv_cache: KVCache
+    max_model_len: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+def select_device(config: EngineConfig) -> torch.device:
+    """The configured device, else CUDA when available, else the CPU."""
+    if config.device is not None:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """float32 on the CPU (bfloat16 matmul is far slower there), bfloat16 on CUDA, unless configured."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: Path) -> frozenset[int]:
+    """The tokenizer's eos plus any the model's generation_config.json lists (Gemma 3 ends turns with two)."""
+    ids: set[int] = set()
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    if (model_path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def _kv_bytes(config: EngineConfig, device: torch.device) -> float:
+    """Bytes the KV cache may take: a fixed size on the CPU, what is left under the utilization on CUDA."""
+    if device.type != "cuda":
+        return config.kv_cache_gib * 2**30
+    free, total = torch.cuda.mem_get_info(device)
+    return free - total * (1.0 - config.gpu_memory_utilization)
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    """Load the model and size the KV cache; EngineConfigError when a max_model_len request cannot fit."""
+    device = select_device(config)
+    dtype = select_dtype(config, device)
+    backend = get_backend(config.kernel_backend, device)
+    loaded = load_model(
+        config.model,
+        dtype=dtype,
+        device=device,
+        cache_dir=None if config.cache_dir is None else Path(config.cache_dir),
+    )
+    hf_config = loaded.hf_config
+    text_config = hf_config.get_text_config()
+    model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > model_limit:
+        raise EngineConfigError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({model_limit}); lower "
+            "--max-model-len"
+        )
+    spec = loaded.model.kv_cache_spec()
+    shape = KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+    num_blocks = config.num_kv_blocks or shape.blocks_in(_kv_bytes(config, device))
+    if num_blocks * config.block_size < max_model_len:
+        knob = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-gib"
+        raise EngineConfigError(
+            f"the KV cache holds {max(num_blocks, 0)} blocks of {config.block_size} tokens "
+            f"({max(num_blocks, 0) * config.block_size} tokens), less than one request of max_model_len "
+            f"({max_model_len}); raise {knob} or lower --max-model-len"
+        )
+    num_host_blocks = (
+        shape.blocks_in(config.swap_space_gib * 2**30) if config.preemption_mode == "swap" else 0
+    )
+    kv_cache = KVCache(shape, num_blocks, num_host_blocks, device, backend)
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); host tier %d blocks",
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        num_blocks * shape.bytes_per_block / 2**30,
+        dtype,
+        num_host_blocks,
+    )
+    model = loaded.model
+    if device.type == "cuda" and not config.enforce_eager:
+        # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.
+        model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+    if config.max_num_batched_tokens is not None:
+        max_batched = config.max_num_batched_tokens
+    elif config.enable_chunked_prefill:
+        max_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    else:
+        max_batched = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    return EngineParts(
+        model=model,
+        tokenizer=loaded.tokenizer,
+        hf_config=hf_config,
+        model_name=config.model or DEFAULT_MODEL_NAME,
+        model_path=loaded.model_path,
+        device=device,
+        backend=backend,
+        kv_cache=kv_cache,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_batched,
+        vocab_size=int(text_config.vocab_size),
+        eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model_path),
+    )

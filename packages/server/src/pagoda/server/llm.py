@@ -1,0 +1,93 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from pagoda.server.config import EngineConfig
+from pagoda.server.engine import LLMEngine
+from pagoda.server.outputs import RequestOutput
+from pagoda.server.sampling_params import SamplingParams
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate for a batch of prompts at once, continuously batched; `model=None` is Gemma 3 270M."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """Build the engine; keyword arguments are `EngineConfig` fields (max_num_seqs, block_size, ...)."""
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion; outputs in prompt order."""
+        batch = _as_batch(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(batch)
+        else:
+            params_list = list(params)
+        if len(params_list) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params_list)} SamplingParams")
+        order: dict[str, int] = {}
+        for index, (prompt, sp) in enumerate(zip(batch, params_list, strict=True)):
+            request_id = f"offline-{next(self._ids)}"
+            if isinstance(prompt, str):
+                token_ids = self.tokenizer.encode(prompt)
+                self.engine.add_request(request_id, token_ids, sp, prompt=prompt)
+            else:
+                self.engine.add_request(request_id, list(prompt), sp)
+            order[request_id] = index
+        results: list[RequestOutput | None] = [None] * len(batch)
+        with tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order.pop(output.request_id)] = output
+                        bar.update(1)
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template and generate each assistant reply."""
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else messages
+        prompts = [render_chat(self.tokenizer, cast(Sequence[Message], c)) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template, ready for the reply."""
+    ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if not isinstance(ids, list):
+        raise TypeError(f"the chat template rendered {type(ids).__name__}, not a list of token ids")
+    return [t for t in ids if isinstance(t, int)]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A single prompt (text or one token-id list) as a batch of one; a batch as a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

@@ -1,0 +1,308 @@
+"""The engine against Hugging Face transformers' greedy `generate`, token for token, on tiny random models."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from pagoda.server.engine import EngineConfigError, LLMEngine, RequestRejectedError
+from pagoda.server.llm import LLM
+from pagoda.server.outputs import RequestOutput
+from pagoda.server.sampling_params import SamplingParams
+from tiny_models import ARCHS, make_tiny_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+PROMPT_LENS = (5, 9, 17, 30, 3)  # cross block boundaries of 4, one shorter than a block
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def random_prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids clear of the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random-weight model folder per architecture."""
+    root = tmp_path_factory.mktemp("engine-models")
+    return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+class Reference:
+    """Hugging Face greedy generations, computed once per (arch, prompt)."""
+
+    def __init__(self, model_dirs: dict[str, Path]) -> None:
+        self.model_dirs = model_dirs
+        self._models: dict[str, PreTrainedModel] = {}
+        self._cache: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def model(self, arch: str) -> PreTrainedModel:
+        """The HF model of an architecture, float32, eval mode."""
+        if arch not in self._models:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dirs[arch], dtype=torch.float32)
+            self._models[arch] = cast(PreTrainedModel, model).requires_grad_(False)
+        return self._models[arch]
+
+    def greedy(self, arch: str, prompt: Sequence[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        """Tokens HF's greedy generate produces for one prompt alone."""
+        key = (arch, tuple(prompt), max_tokens)
+        if key not in self._cache:
+            out = cast(Any, self.model(arch)).generate(
+                torch.tensor([list(prompt)]),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            self._cache[key] = out[0, len(prompt) :].tolist()
+        return self._cache[key]
+
+    def logits(self, arch: str, tokens: Sequence[int]) -> torch.Tensor:  # [len(tokens), vocab]
+        """HF's logits for every position of a token sequence."""
+        with torch.no_grad():
+            out = cast(Any, self.model(arch))(torch.tensor([list(tokens)]))
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs: dict[str, Path]) -> Reference:
+    """Shared HF reference for the module."""
+    return Reference(model_dirs)
+
+
+def make_llm(model_dir: Path, **kwargs: Any) -> LLM:
+    """An LLM on a tiny model with block size 4 and a small pool unless overridden."""
+    args: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 64}
+    args.update(kwargs)
+    return LLM(str(model_dir), **args)
+
+
+def tokens(outputs: Sequence[RequestOutput], index: int = 0) -> list[list[int]]:
+    """Generated token ids of sample `index` of each output."""
+    return [list(o.outputs[index].token_ids) for o in outputs]
+
+
+def assert_matches(
+    reference: Reference, arch: str, prompts: Sequence[Sequence[int]], got: list[list[int]]
+) -> None:
+    """Every generation equals HF's greedy generation of that prompt alone."""
+    for prompt, generated in zip(prompts, got, strict=True):
+        assert generated == reference.greedy(arch, prompt), f"prompt of {len(prompt)} tokens"
+
+
+def drain(engine: LLMEngine) -> Iterator[RequestOutput]:
+    """Step until idle, yielding every snapshot."""
+    while engine.has_unfinished_requests():
+        yield from engine.step()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch_matches_transformers(
+    arch: str, model_dirs: dict[str, Path], reference: Reference
+) -> None:
+    """A batch of prompts of different lengths equals HF's greedy generate of each prompt alone."""
+    prompts = random_prompts(PROMPT_LENS)
+    llm = make_llm(model_dirs[arch])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches(reference, arch, prompts, tokens(outputs))
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert llm.engine.kv_manager.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_preemption_is_exact(arch: str, mode: str, model_dirs: dict[str, Path], reference: Reference) -> None:
+    """A pool too small for the batch preempts (recompute or swap) and still produces HF's tokens."""
+    prompts = random_prompts((20, 22, 18, 25, 21, 19), seed=1)
+    llm = make_llm(
+        model_dirs[arch], num_kv_blocks=24, max_model_len=40, preemption_mode=mode, swap_space_gib=0.01
+    )
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert_matches(reference, arch, prompts, tokens(outputs))
+    assert llm.engine.kv_manager.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_prefix_caching_is_exact(arch: str, model_dirs: dict[str, Path], reference: Reference) -> None:
+    """A second batch sharing a long prefix with the first hits the cache, reports it, and stays exact."""
+    shared = random_prompts((24,), seed=2)[0]
+    first = [shared + tail for tail in random_prompts((3, 5), seed=3)]
+    second = [shared + tail for tail in random_prompts((4, 7, 2), seed=4)]
+    llm = make_llm(model_dirs[arch])
+    assert_matches(reference, arch, first, tokens(llm.generate(first, GREEDY, use_tqdm=False)))
+    outputs = llm.generate(second, GREEDY, use_tqdm=False)
+    assert_matches(reference, arch, second, tokens(outputs))
+    assert all(o.num_cached_tokens == 24 for o in outputs)  # 6 full blocks of 4
+    assert llm.engine.get_stats().prefix_cache_hits >= 3 * 24
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_chunked_prefill_is_exact(arch: str, model_dirs: dict[str, Path], reference: Reference) -> None:
+    """A token budget of 16 splits the long prompts over steps; output unchanged."""
+    prompts = random_prompts(PROMPT_LENS)
+    llm = make_llm(model_dirs[arch], max_num_batched_tokens=16)
+    assert_matches(reference, arch, prompts, tokens(llm.generate(prompts, GREEDY, use_tqdm=False)))
+
+
+def test_parallel_greedy_samples_are_equal(model_dirs: dict[str, Path], reference: Reference) -> None:
+    """n = 2 greedy: both samples (forked, copy-on-write) equal the single sample."""
+    prompts = random_prompts((9, 14))
+    llm = make_llm(model_dirs["llama"])
+    outputs = llm.generate(
+        prompts, SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert_matches(reference, "llama", prompts, tokens(outputs, 0))
+    assert_matches(reference, "llama", prompts, tokens(outputs, 1))
+    assert [o.outputs[1].index for o in outputs] == [1, 1]
+
+
+def test_triton_backend_is_exact(
+    model_dirs: dict[str, Path], reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton kernels (interpreted on the CPU) give the same tokens."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prompts = random_prompts((5, 9))
+    llm = make_llm(model_dirs["llama"], kernel_backend="triton")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert got == [reference.greedy("llama", p, 4) for p in prompts]
+
+
+def test_stop_token_ids_and_max_tokens(model_dirs: dict[str, Path], reference: Reference) -> None:
+    """A stop token id ends the sample (kept in token_ids, reason "stop"); max_tokens gives "length"."""
+    prompt = random_prompts((9,))[0]
+    expected = reference.greedy("llama", prompt)
+    stop_at = expected[5]
+    first = expected.index(stop_at)
+    llm = make_llm(model_dirs["llama"])
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=(stop_at,)),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert list(out.token_ids) == expected[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+    short = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0].outputs[
+        0
+    ]
+    assert list(short.token_ids) == expected[:3] and short.finish_reason == "length"
+
+
+def test_stop_strings(model_dirs: dict[str, Path]) -> None:
+    """The text ends before the stop string, which finishes the sample with it as stop_reason."""
+    llm = make_llm(model_dirs["llama"])
+    prompt = random_prompts((9,))[0]
+    free = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
+    assert stop.strip(), free.text
+    cut = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=(stop,)), use_tqdm=False
+    )
+    out = cut[0].outputs[0]
+    assert out.text == free.text[: free.text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_seed_is_independent_of_batch(model_dirs: dict[str, Path]) -> None:
+    """The same seed gives the same tokens alone and inside different batches."""
+    llm = make_llm(model_dirs["qwen2"])
+    prompt = random_prompts((7,))[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    alone = tokens(llm.generate([prompt], seeded, use_tqdm=False))[0]
+    mixed = llm.generate([*random_prompts((4, 11), seed=5), prompt], [other, other, seeded], use_tqdm=False)
+    mixed_first = llm.generate([prompt, *random_prompts((13,), seed=6)], [seeded, other], use_tqdm=False)
+    assert tokens(mixed)[2] == alone == tokens(mixed_first)[0]
+
+
+def test_logprobs_match_transformers(model_dirs: dict[str, Path], reference: Reference) -> None:
+    """Sampled-token and top-k logprobs equal log-softmax of HF's logits within 1e-4."""
+    prompt = random_prompts((10,))[0]
+    llm = make_llm(model_dirs["gemma3"])
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    generated = list(out.token_ids)
+    ref = torch.log_softmax(reference.logits("gemma3", prompt + generated[:-1]), dim=-1)[len(prompt) - 1 :]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    total = 0.0
+    for position, (token, entry) in enumerate(zip(generated, out.logprobs, strict=True)):
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        top = torch.topk(ref[position], 3)
+        assert len(entry) == 3 and set(entry) == set(top.indices.tolist())
+        for tid, lp in entry.items():
+            assert math.isclose(lp.logprob, ref[position, tid].item(), abs_tol=1e-4)
+        total += entry[token].logprob
+    assert out.cumulative_logprob is not None and math.isclose(out.cumulative_logprob, total, abs_tol=1e-6)
+
+
+def test_chat_uses_the_template(model_dirs: dict[str, Path]) -> None:
+    """chat() renders the tokenizer's chat template and generates a reply."""
+    llm = make_llm(model_dirs["llama"])
+    messages = [{"role": "user", "content": "hello there"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
+    rendered = llm.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert list(out.prompt_token_ids) == list(rendered)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_abort_frees_blocks_in_every_state(model_dirs: dict[str, Path]) -> None:
+    """Aborting waiting, mid-prefill and decoding requests frees their blocks and reports "abort"."""
+    llm = make_llm(model_dirs["llama"], max_num_batched_tokens=8, max_num_seqs=2)
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts((20, 6, 6))):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()  # r0 mid-prefill (8 of 20 tokens), r1/r2 waiting or partly scheduled
+    engine.abort_request("r0")
+    while not any(o.request_id == "r1" and o.outputs[0].token_ids for o in engine.step()):
+        pass
+    engine.abort_request("r1")  # decoding
+    engine.abort_request("r2")
+    final = {o.request_id: o for o in drain(engine)}
+    assert {o.outputs[0].finish_reason for o in final.values()} == {"abort"}
+    assert engine.kv_manager.stats().num_used_blocks == 0
+    assert engine.get_stats().num_running == engine.get_stats().num_waiting == 0
+
+
+def test_rejects_requests_that_can_never_run(model_dirs: dict[str, Path]) -> None:
+    """Too long prompts, prompt + max_tokens over max_model_len, and unknown token ids are refused with param."""
+    engine = make_llm(model_dirs["llama"]).engine
+    cases = [
+        ([1] * 65, SamplingParams(max_tokens=1), "prompt"),
+        ([1] * 60, SamplingParams(max_tokens=10), "max_tokens"),
+        ([10**6], SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+    ]
+    for prompt, params, param in cases:
+        with pytest.raises(RequestRejectedError) as info:
+            engine.add_request("bad", prompt, params)
+        assert info.value.param == param
+    assert not engine.has_unfinished_requests()
+
+
+def test_refuses_a_kv_cache_smaller_than_one_request(model_dirs: dict[str, Path]) -> None:
+    """Startup fails with a message naming what to change when max_model_len does not fit."""
+    with pytest.raises(EngineConfigError, match="max-model-len"):
+        make_llm(model_dirs["llama"], num_kv_blocks=8, max_model_len=64)
+
+
+@pytest.mark.slow
+def test_default_model_generates_coherent_text() -> None:
+    """The real Gemma 3 270M answers a fixed factual prompt sensibly."""
+    llm = LLM(max_model_len=256, kv_cache_gib=0.25)
+    out = llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
+    )
+    assert "Paris" in out[0].outputs[0].text
