@@ -1,0 +1,120 @@
+"""The batched sampler: one token per row from a step's logits, vectorized across rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from pagoda.server.sampling.logprobs import compute_logprobs
+from pagoda.server.sampling.penalties import apply_history
+from pagoda.server.sampling.records import SamplerOutput, SamplingRow
+from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_top_k_top_p
+from torch import Tensor
+
+
+def _on_rows(
+    logits: Tensor,  # [num_rows, vocab], edited in place
+    local_rows: list[int],
+    edit: Callable[[Tensor, list[int]], None],
+) -> None:
+    """Run an in-place edit on a subset of rows (on all of them without copying when the subset is all)."""
+    if len(local_rows) == logits.shape[0]:
+        edit(logits, local_rows)
+        return
+    index = torch.tensor(local_rows, dtype=torch.long, device=logits.device)
+    subset = logits.index_select(0, index)
+    edit(subset, local_rows)
+    logits.index_copy_(0, index, subset)
+
+
+class Sampler:
+    """Draws one token per row: history penalties, min_tokens masking, then greedy argmax or temperature,
+    min_p, top_k, top_p and a draw with the row's own generator.
+
+    Stages no row needs are skipped, so an all-greedy batch without penalties or logprobs costs one argmax.
+    A seeded row's token depends only on its logits, its parameters and its generator: each seeded row draws
+    its own noise, so the same seed gives the same tokens whatever else is in the batch.
+    """
+
+    def __call__(
+        self,
+        logits: Tensor,  # [num_rows, vocab] float32 raw model logits, one row per sample to draw
+        rows: Sequence[SamplingRow],
+    ) -> SamplerOutput:
+        """Sample one token per row; logprobs (where asked) are of the raw logits."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        logits = logits.float()
+        processed = apply_history(logits, rows)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if len(random_rows) == len(rows):
+            token_ids = self._sample(processed, random_rows, rows)
+        else:
+            token_ids = processed.argmax(dim=-1)  # exact argmax for greedy rows, no randomness consumed
+            if random_rows:
+                index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+                token_ids[index] = self._sample(processed, random_rows, rows)
+        logprobs = compute_logprobs(logits, token_ids, [row.params.logprobs for row in rows])
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    @staticmethod
+    def _sample(
+        processed: Tensor,  # [num_rows, vocab] logits after history edits
+        random_rows: list[int],
+        rows: Sequence[SamplingRow],
+    ) -> Tensor:  # [len(random_rows)] int64
+        """Temperature, min_p, top_k, top_p, then an exponential-race draw (argmax of probs / Exp(1) noise)."""
+        device = processed.device
+        vocab = processed.shape[1]
+        params = [rows[i].params for i in random_rows]
+        if len(random_rows) == processed.shape[0]:
+            logits = processed.clone()
+        else:
+            logits = processed.index_select(0, torch.tensor(random_rows, dtype=torch.long, device=device))
+        if any(p.temperature != 1.0 for p in params):
+            temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+            logits.div_(temperature.unsqueeze(1))
+
+        def min_p_edit(sub: Tensor, local: list[int]) -> None:
+            min_p = torch.tensor([params[j].min_p for j in local], dtype=sub.dtype, device=device)
+            apply_min_p(sub, min_p)
+
+        def top_k_edit(sub: Tensor, local: list[int]) -> None:
+            top_k = [min(params[j].top_k or vocab, vocab) for j in local]
+            apply_top_k(sub, torch.tensor(top_k, dtype=torch.long, device=device), max(top_k))
+
+        def top_k_top_p_edit(sub: Tensor, local: list[int]) -> None:
+            top_k = [min(params[j].top_k or vocab, vocab) for j in local]
+            top_p = torch.tensor([params[j].top_p for j in local], dtype=sub.dtype, device=device)
+            top_k_tensor = (
+                torch.tensor(top_k, dtype=torch.long, device=device) if min(top_k) < vocab else None
+            )
+            apply_top_k_top_p(sub, top_k_tensor, top_p)
+
+        min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+        if min_p_rows:
+            _on_rows(logits, min_p_rows, min_p_edit)
+        top_k_rows = [j for j, p in enumerate(params) if p.top_k is not None and p.top_k < vocab]
+        top_p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if top_p_rows:
+            _on_rows(logits, sorted({*top_k_rows, *top_p_rows}), top_k_top_p_edit)
+        elif top_k_rows:
+            _on_rows(logits, top_k_rows, top_k_edit)
+
+        probs = logits.softmax(dim=-1)
+        # argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i (the exponential race,
+        # equivalent to Gumbel-max) and needs no cumulative sums or multinomial, which have no per-row RNG.
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
+        if len(unseeded) == len(random_rows):
+            noise.exponential_()
+        elif unseeded:
+            index = torch.tensor(unseeded, dtype=torch.long, device=device)
+            noise[index] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+        for j, i in enumerate(random_rows):
+            generator = rows[i].generator
+            if generator is not None:
+                noise[j].exponential_(generator=generator)
+        # Exp(1) can round to 0 in float32; a tiny floor keeps p / E finite and zero-probability tokens at 0.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)

@@ -1,0 +1,330 @@
+"""Sampler: greedy and truncation identities, penalties against a per-row reference, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+from pagoda.server.sampling import Sampler, SamplingRow, make_generator, sample_seed
+from pagoda.server.sampling.penalties import apply_history
+from pagoda.server.sampling_params import SamplingParams
+from torch import Tensor
+
+VOCAB = 48
+
+
+def row(
+    params: SamplingParams,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+) -> SamplingRow:
+    """A sampling row with keyword defaults."""
+    return SamplingRow(params, prompt, output, generator, stop_token_ids)
+
+
+def random_logits(num_rows: int, seed: int, vocab: int = VOCAB, scale: float = 3.0) -> Tensor:
+    """Reproducible [num_rows, vocab] float32 logits."""
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def frequencies(tokens: list[int], vocab: int) -> Tensor:
+    """Empirical distribution of sampled tokens."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+    return counts / counts.sum()
+
+
+def test_greedy_is_exact_argmax_and_consumes_no_randomness() -> None:
+    """Temperature 0 is argmax whatever the truncation settings, and leaves the row's generator untouched."""
+    logits = random_logits(6, 0)
+    params = SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=7)
+    generators = [make_generator(params, i, "cpu") for i in range(6)]
+    states = [g.get_state() for g in generators if g is not None]
+    out = Sampler()(logits, [row(params, generator=g) for g in generators])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 6
+    assert all(
+        torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True) if g is not None
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.3, top_k=1),
+        SamplingParams(temperature=0.7, top_p=1e-6),
+        SamplingParams(temperature=2.0, top_k=5, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ],
+    ids=["top_k=1", "tiny top_p", "top_k+tiny top_p", "min_p=1"],
+)
+def test_degenerate_truncation_equals_greedy(params: SamplingParams) -> None:
+    """Settings that keep only the most likely token reproduce greedy, seeded or not."""
+    logits = random_logits(32, 1)
+    torch.manual_seed(0)
+    rows = [row(params, generator=make_generator(params, 0, "cpu") if i % 2 else None) for i in range(32)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_distribution_matches_softmax_with_temperature() -> None:
+    """Unseeded rows (one shared draw) and a seeded row drawn step after step both follow softmax(l / T)."""
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, -3.0, 0.2]])
+    temperature = 0.7
+    expected = torch.softmax(logits[0].double() / temperature, dim=0)
+    params = SamplingParams(temperature=temperature)
+    torch.manual_seed(1234)
+    many = Sampler()(logits.expand(6000, -1), [row(params)] * 6000).token_ids
+    assert (frequencies(many, 8) - expected).abs().max() < 0.03
+    seeded = SamplingParams(temperature=temperature, seed=99)
+    generator = make_generator(seeded, 0, "cpu")
+    sampler = Sampler()
+    steps = [sampler(logits, [row(seeded, generator=generator)]).token_ids[0] for _ in range(3000)]
+    assert (frequencies(steps, 8) - expected).abs().max() < 0.04
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        # probs of [4, 3, 2, 1, 0, ...] after softmax: min_p 0.3 keeps p >= 0.3 * p_max, i.e. logits >= 4 + ln 0.3.
+        (SamplingParams(min_p=0.3), [0, 1]),
+        (SamplingParams(top_k=3), [0, 1, 2]),
+        # top_p 0.9: tokens 0 (0.64), 1 (0.24) hold 0.88 < 0.9, so token 2 is needed too.
+        (SamplingParams(top_p=0.9), [0, 1, 2]),
+        (SamplingParams(top_k=2, top_p=0.99), [0, 1]),
+    ],
+    ids=["min_p", "top_k", "top_p", "top_k+top_p"],
+)
+def test_truncation_keeps_exactly_the_allowed_set_renormalized(
+    params: SamplingParams, allowed: list[int]
+) -> None:
+    """Only allowed tokens are drawn, each with its renormalized probability."""
+    vocab = 8
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]])
+    torch.manual_seed(5)
+    tokens = Sampler()(logits.expand(5000, -1), [row(params)] * 5000).token_ids
+    assert set(tokens) == set(allowed)
+    probs = torch.softmax(logits[0, allowed].double(), dim=0)
+    assert (frequencies(tokens, vocab)[allowed] - probs).abs().max() < 0.03
+
+
+def reference_history(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """A straightforward per-row, per-token implementation of penalties and min_tokens masking."""
+    out = logits.tolist()
+    for values, r in zip(out, rows, strict=True):
+        p = r.params
+        for token in set(r.prompt_token_ids) | set(r.output_token_ids):
+            value = values[token]
+            values[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        for token in set(r.output_token_ids):
+            count = list(r.output_token_ids).count(token)
+            values[token] -= p.frequency_penalty * count + p.presence_penalty
+        if len(r.output_token_ids) < p.min_tokens:
+            for token in r.stop_token_ids:
+                values[token] = -math.inf
+    return torch.tensor(out)
+
+
+def random_history_rows(num_rows: int, seed: int, temperature: float = 0.0) -> list[SamplingRow]:
+    """Rows with random histories, penalties (often neutral) and min_tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options: Sequence[float]) -> float:
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    rows = []
+    for _ in range(num_rows):
+        prompt = torch.randint(VOCAB, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+        output = torch.randint(VOCAB, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+        params = SamplingParams(
+            temperature=temperature,
+            repetition_penalty=pick([1.0, 1.3, 0.7, 2.0]),
+            frequency_penalty=pick([0.0, 0.5, -1.0]),
+            presence_penalty=pick([0.0, 1.5, -0.5]),
+            min_tokens=int(pick([0, 3, 10])),
+            max_tokens=16,
+        )
+        stop = tuple(torch.randint(VOCAB, (2,), generator=g).tolist())
+        rows.append(row(params, prompt, output, stop_token_ids=stop))
+    return rows
+
+
+def test_penalties_and_min_tokens_match_the_reference() -> None:
+    """The vectorized history stage equals the per-row reference to float precision."""
+    rows = random_history_rows(64, 2)
+    logits = random_logits(64, 3)
+    edited = apply_history(logits, rows)
+    expected = reference_history(logits, rows)
+    assert torch.equal(torch.isinf(edited), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(edited[finite], expected[finite], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(edited, logits), "the random rows must exercise at least one penalty"
+
+
+def test_greedy_sampling_applies_penalties() -> None:
+    """Greedy rows take the argmax of the penalized logits (vLLM order: penalties, then sampling)."""
+    rows = random_history_rows(64, 4)
+    logits = random_logits(64, 5, scale=0.5)  # small logits so that penalties often change the argmax
+    expected = reference_history(logits, rows).argmax(dim=-1)
+    assert Sampler()(logits, rows).token_ids == expected.tolist()
+    assert not torch.equal(expected, logits.argmax(dim=-1))
+
+
+def test_history_stage_is_skipped_when_no_row_needs_it() -> None:
+    """Neutral penalties and met min_tokens leave the logits tensor itself untouched (no copy)."""
+    logits = random_logits(3, 6)
+    rows = [
+        row(SamplingParams(), [1, 2], [3]),
+        row(SamplingParams(min_tokens=1, frequency_penalty=0.5), [1], [], stop_token_ids=()),
+        row(SamplingParams(min_tokens=2), [], [4, 5], stop_token_ids=(0,)),
+    ]
+    # Row 1 has a frequency penalty but no output yet, and no stop ids to mask.
+    assert apply_history(logits, rows) is logits
+
+
+def test_min_tokens_blocks_stop_ids_until_reached() -> None:
+    """While fewer than min_tokens are generated the stop ids cannot be drawn; afterwards they can."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 50.0  # eos-like token that would win every draw
+    logits[0, 9] = 49.0
+    params = SamplingParams(min_tokens=3, temperature=1.0)
+    sampler = Sampler()
+    for generated in range(3):
+        out = sampler(logits, [row(params, output=[1] * generated, stop_token_ids=(7,))])
+        assert out.token_ids == [9]
+    blocked_greedy = row(SamplingParams(temperature=0.0, min_tokens=3), output=[1], stop_token_ids=(7, 9))
+    assert sampler(logits, [blocked_greedy]).token_ids[0] not in (7, 9)
+    assert sampler(logits, [row(params, output=[1, 1, 1], stop_token_ids=(7,))]).token_ids == [7]
+
+
+def seeded_steps(
+    params: SamplingParams, logits: Tensor, position: int, others: Sequence[SamplingRow], steps: int
+) -> list[int]:
+    """Tokens a fresh seeded row draws over several steps when placed at `position` among `others`."""
+    generator = make_generator(params, 0, "cpu")
+    sampler = Sampler()
+    tokens = []
+    for _ in range(steps):
+        rows = [*others[:position], row(params, generator=generator), *others[position:]]
+        batch = torch.cat([logits[:position], logits[-1:], logits[position : len(others)]])
+        tokens.append(sampler(batch, rows).token_ids[position])
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, seed=42),
+        SamplingParams(temperature=1.2, top_k=5, seed=42),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=42),
+    ],
+    ids=["plain", "top_k", "min_p"],
+)
+def test_same_seed_same_tokens_whatever_the_batch(params: SamplingParams) -> None:
+    """A seeded row draws the same tokens alone and at any position among greedy, seeded, unseeded and
+    top_p rows (which send top_k rows through the sort path instead of the partial top-k)."""
+    logits = random_logits(6, 7, scale=1.0)
+    others = [
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=1.0, top_p=0.8)),
+        row(
+            SamplingParams(temperature=0.5, seed=3),
+            generator=make_generator(SamplingParams(seed=3), 0, "cpu"),
+        ),
+        row(SamplingParams(temperature=1.5, top_k=3, min_p=0.1)),
+        row(SamplingParams(temperature=1.0, repetition_penalty=1.5), prompt=[1, 2, 3]),
+    ]
+    torch.manual_seed(0)
+    alone = seeded_steps(params, logits, 0, [], 20)
+    assert len(set(alone)) > 1, "the seeded row must actually sample"
+    for position in (0, 2, 5):
+        torch.manual_seed(position + 1)  # unseeded neighbours draw differently each time
+        assert seeded_steps(params, logits, position, others, 20) == alone
+
+
+def test_samples_of_one_seed_differ_and_sample_zero_is_the_seed() -> None:
+    """make_generator: None without a seed; sample i uses seed + i, so n > 1 samples draw different tokens."""
+    assert make_generator(SamplingParams(), 0, "cpu") is None
+    params = SamplingParams(temperature=1.0, seed=11, n=2)
+    generators = [make_generator(params, i, "cpu") for i in range(2)]
+    logits = random_logits(1, 8, scale=0.5)
+    sampler = Sampler()
+    draws = [
+        [sampler(logits, [row(params, generator=g)]).token_ids[0] for _ in range(20)] for g in generators
+    ]
+    assert draws[0] != draws[1]
+    fresh = torch.Generator().manual_seed(11)
+    assert [sampler(logits, [row(params, generator=fresh)]).token_ids[0] for _ in range(20)] == draws[0]
+    assert sample_seed(11, 1) == 12
+    assert sample_seed(2**64 - 1, 2) == 1  # wraps into manual_seed's range
+    assert sample_seed(-5, 0) == 2**64 - 5
+
+
+def test_logprobs_are_log_softmax_of_raw_logits_with_rank_and_top_k() -> None:
+    """Logprobs ignore temperature and penalties; rank is 1-based; top-k lists have k entries."""
+    logits = random_logits(5, 9)
+    rows = [
+        row(SamplingParams(temperature=0.8, logprobs=3, repetition_penalty=1.7), prompt=[1, 2, 3]),
+        row(SamplingParams(temperature=0.0, logprobs=0)),
+        row(SamplingParams(temperature=1.0)),
+        row(SamplingParams(temperature=2.0, logprobs=20, presence_penalty=2.0), output=[4, 4]),
+        row(SamplingParams(temperature=0.0, logprobs=5, min_tokens=2), stop_token_ids=(0, 1, 2, 3, 4, 5)),
+    ]
+    logits[4, :6] += 100.0  # the min_tokens row must sample a token that is not the raw argmax
+    torch.manual_seed(3)
+    out = Sampler()(logits, rows)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[2] is None
+    for i, k in [(0, 3), (1, 0), (3, 20), (4, 5)]:
+        entry = out.logprobs[i]
+        assert entry is not None
+        token = out.token_ids[i]
+        assert abs(entry.logprob - float(reference[i, token])) < 1e-6
+        assert entry.rank == 1 + int((reference[i] > reference[i, token]).sum())
+        top = reference[i].topk(k)
+        assert entry.top_token_ids == top.indices.tolist()
+        assert len(entry.top_logprobs) == k
+        assert (
+            max((abs(a - b) for a, b in zip(entry.top_logprobs, top.values.tolist(), strict=True)), default=0)
+            < 1e-6
+        )
+    assert out.logprobs[1] is not None and out.logprobs[1].rank == 1
+    assert out.logprobs[4] is not None and out.logprobs[4].rank > 6
+
+
+def test_mixed_batch() -> None:
+    """Every feature at once: each row's token equals what it gets in a batch of its own."""
+    logits = random_logits(8, 10, scale=1.0)
+    specs = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=1, top_k=4),
+        SamplingParams(temperature=1.1, seed=2, top_p=0.7, logprobs=2),
+        SamplingParams(temperature=0.9, seed=3, min_p=0.2, repetition_penalty=1.4),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, logprobs=1),
+        SamplingParams(temperature=1.0, seed=4, top_k=10, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=0.6, seed=5, min_tokens=4),
+        SamplingParams(temperature=0.0, top_k=2),
+    ]
+
+    def rows_for(indices: Sequence[int]) -> list[SamplingRow]:
+        return [
+            row(specs[i], [i, i + 1], [i + 2] * 3, make_generator(specs[i], 0, "cpu"), stop_token_ids=(i,))
+            for i in indices
+        ]
+
+    batch = Sampler()(logits, rows_for(range(8)))
+    for i in range(8):
+        single = Sampler()(logits[i : i + 1], rows_for([i]))
+        assert batch.token_ids[i] == single.token_ids[0]
+        assert batch.logprobs[i] == single.logprobs[0]
+    assert [entry is not None for entry in batch.logprobs] == [s.logprobs is not None for s in specs]
+
+
+def test_rejects_mismatched_rows_and_out_of_vocab_history() -> None:
+    """Shape mismatches and history ids outside the vocabulary raise instead of indexing wrongly."""
+    with pytest.raises(ValueError, match="do not match"):
+        Sampler()(random_logits(2, 0), [row(SamplingParams())])
+    with pytest.raises(ValueError, match="token ids"):
+        Sampler()(random_logits(1, 0), [row(SamplingParams(repetition_penalty=1.2), prompt=[VOCAB])])
