@@ -1,0 +1,255 @@
+"""The Starlette app: routes, API-key check, body limits, OpenAI-shaped errors, engine life cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+from pagoda.server.api.async_engine import AsyncLLM
+from pagoda.server.api.chat_template import render_chat, resolve_chat_template
+from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.openapi import build_openapi
+from pagoda.server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext
+from pagoda.server.api.serving_chat import ChatHandler
+from pagoda.server.api.serving_completions import CompletionsHandler
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Status sent when the client left before its response was ready (nginx's convention; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True, slots=True)
+class AppSettings:
+    """Server options that are not the engine's."""
+
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class APIKeyMiddleware:
+    """401 for every route but /health unless the request carries `Authorization: Bearer <api key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the bearer token, then pass the request on."""
+        if scope["type"] == "http" and scope["path"] != "/health":
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            # compare_digest: the time taken must not reveal how much of the key matched.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+                error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_body(request: Request, model: type[M], limit: int) -> M:
+    """Parse a JSON object body into `model`: 400 for a wrong content type, bad JSON or bad fields, 413 if big."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise bad_request("Content-Type must be application/json")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body is larger than {limit} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"The request body is larger than {limit} bytes.")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("The body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        loc = [str(part) for part in first["loc"]]
+        where = ".".join(loc)
+        raise bad_request(
+            f"{where}: {first['msg']}" if where else first["msg"], loc[0] if loc else None
+        ) from exc
+
+
+def _package_version() -> str:
+    try:
+        return version("pagoda-server")
+    except PackageNotFoundError:  # running from a source tree without an install
+        return "0.0.0"
+
+
+class _Routes:
+    """The route handlers, bound to one app's engine and settings."""
+
+    def __init__(self, llm: AsyncLLM, settings: AppSettings) -> None:
+        engine = llm.engine
+        tokenizer = copy.deepcopy(engine.tokenizer)
+        self.llm = llm
+        self.settings = settings
+        self.ctx = ServingContext(
+            llm=llm,
+            tokenizer=tokenizer,
+            served_model_name=llm.served_model_name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            chat_template=resolve_chat_template(tokenizer),
+        )
+        self.root = engine.model_name
+        self.completions_handler = CompletionsHandler(self.ctx)
+        self.chat_handler = ChatHandler(self.ctx)
+        self.openapi = build_openapi(
+            title="Pagoda OpenAI-compatible API",
+            version=_package_version(),
+            secured=settings.api_key is not None,
+        )
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        body = await read_body(request, CompletionRequest, self.settings.max_body_bytes)
+        try:
+            return await self.completions_handler.create(body, request)
+        except ClientDisconnectedError:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        body = await read_body(request, ChatCompletionRequest, self.settings.max_body_bytes)
+        try:
+            return await self.chat_handler.create(body, request)
+        except ClientDisconnectedError:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models."""
+        card = ModelCard(id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize: a prompt, or chat messages through the chat template."""
+        body = await read_body(request, TokenizeRequest, self.settings.max_body_bytes)
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            text = render_chat(
+                ctx.tokenizer,
+                ctx.chat_template,
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+            tokens = ctx.encode(text, add_special_tokens=False)
+        else:
+            tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+        return JSONResponse(response.model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize."""
+        body = await read_body(request, DetokenizeRequest, self.settings.max_body_bytes)
+        self.ctx.check_model(body.model)
+        self.ctx.check_token_ids(body.tokens, "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=self.ctx.decode(body.tokens)).model_dump())
+
+    async def health(self, request: Request) -> Response:
+        """GET /health: 200 while the engine loop is alive, 503 once it died or shutdown began."""
+        if not self.llm.is_alive:
+            return JSONResponse(HealthResponse(status="dead").model_dump(), status_code=503)
+        if self.llm.is_draining:
+            return JSONResponse(HealthResponse(status="draining").model_dump(), status_code=503)
+        return JSONResponse(HealthResponse(status="ok").model_dump())
+
+    async def metrics(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text format."""
+        return Response(self.llm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi_json(self, request: Request) -> Response:
+        """GET /openapi.json."""
+        return JSONResponse(self.openapi)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.to_response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    headers = dict(exc.headers or {})
+    return APIError(exc.status_code, str(exc.detail), headers=headers).to_response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # The traceback goes to the server log only; the client gets an OpenAI-shaped 500.
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return APIError(500, "Internal server error.").to_response()
+
+
+def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
+    """The ASGI app serving `llm`; its lifespan starts the engine thread and stops it at shutdown."""
+    settings = settings or AppSettings()
+    routes = _Routes(llm, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        llm.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(llm.shutdown)
+
+    middleware: list[Middleware] = []
+    if settings.api_key is not None:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    return Starlette(
+        routes=[
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/tokenize", routes.tokenize, methods=["POST"]),
+            Route("/detokenize", routes.detokenize, methods=["POST"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/openapi.json", routes.openapi_json, methods=["GET"]),
+        ],
+        middleware=middleware,
+        exception_handlers=handlers,
+        lifespan=lifespan,
+    )

@@ -1,0 +1,423 @@
+"""`AsyncLLM`: runs a synchronous engine on one background thread and streams its snapshots to asyncio.
+
+The event loop never runs a model step. Commands (add, abort, stop) go to the engine thread through a
+thread-safe queue and are applied between steps, so an abort frees its KV blocks before the next step. Each
+request's snapshots come back through its own asyncio.Queue via `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from pagoda.server.api.engine_client import EngineClient
+from pagoda.server.api.metrics import ServerMetrics
+from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from pagoda.server.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served any more."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down and admits no new request."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many sequences are waiting; retry later."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's channel. The engine thread owns every field except `queue`'s consumer side."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    n: int
+    arrival: float  # time.monotonic() when the server accepted it
+    queue: asyncio.Queue[RequestOutput | BaseException | None] = field(default_factory=asyncio.Queue)
+    last: RequestOutput | None = None
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    stream: _Stream
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+    notify: bool  # send the client a final "abort" snapshot (shutdown) or not (it left)
+
+
+@dataclass(frozen=True, slots=True)
+class _AbortAll:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop
+
+
+def aborted_snapshot(stream_last: RequestOutput | None, stream: _Stream) -> RequestOutput:
+    """The final snapshot of an aborted request: what it had so far, every unfinished sample marked abort."""
+    if stream_last is None:
+        empty = tuple(
+            CompletionOutput(index=i, text="", token_ids=(), cumulative_logprob=None, logprobs=None)
+            for i in range(stream.n)
+        )
+        stream_last = RequestOutput(
+            request_id=stream.request_id,
+            prompt=stream.prompt,
+            prompt_token_ids=stream.prompt_token_ids,
+            outputs=empty,
+            finished=False,
+            metrics=RequestMetrics(arrival_time=stream.arrival),
+        )
+    outputs = tuple(o if o.finished else replace(o, finish_reason="abort") for o in stream_last.outputs)
+    return replace(stream_last, outputs=outputs, finished=True)
+
+
+class AsyncLLM:
+    """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
+
+    def __init__(
+        self, engine: EngineClient, *, served_model_name: str, max_waiting_requests: int | None = None
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = ServerMetrics(served_model_name, lambda: self._stats)
+        self._stats: EngineStats = engine.get_stats()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
+        self._dead: BaseException | None = None
+        self._draining = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        # Event-loop side accounting.
+        self._num_pending_seqs = 0  # admitted sequences that have no token yet
+        self._num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- life cycle (event loop side) ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and has not failed."""
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_draining(self) -> bool:
+        """True once shutdown began."""
+        return self._draining
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's latest gauges and counters (refreshed by the engine thread after each change)."""
+        return self._stats
+
+    @property
+    def num_active_requests(self) -> int:
+        """Requests being generated now."""
+        return self._num_active
+
+    @property
+    def num_pending_sequences(self) -> int:
+        """Admitted sequences without a token yet: what --max-waiting-requests limits."""
+        return self._num_pending_seqs
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting, wait up to `timeout` seconds for in-flight requests, then abort the rest."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return
+        except TimeoutError:
+            logger.warning("shutdown timeout: aborting %d in-flight request(s)", self._num_active)
+        self._put(_AbortAll())
+        # The aborted requests now get their final snapshot; give their handlers a moment to send it.
+        try:
+            await asyncio.wait_for(self._idle.wait(), 10.0)
+        except TimeoutError:
+            logger.warning("%d request(s) did not finish after abort", self._num_active)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (aborting whatever is left) and wait for it."""
+        self._draining = True
+        self._put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- requests (event loop side) --------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Admit a request and wait until the engine accepted it (at most one step); returns its stream.
+
+        Raises EngineDeadError, EngineDrainingError or EngineOverloadedError, or the engine's ValueError
+        (with `param`) when it rejects the request. Close the stream (or exhaust it) when done.
+        """
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop has stopped")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        limit = self.max_waiting_requests
+        # A request with n samples counts n; an empty queue always admits one request, whatever its n.
+        if limit is not None and self._num_pending_seqs > 0 and self._num_pending_seqs + params.n > limit:
+            raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
+        stream = _Stream(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=tuple(prompt_token_ids),
+            n=params.n,
+            arrival=time.monotonic(),
+        )
+        handle = RequestStream(self, stream)
+        try:
+            with self._lock:
+                if self._dead is not None:
+                    raise EngineDeadError("the engine loop has stopped")
+                self._commands.put(_Add(stream, params))
+            accepted = await stream.queue.get()
+            if isinstance(accepted, BaseException):
+                handle.finished = True  # never entered the engine
+                raise accepted
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative snapshots of one request until it finishes; aborts it if the consumer leaves."""
+        handle = await self.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        try:
+            async for output in handle:
+                yield output
+        finally:
+            handle.close()
+
+    def _admit(self, n: int) -> None:
+        self._num_pending_seqs += n
+        self._num_active += 1
+        self._idle.clear()
+
+    def _first_token(self, n: int) -> None:
+        self._num_pending_seqs -= n
+
+    def _release(self, request_id: str, *, abort: bool) -> None:
+        if abort:
+            self._put(_Abort(request_id, notify=False))
+        self._num_active -= 1
+        if self._num_active == 0:
+            self._idle.set()
+
+    def _put(self, command: _Command) -> None:
+        # After death nobody reads the queue; dropping the command is then correct.
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(command)
+
+    # --- engine thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._apply_commands(block=not engine.has_unfinished_requests()):
+                    return
+                self._stats = engine.get_stats()
+                if not engine.has_unfinished_requests():
+                    continue
+                outputs = engine.step()
+                now = time.monotonic()
+                for output in outputs:
+                    self._dispatch(output, now)
+                self._stats = engine.get_stats()
+        except BaseException as exc:
+            logger.exception("the engine loop failed; every in-flight request fails")
+            self._die(exc)
+
+    def _apply_commands(self, *, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once told to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id, notify=command.notify)
+            elif isinstance(command, _AbortAll):
+                for request_id in list(self._streams):
+                    self._abort(request_id, notify=True)
+            else:
+                for request_id in list(self._streams):
+                    self._abort(request_id, notify=True)
+                return False
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            self.engine.add_request(
+                stream.request_id,
+                stream.prompt_token_ids,
+                command.params,
+                prompt=stream.prompt,
+                arrival_time=stream.arrival,
+            )
+        except Exception as exc:  # a rejection (or any failure) of this request fails it alone
+            self._push(stream, exc)
+            return
+        self._streams[stream.request_id] = stream
+        self._push(stream, None)  # accepted
+
+    def _abort(self, request_id: str, *, notify: bool) -> None:
+        stream = self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
+        if stream is not None and notify:
+            self._push(stream, aborted_snapshot(stream.last, stream))
+
+    def _dispatch(self, output: RequestOutput, now: float) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:  # aborted or failed already
+            return
+        try:
+            self._observe(stream, output, now)
+            stream.last = output
+            if output.finished:
+                del self._streams[output.request_id]
+                self.metrics.observe_e2e(now - stream.arrival)
+        except Exception as exc:  # a fault in one request's bookkeeping fails that request only
+            logger.exception("request %s failed", output.request_id)
+            self._streams.pop(output.request_id, None)
+            self.engine.abort_request(output.request_id)
+            self._push(stream, exc)
+            return
+        self._push(stream, output)
+
+    def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(o.token_ids) for o in output.outputs)
+        new_tokens = num_tokens - stream.num_tokens
+        if new_tokens <= 0:
+            return
+        if stream.last_token_time is None:
+            self.metrics.observe_first_token(now - stream.arrival)
+            if new_tokens > 1:
+                self.metrics.observe_inter_token(0.0, new_tokens - 1)
+        else:
+            self.metrics.observe_inter_token(now - stream.last_token_time, new_tokens)
+        stream.num_tokens = num_tokens
+        stream.last_token_time = now
+
+    def _push(self, stream: _Stream, item: RequestOutput | BaseException | None) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._dead = exc
+        error = EngineDeadError(f"the engine loop failed: {type(exc).__name__}")
+        for stream in self._streams.values():
+            self._push(stream, error)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._push(command.stream, error)
+
+
+class RequestStream:
+    """An accepted request: iterate it for cumulative snapshots; `close` aborts it unless it finished."""
+
+    def __init__(self, llm: AsyncLLM, stream: _Stream) -> None:
+        self._llm = llm
+        self._stream = stream
+        self.request_id = stream.request_id
+        self.finished = False
+        self._pending = True
+        self._closed = False
+        llm._admit(stream.n)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Yield snapshots until the request finishes; raise the request's error if it fails.
+
+        Leaving early (break, cancellation, an error) closes the stream, which aborts the request.
+        """
+        try:
+            while not self.finished:
+                item = await self._stream.queue.get()
+                if item is None:
+                    continue
+                if isinstance(item, BaseException):
+                    self.finished = True  # a failed request is already out of the engine
+                    raise item
+                if self._pending and (item.finished or any(o.token_ids for o in item.outputs)):
+                    self._pending = False
+                    self._llm._first_token(self._stream.n)
+                if item.finished:
+                    self.finished = True
+                    self.close()
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the request: abort it in the engine unless it finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending:
+            self._pending = False
+            self._llm._first_token(self._stream.n)
+        self._llm._release(self.request_id, abort=not self.finished)

@@ -1,0 +1,54 @@
+"""OpenAI-shaped errors: one exception type carrying the HTTP status, and the JSON response it becomes."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from pagoda.server.api.protocol import ErrorInfo, ErrorResponse
+from starlette.responses import JSONResponse
+
+# The OpenAI `type` of each status we send.
+_ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error to send to the client as {"error": {...}} with the given HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def to_model(self) -> ErrorResponse:
+        """The pydantic body of this error."""
+        error_type = _ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=error_type, param=self.param, code=self.status)
+        )
+
+    def to_response(self) -> JSONResponse:
+        """The JSON response of this error."""
+        return JSONResponse(self.to_model().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400 error naming the offending field."""
+    return APIError(400, message, param=param)

@@ -1,0 +1,130 @@
+"""The OpenAPI 3.1 document of the server, assembled from the pydantic models' JSON schemas."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pagoda.server.api.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+_REF = "#/components/schemas/{model}"
+_ERRORS = {
+    "400": "Invalid request (bad JSON, wrong content type, out-of-range field, prompt too long).",
+    "401": "Missing or wrong API key.",
+    "404": "Unknown model.",
+    "413": "Request body too large.",
+    "429": "Too many waiting requests; see Retry-After.",
+    "503": "The server is shutting down or its engine stopped.",
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {code: {"description": _ERRORS[code], "content": _json(ErrorResponse)} for code in codes}
+
+
+def _post(
+    summary: str, request: type[BaseModel], response: type[BaseModel], stream: type[BaseModel] | None = None
+) -> dict[str, Any]:
+    content = _json(response)
+    if stream is not None:
+        # Streamed responses are server-sent events, one `data: <chunk JSON>` per event, then `data: [DONE]`.
+        content["text/event-stream"] = {
+            "schema": {"type": "string", "description": f"Server-sent events of {stream.__name__}"}
+        }
+    errors = (
+        ("400", "401", "404", "413", "429", "503") if stream is not None else ("400", "401", "404", "413")
+    )
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {"200": {"description": "OK", "content": content}, **_errors(*errors)},
+        }
+    }
+
+
+def _get(summary: str, content: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    responses.update(extra or {})
+    return {"get": {"summary": summary, "responses": responses}}
+
+
+def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
+    """The OpenAPI document; `secured` adds the bearer scheme to every route but /health."""
+    models: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+        (CompletionRequest, "validation"),
+        (ChatCompletionRequest, "validation"),
+        (TokenizeRequest, "validation"),
+        (DetokenizeRequest, "validation"),
+        (CompletionResponse, "serialization"),
+        (ChatCompletionResponse, "serialization"),
+        (ChatCompletionChunk, "serialization"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeResponse, "serialization"),
+        (ModelList, "serialization"),
+        (HealthResponse, "serialization"),
+        (ErrorResponse, "serialization"),
+    ]
+    _, schema = models_json_schema(models, ref_template=_REF)
+    paths: dict[str, Any] = {
+        "/v1/completions": _post(
+            "Create a completion", CompletionRequest, CompletionResponse, CompletionResponse
+        ),
+        "/v1/chat/completions": _post(
+            "Create a chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk
+        ),
+        "/tokenize": _post("Tokenize a prompt or chat messages", TokenizeRequest, TokenizeResponse),
+        "/detokenize": _post("Turn token ids into text", DetokenizeRequest, DetokenizeResponse),
+        "/v1/models": _get("List the served model", _json(ModelList), _errors("401")),
+        "/health": _get(
+            "Liveness of the engine loop",
+            _json(HealthResponse),
+            {
+                "503": {
+                    "description": "The engine loop died or the server is draining.",
+                    "content": _json(HealthResponse),
+                }
+            },
+        ),
+        "/metrics": _get(
+            "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}, _errors("401")
+        ),
+        "/openapi.json": _get(
+            "This document", {"application/json": {"schema": {"type": "object"}}}, _errors("401")
+        ),
+    }
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": schema.get("$defs", {})},
+    }
+    if secured:
+        document["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path != "/health":
+                for operation in item.values():
+                    operation["security"] = [{"bearerAuth": []}]
+    return document

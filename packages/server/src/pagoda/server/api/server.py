@@ -1,0 +1,78 @@
+"""Run the app under uvicorn with a graceful drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+from pagoda.server.api.async_engine import AsyncLLM
+from starlette.applications import Starlette
+
+logger = logging.getLogger(__name__)
+
+# After the drain, how long uvicorn waits for responses still being written before it cuts them.
+_FLUSH_SECONDS = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT drains the engine, then exits with status 0.
+
+    Draining: new requests get 503, in-flight ones may finish within `shutdown_timeout` seconds, the rest are
+    aborted (their clients get finish_reason "abort"). A second signal exits at once, as uvicorn does.
+    """
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._llm = llm
+        self._shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Remember the event loop so the signal handler can schedule the drain on it."""
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain in the background; later signals (or one before start-up): uvicorn's exit."""
+        if self._drain_requested or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_requested = True
+        # Runs in the signal handler, between two bytecodes of the loop thread: only schedule work here.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info("shutting down: draining in-flight requests (up to %.1f s)", self._shutdown_timeout)
+        try:
+            await self._llm.drain(self._shutdown_timeout)
+        finally:
+            self.should_exit = True
+
+
+def run_server(
+    app: Starlette,
+    llm: AsyncLLM,
+    *,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    log_level: str = "info",
+) -> None:
+    """Serve `app` until a signal drains and stops it."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=int(_FLUSH_SECONDS),
+    )
+    DrainingServer(config, llm, shutdown_timeout).run()

@@ -1,0 +1,275 @@
+"""What the completions and chat handlers share: validation, sampling params, streams, disconnects, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pagoda.server.api.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.protocol import SamplingFields
+from pagoda.server.outputs import PositionLogprobs, RequestOutput
+from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+
+RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before the response was ready."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    """What every handler needs: the engine front, the API's own tokenizer copy, the model's limits."""
+
+    llm: AsyncLLM
+    tokenizer: PreTrainedTokenizerBase  # a copy: the engine thread detokenizes with its own
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    chat_template: str | None
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is omitted or names the served model."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids` (ids must be in the vocabulary)."""
+        text = self.tokenizer.decode(list(token_ids))
+        assert isinstance(text, str)
+        return text
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        """400 when an id is outside the model's vocabulary."""
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise bad_request(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param
+                )
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int | None, param: str) -> int:
+        """Validate a prompt's length against max_model_len; return the max_tokens to use."""
+        if not prompt_ids:
+            raise bad_request(f"{param} must not be empty", param)
+        self.check_token_ids(prompt_ids, param)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 0:
+            raise bad_request(
+                f"the prompt has {len(prompt_ids)} tokens, more than max_model_len ({self.max_model_len})",
+                param,
+            )
+        if max_tokens is None:
+            if room < 1:
+                raise bad_request(
+                    f"the prompt has {len(prompt_ids)} tokens and leaves no room to generate within "
+                    f"max_model_len ({self.max_model_len})",
+                    param,
+                )
+            return room
+        if max_tokens > room:
+            raise bad_request(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def sampling_params(
+        self, body: SamplingFields, *, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        """SamplingParams of a request body; a 400 naming the field when a value is out of range."""
+        top_k = body.top_k
+        if top_k is not None and (top_k == 0 or top_k < -1):
+            raise bad_request("top_k must be -1 (disabled) or at least 1", "top_k")
+        stop: tuple[str, ...]
+        if body.stop is None:
+            stop = ()
+        elif isinstance(body.stop, str):
+            stop = (body.stop,)
+        else:
+            stop = tuple(body.stop)
+        stop_token_ids = tuple(body.stop_token_ids or ())
+        self.check_token_ids(stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=body.n,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                # -1 disables top-k; beyond the vocabulary it is a no-op, so clamp it there.
+                top_k=None if top_k is None or top_k == -1 else min(top_k, self.vocab_size),
+                min_p=0.0 if body.min_p is None else body.min_p,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+                frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=body.skip_special_tokens,
+            )
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+
+    async def open_streams(
+        self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
+    ) -> list[RequestStream]:
+        """Submit one engine request per prompt; map admission failures to HTTP errors."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.llm.add_request(sub_id, ids, params, prompt=text))
+        except BaseException as exc:
+            for stream in streams:
+                stream.close()
+            raise to_api_error(exc) from exc
+        return streams
+
+
+def to_api_error(exc: BaseException) -> BaseException:
+    """The HTTP error of an engine-side failure (other exceptions pass through unchanged)."""
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(
+            429, f"The server is overloaded: {exc}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        )
+    if isinstance(exc, EngineDrainingError):
+        return APIError(503, "The server is shutting down.")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "The engine has stopped; the server cannot serve requests.")
+    if isinstance(exc, ValueError):  # the engine's RequestRejectedError carries the offending field
+        param = getattr(exc, "param", None)
+        return bad_request(str(exc), param if isinstance(param, str) else None)
+    return exc
+
+
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """Consume a stream to its last snapshot."""
+    last: RequestOutput | None = None
+    try:
+        async for output in stream:
+            last = output
+    except BaseException as exc:
+        raise to_api_error(exc) from exc
+    finally:
+        stream.close()
+    if last is None:  # a stream always ends with a finished snapshot or an error
+        raise APIError(500, "the engine returned no output")
+    return last
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The last snapshot of every stream (they progress concurrently; the order of waiting is free)."""
+    return [await final_output(stream) for stream in streams]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnectedError
+    return task.result()
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise to_api_error(item)
+            else:
+                yield item
+    finally:
+        # Synchronous on purpose: under a cancelled anyio scope (a client that left) every await raises again,
+        # so the aborts must not wait behind one.
+        for stream in streams:
+            stream.close()
+        for task in tasks:
+            task.cancel()
+
+
+class EventStreamResponse(StreamingResponse):
+    """A server-sent-event stream that always closes its generator, so that a client who leaves aborts.
+
+    Starlette cancels the sending task on disconnect but leaves the generator suspended at its `yield` until
+    garbage collection; closing it here runs its `finally` (the engine aborts) at once.
+    """
+
+    def __init__(self, events: AsyncGenerator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the stream, then close the generator whatever happened."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
+    """The k most likely alternatives at a position as (token id, logprob, text), by rank."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)[:k]
+    return [(token_id, lp.logprob, lp.decoded_token) for token_id, lp in ranked]

@@ -1,0 +1,197 @@
+"""POST /v1/chat/completions: messages rendered with the chat template, n samples, streamed or whole."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from pagoda.server.api.chat_template import render_chat
+from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from pagoda.server.api.serving_base import (
+    EventStreamResponse,
+    ServingContext,
+    final_outputs,
+    merge_streams,
+    sse,
+    to_api_error,
+    top_entries,
+    until_disconnect,
+)
+from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+
+def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int) -> ChatLogprobs:
+    """The chat logprobs object of some generated tokens with k alternatives each."""
+    content: list[TokenLogprob] = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position.get(token_id)
+        text = sampled.decoded_token if sampled is not None else ""
+        content.append(
+            TokenLogprob(
+                token=text,
+                logprob=sampled.logprob if sampled is not None else float("-inf"),
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                    for _, lp, t in top_entries(position, k)
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+@dataclass(slots=True)
+class _Cursor:
+    """How much of one choice the stream has sent."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    done: bool = False
+
+
+class ChatHandler:
+    """Validates a chat request, runs it on the engine and formats the response."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """Serve one chat completion request."""
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        prompt = render_chat(
+            ctx.tokenizer, ctx.chat_template, body.messages, add_generation_prompt=body.add_generation_prompt
+        )
+        # The template writes the special tokens (BOS) itself.
+        prompt_ids = ctx.encode(prompt, add_special_tokens=False)
+        if not prompt_ids:
+            raise bad_request("the messages render to an empty prompt", "messages")
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = ctx.check_prompt(prompt_ids, requested, "messages")
+        top_k = (body.top_logprobs or 0) if body.logprobs else None
+        params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await ctx.open_streams(request_id, [(prompt, prompt_ids)], params)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(
+                request_id, body, len(prompt_ids), merge_streams(streams), top_k, include_usage
+            )
+            return EventStreamResponse(events)
+        try:
+            (final,) = await until_disconnect(request, final_outputs(streams))
+        finally:
+            for stream in streams:
+                stream.close()
+        choices = [
+            ChatChoice(
+                index=o.index,
+                message=AssistantMessage(content=o.text),
+                logprobs=None if top_k is None else chat_logprobs(o.token_ids, o.logprobs or (), top_k),
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+            for o in final.outputs
+        ]
+        response = ChatCompletionResponse(
+            id=request_id, model=ctx.served_model_name, choices=choices, usage=_usage(len(prompt_ids), final)
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _stream(
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        num_prompt_tokens: int,
+        snapshots: AsyncGenerator[tuple[int, RequestOutput]],
+        top_k: int | None,
+        include_usage: bool,
+    ) -> AsyncGenerator[str]:
+        model = self.ctx.served_model_name
+        cursors = [_Cursor() for _ in range(body.n)]
+        final: RequestOutput | None = None
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
+
+        # The first event of every choice carries the role, as OpenAI sends it.
+        for i in range(body.n):
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async with aclosing(snapshots):
+            try:
+                async for _, snapshot in snapshots:
+                    if snapshot.finished:
+                        final = snapshot
+                    for output in snapshot.outputs:
+                        for choice in self._deltas(cursors[output.index], output, top_k):
+                            yield chunk(choice)
+            except Exception as exc:
+                error = to_api_error(exc)
+                if not isinstance(error, APIError):
+                    error = APIError(500, "internal error while generating")
+                yield sse(error.to_model())
+                yield sse("[DONE]")
+                return
+        if include_usage and final is not None:
+            usage = _usage(num_prompt_tokens, final)
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
+        yield sse("[DONE]")
+
+    def _deltas(self, cursor: _Cursor, output: CompletionOutput, top_k: int | None) -> list[ChatStreamChoice]:
+        """The content delta of one snapshot, then the finish chunk (an empty delta) once it is done."""
+        if cursor.done:
+            return []
+        choices: list[ChatStreamChoice] = []
+        text = output.text[cursor.text_len :]
+        new_ids = output.token_ids[cursor.num_tokens :]
+        if text or new_ids:
+            logprobs = None
+            if top_k is not None:
+                positions = (output.logprobs or ())[cursor.num_tokens :]
+                logprobs = chat_logprobs(new_ids, positions, top_k)
+            choices.append(
+                ChatStreamChoice(index=output.index, delta=DeltaMessage(content=text), logprobs=logprobs)
+            )
+        cursor.text_len = len(output.text)
+        cursor.num_tokens = len(output.token_ids)
+        if output.finished:
+            cursor.done = True
+            choices.append(
+                ChatStreamChoice(
+                    index=output.index,
+                    delta=DeltaMessage(),
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+        return choices
+
+
+def _usage(num_prompt_tokens: int, final: RequestOutput) -> UsageInfo:
+    completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=num_prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=final.num_cached_tokens),
+    )

@@ -1,0 +1,289 @@
+"""Test support for the API: a deterministic in-memory engine behind the EngineClient Protocol, a character
+tokenizer, and an in-process uvicorn server running the app on a free port."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from pagoda.server.api import AppSettings, AsyncLLM, EngineClient, build_app
+from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from pagoda.server.sampling_params import SamplingParams
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?:;'\"-_()\n"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+FAIL_STEP_MARKER = "@@fail-step@@"  # a prompt containing this makes the fake engine's step raise
+REJECT_MARKER = "@@reject@@"  # a prompt containing this makes add_request raise RequestRejectedError
+
+
+def make_char_tokenizer(*, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with Gemma's turn markers; adds <bos> as the first special token."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + list(dict.fromkeys(ALPHABET)))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(SPECIALS)  # matched whole, before the per-character split
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves __init__ untyped
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast
+
+
+class FakeRejectedError(ValueError):
+    """What the real engine's RequestRejectedError looks like: a ValueError naming a parameter."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Seq:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival: float
+    seqs: list[_Seq]
+    running: bool = False
+
+
+class FakeEngine:
+    """A deterministic engine: each running sample gets one letter per step, chosen from the prompt and index.
+
+    Runs at most `max_num_seqs` samples per step (the rest wait), sleeps `step_seconds` per step to stand in
+    for the model, honours max_tokens, stop strings, n, logprobs and abort, and counts KV blocks like a pager.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 128,
+        max_num_seqs: int = 64,
+        num_kv_blocks: int = 512,
+        block_size: int = 4,
+        step_seconds: float = 0.0,
+        chat_template: str | None = None,
+    ) -> None:
+        self.tokenizer = make_char_tokenizer(chat_template=chat_template)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.vocab_size = len(self.tokenizer)
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.step_seconds = step_seconds
+        self.requests: dict[str, _Req] = {}
+        self.aborted: list[str] = []
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self._finished_aborts: list[RequestOutput] = []
+        vocab = self.tokenizer.get_vocab()
+        self._letter_ids = [vocab[c] for c in LETTERS]
+
+    # The EngineClient surface ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (raises FakeRejectedError for a prompt with REJECT_MARKER)."""
+        if prompt is not None and REJECT_MARKER in prompt:
+            raise FakeRejectedError("prompt", "rejected by the fake engine")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise FakeRejectedError("max_tokens", "too long")
+        seqs = [_Seq(index=i) for i in range(params.n)]
+        self.requests[request_id] = _Req(
+            request_id, prompt, tuple(prompt_token_ids), params, arrival_time or time.monotonic(), seqs
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request at once (its blocks are free from now on)."""
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued."""
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Give every running sample one more token; admit waiting requests while seats are free."""
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        seats = self.max_num_seqs - sum(len(r.seqs) for r in self.requests.values() if r.running)
+        for req in self.requests.values():
+            # A request wider than the whole batch still runs alone, as a real engine would run it.
+            if not req.running and (len(req.seqs) <= seats or seats == self.max_num_seqs):
+                req.running = True
+                seats -= len(req.seqs)
+                self.prompt_tokens += len(req.prompt_token_ids)
+        outputs = []
+        for req in list(self.requests.values()):
+            if not req.running:
+                continue
+            if req.prompt is not None and FAIL_STEP_MARKER in req.prompt:
+                raise RuntimeError("simulated engine failure")
+            for seq in req.seqs:
+                if seq.finish_reason is None:
+                    self._advance(req, seq)
+            finished = all(s.finish_reason is not None for s in req.seqs)
+            outputs.append(self._snapshot(req, finished))
+            if finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        """Counts of the fake's queues and blocks."""
+        running = [r for r in self.requests.values() if r.running]
+        used = sum(
+            math.ceil((len(r.prompt_token_ids) + len(s.token_ids)) / self.block_size)
+            for r in running
+            for s in r.seqs
+        )
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(self.requests) - len(running),
+            num_swapped=0,
+            kv_cache_usage=used / self.num_kv_blocks,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            prefix_cache_queries=self.prompt_tokens,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    # The fake model ------------------------------------------------------------------------------------
+
+    def next_letter(
+        self, prompt_token_ids: Sequence[int], index: int, position: int, seed: int | None
+    ) -> int:
+        """The letter index generated at `position` of sample `index` (greedy ignores seed and index)."""
+        base = sum(prompt_token_ids) + position * 7
+        return (base + (0 if seed is None else seed) + index * 3) % len(LETTERS)
+
+    def _advance(self, req: _Req, seq: _Seq) -> None:
+        params = req.params
+        letter = self.next_letter(req.prompt_token_ids, seq.index, len(seq.token_ids), params.seed)
+        token_id = self._letter_ids[letter]
+        seq.token_ids.append(token_id)
+        seq.text += LETTERS[letter]
+        self.generation_tokens += 1
+        if params.logprobs is not None:
+            position = {token_id: Logprob(logprob=-0.5, rank=1, decoded_token=LETTERS[letter])}
+            for k in range(params.logprobs):
+                alt = (letter + k + 1) % len(LETTERS)
+                position[self._letter_ids[alt]] = Logprob(-1.0 - k, k + 2, LETTERS[alt])
+            seq.logprobs.append(position)
+        for stop in params.stop:
+            at = seq.text.find(stop)
+            if at >= 0:
+                seq.text = seq.text if params.include_stop_str_in_output else seq.text[:at]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+        if len(seq.token_ids) >= params.max_tokens:
+            seq.finish_reason = "length"
+
+    def _snapshot(self, req: _Req, finished: bool) -> RequestOutput:
+        outputs = tuple(
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=tuple(s.token_ids),
+                cumulative_logprob=None,
+                logprobs=tuple(s.logprobs) if req.params.logprobs is not None else None,
+                finish_reason="stop" if s.finish_reason == "stop" else "length" if s.finish_reason else None,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=RequestMetrics(arrival_time=req.arrival),
+        )
+
+    def expected_text(
+        self, prompt_token_ids: Sequence[int], max_tokens: int, index: int = 0, seed: int | None = None
+    ) -> str:
+        """What the fake generates for a prompt with no stop strings."""
+        return "".join(LETTERS[self.next_letter(prompt_token_ids, index, i, seed)] for i in range(max_tokens))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class RunningServer:
+    """A server running in this process: its base URL, engine front and fake engine."""
+
+    base_url: str
+    llm: AsyncLLM
+    engine: FakeEngine
+
+
+@contextmanager
+def serve_in_thread(
+    engine: FakeEngine,
+    *,
+    settings: AppSettings | None = None,
+    max_waiting_requests: int | None = None,
+    served_model_name: str = "fake-model",
+) -> Iterator[RunningServer]:
+    """Run the app over `engine` with uvicorn in a background thread until the block exits."""
+    client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
+    llm = AsyncLLM(client, served_model_name=served_model_name, max_waiting_requests=max_waiting_requests)
+    app = build_app(llm, settings)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", llm, engine)
+    finally:
+        server.should_exit = True
+        thread.join(30)
