@@ -151,3 +151,26 @@ def test_pool_check_invariants_catches_wrong_ref_count() -> None:
     pool.check_invariants({0: 1})
     with pytest.raises(AssertionError, match="block 0"):
         pool.check_invariants({0: 2})
+
+
+def test_queue_batched_appends_match_single_appends() -> None:
+    """append_n/appendleft_n give the same order and links as repeated append/appendleft."""
+    one = [KVCacheBlock(i) for i in range(7)]
+    many = [KVCacheBlock(i) for i in range(7)]
+    single = FreeKVCacheBlockQueue(one[:1])
+    batched = FreeKVCacheBlockQueue(many[:1])
+    for b in one[1:4]:
+        single.appendleft(b)
+    for b in one[4:]:
+        single.append(b)
+    batched.appendleft_n(many[1:4])
+    batched.append_n(many[4:])
+    batched.append_n([])
+    batched.appendleft_n([])
+    assert ids(batched) == ids(single) == [3, 2, 1, 0, 4, 5, 6]
+    empty = FreeKVCacheBlockQueue([])
+    empty.appendleft_n([KVCacheBlock(0), KVCacheBlock(1)])
+    assert ids(empty) == [1, 0]
+    empty = FreeKVCacheBlockQueue([])
+    empty.append_n([KVCacheBlock(0), KVCacheBlock(1)])
+    assert ids(empty) == [0, 1]

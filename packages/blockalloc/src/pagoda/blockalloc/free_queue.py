@@ -108,6 +108,46 @@ class FreeKVCacheBlockQueue:
         self.head = block
         self.num_free_blocks += 1
 
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Link `blocks` at the back in order, as repeated `append` would (one splice)."""
+        if blocks:
+            self._link(blocks)
+            first, last = blocks[0], blocks[-1]
+            tail = self.tail
+            first.prev_free = tail
+            if tail is None:
+                self.head = first
+            else:
+                tail.next_free = first
+            self.tail = last
+            self.num_free_blocks += len(blocks)
+
+    def appendleft_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Link `blocks` at the front as repeated `appendleft` would: the last one ends up first."""
+        if blocks:
+            blocks = blocks[::-1]
+            self._link(blocks)
+            first, last = blocks[0], blocks[-1]
+            head = self.head
+            last.next_free = head
+            if head is None:
+                self.tail = last
+            else:
+                head.prev_free = last
+            self.head = first
+            self.num_free_blocks += len(blocks)
+
+    @staticmethod
+    def _link(blocks: list[KVCacheBlock]) -> None:
+        """Chain `blocks` to each other in order; the ends' outer links are set to None."""
+        prev: KVCacheBlock | None = None
+        for block in blocks:
+            block.prev_free = prev
+            if prev is not None:
+                prev.next_free = block
+            prev = block
+        blocks[-1].next_free = None
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every block in the queue, front to back (for tests and invariant checks)."""
         return list(self)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter
 
 from pagoda.blockalloc.block import KVCacheBlock
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_blocks, salt_bytes
@@ -12,6 +14,7 @@ from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId, SequenceBlocks
 
 _NO_SLOTS = SlotAllocation((), (), 0)
+_BLOCK_ID = attrgetter("block_id")
 
 
 class BlockManager:
@@ -19,6 +22,7 @@ class BlockManager:
 
     __slots__ = (
         "block_size",
+        "block_slots",
         "enable_prefix_caching",
         "host_pool",
         "last_chain",
@@ -48,6 +52,8 @@ class BlockManager:
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Slot range of every device block, so whole blocks' slots are chained in C.
+        self.block_slots = [range(i * block_size, (i + 1) * block_size) for i in range(num_blocks)]
         # Host blocks are never prefix-cached: a swapped sequence owns its host blocks alone.
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False)
         self.seqs: dict[SeqId, SequenceBlocks] = {}  # device tier
@@ -329,8 +335,9 @@ class BlockManager:
         end = num_computed_tokens + num_new_tokens
         num_cached_blocks = num_computed_tokens // bs
         # Hashes of every full block with known tokens: the cached ones to look up, the rest to register.
+        # A copy: the sequence grows its own chain, the last-chain cache must not change with it.
         hashes = (
-            self._block_hashes(token_ids, min(end, len(token_ids)) // bs, salt_b)
+            list(self._block_hashes(token_ids, min(end, len(token_ids)) // bs, salt_b))
             if self.enable_prefix_caching
             else []
         )
@@ -363,20 +370,29 @@ class BlockManager:
         return SlotAllocation(self._slots(blocks, num_computed_tokens, end), (), num_computed_tokens)
 
     def _block_hashes(self, token_ids: Sequence[int], num_blocks: int, salt: bytes) -> list[BlockHash]:
-        """Chained hashes of the first `num_blocks` full blocks, reusing the last chain where its tokens match."""
+        """Chained hashes of the first `num_blocks` full blocks, reusing the last chain where its tokens match.
+
+        The returned list may be the cached chain itself: callers that keep or grow it must copy it.
+        """
         bs = self.block_size
         hashes: list[BlockHash] = []
         last = self.last_chain
         if last is not None and last[0] == salt:
-            n = min(num_blocks, len(last[2])) * bs
+            _, last_tokens, last_hashes = last
+            k = min(num_blocks, len(last_hashes))
+            prefix = token_ids[: k * bs]
             # Comparing token ids runs in C and is far cheaper than hashing them again.
-            if n and list(token_ids[:n]) == last[1][:n]:
-                hashes = last[2][: n // bs]
+            if k and (prefix if isinstance(prefix, list) else list(prefix)) == (
+                last_tokens if k == len(last_hashes) else last_tokens[: k * bs]
+            ):
+                if k == num_blocks:
+                    return last_hashes if k == len(last_hashes) else last_hashes[:k]
+                hashes = last_hashes
         if len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
             hashes = hashes + hash_blocks(token_ids, bs, len(hashes), num_blocks, parent, salt)
             self.last_chain = (salt, list(token_ids[: num_blocks * bs]), hashes)
-        return list(hashes)
+        return hashes
 
     def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int) -> None:
         """Register blocks[i] under hashes[i] for i >= start; first writer wins, duplicates stay uncached."""
@@ -400,18 +416,18 @@ class BlockManager:
         self._register(seq.blocks, seq.block_hashes, num_hashed)
 
     def _slots(self, blocks: list[KVCacheBlock], start: int, end: int) -> tuple[int, ...]:
-        """Slot ids of token positions [start, end): per-block range arithmetic, no per-token Python work."""
+        """Slot ids of token positions [start, end): per-block ranges chained in C, no per-token Python work."""
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
+        base = blocks[first].block_id * bs
         if first == last:
-            base = blocks[first].block_id * bs
             return tuple(range(base + start - first * bs, base + end - first * bs))
-        slots = list(
-            range(blocks[first].block_id * bs + start - first * bs, (blocks[first].block_id + 1) * bs)
+        whole = map(self.block_slots.__getitem__, map(_BLOCK_ID, blocks[first + 1 : last]))
+        tail = blocks[last].block_id * bs
+        return tuple(
+            chain(
+                range(base + start - first * bs, base + bs),
+                chain.from_iterable(whole),
+                range(tail, tail + end - last * bs),
+            )
         )
-        for block in blocks[first + 1 : last]:
-            base = block.block_id * bs
-            slots.extend(range(base, base + bs))
-        base = blocks[last].block_id * bs
-        slots.extend(range(base, base + end - last * bs))
-        return tuple(slots)

@@ -69,15 +69,16 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block, in the given (eviction) order; uncached go to the front, cached to the back."""
-        queue = self.free_block_queue
+        uncached: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
-                    self.num_cached_free += 1
+                (uncached if block.block_hash is None else cached).append(block)
+        # Front and back insertions do not interact, so each side can be spliced in one go.
+        self.free_block_queue.appendleft_n(uncached)
+        self.free_block_queue.append_n(cached)
+        self.num_cached_free += len(cached)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full, referenced block under its hash unless that hash (or this block) is registered already."""
