@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's chunk in a step: which tokens to compute, where their KV goes, what to sample."""
+class ScheduledRequest(NamedTuple):
+    """One request's chunk in a step: which tokens to compute, where their KV goes, what to sample.
+
+    A NamedTuple (immutable like the frozen dataclasses here) because one is built per request per step and
+    a NamedTuple is built several times faster.
+    """
 
     request_id: str
     token_ids: tuple[int, ...]  # input ids of the chunk

@@ -105,7 +105,12 @@ class KVBlockManager(Protocol):
         ...
 
     def block_table(self, seq_id: str) -> Sequence[int]:
-        """Device block ids of `seq_id`, in token order."""
+        """Device block ids of `seq_id`, in token order.
+
+        Between allocations of a device-resident sequence the table only changes by blocks appended at the
+        end, or by its last block replaced with a copy-on-write copy (returned in `copies`); the scheduler
+        relies on this to reuse the table it sent last.
+        """
         ...
 
     def get_num_cached_tokens(

@@ -152,6 +152,8 @@ class Request:
 
     def child_ids(self) -> tuple[str, ...]:
         """Ids of the children a fork of this request creates (empty for n == 1 and for children)."""
+        if not self.num_children_to_fork:
+            return ()
         return tuple(f"{self.request_id}:{i}" for i in range(1, self.num_children_to_fork + 1))
 
     def append_output_token(self, token_id: int) -> None:

@@ -26,7 +26,6 @@ class _Step:
 
     budget: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    scheduled_ids: set[str] = field(default_factory=set)
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -57,6 +56,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self._num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
+        # Block tables as last sent: a known sequence's table only grows at the end or has its last block
+        # replaced by copy-on-write (reported in `copies`), so most steps reuse the tuple instead of asking kv.
+        self._block_tables: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -141,18 +143,22 @@ class Scheduler:
         """Plan one step (allocating its slots and advancing `num_computed_tokens` of scheduled requests)."""
         step = _Step(self.config.max_num_batched_tokens)
         # Decodes first so a long prefill never stalls token generation, then continuing prefill chunks.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in (*decodes, *prefills):
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if request.num_tokens - request.num_computed_tokens == 1 else prefills).append(request)
+        for request in decodes:
             if step.budget == 0:
                 break
-            if request.status is not RUNNING:  # preempted earlier in this step
-                continue
-            num_new = self._chunk_len(request, request.num_computed_tokens, step.budget)
-            if num_new:
-                allocation = self._allocate_or_preempt(request, num_new, step)
-                if allocation is not None:
-                    self._emit(request, num_new, allocation, step)
+            if request.status is RUNNING:  # else preempted earlier in this step
+                self._schedule_running(request, 1, step)
+        for request in prefills:
+            if step.budget == 0:
+                break
+            if request.status is RUNNING:
+                num_new = self._chunk_len(request, request.num_computed_tokens, step.budget)
+                if num_new:
+                    self._schedule_running(request, num_new, step)
         if not step.preempted:
             self._swap_in(step)
             if not self.swapped:  # swapped requests come back before anyone new is admitted
@@ -220,26 +226,29 @@ class Scheduler:
             num_new = threshold
         return min(num_new, budget)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> SlotAllocationLike | None:
-        """Slots for a running request, preempting policy-chosen victims until they fit (None: it was one)."""
+    def _schedule_running(self, request: Request, num_new: int, step: _Step) -> None:
+        """Give a running request its chunk, preempting policy-chosen victims until it fits (or is one)."""
         while True:
             allocation = self.kv.allocate_slots(
                 request.request_id, request.all_token_ids, num_new, salt=request.cache_salt
             )
             if allocation is not None:
-                return allocation
+                self._emit(request, num_new, allocation, step)
+                return
             # Requests already scheduled this step hold allocations the runner will use: never victims.
-            candidates = [r for r in self.running if r.request_id not in step.scheduled_ids]
+            scheduled = {chunk.request_id for chunk in step.scheduled}
+            candidates = [r for r in self.running if r.request_id not in scheduled]
             victim = self.policy.select_victim(candidates)
             if victim not in candidates:
                 raise ValueError(f"policy chose {victim.request_id!r}, not a preemption candidate")
             self._preempt(victim, step)
             if victim is request:
-                return None
+                return
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Swap `victim` out if so configured and the host tier has room, else free it for recompute."""
         self._remove_running(victim)
+        self._block_tables.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self._num_preemptions += 1
@@ -316,27 +325,34 @@ class Scheduler:
 
     def _emit(self, request: Request, num_new: int, allocation: SlotAllocationLike, step: _Step) -> None:
         """Record `request`'s chunk in the step and advance its computed tokens."""
+        # Hot path (once per request per step): plain locals, no work for what is empty.
         rid = request.request_id
         start = request.num_computed_tokens
         end = start + num_new
-        if end < request.num_tokens:
+        tokens = request.all_token_ids
+        if end < len(tokens):
             sample_ids: tuple[str, ...] = ()
-        else:
+        elif request.num_children_to_fork:
             sample_ids = (rid, *request.child_ids())
+        else:
+            sample_ids = (rid,)
+        table = self._block_tables.get(rid)
+        if table is None or allocation.copies or len(table) * self.kv.block_size < end:
+            table = self._block_tables[rid] = tuple(self.kv.block_table(rid))
         step.scheduled.append(
             ScheduledRequest(
-                request_id=rid,
-                token_ids=tuple(request.all_token_ids[start:end]),
-                start=start,
-                num_tokens=num_new,
-                block_table=tuple(self.kv.block_table(rid)),
-                slots=tuple(allocation.slots),
-                num_samples=len(sample_ids),
-                sample_ids=sample_ids,
+                rid,
+                tuple(tokens[start:end]),
+                start,
+                num_new,
+                table,
+                tuple(allocation.slots),
+                len(sample_ids),
+                sample_ids,
             )
         )
-        step.scheduled_ids.add(rid)
-        step.copies.extend(allocation.copies)
+        if allocation.copies:
+            step.copies.extend(allocation.copies)
         step.budget -= num_new
         request.num_computed_tokens = end
 
@@ -384,6 +400,7 @@ class Scheduler:
             self.waiting.remove(request)
         if self.kv.has_seq(rid) or self.kv.is_swapped(rid):
             self.kv.free(rid)
+        self._block_tables.pop(rid, None)
         self._reserved_ids.difference_update(request.child_ids())
         request.num_children_to_fork = 0
         request.status = status
@@ -411,8 +428,11 @@ class Scheduler:
         assert {r.request_id for r in queued} == self._requests.keys(), "queues and the request map disagree"
         assert self.num_running_seqs <= self.config.max_num_seqs, "too many running sequences"
         assert self._num_pending_forks == sum(r.num_children_to_fork for r in self.running), "fork seat count"
+        assert self._block_tables.keys() <= {r.request_id for r in self.running}, "stale block table"
         for r in self.running:
             assert r.status is RUNNING and kv.has_seq(r.request_id), r
+            sent = self._block_tables.get(r.request_id)
+            assert sent is None or sent == tuple(kv.block_table(r.request_id)), r
             # Equal only between schedule() and update_from_output(), for a chunk that completes the sequence.
             assert kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens, r
         for r in self.waiting:
