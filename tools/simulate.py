@@ -385,10 +385,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--static-timeout", type=float, default=1.0, help="static batching: longest wait (s)")
     parser.add_argument("--measure-every", type=int, default=8, help="steps between KV memory measurements")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="out/simulate.png", help="PNG plot path")
+    parser.add_argument(
+        "--out",
+        help="PNG plot path (default out/simulate.png, or out/simulate_sweep.png with --sweep-block-size)",
+    )
     args = parser.parse_args(argv)
     if args.kv_tokens < args.max_model_len:
         parser.error("--kv-tokens must hold at least one max_model_len sequence")
+    if args.out is None:
+        args.out = "out/simulate_sweep.png" if args.sweep_block_size else "out/simulate.png"
     if args.sweep_block_size:
         sweep(args)
     else:
