@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pagoda.blockalloc.manager as manager_module
 import pytest
 from pagoda.blockalloc import BlockHash, BlockManager, KVCacheStats, SlotAllocation, hashing
 
@@ -354,7 +353,7 @@ def test_lookup_hashes_are_reused_by_the_allocation(monkeypatch: pytest.MonkeyPa
         hashed.append(len(out))
         return out
 
-    monkeypatch.setattr(manager_module, "hash_blocks", counting)
+    monkeypatch.setattr(hashing, "hash_blocks", counting)
     m = BlockManager(16, BS)
     prompt = list(range(20))
     assert m.get_num_cached_tokens(prompt, max_tokens=19) == 0

@@ -48,3 +48,36 @@ def hash_blocks(
         append(digest)
     # BlockHash is a NewType over bytes: one cast instead of a call per block.
     return cast(list[BlockHash], digests)
+
+
+class LastChainCache:
+    """The last hash chain computed, reused while a token list's leading blocks match: one hash per block."""
+
+    __slots__ = ("block_size", "hashes", "salt", "tokens")
+
+    def __init__(self, block_size: int) -> None:
+        """Start empty."""
+        self.block_size = block_size
+        self.salt = b""
+        self.tokens: list[int] = []  # a copy of the hashed tokens: a caller may change its list in place
+        self.hashes: list[BlockHash] = []
+
+    def hashes_for(self, token_ids: Sequence[int], num_blocks: int, salt: bytes) -> list[BlockHash]:
+        """Chained hashes of the first `num_blocks` full blocks; the result may be shared, so copy to keep it."""
+        bs = self.block_size
+        hashes: list[BlockHash] = []
+        k = min(num_blocks, len(self.hashes))
+        if k and salt == self.salt:
+            prefix = token_ids[: k * bs]
+            # Comparing token ids runs in C and is far cheaper than hashing them again.
+            if (prefix if isinstance(prefix, list) else list(prefix)) == (
+                self.tokens if k == len(self.hashes) else self.tokens[: k * bs]
+            ):
+                if k == num_blocks:
+                    return self.hashes if k == len(self.hashes) else self.hashes[:k]
+                hashes = self.hashes
+        if len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            hashes = hashes + hash_blocks(token_ids, bs, len(hashes), num_blocks, parent, salt)
+            self.salt, self.tokens, self.hashes = salt, list(token_ids[: num_blocks * bs]), hashes
+        return hashes

@@ -8,7 +8,7 @@ from itertools import chain
 from operator import attrgetter
 
 from pagoda.blockalloc.block import KVCacheBlock
-from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_blocks, salt_bytes
+from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, LastChainCache, hash_blocks, salt_bytes
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId, SequenceBlocks
@@ -23,9 +23,9 @@ class BlockManager:
     __slots__ = (
         "block_size",
         "block_slots",
+        "chain_cache",
         "enable_prefix_caching",
         "host_pool",
-        "last_chain",
         "num_blocks",
         "num_host_blocks",
         "pool",
@@ -60,9 +60,8 @@ class BlockManager:
         self.swapped: dict[SeqId, SequenceBlocks] = {}  # host tier
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # The last hash chain computed for a token list: (salt, hashed tokens, hashes). A scheduler looks a
-        # prompt up and then allocates it, so the allocation reuses the lookup's hashes instead of redoing them.
-        self.last_chain: tuple[bytes, list[int], list[BlockHash]] | None = None
+        # A scheduler looks a prompt up and then allocates it: the allocation reuses the lookup's hashes.
+        self.chain_cache = LastChainCache(block_size)
 
     # ----------------------------------------------------------------- queries
 
@@ -106,7 +105,7 @@ class BlockManager:
         limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
         cache_map = self.pool.cached_block_hash_to_block
         num_hits = 0
-        for block_hash in self._block_hashes(token_ids, limit // self.block_size, salt_bytes(salt)):
+        for block_hash in self.chain_cache.hashes_for(token_ids, limit // self.block_size, salt_bytes(salt)):
             if block_hash not in cache_map:
                 break
             num_hits += 1
@@ -335,9 +334,9 @@ class BlockManager:
         end = num_computed_tokens + num_new_tokens
         num_cached_blocks = num_computed_tokens // bs
         # Hashes of every full block with known tokens: the cached ones to look up, the rest to register.
-        # A copy: the sequence grows its own chain, the last-chain cache must not change with it.
+        # A copy: the sequence grows its own chain, the chain cache must not change with it.
         hashes = (
-            list(self._block_hashes(token_ids, min(end, len(token_ids)) // bs, salt_b))
+            list(self.chain_cache.hashes_for(token_ids, min(end, len(token_ids)) // bs, salt_b))
             if self.enable_prefix_caching
             else []
         )
@@ -368,31 +367,6 @@ class BlockManager:
         if num_new_tokens == 0:
             return SlotAllocation((), (), num_computed_tokens)
         return SlotAllocation(self._slots(blocks, num_computed_tokens, end), (), num_computed_tokens)
-
-    def _block_hashes(self, token_ids: Sequence[int], num_blocks: int, salt: bytes) -> list[BlockHash]:
-        """Chained hashes of the first `num_blocks` full blocks, reusing the last chain where its tokens match.
-
-        The returned list may be the cached chain itself: callers that keep or grow it must copy it.
-        """
-        bs = self.block_size
-        hashes: list[BlockHash] = []
-        last = self.last_chain
-        if last is not None and last[0] == salt:
-            _, last_tokens, last_hashes = last
-            k = min(num_blocks, len(last_hashes))
-            prefix = token_ids[: k * bs]
-            # Comparing token ids runs in C and is far cheaper than hashing them again.
-            if k and (prefix if isinstance(prefix, list) else list(prefix)) == (
-                last_tokens if k == len(last_hashes) else last_tokens[: k * bs]
-            ):
-                if k == num_blocks:
-                    return last_hashes if k == len(last_hashes) else last_hashes[:k]
-                hashes = last_hashes
-        if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
-            hashes = hashes + hash_blocks(token_ids, bs, len(hashes), num_blocks, parent, salt)
-            self.last_chain = (salt, list(token_ids[: num_blocks * bs]), hashes)
-        return hashes
 
     def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int) -> None:
         """Register blocks[i] under hashes[i] for i >= start; first writer wins, duplicates stay uncached."""
