@@ -64,9 +64,11 @@ def test_greedy_is_exact_argmax_and_consumes_no_randomness() -> None:
 def test_degenerate_truncation_equals_greedy(params: SamplingParams) -> None:
     """Settings that keep only the most likely token reproduce greedy, seeded or not."""
     logits = random_logits(32, 1)
+    original = logits.clone()
     torch.manual_seed(0)
     rows = [row(params, generator=make_generator(params, 0, "cpu") if i % 2 else None) for i in range(32)]
     assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+    assert torch.equal(logits, original), "the caller's logits are never edited"
 
 
 def test_distribution_matches_softmax_with_temperature() -> None:
@@ -314,7 +316,9 @@ def test_mixed_batch() -> None:
             for i in indices
         ]
 
+    original = logits.clone()
     batch = Sampler()(logits, rows_for(range(8)))
+    assert torch.equal(logits, original), "the caller's logits are never edited"
     for i in range(8):
         single = Sampler()(logits[i : i + 1], rows_for([i]))
         assert batch.token_ids[i] == single.token_ids[0]
@@ -328,3 +332,30 @@ def test_rejects_mismatched_rows_and_out_of_vocab_history() -> None:
         Sampler()(random_logits(2, 0), [row(SamplingParams())])
     with pytest.raises(ValueError, match="token ids"):
         Sampler()(random_logits(1, 0), [row(SamplingParams(repetition_penalty=1.2), prompt=[VOCAB])])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_contract() -> None:
+    """On CUDA: greedy is argmax, logprobs are exact, and a CUDA generator row is batch-independent."""
+    device = torch.device("cuda")
+    logits = random_logits(4, 11).to(device)
+    params = SamplingParams(temperature=0.9, seed=5, top_p=0.95, logprobs=2, repetition_penalty=1.2)
+    others = [row(SamplingParams(temperature=0.0, logprobs=0)), row(SamplingParams(temperature=1.0, top_k=4))]
+
+    def draw(batch_rows: list[SamplingRow], position: int, batch_logits: Tensor) -> list[int]:
+        generator = make_generator(params, 0, device)
+        tokens = []
+        for _ in range(10):
+            batch = [*batch_rows[:position], row(params, [1, 2], generator=generator), *batch_rows[position:]]
+            tokens.append(Sampler()(batch_logits, batch).token_ids[position])
+        return tokens
+
+    alone = draw([], 0, logits[3:4])
+    mixed = torch.cat([logits[:1], logits[3:4], logits[1:2]])
+    assert draw(others, 1, mixed) == alone
+    out = Sampler()(logits[:2], others)
+    assert out.token_ids[0] == int(logits[0].argmax())
+    entry = out.logprobs[0]
+    assert entry is not None and entry.rank == 1
+    assert abs(entry.logprob - float(torch.log_softmax(logits[0], dim=-1).max())) < 1e-5

@@ -47,19 +47,21 @@ class Sampler:
         logits = logits.float()
         processed = apply_history(logits, rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        writable = processed is not logits  # never edit the caller's tensor in place
         if len(random_rows) == len(rows):
-            token_ids = self._sample(processed, random_rows, rows)
+            token_ids = self._sample(processed, writable, random_rows, rows)
         else:
             token_ids = processed.argmax(dim=-1)  # exact argmax for greedy rows, no randomness consumed
             if random_rows:
                 index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-                token_ids[index] = self._sample(processed, random_rows, rows)
+                token_ids[index] = self._sample(processed, writable, random_rows, rows)
         logprobs = compute_logprobs(logits, token_ids, [row.params.logprobs for row in rows])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
     @staticmethod
     def _sample(
         processed: Tensor,  # [num_rows, vocab] logits after history edits
+        writable: bool,  # processed is the sampler's own copy and may be edited in place
         random_rows: list[int],
         rows: Sequence[SamplingRow],
     ) -> Tensor:  # [len(random_rows)] int64
@@ -67,13 +69,15 @@ class Sampler:
         device = processed.device
         vocab = processed.shape[1]
         params = [rows[i].params for i in random_rows]
-        if len(random_rows) == processed.shape[0]:
-            logits = processed.clone()
-        else:
+        logits = processed
+        if len(random_rows) < processed.shape[0]:
             logits = processed.index_select(0, torch.tensor(random_rows, dtype=torch.long, device=device))
+            writable = True
         if any(p.temperature != 1.0 for p in params):
             temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-            logits.div_(temperature.unsqueeze(1))
+            logits = logits.div_(temperature.unsqueeze(1)) if writable else logits / temperature.unsqueeze(1)
+        elif not writable:
+            logits = logits.clone()  # the caller's tensor: the stages below edit in place
 
         def min_p_edit(sub: Tensor, local: list[int]) -> None:
             min_p = torch.tensor([params[j].min_p for j in local], dtype=sub.dtype, device=device)
