@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
+    FCFSPolicy,
     PriorityPolicy,
     Request,
     RequestStatus,
@@ -116,6 +117,8 @@ def test_swap_preemption_moves_blocks_to_the_host_and_back_before_admitting() ->
     table = kv.block_table("b")
     out = sched.schedule()
     assert out.preempted_request_ids == ("b",) and sched.swapped == [b]
+    stats = sched.stats()
+    assert (stats.num_swapped, stats.num_running, stats.num_waiting, stats.num_preemptions) == (1, 1, 0, 1)
     assert [d for d, _ in out.blocks_to_swap_out] == list(table)
     assert b.num_computed_tokens == 8 and kv.is_swapped("b")
     sched.update_from_output(out, model.execute(out))
@@ -174,7 +177,8 @@ def test_abort_frees_blocks_at_once_in_every_state(kind: str) -> None:
     assert not sched.has_unfinished_requests()
     sched.check_invariants()
     kv.check_invariants()
-    assert {r.request_id for r in aborted} <= set(sched.schedule().finished_request_ids)
+    out = sched.schedule()
+    assert out.is_empty and {r.request_id for r in aborted} <= set(out.finished_request_ids)
     assert sched.abort_request("x") == []
 
 
@@ -242,3 +246,27 @@ def test_static_policy_waits_for_a_full_batch_or_the_timeout_and_allows_no_joins
     assert ids() == ["ccc"]
     run_to_completion(sched, model)
     assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_policies_order_queues_and_pick_victims_without_a_scheduler() -> None:
+    """FCFS: back/front insertion, latest arrival (ties: latest admitted) is the victim; priority sorts by key."""
+    reqs = [
+        Request(f"q{i}", [1], SimSamplingParams(priority=p), arrival_time=t)
+        for i, (p, t) in enumerate([(2, 0.0), (0, 1.0), (1, 1.0), (0, 2.0)])
+    ]
+    fcfs, queue = FCFSPolicy(), list[Request]()
+    for r in reqs[:3]:
+        fcfs.enqueue(queue, r, preempted=False)
+    fcfs.enqueue(queue, reqs[3], preempted=True)
+    assert [r.request_id for r in queue] == ["q3", "q0", "q1", "q2"]
+    assert fcfs.select_victim(reqs[:3]).request_id == "q2"  # q1 and q2 tie on arrival: the later in order
+    assert fcfs.admissible(queue, 0, 4) == queue
+    prio, queue = PriorityPolicy(), list[Request]()
+    for r in reqs:
+        prio.enqueue(queue, r, preempted=r.request_id == "q3")
+    assert [r.request_id for r in queue] == ["q1", "q3", "q2", "q0"]
+    assert prio.select_victim(reqs).request_id == "q0" and prio.select_victim(reqs[1:]).request_id == "q2"
+    with pytest.raises(ValueError):
+        prio.select_victim([])
+    with pytest.raises(ValueError):
+        StaticBatchPolicy(batch_size=0)
