@@ -1,0 +1,95 @@
+"""tools/bench_throughput.py: the workload, the FLOP count, the option parsing, and a smoke run on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_throughput.py"
+
+
+def load_tool() -> ModuleType:
+    """Import tools/bench_throughput.py (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("pagoda_tool_bench_throughput", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_tool()
+
+
+def test_workload_is_fixed_by_the_seed_and_within_the_ranges() -> None:
+    """Same seed, same workload; lengths and token ids stay in their inclusive ranges."""
+    a = bench.make_workload(50, (3, 9), (2, 5), 40, seed=7)
+    assert a == bench.make_workload(50, (3, 9), (2, 5), 40, seed=7)
+    assert a != bench.make_workload(50, (3, 9), (2, 5), 40, seed=8)
+    assert {len(p) for p in a.prompts} == set(range(3, 10))
+    assert set(a.output_lens) == set(range(2, 6))
+    assert all(0 <= t < 40 for p in a.prompts for t in p)
+    assert a.prompt_tokens == sum(map(len, a.prompts)) and a.output_tokens == sum(a.output_lens)
+
+
+@pytest.mark.parametrize("window", [1, 3, 10, 100])
+def test_windowed_keys_matches_a_direct_sum(window: int) -> None:
+    """Keys read with a sliding window: sum of min(p + 1, window) over the positions."""
+    for n in range(0, 30):
+        assert bench._windowed_keys(n, window) == sum(min(p + 1, window) for p in range(n))
+
+
+def test_workload_flops_counts_computed_positions_samples_and_attention() -> None:
+    """A 3-token prompt generating 2 tokens computes 4 positions (1+2+3+4 keys) and samples 2 LM heads."""
+    workload = bench.Workload(prompts=((1, 2, 3),), output_lens=(2,))
+    cost = bench.ModelCost(matmul_params=10, lm_head_flops=1000, attention=((2, 4, None), (2, 4, 2)))
+    full = 4 * 2 * 4 * (1 + 2 + 3 + 4)
+    windowed = 4 * 2 * 4 * (1 + 2 + 2 + 2)
+    assert bench.workload_flops(cost, workload) == 2 * 10 * 4 + 1000 * 2 + full + windowed
+
+
+def test_parse_compare_accepts_repeats_and_comma_lists() -> None:
+    """hf means both peers; none adds nothing; unknown names are rejected."""
+    assert bench.parse_compare([]) == ()
+    assert bench.parse_compare(["none"]) == ()
+    assert bench.parse_compare(["hf"]) == ("hf-batch", "hf-static")
+    assert bench.parse_compare(["hf-static", "hf-batch,none"]) == ("hf-batch", "hf-static")
+    with pytest.raises(Exception, match="vllm"):
+        bench.parse_compare(["vllm"])
+
+
+def test_table_ratio_is_pagoda_over_each_system() -> None:
+    """The ratio column divides Pagoda's output tokens/s by the row's."""
+    results = [
+        bench.Result("pagoda", 2.0, 4, 40, 100, 1.0, None),
+        bench.Result("hf-batch", 8.0, 4, 40, 100, 1.0, 0.5),
+    ]
+    table = bench.format_table(results)
+    hf_row = next(line for line in table.splitlines() if line.startswith("hf-batch"))
+    assert "4.00x" in hf_row and "12.5" in hf_row and "50%" in hf_row
+
+
+def test_smoke_tiny_llama_against_both_peers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 4-request run prints the table and the roofline, writes the JSON and the plot (no timing asserts)."""
+    out = tmp_path / "report.json"
+    png = tmp_path / "plot.png"
+    argv = ["--tiny", "llama", "--num-requests", "4", "--min-prompt-len", "4", "--max-prompt-len", "12"]
+    argv += ["--min-output-len", "2", "--max-output-len", "6", "--compare", "hf", "--matmul-seconds", "0.05"]
+    report = bench.main([*argv, "--json", str(out), "--plot", str(png)])
+    printed = capsys.readouterr().out
+    systems = ["pagoda", "hf-batch", "hf-static"]
+    assert [row["system"] for row in report["results"]] == systems
+    assert json.loads(out.read_text()) == report
+    for row in report["results"]:
+        assert row["num_requests"] == 4 and row["output_tok_s"] > 0
+        assert row["output_tokens"] == report["workload"]["output_tokens"]
+        assert any(line.startswith(row["system"]) for line in printed.splitlines())
+    # Same float32 weights, greedy: the peers generate Pagoda's tokens.
+    assert [row["same_tokens"] for row in report["results"]] == [None, 1.0, 1.0]
+    assert report["roofline"]["output_tok_s"] > 0 and "compute roofline" in printed
+    assert png.stat().st_size > 0

@@ -1,0 +1,576 @@
+"""Offline throughput: Pagoda against transformers' continuous batching and padded static batching, with a roofline.
+
+    .venv/bin/python tools/bench_throughput.py                     # default model, 128 requests, Pagoda only
+    .venv/bin/python tools/bench_throughput.py --compare hf --num-requests 32 --max-prompt-len 256 \
+        --max-output-len 128 --json out/tp.json --plot out/tp.png
+    .venv/bin/python tools/bench_throughput.py --tiny llama --compare hf   # a tiny random model, seconds
+
+The workload is fixed by --seed: random token-id prompts and per-request output lengths, greedy, EOS ignored, so
+every system computes exactly the same tokens. Only generation is timed (loading and warm-up are not). The peers
+run in the same process on the same float32 weights (the engine's converted safetensors folder):
+
+- hf-batch: `init_continuous_batching` + `add_request(max_new_tokens=L_i)`, transformers' own continuous batching
+  over a paged cache, warm-up on, sized like Pagoda (same batch-token budget and sequence cap, a cache that fits
+  every request);
+- hf-static: `generate` on left-padded batches of --static-batch-size in arrival order, each batch running to its
+  longest output; only each request's own L_i tokens count as output.
+
+The roofline is the workload's FLOPs (2 x non-embedding matmul weights per computed token, attention
+4 x ctx x heads x head_dim per layer, the LM head once per sampled token) at the best float32 matmul rate measured
+here, now. "same tokens" is the share of requests whose greedy tokens equal Pagoda's. The machine may be shared:
+the 1-minute load average after each run is printed beside it; compare ratios, which come from the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagoda.server.llm import LLM
+from pagoda.server.models.attention import Attention
+from pagoda.server.sampling_params import SamplingParams
+from torch import nn
+from tqdm import tqdm
+
+SYSTEMS = ("hf-batch", "hf-static")
+WARMUP_PROMPT_LEN = 8
+WARMUP_OUTPUT_LEN = 4
+HF_PAGE_SIZE = 256  # transformers' default page size for its paged cache
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Token-id prompts and the number of tokens each request must generate."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    output_lens: tuple[int, ...]
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the workload."""
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens over all requests."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens to generate over all requests."""
+        return sum(self.output_lens)
+
+
+def make_workload(
+    num_requests: int,
+    prompt_lens: tuple[int, int],
+    output_lens: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> Workload:
+    """Uniformly random prompt lengths, output lengths and token ids (inclusive ranges), fixed by `seed`."""
+    rng = random.Random(seed)
+    prompts: list[tuple[int, ...]] = []
+    lens: list[int] = []
+    for _ in range(num_requests):
+        prompts.append(tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))))
+        lens.append(rng.randint(*output_lens))
+    return Workload(tuple(prompts), tuple(lens))
+
+
+@dataclass(frozen=True)
+class Result:
+    """One system's timed run over the workload."""
+
+    system: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # useful output tokens: each request's own L_i
+    load_avg: float  # 1-minute load average when the run ended
+    same_tokens: float | None  # share of requests whose tokens equal Pagoda's; None for Pagoda itself
+
+    @property
+    def requests_per_s(self) -> float:
+        """Finished requests per second."""
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tok_s(self) -> float:
+        """Useful generated tokens per second."""
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        """Prompt plus useful generated tokens per second."""
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+
+Outputs = list[tuple[int, ...]]  # generated token ids per request, in workload order
+
+
+def finish(
+    system: str, workload: Workload, elapsed: float, outputs: Outputs, reference: Outputs | None
+) -> Result:
+    """A Result after checking that every request generated exactly its L_i tokens."""
+    wrong = [
+        (i, len(out), want)
+        for i, (out, want) in enumerate(zip(outputs, workload.output_lens, strict=True))
+        if len(out) != want
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"{system}: requests generated the wrong number of tokens (index, got, want): {wrong[:5]}"
+        )
+    same = None
+    if reference is not None:
+        same = sum(a == b for a, b in zip(outputs, reference, strict=True)) / workload.num_requests
+    return Result(
+        system,
+        elapsed,
+        workload.num_requests,
+        workload.prompt_tokens,
+        workload.output_tokens,
+        os.getloadavg()[0],
+        same,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- Pagoda
+
+
+def run_pagoda(llm: LLM, workload: Workload) -> tuple[Result, Outputs]:
+    """Greedy generate with EOS ignored, after a tiny untimed warm-up; the engine draws the progress bar."""
+    warmup = [workload.prompts[0][-1]] * WARMUP_PROMPT_LEN
+    llm.generate(
+        [warmup],
+        SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True),
+        use_tqdm=False,
+    )
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    start = time.perf_counter()
+    results = llm.generate([list(p) for p in workload.prompts], params)
+    elapsed = time.perf_counter() - start
+    outputs = [r.outputs[0].token_ids for r in results]
+    return finish("pagoda", workload, elapsed, outputs, None), outputs
+
+
+# ------------------------------------------------------------------------------------------- transformers
+
+
+def load_hf(model_path: Path) -> Any:
+    """The same checkpoint as a transformers model, float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return nn.Module.eval(model)
+
+
+def greedy_config(max_new_tokens: int, **fields: int) -> Any:
+    """A greedy GenerationConfig that never stops at EOS (eos_token_id -1 matches no token)."""
+    from transformers import GenerationConfig
+
+    # transformers leaves GenerationConfig.__init__ unannotated.
+    return GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False, eos_token_id=-1, max_new_tokens=max_new_tokens, **fields
+    )
+
+
+def run_hf_batch(
+    model: Any, workload: Workload, max_num_seqs: int, max_batch_tokens: int, reference: Outputs
+) -> tuple[Result, Outputs]:
+    """transformers' continuous batching (paged cache, its own scheduler) with a per-request max_new_tokens."""
+    from transformers import ContinuousBatchingConfig
+
+    generation_config = greedy_config(max(workload.output_lens))
+    pages = sum(
+        math.ceil((len(p) + n) / HF_PAGE_SIZE)
+        for p, n in zip(workload.prompts, workload.output_lens, strict=True)
+    )
+    cb_config = ContinuousBatchingConfig(
+        page_size=HF_PAGE_SIZE,
+        num_blocks=pages + 2 * max_num_seqs,  # every request fits: no eviction on either side
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=min(max_num_seqs, workload.num_requests),
+        allow_block_sharing=False,  # random prompts share no prefix; Pagoda's prefix cache finds none either
+    )
+    results: dict[str, Any] = {}
+    # The context manager warms up (untimed), starts the generation thread, and stops it on exit.
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=cb_config, block=True, timeout=30
+    ) as manager:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+            manager.add_request(list(prompt), request_id=f"r{i}", max_new_tokens=n)
+        with tqdm(total=workload.num_requests, desc="hf-batch", unit="req") as bar:
+            while len(results) < workload.num_requests:
+                result = manager.get_result(timeout=1.0)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' generation thread stopped before finishing")
+                    continue
+                if result.is_finished():
+                    if result.error is not None:
+                        raise RuntimeError(f"hf-batch request {result.request_id} failed: {result.error}")
+                    results[result.request_id] = result
+                    bar.update(1)
+        elapsed = time.perf_counter() - start
+    outputs = [tuple(results[f"r{i}"].generated_tokens) for i in range(workload.num_requests)]
+    return finish("hf-batch", workload, elapsed, outputs, reference), outputs
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 input ids and attention mask, both [batch, longest prompt], padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def run_hf_static(
+    model: Any, workload: Workload, batch_size: int, pad_id: int, reference: Outputs
+) -> tuple[Result, Outputs]:
+    """`generate` on left-padded batches in arrival order; each batch runs to its longest request."""
+    # Warm-up (untimed) on a tiny batch, like the other systems.
+    ids, mask = left_pad([workload.prompts[0][:WARMUP_PROMPT_LEN]], pad_id)
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=greedy_config(WARMUP_OUTPUT_LEN, pad_token_id=pad_id),
+        )
+    outputs: Outputs = []
+    start = time.perf_counter()
+    with tqdm(total=workload.num_requests, desc="hf-static", unit="req") as bar:
+        for first in range(0, workload.num_requests, batch_size):
+            prompts = workload.prompts[first : first + batch_size]
+            lens = workload.output_lens[first : first + batch_size]
+            ids, mask = left_pad(prompts, pad_id)
+            config = greedy_config(max(lens), pad_token_id=pad_id)
+            with torch.inference_mode():
+                sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            new = sequences[:, ids.shape[1] :]
+            if new.shape[1] != max(lens):
+                raise RuntimeError(f"hf-static generated {new.shape[1]} tokens, expected {max(lens)}")
+            outputs.extend(tuple(int(t) for t in row[:n]) for row, n in zip(new.tolist(), lens, strict=True))
+            bar.update(len(prompts))
+    elapsed = time.perf_counter() - start
+    return finish("hf-static", workload, elapsed, outputs, reference), outputs
+
+
+# ------------------------------------------------------------------------------------------------ roofline
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the FLOP count needs from a model."""
+
+    matmul_params: int  # weights of every non-embedding matmul (projections and MLPs)
+    lm_head_flops: int  # 2 * hidden * vocab, paid once per sampled token
+    # (num_heads, head_dim, sliding window or None) per attention layer
+    attention: tuple[tuple[int, int, int | None], ...]
+
+
+def model_cost(model: nn.Module, vocab_size: int) -> ModelCost:
+    """Count Pagoda's model: 2-D weights without a vocabulary dimension are the per-token matmuls."""
+    matmul = 0
+    lm_head = 0
+    seen: set[int] = set()
+    for param in model.parameters():
+        if id(param) in seen or param.dim() != 2:
+            continue
+        seen.add(id(param))
+        if vocab_size in param.shape:
+            lm_head = 2 * param.numel()  # the (tied or not) output embedding: [vocab, hidden]
+        else:
+            matmul += param.numel()
+    layers = tuple(
+        (m.num_heads, m.head_dim, m.sliding_window) for m in model.modules() if isinstance(m, Attention)
+    )
+    return ModelCost(matmul, lm_head, layers)
+
+
+def workload_flops(cost: ModelCost, workload: Workload) -> float:
+    """FLOPs of the workload: every computed position (prompt and fed-back outputs) plus one LM head per sample."""
+    total = 0.0
+    for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
+        computed = len(prompt) + n - 1  # the last generated token is never fed back
+        total += 2.0 * cost.matmul_params * computed + float(cost.lm_head_flops) * n
+        for heads, head_dim, window in cost.attention:
+            # Sum over positions p of the keys read, min(p + 1, window): QK^T and PV, 2 FLOPs per MAC each.
+            keys = sum(range(1, computed + 1)) if window is None else _windowed_keys(computed, window)
+            total += 4.0 * heads * head_dim * keys
+    return total
+
+
+def _windowed_keys(num_positions: int, window: int) -> int:
+    """Sum of min(p + 1, window) over positions p in [0, num_positions)."""
+    ramp = min(num_positions, window)
+    return ramp * (ramp + 1) // 2 + (num_positions - ramp) * window
+
+
+def measure_matmul_gflops(seconds: float = 0.5, rounds: int = 3) -> float:
+    """Best sustained float32 torch.mm rate (GFLOP/s) over a decode-like, a prefill-like and a square shape."""
+    shapes = ((256, 640, 2048), (2048, 640, 2048), (2048, 2048, 2048))
+    best = 0.0
+    for m, k, n in shapes:
+        a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+        torch.mm(a, b, out=out)
+        for _ in range(rounds):
+            reps, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds:
+                torch.mm(a, b, out=out)
+                reps += 1
+            best = max(best, 2.0 * m * k * n * reps / elapsed / 1e9)
+    return best
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The compute bound of the workload on this machine."""
+
+    matmul_gflops: float
+    workload_gflop: float
+    output_tok_s: float  # output tokens / (workload FLOPs / matmul rate)
+    pagoda_fraction: float
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """The results table; the ratio column is Pagoda's output tok/s over each system's."""
+    pagoda = next(r for r in results if r.system == "pagoda")
+    header = (
+        "system",
+        "time s",
+        "requests/s",
+        "output tok/s",
+        "total tok/s",
+        "Pagoda / system",
+        "same tokens",
+        "load",
+    )
+    rows = [header]
+    for r in results:
+        same = "-" if r.same_tokens is None else f"{r.same_tokens:.0%}"
+        rows.append(
+            (
+                r.system,
+                f"{r.elapsed_s:.1f}",
+                f"{r.requests_per_s:.2f}",
+                f"{r.output_tok_s:.1f}",
+                f"{r.total_tok_s:.1f}",
+                f"{pagoda.output_tok_s / r.output_tok_s:.2f}x",
+                same,
+                f"{r.load_avg:.1f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], roofline: Roofline, path: Path, title: str) -> None:
+    """Bar chart of output tokens/s per system, the roofline as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = ax.bar([r.system for r in results], [r.output_tok_s for r in results], color="tab:blue")
+    ax.bar_label(bars, fmt="%.1f")
+    ax.axhline(roofline.output_tok_s, color="tab:red", linestyle="--", label="compute roofline")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def parse_compare(values: Sequence[str]) -> tuple[str, ...]:
+    """--compare values (repeatable, comma lists) as the peers to run, in SYSTEMS order."""
+    chosen: set[str] = set()
+    for value in values:
+        for name in filter(None, (v.strip() for v in value.split(","))):
+            if name == "hf":
+                chosen.update(SYSTEMS)
+            elif name in SYSTEMS:
+                chosen.add(name)
+            elif name != "none":
+                raise argparse.ArgumentTypeError(
+                    f"--compare: unknown system {name!r}; use none, hf, hf-batch, hf-static"
+                )
+    return tuple(s for s in SYSTEMS if s in chosen)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="HF model folder or .gguf (default: the default model)")
+    parser.add_argument("--tiny", metavar="ARCH", default=None, help="a tiny random model of ARCH instead")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--min-prompt-len", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--min-output-len", type=int, default=32)
+    parser.add_argument("--max-output-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--static-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--matmul-seconds", type=float, default=0.5, help="length of each timed matmul round of the roofline"
+    )
+    parser.add_argument(
+        "--compare", action="append", default=[], help="none, hf (= hf-batch,hf-static), hf-batch, hf-static"
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="OUT.png", help="bar chart of output tok/s"
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.compare = parse_compare(args.compare)
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
+    for low, high in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, low) <= getattr(args, high):
+            parser.error(f"need 1 <= --{low.replace('_', '-')} <= --{high.replace('_', '-')}")
+    if args.num_requests < 1 or args.static_batch_size < 1:
+        parser.error("--num-requests and --static-batch-size must be at least 1")
+    if args.tiny is not None and args.model is not None:
+        parser.error("--tiny and --model are exclusive")
+    return args
+
+
+@contextmanager
+def model_source(args: argparse.Namespace) -> Iterator[str | None]:
+    """The --model argument for LLM: as given, or a tiny random model built in a temporary folder."""
+    if args.tiny is None:
+        yield args.model
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
+    from tiny_models import make_tiny_model
+
+    # Long enough for the workload's longest request (the tiny configs default to 256 positions).
+    positions = max(256, args.max_prompt_len + args.max_output_len)
+    with tempfile.TemporaryDirectory(prefix="bench-tiny-") as tmp:
+        yield str(make_tiny_model(args.tiny, Path(tmp) / args.tiny, max_position_embeddings=positions))
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """Run every system on the workload; print and return the report."""
+    with model_source(args) as model:
+        engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
+        if args.max_num_batched_tokens is not None:
+            engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+        llm = LLM(model, **engine_args)
+        engine = llm.engine
+        workload = make_workload(
+            args.num_requests,
+            (args.min_prompt_len, args.max_prompt_len),
+            (args.min_output_len, args.max_output_len),
+            engine.vocab_size,
+            args.seed,
+        )
+        title = (
+            f"{engine.model_name}: {workload.num_requests} requests, prompts {args.min_prompt_len}-"
+            f"{args.max_prompt_len}, outputs {args.min_output_len}-{args.max_output_len} (seed {args.seed})"
+        )
+        log(title)
+        log(
+            f"  {workload.prompt_tokens} prompt tokens, {workload.output_tokens} output tokens, "
+            f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs"
+        )
+        pagoda, reference = run_pagoda(llm, workload)
+        results = [pagoda]
+        cost = model_cost(engine.runner.model, engine.vocab_size)
+        if args.compare:
+            hf_model = load_hf(engine.model_path)
+            pad = engine.tokenizer.pad_token_id
+            pad_id = pad if isinstance(pad, int) else 0
+            batch_tokens = engine.scheduler.config.max_num_batched_tokens
+            del llm, engine  # free the engine's KV cache before the peers allocate theirs
+            gc.collect()
+            if "hf-batch" in args.compare:
+                results.append(
+                    run_hf_batch(hf_model, workload, args.max_num_seqs, batch_tokens, reference)[0]
+                )
+            if "hf-static" in args.compare:
+                results.append(
+                    run_hf_static(hf_model, workload, args.static_batch_size, pad_id, reference)[0]
+                )
+    rate = measure_matmul_gflops(args.matmul_seconds)
+    flops = workload_flops(cost, workload)
+    roof_tok_s = workload.output_tokens / (flops / (rate * 1e9))
+    roofline = Roofline(rate, flops / 1e9, roof_tok_s, pagoda.output_tok_s / roof_tok_s)
+    log("")
+    log(format_table(results))
+    log("")
+    log(
+        f"compute roofline: {roofline.workload_gflop:.4g} GFLOP at {rate:.1f} GFLOP/s (best float32 matmul) = "
+        f"{roof_tok_s:.1f} output tok/s; Pagoda reaches {roofline.pagoda_fraction:.1%} of it"
+    )
+    report: dict[str, Any] = {
+        "title": title,
+        "workload": {
+            "num_requests": workload.num_requests,
+            "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": workload.output_tokens,
+            "prompt_len": [args.min_prompt_len, args.max_prompt_len],
+            "output_len": [args.min_output_len, args.max_output_len],
+            "seed": args.seed,
+        },
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "roofline": asdict(roofline),
+        "results": [
+            {
+                **asdict(r),
+                "requests_per_s": r.requests_per_s,
+                "output_tok_s": r.output_tok_s,
+                "total_tok_s": r.total_tok_s,
+                "pagoda_ratio": pagoda.output_tok_s / r.output_tok_s,
+            }
+            for r in results
+        ],
+    }
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        plot(results, roofline, args.plot, title)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Entry point; returns the report that --json writes."""
+    return run(parse_args(argv), print)
+
+
+if __name__ == "__main__":
+    main()
