@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from pagoda.blockalloc import BlockHash, BlockManager
+from pagoda.blockalloc import BlockHash, BlockManager, SlotAllocation
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, hash_block_tokens, salt_bytes
 
 BS = 4
@@ -184,6 +184,13 @@ class RefModel:
         return pairs
 
 
+def same(out: SlotAllocation | None, expect: Slots | None) -> bool:
+    """Whether the manager's allocation equals the model's (both None, or equal slots, copies and hits)."""
+    if out is None or expect is None:
+        return out is None and expect is None
+    return (out.slots, out.copies, out.num_cached_tokens) == expect
+
+
 class Harness:
     """Drives a BlockManager and the RefModel with the same valid or invalid operations and compares them."""
 
@@ -224,7 +231,7 @@ class Harness:
         bound = self.m.can_allocate(seq, n, num_computed_tokens=cached)
         out = self.m.allocate_slots(seq, tokens, n, num_computed_tokens=cached, salt=salt_s)
         expect = self.ref.allocate(seq, tokens, n, cached, salt_s)
-        assert (out.slots, out.copies, out.num_cached_tokens) == expect if out else expect is None
+        assert same(out, expect)
         assert out is not None or not bound, "can_allocate promised room"
         if out is not None:
             self.tokens[seq], self.salt[seq] = tokens, salt_s
@@ -242,7 +249,7 @@ class Harness:
         can = self.m.can_allocate(seq, n)
         out = self.m.allocate_slots(seq, tokens, n)
         expect = self.ref.allocate(seq, tokens, n, 0, None)
-        assert (out.slots, out.copies, out.num_cached_tokens) == expect if out else expect is None
+        assert same(out, expect)
         assert can == (out is not None) and (needed <= NUM_BLOCKS or not can)
 
     def fork(self, i: int) -> None:

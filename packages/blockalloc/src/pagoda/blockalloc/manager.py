@@ -277,6 +277,11 @@ class BlockManager:
             assert self.enable_prefix_caching or not seq.block_hashes, (
                 f"sequence {seq_id!r} hashed with caching off"
             )
+        for seq_id, seq in self.seqs.items():
+            for block, block_hash in zip(seq.blocks, seq.block_hashes, strict=False):
+                assert block.block_hash in (None, block_hash), (
+                    f"sequence {seq_id!r}: block {block.block_id} hash"
+                )
         for seq_id, seq in self.swapped.items():
             assert all(b.ref_cnt == 1 for b in seq.blocks), f"swapped sequence {seq_id!r} shares a host block"
 
