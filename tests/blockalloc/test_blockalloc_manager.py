@@ -349,6 +349,7 @@ def test_lookup_hashes_are_reused_by_the_allocation(monkeypatch: pytest.MonkeyPa
     real = hashing.hash_blocks
 
     def counting(*args: Any) -> list[BlockHash]:
+        """hash_blocks, recording how many blocks each call hashed."""
         out = real(*args)
         hashed.append(len(out))
         return out

@@ -201,7 +201,6 @@ class Harness:
         self.tokens: dict[str, list[int]] = {}
         self.salt: dict[str, str | None] = {}
         self.next_id = 0
-        self.num_ops = 0
 
     def fresh_id(self) -> str:
         """An id never used before."""
@@ -226,13 +225,16 @@ class Harness:
             self.m.get_num_cached_tokens(tokens, salt=salt_s, max_tokens=len(tokens) - 1) if use_cache else 0
         )
         model_cached = self.ref.cached_prefix(tokens, (len(tokens) - 1) // BS, salt_bytes(salt_s))[0]
-        assert cached in (0, len(model_cached) * BS)
+        assert cached == (len(model_cached) * BS if use_cache else 0)
         n = min(chunk, len(tokens) - cached)
         bound = self.m.can_allocate(seq, n, num_computed_tokens=cached)
+        needed, free_before = self.m.num_blocks_needed(seq, n, num_computed_tokens=cached), len(self.ref.free)
         out = self.m.allocate_slots(seq, tokens, n, num_computed_tokens=cached, salt=salt_s)
         expect = self.ref.allocate(seq, tokens, n, cached, salt_s)
         assert same(out, expect)
+        # An upper bound for a new sequence: True promises success, and no more blocks are consumed.
         assert out is not None or not bound, "can_allocate promised room"
+        assert out is None or free_before - len(self.ref.free) <= needed
         if out is not None:
             self.tokens[seq], self.salt[seq] = tokens, salt_s
 
@@ -245,12 +247,17 @@ class Harness:
         if ntok >= len(tokens):
             tokens += [(ntok + j) % 5 for j in range(k)]
         n = max(0, len(tokens) + extra - ntok)
-        needed = self.m.num_blocks_needed(seq, n)
-        can = self.m.can_allocate(seq, n)
+        needed, can, free_before = (
+            self.m.num_blocks_needed(seq, n),
+            self.m.can_allocate(seq, n),
+            len(self.ref.free),
+        )
         out = self.m.allocate_slots(seq, tokens, n)
         expect = self.ref.allocate(seq, tokens, n, 0, None)
         assert same(out, expect)
-        assert can == (out is not None) and (needed <= NUM_BLOCKS or not can)
+        # Exact for a known sequence: succeeds iff enough blocks, and consumes exactly that many.
+        assert can == (out is not None)
+        assert out is None or free_before - len(self.ref.free) == needed
 
     def fork(self, i: int) -> None:
         """Fork a device sequence whose slots all have known tokens."""
@@ -313,7 +320,6 @@ class Harness:
 
     def check(self) -> None:
         """Invariants hold and every observable matches the model exactly."""
-        self.num_ops += 1
         m, ref = self.m, self.ref
         m.check_invariants()
         assert {s: list(m.block_table(s)) for s in m.seqs} == ref.tables
