@@ -59,12 +59,11 @@ class Allocator(Protocol):
 
 
 class NaiveBlockManager:
-    """The peer: same semantics, but the free queue is a Python list and ref counts live in a dict.
+    """The peer: same semantics, but the free queue is a Python list and ref counts live in a dict."""
 
-    The list's end is the queue's front, so allocation (`pop()`) and freeing an uncached block (`append`) are
-    O(1); freeing a cached block to the queue's back (`insert(0, ...)`) and reviving a cached block from the
-    middle (`list.remove`) are O(free blocks). Slots use per-block range arithmetic like Pagoda's.
-    """
+    # The list's end is the queue's front, so allocation (`pop()`) and freeing an uncached block (`append`) are
+    # O(1); freeing a cached block to the queue's back (`insert(0, ...)`) and reviving a cached block from the
+    # middle (`list.remove`) are O(free blocks). Slots use per-block range arithmetic like Pagoda's.
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
         """Same sizes and the same block order as BlockManager."""
