@@ -1,4 +1,4 @@
-"""Simulation helpers: a token-level stand-in for the model runner, and a contiguous-preallocation adapter.
+"""Simulation helpers: a token-level stand-in for the model runner and the reference it must match.
 
 `TokenCacheModel` executes a `SchedulerOutput` the way a real runner does (swap out, swap in, copies, write
 the chunk's tokens into their slots, read each context back through the block table) but stores token ids
