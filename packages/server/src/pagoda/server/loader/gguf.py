@@ -61,6 +61,7 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
     try:
         _convert_into(gguf_path, scratch)
+        _make_shareable(scratch)
         try:
             scratch.rename(target)
         except OSError:
@@ -70,6 +71,15 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _make_shareable(folder: Path) -> None:
+    """Give the folder and its files the umask's usual permissions (mkdtemp makes them private to the owner)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _convert_into(gguf_path: Path, folder: Path) -> None:

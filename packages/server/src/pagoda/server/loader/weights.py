@@ -102,6 +102,18 @@ class _Checkpoint:
         return tensor
 
 
+def _checkpoint_name(model: CausalLM, target: _Target) -> str:
+    """The checkpoint name that fills `target` (e.g. `...self_attn.k_proj.weight` for shard 1 of `qkv_proj`)."""
+    if target.shard is None:
+        return target.param
+    parent, _, attr = target.param.rpartition(".")
+    owner, _, fused = parent.rpartition(".")
+    for leaf, packed in model.packed_modules.items():
+        if packed.module == fused and packed.index == target.shard:
+            return f"{owner}.{leaf}.{attr}"
+    return f"{target.param} (shard {target.shard})"
+
+
 def _names(items: Sequence[str]) -> str:
     """A short, sorted listing of names for an error message."""
     shown = sorted(items)[:_MAX_NAMES_SHOWN]
@@ -143,5 +155,5 @@ def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
         raise WeightLoadError(f"checkpoint tensors with no matching parameter: {_names(unexpected)}")
     missing = expected - loaded
     if missing:
-        described = [t.param if t.shard is None else f"{t.param} (shard {t.shard})" for t in missing]
+        described = [_checkpoint_name(model, target) for target in missing]
         raise WeightLoadError(f"weights missing from the checkpoint: {_names(described)}")

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata
 from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
 from pagoda.server.models.layers import (
+    Embedding,
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    embedding,
     head_dim_of,
-    linear,
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -58,7 +58,7 @@ class Gemma3Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             hidden, [self.q_size, self.kv_size, self.kv_size], bias=bias, dtype=dtype, device=device
         )
-        self.o_proj = linear(self.q_size, hidden, bias=bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, hidden, bias=bias, dtype=dtype, device=device)
         self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
         window = getattr(config, "sliding_window", None)
@@ -102,7 +102,7 @@ class Gemma3MLP(nn.Module):
             raise NotImplementedError(f"hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
         self.inner = inner
         self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=False, dtype=dtype, device=device)
-        self.down_proj = linear(inner, hidden, bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         """down(gelu_tanh(gate(x)) * up(x))."""
@@ -150,7 +150,7 @@ class Gemma3TextModel(nn.Module):
         super().__init__()
         hidden = int(config.hidden_size)
         layer_types = gemma3_layer_types(config)
-        self.embed_tokens = embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
+        self.embed_tokens = Embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
         # Rounded to the embedding dtype before the multiply, as Hugging Face does (it matters in bfloat16).
         self.embed_scale = float(torch.tensor(hidden**0.5, dtype=dtype).item())
         self.layers = nn.ModuleList(

@@ -15,15 +15,31 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 _DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
 
-def linear(
-    in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device: torch.device
-) -> nn.Linear:
-    """An `nn.Linear` with uninitialised storage: the loader fills every parameter, so random init is wasted time."""
-    layer = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
-    return layer.to_empty(device=device).requires_grad_(False)
+def _empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """Uninitialised storage: the loader fills every parameter, so an initialisation pass would be wasted time."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Module):
+    """y = x W^T (+ b), with the weight laid out [out_features, in_features] like checkpoints store it."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.weight = _empty_parameter(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
+        """The affine map."""
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        """Shown by print(model)."""
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
     """A linear layer whose output rows stack several checkpoint projections (e.g. q, k, v), one matmul for all."""
 
     def __init__(
@@ -35,19 +51,24 @@ class MergedLinear(nn.Linear):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias, device="meta", dtype=dtype)
+        super().__init__(in_features, sum(shard_sizes), bias=bias, dtype=dtype, device=device)
         self.shard_sizes = tuple(shard_sizes)
-        self.to_empty(device=device).requires_grad_(False)
 
     def shard_rows(self, index: int) -> tuple[int, int]:
         """(first row, number of rows) of shard `index` in the weight and bias."""
         return sum(self.shard_sizes[:index]), self.shard_sizes[index]
 
 
-def embedding(num_embeddings: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> nn.Embedding:
-    """An `nn.Embedding` with uninitialised storage (see `linear`)."""
-    layer = nn.Embedding(num_embeddings, dim, device="meta", dtype=dtype)
-    return layer.to_empty(device=device).requires_grad_(False)
+class Embedding(nn.Module):
+    """Token embedding table [num_embeddings, dim] (also the LM head when embeddings are tied)."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty_parameter(num_embeddings, dim, dtype=dtype, device=device)
+
+    def forward(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, dim]
+        """The rows of `ids`."""
+        return F.embedding(ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +82,7 @@ class RMSNorm(nn.Module):
         self, dim: int, eps: float, *, unit_offset: bool, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = _empty_parameter(dim, dtype=dtype, device=device)
         self.eps = eps
         self.unit_offset = unit_offset
 

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata
 from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
 from pagoda.server.models.layers import (
+    Embedding,
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    embedding,
     head_dim_of,
-    linear,
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, dtype=dtype, device=device
         )
-        self.o_proj = linear(self.q_size, hidden, bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype, device=device)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.model_type == "qwen3":
@@ -111,7 +111,7 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.inner = inner
         self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=bias, dtype=dtype, device=device)
-        self.down_proj = linear(inner, hidden, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         """down(silu(gate(x)) * up(x))."""
@@ -160,7 +160,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         hidden = int(config.hidden_size)
-        self.embed_tokens = embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
+        self.embed_tokens = Embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, window, dtype=dtype, device=device)
             for window in layer_sliding_windows(config)
@@ -192,9 +192,9 @@ class LlamaForCausalLM(CausalLM):
             head_dim_of(config),
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = linear(
+            self.lm_head = Linear(
                 int(config.hidden_size), int(config.vocab_size), bias=False, dtype=dtype, device=device
             )
 

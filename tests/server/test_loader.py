@@ -1,0 +1,334 @@
+"""The loader: safetensors folders (single and sharded), strict weight checks, and the GGUF conversion cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pagoda.server.loader.gguf as gguf_module
+import pytest
+import torch
+from pagoda.pagedkernel import KernelBackend
+from pagoda.server.loader import WeightLoadError, cache_folder, load_model
+from pagoda.server.models import UnsupportedArchitectureError
+from safetensors.torch import load_file, save_file
+from tiny_models import (  # type: ignore[import-not-found,unused-ignore]
+    PagedKV,
+    make_tiny_hf_model,
+    make_tiny_model,
+)
+from torch import Tensor
+from transformers import AutoTokenizer, GPT2Config, PreTrainedModel
+
+CPU = torch.device("cpu")
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    """A private copy of a model folder, for tests that damage it."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_checkpoint(folder: Path, edit: Callable[[dict[str, Tensor]], object]) -> None:
+    """Rewrite a single-file checkpoint after `edit` changed its tensors in place."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def prompt_logits(model_path: str, backend: KernelBackend, tokens: list[int]) -> Tensor:
+    """Last-position logits of `tokens` through our model loaded from `model_path`."""
+    model = load_model(model_path, dtype=torch.float32, device=CPU).model
+    return PagedKV(model.kv_cache_spec(), backend).run(model, [(0, tokens)])[0]
+
+
+def test_loaded_model_carries_config_tokenizer_and_folder(tiny_model_path: Callable[[str], Path]) -> None:
+    """LoadedModel holds the HF config, a working tokenizer with its chat template, and the folder read."""
+    path = tiny_model_path("llama")
+    loaded = load_model(str(path), dtype=torch.float32, device=CPU)
+    assert loaded.model_path == path
+    assert loaded.hf_config.model_type == "llama"
+    assert loaded.tokenizer.decode(loaded.tokenizer("Hello world").input_ids, skip_special_tokens=True) == (
+        "Hello world"
+    )
+    assert loaded.tokenizer.chat_template
+
+
+def test_sharded_checkpoint_loads_like_the_single_file(
+    tiny_model_path: Callable[[str], Path], tmp_path: Path, torch_backend: KernelBackend
+) -> None:
+    """A model saved in many shards with an index loads, and computes what the single-file copy computes."""
+    sharded = make_tiny_model("llama", tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    tokens = [5, 17, 42, 99, 3, 250, 7]
+    torch.testing.assert_close(
+        prompt_logits(str(sharded), torch_backend, tokens),
+        prompt_logits(str(tiny_model_path("llama")), torch_backend, tokens),
+        atol=0,
+        rtol=0,
+    )
+
+
+def test_missing_weight_is_named(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """A checkpoint without one projection fails, naming it, instead of running with uninitialised memory."""
+    folder = copy_model(tiny_model_path("llama"), tmp_path / "model")
+    edit_checkpoint(folder, lambda tensors: tensors.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(WeightLoadError, match=r"missing.*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(str(folder), dtype=torch.float32, device=CPU)
+
+
+def test_missing_untied_lm_head_is_named(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """An untied model needs its own lm_head."""
+    folder = copy_model(tiny_model_path("qwen2"), tmp_path / "model")
+    edit_checkpoint(folder, lambda tensors: tensors.pop("lm_head.weight"))
+    with pytest.raises(WeightLoadError, match=r"missing.*lm_head\.weight"):
+        load_model(str(folder), dtype=torch.float32, device=CPU)
+
+
+def test_unexpected_weight_is_named(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """A tensor the model has no place for (e.g. another architecture's) fails loudly."""
+    folder = copy_model(tiny_model_path("llama"), tmp_path / "model")
+    edit_checkpoint(
+        folder, lambda tensors: tensors.update({"model.layers.0.mlp.fc1.weight": torch.zeros(2, 2)})
+    )
+    with pytest.raises(WeightLoadError, match=r"no matching parameter.*model\.layers\.0\.mlp\.fc1\.weight"):
+        load_model(str(folder), dtype=torch.float32, device=CPU)
+
+
+def test_wrong_shape_is_named(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """A tensor of the wrong shape fails with both shapes."""
+    folder = copy_model(tiny_model_path("llama"), tmp_path / "model")
+    name = "model.layers.0.mlp.up_proj.weight"
+    edit_checkpoint(folder, lambda tensors: tensors.update({name: tensors[name][:-1]}))
+    with pytest.raises(
+        WeightLoadError, match=r"up_proj\.weight: checkpoint shape \(127, 64\) != model shape"
+    ):
+        load_model(str(folder), dtype=torch.float32, device=CPU)
+
+
+def test_tied_checkpoint_with_a_stored_lm_head_loads(
+    tiny_model_path: Callable[[str], Path], tmp_path: Path, torch_backend: KernelBackend
+) -> None:
+    """Some tied checkpoints also store lm_head.weight (the embedding again): accepted as the embedding."""
+    source = tiny_model_path("llama3_rope_scaling")
+    folder = copy_model(source, tmp_path / "model")
+
+    def add_lm_head(tensors: dict[str, Tensor]) -> None:
+        assert "lm_head.weight" not in tensors
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+
+    edit_checkpoint(folder, add_lm_head)
+    tokens = [9, 8, 7, 6, 5]
+    torch.testing.assert_close(
+        prompt_logits(str(folder), torch_backend, tokens), prompt_logits(str(source), torch_backend, tokens)
+    )
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
+    """A config of an architecture we do not implement fails before any weight is read, listing ours."""
+    GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, architectures=["GPT2LMHeadModel"]
+    ).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError) as error:
+        load_model(str(tmp_path), dtype=torch.float32, device=CPU)
+    message = str(error.value)
+    assert "GPT2LMHeadModel" in message
+    for arch in (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
+    ):
+        assert arch in message
+
+
+def test_not_a_model_is_a_clear_error(tmp_path: Path) -> None:
+    """A path that is neither a model folder nor a .gguf file, or a folder without safetensors, says so."""
+    with pytest.raises(FileNotFoundError, match="neither a model folder"):
+        load_model(str(tmp_path / "nowhere"), dtype=torch.float32, device=CPU)
+    GPT2Config().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    with pytest.raises(FileNotFoundError, match=r"no safetensors weights"):
+        load_model(str(tmp_path), dtype=torch.float32, device=CPU)
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------
+
+
+def _llama_cpp_rope_order(weight: Tensor, num_heads: int) -> np.ndarray:
+    """q/k rows as llama.cpp's converter stores them (each head's two rotary halves interleaved)."""
+    out_features = weight.shape[0]
+    halves = weight.reshape(num_heads, 2, out_features // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2)
+    return halves.reshape(weight.shape).numpy()
+
+
+def write_tiny_llama_gguf(hf_model: PreTrainedModel, tokenizer_dir: Path, path: Path) -> Path:
+    """Write `hf_model` (a tiny Llama) and the tiny byte-level BPE tokenizer as an F32 GGUF file."""
+    import gguf
+
+    config = hf_model.config
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tokenizer["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    # Pad the vocabulary to the model's size, as llama.cpp does for padded vocabularies.
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), config.vocab_size)]
+    specials = {entry["content"] for entry in tokenizer["added_tokens"]}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in specials else 1 for token in tokens])
+    writer.add_token_merges(
+        [" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]]
+    )
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    state = {name: tensor.detach().float() for name, tensor in hf_model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
+    for layer in range(config.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            weight = state[f"model.layers.{layer}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                array = _llama_cpp_rope_order(weight, config.num_attention_heads)
+            elif gguf_name == "attn_k":
+                array = _llama_cpp_rope_order(weight, config.num_key_value_heads)
+            else:
+                array = weight.numpy()
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    """A tiny Llama written as GGUF, and the Hugging Face model it was written from."""
+    folder = tmp_path_factory.mktemp("gguf")
+    hf_model = make_tiny_hf_model("llama")
+    make_tiny_model("llama", folder / "tokenizer")
+    return write_tiny_llama_gguf(hf_model, folder / "tokenizer", folder / "tiny-llama.gguf"), hf_model
+
+
+def test_gguf_is_converted_once_then_read_from_the_cache(
+    tiny_gguf: tuple[Path, PreTrainedModel],
+    gguf_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    torch_backend: KernelBackend,
+) -> None:
+    """First load converts into the cache (the model equals its source); the second reads the cache only."""
+    gguf_path, hf_model = tiny_gguf
+    conversions: list[Path] = []
+    convert = gguf_module._convert_into
+
+    def spy(source: Path, folder: Path) -> None:
+        conversions.append(source)
+        convert(source, folder)
+
+    monkeypatch.setattr(gguf_module, "_convert_into", spy)
+    tokens = [1, 40, 41, 300, 12, 99, 5, 60, 61]
+    first = load_model(str(gguf_path), dtype=torch.float32, device=CPU)
+    assert conversions == [gguf_path]
+    assert first.model_path == cache_folder(gguf_path, gguf_cache)
+    assert first.model_path.parent == gguf_cache
+    assert [p.name for p in gguf_cache.iterdir()] == [first.model_path.name]  # no partial folder left behind
+    assert first.hf_config.architectures == ["LlamaForCausalLM"]
+    assert first.tokenizer.chat_template
+    logits = PagedKV(first.model.kv_cache_spec(), torch_backend).run(first.model, [(0, tokens)])[0]
+    with torch.no_grad():
+        want = hf_model(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+
+    second = load_model(str(gguf_path), dtype=torch.float32, device=CPU)
+    assert conversions == [gguf_path]
+    assert second.model_path == first.model_path
+    source_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent / "tokenizer")
+    text = "The capital of France is Paris."
+    assert second.tokenizer.encode(text, add_special_tokens=False) == source_tokenizer.encode(
+        text, add_special_tokens=False
+    )
+
+
+def test_interrupted_gguf_conversion_leaves_no_cache(
+    tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion that dies half-way leaves nothing that a later load would take for a complete cache."""
+    gguf_path, _ = tiny_gguf
+    cache = tmp_path / "cache"
+    convert = gguf_module._convert_into
+
+    def dies_after_writing(source: Path, folder: Path) -> None:
+        convert(source, folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_module, "_convert_into", dies_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(str(gguf_path), dtype=torch.float32, device=CPU, cache_dir=cache)
+    assert list(cache.iterdir()) == []
+    monkeypatch.setattr(gguf_module, "_convert_into", convert)
+    loaded = load_model(str(gguf_path), dtype=torch.float32, device=CPU, cache_dir=cache)
+    assert loaded.model_path == cache_folder(gguf_path, cache)
+
+
+def test_gguf_cache_key_follows_the_file(tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path) -> None:
+    """The cache folder is named after the file and changes when the file is replaced (size or mtime)."""
+    gguf_path, _ = tiny_gguf
+    copy = tmp_path / "tiny-llama.gguf"
+    shutil.copy2(gguf_path, copy)
+    before = cache_folder(copy, tmp_path)
+    assert before.name.startswith("tiny-llama-") and before == cache_folder(copy, tmp_path)
+    with copy.open("ab") as file:
+        file.write(b"\0")
+    assert cache_folder(copy, tmp_path) != before
+
+
+@pytest.mark.slow
+def test_default_model_predicts_paris(torch_backend: KernelBackend) -> None:
+    """The default Gemma 3 270M (converted once into ~/.cache/pagoda, shared across runs) answers sensibly."""
+    loaded = load_model(None, dtype=torch.float32, device=CPU)
+    config = loaded.hf_config
+    assert config.model_type == "gemma3_text" and config.num_hidden_layers == 18
+    assert config.sliding_window == 512 and config.query_pre_attn_scalar == 256
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+    assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
+    tokenizer = loaded.tokenizer
+    tokens = tokenizer("The capital of France is").input_ids
+    kv = PagedKV(loaded.model.kv_cache_spec(), torch_backend, num_blocks=16, block_size=16)
+    logits = kv.run(loaded.model, [(0, tokens)])[0]
+    top5 = [tokenizer.decode([token]) for token in logits.topk(5).indices.tolist()]
+    assert " Paris" in top5, top5
