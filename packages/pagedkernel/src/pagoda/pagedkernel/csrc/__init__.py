@@ -15,9 +15,17 @@ import torch
 DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 256
 
-# Source files compiled per dtype only, and per dtype and head_dim.
+# Source files (compiled per dtype, and the attention file per dtype and head_dim) and their kernels.
 CACHE_OPS_FILE = "cache_ops.cu"
 ATTENTION_FILE = "paged_attention.cu"
+RESHAPE_AND_CACHE = "pagoda_reshape_and_cache"
+COPY_BLOCKS = "pagoda_copy_blocks"
+PAGED_ATTENTION = "pagoda_paged_attention"
+PAGED_ATTENTION_REDUCE = "pagoda_paged_attention_reduce"
+KERNELS: dict[str, tuple[str, ...]] = {
+    CACHE_OPS_FILE: (RESHAPE_AND_CACHE, COPY_BLOCKS),
+    ATTENTION_FILE: (PAGED_ATTENTION, PAGED_ATTENTION_REDUCE),
+}
 
 _INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.MULTILINE)
 
@@ -28,7 +36,7 @@ def read_source(name: str) -> str:
     Inlining (instead of an -I option) keeps the source self-contained for NVRTC, which has no include path
     into an installed wheel, and makes cupy's on-disk kernel cache, keyed by source text, see header edits.
     """
-    text = importlib.resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+    text = importlib.resources.files(__name__).joinpath(name).read_text(encoding="utf-8")
     return _INCLUDE.sub(lambda match: read_source(match.group(1)), text)
 
 
@@ -39,6 +47,8 @@ def compile_options(dtype: torch.dtype, head_dim: int | None = None) -> tuple[st
     options = ["-std=c++17", f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}"]
     if head_dim is not None:
         if not 0 < head_dim <= MAX_HEAD_DIM:
-            raise ValueError(f"the cupy attention kernels support head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+            raise ValueError(
+                f"the cupy attention kernels support head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+            )
         options.append(f"-DPAGODA_HEAD_DIM={head_dim}")
     return tuple(options)
