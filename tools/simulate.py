@@ -154,8 +154,8 @@ class Result:
         return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def build(system: str, args: argparse.Namespace, block_size: int) -> Scheduler:
-    """Scheduler and KV manager of one system, with `args.kv_tokens` slots of KV memory."""
+def build(system: str, args: argparse.Namespace, block_size: int, clock: Callable[[], float]) -> Scheduler:
+    """Scheduler and KV manager of one system, with `args.kv_tokens` slots of KV memory; `clock` is sim time."""
     num_blocks = args.kv_tokens // block_size
     prefix = system == "d"
     paged = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
@@ -163,7 +163,7 @@ def build(system: str, args: argparse.Namespace, block_size: int) -> Scheduler:
     policy: SchedulingPolicy = FCFSPolicy()
     if system == "a":
         batch = max(1, min(args.max_num_seqs, num_blocks // -(-args.max_model_len // block_size)))
-        policy = StaticBatchPolicy(batch, args.static_timeout, clock=lambda: 0.0)
+        policy = StaticBatchPolicy(batch, args.static_timeout, clock=clock)
     config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -199,15 +199,11 @@ def simulate(
     progress: Callable[[int], object],
 ) -> Result:
     """Run `trace` through one system; time advances by the cost model's step time."""
-    sched = build(system, args, block_size)
+    now, next_index, step = 0.0, 0, 0
+    sched = build(system, args, block_size, clock=lambda: now)  # the static batch timeout runs on sim time
     cost = CostModel()
     result = Result(SYSTEMS[system])
     arrivals = {f"q{i}": t.arrival for i, t in enumerate(trace)}
-    now, next_index, step = 0.0, 0, 0
-    if system == "a":
-        policy = sched.policy
-        assert isinstance(policy, StaticBatchPolicy)
-        policy.clock = lambda: now  # the static batch timeout runs on simulated time
     while next_index < len(trace) or sched.has_unfinished_requests():
         while next_index < len(trace) and trace[next_index].arrival <= now:
             t = trace[next_index]
