@@ -56,6 +56,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished since the last schedule()
         self._num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
+        self._block_size = kv.block_size
         # Block tables as last sent: a known sequence's table only grows at the end or has its last block
         # replaced by copy-on-write (reported in `copies`), so most steps reuse the tuple instead of asking kv.
         self._block_tables: dict[str, tuple[int, ...]] = {}
@@ -196,7 +197,7 @@ class Scheduler:
             if request.num_children_to_fork:
                 self._fork(request)
             for sample_id in chunk.sample_ids:
-                target = self._requests[sample_id]
+                target = request if sample_id == chunk.request_id else self._requests[sample_id]
                 tokens = sampled_token_ids.get(sample_id)
                 if not tokens:
                     raise ValueError(f"no sampled token for scheduled sample {sample_id!r}")
@@ -337,7 +338,7 @@ class Scheduler:
         else:
             sample_ids = (rid,)
         table = self._block_tables.get(rid)
-        if table is None or allocation.copies or len(table) * self.kv.block_size < end:
+        if table is None or allocation.copies or len(table) * self._block_size < end:
             table = self._block_tables[rid] = tuple(self.kv.block_table(rid))
         step.scheduled.append(
             ScheduledRequest(
@@ -382,7 +383,7 @@ class Scheduler:
         """Finished status after appending `token`, if any (a stop token wins over the length cap)."""
         sp = request.sampling_params
         num_output = request.num_output_tokens
-        if num_output >= sp.min_tokens and token in sp.stop_token_ids:
+        if token in sp.stop_token_ids and num_output >= sp.min_tokens:
             request.stop_token_id = token
             return RequestStatus.FINISHED_STOPPED
         if num_output >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
