@@ -29,7 +29,7 @@ FAST_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[
 
 @pytest.fixture(scope="module")
 def byte_level() -> PreTrainedTokenizerFast:
-    """A GPT-2-style byte-level BPE trained on the corpus (every byte is a token, so any id sequence decodes)."""
+    """A GPT-2-style byte-level BPE trained on the corpus (every byte is a token: any id sequence decodes)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -169,7 +169,8 @@ def test_pure_python_tokenizer_uses_offsets(
 
 def test_first_token_keeps_its_space_after_a_prompt(sentencepiece: PreTrainedTokenizerFast) -> None:
     """Sentencepiece strips the leading space of a decode; a sample of a prompt must not lose it."""
-    word = min(t for t in sentencepiece.get_vocab() if t.startswith("▁") and t[1:].isalpha())  # e.g. "▁the"
+    # A word token with its space marker, e.g. "▁the".
+    word = min(t for t in sentencepiece.get_vocab() if t.startswith("▁") and t[1:].isalpha())
     word_id = sentencepiece.convert_tokens_to_ids(word)
     assert isinstance(word_id, int)
     params = SamplingParams()

@@ -90,7 +90,7 @@ def test_distribution_matches_softmax_with_temperature() -> None:
 @pytest.mark.parametrize(
     ("params", "allowed"),
     [
-        # probs of [4, 3, 2, 1, 0, ...] after softmax: min_p 0.3 keeps p >= 0.3 * p_max, i.e. logits >= 4 + ln 0.3.
+        # Logits [4, 3, 2, 1, 0, ...]: min_p 0.3 keeps p >= 0.3 p_max, i.e. logits >= 4 + ln 0.3 = 2.8.
         (SamplingParams(min_p=0.3), [0, 1]),
         (SamplingParams(top_k=3), [0, 1, 2]),
         # top_p 0.9: tokens 0 (0.64), 1 (0.24) hold 0.88 < 0.9, so token 2 is needed too.
@@ -293,6 +293,8 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_rank_and_top_k() -> None:
             < 1e-6
         )
     assert out.logprobs[1] is not None and out.logprobs[1].rank == 1
+    only_sampled = Sampler()(logits[:2], [row(SamplingParams(temperature=0.0, logprobs=0))] * 2).logprobs
+    assert [(e.rank, e.top_token_ids) for e in only_sampled if e is not None] == [(1, []), (1, [])]
     assert out.logprobs[4] is not None and out.logprobs[4].rank > 6
 
 

@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
         return stop
 
     def output_text(self, finished: bool) -> str:
-        """The text so far; unless finished (or stopped), without the characters a stop string may still use."""
+        """The text so far; unless finished or stopped, without the characters a stop string may still use."""
         if finished or self._matched is not None or not self._holdback:
             return self._text
         return self._text[: max(0, len(self._text) - self._holdback)]

@@ -1,9 +1,10 @@
 """Logit edits that depend on a row's token history: min_tokens stop masking and the three penalties.
 
 `apply_history` runs the stages some row needs on a copy of the logits; the stage functions edit `logits` in
-place for a subset of its rows. A history becomes flat (row, token) index pairs applied with one gather and one
-index_put, so the cost grows with the number of history tokens rather than with rows x vocab
-(a dense [rows, vocab] count tensor is 1 GiB at 1,024 rows of a 262k vocab).
+place for a subset of its rows. A history becomes flat (row, token) index pairs, applied with one gather and
+one index_put and no sort or dedup: a token seen twice writes the same value twice, and counts come from an
+accumulating put. So the cost grows with the number of history tokens, not with rows x vocab (a dense
+[rows, vocab] count tensor is 1 GiB at 1,024 rows of a 262k vocab).
 """
 
 from __future__ import annotations
@@ -16,23 +17,17 @@ from pagoda.server.sampling.records import SamplingRow
 from torch import Tensor
 
 
-def _flat_pairs(token_lists: Sequence[Sequence[int]], vocab_size: int) -> tuple[Tensor, Tensor]:
-    """Local row index and token id of every history token, on the CPU: the index pair for scatter ops."""
+def _flat_pairs(
+    row_indices: Sequence[int], token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(local row, logits row, token id) of every history token: the index triple for gathers and puts."""
     lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    local = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}) to index the logits")
-    return rows, tokens
-
-
-def _unique_pairs(
-    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Distinct (local row, token) pairs of the histories and how often each occurs."""
-    rows, tokens = _flat_pairs(token_lists, vocab_size)
-    keys, counts = torch.unique(rows * vocab_size + tokens, return_counts=True)
-    return (keys // vocab_size).to(device), (keys % vocab_size).to(device), counts.to(device)
+    rows = torch.tensor(row_indices, dtype=torch.long)[local]
+    return local.to(device), rows.to(device), tokens.to(device)
 
 
 def mask_tokens(
@@ -41,9 +36,8 @@ def mask_tokens(
     token_ids: Sequence[Sequence[int]],  # per listed row: the ids to forbid
 ) -> None:
     """Set the listed tokens' logits to -inf (min_tokens keeps stop tokens from being sampled)."""
-    rows, tokens = _flat_pairs(token_ids, logits.shape[1])
-    rows = torch.tensor(row_indices, dtype=torch.long)[rows]
-    logits[rows.to(logits.device), tokens.to(logits.device)] = float("-inf")
+    _, rows, tokens = _flat_pairs(row_indices, token_ids, logits.shape[1], logits.device)
+    logits[rows, tokens] = float("-inf")
 
 
 def apply_repetition_penalty(
@@ -53,12 +47,10 @@ def apply_repetition_penalty(
     penalties: Sequence[float],  # per listed row, > 0
 ) -> None:
     """vLLM's repetition penalty: every token seen in prompt or output has a positive logit divided by the
-    penalty and a negative one multiplied by it (each token once, however often it occurs)."""
-    device = logits.device
-    local, tokens, _ = _unique_pairs(token_ids, logits.shape[1], device)
-    rows = torch.tensor(row_indices, dtype=torch.long, device=device)[local]
-    penalty = torch.tensor(penalties, dtype=logits.dtype, device=device)[local]
-    values = logits[rows, tokens]
+    penalty and a negative one multiplied by it (once, however often it occurs)."""
+    local, rows, tokens = _flat_pairs(row_indices, token_ids, logits.shape[1], logits.device)
+    penalty = torch.tensor(penalties, dtype=logits.dtype, device=logits.device)[local]
+    values = logits[rows, tokens]  # gathered before the put, so repeats compute and write the same value
     logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
 
 
@@ -69,13 +61,13 @@ def apply_frequency_presence_penalties(
     frequency_penalties: Sequence[float],  # per listed row
     presence_penalties: Sequence[float],  # per listed row
 ) -> None:
-    """OpenAI's penalties on generated tokens: subtract frequency x count and presence once if count > 0."""
+    """OpenAI's penalties on generated tokens: presence once per distinct token, frequency per occurrence."""
     device = logits.device
-    local, tokens, counts = _unique_pairs(output_token_ids, logits.shape[1], device)
-    rows = torch.tensor(row_indices, dtype=torch.long, device=device)[local]
-    frequency = torch.tensor(frequency_penalties, dtype=logits.dtype, device=device)[local]
+    local, rows, tokens = _flat_pairs(row_indices, output_token_ids, logits.shape[1], device)
     presence = torch.tensor(presence_penalties, dtype=logits.dtype, device=device)[local]
-    logits[rows, tokens] -= frequency * counts.to(logits.dtype) + presence
+    frequency = torch.tensor(frequency_penalties, dtype=logits.dtype, device=device)[local]
+    logits[rows, tokens] = logits[rows, tokens] - presence  # repeats write the same value: applied once
+    logits.index_put_((rows, tokens), -frequency, accumulate=True)  # applied per occurrence
 
 
 def apply_history(

@@ -13,7 +13,7 @@ _SEED_MODULUS = 2**64  # torch.Generator.manual_seed accepts any value in [0, 2*
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
-    """One sample to draw this step: its parameters, token history, private RNG and the ids min_tokens masks."""
+    """One sample to draw this step: its parameters, token history, own RNG and the ids min_tokens masks."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]

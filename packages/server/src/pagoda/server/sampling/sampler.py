@@ -65,7 +65,7 @@ class Sampler:
         random_rows: list[int],
         rows: Sequence[SamplingRow],
     ) -> Tensor:  # [len(random_rows)] int64
-        """Temperature, min_p, top_k, top_p, then an exponential-race draw (argmax of probs / Exp(1) noise)."""
+        """Temperature, min_p, top_k, top_p, then an exponential race (argmax of probs / Exp(1) noise)."""
         device = processed.device
         vocab = processed.shape[1]
         params = [rows[i].params for i in random_rows]
