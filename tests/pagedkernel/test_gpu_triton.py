@@ -5,16 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 from pagoda.pagedkernel import allocate_host_cache, get_backend, torch_backend, triton_backend
-from pagoda.pagedkernel.testing import make_case, relative_error
+from pagoda.pagedkernel.testing import PagedCase, make_case, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-# Llama-3-8B attention: 32 query heads over 8 KV heads of 128 dims, blocks of 16 tokens.
-LLAMA = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _llama_case(seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0) -> PagedCase:
+    """Llama-3-8B attention (32 query heads over 8 KV heads of 128 dims) in blocks of 16 tokens, on CUDA."""
+    return make_case(
+        seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype, seed=seed, device="cuda"
+    )
 
 
 def test_auto_is_triton_on_cuda() -> None:
@@ -29,7 +34,7 @@ def test_decode_long_contexts(
 ) -> None:
     """Decode over contexts of 1 to 5,000 tokens (several 512-key partitions), Llama-3-8B shapes."""
     seqs = [(n, 1) for n in (1, 16, 17, 511, 513, 2048, 5000)]
-    c = make_case(seqs, **LLAMA, dtype=dtype, device="cuda")
+    c = _llama_case(seqs, dtype)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.context_lens, c.scale)
     out = torch.full_like(c.q, float("nan"))
     triton_backend.paged_decode_attention(
@@ -47,7 +52,7 @@ def test_decode_long_contexts(
 def test_prefill_varlen(dtype: torch.dtype, sliding_window: int | None, logit_softcap: float | None) -> None:
     """A 1,500-token prompt, a chunk of a long context, a prefix hit and decodes in one varlen batch."""
     seqs = [(1500, 1500), (3000, 700), (40, 8), (9, 1), (1, 1)]
-    c = make_case(seqs, **LLAMA, dtype=dtype, device="cuda", seed=2)
+    c = _llama_case(seqs, dtype, seed=2)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
     out = torch.full_like(c.q, float("nan"))
     triton_backend.paged_prefill_attention(

@@ -88,6 +88,21 @@ def test_low_precision_dtypes(dtype: torch.dtype) -> None:
     assert relative_error(out, reference_attention(case)) < 1e-2
 
 
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_unwritten_slots_never_reach_the_output(sliding_window: int | None) -> None:
+    """NaN in every cache slot outside the contexts (tails of last blocks, spare blocks) changes nothing."""
+    seqs = [(13, 13), (9, 2), (21, 1), (3, 3)]
+    case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=8, block_size=8, poison_unused=True)
+    assert case.k_cache.isnan().any()
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.context_lens)
+    for softcap in (None, 3.0):
+        out = torch_backend.paged_prefill_attention(
+            *args, case.scale, sliding_window=sliding_window, logit_softcap=softcap
+        )
+        ref = reference_attention(case, sliding_window=sliding_window, logit_softcap=softcap)
+        assert relative_error(out, ref) < 1e-5
+
+
 def test_prefill_of_decodes_equals_decode() -> None:
     """Decode is prefill with q_len = 1."""
     seqs = [(n, 1) for n in (4, 19, 1)]
@@ -116,10 +131,25 @@ def test_uneven_prefill_batches() -> None:
     assert relative_error(out, reference_attention(case)) < 1e-5
 
 
-def test_batches_group_by_length() -> None:
-    """Decodes share one group; lengths far apart are not padded together."""
-    groups = torch_backend._batches(torch.tensor([1, 300, 1, 290, 5, 0]))
+def test_plan_groups_by_length_and_size() -> None:
+    """Decodes share a group; lengths far apart are not padded together; big K/V splits a group; q_len 0 skipped."""
+    groups = torch_backend.plan_groups([1, 300, 1, 290, 5, 0], [10, 300, 20, 290, 5, 4], bytes_per_key=8)
     assert sorted(map(sorted, groups)) == [[0, 2], [1, 3], [4]]
+    budget_keys = torch_backend.GROUP_BYTES // 1000
+    groups = torch_backend.plan_groups([1] * 5, [budget_keys // 2] * 5, bytes_per_key=1000)
+    assert [len(g) for g in groups] == [2, 2, 1]
+    assert torch_backend.plan_groups([1], [10 * budget_keys], bytes_per_key=1000) == [[0]]
+
+
+def test_large_decode_batch_split_into_groups() -> None:
+    """A batch whose K/V exceed one group's budget gives the same result as the dense reference."""
+    seqs = [(n, 1) for n in (700, 30, 900, 1, 650, 800)]
+    case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=256, block_size=16, seed=5)
+    assert len(torch_backend.plan_groups([1] * 6, [n for n, _ in seqs], 2 * 4 * 2 * 256)) > 1
+    out = torch_backend.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale
+    )
+    assert relative_error(out, reference_attention(case)) < 1e-5
 
 
 def test_reshape_and_cache_skips_negative_slots() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from pagoda.pagedkernel import get_backend, torch_backend, triton_backend
 from pagoda.pagedkernel.backend import KernelOps
-from pagoda.pagedkernel.testing import make_case, relative_error
+from pagoda.pagedkernel.testing import make_case, reference_attention, relative_error
 
 # mypy proves that the module's functions match the shared signatures.
 _OPS: KernelOps = triton_backend
@@ -120,6 +120,36 @@ def test_half_precision(dtype: torch.dtype) -> None:
     out = triton_backend.paged_prefill_attention(*args)
     assert out.dtype == dtype
     assert relative_error(out, torch_backend.paged_prefill_attention(*args)) < 1e-2
+
+
+def test_unwritten_slots_never_reach_the_output() -> None:
+    """NaN in every cache slot outside the contexts is masked out by both kernels."""
+    c = make_case(
+        [(20, 20), (9, 3), (33, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=16,
+        poison_unused=True,
+        device=DEVICE,
+    )
+    prefill = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
+    ref = reference_attention(c)
+    assert relative_error(triton_backend.paged_prefill_attention(*prefill), ref) < 1e-3
+    decode = (
+        c.q[c.query_start_loc[1:].long() - 1],
+        c.k_cache,
+        c.v_cache,
+        c.block_tables,
+        c.context_lens,
+        c.scale,
+    )
+    ref_decode = ref[c.query_start_loc[1:].long() - 1]
+    for partition_size in (512, 16):
+        out = triton_backend.decode_with_partitions(
+            *decode, sliding_window=None, logit_softcap=None, out=None, partition_size=partition_size
+        )
+        assert relative_error(out, ref_decode) < 1e-3
 
 
 def test_reshape_and_cache_matches_torch() -> None:

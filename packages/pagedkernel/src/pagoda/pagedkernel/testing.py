@@ -33,8 +33,13 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: str = "cpu",
+    poison_unused: bool = False,
 ) -> PagedCase:
-    """Random K/V in shuffled blocks (spare blocks hold junk too), garbage past each table's last block."""
+    """Random K/V in shuffled blocks, garbage past each table's last block.
+
+    Cache slots outside every sequence's context hold random values, or NaN with `poison_unused` (a kernel must
+    never let them reach the output).
+    """
     gen = torch.Generator().manual_seed(seed)
     needed = [math.ceil(ctx / block_size) for ctx, _ in seqs]
     num_blocks = sum(needed) + 3
@@ -50,6 +55,13 @@ def make_case(
     for i, n in enumerate(needed):
         block_tables[i, :n] = perm[used : used + n].to(torch.int32)
         used += n
+    if poison_unused:
+        written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+        for i, (ctx, _) in enumerate(seqs):
+            pos = torch.arange(ctx)
+            written[block_tables[i, pos // block_size].long() * block_size + pos % block_size] = True
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[~written] = float("nan")
     q_lens = [q_len for _, q_len in seqs]
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)

@@ -6,6 +6,8 @@ the kernels assume (contiguous head_dim rows, contiguous caches) instead of sile
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from pagoda.pagedkernel import torch_backend
 from pagoda.pagedkernel.backend import BackendUnavailableError
@@ -25,6 +27,11 @@ from pagoda.pagedkernel import triton_kernels as kernels
 DECODE_PARTITION_SIZE = 512
 # Elements of one cache block copied per program in copy_blocks / swap_blocks.
 _COPY_CHUNK = 1024
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: object, **meta: object) -> None:
+    """Launch `kernel` on `grid`; the one place kernels start (the compile test records launches here)."""
+    kernel[grid](*args, **meta)
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -85,7 +92,9 @@ def reshape_and_cache(
     if key.shape[0] == 0:
         return
     row = key.shape[1] * key.shape[2]
-    kernels.reshape_and_cache_kernel[(key.shape[0],)](
+    _launch(
+        kernels.reshape_and_cache_kernel,
+        (key.shape[0],),
         key,
         value,
         k_cache,
@@ -160,7 +169,9 @@ def decode_with_partitions(
     part_acc = q.new_empty((*part_shape, head_dim_pad) if not one else (1,), dtype=torch.float32)
     part_max = q.new_empty(part_shape if not one else (1,), dtype=torch.float32)
     part_sum = q.new_empty(part_shape if not one else (1,), dtype=torch.float32)
-    kernels.paged_decode_kernel[(num_seqs, k_cache.shape[2], num_partitions)](
+    _launch(
+        kernels.paged_decode_kernel,
+        (num_seqs, k_cache.shape[2], num_partitions),
         out,
         part_acc,
         part_max,
@@ -197,7 +208,9 @@ def decode_with_partitions(
         num_warps=4,
     )
     if not one:
-        kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](
+        _launch(
+            kernels.paged_decode_reduce_kernel,
+            (num_seqs, num_heads),
             out,
             part_acc,
             part_max,
@@ -244,7 +257,9 @@ def paged_prefill_attention(
     # Sequence s owns tiles query_start_loc[s] // block_q + s onwards, so this grid covers every sequence's
     # queries without reading lengths back to the host; surplus tiles exit without work.
     grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
-    kernels.paged_prefill_kernel[grid](
+    _launch(
+        kernels.paged_prefill_kernel,
+        grid,
         out,
         q,
         k_cache,
@@ -293,7 +308,7 @@ def _launch_copy(src: list[Tensor], dst: list[Tensor], block_pairs: Tensor) -> N
     dst_ptrs = torch.tensor([c.data_ptr() for c in dst], dtype=torch.int64, device=ref.device)
     block_numel = ref[0].numel()
     grid = (pairs.shape[0], len(src), triton.cdiv(block_numel, _COPY_CHUNK))
-    kernels.copy_blocks_kernel[grid](src_ptrs, dst_ptrs, ref, pairs, block_numel, CHUNK=_COPY_CHUNK)
+    _launch(kernels.copy_blocks_kernel, grid, src_ptrs, dst_ptrs, ref, pairs, block_numel, CHUNK=_COPY_CHUNK)
 
 
 def copy_blocks(

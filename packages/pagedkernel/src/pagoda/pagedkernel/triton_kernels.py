@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_INIT = -1.0e30
+# Globals read inside kernels must be tl.constexpr instances.
+NEG_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -220,8 +221,10 @@ def paged_decode_reduce_kernel(
 @triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The sequence owning query tile `tile`: sequence s owns tiles from query_start_loc[s] // BLOCK_Q + s on."""
-    lo = num_seqs * 0
-    hi = num_seqs
+    # Loaded-value arithmetic keeps both bounds runtime scalars: num_seqs == 1 is specialised to a constant,
+    # which the loop could not then reassign.
+    lo = tl.load(query_start_loc_ptr) * 0
+    hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
