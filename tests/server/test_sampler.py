@@ -9,6 +9,7 @@ import pytest
 import torch
 from pagoda.server.sampling import Sampler, SamplingRow, make_generator, sample_seed
 from pagoda.server.sampling.penalties import apply_history
+from pagoda.server.sampling.truncation import apply_top_p
 from pagoda.server.sampling_params import SamplingParams
 from torch import Tensor
 
@@ -110,6 +111,25 @@ def test_truncation_keeps_exactly_the_allowed_set_renormalized(
     assert set(tokens) == set(allowed)
     probs = torch.softmax(logits[0, allowed].double(), dim=0)
     assert (frequencies(tokens, vocab)[allowed] - probs).abs().max() < 0.03
+
+
+def test_top_p_candidates_and_full_sort_agree() -> None:
+    """The nucleus found among a few candidates (falling back to a full sort for rows whose candidates hold
+    too little mass) equals the one a full sort finds, and matches a per-row reference."""
+    vocab = 200
+    logits = random_logits(64, 12, vocab=vocab, scale=1.0)
+    logits[::2] *= 6.0  # peaked rows: the nucleus fits in the candidates; flat rows need the fallback
+    top_p = torch.linspace(0.05, 1.0, 64)
+    few, full = logits.clone(), logits.clone()
+    apply_top_p(few, top_p, candidates=8)
+    apply_top_p(full, top_p, candidates=vocab)
+    assert torch.equal(few, full)
+    probs = torch.softmax(logits.double(), dim=-1)
+    for i in range(64):
+        kept = probs[i].sort(descending=True).values
+        size = int((kept.cumsum(0) - kept < float(top_p[i])).sum())  # smallest prefix reaching top_p
+        assert int(torch.isfinite(full[i]).sum()) == size
+        assert torch.isfinite(full[i][probs[i].argmax()])
 
 
 def reference_history(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
@@ -221,12 +241,13 @@ def seeded_steps(
         SamplingParams(temperature=0.9, seed=42),
         SamplingParams(temperature=1.2, top_k=5, seed=42),
         SamplingParams(temperature=0.8, min_p=0.05, seed=42),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=42),
     ],
-    ids=["plain", "top_k", "min_p"],
+    ids=["plain", "top_k", "min_p", "top_p"],
 )
 def test_same_seed_same_tokens_whatever_the_batch(params: SamplingParams) -> None:
     """A seeded row draws the same tokens alone and at any position among greedy, seeded, unseeded and
-    top_p rows (which send top_k rows through the sort path instead of the partial top-k)."""
+    top_p, top_k, min_p and penalized rows (each stage runs on a different subset of the batch)."""
     logits = random_logits(6, 7, scale=1.0)
     others = [
         row(SamplingParams(temperature=0.0)),

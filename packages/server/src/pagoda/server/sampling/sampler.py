@@ -8,7 +8,7 @@ import torch
 from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling.penalties import apply_history
 from pagoda.server.sampling.records import SamplerOutput, SamplingRow
-from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_top_k_top_p
+from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_top_p
 from torch import Tensor
 
 
@@ -87,23 +87,18 @@ class Sampler:
             top_k = [min(params[j].top_k or vocab, vocab) for j in local]
             apply_top_k(sub, torch.tensor(top_k, dtype=torch.long, device=device), max(top_k))
 
-        def top_k_top_p_edit(sub: Tensor, local: list[int]) -> None:
-            top_k = [min(params[j].top_k or vocab, vocab) for j in local]
-            top_p = torch.tensor([params[j].top_p for j in local], dtype=sub.dtype, device=device)
-            top_k_tensor = (
-                torch.tensor(top_k, dtype=torch.long, device=device) if min(top_k) < vocab else None
-            )
-            apply_top_k_top_p(sub, top_k_tensor, top_p)
+        def top_p_edit(sub: Tensor, local: list[int]) -> None:
+            apply_top_p(sub, torch.tensor([params[j].top_p for j in local], dtype=sub.dtype, device=device))
 
         min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
         if min_p_rows:
             _on_rows(logits, min_p_rows, min_p_edit)
         top_k_rows = [j for j, p in enumerate(params) if p.top_k is not None and p.top_k < vocab]
+        if top_k_rows:
+            _on_rows(logits, top_k_rows, top_k_edit)
         top_p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
         if top_p_rows:
-            _on_rows(logits, sorted({*top_k_rows, *top_p_rows}), top_k_top_p_edit)
-        elif top_k_rows:
-            _on_rows(logits, top_k_rows, top_k_edit)
+            _on_rows(logits, top_p_rows, top_p_edit)
 
         probs = logits.softmax(dim=-1)
         # argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i (the exponential race,
