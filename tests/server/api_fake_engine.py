@@ -266,7 +266,7 @@ def serve_in_thread(
     *,
     settings: AppSettings | None = None,
     max_waiting_requests: int | None = None,
-    served_model_name: str = "fake-model",
+    served_model_name: str = "test-model",
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol

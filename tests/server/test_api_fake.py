@@ -11,16 +11,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
 from api_fake_engine import REJECT_MARKER, FakeEngine, RunningServer, make_char_tokenizer, serve_in_thread
 from pagoda.server.api.chat_template import GEMMA_CHAT_TEMPLATE
-
-MODEL = "fake-model"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     """One server over a fast fake engine for the whole module."""
-    with serve_in_thread(FakeEngine(max_model_len=128)) as running:
+    with serve_in_thread(FakeEngine(max_model_len=MAX_MODEL_LEN)) as running:
         yield running
 
 
@@ -148,7 +147,7 @@ def test_chat_default_max_tokens_fills_the_context(server: RunningServer, client
     """Without max_tokens a chat may use the whole remaining context."""
     result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert result.usage is not None
-    assert result.usage.prompt_tokens + result.usage.completion_tokens == 128
+    assert result.usage.prompt_tokens + result.usage.completion_tokens == MAX_MODEL_LEN
     assert result.choices[0].finish_reason == "length"
 
 
@@ -200,45 +199,14 @@ def test_models_tokenize_detokenize(server: RunningServer, client: openai.OpenAI
     """/v1/models lists the served name; /tokenize and /detokenize round-trip."""
     assert [m.id for m in client.models.list().data] == [MODEL]
     tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "hi"}).json()
-    assert tokens == {"count": 3, "max_model_len": 128, "tokens": prompt_ids("hi")}
+    assert tokens == {"count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": prompt_ids("hi")}
     chat = httpx.post(f"{server.base_url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.json()["tokens"][:2] == [1, 4]  # <bos> <start_of_turn>
     text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": prompt_ids("hi")[1:]}).json()
     assert text == {"prompt": "hi"}
 
 
-BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
-    ({"prompt": "x" * 200}, "prompt"),
-    ({"prompt": "hello", "max_tokens": 125}, "max_tokens"),
-    ({"prompt": "hello", "temperature": -0.1}, "temperature"),
-    ({"prompt": "hello", "top_p": 0.0}, "top_p"),
-    ({"prompt": "hello", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hello", "top_k": 0}, "top_k"),
-    ({"prompt": "hello", "top_k": -2}, "top_k"),
-    ({"prompt": "hello", "presence_penalty": 2.5}, "presence_penalty"),
-    ({"prompt": "hello", "frequency_penalty": -3}, "frequency_penalty"),
-    ({"prompt": "hello", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hello", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
-    ({"prompt": "hello", "n": 17}, "n"),
-    ({"prompt": "hello", "logprobs": 21}, "logprobs"),
-    ({"prompt": "hello", "stop": [""]}, "stop"),
-    ({"prompt": "hello", "stop": [str(i) for i in range(17)]}, "stop"),
-    ({"prompt": [0, 1, 100000]}, "prompt"),
-    ({"prompt": [-1]}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [[]]}, "prompt"),
-    ({"prompt": "hello", "stop_token_ids": [99999]}, "stop_token_ids"),
-    ({"prompt": "hello", "echo": True, "logprobs": 1}, "echo"),
-    ({"prompt": "hello", "temperature": "hot"}, "temperature"),
-    ({"prompt": "hello", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "hello", "seed": 2**70}, "seed"),
-    ({}, "prompt"),
-    ({"prompt": REJECT_MARKER}, "prompt"),
-]
-
-
-@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+@pytest.mark.parametrize(("body", "param"), [*BAD_COMPLETIONS, ({"prompt": REJECT_MARKER}, "prompt")])
 def test_bad_completion_is_400_naming_the_field(
     server: RunningServer, client: openai.OpenAI, body: dict[str, Any], param: str | None
 ) -> None:
@@ -249,16 +217,6 @@ def test_bad_completion_is_400_naming_the_field(
     assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
     assert "Traceback" not in error["message"]
     assert_good_request(client)
-
-
-BAD_CHATS: list[tuple[dict[str, Any], str | None]] = [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
-]
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS)
@@ -272,17 +230,7 @@ def test_bad_chat_is_400(
     assert_good_request(client)
 
 
-@pytest.mark.parametrize(
-    ("content", "content_type", "message"),
-    [
-        (b"{not json", "application/json", "not valid JSON"),
-        (b"[1, 2]", "application/json", "JSON object"),
-        (b'"text"', "application/json", "JSON object"),
-        (b'{"prompt": "hi"}', "text/plain", "Content-Type"),
-        (b"\xff\xfe", "application/json", "not valid JSON"),
-        (b'{"prompt": "hi", "temperature": NaN}', "application/json", "temperature"),
-    ],
-)
+@pytest.mark.parametrize(("content", "content_type", "message"), MALFORMED_BODIES)
 def test_malformed_bodies_are_400(
     server: RunningServer, client: openai.OpenAI, content: bytes, content_type: str, message: str
 ) -> None:
@@ -292,6 +240,19 @@ def test_malformed_bodies_are_400(
     )
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+    assert_good_request(client)
+
+
+@pytest.mark.parametrize(("content", "param"), NON_FINITE_BODIES)
+def test_non_finite_number_is_400(
+    server: RunningServer, client: openai.OpenAI, content: bytes, param: str
+) -> None:
+    """NaN and infinities in sampling fields are 400s naming the field."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(
+            server.base_url + path, content=content, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert_good_request(client)
 
 

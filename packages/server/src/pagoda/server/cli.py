@@ -1,18 +1,177 @@
-"""Command-line entry point: `pagoda serve [MODEL]`."""
+"""Command-line entry point: `pagoda serve [MODEL] [OPTIONS]` starts the OpenAI-compatible server."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
+from collections.abc import Sequence
+from typing import get_args
+
+from pagoda.server.config import DTypeName, EngineConfig, KernelBackendName, PreemptionMode
+
+logger = logging.getLogger("pagoda.server")
+
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the `pagoda` command line."""
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] != "serve":
-        print("usage: pagoda serve [MODEL] [OPTIONS]", file=sys.stderr)
+def build_parser() -> argparse.ArgumentParser:
+    """The `pagoda` argument parser (vLLM's flag names where the meaning is the same)."""
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument(
+        "model", nargs="?", default=None, help="HF model folder or .gguf file (default: Gemma 3 270M)"
+    )
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--served-model-name", default=None, help="model name in the API (default: MODEL)")
+    server.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer <key>` (all but /health)"
+    )
+    server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 429 when this many sequences wait for their first token (n samples count n)",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+    )
+    server.add_argument(
+        "--max-request-body-bytes", type=int, default=4 * 1024 * 1024, help="413 for larger request bodies"
+    )
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = serve.add_argument_group("engine")
+    engine.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)"
+    )
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: fraction of GPU memory the engine may use",
+    )
+    engine.add_argument("--kv-cache-gib", type=float, default=4.0, help="CPU: KV-cache size in GiB")
+    engine.add_argument(
+        "--swap-space", type=float, default=4.0, help="host swap space in GiB (preemption by swap)"
+    )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of shared prompt prefixes",
+    )
+    engine.add_argument("--preemption-mode", choices=get_args(PreemptionMode), default="recompute")
+    engine.add_argument("--enforce-eager", action="store_true", help="CUDA: skip torch.compile")
+    engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
+    engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
+    engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed `serve` arguments (raises ValueError naming a bad field)."""
+    return EngineConfig(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_gib=args.kv_cache_gib,
+        swap_space_gib=args.swap_space,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        enforce_eager=args.enforce_eager,
+        kernel_backend=args.kernel_backend,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Reject server options out of range (ValueError naming the flag)."""
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError("--max-waiting-requests must be >= 0")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    if args.max_request_body_bytes < 1:
+        raise ValueError("--max-request-body-bytes must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError("--port must be in [0, 65535]")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
+    # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
+    from pagoda.server.api import AppSettings, AsyncLLM, EngineClient, build_app
+    from pagoda.server.api.server import run_server
+    from pagoda.server.engine import LLMEngine
+
+    try:
+        check_server_args(args)
+        config = engine_config(args)
+    except ValueError as exc:
+        print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
-    print("pagoda: the OpenAI-compatible server is not built yet (see the server issue).", file=sys.stderr)
-    return 1
+    try:
+        engine = LLMEngine.from_config(config)
+    except ValueError as exc:  # EngineConfigError: says what to change
+        print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
+        return 1
+    capacity = engine.num_kv_blocks * engine.block_size
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
+        engine.num_kv_blocks,
+        engine.block_size,
+        capacity,
+        engine.max_model_len,
+    )
+    if capacity < engine.max_model_len:
+        print(
+            f"pagoda serve: cannot start: the KV cache holds {capacity} tokens, fewer than one request of "
+            f"max_model_len {engine.max_model_len}; raise --kv-cache-gib (CPU) or --gpu-memory-utilization "
+            "(CUDA), or lower --max-model-len",
+            file=sys.stderr,
+        )
+        return 1
+    client: EngineClient = engine  # mypy proves the engine satisfies the API's Protocol
+    llm = AsyncLLM(
+        client,
+        served_model_name=args.served_model_name or engine.model_name,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    app = build_app(llm, AppSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes))
+    run_server(
+        app,
+        llm,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `pagoda` command line; returns the exit status."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return 2  # argparse rejects unknown commands before this
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""Bad requests shared by the fake-engine and live-server API tests: (body, the `param` the 400 must name).
+
+Both servers run with MAX_MODEL_LEN; token ids are used where a length must be exact (BPE merges letters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_MODEL_LEN = 64
+MODEL = "test-model"  # --served-model-name of every test server
+
+BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
+    ({"prompt": [5] * (MAX_MODEL_LEN + 1)}, "prompt"),
+    ({"prompt": [5] * 10, "max_tokens": MAX_MODEL_LEN - 9}, "max_tokens"),
+    ({"prompt": [5] * MAX_MODEL_LEN}, "max_tokens"),  # no room left for even the default max_tokens
+    ({"prompt": "hello", "temperature": -0.1}, "temperature"),
+    ({"prompt": "hello", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hello", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hello", "top_k": 0}, "top_k"),
+    ({"prompt": "hello", "top_k": -2}, "top_k"),
+    ({"prompt": "hello", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hello", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "hello", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hello", "min_p": 1.5}, "min_p"),
+    ({"prompt": "hello", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hello", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "hello", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "hello", "n": 17}, "n"),
+    ({"prompt": "hello", "n": 0}, "n"),
+    ({"prompt": "hello", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hello", "stop": [""]}, "stop"),
+    ({"prompt": "hello", "stop": ""}, "stop"),
+    ({"prompt": "hello", "stop": [str(i) for i in range(17)]}, "stop"),
+    ({"prompt": [0, 1, 100000]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [[5, 6], [100000]]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["ok", ""]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": "hello", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"prompt": "hello", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hello", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hello", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hello", "seed": 2**70}, "seed"),
+    ({"prompt": "hello", "stream": "yes"}, "stream"),
+    ({"prompt": {"text": "hello"}}, "prompt"),
+    ({}, "prompt"),
+]
+
+BAD_CHATS: list[tuple[dict[str, Any], str | None]] = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+]
+
+# (raw body, content type, words the error message must contain)
+MALFORMED_BODIES: list[tuple[bytes, str, str]] = [
+    (b"{not json", "application/json", "not valid JSON"),
+    (b"", "application/json", "not valid JSON"),
+    (b"[1, 2]", "application/json", "JSON object"),
+    (b'"text"', "application/json", "JSON object"),
+    (b"null", "application/json", "JSON object"),
+    (b'{"prompt": "hi"}', "text/plain", "Content-Type"),
+    (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "Content-Type"),
+    (b"\xff\xfe", "application/json", "not valid JSON"),
+]
+
+# Non-finite numbers (Python's json accepts them) in sampling fields: (raw body, the field the 400 names).
+NON_FINITE_BODIES: list[tuple[bytes, str]] = [
+    (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
+    (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "min_p": -Infinity}', "min_p"),
+]

@@ -1,0 +1,506 @@
+"""The real server (`python -m pagoda.server.cli serve`) over a tiny random-weight model, in a subprocess,
+driven by the official OpenAI clients, httpx and schemathesis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
+from api_fake_engine import free_port
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_EOS: dict[str, Any] = {"ignore_eos": True}  # fixed output lengths: a random model may emit EOS anywhere
+
+
+class LiveServer:
+    """A `pagoda serve` subprocess on a free port of 127.0.0.1."""
+
+    def __init__(self, model: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "pagoda.server.cli", "serve", str(model), "--port", str(self.port)]
+        command += ["--served-model-name", MODEL, "--kv-cache-gib", "0.05", "--log-level", "warning", *extra]
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.process.poll() is not None:
+                output = self.process.stdout.read().decode() if self.process.stdout else ""
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{output}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not become healthy")
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        """SIGTERM the server and wait for it; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a 4096-token context, saved like a hub checkout."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def live(model_dir: Path) -> Iterator[LiveServer]:
+    """One server for the module."""
+    server = LiveServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer) -> openai.OpenAI:
+    """The official synchronous OpenAI client."""
+    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the sample `name{...}` in a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def assert_good_request(client: openai.OpenAI) -> None:
+    """The server still serves after a bad request."""
+    result = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, extra_body=NO_EOS)
+    assert result.choices[0].finish_reason == "length"
+
+
+def greedy(client: openai.OpenAI, prompt: str, max_tokens: int) -> str:
+    """The greedy completion of `prompt` sent alone."""
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=NO_EOS
+    )
+    return result.choices[0].text
+
+
+def test_completion_stream_and_whole_agree_with_usage(client: openai.OpenAI) -> None:
+    """Streamed deltas add up to the whole greedy text; usage counts prompt and completion tokens."""
+    whole = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body=NO_EOS
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens == 12
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_prefix_cache_hits_show_in_usage(client: openai.OpenAI) -> None:
+    """The same long prompt twice: the second is served partly from the prefix cache."""
+    prompt = list(range(10, 10 + 40))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 32  # two full blocks of 16
+
+
+def test_chat_sync_and_async_clients(live: LiveServer, client: openai.OpenAI) -> None:
+    """A chat through both clients: the same greedy message, streamed with the role first and usage last."""
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=NO_EOS
+    )
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].finish_reason == "length"
+
+    async def stream() -> list[Any]:
+        async_client = openai.AsyncOpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
+        try:
+            events = await async_client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=NO_EOS,
+            )
+            return [chunk async for chunk in events]
+        finally:
+            await async_client.close()
+
+    chunks = asyncio.run(stream())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert whole.usage is not None and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_and_seed_determinism(client: openai.OpenAI) -> None:
+    """n = 2 gives two choices; a seed makes sampling repeatable; another seed changes it."""
+
+    def sample(seed: int) -> list[str]:
+        result = client.completions.create(
+            model=MODEL, prompt="Once upon", max_tokens=24, n=2, temperature=1.0, seed=seed, extra_body=NO_EOS
+        )
+        assert sorted(c.index for c in result.choices) == [0, 1]
+        return [c.text for c in sorted(result.choices, key=lambda c: c.index)]
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+    chat = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=16,
+            seed=3,
+            n=2,
+            extra_body=NO_EOS,
+        )
+        for _ in range(2)
+    ]
+    assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
+
+
+def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
+    """A stop string taken from the greedy text cuts it there with finish_reason stop."""
+    full = greedy(client, "Hello world", 24)
+    start = next(i for i, ch in enumerate(full) if i > 0 and ch.isalnum())
+    stop = full[start]
+    result = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, stop=[stop], extra_body=NO_EOS
+    )
+    assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].text == full[: full.index(stop)]
+    assert result.choices[0].model_extra is not None and result.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_logprobs_completion_and_chat(client: openai.OpenAI) -> None:
+    """Completions list k alternatives per token; chat gives top_logprobs per content token."""
+    result = client.completions.create(
+        model=MODEL, prompt="Tokens", max_tokens=6, temperature=0, logprobs=3, extra_body=NO_EOS
+    )
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == 6 and all(
+        lp is not None and lp <= 0 for lp in logprobs.token_logprobs
+    )
+    assert all(t is not None and len(t) >= 1 for t in logprobs.top_logprobs)
+    assert logprobs.tokens is not None and len(logprobs.tokens) == 6
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=NO_EOS,
+    )
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and len(content) == 5
+    assert all(len(token.top_logprobs) == 2 and token.logprob <= 0 for token in content)
+    # Greedy: the sampled token is the most likely one.
+    assert all(token.logprob >= token.top_logprobs[0].logprob - 1e-5 for token in content)
+
+
+def test_32_concurrent_greedy_streams_match_each_alone(live: LiveServer, client: openai.OpenAI) -> None:
+    """Continuous batching does not change greedy output: 32 concurrent streams equal 32 solo requests."""
+    prompts = [f"Request number {i} says" for i in range(32)]
+    alone = [greedy(client, p, 10) for p in prompts]
+
+    async def together() -> list[str]:
+        async_client = openai.AsyncOpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
+
+        async def one(prompt: str) -> str:
+            events = await async_client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body=NO_EOS
+            )
+            return "".join([c.choices[0].text async for c in events if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await async_client.close()
+
+    assert asyncio.run(together()) == alone
+
+
+def test_cancelled_requests_free_everything(live: LiveServer, client: openai.OpenAI) -> None:
+    """100 requests that time out on the client: afterwards nothing runs or waits and no KV block is used."""
+
+    async def impatient() -> int:
+        timeouts = 0
+        async with httpx.AsyncClient(timeout=0.3) as http:
+
+            async def one(i: int) -> None:
+                nonlocal timeouts
+                body = {
+                    "model": MODEL,
+                    "prompt": f"cancel {i}",
+                    "max_tokens": 48,
+                    "stream": i % 2 == 0,
+                    **NO_EOS,
+                }
+                try:
+                    async with http.stream("POST", f"{live.base_url}/v1/completions", json=body) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+                except httpx.TimeoutException:
+                    timeouts += 1
+
+            await asyncio.gather(*(one(i) for i in range(100)))
+        return timeouts
+
+    assert asyncio.run(impatient()) > 0
+    assert_good_request(client)
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(f"{live.base_url}/metrics").text
+        idle = [
+            metric(text, "pagoda:num_requests_running"),
+            metric(text, "pagoda:num_requests_waiting"),
+            metric(text, "pagoda:kv_cache_usage_perc"),
+        ]
+        if idle == [0, 0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle == [0, 0, 0]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+def test_bad_completion_is_400(
+    live: LiveServer, client: openai.OpenAI, body: dict[str, Any], param: str | None
+) -> None:
+    """Each bad completion field is an OpenAI-shaped 400 naming it, and the server keeps serving."""
+    response = httpx.post(f"{live.base_url}/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.json()["error"]["param"] == param
+    assert_good_request(client)
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS)
+def test_bad_chat_is_400(
+    live: LiveServer, client: openai.OpenAI, body: dict[str, Any], param: str | None
+) -> None:
+    """Each bad chat body is a 400 naming the field, and the server keeps serving."""
+    response = httpx.post(f"{live.base_url}/v1/chat/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert_good_request(client)
+
+
+@pytest.mark.parametrize(("content", "content_type", "message"), MALFORMED_BODIES)
+def test_malformed_body_is_400(
+    live: LiveServer, client: openai.OpenAI, content: bytes, content_type: str, message: str
+) -> None:
+    """Malformed JSON, non-object bodies and wrong content types are 400s, never 500s."""
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        response = httpx.post(live.base_url + path, content=content, headers={"content-type": content_type})
+        assert response.status_code == 400, (path, response.text)
+        assert message in response.json()["error"]["message"]
+    assert_good_request(client)
+
+
+@pytest.mark.parametrize(("content", "param"), NON_FINITE_BODIES)
+def test_non_finite_number_is_400(
+    live: LiveServer, client: openai.OpenAI, content: bytes, param: str
+) -> None:
+    """NaN and infinities in sampling fields are 400s naming the field."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(
+            live.base_url + path, content=content, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == param
+    assert_good_request(client)
+
+
+def test_unknown_model_and_oversized_body(live: LiveServer, client: openai.OpenAI) -> None:
+    """An unknown model is a 404; a body over the default 4 MiB limit is a 413."""
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    huge = httpx.post(
+        f"{live.base_url}/v1/completions",
+        content=b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}',
+        headers={"content-type": "application/json"},
+    )
+    assert huge.status_code == 413
+    assert_good_request(client)
+
+
+def test_models_tokenize_detokenize_health(live: LiveServer, client: openai.OpenAI) -> None:
+    """The auxiliary routes answer with the real tokenizer."""
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    tokens = httpx.post(
+        f"{live.base_url}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}
+    )
+    ids = tokens.json()["tokens"]
+    assert tokens.json()["count"] == len(ids) > 0
+    text = httpx.post(f"{live.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "Hello world"
+    chat = httpx.post(f"{live.base_url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] > 2
+    assert httpx.get(f"{live.base_url}/health").json() == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def api_schema(live: LiveServer) -> Any:
+    """The server's own OpenAPI document, loaded by schemathesis."""
+    return schemathesis.openapi.from_url(f"{live.base_url}/openapi.json")
+
+
+OPERATIONS = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+]
+
+
+# Invalid inputs exist only for operations that take a body.
+SCHEMA_CASES = [
+    (method, path, mode)
+    for method, path in OPERATIONS
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    if method == "POST" or mode is GenerationMode.POSITIVE
+]
+
+
+@pytest.mark.parametrize(("method", "path", "mode"), SCHEMA_CASES)
+def test_schemathesis_finds_no_server_error(
+    live: LiveServer, api_schema: Any, method: str, path: str, mode: GenerationMode
+) -> None:
+    """Requests generated from /openapi.json (valid, and invalid) never get a 5xx; examples are bounded."""
+    operation = api_schema[path][method]
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def check(case: Any) -> None:
+        response = case.call(base_url=live.base_url, timeout=120)
+        assert response.status_code < 500, (case.body, response.text)
+
+    check()
+
+
+def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:
+    """SIGTERM: /health and new requests get 503, a short in-flight request finishes, a long one is aborted
+    with finish_reason abort once --shutdown-timeout passes, and the process exits with status 0."""
+    server = LiveServer(model_dir, "--max-model-len", "4096", "--shutdown-timeout", "2")
+    url = f"{server.base_url}/v1/completions"
+
+    async def scenario() -> tuple[list[str], httpx.Response, httpx.Response, int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            long_body = {"model": MODEL, "prompt": "long", "max_tokens": 4000, "stream": True, **NO_EOS}
+
+            async def long_stream() -> list[str]:
+                async with http.stream("POST", url, json=long_body) as response:
+                    return [line async for line in response.aiter_lines() if line]
+
+            streaming = asyncio.ensure_future(long_stream())
+            await asyncio.sleep(0.5)  # let it start generating
+            short = asyncio.ensure_future(
+                http.post(url, json={"model": MODEL, "prompt": "short", "max_tokens": 4})
+            )
+            await asyncio.sleep(0.05)
+            server.process.send_signal(signal.SIGTERM)
+            while (await http.get(f"{server.base_url}/health")).status_code == 200:
+                await asyncio.sleep(0.02)
+            refused = await http.post(url, json={"model": MODEL, "prompt": "late", "max_tokens": 1})
+            lines = await streaming
+            return lines, await short, refused, await asyncio.to_thread(server.process.wait, 60)
+
+    try:
+        lines, short, refused, status = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "ServiceUnavailableError"
+    assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] in {"length", "stop"}
+    assert lines[-1] == "data: [DONE]"
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
+    assert finish[-1] == "abort"
+    assert status == 0
+
+
+def test_bench_serving_smoke(live: LiveServer, tmp_path: Path) -> None:
+    """tools/bench_serving.py runs against the live server and writes its JSON result and plot."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_serving.py"),
+            "--base-url",
+            live.base_url,
+            "--model",
+            MODEL,
+            "--num-prompts",
+            "6",
+            "--request-rate",
+            "inf",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--ignore-eos",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "bench_serving.json").read_text())
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == 36
+    assert report["output_throughput"] > 0 and report["mean_ttft_ms"] > 0
+    assert (tmp_path / "bench_serving.png").stat().st_size > 0
+    assert "Output token throughput" in result.stdout

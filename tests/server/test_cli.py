@@ -1,0 +1,143 @@
+"""`pagoda serve` argument handling: flags map onto EngineConfig, bad values and a too-small KV cache refuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pagoda.server.cli import build_parser, engine_config, main
+from pagoda.server.config import EngineConfig
+from tiny_models import make_tiny_model
+
+
+def test_defaults_match_engine_config_defaults() -> None:
+    """Without flags the engine gets EngineConfig's own defaults, the default model and vLLM's host/port."""
+    args = build_parser().parse_args(["serve"])
+    assert engine_config(args) == EngineConfig()
+    assert (args.host, args.port, args.api_key, args.max_waiting_requests) == ("127.0.0.1", 8000, None, None)
+
+
+def test_flags_map_onto_engine_config() -> None:
+    """Every engine flag lands in the matching EngineConfig field."""
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "some/model",
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "1024",
+            "--max-num-seqs",
+            "8",
+            "--block-size",
+            "32",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--kv-cache-gib",
+            "1.5",
+            "--swap-space",
+            "2",
+            "--no-enable-prefix-caching",
+            "--preemption-mode",
+            "swap",
+            "--enforce-eager",
+            "--kernel-backend",
+            "torch",
+            "--dtype",
+            "float32",
+            "--seed",
+            "3",
+        ]
+    )
+    assert engine_config(args) == EngineConfig(
+        model="some/model",
+        max_model_len=512,
+        max_num_batched_tokens=1024,
+        max_num_seqs=8,
+        block_size=32,
+        gpu_memory_utilization=0.5,
+        kv_cache_gib=1.5,
+        swap_space_gib=2.0,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        enforce_eager=True,
+        kernel_backend="torch",
+        dtype="float32",
+        seed=3,
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kernel-backend", "cuda"],
+        ["--dtype", "int8"],
+        ["--preemption-mode", "never"],
+        ["--port", "http"],
+    ],
+)
+def test_invalid_choices_exit_2(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse rejects unknown choices and non-numbers with status 2."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *flags])
+    assert info.value.code == 2
+    assert "invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+        (["--shutdown-timeout", "-2"], "--shutdown-timeout"),
+        (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+        (["--port", "70000"], "--port"),
+        (["--block-size", "0"], "block_size"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+    ],
+)
+def test_out_of_range_values_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Out-of-range numbers are refused before any model loads, naming the flag or field."""
+    assert main(["serve", "unused-model", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_refuses_to_start_when_one_request_cannot_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KV cache smaller than one max_model_len request: exit 1 with a message saying what to change."""
+    model = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=4096)
+    status = main(["serve", str(model), "--max-model-len", "4096", "--kv-cache-gib", "0.0001"])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "cannot start" in err and "--kv-cache-gib" in err and "--max-model-len" in err
+
+
+def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pagoda serve --help` documents every flag of the issue."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in [
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-model-len",
+        "--max-num-batched-tokens",
+        "--max-num-seqs",
+        "--block-size",
+        "--gpu-memory-utilization",
+        "--kv-cache-gib",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--preemption-mode",
+        "--enforce-eager",
+        "--kernel-backend",
+        "--api-key",
+        "--max-waiting-requests",
+        "--shutdown-timeout",
+        "--dtype",
+    ]:
+        assert flag in text, flag

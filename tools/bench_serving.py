@@ -1,0 +1,392 @@
+"""Serving benchmark for any OpenAI-compatible endpoint (what vLLM's `bench serve` reports).
+
+Sends `--num-prompts` streamed completions with Poisson arrivals at each `--request-rate` (requests/s, or `inf`
+for all at once), then reports request and token throughput and TTFT / TPOT / ITL / E2E latency (mean, median,
+p99) in a table with one column per rate, a JSON result and a PNG plot.
+
+    python tools/bench_serving.py --base-url http://127.0.0.1:8000 --model NAME --request-rate 2 inf
+
+Prompts are synthetic text (token counts come from the server's usage report): `random` draws lengths
+uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
+like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "at",
+    "be",
+    "this",
+    "from",
+    "by",
+    "or",
+    "have",
+    "an",
+    "not",
+    "they",
+    "which",
+    "one",
+    "you",
+    "had",
+    "word",
+    "but",
+    "what",
+    "all",
+    "were",
+    "when",
+    "we",
+    "there",
+    "can",
+    "use",
+    "each",
+    "how",
+    "said",
+    "if",
+    "will",
+    "up",
+    "other",
+    "about",
+    "out",
+    "many",
+    "then",
+    "them",
+    "these",
+    "so",
+    "some",
+    "her",
+    "would",
+    "make",
+    "like",
+    "him",
+    "into",
+    "time",
+    "has",
+    "look",
+    "two",
+    "more",
+    "write",
+    "go",
+    "see",
+    "number",
+    "no",
+    "way",
+    "could",
+    "people",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One prompt to send and how many tokens to ask for."""
+
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request measured (seconds)."""
+
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def synthetic_prompt(rng: random.Random, num_words: int) -> str:
+    """Text of about `num_words` common words (roughly one token each)."""
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, num_words)))
+
+
+def make_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    """The benchmark's prompts, from the chosen dataset."""
+    if args.dataset == "sharegpt":
+        if args.dataset_path is None:
+            raise SystemExit("--dataset sharegpt needs --dataset-path")
+        conversations = json.loads(Path(args.dataset_path).read_text())
+        pairs: list[BenchRequest] = []
+        for item in conversations:
+            turns = item.get("conversations", [])
+            if len(turns) >= 2:
+                output_words = len(str(turns[1].get("value", "")).split())
+                pairs.append(
+                    BenchRequest(str(turns[0].get("value", "")), max(1, min(args.output_len, output_words)))
+                )
+        rng.shuffle(pairs)
+        return pairs[: args.num_prompts]
+    requests: list[BenchRequest] = []
+    for _ in range(args.num_prompts):
+        if args.dataset == "sharegpt-like":
+            # ShareGPT's prompt and reply lengths are roughly log-normal with a long tail.
+            input_len = int(
+                min(args.input_len * 4, max(4, rng.lognormvariate(math.log(args.input_len), 0.8)))
+            )
+            output_len = int(
+                min(args.output_len * 4, max(1, rng.lognormvariate(math.log(args.output_len), 0.7)))
+            )
+        else:
+            low, high = 1.0 - args.range_ratio, 1.0 + args.range_ratio
+            input_len = max(1, round(args.input_len * rng.uniform(low, high)))
+            output_len = max(1, round(args.output_len * rng.uniform(low, high)))
+        requests.append(BenchRequest(synthetic_prompt(rng, input_len), output_len))
+    return requests
+
+
+async def send(
+    client: httpx.AsyncClient, args: argparse.Namespace, request: BenchRequest, result: RequestResult
+) -> None:
+    """Stream one completion and time its tokens."""
+    body: dict[str, Any] = {
+        "model": args.model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    result.start = time.perf_counter()
+    last = result.start
+    try:
+        async with client.stream("POST", f"{args.base_url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("error"):
+                    result.error = str(chunk["error"].get("message"))
+                    return
+                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - result.start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.latency = time.perf_counter() - result.start
+        result.success = True
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_rate(args: argparse.Namespace, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
+    """Send every request with Poisson arrivals at `rate` requests/s; return the metrics."""
+    rng = random.Random(args.seed)
+    results = [RequestResult() for _ in requests]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+    label = "inf" if math.isinf(rate) else f"{rate:g}"
+    async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
+        with tqdm(total=len(requests), desc=f"rate {label} req/s", unit="req") as progress:
+
+            async def one(request: BenchRequest, result: RequestResult) -> None:
+                async with limit:
+                    await send(client, args, request, result)
+                progress.update(1)
+
+            start = time.perf_counter()
+            tasks = []
+            for request, result in zip(requests, results, strict=True):
+                tasks.append(asyncio.ensure_future(one(request, result)))
+                if not math.isinf(rate):
+                    await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
+            await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+    return summarize(results, duration, rate)
+
+
+def _stats(name: str, values: list[float]) -> dict[str, float]:
+    ms = sorted(v * 1000.0 for v in values) or [0.0]
+    p99 = ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)]
+    return {
+        f"mean_{name}_ms": statistics.fmean(ms),
+        f"median_{name}_ms": statistics.median(ms),
+        f"p99_{name}_ms": p99,
+    }
+
+
+def summarize(results: list[RequestResult], duration: float, rate: float) -> dict[str, Any]:
+    """vLLM's serving metrics of one run."""
+    done = [r for r in results if r.success]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r in done)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    summary: dict[str, Any] = {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "duration_s": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_throughput": output / duration if duration else 0.0,
+        "total_token_throughput": (prompt + output) / duration if duration else 0.0,
+        **_stats("ttft", [r.ttft for r in done]),
+        **_stats("tpot", tpot),
+        **_stats("itl", [gap for r in done for gap in r.itl]),
+        **_stats("e2el", [r.latency for r in done]),
+        "requests": [asdict(r) for r in results],
+    }
+    return summary
+
+
+_ROWS = [
+    ("Successful requests", "completed", "{:.0f}"),
+    ("Failed requests", "failed", "{:.0f}"),
+    ("Benchmark duration (s)", "duration_s", "{:.2f}"),
+    ("Total input tokens", "total_input_tokens", "{:.0f}"),
+    ("Total generated tokens", "total_output_tokens", "{:.0f}"),
+    ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
+    ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
+    ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
+    *[
+        (f"{stat.capitalize()} {name.upper()} (ms)", f"{stat}_{name}_ms", "{:.2f}")
+        for name in ("ttft", "tpot", "itl", "e2el")
+        for stat in ("mean", "median", "p99")
+    ],
+]
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """The metrics of every run side by side, one column per request rate."""
+    header = ["Metric"] + [f"rate {r['request_rate']}" for r in runs]
+    rows = [[title] + [fmt.format(run[key]) for run in runs] for title, key, fmt in _ROWS]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Per-rate latency CDFs (TTFT, ITL) and throughputs in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for run in runs:
+        label = f"rate {run['request_rate']}"
+        done = [r for r in run["requests"] if r["success"]]
+        for axis, values in (
+            (axes[0], sorted(r["ttft"] * 1000 for r in done)),
+            (axes[1], sorted(g * 1000 for r in done for g in r["itl"])),
+        ):
+            if values:
+                axis.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+    labels = [f"rate {run['request_rate']}" for run in runs]
+    axes[2].bar(labels, [run["output_throughput"] for run in runs], color="tab:green")
+    axes[0].set(title="Time to first token", xlabel="ms", ylabel="fraction of requests")
+    axes[1].set(title="Inter-token latency", xlabel="ms", ylabel="fraction of tokens")
+    axes[2].set(title="Output token throughput", ylabel="tokens/s")
+    for axis in axes[:2]:
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    parser.add_argument("--model", required=True, help="model name to send")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--request-rate", nargs="+", type=float, default=[math.inf], help="req/s (inf: all at once)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    parser.add_argument("--dataset", choices=["random", "sharegpt-like", "sharegpt"], default="random")
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON for --dataset sharegpt")
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt words (random: mean, sharegpt-like: median)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=128, help="max_tokens (random: mean, sharegpt-like: median)"
+    )
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0, help="random: lengths uniform in len*(1 +- ratio)"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos so outputs reach max_tokens"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    parser.add_argument("--output-dir", default=".", help="where bench_serving.json and bench_serving.png go")
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.range_ratio < 1.0:
+        parser.error("--range-ratio must be in [0, 1)")
+    if any(rate <= 0 for rate in args.request_rate):
+        parser.error("--request-rate must be > 0")
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark at every rate; print the table, write the JSON and the plot."""
+    args = parse_args(argv)
+    requests = make_requests(args, random.Random(args.seed))
+    runs = [asyncio.run(run_rate(args, requests, rate)) for rate in args.request_rate]
+    print(table(runs))
+    for run in runs:
+        for error in run["errors"]:
+            print(f"error (rate {run['request_rate']}): {error}", file=sys.stderr)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k != "api_key"}
+    config["request_rate"] = [str(r) for r in args.request_rate]
+    document = {"config": config, "runs": runs}
+    if len(runs) == 1:
+        document.update({k: v for k, v in runs[0].items() if k != "requests"})
+    (out / "bench_serving.json").write_text(json.dumps(document, indent=2))
+    plot(runs, out / "bench_serving.png")
+    print(f"wrote {out / 'bench_serving.json'} and {out / 'bench_serving.png'}")
+    return 0 if all(run["failed"] == 0 for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
