@@ -218,7 +218,7 @@ def format_table(rows: list[Row], copy_gbps: float, device: torch.device) -> str
         return "OOM" if value is None else format(value, fmt)
 
     lines = [
-        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else f'cpu, {torch.get_num_threads()} threads'}; "
         f"copy bandwidth (read + write): {copy_gbps:.1f} GB/s",
         f"{'op':<8} {'backend':<7} {'batch':>5} {'context':>7} {'q_len':>5} {'ms':>9} {'GB/s':>8} "
         f"{'of copy':>7} {'TFLOP/s':>8}",
@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a tiny shape (the smoke test)")
     parser.add_argument("--json", help="also write the rows and the copy bandwidth to this file")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.quick:
         shape = Shape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32)

@@ -132,9 +132,14 @@ def test_uneven_prefill_batches() -> None:
 
 
 def test_plan_groups_by_length_and_size() -> None:
-    """Decodes share a group; lengths far apart are not padded together; big K/V splits a group; q_len 0 skipped."""
-    groups = torch_backend.plan_groups([1, 300, 1, 290, 5, 0], [10, 300, 20, 290, 5, 4], bytes_per_key=8)
-    assert sorted(map(sorted, groups)) == [[0, 2], [1, 3], [4]]
+    """Decodes of similar lengths share a group; far-apart lengths, prompt kinds or big K/V split; q_len 0 skipped."""
+    groups = torch_backend.plan_groups(
+        [1, 300, 1, 290, 5, 0, 1], [10, 300, 11, 290, 5, 4, 400], bytes_per_key=8
+    )
+    assert sorted(map(sorted, groups)) == [[0, 2], [1, 3], [4], [6]]
+    # Same shapes: whole prompts batch together, a chunk with a cached prefix (q_len < keys) does not join them.
+    groups = torch_backend.plan_groups([64, 64, 64, 64], [64, 64, 64, 100], bytes_per_key=8)
+    assert sorted(map(sorted, groups)) == [[0, 1, 2], [3]]
     budget_keys = torch_backend.GROUP_BYTES // 1000
     groups = torch_backend.plan_groups([1] * 5, [budget_keys // 2] * 5, bytes_per_key=1000)
     assert [len(g) for g in groups] == [2, 2, 1]

@@ -178,29 +178,47 @@ def _varlen_attention(
 # attention reads it from the CPU cache right after the gather wrote it: 1.3-1.5x faster decode for batches
 # whose K/V exceed the L3 cache than one gather of the whole batch, no loss below (measured, see README).
 GROUP_BYTES = 16 << 20
+# Largest share of padding a group may carry, in query rows and in gathered keys. Padded prefills measured
+# slower than one-by-one runs from about 20% query padding on (see README), so prompts are padded little.
+_QUERY_PADDING = 0.1
+_KEY_PADDING = 0.25
 
 
 def plan_groups(q_lens: list[int], key_counts: list[int], bytes_per_key: int) -> list[list[int]]:
-    """Sequences grouped for padded batching, by increasing (q_len, keys).
+    """Sequences grouped for padded batching (q_len 0 skipped), by increasing (kind, q_len, keys).
 
-    A sequence joins the current group unless padding the group's queries to its q_len would waste more than a
-    quarter of the group's query rows, or the group's padded K/V would exceed `GROUP_BYTES`. Decodes (q_len 1)
-    therefore share groups, and a long prompt never pads the decodes of the same step.
+    A sequence joins the current group when it is of the same kind (a whole prompt, which runs with SDPA's
+    causal kernel and no mask, or not), padding the group to its q_len and key count stays within
+    `_QUERY_PADDING` and `_KEY_PADDING`, and the group's padded K/V stay under `GROUP_BYTES`. Decodes of
+    similar lengths share a group; a long prompt never pads the decodes of the same step.
     """
-    order = sorted((n, k, i) for i, (n, k) in enumerate(zip(q_lens, key_counts, strict=True)) if n > 0)
+
+    def whole_prompt(i: int) -> bool:
+        return q_lens[i] > 1 and q_lens[i] == key_counts[i]
+
+    order = sorted(
+        (i for i, n in enumerate(q_lens) if n > 0), key=lambda i: (whole_prompt(i), q_lens[i], key_counts[i])
+    )
     groups: list[list[int]] = []
-    tokens = max_keys = 0
-    for n, k, i in order:
-        size = len(groups[-1]) + 1 if groups else 1
-        low_padding = size * n <= 1.25 * (tokens + n)
-        small = size * max(max_keys, k) * bytes_per_key <= GROUP_BYTES
-        if groups and low_padding and small:
-            groups[-1].append(i)
-            tokens += n
-            max_keys = max(max_keys, k)
+    tokens = keys = max_keys = 0
+    for i in order:
+        n, k = q_lens[i], key_counts[i]
+        group = groups[-1] if groups else []
+        size = len(group) + 1
+        widest = max(max_keys, k)
+        joins = (
+            bool(group)
+            and whole_prompt(group[0]) == whole_prompt(i)
+            and size * n <= (1 + _QUERY_PADDING) * (tokens + n)
+            and size * widest <= (1 + _KEY_PADDING) * (keys + k)
+            and size * widest * bytes_per_key <= GROUP_BYTES
+        )
+        if joins:
+            group.append(i)
+            tokens, keys, max_keys = tokens + n, keys + k, widest
         else:
             groups.append([i])
-            tokens, max_keys = n, k
+            tokens, keys, max_keys = n, k, k
     return groups
 
 
