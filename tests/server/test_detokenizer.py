@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagoda.server.sampling import IncrementalDetokenizer
 from pagoda.server.sampling.detokenizer import find_stop
-from pagoda.server.sampling.streams import FastTextStream, OffsetTextStream, TextStream
+from pagoda.server.sampling.streams import FastTextStream, OffsetTextStream, TextStream, make_text_stream
 from pagoda.server.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers.decoders import DecodeStream
@@ -163,6 +163,7 @@ def test_pure_python_tokenizer_uses_offsets(
     byt5: ByT5Tokenizer, prompt: str, data: st.DataObject, chunk: int
 ) -> None:
     """A tokenizer without a Rust backend decodes through the offset stream, one byte per token."""
+    assert isinstance(make_text_stream(byt5, [], True), OffsetTextStream)
     ids = data.draw(st.lists(st.integers(3, 258), max_size=24)) + byt5.encode(".", add_special_tokens=False)
     check_stream_against_decode(byt5, prompt, ids, chunk, True)
 
