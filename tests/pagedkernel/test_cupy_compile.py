@@ -108,7 +108,8 @@ def test_import_without_cupy_names_the_wheel(monkeypatch: pytest.MonkeyPatch) ->
 #
 # Without a GPU in CI, the kernels' logic is checked by compiling the same sources with g++ against a tiny
 # emulation of the CUDA execution model (one thread block at a time, one ucontext fiber per CUDA thread,
-# __syncthreads and warp shuffles as cooperative barriers that abort on divergence), loaded through a stand-in
+# __syncthreads and warp shuffles as cooperative barriers that abort on divergence, threads run in random order
+# between barriers to expose missing ones), loaded through a stand-in
 # for `cupy` that checks every kernel argument's type against the kernel's C signature. This runs the real
 # `cupy_backend` launch code end to end. float16 is left to the GPU tests: its conversions are PTX instructions.
 
@@ -119,6 +120,8 @@ EMULATOR = r"""
 #include <cstring>
 #include <algorithm>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <vector>
 #include <ucontext.h>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -155,6 +158,11 @@ inline void emulate(unsigned gx, unsigned gy, unsigned gz, unsigned threads, con
     gridDim = {gx, gy, gz}; blockDim = {threads, 1, 1}; kernel_body = &body;
     fibers.resize(threads);
     for (Fiber& f : fibers) f.stack.resize(1 << 16);
+    // Between two barriers the fibers run one after another, in a fresh random order every time, so that a
+    // read of another thread's write without a barrier in between changes the result (and fails the test).
+    std::vector<unsigned> order(threads);
+    std::iota(order.begin(), order.end(), 0u);
+    std::mt19937 rng(12345);
     for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
         blockIdx = {x, y, z};
         for (Fiber& f : fibers) {
@@ -163,7 +171,8 @@ inline void emulate(unsigned gx, unsigned gy, unsigned gz, unsigned threads, con
             makecontext(&f.context, fiber_main, 0); f.state = RUNNABLE;
         }
         for (;;) {
-            for (unsigned t = 0; t < threads; ++t) {
+            std::shuffle(order.begin(), order.end(), rng);
+            for (unsigned t : order) {
                 while (fibers[t].state == RUNNABLE) {
                     current = t; threadIdx = {t, 0, 0};
                     swapcontext(&scheduler, &fibers[t].context);

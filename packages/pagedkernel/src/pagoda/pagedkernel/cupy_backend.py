@@ -217,7 +217,7 @@ def _attention(
         _i32(0 if sliding_window is None else sliding_window),  # 0 = off in the kernel
         _i32(partition_size),
     )
-    _launch(kernel, device, (num_rows, num_heads, partitions), _ATTENTION_THREADS, args)
+    _launch(kernel, device, (num_rows * num_heads, partitions), _ATTENTION_THREADS, args)
     if partitions > 1:
         reduce = _kernel(csrc.ATTENTION_FILE, csrc.PAGED_ATTENTION_REDUCE, q.dtype, head_dim, device)
         reduce_args = (
@@ -228,7 +228,7 @@ def _attention(
             _i32(num_heads),
             _i32(partitions),
         )
-        _launch(reduce, device, (num_rows, num_heads), _ATTENTION_THREADS, reduce_args)
+        _launch(reduce, device, (num_rows * num_heads,), _ATTENTION_THREADS, reduce_args)
     return out
 
 

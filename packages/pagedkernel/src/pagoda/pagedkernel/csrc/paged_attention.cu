@@ -47,8 +47,9 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return r;
 }
 
-// grid (num_rows, num_heads, num_partitions), NUM_THREADS threads. sliding_window == 0 and softcap == 0 mean
-// "off" (the Python wrapper maps None to 0).
+// grid (num_rows * num_heads, num_partitions), NUM_THREADS threads. Heads vary fastest, so the query heads
+// that share a KV head run side by side and read its keys and values through L2 once. sliding_window == 0 and
+// softcap == 0 mean "off" (the Python wrapper maps None to 0).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention(
     scalar_t* __restrict__ out,              // [num_rows, num_heads, HEAD_DIM] (strided), if one partition
     float* __restrict__ part_out,            // [num_rows, num_heads, num_partitions, HEAD_DIM], if several
@@ -63,10 +64,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
     int num_seqs, int q_row_stride, int q_head_stride, int out_row_stride, int out_head_stride,
     int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
     float scale, float softcap, int sliding_window, int partition_size) {
-    const int row = blockIdx.x;
-    const int head = blockIdx.y;
-    const int part = blockIdx.z;
-    const int num_partitions = gridDim.z;
+    const int row = blockIdx.x / num_heads;
+    const int head = blockIdx.x % num_heads;
+    const int part = blockIdx.y;
+    const int num_partitions = gridDim.y;
     const int tid = threadIdx.x;
     const int warp = tid / 32;
     const int lane = tid % 32;
@@ -196,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
     }
 }
 
-// grid (num_rows, num_heads), NUM_THREADS threads: merges the partitions of pagoda_paged_attention, weighting
+// grid (num_rows * num_heads), NUM_THREADS threads: merges the partitions of pagoda_paged_attention, weighting
 // each normalised partial output by its exp sum rescaled to the global max logit.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention_reduce(
     scalar_t* __restrict__ out,             // [num_rows, num_heads, HEAD_DIM] (strided)
@@ -204,8 +205,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
     const float* __restrict__ part_max,     // [num_rows, num_heads, num_partitions]
     const float* __restrict__ part_sum,     // [num_rows, num_heads, num_partitions]
     int out_row_stride, int out_head_stride, int num_heads, int num_partitions) {
-    const int row = blockIdx.x;
-    const int head = blockIdx.y;
+    const int row = blockIdx.x / num_heads;
+    const int head = blockIdx.x % num_heads;
     const long long base = ((long long)row * num_heads + head) * num_partitions;
     float global_max = PAGODA_NEG_INF;
     for (int p = 0; p < num_partitions; ++p) {
