@@ -171,3 +171,9 @@ def test_tiny_hf_models_are_deterministic() -> None:
     """The factory's fixed seed gives the same weights every time (tests compare across processes)."""
     first, second = make_tiny_hf_model("qwen2").state_dict(), make_tiny_hf_model("qwen2").state_dict()
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_bidirectional_gemma3_is_refused() -> None:
+    """EmbeddingGemma-style bidirectional attention is not causal generation: refused with a clear error."""
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        build_model(tiny_config("gemma3", use_bidirectional_attention=True), torch.float32, CPU)

@@ -108,10 +108,9 @@ def _checkpoint_name(model: CausalLM, target: _Target) -> str:
         return target.param
     parent, _, attr = target.param.rpartition(".")
     owner, _, fused = parent.rpartition(".")
-    for leaf, packed in model.packed_modules.items():
-        if packed.module == fused and packed.index == target.shard:
-            return f"{owner}.{leaf}.{attr}"
-    return f"{target.param} (shard {target.shard})"
+    leaves = {(packed.module, packed.index): leaf for leaf, packed in model.packed_modules.items()}
+    leaf = leaves.get((fused, target.shard), f"{fused}[shard {target.shard}]")
+    return f"{owner}.{leaf}.{attr}"
 
 
 def _names(items: Sequence[str]) -> str:
@@ -149,7 +148,12 @@ def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
                     raise WeightLoadError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}"
                     )
-                dest.copy_(tensor)
+                if target.shard is None and tensor.dtype == dest.dtype and tensor.device == dest.device:
+                    # Adopt the memory-mapped tensor instead of copying it: no second 1 GB buffer, pages are
+                    # read on first use and shared through the page cache by every process serving the model.
+                    dest.data = tensor
+                else:
+                    dest.copy_(tensor)
                 loaded.add(target)
     if unexpected:
         raise WeightLoadError(f"checkpoint tensors with no matching parameter: {_names(unexpected)}")

@@ -77,7 +77,7 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
             )
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         """Shown by print(model)."""

@@ -177,6 +177,10 @@ class Gemma3ForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise NotImplementedError(
+                "Gemma 3 with use_bidirectional_attention (an embedding model) is not supported"
+            )
         self.config = config
         self.model = Gemma3TextModel(config, dtype=dtype, device=device)
         self.layer_types = gemma3_layer_types(config)
