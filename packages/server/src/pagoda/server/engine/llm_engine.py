@@ -210,7 +210,9 @@ class LLMEngine:
         for seq_id, token, logprobs in zip(seq_ids, out.token_ids, out.logprobs, strict=True):
             state = self._seq_owner[seq_id]
             sample = state.samples[seq_id]
-            stop = sample.add(token, logprobs)
+            # The scheduler stops on it once the output, this token included, reaches min_tokens.
+            is_stop = token in state.stop_token_ids and len(sample.token_ids) + 1 >= state.params.min_tokens
+            stop = sample.add(token, logprobs, is_stop_token=is_stop)
             sampled[seq_id] = [token]
             self._generation_tokens += 1
             if stop is not None:

@@ -42,6 +42,7 @@ class SampleState:
 
     index: int
     detokenizer: IncrementalDetokenizer
+    include_stop_str: bool
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
@@ -49,8 +50,11 @@ class SampleState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
-    def add(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Record a sampled token; return the stop string it completes, if any."""
+    def add(self, token_id: int, logprobs: TokenLogprobs | None, *, is_stop_token: bool) -> str | None:
+        """Record a sampled token; return the stop string it completes, if any.
+
+        A stop token's text stays out of the output unless include_stop_str_in_output (vLLM's behaviour).
+        """
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
             decode = self.detokenizer.decode_token
@@ -61,6 +65,8 @@ class SampleState:
                 entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
             self.logprobs.append(entry)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
+        if is_stop_token and not self.include_stop_str:
+            return None
         return self.detokenizer.add_tokens([token_id])
 
     def snapshot(self) -> CompletionOutput:
@@ -105,6 +111,7 @@ class RequestState:
             self.samples[seq_id] = SampleState(
                 index=index,
                 detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
+                include_stop_str=params.include_stop_str_in_output,
                 generator=make_generator(params, index, device),
                 logprobs=None if params.logprobs is None else [],
                 cumulative_logprob=None if params.logprobs is None else 0.0,
