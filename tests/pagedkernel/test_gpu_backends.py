@@ -26,10 +26,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative error (norm of the difference over norm of the reference) allowed per dtype.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
-# (shape, decode context lengths, sliding_window, logit_softcap). Contexts cross block boundaries (15/16/17
-# with blocks of 16) and exceed the CuPy backend's 512-key partitions (split decode) in batches small enough to
-# be split; "many-seqs" has enough (row, head) pairs that CuPy runs long contexts unsplit instead.
-
 
 class Shape(TypedDict):
     """Attention and cache geometry, as `make_case` takes it."""
@@ -47,6 +43,9 @@ SHAPES: dict[str, Shape] = {
     "gqa2-d80": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 80, "block_size": 8},
     "many-seqs": {"num_heads": 16, "num_kv_heads": 4, "head_dim": 128, "block_size": 16},
 }
+# (shape, decode context lengths, sliding_window, logit_softcap). Contexts cross block boundaries (15/16/17
+# with blocks of 16) and exceed the CuPy backend's 512-key partitions (split decode) in batches small enough to
+# be split; "many-seqs" has enough (row, head) pairs that CuPy runs long contexts unsplit instead.
 DECODE_CASES = [
     pytest.param("gqa4-d128", [1, 15, 16, 17, 600, 1500], None, None, id="gqa4-d128"),
     pytest.param("mha-d64", [5, 63, 64, 65, 900], 100, None, id="mha-d64-window"),

@@ -135,6 +135,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
         }
         __syncthreads();  // slots (and, on the first chunk, q_sh) are ready
 
+        // Unrolled so that a warp's loads for its next keys are in flight while it reduces the current one.
+#pragma unroll 4
         for (int j = warp; j < n; j += NUM_WARPS) {
             const scalar_t* k = k_head + slots[j] * slot_stride;
             float s = 0.0f;
@@ -161,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
 
         for (int i = 0; i < DIMS_PER_THREAD; ++i) acc[i] *= alpha;
         if (in_group) {
+#pragma unroll 4
             for (int j = group; j < n; j += GROUPS) {
                 const float p = logits[j];
                 const scalar_t* v = v_head + slots[j] * slot_stride;
