@@ -53,10 +53,11 @@ class Row:
     batch: int
     context: int
     q_len: int
-    ms: float | None  # None when the backend ran out of memory
+    ms: float | None  # None when the backend failed (see error)
     gb_per_s: float | None
     of_copy: float | None  # achieved bandwidth / copy bandwidth
     tflop_per_s: float | None
+    error: str | None  # "OOM", or the exception of a backend that failed on this point
 
 
 LLAMA3_8B = Shape(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
@@ -185,13 +186,16 @@ def run(
             nbytes, flops = traffic(shape, config)
             for backend in backends:
                 bar.set_postfix_str(f"{backend.name} {config.op} b={config.batch} ctx={config.context}")
+                ms: float | None = None
+                error = None
                 try:
-                    ms: float | None = median_ms(
-                        attention_call(backend, config, inputs, scale), device, repeats
-                    )
+                    ms = median_ms(attention_call(backend, config, inputs, scale), device, repeats)
                 except torch.OutOfMemoryError:
-                    ms = None
+                    error = "OOM"
                     torch.cuda.empty_cache()
+                except Exception as exc:  # one failing backend must not hide the others' numbers
+                    error = f"{type(exc).__name__}: {exc}"
+                    print(f"{backend.name} failed on {config}: {error}", file=sys.stderr)
                 gbps = None if ms is None else nbytes / ms / 1e6
                 rows.append(
                     Row(
@@ -204,6 +208,7 @@ def run(
                         gb_per_s=gbps,
                         of_copy=None if gbps is None else gbps / copy_gbps,
                         tflop_per_s=None if ms is None else flops / ms / 1e9,
+                        error=error,
                     )
                 )
                 bar.update()
@@ -214,8 +219,8 @@ def run(
 def format_table(rows: list[Row], copy_gbps: float, device: torch.device) -> str:
     """A plain-text table of the rows, with the copy bandwidth they are compared against."""
 
-    def cell(value: float | None, fmt: str) -> str:
-        return "OOM" if value is None else format(value, fmt)
+    def cell(value: float | None, fmt: str, error: str | None) -> str:
+        return ("OOM" if error == "OOM" else "ERR") if value is None else format(value, fmt)
 
     lines = [
         f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else f'cpu, {torch.get_num_threads()} threads'}; "
@@ -225,8 +230,9 @@ def format_table(rows: list[Row], copy_gbps: float, device: torch.device) -> str
     ]
     for r in rows:
         lines.append(
-            f"{r.op:<8} {r.backend:<7} {r.batch:>5} {r.context:>7} {r.q_len:>5} {cell(r.ms, '9.3f')} "
-            f"{cell(r.gb_per_s, '8.1f')} {cell(r.of_copy, '7.1%')} {cell(r.tflop_per_s, '8.3f')}"
+            f"{r.op:<8} {r.backend:<7} {r.batch:>5} {r.context:>7} {r.q_len:>5} {cell(r.ms, '9.3f', r.error):>9} "
+            f"{cell(r.gb_per_s, '8.1f', r.error):>8} {cell(r.of_copy, '7.1%', r.error):>7} "
+            f"{cell(r.tflop_per_s, '8.3f', r.error):>8}"
         )
     return "\n".join(lines)
 

@@ -55,7 +55,7 @@ if bench.exists():
     print(f"{'op':<8} {'batch':>5} {'context':>7} " + " ".join(f"{b:>16}" for b in sorted({r['backend'] for r in data['rows']})))
     by_point: dict[tuple[str, int, int], dict[str, str]] = {}
     for r in data["rows"]:
-        cell = "OOM" if r["ms"] is None else f"{r['ms']:.3f}ms {r['of_copy']:.0%}"
+        cell = (r["error"] or "ERR")[:16] if r["ms"] is None else f"{r['ms']:.3f}ms {r['of_copy']:.0%}"
         by_point.setdefault((r["op"], r["batch"], r["context"]), {})[r["backend"]] = cell
     backends = sorted({r["backend"] for r in data["rows"]})
     for (op, batch, context), cells in by_point.items():

@@ -6,10 +6,18 @@ import importlib
 import importlib.util
 from importlib.machinery import ModuleSpec
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, get_backend, registry, torch_backend
+from pagoda.pagedkernel.backend import KernelOps
+
+if TYPE_CHECKING:
+    # mypy proves the CuPy module's functions match the shared signatures (importing it needs cupy).
+    from pagoda.pagedkernel import cupy_backend
+
+    _CUPY_OPS: KernelOps = cupy_backend
 
 
 def _hide_library(monkeypatch: pytest.MonkeyPatch, library: str) -> None:

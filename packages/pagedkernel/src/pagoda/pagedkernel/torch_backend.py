@@ -149,7 +149,8 @@ def _varlen_attention(
     else:
         keys = [min(ctx, n + sliding_window - 1) for n, ctx in zip(q_list, ctx_list, strict=True)]
     bytes_per_key = 2 * 4 * k_cache.shape[2] * k_cache.shape[3]  # float32 K and V of one position
-    for seqs in plan_groups(q_list, keys, bytes_per_key):
+    budget = GROUP_BYTES if q.device.type == "cpu" else DEVICE_GROUP_BYTES
+    for seqs in plan_groups(q_list, keys, bytes_per_key, budget):
         seq_ids = torch.as_tensor(seqs, device=q.device, dtype=torch.long)
         group_lens = q_lens[seq_ids]
         width = max(q_list[i] for i in seqs)
@@ -178,18 +179,22 @@ def _varlen_attention(
 # attention reads it from the CPU cache right after the gather wrote it: 1.3-1.5x faster decode for batches
 # whose K/V exceed the L3 cache than one gather of the whole batch, no loss below (measured, see README).
 GROUP_BYTES = 16 << 20
+# On a GPU (where this backend is the reference) groups are only bounded to keep the float32 copies in memory.
+DEVICE_GROUP_BYTES = 1 << 30
 # Largest share of padding a group may carry, in query rows and in gathered keys. Padded prefills measured
 # slower than one-by-one runs from about 20% query padding on (see README), so prompts are padded little.
 _QUERY_PADDING = 0.1
 _KEY_PADDING = 0.25
 
 
-def plan_groups(q_lens: list[int], key_counts: list[int], bytes_per_key: int) -> list[list[int]]:
+def plan_groups(
+    q_lens: list[int], key_counts: list[int], bytes_per_key: int, budget: int = GROUP_BYTES
+) -> list[list[int]]:
     """Sequences grouped for padded batching (q_len 0 skipped), by increasing (kind, q_len, keys).
 
     A sequence joins the current group when it is of the same kind (a whole prompt, which runs with SDPA's
     causal kernel and no mask, or not), padding the group to its q_len and key count stays within
-    `_QUERY_PADDING` and `_KEY_PADDING`, and the group's padded K/V stay under `GROUP_BYTES`. Decodes of
+    `_QUERY_PADDING` and `_KEY_PADDING`, and the group's padded K/V stay under `budget` bytes. Decodes of
     similar lengths share a group; a long prompt never pads the decodes of the same step.
     """
 
@@ -211,7 +216,7 @@ def plan_groups(q_lens: list[int], key_counts: list[int], bytes_per_key: int) ->
             and whole_prompt(group[0]) == whole_prompt(i)
             and size * n <= (1 + _QUERY_PADDING) * (tokens + n)
             and size * widest <= (1 + _KEY_PADDING) * (keys + k)
-            and size * widest * bytes_per_key <= GROUP_BYTES
+            and size * widest * bytes_per_key <= budget
         )
         if joins:
             group.append(i)
