@@ -6,6 +6,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pagoda.server.loader.gguf as gguf_module
@@ -19,9 +20,16 @@ from tiny_models import (  # type: ignore[import-not-found,unused-ignore]
     PagedKV,
     make_tiny_hf_model,
     make_tiny_model,
+    tiny_config,
 )
 from torch import Tensor
-from transformers import AutoTokenizer, GPT2Config, PreTrainedModel
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    GPT2Config,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 CPU = torch.device("cpu")
 
@@ -268,6 +276,7 @@ def test_gguf_is_converted_once_then_read_from_the_cache(
     assert first.model_path.parent == gguf_cache
     assert [p.name for p in gguf_cache.iterdir()] == [first.model_path.name]  # no partial folder left behind
     assert first.hf_config.architectures == ["LlamaForCausalLM"]
+    assert GenerationConfig.from_pretrained(first.model_path).eos_token_id == [2]
     assert first.tokenizer.chat_template
     logits = PagedKV(first.model.kv_cache_spec(), torch_backend).run(first.model, [(0, tokens)])[0]
     with torch.no_grad():
@@ -317,6 +326,19 @@ def test_gguf_cache_key_follows_the_file(tiny_gguf: tuple[Path, PreTrainedModel]
     assert cache_folder(copy, tmp_path) != before
 
 
+@pytest.mark.parametrize(
+    ("arch", "eos", "want"),
+    [("gemma3", 1, [1, 106]), ("gemma3", [1, 106], [1, 106]), ("llama", 1, [1]), ("llama", None, [])],
+)
+def test_gemma_conversions_also_stop_at_end_of_turn(
+    arch: str, eos: int | list[int] | None, want: list[int]
+) -> None:
+    """llama.cpp's Gemma files only name <eos>; the converted generation config adds <end_of_turn> (once)."""
+    tokenizer = mock.Mock(spec=PreTrainedTokenizerBase)
+    tokenizer.get_vocab.return_value = {"<eos>": 1, "<end_of_turn>": 106, "hello": 7}
+    assert gguf_module._eos_token_ids(tiny_config(arch), tokenizer, eos) == want
+
+
 @pytest.mark.slow
 def test_default_model_predicts_paris(torch_backend: KernelBackend) -> None:
     """The default Gemma 3 270M (converted once into ~/.cache/pagoda, shared across runs) answers sensibly."""
@@ -326,6 +348,10 @@ def test_default_model_predicts_paris(torch_backend: KernelBackend) -> None:
     assert config.sliding_window == 512 and config.query_pre_attn_scalar == 256
     assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
     assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
+    assert GenerationConfig.from_pretrained(loaded.model_path).eos_token_id == [
+        1,
+        106,
+    ]  # <eos>, <end_of_turn>
     tokenizer = loaded.tokenizer
     tokens = tokenizer("The capital of France is").input_ids
     kv = PagedKV(loaded.model.kv_cache_spec(), torch_backend, num_blocks=16, block_size=16)

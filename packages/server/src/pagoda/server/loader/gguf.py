@@ -13,11 +13,16 @@ from pathlib import Path
 import torch
 from pagoda.server.loader.weights import SAFETENSORS_SINGLE
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "PAGODA_CACHE_DIR"
+# Part of every cache key: bump it when the conversion writes something different, so old caches are redone.
+_CACHE_FORMAT = 2
+# Gemma's chat turns end with this token. Google's generation_config.json lists it beside <eos>, but llama.cpp's
+# Gemma GGUF files keep <eos> only, so a converted chat model would not stop at the end of its turn.
+_GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
 def default_cache_root() -> Path:
@@ -33,7 +38,7 @@ def cache_folder(gguf_path: Path, cache_root: Path) -> Path:
     changes its mtime and so leads to a fresh conversion.
     """
     stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    identity = f"{_CACHE_FORMAT}\0{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     return cache_root / f"{gguf_path.stem}-{key}"
 
@@ -83,7 +88,7 @@ def _make_shareable(folder: Path) -> None:
 
 
 def _convert_into(gguf_path: Path, folder: Path) -> None:
-    """Dequantize `gguf_path` with transformers and save config, float32 safetensors and tokenizer in `folder`."""
+    """Dequantize `gguf_path` with transformers; save config, generation config, float32 safetensors, tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     hf_model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -102,3 +107,17 @@ def _convert_into(gguf_path: Path, folder: Path) -> None:
     save_file(state, str(folder / SAFETENSORS_SINGLE), metadata={"format": "pt", "source": gguf_path.name})
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    generation = hf_model.generation_config
+    generation.eos_token_id = _eos_token_ids(config, tokenizer, generation.eos_token_id)
+    generation.save_pretrained(folder)
+
+
+def _eos_token_ids(
+    config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, eos: int | list[int] | None
+) -> list[int]:
+    """The generation stop ids: the file's eos, plus <end_of_turn> for Gemma models (see _GEMMA_END_OF_TURN)."""
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    end_of_turn = tokenizer.get_vocab().get(_GEMMA_END_OF_TURN)
+    if str(config.model_type).startswith("gemma") and end_of_turn is not None and end_of_turn not in ids:
+        ids.append(end_of_turn)
+    return ids
