@@ -426,3 +426,49 @@ def test_emulated_attention(
     assert result is out
     assert not out.isnan().any()
     assert relative_error(out, spec) < EMULATED_TOLERANCE[dtype]
+
+
+def test_emulated_edge_cases(emulated: types.ModuleType) -> None:
+    """Empty batches, a row without context (zeros), a sequence without queries, and rejected arguments."""
+    case = make_case([(5, 1), (30, 4), (9, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
+    caches = (case.k_cache, case.v_cache)
+    empty = case.q[:0]
+    assert emulated.paged_decode_attention(
+        empty, *caches, case.block_tables, case.context_lens, 1.0
+    ).shape == (0, 2, 64)
+    emulated.reshape_and_cache(empty[:, :1], empty[:, :1], *caches, torch.zeros(0, dtype=torch.int64))
+    emulated.copy_blocks([case.k_cache], [case.v_cache], torch.zeros(0, 2, dtype=torch.int64))
+
+    # Decode with a padding row (context 0) first: it gets zeros, the real row its attention.
+    q = case.q[:2]
+    lens = torch.tensor([0, 30], dtype=torch.int32)
+    out = emulated.paged_decode_attention(q, *caches, case.block_tables[:2], lens, case.scale)
+    spec = torch_backend.paged_decode_attention(q[1:], *caches, case.block_tables[1:2], lens[1:], case.scale)
+    assert not out[0].any() and relative_error(out[1:], spec) < 1e-5
+
+    # Prefill where the middle sequence has no queries this step (its bounds repeat).
+    starts = torch.tensor([0, 1, 1, 4], dtype=torch.int32)
+    q = case.q[:4]
+    out = emulated.paged_prefill_attention(
+        q, *caches, case.block_tables, starts, case.context_lens, case.scale
+    )
+    spec = torch_backend.paged_prefill_attention(
+        q, *caches, case.block_tables, starts, case.context_lens, case.scale
+    )
+    assert relative_error(out, spec) < 1e-5
+
+    args = (case.block_tables, case.context_lens, case.scale)
+    decode = emulated.paged_decode_attention
+    with pytest.raises(ValueError, match="sliding_window"):
+        decode(case.q[:3], *caches, *args, sliding_window=0)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        decode(case.q[:3], *caches, *args, logit_softcap=-1.0)
+    with pytest.raises(ValueError, match="out"):
+        decode(case.q[:3], *caches, *args, out=torch.empty(3, 2, 64, dtype=torch.bfloat16))
+    two_kv_heads = (case.k_cache.repeat(1, 1, 2, 1), case.v_cache.repeat(1, 1, 2, 1))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        decode(case.q[:3, :1].repeat(1, 3, 1), *two_kv_heads, *args)  # 3 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="contiguous"):
+        decode(case.q[:3], case.k_cache.transpose(0, 1), case.v_cache.transpose(0, 1), *args)
+    with pytest.raises(ValueError, match="sequences"):
+        decode(case.q, *caches, *args)  # 8 query rows but 3 sequences

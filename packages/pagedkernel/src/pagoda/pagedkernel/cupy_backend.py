@@ -177,6 +177,13 @@ def _attention(
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     starts = None if query_start_loc is None else query_start_loc.to(torch.int32).contiguous()
+    # Decode rows are sequences; prefill rows find their sequence among query_start_loc's num_seqs + 1 bounds.
+    num_seqs = num_rows if starts is None else starts.shape[0] - 1
+    if tables.dim() != 2 or tables.shape[0] < num_seqs or lens.shape[0] < num_seqs:
+        raise ValueError(
+            f"{num_seqs} sequences need as many block_tables rows and context_lens, "
+            f"got {tuple(tables.shape)} and {tuple(lens.shape)}"
+        )
 
     # Upper bound on the keys any row sees, known without reading context_lens back from the device.
     span = tables.shape[1] * block_size
@@ -203,7 +210,7 @@ def _attention(
         tables.data_ptr(),
         lens.data_ptr(),
         0 if starts is None else starts.data_ptr(),
-        _i32(tables.shape[0]),
+        _i32(num_seqs),
         _i32(q.stride(0)),
         _i32(q.stride(1)),
         _i32(out.stride(0)),
