@@ -107,11 +107,12 @@ def test_import_without_cupy_names_the_wheel(monkeypatch: pytest.MonkeyPatch) ->
 # --- The kernels run on the CPU -------------------------------------------------------------------------------
 #
 # Without a GPU in CI, the kernels' logic is checked by compiling the same sources with g++ against a tiny
-# emulation of the CUDA execution model (one thread block at a time, one ucontext fiber per CUDA thread,
-# __syncthreads and warp shuffles as cooperative barriers that abort on divergence, threads run in random order
-# between barriers to expose missing ones), loaded through a stand-in
-# for `cupy` that checks every kernel argument's type against the kernel's C signature. This runs the real
-# `cupy_backend` launch code end to end. float16 is left to the GPU tests: its conversions are PTX instructions.
+# emulation of the CUDA execution model: one thread block at a time, one ucontext fiber per CUDA thread,
+# __syncthreads and warp shuffles as cooperative barriers that abort on divergence, and threads run in a random
+# order between barriers to expose missing ones. A stand-in for `cupy` loads the result and checks every kernel
+# argument's type against the kernel's C signature, so this runs the real `cupy_backend` launch code end to end.
+# It cannot see timing, memory coalescing or true concurrency within a phase; float16 is left to the GPU tests
+# (its conversions are PTX instructions).
 
 EMULATOR = r"""
 #include <cmath>

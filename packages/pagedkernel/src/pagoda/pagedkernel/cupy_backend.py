@@ -2,7 +2,7 @@
 
 Tensors stay torch tensors: kernels receive their raw `data_ptr()`s and run on the current torch CUDA stream,
 so no dlpack conversion is needed (cupy has no bfloat16 dtype anyway). Each kernel file is compiled once per
-(dtype, head_dim, device) and kept by `functools.lru_cache`, the only state of this module; cupy also caches
+(dtype, head_dim, device) and kept by `functools.cache`, the only state of this module; cupy also caches
 the binaries on disk (~/.cupy/kernel_cache) across processes.
 
 Kernels (see the .cu files for the details):
