@@ -5,7 +5,7 @@ shape (32 query heads, 8 KV heads, head_dim 128, bfloat16, blocks of 16), for ev
 triton, cupy). On the CPU: the torch backend on a small shape. Each row reports the median time, the achieved
 bandwidth (bytes of K/V read + q + out over time) and its ratio to a large device copy measured in the same run.
 
-    python tools/bench_kernels.py [--device cpu|cuda] [--json out.json] [--quick]
+    python tools/bench_kernels.py [--device cpu|cuda] [--json out.json] [--plot out.png] [--quick]
 """
 
 from __future__ import annotations
@@ -237,6 +237,31 @@ def format_table(rows: list[Row], copy_gbps: float, device: torch.device) -> str
     return "\n".join(lines)
 
 
+def plot(rows: list[Row], copy_gbps: float, path: str) -> None:
+    """Grouped bars: each backend's share of the copy bandwidth at every benchmark point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted({(r.op, r.batch, r.context) for r in rows}, key=lambda p: (p[0] != "decode", p[1], p[2]))
+    backends = sorted({r.backend for r in rows})
+    share = {(r.op, r.batch, r.context, r.backend): r.of_copy or 0.0 for r in rows}
+    width = 0.8 / len(backends)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(points)), 4))
+    for i, backend in enumerate(backends):
+        xs = [j + i * width for j in range(len(points))]
+        ax.bar(xs, [100 * share.get((*p, backend), 0.0) for p in points], width, label=backend)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))])
+    ax.set_xticklabels([f"{op}\nb={b} ctx={c}" for op, b, c in points], fontsize=8)
+    ax.set_ylabel(f"% of copy bandwidth ({copy_gbps:.0f} GB/s)")
+    ax.set_title("paged attention: bytes of K/V + q + out per second")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run the benchmark, print the table (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
@@ -247,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a tiny shape (the smoke test)")
     parser.add_argument("--json", help="also write the rows and the copy bandwidth to this file")
+    parser.add_argument(
+        "--plot", help="also save a bar chart (PNG) of each backend's share of the copy bandwidth"
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -261,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         shape, configs = CPU_SHAPE, CPU_CONFIGS
     rows, copy_gbps = run(device, configs, shape, args.backends.split(","), args.repeats)
     print(format_table(rows, copy_gbps, device))
+    if args.plot:
+        plot(rows, copy_gbps, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

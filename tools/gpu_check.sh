@@ -22,7 +22,7 @@ fi
 "$PY" -m pytest tests -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
-"$PY" tools/bench_kernels.py --json "$OUT/bench.json" 2>"$OUT/bench.stderr" | tee "$OUT/bench.txt"
+"$PY" tools/bench_kernels.py --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>"$OUT/bench.stderr" | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 [ "$bench_rc" -eq 0 ] || tail -n 20 "$OUT/bench.stderr" >&2
 

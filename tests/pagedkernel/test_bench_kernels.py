@@ -18,13 +18,25 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
     """Every op row has a time, a bandwidth and its ratio to the measured copy bandwidth."""
     out = tmp_path / "bench.json"
     script = str(ROOT / "tools" / "bench_kernels.py")
+    args = [
+        "--device",
+        "cpu",
+        "--quick",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "bench.png"),
+    ]
     result = subprocess.run(
-        [sys.executable, script, "--device", "cpu", "--quick", "--repeats", "2", "--json", str(out)],
+        [sys.executable, script, *args],
         check=True,
         capture_output=True,
         text=True,
     )
     assert "copy bandwidth" in result.stdout
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     data = json.loads(out.read_text())
     assert data["copy_gb_per_s"] > 0
     rows = data["rows"]
