@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pagoda.server.api.engine_client import EngineClient
@@ -45,7 +45,7 @@ class _Stream:
     prompt_token_ids: tuple[int, ...]
     n: int
     arrival: float  # time.monotonic() when the server accepted it
-    queue: asyncio.Queue[RequestOutput | BaseException | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
     last: RequestOutput | None = None
     num_tokens: int = 0
     last_token_time: float | None = None
@@ -104,8 +104,8 @@ class AsyncLLM:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
-        self.metrics = ServerMetrics(served_model_name, lambda: self._stats)
         self._stats: EngineStats = engine.get_stats()
+        self.metrics = ServerMetrics(served_model_name, lambda: self._stats)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None
@@ -211,7 +211,7 @@ class AsyncLLM:
                     raise EngineDeadError("the engine loop has stopped")
                 self._commands.put(_Add(stream, params))
             accepted = await stream.queue.get()
-            if isinstance(accepted, BaseException):
+            if isinstance(accepted, Exception):
                 handle.finished = True  # never entered the engine
                 raise accepted
         except BaseException:
@@ -226,7 +226,7 @@ class AsyncLLM:
         params: SamplingParams,
         *,
         prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput]:
         """Yield cumulative snapshots of one request until it finishes; aborts it if the consumer leaves."""
         handle = await self.add_request(request_id, prompt_token_ids, params, prompt=prompt)
         try:
@@ -353,7 +353,7 @@ class AsyncLLM:
         stream.num_tokens = num_tokens
         stream.last_token_time = now
 
-    def _push(self, stream: _Stream, item: RequestOutput | BaseException | None) -> None:
+    def _push(self, stream: _Stream, item: RequestOutput | Exception | None) -> None:
         loop = self._loop
         if loop is None:
             return
@@ -389,7 +389,7 @@ class RequestStream:
         self._closed = False
         llm._admit(stream.n)
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncGenerator[RequestOutput]:
         """Yield snapshots until the request finishes; raise the request's error if it fails.
 
         Leaving early (break, cancellation, an error) closes the stream, which aborts the request.
@@ -399,7 +399,7 @@ class RequestStream:
                 item = await self._stream.queue.get()
                 if item is None:
                     continue
-                if isinstance(item, BaseException):
+                if isinstance(item, Exception):
                     self.finished = True  # a failed request is already out of the engine
                     raise item
                 if self._pending and (item.finished or any(o.token_ids for o in item.outputs)):

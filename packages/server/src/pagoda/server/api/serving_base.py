@@ -144,14 +144,18 @@ class ServingContext:
             for i, (text, ids) in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.llm.add_request(sub_id, ids, params, prompt=text))
-        except BaseException as exc:
+        except Exception as exc:
             for stream in streams:
                 stream.close()
             raise to_api_error(exc) from exc
+        except BaseException:  # cancelled (the client left): release what was admitted
+            for stream in streams:
+                stream.close()
+            raise
         return streams
 
 
-def to_api_error(exc: BaseException) -> BaseException:
+def to_api_error(exc: Exception) -> Exception:
     """The HTTP error of an engine-side failure (other exceptions pass through unchanged)."""
     if isinstance(exc, EngineOverloadedError):
         return APIError(
@@ -173,7 +177,7 @@ async def final_output(stream: RequestStream) -> RequestOutput:
     try:
         async for output in stream:
             last = output
-    except BaseException as exc:
+    except Exception as exc:
         raise to_api_error(exc) from exc
     finally:
         stream.close()
@@ -213,7 +217,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
     """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
@@ -231,7 +235,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tupl
             item = await queue.get()
             if item is None:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise to_api_error(item)
             else:
                 yield item
