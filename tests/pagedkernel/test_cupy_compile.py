@@ -133,7 +133,6 @@ inline dim3 blockIdx, gridDim, blockDim, threadIdx;
 #define __restrict__ __restrict
 #define __launch_bounds__(n)
 #define __shared__ static
-using std::max; using std::min;
 enum { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
 struct Fiber { ucontext_t context; int state; std::vector<char> stack; };
 inline std::vector<Fiber> fibers;

@@ -88,9 +88,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
         pos = context_lens[seq] - 1;
     }
     // Visible keys [key_begin, pos]; this block takes partition `part` of them.
-    const int key_begin = sliding_window > 0 ? max(0, pos + 1 - sliding_window) : 0;
+    const int key_begin = sliding_window > 0 ? imax(0, pos + 1 - sliding_window) : 0;
     const int begin = key_begin + part * partition_size;
-    const int end = min(pos + 1, begin + partition_size);
+    const int end = imin(pos + 1, begin + partition_size);
     const long long part_index = ((long long)row * num_heads + head) * num_partitions + part;
     scalar_t* out_row = out + (long long)row * out_row_stride + (long long)head * out_head_stride;
 
@@ -128,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
     float running_sum = 0.0f;
 
     for (int chunk = begin; chunk < end; chunk += CHUNK) {
-        const int n = min(CHUNK, end - chunk);
+        const int n = imin(CHUNK, end - chunk);
         for (int j = tid; j < n; j += NUM_THREADS) {
             const int token = chunk + j;
             slots[j] = table[token / block_size] * block_size + token % block_size;

@@ -46,6 +46,10 @@ __device__ __forceinline__ unsigned short from_float(float f) {
 // -inf without math.h (NVRTC has no standard headers).
 #define PAGODA_NEG_INF (-__int_as_float(0x7f800000))
 
+// Integer min/max of our own: the int overloads of min/max come from headers nvcc includes and NVRTC may not.
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
     return v;
