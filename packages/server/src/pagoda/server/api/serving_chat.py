@@ -164,7 +164,9 @@ class ChatHandler:
         choices: list[ChatStreamChoice] = []
         text = output.text[cursor.text_len :]
         new_ids = output.token_ids[cursor.num_tokens :]
-        if text or new_ids:
+        # Tokens that add no text yet (a partial UTF-8 character) wait for the next delta, unless their logprobs
+        # were asked for.
+        if text or (new_ids and top_k is not None):
             logprobs = None
             if top_k is not None:
                 positions = (output.logprobs or ())[cursor.num_tokens :]
@@ -172,8 +174,8 @@ class ChatHandler:
             choices.append(
                 ChatStreamChoice(index=output.index, delta=DeltaMessage(content=text), logprobs=logprobs)
             )
+            cursor.num_tokens = len(output.token_ids)
         cursor.text_len = len(output.text)
-        cursor.num_tokens = len(output.token_ids)
         if output.finished:
             cursor.done = True
             choices.append(

@@ -181,7 +181,9 @@ class CompletionsHandler:
             cursor.text_offset = len(echo)
         text = output.text[cursor.text_len :]
         new_ids = output.token_ids[cursor.num_tokens :]
-        if not (prefix or text or new_ids or output.finished):
+        # Tokens that add no text yet (a partial UTF-8 character) go out with the next text, unless the client
+        # asked for their logprobs.
+        if not (prefix or text or output.finished or (new_ids and logprobs is not None)):
             return None
         lp = None
         if logprobs is not None:
