@@ -93,6 +93,55 @@ def test_kernels_compile(tmp_path: Path, file: str, dtype: torch.dtype, head_dim
         assert kernel.encode() + b"\0" in binary, kernel
 
 
+def _nvrtc_library() -> Path | None:
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (a dependency of CUDA torch builds), if installed."""
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    except ModuleNotFoundError:
+        return None
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    for folder in spec.submodule_search_locations:
+        for library in sorted(Path(folder).glob("**/libnvrtc.so*")):
+            return library
+    return None
+
+
+NVRTC = _nvrtc_library()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
+@pytest.mark.parametrize(("file", "dtype", "head_dim"), SPECIALISATIONS)
+def test_kernels_compile_with_nvrtc(file: str, dtype: torch.dtype, head_dim: int | None) -> None:
+    """NVRTC, the compiler cupy uses at run time, builds each specialisation from the bare source (no headers)."""
+    assert NVRTC is not None
+    nvrtc = ctypes.CDLL(str(NVRTC))
+    program = ctypes.c_void_p()
+    source = csrc.read_source(file).encode()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, file.encode(), 0, None, None) == 0
+    # What cupy passes besides ours: the device's virtual arch and flushing denormals to zero.
+    options = [
+        f"-arch=compute_{ARCH.removeprefix('sm_')}",
+        "-ftz=true",
+        *csrc.compile_options(dtype, head_dim),
+    ]
+    status = nvrtc.nvrtcCompileProgram(
+        program, len(options), (ctypes.c_char_p * len(options))(*map(str.encode, options))
+    )
+    log_size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(log_size))
+    log = ctypes.create_string_buffer(log_size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    assert status == 0, log.value.decode()
+    ptx_size = ctypes.c_size_t()
+    nvrtc.nvrtcGetPTXSize(program, ctypes.byref(ptx_size))
+    ptx = ctypes.create_string_buffer(ptx_size.value)
+    nvrtc.nvrtcGetPTX(program, ptx)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    for kernel in csrc.KERNELS[file]:
+        assert f".entry {kernel}(" in ptx.value.decode(), kernel
+
+
 def test_import_without_cupy_names_the_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Importing the backend without cupy raises an ImportError that says to install cupy-cuda12x."""
     # A fresh import, whatever an earlier test imported (restored afterwards).
