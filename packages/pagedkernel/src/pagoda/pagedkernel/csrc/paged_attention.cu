@@ -3,7 +3,9 @@
 // A block scores its keys CHUNK at a time (one warp per key, the dot product split over lanes), keeps an online
 // softmax (running max and sum) across chunks, and accumulates probabilities times values in float32. Decode
 // rows are sequences; prefill rows are query tokens, each finding its sequence in query_start_loc and seeing the
-// keys up to its own position, which makes causal prefill the same computation as decode.
+// keys up to its own position, which makes causal prefill the same computation as decode. The price: prefill
+// reads each key once per query row (from L2), so long prompts are far slower here than in a tiled tensor-core
+// kernel such as the Triton backend's; it is exact, and fine for chunked prefill of moderate chunks.
 //
 // With one partition the block writes the normalised output. With several (long decode contexts and too few
 // rows to fill the GPU), each block writes its partition's normalised partial output, max logit and exp sum,
