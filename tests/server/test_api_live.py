@@ -437,36 +437,37 @@ def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:
     server = LiveServer(model_dir, "--max-model-len", "4096", "--shutdown-timeout", "2")
     url = f"{server.base_url}/v1/completions"
 
-    async def scenario() -> tuple[list[str], httpx.Response, httpx.Response, int]:
+    async def scenario() -> tuple[list[str], list[str], httpx.Response, int]:
         async with httpx.AsyncClient(timeout=60) as http:
-            long_body = {"model": MODEL, "prompt": "long", "max_tokens": 4000, "stream": True, **NO_EOS}
+            started = [asyncio.Event(), asyncio.Event()]
 
-            async def long_stream() -> list[str]:
-                async with http.stream("POST", url, json=long_body) as response:
-                    return [line async for line in response.aiter_lines() if line]
+            async def stream(max_tokens: int, started: asyncio.Event) -> list[str]:
+                body = {"model": MODEL, "prompt": "go", "max_tokens": max_tokens, "stream": True, **NO_EOS}
+                lines = []
+                async with http.stream("POST", url, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line:
+                            lines.append(line)
+                            started.set()  # its first token came: the engine holds it
+                return lines
 
-            streaming = asyncio.ensure_future(long_stream())
-            await asyncio.sleep(0.5)  # let it start generating
-            short = asyncio.ensure_future(
-                http.post(url, json={"model": MODEL, "prompt": "short", "max_tokens": 4})
-            )
-            await asyncio.sleep(0.05)
+            long = asyncio.ensure_future(stream(4000, started[0]))
+            short = asyncio.ensure_future(stream(6, started[1]))
+            await asyncio.gather(*(event.wait() for event in started))
             server.process.send_signal(signal.SIGTERM)
             while (await http.get(f"{server.base_url}/health")).status_code == 200:
                 await asyncio.sleep(0.02)
             refused = await http.post(url, json={"model": MODEL, "prompt": "late", "max_tokens": 1})
-            lines = await streaming
-            return lines, await short, refused, await asyncio.to_thread(server.process.wait, 60)
+            return await long, await short, refused, await asyncio.to_thread(server.process.wait, 60)
 
     try:
-        lines, short, refused, status = asyncio.run(scenario())
+        long, short, refused, status = asyncio.run(scenario())
     finally:
         server.stop()
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "ServiceUnavailableError"
-    assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] in {"length", "stop"}
-    assert lines[-1] == "data: [DONE]"
-    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
-    assert finish[-1] == "abort"
+    for lines, reason in ((short, "length"), (long, "abort")):
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == reason
     assert status == 0
 
 

@@ -1,0 +1,110 @@
+"""tools/bench_serving.py without a server: datasets, the statistics it reports, its table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_serving.py"
+
+
+def _load_tool() -> ModuleType:
+    # tools/ is not a package: load the script as a module (registered, so its dataclasses resolve).
+    spec = importlib.util.spec_from_file_location("pagoda_tool_bench_serving", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_serving = _load_tool()
+
+
+def test_random_lengths_stay_in_the_range() -> None:
+    """random: prompts of about --input-len words and max_tokens within len * (1 +- ratio)."""
+    args = bench_serving.parse_args(
+        [
+            "--model",
+            "m",
+            "--num-prompts",
+            "50",
+            "--input-len",
+            "20",
+            "--output-len",
+            "10",
+            "--range-ratio",
+            "0.5",
+        ]
+    )
+    requests = bench_serving.make_requests(args, random.Random(0))
+    assert len(requests) == 50
+    assert all(10 <= len(r.prompt.split()) <= 30 and 5 <= r.max_tokens <= 15 for r in requests)
+    assert len({r.max_tokens for r in requests}) > 1
+
+
+def test_sharegpt_like_lengths_have_a_long_tail_but_a_cap() -> None:
+    """sharegpt-like: log-normal lengths around the medians, capped at four times them."""
+    args = bench_serving.parse_args(
+        ["--model", "m", "--num-prompts", "400", "--dataset", "sharegpt-like", "--output-len", "50"]
+    )
+    lengths = sorted(r.max_tokens for r in bench_serving.make_requests(args, random.Random(1)))
+    assert lengths[0] >= 1 and lengths[-1] <= 200
+    assert 35 <= lengths[len(lengths) // 2] <= 65  # the median stays near --output-len
+    assert lengths[-1] > 2 * lengths[len(lengths) // 2]  # and there is a tail
+
+
+def test_sharegpt_file(tmp_path: Path) -> None:
+    """sharegpt: the first human turn is the prompt; the reply's word count (capped) is max_tokens."""
+    data = [
+        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "a b c"}]},
+        {"conversations": [{"from": "human", "value": "only one turn"}]},
+        {"conversations": [{"from": "human", "value": "long"}, {"from": "gpt", "value": "w " * 500}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    args = bench_serving.parse_args(
+        ["--model", "m", "--dataset", "sharegpt", "--dataset-path", str(path), "--output-len", "64"]
+    )
+    requests = sorted(bench_serving.make_requests(args, random.Random(0)), key=lambda r: r.prompt)
+    assert [(r.prompt, r.max_tokens) for r in requests] == [("hi there", 3), ("long", 64)]
+
+
+def test_summary_statistics_and_table() -> None:
+    """Throughputs, TPOT and the p99 follow vLLM's definitions; the table has one column per rate."""
+    results = [
+        bench_serving.RequestResult(
+            success=True,
+            prompt_tokens=10,
+            output_tokens=5,
+            ttft=0.1 * (i + 1),
+            latency=0.5 + 0.1 * i,
+            itl=[0.1] * 4,
+        )
+        for i in range(4)
+    ]
+    results.append(bench_serving.RequestResult(error="HTTP 429"))
+    summary = bench_serving.summarize(results, duration=2.0, rate=float("inf"))
+    assert (summary["completed"], summary["failed"], summary["errors"]) == (4, 1, ["HTTP 429"])
+    assert summary["output_throughput"] == 10.0 and summary["request_throughput"] == 2.0
+    assert summary["total_token_throughput"] == 30.0
+    assert summary["mean_ttft_ms"] == pytest.approx(250.0)
+    assert summary["p99_ttft_ms"] == pytest.approx(400.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(100.0)  # (latency - ttft) / (5 - 1) = 0.1 s for each
+    assert summary["median_itl_ms"] == pytest.approx(100.0)
+    text = bench_serving.table([summary, {**summary, "request_rate": 2.0}])
+    assert text.splitlines()[0].split("|")[1:] == [" rate inf ", " rate 2.0"]
+    assert "Output token throughput (tok/s) | 10.00" in text
+
+
+def test_bad_options_are_refused() -> None:
+    """A range ratio outside [0, 1) or a non-positive rate is a usage error."""
+    for argv in (["--range-ratio", "1.5"], ["--request-rate", "0"]):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(["--model", "m", *argv])
