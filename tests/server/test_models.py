@@ -86,7 +86,7 @@ def test_chunked_prefill_beside_a_decode_matches_hf(
 
 @pytest.mark.parametrize(
     ("arch", "spec"),
-    [("llama", KVCacheSpec(2, 2, 16)), ("qwen3", KVCacheSpec(2, 2, 16)), ("gemma3", KVCacheSpec(3, 2, 16))],
+    [("llama", KVCacheSpec(2, 2, 16)), ("qwen3", KVCacheSpec(2, 2, 24)), ("gemma3", KVCacheSpec(3, 2, 32))],
 )
 def test_kv_cache_spec(arch: str, spec: KVCacheSpec) -> None:
     """The cache layout follows the config: layers, KV heads and head size."""

@@ -121,7 +121,7 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
         qwen2 = {"use_sliding_window": True, "sliding_window": SLIDING_WINDOW, "max_window_layers": 1}
         config = Qwen2Config(**{**common, **qwen2, **overrides})
     elif arch == "qwen3":
-        config = Qwen3Config(**{**common, "head_dim": 16, **overrides})
+        config = Qwen3Config(**{**common, "head_dim": 24, **overrides})  # heads * head_dim != hidden
     elif arch == "gemma3":
         rope = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -129,7 +129,7 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
         }
         gemma3 = {
             "num_hidden_layers": 3,
-            "head_dim": 16,
+            "head_dim": 32,  # heads * head_dim != hidden_size, as in the real model (4 x 256 vs 640)
             "query_pre_attn_scalar": 24,  # != head_dim, so a wrong attention scale shows
             "sliding_window": SLIDING_WINDOW,
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],

@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in float32.
 
     `unit_offset` selects Gemma's form, `x_hat * (1 + w)` in float32 then cast; otherwise Llama's form, the cast
-    `x_hat` times `w`. Both orders match their Hugging Face implementations bit for bit in float32.
+    `x_hat` times `w`: the order of operations of each Hugging Face implementation, which matters in bfloat16.
     """
 
     def __init__(
