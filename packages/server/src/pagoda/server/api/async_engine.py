@@ -76,14 +76,15 @@ class _Stop:
 _Command = _Add | _Abort | _AbortAll | _Stop
 
 
-def aborted_snapshot(stream_last: RequestOutput | None, stream: _Stream) -> RequestOutput:
+def _aborted_snapshot(stream: _Stream) -> RequestOutput:
     """The final snapshot of an aborted request: what it had so far, every unfinished sample marked abort."""
-    if stream_last is None:
+    last = stream.last
+    if last is None:
         empty = tuple(
             CompletionOutput(index=i, text="", token_ids=(), cumulative_logprob=None, logprobs=None)
             for i in range(stream.n)
         )
-        stream_last = RequestOutput(
+        last = RequestOutput(
             request_id=stream.request_id,
             prompt=stream.prompt,
             prompt_token_ids=stream.prompt_token_ids,
@@ -91,8 +92,8 @@ def aborted_snapshot(stream_last: RequestOutput | None, stream: _Stream) -> Requ
             finished=False,
             metrics=RequestMetrics(arrival_time=stream.arrival),
         )
-    outputs = tuple(o if o.finished else replace(o, finish_reason="abort") for o in stream_last.outputs)
-    return replace(stream_last, outputs=outputs, finished=True)
+    outputs = tuple(o if o.finished else replace(o, finish_reason="abort") for o in last.outputs)
+    return replace(last, outputs=outputs, finished=True)
 
 
 class AsyncLLM:
@@ -319,7 +320,7 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
         if stream is not None and notify:
-            self._push(stream, aborted_snapshot(stream.last, stream))
+            self._push(stream, _aborted_snapshot(stream))
 
     def _dispatch(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
