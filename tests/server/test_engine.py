@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -164,15 +168,33 @@ def test_parallel_greedy_samples_are_equal(model_dirs: dict[str, Path], referenc
     assert [o.outputs[1].index for o in outputs] == [1, 1]
 
 
-def test_triton_backend_is_exact(
-    model_dirs: dict[str, Path], reference: Reference, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The Triton kernels (interpreted on the CPU) give the same tokens."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_triton_backend_is_exact(model_dirs: dict[str, Path], reference: Reference) -> None:
+    """The Triton kernels (interpreted on the CPU) give the same tokens.
+
+    Runs in a subprocess: Triton decides at import whether kernels are interpreted, so TRITON_INTERPRET must be
+    set before anything in the process imports it.
+    """
     prompts = random_prompts((5, 9))
-    llm = make_llm(model_dirs["llama"], kernel_backend="triton")
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    got = tokens(llm.generate(prompts, params, use_tqdm=False))
+    code = (
+        "import json, sys\n"
+        "from pagoda.server.llm import LLM\n"
+        "from pagoda.server.sampling_params import SamplingParams\n"
+        "llm = LLM(sys.argv[1], block_size=4, num_kv_blocks=64, max_model_len=64, kernel_backend='triton')\n"
+        "assert llm.engine.runner.backend.name == 'triton'\n"
+        "params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)\n"
+        "outs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)\n"
+        "print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(model_dirs["llama"]), json.dumps(prompts)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got == [reference.greedy("llama", p, 4) for p in prompts]
 
 
