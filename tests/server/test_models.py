@@ -17,6 +17,7 @@ from tiny_models import (  # type: ignore[import-not-found,unused-ignore]
     MODEL_VOCAB_SIZE,
     PagedKV,
     make_tiny_hf_model,
+    make_tiny_model,
     tiny_config,
 )
 from torch import Tensor
@@ -171,6 +172,14 @@ def test_tiny_hf_models_are_deterministic() -> None:
     """The factory's fixed seed gives the same weights every time (tests compare across processes)."""
     first, second = make_tiny_hf_model("qwen2").state_dict(), make_tiny_hf_model("qwen2").state_dict()
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_untied_gemma3_uses_its_lm_head(tmp_path: Path, torch_backend: KernelBackend) -> None:
+    """A Gemma 3 checkpoint with its own lm_head (tie_word_embeddings false) uses it, as Hugging Face does."""
+    model, reference = load_pair(make_tiny_model("gemma3", tmp_path, tie_word_embeddings=False))
+    tokens = random_tokens(11, 8)
+    logits = PagedKV(model.kv_cache_spec(), torch_backend).run(model, [(0, tokens)])[0]
+    torch.testing.assert_close(logits, hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
 
 
 def test_bidirectional_gemma3_is_refused() -> None:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pagoda.pagedkernel import KernelBackend
 from torch import Tensor, nn
 
+# One layer's paged cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = tuple[Tensor, Tensor]
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -48,7 +51,7 @@ class Attention(nn.Module):
         q: Tensor,  # [num_tokens, num_heads, head_dim]
         k: Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: tuple[Tensor, Tensor],  # [num_blocks, block_size, num_kv_heads, head_dim] each
+        kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, num_heads * head_dim]
         """Attention output of every query token, heads flattened."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
-from pagoda.server.models.attention import AttentionMetadata
+from pagoda.server.models.attention import AttentionMetadata, KVCache
 from torch import Tensor, nn
 
 
@@ -44,9 +44,7 @@ class CausalLM(nn.Module, ABC):
         self,
         input_ids: Tensor,  # int64 [num_tokens]
         positions: Tensor,  # int64 [num_tokens]
-        kv_caches: Sequence[
-            tuple[Tensor, Tensor]
-        ],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        kv_caches: Sequence[KVCache],  # one per layer
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden_size]
         """The final hidden state of every token, writing the tokens' K/V into the caches on the way."""

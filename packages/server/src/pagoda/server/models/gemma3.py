@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.models.attention import Attention, AttentionMetadata
+from pagoda.server.models.attention import Attention, AttentionMetadata, KVCache
 from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
 from pagoda.server.models.layers import (
     Embedding,
@@ -76,7 +76,7 @@ class Gemma3Attention(nn.Module):
         x: Tensor,  # [num_tokens, hidden]
         cos: Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: tuple[Tensor, Tensor],
+        kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Self-attention of the step's tokens."""
@@ -132,7 +132,7 @@ class Gemma3DecoderLayer(nn.Module):
         x: Tensor,  # [num_tokens, hidden]
         cos: Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: tuple[Tensor, Tensor],
+        kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
@@ -163,7 +163,7 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    """Gemma 3 text-only causal LM with tied embeddings."""
+    """Gemma 3 text-only causal LM (tied embeddings unless the config says otherwise)."""
 
     packed_modules = MappingProxyType(
         {
@@ -186,14 +186,17 @@ class Gemma3ForCausalLM(CausalLM):
         self.layer_types = gemma3_layer_types(config)
         self.spec = KVCacheSpec(len(self.layer_types), int(config.num_key_value_heads), head_dim_of(config))
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head: Linear | None = None
+        if not self.tie_word_embeddings:
+            hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+            self.lm_head = Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
 
     def forward(
         self,
         input_ids: Tensor,  # int64 [num_tokens]
         positions: Tensor,  # int64 [num_tokens]
-        kv_caches: Sequence[
-            tuple[Tensor, Tensor]
-        ],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        kv_caches: Sequence[KVCache],  # one per layer
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states of the step's tokens."""
@@ -206,8 +209,9 @@ class Gemma3ForCausalLM(CausalLM):
         return out
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> float32 [num_rows, vocab]
-        """Logits of the given rows through the tied embedding, soft-capped when the config says so."""
-        logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        """Logits of the given rows through the LM head (the embedding when tied), soft-capped if configured."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
         if self.final_logit_softcapping is not None:
             logits = softcap(logits, float(self.final_logit_softcapping))
         return logits
@@ -217,5 +221,5 @@ class Gemma3ForCausalLM(CausalLM):
         return self.spec
 
     def weight_aliases(self) -> Mapping[str, str]:
-        """A checkpoint's `lm_head.weight` is the tied embedding."""
-        return {"lm_head.weight": "model.embed_tokens.weight"}
+        """With tied embeddings (as Gemma 3 ships), a checkpoint's `lm_head.weight` is the embedding."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

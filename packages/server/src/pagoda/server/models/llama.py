@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.models.attention import Attention, AttentionMetadata
+from pagoda.server.models.attention import Attention, AttentionMetadata, KVCache
 from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
 from pagoda.server.models.layers import (
     Embedding,
@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
         x: Tensor,  # [num_tokens, hidden]
         cos: Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: tuple[Tensor, Tensor],
+        kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Self-attention of the step's tokens."""
@@ -144,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         x: Tensor,  # [num_tokens, hidden]
         cos: Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: tuple[Tensor, Tensor],
+        kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
@@ -202,9 +202,7 @@ class LlamaForCausalLM(CausalLM):
         self,
         input_ids: Tensor,  # int64 [num_tokens]
         positions: Tensor,  # int64 [num_tokens]
-        kv_caches: Sequence[
-            tuple[Tensor, Tensor]
-        ],  # per layer (k, v) [num_blocks, block_size, kv_heads, head_dim]
+        kv_caches: Sequence[KVCache],  # one per layer
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states of the step's tokens."""
