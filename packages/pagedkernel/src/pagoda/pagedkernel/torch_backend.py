@@ -23,8 +23,10 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     # view() (not reshape) so that a non-contiguous cache fails loudly instead of writing into a copy.
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+    # index_copy_ rather than `cache[slots] = ...`: index_put's CPU kernel parallelises even tiny writes and
+    # stalls for milliseconds when the other core is busy; slots are unique so both mean the same.
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 
 def _attend_group(
