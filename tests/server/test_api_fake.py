@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -403,6 +405,21 @@ def test_client_disconnect_aborts_streaming_and_non_streaming() -> None:
         assert metric(text, "pagoda:num_requests_waiting") == 0
         assert metric(text, "pagoda:kv_cache_usage_perc") == 0
         assert httpx.post(url, json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_client_leaving_mid_body_is_not_a_server_error(
+    server: RunningServer, client: openai.OpenAI, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that closes while sending its body is not logged as a server error; serving goes on."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )
+        time.sleep(0.1)  # let the server start reading the body before the connection drops
+    assert_good_request(client)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_metrics_names_and_counts(server: RunningServer, client: openai.OpenAI) -> None:

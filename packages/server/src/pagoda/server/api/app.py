@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -86,10 +86,13 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"The request body is larger than {limit} bytes.")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"The request body is larger than {limit} bytes.")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"The request body is larger than {limit} bytes.")
+    except ClientDisconnect as exc:
+        raise ClientDisconnectedError from exc
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -142,18 +145,12 @@ class _Routes:
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         body = await read_body(request, CompletionRequest, self.settings.max_body_bytes)
-        try:
-            return await self.completions_handler.create(body, request)
-        except ClientDisconnectedError:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await self.completions_handler.create(body, request)
 
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
         body = await read_body(request, ChatCompletionRequest, self.settings.max_body_bytes)
-        try:
-            return await self.chat_handler.create(body, request)
-        except ClientDisconnectedError:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await self.chat_handler.create(body, request)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
@@ -215,6 +212,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return APIError(exc.status_code, str(exc.detail), headers=headers).to_response()
 
 
+async def _client_left(request: Request, exc: Exception) -> Response:
+    # Nobody reads this response; the status only marks the access log.
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     # The traceback goes to the server log only; the client gets an OpenAI-shaped 500.
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
@@ -237,7 +239,12 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
     middleware: list[Middleware] = []
     if settings.api_key is not None:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    handlers: dict[Any, Any] = {
+        APIError: _api_error,
+        HTTPException: _http_error,
+        ClientDisconnectedError: _client_left,
+        Exception: _internal_error,
+    }
     return Starlette(
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
