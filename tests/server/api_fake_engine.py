@@ -101,6 +101,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.generation_tokens = 0
         self.prompt_tokens = 0
+        self.num_steps = 0
         self._finished_aborts: list[RequestOutput] = []
         vocab = self.tokenizer.get_vocab()
         self._letter_ids = [vocab[c] for c in LETTERS]
@@ -137,6 +138,7 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         """Give every running sample one more token; admit waiting requests while seats are free."""
+        self.num_steps += 1
         if self.step_seconds:
             time.sleep(self.step_seconds)
         seats = self.max_num_seqs - sum(len(r.seqs) for r in self.requests.values() if r.running)

@@ -101,6 +101,17 @@ def test_completion_prompt_forms_and_n(server: RunningServer, client: openai.Ope
     assert single.choices[0].text == by_index[0]
 
 
+def test_many_prompts_enter_the_engine_together() -> None:
+    """The prompts of one request are submitted at once: 20 prompts take a few steps, not one step each."""
+    engine = FakeEngine(step_seconds=0.01)
+    with serve_in_thread(engine) as running:
+        result = openai.OpenAI(
+            base_url=f"{running.base_url}/v1", api_key="x", max_retries=0
+        ).completions.create(model=MODEL, prompt=[f"p{i}" for i in range(20)], max_tokens=2)
+        assert len(result.choices) == 20
+        assert engine.num_steps <= 6
+
+
 def test_completion_n_streamed(server: RunningServer, client: openai.OpenAI) -> None:
     """With n = 2 and two prompts a stream carries four choices, each finishing once."""
     chunks = list(client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=4, n=2, stream=True))

@@ -138,21 +138,26 @@ class ServingContext:
     async def open_streams(
         self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
     ) -> list[RequestStream]:
-        """Submit one engine request per prompt; map admission failures to HTTP errors."""
-        streams: list[RequestStream] = []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.llm.add_request(sub_id, ids, params, prompt=text))
-        except Exception as exc:
-            for stream in streams:
-                stream.close()
-            raise to_api_error(exc) from exc
-        except BaseException:  # cancelled (the client left): release what was admitted
-            for stream in streams:
-                stream.close()
-            raise
-        return streams
+        """Submit one engine request per prompt; map admission failures to HTTP errors.
+
+        All prompts are submitted before any acceptance is awaited, so the engine takes them in one step.
+        """
+        submissions = [
+            self.llm.add_request(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, prompt=text
+            )
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        results = await asyncio.gather(*submissions, return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            return streams
+        for stream in streams:
+            stream.close()
+        if isinstance(failure, Exception):
+            raise to_api_error(failure) from failure
+        raise failure
 
 
 def to_api_error(exc: Exception) -> Exception:
