@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from pagoda.server.api.chat_template import resolve_chat_template
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.outputs import RequestOutput
@@ -76,8 +77,11 @@ class LLM:
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template, ready for the reply."""
+    template = resolve_chat_template(tokenizer)
+    if template is None:
+        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        list(messages), chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     if not isinstance(ids, list):
         raise TypeError(f"the chat template rendered {type(ids).__name__}, not a list of token ids")
