@@ -206,17 +206,20 @@ def test_n_and_seed_determinism(client: openai.OpenAI) -> None:
     assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
 
 
-def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
-    """A stop string taken from the greedy text cuts it there with finish_reason stop."""
-    full = greedy(client, "Hello world", 24)
-    start = next(i for i, ch in enumerate(full) if i > 0 and ch.isalnum())
-    stop = full[start]
-    result = client.completions.create(
-        model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, stop=[stop], extra_body=NO_EOS
-    )
+@pytest.mark.parametrize("stop_len", [1, 3])
+def test_stop_string_ends_the_text(client: openai.OpenAI, stop_len: int) -> None:
+    """A stop string taken from the greedy text cuts it there with finish_reason stop, streamed or not (a
+    stream never sends text that the stop string later takes back)."""
+    full = greedy(client, "Hello world", 40)
+    start = next(i for i in range(1, len(full)) if full[i : i + stop_len].isalnum())
+    stop = full[start : start + stop_len]
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "Hello world", "max_tokens": 40, "temperature": 0}
+    result = client.completions.create(**kwargs, stop=[stop], extra_body=NO_EOS)
     assert result.choices[0].finish_reason == "stop"
     assert result.choices[0].text == full[: full.index(stop)]
     assert result.choices[0].model_extra is not None and result.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(**kwargs, stop=[stop], stream=True, extra_body=NO_EOS))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == result.choices[0].text
 
 
 def test_logprobs_completion_and_chat(client: openai.OpenAI) -> None:
