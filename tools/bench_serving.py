@@ -2,9 +2,11 @@
 
 Sends `--num-prompts` streamed completions with Poisson arrivals at each `--request-rate` (requests/s, or `inf`
 for all at once), then reports request and token throughput and TTFT / TPOT / ITL / E2E latency (mean, median,
-p99) in a table with one column per rate, a JSON result and a PNG plot.
+p99) in a table with one column per server and rate, a JSON result and a PNG plot. Several --base-url values
+benchmark several servers (a peer such as vLLM) with the same prompts in one run.
 
     python tools/bench_serving.py --base-url http://127.0.0.1:8000 --model NAME --request-rate 2 inf
+    python tools/bench_serving.py --base-url http://pagoda:8000 http://vllm:8000 --model NAME --request-rate 4
 
 Prompts are synthetic text (token counts come from the server's usage report): `random` draws lengths
 uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
@@ -163,12 +165,25 @@ def make_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchReq
     return requests
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One server to benchmark: its root URL, the model name to send, and its label in the table."""
+
+    base_url: str
+    model: str
+    label: str
+
+
 async def send(
-    client: httpx.AsyncClient, args: argparse.Namespace, request: BenchRequest, result: RequestResult
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    target: Target,
+    request: BenchRequest,
+    result: RequestResult,
 ) -> None:
     """Stream one completion and time its tokens."""
     body: dict[str, Any] = {
-        "model": args.model,
+        "model": target.model,
         "prompt": request.prompt,
         "max_tokens": request.max_tokens,
         "temperature": 0.0,
@@ -180,7 +195,7 @@ async def send(
     result.start = time.perf_counter()
     last = result.start
     try:
-        async with client.stream("POST", f"{args.base_url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{target.base_url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
@@ -207,20 +222,22 @@ async def send(
         result.error = f"{type(exc).__name__}: {exc}"
 
 
-async def run_rate(args: argparse.Namespace, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
-    """Send every request with Poisson arrivals at `rate` requests/s; return the metrics."""
+async def run_rate(
+    args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
+) -> dict[str, Any]:
+    """Send every request to `target` with Poisson arrivals at `rate` requests/s; return the metrics."""
     rng = random.Random(args.seed)
     results = [RequestResult() for _ in requests]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
-    label = "inf" if math.isinf(rate) else f"{rate:g}"
+    label = f"{target.label}: rate " + ("inf" if math.isinf(rate) else f"{rate:g}")
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
-        with tqdm(total=len(requests), desc=f"rate {label} req/s", unit="req") as progress:
+        with tqdm(total=len(requests), desc=f"{label} req/s", unit="req") as progress:
 
             async def one(request: BenchRequest, result: RequestResult) -> None:
                 async with limit:
-                    await send(client, args, request, result)
+                    await send(client, args, target, request, result)
                 progress.update(1)
 
             start = time.perf_counter()
@@ -231,7 +248,7 @@ async def run_rate(args: argparse.Namespace, requests: list[BenchRequest], rate:
                     await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
             await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
-    return summarize(results, duration, rate)
+    return {"target": target.label, **summarize(results, duration, rate)}
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -287,9 +304,14 @@ _ROWS = [
 ]
 
 
+def _label(run: dict[str, Any]) -> str:
+    target = run.get("target")
+    return f"{target} @ {run['request_rate']}" if target else f"rate {run['request_rate']}"
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     """The metrics of every run side by side, one column per request rate."""
-    header = ["Metric"] + [f"rate {r['request_rate']}" for r in runs]
+    header = ["Metric"] + [_label(run) for run in runs]
     rows = [[title] + [fmt.format(run[key]) for run in runs] for title, key, fmt in _ROWS]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in [header, *rows]]
@@ -306,7 +328,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for run in runs:
-        label = f"rate {run['request_rate']}"
+        label = _label(run)
         done = [r for r in run["requests"] if r["success"]]
         for axis, values in (
             (axes[0], sorted(r["ttft"] * 1000 for r in done)),
@@ -314,11 +336,13 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ):
             if values:
                 axis.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
-    labels = [f"rate {run['request_rate']}" for run in runs]
-    axes[2].bar(labels, [run["output_throughput"] for run in runs], color="tab:green")
+    labels = [_label(run) for run in runs]
+    # Horizontal bars: server-and-rate labels are long.
+    axes[2].barh(labels, [run["output_throughput"] for run in runs], color="tab:green")
+    axes[2].invert_yaxis()
     axes[0].set(title="Time to first token", xlabel="ms", ylabel="fraction of requests")
     axes[1].set(title="Inter-token latency", xlabel="ms", ylabel="fraction of tokens")
-    axes[2].set(title="Output token throughput", ylabel="tokens/s")
+    axes[2].set(title="Output token throughput", xlabel="tokens/s")
     for axis in axes[:2]:
         axis.grid(alpha=0.3)
         axis.legend()
@@ -332,8 +356,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    parser.add_argument("--model", required=True, help="model name to send")
+    parser.add_argument(
+        "--base-url",
+        nargs="+",
+        default=["http://127.0.0.1:8000"],
+        help="server roots (several: compared side by side)",
+    )
+    parser.add_argument(
+        "--model", nargs="+", required=True, help="model name to send (one, or one per --base-url)"
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
         "--request-rate", nargs="+", type=float, default=[math.inf], help="req/s (inf: all at once)"
@@ -362,19 +393,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--range-ratio must be in [0, 1)")
     if any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
-    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    if len(args.model) not in {1, len(args.base_url)}:
+        parser.error("give one --model, or one per --base-url")
+    args.base_url = [url.rstrip("/").removesuffix("/v1") for url in args.base_url]
     return args
+
+
+def targets(args: argparse.Namespace) -> list[Target]:
+    """The servers to benchmark, labelled by host:port."""
+    models = args.model * len(args.base_url) if len(args.model) == 1 else args.model
+    return [
+        Target(url, model, url.split("://", 1)[-1]) for url, model in zip(args.base_url, models, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark at every rate; print the table, write the JSON and the plot."""
     args = parse_args(argv)
     requests = make_requests(args, random.Random(args.seed))
-    runs = [asyncio.run(run_rate(args, requests, rate)) for rate in args.request_rate]
+    runs = [
+        asyncio.run(run_rate(args, target, requests, rate))
+        for target in targets(args)
+        for rate in args.request_rate
+    ]
     print(table(runs))
     for run in runs:
         for error in run["errors"]:
-            print(f"error (rate {run['request_rate']}): {error}", file=sys.stderr)
+            print(f"error ({_label(run)}): {error}", file=sys.stderr)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "api_key"}

@@ -108,3 +108,28 @@ def test_bad_options_are_refused() -> None:
     for argv in (["--range-ratio", "1.5"], ["--request-rate", "0"]):
         with pytest.raises(SystemExit):
             bench_serving.parse_args(["--model", "m", *argv])
+
+
+def test_several_servers_share_one_model_name_or_get_one_each() -> None:
+    """Several --base-url values are benchmarked side by side, labelled by host:port."""
+    args = bench_serving.parse_args(["--base-url", "http://a:1/v1", "http://b:2/", "--model", "m"])
+    assert [(t.base_url, t.model, t.label) for t in bench_serving.targets(args)] == [
+        ("http://a:1", "m", "a:1"),
+        ("http://b:2", "m", "b:2"),
+    ]
+    args = bench_serving.parse_args(["--base-url", "http://a:1", "http://b:2", "--model", "x", "y"])
+    assert [t.model for t in bench_serving.targets(args)] == ["x", "y"]
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--base-url", "http://a:1", "http://b:2", "--model", "x", "y", "z"])
+    header = bench_serving.table(
+        [{**_summary(), "target": "a:1"}, {**_summary(), "target": "b:2"}]
+    ).splitlines()[0]
+    assert header.split("|")[1:] == [" a:1 @ inf ", " b:2 @ inf"]
+
+
+def _summary() -> dict[str, object]:
+    result = bench_serving.RequestResult(
+        success=True, prompt_tokens=1, output_tokens=2, ttft=0.1, latency=0.2
+    )
+    summary: dict[str, object] = bench_serving.summarize([result], duration=1.0, rate=float("inf"))
+    return summary
