@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
 from pagoda.server.api.async_engine import AsyncLLM
-from pagoda.server.api.chat_template import render_chat, resolve_chat_template
+from pagoda.server.api.chat_template import render_chat
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.openapi import build_openapi
 from pagoda.server.api.protocol import (
@@ -31,6 +31,7 @@ from pagoda.server.api.protocol import (
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext
 from pagoda.server.api.serving_chat import ChatHandler
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.chat_templates import resolve_chat_template
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
