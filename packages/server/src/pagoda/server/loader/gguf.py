@@ -80,12 +80,10 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
 
 
 def _make_shareable(folder: Path) -> None:
-    """Give the folder and its files the umask's usual permissions (mkdtemp makes them private to the owner)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    """Make the cache readable by everyone, like the files of a model download (mkdtemp makes it owner-only)."""
+    folder.chmod(0o755)
     for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
+        path.chmod(0o644)
 
 
 def _convert_into(gguf_path: Path, folder: Path) -> None:
