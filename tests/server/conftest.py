@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.loader import CACHE_DIR_ENV
-from tiny_models import make_tiny_model  # type: ignore[import-not-found,unused-ignore]
+from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="session", autouse=True)

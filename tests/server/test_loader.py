@@ -18,7 +18,7 @@ from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import WeightLoadError, cache_folder, load_model
 from pagoda.server.models import UnsupportedArchitectureError
 from safetensors.torch import load_file, save_file
-from tiny_models import (  # type: ignore[import-not-found,unused-ignore]
+from tiny_models import (
     PagedKV,
     make_tiny_hf_model,
     make_tiny_model,

@@ -12,7 +12,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, CausalLM, KVCacheSpec, build_model
-from tiny_models import (  # type: ignore[import-not-found,unused-ignore]
+from tiny_models import (
     ARCHS,
     MODEL_VOCAB_SIZE,
     PagedKV,
