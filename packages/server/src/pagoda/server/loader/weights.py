@@ -12,7 +12,7 @@ from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear
 from safetensors import safe_open
 from torch import Tensor
-from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
+from tqdm.auto import tqdm
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
