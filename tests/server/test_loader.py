@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -319,6 +321,22 @@ def test_interrupted_gguf_conversion_leaves_no_cache(
     monkeypatch.setattr(gguf_module, "_convert_into", convert)
     loaded = load_model(str(gguf_path), dtype=torch.float32, device=CPU, cache_dir=cache)
     assert loaded.model_path == cache_folder(gguf_path, cache)
+
+
+def test_conversion_removes_scratch_of_killed_conversions_only(
+    tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    """A scratch folder a day old (its process was killed) goes; a fresh one (a live conversion) stays."""
+    gguf_path, _ = tiny_gguf
+    target = cache_folder(gguf_path, tmp_path)
+    stale, live = tmp_path / f".{target.name}.old.partial", tmp_path / f".{target.name}.new.partial"
+    for scratch in (stale, live):
+        scratch.mkdir()
+        (scratch / "model.safetensors").write_bytes(b"half")
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(stale, (two_days_ago, two_days_ago))
+    assert gguf_module.convert_gguf(gguf_path, tmp_path) == target
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, target.name])
 
 
 def test_gguf_cache_key_follows_the_file(tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path) -> None:

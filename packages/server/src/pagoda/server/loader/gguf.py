@@ -24,6 +24,8 @@ _CACHE_FORMAT = 3
 # Gemma's chat turns end with this token. Google's generation_config.json lists it beside <eos>, but llama.cpp's
 # Gemma GGUF files keep <eos> only, so a converted chat model would not stop at the end of its turn.
 _GEMMA_END_OF_TURN = "<end_of_turn>"
+# A scratch folder untouched this long belongs to a conversion that was killed (a live one takes minutes).
+_STALE_SCRATCH_S = 24 * 3600
 
 
 def default_cache_root() -> Path:
@@ -60,6 +62,7 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
     if is_converted(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_scratch(target)
     logger.info(
         "converting %s to %s once (dequantizing takes a while; later loads read the cache)", gguf_path, target
     )
@@ -77,6 +80,15 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _remove_stale_scratch(target: Path) -> None:
+    """Delete scratch folders that killed conversions of `target` left behind (`finally` never ran for them)."""
+    now = time.time()
+    for scratch in target.parent.glob(f".{target.name}.*.partial"):
+        if now - scratch.stat().st_mtime > _STALE_SCRATCH_S:
+            logger.info("removing %s, left by an interrupted conversion", scratch)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _make_shareable(folder: Path) -> None:
