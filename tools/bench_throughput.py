@@ -18,7 +18,8 @@ run in the same process on the same float32 weights (the engine's converted safe
 The roofline is the workload's FLOPs (2 x non-embedding matmul weights per computed token, attention
 4 x ctx x heads x head_dim per layer, the LM head once per sampled token) at the best float32 matmul rate measured
 here, now. "same tokens" is the share of requests whose greedy tokens equal Pagoda's. The machine may be shared:
-the 1-minute load average after each run is printed beside it; compare ratios, which come from the same process.
+each row also shows the process CPU seconds of the run (all threads) and the 1-minute load average when it ended;
+compare the ratios, which come from the same process and the same minutes.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Result:
     num_requests: int
     prompt_tokens: int
     output_tokens: int  # useful output tokens: each request's own L_i
+    cpu_s: float  # CPU time of this process (all threads) during the run: less sensitive to a shared machine
     load_avg: float  # 1-minute load average when the run ended
     same_tokens: float | None  # share of requests whose tokens equal Pagoda's; None for Pagoda itself
 
@@ -122,8 +124,33 @@ class Result:
 Outputs = list[tuple[int, ...]]  # generated token ids per request, in workload order
 
 
+@dataclass(frozen=True)
+class Clock:
+    """Wall and process CPU time at the start of a timed run."""
+
+    wall: float
+    cpu: float
+
+    @classmethod
+    def start(cls) -> Clock:
+        """Read both clocks now."""
+        return cls(time.perf_counter(), time.process_time())
+
+    def read(self) -> Timing:
+        """Wall and CPU seconds since the start."""
+        return Timing(time.perf_counter() - self.wall, time.process_time() - self.cpu)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds one timed run took."""
+
+    wall_s: float
+    cpu_s: float
+
+
 def finish(
-    system: str, workload: Workload, elapsed: float, outputs: Outputs, reference: Outputs | None
+    system: str, workload: Workload, timing: Timing, outputs: Outputs, reference: Outputs | None
 ) -> Result:
     """A Result after checking that every request generated exactly its L_i tokens."""
     wrong = [
@@ -140,10 +167,11 @@ def finish(
         same = sum(a == b for a, b in zip(outputs, reference, strict=True)) / workload.num_requests
     return Result(
         system,
-        elapsed,
+        timing.wall_s,
         workload.num_requests,
         workload.prompt_tokens,
         workload.output_tokens,
+        timing.cpu_s,
         os.getloadavg()[0],
         same,
     )
@@ -161,11 +189,11 @@ def run_pagoda(llm: LLM, workload: Workload) -> tuple[Result, Outputs]:
         use_tqdm=False,
     )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    start = time.perf_counter()
+    clock = Clock.start()
     results = llm.generate([list(p) for p in workload.prompts], params)
-    elapsed = time.perf_counter() - start
+    timing = clock.read()
     outputs = [r.outputs[0].token_ids for r in results]
-    return finish("pagoda", workload, elapsed, outputs, None), outputs
+    return finish("pagoda", workload, timing, outputs, None), outputs
 
 
 # ------------------------------------------------------------------------------------------- transformers
@@ -202,7 +230,7 @@ def run_hf_batch(
     )
     cb_config = ContinuousBatchingConfig(
         page_size=HF_PAGE_SIZE,
-        num_blocks=pages + 2 * max_num_seqs,  # every request fits: no eviction on either side
+        num_blocks=pages + 4,  # every request fits at once: no eviction on either side
         max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=min(max_num_seqs, workload.num_requests),
         allow_block_sharing=False,  # random prompts share no prefix; Pagoda's prefix cache finds none either
@@ -212,7 +240,7 @@ def run_hf_batch(
     with model.continuous_batching_context_manager(
         generation_config=generation_config, continuous_batching_config=cb_config, block=True, timeout=30
     ) as manager:
-        start = time.perf_counter()
+        clock = Clock.start()
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             manager.add_request(list(prompt), request_id=f"r{i}", max_new_tokens=n)
         with tqdm(total=workload.num_requests, desc="hf-batch", unit="req") as bar:
@@ -227,9 +255,9 @@ def run_hf_batch(
                         raise RuntimeError(f"hf-batch request {result.request_id} failed: {result.error}")
                     results[result.request_id] = result
                     bar.update(1)
-        elapsed = time.perf_counter() - start
+        timing = clock.read()
     outputs = [tuple(results[f"r{i}"].generated_tokens) for i in range(workload.num_requests)]
-    return finish("hf-batch", workload, elapsed, outputs, reference), outputs
+    return finish("hf-batch", workload, timing, outputs, reference), outputs
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +284,7 @@ def run_hf_static(
             generation_config=greedy_config(WARMUP_OUTPUT_LEN, pad_token_id=pad_id),
         )
     outputs: Outputs = []
-    start = time.perf_counter()
+    clock = Clock.start()
     with tqdm(total=workload.num_requests, desc="hf-static", unit="req") as bar:
         for first in range(0, workload.num_requests, batch_size):
             prompts = workload.prompts[first : first + batch_size]
@@ -270,8 +298,8 @@ def run_hf_static(
                 raise RuntimeError(f"hf-static generated {new.shape[1]} tokens, expected {max(lens)}")
             outputs.extend(tuple(int(t) for t in row[:n]) for row, n in zip(new.tolist(), lens, strict=True))
             bar.update(len(prompts))
-    elapsed = time.perf_counter() - start
-    return finish("hf-static", workload, elapsed, outputs, reference), outputs
+    timing = clock.read()
+    return finish("hf-static", workload, timing, outputs, reference), outputs
 
 
 # ------------------------------------------------------------------------------------------------ roofline
@@ -360,6 +388,7 @@ def format_table(results: Sequence[Result]) -> str:
     header = (
         "system",
         "time s",
+        "cpu s",
         "requests/s",
         "output tok/s",
         "total tok/s",
@@ -374,6 +403,7 @@ def format_table(results: Sequence[Result]) -> str:
             (
                 r.system,
                 f"{r.elapsed_s:.1f}",
+                f"{r.cpu_s:.1f}",
                 f"{r.requests_per_s:.2f}",
                 f"{r.output_tok_s:.1f}",
                 f"{r.total_tok_s:.1f}",
@@ -489,7 +519,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
         if args.max_num_batched_tokens is not None:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+        start = time.perf_counter()
         llm = LLM(model, **engine_args)
+        log(f"Pagoda loaded in {time.perf_counter() - start:.1f} s")
         engine = llm.engine
         workload = make_workload(
             args.num_requests,
@@ -511,7 +543,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         results = [pagoda]
         cost = model_cost(engine.runner.model, engine.vocab_size)
         if args.compare:
+            start = time.perf_counter()
             hf_model = load_hf(engine.model_path)
+            log(f"transformers loaded in {time.perf_counter() - start:.1f} s")
             pad = engine.tokenizer.pad_token_id
             pad_id = pad if isinstance(pad, int) else 0
             batch_tokens = engine.scheduler.config.max_num_batched_tokens

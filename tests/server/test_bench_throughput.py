@@ -66,8 +66,8 @@ def test_parse_compare_accepts_repeats_and_comma_lists() -> None:
 def test_table_ratio_is_pagoda_over_each_system() -> None:
     """The ratio column divides Pagoda's output tokens/s by the row's."""
     results = [
-        bench.Result("pagoda", 2.0, 4, 40, 100, 1.0, None),
-        bench.Result("hf-batch", 8.0, 4, 40, 100, 1.0, 0.5),
+        bench.Result("pagoda", 2.0, 4, 40, 100, 4.0, 1.0, None),
+        bench.Result("hf-batch", 8.0, 4, 40, 100, 16.0, 1.0, 0.5),
     ]
     table = bench.format_table(results)
     hf_row = next(line for line in table.splitlines() if line.startswith("hf-batch"))
