@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
+import torch.nn.functional as F
 from pagoda.server.models.attention import AttentionMetadata, KVCache
+from pagoda.server.models.layers import softcap
 from torch import Tensor, nn
 
 
@@ -67,3 +69,44 @@ class CausalLM(nn.Module, ABC):
     def ignored_weights(self) -> frozenset[str]:
         """Checkpoint tensors that may be present but are not parameters here (e.g. stored rotary tables)."""
         return frozenset()
+
+
+# Checkpoint projections fused into one matmul each by every model here: q/k/v -> qkv_proj, gate/up -> gate_up_proj.
+FUSED_QKV_GATE_UP: Mapping[str, PackedShard] = MappingProxyType(
+    {
+        "q_proj": PackedShard("qkv_proj", 0),
+        "k_proj": PackedShard("qkv_proj", 1),
+        "v_proj": PackedShard("qkv_proj", 2),
+        "gate_proj": PackedShard("gate_up_proj", 0),
+        "up_proj": PackedShard("gate_up_proj", 1),
+    }
+)
+
+
+class DecoderLM(CausalLM):
+    """A decoder-only LM with `model.embed_tokens`, an optional untied `lm_head` and optional final softcap."""
+
+    packed_modules = FUSED_QKV_GATE_UP
+    model: nn.Module
+    spec: KVCacheSpec
+    lm_head: nn.Module | None  # a Linear; typed loosely so models can use their own Linear subclass
+    tie_word_embeddings: bool
+    final_logit_softcapping: float | None = None
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> float32 [num_rows, vocab]
+        """Logits of the given rows through the LM head (the embedding matrix when tied), soft-capped if set."""
+        embed = self.model.get_submodule("embed_tokens")
+        head = embed if self.lm_head is None else self.lm_head
+        weight = head.get_parameter("weight")
+        logits = F.linear(hidden, weight).float()
+        if self.final_logit_softcapping is not None:
+            logits = softcap(logits, float(self.final_logit_softcapping))
+        return logits
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One K and one V cache per layer."""
+        return self.spec
+
+    def weight_aliases(self) -> Mapping[str, str]:
+        """With tied embeddings, a checkpoint's `lm_head.weight` is the embedding."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

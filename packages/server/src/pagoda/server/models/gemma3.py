@@ -8,13 +8,12 @@ theta per layer type, tied embeddings, and optional attention / final logit soft
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata, KVCache
-from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
+from pagoda.server.models.base import DecoderLM, KVCacheSpec
 from pagoda.server.models.layers import (
     Embedding,
     Linear,
@@ -26,11 +25,6 @@ from pagoda.server.models.layers import (
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
-
-
-def softcap(x: Tensor, cap: float) -> Tensor:
-    """cap * tanh(x / cap), Gemma's smooth clamp of logits."""
-    return torch.tanh(x / cap) * cap
 
 
 def gemma3_layer_types(config: PretrainedConfig) -> list[str]:
@@ -162,18 +156,10 @@ class Gemma3TextModel(nn.Module):
         )
 
 
-class Gemma3ForCausalLM(CausalLM):
+class Gemma3ForCausalLM(DecoderLM):
     """Gemma 3 text-only causal LM (tied embeddings unless the config says otherwise)."""
 
-    packed_modules = MappingProxyType(
-        {
-            "q_proj": PackedShard("qkv_proj", 0),
-            "k_proj": PackedShard("qkv_proj", 1),
-            "v_proj": PackedShard("qkv_proj", 2),
-            "gate_proj": PackedShard("gate_up_proj", 0),
-            "up_proj": PackedShard("gate_up_proj", 1),
-        }
-    )
+    model: Gemma3TextModel
 
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -207,19 +193,3 @@ class Gemma3ForCausalLM(CausalLM):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
         return out
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> float32 [num_rows, vocab]
-        """Logits of the given rows through the LM head (the embedding when tied), soft-capped if configured."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
-        if self.final_logit_softcapping is not None:
-            logits = softcap(logits, float(self.final_logit_softcapping))
-        return logits
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """One K and one V cache per layer (sliding layers use the same paged layout)."""
-        return self.spec
-
-    def weight_aliases(self) -> Mapping[str, str]:
-        """With tied embeddings (as Gemma 3 ships), a checkpoint's `lm_head.weight` is the embedding."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

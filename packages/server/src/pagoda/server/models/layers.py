@@ -164,3 +164,8 @@ def rope_inv_freq(
     if inv_freq.shape[0] * 2 != head_dim:
         raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     return inv_freq.to(device=device, dtype=torch.float32), float(scaling)
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """cap * tanh(x / cap), Gemma's smooth clamp of logits."""
+    return torch.tanh(x / cap) * cap

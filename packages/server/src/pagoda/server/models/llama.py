@@ -7,13 +7,12 @@ projection, Qwen3 normalises each query/key head (RMSNorm over head_dim) before 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata, KVCache
-from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
+from pagoda.server.models.base import DecoderLM, KVCacheSpec
 from pagoda.server.models.layers import (
     Embedding,
     Linear,
@@ -169,18 +168,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, None, device)
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(DecoderLM):
     """Llama, Mistral, Qwen2 and Qwen3 causal LMs (see the module docstring for what differs)."""
 
-    packed_modules = MappingProxyType(
-        {
-            "q_proj": PackedShard("qkv_proj", 0),
-            "k_proj": PackedShard("qkv_proj", 1),
-            "v_proj": PackedShard("qkv_proj", 2),
-            "gate_proj": PackedShard("gate_up_proj", 0),
-            "up_proj": PackedShard("gate_up_proj", 1),
-        }
-    )
+    model: LlamaModel
 
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -212,19 +203,6 @@ class LlamaForCausalLM(CausalLM):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
         return out
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> float32 [num_rows, vocab]
-        """Logits of the given rows through the LM head (the embedding matrix when tied)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """One K and one V cache per layer."""
-        return self.spec
-
-    def weight_aliases(self) -> Mapping[str, str]:
-        """With tied embeddings, a checkpoint's `lm_head.weight` is the embedding."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def ignored_weights(self) -> frozenset[str]:
         """Rotary tables some old checkpoints store (recomputed here)."""
