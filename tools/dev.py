@@ -3,7 +3,7 @@
 Needs only Python 3.11+ and pip on a fresh machine:
 
     python3 tools/dev.py serve [ARGS...]   # install everything, then `pagoda serve ARGS...`
-    python3 tools/dev.py test [PYTEST ARGS...]   # install everything, then mypy strict and pytest
+    python3 tools/dev.py test [PYTEST ARGS...]   # install everything, then mypy strict, ruff and pytest
 """
 
 from __future__ import annotations
@@ -73,10 +73,12 @@ def run(argv: list[str]) -> int:
         return subprocess.call([str(python), "-m", "pagoda.server.cli", "serve", *rest])
     if command == "exec":
         return subprocess.call([str(python), *rest])
-    mypy = subprocess.call([str(python), "-m", "mypy"])
-    if mypy != 0:
-        print("mypy failed", file=sys.stderr)
-        return mypy
+    checks = (["mypy"], ["ruff", "check", "."], ["ruff", "format", "--check", "."])
+    for check in checks:
+        status = subprocess.call([str(python), "-m", *check])
+        if status != 0:
+            print(f"{' '.join(check)} failed", file=sys.stderr)
+            return status
     return subprocess.call([str(python), "-m", "pytest", *rest])
 
 
