@@ -430,7 +430,7 @@ def plot(results: Sequence[Result], roofline: Roofline, path: Path, title: str) 
     ax.bar_label(bars, fmt="%.1f")
     ax.axhline(roofline.output_tok_s, color="tab:red", linestyle="--", label="compute roofline")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title.replace(": ", "\n", 1), fontsize=9)  # model on one line, workload on the next
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
