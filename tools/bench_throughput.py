@@ -217,29 +217,72 @@ def greedy_config(max_new_tokens: int, **fields: int) -> Any:
     )
 
 
-def run_hf_batch(
-    model: Any, workload: Workload, max_num_seqs: int, max_batch_tokens: int, reference: Outputs
-) -> tuple[Result, Outputs]:
-    """transformers' continuous batching (paged cache, its own scheduler) with a per-request max_new_tokens."""
+def cache_sizes(needed_blocks: int, min_blocks: int) -> list[int]:
+    """Cache sizes (blocks) to try, largest first: every request at once, then halves down to `min_blocks`."""
+    sizes = [max(needed_blocks, min_blocks)]
+    while sizes[-1] // 2 >= min_blocks:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+@contextmanager
+def hf_manager(
+    model: Any, workload: Workload, max_num_seqs: int, max_batch_tokens: int, log: Callable[[str], None]
+) -> Iterator[Any]:
+    """A started, warmed-up transformers continuous-batching manager with the largest cache that fits in memory.
+
+    transformers sizes its CPU footprint per readable cache token (dense attention masks, repeated K/V), so a cache
+    holding a large workload at once can exceed the machine's memory: then the cache is halved (its scheduler
+    queues what does not fit), down to one longest request.
+    """
     from transformers import ContinuousBatchingConfig
 
-    generation_config = greedy_config(max(workload.output_lens))
-    pages = sum(
-        math.ceil((len(p) + n) / HF_PAGE_SIZE)
-        for p, n in zip(workload.prompts, workload.output_lens, strict=True)
-    )
-    cb_config = ContinuousBatchingConfig(
-        page_size=HF_PAGE_SIZE,
-        num_blocks=pages + 4,  # every request fits at once: no eviction on either side
-        max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=min(max_num_seqs, workload.num_requests),
-        allow_block_sharing=False,  # random prompts share no prefix; Pagoda's prefix cache finds none either
-    )
+    lengths = [len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True)]
+    needed = sum(math.ceil(n / HF_PAGE_SIZE) for n in lengths) + 4
+    original_attn = model.config._attn_implementation
+    for num_blocks in cache_sizes(needed, math.ceil(max(lengths) / HF_PAGE_SIZE) + 4):
+        cb_config = ContinuousBatchingConfig(
+            page_size=HF_PAGE_SIZE,
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=min(max_num_seqs, workload.num_requests),
+            allow_block_sharing=False,  # random prompts share no prefix; Pagoda's prefix cache finds none either
+        )
+        # Warms up (untimed) and starts the generation thread on entry; stops it on exit.
+        context = model.continuous_batching_context_manager(
+            generation_config=greedy_config(max(workload.output_lens)),
+            continuous_batching_config=cb_config,
+            block=True,
+            timeout=30,
+        )
+        try:
+            manager = context.__enter__()
+        except MemoryError as error:
+            model.set_attn_implementation(
+                original_attn
+            )  # the failed manager switched it and never restores it
+            log(f"hf-batch: a {num_blocks}-block cache does not fit ({error}); halving it")
+            continue
+        log(f"hf-batch: cache of {num_blocks} blocks x {HF_PAGE_SIZE} tokens ({needed} hold every request)")
+        try:
+            yield manager
+        finally:
+            context.__exit__(None, None, None)
+        return
+    raise MemoryError("hf-batch: not even one longest request fits in transformers' cache")
+
+
+def run_hf_batch(
+    model: Any,
+    workload: Workload,
+    max_num_seqs: int,
+    max_batch_tokens: int,
+    reference: Outputs,
+    log: Callable[[str], None],
+) -> tuple[Result, Outputs]:
+    """transformers' continuous batching (paged cache, its own scheduler) with a per-request max_new_tokens."""
     results: dict[str, Any] = {}
-    # The context manager warms up (untimed), starts the generation thread, and stops it on exit.
-    with model.continuous_batching_context_manager(
-        generation_config=generation_config, continuous_batching_config=cb_config, block=True, timeout=30
-    ) as manager:
+    with hf_manager(model, workload, max_num_seqs, max_batch_tokens, log) as manager:
         clock = Clock.start()
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             manager.add_request(list(prompt), request_id=f"r{i}", max_new_tokens=n)
@@ -553,7 +596,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
             gc.collect()
             if "hf-batch" in args.compare:
                 results.append(
-                    run_hf_batch(hf_model, workload, args.max_num_seqs, batch_tokens, reference)[0]
+                    run_hf_batch(hf_model, workload, args.max_num_seqs, batch_tokens, reference, log)[0]
                 )
             if "hf-static" in args.compare:
                 results.append(

@@ -63,6 +63,12 @@ def test_parse_compare_accepts_repeats_and_comma_lists() -> None:
         bench.parse_compare(["vllm"])
 
 
+def test_cache_sizes_halve_down_to_one_longest_request() -> None:
+    """The transformers cache is tried whole first, then halved while it still holds `min_blocks`."""
+    assert bench.cache_sizes(300, 7) == [300, 150, 75, 37, 18, 9]
+    assert bench.cache_sizes(5, 7) == [7]
+
+
 def test_table_ratio_is_pagoda_over_each_system() -> None:
     """The ratio column divides Pagoda's output tokens/s by the row's."""
     results = [
