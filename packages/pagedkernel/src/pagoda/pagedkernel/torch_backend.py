@@ -21,12 +21,15 @@ def reshape_and_cache(
 ) -> None:
     """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+    if not bool(valid.all()):
+        # Padding present: drop it. Engines that never pad skip these boolean-mask copies (a tenth of a CPU
+        # decode step when taken every layer).
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     # view() (not reshape) so that a non-contiguous cache fails loudly instead of writing into a copy.
     # index_copy_ rather than `cache[slots] = ...`: index_put's CPU kernel parallelises even tiny writes and
     # stalls for milliseconds when the other core is busy; slots are unique so both mean the same.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def _attend_group(
