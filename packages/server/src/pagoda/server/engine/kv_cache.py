@@ -69,21 +69,23 @@ class KVCache:
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy device blocks to host blocks, (device, host) pairs."""
-        if not pairs:
-            return
-        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
-        for (dk, dv), (hk, hv) in zip(self.device_caches, self.host_caches, strict=True):
-            self.backend.swap_blocks(dk, hk, block_pairs)
-            self.backend.swap_blocks(dv, hv, block_pairs)
+        self._swap(pairs, to_host=True)
 
     def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy host blocks back to device blocks, (host, device) pairs."""
+        self._swap(pairs, to_host=False)
+
+    def _swap(self, pairs: tuple[tuple[int, int], ...], *, to_host: bool) -> None:
+        """Move blocks between tiers in every layer, K and V; pairs are (src, dst) in the direction moved."""
         if not pairs:
             return
-        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
-        for (dk, dv), (hk, hv) in zip(self.device_caches, self.host_caches, strict=True):
-            self.backend.swap_blocks(hk, dk, block_pairs)
-            self.backend.swap_blocks(hv, dv, block_pairs)
+        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(
+            -1, 2
+        )  # host-side indices for both directions
+        for device_kv, host_kv in zip(self.device_caches, self.host_caches, strict=True):
+            for device_cache, host_cache in zip(device_kv, host_kv, strict=True):
+                src, dst = (device_cache, host_cache) if to_host else (host_cache, device_cache)
+                self.backend.swap_blocks(src, dst, block_pairs)
 
     def copy(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy-on-write: duplicate device blocks in every layer, (src, dst) pairs."""

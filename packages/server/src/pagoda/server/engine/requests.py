@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -133,9 +134,8 @@ class RequestState:
 
     def touch(self, **times: float) -> None:
         """Set metric timestamps (first_scheduled_time, first_token_time, ...) that are not set yet."""
-        current = {name: getattr(self.metrics, name) for name in RequestMetrics.__dataclass_fields__}
-        current.update({k: v for k, v in times.items() if current[k] is None or k == "last_token_time"})
-        self.metrics = RequestMetrics(**current)
+        unset = {k: v for k, v in times.items() if k == "last_token_time" or getattr(self.metrics, k) is None}
+        self.metrics = dataclasses.replace(self.metrics, **unset)
 
     def snapshot(self) -> RequestOutput:
         """The request's cumulative output now."""
