@@ -7,7 +7,8 @@
 
 The workload is fixed by --seed: random token-id prompts and per-request output lengths, greedy, EOS ignored, so
 every system computes exactly the same tokens. Only generation is timed (loading and warm-up are not). The peers
-run in the same process on the same float32 weights (the engine's converted safetensors folder):
+run in the same process on the same weights in the same dtype as Pagoda (--dtype; auto is the engine's choice:
+bfloat16 on CPUs with bfloat16 units, else float32), read from the engine's safetensors folder:
 
 - hf-batch: `init_continuous_batching` + `add_request(max_new_tokens=L_i)`, transformers' own continuous batching
   over a paged cache, warm-up on, sized like Pagoda (same batch-token budget and sequence cap, a cache that fits
@@ -17,7 +18,8 @@ run in the same process on the same float32 weights (the engine's converted safe
 
 The roofline is the workload's FLOPs (2 x non-embedding matmul weights per computed token, attention
 4 x ctx x heads x head_dim per layer, the LM head once per sampled token) at the best float32 matmul rate measured
-here, before and after the runs (the better of the two). "same tokens" is the share of requests whose greedy
+here, before and after the runs (the better of the two); when Pagoda runs in bfloat16 a second roofline at the
+bfloat16 matmul rate is printed too (the true bound there). "same tokens" is the share of requests whose greedy
 tokens equal Pagoda's. The machine may be shared: each row also shows the process CPU seconds of the run (all
 threads) and the 1-minute load average when it ended; compare the ratios, which come from the same process and the
 same minutes.
@@ -200,11 +202,11 @@ def run_pagoda(llm: LLM, workload: Workload) -> tuple[Result, Outputs]:
 # ------------------------------------------------------------------------------------------- transformers
 
 
-def load_hf(model_path: Path) -> Any:
-    """The same checkpoint as a transformers model, float32, in eval mode."""
+def load_hf(model_path: Path, dtype: torch.dtype) -> Any:
+    """The same checkpoint as a transformers model, in Pagoda's dtype, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return nn.Module.eval(model)
 
 
@@ -397,12 +399,13 @@ def _windowed_keys(num_positions: int, window: int) -> int:
     return ramp * (ramp + 1) // 2 + (num_positions - ramp) * window
 
 
-def measure_matmul_gflops(seconds: float = 0.5, rounds: int = 3) -> float:
-    """Best sustained float32 torch.mm rate (GFLOP/s) over a decode-like, a prefill-like and a square shape."""
+def measure_matmul_gflops(seconds: float = 0.5, rounds: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """Best sustained torch.mm rate (GFLOP/s) in `dtype` over a decode-like, a prefill-like and a square shape."""
     shapes = ((256, 640, 2048), (2048, 640, 2048), (2048, 2048, 2048))
     best = 0.0
     for m, k, n in shapes:
-        a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        out = torch.empty(m, n, dtype=dtype)
         torch.mm(a, b, out=out)
         for _ in range(rounds):
             reps, start = 0, time.perf_counter()
@@ -415,8 +418,9 @@ def measure_matmul_gflops(seconds: float = 0.5, rounds: int = 3) -> float:
 
 @dataclass(frozen=True)
 class Roofline:
-    """The compute bound of the workload on this machine."""
+    """The compute bound of the workload on this machine at one dtype's matmul rate."""
 
+    dtype: str
     matmul_gflops: float
     workload_gflop: float
     output_tok_s: float  # output tokens / (workload FLOPs / matmul rate)
@@ -462,8 +466,8 @@ def format_table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: Sequence[Result], roofline: Roofline, path: Path, title: str) -> None:
-    """Bar chart of output tokens/s per system, the roofline as a dashed line."""
+def plot(results: Sequence[Result], rooflines: Sequence[Roofline], path: Path, title: str) -> None:
+    """Bar chart of output tokens/s per system, each roofline as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,7 +476,9 @@ def plot(results: Sequence[Result], roofline: Roofline, path: Path, title: str) 
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = ax.bar([r.system for r in results], [r.output_tok_s for r in results], color="tab:blue")
     ax.bar_label(bars, fmt="%.1f")
-    ax.axhline(roofline.output_tok_s, color="tab:red", linestyle="--", label="compute roofline")
+    for roofline, color in zip(rooflines, ("tab:red", "tab:orange"), strict=False):
+        label = f"compute roofline ({roofline.dtype})"
+        ax.axhline(roofline.output_tok_s, color=color, linestyle="--", label=label)
     ax.set_ylabel("output tokens / s")
     ax.set_title(title.replace(": ", "\n", 1), fontsize=9)  # model on one line, workload on the next
     ax.legend()
@@ -514,6 +520,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-output-len", type=int, default=32)
     parser.add_argument("--max-output-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="Pagoda's dtype (auto: the engine's choice); the peers run in the same one",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--static-batch-size", type=int, default=16)
@@ -560,13 +572,14 @@ def model_source(args: argparse.Namespace) -> Iterator[str | None]:
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """Run every system on the workload; print and return the report."""
     with model_source(args) as model:
-        engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
+        engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
         if args.max_num_batched_tokens is not None:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
         start = time.perf_counter()
         llm = LLM(model, **engine_args)
         log(f"Pagoda loaded in {time.perf_counter() - start:.1f} s")
         engine = llm.engine
+        dtype = engine.dtype
         workload = make_workload(
             args.num_requests,
             (args.min_prompt_len, args.max_prompt_len),
@@ -581,17 +594,20 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         log(title)
         log(
             f"  {workload.prompt_tokens} prompt tokens, {workload.output_tokens} output tokens, "
-            f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs"
+            f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, {dtype} (every system)"
         )
+        # The roofline's matmul rate is float32's (the issue's definition), plus the engine's dtype when it differs:
+        # on CPUs with bfloat16 units that one is the true bound.
+        roof_dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
         # The matmul rate is measured before and after the runs (the best counts): on a shared machine one
         # measurement can land in a busy minute.
-        rate_before = measure_matmul_gflops(args.matmul_seconds)
+        rates_before = [measure_matmul_gflops(args.matmul_seconds, dtype=d) for d in roof_dtypes]
         pagoda, reference = run_pagoda(llm, workload)
         results = [pagoda]
         cost = model_cost(engine.runner.model, engine.vocab_size)
         if args.compare:
             start = time.perf_counter()
-            hf_model = load_hf(engine.model_path)
+            hf_model = load_hf(engine.model_path, dtype)
             log(f"transformers loaded in {time.perf_counter() - start:.1f} s")
             pad = engine.tokenizer.pad_token_id
             pad_id = pad if isinstance(pad, int) else 0
@@ -606,17 +622,22 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
                 results.append(
                     run_hf_static(hf_model, workload, args.static_batch_size, pad_id, reference)[0]
                 )
-    rate = max(rate_before, measure_matmul_gflops(args.matmul_seconds))
     flops = workload_flops(cost, workload)
-    roof_tok_s = workload.output_tokens / (flops / (rate * 1e9))
-    roofline = Roofline(rate, flops / 1e9, roof_tok_s, pagoda.output_tok_s / roof_tok_s)
+    rooflines = []
+    for roof_dtype, before in zip(roof_dtypes, rates_before, strict=True):
+        rate = max(before, measure_matmul_gflops(args.matmul_seconds, dtype=roof_dtype))
+        roof_tok_s = workload.output_tokens / (flops / (rate * 1e9))
+        name = str(roof_dtype).removeprefix("torch.")
+        rooflines.append(Roofline(name, rate, flops / 1e9, roof_tok_s, pagoda.output_tok_s / roof_tok_s))
     log("")
     log(format_table(results))
     log("")
-    log(
-        f"compute roofline: {roofline.workload_gflop:.4g} GFLOP at {rate:.1f} GFLOP/s (best float32 matmul) = "
-        f"{roof_tok_s:.1f} output tok/s; Pagoda reaches {roofline.pagoda_fraction:.1%} of it"
-    )
+    for roofline in rooflines:
+        log(
+            f"compute roofline ({roofline.dtype}): {roofline.workload_gflop:.4g} GFLOP at "
+            f"{roofline.matmul_gflops:.1f} GFLOP/s (best {roofline.dtype} matmul) = {roofline.output_tok_s:.1f} "
+            f"output tok/s; Pagoda ({str(dtype).removeprefix('torch.')}) reaches {roofline.pagoda_fraction:.1%} of it"
+        )
     report: dict[str, Any] = {
         "title": title,
         "workload": {
@@ -628,7 +649,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
             "seed": args.seed,
         },
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "roofline": asdict(roofline),
+        "dtype": str(dtype).removeprefix("torch."),
+        "roofline": asdict(rooflines[0]),
+        "rooflines": [asdict(r) for r in rooflines],
         "results": [
             {
                 **asdict(r),
@@ -644,7 +667,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot is not None:
-        plot(results, roofline, args.plot, title)
+        plot(results, rooflines, args.plot, title)
     return report
 
 

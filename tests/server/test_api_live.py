@@ -35,7 +35,9 @@ class LiveServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "pagoda.server.cli", "serve", str(model), "--port", str(self.port)]
-        command += ["--served-model-name", MODEL, "--kv-cache-gib", "0.05", "--log-level", "warning", *extra]
+        command += ["--served-model-name", MODEL, "--kv-cache-gib", "0.05", "--log-level", "warning"]
+        # float32: greedy outputs alone and in a batch must agree, and bfloat16 matmuls vary with the batch size.
+        command += ["--dtype", "float32", *extra]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while True:

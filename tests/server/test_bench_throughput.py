@@ -86,7 +86,7 @@ def test_smoke_tiny_llama_against_both_peers(tmp_path: Path, capsys: pytest.Capt
     png = tmp_path / "plot.png"
     argv = ["--tiny", "llama", "--num-requests", "4", "--min-prompt-len", "4", "--max-prompt-len", "12"]
     argv += ["--min-output-len", "2", "--max-output-len", "6", "--compare", "hf", "--matmul-seconds", "0.05"]
-    report = bench.main([*argv, "--json", str(out), "--plot", str(png)])
+    report = bench.main([*argv, "--dtype", "float32", "--json", str(out), "--plot", str(png)])
     printed = capsys.readouterr().out
     systems = ["pagoda", "hf-batch", "hf-static"]
     assert [row["system"] for row in report["results"]] == systems
@@ -97,5 +97,26 @@ def test_smoke_tiny_llama_against_both_peers(tmp_path: Path, capsys: pytest.Capt
         assert any(line.startswith(row["system"]) for line in printed.splitlines())
     # Same float32 weights, greedy: the peers generate Pagoda's tokens.
     assert [row["same_tokens"] for row in report["results"]] == [None, 1.0, 1.0]
-    assert report["roofline"]["output_tok_s"] > 0 and "compute roofline" in printed
+    assert report["roofline"]["output_tok_s"] > 0 and "compute roofline (float32)" in printed
+    assert [r["dtype"] for r in report["rooflines"]] == ["float32"]
     assert png.stat().st_size > 0
+
+
+def test_bfloat16_run_prints_both_rooflines(capsys: pytest.CaptureFixture[str]) -> None:
+    """In bfloat16 the report names the dtype and adds the bfloat16 roofline after the float32 one."""
+    argv = ["--tiny", "llama", "--num-requests", "2", "--min-prompt-len", "4", "--max-prompt-len", "8"]
+    argv += [
+        "--min-output-len",
+        "2",
+        "--max-output-len",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--matmul-seconds",
+        "0.02",
+    ]
+    report = bench.main(argv)
+    printed = capsys.readouterr().out
+    assert report["dtype"] == "bfloat16"
+    assert [r["dtype"] for r in report["rooflines"]] == ["float32", "bfloat16"]
+    assert "compute roofline (bfloat16)" in printed and "Pagoda (bfloat16)" in printed

@@ -82,8 +82,8 @@ def reference(model_dirs: dict[str, Path]) -> Reference:
 
 
 def make_llm(model_dir: Path, **kwargs: Any) -> LLM:
-    """An LLM on a tiny model with block size 4 and a small pool unless overridden."""
-    args: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 64}
+    """An LLM on a tiny model with block size 4 and a small pool unless overridden, in float32 like the reference."""
+    args: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 64, "dtype": "float32"}
     args.update(kwargs)
     return LLM(str(model_dir), **args)
 
@@ -179,7 +179,7 @@ def test_triton_backend_is_exact(model_dirs: dict[str, Path], reference: Referen
         "import json, sys\n"
         "from pagoda.server.llm import LLM\n"
         "from pagoda.server.sampling_params import SamplingParams\n"
-        "llm = LLM(sys.argv[1], block_size=4, num_kv_blocks=64, max_model_len=64, kernel_backend='triton')\n"
+        "llm = LLM(sys.argv[1], block_size=4, num_kv_blocks=64, max_model_len=64, kernel_backend='triton', dtype='float32')\n"
         "assert llm.engine.runner.backend.name == 'triton'\n"
         "params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)\n"
         "outs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)\n"
@@ -326,7 +326,7 @@ def test_refuses_a_kv_cache_smaller_than_one_request(model_dirs: dict[str, Path]
 @pytest.mark.slow
 def test_default_model_generates_coherent_text() -> None:
     """The real Gemma 3 270M (a base model) continues a fixed prompt sensibly, exactly as transformers does."""
-    llm = LLM(max_model_len=256, kv_cache_gib=0.25)
+    llm = LLM(max_model_len=256, kv_cache_gib=0.25, dtype="float32")
     prompt = "The capital of France is"
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert "France" in out.text and out.text.strip()[0].isalpha()

@@ -52,6 +52,16 @@ def test_greedy_is_exact_argmax_and_consumes_no_randomness() -> None:
     )
 
 
+def test_greedy_ties_pick_the_lowest_token_id() -> None:
+    """Equal maxima resolve to the first one, as argmax (and transformers' greedy search) does, over a full vocab."""
+    logits = torch.zeros(3, 262_144)
+    logits[0, [7, 200_000]] = 5.0
+    logits[1, [131_072, 131_073, 262_143]] = 1.0
+    logits[2, :] = -1.0
+    out = Sampler()(logits, [row(SamplingParams(temperature=0.0))] * 3)
+    assert out.token_ids == [7, 131_072, 0] == logits.argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -2,9 +2,11 @@
 
 Each sequence's visible keys are gathered slot by slot into [num_seqs, num_kv_heads, n_keys, head_dim] (positions
 past a sequence's end read its first visible slot instead, so that slots never written, which may hold NaN
-bits, are never read). Attention then runs in float32 through `scaled_dot_product_attention`, whose CPU flash
-kernel skips the masked upper triangle when `is_causal` is set and never materialises the scores; only a logit
-softcap, which SDPA cannot express, takes the explicit matmul path.
+bits, are never read). Attention then runs through `scaled_dot_product_attention`, whose CPU flash kernel skips the
+masked upper triangle when `is_causal` is set and never materialises the scores; only a logit softcap, which SDPA
+cannot express, takes the explicit matmul path (in float32). A bfloat16 cache is attended in bfloat16 (the flash
+kernels accumulate in float32): on CPUs with AMX, and on GPUs, that is 4x faster than upcasting and skips the
+float32 copy of every gathered key; float16 and float32 caches are attended in float32.
 """
 
 from __future__ import annotations
@@ -33,22 +35,28 @@ def visible_slots(
     return blocks * block_size + safe_pos % block_size, key_pos
 
 
+def compute_dtype(cache_dtype: torch.dtype, logit_softcap: float | None) -> torch.dtype:
+    """The dtype attention runs in: bfloat16 for a bfloat16 cache without softcap, else float32."""
+    return torch.bfloat16 if cache_dtype == torch.bfloat16 and logit_softcap is None else torch.float32
+
+
 def gather_kv(
     cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slots: Tensor,  # int64 [num_seqs, n_keys]
-) -> Tensor:  # float32 [num_seqs, num_kv_heads, n_keys, head_dim] (a strided view of one gathered copy)
-    """The cache rows at `slots`, heads first, in float32 (bfloat16 matmul is far slower on CPUs)."""
+    dtype: torch.dtype,
+) -> Tensor:  # [num_seqs, num_kv_heads, n_keys, head_dim] in `dtype` (a strided view of one gathered copy)
+    """The cache rows at `slots`, heads first, in `dtype`."""
     num_seqs, n_keys = slots.shape
     # index_select on 2-D rows copies each row with one memcpy: 3-6x faster on CPU than advanced indexing.
     rows = cache.view(-1, cache.shape[2] * cache.shape[3]).index_select(0, slots.flatten())
     heads_first = rows.view(num_seqs, n_keys, cache.shape[2], cache.shape[3]).transpose(1, 2)
-    return heads_first if heads_first.dtype == torch.float32 else heads_first.float()
+    return heads_first.to(dtype)
 
 
 def attend(
     q: Tensor,  # [num_seqs, q_len, num_heads, head_dim]
-    k: Tensor,  # float32 [num_seqs, num_kv_heads, n_keys, head_dim]
-    v: Tensor,  # float32 [num_seqs, num_kv_heads, n_keys, head_dim]
+    k: Tensor,  # [num_seqs, num_kv_heads, n_keys, head_dim], in the compute dtype
+    v: Tensor,  # [num_seqs, num_kv_heads, n_keys, head_dim], in the compute dtype
     q_pos: Tensor,  # int64 [num_seqs, q_len]
     key_pos: Tensor,  # int64 [num_seqs, n_keys]
     scale: float,
@@ -56,12 +64,12 @@ def attend(
     sliding_window: int | None,
     logit_softcap: float | None,
     causal: bool,
-) -> Tensor:  # float32 [num_seqs, q_len, num_heads, head_dim]
+) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in k's dtype
     """Attention of q at q_pos over keys at key_pos; `causal` says query r sits at key position r (no mask needed)."""
     num_seqs, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    q = q.float()
+    q = q.to(k.dtype)
     if logit_softcap is not None:
         return _attend_softcap(q, k, v, q_pos, key_pos, scale, sliding_window, logit_softcap)
     mask = None if causal else _visible(q_pos, key_pos, sliding_window)  # [num_seqs, q_len, n_keys]

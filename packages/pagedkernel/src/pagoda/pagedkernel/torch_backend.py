@@ -1,6 +1,7 @@
 """The torch backend: the specification of every op, and the engine's CPU path.
 
-Attention gathers each sequence's K/V through its block table into a padded batch and runs it in float32 with
+Attention gathers each sequence's K/V through its block table into a padded batch and runs it (in float32, or in
+bfloat16 for a bfloat16 cache) with
 `scaled_dot_product_attention` (see `torch_attention`; no loop over tokens). Sequences are padded together in groups
 (`plan_groups`): similar query lengths, and small enough that the gathered K/V stay in the CPU cache.
 """
@@ -42,7 +43,7 @@ def _attend_group(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
-) -> Tensor:  # float32 [num_seqs, q_len, num_heads, head_dim]
+) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in the compute dtype
     """Attention for a padded batch of sequences whose queries are their last q_lens tokens."""
     q_len = q.shape[1]
     if sliding_window is not None and int(context_lens.max().item()) <= sliding_window:
@@ -57,10 +58,11 @@ def _attend_group(
     # Whole prompts without a window: query r sees keys 0..r, the layout SDPA's is_causal computes fastest.
     causal = q_len > 1 and sliding_window is None and bool((q_lens == context_lens).all().item())
     slots, key_pos = torch_attention.visible_slots(block_tables, first_pos, context_lens, k_cache.shape[1])
+    dtype = torch_attention.compute_dtype(k_cache.dtype, logit_softcap)
     return torch_attention.attend(
         q,
-        torch_attention.gather_kv(k_cache, slots),
-        torch_attention.gather_kv(v_cache, slots),
+        torch_attention.gather_kv(k_cache, slots, dtype),
+        torch_attention.gather_kv(v_cache, slots, dtype),
         q_pos,
         key_pos,
         scale,
@@ -153,7 +155,8 @@ def _varlen_attention(
         keys = ctx_list
     else:
         keys = [min(ctx, n + sliding_window - 1) for n, ctx in zip(q_list, ctx_list, strict=True)]
-    bytes_per_key = 2 * 4 * k_cache.shape[2] * k_cache.shape[3]  # float32 K and V of one position
+    itemsize = torch_attention.compute_dtype(k_cache.dtype, logit_softcap).itemsize
+    bytes_per_key = 2 * itemsize * k_cache.shape[2] * k_cache.shape[3]  # gathered K and V of one position
     budget = GROUP_BYTES if q.device.type == "cpu" else DEVICE_GROUP_BYTES
     for seqs in plan_groups(q_list, keys, bytes_per_key, budget):
         seq_ids = torch.as_tensor(seqs, device=q.device, dtype=torch.long)
@@ -180,11 +183,11 @@ def _varlen_attention(
             out[token[real]] = result[real].to(out.dtype)
 
 
-# Gathered float32 K+V of one group stays under this size (unless one sequence alone is larger), so that the
-# attention reads it from the CPU cache right after the gather wrote it: 1.3-1.5x faster decode for batches
+# Gathered K+V (in the compute dtype) of one group stays under this size (unless one sequence alone is larger), so
+# that the attention reads it from the CPU cache right after the gather wrote it: 1.3-1.5x faster decode for batches
 # whose K/V exceed the L3 cache than one gather of the whole batch, no loss below (measured, see README).
 GROUP_BYTES = 16 << 20
-# On a GPU (where this backend is the reference) groups are only bounded to keep the float32 copies in memory.
+# On a GPU (where this backend is the reference) groups are only bounded to keep the gathered copies in memory.
 DEVICE_GROUP_BYTES = 1 << 30
 # Largest share of padding a group may carry, in query rows and in gathered keys. Padded prefills measured
 # slower than one-by-one runs from about 20% query padding on (see README), so prompts are padded little.

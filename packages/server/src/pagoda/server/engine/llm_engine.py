@@ -50,6 +50,7 @@ class LLMEngine:
         self.num_kv_blocks = parts.kv_cache.num_blocks
         self.block_size = config.block_size
         self.device = parts.device
+        self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
         self.kv_manager = BlockManager(
             parts.kv_cache.num_blocks,

