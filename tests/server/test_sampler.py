@@ -62,6 +62,19 @@ def test_greedy_ties_pick_the_lowest_token_id() -> None:
     assert out.token_ids == [7, 131_072, 0] == logits.argmax(dim=-1).tolist()
 
 
+def test_bfloat16_logits_sample_like_their_float32_copy() -> None:
+    """Model-dtype logits: the plain greedy batch argmaxes them as they are; logprobs come out in float32."""
+    logits = random_logits(4, 3).bfloat16()
+    plain = Sampler()(logits, [row(SamplingParams(temperature=0.0))] * 4)
+    assert plain.token_ids == logits.float().argmax(dim=-1).tolist()
+    with_logprobs = Sampler()(logits, [row(SamplingParams(temperature=0.0, logprobs=2))] * 4)
+    assert with_logprobs.token_ids == plain.token_ids
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for i, entry in enumerate(with_logprobs.logprobs):
+        assert entry is not None
+        assert entry.logprob == pytest.approx(float(expected[i, plain.token_ids[i]]), abs=1e-6)
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -250,7 +250,7 @@ class PagedKV:
 
     @torch.inference_mode()
     def run(self, model: CausalLM, chunks: Sequence[tuple[int, Sequence[int]]]) -> Tensor:
-        """Run one step and return the logits of each chunk's last token: float32 [num_chunks, vocab]."""
+        """Run one step and return the logits of each chunk's last token: [num_chunks, vocab]."""
         step = self.step(chunks)
         hidden = model(step.input_ids, step.positions, self.kv_caches, step.attn)
         logits: Tensor = model.compute_logits(hidden[step.last_rows])

@@ -73,7 +73,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> Tensor:  # float32 [num_rows, vocab]
+    def execute(self, output: SchedulerOutput) -> Tensor:  # [num_rows, vocab], see CausalLM.compute_logits
         """Swap out, swap in, copy-on-write, then the forward pass; logits of the rows to sample, in order."""
         self.kv_cache.swap_out(output.blocks_to_swap_out)
         self.kv_cache.swap_in(output.blocks_to_swap_in)

@@ -70,11 +70,8 @@ def apply_frequency_presence_penalties(
     logits.index_put_((rows, tokens), -frequency, accumulate=True)  # applied per occurrence
 
 
-def apply_history(
-    logits: Tensor,  # [num_rows, vocab]
-    rows: Sequence[SamplingRow],
-) -> Tensor:  # [num_rows, vocab]: logits itself when no row needs an edit, else an edited copy
-    """The logits after repetition, frequency and presence penalties and min_tokens stop masking."""
+def _history_rows(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int], list[int]]:
+    """Rows needing the repetition penalty, the frequency/presence penalties, and min_tokens masking."""
     repetition = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     additive = [
         i
@@ -86,6 +83,20 @@ def apply_history(
         for i, row in enumerate(rows)
         if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens
     ]
+    return repetition, additive, blocked
+
+
+def needs_history(rows: Sequence[SamplingRow]) -> bool:
+    """Whether `apply_history` would edit any row's logits."""
+    return any(_history_rows(rows))
+
+
+def apply_history(
+    logits: Tensor,  # [num_rows, vocab]
+    rows: Sequence[SamplingRow],
+) -> Tensor:  # [num_rows, vocab]: logits itself when no row needs an edit, else an edited copy
+    """The logits after repetition, frequency and presence penalties and min_tokens stop masking."""
+    repetition, additive, blocked = _history_rows(rows)
     if not (repetition or additive or blocked):
         return logits
     edited = logits.clone()

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from pagoda.server.sampling.logprobs import compute_logprobs
-from pagoda.server.sampling.penalties import apply_history
+from pagoda.server.sampling.penalties import apply_history, needs_history
 from pagoda.server.sampling.records import SamplerOutput, SamplingRow
 from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_top_p
 from torch import Tensor
@@ -49,12 +49,16 @@ class Sampler:
 
     def __call__(
         self,
-        logits: Tensor,  # [num_rows, vocab] float32 raw model logits, one row per sample to draw
+        logits: Tensor,  # [num_rows, vocab] raw model logits (any float dtype), one row per sample to draw
         rows: Sequence[SamplingRow],
     ) -> SamplerOutput:
-        """Sample one token per row; logprobs (where asked) are of the raw logits."""
+        """Sample one token per row; logprobs (where asked) are of the raw logits, in float32."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        if all(row.params.greedy and row.params.logprobs is None for row in rows) and not needs_history(rows):
+            # Upcasting is exact and keeps the order, so the argmax of bfloat16 logits is that of their float32
+            # copy: a plain greedy batch skips the copy.
+            return SamplerOutput(token_ids=greedy(logits).tolist(), logprobs=[None] * len(rows))
         logits = logits.float()
         processed = apply_history(logits, rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
