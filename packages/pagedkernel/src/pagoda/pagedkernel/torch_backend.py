@@ -57,14 +57,14 @@ def _attend_group(
         first_pos = (context_lens - q_lens - sliding_window + 1).clamp(min=0)
     # Whole prompts without a window: query r sees keys 0..r, the layout SDPA's is_causal computes fastest.
     causal = q_len > 1 and sliding_window is None and bool((q_lens == context_lens).all().item())
-    slots, key_pos = torch_attention.visible_slots(block_tables, first_pos, context_lens, k_cache.shape[1])
+    keys = torch_attention.visible_keys(block_tables, first_pos, context_lens, k_cache.shape[1])
     dtype = torch_attention.compute_dtype(k_cache.dtype, logit_softcap)
     return torch_attention.attend(
         q,
-        torch_attention.gather_kv(k_cache, slots, dtype),
-        torch_attention.gather_kv(v_cache, slots, dtype),
+        torch_attention.gather_kv(k_cache, keys, dtype),
+        torch_attention.gather_kv(v_cache, keys, dtype),
         q_pos,
-        key_pos,
+        keys.key_pos,
         scale,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
