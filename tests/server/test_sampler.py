@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from pagoda.server.sampling import Sampler, SamplingRow, make_generator, sample_seed
+from pagoda.server.sampling.sampler import greedy
 from pagoda.server.sampling.penalties import apply_history
 from pagoda.server.sampling.truncation import apply_top_p
 from pagoda.server.sampling_params import SamplingParams
@@ -60,6 +61,21 @@ def test_greedy_ties_pick_the_lowest_token_id() -> None:
     logits[2, :] = -1.0
     out = Sampler()(logits, [row(SamplingParams(temperature=0.0))] * 3)
     assert out.token_ids == [7, 131_072, 0] == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [7, 4096, 4096 + 5, 262_144, 151_936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_equals_argmax_with_ties_and_nan(vocab: int, dtype: torch.dtype) -> None:
+    """The chunked argmax equals torch.argmax on random rows, ties across chunks and the tail, and NaN rows."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=generator).to(dtype)
+    logits[1, [vocab // 2, vocab - 1]] = 50.0  # a tie: the earlier one wins
+    logits[2, [0, vocab - 1]] = 50.0
+    logits[3, vocab - 1] = 60.0  # the maximum in the last logit (the tail when vocab is not a chunk multiple)
+    logits[4, [vocab // 3, vocab - 2]] = float("nan")  # NaN is the maximum, the first NaN wins
+    logits[5, vocab - 1] = float("nan")
+    logits[6, :] = 1.0
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
 
 
 def test_bfloat16_logits_sample_like_their_float32_copy() -> None:

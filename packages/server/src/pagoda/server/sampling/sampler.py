@@ -12,15 +12,35 @@ from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_to
 from torch import Tensor
 
 
+# greedy() reduces vocab-wide rows in chunks of this many logits first (see there).
+_ARGMAX_CHUNK = 2048
+
+
 def greedy(
     logits: Tensor,  # [num_rows, vocab]
 ) -> Tensor:  # int64 [num_rows]
-    """The first index of each row's maximum, as argmax gives it.
+    """The first index of each row's maximum, exactly as argmax gives it (NaN counts as the maximum).
 
-    torch.max over a dimension documents the same first-index tie rule as argmax and is 2x faster on CPU for
-    vocab-wide rows (argmax there is not vectorized): 25 ms instead of 50 ms on 96 x 262,144 logits.
+    Two passes instead of one: a vectorized max of every 2,048-logit chunk, then argmax inside each row's first
+    chunk that holds the row maximum (which holds its first occurrence). CPU argmax and max-with-indices are
+    not vectorized over long rows: 25 ms against 10 ms on 96 x 262,144 bfloat16 logits, measured.
     """
-    return logits.max(dim=-1).indices
+    num_rows, vocab = logits.shape
+    num_chunks = vocab // _ARGMAX_CHUNK
+    if num_chunks < 2:
+        return logits.argmax(dim=-1)
+    head = logits[:, : num_chunks * _ARGMAX_CHUNK].view(num_rows, num_chunks, _ARGMAX_CHUNK)
+    chunk = head.amax(dim=-1).argmax(dim=-1)  # [num_rows]: the first chunk holding the row's maximum
+    rows = torch.arange(num_rows, device=logits.device)
+    index = chunk * _ARGMAX_CHUNK + head[rows, chunk].argmax(dim=-1)
+    if vocab == num_chunks * _ARGMAX_CHUNK:
+        return index
+    # The tail wins only when strictly larger (a tie keeps the earlier index) or NaN where the head is not.
+    tail = logits[:, num_chunks * _ARGMAX_CHUNK :]
+    tail_index = tail.argmax(dim=-1)
+    head_best, tail_best = logits[rows, index], tail[rows, tail_index]
+    tail_wins = (tail_best > head_best) | (tail_best.isnan() & ~head_best.isnan())
+    return torch.where(tail_wins, tail_index + num_chunks * _ARGMAX_CHUNK, index)
 
 
 def _on_rows(
