@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 from pagoda.server.sampling import Sampler, SamplingRow, make_generator, sample_seed
-from pagoda.server.sampling.sampler import greedy
 from pagoda.server.sampling.penalties import apply_history
+from pagoda.server.sampling.sampler import greedy
 from pagoda.server.sampling.truncation import apply_top_p
 from pagoda.server.sampling_params import SamplingParams
 from torch import Tensor

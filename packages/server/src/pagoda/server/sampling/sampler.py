@@ -11,7 +11,6 @@ from pagoda.server.sampling.records import SamplerOutput, SamplingRow
 from pagoda.server.sampling.truncation import apply_min_p, apply_top_k, apply_top_p
 from torch import Tensor
 
-
 # greedy() reduces vocab-wide rows in chunks of this many logits first (see there).
 _ARGMAX_CHUNK = 2048
 
