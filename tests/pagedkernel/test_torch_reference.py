@@ -148,11 +148,12 @@ def test_plan_groups_by_length_and_size() -> None:
     assert torch_backend.plan_groups([1], [10 * budget_keys], bytes_per_key=1000) == [[0]]
 
 
-def test_large_decode_batch_split_into_groups() -> None:
+def test_large_decode_batch_split_into_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch whose K/V exceed one group's budget gives the same result as the dense reference."""
+    monkeypatch.setattr(torch_backend, "GROUP_BYTES", 4 << 20)
     seqs = [(n, 1) for n in (700, 30, 900, 1, 650, 800)]
     case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=256, block_size=16, seed=5)
-    assert len(torch_backend.plan_groups([1] * 6, [n for n, _ in seqs], 2 * 4 * 2 * 256)) > 1
+    assert len(torch_backend.plan_groups([1] * 6, [n for n, _ in seqs], 2 * 4 * 2 * 256, 4 << 20)) > 1
     out = torch_backend.paged_decode_attention(
         case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale
     )
