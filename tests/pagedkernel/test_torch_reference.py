@@ -90,6 +90,36 @@ def test_low_precision_dtypes(dtype: torch.dtype) -> None:
     assert relative_error(out, reference_attention(case)) < 1e-2
 
 
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_bfloat16_decode_matches_dense_with_poisoned_slots(sliding_window: int | None) -> None:
+    """bfloat16 decode (two matmuls around a float32 softmax) stays within bfloat16 rounding of dense attention,
+    with NaN in every slot outside the contexts and lengths that end mid-block and on a block boundary."""
+    seqs = [(n, 1) for n in (1, 8, 9, 50, 3)]
+    case = make_case(
+        seqs,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=8,
+        seed=2,
+        dtype=torch.bfloat16,
+        poison_unused=True,
+    )
+    out = torch.full_like(case.q, float("nan"))
+    torch_backend.paged_decode_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.context_lens,
+        case.scale,
+        sliding_window=sliding_window,
+        out=out,
+    )
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert relative_error(out, reference_attention(case, sliding_window=sliding_window)) < 1e-2
+
+
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_unwritten_slots_never_reach_the_output(sliding_window: int | None) -> None:
     """NaN in every cache slot outside the contexts (tails of last blocks, spare blocks) changes nothing."""
