@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagoda.pagedkernel import allocate_host_cache, torch_backend
 from pagoda.pagedkernel.backend import KernelOps
-from pagoda.pagedkernel.testing import make_case, reference_attention, relative_error
+from pagoda.pagedkernel.testing import PagedCase, make_case, reference_attention, relative_error
+from torch import Tensor
 
 # mypy proves that the module's functions match the shared signatures.
 _OPS: KernelOps = torch_backend
+
+
+def decode(case: PagedCase, **options: Any) -> Tensor:
+    """The torch backend's decode attention over a case's own tensors."""
+    return torch_backend.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, **options
+    )
+
+
+def prefill(case: PagedCase, **options: Any) -> Tensor:
+    """The torch backend's varlen prefill attention over a case's own tensors."""
+    return torch_backend.paged_prefill_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.context_lens,
+        case.scale,
+        **options,
+    )
+
 
 PREFILL_SEQS = [
     (1, 1),
@@ -32,14 +57,8 @@ def test_prefill_matches_dense(
     """Varlen prefill (fresh prompts, chunked prefill, prefix hits, decodes) equals dense causal attention."""
     case = make_case(PREFILL_SEQS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=8)
     out = torch.full_like(case.q, float("nan"))
-    result = torch_backend.paged_prefill_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.query_start_loc,
-        case.context_lens,
-        case.scale,
+    result = prefill(
+        case,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
         out=out,
@@ -58,13 +77,8 @@ def test_decode_matches_dense(
     """Decode (one query at position context_len - 1) equals dense attention, lengths 1 to several blocks."""
     seqs = [(n, 1) for n in (1, 8, 9, 50, 3)]
     case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=8, seed=1)
-    out = torch_backend.paged_decode_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.context_lens,
-        case.scale,
+    out = decode(
+        case,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
     )
@@ -77,14 +91,8 @@ def test_decode_matches_dense(
 def test_low_precision_dtypes(dtype: torch.dtype) -> None:
     """bfloat16/float16 inputs give outputs of the same dtype, accurate to the input rounding."""
     case = make_case(PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=dtype)
-    out = torch_backend.paged_prefill_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.query_start_loc,
-        case.context_lens,
-        case.scale,
+    out = prefill(
+        case,
     )
     assert out.dtype == dtype
     assert relative_error(out, reference_attention(case)) < 1e-2
@@ -106,13 +114,8 @@ def test_bfloat16_decode_matches_dense_with_poisoned_slots(sliding_window: int |
         poison_unused=True,
     )
     out = torch.full_like(case.q, float("nan"))
-    torch_backend.paged_decode_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.context_lens,
-        case.scale,
+    decode(
+        case,
         sliding_window=sliding_window,
         out=out,
     )
@@ -151,14 +154,8 @@ def test_uneven_prefill_batches() -> None:
     """A long prompt next to short chunks and decodes (split into several padded groups) is still exact."""
     seqs = [(200, 200), (3, 1), (90, 2), (120, 100), (10, 10), (7, 1)]
     case = make_case(seqs, num_heads=2, num_kv_heads=1, head_dim=8, block_size=16, seed=4)
-    out = torch_backend.paged_prefill_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.query_start_loc,
-        case.context_lens,
-        case.scale,
+    out = prefill(
+        case,
     )
     assert relative_error(out, reference_attention(case)) < 1e-5
 
@@ -184,8 +181,8 @@ def test_large_decode_batch_split_into_groups(monkeypatch: pytest.MonkeyPatch) -
     seqs = [(n, 1) for n in (700, 30, 900, 1, 650, 800)]
     case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=256, block_size=16, seed=5)
     assert len(torch_backend.plan_groups([1] * 6, [n for n, _ in seqs], 2 * 4 * 2 * 256, 4 << 20)) > 1
-    out = torch_backend.paged_decode_attention(
-        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale
+    out = decode(
+        case,
     )
     assert relative_error(out, reference_attention(case)) < 1e-5
 
@@ -274,14 +271,8 @@ def test_random_batches_match_dense(
         seed=seed,
         poison_unused=True,
     )
-    out = torch_backend.paged_prefill_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.query_start_loc,
-        case.context_lens,
-        case.scale,
+    out = prefill(
+        case,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
     )
