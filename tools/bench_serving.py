@@ -10,7 +10,8 @@ benchmark several servers (a peer such as vLLM) with the same prompts in one run
 
 Prompts are synthetic text (token counts come from the server's usage report): `random` draws lengths
 uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
-like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path).
+like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). Each rate draws its own
+prompts (seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
 """
 
 from __future__ import annotations
@@ -407,14 +408,20 @@ def targets(args: argparse.Namespace) -> list[Target]:
     ]
 
 
+def requests_per_rate(args: argparse.Namespace) -> list[list[BenchRequest]]:
+    """One prompt set per --request-rate, drawn with seed + rate index: every server gets the same prompts at a
+    rate, and a later rate never finds an earlier rate's prompts in a server's prefix cache."""
+    return [make_requests(args, random.Random(args.seed + i)) for i in range(len(args.request_rate))]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark at every rate; print the table, write the JSON and the plot."""
     args = parse_args(argv)
-    requests = make_requests(args, random.Random(args.seed))
+    per_rate = requests_per_rate(args)
     runs = [
         asyncio.run(run_rate(args, target, requests, rate))
         for target in targets(args)
-        for rate in args.request_rate
+        for requests, rate in zip(per_rate, args.request_rate, strict=True)
     ]
     print(table(runs))
     for run in runs:

@@ -49,6 +49,27 @@ def test_random_lengths_stay_in_the_range() -> None:
     assert len({r.max_tokens for r in requests}) > 1
 
 
+def test_each_rate_gets_its_own_prompts() -> None:
+    """Rates draw different prompts (no prefix-cache hits across rates), deterministically from --seed."""
+    argv = [
+        "--model",
+        "m",
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "16",
+        "--request-rate",
+        "1",
+        "inf",
+        "--seed",
+        "3",
+    ]
+    first, second = bench_serving.requests_per_rate(bench_serving.parse_args(argv))
+    assert len(first) == len(second) == 8
+    assert {r.prompt for r in first}.isdisjoint(r.prompt for r in second)
+    assert bench_serving.requests_per_rate(bench_serving.parse_args(argv)) == [first, second]
+
+
 def test_sharegpt_like_lengths_have_a_long_tail_but_a_cap() -> None:
     """sharegpt-like: log-normal lengths around the medians, capped at four times them."""
     args = bench_serving.parse_args(
