@@ -416,6 +416,11 @@ def measure_matmul_gflops(seconds: float = 0.5, rounds: int = 3, dtype: torch.dt
     return best
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype's name without the torch prefix (bfloat16 for torch.bfloat16)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Roofline:
     """The compute bound of the workload on this machine at one dtype's matmul rate."""
@@ -627,8 +632,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         # Best of 5 rounds per shape: one round can land in a busy moment of a shared machine.
         rate = measure_matmul_gflops(args.matmul_seconds, rounds=5, dtype=roof_dtype)
         roof_tok_s = workload.output_tokens / (flops / (rate * 1e9))
-        name = str(roof_dtype).removeprefix("torch.")
-        rooflines.append(Roofline(name, rate, flops / 1e9, roof_tok_s, pagoda.output_tok_s / roof_tok_s))
+        rooflines.append(
+            Roofline(dtype_name(roof_dtype), rate, flops / 1e9, roof_tok_s, pagoda.output_tok_s / roof_tok_s)
+        )
     log("")
     log(format_table(results))
     log("")
@@ -636,7 +642,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         log(
             f"compute roofline ({roofline.dtype}): {roofline.workload_gflop:.4g} GFLOP at "
             f"{roofline.matmul_gflops:.1f} GFLOP/s (best {roofline.dtype} matmul) = {roofline.output_tok_s:.1f} "
-            f"output tok/s; Pagoda ({str(dtype).removeprefix('torch.')}) reaches {roofline.pagoda_fraction:.1%} of it"
+            f"output tok/s; Pagoda ({dtype_name(dtype)}) reaches {roofline.pagoda_fraction:.1%} of it"
         )
     report: dict[str, Any] = {
         "title": title,
@@ -649,7 +655,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
             "seed": args.seed,
         },
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "roofline": asdict(rooflines[0]),
         "rooflines": [asdict(r) for r in rooflines],
         "results": [

@@ -94,21 +94,21 @@ def attend(
     q = q.to(k.dtype)
     if logit_softcap is not None:
         return _attend_softcap(q, k, v, q_pos, key_pos, scale, sliding_window, logit_softcap)
-    mask = None if causal else _visible(q_pos, key_pos, sliding_window)  # [num_seqs, q_len, n_keys]
+    # [num_seqs, 1, q_len, n_keys], broadcast over heads
+    mask = None if causal else _visible(q_pos, key_pos, sliding_window)[:, None]
     if q_len == 1:
         # Decode: the group's query heads are the rows of one KV head, so K/V are used as they are.
         rows = q.view(num_seqs, num_kv_heads, group, head_dim)
         if k.dtype == torch.bfloat16:
-            out = _decode_matmul(rows, k, v, None if mask is None else mask[:, None], scale)
+            out = _decode_matmul(rows, k, v, mask, scale)
         else:
-            attn_mask = None if mask is None else mask[:, None]
-            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=attn_mask, scale=scale)
+            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
         return out.view(num_seqs, 1, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k,
         v,
-        attn_mask=None if mask is None else mask[:, None],
+        attn_mask=mask,
         is_causal=causal,
         scale=scale,
         enable_gqa=group > 1,

@@ -43,7 +43,8 @@ def _attend_group(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
-) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in the compute dtype
+    dtype: torch.dtype,  # the compute dtype (torch_attention.compute_dtype)
+) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in `dtype`
     """Attention for a padded batch of sequences whose queries are their last q_lens tokens."""
     q_len = q.shape[1]
     if sliding_window is not None and int(context_lens.max().item()) <= sliding_window:
@@ -58,7 +59,6 @@ def _attend_group(
     # Whole prompts without a window: query r sees keys 0..r, the layout SDPA's is_causal computes fastest.
     causal = q_len > 1 and sliding_window is None and bool((q_lens == context_lens).all().item())
     keys = torch_attention.visible_keys(block_tables, first_pos, context_lens, k_cache.shape[1])
-    dtype = torch_attention.compute_dtype(k_cache.dtype, logit_softcap)
     return torch_attention.attend(
         q,
         torch_attention.gather_kv(k_cache, keys, dtype),
@@ -155,8 +155,10 @@ def _varlen_attention(
         keys = ctx_list
     else:
         keys = [min(ctx, n + sliding_window - 1) for n, ctx in zip(q_list, ctx_list, strict=True)]
-    itemsize = torch_attention.compute_dtype(k_cache.dtype, logit_softcap).itemsize
-    bytes_per_key = 2 * itemsize * k_cache.shape[2] * k_cache.shape[3]  # gathered K and V of one position
+    dtype = torch_attention.compute_dtype(k_cache.dtype, logit_softcap)
+    bytes_per_key = (
+        2 * dtype.itemsize * k_cache.shape[2] * k_cache.shape[3]
+    )  # gathered K and V of one position
     budget = GROUP_BYTES if q.device.type == "cpu" else DEVICE_GROUP_BYTES
     for seqs in plan_groups(q_list, keys, bytes_per_key, budget):
         seq_ids = torch.as_tensor(seqs, device=q.device, dtype=torch.long)
@@ -175,6 +177,7 @@ def _varlen_attention(
             scale,
             sliding_window,
             logit_softcap,
+            dtype,
         )
         if width == 1:
             out[token[:, 0]] = result[:, 0].to(out.dtype)
