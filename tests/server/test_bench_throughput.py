@@ -80,6 +80,17 @@ def test_table_ratio_is_pagoda_over_each_system() -> None:
     assert "4.00x" in hf_row and "12.5" in hf_row and "50%" in hf_row
 
 
+def test_matmul_rate_stops_at_a_call_slower_than_a_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dtype the CPU has no units for is measured by one call of the first shape, not by rounds of every shape."""
+    calls: list[tuple[int, ...]] = []
+    clock = iter(float(t) for t in range(100))  # each perf_counter reading is 1 s after the last
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench.torch, "mm", lambda a, b, out: calls.append((*a.shape, b.shape[1])))
+    rate = bench.measure_matmul_gflops(seconds=0.5, rounds=5)
+    assert calls == [(256, 640, 2048)]
+    assert rate == pytest.approx(2.0 * 256 * 640 * 2048 / 1e9)
+
+
 def test_smoke_tiny_llama_against_both_peers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A 4-request run prints the table and the roofline, writes the JSON and the plot (no timing asserts)."""
     out = tmp_path / "report.json"

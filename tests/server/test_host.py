@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 from pagoda.server.config import EngineConfig
-from pagoda.server.engine import setup
-from pagoda.server.engine.host import bfloat16_speedup
+from pagoda.server.engine import host, setup
 
 # Prints the bytes glibc holds in mmapped chunks before and after a 64 MiB tensor is allocated, twice: with the
 # default allocator settings, then after keep_freed_memory() (and one allocate/free to grow the heap).
@@ -60,10 +59,26 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap() -> None:
     assert tuned == 0
 
 
-def test_bfloat16_speedup_is_a_measured_ratio() -> None:
-    """The probe returns a positive, finite ratio of two timings."""
-    ratio = bfloat16_speedup(m=32, k=64, n=64, rounds=2)
+def test_matmul_speedup_is_a_measured_ratio() -> None:
+    """One shape's probe returns a positive, finite ratio of two timings."""
+    ratio = host.matmul_speedup(32, 64, 64, rounds=2)
     assert ratio > 0 and math.isfinite(ratio)
+
+
+@pytest.mark.parametrize(("screen", "shapes"), [(0.01, 1), (0.9, 2), (6.0, 2)])
+def test_bfloat16_probe_stops_after_the_screen_on_a_cpu_without_units(
+    monkeypatch: pytest.MonkeyPatch, screen: float, shapes: int
+) -> None:
+    """A screening speedup far below 1 is the answer; anything else is measured again at the decode-sized shape."""
+    measured: list[tuple[int, int, int]] = []
+
+    def probe(m: int, k: int, n: int, rounds: int) -> float:
+        measured.append((m, k, n))
+        return screen if len(measured) == 1 else 3.0
+
+    monkeypatch.setattr(host, "matmul_speedup", probe)
+    assert host.bfloat16_speedup() == (screen if shapes == 1 else 3.0)
+    assert measured == [host._SCREEN_SHAPE, host._PROBE_SHAPE][:shapes]
 
 
 @pytest.mark.parametrize(("speedup", "expected"), [(8.0, torch.bfloat16), (1.2, torch.float32)])

@@ -11,6 +11,9 @@ import torch
 # dtype="auto" on the CPU picks bfloat16 when this CPU multiplies it at least this many times faster than float32:
 # CPUs with AMX (Sapphire Rapids and later) measure 5-10x, AVX512-BF16 ones about 2x, older ones below 1x.
 BFLOAT16_MIN_SPEEDUP = 1.5
+_PROBE_SHAPE = (256, 1024, 1024)  # a decode batch through a small model's projection: where AMX's gain shows
+_SCREEN_SHAPE = (64, 256, 256)  # 18 ms in bfloat16 on AVX2
+_SCREEN_SLOWER = 0.25  # a screening speedup below this is a CPU without bfloat16 units, not kernel overhead
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -18,7 +21,7 @@ _M_MMAP_MAX = -4
 _TRIM_THRESHOLD_BYTES = 1 << 30
 
 
-def bfloat16_speedup(m: int = 256, k: int = 1024, n: int = 1024, rounds: int = 5) -> float:
+def matmul_speedup(m: int, k: int, n: int, rounds: int = 5) -> float:
     """How many times faster this CPU multiplies [m, k] x [k, n] in bfloat16 than in float32 (best of `rounds`)."""
     best: dict[torch.dtype, float] = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -31,6 +34,18 @@ def bfloat16_speedup(m: int = 256, k: int = 1024, n: int = 1024, rounds: int = 5
             times.append(time.perf_counter() - start)
         best[dtype] = min(times)
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
+
+
+def bfloat16_speedup(rounds: int = 5) -> float:
+    """bfloat16-over-float32 matmul speedup of this CPU: a small screening shape, then a decode-sized one.
+
+    Without bfloat16 units (AVX2 CPUs) torch multiplies bfloat16 about 250x slower than float32 (0.5 GFLOP/s), so
+    the decode-sized shape alone would add 7 s to every start; the small shape already tells such a CPU apart.
+    """
+    screen = matmul_speedup(*_SCREEN_SHAPE, rounds=rounds)
+    if screen < _SCREEN_SLOWER:
+        return screen
+    return matmul_speedup(*_PROBE_SHAPE, rounds=rounds)
 
 
 def keep_freed_memory() -> bool:

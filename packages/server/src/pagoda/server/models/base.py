@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
-import torch.nn.functional as F
 from pagoda.server.models.attention import AttentionMetadata, KVCache
-from pagoda.server.models.layers import softcap
+from pagoda.server.models.layers import linear, softcap
 from torch import Tensor, nn
 
 
@@ -103,7 +102,7 @@ class DecoderLM(CausalLM):
         embed = self.model.get_submodule("embed_tokens")
         head = embed if self.lm_head is None else self.lm_head
         weight = head.get_parameter("weight")
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits.float(), float(self.final_logit_softcapping))
         return logits

@@ -14,6 +14,23 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # Rope types whose frequencies depend on the running sequence length: a paged batch mixes lengths, so they are refused.
 _DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
+# oneDNN's linear, the op torch's own compiler emits for CPU linears; absent from builds without MKL-DNN.
+_ONEDNN = bool(torch._C._has_mkldnn) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ b); float32 on the CPU through oneDNN rather than MKL's sgemm, which F.linear calls there.
+
+    Measured on a 2-core AMD EPYC (AVX2): 1.5-2.5x MKL for decode-sized batches (110 x 640 x 4096: 114 vs 72
+    GFLOP/s; the LM head, 110 x 640 x 262144: 95 vs 48), on par for prefill-sized ones. Other dtypes and devices
+    already reach oneDNN or cuBLAS through F.linear.
+    """
+    # x: [..., in_features], weight: [out_features, in_features] -> [..., out_features]
+    if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu":
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return out
+    return F.linear(x, weight, bias)
+
 
 def _empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     """Uninitialised storage: the loader fills every parameter, so an initialisation pass would be wasted time."""
@@ -32,7 +49,7 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
         """The affine map."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         """Shown by print(model)."""
