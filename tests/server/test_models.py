@@ -12,6 +12,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, CausalLM, KVCacheSpec, build_model
+from pagoda.server.models.layers import linear
 from tiny_models import (
     ARCHS,
     MODEL_VOCAB_SIZE,
@@ -83,6 +84,22 @@ def test_chunked_prefill_beside_a_decode_matches_hf(
     torch.testing.assert_close(first[1], want_short[5], atol=ATOL, rtol=0)
     torch.testing.assert_close(second[0], want_short[6], atol=ATOL, rtol=0)
     torch.testing.assert_close(second[1], want_long[22], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_f_linear(dtype: torch.dtype) -> None:
+    """The CPU linear (oneDNN for float32) is F.linear: 3-D and strided inputs, with and without bias, empty batches."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    strided = torch.randn(7, 64, generator=gen).to(dtype)[:, ::2]
+    inputs = [torch.randn(2, 5, 32, generator=gen).to(dtype), strided, torch.empty(0, 32, dtype=dtype)]
+    for x in inputs:
+        for b in (None, bias):
+            got = linear(x, weight, b)
+            assert got.dtype == dtype and got.shape == (*x.shape[:-1], 48)
+            tol = 1e-5 if dtype == torch.float32 else 0.0
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
