@@ -18,7 +18,7 @@ bfloat16 on CPUs with bfloat16 units, else float32), read from the engine's safe
 
 The roofline is the workload's FLOPs (2 x non-embedding matmul weights per computed token, attention
 4 x ctx x heads x head_dim per layer, the LM head once per sampled token) at the best float32 matmul rate measured
-here after the runs (measuring it before slowed the next run); when Pagoda runs in bfloat16 a second roofline at the
+here (torch.mm or the engine's oneDNN linear, whichever is faster) after the runs (measuring it before slowed the next run); when Pagoda runs in bfloat16 a second roofline at the
 bfloat16 matmul rate is printed too (the true bound there). "same tokens" is the share of requests whose greedy
 tokens equal Pagoda's. The machine may be shared: each row also shows the process CPU seconds of the run (all
 threads) and the 1-minute load average when it ended; compare the ratios, which come from the same process and the
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from pagoda.server.llm import LLM
 from pagoda.server.models.attention import Attention
+from pagoda.server.models.layers import linear
 from pagoda.server.sampling_params import SamplingParams
 from torch import nn
 from tqdm import tqdm
@@ -400,27 +401,47 @@ def _windowed_keys(num_positions: int, window: int) -> int:
 
 
 def measure_matmul_gflops(seconds: float = 0.5, rounds: int = 3, dtype: torch.dtype = torch.float32) -> float:
-    """Best sustained torch.mm rate (GFLOP/s) in `dtype` over a decode-like, a prefill-like and a square shape."""
+    """Best sustained matmul rate (GFLOP/s) in `dtype` over a decode-like, a prefill-like and a square shape.
+
+    Each shape runs through torch.mm and through the engine's `linear` (oneDNN for float32 on the CPU, which beats
+    MKL's sgemm by up to 2x on some CPUs), so the bound is the best this machine's torch can do either way.
+    """
     shapes = ((256, 640, 2048), (2048, 640, 2048), (2048, 2048, 2048))
     best = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        weight = b.t().contiguous()  # [n, k], the layout `linear` takes
         out = torch.empty(m, n, dtype=dtype)
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        first = time.perf_counter() - start
-        if first > seconds:
-            # A dtype this CPU has no units for (bfloat16 on AVX2: ~0.5 GFLOP/s, 36 s for the square shape): one
-            # call already outlasts a round, so it is the measurement and the larger shapes are skipped.
-            best = max(best, 2.0 * m * k * n / first / 1e9)
+        too_slow = False
+        for via_linear in (False, True):
+            start = time.perf_counter()
+            _matmul(a, b, weight, out, via_linear)
+            first = time.perf_counter() - start
+            if first > seconds:
+                # A dtype this CPU has no units for (bfloat16 on AVX2: ~0.5 GFLOP/s, 36 s for the square shape):
+                # one call already outlasts a round, so it is the measurement and the larger shapes are skipped.
+                best = max(best, 2.0 * m * k * n / first / 1e9)
+                too_slow = True
+                continue
+            for _ in range(rounds):
+                reps, start = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - start) < seconds:
+                    _matmul(a, b, weight, out, via_linear)
+                    reps += 1
+                best = max(best, 2.0 * m * k * n * reps / elapsed / 1e9)
+        if too_slow:
             break
-        for _ in range(rounds):
-            reps, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds:
-                torch.mm(a, b, out=out)
-                reps += 1
-            best = max(best, 2.0 * m * k * n * reps / elapsed / 1e9)
     return best
+
+
+def _matmul(
+    a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, via_linear: bool
+) -> None:
+    """a @ b through the engine's `linear` (with weight = b^T) or through torch.mm into `out`."""
+    if via_linear:
+        linear(a, weight)
+    else:
+        torch.mm(a, b, out=out)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

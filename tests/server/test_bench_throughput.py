@@ -81,13 +81,14 @@ def test_table_ratio_is_pagoda_over_each_system() -> None:
 
 
 def test_matmul_rate_stops_at_a_call_slower_than_a_round(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dtype the CPU has no units for is measured by one call of the first shape, not by rounds of every shape."""
-    calls: list[tuple[int, ...]] = []
+    """A dtype the CPU has no units for is measured by one call per kernel of the first shape, not by rounds."""
+    calls: list[tuple[str, tuple[int, ...]]] = []
     clock = iter(float(t) for t in range(100))  # each perf_counter reading is 1 s after the last
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(bench.torch, "mm", lambda a, b, out: calls.append((*a.shape, b.shape[1])))
+    monkeypatch.setattr(bench.torch, "mm", lambda a, b, out: calls.append(("mm", (*a.shape, b.shape[1]))))
+    monkeypatch.setattr(bench, "linear", lambda a, w: calls.append(("linear", (*a.shape, w.shape[0]))))
     rate = bench.measure_matmul_gflops(seconds=0.5, rounds=5)
-    assert calls == [(256, 640, 2048)]
+    assert calls == [("mm", (256, 640, 2048)), ("linear", (256, 640, 2048))]
     assert rate == pytest.approx(2.0 * 256 * 640 * 2048 / 1e9)
 
 
