@@ -134,6 +134,24 @@ def test_preemption_is_exact(arch: str, mode: str, model_dirs: dict[str, Path], 
     assert llm.engine.kv_manager.stats().num_used_blocks == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_uninitialised_cache_memory_never_reaches_the_output(
+    arch: str, model_dirs: dict[str, Path], reference: Reference
+) -> None:
+    """The caches are allocated uninitialised: NaN in every device and host slot, then swapping, changes nothing."""
+    prompts = random_prompts((20, 22, 18, 25, 21, 19), seed=1)
+    llm = make_llm(
+        model_dirs[arch], num_kv_blocks=24, max_model_len=40, preemption_mode="swap", swap_space_gib=0.01
+    )
+    cache = llm.engine.runner.kv_cache
+    for k, v in [*cache.device_caches, *cache.host_caches]:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert_matches(reference, arch, prompts, tokens(outputs))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_prefix_caching_is_exact(arch: str, model_dirs: dict[str, Path], reference: Reference) -> None:
     """A second batch sharing a long prefix with the first hits the cache, reports it, and stays exact."""
