@@ -66,7 +66,7 @@ def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     speedup = bfloat16_speedup()
     dtype = torch.bfloat16 if speedup >= BFLOAT16_MIN_SPEEDUP else torch.float32
-    logger.info("dtype auto: bfloat16 matmul measured %.1fx float32 on this CPU -> %s", speedup, dtype)
+    logger.info("dtype auto: bfloat16 matmul measured %.2gx float32 on this CPU -> %s", speedup, dtype)
     return dtype
 
 
