@@ -20,10 +20,9 @@ The roofline is the workload's FLOPs (2 x non-embedding matmul weights per compu
 4 x ctx x heads x head_dim per layer, the LM head once per sampled token) at the best float32 matmul rate measured
 here (torch.mm or the engine's oneDNN linear, whichever is faster) after the runs (measuring it before slowed the
 next run); when Pagoda runs in bfloat16 a second roofline at the bfloat16 matmul rate is printed too (the true bound
-there). "same tokens" is the share of requests whose greedy
-tokens equal Pagoda's. The machine may be shared: each row also shows the process CPU seconds of the run (all
-threads) and the 1-minute load average when it ended; compare the ratios, which come from the same process and the
-same minutes.
+there). "same tokens" is the share of requests whose greedy tokens equal Pagoda's. The machine may be shared: each
+row also shows the process CPU seconds of the run (all threads) and the 1-minute load average when it ended; compare
+the ratios, which come from the same process and the same minutes.
 """
 
 from __future__ import annotations

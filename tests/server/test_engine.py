@@ -88,6 +88,15 @@ def make_llm(model_dir: Path, **kwargs: Any) -> LLM:
     return LLM(str(model_dir), **args)
 
 
+# Six prompts that a 24-block pool of 4-token blocks cannot hold at once: the batch preempts.
+PREEMPTING_PROMPT_LENS = (20, 22, 18, 25, 21, 19)
+
+
+def preempting_llm(model_dir: Path, mode: str) -> LLM:
+    """An LLM whose KV pool is too small for PREEMPTING_PROMPT_LENS, preempting by `mode` (recompute or swap)."""
+    return make_llm(model_dir, num_kv_blocks=24, max_model_len=40, preemption_mode=mode, swap_space_gib=0.01)
+
+
 def tokens(outputs: Sequence[RequestOutput], index: int = 0) -> list[list[int]]:
     """Generated token ids of sample `index` of each output."""
     return [list(o.outputs[index].token_ids) for o in outputs]
@@ -124,10 +133,8 @@ def test_greedy_batch_matches_transformers(
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_preemption_is_exact(arch: str, mode: str, model_dirs: dict[str, Path], reference: Reference) -> None:
     """A pool too small for the batch preempts (recompute or swap) and still produces HF's tokens."""
-    prompts = random_prompts((20, 22, 18, 25, 21, 19), seed=1)
-    llm = make_llm(
-        model_dirs[arch], num_kv_blocks=24, max_model_len=40, preemption_mode=mode, swap_space_gib=0.01
-    )
+    prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
+    llm = preempting_llm(model_dirs[arch], mode)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.get_stats().num_preemptions > 0
     assert_matches(reference, arch, prompts, tokens(outputs))
@@ -139,10 +146,8 @@ def test_uninitialised_cache_memory_never_reaches_the_output(
     arch: str, model_dirs: dict[str, Path], reference: Reference
 ) -> None:
     """The caches are allocated uninitialised: NaN in every device and host slot, then swapping, changes nothing."""
-    prompts = random_prompts((20, 22, 18, 25, 21, 19), seed=1)
-    llm = make_llm(
-        model_dirs[arch], num_kv_blocks=24, max_model_len=40, preemption_mode="swap", swap_space_gib=0.01
-    )
+    prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
+    llm = preempting_llm(model_dirs[arch], "swap")
     cache = llm.engine.runner.kv_cache
     for k, v in [*cache.device_caches, *cache.host_caches]:
         k.fill_(float("nan"))
