@@ -2,8 +2,9 @@
 
 On CUDA: decode at batch {64, 256} x context {1k, 4k, 16k} and a 4k-token prefill with Llama-3-8B's attention
 shape (32 query heads, 8 KV heads, head_dim 128, bfloat16, blocks of 16), for every available backend (torch,
-triton, cupy). On the CPU: the torch backend on a small shape. Each row reports the median time, the achieved
-bandwidth (bytes of K/V read + q + out over time) and its ratio to a large device copy measured in the same run.
+triton, cupy). On the CPU: the torch and cpu backends with the default model's attention shape (Gemma 3 270M: 4
+query heads, 1 KV head, head_dim 256, float32). Each row reports the median time, the achieved bandwidth (bytes of
+K/V read + q + out over time) and its ratio to a large device copy measured in the same run.
 
     python tools/bench_kernels.py [--device cpu|cuda] [--json out.json] [--plot out.png] [--quick]
 """
@@ -64,9 +65,9 @@ LLAMA3_8B = Shape(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dty
 CUDA_CONFIGS = [Config("decode", b, c, 1) for b in (64, 256) for c in (1024, 4096, 16384)] + [
     Config("prefill", 1, 4096, 4096)
 ]
-# The CPU runs the default model's kind of shape: few heads, float32 (bfloat16 matmul is slow on this CPU).
-CPU_SHAPE = Shape(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
-CPU_CONFIGS = [Config("decode", b, c, 1) for b in (8, 32) for c in (256, 1024)] + [
+# The CPU runs the default model's shape (Gemma 3 270M) in float32 (bfloat16 matmul is slow on AVX2 CPUs).
+CPU_SHAPE = Shape(num_heads=4, num_kv_heads=1, head_dim=256, block_size=16, dtype=torch.float32)
+CPU_CONFIGS = [Config("decode", b, c, 1) for b in (8, 128) for c in (256, 1024)] + [
     Config("prefill", 1, 512, 512),
     Config("prefill", 4, 512, 512),
 ]
@@ -160,10 +161,11 @@ def traffic(shape: Shape, config: Config) -> tuple[int, float]:
 
 
 def available_backends(device: torch.device, wanted: list[str]) -> list[KernelBackend]:
-    """The wanted backends that can run on `device` (the CPU: torch only, Triton's interpreter is not timed)."""
+    """The wanted backends that can run on `device` (the CPU: torch and cpu, Triton's interpreter is not timed)."""
     found = []
     for name in wanted:
-        if device.type == "cpu" and name != "torch":
+        runs_here = name == "torch" or (name == "cpu") == (device.type == "cpu")
+        if not runs_here:
             continue
         try:
             found.append(get_backend(name, device))

@@ -40,7 +40,9 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["copy_gb_per_s"] > 0
     rows = data["rows"]
-    assert {(r["op"], r["backend"]) for r in rows} == {("decode", "torch"), ("prefill", "torch")}
+    assert {(r["op"], r["backend"]) for r in rows} == {
+        (op, backend) for op in ("decode", "prefill") for backend in ("torch", "cpu")
+    }
     for r in rows:
         assert r["ms"] > 0 and r["gb_per_s"] > 0
         assert abs(r["of_copy"] - r["gb_per_s"] / data["copy_gb_per_s"]) < 1e-9

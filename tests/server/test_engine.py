@@ -116,13 +116,16 @@ def drain(engine: LLMEngine) -> Iterator[RequestOutput]:
         yield from engine.step()
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_batch_matches_transformers(
-    arch: str, model_dirs: dict[str, Path], reference: Reference
+    arch: str, backend: str, model_dirs: dict[str, Path], reference: Reference
 ) -> None:
-    """A batch of prompts of different lengths equals HF's greedy generate of each prompt alone."""
+    """A batch of prompts of different lengths equals HF's greedy generate of each prompt alone, with the default
+    kernels (the C kernel of the cpu backend: every other engine test runs on it too) and the torch reference."""
     prompts = random_prompts(PROMPT_LENS)
-    llm = make_llm(model_dirs[arch])
+    llm = make_llm(model_dirs[arch], kernel_backend=backend)
+    assert llm.engine.runner.backend.name == ("cpu" if backend == "auto" else backend)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches(reference, arch, prompts, tokens(outputs))
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)

@@ -12,10 +12,11 @@ import torch
 from pagoda.pagedkernel.backend import BackendUnavailableError, KernelBackend
 from torch import Tensor
 
-BACKEND_NAMES = ("torch", "triton", "cupy")
+BACKEND_NAMES = ("torch", "cpu", "triton", "cupy")
 
 # What to install when a backend's library is missing.
 _INSTALL_HINTS = {
+    "cpu": "a C compiler (gcc, or set CC)",
     "triton": "pip install 'pagoda-pagedkernel[triton]'",
     "cupy": "pip install 'pagoda-pagedkernel[cupy]' (the cupy-cuda12x wheel, needs a CUDA 12 torch)",
 }
@@ -143,6 +144,12 @@ def _check_device(name: str, device: torch.device) -> None:
     """Refuse a backend that cannot run on `device`, saying what would work."""
     if name == "torch":
         return
+    if name == "cpu":
+        if device.type != "cpu":
+            raise BackendUnavailableError(
+                f"the 'cpu' kernel backend runs on the CPU, got {device}; use 'auto', 'triton' or 'cupy' there"
+            )
+        return
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise BackendUnavailableError(
@@ -164,10 +171,11 @@ def _check_device(name: str, device: torch.device) -> None:
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None) -> KernelBackend:
-    """The kernel backend `name` for `device`: "auto" is triton on CUDA (torch when triton is missing), else torch.
+    """The kernel backend `name` for `device`.
 
-    Raises `BackendUnavailableError` when the library or device a backend needs is missing, and `ValueError` for an
-    unknown name.
+    "auto" is triton on CUDA (torch when triton is missing) and cpu on the CPU (torch when its C kernel cannot be
+    compiled here, with a warning saying why). Raises `BackendUnavailableError` when the library, compiler or
+    device a backend needs is missing, and `ValueError` for an unknown name.
     """
     resolved = _resolve_device(device)
     if name == "auto":
@@ -178,8 +186,15 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
             and importlib.util.find_spec("triton") is not None
         ):
             name = "triton"
+        elif resolved.type == "cpu" and _cpu_kernel_available():
+            name = "cpu"
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {('auto', *BACKEND_NAMES)}")
+    if name == "cpu":
+        _check_device(name, resolved)
+        module = _import_backend(name)
+        module.build(torch.float32)  # a missing or failing compiler is reported here, not at the first step
+        return ModuleBackend(name=name, module=module)
     if name != "torch" and importlib.util.find_spec(_library(name)) is None:
         raise BackendUnavailableError(
             f"the {name!r} kernel backend needs {_library(name)}, which is not installed; "
@@ -187,6 +202,12 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
         )
     _check_device(name, resolved)
     return ModuleBackend(name=name, module=_import_backend(name))
+
+
+def _cpu_kernel_available() -> bool:
+    """Whether the cpu backend's C kernel compiles and loads on this machine (cached on disk after the first time)."""
+    available: bool = _import_backend("cpu").available()
+    return available
 
 
 def _library(name: str) -> str:

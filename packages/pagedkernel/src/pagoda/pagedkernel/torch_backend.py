@@ -72,7 +72,7 @@ def _attend_group(
     )
 
 
-def _check_attention_args(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+def check_attention_args(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     """Shapes that every attention op relies on."""
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     assert q.shape[-1] == k_cache.shape[-1], "head_dim of q and the cache differ"
@@ -92,7 +92,7 @@ def paged_decode_attention(
     out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
 ) -> Tensor:
     """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
-    _check_attention_args(q, k_cache, v_cache)
+    check_attention_args(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     starts = torch.arange(q.shape[0] + 1, device=q.device)
@@ -116,7 +116,7 @@ def paged_prefill_attention(
     out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
 ) -> Tensor:
     """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all its tokens."""
-    _check_attention_args(q, k_cache, v_cache)
+    check_attention_args(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     _varlen_attention(

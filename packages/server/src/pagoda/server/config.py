@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-KernelBackendName = Literal["auto", "torch", "triton", "cupy"]
+KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["recompute", "swap"]
 

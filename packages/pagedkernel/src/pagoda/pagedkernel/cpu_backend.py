@@ -1,0 +1,279 @@
+"""The cpu backend: paged attention by a C kernel (`csrc/cpu_attention.c`) compiled for this CPU on first use.
+
+The torch backend attends by gathering every sequence's K/V blocks into a padded copy and running SDPA on it;
+this kernel instead reads each block once, in place, through the block table, with an online softmax (see the
+C file). Measured on a 2-core AMD EPYC, float32, 110 decodes of 300-500 keys (Gemma 3 270M's attention shape):
+13.5 ms against the torch backend's 36 ms per layer.
+
+The kernel is compiled per dtype (float32, float16, bfloat16) by the system's C compiler (`$CC`, else `cc` or
+`gcc`) with `-O3 -march=native`, like CuPy compiles its CUDA sources at run time; the shared library is cached on
+disk (`$PAGODA_KERNEL_CACHE`, else `~/.cache/pagoda/cpu-kernels`) under a name that hashes the source, the flags,
+the compiler and this CPU, and loaded with ctypes (the call releases the GIL). Cache writes, block copies and
+swaps are the torch backend's (memcpy-bound either way). Attention this kernel does not take (another device, a
+q dtype that differs from the cache's, head_dim not a multiple of 8 or above 512, block_size above 256, more
+than 32 query heads per KV head) runs through the torch backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagoda.pagedkernel import csrc, torch_backend
+from pagoda.pagedkernel.backend import BackendUnavailableError
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILE = "cpu_attention.c"
+ENTRY_POINT = "pagoda_paged_attention"
+# -fno-math-errno lets expf/tanhf inline; no -ffast-math: the softmax relies on -inf and IEEE exp.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_HEAD_DIM = 512
+MAX_BLOCK_SIZE = 256
+MAX_GROUP = 32  # query heads per KV head (MAX_ROWS in the C file)
+
+# The cache ops move whole rows: the torch backend's index_copy_/index_select already run at memory speed.
+reshape_and_cache = torch_backend.reshape_and_cache
+copy_blocks = torch_backend.copy_blocks
+swap_blocks = torch_backend.swap_blocks
+
+
+def find_compiler() -> str | None:
+    """The C compiler to build the kernel with: $CC, else `cc` or `gcc` on PATH, else None."""
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+    for name in names:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    return None
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: $PAGODA_KERNEL_CACHE, else $XDG_CACHE_HOME (or ~/.cache)/pagoda/cpu-kernels."""
+    if os.environ.get("PAGODA_KERNEL_CACHE"):
+        return Path(os.environ["PAGODA_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagoda" / "cpu-kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU flags (so a shared cache never serves another CPU)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                flags += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()}|{flags}"
+
+
+def build(dtype: torch.dtype) -> Path:
+    """Compile the kernel for `dtype` unless the cache has it; the path of the shared library.
+
+    Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
+    """
+    compiler = find_compiler()
+    if compiler is None:
+        raise BackendUnavailableError(
+            "the 'cpu' kernel backend compiles a C kernel at first use and found no C compiler; install gcc "
+            "(or set CC), or use kernel_backend='torch'"
+        )
+    source = csrc.read_source(SOURCE_FILE)
+    flags = (*CFLAGS, f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([source, *flags, version, _cpu_signature()]).encode()).hexdigest()[:24]
+    target = cache_dir() / f"cpu_attention_{str(dtype).removeprefix('torch.')}_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / SOURCE_FILE
+        src.write_text(source, encoding="utf-8")
+        lib = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *flags, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise BackendUnavailableError(
+                f"compiling the 'cpu' kernel backend's {SOURCE_FILE} for {dtype} failed "
+                f"({compiler} exit {done.returncode}):\n{done.stderr.strip()}\nuse kernel_backend='torch' instead"
+            )
+        os.replace(lib, target)  # atomic: a concurrent process sees no file or a whole one
+    return target
+
+
+@functools.cache
+def _kernel(dtype: torch.dtype) -> Callable[..., int]:
+    """The compiled entry point for `dtype`, built (or found in the cache) and loaded once per process."""
+    function = ctypes.CDLL(str(build(dtype)))[ENTRY_POINT]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    argtypes: list[Any] = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [i64]
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
+def available() -> bool:
+    """Whether the float32 kernel compiles and loads here (what get_backend('auto') asks on a CPU)."""
+    try:
+        _kernel(torch.float32)
+    except (BackendUnavailableError, OSError) as exc:
+        logger.warning("the 'cpu' kernel backend is unavailable, attention runs through torch: %s", exc)
+        return False
+    return True
+
+
+def supported(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether the C kernel takes attention of q over this cache (else the torch backend runs it)."""
+    num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    return (
+        q.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and q.dtype == k_cache.dtype
+        and q.dtype in DTYPE_IDS
+        and head_dim % 8 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and k_cache.shape[1] <= MAX_BLOCK_SIZE
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and k_cache.is_contiguous()
+    )
+
+
+def paged_decode_attention(
+    q: Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    context_lens: Tensor,  # int32 [num_seqs]
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+) -> Tensor:
+    """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
+    torch_backend.check_attention_args(q, k_cache, v_cache)
+    if not supported(q, k_cache):
+        return torch_backend.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+        )
+    starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return _attention(
+        q, k_cache, v_cache, block_tables, starts, context_lens, scale, sliding_window, logit_softcap, out
+    )
+
+
+def paged_prefill_attention(
+    q: Tensor,  # [total_query_tokens, num_heads, head_dim]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    query_start_loc: Tensor,  # int32 [num_seqs + 1]
+    context_lens: Tensor,  # int32 [num_seqs]
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+) -> Tensor:
+    """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all its tokens."""
+    torch_backend.check_attention_args(q, k_cache, v_cache)
+    if not supported(q, k_cache):
+        return torch_backend.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+        )
+    return _attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        sliding_window,
+        logit_softcap,
+        out,
+    )
+
+
+def _attention(
+    q: Tensor,  # [total_query_tokens, num_heads, head_dim]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    query_start_loc: Tensor,  # int32 [num_seqs + 1]
+    context_lens: Tensor,  # int32 [num_seqs]
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
+) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
+    """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
+    assert v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype, "the V cache must match the K cache"
+    q = q.contiguous()
+    result = out if out is not None and out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    num_seqs = lens.shape[0]
+    assert starts.shape[0] == num_seqs + 1 and tables.shape[0] >= num_seqs, (starts.shape, tables.shape)
+    status = _kernel(q.dtype)(
+        q.data_ptr(),
+        result.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        starts.data_ptr(),
+        lens.data_ptr(),
+        num_seqs,
+        q.shape[1],
+        k_cache.shape[2],
+        k_cache.shape[3],
+        k_cache.shape[1],
+        sliding_window or 0,
+        scale,
+        logit_softcap or 0.0,
+        torch.get_num_threads(),
+    )
+    if status == 2:
+        raise MemoryError("the 'cpu' attention kernel could not allocate its work list")
+    if status != 0:
+        raise RuntimeError(f"the 'cpu' attention kernel refused its arguments (status {status})")
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
