@@ -12,7 +12,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, CausalLM, KVCacheSpec, build_model
-from pagoda.server.models.layers import linear
+from pagoda.server.models.layers import Linear, linear, pack_weight
 from tiny_models import (
     ARCHS,
     MODEL_VOCAB_SIZE,
@@ -100,6 +100,39 @@ def test_linear_matches_f_linear(dtype: torch.dtype) -> None:
             assert got.dtype == dtype and got.shape == (*x.shape[:-1], 48)
             tol = 1e-5 if dtype == torch.float32 else 0.0
             torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=tol, rtol=tol)
+
+
+def test_packed_weights_give_the_same_products() -> None:
+    """A Linear packed into oneDNN's layout (float32 on the CPU) frees the plain weight and computes the same
+    outputs up to float32 rounding (another kernel may sum in another order), for batches above and below the
+    packing hint; other dtypes are left alone."""
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(32, 48, bias=True, dtype=torch.float32, device=CPU)
+    layer.weight.data.copy_(torch.randn(48, 32, generator=gen))
+    assert layer.bias is not None
+    layer.bias.data.copy_(torch.randn(48, generator=gen))
+    inputs = [torch.randn(n, 32, generator=gen) for n in (1, 7, 300)] + [torch.randn(2, 5, 32, generator=gen)]
+    before = [layer(x) for x in inputs]
+    assert layer.pack(16)
+    assert layer.weight.is_mkldnn and layer.weight.shape == (48, 32)
+    for x, want in zip(inputs, before, strict=True):
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    assert not layer.pack(16)  # already packed
+    assert pack_weight(torch.randn(4, 4).to(torch.bfloat16), 16) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_pack_weights_keeps_the_model_outputs(arch: str, tiny_model_path: Callable[[str], Path]) -> None:
+    """Packing a loaded model (Llama: untied head; Gemma 3: tied, the embedding stays plain for the lookups)
+    keeps its logits (up to float32 rounding)."""
+    model = load_model(str(tiny_model_path(arch)), dtype=torch.float32, device=CPU).model
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    before = model.compute_logits(hidden)
+    linears = sum(isinstance(m, Linear) for m in model.modules())
+    assert model.pack_weights(8) == linears + (arch == "gemma3")
+    torch.testing.assert_close(model.compute_logits(hidden), before, atol=1e-5, rtol=1e-5)
+    embed = model.get_submodule("model.embed_tokens").get_parameter("weight")
+    assert not embed.is_mkldnn
 
 
 @pytest.mark.parametrize(

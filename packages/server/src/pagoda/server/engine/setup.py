@@ -16,6 +16,7 @@ from pagoda.server.models.base import CausalLM
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger("pagoda.engine")
+_PACK_BATCH = 128
 
 DEFAULT_MAX_MODEL_LEN = (
     8192  # cap for models whose context is longer (a 128k KV cache per request is rarely wanted)
@@ -102,6 +103,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
         device=device,
         cache_dir=None if config.cache_dir is None else Path(config.cache_dir),
     )
+    # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
+    # for 110 rows across hints of 32-2048).
+    rows = min(config.max_num_seqs, _PACK_BATCH)
+    if packed := loaded.model.pack_weights(rows):
+        logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
     hf_config = loaded.hf_config
     text_config = hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))

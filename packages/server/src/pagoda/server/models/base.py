@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from pagoda.server.models.attention import AttentionMetadata, KVCache
-from pagoda.server.models.layers import linear, softcap
+from pagoda.server.models.layers import Linear, linear, pack_weight, softcap
 from torch import Tensor, nn
 
 
@@ -73,6 +73,11 @@ class CausalLM(nn.Module, ABC):
         """Checkpoint tensors that may be present but are not parameters here (e.g. stored rotary tables)."""
         return frozenset()
 
+    def pack_weights(self, batch_size: int) -> int:
+        """Pack every `Linear` weight for batches of about `batch_size` rows (see `pack_weight`: float32 on a CPU
+        with oneDNN; elsewhere nothing changes), after loading; the number of weights packed."""
+        return sum(m.pack(batch_size) for m in self.modules() if isinstance(m, Linear))
+
 
 # Checkpoint projections fused into one matmul each by every model here: q/k/v -> qkv_proj, gate/up -> gate_up_proj.
 FUSED_QKV_GATE_UP: Mapping[str, PackedShard] = MappingProxyType(
@@ -95,13 +100,15 @@ class DecoderLM(CausalLM):
     lm_head: nn.Module | None  # a Linear; typed loosely so models can use their own Linear subclass
     tie_word_embeddings: bool
     final_logit_softcapping: float | None = None
+    # A packed copy of the tied embedding for the LM head (the lookups need the plain one), set by pack_weights.
+    packed_head: Tensor | None = None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
         """Logits of the given rows through the LM head (the embedding matrix when tied), soft-capped (in float32)
         if set."""
         embed = self.model.get_submodule("embed_tokens")
         head = embed if self.lm_head is None else self.lm_head
-        weight = head.get_parameter("weight")
+        weight = head.get_parameter("weight") if self.packed_head is None else self.packed_head
         logits = linear(hidden, weight)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits.float(), float(self.final_logit_softcapping))
@@ -110,6 +117,17 @@ class DecoderLM(CausalLM):
     def kv_cache_spec(self) -> KVCacheSpec:
         """One K and one V cache per layer."""
         return self.spec
+
+    def pack_weights(self, batch_size: int) -> int:
+        """Also pack a copy of a tied LM head: the largest matmul of a step (the default model: 671 MB, 262k x 640,
+        worth keeping twice for a 7% faster LM head)."""
+        packed = super().pack_weights(batch_size)
+        if self.lm_head is None:
+            self.packed_head = pack_weight(
+                self.model.get_submodule("embed_tokens").get_parameter("weight"), batch_size
+            )
+            packed += self.packed_head is not None
+        return packed
 
     def weight_aliases(self) -> Mapping[str, str]:
         """With tied embeddings, a checkpoint's `lm_head.weight` is the embedding."""
