@@ -174,6 +174,8 @@ def test_build_is_cached_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     path = cpu_backend.build(torch.float32)
     assert path.parent == tmp_path and path.suffix == ".so"
+    # gcc has OpenMP: the kernel links libgomp, which resolves to the copy torch loaded (one thread pool).
+    assert "libgomp" in subprocess.run(["ldd", str(path)], capture_output=True, text=True).stdout
     mtime = path.stat().st_mtime_ns
     assert cpu_backend.build(torch.float32) == path
     code = "import torch; from pagoda.pagedkernel import cpu_backend; print(cpu_backend.build(torch.float32))"
@@ -187,6 +189,19 @@ def test_build_is_cached_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert Path(child.stdout.strip()) == path
     assert path.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left behind
+
+
+def test_pthreads_build_equals_the_openmp_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler without OpenMP gets the pthreads version of the kernel: bitwise the same outputs."""
+    c = _case(CASES[1], [(300, 1)] * 5 + [(200, 40), (64, 64)], torch.float32)
+    args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
+    openmp = cpu_backend.paged_prefill_attention(*args, sliding_window=32)
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_backend, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))  # fails: falls back
+    library = cpu_backend.build(torch.float32)
+    assert "gomp" not in subprocess.run(["ldd", str(library)], capture_output=True, text=True).stdout
+    pthreads = cpu_backend._attention(*args, 32, None, None, kernel=cpu_backend.load(library))
+    assert torch.equal(pthreads, openmp)
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

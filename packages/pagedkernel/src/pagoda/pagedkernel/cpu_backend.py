@@ -6,7 +6,8 @@ C file). Measured on a 2-core AMD EPYC, float32, 110 decodes of 300-500 keys (Ge
 13.5 ms against the torch backend's 36 ms per layer.
 
 The kernel is compiled per dtype (float32, float16, bfloat16) by the system's C compiler (`$CC`, else `cc` or
-`gcc`) with `-O3 -march=native`, like CuPy compiles its CUDA sources at run time; the shared library is cached on
+`gcc`) with `-O3 -march=native -fopenmp` (its threads are torch's OpenMP pool; pthreads where the compiler has
+no OpenMP), like CuPy compiles its CUDA sources at run time; the shared library is cached on
 disk (`$PAGODA_KERNEL_CACHE`, else `~/.cache/pagoda/cpu-kernels`) under a name that hashes the source, the flags,
 the compiler and this CPU, and loaded with ctypes (the call releases the GIL). Cache writes, block copies and
 swaps are the torch backend's (memcpy-bound either way). Attention this kernel does not take (another device, a
@@ -40,6 +41,9 @@ SOURCE_FILE = "cpu_attention.c"
 ENTRY_POINT = "pagoda_paged_attention"
 # -fno-math-errno lets expf/tanhf inline; no -ffast-math: the softmax relies on -inf and IEEE exp.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+# Tried first: OpenMP, so the kernel runs on torch's thread pool (libgomp.so.1 is already loaded by torch);
+# a compiler without OpenMP builds the pthreads version instead.
+OPENMP_FLAGS = ("-fopenmp",)
 DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 512
 MAX_BLOCK_SIZE = 256
@@ -106,10 +110,12 @@ def build(dtype: torch.dtype) -> Path:
         src = Path(tmp) / SOURCE_FILE
         src.write_text(source, encoding="utf-8")
         lib = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, *flags, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
+        for extra in (OPENMP_FLAGS, ()):
+            command = [compiler, *flags, *extra, str(src), "-o", str(lib), "-lm"]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                break
+        else:
             raise BackendUnavailableError(
                 f"compiling the 'cpu' kernel backend's {SOURCE_FILE} for {dtype} failed "
                 f"({compiler} exit {done.returncode}):\n{done.stderr.strip()}\nuse kernel_backend='torch' instead"
@@ -121,7 +127,12 @@ def build(dtype: torch.dtype) -> Path:
 @functools.cache
 def _kernel(dtype: torch.dtype) -> Callable[..., int]:
     """The compiled entry point for `dtype`, built (or found in the cache) and loaded once per process."""
-    function = ctypes.CDLL(str(build(dtype)))[ENTRY_POINT]
+    return load(build(dtype))
+
+
+def load(library: Path) -> Callable[..., int]:
+    """The kernel's entry point in a shared library that `build` made, with its C signature declared."""
+    function = ctypes.CDLL(str(library))[ENTRY_POINT]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes: list[Any] = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [i64]
     function.argtypes = argtypes
@@ -240,6 +251,7 @@ def _attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
+    kernel: Callable[..., int] | None = None,  # default: this dtype's build
 ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
     """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
     assert v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype, "the V cache must match the K cache"
@@ -250,7 +262,7 @@ def _attention(
     lens = context_lens.to(torch.int32).contiguous()
     num_seqs = lens.shape[0]
     assert starts.shape[0] == num_seqs + 1 and tables.shape[0] >= num_seqs, (starts.shape, tables.shape)
-    status = _kernel(q.dtype)(
+    status = (kernel or _kernel(q.dtype))(
         q.data_ptr(),
         result.data_ptr(),
         k_cache.data_ptr(),
