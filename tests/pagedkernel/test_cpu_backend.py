@@ -163,10 +163,43 @@ def test_what_the_kernel_does_not_take_runs_through_torch(
     def refuse(dtype: torch.dtype) -> None:
         raise AssertionError("the C kernel was called")
 
-    monkeypatch.setattr(cpu_backend, "_kernel", refuse)
+    monkeypatch.setattr(cpu_backend, "_kernels", refuse)
     args = (q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
     out = cpu_backend.paged_prefill_attention(*args)
     assert relative_error(out, torch_backend.paged_prefill_attention(*args)) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_writes_rows_and_skips_padding(dtype: torch.dtype) -> None:
+    """Keys and values land in their slots (strided token rows, as sliced out of a fused projection, included),
+    negative slots write nothing, and every other slot is untouched: the torch backend's result, bitwise."""
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(6, 3, 2, 16, generator=gen).to(dtype)  # [tokens, (q, k, v), kv_heads, head_dim]
+    key, value = fused[:, 1], fused[:, 2]
+    assert not key.is_contiguous()
+    slots = torch.tensor([5, -1, 0, 31, 17, -3])
+    k_cache, v_cache = (torch.randn(4, 8, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    torch_backend.reshape_and_cache(key, value, k_want, v_want, slots)
+    cpu_backend.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
+def test_reshape_and_cache_refuses_an_out_of_range_slot_and_writes_nothing() -> None:
+    """A slot past the cache is an IndexError naming it, raised before any row is written."""
+    key = torch.randn(3, 2, 16)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    with pytest.raises(IndexError, match="slot 32 of token 2 is outside the cache's 32 slots"):
+        cpu_backend.reshape_and_cache(key, key, k_cache, v_cache, torch.tensor([1, 2, 32]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_reshape_and_cache_other_dtypes_go_through_torch() -> None:
+    """A key dtype other than the cache's is converted by the torch backend, as it always was."""
+    key = torch.randn(2, 2, 16, dtype=torch.float64)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    cpu_backend.reshape_and_cache(key, key, k_cache, v_cache, torch.tensor([3, 9]))
+    assert torch.equal(k_cache.view(-1, 2, 16)[[3, 9]], key.float())
 
 
 def test_build_is_cached_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +233,7 @@ def test_pthreads_build_equals_the_openmp_build(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(cpu_backend, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))  # fails: falls back
     library = cpu_backend.build(torch.float32)
     assert "gomp" not in subprocess.run(["ldd", str(library)], capture_output=True, text=True).stdout
-    pthreads = cpu_backend._attention(*args, 32, None, None, kernel=cpu_backend.load(library))
+    pthreads = cpu_backend._attention(*args, 32, None, None, kernels=cpu_backend.load(library))
     assert torch.equal(pthreads, openmp)
 
 
@@ -227,7 +260,7 @@ def test_failing_compiler_reports_its_output(
     with pytest.raises(BackendUnavailableError, match=r"(?s)exit 3.*badcc: cannot compile"):
         cpu_backend.build(torch.bfloat16)
     monkeypatch.setattr(
-        cpu_backend, "_kernel", cpu_backend._kernel.__wrapped__
+        cpu_backend, "_kernels", cpu_backend._kernels.__wrapped__
     )  # bypass the per-process cache
     with caplog.at_level(logging.WARNING):
         assert not cpu_backend.available()

@@ -9,10 +9,11 @@ The kernel is compiled per dtype (float32, float16, bfloat16) by the system's C 
 `gcc`) with `-O3 -march=native -fopenmp` (its threads are torch's OpenMP pool; pthreads where the compiler has
 no OpenMP), like CuPy compiles its CUDA sources at run time; the shared library is cached on
 disk (`$PAGODA_KERNEL_CACHE`, else `~/.cache/pagoda/cpu-kernels`) under a name that hashes the source, the flags,
-the compiler and this CPU, and loaded with ctypes (the call releases the GIL). Cache writes, block copies and
-swaps are the torch backend's (memcpy-bound either way). Attention this kernel does not take (another device, a
+the compiler and this CPU, and loaded with ctypes (the call releases the GIL). Attention this kernel does not take (another device, a
 q dtype that differs from the cache's, head_dim not a multiple of 8 or above 512, block_size above 256, more
-than 32 query heads per KV head) runs through the torch backend.
+than 32 query heads per KV head) runs through the torch backend. `reshape_and_cache` is a C loop of one memcpy
+per row too (torch's index_copy_ took ~0.3 ms per layer for a decode batch); block copies and swaps are the torch
+backend's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "cpu_attention.c"
-ENTRY_POINT = "pagoda_paged_attention"
+ATTENTION = "pagoda_paged_attention"
+RESHAPE_AND_CACHE = "pagoda_reshape_and_cache"
 # -fno-math-errno lets expf/tanhf inline; no -ffast-math: the softmax relies on -inf and IEEE exp.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
 # Tried first: OpenMP, so the kernel runs on torch's thread pool (libgomp.so.1 is already loaded by torch);
@@ -49,10 +52,17 @@ MAX_HEAD_DIM = 512
 MAX_BLOCK_SIZE = 256
 MAX_GROUP = 32  # query heads per KV head (MAX_ROWS in the C file)
 
-# The cache ops move whole rows: the torch backend's index_copy_/index_select already run at memory speed.
-reshape_and_cache = torch_backend.reshape_and_cache
+# Whole-block copies run at memory speed through torch's indexed copies already.
 copy_blocks = torch_backend.copy_blocks
 swap_blocks = torch_backend.swap_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """The entry points of one compiled library (see the C file for their contracts)."""
+
+    attention: Callable[..., int]
+    reshape_and_cache: Callable[..., int]
 
 
 def find_compiler() -> str | None:
@@ -125,29 +135,83 @@ def build(dtype: torch.dtype) -> Path:
 
 
 @functools.cache
-def _kernel(dtype: torch.dtype) -> Callable[..., int]:
-    """The compiled entry point for `dtype`, built (or found in the cache) and loaded once per process."""
+def _kernels(dtype: torch.dtype) -> CpuKernels:
+    """The compiled kernels for `dtype`, built (or found in the cache) and loaded once per process."""
     return load(build(dtype))
 
 
-def load(library: Path) -> Callable[..., int]:
-    """The kernel's entry point in a shared library that `build` made, with its C signature declared."""
-    function = ctypes.CDLL(str(library))[ENTRY_POINT]
+def load(library: Path) -> CpuKernels:
+    """The entry points of a shared library that `build` made, with their C signatures declared."""
+    lib = ctypes.CDLL(str(library))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    attention = lib[ATTENTION]
     argtypes: list[Any] = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [i64]
-    function.argtypes = argtypes
-    function.restype = ctypes.c_int
-    return function
+    attention.argtypes = argtypes
+    attention.restype = ctypes.c_int
+    cache = lib[RESHAPE_AND_CACHE]
+    cache.argtypes = [ptr] * 5 + [i64] * 5
+    cache.restype = i64
+    return CpuKernels(attention, cache)
 
 
 def available() -> bool:
     """Whether the float32 kernel compiles and loads here (what get_backend('auto') asks on a CPU)."""
     try:
-        _kernel(torch.float32)
+        _kernels(torch.float32)
     except (BackendUnavailableError, OSError) as exc:
         logger.warning("the 'cpu' kernel backend is unavailable, attention runs through torch: %s", exc)
         return False
     return True
+
+
+def reshape_and_cache(
+    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+) -> None:
+    """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+    native = (
+        key.device.type == "cpu"
+        and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in DTYPE_IDS
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and key.shape[1:] == value.shape[1:] == k_cache.shape[2:] == v_cache.shape[2:]
+        and k_cache.shape == v_cache.shape
+    )
+    if not native:
+        torch_backend.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    key, value = _token_rows(key), _token_rows(value)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    assert slots.shape == key.shape[:1] == value.shape[:1], (slots.shape, key.shape, value.shape)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    row = k_cache.shape[2] * k_cache.shape[3]
+    bad = _kernels(k_cache.dtype).reshape_and_cache(
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        key.shape[0],
+        num_slots,
+        row,
+        key.stride(0),
+        value.stride(0),
+    )
+    if bad:
+        raise IndexError(
+            f"slot {int(slots[bad - 1])} of token {bad - 1} is outside the cache's {num_slots} slots"
+        )
+
+
+def _token_rows(x: Tensor) -> Tensor:  # [num_tokens, num_kv_heads, head_dim], each token's row contiguous
+    """x itself when each token's [num_kv_heads, head_dim] is one contiguous row (any token stride), else a copy."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
 
 
 def supported(q: Tensor, k_cache: Tensor) -> bool:
@@ -251,7 +315,7 @@ def _attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
-    kernel: Callable[..., int] | None = None,  # default: this dtype's build
+    kernels: CpuKernels | None = None,  # default: this dtype's build
 ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
     """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
     assert v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype, "the V cache must match the K cache"
@@ -262,7 +326,7 @@ def _attention(
     lens = context_lens.to(torch.int32).contiguous()
     num_seqs = lens.shape[0]
     assert starts.shape[0] == num_seqs + 1 and tables.shape[0] >= num_seqs, (starts.shape, tables.shape)
-    status = (kernel or _kernel(q.dtype))(
+    status = (kernels or _kernels(q.dtype)).attention(
         q.data_ptr(),
         result.data_ptr(),
         k_cache.data_ptr(),

@@ -380,3 +380,23 @@ int pagoda_paged_attention(const void *q, void *out, const void *k_cache, const 
   free(cost);
   return 0;
 }
+
+/* Write token t's key and value rows (num_kv_heads * head_dim elements, `key_stride` / `value_stride` elements
+ * from one token to the next) into cache slot slots[t]; negative slots are padding and skipped. One memcpy per
+ * row: torch's index_copy_ took ~0.3 ms for a decode batch's 110 rows, as long as the copy itself ~30 times. */
+int64_t pagoda_reshape_and_cache(const void *key, const void *value, void *k_cache, void *v_cache,
+                                 const int64_t *slots, int64_t num_tokens, int64_t num_slots, int64_t row,
+                                 int64_t key_stride, int64_t value_stride) {
+  /* Every slot is checked before anything is written: a bad one (returned as token + 1) changes nothing. */
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slots[t] >= num_slots) return t + 1;
+  const scalar_t *k = (const scalar_t *)key, *v = (const scalar_t *)value;
+  scalar_t *kc = (scalar_t *)k_cache, *vc = (scalar_t *)v_cache;
+  const size_t bytes = sizeof(scalar_t) * (size_t)row;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    memcpy(kc + slots[t] * row, k + t * key_stride, bytes);
+    memcpy(vc + slots[t] * row, v + t * value_stride, bytes);
+  }
+  return 0;
+}
