@@ -13,26 +13,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
 from pagoda.pagedkernel import BackendUnavailableError, cpu_backend, get_backend, registry, torch_backend
 from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import PagedCase, make_case, reference_attention, relative_error
 
 # mypy proves that the module's functions match the shared signatures.
 _OPS: KernelOps = cpu_backend
-
-
-class Case(NamedTuple):
-    """One attention configuration."""
-
-    head_dim: int
-    block_size: int
-    group: int  # query heads per KV head
-    sliding_window: int | None
-    logit_softcap: float | None
 
 
 CASES = [

@@ -9,28 +9,17 @@ block_size, block_size + 1 and ~300 tokens. Outputs are preallocated full of NaN
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import pytest
 import torch
 from pagoda.pagedkernel import get_backend, torch_backend, triton_backend
 from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import make_case, reference_attention, relative_error
 
 # mypy proves that the module's functions match the shared signatures.
 _OPS: KernelOps = triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class Case(NamedTuple):
-    """One attention configuration."""
-
-    head_dim: int
-    block_size: int
-    group: int
-    sliding_window: int | None
-    logit_softcap: float | None
 
 
 CASES = [

@@ -242,23 +242,20 @@ def paged_decode_attention(
     logit_softcap: float | None = None,
     out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
 ) -> Tensor:
-    """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
-    torch_backend.check_attention_args(q, k_cache, v_cache)
-    if not supported(q, k_cache):
-        return torch_backend.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            scale,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            out=out,
-        )
+    """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V: the prefill op
+    with one query row per sequence (the C kernel's decode items are its one-token tiles)."""
     starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return _attention(
-        q, k_cache, v_cache, block_tables, starts, context_lens, scale, sliding_window, logit_softcap, out
+    return paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        starts,
+        context_lens,
+        scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        out=out,
     )
 
 

@@ -5,9 +5,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+
+class AttentionConfig(NamedTuple):
+    """One attention configuration the backend tests cover (parametrised as their `case`)."""
+
+    head_dim: int
+    block_size: int
+    group: int  # query heads per KV head
+    sliding_window: int | None
+    logit_softcap: float | None
 
 
 @dataclass(frozen=True, slots=True)
