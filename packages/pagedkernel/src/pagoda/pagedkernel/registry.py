@@ -187,13 +187,13 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
         ):
             name = "triton"
         elif resolved.type == "cpu" and _cpu_kernel_available():
-            name = "cpu"
+            return ModuleBackend(name="cpu", module=_import_backend("cpu"))  # built and loaded already
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {('auto', *BACKEND_NAMES)}")
     if name == "cpu":
         _check_device(name, resolved)
         module = _import_backend(name)
-        module.build(torch.float32)  # a missing or failing compiler is reported here, not at the first step
+        module.build(torch.float32)  # asked for by name: a missing or failing compiler is an error here
         return ModuleBackend(name=name, module=module)
     if name != "torch" and importlib.util.find_spec(_library(name)) is None:
         raise BackendUnavailableError(
