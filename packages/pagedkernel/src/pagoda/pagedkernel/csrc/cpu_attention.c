@@ -5,7 +5,8 @@
  * item (a sequence, a KV head and a tile of its query tokens) streams the sequence's blocks once, computes the
  * scores of all its query rows (the tile's tokens x the KV head's group of query heads, so a key row loaded once
  * serves every row) and keeps an online softmax, as flash attention does. Vectors are GCC vector extensions
- * (AVX2/AVX-512 with -march=native, SSE otherwise); threads are plain pthreads, one range of items each.
+ * (AVX2/AVX-512 with -march=native, SSE otherwise); threads come from torch's OpenMP pool (pthreads when built
+ * without OpenMP), one range of items each.
  *
  * Compiled by cpu_backend.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16): q, out and the
  * caches share that dtype; everything is computed in float32.
@@ -343,13 +344,11 @@ int pagoda_paged_attention(const void *q, void *out, const void *k_cache, const 
       }
     }
   }
-  /* Contiguous ranges of about equal cost, one per thread; the calling thread runs the first. */
+  /* Contiguous ranges of about equal cost, one per thread. */
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
   if (num_threads > count) num_threads = count;
   if (num_threads < 1) num_threads = 1;
   range_t ranges[MAX_THREADS];
-  pthread_t threads[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
   int64_t next = 0, done = 0;
   for (int64_t t = 0; t < num_threads; ++t) {
     const int64_t target = total * (t + 1) / num_threads;
@@ -361,11 +360,12 @@ int pagoda_paged_attention(const void *q, void *out, const void *k_cache, const 
   /* torch's own OpenMP pool (the libgomp.so.1 that torch loaded serves this library too): its threads are
    * awake after the previous op, and no second pool spins against them (pthreads here measured 13 vs 10.6 ms per
    * layer in the engine while torch's idle workers spun). A pool smaller than asked for runs several ranges. */
-  (void)threads;
-  (void)started;
 #pragma omp parallel num_threads(num_threads)
   for (int64_t t = omp_get_thread_num(); t < num_threads; t += omp_get_num_threads()) run_range(&ranges[t]);
 #else
+  /* The calling thread runs the first range. */
+  pthread_t threads[MAX_THREADS];
+  int started[MAX_THREADS] = {0};
   for (int64_t t = 1; t < num_threads; ++t)
     started[t] = pthread_create(&threads[t], NULL, run_range, &ranges[t]) == 0;
   run_range(&ranges[0]);
