@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-# The one spelling of the mode: the server's EngineConfig and CLI (`--preemption-mode` choices) use it too.
+# The one spelling of the mode in the workspace: embedders (the server's config and CLI) import it.
 PreemptionMode = Literal["recompute", "swap"]
 
 
