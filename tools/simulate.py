@@ -44,8 +44,7 @@ from pagoda.scheduler import (
     SchedulingPolicy,
     StaticBatchPolicy,
 )
-from pagoda.scheduler.contiguous import ContiguousKVManager
-from pagoda.scheduler.sim import SimSamplingParams
+from pagoda.scheduler.testing import ContiguousKVManager, SimSamplingParams
 from tqdm import tqdm
 
 PROMPT_LOGNORMAL = (4.58, 1.0)  # mean exp(4.58 + 0.5) ~ 161 tokens

@@ -14,7 +14,7 @@ from pagoda.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from pagoda.scheduler.sim import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+from pagoda.scheduler.testing import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
 
 BS = 4
 

@@ -18,7 +18,7 @@ from pagoda.scheduler import (
     SchedulingPolicy,
     StaticBatchPolicy,
 )
-from pagoda.scheduler.sim import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+from pagoda.scheduler.testing import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
 
 BS = 4
 MAX_LEN = 64

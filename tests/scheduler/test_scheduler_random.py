@@ -7,6 +7,7 @@ in a step that preempted"; at the end every block is free and every sample has e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from pagoda.scheduler import (
     SchedulingPolicy,
     StaticBatchPolicy,
 )
-from pagoda.scheduler.sim import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+from pagoda.scheduler.testing import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
 
 MAX_LEN = 40
 PREFIXES: tuple[list[int], ...] = (
@@ -78,7 +79,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     """Small limits so preemption, chunking and seat limits all happen."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     chunked = draw(st.booleans())
-    mode: PreemptionMode = draw(st.sampled_from(["recompute", "swap"]))
+    mode: PreemptionMode = draw(st.sampled_from(get_args(PreemptionMode)))
     config = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(1, 48) if chunked else st.integers(MAX_LEN, 64)),

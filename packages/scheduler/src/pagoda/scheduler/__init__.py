@@ -3,12 +3,11 @@ admission, preemption by recompute or swap, parallel sampling) over Protocols it
 
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
-from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
+from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
 from pagoda.scheduler.protocols import (
     KVBlockManager,
     KVCacheStatsLike,
     SamplingParamsLike,
-    SchedulingPolicy,
     SlotAllocationLike,
 )
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
+# The one spelling of the mode in the workspace: embedders (the server's config and CLI) import it.
 PreemptionMode = Literal["recompute", "swap"]
 
 
@@ -29,8 +30,9 @@ class SchedulerConfig:
             raise ValueError(f"limits must be positive: {self}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be None or positive")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}")
+        if self.preemption_mode not in get_args(PreemptionMode):
+            modes = " or ".join(map(repr, get_args(PreemptionMode)))
+            raise ValueError(f"preemption_mode must be {modes}, not {self.preemption_mode!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), not {self.watermark}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -1,6 +1,7 @@
-"""Scheduling policies: objects deciding queue order, admission and preemption victims.
+"""Scheduling policies: the `SchedulingPolicy` interface, then FCFS, priority and static batching.
 
-A policy never touches blocks, budgets or slots (the scheduler's mechanism); it only orders requests.
+A policy decides queue order, admission and preemption victims. It never touches blocks, budgets or slots
+(the scheduler's mechanism); it only orders requests.
 """
 
 from __future__ import annotations
@@ -8,8 +9,28 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from pagoda.scheduler.request import Request
+
+
+class SchedulingPolicy(Protocol):
+    """Who runs next and who is preempted; the scheduler owns the mechanism (budget, blocks, slots)."""
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """Insert `request` into `queue` (the waiting or the swapped queue) where this policy wants it."""
+        ...
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """The waiting requests that may be admitted now, best first; admission stops at the first that does
+        not fit."""
+        ...
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The request to preempt among `candidates` (running requests in running order, never empty)."""
+        ...
 
 
 def _arrival_key(request: Request) -> tuple[float, int]:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from pagoda.scheduler.config import SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
-from pagoda.scheduler.policy import FCFSPolicy
-from pagoda.scheduler.protocols import KVBlockManager, SchedulingPolicy, SlotAllocationLike
+from pagoda.scheduler.policy import FCFSPolicy, SchedulingPolicy
+from pagoda.scheduler.protocols import KVBlockManager, SlotAllocationLike
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
 
 RUNNING = RequestStatus.RUNNING

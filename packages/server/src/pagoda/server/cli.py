@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import get_args
 
-from pagoda.server.config import DTypeName, EngineConfig, KernelBackendName, PreemptionMode
+from pagoda.scheduler import PreemptionMode
+from pagoda.server.config import DTypeName, EngineConfig, KernelBackendName
 
 logger = logging.getLogger("pagoda.server")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagoda.scheduler import PreemptionMode
+
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-PreemptionMode = Literal["recompute", "swap"]
 
 
 @dataclass(frozen=True, slots=True)
