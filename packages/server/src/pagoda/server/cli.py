@@ -117,9 +117,11 @@ def check_server_args(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
-    from pagoda.server.api import AppSettings, AsyncLLM, EngineClient, build_app
+    from pagoda.server.api import AppSettings, build_app
     from pagoda.server.api.server import run_server
+    from pagoda.server.async_llm import AsyncLLM
     from pagoda.server.engine import LLMEngine
+    from pagoda.server.engine_client import EngineClient
 
     try:
         check_server_args(args)

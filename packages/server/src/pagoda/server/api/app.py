@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-from pagoda.server.api.async_engine import AsyncLLM
 from pagoda.server.api.chat_template import render_chat
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.openapi import build_openapi
@@ -31,6 +30,7 @@ from pagoda.server.api.protocol import (
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext
 from pagoda.server.api.serving_chat import ChatHandler
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat_templates import resolve_chat_template
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
