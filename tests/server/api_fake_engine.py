@@ -12,7 +12,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import uvicorn
-from pagoda.server.api import AppSettings, AsyncLLM, EngineClient, build_app
+from pagoda.server.api import AppSettings, build_app
+from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors

@@ -15,7 +15,7 @@ import openai
 import pytest
 from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
 from api_fake_engine import REJECT_MARKER, FakeEngine, RunningServer, make_char_tokenizer, serve_in_thread
-from pagoda.server.chat_templates import GEMMA_CHAT_TEMPLATE
+from pagoda.server.chat import GEMMA_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")

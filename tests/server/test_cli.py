@@ -114,6 +114,15 @@ def test_refuses_to_start_when_one_request_cannot_fit(
     assert "cannot start" in err and "--kv-cache-gib" in err and "--max-model-len" in err
 
 
+def test_tokenizer_flag_maps_onto_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tokenizer FOLDER` lands in EngineConfig.tokenizer and is documented in --help."""
+    args = build_parser().parse_args(["serve", "some/model", "--tokenizer", "some/tokenizer"])
+    assert engine_config(args) == EngineConfig(model="some/model", tokenizer="some/tokenizer")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--tokenizer" in capsys.readouterr().out
+
+
 def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> None:
     """`pagoda serve --help` documents every flag of the issue."""
     with pytest.raises(SystemExit) as info:

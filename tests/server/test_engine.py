@@ -309,6 +309,28 @@ def test_chat_uses_the_template(model_dirs: dict[str, Path]) -> None:
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_tokenizer_from_its_own_folder(tmp_path: Path) -> None:
+    """EngineConfig.tokenizer (`--tokenizer`): the tokenizer is read from that folder; the model folder has none."""
+    model = make_tiny_model("llama", tmp_path / "model")
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).rename(tokenizer_dir / name)
+    # A template of its own tells this folder's tokenizer apart from the model folder's.
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (tokenizer_dir / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config, "chat_template": template})
+    )
+    llm = make_llm(model, tokenizer=str(tokenizer_dir))
+    assert llm.tokenizer.chat_template == template
+    assert llm.tokenizer.eos_token_id in llm.engine.eos_token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(["Hello world"], params, use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == llm.tokenizer("Hello world").input_ids
+    assert out.outputs[0].text == llm.tokenizer.decode(list(out.outputs[0].token_ids))
+
+
 def test_abort_frees_blocks_in_every_state(model_dirs: dict[str, Path]) -> None:
     """Aborting waiting, mid-prefill and decoding requests frees their blocks and reports "abort"."""
     llm = make_llm(model_dirs["llama"], max_num_batched_tokens=8, max_num_seqs=2)

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
     engine.add_argument(
+        "--tokenizer", default=None, help="folder of the tokenizer's files (default: the model's own)"
+    )
+    engine.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)"
     )
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
@@ -87,6 +90,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed `serve` arguments (raises ValueError naming a bad field)."""
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -118,9 +122,11 @@ def check_server_args(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
-    from pagoda.server.api import AppSettings, AsyncLLM, EngineClient, build_app
+    from pagoda.server.api import AppSettings, build_app
     from pagoda.server.api.server import run_server
+    from pagoda.server.async_llm import AsyncLLM
     from pagoda.server.engine import LLMEngine
+    from pagoda.server.engine_client import EngineClient
 
     try:
         check_server_args(args)
@@ -133,22 +139,14 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # EngineConfigError: says what to change
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 1
-    capacity = engine.num_kv_blocks * engine.block_size
+    # build_parts already refused a KV cache smaller than one max_model_len request (EngineConfigError above).
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
         engine.num_kv_blocks,
         engine.block_size,
-        capacity,
+        engine.num_kv_blocks * engine.block_size,
         engine.max_model_len,
     )
-    if capacity < engine.max_model_len:
-        print(
-            f"pagoda serve: cannot start: the KV cache holds {capacity} tokens, fewer than one request of "
-            f"max_model_len {engine.max_model_len}; raise --kv-cache-gib (CPU) or --gpu-memory-utilization "
-            "(CUDA), or lower --max-model-len",
-            file=sys.stderr,
-        )
-        return 1
     client: EngineClient = engine  # mypy proves the engine satisfies the API's Protocol
     llm = AsyncLLM(
         client,

@@ -16,10 +16,10 @@ class EngineConfig:
     """Everything needed to build an engine; None means "derive from the model or the machine"."""
 
     model: str | None = None  # HF folder or .gguf path; None: the default Gemma 3 270M
-    tokenizer: str | None = None  # defaults to the model folder
+    tokenizer: str | None = None  # a folder with the tokenizer's files; None: the model's own
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped at 8192)
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len) when None
+    max_num_batched_tokens: int | None = None  # None: 2048 if chunked prefill, else max(2048, max_model_len)
     block_size: int = 16
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total GPU memory the engine may use
     kv_cache_gib: float = 4.0  # CPU: KV cache size
@@ -29,7 +29,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    enforce_eager: bool = False  # CUDA: skip torch.compile of the decode path
+    enforce_eager: bool = False  # CUDA: run the model's forward uncompiled (every step, prefill and decode)
     kernel_backend: KernelBackendName = "auto"
     dtype: DTypeName = "auto"
     device: str | None = None  # "cuda" when available, else "cpu"

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-from pagoda.server.api.async_engine import AsyncLLM
-from pagoda.server.api.chat_template import render_chat
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.openapi import build_openapi
 from pagoda.server.api.protocol import (
@@ -29,9 +27,10 @@ from pagoda.server.api.protocol import (
     TokenizeResponse,
 )
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext
-from pagoda.server.api.serving_chat import ChatHandler
+from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
-from pagoda.server.chat_templates import resolve_chat_template
+from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.chat import resolve_chat_template
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -166,12 +165,7 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            text = render_chat(
-                ctx.tokenizer,
-                ctx.chat_template,
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-            )
+            text = render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
             tokens = ctx.encode(text, add_special_tokens=False)
         else:
             tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

@@ -8,7 +8,7 @@ import socket
 from types import FrameType
 
 import uvicorn
-from pagoda.server.api.async_engine import AsyncLLM
+from pagoda.server.async_llm import AsyncLLM
 from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)

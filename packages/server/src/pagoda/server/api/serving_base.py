@@ -7,15 +7,15 @@ from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pagoda.server.api.async_engine import (
+from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.protocol import SamplingFields
+from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
     RequestStream,
 )
-from pagoda.server.api.errors import APIError, bad_request
-from pagoda.server.api.protocol import SamplingFields
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
 from pydantic import BaseModel

@@ -7,7 +7,6 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagoda.server.api.chat_template import render_chat
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     AssistantMessage,
@@ -16,6 +15,7 @@ from pagoda.server.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     PromptTokensDetails,
@@ -33,9 +33,30 @@ from pagoda.server.api.serving_base import (
     top_entries,
     until_disconnect,
 )
+from pagoda.server.chat import ChatTemplateError, render_chat
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's content as one string (text parts joined by newlines)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text for part in message.content)
+
+
+def render_messages(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool) -> str:
+    """The prompt text of a request's messages; a 400 error on `messages` when they cannot be rendered."""
+    conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+    try:
+        return render_chat(
+            ctx.tokenizer, ctx.chat_template, conversation, add_generation_prompt=add_generation_prompt
+        )
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int) -> ChatLogprobs:
@@ -79,9 +100,7 @@ class ChatHandler:
         ctx.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt = render_chat(
-            ctx.tokenizer, ctx.chat_template, body.messages, add_generation_prompt=body.add_generation_prompt
-        )
+        prompt = render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
         # The template writes the special tokens (BOS) itself.
         prompt_ids = ctx.encode(prompt, add_special_tokens=False)
         if not prompt_ids:

@@ -24,6 +24,7 @@ class PreparedBatch:
     attn: AttentionMetadata
     logits_indices: Tensor  # int64 [num_sampled_chunks]: the last token row of each chunk that samples
     num_samples: Tensor  # int64 [num_sampled_chunks]: samples drawn from that row (n when a prompt forks)
+    num_rows: int  # the sum of num_samples: logits rows the sampler draws from
 
 
 class ModelRunner:
@@ -52,8 +53,13 @@ class ModelRunner:
             if c.num_samples
         ]
 
+        # On CUDA the host copies are pinned, so that non_blocking uploads really are asynchronous (a copy from
+        # pageable memory is staged and waits); torch's caching host allocator keeps a pinned buffer alive until
+        # its copy ran. On the CPU `.to` returns the tensor itself and pinning would only cost time.
+        pin = self.device.type == "cuda"
+
         def tensor(values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
         attn = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
@@ -70,6 +76,7 @@ class ModelRunner:
             attn=attn,
             logits_indices=tensor([row for row, _ in sampling], torch.int64),
             num_samples=tensor([n for _, n in sampling], torch.int64),
+            num_rows=sum(n for _, n in sampling),
         )
 
     @torch.inference_mode()
@@ -85,7 +92,9 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, 0)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if logits.shape[0] == batch.num_samples.sum().item():
+        # The count prepare() knew: reading it back from the device tensor would wait for the GPU every step.
+        if logits.shape[0] == batch.num_rows:
             return logits
-        # A prompt that forks into n samples: its logits row is computed once and drawn from n times.
-        return logits.repeat_interleave(batch.num_samples, dim=0)
+        # A prompt that forks into n samples: its logits row is computed once and drawn from n times (output_size
+        # spares repeat_interleave the device sync it would need to size its result).
+        return logits.repeat_interleave(batch.num_samples, dim=0, output_size=batch.num_rows)

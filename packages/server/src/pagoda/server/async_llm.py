@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
-from pagoda.server.api.engine_client import EngineClient
-from pagoda.server.api.metrics import ServerMetrics
+from pagoda.server.engine_client import EngineClient
+from pagoda.server.metrics import ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
