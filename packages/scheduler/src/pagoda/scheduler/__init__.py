@@ -11,7 +11,7 @@ from pagoda.scheduler.protocols import (
     SchedulingPolicy,
     SlotAllocationLike,
 )
-from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -32,4 +32,5 @@ __all__ = [
     "SchedulingPolicy",
     "SlotAllocationLike",
     "StaticBatchPolicy",
+    "sample_id",
 ]
