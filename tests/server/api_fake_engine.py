@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from pagoda.server.api import AppSettings, build_app
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.engine import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
@@ -43,14 +44,6 @@ def make_char_tokenizer(*, chat_template: str | None = None) -> PreTrainedTokeni
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast
-
-
-class FakeRejectedError(ValueError):
-    """What the real engine's RequestRejectedError looks like: a ValueError naming a parameter."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -119,11 +112,11 @@ class FakeEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request (raises FakeRejectedError for a prompt with REJECT_MARKER)."""
+        """Queue a request (raises RequestRejectedError for a prompt with REJECT_MARKER or over max_model_len)."""
         if prompt is not None and REJECT_MARKER in prompt:
-            raise FakeRejectedError("prompt", "rejected by the fake engine")
+            raise RequestRejectedError("rejected by the fake engine", "prompt")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise FakeRejectedError("max_tokens", "too long")
+            raise RequestRejectedError("too long", "max_tokens")
         seqs = [_Seq(index=i) for i in range(params.n)]
         self.requests[request_id] = _Req(
             request_id, prompt, tuple(prompt_token_ids), params, arrival_time or time.monotonic(), seqs

@@ -365,6 +365,28 @@ def test_rejects_requests_that_can_never_run(model_dirs: dict[str, Path]) -> Non
     assert not engine.has_unfinished_requests()
 
 
+def test_relays_what_only_the_scheduler_checks_with_its_field(model_dirs: dict[str, Path]) -> None:
+    """n over max_num_seqs and a sample id in use come from the scheduler, naming their field; stop ids too."""
+    engine = make_llm(model_dirs["llama"], max_num_seqs=2).engine
+    engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    cases = [
+        ("b", SamplingParams(n=3), "n"),
+        (
+            "a:1",
+            SamplingParams(),
+            "request_id",
+        ),  # the engine has no request "a:1", the scheduler has the sample
+        ("a", SamplingParams(), "request_id"),
+        ("c", SamplingParams(stop_token_ids=(10**6,)), "stop_token_ids"),
+    ]
+    for request_id, params, param in cases:
+        with pytest.raises(RequestRejectedError) as info:
+            engine.add_request(request_id, [1, 2], params)
+        assert info.value.param == param
+    assert engine.get_num_unfinished_requests() == 1
+    assert [len(o.outputs) for o in drain(engine) if o.finished] == [2]
+
+
 def test_refuses_a_kv_cache_smaller_than_one_request(model_dirs: dict[str, Path]) -> None:
     """Startup fails with a message naming what to change when max_model_len does not fit."""
     with pytest.raises(EngineConfigError, match="max-model-len"):

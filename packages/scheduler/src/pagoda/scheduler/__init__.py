@@ -10,7 +10,7 @@ from pagoda.scheduler.protocols import (
     SamplingParamsLike,
     SlotAllocationLike,
 )
-from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "SchedulingPolicy",
     "SlotAllocationLike",
     "StaticBatchPolicy",
+    "sample_id",
 ]

@@ -97,33 +97,40 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; RequestRejectedError if it could never run or its id is taken."""
-        rid, cfg = request.request_id, self.config
-        sp = request.sampling_params
+        """Queue a new request; RequestRejectedError if it is malformed, can never fit, or its id is taken.
+
+        Only what this scheduler needs is checked here. Request rules (prompt + max_tokens within
+        max_model_len, token ids in the vocabulary) are the embedding engine's: see the README.
+        """
+        rid, sp = request.request_id, request.sampling_params
         ids = (rid, *request.child_ids())
         if any(i in self._requests or i in self._reserved_ids for i in ids):
-            raise RequestRejectedError(f"request id {rid!r} (or one of its sample ids) is already in use")
+            raise RequestRejectedError(
+                f"request id {rid!r} (or one of its sample ids) is already in use", "request_id"
+            )
         if (
             request.status is not RequestStatus.WAITING
             or request.num_output_tokens
             or request.num_computed_tokens
         ):
             raise RequestRejectedError(f"request {rid!r} is not fresh")
+        # Without a prompt token there is nothing to compute (admission would stall on it), and n < 1 or
+        # max_tokens < 1 would break the seat and stop accounting.
         if request.num_prompt_tokens == 0 or sp.max_tokens < 1 or sp.n < 1:
             raise RequestRejectedError(f"request {rid!r} needs a prompt, max_tokens >= 1 and n >= 1")
-        if request.num_prompt_tokens + sp.max_tokens > cfg.max_model_len:
-            raise RequestRejectedError(
-                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens ({sp.max_tokens}) exceeds "
-                f"max_model_len ({cfg.max_model_len})"
-            )
         # The last sampled token is never fed back, so a sequence holds at most prompt + max_tokens - 1 slots.
-        blocks = -(-(request.num_prompt_tokens + sp.max_tokens - 1) // self.kv.block_size)
+        blocks = -(-(request.num_prompt_tokens + sp.max_tokens - 1) // self._block_size)
         if blocks > self.kv.num_blocks:
+            # The prompt is at fault when it alone overflows the pool, else the max_tokens added to it.
+            prompt_fits = -(-request.num_prompt_tokens // self._block_size) <= self.kv.num_blocks
             raise RequestRejectedError(
-                f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})"
+                f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})",
+                "max_tokens" if prompt_fits else "prompt",
             )
-        if sp.n > cfg.max_num_seqs:
-            raise RequestRejectedError(f"request {rid!r}: n={sp.n} exceeds max_num_seqs ({cfg.max_num_seqs})")
+        if sp.n > self.config.max_num_seqs:
+            raise RequestRejectedError(
+                f"request {rid!r}: n={sp.n} exceeds max_num_seqs ({self.config.max_num_seqs})", "n"
+            )
         self._requests[rid] = request
         self._reserved_ids.update(ids[1:])
         self.policy.enqueue(self.waiting, request, preempted=False)

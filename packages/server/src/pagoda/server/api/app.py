@@ -26,11 +26,12 @@ from pagoda.server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext
+from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -129,8 +130,7 @@ class _Routes:
             llm=llm,
             tokenizer=tokenizer,
             served_model_name=llm.served_model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
+            rules=AdmissionRules(engine.max_model_len, engine.vocab_size),
             chat_template=resolve_chat_template(tokenizer),
         )
         self.root = engine.model_name
@@ -154,7 +154,9 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
-        card = ModelCard(id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.max_model_len)
+        card = ModelCard(
+            id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.rules.max_model_len
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     async def tokenize(self, request: Request) -> Response:
@@ -169,14 +171,14 @@ class _Routes:
             tokens = ctx.encode(text, add_special_tokens=False)
         else:
             tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.rules.max_model_len, tokens=tokens)
         return JSONResponse(response.model_dump())
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize."""
         body = await read_body(request, DetokenizeRequest, self.settings.max_body_bytes)
         self.ctx.check_model(body.model)
-        self.ctx.check_token_ids(body.tokens, "tokens")
+        self.ctx.rules.check_token_ids(body.tokens, "tokens")
         return JSONResponse(DetokenizeResponse(prompt=self.ctx.decode(body.tokens)).model_dump())
 
     async def health(self, request: Request) -> Response:
@@ -199,6 +201,13 @@ class _Routes:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.to_response()
+
+
+async def _rejected(request: Request, exc: Exception) -> Response:
+    # A request rule a handler checked before the engine saw the request: the same 400 as the engine's.
+    error = to_api_error(exc)
+    assert isinstance(error, APIError)
+    return error.to_response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -236,6 +245,7 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
     handlers: dict[Any, Any] = {
         APIError: _api_error,
+        RequestRejectedError: _rejected,
         HTTPException: _http_error,
         ClientDisconnectedError: _client_left,
         Exception: _internal_error,

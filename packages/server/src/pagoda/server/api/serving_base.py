@@ -16,6 +16,7 @@ from pagoda.server.async_llm import (
     EngineOverloadedError,
     RequestStream,
 )
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
 from pydantic import BaseModel
@@ -35,13 +36,15 @@ class ClientDisconnectedError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ServingContext:
-    """What every handler needs: the engine front, the API's own tokenizer copy, the model's limits."""
+    """What every handler needs: the engine front, the API's own tokenizer copy, the model's request rules.
+
+    The rules are the engine's own (`AdmissionRules`); their RequestRejectedError becomes a 400 naming its field.
+    """
 
     llm: AsyncLLM
     tokenizer: PreTrainedTokenizerBase  # a copy: the engine thread detokenizes with its own
     served_model_name: str
-    max_model_len: int
-    vocab_size: int
+    rules: AdmissionRules
     chat_template: str | None
 
     def check_model(self, model: str | None) -> None:
@@ -60,41 +63,6 @@ class ServingContext:
         assert isinstance(text, str)
         return text
 
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        """400 when an id is outside the model's vocabulary."""
-        for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise bad_request(
-                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param
-                )
-
-    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int | None, param: str) -> int:
-        """Validate a prompt's length against max_model_len; return the max_tokens to use."""
-        if not prompt_ids:
-            raise bad_request(f"{param} must not be empty", param)
-        self.check_token_ids(prompt_ids, param)
-        room = self.max_model_len - len(prompt_ids)
-        if room < 0:
-            raise bad_request(
-                f"the prompt has {len(prompt_ids)} tokens, more than max_model_len ({self.max_model_len})",
-                param,
-            )
-        if max_tokens is None:
-            if room < 1:
-                raise bad_request(
-                    f"the prompt has {len(prompt_ids)} tokens and leaves no room to generate within "
-                    f"max_model_len ({self.max_model_len})",
-                    param,
-                )
-            return room
-        if max_tokens > room:
-            raise bad_request(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})",
-                "max_tokens",
-            )
-        return max_tokens
-
     def sampling_params(
         self, body: SamplingFields, *, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
@@ -110,14 +78,14 @@ class ServingContext:
         else:
             stop = tuple(body.stop)
         stop_token_ids = tuple(body.stop_token_ids or ())
-        self.check_token_ids(stop_token_ids, "stop_token_ids")
+        self.rules.check_token_ids(stop_token_ids, "stop_token_ids")
         try:
             return SamplingParams(
                 n=body.n,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 # -1 disables top-k; beyond the vocabulary it is a no-op, so clamp it there.
-                top_k=None if top_k is None or top_k == -1 else min(top_k, self.vocab_size),
+                top_k=None if top_k is None or top_k == -1 else min(top_k, self.rules.vocab_size),
                 min_p=0.0 if body.min_p is None else body.min_p,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
@@ -170,9 +138,10 @@ def to_api_error(exc: Exception) -> Exception:
         return APIError(503, "The server is shutting down.")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine has stopped; the server cannot serve requests.")
-    if isinstance(exc, ValueError):  # the engine's RequestRejectedError carries the offending field
-        param = getattr(exc, "param", None)
-        return bad_request(str(exc), param if isinstance(param, str) else None)
+    if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
     return exc
 
 

@@ -103,10 +103,8 @@ class ChatHandler:
         prompt = render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
         # The template writes the special tokens (BOS) itself.
         prompt_ids = ctx.encode(prompt, add_special_tokens=False)
-        if not prompt_ids:
-            raise bad_request("the messages render to an empty prompt", "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = ctx.check_prompt(prompt_ids, requested, "messages")
+        max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -83,7 +83,6 @@ class CompletionsHandler:
                     raise bad_request("prompt must not be empty", "prompt")
                 prompts.append((item, self.ctx.encode(item, add_special_tokens=True)))
             else:
-                self.ctx.check_token_ids(item, "prompt")
                 prompts.append((None, item))
         return prompts
 
@@ -94,7 +93,7 @@ class CompletionsHandler:
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         prompts = self._prompts(body)
-        max_tokens = min(ctx.check_prompt(ids, body.max_tokens, "prompt") for _, ids in prompts)
+        max_tokens = min(ctx.rules.max_tokens(ids, body.max_tokens, "prompt") for _, ids in prompts)
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [

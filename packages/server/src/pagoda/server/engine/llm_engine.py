@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,29 +13,33 @@ from pagoda.scheduler import (
     FCFSPolicy,
     PriorityPolicy,
     Request,
+    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from pagoda.scheduler import (
-    RequestRejectedError as SchedulerRejectedError,
-)
 from pagoda.server.config import EngineConfig
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
-from pagoda.server.sampling import Sampler, SamplingRow
+from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
 
-class RequestRejectedError(ValueError):
-    """A request that can never run (too long, too many blocks, bad token ids); `param` names the field."""
+@dataclass(slots=True)
+class TokenCounters:
+    """The engine's cumulative token counts, for /metrics."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+    # Prompt tokens computed: prefix-cache hits excluded, recomputed ones counted again.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0  # tokens sampled
+
+    def count_chunk(self, chunk: ScheduledRequest, num_prompt_tokens: int) -> None:
+        """Count the prompt tokens a scheduled chunk computes."""
+        self.prompt_tokens += max(0, min(chunk.seq_len, num_prompt_tokens) - chunk.start)
 
 
 class LLMEngine:
@@ -52,6 +57,7 @@ class LLMEngine:
         self.device = parts.device
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
+        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size)
         self.kv_manager = BlockManager(
             parts.kv_cache.num_blocks,
             config.block_size,
@@ -75,11 +81,9 @@ class LLMEngine:
         self.sampler = Sampler()
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
-        self._aborted: list[
-            RequestOutput
-        ] = []  # final snapshots of aborted requests, returned by the next step
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        # Final snapshots of aborted requests, returned by the next step.
+        self._aborted: list[RequestOutput] = []
+        self.counters = TokenCounters()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -99,34 +103,23 @@ class LLMEngine:
     ) -> None:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
-        if not ids:
-            raise RequestRejectedError("the prompt is empty", "prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejectedError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
-            )
-        if len(ids) > self.max_model_len:
-            raise RequestRejectedError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", "prompt"
-            )
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestRejectedError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})",
-                "max_tokens",
-            )
+        self.rules.check(ids, params)
         if request_id in self._requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = RequestState(request_id, prompt, ids, params, self.tokenizer, arrival, self.device)
         scheduler_params = SchedulerParams.from_params(params, self.eos_token_ids)
-        state.stop_token_ids = scheduler_params.stop_token_ids
-        request = Request(request_id, ids, scheduler_params, arrival_time=arrival)
-        try:
-            self.scheduler.add_request(request)
-        except SchedulerRejectedError as error:
-            raise RequestRejectedError(str(error), "max_tokens") from error
+        state = RequestState(
+            request_id,
+            prompt,
+            ids,
+            params,
+            scheduler_params.stop_token_ids,
+            self.tokenizer,
+            arrival,
+            self.device,
+        )
+        # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
+        self.scheduler.add_request(Request(request_id, ids, scheduler_params, arrival_time=arrival))
         self._requests[request_id] = state
         self._seq_owner.update(dict.fromkeys(state.samples, state))
 
@@ -158,69 +151,49 @@ class LLMEngine:
         if scheduled.is_empty:
             return outputs
         logits = self.runner.execute(scheduled)
+        sampled = self._sample(scheduled, logits)
+        return outputs + self._update(scheduled, sampled)
+
+    def _sample(
+        self,
+        scheduled: SchedulerOutput,
+        logits: torch.Tensor,  # [num_rows, vocab]: one row per sample id of the step, in schedule order
+    ) -> list[tuple[str, int, TokenLogprobs | None]]:
+        """Draw the next token of every sample the step completes: (sample id, token id, logprobs)."""
+        seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
+        if not seq_ids:
+            return []
+        out = self.sampler(logits, [self._seq_owner[seq_id].sampling_row(seq_id) for seq_id in seq_ids])
+        return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
+
+    def _update(
+        self, scheduled: SchedulerOutput, sampled: list[tuple[str, int, TokenLogprobs | None]]
+    ) -> list[RequestOutput]:
+        """Record the sampled tokens (finding stop strings), apply the scheduler's stop rules, snapshot."""
         now = time.monotonic()
-        sampled, stopped, progressed = self._sample(scheduled, logits, now)
-        finished = self.scheduler.update_from_output(scheduled, sampled, stopped)
-        for request in finished:
-            state = self._seq_owner[request.request_id]
-            if request.request_id in stopped:  # a stop string wins over a length cap on the same token
-                state.finish(request.request_id, "stop", stopped[request.request_id])
-            elif request.finish_reason == "stop":
-                state.finish(request.request_id, "stop", request.stop_token_id)
-            else:
-                state.finish(request.request_id, "length")
+        for chunk in scheduled.scheduled:
+            state = self._seq_owner[chunk.request_id]
+            state.mark_scheduled(chunk.start, now)
+            self.counters.count_chunk(chunk, len(state.prompt_token_ids))
+        progressed: dict[str, RequestState] = {}
+        stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
+        for seq_id, token, logprobs in sampled:
+            state = self._seq_owner[seq_id]
+            stop = state.add_token(seq_id, token, logprobs, now)
+            if stop is not None:
+                stopped[seq_id] = stop
             progressed[state.request_id] = state
+        self.counters.generation_tokens += len(sampled)
+        tokens = {seq_id: [token] for seq_id, token, _ in sampled}
+        for request in self.scheduler.update_from_output(scheduled, tokens, stopped):
+            state = self._seq_owner[request.request_id]
+            state.finish_as_scheduled(request, stopped.get(request.request_id))
+            progressed[state.request_id] = state
+        outputs = [state.snapshot() for state in progressed.values()]
         for state in progressed.values():
-            outputs.append(state.snapshot())
             if state.finished:
                 self._forget(state)
         return outputs
-
-    def _sample(
-        self, scheduled: SchedulerOutput, logits: torch.Tensor, now: float
-    ) -> tuple[dict[str, list[int]], dict[str, str], dict[str, RequestState]]:
-        """Draw every sample of the step; detokenize and find stop strings."""
-        rows: list[SamplingRow] = []
-        seq_ids: list[str] = []
-        progressed: dict[str, RequestState] = {}
-        for chunk in scheduled.scheduled:
-            state = self._seq_owner[chunk.request_id]
-            if state.metrics.first_scheduled_time is None:
-                # Admission starts a request at its prefix-cache hit: the tokens it did not compute.
-                state.num_cached_tokens = chunk.start
-                state.touch(first_scheduled_time=now)
-            computed_prompt = max(0, min(chunk.seq_len, len(state.prompt_token_ids)) - chunk.start)
-            self._prompt_tokens += computed_prompt
-            for seq_id in chunk.sample_ids:
-                sample = state.samples[seq_id]
-                rows.append(
-                    SamplingRow(
-                        params=state.params,
-                        prompt_token_ids=state.prompt_token_ids,
-                        output_token_ids=sample.token_ids,
-                        generator=sample.generator,
-                        stop_token_ids=state.stop_token_ids,
-                    )
-                )
-                seq_ids.append(seq_id)
-        if not rows:
-            return {}, {}, progressed
-        out = self.sampler(logits, rows)
-        sampled: dict[str, list[int]] = {}
-        stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
-        for seq_id, token, logprobs in zip(seq_ids, out.token_ids, out.logprobs, strict=True):
-            state = self._seq_owner[seq_id]
-            sample = state.samples[seq_id]
-            # The scheduler stops on it once the output, this token included, reaches min_tokens.
-            is_stop = token in state.stop_token_ids and len(sample.token_ids) + 1 >= state.params.min_tokens
-            stop = sample.add(token, logprobs, is_stop_token=is_stop)
-            sampled[seq_id] = [token]
-            self._generation_tokens += 1
-            if stop is not None:
-                stopped[seq_id] = stop
-            state.touch(first_token_time=now, last_token_time=now)
-            progressed[state.request_id] = state
-        return sampled, stopped, progressed
 
     def _forget(self, state: RequestState) -> None:
         """Drop a finished or aborted request's bookkeeping."""
@@ -243,6 +216,6 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
         )

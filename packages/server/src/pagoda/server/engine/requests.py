@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from pagoda.scheduler import Request, sample_id
 from pagoda.server.outputs import (
     CompletionOutput,
     FinishReason,
@@ -15,7 +16,7 @@ from pagoda.server.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagoda.server.sampling import IncrementalDetokenizer, TokenLogprobs, make_generator
+from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs, make_generator
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
@@ -92,24 +93,23 @@ class RequestState:
         prompt: str | None,
         prompt_token_ids: tuple[int, ...],
         params: SamplingParams,
+        stop_token_ids: tuple[int, ...],
         tokenizer: PreTrainedTokenizerBase,
         arrival_time: float,
         device: torch.device,
     ) -> None:
+        """`stop_token_ids` includes eos unless ignored (SchedulerParams.stop_token_ids)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        # Stop ids incl. eos: the sampler masks them while the output is shorter than min_tokens.
+        self.stop_token_ids = stop_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
-        self.stop_token_ids: tuple[
-            int, ...
-        ] = ()  # stop ids incl. eos, masked by the sampler under min_tokens
-        self.samples: dict[str, SampleState] = {}
-        # Sequence ids follow the scheduler's fork naming: the request's own id, then f"{id}:{i}".
-        for index in range(params.n):
-            seq_id = request_id if index == 0 else f"{request_id}:{index}"
-            self.samples[seq_id] = SampleState(
+        # Keyed by the scheduler's sequence ids: sample 0 runs under the request's own id.
+        self.samples: dict[str, SampleState] = {
+            sample_id(request_id, index): SampleState(
                 index=index,
                 detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
                 include_stop_str=params.include_stop_str_in_output,
@@ -117,6 +117,33 @@ class RequestState:
                 logprobs=None if params.logprobs is None else [],
                 cumulative_logprob=None if params.logprobs is None else 0.0,
             )
+            for index in range(params.n)
+        }
+
+    def mark_scheduled(self, num_cached_tokens: int, now: float) -> None:
+        """Note the first step that schedules the request; admission starts it at its prefix-cache hit."""
+        if self.metrics.first_scheduled_time is None:
+            self.num_cached_tokens = num_cached_tokens
+            self.touch(first_scheduled_time=now)
+
+    def sampling_row(self, seq_id: str) -> SamplingRow:
+        """What the sampler needs to draw the next token of sample `seq_id`."""
+        sample = self.samples[seq_id]
+        return SamplingRow(
+            params=self.params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=sample.token_ids,
+            generator=sample.generator,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+    def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
+        """Record sample `seq_id`'s new token at time `now`; return the stop string it completes, if any."""
+        sample = self.samples[seq_id]
+        # The scheduler stops on it once the output, this token included, reaches min_tokens.
+        is_stop = token_id in self.stop_token_ids and len(sample.token_ids) + 1 >= self.params.min_tokens
+        self.touch(first_token_time=now, last_token_time=now)
+        return sample.add(token_id, logprobs, is_stop_token=is_stop)
 
     @property
     def finished(self) -> bool:
@@ -131,6 +158,16 @@ class RequestState:
             sample.stop_reason = stop_reason
         if self.finished and self.metrics.finished_time is None:
             self.touch(finished_time=time.monotonic())
+
+    def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
+        """Finish the sample the scheduler finished, for its reason (a stop string wins over a length cap)."""
+        seq_id = request.request_id
+        if stop_string is not None:
+            self.finish(seq_id, "stop", stop_string)
+        elif request.finish_reason == "stop":
+            self.finish(seq_id, "stop", request.stop_token_id)
+        else:
+            self.finish(seq_id, "length")
 
     def touch(self, **times: float) -> None:
         """Set metric timestamps (first_scheduled_time, first_token_time, ...) that are not set yet."""
