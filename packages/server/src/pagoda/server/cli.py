@@ -51,6 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--max-request-body-bytes", type=int, default=4 * 1024 * 1024, help="413 for larger request bodies"
     )
+    # HTTP limits (HTTPLimits): what a request may take before the app sees it.
+    server.add_argument(
+        "--max-request-head-bytes",
+        type=int,
+        default=16 * 1024,
+        help="431 for a larger request head (414 if the request line alone is larger)",
+    )
+    server.add_argument(
+        "--request-head-timeout",
+        type=float,
+        default=10.0,
+        help="408 if a request head is not complete this many seconds after the connection opens",
+    )
+    server.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="408 if no byte of a request body arrives for this many seconds",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
     engine.add_argument(
@@ -115,6 +134,12 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes must be >= 1")
+    if args.max_request_head_bytes < 1024:
+        raise ValueError("--max-request-head-bytes must be >= 1024")
+    if args.request_head_timeout <= 0:
+        raise ValueError("--request-head-timeout must be > 0")
+    if args.request_body_timeout <= 0:
+        raise ValueError("--request-body-timeout must be > 0")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
 
@@ -123,6 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
     from pagoda.server.api import AppSettings, build_app
+    from pagoda.server.api.http_protocol import HTTPLimits
     from pagoda.server.api.server import run_server
     from pagoda.server.async_llm import AsyncLLM
     from pagoda.server.engine import LLMEngine
@@ -164,6 +190,11 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         shutdown_timeout=args.shutdown_timeout,
+        limits=HTTPLimits(
+            max_head_bytes=args.max_request_head_bytes,
+            head_timeout=args.request_head_timeout,
+            body_timeout=args.request_body_timeout,
+        ),
         log_level=args.log_level,
     )
     return 0
