@@ -30,9 +30,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "soak"
-_WORDS = (
-    "the of and to in is was for on are with as at be this from by or have an not they which one you".split()
-)
+_WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "at", "be", "this")
 
 
 @dataclass(frozen=True, slots=True)
