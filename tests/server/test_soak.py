@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 from api_fake_engine import free_port
+from tool_scripts import load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
-
-
-def _load_tool() -> ModuleType:
-    # tools/ is not a package: load the script as a module (registered, so its dataclasses resolve).
-    spec = importlib.util.spec_from_file_location("pagoda_tool_soak", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_tool()
+soak = load_tool("soak.py")
 MB = 2**20
 
 
