@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from pagoda.server.api import AppSettings, build_app
+from pagoda.server.api.http_protocol import HTTPConfig, HTTPLimits
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.engine import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
@@ -264,13 +265,16 @@ def serve_in_thread(
     settings: AppSettings | None = None,
     max_waiting_requests: int | None = None,
     served_model_name: str = "test-model",
+    limits: HTTPLimits | None = None,
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
     llm = AsyncLLM(client, served_model_name=served_model_name, max_waiting_requests=max_waiting_requests)
     app = build_app(llm, settings)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = HTTPConfig(
+        app, limits or HTTPLimits(), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

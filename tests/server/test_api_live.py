@@ -21,6 +21,7 @@ import schemathesis
 from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
 from api_fake_engine import free_port
 from hypothesis import HealthCheck, given, settings
+from raw_http import assert_openai_error, connect, post_head, read_response
 from schemathesis import GenerationMode
 from tiny_models import make_tiny_model
 
@@ -386,6 +387,30 @@ def test_unknown_model_and_oversized_body(live: LiveServer, client: openai.OpenA
     )
     assert huge.status_code == 413
     assert_good_request(client)
+
+
+def test_http_layer_limits_answer_in_json(live: LiveServer, model_dir: Path, client: openai.OpenAI) -> None:
+    """`pagoda serve` runs the limited protocol: an oversized head is a JSON 431 and malformed HTTP a JSON 400
+    (defaults); with --request-head-timeout and --request-body-timeout set, a slow head and a stalled body are
+    JSON 408s. A good request succeeds after each."""
+    for bad, status in (
+        (post_head("/v1/completions", b"X-Big: " + b"v" * 65536 + b"\r\n", 2), 431),
+        (b"BAD\r\n\r\n", 400),
+    ):
+        with connect(live.base_url) as sock:
+            sock.sendall(bad + b"{}")
+            assert_openai_error(read_response(sock), status)
+        assert_good_request(client)
+    server = LiveServer(model_dir, "--request-head-timeout", "1", "--request-body-timeout", "1")
+    try:
+        own = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for partial in (b"POST /v1/compl", post_head("/v1/completions", b"", 100) + b'{"model"'):
+            with connect(server.base_url) as sock:
+                sock.sendall(partial)
+                assert_openai_error(read_response(sock), 408)
+            assert_good_request(own)
+    finally:
+        assert server.stop() == 0
 
 
 def test_models_tokenize_detokenize_health(live: LiveServer, client: openai.OpenAI) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import get_args
@@ -15,6 +16,18 @@ from pagoda.server.config import DTypeName, EngineConfig, KernelBackendName
 logger = logging.getLogger("pagoda.server")
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# oneDNN (and ideep above it) keep every compiled CPU matmul primitive, one per layer shape and token count, up to
+# 1024 each by default: ~130 MB of a server's early growth. 256 keeps the shapes a steady load repeats.
+ONEDNN_CACHE_CAPACITY = 256
+
+
+def bound_onednn_caches() -> None:
+    """Cap oneDNN's primitive cache and ideep's LRU cache, unless the environment already sets them.
+
+    Both read their variable once, at the first primitive: call this before the first CPU matmul.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--max-request-body-bytes", type=int, default=4 * 1024 * 1024, help="413 for larger request bodies"
+    )
+    # HTTP limits (HTTPLimits): what a request may take before the app sees it.
+    server.add_argument(
+        "--max-request-head-bytes",
+        type=int,
+        default=16 * 1024,
+        help="431 for a larger request head (414 if the request line alone is larger)",
+    )
+    server.add_argument(
+        "--request-head-timeout",
+        type=float,
+        default=10.0,
+        help="408 if a request head is not complete this many seconds after the connection opens",
+    )
+    server.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="408 if no byte of a request body arrives for this many seconds",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
@@ -115,14 +147,22 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes must be >= 1")
+    if args.max_request_head_bytes < 1024:
+        raise ValueError("--max-request-head-bytes must be >= 1024")
+    if args.request_head_timeout <= 0:
+        raise ValueError("--request-head-timeout must be > 0")
+    if args.request_body_timeout <= 0:
+        raise ValueError("--request-body-timeout must be > 0")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
 
 
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
+    bound_onednn_caches()
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
     from pagoda.server.api import AppSettings, build_app
+    from pagoda.server.api.http_protocol import HTTPLimits
     from pagoda.server.api.server import run_server
     from pagoda.server.async_llm import AsyncLLM
     from pagoda.server.engine import LLMEngine
@@ -164,6 +204,11 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         shutdown_timeout=args.shutdown_timeout,
+        limits=HTTPLimits(
+            max_head_bytes=args.max_request_head_bytes,
+            head_timeout=args.request_head_timeout,
+            body_timeout=args.request_body_timeout,
+        ),
         log_level=args.log_level,
     )
     return 0
