@@ -381,7 +381,9 @@ def test_full_waiting_queue_is_429_with_retry_after() -> None:
         too_wide = httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 3})
         assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
         assert "never" in too_wide.json()["error"]["message"]
-        assert httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 2}).status_code == 200
+        assert (
+            httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 2}).status_code == 200
+        )
 
 
 async def _until(condition: Any) -> None:
