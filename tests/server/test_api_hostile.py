@@ -93,7 +93,7 @@ def test_surrogate_pairs_are_text(server: RunningServer) -> None:
 def test_error_message_quoting_a_surrogate_still_encodes() -> None:
     """An error whose message quotes client text with a lone surrogate renders as JSON (escaped)."""
     response = APIError(404, f"The model `{SURROGATE}` does not exist.", param="model").to_response()
-    assert json.loads(response.body)["error"]["message"] == "The model `\\ud800` does not exist."
+    assert json.loads(bytes(response.body))["error"]["message"] == "The model `\\ud800` does not exist."
 
 
 def test_request_over_the_waiting_limit_alone_is_400_not_429() -> None:

@@ -67,20 +67,32 @@ def first_lone_surrogate(data: Any) -> tuple[str, ...] | None:
     JSON may escape a surrogate half alone ("\\ud800"); Python then holds a str that cannot be encoded, which
     the tokenizer and every response would fail on. Walks without recursion: the data may be deep.
     """
-    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    # Each entry links to its parent's path, so that the walk stays linear in the depth.
+    stack: list[tuple[_Path, Any]] = [(None, data)]
     while stack:
         path, node = stack.pop()
         if isinstance(node, str):
             if _has_surrogate(node):
-                return path
+                return _unlink(path)
         elif isinstance(node, dict):
             for key, value in node.items():
                 if _has_surrogate(key):
-                    return path
-                stack.append(((*path, key), value))
+                    return _unlink(path)
+                stack.append(((key, path), value))
         elif isinstance(node, list):
-            stack.extend(((*path, str(i)), value) for i, value in enumerate(node))
+            stack.extend(((str(i), path), value) for i, value in enumerate(node))
     return None
+
+
+_Path = tuple[str, "_Path"] | None
+
+
+def _unlink(path: _Path) -> tuple[str, ...]:
+    parts: list[str] = []
+    while path is not None:
+        parts.append(path[0])
+        path = path[1]
+    return tuple(reversed(parts))
 
 
 def _has_surrogate(text: str) -> bool:
