@@ -5,6 +5,7 @@ Both servers run with MAX_MODEL_LEN; token ids are used where a length must be e
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 MAX_MODEL_LEN = 64
@@ -80,3 +81,57 @@ NON_FINITE_BODIES: list[tuple[bytes, str]] = [
     (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
     (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "min_p": -Infinity}', "min_p"),
 ]
+
+# --- hostile inputs (issue 18) ---------------------------------------------------------------------------
+
+DEEP = 100_000  # nesting levels: far past the JSON parser's recursion limit
+# (path, raw body nested DEEP levels): a 400 saying it is nested too deeply, never a 500.
+NESTED_BODIES: list[tuple[str, bytes]] = [
+    ("/v1/completions", b"[" * DEEP + b"]" * DEEP),
+    ("/v1/completions", b'{"a":' * DEEP + b"1" + b"}" * DEEP),
+    ("/v1/completions", b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ("/v1/completions", b'{"prompt": "hi", "extra": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": ' + b"[" * DEEP + b"]" * DEEP + b"}]}",
+    ),
+    ("/tokenize", b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ("/detokenize", b'{"tokens": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+]
+
+SURROGATE = "\ud800"  # a lone UTF-16 surrogate half: valid JSON as an escape, not valid text
+_HI: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+# (path, body, the param the 400 names) with a lone surrogate in every string field the API reads.
+SURROGATE_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("/v1/completions", {"prompt": SURROGATE}, "prompt"),
+    ("/v1/completions", {"prompt": "a" + SURROGATE + "b", "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", SURROGATE]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": SURROGATE}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x", SURROGATE]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "user": SURROGATE}, "user"),
+    ("/v1/completions", {"prompt": "hi", "model": SURROGATE}, "model"),
+    ("/v1/completions", {"prompt": "hi", SURROGATE: 1}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi", "name": SURROGATE}]},
+        "messages",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": SURROGATE, "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": _HI, "stop": [SURROGATE]}, "stop"),
+    ("/v1/chat/completions", {"messages": _HI, "model": SURROGATE}, "model"),
+    ("/tokenize", {"prompt": SURROGATE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
+    ("/tokenize", {"prompt": "hi", "model": SURROGATE}, "model"),
+    ("/detokenize", {"tokens": [5], "model": SURROGATE}, "model"),
+]
+
+
+def surrogate_body(body: dict[str, Any]) -> bytes:
+    """`body` as JSON with the surrogate escaped (`\\ud800`), as a hostile client sends it."""
+    return json.dumps({"model": MODEL, **body}).encode()  # ensure_ascii: every non-ASCII char is escaped

@@ -376,9 +376,13 @@ def test_full_waiting_queue_is_429_with_retry_after() -> None:
                 return [two.status_code, *[(await r).status_code for r in (running_one, waiting_one, one)]]
 
         assert asyncio.run(with_n()) == [429, 200, 200, 200]
-        # An idle server admits a request whatever its n.
+        # The rule counts sequences (prompts x n) for every request: one that exceeds the limit alone can never
+        # be admitted, so it is a 400 even on an idle server; one at the limit is admitted there.
+        too_wide = httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 3})
+        assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
+        assert "never" in too_wide.json()["error"]["message"]
         assert (
-            httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 3}).status_code == 200
+            httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 2}).status_code == 200
         )
 
 

@@ -18,9 +18,19 @@ import httpx
 import openai
 import pytest
 import schemathesis
-from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
+from api_cases import (
+    BAD_CHATS,
+    BAD_COMPLETIONS,
+    MALFORMED_BODIES,
+    MAX_MODEL_LEN,
+    MODEL,
+    NESTED_BODIES,
+    NON_FINITE_BODIES,
+    SURROGATE_BODIES,
+    surrogate_body,
+)
 from api_fake_engine import free_port
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from raw_http import assert_openai_error, connect, post_head, read_response
 from schemathesis import GenerationMode
 from tiny_models import make_tiny_model
@@ -455,20 +465,100 @@ SCHEMA_CASES = [
 ]
 
 
+# Hostile bodies every negative run starts from (issue 18): JSON nested 100,000 deep, a lone surrogate in every
+# string field, and fan-out at and past the default caps (2048 prompts, 2048 sequences).
+SCHEMA_SEEDS: dict[str, list[bytes]] = {
+    path: [body for p, body in NESTED_BODIES if p == path] for _, path in OPERATIONS
+}
+for _path, _body, _ in SURROGATE_BODIES:
+    SCHEMA_SEEDS[_path].append(surrogate_body(_body))
+SCHEMA_SEEDS["/v1/completions"] += [
+    json.dumps({"prompt": ["a"] * 2048, "max_tokens": 1}).encode(),
+    json.dumps({"prompt": ["a"] * 128, "n": 16, "max_tokens": 1}).encode(),
+    json.dumps({"prompt": ["a"] * 10_000, "n": 16}).encode(),
+]
+
+
 @pytest.mark.parametrize(("method", "path", "mode"), SCHEMA_CASES)
 def test_schemathesis_finds_no_server_error(
     live: LiveServer, api_schema: Any, method: str, path: str, mode: GenerationMode
 ) -> None:
-    """Requests generated from /openapi.json (valid, and invalid) never get a 5xx; examples are bounded."""
+    """Requests generated from /openapi.json (valid, and invalid, after the hostile seeds) never get a 5xx;
+    examples are bounded."""
     operation = api_schema[path][method]
 
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def check(case: Any) -> None:
         response = case.call(base_url=live.base_url, timeout=120)
         assert response.status_code < 500, (case.body, response.text)
 
-    check()
+    if mode is GenerationMode.NEGATIVE:
+        for seed in SCHEMA_SEEDS[path]:
+            check = example(case=operation.Case(body=seed, media_type="application/json"))(check)
+    strategy = given(case=operation.as_strategy(generation_mode=mode))
+    limits = settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    limits(strategy(check))()
+
+
+@pytest.mark.parametrize(("path", "content"), NESTED_BODIES, ids=range(len(NESTED_BODIES)))
+def test_deeply_nested_json_is_400(
+    live: LiveServer, client: openai.OpenAI, path: str, content: bytes
+) -> None:
+    """JSON nested 100,000 deep, as the body or inside a field, is a 400, and the server keeps serving."""
+    response = httpx.post(live.base_url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert_good_request(client)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES)
+def test_lone_surrogate_is_400_naming_the_field(
+    live: LiveServer, client: openai.OpenAI, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    """A lone surrogate in any string field is a 400 naming the field (the tokenizer raised a TypeError)."""
+    content = surrogate_body(body)
+    response = httpx.post(live.base_url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert_good_request(client)
+
+
+def test_fan_out_past_the_default_caps_is_400(live: LiveServer, client: openai.OpenAI) -> None:
+    """10,000 prompts x n = 16 and 129 prompts x n = 16 are 400s naming prompt and n; 128 x 16 is served."""
+    url = f"{live.base_url}/v1/completions"
+    huge = httpx.post(url, json={"model": MODEL, "prompt": ["a"] * 10_000, "n": 16}, timeout=60)
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"
+    wide = httpx.post(url, json={"model": MODEL, "prompt": ["a"] * 129, "n": 16}, timeout=60)
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "n"
+    body = {"model": MODEL, "prompt": ["a"] * 128, "n": 16, "max_tokens": 1}
+    at_cap = httpx.post(url, json=body, timeout=300)
+    assert at_cap.status_code == 200 and len(at_cap.json()["choices"]) == 2048
+    assert_good_request(client)
+
+
+def test_health_answers_while_a_4mb_prompt_is_rejected(live: LiveServer, client: openai.OpenAI) -> None:
+    """A 4 MB prompt gets its 400 without tokenizing (its length alone exceeds max_model_len) and /health keeps
+    answering meanwhile; four at once too."""
+
+    async def scenario() -> tuple[list[httpx.Response], list[float]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": MODEL, "prompt": "hello world " * 333_333}
+            url = f"{live.base_url}/v1/completions"
+            rejected = asyncio.gather(*(http.post(url, json=body) for _ in range(4)))
+            latencies: list[float] = []
+            while not rejected.done() or not latencies:
+                start = time.monotonic()
+                assert (await http.get(f"{live.base_url}/health")).status_code == 200
+                latencies.append(time.monotonic() - start)
+                await asyncio.sleep(0.02)
+            return await rejected, latencies
+
+    responses, latencies = asyncio.run(scenario())
+    for response in responses:
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        assert "characters" in response.json()["error"]["message"]
+    # Generous: tokenizing on the event loop stalled /health for seconds.
+    assert max(latencies) < 1.0, max(latencies)
+    assert_good_request(client)
 
 
 def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:

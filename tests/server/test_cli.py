@@ -88,6 +88,9 @@ def test_invalid_choices_exit_2(flags: list[str], capsys: pytest.CaptureFixture[
     ("flags", "message"),
     [
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+        (["--max-prompts-per-request", "0"], "--max-prompts-per-request"),
+        (["--max-sequences-per-request", "0"], "--max-sequences-per-request"),
         (["--shutdown-timeout", "-2"], "--shutdown-timeout"),
         (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
         (["--port", "70000"], "--port"),
@@ -149,6 +152,8 @@ def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> N
         "--kernel-backend",
         "--api-key",
         "--max-waiting-requests",
+        "--max-prompts-per-request",
+        "--max-sequences-per-request",
         "--shutdown-timeout",
         "--dtype",
     ]:

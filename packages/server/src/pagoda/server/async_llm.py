@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
+from pagoda.scheduler import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -34,6 +35,15 @@ class EngineDrainingError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many sequences are waiting; retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRequest:
+    """One engine request of an HTTP request: its id, its prompt's token ids and (if it had one) its text."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    prompt: str | None = None
 
 
 @dataclass(slots=True)
@@ -177,6 +187,28 @@ class AsyncLLM:
 
     # --- requests (event loop side) --------------------------------------------------------------------
 
+    def check_admission(self, num_seqs: int, n: int) -> None:
+        """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`).
+
+        It fits when the pending sequences plus its own stay within --max-waiting-requests. One that exceeds the
+        limit alone can never fit: RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
+        """
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop has stopped")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise RequestRejectedError(
+                f"the request has {num_seqs} sequences (prompts x n), more than --max-waiting-requests "
+                f"({limit}) admits at once; it can never be admitted",
+                "n" if n > limit else "prompt",
+            )
+        if self._num_pending_seqs + num_seqs > limit:
+            raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
+
     async def add_request(
         self,
         request_id: str,
@@ -185,40 +217,51 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
     ) -> RequestStream:
-        """Admit a request and wait until the engine accepted it (at most one step); returns its stream.
+        """Admit one request and wait until the engine accepted it (at most one step); returns its stream."""
+        (stream,) = await self.add_requests([PromptRequest(request_id, prompt_token_ids, prompt)], params)
+        return stream
 
-        Raises EngineDeadError, EngineDrainingError or EngineOverloadedError, or the engine's ValueError
-        (with `param`) when it rejects the request. Close the stream (or exhaust it) when done.
+    async def add_requests(
+        self, prompts: Sequence[PromptRequest], params: SamplingParams
+    ) -> list[RequestStream]:
+        """Admit the prompts of one HTTP request as one admission, then wait until the engine accepted them all.
+
+        Raises EngineDeadError, EngineDrainingError, EngineOverloadedError or RequestRejectedError (see
+        `check_admission`), or the engine's ValueError (with `param`) when it rejects a prompt; then none of the
+        prompts stays in the engine. Close the streams (or exhaust them) when done.
         """
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop has stopped")
-        if self._draining:
-            raise EngineDrainingError("the server is shutting down")
-        limit = self.max_waiting_requests
-        # A request with n samples counts n; an empty queue always admits one request, whatever its n.
-        if limit is not None and self._num_pending_seqs > 0 and self._num_pending_seqs + params.n > limit:
-            raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
-        stream = _Stream(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=tuple(prompt_token_ids),
-            n=params.n,
-            arrival=time.monotonic(),
-        )
-        handle = RequestStream(self, stream)
+        self.check_admission(len(prompts) * params.n, params.n)
+        now = time.monotonic()
+        streams = [
+            _Stream(
+                request_id=p.request_id,
+                prompt=p.prompt,
+                prompt_token_ids=tuple(p.prompt_token_ids),
+                n=params.n,
+                arrival=now,
+            )
+            for p in prompts
+        ]
+        # Counted as pending from here on, synchronously with the check above: no other request interleaves.
+        handles = [RequestStream(self, stream) for stream in streams]
         try:
             with self._lock:
                 if self._dead is not None:
                     raise EngineDeadError("the engine loop has stopped")
-                self._commands.put(_Add(stream, params))
-            accepted = await stream.queue.get()
-            if isinstance(accepted, Exception):
-                handle.finished = True  # never entered the engine
-                raise accepted
+                for stream in streams:
+                    self._commands.put(_Add(stream, params))
+            accepted = [await stream.queue.get() for stream in streams]
+            failure = next((a for a in accepted if isinstance(a, Exception)), None)
+            for handle, item in zip(handles, accepted, strict=True):
+                if isinstance(item, Exception):
+                    handle.finished = True  # never entered the engine
+            if failure is not None:
+                raise failure
         except BaseException:
-            handle.close()
+            for handle in handles:
+                handle.close()
             raise
-        return handle
+        return handles
 
     async def generate(
         self,

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from typing import get_args
 
 from pagoda.scheduler import PreemptionMode
-from pagoda.server.config import DTypeName, EngineConfig, KernelBackendName
+from pagoda.server.config import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DTypeName,
+    EngineConfig,
+    KernelBackendName,
+)
 
 logger = logging.getLogger("pagoda.server")
 
@@ -53,7 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="answer 429 when this many sequences wait for their first token (n samples count n)",
+        help="429 when a request's sequences (prompts x n) and those waiting for their first token would "
+        "exceed this; 400 for a request that exceeds it alone",
+    )
+    server.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="400 for a completion with more prompts in its list (OpenAI's cap)",
+    )
+    server.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="400 for a request of more sequences (prompts x n)",
     )
     server.add_argument(
         "--shutdown-timeout",
@@ -141,8 +160,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Reject server options out of range (ValueError naming the flag)."""
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError("--max-waiting-requests must be >= 0")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError("--max-waiting-requests must be >= 1")
+    if args.max_prompts_per_request < 1:
+        raise ValueError("--max-prompts-per-request must be >= 1")
+    if args.max_sequences_per_request < 1:
+        raise ValueError("--max-sequences-per-request must be >= 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.max_request_body_bytes < 1:
@@ -165,6 +188,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagoda.server.api.http_protocol import HTTPLimits
     from pagoda.server.api.server import run_server
     from pagoda.server.async_llm import AsyncLLM
+    from pagoda.server.config import RequestLimits
     from pagoda.server.engine import LLMEngine
     from pagoda.server.engine_client import EngineClient
 
@@ -193,7 +217,12 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or engine.model_name,
         max_waiting_requests=args.max_waiting_requests,
     )
-    app = build_app(llm, AppSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes))
+    limits = RequestLimits(
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_sequences_per_request=args.max_sequences_per_request,
+    )
+    settings = AppSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes, limits=limits)
+    app = build_app(llm, settings)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again.
     gc.collect()

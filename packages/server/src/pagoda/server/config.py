@@ -1,4 +1,4 @@
-"""Engine arguments (vLLM's names where the meaning is the same)."""
+"""Engine arguments (vLLM's names where the meaning is the same) and the API's per-request limits."""
 
 from __future__ import annotations
 
@@ -53,3 +53,17 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_gib <= 0 or self.swap_space_gib < 0:
             raise ValueError("kv_cache_gib must be > 0 and swap_space_gib >= 0")
+
+
+# OpenAI's cap on the prompt array of one completion request; sequences (prompts x n) are capped at the same
+# number by default, so that a small body cannot fan out into more engine work than a full prompt array.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 2048
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """How much fan-out one HTTP request may ask for (--max-prompts-per-request, --max-sequences-per-request)."""
+
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST

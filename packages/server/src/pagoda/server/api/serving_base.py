@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -14,8 +15,10 @@ from pagoda.server.async_llm import (
     EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
+    PromptRequest,
     RequestStream,
 )
+from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
@@ -39,6 +42,8 @@ class ServingContext:
     """What every handler needs: the engine front, the API's own tokenizer copy, the model's request rules.
 
     The rules are the engine's own (`AdmissionRules`); their RequestRejectedError becomes a 400 naming its field.
+    Tokenizing and chat-template rendering run on `executor`, never on the event loop: a long prompt takes
+    seconds, and the fast tokenizer releases the GIL while it encodes.
     """
 
     llm: AsyncLLM
@@ -46,20 +51,56 @@ class ServingContext:
     served_model_name: str
     rules: AdmissionRules
     chat_template: str | None
+    executor: Executor
+    limits: RequestLimits
+    max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return ids
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """400 when a request has more prompts, or prompts x n sequences, than the limits allow."""
+        limits = self.limits
+        if num_prompts > limits.max_prompts_per_request:
+            raise bad_request(
+                f"the request has {num_prompts} prompts, more than --max-prompts-per-request "
+                f"({limits.max_prompts_per_request})",
+                "prompt",
+            )
+        if num_prompts * n > limits.max_sequences_per_request:
+            raise bad_request(
+                f"the request asks for {num_prompts} prompts x n {n} = {num_prompts * n} sequences, more than "
+                f"--max-sequences-per-request ({limits.max_sequences_per_request})",
+                "n",
+            )
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of `token_ids` (ids must be in the vocabulary)."""
-        text = self.tokenizer.decode(list(token_ids))
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Reject, before tokenizing, a prompt text too long to fit max_model_len whatever its tokens."""
+        bound = self.max_prompt_chars
+        if bound is not None and len(text) > bound:
+            raise RequestRejectedError(
+                f"the prompt has {len(text)} characters, so more tokens than max_model_len "
+                f"({self.rules.max_model_len})",
+                param,
+            )
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """Run `work` (tokenizing, rendering) on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+
+    async def encode(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of each text, computed off the event loop."""
+
+        def work() -> list[list[int]]:
+            return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+
+        return await self.run(work)
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids` (ids must be in the vocabulary), computed off the event loop."""
+        text = await self.run(lambda: self.tokenizer.decode(list(token_ids)))
         assert isinstance(text, str)
         return text
 
@@ -106,26 +147,21 @@ class ServingContext:
     async def open_streams(
         self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
     ) -> list[RequestStream]:
-        """Submit one engine request per prompt; map admission failures to HTTP errors.
+        """Submit the prompts as one admission (one engine request each); map admission failures to HTTP errors.
 
         All prompts are submitted before any acceptance is awaited, so the engine takes them in one step.
         """
-        submissions = [
-            self.llm.add_request(
-                request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, prompt=text
-            )
+        requests = [
+            PromptRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, text)
             for i, (text, ids) in enumerate(prompts)
         ]
-        results = await asyncio.gather(*submissions, return_exceptions=True)
-        streams = [r for r in results if isinstance(r, RequestStream)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is None:
-            return streams
-        for stream in streams:
-            stream.close()
-        if isinstance(failure, Exception):
-            raise to_api_error(failure) from failure
-        raise failure
+        try:
+            return await self.llm.add_requests(requests, params)
+        except Exception as exc:
+            error = to_api_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
 
 def to_api_error(exc: Exception) -> Exception:

@@ -48,13 +48,20 @@ def message_text(message: ChatMessage) -> str:
     return "\n".join(part.text for part in message.content)
 
 
-def render_messages(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool) -> str:
-    """The prompt text of a request's messages; a 400 error on `messages` when they cannot be rendered."""
+async def render_messages(
+    ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool
+) -> str:
+    """The prompt text of a request's messages (rendered off the event loop); a 400 on `messages` when they
+    cannot be rendered."""
     conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
-    try:
+
+    def render() -> str:
         return render_chat(
             ctx.tokenizer, ctx.chat_template, conversation, add_generation_prompt=add_generation_prompt
         )
+
+    try:
+        return await ctx.run(render)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
 
@@ -100,9 +107,11 @@ class ChatHandler:
         ctx.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt = render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+        ctx.check_fan_out(1, body.n)
+        prompt = await render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+        ctx.check_prompt_chars(prompt, "messages")
         # The template writes the special tokens (BOS) itself.
-        prompt_ids = ctx.encode(prompt, add_special_tokens=False)
+        (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None

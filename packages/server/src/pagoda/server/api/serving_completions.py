@@ -66,7 +66,7 @@ class CompletionsHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _prompts(self, body: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, body: CompletionRequest) -> list[Prompt]:
         raw = body.prompt
         if isinstance(raw, str):
             items: list[str | list[int]] = [raw]
@@ -76,15 +76,15 @@ class CompletionsHandler:
             items = [[int(t) for t in raw if isinstance(t, int)]]
         else:
             items = [p for p in raw if isinstance(p, str | list)]
-        prompts: list[Prompt] = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise bad_request("prompt must not be empty", "prompt")
-                prompts.append((item, self.ctx.encode(item, add_special_tokens=True)))
-            else:
-                prompts.append((None, item))
-        return prompts
+        # Before any tokenizing: the fan-out caps, then the length bound of each text.
+        self.ctx.check_fan_out(len(items), body.n)
+        texts = [item for item in items if isinstance(item, str)]
+        for text in texts:
+            if not text:
+                raise bad_request("prompt must not be empty", "prompt")
+            self.ctx.check_prompt_chars(text, "prompt")
+        encoded = iter(await self.ctx.encode(texts, add_special_tokens=True))
+        return [(item, next(encoded)) if isinstance(item, str) else (None, item) for item in items]
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         """Serve one completion request."""
@@ -92,12 +92,13 @@ class CompletionsHandler:
         ctx.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
-        prompts = self._prompts(body)
+        prompts = await self._prompts(body)
         max_tokens = min(ctx.rules.max_tokens(ids, body.max_tokens, "prompt") for _, ids in prompts)
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
-            (text if text is not None else ctx.decode(ids)) if body.echo else "" for text, ids in prompts
+            (text if text is not None else await ctx.decode(ids)) if body.echo else ""
+            for text, ids in prompts
         ]
         streams = await ctx.open_streams(request_id, prompts, params)
         if body.stream:
