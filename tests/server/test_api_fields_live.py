@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 import torch
-from api_cases import MAX_MODEL_LEN, MODEL
-from test_api_live import LiveServer
+from api_cases import MODEL
+from test_api_live import LiveServer, openai_client, serve_module
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,28 +28,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def live(model_dir: Path) -> Iterator[LiveServer]:
-    """One server for the module, with vLLM's metric names."""
-    server = LiveServer(
-        model_dir,
-        *(
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--metrics-prefix",
-            "vllm",
-            "--scheduling-policy",
-            "priority",
-        ),
-    )
-    try:
-        yield server
-    finally:
-        assert server.stop() == 0
+    """One server for the module, with vLLM's metric names and the priority policy."""
+    yield from serve_module(model_dir, "--metrics-prefix", "vllm", "--scheduling-policy", "priority")
 
 
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(live)
 
 
 @pytest.fixture(scope="module")
@@ -88,29 +74,20 @@ def test_bad_words_and_allowed_token_ids(client: openai.OpenAI, model_dir: Path)
         t for t in range(100, 384) if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
     )
     word = tokenizer.decode([target])
-    bias = {str(target): 100}
-    forced = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=4,
-        temperature=0,
-        logit_bias=bias,
-        logprobs=True,
-        extra_body=NO_EOS,
-    )
-    assert forced.choices[0].logprobs is not None and forced.choices[0].logprobs.content is not None
-    assert [t.token for t in forced.choices[0].logprobs.content] == [word] * 4
-    banned = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=4,
-        temperature=0,
-        logit_bias=bias,
-        logprobs=True,
-        extra_body={**NO_EOS, "bad_words": [word]},
-    )
-    content = banned.choices[0].logprobs.content if banned.choices[0].logprobs else None
-    assert content is not None and len(content) == 4 and word not in [t.token for t in content]
+    chat: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logit_bias": {str(target): 100},
+        "logprobs": True,
+    }
+    for extra, expected in [({}, [word] * 4), ({"bad_words": [word]}, None)]:
+        result = client.chat.completions.create(**chat, extra_body={**NO_EOS, **extra})
+        content = result.choices[0].logprobs.content if result.choices[0].logprobs else None
+        assert content is not None and len(content) == 4
+        tokens = [t.token for t in content]
+        assert tokens == expected if expected is not None else word not in tokens
     allowed = [40, 41, 42]
     texts = {tokenizer.decode([t]) for t in allowed}
     sampled = client.completions.create(
@@ -159,14 +136,16 @@ def test_echo_logprobs_in_lm_eval_shape(
         echo=True,
         extra_body=NO_EOS,
     )
-    logprobs = result.choices[0].logprobs
+    # The client types the entries as never null: the prompt's first is.
+    logprobs = cast(Any, result.choices[0].logprobs)
     assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
     assert len(logprobs.token_logprobs) == len(PROMPT) + max_tokens
-    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    top_logprobs = logprobs.top_logprobs
+    assert logprobs.token_logprobs[0] is None and top_logprobs[0] is None
     prompt_part = logprobs.token_logprobs[1 : len(PROMPT)]
     assert all(v is not None for v in prompt_part)
     torch.testing.assert_close(torch.tensor(prompt_part), hf_logprobs, atol=1e-4, rtol=0)
-    assert all(top is not None and len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert all(top is not None and len(top) == 1 for top in top_logprobs[1:])
     assert result.usage is not None and result.usage.completion_tokens == max_tokens
     streamed = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=max_tokens, logprobs=1, echo=True, temperature=0, stream=True

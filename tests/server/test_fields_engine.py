@@ -44,6 +44,13 @@ def hf_prompt_logprobs(model_dir: Path, prompt: Sequence[int]) -> torch.Tensor: 
     return logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
 
 
+def text(tokenizer: Any, token_id: int) -> str:
+    """One token's text."""
+    decoded = tokenizer.decode([token_id])
+    assert isinstance(decoded, str)
+    return decoded
+
+
 def prompt_values(output: RequestOutput, prompt: Sequence[int]) -> list[float]:
     """The engine's logprob of each prompt token after the first."""
     entries = output.prompt_logprobs
@@ -115,9 +122,9 @@ def test_allowed_token_ids_and_bad_words_when_sampling(model_dirs: dict[str, Pat
     tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])
     # A token whose text encodes back to it alone: the bad word is then exactly that token.
     target = next(
-        t for t in range(100, 384) if tokenize_bad_words(tokenizer, [tokenizer.decode([t])])[:1] == ((t,),)
+        t for t in range(100, 384) if tokenize_bad_words(tokenizer, [text(tokenizer, t)])[:1] == ((t,),)
     )
-    word = tokenizer.decode([target])
+    word = text(tokenizer, target)
     banned = {ids[0] for ids in tokenize_bad_words(tokenizer, [word]) if len(ids) == 1}
     biased = SamplingParams(
         temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={target: 100.0}, bad_words=[word]
