@@ -85,20 +85,30 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
 
 
-@pytest.fixture(scope="module")
-def live(model_dir: Path) -> Iterator[LiveServer]:
-    """One server for the module."""
-    server = LiveServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
+def serve_module(model: Path, *extra: str) -> Iterator[LiveServer]:
+    """A server for a module fixture: started, yielded, then stopped cleanly (exit status 0)."""
+    server = LiveServer(model, "--max-model-len", str(MAX_MODEL_LEN), *extra)
     try:
         yield server
     finally:
         assert server.stop() == 0
 
 
+def openai_client(server: LiveServer) -> openai.OpenAI:
+    """The official synchronous OpenAI client of a server."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def live(model_dir: Path) -> Iterator[LiveServer]:
+    """One server for the module."""
+    yield from serve_module(model_dir)
+
+
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(live)
 
 
 def metric(text: str, name: str) -> float:

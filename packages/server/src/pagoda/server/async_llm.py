@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -110,13 +110,18 @@ class AsyncLLM:
     """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
 
     def __init__(
-        self, engine: EngineClient, *, served_model_name: str, max_waiting_requests: int | None = None
+        self,
+        engine: EngineClient,
+        *,
+        served_model_name: str,
+        max_waiting_requests: int | None = None,
+        metrics_prefix: str = DEFAULT_METRICS_PREFIX,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
         self._stats: EngineStats = engine.get_stats()
-        self.metrics = ServerMetrics(served_model_name, lambda: self._stats)
+        self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None
@@ -311,11 +316,17 @@ class AsyncLLM:
                 self._stats = engine.get_stats()
                 if not engine.has_unfinished_requests():
                     continue
+                before = self._stats
                 outputs = engine.step()
                 now = time.monotonic()
                 for output in outputs:
                     self._dispatch(output, now)
                 self._stats = engine.get_stats()
+                num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
+                    before.prompt_tokens + before.generation_tokens
+                )
+                if num_tokens > 0:
+                    self.metrics.observe_iteration(num_tokens)
         except BaseException as exc:
             logger.exception("the engine loop failed; every in-flight request fails")
             self._die(exc)
@@ -362,8 +373,14 @@ class AsyncLLM:
     def _abort(self, request_id: str, *, notify: bool) -> None:
         stream = self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
-        if stream is not None and notify:
-            self._push(stream, _aborted_snapshot(stream))
+        if stream is None:
+            return
+        snapshot = _aborted_snapshot(stream)
+        for sample in snapshot.outputs:
+            if sample.finish_reason == "abort":
+                self.metrics.observe_finished("abort")
+        if notify:
+            self._push(stream, snapshot)
 
     def _dispatch(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -375,6 +392,7 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
                 self.metrics.observe_e2e(now - stream.arrival)
+                self.metrics.observe_request(output)
         except Exception as exc:  # a fault in one request's bookkeeping fails that request only
             logger.exception("request %s failed", output.request_id)
             self._streams.pop(output.request_id, None)

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import get_args
@@ -18,6 +19,7 @@ from pagoda.server.config import (
     EngineConfig,
     KernelBackendName,
 )
+from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 
 logger = logging.getLogger("pagoda.server")
 
@@ -134,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    # t16-fields: API scheduling and metrics naming.
+    fields = serve.add_argument_group("request scheduling and metrics")
+    fields.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: requests with a lower `priority` field are served first (ties: arrival order)",
+    )
+    fields.add_argument(
+        "--metrics-prefix",
+        default=DEFAULT_METRICS_PREFIX,
+        help="namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)",
+    )
     return parser
 
 
@@ -155,6 +170,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kernel_backend=args.kernel_backend,
         dtype=args.dtype,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -178,6 +194,10 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--request-body-timeout must be > 0")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.metrics_prefix) is None:
+        raise ValueError(
+            "--metrics-prefix must be a Prometheus name: letters, digits and _, not a digit first"
+        )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -216,6 +236,7 @@ def serve(args: argparse.Namespace) -> int:
         client,
         served_model_name=args.served_model_name or engine.model_name,
         max_waiting_requests=args.max_waiting_requests,
+        metrics_prefix=args.metrics_prefix,
     )
     limits = RequestLimits(
         max_prompts_per_request=args.max_prompts_per_request,

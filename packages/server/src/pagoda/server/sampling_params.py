@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias in [-100, 100] is added to the token's logit
 
 
 class SamplingParamsError(ValueError):
@@ -38,6 +40,12 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    # Logits processing before the sampler (vLLM's names): a bias added to the listed ids' logits, the only ids
+    # that may be sampled, and words never to complete. Logprobs stay those of the raw model distribution.
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt position (0: the prompt token's only)
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""
@@ -71,6 +79,31 @@ class SamplingParams:
                 "logprobs",
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                all(
+                    math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for b in (self.logit_bias or {}).values()
+                ),
+                "logit_bias",
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (all(t >= 0 for t in self.logit_bias or {}), "logit_bias", "logit_bias token ids must be >= 0"),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                "allowed_token_ids must not be empty",
+            ),
+            (
+                all(t >= 0 for t in self.allowed_token_ids or ()),
+                "allowed_token_ids",
+                "allowed_token_ids must be >= 0",
+            ),
+            (all(w.strip() for w in self.bad_words or ()), "bad_words", "bad_words must not be blank"),
         ]
         for ok, param, message in checks:
             if not ok:

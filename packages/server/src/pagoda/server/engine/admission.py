@@ -61,6 +61,8 @@ class AdmissionRules:
         return max_tokens
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Every rule for one engine request: the prompt, its max_tokens, and the stop token ids."""
+        """Every rule for one engine request: the prompt, its max_tokens, and the token ids of its parameters."""
         self.max_tokens(prompt_token_ids, params.max_tokens)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        self.check_token_ids(params.allowed_token_ids or (), "allowed_token_ids")

@@ -25,6 +25,8 @@ from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, TokenLogprobs
+from pagoda.server.sampling.logits_processors import apply_logits_processors
+from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
@@ -42,6 +44,11 @@ class TokenCounters:
         self.prompt_tokens += max(0, min(chunk.seq_len, num_prompt_tokens) - chunk.start)
 
 
+# Prompt logprobs run the LM head over this many prompt positions at a time: [rows, vocab] float32 logits are
+# 1 GiB per 1,024 rows of a 262k vocabulary.
+_PROMPT_LOGITS_SLICE = 256
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache; drive it with add_request / step."""
 
@@ -53,6 +60,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
         self.num_kv_blocks = parts.kv_cache.num_blocks
+        self.num_host_kv_blocks = parts.kv_cache.num_host_blocks
         self.block_size = config.block_size
         self.device = parts.device
         self.dtype = parts.dtype
@@ -118,8 +126,13 @@ class LLMEngine:
             arrival,
             self.device,
         )
+        # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
+        # skipping any (vLLM skips the cache for these requests too).
+        salt = None if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
         # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
-        self.scheduler.add_request(Request(request_id, ids, scheduler_params, arrival_time=arrival))
+        self.scheduler.add_request(
+            Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+        )
         self._requests[request_id] = state
         self._seq_owner.update(dict.fromkeys(state.samples, state))
 
@@ -150,9 +163,34 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return outputs
-        logits = self.runner.execute(scheduled)
+        prompt_lens = {
+            chunk.request_id: len(state.prompt_token_ids)
+            for chunk in scheduled.scheduled
+            if (state := self._seq_owner[chunk.request_id]).wants_prompt_logprobs
+        }
+        logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
+        for request_id, rows in prompt_hidden.items():
+            self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
         sampled = self._sample(scheduled, logits)
         return outputs + self._update(scheduled, sampled)
+
+    def _add_prompt_logprobs(
+        self,
+        state: RequestState,
+        start: int,
+        hidden: torch.Tensor,  # [num_positions, hidden_size]: positions start, start + 1, ...
+    ) -> None:
+        """Score the prompt tokens after these positions, from the raw logits, a slice at a time."""
+        k = state.params.prompt_logprobs or 0
+        for lo in range(0, hidden.shape[0], _PROMPT_LOGITS_SLICE):
+            part = hidden[lo : lo + _PROMPT_LOGITS_SLICE]
+            logits = self.runner.compute_logits(part).float()
+            first = start + lo + 1
+            targets = torch.tensor(
+                state.prompt_token_ids[first : first + part.shape[0]], dtype=torch.long, device=logits.device
+            )
+            scored = compute_logprobs(logits, targets, [k] * part.shape[0])
+            state.add_prompt_logprobs(start + lo, [lp for lp in scored if lp is not None])
 
     def _sample(
         self,
@@ -163,7 +201,13 @@ class LLMEngine:
         seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
         if not seq_ids:
             return []
-        out = self.sampler(logits, [self._seq_owner[seq_id].sampling_row(seq_id) for seq_id in seq_ids])
+        owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
+        # logit_bias, allowed_token_ids and bad_words edit a copy; logprobs stay those of the raw logits.
+        processed = apply_logits_processors(
+            logits, [owner.logits_edits(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        )
+        rows = [owner.sampling_row(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        out = self.sampler(processed, rows, raw_logits=None if processed is logits else logits)
         return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
 
     def _update(
@@ -218,4 +262,6 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
+            num_host_blocks=self.num_host_kv_blocks,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )
