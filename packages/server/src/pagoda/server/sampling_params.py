@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagoda.server.beam_search import BeamSearchParams
+
 MAX_LOGPROBS = 20
 
 
@@ -38,6 +40,8 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    # Beam search instead of sampling: n (<= beam_width) best beams are returned, nothing is streamed.
+    beam_search: BeamSearchParams | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""
@@ -72,9 +76,28 @@ class SamplingParams:
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
         ]
+        beam = self.beam_search
+        if beam is not None:
+            checks += [
+                (self.n <= beam.beam_width, "n", "n must be at most the beam width"),
+                (self.max_tokens == beam.max_tokens, "max_tokens", "max_tokens must equal the beam's"),
+                (self.ignore_eos == beam.ignore_eos, "ignore_eos", "ignore_eos must equal the beam's"),
+            ]
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)
+
+    @classmethod
+    def for_beam_search(cls, beam: BeamSearchParams, n: int | None = None, **fields: object) -> SamplingParams:
+        """Parameters that run `beam` and return its `n` best beams (default: all of them)."""
+        return cls(
+            n=beam.beam_width if n is None else n,
+            temperature=0.0,
+            max_tokens=beam.max_tokens,
+            ignore_eos=beam.ignore_eos,
+            beam_search=beam,
+            **fields,  # type: ignore[arg-type]
+        )
 
     @property
     def greedy(self) -> bool:
