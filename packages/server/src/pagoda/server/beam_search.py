@@ -164,6 +164,8 @@ class BeamSearchPolicy:
         ]
 
 
-def finish_reason(tokens: Sequence[int], eos_token_ids: frozenset[int], ignore_eos: bool) -> Literal["stop", "length"]:
+def finish_reason(
+    tokens: Sequence[int], eos_token_ids: frozenset[int], ignore_eos: bool
+) -> Literal["stop", "length"]:
     """ "stop" when a hypothesis ended on an eos token, else "length"."""
     return "stop" if tokens and not ignore_eos and tokens[-1] in eos_token_ids else "length"

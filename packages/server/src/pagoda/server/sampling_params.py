@@ -88,7 +88,9 @@ class SamplingParams:
                 raise SamplingParamsError(param, message)
 
     @classmethod
-    def for_beam_search(cls, beam: BeamSearchParams, n: int | None = None, **fields: object) -> SamplingParams:
+    def for_beam_search(
+        cls, beam: BeamSearchParams, n: int | None = None, **fields: object
+    ) -> SamplingParams:
         """Parameters that run `beam` and return its `n` best beams (default: all of them)."""
         return cls(
             n=beam.beam_width if n is None else n,

@@ -60,6 +60,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int64 | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    # Beam search (vLLM's fields): the beam width is best_of, else n; n <= best_of beams are returned.
+    use_beam_search: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class TextContentPart(_Model):

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from pagoda.server.api.beam_fields import with_beam_search
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     CompletionChoice,
@@ -94,7 +95,9 @@ class CompletionsHandler:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         prompts = await self._prompts(body)
         max_tokens = min(ctx.rules.max_tokens(ids, body.max_tokens, "prompt") for _, ids in prompts)
-        params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        params = with_beam_search(
+            body, ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
             (text if text is not None else await ctx.decode(ids)) if body.echo else ""

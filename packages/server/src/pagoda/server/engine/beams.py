@@ -101,7 +101,7 @@ class BeamGroup:
         outputs = tuple(
             CompletionOutput(
                 index=index,
-                text=tokenizer.decode(list(h.tokens), skip_special_tokens=self.skip_special_tokens),
+                text=str(tokenizer.decode(list(h.tokens), skip_special_tokens=self.skip_special_tokens)),
                 token_ids=h.tokens,
                 cumulative_logprob=h.cum_logprob,
                 logprobs=None,

@@ -19,8 +19,8 @@ from pagoda.scheduler import (
     SchedulerOutput,
 )
 from pagoda.server.config import EngineConfig
-from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.setup import EngineParts, build_parts
@@ -213,7 +213,12 @@ class LLMEngine:
 
     def _advance_beams(self, scheduled: SchedulerOutput, now: float) -> list[RequestOutput]:
         """Step every beam group whose beams all have their rows; snapshots of the groups that finished."""
-        groups = {self._beam_owner[s]: None for c in scheduled.scheduled for s in c.sample_ids if s in self._beam_owner}
+        groups = {
+            self._beam_owner[s]: None
+            for c in scheduled.scheduled
+            for s in c.sample_ids
+            if s in self._beam_owner
+        }
         outputs: list[RequestOutput] = []
         for group in groups:
             if not group.ready:
