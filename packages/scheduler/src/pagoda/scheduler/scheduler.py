@@ -351,6 +351,10 @@ class Scheduler:
         """Admit waiting requests in policy order while budget, seats and free blocks allow."""
         cfg, kv = self.config, self.kv
         candidates = list(self.policy.admissible(self.waiting, self.num_running_seqs, cfg.max_num_seqs))
+        # Held sequences (beam search) compute nothing until their engine extends them: with only those running,
+        # no decode needs the headroom, and the exact allocation below decides (else a beam waiting to be
+        # recomputed could wait forever on its parked siblings).
+        busy = any(r.num_computed_tokens < r.num_tokens for r in self.running)
         for request in candidates:
             rid = request.request_id
             if step.budget == 0 or self.num_running_seqs + request.num_seqs > cfg.max_num_seqs:
@@ -364,7 +368,7 @@ class Scheduler:
             num_new = self._chunk_len(request, num_cached, step.budget)
             if num_new == 0:
                 break
-            if self.running:  # leave a few blocks so running decodes do not preempt right away
+            if busy:  # leave a few blocks so running decodes do not preempt right away
                 needed = kv.num_blocks_needed(rid, num_new, num_computed_tokens=num_cached)
                 if kv.num_free_blocks() - needed < self._watermark_blocks:
                     break
