@@ -240,17 +240,7 @@ class Scheduler:
         parent = self._requests[parent_id]
         if child_id in self._requests or child_id in self._reserved_ids:
             raise ValueError(f"sequence id {child_id!r} is already in use")
-        child = Request(
-            child_id,
-            parent.prompt_token_ids,
-            parent.sampling_params,
-            arrival_time=parent.arrival_time,
-            cache_salt=parent.cache_salt,
-            parent_id=parent.group_id,
-            sample_index=parent.sample_index,
-        )
-        for token in parent.output_token_ids:
-            child.append_output_token(token)
+        child = parent.copy_as(child_id, parent_id=parent.group_id, sample_index=parent.sample_index)
         self._requests[child_id] = child
         if parent.status is RUNNING:
             self.kv.fork(parent_id, child_id)
@@ -420,15 +410,7 @@ class Scheduler:
         pid = parent.request_id
         for index, child_id in enumerate(parent.child_ids(), start=1):
             self.kv.fork(pid, child_id)
-            child = Request(
-                child_id,
-                parent.prompt_token_ids,
-                parent.sampling_params,
-                arrival_time=parent.arrival_time,
-                cache_salt=parent.cache_salt,
-                parent_id=pid,
-                sample_index=index,
-            )
+            child = parent.copy_as(child_id, parent_id=pid, sample_index=index)
             child.status = RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
             self._reserved_ids.discard(child_id)
