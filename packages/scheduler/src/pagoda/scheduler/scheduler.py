@@ -188,10 +188,13 @@ class Scheduler:
         output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
         stop_request_ids: Collection[str] = (),
+        held_ids: Collection[str] = (),
     ) -> list[Request]:
         """Append each sample id's sampled tokens, fork n > 1 requests, apply stop rules, free the finished.
 
         `stop_request_ids` are requests the engine stops (e.g. on a stop string); they finish as stopped.
+        `held_ids` are sample ids whose token the engine decides later (beam search): nothing is appended, and
+        the sequence stays RUNNING with every token computed, never scheduled, until `append_token`.
         Returns the requests that finished in this update (their status tells why).
         """
         finished: list[Request] = []
@@ -204,6 +207,8 @@ class Scheduler:
             if request.num_children_to_fork:
                 self._fork(request)
             for sample_id in chunk.sample_ids:
+                if sample_id in held_ids:
+                    continue
                 target = request if sample_id == chunk.request_id else self._requests[sample_id]
                 tokens = sampled_token_ids.get(sample_id)
                 if not tokens:
@@ -221,6 +226,38 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)
         return finished
+
+    # ------------------------------------------------- held sequences (beam search)
+
+    def fork_sequence(self, parent_id: str, child_id: str) -> None:
+        """Add `child_id`, a copy of `parent_id`'s tokens in the same group, sharing its KV blocks.
+
+        A device-resident parent is forked in the allocator (every block shared by reference count, copy-on-write
+        on the next write into the shared last block) and the child joins the running batch with the parent's
+        computed tokens. A preempted parent has no device blocks to share: the child waits to be recomputed.
+        The caller keeps the group within its seats (it frees pruned sequences first).
+        """
+        parent = self._requests[parent_id]
+        if child_id in self._requests or child_id in self._reserved_ids:
+            raise ValueError(f"sequence id {child_id!r} is already in use")
+        child = parent.copy_as(child_id, parent_id=parent.group_id, sample_index=parent.sample_index)
+        self._requests[child_id] = child
+        if parent.status is RUNNING:
+            self.kv.fork(parent_id, child_id)
+            child.status = RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.running.append(child)
+        else:
+            child.status = RequestStatus.PREEMPTED
+            self.policy.enqueue(self.waiting, child, preempted=True)
+
+    def append_token(self, seq_id: str, token_id: int) -> None:
+        """Extend held sequence `seq_id` by `token_id` (no stop rule: the engine that held it decides)."""
+        self._requests[seq_id].append_output_token(token_id)
+
+    def finish_sequence(self, seq_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """Finish one sequence (a pruned or completed beam) in whatever queue it is, freeing its blocks now."""
+        self._finish(self._requests[seq_id], status)
 
     # ----------------------------------------------------------------- helpers
 
@@ -304,6 +341,10 @@ class Scheduler:
         """Admit waiting requests in policy order while budget, seats and free blocks allow."""
         cfg, kv = self.config, self.kv
         candidates = list(self.policy.admissible(self.waiting, self.num_running_seqs, cfg.max_num_seqs))
+        # Held sequences (beam search) compute nothing until their engine extends them: with only those running,
+        # no decode needs the headroom, and the exact allocation below decides (else a beam waiting to be
+        # recomputed could wait forever on its parked siblings).
+        busy = any(r.num_computed_tokens < r.num_tokens for r in self.running)
         for request in candidates:
             rid = request.request_id
             if step.budget == 0 or self.num_running_seqs + request.num_seqs > cfg.max_num_seqs:
@@ -317,7 +358,7 @@ class Scheduler:
             num_new = self._chunk_len(request, num_cached, step.budget)
             if num_new == 0:
                 break
-            if self.running:  # leave a few blocks so running decodes do not preempt right away
+            if busy:  # leave a few blocks so running decodes do not preempt right away
                 needed = kv.num_blocks_needed(rid, num_new, num_computed_tokens=num_cached)
                 if kv.num_free_blocks() - needed < self._watermark_blocks:
                     break
@@ -369,15 +410,7 @@ class Scheduler:
         pid = parent.request_id
         for index, child_id in enumerate(parent.child_ids(), start=1):
             self.kv.fork(pid, child_id)
-            child = Request(
-                child_id,
-                parent.prompt_token_ids,
-                parent.sampling_params,
-                arrival_time=parent.arrival_time,
-                cache_salt=parent.cache_salt,
-                parent_id=pid,
-                sample_index=index,
-            )
+            child = parent.copy_as(child_id, parent_id=pid, sample_index=index)
             child.status = RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
             self._reserved_ids.discard(child_id)
@@ -449,6 +482,7 @@ class Scheduler:
             assert not kv.is_swapped(r.request_id), r
         for r in self.swapped:
             assert r.status is RequestStatus.PREEMPTED and kv.is_swapped(r.request_id), r
-            assert kv.num_tokens(r.request_id) == r.num_computed_tokens < r.num_tokens, r
+            # Equal for a held sequence (beam search) swapped out while it waits for its token.
+            assert kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens, r
         for rid in self._reserved_ids:
             assert rid not in self._requests, rid

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.server.beam_search import BeamSearchParams
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias in [-100, 100] is added to the token's logit
 
@@ -46,6 +48,8 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     prompt_logprobs: int | None = None  # top alternatives per prompt position (0: the prompt token's only)
+    # Beam search instead of sampling: n (<= beam_width) best beams are returned, nothing is streamed.
+    beam_search: BeamSearchParams | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""
@@ -105,9 +109,30 @@ class SamplingParams:
             ),
             (all(w.strip() for w in self.bad_words or ()), "bad_words", "bad_words must not be blank"),
         ]
+        beam = self.beam_search
+        if beam is not None:
+            checks += [
+                (self.n <= beam.beam_width, "n", "n must be at most the beam width"),
+                (self.max_tokens == beam.max_tokens, "max_tokens", "max_tokens must equal the beam's"),
+                (self.ignore_eos == beam.ignore_eos, "ignore_eos", "ignore_eos must equal the beam's"),
+            ]
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)
+
+    @classmethod
+    def for_beam_search(
+        cls, beam: BeamSearchParams, n: int | None = None, **fields: object
+    ) -> SamplingParams:
+        """Parameters that run `beam` and return its `n` best beams (default: all of them)."""
+        return cls(
+            n=beam.beam_width if n is None else n,
+            temperature=0.0,
+            max_tokens=beam.max_tokens,
+            ignore_eos=beam.ignore_eos,
+            beam_search=beam,
+            **fields,  # type: ignore[arg-type]
+        )
 
     @property
     def greedy(self) -> bool:

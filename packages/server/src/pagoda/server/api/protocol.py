@@ -112,6 +112,12 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # with logprobs: the prompt tokens' logprobs lead `logprobs` (first one null)
     add_special_tokens: bool = True  # vLLM extra: BOS etc. when tokenizing a text prompt
     suffix: JsonValue = None  # not served: a 400 unless null
+    # Beam search (vLLM's fields, served on this endpoint only): the beam width is best_of, else n; n <= best_of
+    # beams are returned.
+    use_beam_search: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class TextContentPart(_Model):

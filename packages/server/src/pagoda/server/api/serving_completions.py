@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from pagoda.server.api.beam_fields import BEAM_FIELDS, with_beam_search
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     CompletionChoice,
@@ -128,7 +129,7 @@ class CompletionsHandler:
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         """Serve one completion request."""
         ctx = self.ctx
-        check_fields(body)
+        check_fields(body, served=BEAM_FIELDS)
         ctx.check_model(body.model)
         if body.stream and body.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
@@ -142,8 +143,11 @@ class CompletionsHandler:
         prompt_logprobs = body.prompt_logprobs
         if echo_logprobs:
             prompt_logprobs = max(body.logprobs or 0, prompt_logprobs or 0)
-        params = ctx.sampling_params(
-            body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+        params = with_beam_search(
+            body,
+            ctx.sampling_params(
+                body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+            ),
         )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [

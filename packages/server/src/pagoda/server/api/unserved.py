@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from pagoda.server.api.errors import bad_request
 from pagoda.server.api.protocol import SamplingFields
 from pydantic import JsonValue
@@ -30,16 +32,19 @@ _UNSERVED: tuple[tuple[str, tuple[JsonValue, ...]], ...] = (
 )
 
 
-def check_fields(body: SamplingFields) -> None:
-    """400 for the first unknown field, or known field with a value Pagoda would otherwise have to ignore."""
+def check_fields(body: SamplingFields, *, served: Collection[str] = ()) -> None:
+    """400 for the first unknown field, or known field with a value Pagoda would otherwise have to ignore.
+
+    `served` names fields of `_UNSERVED` that the caller's endpoint does serve (beam search on completions).
+    """
     unknown = body.unknown_fields()
     if unknown:
         raise bad_request(f"{unknown[0]}: unrecognized request field", unknown[0])
     declared = type(body).model_fields
     for name, harmless in _UNSERVED:
-        if name in declared and getattr(body, name) not in harmless:
+        if name in declared and name not in served and getattr(body, name) not in harmless:
             raise bad_request(f"{name} is not supported yet", name)
-    if body.best_of is not None and body.best_of != body.n:
+    if "best_of" not in served and body.best_of is not None and body.best_of != body.n:
         raise bad_request(
             "best_of other than n is not supported (no beam search on this endpoint)", "best_of"
         )

@@ -20,6 +20,7 @@ from pagoda.scheduler import (
 )
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.setup import EngineParts, build_parts
@@ -89,6 +90,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
+        self._beam_groups: dict[str, BeamGroup] = {}  # unfinished beam-search requests by id
+        self._beam_owner: dict[str, BeamGroup] = {}  # running beam's sequence id -> its group
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
@@ -112,10 +115,25 @@ class LLMEngine:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
         self.rules.check(ids, params)
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._beam_groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         scheduler_params = SchedulerParams.from_params(params, self.eos_token_ids)
+        if params.beam_search is not None:
+            group = BeamGroup(
+                request_id,
+                prompt,
+                ids,
+                params.beam_search,
+                params.n,
+                self.eos_token_ids,
+                params.skip_special_tokens,
+                arrival,
+            )
+            self.scheduler.add_request(Request(request_id, ids, scheduler_params, arrival_time=arrival))
+            self._beam_groups[request_id] = group
+            self._beam_owner.update(dict.fromkeys(group.beams, group))
+            return
         state = RequestState(
             request_id,
             prompt,
@@ -138,6 +156,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state, freeing its KV blocks now; unknown or finished ids are ignored."""
+        group = self._beam_groups.pop(request_id, None)
+        if group is not None:
+            self.scheduler.abort_request(request_id)
+            for seq_id in group.beams:
+                self._beam_owner.pop(seq_id, None)
+            return
         state = self._requests.get(request_id)
         if state is None:
             return
@@ -149,11 +173,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still waits, runs, or has an undelivered abort."""
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._beam_groups) or bool(self._aborted)
 
     def get_num_unfinished_requests(self) -> int:
         """User requests not finished yet."""
-        return len(self._requests)
+        return len(self._requests) + len(self._beam_groups)
 
     # -------------------------------------------------------------------- step
 
@@ -166,7 +190,8 @@ class LLMEngine:
         prompt_lens = {
             chunk.request_id: len(state.prompt_token_ids)
             for chunk in scheduled.scheduled
-            if (state := self._seq_owner[chunk.request_id]).wants_prompt_logprobs
+            # Beam sequences have no RequestState (their group scores its own rows).
+            if (state := self._seq_owner.get(chunk.request_id)) is not None and state.wants_prompt_logprobs
         }
         logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
         for request_id, rows in prompt_hidden.items():
@@ -201,6 +226,11 @@ class LLMEngine:
         seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
         if not seq_ids:
             return []
+        beam_rows = [i for i, seq_id in enumerate(seq_ids) if seq_id in self._beam_owner]
+        if beam_rows:
+            seq_ids, logits = self._hold_beam_rows(seq_ids, logits, beam_rows)
+            if not seq_ids:
+                return []
         owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
         # logit_bias, allowed_token_ids and bad_words edit a copy; logprobs stay those of the raw logits.
         processed = apply_logits_processors(
@@ -210,12 +240,57 @@ class LLMEngine:
         out = self.sampler(processed, rows, raw_logits=None if processed is logits else logits)
         return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
 
+    def _hold_beam_rows(
+        self,
+        seq_ids: list[str],
+        logits: torch.Tensor,  # [num_rows, vocab]
+        beam_rows: list[int],
+    ) -> tuple[list[str], torch.Tensor]:  # the other rows' sample ids and [num_other_rows, vocab] logits
+        """Give beam groups their rows' log-probabilities (float32, as transformers scores them); the rest."""
+        index = torch.tensor(beam_rows, dtype=torch.int64, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1).cpu()
+        for row, logprob in zip(beam_rows, logprobs, strict=True):
+            self._beam_owner[seq_ids[row]].add_row(seq_ids[row], logprob)
+        beam = set(beam_rows)
+        others = [i for i in range(len(seq_ids)) if i not in beam]
+        index = torch.tensor(others, dtype=torch.int64, device=logits.device)
+        return [seq_ids[i] for i in others], logits.index_select(0, index)
+
+    def _advance_beams(self, scheduled: SchedulerOutput, now: float) -> list[RequestOutput]:
+        """Step every beam group whose beams all have their rows; snapshots of the groups that finished."""
+        groups = {
+            self._beam_owner[s]: None
+            for c in scheduled.scheduled
+            for s in c.sample_ids
+            if s in self._beam_owner
+        }
+        outputs: list[RequestOutput] = []
+        for group in groups:
+            if not group.ready:
+                continue
+            for seq_id in group.beams:
+                del self._beam_owner[seq_id]
+            if group.advance(self.scheduler):
+                del self._beam_groups[group.request_id]
+                outputs.append(group.snapshot(self.tokenizer))
+            else:
+                self._beam_owner.update(dict.fromkeys(group.beams, group))
+        return outputs
+
     def _update(
         self, scheduled: SchedulerOutput, sampled: list[tuple[str, int, TokenLogprobs | None]]
     ) -> list[RequestOutput]:
         """Record the sampled tokens (finding stop strings), apply the scheduler's stop rules, snapshot."""
         now = time.monotonic()
+        held: list[str] = []
         for chunk in scheduled.scheduled:
+            group = self._beam_owner.get(chunk.request_id)
+            if group is not None:
+                if group.first_scheduled_time is None:
+                    group.first_scheduled_time = now
+                self.counters.count_chunk(chunk, len(group.prompt_token_ids))
+                held.extend(chunk.sample_ids)
+                continue
             state = self._seq_owner[chunk.request_id]
             state.mark_scheduled(chunk.start, now)
             self.counters.count_chunk(chunk, len(state.prompt_token_ids))
@@ -227,13 +302,15 @@ class LLMEngine:
             if stop is not None:
                 stopped[seq_id] = stop
             progressed[state.request_id] = state
-        self.counters.generation_tokens += len(sampled)
+        self.counters.generation_tokens += len(sampled) + len(held)
         tokens = {seq_id: [token] for seq_id, token, _ in sampled}
-        for request in self.scheduler.update_from_output(scheduled, tokens, stopped):
+        for request in self.scheduler.update_from_output(scheduled, tokens, stopped, held):
             state = self._seq_owner[request.request_id]
             state.finish_as_scheduled(request, stopped.get(request.request_id))
             progressed[state.request_id] = state
         outputs = [state.snapshot() for state in progressed.values()]
+        if held:
+            outputs += self._advance_beams(scheduled, now)
         for state in progressed.values():
             if state.finished:
                 self._forget(state)

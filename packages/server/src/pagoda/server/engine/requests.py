@@ -36,7 +36,9 @@ class SchedulerParams:
     def from_params(cls, params: SamplingParams, eos_token_ids: frozenset[int]) -> SchedulerParams:
         """Derive from the user's parameters and the model's eos ids."""
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        return cls(params.max_tokens, params.min_tokens, params.n, tuple(sorted(stops)), params.priority)
+        # A beam search holds beam_width sequences (the prompt forks into all of them) whatever n it returns.
+        n = params.n if params.beam_search is None else params.beam_search.beam_width
+        return cls(params.max_tokens, params.min_tokens, n, tuple(sorted(stops)), params.priority)
 
 
 @dataclass(slots=True)
