@@ -193,9 +193,12 @@ class LLMEngine:
             # Beam sequences have no RequestState (their group scores its own rows).
             if (state := self._seq_owner.get(chunk.request_id)) is not None and state.wants_prompt_logprobs
         }
-        logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
-        for request_id, rows in prompt_hidden.items():
-            self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
+        if prompt_lens:
+            logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
+            for request_id, rows in prompt_hidden.items():
+                self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
+        else:
+            logits = self.runner.execute(scheduled)
         sampled = self._sample(scheduled, logits)
         return outputs + self._update(scheduled, sampled)
 

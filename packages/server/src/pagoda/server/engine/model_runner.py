@@ -105,9 +105,8 @@ class ModelRunner:
     def execute_with_prompt_hidden(
         self,
         output: SchedulerOutput,
-        prompt_lens: Mapping[
-            str, int
-        ],  # request id -> prompt length, for the requests that want prompt logprobs
+        # Request id -> prompt length, for the requests that want prompt logprobs.
+        prompt_lens: Mapping[str, int],
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> its chunk's prompt rows)
         """`execute`, plus the hidden states of the prompt positions of the listed requests.
 

@@ -22,9 +22,8 @@ class LogitsEdits:
     logit_bias: Mapping[int, float] | None
     allowed_token_ids: Sequence[int] | None
     bad_words_token_ids: Sequence[Sequence[int]]
-    output_token_ids: Sequence[
-        int
-    ]  # generated so far: a multi-token bad word bans its last token after a match
+    # Generated so far: a multi-token bad word bans its last token after a match.
+    output_token_ids: Sequence[int]
 
     @property
     def empty(self) -> bool:
