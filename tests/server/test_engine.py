@@ -283,7 +283,7 @@ def test_urgent_request_preempts_a_less_urgent_one_and_finishes_first(
     assert spy.steps[-1].preempted_request_ids == ("low1",)
     assert "urgent" in {c.request_id for c in spy.steps[-1].scheduled}
     finished = [o for o in drain(engine) if o.finished]
-    assert [o.request_id for o in finished][0] == "urgent"
+    assert finished[0].request_id == "urgent"
     got = {o.request_id: list(o.outputs[0].token_ids) for o in finished}
     assert got["urgent"] == reference.greedy("llama", urgent_prompt, 6)
     for i, prompt in enumerate(low_prompts):
