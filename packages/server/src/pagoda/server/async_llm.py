@@ -116,10 +116,12 @@ class AsyncLLM:
         served_model_name: str,
         max_waiting_requests: int | None = None,
         metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+        max_concurrent_requests: int | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
+        self.max_concurrent_requests = max_concurrent_requests  # TGI's limit on requests (prompts) in flight
         self._stats: EngineStats = engine.get_stats()
         self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -195,13 +197,24 @@ class AsyncLLM:
     def check_admission(self, num_seqs: int, n: int) -> None:
         """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`).
 
-        It fits when the pending sequences plus its own stay within --max-waiting-requests. One that exceeds the
-        limit alone can never fit: RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
+        It fits when the pending sequences plus its own stay within --max-waiting-requests, and its prompts plus
+        those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
+        RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
         """
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped")
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
+        num_prompts = num_seqs // n
+        concurrent = self.max_concurrent_requests
+        if concurrent is not None:
+            if num_prompts > concurrent:
+                raise RequestRejectedError(
+                    f"the request has {num_prompts} prompts, more than --max-concurrent-requests ({concurrent})",
+                    "prompt",
+                )
+            if self._num_active + num_prompts > concurrent:
+                raise EngineOverloadedError(f"{self._num_active} requests are in flight (limit {concurrent})")
         limit = self.max_waiting_requests
         if limit is None:
             return

@@ -22,6 +22,7 @@ from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.model_runner import ModelRunner
+from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
@@ -66,13 +67,17 @@ class LLMEngine:
         self.device = parts.device
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
-        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size)
+        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, config.max_input_tokens)
         self.kv_manager = BlockManager(
             parts.kv_cache.num_blocks,
             config.block_size,
             num_host_blocks=parts.kv_cache.num_host_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
+        costs = None
+        if config.preemption_mode == "auto":
+            costs = measure_preemption_costs(self.runner, parts.max_num_batched_tokens, parts.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -80,13 +85,15 @@ class LLMEngine:
                 max_model_len=parts.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_num_partial_prefills=config.max_num_partial_prefills,
+                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode,
             ),
             self.kv_manager,
             PriorityPolicy() if config.scheduling_policy == "priority" else FCFSPolicy(),
+            costs,
         )
-        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         self.sampler = Sampler()
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
