@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
+    ContiguousKVManager,
     FCFSPolicy,
     KVBlockManager,
     Request,
@@ -44,7 +45,7 @@ from pagoda.scheduler import (
     SchedulingPolicy,
     StaticBatchPolicy,
 )
-from pagoda.scheduler.testing import ContiguousKVManager, SimSamplingParams
+from pagoda.scheduler.testing import SimSamplingParams
 from tqdm import tqdm
 
 PROMPT_LOGNORMAL = (4.58, 1.0)  # mean exp(4.58 + 0.5) ~ 161 tokens

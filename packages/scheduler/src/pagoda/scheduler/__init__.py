@@ -1,6 +1,7 @@
 """pagoda.scheduler: continuous-batching scheduler (token budget, chunked prefill, prefix-cache-aware
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
+from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
@@ -14,6 +15,8 @@ from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatu
 from pagoda.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "ContiguousKVManager",
+    "ContiguousStats",
     "FCFSPolicy",
     "KVBlockManager",
     "KVCacheStatsLike",

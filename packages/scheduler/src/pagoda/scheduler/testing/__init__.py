@@ -1,11 +1,10 @@
 """Helpers for tests, simulators and benchmarks of the scheduler; the engine imports none of them.
 
 `sim`: `TokenCacheModel`, a token-level stand-in for the model runner, and `reference_output`, what it must
-produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. `contiguous`: `ContiguousKVManager`, contiguous
-per-request KV preallocation over any `KVBlockManager` (the simulator's baseline).
+produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. (`ContiguousKVManager`, which the engine runs too, is
+`pagoda.scheduler.ContiguousKVManager` since 0.3.0.)
 """
 
-from pagoda.scheduler.testing.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.testing.sim import (
     RunResult,
     SimSamplingParams,
@@ -15,8 +14,6 @@ from pagoda.scheduler.testing.sim import (
 )
 
 __all__ = [
-    "ContiguousKVManager",
-    "ContiguousStats",
     "RunResult",
     "SimSamplingParams",
     "TokenCacheModel",
