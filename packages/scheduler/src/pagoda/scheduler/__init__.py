@@ -1,8 +1,8 @@
 """pagoda.scheduler: continuous-batching scheduler (token budget, chunked prefill, prefix-cache-aware
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
-from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
+from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
 from pagoda.scheduler.protocols import (

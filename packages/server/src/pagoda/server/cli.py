@@ -17,6 +17,8 @@ from pagoda.server.config import (
     DTypeName,
     EngineConfig,
     KernelBackendName,
+    KVManagerName,
+    SchedulingPolicyName,
 )
 
 logger = logging.getLogger("pagoda.server")
@@ -134,7 +136,33 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    add_scheduling_args(serve)
     return parser
+
+
+def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's two axes: batching policy and KV reservation (static + contiguous is the seed's baseline)."""
+    group = parser.add_argument_group("scheduling")
+    group.add_argument(
+        "--scheduling-policy",
+        choices=get_args(SchedulingPolicyName),
+        default="fcfs",
+        help="fcfs: continuous batching in arrival order; priority: lower `priority` first; static: a batch of "
+        "up to --max-num-seqs runs to completion and nobody joins it",
+    )
+    group.add_argument(
+        "--static-batch-timeout",
+        type=float,
+        default=0.0,
+        help="static: seconds the oldest request waits for a full batch before a smaller one starts",
+    )
+    group.add_argument(
+        "--kv-manager",
+        choices=get_args(KVManagerName),
+        default="paged",
+        help="paged: blocks on demand; contiguous: each sequence reserves --max-model-len tokens at admission "
+        "(no prefix caching, no swapping)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -155,6 +183,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kernel_backend=args.kernel_backend,
         dtype=args.dtype,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
+        static_batch_timeout_s=args.static_batch_timeout,
+        kv_manager=args.kv_manager,
     )
 
 

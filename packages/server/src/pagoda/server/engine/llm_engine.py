@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
-    FCFSPolicy,
-    PriorityPolicy,
+    KVBlockManager,
     Request,
     ScheduledRequest,
     Scheduler,
@@ -22,11 +20,15 @@ from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.engine.scheduling import build_kv_manager, build_policy
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
+
+# How long an empty step waits when requests are held back by the policy (static batching's timeout).
+_IDLE_WAIT_S = 0.001
 
 
 @dataclass(slots=True)
@@ -58,12 +60,11 @@ class LLMEngine:
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
         self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size)
-        self.kv_manager = BlockManager(
-            parts.kv_cache.num_blocks,
-            config.block_size,
-            num_host_blocks=parts.kv_cache.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+        self.kv_manager: KVBlockManager = build_kv_manager(
+            config, parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks, parts.max_model_len
         )
+        # Contiguous regions share nothing: there is no prefix to look up.
+        prefix_caching = config.enable_prefix_caching and config.kv_manager == "paged"
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -71,11 +72,11 @@ class LLMEngine:
                 max_model_len=parts.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 preemption_mode=config.preemption_mode,
             ),
             self.kv_manager,
-            PriorityPolicy() if config.scheduling_policy == "priority" else FCFSPolicy(),
+            build_policy(config),
         )
         self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         self.sampler = Sampler()
@@ -149,6 +150,10 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if not outputs and self.scheduler.has_unfinished_requests():
+                # The policy holds the waiting requests back (a static batch still forming): a step loop
+                # would spin on this, so yield the core for a moment.
+                time.sleep(_IDLE_WAIT_S)
             return outputs
         logits = self.runner.execute(scheduled)
         sampled = self._sample(scheduled, logits)
