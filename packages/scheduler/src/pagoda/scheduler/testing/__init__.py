@@ -2,9 +2,11 @@
 
 `sim`: `TokenCacheModel`, a token-level stand-in for the model runner, and `reference_output`, what it must
 produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. (`ContiguousKVManager`, which the engine runs too, is
-`pagoda.scheduler.ContiguousKVManager` since 0.3.0.)
+`pagoda.scheduler.ContiguousKVManager` since 0.3.0.) `measure`: `kv_occupancy`, the share of reserved KV slots
+that hold real tokens.
 """
 
+from pagoda.scheduler.testing.measure import KVOccupancy, kv_occupancy
 from pagoda.scheduler.testing.sim import (
     RunResult,
     SimSamplingParams,
@@ -14,9 +16,11 @@ from pagoda.scheduler.testing.sim import (
 )
 
 __all__ = [
+    "KVOccupancy",
     "RunResult",
     "SimSamplingParams",
     "TokenCacheModel",
+    "kv_occupancy",
     "reference_output",
     "run_to_completion",
 ]
