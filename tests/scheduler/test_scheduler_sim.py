@@ -10,9 +10,8 @@ from types import ModuleType
 
 import pytest
 from pagoda.blockalloc import BlockManager
-from pagoda.scheduler import Request, Scheduler, SchedulerConfig
+from pagoda.scheduler import ContiguousKVManager, Request, Scheduler, SchedulerConfig
 from pagoda.scheduler.testing import (
-    ContiguousKVManager,
     SimSamplingParams,
     TokenCacheModel,
     reference_output,

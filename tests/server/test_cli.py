@@ -241,3 +241,21 @@ def test_out_of_range_knobs_exit_2(
     """The new knobs refuse non-positive values before any model loads."""
     assert main(["serve", "unused-model", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_scheduling_flags_map_onto_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """--scheduling-policy (fcfs|priority|static), --static-batch-timeout and --kv-manager reach EngineConfig."""
+    flags = ["--scheduling-policy", "static", "--static-batch-timeout", "0.5", "--kv-manager", "contiguous"]
+    args = build_parser().parse_args(["serve", "some/model", *flags])
+    assert engine_config(args) == EngineConfig(
+        model="some/model", scheduling_policy="static", static_batch_timeout_s=0.5, kv_manager="contiguous"
+    )
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert engine_config(args) == EngineConfig(scheduling_policy="priority")
+    for bad in (["--scheduling-policy", "lifo"], ["--kv-manager", "slab"]):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", *bad])
+        assert info.value.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+    assert main(["serve", "unused-model", "--static-batch-timeout", "-1"]) == 2
+    assert "static_batch_timeout_s" in capsys.readouterr().err

@@ -7,13 +7,14 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import pytest
 import torch
-from pagoda.scheduler import MeasuredPreemptionCosts, SchedulerOutput
+from pagoda.scheduler import MeasuredPreemptionCosts, SchedulerOutput, StaticBatchPolicy
 from pagoda.scheduler.testing import ThresholdPreemptionCosts
 from pagoda.server.engine import EngineConfigError, LLMEngine, RequestRejectedError
 from pagoda.server.llm import LLM
@@ -511,6 +512,107 @@ def test_refuses_a_kv_cache_smaller_than_one_request(model_dirs: dict[str, Path]
     """Startup fails with a message naming what to change when max_model_len does not fit."""
     with pytest.raises(EngineConfigError, match="max-model-len"):
         make_llm(model_dirs["llama"], num_kv_blocks=8, max_model_len=64)
+
+
+# --- scheduling policy x KV reservation (issue 17 §2): static batching and contiguous reservation, live ---
+
+# A pool of 40 blocks of 4 tokens holds two contiguous reservations of max_model_len 64 (16 blocks each).
+CONTIGUOUS_POOL = {"num_kv_blocks": 40, "max_model_len": 64}
+
+
+class Recording(NamedTuple):
+    """What `run_recording` saw: tokens per prompt; after every step the running ids and the static batch."""
+
+    tokens: list[list[int]]
+    running: list[frozenset[str]]
+    batches: list[frozenset[str]]
+
+
+def run_recording(llm: LLM, prompts: Sequence[Sequence[int]]) -> Recording:
+    """Generate greedily step by step, checking after every step that each running sequence holds a whole
+    contiguous region (under `kv_manager="contiguous"`)."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    policy = engine.scheduler.policy
+    final: dict[str, RequestOutput] = {}
+    record = Recording([], [], [])
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+        record.running.append(frozenset(r.request_id for r in engine.scheduler.running))
+        record.batches.append(policy.batch if isinstance(policy, StaticBatchPolicy) else frozenset())
+        if engine.config.kv_manager == "contiguous":
+            assert engine.kv_manager.stats().num_used_blocks == 16 * len(record.running[-1])
+    record.tokens.extend(list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts)))
+    return record
+
+
+@pytest.mark.parametrize(
+    ("policy", "kv_manager", "max_num_seqs"),
+    [("static", "contiguous", 3), ("fcfs", "contiguous", 4), ("static", "paged", 2)],
+)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_static_batching_and_contiguous_reservation_are_exact(
+    arch: str,
+    policy: str,
+    kv_manager: str,
+    max_num_seqs: int,
+    model_dirs: dict[str, Path],
+    reference: Reference,
+) -> None:
+    """Static batches and contiguous regions (real slots of the inner paged allocator) give HF's tokens.
+
+    Contiguous: at most two sequences run at once (two regions fit the pool), without preempting anyone.
+    Static: only members of the batch in flight run, and a new batch forms only after the last drained.
+    """
+    prompts = random_prompts(PROMPT_LENS)
+    llm = make_llm(
+        model_dirs[arch],
+        scheduling_policy=policy,
+        kv_manager=kv_manager,
+        max_num_seqs=max_num_seqs,
+        **CONTIGUOUS_POOL,
+    )
+    record = run_recording(llm, prompts)
+    assert_matches(reference, arch, prompts, record.tokens)
+    assert llm.engine.kv_manager.stats().num_used_blocks == 0
+    assert llm.engine.get_stats().num_preemptions == 0
+    if kv_manager == "contiguous":
+        assert max(map(len, record.running)) == 2
+    if policy == "static":
+        started = [record.batches[0]]
+        for step in range(1, len(record.batches)):
+            if record.batches[step] != record.batches[step - 1]:
+                assert not record.running[step - 1], f"step {step}: a new batch while the last runs"
+                started.append(record.batches[step])
+        assert all(ids <= batch for ids, batch in zip(record.running, record.batches, strict=True))
+        assert [len(b) for b in started] == [max_num_seqs] * (len(prompts) // max_num_seqs) + (
+            [len(prompts) % max_num_seqs] if len(prompts) % max_num_seqs else []
+        )
+
+
+def test_static_batch_waits_for_its_timeout_and_admits_nobody_until_it_drains(
+    model_dirs: dict[str, Path],
+) -> None:
+    """A lone request waits for the batch to fill (or its timeout); a request arriving mid-batch waits for
+    the batch to drain, then starts alone once its own timeout has passed (arrival times set in the past)."""
+    engine = make_llm(
+        model_dirs["llama"], scheduling_policy="static", static_batch_timeout_s=60.0, max_num_seqs=2
+    ).engine
+    long = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], long)
+    assert engine.step() == [] and engine.get_stats().num_waiting == 1  # 1 of 2 seats, 60 s to go
+    engine.add_request("b", [8, 9], short)
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"a", "b"}
+    engine.add_request("c", [10, 11], short, arrival_time=time.monotonic() - 120.0)  # overdue at once
+    finished: list[str] = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        running = {r.request_id for r in engine.scheduler.running}
+        assert "c" not in running or finished == ["b", "a"], (finished, running)
+    assert finished == ["b", "a", "c"]  # b finished while a ran on, and c joined only after a
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
+from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
 from pagoda.scheduler.preemption import (
@@ -20,6 +21,8 @@ from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatu
 from pagoda.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "ContiguousKVManager",
+    "ContiguousStats",
     "FCFSPolicy",
     "KVBlockManager",
     "KVCacheStatsLike",

@@ -18,6 +18,8 @@ from pagoda.server.config import (
     DTypeName,
     EngineConfig,
     KernelBackendName,
+    KVManagerName,
+    SchedulingPolicyName,
 )
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 
@@ -237,21 +239,41 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
-    # t16-fields: API scheduling and metrics naming.
-    fields = serve.add_argument_group("request scheduling and metrics")
-    fields.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        default="fcfs",
-        help="priority: requests with a lower `priority` field are served first (ties: arrival order)",
-    )
+    # t16-fields: metrics naming.
+    fields = serve.add_argument_group("metrics")
     fields.add_argument(
         "--metrics-prefix",
         default=DEFAULT_METRICS_PREFIX,
         help="namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)",
     )
     add_tgi_arguments(serve)
+    add_scheduling_args(serve)
     return parser
+
+
+def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's two axes: batching policy and KV reservation (static + contiguous is the seed's baseline)."""
+    group = parser.add_argument_group("scheduling")
+    group.add_argument(
+        "--scheduling-policy",
+        choices=get_args(SchedulingPolicyName),
+        default="fcfs",
+        help="fcfs: continuous batching in arrival order; priority: lower `priority` first; static: a batch of "
+        "up to --max-num-seqs runs to completion and nobody joins it",
+    )
+    group.add_argument(
+        "--static-batch-timeout",
+        type=float,
+        default=0.0,
+        help="static: seconds the oldest request waits for a full batch before a smaller one starts",
+    )
+    group.add_argument(
+        "--kv-manager",
+        choices=get_args(KVManagerName),
+        default="paged",
+        help="paged: blocks on demand; contiguous: each sequence reserves --max-model-len tokens at admission "
+        "(no prefix caching, no swapping)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -279,6 +301,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         seed=args.seed,
         scheduling_policy=args.scheduling_policy,
+        static_batch_timeout_s=args.static_batch_timeout,
+        kv_manager=args.kv_manager,
     )
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pagoda.scheduler import PreemptionMode
 
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+# static: traditional batching, a batch forms and runs to completion before the next is admitted.
+SchedulingPolicyName = Literal["fcfs", "priority", "static"]
+# contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
+KVManagerName = Literal["paged", "contiguous"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +36,10 @@ class EngineConfig:
     max_batch_prefill_tokens: int | None = None
     max_input_tokens: int | None = None  # None: max_model_len - 1
     preemption_mode: PreemptionMode = "recompute"
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: SchedulingPolicyName = "fcfs"
+    # static: how long the oldest waiting request waits for a batch of max_num_seqs before a smaller one runs.
+    static_batch_timeout_s: float = 0.0
+    kv_manager: KVManagerName = "paged"
     enforce_eager: bool = False  # CUDA: run the model's forward uncompiled (every step, prefill and decode)
     kernel_backend: KernelBackendName = "auto"
     dtype: DTypeName = "auto"
@@ -61,6 +68,12 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_gib <= 0 or self.swap_space_gib < 0:
             raise ValueError("kv_cache_gib must be > 0 and swap_space_gib >= 0")
+        if self.static_batch_timeout_s < 0:
+            raise ValueError("static_batch_timeout_s must be >= 0")
+        if self.scheduling_policy not in get_args(SchedulingPolicyName):
+            raise ValueError(f"scheduling_policy must be one of {get_args(SchedulingPolicyName)}")
+        if self.kv_manager not in get_args(KVManagerName):
+            raise ValueError(f"kv_manager must be one of {get_args(KVManagerName)}")
 
 
 # OpenAI's cap on the prompt array of one completion request; sequences (prompts x n) are capped at the same

@@ -1,13 +1,13 @@
 """Helpers for tests, simulators and benchmarks of the scheduler; the engine imports none of them.
 
 `sim`: `TokenCacheModel`, a token-level stand-in for the model runner, and `reference_output`, what it must
-produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. `contiguous`: `ContiguousKVManager`, contiguous
-per-request KV preallocation over any `KVBlockManager` (the simulator's baseline). `costs`:
-`ThresholdPreemptionCosts`, a forced cost model for `preemption_mode="auto"`.
+produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. (`ContiguousKVManager`, which the engine runs too, is
+`pagoda.scheduler.ContiguousKVManager` since 0.3.0.) `measure`: `kv_occupancy`, the share of reserved KV slots
+that hold real tokens. `costs`: `ThresholdPreemptionCosts`, a forced cost model for `preemption_mode="auto"`.
 """
 
-from pagoda.scheduler.testing.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.testing.costs import ThresholdPreemptionCosts
+from pagoda.scheduler.testing.measure import KVOccupancy, kv_occupancy
 from pagoda.scheduler.testing.sim import (
     RunResult,
     SimSamplingParams,
@@ -17,12 +17,12 @@ from pagoda.scheduler.testing.sim import (
 )
 
 __all__ = [
-    "ContiguousKVManager",
-    "ContiguousStats",
+    "KVOccupancy",
     "RunResult",
     "SimSamplingParams",
     "ThresholdPreemptionCosts",
     "TokenCacheModel",
+    "kv_occupancy",
     "reference_output",
     "run_to_completion",
 ]

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
-    FCFSPolicy,
-    PriorityPolicy,
+    KVBlockManager,
     Request,
     ScheduledRequest,
     Scheduler,
@@ -24,6 +22,7 @@ from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.engine.scheduling import build_kv_manager, build_policy
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, TokenLogprobs
@@ -31,6 +30,9 @@ from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
+
+# How long an empty step waits when requests are held back by the policy (static batching's timeout).
+_IDLE_WAIT_S = 0.001
 
 
 @dataclass(slots=True)
@@ -68,12 +70,11 @@ class LLMEngine:
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
         self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, config.max_input_tokens)
-        self.kv_manager = BlockManager(
-            parts.kv_cache.num_blocks,
-            config.block_size,
-            num_host_blocks=parts.kv_cache.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+        self.kv_manager: KVBlockManager = build_kv_manager(
+            config, parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks, parts.max_model_len
         )
+        # Contiguous regions share nothing: there is no prefix to look up.
+        prefix_caching = config.enable_prefix_caching and config.kv_manager == "paged"
         self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         costs = None
         if config.preemption_mode == "auto":
@@ -87,11 +88,11 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_num_partial_prefills=config.max_num_partial_prefills,
                 max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 preemption_mode=config.preemption_mode,
             ),
             self.kv_manager,
-            PriorityPolicy() if config.scheduling_policy == "priority" else FCFSPolicy(),
+            build_policy(config),
             costs,
         )
         self.sampler = Sampler()
@@ -193,6 +194,10 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if not outputs and self.scheduler.has_unfinished_requests():
+                # The policy holds the waiting requests back (a static batch still forming): a step loop
+                # would spin on this, so yield the core for a moment.
+                time.sleep(_IDLE_WAIT_S)
             return outputs
         prompt_lens = {
             chunk.request_id: len(state.prompt_token_ids)
