@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagoda.server.structured.params import StructuredOutputsParams
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
+
 MAX_LOGPROBS = 20
 
 
@@ -38,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""

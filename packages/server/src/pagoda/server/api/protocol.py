@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
+from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.sampling_params import MAX_LOGPROBS
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,7 +54,7 @@ class SamplingFields(_Model):
     user: str | None = None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     """Body of POST /v1/completions."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
@@ -77,7 +78,7 @@ class ChatMessage(_Model):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage]

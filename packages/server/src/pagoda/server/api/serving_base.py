@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import TypeVar
 
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import SamplingFields
+from pagoda.server.api.serving_structured import check_constraint, requested_constraint
+from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -143,6 +146,16 @@ class ServingContext:
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
+
+    async def with_structured_outputs(self, body: StructuredFields, params: SamplingParams) -> SamplingParams:
+        """`params` with the body's structured-output constraint, parsed off the event loop (a 400 naming the
+        field when it is invalid or when several are given)."""
+        requested = requested_constraint(body)
+        if requested is None:
+            return params
+        constraint, fields = requested
+        await self.run(lambda: check_constraint(constraint, fields))
+        return dataclasses.replace(params, structured_outputs=constraint)
 
     async def open_streams(
         self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams

@@ -95,6 +95,7 @@ class CompletionsHandler:
         prompts = await self._prompts(body)
         max_tokens = min(ctx.rules.max_tokens(ids, body.max_tokens, "prompt") for _, ids in prompts)
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        params = await ctx.with_structured_outputs(body, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
             (text if text is not None else await ctx.decode(ids)) if body.echo else ""

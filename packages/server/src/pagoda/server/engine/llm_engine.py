@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xgrammar as xgr
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
     FCFSPolicy,
@@ -26,7 +29,13 @@ from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.structured import GrammarBitmask, GrammarError, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a compiling grammar before returning to the caller's command loop.
+_GRAMMAR_POLL_SECONDS = 0.01
 
 
 @dataclass(slots=True)
@@ -79,6 +88,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammar_bitmask = GrammarBitmask(self.vocab_size, self.eos_token_ids)
+        # Constrained requests whose grammar is compiling: held back from the scheduler until it is ready, so
+        # that no step waits on a compilation and the scheduler never sees a request it cannot run.
+        self._waiting_for_grammar: dict[str, tuple[Request, Future[xgr.CompiledGrammar]]] = {}
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
         # Final snapshots of aborted requests, returned by the next step.
@@ -104,6 +118,13 @@ class LLMEngine:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
         self.rules.check(ids, params)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            try:
+                self.structured.check(constraint)
+            except GrammarError as exc:
+                field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"
+                raise RequestRejectedError(str(exc), field) from exc
         if request_id in self._requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -118,8 +139,12 @@ class LLMEngine:
             arrival,
             self.device,
         )
-        # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
-        self.scheduler.add_request(Request(request_id, ids, scheduler_params, arrival_time=arrival))
+        request = Request(request_id, ids, scheduler_params, arrival_time=arrival)
+        if constraint is None:
+            # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
+            self.scheduler.add_request(request)
+        else:
+            self._waiting_for_grammar[request_id] = (request, self.structured.compile(constraint))
         self._requests[request_id] = state
         self._seq_owner.update(dict.fromkeys(state.samples, state))
 
@@ -128,7 +153,11 @@ class LLMEngine:
         state = self._requests.get(request_id)
         if state is None:
             return
-        self.scheduler.abort_request(request_id)
+        waiting = self._waiting_for_grammar.pop(request_id, None)
+        if waiting is not None:
+            waiting[1].cancel()
+        else:
+            self.scheduler.abort_request(request_id)
         for seq_id in state.samples:
             state.finish(seq_id, "abort")
         self._aborted.append(state.snapshot())
@@ -146,9 +175,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; snapshots of the requests that progressed, finished or were aborted."""
+        self._admit_compiled()
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self._waiting_for_grammar:  # nothing to run until a grammar is ready: wait, do not spin
+                futures = [future for _, future in self._waiting_for_grammar.values()]
+                wait(futures, timeout=_GRAMMAR_POLL_SECONDS, return_when=FIRST_COMPLETED)
             return outputs
         logits = self.runner.execute(scheduled)
         sampled = self._sample(scheduled, logits)
@@ -163,6 +196,9 @@ class LLMEngine:
         seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
         if not seq_ids:
             return []
+        samples = [self._seq_owner[seq_id].samples[seq_id] for seq_id in seq_ids]
+        # The grammar step comes first, so that penalties, temperature, top-k and top-p see only allowed tokens.
+        self.grammar_bitmask.apply(logits, [sample.matcher for sample in samples])
         out = self.sampler(logits, [self._seq_owner[seq_id].sampling_row(seq_id) for seq_id in seq_ids])
         return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
 
@@ -195,6 +231,23 @@ class LLMEngine:
                 self._forget(state)
         return outputs
 
+    def _admit_compiled(self) -> None:
+        """Hand the requests whose grammar finished compiling to the scheduler, each sample with its matcher."""
+        for request_id, (request, future) in list(self._waiting_for_grammar.items()):
+            if not future.done():
+                continue
+            del self._waiting_for_grammar[request_id]
+            state = self._requests[request_id]
+            try:
+                state.start_grammar(future.result())
+                self.scheduler.add_request(request)
+            except Exception:  # the constraint was checked at add_request, so this is the engine's failure
+                logger.exception("request %s: its grammar could not be compiled or admitted", request_id)
+                for seq_id in state.samples:
+                    state.finish(seq_id, "abort")
+                self._aborted.append(state.snapshot())
+                self._forget(state)
+
     def _forget(self, state: RequestState) -> None:
         """Drop a finished or aborted request's bookkeeping."""
         self._requests.pop(state.request_id, None)
@@ -208,7 +261,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         return EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + len(self._waiting_for_grammar),
             num_swapped=s.num_swapped,
             kv_cache_usage=s.kv_usage,
             num_kv_blocks=self.num_kv_blocks,
