@@ -4,6 +4,7 @@ driven by the official OpenAI clients, httpx and schemathesis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -79,6 +80,21 @@ class LiveServer:
         return self.process.returncode
 
 
+@contextlib.contextmanager
+def serving(model: Path, *extra: str) -> Iterator[LiveServer]:
+    """A live server for the block; it must exit cleanly on SIGTERM."""
+    server = LiveServer(model, *extra)
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def sync_client(live: LiveServer) -> openai.OpenAI:
+    """The official synchronous OpenAI client of a live server (no retries)."""
+    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with a 4096-token context, saved like a hub checkout."""
@@ -88,17 +104,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def live(model_dir: Path) -> Iterator[LiveServer]:
     """One server for the module."""
-    server = LiveServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
-    try:
+    with serving(model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as server:
         yield server
-    finally:
-        assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return sync_client(live)
 
 
 def metric(text: str, name: str) -> float:

@@ -17,7 +17,7 @@ from api_cases import MODEL
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
 from pydantic import BaseModel, Field
-from test_api_live import NO_EOS, LiveServer, assert_good_request
+from test_api_live import NO_EOS, LiveServer, assert_good_request, serving, sync_client
 from tiny_models import make_tiny_model
 
 MAX_TOKENS = 400  # room for a schema-bounded JSON object to close (each test checks finish_reason)
@@ -54,17 +54,14 @@ REGEX = r"[a-z]{3}-\d{2}"
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A server over a tiny random Llama with room for whole JSON objects."""
     path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
-    server = LiveServer(path, "--max-model-len", "1024")
-    try:
+    with serving(path, "--max-model-len", "1024") as server:
         yield server
-    finally:
-        assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return sync_client(live)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
