@@ -55,6 +55,9 @@ def test_config_validation() -> None:
         {"preemption_mode": "drop"},
         {"watermark": 1.0},
         {"enable_chunked_prefill": False, "max_num_batched_tokens": 8, "max_model_len": 16},
+        {"max_num_partial_prefills": 0},
+        {"max_batch_prefill_tokens": 0},
+        {"enable_chunked_prefill": False, "max_batch_prefill_tokens": 8, "max_model_len": 16},
     ):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
@@ -138,6 +141,29 @@ def test_long_prefill_threshold_caps_one_requests_share() -> None:
     sched.add_request(req("b", 12))
     assert chunks(step(sched, model)[0]) == [("a", 0, 5, 0), ("b", 0, 3, 0)]
     assert chunks(step(sched, model)[0]) == [("a", 5, 5, 0), ("b", 3, 3, 0)]
+
+
+def test_max_num_partial_prefills_caps_requests_mid_prefill() -> None:
+    """With a cap of 1, b waits until a's prompt completes; its chunk then shares the step with a's decode."""
+    sched, kv = make(max_num_batched_tokens=8, max_num_partial_prefills=1)
+    model = TokenCacheModel(kv.num_blocks, BS)
+    sched.add_request(req("a", 12, max_tokens=2))
+    sched.add_request(req("b", 12, max_tokens=2))
+    assert chunks(step(sched, model)[0]) == [("a", 0, 8, 0)]  # b would fit in the budget left, but waits
+    assert chunks(step(sched, model)[0]) == [("a", 8, 4, 1)]  # a completes its prompt this step
+    assert chunks(step(sched, model)[0]) == [("a", 12, 1, 1), ("b", 0, 7, 0)]
+
+
+def test_max_batch_prefill_tokens_caps_prefills_but_not_decodes() -> None:
+    """TGI's prefill budget: 6 prefill tokens a step in a budget of 16; decodes come on top of it."""
+    sched, kv = make(max_num_batched_tokens=16, max_batch_prefill_tokens=6)
+    model = TokenCacheModel(kv.num_blocks, BS)
+    sched.add_request(req("a", 3, max_tokens=4))
+    sched.add_request(req("b", 10, max_tokens=2))
+    assert chunks(step(sched, model)[0]) == [("a", 0, 3, 1), ("b", 0, 3, 0)]
+    sched.add_request(req("c", 4, max_tokens=2))
+    assert chunks(step(sched, model)[0]) == [("a", 3, 1, 1), ("b", 3, 6, 0)]
+    assert chunks(step(sched, model)[0]) == [("a", 4, 1, 1), ("b", 9, 1, 1), ("c", 0, 4, 1)]
 
 
 def test_decodes_come_before_prefill_chunks_and_admissions() -> None:

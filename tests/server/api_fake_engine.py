@@ -264,12 +264,18 @@ def serve_in_thread(
     *,
     settings: AppSettings | None = None,
     max_waiting_requests: int | None = None,
+    max_concurrent_requests: int | None = None,
     served_model_name: str = "test-model",
     limits: HTTPLimits | None = None,
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
-    llm = AsyncLLM(client, served_model_name=served_model_name, max_waiting_requests=max_waiting_requests)
+    llm = AsyncLLM(
+        client,
+        served_model_name=served_model_name,
+        max_waiting_requests=max_waiting_requests,
+        max_concurrent_requests=max_concurrent_requests,
+    )
     app = build_app(llm, settings)
     port = free_port()
     config = HTTPConfig(

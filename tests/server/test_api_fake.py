@@ -386,6 +386,29 @@ def test_full_waiting_queue_is_429_with_retry_after() -> None:
         )
 
 
+def test_max_concurrent_requests_is_429_in_flight_and_400_alone() -> None:
+    """TGI's --max-concurrent-requests 2: with two prompts in flight a third is a 429; a request of three
+    prompts can never fit (400); once the two finish a request is admitted again."""
+    engine = FakeEngine(max_num_seqs=4, step_seconds=0.005)
+    with serve_in_thread(engine, max_concurrent_requests=2) as running:
+        url = f"{running.base_url}/v1/completions"
+
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"model": MODEL, "prompt": "a", "max_tokens": 30}
+                first = asyncio.ensure_future(client.post(url, json=body))
+                second = asyncio.ensure_future(client.post(url, json=body))
+                await _until(lambda: running.llm.num_active_requests == 2)
+                third = await client.post(url, json={**body, "max_tokens": 2})
+                three_prompts = await client.post(url, json={**body, "prompt": ["a", "b", "c"]})
+                codes = [third.status_code, three_prompts.status_code, (await first).status_code]
+                codes.append((await second).status_code)
+                after = await client.post(url, json={**body, "max_tokens": 2})
+                return [*codes, after.status_code]
+
+        assert asyncio.run(scenario()) == [429, 400, 200, 200, 200]
+
+
 async def _until(condition: Any) -> None:
     while not condition():
         await asyncio.sleep(0.001)

@@ -232,6 +232,26 @@ def test_n_and_seed_determinism(client: openai.OpenAI) -> None:
     assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
 
 
+def test_beam_search_completion(client: openai.OpenAI) -> None:
+    """use_beam_search returns the n best of best_of beams, best first, the same every time."""
+
+    def search() -> list[str]:
+        result = client.completions.create(
+            model=MODEL,
+            prompt="Once upon",
+            max_tokens=8,
+            n=2,
+            best_of=4,
+            extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True},
+        )
+        assert sorted(c.index for c in result.choices) == [0, 1]
+        return [c.text for c in sorted(result.choices, key=lambda c: c.index)]
+
+    first = search()
+    assert search() == first
+    assert first[0] != first[1]  # distinct beams
+
+
 @pytest.mark.parametrize("stop_len", [1, 3])
 def test_stop_string_ends_the_text(client: openai.OpenAI, stop_len: int) -> None:
     """A stop string taken from the greedy text cuts it there with finish_reason stop, streamed or not (a

@@ -156,5 +156,88 @@ def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> N
         "--max-sequences-per-request",
         "--shutdown-timeout",
         "--dtype",
+        "--max-batch-prefill-tokens",
+        "--max-total-tokens",
+        "--max-input-tokens",
+        "--max-input-length",
+        "--max-batch-size",
+        "--max-concurrent-requests",
+        "--enable-chunked-prefill",
+        "--long-prefill-token-threshold",
+        "--max-num-partial-prefills",
     ]:
         assert flag in text, flag
+
+
+def test_tgi_flags_map_onto_engine_config() -> None:
+    """TGI's names land in the vLLM fields they mean; the chunked-prefill knobs and auto preemption map too."""
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--max-total-tokens",
+            "512",
+            "--max-batch-size",
+            "8",
+            "--max-input-length",
+            "300",
+            "--max-batch-prefill-tokens",
+            "1024",
+            "--no-enable-chunked-prefill",
+            "--long-prefill-token-threshold",
+            "64",
+            "--max-num-partial-prefills",
+            "2",
+            "--preemption-mode",
+            "auto",
+        ]
+    )
+    assert engine_config(args) == EngineConfig(
+        max_model_len=512,
+        max_num_seqs=8,
+        max_input_tokens=300,
+        max_batch_prefill_tokens=1024,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=64,
+        max_num_partial_prefills=2,
+        preemption_mode="auto",
+    )
+    same = ["serve", "--max-batch-size", "8", "--max-num-seqs", "8", "--max-input-tokens", "9"]
+    assert engine_config(build_parser().parse_args(same)) == EngineConfig(max_num_seqs=8, max_input_tokens=9)
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--max-total-tokens", "512", "--max-model-len", "1024"], ("--max-total-tokens", "--max-model-len")),
+        (["--max-num-seqs", "256", "--max-batch-size", "8"], ("--max-batch-size", "--max-num-seqs")),
+        (
+            ["--max-input-length", "10", "--max-input-tokens", "20"],
+            ("--max-input-length", "--max-input-tokens"),
+        ),
+    ],
+)
+def test_a_tgi_flag_and_its_vllm_twin_must_agree(
+    flags: list[str], names: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both spellings of one limit with different values: exit 2 naming both (even the vLLM default, given)."""
+    assert main(["serve", "unused-model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in names), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-concurrent-requests", "0"], "--max-concurrent-requests"),
+        (["--max-batch-prefill-tokens", "0"], "max_batch_prefill_tokens"),
+        (["--max-num-partial-prefills", "0"], "max_num_partial_prefills"),
+        (["--long-prefill-token-threshold", "0"], "long_prefill_token_threshold"),
+        (["--max-input-tokens", "0"], "max_input_tokens"),
+    ],
+)
+def test_out_of_range_knobs_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The new knobs refuse non-positive values before any model loads."""
+    assert main(["serve", "unused-model", *flags]) == 2
+    assert message in capsys.readouterr().err

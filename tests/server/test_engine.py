@@ -13,6 +13,8 @@ from typing import Any, cast
 
 import pytest
 import torch
+from pagoda.scheduler import MeasuredPreemptionCosts, SchedulerOutput
+from pagoda.scheduler.testing import ThresholdPreemptionCosts
 from pagoda.server.engine import EngineConfigError, LLMEngine, RequestRejectedError
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
@@ -97,6 +99,35 @@ def preempting_llm(model_dir: Path, mode: str) -> LLM:
     return make_llm(model_dir, num_kv_blocks=24, max_model_len=40, preemption_mode=mode, swap_space_gib=0.01)
 
 
+class StepSpy:
+    """Wraps the engine's `scheduler.schedule`: keeps every SchedulerOutput and how each victim was preempted."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[SchedulerOutput] = []
+        self.swaps = 0  # preemptions that moved the victim's blocks to the host tier
+        self.recomputes = 0
+        scheduler = llm.engine.scheduler
+        schedule = scheduler.schedule
+
+        def spy() -> SchedulerOutput:
+            out = schedule()
+            self.steps.append(out)
+            swapped = {r.request_id for r in scheduler.swapped}
+            for rid in out.preempted_request_ids:
+                if rid in swapped:
+                    self.swaps += 1
+                else:
+                    self.recomputes += 1
+            return out
+
+        scheduler.schedule = spy  # type: ignore[method-assign]
+
+    @property
+    def num_split_prefills(self) -> int:
+        """Chunks that ended mid-prompt (they sample nothing): the prefills that were split over steps."""
+        return sum(1 for out in self.steps for c in out.scheduled if not c.num_samples)
+
+
 def tokens(outputs: Sequence[RequestOutput], index: int = 0) -> list[list[int]]:
     """Generated token ids of sample `index` of each output."""
     return [list(o.outputs[index].token_ids) for o in outputs]
@@ -132,14 +163,20 @@ def test_greedy_batch_matches_transformers(
     assert llm.engine.kv_manager.stats().num_used_blocks == 0
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_preemption_is_exact(arch: str, mode: str, model_dirs: dict[str, Path], reference: Reference) -> None:
-    """A pool too small for the batch preempts (recompute or swap) and still produces HF's tokens."""
+    """A pool too small for the batch preempts (recompute, swap, or auto's choice) and still produces HF's
+    tokens; the forced modes really preempt the way they say."""
     prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
     llm = preempting_llm(model_dirs[arch], mode)
+    spy = StepSpy(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions > 0
+    assert llm.engine.get_stats().num_preemptions == spy.swaps + spy.recomputes > 0
+    if mode == "recompute":
+        assert spy.swaps == 0
+    if mode == "swap":
+        assert spy.swaps > 0 and any(out.blocks_to_swap_in for out in spy.steps)
     assert_matches(reference, arch, prompts, tokens(outputs))
     assert llm.engine.kv_manager.stats().num_used_blocks == 0
 
@@ -155,8 +192,9 @@ def test_uninitialised_cache_memory_never_reaches_the_output(
     for k, v in [*cache.device_caches, *cache.host_caches]:
         k.fill_(float("nan"))
         v.fill_(float("nan"))
+    spy = StepSpy(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions > 0
+    assert spy.swaps > 0 and any(out.blocks_to_swap_in for out in spy.steps)
     assert_matches(reference, arch, prompts, tokens(outputs))
 
 
@@ -179,7 +217,77 @@ def test_chunked_prefill_is_exact(arch: str, model_dirs: dict[str, Path], refere
     """A token budget of 16 splits the long prompts over steps; output unchanged."""
     prompts = random_prompts(PROMPT_LENS)
     llm = make_llm(model_dirs[arch], max_num_batched_tokens=16)
+    spy = StepSpy(llm)
     assert_matches(reference, arch, prompts, tokens(llm.generate(prompts, GREEDY, use_tqdm=False)))
+    assert spy.num_split_prefills > 0
+
+
+def test_chunked_prefill_knobs_are_exact(model_dirs: dict[str, Path], reference: Reference) -> None:
+    """A prefill budget of 8 (TGI's), one partial prefill at a time and a per-request cap of 6: the prompts
+    are split and taken one at a time, and the tokens do not change."""
+    prompts = random_prompts(PROMPT_LENS)
+    llm = make_llm(
+        model_dirs["llama"],
+        max_batch_prefill_tokens=8,
+        max_num_partial_prefills=1,
+        long_prefill_token_threshold=6,
+    )
+    spy = StepSpy(llm)
+    assert_matches(reference, "llama", prompts, tokens(llm.generate(prompts, GREEDY, use_tqdm=False)))
+    prefill_chunks = [
+        [c for c in out.scheduled if c.num_tokens > 1 or not c.num_samples] for out in spy.steps
+    ]
+    assert spy.num_split_prefills > 0 and max(len(chunks) for chunks in prefill_chunks) == 1
+    assert max(c.num_tokens for chunks in prefill_chunks for c in chunks) == 6
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_auto_preemption_swaps_long_victims_and_recomputes_short_ones_exactly(
+    arch: str, model_dirs: dict[str, Path], reference: Reference
+) -> None:
+    """The engine measures its costs at start; on a forced cost model both mechanisms run in one batch, and
+    the greedy tokens are still HF's."""
+    llm = preempting_llm(model_dirs[arch], "auto")
+    measured = llm.engine.scheduler.preemption_costs
+    assert isinstance(measured, MeasuredPreemptionCosts)
+    assert measured.prefill_tokens_per_s > 0 and measured.host_copy_bytes_per_s > 0
+    assert 0 <= measured.host_copy_latency_s < 1
+    # With these lengths the victims hold 2 and 8 blocks: one of each kind.
+    llm.engine.scheduler.preemption_costs = ThresholdPreemptionCosts(min_swap_blocks=5)
+    spy = StepSpy(llm)
+    prompts = random_prompts((20, 22, 4, 25, 5, 21, 3), seed=1)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert spy.swaps > 0 and spy.recomputes > 0
+    assert_matches(reference, arch, prompts, tokens(outputs))
+    assert llm.engine.kv_manager.stats().num_used_blocks == 0
+
+
+def test_urgent_request_preempts_a_less_urgent_one_and_finishes_first(
+    model_dirs: dict[str, Path], reference: Reference
+) -> None:
+    """Priority policy, a full batch (2 seats) of priority-1 requests: a priority-0 request preempts the later
+    of them at once, finishes first, and every output is still HF's."""
+    llm = make_llm(model_dirs["llama"], scheduling_policy="priority", max_num_seqs=2)
+    engine = llm.engine
+    spy = StepSpy(llm)
+    low_prompts = random_prompts((9, 11), seed=7)
+    urgent_prompt = random_prompts((6,), seed=8)[0]
+    long_params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, priority=1)
+    for i, prompt in enumerate(low_prompts):
+        engine.add_request(f"low{i}", prompt, long_params, arrival_time=float(i))
+    for _ in range(3):
+        engine.step()
+    urgent_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, priority=0)
+    engine.add_request("urgent", urgent_prompt, urgent_params, arrival_time=2.0)
+    engine.step()
+    assert spy.steps[-1].preempted_request_ids == ("low1",)
+    assert "urgent" in {c.request_id for c in spy.steps[-1].scheduled}
+    finished = [o for o in drain(engine) if o.finished]
+    assert finished[0].request_id == "urgent"
+    got = {o.request_id: list(o.outputs[0].token_ids) for o in finished}
+    assert got["urgent"] == reference.greedy("llama", urgent_prompt, 6)
+    for i, prompt in enumerate(low_prompts):
+        assert got[f"low{i}"] == reference.greedy("llama", prompt, 30)
 
 
 def test_parallel_greedy_samples_are_equal(model_dirs: dict[str, Path], reference: Reference) -> None:
@@ -385,6 +493,18 @@ def test_relays_what_only_the_scheduler_checks_with_its_field(model_dirs: dict[s
         assert info.value.param == param
     assert engine.get_num_unfinished_requests() == 1
     assert [len(o.outputs) for o in drain(engine) if o.finished] == [2]
+
+
+def test_max_input_tokens_caps_the_prompt(model_dirs: dict[str, Path]) -> None:
+    """TGI's --max-input-tokens: a longer prompt is refused naming the prompt; it must stay below max_model_len."""
+    engine = make_llm(model_dirs["llama"], max_input_tokens=10).engine
+    with pytest.raises(RequestRejectedError, match="max_input_tokens") as info:
+        engine.add_request("long", [5] * 11, SamplingParams(max_tokens=2))
+    assert info.value.param == "prompt"
+    engine.add_request("fits", [5] * 10, SamplingParams(max_tokens=2))
+    assert [o.finished for o in drain(engine)][-1]
+    with pytest.raises(EngineConfigError, match="max-input-tokens"):
+        make_llm(model_dirs["llama"], max_input_tokens=64)
 
 
 def test_refuses_a_kv_cache_smaller_than_one_request(model_dirs: dict[str, Path]) -> None:

@@ -4,6 +4,12 @@ admission, preemption by recompute or swap, parallel sampling) over Protocols it
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
+from pagoda.scheduler.preemption import (
+    MeasuredPreemptionCosts,
+    PreemptionChoice,
+    PreemptionCostModel,
+    choose_preemption,
+)
 from pagoda.scheduler.protocols import (
     KVBlockManager,
     KVCacheStatsLike,
@@ -17,6 +23,9 @@ __all__ = [
     "FCFSPolicy",
     "KVBlockManager",
     "KVCacheStatsLike",
+    "MeasuredPreemptionCosts",
+    "PreemptionChoice",
+    "PreemptionCostModel",
     "PreemptionMode",
     "PriorityPolicy",
     "Request",
@@ -31,5 +40,6 @@ __all__ = [
     "SchedulingPolicy",
     "SlotAllocationLike",
     "StaticBatchPolicy",
+    "choose_preemption",
     "sample_id",
 ]

@@ -32,6 +32,10 @@ class SchedulingPolicy(Protocol):
         """The request to preempt among `candidates` (running requests in running order, never empty)."""
         ...
 
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """A running request to preempt so that waiting `request` can be admitted; None: `request` waits."""
+        ...
+
 
 def _arrival_key(request: Request) -> tuple[float, int]:
     """FCFS order: arrival time, then sample index (children after their parent)."""
@@ -73,13 +77,18 @@ class FCFSPolicy:
         """The latest arrival."""
         return _latest(candidates, _arrival_key)
 
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """Nobody: a waiting request waits for blocks and seats to free up."""
+        return None
+
 
 class PriorityPolicy:
     """Lower `priority` value first, FCFS among equals; the victim is the lowest-priority, latest-arrived one.
 
     Queues stay sorted by (priority, arrival): a preempted request re-enters by its key, not at the front, so
-    it never jumps ahead of a more urgent one. Waiting requests never preempt running ones (only a running
-    request that needs a block preempts).
+    it never jumps ahead of a more urgent one. A waiting request that cannot be admitted (no seat or no
+    blocks) preempts running requests that rank after it, least urgent first, until it fits (vLLM's priority
+    preemption).
     """
 
     def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
@@ -95,6 +104,13 @@ class PriorityPolicy:
     def select_victim(self, candidates: Sequence[Request]) -> Request:
         """The least urgent, latest arrival."""
         return _latest(candidates, _priority_key)
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """The least urgent running request if it ranks after `request` by (priority, arrival) (vLLM's rule)."""
+        if not running:
+            return None
+        victim = _latest(running, _priority_key)
+        return victim if _priority_key(victim) > _priority_key(request) else None
 
 
 class StaticBatchPolicy:
@@ -160,3 +176,7 @@ class StaticBatchPolicy:
     def select_victim(self, candidates: Sequence[Request]) -> Request:
         """The latest arrival."""
         return _latest(candidates, _arrival_key)
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """Nobody: a waiting request waits for blocks and seats to free up."""
+        return None

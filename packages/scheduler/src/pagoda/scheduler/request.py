@@ -169,6 +169,20 @@ class Request:
             return ()
         return tuple(sample_id(self.request_id, i) for i in range(1, self.num_children_to_fork + 1))
 
+    def copy_as(self, child_id: str, *, parent_id: str, sample_index: int) -> Request:
+        """A WAITING copy of this request's tokens (prompt and outputs) under `child_id`, in group `parent_id`."""
+        child = Request(
+            child_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            arrival_time=self.arrival_time,
+            cache_salt=self.cache_salt,
+            parent_id=parent_id,
+            sample_index=sample_index,
+        )
+        child._all_token_ids = list(self._all_token_ids)
+        return child
+
     def append_output_token(self, token_id: int) -> None:
         """Record a sampled token (its KV is computed in a later step)."""
         self._all_token_ids.append(token_id)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -110,13 +110,20 @@ class AsyncLLM:
     """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
 
     def __init__(
-        self, engine: EngineClient, *, served_model_name: str, max_waiting_requests: int | None = None
+        self,
+        engine: EngineClient,
+        *,
+        served_model_name: str,
+        max_waiting_requests: int | None = None,
+        metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+        max_concurrent_requests: int | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
+        self.max_concurrent_requests = max_concurrent_requests  # TGI's limit on requests (prompts) in flight
         self._stats: EngineStats = engine.get_stats()
-        self.metrics = ServerMetrics(served_model_name, lambda: self._stats)
+        self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None
@@ -190,13 +197,24 @@ class AsyncLLM:
     def check_admission(self, num_seqs: int, n: int) -> None:
         """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`).
 
-        It fits when the pending sequences plus its own stay within --max-waiting-requests. One that exceeds the
-        limit alone can never fit: RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
+        It fits when the pending sequences plus its own stay within --max-waiting-requests, and its prompts plus
+        those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
+        RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
         """
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped")
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
+        num_prompts = num_seqs // n
+        concurrent = self.max_concurrent_requests
+        if concurrent is not None:
+            if num_prompts > concurrent:
+                raise RequestRejectedError(
+                    f"the request has {num_prompts} prompts, more than --max-concurrent-requests ({concurrent})",
+                    "prompt",
+                )
+            if self._num_active + num_prompts > concurrent:
+                raise EngineOverloadedError(f"{self._num_active} requests are in flight (limit {concurrent})")
         limit = self.max_waiting_requests
         if limit is None:
             return
@@ -311,11 +329,17 @@ class AsyncLLM:
                 self._stats = engine.get_stats()
                 if not engine.has_unfinished_requests():
                     continue
+                before = self._stats
                 outputs = engine.step()
                 now = time.monotonic()
                 for output in outputs:
                     self._dispatch(output, now)
                 self._stats = engine.get_stats()
+                num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
+                    before.prompt_tokens + before.generation_tokens
+                )
+                if num_tokens > 0:
+                    self.metrics.observe_iteration(num_tokens)
         except BaseException as exc:
             logger.exception("the engine loop failed; every in-flight request fails")
             self._die(exc)
@@ -362,8 +386,14 @@ class AsyncLLM:
     def _abort(self, request_id: str, *, notify: bool) -> None:
         stream = self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
-        if stream is not None and notify:
-            self._push(stream, _aborted_snapshot(stream))
+        if stream is None:
+            return
+        snapshot = _aborted_snapshot(stream)
+        for sample in snapshot.outputs:
+            if sample.finish_reason == "abort":
+                self.metrics.observe_finished("abort")
+        if notify:
+            self._push(stream, snapshot)
 
     def _dispatch(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -375,6 +405,7 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
                 self.metrics.observe_e2e(now - stream.arrival)
+                self.metrics.observe_request(output)
         except Exception as exc:  # a fault in one request's bookkeeping fails that request only
             logger.exception("request %s failed", output.request_id)
             self._streams.pop(output.request_id, None)

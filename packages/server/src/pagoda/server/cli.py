@@ -6,9 +6,10 @@ import argparse
 import gc
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import get_args
+from typing import Any, get_args
 
 from pagoda.scheduler import PreemptionMode
 from pagoda.server.config import (
@@ -18,6 +19,7 @@ from pagoda.server.config import (
     EngineConfig,
     KernelBackendName,
 )
+from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 
 logger = logging.getLogger("pagoda.server")
 
@@ -34,6 +36,96 @@ def bound_onednn_caches() -> None:
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+
+
+class _Given(argparse.Action):
+    """Store the value and record the flag as given, so that a TGI alias can conflict with it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        """Set the destination and add it to `namespace.given`."""
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+# TGI's flag -> (its destination, the vLLM flag and destination that set the same thing, if any).
+_TGI_ALIASES = {
+    "--max-total-tokens": ("max_total_tokens", "--max-model-len", "max_model_len"),
+    "--max-batch-size": ("max_batch_size", "--max-num-seqs", "max_num_seqs"),
+    "--max-input-length": ("max_input_length", "--max-input-tokens", "max_input_tokens"),
+}
+
+
+def add_tgi_arguments(serve: argparse.ArgumentParser) -> None:
+    """TGI's flags with TGI's meaning, and the chunked-prefill knobs (vLLM's names)."""
+    tgi = serve.add_argument_group("TGI names (text-generation-inference)")
+    tgi.add_argument(
+        "--max-batch-prefill-tokens",
+        type=int,
+        default=None,
+        help="prefill tokens one step may compute (prompt chunks; decodes are not counted)",
+    )
+    tgi.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="prompt + output tokens of one request (--max-model-len)",
+    )
+    tgi.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        action=_Given,
+        help="longest prompt in tokens; a longer one is a 400 (default: --max-model-len - 1)",
+    )
+    tgi.add_argument(
+        "--max-input-length", type=int, default=None, help="TGI's older name of --max-input-tokens"
+    )
+    tgi.add_argument(
+        "--max-batch-size", type=int, default=None, help="most sequences in one step (--max-num-seqs)"
+    )
+    tgi.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="429 when a request's prompts and those in flight would exceed this; 400 for one that exceeds it alone",
+    )
+    chunking = serve.add_argument_group("chunked prefill")
+    chunking.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over steps, beside the running decodes",
+    )
+    chunking.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="cap on one request's prefill chunk in a step (default: only the step's budget)",
+    )
+    chunking.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=None,
+        help="requests that may be mid-prefill at once (default: no cap)",
+    )
+
+
+def resolve_tgi_aliases(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM destinations TGI's aliases set; ValueError naming both flags when they disagree."""
+    given: set[str] = getattr(args, "given", set())
+    resolved: dict[str, Any] = {}
+    for tgi_flag, (tgi_dest, vllm_flag, vllm_dest) in _TGI_ALIASES.items():
+        value, other = getattr(args, tgi_dest), getattr(args, vllm_dest)
+        if value is not None and vllm_dest in given and other != value:
+            raise ValueError(f"{tgi_flag} {value} and {vllm_flag} {other} set the same limit differently")
+        resolved[vllm_dest] = value if value is not None else other
+    return resolved
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,10 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", default=None, help="folder of the tokenizer's files (default: the model's own)"
     )
     engine.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        action=_Given,
+        help="longest prompt + output (default: model's)",
     )
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=256, action=_Given, help="most sequences in one step"
+    )
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     engine.add_argument(
         "--gpu-memory-utilization",
@@ -129,21 +227,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="reuse the KV blocks of shared prompt prefixes",
     )
-    engine.add_argument("--preemption-mode", choices=get_args(PreemptionMode), default="recompute")
+    engine.add_argument(
+        "--preemption-mode",
+        choices=get_args(PreemptionMode),
+        default="recompute",
+        help="auto: per victim, whichever of swap and recompute costs less on this machine (measured at start)",
+    )
     engine.add_argument("--enforce-eager", action="store_true", help="CUDA: skip torch.compile")
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    # t16-fields: API scheduling and metrics naming.
+    fields = serve.add_argument_group("request scheduling and metrics")
+    fields.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: requests with a lower `priority` field are served first (ties: arrival order)",
+    )
+    fields.add_argument(
+        "--metrics-prefix",
+        default=DEFAULT_METRICS_PREFIX,
+        help="namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)",
+    )
+    add_tgi_arguments(serve)
     return parser
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed `serve` arguments (raises ValueError naming a bad field)."""
+    tgi = resolve_tgi_aliases(args)
     return EngineConfig(
         model=args.model,
         tokenizer=args.tokenizer,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
+        max_model_len=tgi["max_model_len"],
+        max_num_seqs=tgi["max_num_seqs"],
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -151,10 +269,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         swap_space_gib=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_input_tokens=tgi["max_input_tokens"],
         enforce_eager=args.enforce_eager,
         kernel_backend=args.kernel_backend,
         dtype=args.dtype,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -176,8 +300,14 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--request-head-timeout must be > 0")
     if args.request_body_timeout <= 0:
         raise ValueError("--request-body-timeout must be > 0")
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        raise ValueError("--max-concurrent-requests must be >= 1")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.metrics_prefix) is None:
+        raise ValueError(
+            "--metrics-prefix must be a Prometheus name: letters, digits and _, not a digit first"
+        )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -216,6 +346,8 @@ def serve(args: argparse.Namespace) -> int:
         client,
         served_model_name=args.served_model_name or engine.model_name,
         max_waiting_requests=args.max_waiting_requests,
+        metrics_prefix=args.metrics_prefix,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     limits = RequestLimits(
         max_prompts_per_request=args.max_prompts_per_request,

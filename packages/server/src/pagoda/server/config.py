@@ -27,6 +27,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int | None = None  # requests mid-prefill at once; None: no cap
+    # TGI's knobs without a vLLM twin: prefill tokens per step (decodes apart), and a prompt cap (a 400 over it).
+    max_batch_prefill_tokens: int | None = None
+    max_input_tokens: int | None = None  # None: max_model_len - 1
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     enforce_eager: bool = False  # CUDA: run the model's forward uncompiled (every step, prefill and decode)
@@ -45,6 +49,10 @@ class EngineConfig:
             "max_model_len": self.max_model_len,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "num_kv_blocks": self.num_kv_blocks,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
+            "max_num_partial_prefills": self.max_num_partial_prefills,
+            "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
+            "max_input_tokens": self.max_input_tokens,
         }
         for name, value in positive.items():
             if value is not None and value < 1:

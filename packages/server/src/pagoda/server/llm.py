@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagoda.server.chat import Message, render_chat, resolve_chat_template
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
@@ -58,6 +59,27 @@ class LLM:
                         bar.update(1)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam-search every prompt, continuously batched; per prompt its beam_width sequences, best first."""
+        outputs = self.generate(prompts, SamplingParams.for_beam_search(params), use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput(
+                tuple(
+                    BeamSearchSequence(
+                        tokens=o.token_ids,
+                        text=o.text,
+                        cum_logprob=o.cumulative_logprob or 0.0,
+                        score=(o.cumulative_logprob or 0.0) / len(o.token_ids) ** params.length_penalty,
+                        finish_reason="stop" if o.finish_reason == "stop" else "length",
+                    )
+                    for o in output.outputs
+                )
+            )
+            for output in outputs
+        ]
 
     def chat(
         self,

@@ -2,10 +2,12 @@
 
 `sim`: `TokenCacheModel`, a token-level stand-in for the model runner, and `reference_output`, what it must
 produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. `contiguous`: `ContiguousKVManager`, contiguous
-per-request KV preallocation over any `KVBlockManager` (the simulator's baseline).
+per-request KV preallocation over any `KVBlockManager` (the simulator's baseline). `costs`:
+`ThresholdPreemptionCosts`, a forced cost model for `preemption_mode="auto"`.
 """
 
 from pagoda.scheduler.testing.contiguous import ContiguousKVManager, ContiguousStats
+from pagoda.scheduler.testing.costs import ThresholdPreemptionCosts
 from pagoda.scheduler.testing.sim import (
     RunResult,
     SimSamplingParams,
@@ -19,6 +21,7 @@ __all__ = [
     "ContiguousStats",
     "RunResult",
     "SimSamplingParams",
+    "ThresholdPreemptionCosts",
     "TokenCacheModel",
     "reference_output",
     "run_to_completion",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pagoda.server.api.errors import APIError, bad_request
-from pagoda.server.api.protocol import SamplingFields
+from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
 from pagoda.server.api.serving_structured import check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.async_llm import (
@@ -108,9 +108,15 @@ class ServingContext:
         return text
 
     def sampling_params(
-        self, body: SamplingFields, *, max_tokens: int, logprobs: int | None
+        self,
+        body: SamplingFields,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """SamplingParams of a request body; a 400 naming the field when a value is out of range."""
+        """SamplingParams of a request body; a 400 naming the field when a value is out of range (unknown and
+        unserved fields are the handlers' check_fields). `prompt_logprobs` defaults to the body's."""
         top_k = body.top_k
         if top_k is not None and (top_k == 0 or top_k < -1):
             raise bad_request("top_k must be -1 (disabled) or at least 1", "top_k")
@@ -123,6 +129,9 @@ class ServingContext:
             stop = tuple(body.stop)
         stop_token_ids = tuple(body.stop_token_ids or ())
         self.rules.check_token_ids(stop_token_ids, "stop_token_ids")
+        logit_bias = self._logit_bias(body.logit_bias)
+        allowed = None if body.allowed_token_ids is None else tuple(body.allowed_token_ids)
+        self.rules.check_token_ids(allowed or (), "allowed_token_ids")
         try:
             return SamplingParams(
                 n=body.n,
@@ -143,6 +152,11 @@ class ServingContext:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
+                priority=body.priority,
+                logit_bias=logit_bias,
+                allowed_token_ids=allowed,
+                bad_words=None if body.bad_words is None else tuple(body.bad_words),
+                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
@@ -156,6 +170,20 @@ class ServingContext:
         constraint, fields = requested
         await self.run(lambda: check_constraint(constraint, fields))
         return dataclasses.replace(params, structured_outputs=constraint)
+
+    def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (JSON keys are strings) keyed by token id; a 400 on `logit_bias` for a key that is
+        not a token id of the vocabulary (the value range is SamplingParams' check)."""
+        if not raw:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in raw.items():
+            text = key.strip()
+            if not (text.isascii() and text.lstrip("-").isdigit()) or len(text) > 20:
+                raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+            bias[int(text)] = value
+        self.rules.check_token_ids(list(bias), "logit_bias")
+        return bias
 
     async def open_streams(
         self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
@@ -300,3 +328,18 @@ def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, float, st
     """The k most likely alternatives at a position as (token id, logprob, text), by rank."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank)[:k]
     return [(token_id, lp.logprob, lp.decoded_token) for token_id, lp in ranked]
+
+
+def prompt_logprobs_field(entries: Sequence[PositionLogprobs | None] | None) -> PromptLogprobsField:
+    """vLLM's `prompt_logprobs` response field of a request's prompt logprobs."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]

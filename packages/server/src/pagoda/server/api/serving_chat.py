@@ -28,11 +28,13 @@ from pagoda.server.api.serving_base import (
     ServingContext,
     final_outputs,
     merge_streams,
+    prompt_logprobs_field,
     sse,
     to_api_error,
     top_entries,
     until_disconnect,
 )
+from pagoda.server.api.unserved import check_fields
 from pagoda.server.chat import ChatTemplateError, render_chat
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from starlette.requests import Request
@@ -104,7 +106,12 @@ class ChatHandler:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Serve one chat completion request."""
         ctx = self.ctx
+        check_fields(body)
+        if body.echo:
+            raise bad_request("echo is not supported yet on chat completions", "echo")
         ctx.check_model(body.model)
+        if body.stream and body.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         ctx.check_fan_out(1, body.n)
@@ -141,7 +148,11 @@ class ChatHandler:
             for o in final.outputs
         ]
         response = ChatCompletionResponse(
-            id=request_id, model=ctx.served_model_name, choices=choices, usage=_usage(len(prompt_ids), final)
+            id=request_id,
+            model=ctx.served_model_name,
+            choices=choices,
+            usage=_usage(len(prompt_ids), final),
+            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs),
         )
         return JSONResponse(response.model_dump())
 

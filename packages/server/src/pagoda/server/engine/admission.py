@@ -14,7 +14,8 @@ __all__ = ["AdmissionRules", "RequestRejectedError"]
 
 @dataclass(frozen=True, slots=True)
 class AdmissionRules:
-    """A prompt is not empty, every token id is in the vocabulary, and prompt + max_tokens fit max_model_len.
+    """A prompt is not empty, not longer than max_input_tokens, every token id is in the vocabulary, and prompt +
+    max_tokens fit max_model_len.
 
     Each rule raises RequestRejectedError naming the field at fault. Whether the request fits the KV pool and the
     batch (`n`) is the scheduler's check, made when the engine hands the request over.
@@ -22,6 +23,7 @@ class AdmissionRules:
 
     max_model_len: int
     vocab_size: int
+    max_input_tokens: int | None = None  # TGI's --max-input-tokens; None: only max_model_len bounds a prompt
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         """Reject an id outside the vocabulary [0, vocab_size)."""
@@ -38,6 +40,11 @@ class AdmissionRules:
         num_prompt = len(prompt_token_ids)
         if not num_prompt:
             raise RequestRejectedError("the prompt is empty", param)
+        if self.max_input_tokens is not None and num_prompt > self.max_input_tokens:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt} tokens, more than max_input_tokens ({self.max_input_tokens})",
+                param,
+            )
         self.check_token_ids(prompt_token_ids, param)
         room = self.max_model_len - num_prompt
         if room < 0:
@@ -61,6 +68,8 @@ class AdmissionRules:
         return max_tokens
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Every rule for one engine request: the prompt, its max_tokens, and the stop token ids."""
+        """Every rule for one engine request: the prompt, its max_tokens, and the token ids of its parameters."""
         self.max_tokens(prompt_token_ids, params.max_tokens)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        self.check_token_ids(params.allowed_token_ids or (), "allowed_token_ids")

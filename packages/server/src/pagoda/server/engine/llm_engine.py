@@ -23,11 +23,15 @@ from pagoda.scheduler import (
 )
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.model_runner import ModelRunner
+from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, TokenLogprobs
+from pagoda.server.sampling.logits_processors import apply_logits_processors
+from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import GrammarBitmask, GrammarError, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
@@ -51,6 +55,11 @@ class TokenCounters:
         self.prompt_tokens += max(0, min(chunk.seq_len, num_prompt_tokens) - chunk.start)
 
 
+# Prompt logprobs run the LM head over this many prompt positions at a time: [rows, vocab] float32 logits are
+# 1 GiB per 1,024 rows of a 262k vocabulary.
+_PROMPT_LOGITS_SLICE = 256
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache; drive it with add_request / step."""
 
@@ -62,17 +71,22 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
         self.num_kv_blocks = parts.kv_cache.num_blocks
+        self.num_host_kv_blocks = parts.kv_cache.num_host_blocks
         self.block_size = config.block_size
         self.device = parts.device
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
-        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size)
+        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, config.max_input_tokens)
         self.kv_manager = BlockManager(
             parts.kv_cache.num_blocks,
             config.block_size,
             num_host_blocks=parts.kv_cache.num_host_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
+        costs = None
+        if config.preemption_mode == "auto":
+            costs = measure_preemption_costs(self.runner, parts.max_num_batched_tokens, parts.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -80,13 +94,15 @@ class LLMEngine:
                 max_model_len=parts.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_num_partial_prefills=config.max_num_partial_prefills,
+                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode,
             ),
             self.kv_manager,
             PriorityPolicy() if config.scheduling_policy == "priority" else FCFSPolicy(),
+            costs,
         )
-        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         self.sampler = Sampler()
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.grammar_bitmask = GrammarBitmask(self.vocab_size, self.eos_token_ids)
@@ -95,6 +111,8 @@ class LLMEngine:
         self._waiting_for_grammar: dict[str, tuple[Request, Future[xgr.CompiledGrammar]]] = {}
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
+        self._beam_groups: dict[str, BeamGroup] = {}  # unfinished beam-search requests by id
+        self._beam_owner: dict[str, BeamGroup] = {}  # running beam's sequence id -> its group
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
@@ -125,10 +143,25 @@ class LLMEngine:
             except GrammarError as exc:
                 field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"
                 raise RequestRejectedError(str(exc), field) from exc
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._beam_groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         scheduler_params = SchedulerParams.from_params(params, self.eos_token_ids)
+        if params.beam_search is not None:
+            group = BeamGroup(
+                request_id,
+                prompt,
+                ids,
+                params.beam_search,
+                params.n,
+                self.eos_token_ids,
+                params.skip_special_tokens,
+                arrival,
+            )
+            self.scheduler.add_request(Request(request_id, ids, scheduler_params, arrival_time=arrival))
+            self._beam_groups[request_id] = group
+            self._beam_owner.update(dict.fromkeys(group.beams, group))
+            return
         state = RequestState(
             request_id,
             prompt,
@@ -139,7 +172,10 @@ class LLMEngine:
             arrival,
             self.device,
         )
-        request = Request(request_id, ids, scheduler_params, arrival_time=arrival)
+        # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
+        # skipping any (vLLM skips the cache for these requests too).
+        salt = None if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
+        request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
         if constraint is None:
             # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
             self.scheduler.add_request(request)
@@ -150,6 +186,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state, freeing its KV blocks now; unknown or finished ids are ignored."""
+        group = self._beam_groups.pop(request_id, None)
+        if group is not None:
+            self.scheduler.abort_request(request_id)
+            for seq_id in group.beams:
+                self._beam_owner.pop(seq_id, None)
+            return
         state = self._requests.get(request_id)
         if state is None:
             return
@@ -165,11 +207,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still waits, runs, or has an undelivered abort."""
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._beam_groups) or bool(self._aborted)
 
     def get_num_unfinished_requests(self) -> int:
         """User requests not finished yet."""
-        return len(self._requests)
+        return len(self._requests) + len(self._beam_groups)
 
     # -------------------------------------------------------------------- step
 
@@ -183,9 +225,38 @@ class LLMEngine:
                 futures = [future for _, future in self._waiting_for_grammar.values()]
                 wait(futures, timeout=_GRAMMAR_POLL_SECONDS, return_when=FIRST_COMPLETED)
             return outputs
-        logits = self.runner.execute(scheduled)
+        prompt_lens = {
+            chunk.request_id: len(state.prompt_token_ids)
+            for chunk in scheduled.scheduled
+            # Beam sequences have no RequestState (their group scores its own rows).
+            if (state := self._seq_owner.get(chunk.request_id)) is not None and state.wants_prompt_logprobs
+        }
+        if prompt_lens:
+            logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
+            for request_id, rows in prompt_hidden.items():
+                self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
+        else:
+            logits = self.runner.execute(scheduled)
         sampled = self._sample(scheduled, logits)
         return outputs + self._update(scheduled, sampled)
+
+    def _add_prompt_logprobs(
+        self,
+        state: RequestState,
+        start: int,
+        hidden: torch.Tensor,  # [num_positions, hidden_size]: positions start, start + 1, ...
+    ) -> None:
+        """Score the prompt tokens after these positions, from the raw logits, a slice at a time."""
+        k = state.params.prompt_logprobs or 0
+        for lo in range(0, hidden.shape[0], _PROMPT_LOGITS_SLICE):
+            part = hidden[lo : lo + _PROMPT_LOGITS_SLICE]
+            logits = self.runner.compute_logits(part).float()
+            first = start + lo + 1
+            targets = torch.tensor(
+                state.prompt_token_ids[first : first + part.shape[0]], dtype=torch.long, device=logits.device
+            )
+            scored = compute_logprobs(logits, targets, [k] * part.shape[0])
+            state.add_prompt_logprobs(start + lo, [lp for lp in scored if lp is not None])
 
     def _sample(
         self,
@@ -196,18 +267,75 @@ class LLMEngine:
         seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
         if not seq_ids:
             return []
-        samples = [self._seq_owner[seq_id].samples[seq_id] for seq_id in seq_ids]
+        beam_rows = [i for i, seq_id in enumerate(seq_ids) if seq_id in self._beam_owner]
+        if beam_rows:
+            seq_ids, logits = self._hold_beam_rows(seq_ids, logits, beam_rows)
+            if not seq_ids:
+                return []
+        owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
         # The grammar step comes first, so that penalties, temperature, top-k and top-p see only allowed tokens.
-        self.grammar_bitmask.apply(logits, [sample.matcher for sample in samples])
-        out = self.sampler(logits, [self._seq_owner[seq_id].sampling_row(seq_id) for seq_id in seq_ids])
+        self.grammar_bitmask.apply(
+            logits, [owner.samples[seq_id].matcher for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        )
+        # logit_bias, allowed_token_ids and bad_words edit a copy; logprobs stay those of the raw logits.
+        processed = apply_logits_processors(
+            logits, [owner.logits_edits(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        )
+        rows = [owner.sampling_row(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        out = self.sampler(processed, rows, raw_logits=None if processed is logits else logits)
         return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
+
+    def _hold_beam_rows(
+        self,
+        seq_ids: list[str],
+        logits: torch.Tensor,  # [num_rows, vocab]
+        beam_rows: list[int],
+    ) -> tuple[list[str], torch.Tensor]:  # the other rows' sample ids and [num_other_rows, vocab] logits
+        """Give beam groups their rows' log-probabilities (float32, as transformers scores them); the rest."""
+        index = torch.tensor(beam_rows, dtype=torch.int64, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1).cpu()
+        for row, logprob in zip(beam_rows, logprobs, strict=True):
+            self._beam_owner[seq_ids[row]].add_row(seq_ids[row], logprob)
+        beam = set(beam_rows)
+        others = [i for i in range(len(seq_ids)) if i not in beam]
+        index = torch.tensor(others, dtype=torch.int64, device=logits.device)
+        return [seq_ids[i] for i in others], logits.index_select(0, index)
+
+    def _advance_beams(self, scheduled: SchedulerOutput, now: float) -> list[RequestOutput]:
+        """Step every beam group whose beams all have their rows; snapshots of the groups that finished."""
+        groups = {
+            self._beam_owner[s]: None
+            for c in scheduled.scheduled
+            for s in c.sample_ids
+            if s in self._beam_owner
+        }
+        outputs: list[RequestOutput] = []
+        for group in groups:
+            if not group.ready:
+                continue
+            for seq_id in group.beams:
+                del self._beam_owner[seq_id]
+            if group.advance(self.scheduler):
+                del self._beam_groups[group.request_id]
+                outputs.append(group.snapshot(self.tokenizer))
+            else:
+                self._beam_owner.update(dict.fromkeys(group.beams, group))
+        return outputs
 
     def _update(
         self, scheduled: SchedulerOutput, sampled: list[tuple[str, int, TokenLogprobs | None]]
     ) -> list[RequestOutput]:
         """Record the sampled tokens (finding stop strings), apply the scheduler's stop rules, snapshot."""
         now = time.monotonic()
+        held: list[str] = []
         for chunk in scheduled.scheduled:
+            group = self._beam_owner.get(chunk.request_id)
+            if group is not None:
+                if group.first_scheduled_time is None:
+                    group.first_scheduled_time = now
+                self.counters.count_chunk(chunk, len(group.prompt_token_ids))
+                held.extend(chunk.sample_ids)
+                continue
             state = self._seq_owner[chunk.request_id]
             state.mark_scheduled(chunk.start, now)
             self.counters.count_chunk(chunk, len(state.prompt_token_ids))
@@ -219,13 +347,15 @@ class LLMEngine:
             if stop is not None:
                 stopped[seq_id] = stop
             progressed[state.request_id] = state
-        self.counters.generation_tokens += len(sampled)
+        self.counters.generation_tokens += len(sampled) + len(held)
         tokens = {seq_id: [token] for seq_id, token, _ in sampled}
-        for request in self.scheduler.update_from_output(scheduled, tokens, stopped):
+        for request in self.scheduler.update_from_output(scheduled, tokens, stopped, held):
             state = self._seq_owner[request.request_id]
             state.finish_as_scheduled(request, stopped.get(request.request_id))
             progressed[state.request_id] = state
         outputs = [state.snapshot() for state in progressed.values()]
+        if held:
+            outputs += self._advance_beams(scheduled, now)
         for state in progressed.values():
             if state.finished:
                 self._forget(state)
@@ -271,4 +401,6 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
+            num_host_blocks=self.num_host_kv_blocks,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )

@@ -18,6 +18,7 @@ from pagoda.server.outputs import (
     RequestOutput,
 )
 from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs, make_generator
+from pagoda.server.sampling.logits_processors import LogitsEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
@@ -36,7 +37,9 @@ class SchedulerParams:
     def from_params(cls, params: SamplingParams, eos_token_ids: frozenset[int]) -> SchedulerParams:
         """Derive from the user's parameters and the model's eos ids."""
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        return cls(params.max_tokens, params.min_tokens, params.n, tuple(sorted(stops)), params.priority)
+        # A beam search holds beam_width sequences (the prompt forks into all of them) whatever n it returns.
+        n = params.n if params.beam_search is None else params.beam_search.beam_width
+        return cls(params.max_tokens, params.min_tokens, n, tuple(sorted(stops)), params.priority)
 
 
 @dataclass(slots=True)
@@ -61,6 +64,14 @@ class SampleState:
         if self.matcher is not None and not self.matcher.is_terminated():
             self.matcher.accept_token(token_id)
 
+    def position_logprobs(self, token_id: int, logprobs: TokenLogprobs) -> PositionLogprobs:
+        """One position's entry: the token's logprob and the top alternatives, with their texts."""
+        decode = self.detokenizer.decode_token
+        entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode(token_id))}
+        for rank, (tid, lp) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True), 1):
+            entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
+        return entry
+
     def add(self, token_id: int, logprobs: TokenLogprobs | None, *, is_stop_token: bool) -> str | None:
         """Record a sampled token; return the stop string it completes, if any.
 
@@ -68,13 +79,7 @@ class SampleState:
         """
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
-            decode = self.detokenizer.decode_token
-            entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode(token_id))}
-            for rank, (tid, lp) in enumerate(
-                zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True), 1
-            ):
-                entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
-            self.logprobs.append(entry)
+            self.logprobs.append(self.position_logprobs(token_id, logprobs))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
         if is_stop_token and not self.include_stop_str:
             return None
@@ -116,6 +121,11 @@ class RequestState:
         self.stop_token_ids = stop_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        self.bad_words_token_ids = tokenize_bad_words(tokenizer, params.bad_words or ())
+        # Entry p is prompt position p's; the first token has no context, so no logprobs (None).
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         # Keyed by the scheduler's sequence ids: sample 0 runs under the request's own id.
         self.samples: dict[str, SampleState] = {
             sample_id(request_id, index): SampleState(
@@ -150,6 +160,32 @@ class RequestState:
             generator=sample.generator,
             stop_token_ids=self.stop_token_ids,
         )
+
+    def logits_edits(self, seq_id: str) -> LogitsEdits:
+        """What the logits processors do to sample `seq_id`'s next-token logits."""
+        return LogitsEdits(
+            logit_bias=self.params.logit_bias,
+            allowed_token_ids=self.params.allowed_token_ids,
+            bad_words_token_ids=self.bad_words_token_ids,
+            output_token_ids=self.samples[seq_id].token_ids,
+        )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt position's logprobs are still to be computed."""
+        entries = self.prompt_logprobs
+        return entries is not None and len(entries) < len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the logprobs of the prompt tokens after positions start, start + 1, ... (the logits at position
+        p score prompt token p + 1); positions already recorded (a recomputation after preemption) are skipped."""
+        entries = self.prompt_logprobs
+        if entries is None:
+            return
+        first = next(iter(self.samples.values()))
+        for p, lp in enumerate(logprobs, start):
+            if p + 1 == len(entries):
+                entries.append(first.position_logprobs(self.prompt_token_ids[p + 1], lp))
 
     def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
         """Record sample `seq_id`'s new token at time `now`; return the stop string it completes, if any."""
@@ -199,4 +235,5 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
         )

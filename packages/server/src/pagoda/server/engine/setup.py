@@ -125,8 +125,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
             f"({max(num_blocks, 0) * config.block_size} tokens), less than one request of max_model_len "
             f"({max_model_len}); raise {knob} or lower --max-model-len"
         )
+    if config.max_input_tokens is not None and config.max_input_tokens >= max_model_len:
+        # TGI's rule: a prompt of max_input_tokens must leave room for at least one output token.
+        raise EngineConfigError(
+            f"max_input_tokens ({config.max_input_tokens}) must be below max_model_len ({max_model_len}); "
+            "lower --max-input-tokens or raise --max-model-len (--max-total-tokens)"
+        )
     num_host_blocks = (
-        shape.blocks_in(config.swap_space_gib * 2**30) if config.preemption_mode == "swap" else 0
+        shape.blocks_in(config.swap_space_gib * 2**30) if config.preemption_mode != "recompute" else 0
     )
     kv_cache = KVCache(shape, num_blocks, num_host_blocks, device, backend)
     logger.info(
