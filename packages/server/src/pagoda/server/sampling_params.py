@@ -120,6 +120,18 @@ class SamplingParams:
                 (self.max_tokens == beam.max_tokens, "max_tokens", "max_tokens must equal the beam's"),
                 (self.ignore_eos == beam.ignore_eos, "ignore_eos", "ignore_eos must equal the beam's"),
             ]
+            # Beams are scored on the raw log-probabilities (transformers' beam search): logits processing and
+            # grammars would be ignored silently, so they are refused.
+            checks += [
+                (getattr(self, name) is None, name, f"{name} is not supported with beam search")
+                for name in (
+                    "structured_outputs",
+                    "logit_bias",
+                    "allowed_token_ids",
+                    "bad_words",
+                    "prompt_logprobs",
+                )
+            ]
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)
