@@ -43,6 +43,9 @@ class StructuredOutputsField(_Model):
 class StructuredFields(_Model):
     """The structured-output fields shared by completions and chat."""
 
+    # Mixed into the request bodies, whose unknown fields are kept to be rejected by name: do not drop them here.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", populate_by_name=True)
+
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
