@@ -173,6 +173,29 @@ class Target:
     base_url: str
     model: str
     label: str
+    response_format: dict[str, Any] | None = None  # --structured: every request constrained by this
+
+
+# --structured json_schema: what every constrained request must produce (a list of records, as JSON pipelines
+# extract), compared against the same server, prompts and lengths unconstrained.
+STRUCTURED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "age": {"type": "integer"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["name", "age", "tags"],
+            },
+        }
+    },
+    "required": ["records"],
+}
 
 
 async def send(
@@ -193,6 +216,8 @@ async def send(
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if target.response_format is not None:
+        body["response_format"] = target.response_format
     result.start = time.perf_counter()
     last = result.start
     try:
@@ -386,6 +411,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos so outputs reach max_tokens"
     )
+    parser.add_argument(
+        "--structured",
+        choices=["none", "json_schema"],
+        default="none",
+        help="json_schema: run every server twice, unconstrained and with a JSON-schema response_format",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--output-dir", default=".", help="where bench_serving.json and bench_serving.png go")
@@ -403,8 +434,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def targets(args: argparse.Namespace) -> list[Target]:
     """The servers to benchmark, labelled by host:port."""
     models = args.model * len(args.base_url) if len(args.model) == 1 else args.model
-    return [
+    plain = [
         Target(url, model, url.split("://", 1)[-1]) for url, model in zip(args.base_url, models, strict=True)
+    ]
+    if args.structured == "none":
+        return plain
+    schema = {"type": "json_schema", "json_schema": {"name": "records", "schema": STRUCTURED_SCHEMA}}
+    return [
+        run
+        for target in plain
+        for run in (target, Target(target.base_url, target.model, f"{target.label} json_schema", schema))
     ]
 
 

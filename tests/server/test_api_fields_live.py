@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 import torch
-from api_cases import MODEL
-from test_api_live import LiveServer, openai_client, serve_module
+from api_cases import MAX_MODEL_LEN, MODEL
+from test_api_live import LiveServer, serving, sync_client
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,13 +29,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def live(model_dir: Path) -> Iterator[LiveServer]:
     """One server for the module, with vLLM's metric names and the priority policy."""
-    yield from serve_module(model_dir, "--metrics-prefix", "vllm", "--scheduling-policy", "priority")
+    with serving(
+        model_dir,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--metrics-prefix",
+        "vllm",
+        "--scheduling-policy",
+        "priority",
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai_client(live)
+    return sync_client(live)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ driven by the official OpenAI clients, httpx and schemathesis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -79,36 +80,38 @@ class LiveServer:
         return self.process.returncode
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with a 4096-token context, saved like a hub checkout."""
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
-
-
-def serve_module(model: Path, *extra: str) -> Iterator[LiveServer]:
-    """A server for a module fixture: started, yielded, then stopped cleanly (exit status 0)."""
-    server = LiveServer(model, "--max-model-len", str(MAX_MODEL_LEN), *extra)
+@contextlib.contextmanager
+def serving(model: Path, *extra: str) -> Iterator[LiveServer]:
+    """A live server for the block; it must exit cleanly on SIGTERM."""
+    server = LiveServer(model, *extra)
     try:
         yield server
     finally:
         assert server.stop() == 0
 
 
-def openai_client(server: LiveServer) -> openai.OpenAI:
-    """The official synchronous OpenAI client of a server."""
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def sync_client(live: LiveServer) -> openai.OpenAI:
+    """The official synchronous OpenAI client of a live server (no retries)."""
+    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a 4096-token context, saved like a hub checkout."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
 def live(model_dir: Path) -> Iterator[LiveServer]:
     """One server for the module."""
-    yield from serve_module(model_dir)
+    with serving(model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai_client(live)
+    return sync_client(live)
 
 
 def metric(text: str, name: str) -> float:

@@ -12,7 +12,7 @@ import torch
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, EarlyStopping
 from pagoda.server.llm import LLM
-from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -197,3 +197,20 @@ def test_preemption_mid_search_gives_the_same_result(mode: str, models: dict[str
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         assert [s.score for s in a.sequences] == pytest.approx([s.score for s in b.sequences], abs=1e-4)
     assert small.engine.kv_manager.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("structured_outputs", StructuredOutputsParams(regex="a+")),
+        ("logit_bias", {5: 1.0}),
+        ("allowed_token_ids", [5]),
+        ("bad_words", ["no"]),
+        ("prompt_logprobs", 0),
+    ],
+)
+def test_beam_search_refuses_what_it_would_ignore(name: str, value: object) -> None:
+    """Logits processing, grammars and prompt logprobs are refused beside beam search, naming the field."""
+    with pytest.raises(SamplingParamsError) as error:
+        SamplingParams.for_beam_search(BeamSearchParams(2, 4), None, **{name: value})
+    assert error.value.param == name

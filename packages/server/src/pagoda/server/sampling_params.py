@@ -6,6 +6,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.server.structured.params import StructuredOutputsParams
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 from pagoda.server.beam_search import BeamSearchParams
 
 MAX_LOGPROBS = 20
@@ -42,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
     # Logits processing before the sampler (vLLM's names): a bias added to the listed ids' logits, the only ids
     # that may be sampled, and words never to complete. Logprobs stay those of the raw model distribution.
     logit_bias: Mapping[int, float] | None = None
@@ -115,6 +119,18 @@ class SamplingParams:
                 (self.n <= beam.beam_width, "n", "n must be at most the beam width"),
                 (self.max_tokens == beam.max_tokens, "max_tokens", "max_tokens must equal the beam's"),
                 (self.ignore_eos == beam.ignore_eos, "ignore_eos", "ignore_eos must equal the beam's"),
+            ]
+            # Beams are scored on the raw log-probabilities (transformers' beam search): logits processing and
+            # grammars would be ignored silently, so they are refused.
+            checks += [
+                (getattr(self, name) is None, name, f"{name} is not supported with beam search")
+                for name in (
+                    "structured_outputs",
+                    "logit_bias",
+                    "allowed_token_ids",
+                    "bad_words",
+                    "prompt_logprobs",
+                )
             ]
         for ok, param, message in checks:
             if not ok:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
+from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.sampling_params import MAX_LOGPROBS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
@@ -24,31 +25,15 @@ class _Model(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
-# Owned by the structured-outputs work (response_format, vLLM's structured_outputs and guided_* fields): until it
-# lands, the unknown-field rule lets them through rather than rejecting requests it is about to serve.
-STRUCTURED_OUTPUT_FIELDS = frozenset(
-    {
-        "response_format",
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-    }
-)
-
-
 class _Body(_Model):
     """Base of the completions and chat bodies: extra fields are kept so that the handler can reject each unknown
-    one by name (a 400 with `param` set) and let the structured-output ones through."""
+    one by name (a 400 with `param` set)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     def unknown_fields(self) -> list[str]:
-        """The body's fields no model declares, structured-output ones aside, sorted."""
-        return sorted(set(self.model_extra or {}) - STRUCTURED_OUTPUT_FIELDS)
+        """The body's fields no model declares, sorted."""
+        return sorted(self.model_extra or {})
 
 
 class StreamOptions(_Model):
@@ -103,7 +88,7 @@ class SamplingFields(_Body):
     logits_processors: JsonValue = None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     """Body of POST /v1/completions."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
@@ -135,7 +120,7 @@ class ChatMessage(_Model):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage]

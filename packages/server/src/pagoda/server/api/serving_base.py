@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import TypeVar
 
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
+from pagoda.server.api.serving_structured import check_constraint, requested_constraint
+from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -157,6 +160,16 @@ class ServingContext:
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
+
+    async def with_structured_outputs(self, body: StructuredFields, params: SamplingParams) -> SamplingParams:
+        """`params` with the body's structured-output constraint, parsed off the event loop (a 400 naming the
+        field when it is invalid or when several are given)."""
+        requested = requested_constraint(body)
+        if requested is None:
+            return params
+        constraint, fields = requested
+        await self.run(lambda: check_constraint(constraint, fields))
+        return dataclasses.replace(params, structured_outputs=constraint)
 
     def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias (JSON keys are strings) keyed by token id; a 400 on `logit_bias` for a key that is

@@ -123,6 +123,7 @@ class ChatHandler:
         max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
+        params = await ctx.with_structured_outputs(body, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await ctx.open_streams(request_id, [(prompt, prompt_ids)], params)
         if body.stream:

@@ -149,6 +149,7 @@ class CompletionsHandler:
                 body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
             ),
         )
+        params = await ctx.with_structured_outputs(body, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
             await self._echo(text, ids, echo_logprobs) if body.echo else NO_ECHO for text, ids in prompts

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xgrammar as xgr
 from pagoda.scheduler import (
     KVBlockManager,
     Request,
@@ -29,10 +32,15 @@ from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.structured import GrammarBitmask, GrammarError, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # How long an empty step waits when requests are held back by the policy (static batching's timeout).
 _IDLE_WAIT_S = 0.001
+# How long an idle step waits for a compiling grammar before returning to the caller's command loop.
+_GRAMMAR_POLL_SECONDS = 0.01
 
 
 @dataclass(slots=True)
@@ -96,6 +104,11 @@ class LLMEngine:
             costs,
         )
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammar_bitmask = GrammarBitmask(self.vocab_size, self.eos_token_ids)
+        # Constrained requests whose grammar is compiling: held back from the scheduler until it is ready, so
+        # that no step waits on a compilation and the scheduler never sees a request it cannot run.
+        self._waiting_for_grammar: dict[str, tuple[Request, Future[xgr.CompiledGrammar]]] = {}
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
         self._beam_groups: dict[str, BeamGroup] = {}  # unfinished beam-search requests by id
@@ -123,6 +136,13 @@ class LLMEngine:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
         self.rules.check(ids, params)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            try:
+                self.structured.check(constraint)
+            except GrammarError as exc:
+                field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"
+                raise RequestRejectedError(str(exc), field) from exc
         if request_id in self._requests or request_id in self._beam_groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -155,10 +175,12 @@ class LLMEngine:
         # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
         # skipping any (vLLM skips the cache for these requests too).
         salt = None if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
-        # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
-        self.scheduler.add_request(
-            Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
-        )
+        request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+        if constraint is None:
+            # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
+            self.scheduler.add_request(request)
+        else:
+            self._waiting_for_grammar[request_id] = (request, self.structured.compile(constraint))
         self._requests[request_id] = state
         self._seq_owner.update(dict.fromkeys(state.samples, state))
 
@@ -173,7 +195,11 @@ class LLMEngine:
         state = self._requests.get(request_id)
         if state is None:
             return
-        self.scheduler.abort_request(request_id)
+        waiting = self._waiting_for_grammar.pop(request_id, None)
+        if waiting is not None:
+            waiting[1].cancel()
+        else:
+            self.scheduler.abort_request(request_id)
         for seq_id in state.samples:
             state.finish(seq_id, "abort")
         self._aborted.append(state.snapshot())
@@ -191,10 +217,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; snapshots of the requests that progressed, finished or were aborted."""
+        self._admit_compiled()
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            if not outputs and self.scheduler.has_unfinished_requests():
+            if self._waiting_for_grammar:  # nothing to run until a grammar is ready: wait, do not spin
+                futures = [future for _, future in self._waiting_for_grammar.values()]
+                wait(futures, timeout=_GRAMMAR_POLL_SECONDS, return_when=FIRST_COMPLETED)
+            elif not outputs and self.scheduler.has_unfinished_requests():
                 # The policy holds the waiting requests back (a static batch still forming): a step loop
                 # would spin on this, so yield the core for a moment.
                 time.sleep(_IDLE_WAIT_S)
@@ -247,6 +277,10 @@ class LLMEngine:
             if not seq_ids:
                 return []
         owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
+        # The grammar step comes first, so that penalties, temperature, top-k and top-p see only allowed tokens.
+        self.grammar_bitmask.apply(
+            logits, [owner.samples[seq_id].matcher for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        )
         # logit_bias, allowed_token_ids and bad_words edit a copy; logprobs stay those of the raw logits.
         processed = apply_logits_processors(
             logits, [owner.logits_edits(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
@@ -331,6 +365,23 @@ class LLMEngine:
                 self._forget(state)
         return outputs
 
+    def _admit_compiled(self) -> None:
+        """Hand the requests whose grammar finished compiling to the scheduler, each sample with its matcher."""
+        for request_id, (request, future) in list(self._waiting_for_grammar.items()):
+            if not future.done():
+                continue
+            del self._waiting_for_grammar[request_id]
+            state = self._requests[request_id]
+            try:
+                state.start_grammar(future.result())
+                self.scheduler.add_request(request)
+            except Exception:  # the constraint was checked at add_request, so this is the engine's failure
+                logger.exception("request %s: its grammar could not be compiled or admitted", request_id)
+                for seq_id in state.samples:
+                    state.finish(seq_id, "abort")
+                self._aborted.append(state.snapshot())
+                self._forget(state)
+
     def _forget(self, state: RequestState) -> None:
         """Drop a finished or aborted request's bookkeeping."""
         self._requests.pop(state.request_id, None)
@@ -344,7 +395,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         return EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + len(self._waiting_for_grammar),
             num_swapped=s.num_swapped,
             kv_cache_usage=s.kv_usage,
             num_kv_blocks=self.num_kv_blocks,

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar as xgr
 from pagoda.scheduler import Request, sample_id
 from pagoda.server.outputs import (
     CompletionOutput,
@@ -54,6 +55,14 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    matcher: xgr.GrammarMatcher | None = None  # the sample's grammar state (structured outputs only)
+
+    def accept(self, token_id: int) -> None:
+        """Advance the grammar by a sampled token (once per token: a recompute replays no sampling)."""
+        # A rejected token can only be one min_tokens forced past a grammar that allowed nothing but eos: the
+        # matcher stays where it was, still allowing eos.
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)
 
     def position_logprobs(self, token_id: int, logprobs: TokenLogprobs) -> PositionLogprobs:
         """One position's entry: the token's logprob and the top alternatives, with their texts."""
@@ -130,6 +139,11 @@ class RequestState:
             for index in range(params.n)
         }
 
+    def start_grammar(self, compiled: xgr.CompiledGrammar) -> None:
+        """Give every sample its own matcher of the compiled grammar (n > 1 samples diverge)."""
+        for sample in self.samples.values():
+            sample.matcher = xgr.GrammarMatcher(compiled)
+
     def mark_scheduled(self, num_cached_tokens: int, now: float) -> None:
         """Note the first step that schedules the request; admission starts it at its prefix-cache hit."""
         if self.metrics.first_scheduled_time is None:
@@ -179,6 +193,7 @@ class RequestState:
         # The scheduler stops on it once the output, this token included, reaches min_tokens.
         is_stop = token_id in self.stop_token_ids and len(sample.token_ids) + 1 >= self.params.min_tokens
         self.touch(first_token_time=now, last_token_time=now)
+        sample.accept(token_id)
         return sample.add(token_id, logprobs, is_stop_token=is_stop)
 
     @property
