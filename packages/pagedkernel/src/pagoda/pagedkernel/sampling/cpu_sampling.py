@@ -1,0 +1,177 @@
+"""The `cpu` backend of the sampling op: csrc/cpu_sampling.c, compiled at first use and loaded with ctypes.
+
+The C kernel computes bitwise the tokens of the torch specification (torch_sampling.py) in a few passes per row
+(see the C file): temperature, min_p, top_k and top_p thresholds found by selection over the few elements that
+can reach them, then a Gumbel-max draw that hashes only the elements that can still win. Rows and vocabulary
+slices run on torch's OpenMP pool (the library links the libgomp.so.1 torch has loaded, as the attention kernel
+does); a compiler without OpenMP builds a single-threaded library with the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagoda.pagedkernel import cpu_backend, csrc
+from pagoda.pagedkernel.backend import BackendUnavailableError
+from torch import Tensor
+
+SOURCE_FILE = "cpu_sampling.c"
+ENTRY = "pagoda_sample"
+# -ffp-contract=off: no fused multiply-add, so every float operation rounds as the torch specification's does.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared")
+OPENMP_FLAGS = ("-fopenmp",)
+DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+# TODO(lead): fold into cbuild (this is cpu_backend.build with the source and flags as arguments).
+def build_library(source_file: str, flags: tuple[str, ...], stem: str) -> Path:
+    """Compile csrc/`source_file` with `flags` (OpenMP when the compiler has it) unless cached; the library's path.
+
+    Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
+    """
+    compiler = cpu_backend.find_compiler()
+    if compiler is None:
+        raise BackendUnavailableError(
+            f"the 'cpu' backend compiles {source_file} at first use and found no C compiler; install gcc "
+            "(or set CC), or use the 'torch' backend"
+        )
+    source = csrc.read_source(source_file)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    signature = cpu_backend._cpu_signature()
+    key = hashlib.sha256("\0".join([source, *flags, version, signature]).encode()).hexdigest()[:24]
+    target = cpu_backend.cache_dir() / f"{stem}_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / source_file
+        src.write_text(source, encoding="utf-8")
+        lib = Path(tmp) / target.name
+        for extra in (OPENMP_FLAGS, ()):
+            done = subprocess.run(
+                [compiler, *flags, *extra, str(src), "-o", str(lib), "-lm"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if done.returncode == 0:
+                break
+        else:
+            raise BackendUnavailableError(
+                f"compiling {source_file} failed ({compiler} exit {done.returncode}):\n{done.stderr.strip()}\n"
+                "use the 'torch' backend instead"
+            )
+        os.replace(lib, target)  # atomic: a concurrent process sees no file or a whole one
+    return target
+
+
+def build(dtype: torch.dtype, flags: tuple[str, ...] = CFLAGS) -> Path:
+    """The sampling library for logits of `dtype`, compiled unless cached."""
+    name = str(dtype).removeprefix("torch.")
+    return build_library(SOURCE_FILE, (*flags, f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}"), f"cpu_sampling_{name}")
+
+
+def load(library: Path) -> Callable[..., int]:
+    """The library's entry point with its C signature declared."""
+    fn = ctypes.CDLL(str(library))[ENTRY]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    argtypes: list[Any] = [ptr, i64, i64, i64] + [ptr] * 8 + [i64]
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _entry(dtype: torch.dtype) -> Callable[..., int]:
+    """The entry point for `dtype`, built (or found in the cache) and loaded once per process."""
+    return load(build(dtype))
+
+
+def available() -> bool:
+    """Whether the float32 library compiles and loads here."""
+    try:
+        _entry(torch.float32)
+    except (BackendUnavailableError, OSError):
+        return False
+    return True
+
+
+def run(
+    logits: Tensor,  # [rows, vocab]
+    inv_temperature: Tensor,  # float32 [rows]
+    top_k: Tensor,  # int64 [rows]
+    top_p: Tensor,  # float32 [rows]
+    min_p: Tensor,  # float32 [rows]
+    keys: Tensor,  # int64 [rows]
+    *,
+    with_mask: bool,
+    entry: Callable[..., int] | None = None,  # default: this dtype's build
+) -> tuple[Tensor, Tensor, Tensor | None]:  # int64 [rows], int32 [rows], bool [rows, vocab] or None
+    """Call the C kernel: tokens, status and (with_mask) the kept mask."""
+    if logits.device.type != "cpu" or logits.dtype not in DTYPE_IDS:
+        raise ValueError(f"the 'cpu' sampler takes CPU logits of {sorted(map(str, DTYPE_IDS))}")
+    if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    args = [
+        inv_temperature.to(torch.float32).contiguous(),
+        top_k.to(torch.int64).contiguous(),
+        top_p.to(torch.float32).contiguous(),
+        min_p.to(torch.float32).contiguous(),
+        keys.to(torch.int64).contiguous(),
+    ]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    status = torch.empty(rows, dtype=torch.int32)
+    mask = torch.empty((rows, vocab), dtype=torch.uint8) if with_mask else None
+    code = (entry or _entry(logits.dtype))(
+        logits.data_ptr(),
+        rows,
+        vocab,
+        logits.stride(0) if rows else vocab,
+        *(a.data_ptr() for a in args),
+        tokens.data_ptr(),
+        status.data_ptr(),
+        mask.data_ptr() if mask is not None else None,
+        torch.get_num_threads(),
+    )
+    if code == 2:
+        raise MemoryError("the 'cpu' sampler could not allocate its work space")
+    if code != 0:
+        raise ValueError(f"the 'cpu' sampler refused logits of shape {tuple(logits.shape)}")
+    return tokens, status, None if mask is None else mask.bool()
+
+
+def draw(
+    logits: Tensor,  # [rows, vocab]
+    inv_temperature: Tensor,  # float32 [rows]; 0: greedy
+    top_k: Tensor,  # int64 [rows]; 0: disabled
+    top_p: Tensor,  # float32 [rows]; 1: disabled
+    min_p: Tensor,  # float32 [rows]; 0: disabled
+    keys: Tensor,  # int64 [rows]
+) -> tuple[Tensor, Tensor]:  # int64 [rows] tokens, int32 [rows] status
+    """One token per row, as torch_sampling.draw specifies."""
+    tokens, status, _ = run(logits, inv_temperature, top_k, top_p, min_p, keys, with_mask=False)
+    return tokens, status
+
+
+def kept_mask(
+    logits: Tensor,  # [rows, vocab]
+    inv_temperature: Tensor,  # float32 [rows]
+    top_k: Tensor,  # int64 [rows]
+    top_p: Tensor,  # float32 [rows]
+    min_p: Tensor,  # float32 [rows]
+) -> Tensor:  # bool [rows, vocab]
+    """The tokens each row can draw, as torch_sampling.kept_mask specifies."""
+    keys = torch.zeros(logits.shape[0], dtype=torch.int64)
+    _, _, mask = run(logits, inv_temperature, top_k, top_p, min_p, keys, with_mask=True)
+    assert mask is not None
+    return mask
