@@ -92,6 +92,8 @@ static inline vf loadv(const scalar_t *p) {
 #define CHUNK 64         /* elements per chunk maximum (the bounds of step 2) */
 #define SLICE_ALIGN 64   /* vocabulary slices start at multiples of this (of LANES) */
 #define MAX_THREADS 256
+#define MIN_PARALLEL 65536 /* logits below which one thread does everything */
+#define MIN_SLICE 16384    /* elements of the smallest vocabulary slice */
 #define MASS_SCALE 0x1p32f
 #define GUMBEL_SPAN 17.0f /* > 24 ln 2 = 16.64: the most -log(-log u) can add to x */
 
@@ -614,10 +616,12 @@ int pagoda_sample(const void *logits, int64_t rows, int64_t vocab, int64_t strid
                   int64_t *tokens, int32_t *status, uint8_t *mask, int64_t num_threads) {
   if (rows < 0 || vocab < 1 || stride < vocab) return 1;
   if (rows == 0) return 0;
-  if (num_threads < 1) num_threads = 1;
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-  /* Rows split into vocabulary slices when there are fewer rows than threads, so a single row uses them all. */
+  if (rows * vocab < MIN_PARALLEL || num_threads < 1) num_threads = 1; /* waking threads would cost more */
+  /* Rows split into vocabulary slices when there are fewer rows than threads, so a single row uses them all;
+   * a slice is at least MIN_SLICE elements. */
   int64_t slices = rows >= num_threads ? 1 : (2 * num_threads + rows - 1) / rows;
+  if (slices > vocab / MIN_SLICE) slices = vocab / MIN_SLICE > 1 ? vocab / MIN_SLICE : 1;
   int64_t slice_len = (vocab + slices - 1) / slices;
   slice_len = (slice_len + SLICE_ALIGN - 1) / SLICE_ALIGN * SLICE_ALIGN;
   slices = (vocab + slice_len - 1) / slice_len;
