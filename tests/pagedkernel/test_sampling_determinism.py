@@ -3,6 +3,7 @@ any thread count, and whatever else is in the batch."""
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -121,3 +122,20 @@ def test_the_build_without_openmp_agrees(tmp_path: Path, monkeypatch: pytest.Mon
     tokens, status, _ = cpu_sampling.run(logits, *args, with_mask=False, entry=entry)
     expected = get_sampler("cpu")(logits, params)
     assert torch.equal(tokens, expected.token_ids) and torch.equal(status, expected.status)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_other_vector_widths_agree(march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel built for AVX2 (eight lanes) and for plain x86-64 (generic vectors, scalar masks) draws what
+    the native build (sixteen lanes on AVX-512 machines) draws."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 target flags")
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_sampling.CFLAGS)
+    entry = cpu_sampling.load(cpu_sampling.build(torch.float32, flags=flags))
+    logits, params = _batch(12, 30_000, torch.float32, seed=12)
+    args = (params.inverse_temperature(), params.top_k, params.top_p, params.min_p, params.keys)
+    tokens, status, mask = cpu_sampling.run(logits, *args, with_mask=True, entry=entry)
+    expected = get_sampler("cpu")(logits, params)
+    assert torch.equal(tokens, expected.token_ids) and torch.equal(status, expected.status)
+    assert mask is not None and torch.equal(mask, get_sampler("cpu").kept_mask(logits, params))

@@ -94,6 +94,7 @@ static inline vf loadv(const scalar_t *p) {
 #define MAX_THREADS 256
 #define MIN_PARALLEL 65536 /* logits below which one thread does everything */
 #define MIN_SLICE 16384    /* elements of the smallest vocabulary slice */
+#define RACE_CHUNK (64 * LANES) /* elements the race gathers before hashing (a multiple of SLICE_ALIGN) */
 #define MASS_SCALE 0x1p32f
 #define GUMBEL_SPAN 17.0f /* > 24 ln 2 = 16.64: the most -log(-log u) can add to x */
 
@@ -268,29 +269,57 @@ static inline void race_set(race_t *q, float best, int64_t best_i, float cut) {
   if (q->lo < cut) q->lo = cut;
 }
 
-/* Enter the kept elements of the block x = (logits i .. i + LANES) * (1/T) in the race (i even). Few elements
- * are near enough to the best score to win (about 3% of a vocabulary of real logits at T = 1); their block's
- * words are hashed at once, and a bound from each word rejects all but a handful before the two logs. */
-static inline void race_block(race_t *q, const row_t *rw, vf x, int64_t i) {
-  const vi near = (x >= q->lo) & (x > -INFINITY); /* lanes past the end read -inf */
-  if (!any(near)) return;
-  /* Words of elements i .. i + LANES: the two halves of outputs i/2 .. i/2 + LANES/2 (low half first). */
-  vq c;
-  for (int l = 0; l < LANES / 2; ++l) c[l] = (uint64_t)(i >> 1) + (uint64_t)l + 1;
-  vq z = rw->key + c * GOLDEN;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  const vu words = (vu)(z ^ (z >> 31));
-  /* -log u >= 1 - u = j / 2^24 with j = 2^24 - 2k - 1 >= 2^floor(log2 j), so the score is at most
-   * x + (24 - floor(log2 j)) ln 2, floor(log2 j) read from the exponent of float(j) (exact: j < 2^24). */
-  const vi j = (int32_t)(1 << 24) - 2 * (vi)(words >> 9) - 1;
-  const vi lg = ((vi)__builtin_convertvector(j, vf) >> 23) - 127;
-  const vi go = near & (x + __builtin_convertvector(24 - lg, vf) * 0.6932f >= q->best - q->slack);
-  for (uint32_t bits = mask_bits(go); bits; bits &= bits - 1) {
-    const int l = __builtin_ctz(bits);
-    if (rw->min_p > 0.0f && !(exp32(x[l] - rw->m) >= rw->min_p)) continue;
-    const float s = gumbel_score(x[l], words[l]);
-    if (s > q->best || (s == q->best && i + l < q->best_i)) race_set(q, s, i + l, rw->cut);
+/* Enter the kept elements of logits [begin, end) (at most RACE_CHUNK of them, begin even) in the race. Few are
+ * near enough to the best score to win (about 3% of a vocabulary of real logits at T = 1, one or two in a fifth
+ * of the blocks): they are gathered first, without a branch per block, then hashed eight at a time, and a bound
+ * from each word rejects all but a handful before the two logs. */
+static void race_chunk(race_t *q, const row_t *rw, const scalar_t *row, int64_t begin, int64_t end) {
+  int32_t at[RACE_CHUNK + 8];
+  float xs[RACE_CHUNK + 8];
+  uint32_t masks[RACE_CHUNK / LANES];
+  uint64_t blocks = 0; /* bit b: block b has a near lane */
+  const float lo = q->lo; /* it only rises during the chunk: gathering with the first is conservative */
+  for (int64_t b = 0; b * LANES < end - begin; ++b) {
+    const vf x = load_tail(row, begin + b * LANES, end) * rw->inv_t;
+    masks[b] = mask_bits((x >= lo) & (x > -INFINITY)); /* lanes past the end read -inf */
+    blocks |= (uint64_t)(masks[b] != 0) << b;
+  }
+  int64_t n = 0;
+  for (; blocks; blocks &= blocks - 1) {
+    const int b = __builtin_ctzll(blocks);
+    for (uint32_t m = masks[b]; m; m &= m - 1) {
+      const int32_t i = b * LANES + __builtin_ctz(m);
+      at[n] = i, xs[n++] = load1(row + begin + i) * rw->inv_t;
+    }
+  }
+  typedef uint64_t v8q __attribute__((vector_size(64)));
+  typedef uint32_t v8u __attribute__((vector_size(32)));
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32)));
+  for (int64_t g = 0; g < n; g += 8) {
+    v8i off;
+    v8f x;
+    memcpy(&off, at + g, sizeof off);
+    memcpy(&x, xs + g, sizeof x);
+    /* Word of index i: half i % 2 (low half first) of output i / 2 of the row's stream. */
+    const v8q i = (v8q)__builtin_convertvector(off, v8q) + (uint64_t)begin;
+    v8q z = rw->key + ((i >> 1) + 1) * GOLDEN;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const v8u words = __builtin_convertvector((z >> (32 * (i & 1))) & 0xffffffffu, v8u);
+    /* -log u >= 1 - u = j / 2^24 with j = 2^24 - 2k - 1 >= 2^floor(log2 j), so the score is at most
+     * x + (24 - floor(log2 j)) ln 2, floor(log2 j) read from the exponent of float(j) (exact: j < 2^24). */
+    const v8i j = (int32_t)(1 << 24) - 2 * (v8i)(words >> 9) - 1;
+    const v8i lg = ((v8i)__builtin_convertvector(j, v8f) >> 23) - 127;
+    const v8i go = (x + __builtin_convertvector(24 - lg, v8f) * 0.6932f >= q->best - q->slack) &
+                   ((v8i){0, 1, 2, 3, 4, 5, 6, 7} < (int32_t)(n - g));
+    for (int l = 0; l < 8; ++l) {
+      if (!go[l]) continue;
+      if (rw->min_p > 0.0f && !(exp32(x[l] - rw->m) >= rw->min_p)) continue;
+      const float s = gumbel_score(x[l], words[l]);
+      if (s > q->best || (s == q->best && (int64_t)i[l] < q->best_i)) race_set(q, s, (int64_t)i[l], rw->cut);
+    }
   }
 }
 
@@ -304,22 +333,27 @@ static void scan_slice(const problem_t *p, int64_t r, const row_t *rw, int64_t b
   race_t q;
   race_set(&q, -INFINITY, -1, -INFINITY);
   vf chunk = (vf){0} - INFINITY;
-  for (int64_t i = begin; i < end; i += LANES) {
-    const vf v = load_tail(row, i, end);
-    if (rw->cm) { /* slices start at multiples of CHUNK */
-      chunk = pick(v > chunk, v, chunk);
-      if ((i + LANES) % CHUNK == 0 || i + LANES >= end) {
-        float c = -INFINITY;
-        for (int l = 0; l < LANES; ++l) c = chunk[l] > c ? chunk[l] : c;
-        rw->cm[i / CHUNK] = c;
-        chunk = (vf){0} - INFINITY;
+  for (int64_t c0 = begin; c0 < end; c0 += RACE_CHUNK) {
+    const int64_t c1 = c0 + RACE_CHUNK < end ? c0 + RACE_CHUNK : end;
+    for (int64_t i = c0; i < c1; i += LANES) {
+      /* Rows sit anywhere: ask for the logits 2 KB ahead, so the memory streams while the race computes. */
+      __builtin_prefetch((const char *)(row + i) + 2048);
+      const vf v = load_tail(row, i, end);
+      if (rw->cm) { /* slices start at multiples of CHUNK */
+        chunk = pick(v > chunk, v, chunk);
+        if ((i + LANES) % CHUNK == 0 || i + LANES >= end) {
+          float c = -INFINITY;
+          for (int l = 0; l < LANES; ++l) c = chunk[l] > c ? chunk[l] : c;
+          rw->cm[i / CHUNK] = c;
+          chunk = (vf){0} - INFINITY;
+        }
       }
+      bad |= (v != v) | (v == INFINITY);
+      const vi gt = v > mx; /* strictly greater: each lane keeps its first maximum */
+      mx = pick(gt, v, mx);
+      idx = picki(gt, iota + (int32_t)(i - begin), idx);
     }
-    bad |= (v != v) | (v == INFINITY);
-    const vi gt = v > mx; /* strictly greater: each lane keeps its first maximum */
-    mx = pick(gt, v, mx);
-    idx = picki(gt, iota + (int32_t)(i - begin), idx);
-    if (rw->fused) race_block(&q, rw, v * rw->inv_t, i);
+    if (rw->fused) race_chunk(&q, rw, row, c0, c1); /* while the chunk is in L1 */
   }
   float m = -INFINITY;
   int64_t arg = -1;
@@ -545,7 +579,7 @@ static void draw_slice(const problem_t *p, int64_t r, const row_t *rw, int64_t b
   const scalar_t *row = p->logits + r * p->stride;
   race_t q;
   race_set(&q, rw->s0, rw->arg, rw->cut);
-  for (int64_t i = begin; i < end; i += LANES) race_block(&q, rw, load_tail(row, i, end) * rw->inv_t, i);
+  for (int64_t i = begin; i < end; i += RACE_CHUNK) race_chunk(&q, rw, row, i, i + RACE_CHUNK < end ? i + RACE_CHUNK : end);
   out->best = q.best;
   out->best_i = q.best_i;
 }
