@@ -177,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", nargs="+", type=int, default=list(VOCABS))
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch's (and the C kernel's) thread count; default: torch's")
     parser.add_argument(
         "--max-reference",
         type=int,
@@ -186,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--logits-file", type=Path, help="real logits [n, vocab] saved with torch.save")
     parser.add_argument("--json", type=Path, help="also write the points here")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     source = torch.load(args.logits_file) if args.logits_file else None
     grid = [(s, r, v) for s in args.setting for v in args.vocab for r in args.rows]

@@ -49,7 +49,8 @@ typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
 typedef uint64_t vq __attribute__((vector_size(4 * LANES)));
-typedef double vd __attribute__((vector_size(8 * LANES)));
+typedef float vfh __attribute__((vector_size(2 * LANES))); /* half a vf */
+typedef double vd __attribute__((vector_size(4 * LANES)));  /* a vfh as doubles */
 
 #if PAGODA_DTYPE == 0
 typedef float scalar_t;
@@ -536,7 +537,7 @@ static int thresholds(const problem_t *p, int64_t r, row_t *rw) {
   if (use_p && !failed) {
     /* The kept mass W. Tokens with x - m < -23 have exp < 2^-32, mass 0: skipped here, and dropped (everything
      * at or below them has mass 0 too, so the kept mass above them is W >= top_p * W). */
-    vd sum = (vd){0};
+    vd sum_lo = (vd){0}, sum_hi = (vd){0};
     const vf vm = (vf){0} + rw->m;
     for (int64_t i = 0; i < V; i += LANES) {
       const vf x = load_tail(row, i, V) * rw->inv_t;
@@ -549,10 +550,15 @@ static int thresholds(const problem_t *p, int64_t r, row_t *rw) {
        * integer-valued doubles add exactly (every partial sum is below 2^53), so the order does not matter. */
       const vf f = e * MASS_SCALE;
       const vf t = pick(f < 0x1p23f, __builtin_convertvector(__builtin_convertvector(f, vi), vf), f);
-      sum += __builtin_convertvector((vf)((vi)t & in), vd);
+      const vf kept = (vf)((vi)t & in);
+      vfh lo, hi; /* two register-sized halves: a double vector as wide as LANES floats spills to the stack */
+      memcpy(&lo, &kept, sizeof lo);
+      memcpy(&hi, (const char *)&kept + sizeof lo, sizeof hi);
+      sum_lo += __builtin_convertvector(lo, vd);
+      sum_hi += __builtin_convertvector(hi, vd);
     }
     double total = 0.0;
-    for (int l = 0; l < LANES; ++l) total += sum[l];
+    for (int l = 0; l < LANES / 2; ++l) total += sum_lo[l] + sum_hi[l];
     const double limit = (double)rw->top_p * total;
     /* A lower bound from the kept chunk maxima: the largest of their values whose chunk-maxima mass above is
      * >= limit has a true mass above >= limit too, so it and everything below it are dropped. */
