@@ -177,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", nargs="+", type=int, default=list(VOCABS))
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="torch's (and the C kernel's) thread count; default: torch's")
+    parser.add_argument(
+        "--threads", type=int, help="torch's (and the C kernel's) thread count; default: torch's"
+    )
     parser.add_argument(
         "--max-reference",
         type=int,
