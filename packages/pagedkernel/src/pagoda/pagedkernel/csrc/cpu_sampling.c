@@ -120,23 +120,8 @@ static inline uint32_t as_bits(float f) {
 #define EXP_LO (-86.0f)
 #define SQRT_HALF 0x1.6a09e6p-1f
 
-static inline float exp32(float x) {
-  if (x < EXP_LO) return 0.0f;
-  const float n = floorf(x * LOG2E + 0.5f);
-  float r = x - n * LN2_HI;
-  r = r - n * LN2_LO;
-  const float z = r * r;
-  float p = 0x1.a0d2cep-13f;
-  p = p * r + 0x1.6e879cp-10f;
-  p = p * r + 0x1.11121p-7f;
-  p = p * r + 0x1.555382p-5f;
-  p = p * r + 0x1.555554p-3f;
-  p = p * r + 0x1p-1f;
-  const float y = p * z + r + 1.0f;
-  return y * as_float((uint32_t)((int32_t)n + 127) << 23);
-}
-
-/* LANES exp32 at once (the same operations lane by lane; floor as truncation corrected downwards). */
+/* exp(x) for x <= 0, LANES at a time: fmath.exp32's operations lane by lane (floor as truncation corrected
+ * downwards), 0 below EXP_LO; exp of 0 is exactly 1. */
 static inline vf expv(vf x) {
   const vf lo = (vf){0} + EXP_LO;
   const vi under = x < lo;
@@ -158,6 +143,9 @@ static inline vf expv(vf x) {
   const vf scale = (vf)((n + 127) << 23);
   return (vf)((vi)(y * scale) & ~under);
 }
+
+/* One exp32: the vector's operations on a broadcast, so scalar and vector results are the same bits. */
+static inline float exp32(float x) { return expv((vf){0} + x)[0]; }
 
 static inline float log32(float y) {
   const uint32_t bits = as_bits(y);

@@ -148,30 +148,3 @@ def run(
     if code != 0:
         raise ValueError(f"the 'cpu' sampler refused logits of shape {tuple(logits.shape)}")
     return tokens, status, None if mask is None else mask.bool()
-
-
-def draw(
-    logits: Tensor,  # [rows, vocab]
-    inv_temperature: Tensor,  # float32 [rows]; 0: greedy
-    top_k: Tensor,  # int64 [rows]; 0: disabled
-    top_p: Tensor,  # float32 [rows]; 1: disabled
-    min_p: Tensor,  # float32 [rows]; 0: disabled
-    keys: Tensor,  # int64 [rows]
-) -> tuple[Tensor, Tensor]:  # int64 [rows] tokens, int32 [rows] status
-    """One token per row, as torch_sampling.draw specifies."""
-    tokens, status, _ = run(logits, inv_temperature, top_k, top_p, min_p, keys, with_mask=False)
-    return tokens, status
-
-
-def kept_mask(
-    logits: Tensor,  # [rows, vocab]
-    inv_temperature: Tensor,  # float32 [rows]
-    top_k: Tensor,  # int64 [rows]
-    top_p: Tensor,  # float32 [rows]
-    min_p: Tensor,  # float32 [rows]
-) -> Tensor:  # bool [rows, vocab]
-    """The tokens each row can draw, as torch_sampling.kept_mask specifies."""
-    keys = torch.zeros(logits.shape[0], dtype=torch.int64)
-    _, _, mask = run(logits, inv_temperature, top_k, top_p, min_p, keys, with_mask=True)
-    assert mask is not None
-    return mask

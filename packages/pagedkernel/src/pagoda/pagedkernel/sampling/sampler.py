@@ -22,9 +22,9 @@ SAMPLER_NAMES = ("torch", "cpu", "triton")
 
 
 class SamplerBackend(Protocol):
-    """The two entry points every sampling backend module defines (torch_sampling is their specification)."""
+    """The entry point every sampling backend module defines (torch_sampling.run is its specification)."""
 
-    def draw(
+    def run(
         self,
         logits: Tensor,  # [rows, vocab]
         inv_temperature: Tensor,  # float32 [rows]; 0: greedy
@@ -32,19 +32,10 @@ class SamplerBackend(Protocol):
         top_p: Tensor,  # float32 [rows]; 1: disabled
         min_p: Tensor,  # float32 [rows]; 0: disabled
         keys: Tensor,  # int64 [rows]
-    ) -> tuple[Tensor, Tensor]:  # int64 [rows] tokens, int32 [rows] status
-        """One token and one status per row."""
-        ...
-
-    def kept_mask(
-        self,
-        logits: Tensor,  # [rows, vocab]
-        inv_temperature: Tensor,  # float32 [rows]
-        top_k: Tensor,  # int64 [rows]
-        top_p: Tensor,  # float32 [rows]
-        min_p: Tensor,  # float32 [rows]
-    ) -> Tensor:  # bool [rows, vocab]
-        """The tokens each row can draw."""
+        *,
+        with_mask: bool,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:  # int64 [rows], int32 [rows], bool [rows, vocab] or None
+        """One token and one status per row, and (with_mask) the tokens each row can draw."""
         ...
 
 
@@ -62,10 +53,7 @@ class FusedSampler:
         num_logprobs: Sequence[int | None] | None = None,  # per row: top-N wanted (0: sampled only), None: no
     ) -> SampleOutput:
         """Sample one token per row; rows whose status is not OK (SampleOutput.failed_rows) must fail alone."""
-        _check(logits, params)
-        tokens, status = self.backend.draw(
-            logits, params.inverse_temperature(), params.top_k, params.top_p, params.min_p, params.keys
-        )
+        tokens, status, _ = self._run(logits, params, with_mask=False)
         logprobs = None if num_logprobs is None else compute_logprobs(logits, tokens, num_logprobs)
         return SampleOutput(token_ids=tokens, status=status, logprobs=logprobs)
 
@@ -75,10 +63,21 @@ class FusedSampler:
         params: SamplingTensors,
     ) -> Tensor:  # bool [rows, vocab]
         """The tokens each row can draw: after min_p, top_k and top_p; the argmax alone for greedy rows."""
+        mask = self._run(logits, params, with_mask=True)[2]
+        assert mask is not None
+        return mask
+
+    def _run(
+        self,
+        logits: Tensor,  # [rows, vocab]
+        params: SamplingTensors,
+        *,
+        with_mask: bool,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:  # int64 [rows], int32 [rows], bool [rows, vocab] or None
+        """Check the arguments and run the backend."""
         _check(logits, params)
-        return self.backend.kept_mask(
-            logits, params.inverse_temperature(), params.top_k, params.top_p, params.min_p
-        )
+        args = (params.inverse_temperature(), params.top_k, params.top_p, params.min_p, params.keys)
+        return self.backend.run(logits, *args, with_mask=with_mask)
 
 
 def _check(logits: Tensor, params: SamplingTensors) -> None:

@@ -98,49 +98,32 @@ def gumbel_scores(
     return x - log32(-log32(uniforms(keys, x.shape[1])))
 
 
-def _greedy_and_sampled(
-    inv_temperature: Tensor,  # float32 [rows]
-    status: Tensor,  # int32 [rows]
-) -> tuple[Tensor, Tensor]:  # int64 [n_greedy], int64 [n_sampled]
-    """Row indices of the good greedy rows and of the good sampled rows."""
-    good = status == 0
-    greedy = inv_temperature == 0
-    return (good & greedy).nonzero().squeeze(1), (good & ~greedy).nonzero().squeeze(1)
-
-
-def draw(
+def run(
     logits: Tensor,  # [rows, vocab], float32 / bfloat16 / float16
     inv_temperature: Tensor,  # float32 [rows]; 0: greedy
     top_k: Tensor,  # int64 [rows]; 0: disabled
     top_p: Tensor,  # float32 [rows]; 1: disabled
     min_p: Tensor,  # float32 [rows]; 0: disabled
     keys: Tensor,  # int64 [rows]
-) -> tuple[Tensor, Tensor]:  # int64 [rows] tokens, int32 [rows] status
-    """One token per row: argmax for greedy rows, a Gumbel-max draw over the kept set for the others."""
+    *,
+    with_mask: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # int64 [rows], int32 [rows], bool [rows, vocab] or None
+    """One token and one status per row (argmax for greedy rows, a Gumbel-max draw over the kept set for the
+    others) and, with_mask, the tokens each row can draw (the argmax alone for greedy rows, none for bad rows)."""
     x, status = scale(logits, inv_temperature)
     tokens = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
-    greedy, sampled = _greedy_and_sampled(inv_temperature, status)
+    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device) if with_mask else None
+    good = status == 0
+    greedy = (good & (inv_temperature == 0)).nonzero().squeeze(1)
+    sampled = (good & (inv_temperature != 0)).nonzero().squeeze(1)
     tokens[greedy] = x[greedy].argmax(dim=-1)
+    if mask is not None:
+        mask[greedy, tokens[greedy]] = True
     if sampled.numel():
         xs = x[sampled]
         keep = truncation_mask(xs, top_k[sampled], top_p[sampled], min_p[sampled])
         scores = torch.where(keep, gumbel_scores(xs, keys[sampled]), NEG_INF)
         tokens[sampled] = scores.argmax(dim=-1)
-    return tokens, status
-
-
-def kept_mask(
-    logits: Tensor,  # [rows, vocab]
-    inv_temperature: Tensor,  # float32 [rows]
-    top_k: Tensor,  # int64 [rows]
-    top_p: Tensor,  # float32 [rows]
-    min_p: Tensor,  # float32 [rows]
-) -> Tensor:  # bool [rows, vocab]
-    """The tokens each row can draw: the truncation mask, the argmax alone for greedy rows, none for bad rows."""
-    x, status = scale(logits, inv_temperature)
-    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-    greedy, sampled = _greedy_and_sampled(inv_temperature, status)
-    mask[greedy, x[greedy].argmax(dim=-1)] = True
-    if sampled.numel():
-        mask[sampled] = truncation_mask(x[sampled], top_k[sampled], top_p[sampled], min_p[sampled])
-    return mask
+        if mask is not None:
+            mask[sampled] = keep
+    return tokens, status, mask

@@ -108,6 +108,25 @@ def _block(row, offs, vocab, scale, m, min_p):
 
 
 @triton.jit
+def _bisect(row, lanes, vocab, scale, m, min_p, cut, limit, UNIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The smallest key whose weight above, over the kept keys >= cut, is below limit: 32 halvings of [0, 2^32).
+    Weights are 1 (UNIT, top_k) or the masses trunc(e * 2^32) (top_p)."""
+    lo = tl.full([], 0, tl.int64)
+    hi = tl.full([], 0xFFFFFFFF, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) // 2
+        above = tl.full([], 0, tl.int64)
+        for start in range(0, vocab, BLOCK):
+            _x, e, keep, k = _block(row, start + lanes, vocab, scale, m, min_p)
+            weight = 1 if UNIT else (e * MASS_SCALE).to(tl.int64)
+            above += tl.sum(tl.where(keep & (k >= cut) & (k > mid), weight, 0), axis=0)
+        ok = above.to(tl.float64) < limit
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid + 1)
+    return lo
+
+
+@triton.jit
 def sample_kernel(
     logits_ptr,  # [rows, vocab], rows `stride` elements apart
     stride,
@@ -156,38 +175,15 @@ def sample_kernel(
         top_p = tl.load(top_p_ptr + r)
         if (top_k > 0) & (top_k < vocab):
             # The smallest key with fewer than k min_p-kept keys above it.
-            lo = tl.full([], 0, tl.int64)
-            hi = tl.full([], 0xFFFFFFFF, tl.int64)
-            for _ in range(32):
-                mid = (lo + hi) // 2
-                count = tl.full([], 0, tl.int64)
-                for start in range(0, vocab, BLOCK):
-                    x, e, keep, k = _block(row, start + lanes, vocab, scale, m, min_p)
-                    count += tl.sum((keep & (k > mid)).to(tl.int64), axis=0)
-                ok = count < top_k
-                hi = tl.where(ok, mid, hi)
-                lo = tl.where(ok, lo, mid + 1)
-            cut = lo
+            cut = _bisect(row, lanes, vocab, scale, m, min_p, cut, top_k.to(tl.float64), True, BLOCK)
         if top_p < 1.0:
             total = tl.full([], 0, tl.int64)
             for start in range(0, vocab, BLOCK):
-                x, e, keep, k = _block(row, start + lanes, vocab, scale, m, min_p)
+                _x, e, keep, k = _block(row, start + lanes, vocab, scale, m, min_p)
                 total += tl.sum(tl.where(keep & (k >= cut), (e * MASS_SCALE).to(tl.int64), 0), axis=0)
-            limit = top_p.to(tl.float64) * total.to(tl.float64)
             # The smallest key whose kept mass above is below top_p of the kept mass.
-            lo = tl.full([], 0, tl.int64)
-            hi = tl.full([], 0xFFFFFFFF, tl.int64)
-            for _ in range(32):
-                mid = (lo + hi) // 2
-                above = tl.full([], 0, tl.int64)
-                for start in range(0, vocab, BLOCK):
-                    x, e, keep, k = _block(row, start + lanes, vocab, scale, m, min_p)
-                    mass = tl.where(keep & (k >= cut) & (k > mid), (e * MASS_SCALE).to(tl.int64), 0)
-                    above += tl.sum(mass, axis=0)
-                ok = above.to(tl.float64) < limit
-                hi = tl.where(ok, mid, hi)
-                lo = tl.where(ok, lo, mid + 1)
-            cut = tl.maximum(cut, lo)
+            limit = top_p.to(tl.float64) * total.to(tl.float64)
+            cut = tl.maximum(cut, _bisect(row, lanes, vocab, scale, m, min_p, cut, limit, False, BLOCK))
         # The Gumbel-max race over the kept tokens; the lowest index wins a tie.
         best = tl.full([], float("-inf"), tl.float32)
         best_i = tl.full([], 0, tl.int64)
@@ -208,6 +204,6 @@ def sample_kernel(
             offs = start + lanes
             kept = offs < 0  # all False
             if status == 0:
-                x, e, keep, k = _block(row, offs, vocab, scale, m, min_p)
+                _x, _e, keep, k = _block(row, offs, vocab, scale, m, min_p)
                 kept = tl.where(inv_t != 0.0, keep & (k >= cut), offs == arg)
             tl.store(mask_ptr + r * vocab + offs, kept.to(tl.uint8), mask=offs < vocab)
