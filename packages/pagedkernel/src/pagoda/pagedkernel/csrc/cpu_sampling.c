@@ -281,6 +281,7 @@ static void race_chunk(race_t *q, const row_t *rw, const scalar_t *row, int64_t 
       at[n] = i, xs[n++] = load1(row + begin + i) * rw->inv_t;
     }
   }
+  for (int l = 0; l < 8; ++l) at[n + l] = 0, xs[n + l] = -INFINITY; /* the last group's unused lanes */
   typedef uint64_t v8q __attribute__((vector_size(64)));
   typedef uint32_t v8u __attribute__((vector_size(32)));
   typedef int32_t v8i __attribute__((vector_size(32)));
@@ -301,8 +302,7 @@ static void race_chunk(race_t *q, const row_t *rw, const scalar_t *row, int64_t 
      * x + (24 - floor(log2 j)) ln 2, floor(log2 j) read from the exponent of float(j) (exact: j < 2^24). */
     const v8i j = (int32_t)(1 << 24) - 2 * (v8i)(words >> 9) - 1;
     const v8i lg = ((v8i)__builtin_convertvector(j, v8f) >> 23) - 127;
-    const v8i go = (x + __builtin_convertvector(24 - lg, v8f) * 0.6932f >= q->best - q->slack) &
-                   ((v8i){0, 1, 2, 3, 4, 5, 6, 7} < (int32_t)(n - g));
+    const v8i go = x + __builtin_convertvector(24 - lg, v8f) * 0.6932f >= q->best - q->slack; /* -inf: no */
     for (int l = 0; l < 8; ++l) {
       if (!go[l]) continue;
       if (rw->min_p > 0.0f && !(exp32(x[l] - rw->m) >= rw->min_p)) continue;
