@@ -7,18 +7,21 @@
  * - truncation masses are integers (trunc(e * 2^32)) summed in int64, exact in any order;
  * - every other step is a comparison: max, argmax (lowest index on ties), thresholds.
  *
- * Per sampled row:
- * 1. (per vocabulary slice) the max of the logits, its lowest index, and NaN / +inf detection.
- * 2. (per row, only with top_k or top_p) thresholds on x = logits * (1/T), found without sorting the vocabulary:
- *    the k-th largest of the 64-element chunk maxima is a lower bound for the k-th largest logit, so only the
- *    elements above it are gathered and selected from (a quickselect over a few hundred values, usually); for
- *    top_p one vectorised pass sums the kept mass W, the chunk maxima bound the threshold from below the same
- *    way (their mass above a value is at most the true mass above it), and a weighted quickselect over the
- *    elements above that bound finds the exact threshold.
- * 3. (per vocabulary slice) the Gumbel-max draw: argmax of x - log(-log u) over the kept set. The score of an
- *    element is at most x + 24 ln 2 (u's 23 bits bound -log u from below), so elements more than 17 below the
- *    best score so far are skipped without hashing; for the rest the hash gives u, and a bound from u's
- *    exponent alone (-log u >= 1 - u) rejects all but a handful before the two logs. The pruning is
+ * Per sampled row (a row per OpenMP task; rows split into vocabulary slices when there are fewer rows than
+ * threads):
+ * 1. the max of the logits, its lowest index, NaN / +inf, and the 64-element chunk maxima (for top_k / top_p),
+ *    with the logits prefetched 2 KB ahead. A row without min_p, top_k and top_p is drawn in this same pass.
+ * 2. (only with top_k or top_p) thresholds on x = logits * (1/T), found without sorting the vocabulary: the
+ *    k-th largest of the chunk maxima is a lower bound for the k-th largest logit, so only the elements above it
+ *    are gathered and selected from (a quickselect over a few hundred values, usually); for top_p one
+ *    vectorised pass sums the kept mass W, the chunk maxima bound the threshold from below the same way (their
+ *    mass above a value is at most the true mass above it), and a weighted quickselect over the elements above
+ *    that bound finds the exact threshold. More than HIST_MIN candidates (flat rows, large k) are first
+ *    narrowed to one bucket of a histogram of x - m.
+ * 3. the Gumbel-max race: argmax of x - log(-log u) over the kept set. The score of an element is at most
+ *    x + 24 ln 2 (u's 23 bits bound -log u from below), so elements more than 17 below the best score so far
+ *    are skipped without hashing; the rest are gathered per chunk and hashed eight at a time, and a bound from
+ *    the word alone (-log u >= 1 - u) rejects all but a handful before the two logs. The pruning is
  *    conservative, so the result is exactly the full argmax.
  *
  * Compiled by sampling/cpu_sampling.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16).

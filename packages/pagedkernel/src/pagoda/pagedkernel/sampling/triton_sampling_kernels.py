@@ -142,7 +142,7 @@ def sample_kernel(
     WRITE_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One token and status per row (torch_sampling.draw), and the kept mask when WRITE_MASK."""
+    """One token and status per row, and the kept mask when WRITE_MASK (torch_sampling.run specifies them)."""
     r = tl.program_id(0).to(tl.int64)
     row = logits_ptr + r * stride
     inv_t = tl.load(inv_t_ptr + r)
