@@ -1,4 +1,5 @@
-"""Run Triton kernels in Triton's CPU interpreter when there is no CUDA device (for every test folder).
+"""For every test folder: Triton kernels run in Triton's CPU interpreter when there is no CUDA device, and the
+Hugging Face hub is offline.
 
 Triton decides at decoration time (when `pagoda.pagedkernel.triton_kernels` is first imported) whether a kernel
 is compiled or interpreted, so the variable must be set before any test imports it: here, at the root of
@@ -11,8 +12,18 @@ interpreted ones. An explicit TRITON_INTERPRET in the environment wins.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hub_offline() -> Iterator[None]:
+    """Tests read local folders only: make any accidental hub access fail fast instead of hanging."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import Request, Scheduler, SchedulerConfig
-from pagoda.scheduler.sim import SimSamplingParams
+from pagoda.scheduler.testing import SimSamplingParams
 from tqdm import tqdm
 
 PROMPT_LEN = 64

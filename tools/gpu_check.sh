@@ -18,7 +18,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 "$PY" -c "import torch; print('gpu_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# All GPU tests of every package, in one process (tests/pagedkernel/conftest.py keeps Triton compiled here).
+# All GPU tests of every package, in one process (tests/conftest.py leaves Triton compiled where CUDA is).
 "$PY" -m pytest tests -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
+    ContiguousKVManager,
     FCFSPolicy,
     KVBlockManager,
     Request,
@@ -44,8 +45,7 @@ from pagoda.scheduler import (
     SchedulingPolicy,
     StaticBatchPolicy,
 )
-from pagoda.scheduler.contiguous import ContiguousKVManager
-from pagoda.scheduler.sim import SimSamplingParams
+from pagoda.scheduler.testing import SimSamplingParams, kv_occupancy
 from tqdm import tqdm
 
 PROMPT_LOGNORMAL = (4.58, 1.0)  # mean exp(4.58 + 0.5) ~ 161 tokens
@@ -175,20 +175,11 @@ def build(system: str, args: argparse.Namespace, block_size: int, clock: Callabl
 
 def measure_memory(sched: Scheduler) -> tuple[float, float, float]:
     """(real / reserved, empty / reserved, table entries per sequence) of the KV slots right now."""
-    kv, bs = sched.kv, sched.kv.block_size
-    reserved = kv.stats().num_used_blocks * bs
-    if not reserved or not sched.running:
+    occupancy = kv_occupancy(sched)
+    if not occupancy.reserved_tokens or not occupancy.num_running:
         return 0.0, 0.0, 0.0
-    full: set[int] = set()  # full blocks can be shared (prefix cache): count each once
-    partial = entries = 0
-    for request in sched.running:
-        table = kv.block_table(request.request_id)
-        n = kv.num_tokens(request.request_id)
-        full.update(table[: n // bs])
-        partial += n % bs
-        entries += len(table)
-    real = len(full) * bs + partial
-    return real / reserved, 1 - real / reserved, entries / len(sched.running)
+    util = occupancy.utilization
+    return util, 1 - util, occupancy.table_entries / occupancy.num_running
 
 
 def simulate(

@@ -16,13 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagoda.pagedkernel import BackendUnavailableError, cpu_backend, get_backend, registry, torch_backend
-from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, cbuild, cpu_backend, get_backend
+from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import PagedCase, make_case, reference_attention, relative_error
+from pagoda.pagedkernel.torch_backend import TorchBackend
 
-# mypy proves that the module's functions match the shared signatures.
-_OPS: KernelOps = cpu_backend
+TORCH = TorchBackend()
+
+
+@pytest.fixture(scope="module")
+def cpu() -> CpuBackend:
+    """One cpu backend for the module, so that each dtype's library is loaded once."""
+    backend = CpuBackend()
+    _ops: KernelBackend = backend  # mypy proves that the class satisfies the shared interface
+    return backend
 
 
 CASES = [
@@ -58,44 +66,38 @@ def _case(case: Case, seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_prefill_matches_reference(case: Case, dtype: torch.dtype) -> None:
+def test_prefill_matches_reference(cpu: CpuBackend, case: Case, dtype: torch.dtype) -> None:
     """A varlen batch: one-token and block-sized prompts, a cache hit, a chunk of a long context, a long prompt."""
     bs = case.block_size
     c = _case(case, [(1, 1), (bs, bs), (bs + 1, 3), (300, 24), (130, 130)], dtype)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
     window, softcap = case.sliding_window, case.logit_softcap
     out = torch.full_like(c.q, float("nan"))
-    assert (
-        cpu_backend.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap, out=out)
-        is out
-    )
+    assert cpu.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap, out=out) is out
     assert out.dtype == dtype
     ref = reference_attention(c, sliding_window=window, logit_softcap=softcap)
     assert relative_error(out, ref) < TOLERANCE[dtype]
-    torch_out = torch_backend.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap)
+    torch_out = TORCH.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap)
     assert relative_error(out, torch_out) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_decode_matches_reference(case: Case, dtype: torch.dtype) -> None:
+def test_decode_matches_reference(cpu: CpuBackend, case: Case, dtype: torch.dtype) -> None:
     """One query per sequence at its last position, contexts across block boundaries."""
     bs = case.block_size
     c = _case(case, [(n, 1) for n in (1, bs, bs + 1, 300, 77)], dtype, seed=1)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.context_lens, c.scale)
     window, softcap = case.sliding_window, case.logit_softcap
     out = torch.full_like(c.q, float("nan"))
-    assert (
-        cpu_backend.paged_decode_attention(*args, sliding_window=window, logit_softcap=softcap, out=out)
-        is out
-    )
+    assert cpu.paged_decode_attention(*args, sliding_window=window, logit_softcap=softcap, out=out) is out
     assert (
         relative_error(out, reference_attention(c, sliding_window=window, logit_softcap=softcap))
         < TOLERANCE[dtype]
     )
 
 
-def test_result_does_not_depend_on_the_thread_count() -> None:
+def test_result_does_not_depend_on_the_thread_count(cpu: CpuBackend) -> None:
     """Each work item runs whole on one thread, so 1, 2 or 7 threads give bitwise the same output."""
     c = _case(CASES[1], [(300, 1)] * 9 + [(200, 40), (64, 64)], torch.float32)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
@@ -104,13 +106,13 @@ def test_result_does_not_depend_on_the_thread_count() -> None:
         results = []
         for n in (1, 2, 7):
             torch.set_num_threads(n)
-            results.append(cpu_backend.paged_prefill_attention(*args, sliding_window=32))
+            results.append(cpu.paged_prefill_attention(*args, sliding_window=32))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
-def test_strided_query_and_output() -> None:
+def test_strided_query_and_output(cpu: CpuBackend) -> None:
     """q sliced out of a fused QKV projection and an `out` view that is not contiguous are handled."""
     c = _case(CASES[0], [(20, 1), (33, 1)], torch.float32)
     fused = torch.cat([c.q, torch.randn_like(c.q)], dim=-1)  # [num_seqs, num_heads, 2 * head_dim]
@@ -119,16 +121,16 @@ def test_strided_query_and_output() -> None:
     holder = torch.full((c.q.shape[0], c.q.shape[1], 2 * c.q.shape[2]), float("nan"))
     out = holder[..., : c.q.shape[-1]]
     args = (c.k_cache, c.v_cache, c.block_tables, c.context_lens, c.scale)
-    assert cpu_backend.paged_decode_attention(q, *args, out=out) is out
+    assert cpu.paged_decode_attention(q, *args, out=out) is out
     assert relative_error(out, reference_attention(c)) < 1e-5
     assert holder[..., c.q.shape[-1] :].isnan().all()  # nothing written outside the view
 
 
-def test_empty_batch() -> None:
+def test_empty_batch(cpu: CpuBackend) -> None:
     """No sequences: an empty output and no kernel work."""
     c = _case(CASES[0], [(5, 1)], torch.float32)
     empty = torch.empty(0, c.q.shape[1], c.q.shape[2])
-    out = cpu_backend.paged_decode_attention(
+    out = cpu.paged_decode_attention(
         empty, c.k_cache, c.v_cache, c.block_tables[:0], c.context_lens[:0], c.scale
     )
     assert out.shape == empty.shape
@@ -140,7 +142,7 @@ def test_empty_batch() -> None:
     ids=["head_dim-12", "head_dim-520", "float64", "q-bfloat16-cache-float32"],
 )
 def test_what_the_kernel_does_not_take_runs_through_torch(
-    head_dim: int, q_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    cpu: CpuBackend, head_dim: int, q_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Unsupported head sizes and dtypes are answered by the torch backend, correctly."""
     cache_dtype = torch.float64 if q_dtype == torch.float64 else torch.float32
@@ -150,17 +152,17 @@ def test_what_the_kernel_does_not_take_runs_through_torch(
     q = c.q.to(q_dtype)
     assert not cpu_backend.supported(q, c.k_cache)
 
-    def refuse(dtype: torch.dtype) -> None:
+    def refuse(self: CpuBackend, dtype: torch.dtype) -> None:
         raise AssertionError("the C kernel was called")
 
-    monkeypatch.setattr(cpu_backend, "_kernels", refuse)
+    monkeypatch.setattr(CpuBackend, "kernels", refuse)
     args = (q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
-    out = cpu_backend.paged_prefill_attention(*args)
-    assert relative_error(out, torch_backend.paged_prefill_attention(*args)) == 0.0
+    out = cpu.paged_prefill_attention(*args)
+    assert relative_error(out, TORCH.paged_prefill_attention(*args)) == 0.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_reshape_and_cache_writes_rows_and_skips_padding(dtype: torch.dtype) -> None:
+def test_reshape_and_cache_writes_rows_and_skips_padding(cpu: CpuBackend, dtype: torch.dtype) -> None:
     """Keys and values land in their slots (strided token rows, as sliced out of a fused projection, included),
     negative slots write nothing, and every other slot is untouched: the torch backend's result, bitwise."""
     gen = torch.Generator().manual_seed(3)
@@ -170,25 +172,25 @@ def test_reshape_and_cache_writes_rows_and_skips_padding(dtype: torch.dtype) -> 
     slots = torch.tensor([5, -1, 0, 31, 17, -3])
     k_cache, v_cache = (torch.randn(4, 8, 2, 16, generator=gen).to(dtype) for _ in range(2))
     k_want, v_want = k_cache.clone(), v_cache.clone()
-    torch_backend.reshape_and_cache(key, value, k_want, v_want, slots)
-    cpu_backend.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    TORCH.reshape_and_cache(key, value, k_want, v_want, slots)
+    cpu.reshape_and_cache(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
 
 
-def test_reshape_and_cache_refuses_an_out_of_range_slot_and_writes_nothing() -> None:
+def test_reshape_and_cache_refuses_an_out_of_range_slot_and_writes_nothing(cpu: CpuBackend) -> None:
     """A slot past the cache is an IndexError naming it, raised before any row is written."""
     key = torch.randn(3, 2, 16)
     k_cache, v_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
     with pytest.raises(IndexError, match="slot 32 of token 2 is outside the cache's 32 slots"):
-        cpu_backend.reshape_and_cache(key, key, k_cache, v_cache, torch.tensor([1, 2, 32]))
+        cpu.reshape_and_cache(key, key, k_cache, v_cache, torch.tensor([1, 2, 32]))
     assert not k_cache.any() and not v_cache.any()
 
 
-def test_reshape_and_cache_other_dtypes_go_through_torch() -> None:
+def test_reshape_and_cache_other_dtypes_go_through_torch(cpu: CpuBackend) -> None:
     """A key dtype other than the cache's is converted by the torch backend, as it always was."""
     key = torch.randn(2, 2, 16, dtype=torch.float64)
     k_cache, v_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
-    cpu_backend.reshape_and_cache(key, key, k_cache, v_cache, torch.tensor([3, 9]))
+    cpu.reshape_and_cache(key, key, k_cache, v_cache, torch.tensor([3, 9]))
     assert torch.equal(k_cache.view(-1, 2, 16)[[3, 9]], key.float())
 
 
@@ -214,11 +216,13 @@ def test_build_is_cached_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left behind
 
 
-def test_pthreads_build_equals_the_openmp_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pthreads_build_equals_the_openmp_build(
+    cpu: CpuBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A compiler without OpenMP gets the pthreads version of the kernel: bitwise the same outputs."""
     c = _case(CASES[1], [(300, 1)] * 5 + [(200, 40), (64, 64)], torch.float32)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
-    openmp = cpu_backend.paged_prefill_attention(*args, sliding_window=32)
+    openmp = cpu.paged_prefill_attention(*args, sliding_window=32)
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_backend, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))  # fails: falls back
     library = cpu_backend.build(torch.float32)
@@ -231,10 +235,9 @@ def test_missing_compiler_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     """No compiler: get_backend('cpu') says to install gcc or use torch; 'auto' warns and falls back to torch."""
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    assert cpu_backend.find_compiler() is None
+    assert cbuild.find_compiler() is None
     with pytest.raises(BackendUnavailableError, match=r"no C compiler; install gcc"):
         get_backend("cpu", "cpu")
-    monkeypatch.setattr(registry, "_cpu_kernel_available", lambda: False)
     assert get_backend("auto", "cpu").name == "torch"
 
 
@@ -249,11 +252,8 @@ def test_failing_compiler_reports_its_output(
     monkeypatch.setenv("CC", str(script))
     with pytest.raises(BackendUnavailableError, match=r"(?s)exit 3.*badcc: cannot compile"):
         cpu_backend.build(torch.bfloat16)
-    monkeypatch.setattr(
-        cpu_backend, "_kernels", cpu_backend._kernels.__wrapped__
-    )  # bypass the per-process cache
     with caplog.at_level(logging.WARNING):
-        assert not cpu_backend.available()
+        assert not CpuBackend().available()  # a fresh backend, which has loaded no library yet
     assert "attention runs through torch" in caplog.text
 
 
@@ -261,5 +261,6 @@ def test_registry_picks_cpu_on_the_cpu_and_refuses_cuda() -> None:
     """'auto' on a CPU with a compiler is the cpu backend; asking for it on CUDA says where it runs."""
     assert get_backend("auto", "cpu").name == "cpu"
     assert get_backend("cpu", "cpu").name == "cpu"
+    assert type(get_backend("cpu", "cpu")) is CpuBackend
     with pytest.raises(BackendUnavailableError, match="runs on the CPU"):
         get_backend("cpu", "cuda")

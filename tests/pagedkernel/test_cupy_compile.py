@@ -1,7 +1,7 @@
 """The CuPy backend's CUDA sources compile, without a GPU, for every specialisation the runtime uses.
 
-The sources and -D options come from `pagoda.pagedkernel.csrc`, the same functions `cupy_backend` hands to
-`cupy.RawModule`, so this compiles exactly what the runtime compiles (with nvcc instead of NVRTC). `-cubin` also
+The sources and -D options come from `pagoda.pagedkernel.csrc` and `.cupy_kernels`, the same functions
+`cupy_backend` hands to `cupy.RawModule`, so this compiles exactly what the runtime compiles (with nvcc instead of NVRTC). `-cubin` also
 runs ptxas, which checks the inline PTX that `-ptx` alone would pass through unchecked.
 """
 
@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pagoda.pagedkernel import csrc, torch_backend
+from pagoda.pagedkernel import KernelBackend, csrc, cupy_kernels
 from pagoda.pagedkernel.testing import make_case, relative_error
+from pagoda.pagedkernel.torch_backend import TorchBackend
 
+TORCH = TorchBackend()
 NVCC = shutil.which("nvcc")
 GXX = shutil.which("g++")
 ARCH = "sm_90"
@@ -35,10 +37,12 @@ HEAD_DIMS = (64, 80, 128, 256)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 SPECIALISATIONS = [
-    pytest.param(csrc.CACHE_OPS_FILE, dtype, None, id=f"cache_ops-{DTYPE_NAMES[dtype]}")
+    pytest.param(cupy_kernels.CACHE_OPS_FILE, dtype, None, id=f"cache_ops-{DTYPE_NAMES[dtype]}")
     for dtype in csrc.DTYPE_IDS
 ] + [
-    pytest.param(csrc.ATTENTION_FILE, dtype, head_dim, id=f"attention-{DTYPE_NAMES[dtype]}-d{head_dim}")
+    pytest.param(
+        cupy_kernels.ATTENTION_FILE, dtype, head_dim, id=f"attention-{DTYPE_NAMES[dtype]}-d{head_dim}"
+    )
     for dtype in csrc.DTYPE_IDS
     for head_dim in HEAD_DIMS
 ]
@@ -47,23 +51,23 @@ SPECIALISATIONS = [
 def test_every_kernel_file_is_covered() -> None:
     """Each .cu file shipped in csrc/ is listed in KERNELS, so the compile test below reaches it."""
     shipped = {path.name for path in Path(csrc.__file__).parent.glob("*.cu")}
-    assert shipped == set(csrc.KERNELS)
+    assert shipped == set(cupy_kernels.KERNELS)
 
 
 def test_sources_are_self_contained() -> None:
     """Local includes are inlined and no CUDA header is needed (NVRTC from the pip wheels has no toolkit)."""
-    for file in csrc.KERNELS:
+    for file in cupy_kernels.KERNELS:
         source = csrc.read_source(file)
         assert re.search(r"^\s*#\s*include", source, re.MULTILINE) is None, file
 
 
 def test_compile_options_reject_unsupported() -> None:
     """Unsupported dtypes and head dims fail before reaching the compiler."""
-    assert csrc.compile_options(torch.bfloat16, 128) == ("-DPAGODA_DTYPE=2", "-DPAGODA_HEAD_DIM=128")
+    assert cupy_kernels.compile_options(torch.bfloat16, 128) == ("-DPAGODA_DTYPE=2", "-DPAGODA_HEAD_DIM=128")
     with pytest.raises(TypeError, match="float64"):
-        csrc.compile_options(torch.float64)
+        cupy_kernels.compile_options(torch.float64)
     with pytest.raises(ValueError, match="head_dim"):
-        csrc.compile_options(torch.float16, csrc.MAX_HEAD_DIM + 1)
+        cupy_kernels.compile_options(torch.float16, cupy_kernels.MAX_HEAD_DIM + 1)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -80,7 +84,7 @@ def test_kernels_compile(tmp_path: Path, file: str, dtype: torch.dtype, head_dim
         f"-arch={ARCH}",
         "--Werror",
         "all-warnings",
-        *csrc.compile_options(dtype, head_dim),
+        *cupy_kernels.compile_options(dtype, head_dim),
         str(source),
         "-o",
         str(cubin),
@@ -88,7 +92,7 @@ def test_kernels_compile(tmp_path: Path, file: str, dtype: torch.dtype, head_dim
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}{result.stderr}"
     binary = cubin.read_bytes()
-    for kernel in csrc.KERNELS[file]:
+    for kernel in cupy_kernels.KERNELS[file]:
         # extern "C" keeps the names unmangled, which is what get_function looks up.
         assert kernel.encode() + b"\0" in binary, kernel
 
@@ -123,7 +127,7 @@ def test_kernels_compile_with_nvrtc(file: str, dtype: torch.dtype, head_dim: int
     options = [
         f"-arch=compute_{ARCH.removeprefix('sm_')}",
         "-ftz=true",
-        *csrc.compile_options(dtype, head_dim),
+        *cupy_kernels.compile_options(dtype, head_dim),
     ]
     status = nvrtc.nvrtcCompileProgram(
         program, len(options), (ctypes.c_char_p * len(options))(*map(str.encode, options))
@@ -138,7 +142,7 @@ def test_kernels_compile_with_nvrtc(file: str, dtype: torch.dtype, head_dim: int
     ptx = ctypes.create_string_buffer(ptx_size.value)
     nvrtc.nvrtcGetPTX(program, ptx)
     nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-    for kernel in csrc.KERNELS[file]:
+    for kernel in cupy_kernels.KERNELS[file]:
         assert f".entry {kernel}(" in ptx.value.decode(), kernel
 
 
@@ -341,8 +345,9 @@ def _fake_cupy(build_dir: Path) -> types.ModuleType:
 
 
 @pytest.fixture(scope="module")
-def emulated() -> Iterator[types.ModuleType]:
-    """`pagoda.pagedkernel.cupy_backend` imported against the emulated cupy, seeing CPU tensors as device 0."""
+def emulated() -> Iterator[KernelBackend]:
+    """A `CupyBackend` of `pagoda.pagedkernel.cupy_backend` imported against the emulated cupy, seeing CPU tensors
+    as device 0."""
     if GXX is None:
         pytest.skip("g++ is not installed")
     with tempfile.TemporaryDirectory() as build_dir, pytest.MonkeyPatch.context() as patch:
@@ -352,7 +357,7 @@ def emulated() -> Iterator[types.ModuleType]:
         patch.setattr(backend, "_device_index", lambda t: 0)
         patch.setattr(backend, "_sm_count", lambda device: 132)  # an H100/H200: decides when decode splits
         patch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
-        yield backend
+        yield backend.CupyBackend()
         sys.modules.pop("pagoda.pagedkernel.cupy_backend", None)
 
 
@@ -375,7 +380,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", EMULATED_DTYPES)
-def test_emulated_cache_ops(emulated: types.ModuleType, dtype: torch.dtype) -> None:
+def test_emulated_cache_ops(emulated: KernelBackend, dtype: torch.dtype) -> None:
     """reshape_and_cache (strided keys, padding slots), copy_blocks and swap_blocks equal the torch backend."""
     gen = torch.Generator().manual_seed(0)
     shape = (4, 8, 2, 32)  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -384,14 +389,14 @@ def test_emulated_cache_ops(emulated: types.ModuleType, dtype: torch.dtype) -> N
     slots = torch.tensor([5, 6, 7, 8, 9, -1, 30, 0, 31, -3, 17, 16])
     caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(4)]
     emulated.reshape_and_cache(key, value, caches[0], caches[1], slots)
-    torch_backend.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    TORCH.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(_bits(caches[0]), _bits(caches[2])) and torch.equal(_bits(caches[1]), _bits(caches[3]))
 
     layers = [torch.randn(shape, generator=gen).to(dtype) for _ in range(6)]
     expected = [layer.clone() for layer in layers]
     pairs = torch.tensor([[0, 3], [2, 1]])
     emulated.copy_blocks(layers[:3], layers[3:], pairs)
-    torch_backend.copy_blocks(expected[:3], expected[3:], pairs)
+    TORCH.copy_blocks(expected[:3], expected[3:], pairs)
     assert all(torch.equal(a, b) for a, b in zip(layers, expected, strict=True))
 
     host = torch.zeros(shape, dtype=dtype)
@@ -405,7 +410,7 @@ def test_emulated_cache_ops(emulated: types.ModuleType, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("dtype", EMULATED_DTYPES)
 @pytest.mark.parametrize(("seqs", "dims", "sliding_window", "logit_softcap"), EMULATED_ATTENTION)
 def test_emulated_attention(
-    emulated: types.ModuleType,
+    emulated: KernelBackend,
     dtype: torch.dtype,
     seqs: list[tuple[int, int]],
     dims: tuple[int, int, int, int],
@@ -437,7 +442,7 @@ def test_emulated_attention(
             logit_softcap=logit_softcap,
             out=out,
         )
-        spec = torch_backend.paged_decode_attention(
+        spec = TORCH.paged_decode_attention(
             case.q,
             case.k_cache,
             case.v_cache,
@@ -461,7 +466,7 @@ def test_emulated_attention(
             logit_softcap=logit_softcap,
             out=out,
         )
-        spec = torch_backend.paged_prefill_attention(
+        spec = TORCH.paged_prefill_attention(
             case.q,
             case.k_cache,
             case.v_cache,
@@ -477,7 +482,7 @@ def test_emulated_attention(
     assert relative_error(out, spec) < EMULATED_TOLERANCE[dtype]
 
 
-def test_emulated_edge_cases(emulated: types.ModuleType) -> None:
+def test_emulated_edge_cases(emulated: KernelBackend) -> None:
     """Empty batches, a row without context (zeros), a sequence without queries, and rejected arguments."""
     case = make_case([(5, 1), (30, 4), (9, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
     caches = (case.k_cache, case.v_cache)
@@ -492,7 +497,7 @@ def test_emulated_edge_cases(emulated: types.ModuleType) -> None:
     q = case.q[:2]
     lens = torch.tensor([0, 30], dtype=torch.int32)
     out = emulated.paged_decode_attention(q, *caches, case.block_tables[:2], lens, case.scale)
-    spec = torch_backend.paged_decode_attention(q[1:], *caches, case.block_tables[1:2], lens[1:], case.scale)
+    spec = TORCH.paged_decode_attention(q[1:], *caches, case.block_tables[1:2], lens[1:], case.scale)
     assert not out[0].any() and relative_error(out[1:], spec) < 1e-5
 
     # Prefill where the middle sequence has no queries this step (its bounds repeat).
@@ -501,23 +506,23 @@ def test_emulated_edge_cases(emulated: types.ModuleType) -> None:
     out = emulated.paged_prefill_attention(
         q, *caches, case.block_tables, starts, case.context_lens, case.scale
     )
-    spec = torch_backend.paged_prefill_attention(
-        q, *caches, case.block_tables, starts, case.context_lens, case.scale
-    )
+    spec = TORCH.paged_prefill_attention(q, *caches, case.block_tables, starts, case.context_lens, case.scale)
     assert relative_error(out, spec) < 1e-5
 
     args = (case.block_tables, case.context_lens, case.scale)
     decode = emulated.paged_decode_attention
     with pytest.raises(ValueError, match="sliding_window"):
-        decode(case.q[:3], *caches, *args, sliding_window=0)
+        decode(case.q[:3], case.k_cache, case.v_cache, *args, sliding_window=0)
     with pytest.raises(ValueError, match="logit_softcap"):
-        decode(case.q[:3], *caches, *args, logit_softcap=-1.0)
+        decode(case.q[:3], case.k_cache, case.v_cache, *args, logit_softcap=-1.0)
     with pytest.raises(ValueError, match="out"):
-        decode(case.q[:3], *caches, *args, out=torch.empty(3, 2, 64, dtype=torch.bfloat16))
-    two_kv_heads = (case.k_cache.repeat(1, 1, 2, 1), case.v_cache.repeat(1, 1, 2, 1))
+        decode(case.q[:3], case.k_cache, case.v_cache, *args, out=torch.empty(3, 2, 64, dtype=torch.bfloat16))
+    k_two_heads, v_two_heads = case.k_cache.repeat(1, 1, 2, 1), case.v_cache.repeat(1, 1, 2, 1)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        decode(case.q[:3, :1].repeat(1, 3, 1), *two_kv_heads, *args)  # 3 query heads over 2 KV heads
+        decode(
+            case.q[:3, :1].repeat(1, 3, 1), k_two_heads, v_two_heads, *args
+        )  # 3 query heads over 2 KV heads
     with pytest.raises(ValueError, match="contiguous"):
         decode(case.q[:3], case.k_cache.transpose(0, 1), case.v_cache.transpose(0, 1), *args)
     with pytest.raises(ValueError, match="sequences"):
-        decode(case.q, *caches, *args)  # 8 query rows but 3 sequences
+        decode(case.q, case.k_cache, case.v_cache, *args)  # 8 query rows but 3 sequences

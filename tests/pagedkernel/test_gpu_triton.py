@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.pagedkernel import allocate_host_cache, get_backend, torch_backend, triton_backend
+from pagoda.pagedkernel import allocate_host_cache, get_backend
 from pagoda.pagedkernel.testing import PagedCase, make_case, relative_error
+from pagoda.pagedkernel.torch_backend import TorchBackend
+from pagoda.pagedkernel.triton_backend import TritonBackend
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+TORCH, TRITON = TorchBackend(), TritonBackend()
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -37,12 +40,8 @@ def test_decode_long_contexts(
     c = _llama_case(seqs, dtype)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.context_lens, c.scale)
     out = torch.full_like(c.q, float("nan"))
-    triton_backend.paged_decode_attention(
-        *args, sliding_window=sliding_window, logit_softcap=logit_softcap, out=out
-    )
-    ref = torch_backend.paged_decode_attention(
-        *args, sliding_window=sliding_window, logit_softcap=logit_softcap
-    )
+    TRITON.paged_decode_attention(*args, sliding_window=sliding_window, logit_softcap=logit_softcap, out=out)
+    ref = TORCH.paged_decode_attention(*args, sliding_window=sliding_window, logit_softcap=logit_softcap)
     assert out.dtype == dtype
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
@@ -55,12 +54,8 @@ def test_prefill_varlen(dtype: torch.dtype, sliding_window: int | None, logit_so
     c = _llama_case(seqs, dtype, seed=2)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
     out = torch.full_like(c.q, float("nan"))
-    triton_backend.paged_prefill_attention(
-        *args, sliding_window=sliding_window, logit_softcap=logit_softcap, out=out
-    )
-    ref = torch_backend.paged_prefill_attention(
-        *args, sliding_window=sliding_window, logit_softcap=logit_softcap
-    )
+    TRITON.paged_prefill_attention(*args, sliding_window=sliding_window, logit_softcap=logit_softcap, out=out)
+    ref = TORCH.paged_prefill_attention(*args, sliding_window=sliding_window, logit_softcap=logit_softcap)
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
@@ -78,8 +73,8 @@ def test_other_head_dims(head_dim: int) -> None:
             device="cuda",
         )
         args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
-        out = triton_backend.paged_prefill_attention(*args)
-        assert relative_error(out, torch_backend.paged_prefill_attention(*args)) < 2e-2
+        out = TRITON.paged_prefill_attention(*args)
+        assert relative_error(out, TORCH.paged_prefill_attention(*args)) < 2e-2
 
 
 def test_cache_ops_on_cuda() -> None:
@@ -89,14 +84,14 @@ def test_cache_ops_on_cuda() -> None:
     slots = torch.randperm(64 * 16, device="cuda")[:50]
     slots[::7] = -1
     caches = [torch.zeros(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    triton_backend.reshape_and_cache(key, value, caches[0], caches[1], slots)
-    torch_backend.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    TRITON.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    TORCH.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     layers = [torch.randn(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
     expected = [c.clone() for c in layers]
     pairs = torch.tensor([[1, 40], [7, 63], [0, 2]], device="cuda")
-    triton_backend.copy_blocks(layers[:4], layers[4:], pairs)
-    torch_backend.copy_blocks(expected[:4], expected[4:], pairs)
+    TRITON.copy_blocks(layers[:4], layers[4:], pairs)
+    TORCH.copy_blocks(expected[:4], expected[4:], pairs)
     assert all(torch.equal(a, b) for a, b in zip(layers, expected, strict=True))
 
 

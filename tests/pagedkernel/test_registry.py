@@ -10,14 +10,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, get_backend, registry, torch_backend
-from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, get_backend, registry
+from pagoda.pagedkernel.cpu_backend import CpuBackend
+from pagoda.pagedkernel.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    # mypy proves the CuPy module's functions match the shared signatures (importing it needs cupy).
-    from pagoda.pagedkernel import cupy_backend
+    # mypy proves that every backend class satisfies the interface structurally (importing the Triton and CuPy
+    # backends at run time needs their libraries, so this block is only type-checked).
+    from pagoda.pagedkernel.cupy_backend import CupyBackend
+    from pagoda.pagedkernel.triton_backend import TritonBackend
 
-    _CUPY_OPS: KernelOps = cupy_backend
+    _BACKENDS: tuple[KernelBackend, ...] = (TorchBackend(), CpuBackend(), TritonBackend(), CupyBackend())
 
 
 def _hide_library(monkeypatch: pytest.MonkeyPatch, library: str) -> None:
@@ -31,9 +34,10 @@ def _hide_library(monkeypatch: pytest.MonkeyPatch, library: str) -> None:
 
 
 def test_torch_backend_by_name() -> None:
-    """'torch' gives the torch backend, whose ops are the module's ('auto' on a CPU: see test_cpu_backend)."""
+    """'torch' gives the torch backend, whose ops are the class's ('auto' on a CPU: see test_cpu_backend)."""
     backend: KernelBackend = get_backend("torch", "cpu")
     assert backend.name == "torch"
+    assert type(backend) is TorchBackend
     case_q = torch.randn(1, 2, 4)
     cache = torch.randn(1, 2, 1, 4)
     args = (
@@ -45,7 +49,7 @@ def test_torch_backend_by_name() -> None:
         0.5,
     )
     torch.testing.assert_close(
-        get_backend("torch").paged_decode_attention(*args), torch_backend.paged_decode_attention(*args)
+        get_backend("torch").paged_decode_attention(*args), TorchBackend().paged_decode_attention(*args)
     )
 
 

@@ -8,25 +8,26 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagoda.pagedkernel import allocate_host_cache, torch_backend
-from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel import KernelBackend, allocate_host_cache, torch_backend
 from pagoda.pagedkernel.testing import PagedCase, make_case, reference_attention, relative_error
+from pagoda.pagedkernel.torch_backend import TorchBackend
 from torch import Tensor
 
-# mypy proves that the module's functions match the shared signatures.
-_OPS: KernelOps = torch_backend
+TORCH = TorchBackend()
+# mypy proves that the class satisfies the shared interface.
+_OPS: KernelBackend = TORCH
 
 
 def decode(case: PagedCase, **options: Any) -> Tensor:
     """The torch backend's decode attention over a case's own tensors."""
-    return torch_backend.paged_decode_attention(
+    return TORCH.paged_decode_attention(
         case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, **options
     )
 
 
 def prefill(case: PagedCase, **options: Any) -> Tensor:
     """The torch backend's varlen prefill attention over a case's own tensors."""
-    return torch_backend.paged_prefill_attention(
+    return TORCH.paged_prefill_attention(
         case.q,
         case.k_cache,
         case.v_cache,
@@ -131,7 +132,7 @@ def test_unwritten_slots_never_reach_the_output(sliding_window: int | None) -> N
     assert case.k_cache.isnan().any()
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.context_lens)
     for softcap in (None, 3.0):
-        out = torch_backend.paged_prefill_attention(
+        out = TORCH.paged_prefill_attention(
             *args, case.scale, sliding_window=sliding_window, logit_softcap=softcap
         )
         ref = reference_attention(case, sliding_window=sliding_window, logit_softcap=softcap)
@@ -143,10 +144,8 @@ def test_prefill_of_decodes_equals_decode() -> None:
     seqs = [(n, 1) for n in (4, 19, 1)]
     case = make_case(seqs, num_heads=4, num_kv_heads=1, head_dim=16, block_size=4, seed=3)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables)
-    decode = torch_backend.paged_decode_attention(*args, case.context_lens, case.scale)
-    prefill = torch_backend.paged_prefill_attention(
-        *args, case.query_start_loc, case.context_lens, case.scale
-    )
+    decode = TORCH.paged_decode_attention(*args, case.context_lens, case.scale)
+    prefill = TORCH.paged_prefill_attention(*args, case.query_start_loc, case.context_lens, case.scale)
     torch.testing.assert_close(decode, prefill)
 
 
@@ -194,7 +193,7 @@ def test_reshape_and_cache_skips_negative_slots() -> None:
     key = torch.randn(5, 2, 3)
     value = torch.randn(5, 2, 3)
     slots = torch.tensor([5, -1, 0, 15, -7])
-    torch_backend.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    TORCH.reshape_and_cache(key, value, k_cache, v_cache, slots)
     for t, slot in [(0, 5), (2, 0), (3, 15)]:
         torch.testing.assert_close(k_cache[slot // 4, slot % 4], key[t])
         torch.testing.assert_close(v_cache[slot // 4, slot % 4], value[t])
@@ -206,9 +205,7 @@ def test_reshape_and_cache_rejects_non_contiguous_cache() -> None:
     """Writing into a strided cache view would silently write into a copy, so it fails instead."""
     cache = torch.zeros(4, 2, 4, 3).transpose(1, 2)
     with pytest.raises(RuntimeError):
-        torch_backend.reshape_and_cache(
-            torch.ones(1, 2, 3), torch.ones(1, 2, 3), cache, cache, torch.tensor([0])
-        )
+        TORCH.reshape_and_cache(torch.ones(1, 2, 3), torch.ones(1, 2, 3), cache, cache, torch.tensor([0]))
 
 
 def test_copy_blocks_all_layers() -> None:
@@ -217,12 +214,12 @@ def test_copy_blocks_all_layers() -> None:
     v_caches = [torch.randn(6, 4, 2, 3) for _ in range(3)]
     before = [c.clone() for c in [*k_caches, *v_caches]]
     pairs = torch.tensor([[0, 3], [2, 5]])
-    torch_backend.copy_blocks(k_caches, v_caches, pairs)
+    TORCH.copy_blocks(k_caches, v_caches, pairs)
     for cache, old in zip([*k_caches, *v_caches], before, strict=True):
         expected = old.clone()
         expected[3], expected[5] = old[0], old[2]
         torch.testing.assert_close(cache, expected)
-    torch_backend.copy_blocks(k_caches, v_caches, torch.empty(0, 2, dtype=torch.long))
+    TORCH.copy_blocks(k_caches, v_caches, torch.empty(0, 2, dtype=torch.long))
 
 
 def test_swap_blocks_roundtrip_host_cache() -> None:
@@ -230,11 +227,11 @@ def test_swap_blocks_roundtrip_host_cache() -> None:
     device_cache = torch.randn(5, 4, 2, 8, dtype=torch.bfloat16)
     host = allocate_host_cache(3, 4, 2, 8, torch.bfloat16)
     assert host.shape == (3, 4, 2, 8) and host.device.type == "cpu"
-    torch_backend.swap_blocks(device_cache, host, torch.tensor([[4, 0], [1, 2]]))
+    TORCH.swap_blocks(device_cache, host, torch.tensor([[4, 0], [1, 2]]))
     torch.testing.assert_close(host[0], device_cache[4])
     torch.testing.assert_close(host[2], device_cache[1])
     restored = torch.zeros_like(device_cache)
-    torch_backend.swap_blocks(host, restored, torch.tensor([[0, 1], [2, 3]]))
+    TORCH.swap_blocks(host, restored, torch.tensor([[0, 1], [2, 3]]))
     torch.testing.assert_close(restored[1], device_cache[4])
     torch.testing.assert_close(restored[3], device_cache[1])
     assert not restored[0].any() and not restored[2].any() and not restored[4].any()

@@ -33,6 +33,7 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
         launches.append((kernel, args, meta))
 
     triton_backend._launch = record  # this process exists only to compile, nothing is launched
+    backend = triton_backend.TritonBackend()
     configs: list[tuple[dict[str, Any], int | None, float | None]] = [
         (
             {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": torch.bfloat16},
@@ -57,7 +58,7 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
     ]
     for shape, window, softcap in configs:
         c = make_case([(1, 1), (17, 3), (2000, 1)], **shape)
-        triton_backend.paged_prefill_attention(
+        backend.paged_prefill_attention(
             c.q,
             c.k_cache,
             c.v_cache,
@@ -69,7 +70,7 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
             logit_softcap=softcap,
         )
         decode_q = c.q[c.query_start_loc[1:].long() - 1]
-        triton_backend.paged_decode_attention(
+        backend.paged_decode_attention(
             decode_q,
             c.k_cache,
             c.v_cache,
@@ -81,8 +82,8 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
         )
         if shape["head_dim"] == 128:
             key = c.q[:5, :8]
-            triton_backend.reshape_and_cache(key, key, c.k_cache, c.v_cache, torch.arange(5))
-            triton_backend.copy_blocks([c.k_cache], [c.v_cache], torch.tensor([[0, 1]]))
+            backend.reshape_and_cache(key, key, c.k_cache, c.v_cache, torch.arange(5))
+            backend.copy_blocks([c.k_cache], [c.v_cache], torch.tensor([[0, 1]]))
     return launches
 
 

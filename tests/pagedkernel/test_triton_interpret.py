@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.pagedkernel import get_backend, torch_backend, triton_backend
-from pagoda.pagedkernel.backend import KernelOps
+from pagoda.pagedkernel import KernelBackend, get_backend, triton_backend
 from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import make_case, reference_attention, relative_error
+from pagoda.pagedkernel.torch_backend import TorchBackend
+from pagoda.pagedkernel.triton_backend import TritonBackend
 
-# mypy proves that the module's functions match the shared signatures.
-_OPS: KernelOps = triton_backend
+TORCH, TRITON = TorchBackend(), TritonBackend()
+# mypy proves that the class satisfies the shared interface.
+_OPS: KernelBackend = TRITON
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,11 +49,9 @@ def test_prefill_matches_torch(case: Case) -> None:
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
     window, softcap = case.sliding_window, case.logit_softcap
     out = torch.full_like(c.q, float("nan"))
-    result = triton_backend.paged_prefill_attention(
-        *args, sliding_window=window, logit_softcap=softcap, out=out
-    )
+    result = TRITON.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap, out=out)
     assert result is out
-    ref = torch_backend.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap)
+    ref = TORCH.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap)
     assert relative_error(out, ref) < 1e-3
 
 
@@ -78,7 +78,7 @@ def test_decode_matches_torch(case: Case, partition_size: int) -> None:
         out=out,
         partition_size=partition_size,
     )
-    ref = torch_backend.paged_decode_attention(
+    ref = TORCH.paged_decode_attention(
         *args, sliding_window=case.sliding_window, logit_softcap=case.logit_softcap
     )
     assert relative_error(out, ref) < 1e-3
@@ -89,8 +89,8 @@ def test_decode_default_partitions_long_context() -> None:
     c = make_case([(700, 1), (5, 1)], num_heads=4, num_kv_heads=1, head_dim=16, block_size=32, device=DEVICE)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.context_lens, c.scale)
     out = torch.full_like(c.q, float("nan"))
-    triton_backend.paged_decode_attention(*args, out=out)
-    assert relative_error(out, torch_backend.paged_decode_attention(*args)) < 1e-3
+    TRITON.paged_decode_attention(*args, out=out)
+    assert relative_error(out, TORCH.paged_decode_attention(*args)) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -106,9 +106,9 @@ def test_half_precision(dtype: torch.dtype) -> None:
         device=DEVICE,
     )
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
-    out = triton_backend.paged_prefill_attention(*args)
+    out = TRITON.paged_prefill_attention(*args)
     assert out.dtype == dtype
-    assert relative_error(out, torch_backend.paged_prefill_attention(*args)) < 1e-2
+    assert relative_error(out, TORCH.paged_prefill_attention(*args)) < 1e-2
 
 
 def test_unwritten_slots_never_reach_the_output() -> None:
@@ -124,7 +124,7 @@ def test_unwritten_slots_never_reach_the_output() -> None:
     )
     prefill = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
     ref = reference_attention(c)
-    assert relative_error(triton_backend.paged_prefill_attention(*prefill), ref) < 1e-3
+    assert relative_error(TRITON.paged_prefill_attention(*prefill), ref) < 1e-3
     decode = (
         c.q[c.query_start_loc[1:].long() - 1],
         c.k_cache,
@@ -147,8 +147,8 @@ def test_reshape_and_cache_matches_torch() -> None:
     key, value = qkv[:, 1], qkv[:, 2]
     slots = torch.tensor([3, -1, 17, 0, 31, -2], device=DEVICE)
     caches = [torch.zeros(4, 8, 4, 32, device=DEVICE) for _ in range(4)]
-    triton_backend.reshape_and_cache(key, value, caches[0], caches[1], slots)
-    torch_backend.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    TRITON.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    TORCH.reshape_and_cache(key, value, caches[2], caches[3], slots)
     torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
     assert int((caches[0] != 0).any(dim=(2, 3)).sum()) == 4
@@ -159,8 +159,8 @@ def test_copy_blocks_matches_torch() -> None:
     caches = [torch.randn(7, 8, 2, 16, dtype=torch.float16, device=DEVICE) for _ in range(6)]
     expected = [c.clone() for c in caches]
     pairs = torch.tensor([[0, 4], [6, 1], [2, 3]])
-    triton_backend.copy_blocks(caches[:3], caches[3:], pairs)
-    torch_backend.copy_blocks(expected[:3], expected[3:], pairs)
+    TRITON.copy_blocks(caches[:3], caches[3:], pairs)
+    TORCH.copy_blocks(expected[:3], expected[3:], pairs)
     for got, want in zip(caches, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -169,7 +169,7 @@ def test_swap_blocks_same_device_uses_kernel() -> None:
     """Swapping between two caches on one device copies the requested blocks and nothing else."""
     src = torch.randn(5, 8, 2, 16, device=DEVICE)
     dst = torch.zeros(3, 8, 2, 16, device=DEVICE)
-    triton_backend.swap_blocks(src, dst, torch.tensor([[4, 0], [1, 2]]))
+    TRITON.swap_blocks(src, dst, torch.tensor([[4, 0], [1, 2]]))
     torch.testing.assert_close(dst[0], src[4], rtol=0, atol=0)
     torch.testing.assert_close(dst[2], src[1], rtol=0, atol=0)
     assert not dst[1].any()
@@ -180,9 +180,10 @@ def test_launcher_rejects_non_contiguous_cache() -> None:
     cache = torch.zeros(4, 2, 8, 16, device=DEVICE).transpose(1, 2)
     key = torch.zeros(1, 2, 16, device=DEVICE)
     with pytest.raises(AssertionError, match="contiguous"):
-        triton_backend.reshape_and_cache(key, key, cache, cache, torch.tensor([0], device=DEVICE))
+        TRITON.reshape_and_cache(key, key, cache, cache, torch.tensor([0], device=DEVICE))
 
 
 def test_registry_gives_triton() -> None:
     """get_backend('triton') works here: on CUDA, or on the CPU under the interpreter."""
     assert get_backend("triton", DEVICE).name == "triton"
+    assert type(get_backend("triton", DEVICE)) is TritonBackend

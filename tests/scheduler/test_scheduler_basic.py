@@ -13,8 +13,9 @@ from pagoda.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    sample_id,
 )
-from pagoda.scheduler.sim import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+from pagoda.scheduler.testing import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
 
 BS = 4
 
@@ -54,16 +55,19 @@ def test_config_validation() -> None:
         {"preemption_mode": "drop"},
         {"watermark": 1.0},
         {"enable_chunked_prefill": False, "max_num_batched_tokens": 8, "max_model_len": 16},
+        {"max_num_partial_prefills": 0},
+        {"max_batch_prefill_tokens": 0},
+        {"enable_chunked_prefill": False, "max_batch_prefill_tokens": 8, "max_model_len": 16},
     ):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
 
 
 def test_add_request_rejects_what_can_never_run() -> None:
-    """Too long for max_model_len, more blocks than the pool, n over max_num_seqs, taken ids: rejected at once."""
+    """More blocks than the pool, n over max_num_seqs, malformed, taken ids: rejected at once."""
     sched, _ = make(num_blocks=4, max_model_len=32, max_num_seqs=2)
     cases = [
-        req("long", 20, max_tokens=13),  # 33 > max_model_len
+        req("long", 20, max_tokens=13),  # 33 > max_model_len, but refused for its 8 blocks > 4
         req("big", 10, max_tokens=8),  # 17 slots -> 5 blocks > 4
         req("wide", 2, n=3),
         req("empty", []),
@@ -80,6 +84,44 @@ def test_add_request_rejects_what_can_never_run() -> None:
         with pytest.raises(RequestRejectedError):
             sched.add_request(req(taken, 2))
     assert sched.get_num_unfinished_requests() == 2
+
+
+def test_rejections_name_the_field_at_fault() -> None:
+    """The pool blames the prompt when it alone overflows, else max_tokens; then n and taken ids."""
+    sched, _ = make(num_blocks=4, max_num_seqs=2)
+    sched.add_request(req("a", 2, n=2, max_tokens=4))
+    cases = [
+        (req("p", 17, max_tokens=1), "prompt"),  # 17 prompt slots: 5 blocks > 4
+        (req("m", 10, max_tokens=8), "max_tokens"),  # 3 prompt blocks, 5 with the outputs
+        (req("w", 2, n=3, max_tokens=2), "n"),
+        (req("a:1", 2), "request_id"),  # a sample id of "a"
+        (req("e", []), None),  # malformed, no single field to blame
+    ]
+    for request, param in cases:
+        with pytest.raises(RequestRejectedError) as info:
+            sched.add_request(request)
+        assert info.value.param == param
+    assert sched.get_num_unfinished_requests() == 1
+
+
+def test_max_model_len_is_the_embedding_engines_rule() -> None:
+    """A request over max_model_len that fits the pool is accepted and length-capped at max_model_len."""
+    sched, kv = make(max_model_len=16)
+    model = TokenCacheModel(kv.num_blocks, BS)
+    request = req("r", 12, max_tokens=10)  # 22 > 16 tokens, 6 of 64 blocks
+    sched.add_request(request)
+    run_to_completion(sched, model)
+    assert request.finish_reason == "length" and request.num_tokens == 16
+    assert list(request.output_token_ids) == reference_output(
+        request.prompt_token_ids, request.sampling_params, 16
+    )
+
+
+def test_sample_ids_are_named_in_one_place() -> None:
+    """Sample 0 runs under the request's own id, sample i under "id:i"; forks use the same names."""
+    assert sample_id("r", 0) == "r"
+    assert [sample_id("r", i) for i in (1, 2)] == ["r:1", "r:2"]
+    assert req("p", 3, n=3).child_ids() == (sample_id("p", 1), sample_id("p", 2))
 
 
 def test_chunked_prefill_splits_a_long_prompt_to_the_budget() -> None:
@@ -99,6 +141,29 @@ def test_long_prefill_threshold_caps_one_requests_share() -> None:
     sched.add_request(req("b", 12))
     assert chunks(step(sched, model)[0]) == [("a", 0, 5, 0), ("b", 0, 3, 0)]
     assert chunks(step(sched, model)[0]) == [("a", 5, 5, 0), ("b", 3, 3, 0)]
+
+
+def test_max_num_partial_prefills_caps_requests_mid_prefill() -> None:
+    """With a cap of 1, b waits until a's prompt completes; its chunk then shares the step with a's decode."""
+    sched, kv = make(max_num_batched_tokens=8, max_num_partial_prefills=1)
+    model = TokenCacheModel(kv.num_blocks, BS)
+    sched.add_request(req("a", 12, max_tokens=2))
+    sched.add_request(req("b", 12, max_tokens=2))
+    assert chunks(step(sched, model)[0]) == [("a", 0, 8, 0)]  # b would fit in the budget left, but waits
+    assert chunks(step(sched, model)[0]) == [("a", 8, 4, 1)]  # a completes its prompt this step
+    assert chunks(step(sched, model)[0]) == [("a", 12, 1, 1), ("b", 0, 7, 0)]
+
+
+def test_max_batch_prefill_tokens_caps_prefills_but_not_decodes() -> None:
+    """TGI's prefill budget: 6 prefill tokens a step in a budget of 16; decodes come on top of it."""
+    sched, kv = make(max_num_batched_tokens=16, max_batch_prefill_tokens=6)
+    model = TokenCacheModel(kv.num_blocks, BS)
+    sched.add_request(req("a", 3, max_tokens=4))
+    sched.add_request(req("b", 10, max_tokens=2))
+    assert chunks(step(sched, model)[0]) == [("a", 0, 3, 1), ("b", 0, 3, 0)]
+    sched.add_request(req("c", 4, max_tokens=2))
+    assert chunks(step(sched, model)[0]) == [("a", 3, 1, 1), ("b", 3, 6, 0)]
+    assert chunks(step(sched, model)[0]) == [("a", 4, 1, 1), ("b", 9, 1, 1), ("c", 0, 4, 1)]
 
 
 def test_decodes_come_before_prefill_chunks_and_admissions() -> None:

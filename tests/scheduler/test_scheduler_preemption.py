@@ -9,6 +9,8 @@ import pytest
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
     FCFSPolicy,
+    MeasuredPreemptionCosts,
+    PreemptionCostModel,
     PriorityPolicy,
     Request,
     RequestStatus,
@@ -17,20 +19,32 @@ from pagoda.scheduler import (
     SchedulerOutput,
     SchedulingPolicy,
     StaticBatchPolicy,
+    choose_preemption,
 )
-from pagoda.scheduler.sim import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+from pagoda.scheduler.testing import (
+    SimSamplingParams,
+    ThresholdPreemptionCosts,
+    TokenCacheModel,
+    reference_output,
+    run_to_completion,
+)
 
 BS = 4
 MAX_LEN = 64
 
 
 def make(
-    num_blocks: int, *, num_host_blocks: int = 0, policy: SchedulingPolicy | None = None, **config: Any
+    num_blocks: int,
+    *,
+    num_host_blocks: int = 0,
+    policy: SchedulingPolicy | None = None,
+    costs: PreemptionCostModel | None = None,
+    **config: Any,
 ) -> tuple[Scheduler, BlockManager, TokenCacheModel]:
     """A scheduler over a real BlockManager, and a token model shaped like it."""
     cfg = SchedulerConfig(**{"max_model_len": MAX_LEN, "watermark": 0.0, **config})
     kv = BlockManager(num_blocks, BS, num_host_blocks=num_host_blocks)
-    return Scheduler(cfg, kv, policy), kv, TokenCacheModel(num_blocks, BS, num_host_blocks)
+    return Scheduler(cfg, kv, policy, costs), kv, TokenCacheModel(num_blocks, BS, num_host_blocks)
 
 
 def workload() -> list[Request]:
@@ -135,6 +149,82 @@ def test_swap_preemption_moves_blocks_to_the_host_and_back_before_admitting() ->
         sched.update_from_output(out, model.execute(out))
     assert swapped_in
     assert list(b.output_token_ids) == reference_output(b.prompt_token_ids, b.sampling_params, MAX_LEN)
+
+
+def test_auto_swaps_long_victims_and_recomputes_short_ones() -> None:
+    """On a cost model where swapping pays from 3 blocks on, the 4-block victim is swapped, the 2-block one not."""
+    sched, kv, model = make(
+        8,
+        num_host_blocks=16,
+        preemption_mode="auto",
+        costs=ThresholdPreemptionCosts(min_swap_blocks=3),
+        max_num_batched_tokens=64,
+    )
+    with pytest.raises(ValueError, match="cost model"):
+        make(8, preemption_mode="auto")
+    short = Request("short", list(range(1, 8)), SimSamplingParams(max_tokens=8), arrival_time=2.0)
+    long = Request("long", list(range(10, 25)), SimSamplingParams(max_tokens=8), arrival_time=1.0)
+    first = Request("first", list(range(30, 33)), SimSamplingParams(max_tokens=8), arrival_time=0.0)
+    for r in (first, long, short):
+        sched.add_request(r)
+    out = sched.schedule()  # 1 + 4 + 2 blocks: one block left
+    sched.update_from_output(out, model.execute(out))
+    swapped, recomputed = set(), set()
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        swapped |= {r.request_id for r in sched.swapped}
+        recomputed |= {r.request_id for r in sched.waiting if r.status is RequestStatus.PREEMPTED}
+        sched.update_from_output(out, model.execute(out))
+    assert (swapped, recomputed) == ({"long"}, {"short"})
+    for r in (first, long, short):
+        assert list(r.output_token_ids) == reference_output(r.prompt_token_ids, r.sampling_params, MAX_LEN)
+    assert kv.num_free_blocks() == kv.num_blocks and kv.num_free_host_blocks() == kv.num_host_blocks
+
+
+def test_measured_costs_make_recompute_win_only_for_short_victims() -> None:
+    """The measured model: a fixed copy latency beside linear costs, so the choice flips with the length."""
+    costs = MeasuredPreemptionCosts(
+        bytes_per_block=1000, host_copy_bytes_per_s=1e6, host_copy_latency_s=0.01, prefill_tokens_per_s=1000
+    )
+    assert costs.swap_seconds(2) == pytest.approx(2 * (0.01 + 0.002))
+    assert choose_preemption(costs, num_blocks=1, num_tokens=16) == "recompute"
+    assert choose_preemption(costs, num_blocks=64, num_tokens=1024) == "swap"
+
+
+def test_priority_admission_preempts_less_urgent_running_requests() -> None:
+    """An urgent request that finds the batch full preempts the least urgent running one (by recompute) and
+    runs in the same step; a request of equal or lower urgency preempts nobody."""
+    sched, kv, model = make(
+        16, policy=PriorityPolicy(), max_num_seqs=2, preemption_mode="swap", num_host_blocks=16
+    )
+    low = Request("low", list(range(1, 6)), SimSamplingParams(max_tokens=10, priority=2), arrival_time=0.0)
+    mid = Request("mid", list(range(11, 16)), SimSamplingParams(max_tokens=10, priority=1), arrival_time=1.0)
+    for r in (low, mid):
+        sched.add_request(r)
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, model.execute(out))
+    later = Request(
+        "later", list(range(21, 24)), SimSamplingParams(max_tokens=2, priority=2), arrival_time=2.0
+    )
+    sched.add_request(later)
+    out = sched.schedule()
+    assert not out.preempted_request_ids and {c.request_id for c in out.scheduled} == {"low", "mid"}
+    sched.update_from_output(out, model.execute(out))
+    urgent = Request(
+        "urgent", list(range(31, 34)), SimSamplingParams(max_tokens=2, priority=0), arrival_time=3.0
+    )
+    sched.add_request(urgent)
+    out = sched.schedule()
+    assert out.preempted_request_ids == ("low",) and not out.blocks_to_swap_out
+    assert [c.request_id for c in out.scheduled] == ["mid", "urgent"]
+    assert sched.waiting == [low, later] and low.num_computed_tokens == 0
+    sched.update_from_output(out, model.execute(out))
+    finished = [r.request_id for r in run_to_completion(sched, model).finished]
+    assert finished.index("urgent") < finished.index("low")
+    for r in (low, mid, later, urgent):
+        assert list(r.output_token_ids) == reference_output(r.prompt_token_ids, r.sampling_params, MAX_LEN)
+    assert kv.num_free_blocks() == kv.num_blocks
 
 
 def state_of(kind: str, sched: Scheduler, model: TokenCacheModel) -> Request:

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from mypy import api
 from pagoda.blockalloc import BlockManager, SlotAllocation
-from pagoda.scheduler import KVBlockManager, SamplingParamsLike, SlotAllocationLike
-from pagoda.scheduler.contiguous import ContiguousKVManager
-from pagoda.scheduler.sim import SimSamplingParams
+from pagoda.scheduler import ContiguousKVManager, KVBlockManager, SamplingParamsLike, SlotAllocationLike
+from pagoda.scheduler.testing import SimSamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,14 @@
 """Seeded random workloads (hypothesis): arrivals, aborts, priorities, n > 1, tiny pools, chunk sizes, policies.
 
-Every step checks the allocator's and the scheduler's invariants, the budget, the seat limit and "no admission
-in a step that preempted"; at the end every block is free and every sample has exactly its reference tokens.
+Every step checks the allocator's and the scheduler's invariants, the budgets, the seat and partial-prefill
+limits and "no admission in a step that preempted" (under the priority policy: none but of requests ranking
+before every victim); at the end every block is free and every sample has exactly its reference tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +25,13 @@ from pagoda.scheduler import (
     SchedulingPolicy,
     StaticBatchPolicy,
 )
-from pagoda.scheduler.sim import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+from pagoda.scheduler.testing import (
+    SimSamplingParams,
+    ThresholdPreemptionCosts,
+    TokenCacheModel,
+    reference_output,
+    run_to_completion,
+)
 
 MAX_LEN = 40
 PREFIXES: tuple[list[int], ...] = (
@@ -54,6 +62,7 @@ class Scenario:
     policy: str
     static_batch: int
     static_timeout: float
+    min_swap_blocks: int  # the forced cost model of preemption_mode "auto"
     arrivals: tuple[Arrival, ...]
 
 
@@ -78,13 +87,15 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     """Small limits so preemption, chunking and seat limits all happen."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     chunked = draw(st.booleans())
-    mode: PreemptionMode = draw(st.sampled_from(["recompute", "swap"]))
+    mode: PreemptionMode = draw(st.sampled_from(get_args(PreemptionMode)))
     config = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(1, 48) if chunked else st.integers(MAX_LEN, 64)),
         max_model_len=MAX_LEN,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.none() | st.integers(1, 16)),
+        max_num_partial_prefills=draw(st.none() | st.integers(1, 3)),
+        max_batch_prefill_tokens=draw(st.none() | st.integers(1, 24)) if chunked else None,
         enable_prefix_caching=draw(st.booleans()),
         preemption_mode=mode,
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
@@ -94,10 +105,11 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         config=config,
         block_size=block_size,
         num_blocks=draw(st.integers(largest // 2, 3 * largest)),
-        num_host_blocks=draw(st.integers(0, 2 * largest)) if mode == "swap" else 0,
+        num_host_blocks=draw(st.integers(0, 2 * largest)) if mode != "recompute" else 0,
         policy=draw(st.sampled_from(["fcfs", "priority", "static"])),
         static_batch=draw(st.integers(1, 4)),
         static_timeout=draw(st.sampled_from([0.0, 3.0])),
+        min_swap_blocks=draw(st.integers(1, largest)),
         arrivals=tuple(draw(st.lists(arrivals(), min_size=1, max_size=10))),
     )
 
@@ -119,7 +131,8 @@ def test_random_workloads_keep_every_invariant_and_produce_the_reference_tokens(
         "priority": PriorityPolicy(),
         "static": StaticBatchPolicy(sc.static_batch, sc.static_timeout, clock=lambda: float(now[0])),
     }
-    sched = Scheduler(cfg, kv, policies[sc.policy])
+    costs = ThresholdPreemptionCosts(sc.min_swap_blocks) if cfg.preemption_mode == "auto" else None
+    sched = Scheduler(cfg, kv, policies[sc.policy], costs)
     model = TokenCacheModel(sc.num_blocks, sc.block_size, sc.num_host_blocks)
     accepted: dict[str, Request] = {}
     aborted: list[Request] = []
@@ -152,9 +165,26 @@ def test_random_workloads_keep_every_invariant_and_produce_the_reference_tokens(
             assert chunk.num_tokens >= 1
             if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold is not None:
                 assert chunk.num_tokens <= cfg.long_prefill_token_threshold
+        # A chunk that is not a decode (one token that samples) is a prefill chunk.
+        prefill_chunks = [c for c in out.scheduled if c.num_tokens > 1 or not c.num_samples]
+        if cfg.max_num_partial_prefills is not None:
+            assert len(prefill_chunks) <= cfg.max_num_partial_prefills
+        if cfg.max_batch_prefill_tokens is not None:
+            assert sum(c.num_tokens for c in prefill_chunks) <= cfg.max_batch_prefill_tokens
         if out.preempted_request_ids:
             assert not out.blocks_to_swap_in
-            assert {c.request_id for c in out.scheduled} <= running_before, "admission in a preempting step"
+            admitted = [c.request_id for c in out.scheduled if c.request_id not in running_before]
+            if sc.policy != "priority":
+                assert not admitted, "admission in a preempting step"
+            else:  # a priority preemption makes room for requests that rank before its victims
+
+                def key(rid: str) -> tuple[int, float, int]:
+                    r = sched.get_request(rid)
+                    assert r is not None
+                    return (r.priority, r.arrival_time, r.sample_index)
+
+                first_victim = min(key(v) for v in out.preempted_request_ids)
+                assert all(key(a) < first_victim for a in admitted), "admission past a victim"
         sched.check_invariants()
         kv.check_invariants()
 

@@ -10,9 +10,8 @@ from types import ModuleType
 
 import pytest
 from pagoda.blockalloc import BlockManager
-from pagoda.scheduler import Request, Scheduler, SchedulerConfig
-from pagoda.scheduler.contiguous import ContiguousKVManager
-from pagoda.scheduler.sim import (
+from pagoda.scheduler import ContiguousKVManager, Request, Scheduler, SchedulerConfig
+from pagoda.scheduler.testing import (
     SimSamplingParams,
     TokenCacheModel,
     reference_output,

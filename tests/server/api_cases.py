@@ -5,6 +5,7 @@ Both servers run with MAX_MODEL_LEN; token ids are used where a length must be e
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 MAX_MODEL_LEN = 64
@@ -40,7 +41,29 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": "hello", "stop_token_ids": [99999]}, "stop_token_ids"),
-    ({"prompt": "hello", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hello", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"5": -101}}, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "hello", "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({"prompt": "hello", "allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"prompt": "hello", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hello", "bad_words": [" "]}, "bad_words"),
+    ({"prompt": "hello", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "hello", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "hello", "priority": "high"}, "priority"),
+    ({"prompt": "hello", "suffix": "!"}, "suffix"),
+    ({"prompt": "hello", "best_of": 3}, "best_of"),
+    ({"prompt": "hello", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"prompt": "hello", "service_tier": "flex"}, "service_tier"),
+    ({"prompt": "hello", "no_such_field": 1}, "no_such_field"),
+    ({"prompt": "hello", "use_beam_search": True, "n": 3, "best_of": 2}, "n"),
+    ({"prompt": "hello", "use_beam_search": True, "stream": True}, "stream"),
+    ({"prompt": "hello", "use_beam_search": True, "logprobs": 1}, "logprobs"),
+    ({"prompt": "hello", "use_beam_search": True, "temperature": 0.7}, "temperature"),
+    ({"prompt": "hello", "length_penalty": 0.5}, "length_penalty"),
+    ({"prompt": "hello", "early_stopping": True}, "early_stopping"),
     ({"prompt": "hello", "temperature": "hot"}, "temperature"),
     ({"prompt": "hello", "max_tokens": True}, "max_tokens"),
     ({"prompt": "hello", "seed": 2**70}, "seed"),
@@ -60,6 +83,24 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None]] = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}, "reasoning_effort"),
+    ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities"),
+    ({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}, "audio"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content"}}, "prediction"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 1000}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "bad_words": [""]}, "bad_words"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": -1}, "min_tokens"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "stream": True},
+        "prompt_logprobs",
+    ),
+    ({"messages": [{"role": "user", "content": "hi"}], "suffix": "x"}, "suffix"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages"),
 ]
 
 # (raw body, content type, words the error message must contain)
@@ -80,3 +121,57 @@ NON_FINITE_BODIES: list[tuple[bytes, str]] = [
     (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
     (b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "min_p": -Infinity}', "min_p"),
 ]
+
+# --- hostile inputs (issue 18) ---------------------------------------------------------------------------
+
+DEEP = 100_000  # nesting levels: far past the JSON parser's recursion limit
+# (path, raw body nested DEEP levels): a 400 saying it is nested too deeply, never a 500.
+NESTED_BODIES: list[tuple[str, bytes]] = [
+    ("/v1/completions", b"[" * DEEP + b"]" * DEEP),
+    ("/v1/completions", b'{"a":' * DEEP + b"1" + b"}" * DEEP),
+    ("/v1/completions", b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ("/v1/completions", b'{"prompt": "hi", "extra": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": ' + b"[" * DEEP + b"]" * DEEP + b"}]}",
+    ),
+    ("/tokenize", b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ("/detokenize", b'{"tokens": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+]
+
+SURROGATE = "\ud800"  # a lone UTF-16 surrogate half: valid JSON as an escape, not valid text
+_HI: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+# (path, body, the param the 400 names) with a lone surrogate in every string field the API reads.
+SURROGATE_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("/v1/completions", {"prompt": SURROGATE}, "prompt"),
+    ("/v1/completions", {"prompt": "a" + SURROGATE + "b", "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", SURROGATE]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": SURROGATE}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x", SURROGATE]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "user": SURROGATE}, "user"),
+    ("/v1/completions", {"prompt": "hi", "model": SURROGATE}, "model"),
+    ("/v1/completions", {"prompt": "hi", SURROGATE: 1}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi", "name": SURROGATE}]},
+        "messages",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": SURROGATE, "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": _HI, "stop": [SURROGATE]}, "stop"),
+    ("/v1/chat/completions", {"messages": _HI, "model": SURROGATE}, "model"),
+    ("/tokenize", {"prompt": SURROGATE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
+    ("/tokenize", {"prompt": "hi", "model": SURROGATE}, "model"),
+    ("/detokenize", {"tokens": [5], "model": SURROGATE}, "model"),
+]
+
+
+def surrogate_body(body: dict[str, Any]) -> bytes:
+    """`body` as JSON with the surrogate escaped (`\\ud800`), as a hostile client sends it."""
+    return json.dumps({"model": MODEL, **body}).encode()  # ensure_ascii: every non-ASCII char is escaped

@@ -12,7 +12,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import uvicorn
-from pagoda.server.api import AppSettings, AsyncLLM, EngineClient, build_app
+from pagoda.server.api import AppSettings, build_app
+from pagoda.server.api.http_protocol import HTTPConfig, HTTPLimits
+from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.engine import RequestRejectedError
+from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -41,14 +45,6 @@ def make_char_tokenizer(*, chat_template: str | None = None) -> PreTrainedTokeni
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast
-
-
-class FakeRejectedError(ValueError):
-    """What the real engine's RequestRejectedError looks like: a ValueError naming a parameter."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -117,11 +113,11 @@ class FakeEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request (raises FakeRejectedError for a prompt with REJECT_MARKER)."""
+        """Queue a request (raises RequestRejectedError for a prompt with REJECT_MARKER or over max_model_len)."""
         if prompt is not None and REJECT_MARKER in prompt:
-            raise FakeRejectedError("prompt", "rejected by the fake engine")
+            raise RequestRejectedError("rejected by the fake engine", "prompt")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise FakeRejectedError("max_tokens", "too long")
+            raise RequestRejectedError("too long", "max_tokens")
         seqs = [_Seq(index=i) for i in range(params.n)]
         self.requests[request_id] = _Req(
             request_id, prompt, tuple(prompt_token_ids), params, arrival_time or time.monotonic(), seqs
@@ -268,14 +264,23 @@ def serve_in_thread(
     *,
     settings: AppSettings | None = None,
     max_waiting_requests: int | None = None,
+    max_concurrent_requests: int | None = None,
     served_model_name: str = "test-model",
+    limits: HTTPLimits | None = None,
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
-    llm = AsyncLLM(client, served_model_name=served_model_name, max_waiting_requests=max_waiting_requests)
+    llm = AsyncLLM(
+        client,
+        served_model_name=served_model_name,
+        max_waiting_requests=max_waiting_requests,
+        max_concurrent_requests=max_concurrent_requests,
+    )
     app = build_app(llm, settings)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = HTTPConfig(
+        app, limits or HTTPLimits(), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.loader import CACHE_DIR_ENV
 from tiny_models import make_tiny_model
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _hub_offline() -> Iterator[None]:
-    """Tests read local folders only: make any accidental hub access fail fast instead of hanging."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from api_fake_engine import FakeEngine
-from pagoda.server.api.async_engine import AsyncLLM, EngineDrainingError, EngineOverloadedError
+from pagoda.server.async_llm import AsyncLLM, EngineDrainingError, EngineOverloadedError
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 

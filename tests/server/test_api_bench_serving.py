@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from tool_scripts import load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_serving.py"
-
-
-def _load_tool() -> ModuleType:
-    # tools/ is not a package: load the script as a module (registered, so its dataclasses resolve).
-    spec = importlib.util.spec_from_file_location("pagoda_tool_bench_serving", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_serving = _load_tool()
+bench_serving = load_tool("bench_serving.py")
 
 
 def test_random_lengths_stay_in_the_range() -> None:

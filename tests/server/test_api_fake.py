@@ -15,7 +15,7 @@ import openai
 import pytest
 from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
 from api_fake_engine import REJECT_MARKER, FakeEngine, RunningServer, make_char_tokenizer, serve_in_thread
-from pagoda.server.chat_templates import GEMMA_CHAT_TEMPLATE
+from pagoda.server.chat import GEMMA_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
@@ -376,10 +376,37 @@ def test_full_waiting_queue_is_429_with_retry_after() -> None:
                 return [two.status_code, *[(await r).status_code for r in (running_one, waiting_one, one)]]
 
         assert asyncio.run(with_n()) == [429, 200, 200, 200]
-        # An idle server admits a request whatever its n.
+        # The rule counts sequences (prompts x n) for every request: one that exceeds the limit alone can never
+        # be admitted, so it is a 400 even on an idle server; one at the limit is admitted there.
+        too_wide = httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 3})
+        assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
+        assert "never" in too_wide.json()["error"]["message"]
         assert (
-            httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 3}).status_code == 200
+            httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2, "n": 2}).status_code == 200
         )
+
+
+def test_max_concurrent_requests_is_429_in_flight_and_400_alone() -> None:
+    """TGI's --max-concurrent-requests 2: with two prompts in flight a third is a 429; a request of three
+    prompts can never fit (400); once the two finish a request is admitted again."""
+    engine = FakeEngine(max_num_seqs=4, step_seconds=0.005)
+    with serve_in_thread(engine, max_concurrent_requests=2) as running:
+        url = f"{running.base_url}/v1/completions"
+
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"model": MODEL, "prompt": "a", "max_tokens": 30}
+                first = asyncio.ensure_future(client.post(url, json=body))
+                second = asyncio.ensure_future(client.post(url, json=body))
+                await _until(lambda: running.llm.num_active_requests == 2)
+                third = await client.post(url, json={**body, "max_tokens": 2})
+                three_prompts = await client.post(url, json={**body, "prompt": ["a", "b", "c"]})
+                codes = [third.status_code, three_prompts.status_code, (await first).status_code]
+                codes.append((await second).status_code)
+                after = await client.post(url, json={**body, "max_tokens": 2})
+                return [*codes, after.status_code]
+
+        assert asyncio.run(scenario()) == [429, 400, 200, 200, 200]
 
 
 async def _until(condition: Any) -> None:

@@ -18,9 +18,20 @@ import httpx
 import openai
 import pytest
 import schemathesis
-from api_cases import BAD_CHATS, BAD_COMPLETIONS, MALFORMED_BODIES, MAX_MODEL_LEN, MODEL, NON_FINITE_BODIES
+from api_cases import (
+    BAD_CHATS,
+    BAD_COMPLETIONS,
+    MALFORMED_BODIES,
+    MAX_MODEL_LEN,
+    MODEL,
+    NESTED_BODIES,
+    NON_FINITE_BODIES,
+    SURROGATE_BODIES,
+    surrogate_body,
+)
 from api_fake_engine import free_port
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
+from raw_http import assert_openai_error, connect, post_head, read_response
 from schemathesis import GenerationMode
 from tiny_models import make_tiny_model
 
@@ -74,20 +85,30 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
 
 
-@pytest.fixture(scope="module")
-def live(model_dir: Path) -> Iterator[LiveServer]:
-    """One server for the module."""
-    server = LiveServer(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
+def serve_module(model: Path, *extra: str) -> Iterator[LiveServer]:
+    """A server for a module fixture: started, yielded, then stopped cleanly (exit status 0)."""
+    server = LiveServer(model, "--max-model-len", str(MAX_MODEL_LEN), *extra)
     try:
         yield server
     finally:
         assert server.stop() == 0
 
 
+def openai_client(server: LiveServer) -> openai.OpenAI:
+    """The official synchronous OpenAI client of a server."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def live(model_dir: Path) -> Iterator[LiveServer]:
+    """One server for the module."""
+    yield from serve_module(model_dir)
+
+
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     """The official synchronous OpenAI client."""
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(live)
 
 
 def metric(text: str, name: str) -> float:
@@ -206,6 +227,26 @@ def test_n_and_seed_determinism(client: openai.OpenAI) -> None:
         for _ in range(2)
     ]
     assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
+
+
+def test_beam_search_completion(client: openai.OpenAI) -> None:
+    """use_beam_search returns the n best of best_of beams, best first, the same every time."""
+
+    def search() -> list[str]:
+        result = client.completions.create(
+            model=MODEL,
+            prompt="Once upon",
+            max_tokens=8,
+            n=2,
+            best_of=4,
+            extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True},
+        )
+        assert sorted(c.index for c in result.choices) == [0, 1]
+        return [c.text for c in sorted(result.choices, key=lambda c: c.index)]
+
+    first = search()
+    assert search() == first
+    assert first[0] != first[1]  # distinct beams
 
 
 @pytest.mark.parametrize("stop_len", [1, 3])
@@ -388,6 +429,30 @@ def test_unknown_model_and_oversized_body(live: LiveServer, client: openai.OpenA
     assert_good_request(client)
 
 
+def test_http_layer_limits_answer_in_json(live: LiveServer, model_dir: Path, client: openai.OpenAI) -> None:
+    """`pagoda serve` runs the limited protocol: an oversized head is a JSON 431 and malformed HTTP a JSON 400
+    (defaults); with --request-head-timeout and --request-body-timeout set, a slow head and a stalled body are
+    JSON 408s. A good request succeeds after each."""
+    for bad, status in (
+        (post_head("/v1/completions", b"X-Big: " + b"v" * 65536 + b"\r\n", 2), 431),
+        (b"BAD\r\n\r\n", 400),
+    ):
+        with connect(live.base_url) as sock:
+            sock.sendall(bad + b"{}")
+            assert_openai_error(read_response(sock), status)
+        assert_good_request(client)
+    server = LiveServer(model_dir, "--request-head-timeout", "1", "--request-body-timeout", "1")
+    try:
+        own = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for partial in (b"POST /v1/compl", post_head("/v1/completions", b"", 100) + b'{"model"'):
+            with connect(server.base_url) as sock:
+                sock.sendall(partial)
+                assert_openai_error(read_response(sock), 408)
+            assert_good_request(own)
+    finally:
+        assert server.stop() == 0
+
+
 def test_models_tokenize_detokenize_health(live: LiveServer, client: openai.OpenAI) -> None:
     """The auxiliary routes answer with the real tokenizer."""
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -430,20 +495,100 @@ SCHEMA_CASES = [
 ]
 
 
+# Hostile bodies every negative run starts from (issue 18): JSON nested 100,000 deep, a lone surrogate in every
+# string field, and fan-out at and past the default caps (2048 prompts, 2048 sequences).
+SCHEMA_SEEDS: dict[str, list[bytes]] = {
+    path: [body for p, body in NESTED_BODIES if p == path] for _, path in OPERATIONS
+}
+for _path, _body, _ in SURROGATE_BODIES:
+    SCHEMA_SEEDS[_path].append(surrogate_body(_body))
+SCHEMA_SEEDS["/v1/completions"] += [
+    json.dumps({"prompt": ["a"] * 2048, "max_tokens": 1}).encode(),
+    json.dumps({"prompt": ["a"] * 128, "n": 16, "max_tokens": 1}).encode(),
+    json.dumps({"prompt": ["a"] * 10_000, "n": 16}).encode(),
+]
+
+
 @pytest.mark.parametrize(("method", "path", "mode"), SCHEMA_CASES)
 def test_schemathesis_finds_no_server_error(
     live: LiveServer, api_schema: Any, method: str, path: str, mode: GenerationMode
 ) -> None:
-    """Requests generated from /openapi.json (valid, and invalid) never get a 5xx; examples are bounded."""
+    """Requests generated from /openapi.json (valid, and invalid, after the hostile seeds) never get a 5xx;
+    examples are bounded."""
     operation = api_schema[path][method]
 
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def check(case: Any) -> None:
         response = case.call(base_url=live.base_url, timeout=120)
         assert response.status_code < 500, (case.body, response.text)
 
-    check()
+    if mode is GenerationMode.NEGATIVE:
+        for seed in SCHEMA_SEEDS[path]:
+            check = example(case=operation.Case(body=seed, media_type="application/json"))(check)
+    strategy = given(case=operation.as_strategy(generation_mode=mode))
+    limits = settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    limits(strategy(check))()
+
+
+@pytest.mark.parametrize(("path", "content"), NESTED_BODIES, ids=range(len(NESTED_BODIES)))
+def test_deeply_nested_json_is_400(
+    live: LiveServer, client: openai.OpenAI, path: str, content: bytes
+) -> None:
+    """JSON nested 100,000 deep, as the body or inside a field, is a 400, and the server keeps serving."""
+    response = httpx.post(live.base_url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert_good_request(client)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES)
+def test_lone_surrogate_is_400_naming_the_field(
+    live: LiveServer, client: openai.OpenAI, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    """A lone surrogate in any string field is a 400 naming the field (the tokenizer raised a TypeError)."""
+    content = surrogate_body(body)
+    response = httpx.post(live.base_url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert_good_request(client)
+
+
+def test_fan_out_past_the_default_caps_is_400(live: LiveServer, client: openai.OpenAI) -> None:
+    """10,000 prompts x n = 16 and 129 prompts x n = 16 are 400s naming prompt and n; 128 x 16 is served."""
+    url = f"{live.base_url}/v1/completions"
+    huge = httpx.post(url, json={"model": MODEL, "prompt": ["a"] * 10_000, "n": 16}, timeout=60)
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"
+    wide = httpx.post(url, json={"model": MODEL, "prompt": ["a"] * 129, "n": 16}, timeout=60)
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "n"
+    body = {"model": MODEL, "prompt": ["a"] * 128, "n": 16, "max_tokens": 1}
+    at_cap = httpx.post(url, json=body, timeout=300)
+    assert at_cap.status_code == 200 and len(at_cap.json()["choices"]) == 2048
+    assert_good_request(client)
+
+
+def test_health_answers_while_a_4mb_prompt_is_rejected(live: LiveServer, client: openai.OpenAI) -> None:
+    """A 4 MB prompt gets its 400 without tokenizing (its length alone exceeds max_model_len) and /health keeps
+    answering meanwhile; four at once too."""
+
+    async def scenario() -> tuple[list[httpx.Response], list[float]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": MODEL, "prompt": "hello world " * 333_333}
+            url = f"{live.base_url}/v1/completions"
+            rejected = asyncio.gather(*(http.post(url, json=body) for _ in range(4)))
+            latencies: list[float] = []
+            while not rejected.done() or not latencies:
+                start = time.monotonic()
+                assert (await http.get(f"{live.base_url}/health")).status_code == 200
+                latencies.append(time.monotonic() - start)
+                await asyncio.sleep(0.02)
+            return await rejected, latencies
+
+    responses, latencies = asyncio.run(scenario())
+    for response in responses:
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        assert "characters" in response.json()["error"]["message"]
+    # Generous: tokenizing on the event loop stalled /health for seconds.
+    assert max(latencies) < 1.0, max(latencies)
+    assert_good_request(client)
 
 
 def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:

@@ -88,9 +88,15 @@ def test_invalid_choices_exit_2(flags: list[str], capsys: pytest.CaptureFixture[
     ("flags", "message"),
     [
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+        (["--max-prompts-per-request", "0"], "--max-prompts-per-request"),
+        (["--max-sequences-per-request", "0"], "--max-sequences-per-request"),
         (["--shutdown-timeout", "-2"], "--shutdown-timeout"),
         (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
         (["--port", "70000"], "--port"),
+        (["--max-request-head-bytes", "100"], "--max-request-head-bytes"),
+        (["--request-head-timeout", "0"], "--request-head-timeout"),
+        (["--request-body-timeout", "-1"], "--request-body-timeout"),
         (["--block-size", "0"], "block_size"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     ],
@@ -112,6 +118,15 @@ def test_refuses_to_start_when_one_request_cannot_fit(
     assert status == 1
     err = capsys.readouterr().err
     assert "cannot start" in err and "--kv-cache-gib" in err and "--max-model-len" in err
+
+
+def test_tokenizer_flag_maps_onto_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tokenizer FOLDER` lands in EngineConfig.tokenizer and is documented in --help."""
+    args = build_parser().parse_args(["serve", "some/model", "--tokenizer", "some/tokenizer"])
+    assert engine_config(args) == EngineConfig(model="some/model", tokenizer="some/tokenizer")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--tokenizer" in capsys.readouterr().out
 
 
 def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,7 +152,110 @@ def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> N
         "--kernel-backend",
         "--api-key",
         "--max-waiting-requests",
+        "--max-prompts-per-request",
+        "--max-sequences-per-request",
         "--shutdown-timeout",
         "--dtype",
+        "--max-batch-prefill-tokens",
+        "--max-total-tokens",
+        "--max-input-tokens",
+        "--max-input-length",
+        "--max-batch-size",
+        "--max-concurrent-requests",
+        "--enable-chunked-prefill",
+        "--long-prefill-token-threshold",
+        "--max-num-partial-prefills",
     ]:
         assert flag in text, flag
+
+
+def test_tgi_flags_map_onto_engine_config() -> None:
+    """TGI's names land in the vLLM fields they mean; the chunked-prefill knobs and auto preemption map too."""
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--max-total-tokens",
+            "512",
+            "--max-batch-size",
+            "8",
+            "--max-input-length",
+            "300",
+            "--max-batch-prefill-tokens",
+            "1024",
+            "--no-enable-chunked-prefill",
+            "--long-prefill-token-threshold",
+            "64",
+            "--max-num-partial-prefills",
+            "2",
+            "--preemption-mode",
+            "auto",
+        ]
+    )
+    assert engine_config(args) == EngineConfig(
+        max_model_len=512,
+        max_num_seqs=8,
+        max_input_tokens=300,
+        max_batch_prefill_tokens=1024,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=64,
+        max_num_partial_prefills=2,
+        preemption_mode="auto",
+    )
+    same = ["serve", "--max-batch-size", "8", "--max-num-seqs", "8", "--max-input-tokens", "9"]
+    assert engine_config(build_parser().parse_args(same)) == EngineConfig(max_num_seqs=8, max_input_tokens=9)
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--max-total-tokens", "512", "--max-model-len", "1024"], ("--max-total-tokens", "--max-model-len")),
+        (["--max-num-seqs", "256", "--max-batch-size", "8"], ("--max-batch-size", "--max-num-seqs")),
+        (
+            ["--max-input-length", "10", "--max-input-tokens", "20"],
+            ("--max-input-length", "--max-input-tokens"),
+        ),
+    ],
+)
+def test_a_tgi_flag_and_its_vllm_twin_must_agree(
+    flags: list[str], names: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both spellings of one limit with different values: exit 2 naming both (even the vLLM default, given)."""
+    assert main(["serve", "unused-model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in names), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-concurrent-requests", "0"], "--max-concurrent-requests"),
+        (["--max-batch-prefill-tokens", "0"], "max_batch_prefill_tokens"),
+        (["--max-num-partial-prefills", "0"], "max_num_partial_prefills"),
+        (["--long-prefill-token-threshold", "0"], "long_prefill_token_threshold"),
+        (["--max-input-tokens", "0"], "max_input_tokens"),
+    ],
+)
+def test_out_of_range_knobs_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The new knobs refuse non-positive values before any model loads."""
+    assert main(["serve", "unused-model", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_scheduling_flags_map_onto_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """--scheduling-policy (fcfs|priority|static), --static-batch-timeout and --kv-manager reach EngineConfig."""
+    flags = ["--scheduling-policy", "static", "--static-batch-timeout", "0.5", "--kv-manager", "contiguous"]
+    args = build_parser().parse_args(["serve", "some/model", *flags])
+    assert engine_config(args) == EngineConfig(
+        model="some/model", scheduling_policy="static", static_batch_timeout_s=0.5, kv_manager="contiguous"
+    )
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert engine_config(args) == EngineConfig(scheduling_policy="priority")
+    for bad in (["--scheduling-policy", "lifo"], ["--kv-manager", "slab"]):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", *bad])
+        assert info.value.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+    assert main(["serve", "unused-model", "--static-batch-timeout", "-1"]) == 2
+    assert "static_batch_timeout_s" in capsys.readouterr().err

@@ -7,12 +7,15 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import pytest
 import torch
+from pagoda.scheduler import MeasuredPreemptionCosts, SchedulerOutput, StaticBatchPolicy
+from pagoda.scheduler.testing import ThresholdPreemptionCosts
 from pagoda.server.engine import EngineConfigError, LLMEngine, RequestRejectedError
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
@@ -97,6 +100,35 @@ def preempting_llm(model_dir: Path, mode: str) -> LLM:
     return make_llm(model_dir, num_kv_blocks=24, max_model_len=40, preemption_mode=mode, swap_space_gib=0.01)
 
 
+class StepSpy:
+    """Wraps the engine's `scheduler.schedule`: keeps every SchedulerOutput and how each victim was preempted."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[SchedulerOutput] = []
+        self.swaps = 0  # preemptions that moved the victim's blocks to the host tier
+        self.recomputes = 0
+        scheduler = llm.engine.scheduler
+        schedule = scheduler.schedule
+
+        def spy() -> SchedulerOutput:
+            out = schedule()
+            self.steps.append(out)
+            swapped = {r.request_id for r in scheduler.swapped}
+            for rid in out.preempted_request_ids:
+                if rid in swapped:
+                    self.swaps += 1
+                else:
+                    self.recomputes += 1
+            return out
+
+        scheduler.schedule = spy  # type: ignore[method-assign]
+
+    @property
+    def num_split_prefills(self) -> int:
+        """Chunks that ended mid-prompt (they sample nothing): the prefills that were split over steps."""
+        return sum(1 for out in self.steps for c in out.scheduled if not c.num_samples)
+
+
 def tokens(outputs: Sequence[RequestOutput], index: int = 0) -> list[list[int]]:
     """Generated token ids of sample `index` of each output."""
     return [list(o.outputs[index].token_ids) for o in outputs]
@@ -132,14 +164,20 @@ def test_greedy_batch_matches_transformers(
     assert llm.engine.kv_manager.stats().num_used_blocks == 0
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_preemption_is_exact(arch: str, mode: str, model_dirs: dict[str, Path], reference: Reference) -> None:
-    """A pool too small for the batch preempts (recompute or swap) and still produces HF's tokens."""
+    """A pool too small for the batch preempts (recompute, swap, or auto's choice) and still produces HF's
+    tokens; the forced modes really preempt the way they say."""
     prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
     llm = preempting_llm(model_dirs[arch], mode)
+    spy = StepSpy(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions > 0
+    assert llm.engine.get_stats().num_preemptions == spy.swaps + spy.recomputes > 0
+    if mode == "recompute":
+        assert spy.swaps == 0
+    if mode == "swap":
+        assert spy.swaps > 0 and any(out.blocks_to_swap_in for out in spy.steps)
     assert_matches(reference, arch, prompts, tokens(outputs))
     assert llm.engine.kv_manager.stats().num_used_blocks == 0
 
@@ -155,8 +193,9 @@ def test_uninitialised_cache_memory_never_reaches_the_output(
     for k, v in [*cache.device_caches, *cache.host_caches]:
         k.fill_(float("nan"))
         v.fill_(float("nan"))
+    spy = StepSpy(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions > 0
+    assert spy.swaps > 0 and any(out.blocks_to_swap_in for out in spy.steps)
     assert_matches(reference, arch, prompts, tokens(outputs))
 
 
@@ -179,7 +218,77 @@ def test_chunked_prefill_is_exact(arch: str, model_dirs: dict[str, Path], refere
     """A token budget of 16 splits the long prompts over steps; output unchanged."""
     prompts = random_prompts(PROMPT_LENS)
     llm = make_llm(model_dirs[arch], max_num_batched_tokens=16)
+    spy = StepSpy(llm)
     assert_matches(reference, arch, prompts, tokens(llm.generate(prompts, GREEDY, use_tqdm=False)))
+    assert spy.num_split_prefills > 0
+
+
+def test_chunked_prefill_knobs_are_exact(model_dirs: dict[str, Path], reference: Reference) -> None:
+    """A prefill budget of 8 (TGI's), one partial prefill at a time and a per-request cap of 6: the prompts
+    are split and taken one at a time, and the tokens do not change."""
+    prompts = random_prompts(PROMPT_LENS)
+    llm = make_llm(
+        model_dirs["llama"],
+        max_batch_prefill_tokens=8,
+        max_num_partial_prefills=1,
+        long_prefill_token_threshold=6,
+    )
+    spy = StepSpy(llm)
+    assert_matches(reference, "llama", prompts, tokens(llm.generate(prompts, GREEDY, use_tqdm=False)))
+    prefill_chunks = [
+        [c for c in out.scheduled if c.num_tokens > 1 or not c.num_samples] for out in spy.steps
+    ]
+    assert spy.num_split_prefills > 0 and max(len(chunks) for chunks in prefill_chunks) == 1
+    assert max(c.num_tokens for chunks in prefill_chunks for c in chunks) == 6
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_auto_preemption_swaps_long_victims_and_recomputes_short_ones_exactly(
+    arch: str, model_dirs: dict[str, Path], reference: Reference
+) -> None:
+    """The engine measures its costs at start; on a forced cost model both mechanisms run in one batch, and
+    the greedy tokens are still HF's."""
+    llm = preempting_llm(model_dirs[arch], "auto")
+    measured = llm.engine.scheduler.preemption_costs
+    assert isinstance(measured, MeasuredPreemptionCosts)
+    assert measured.prefill_tokens_per_s > 0 and measured.host_copy_bytes_per_s > 0
+    assert 0 <= measured.host_copy_latency_s < 1
+    # With these lengths the victims hold 2 and 8 blocks: one of each kind.
+    llm.engine.scheduler.preemption_costs = ThresholdPreemptionCosts(min_swap_blocks=5)
+    spy = StepSpy(llm)
+    prompts = random_prompts((20, 22, 4, 25, 5, 21, 3), seed=1)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert spy.swaps > 0 and spy.recomputes > 0
+    assert_matches(reference, arch, prompts, tokens(outputs))
+    assert llm.engine.kv_manager.stats().num_used_blocks == 0
+
+
+def test_urgent_request_preempts_a_less_urgent_one_and_finishes_first(
+    model_dirs: dict[str, Path], reference: Reference
+) -> None:
+    """Priority policy, a full batch (2 seats) of priority-1 requests: a priority-0 request preempts the later
+    of them at once, finishes first, and every output is still HF's."""
+    llm = make_llm(model_dirs["llama"], scheduling_policy="priority", max_num_seqs=2)
+    engine = llm.engine
+    spy = StepSpy(llm)
+    low_prompts = random_prompts((9, 11), seed=7)
+    urgent_prompt = random_prompts((6,), seed=8)[0]
+    long_params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, priority=1)
+    for i, prompt in enumerate(low_prompts):
+        engine.add_request(f"low{i}", prompt, long_params, arrival_time=float(i))
+    for _ in range(3):
+        engine.step()
+    urgent_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, priority=0)
+    engine.add_request("urgent", urgent_prompt, urgent_params, arrival_time=2.0)
+    engine.step()
+    assert spy.steps[-1].preempted_request_ids == ("low1",)
+    assert "urgent" in {c.request_id for c in spy.steps[-1].scheduled}
+    finished = [o for o in drain(engine) if o.finished]
+    assert finished[0].request_id == "urgent"
+    got = {o.request_id: list(o.outputs[0].token_ids) for o in finished}
+    assert got["urgent"] == reference.greedy("llama", urgent_prompt, 6)
+    for i, prompt in enumerate(low_prompts):
+        assert got[f"low{i}"] == reference.greedy("llama", prompt, 30)
 
 
 def test_parallel_greedy_samples_are_equal(model_dirs: dict[str, Path], reference: Reference) -> None:
@@ -309,6 +418,28 @@ def test_chat_uses_the_template(model_dirs: dict[str, Path]) -> None:
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_tokenizer_from_its_own_folder(tmp_path: Path) -> None:
+    """EngineConfig.tokenizer (`--tokenizer`): the tokenizer is read from that folder; the model folder has none."""
+    model = make_tiny_model("llama", tmp_path / "model")
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).rename(tokenizer_dir / name)
+    # A template of its own tells this folder's tokenizer apart from the model folder's.
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (tokenizer_dir / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config, "chat_template": template})
+    )
+    llm = make_llm(model, tokenizer=str(tokenizer_dir))
+    assert llm.tokenizer.chat_template == template
+    assert llm.tokenizer.eos_token_id in llm.engine.eos_token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(["Hello world"], params, use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == llm.tokenizer("Hello world").input_ids
+    assert out.outputs[0].text == llm.tokenizer.decode(list(out.outputs[0].token_ids))
+
+
 def test_abort_frees_blocks_in_every_state(model_dirs: dict[str, Path]) -> None:
     """Aborting waiting, mid-prefill and decoding requests frees their blocks and reports "abort"."""
     llm = make_llm(model_dirs["llama"], max_num_batched_tokens=8, max_num_seqs=2)
@@ -343,10 +474,145 @@ def test_rejects_requests_that_can_never_run(model_dirs: dict[str, Path]) -> Non
     assert not engine.has_unfinished_requests()
 
 
+def test_relays_what_only_the_scheduler_checks_with_its_field(model_dirs: dict[str, Path]) -> None:
+    """n over max_num_seqs and a sample id in use come from the scheduler, naming their field; stop ids too."""
+    engine = make_llm(model_dirs["llama"], max_num_seqs=2).engine
+    engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    cases = [
+        ("b", SamplingParams(n=3), "n"),
+        (
+            "a:1",
+            SamplingParams(),
+            "request_id",
+        ),  # the engine has no request "a:1", the scheduler has the sample
+        ("a", SamplingParams(), "request_id"),
+        ("c", SamplingParams(stop_token_ids=(10**6,)), "stop_token_ids"),
+    ]
+    for request_id, params, param in cases:
+        with pytest.raises(RequestRejectedError) as info:
+            engine.add_request(request_id, [1, 2], params)
+        assert info.value.param == param
+    assert engine.get_num_unfinished_requests() == 1
+    assert [len(o.outputs) for o in drain(engine) if o.finished] == [2]
+
+
+def test_max_input_tokens_caps_the_prompt(model_dirs: dict[str, Path]) -> None:
+    """TGI's --max-input-tokens: a longer prompt is refused naming the prompt; it must stay below max_model_len."""
+    engine = make_llm(model_dirs["llama"], max_input_tokens=10).engine
+    with pytest.raises(RequestRejectedError, match="max_input_tokens") as info:
+        engine.add_request("long", [5] * 11, SamplingParams(max_tokens=2))
+    assert info.value.param == "prompt"
+    engine.add_request("fits", [5] * 10, SamplingParams(max_tokens=2))
+    assert [o.finished for o in drain(engine)][-1]
+    with pytest.raises(EngineConfigError, match="max-input-tokens"):
+        make_llm(model_dirs["llama"], max_input_tokens=64)
+
+
 def test_refuses_a_kv_cache_smaller_than_one_request(model_dirs: dict[str, Path]) -> None:
     """Startup fails with a message naming what to change when max_model_len does not fit."""
     with pytest.raises(EngineConfigError, match="max-model-len"):
         make_llm(model_dirs["llama"], num_kv_blocks=8, max_model_len=64)
+
+
+# --- scheduling policy x KV reservation (issue 17 §2): static batching and contiguous reservation, live ---
+
+# A pool of 40 blocks of 4 tokens holds two contiguous reservations of max_model_len 64 (16 blocks each).
+CONTIGUOUS_POOL = {"num_kv_blocks": 40, "max_model_len": 64}
+
+
+class Recording(NamedTuple):
+    """What `run_recording` saw: tokens per prompt; after every step the running ids and the static batch."""
+
+    tokens: list[list[int]]
+    running: list[frozenset[str]]
+    batches: list[frozenset[str]]
+
+
+def run_recording(llm: LLM, prompts: Sequence[Sequence[int]]) -> Recording:
+    """Generate greedily step by step, checking after every step that each running sequence holds a whole
+    contiguous region (under `kv_manager="contiguous"`)."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    policy = engine.scheduler.policy
+    final: dict[str, RequestOutput] = {}
+    record = Recording([], [], [])
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+        record.running.append(frozenset(r.request_id for r in engine.scheduler.running))
+        record.batches.append(policy.batch if isinstance(policy, StaticBatchPolicy) else frozenset())
+        if engine.config.kv_manager == "contiguous":
+            assert engine.kv_manager.stats().num_used_blocks == 16 * len(record.running[-1])
+    record.tokens.extend(list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts)))
+    return record
+
+
+@pytest.mark.parametrize(
+    ("policy", "kv_manager", "max_num_seqs"),
+    [("static", "contiguous", 3), ("fcfs", "contiguous", 4), ("static", "paged", 2)],
+)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_static_batching_and_contiguous_reservation_are_exact(
+    arch: str,
+    policy: str,
+    kv_manager: str,
+    max_num_seqs: int,
+    model_dirs: dict[str, Path],
+    reference: Reference,
+) -> None:
+    """Static batches and contiguous regions (real slots of the inner paged allocator) give HF's tokens.
+
+    Contiguous: at most two sequences run at once (two regions fit the pool), without preempting anyone.
+    Static: only members of the batch in flight run, and a new batch forms only after the last drained.
+    """
+    prompts = random_prompts(PROMPT_LENS)
+    llm = make_llm(
+        model_dirs[arch],
+        scheduling_policy=policy,
+        kv_manager=kv_manager,
+        max_num_seqs=max_num_seqs,
+        **CONTIGUOUS_POOL,
+    )
+    record = run_recording(llm, prompts)
+    assert_matches(reference, arch, prompts, record.tokens)
+    assert llm.engine.kv_manager.stats().num_used_blocks == 0
+    assert llm.engine.get_stats().num_preemptions == 0
+    if kv_manager == "contiguous":
+        assert max(map(len, record.running)) == 2
+    if policy == "static":
+        started = [record.batches[0]]
+        for step in range(1, len(record.batches)):
+            if record.batches[step] != record.batches[step - 1]:
+                assert not record.running[step - 1], f"step {step}: a new batch while the last runs"
+                started.append(record.batches[step])
+        assert all(ids <= batch for ids, batch in zip(record.running, record.batches, strict=True))
+        assert [len(b) for b in started] == [max_num_seqs] * (len(prompts) // max_num_seqs) + (
+            [len(prompts) % max_num_seqs] if len(prompts) % max_num_seqs else []
+        )
+
+
+def test_static_batch_waits_for_its_timeout_and_admits_nobody_until_it_drains(
+    model_dirs: dict[str, Path],
+) -> None:
+    """A lone request waits for the batch to fill (or its timeout); a request arriving mid-batch waits for
+    the batch to drain, then starts alone once its own timeout has passed (arrival times set in the past)."""
+    engine = make_llm(
+        model_dirs["llama"], scheduling_policy="static", static_batch_timeout_s=60.0, max_num_seqs=2
+    ).engine
+    long = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], long)
+    assert engine.step() == [] and engine.get_stats().num_waiting == 1  # 1 of 2 seats, 60 s to go
+    engine.add_request("b", [8, 9], short)
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"a", "b"}
+    engine.add_request("c", [10, 11], short, arrival_time=time.monotonic() - 120.0)  # overdue at once
+    finished: list[str] = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        running = {r.request_id for r in engine.scheduler.running}
+        assert "c" not in running or finished == ["b", "a"], (finished, running)
+    assert finished == ["b", "a", "c"]  # b finished while a ran on, and c joined only after a
 
 
 @pytest.mark.slow

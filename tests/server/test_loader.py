@@ -172,6 +172,23 @@ def test_not_a_model_is_a_clear_error(tmp_path: Path) -> None:
         load_model(str(tmp_path), dtype=torch.float32, device=CPU)
 
 
+def test_tokenizer_folder_that_is_not_there_fails_before_the_weights_load(
+    tiny_model_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A `tokenizer` path that is not a folder is a FileNotFoundError naming it."""
+    with (
+        mock.patch("pagoda.server.loader.load_safetensors") as load_weights,
+        pytest.raises(FileNotFoundError, match=r"tokenizer .*nowhere"),
+    ):
+        load_model(
+            str(tiny_model_path("llama")),
+            dtype=torch.float32,
+            device=CPU,
+            tokenizer=str(tmp_path / "nowhere"),
+        )
+    load_weights.assert_not_called()
+
+
 # --- GGUF ---------------------------------------------------------------------------------------------
 
 
@@ -283,9 +300,8 @@ def test_gguf_is_converted_once_then_read_from_the_cache(
     assert first.hf_config.architectures == ["LlamaForCausalLM"]
     assert GenerationConfig.from_pretrained(first.model_path).eos_token_id == [2]
     tokenizer_config = json.loads((first.model_path / "tokenizer_config.json").read_text())
-    assert (
-        tokenizer_config["added_tokens_decoder"]["1"]["content"] == "<s>"
-    )  # listed: a faster tokenizer load
+    # Listed: a faster tokenizer load.
+    assert tokenizer_config["added_tokens_decoder"]["1"]["content"] == "<s>"
     assert first.tokenizer.chat_template
     logits = PagedKV(first.model.kv_cache_spec(), torch_backend).run(first.model, [(0, tokens)])[0]
     with torch.no_grad():
@@ -400,10 +416,8 @@ def test_default_model_predicts_paris(torch_backend: KernelBackend) -> None:
     assert config.sliding_window == 512 and config.query_pre_attn_scalar == 256
     assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
     assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
-    assert GenerationConfig.from_pretrained(loaded.model_path).eos_token_id == [
-        1,
-        106,
-    ]  # <eos>, <end_of_turn>
+    # <eos>, <end_of_turn>
+    assert GenerationConfig.from_pretrained(loaded.model_path).eos_token_id == [1, 106]
     tokenizer = loaded.tokenizer
     tokens = tokenizer("The capital of France is").input_ids
     kv = PagedKV(loaded.model.kv_cache_spec(), torch_backend, num_blocks=16, block_size=16)

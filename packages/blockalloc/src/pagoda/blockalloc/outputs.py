@@ -10,9 +10,8 @@ class SlotAllocation:
     """Result of `BlockManager.allocate_slots`: where the new tokens go and which blocks to copy first."""
 
     slots: tuple[int, ...]  # slot of each new token, in order: block_id * block_size + offset
-    copies: tuple[
-        tuple[int, int], ...
-    ]  # copy-on-write (src_block, dst_block) pairs to perform BEFORE writing
+    # Copy-on-write (src_block, dst_block) pairs to perform BEFORE writing.
+    copies: tuple[tuple[int, int], ...]
     num_cached_tokens: int  # tokens of this sequence served by the prefix cache (0 unless new)
 
 

@@ -1,7 +1,12 @@
-"""The backend interface: the five ops every kernel backend implements, and its error type."""
+"""The backend interface: the five ops every kernel backend implements, its error type, and the Triton mode.
+
+Each backend is a class whose methods are the ops (`TorchBackend`, `CpuBackend`, `TritonBackend`,
+`CupyBackend`) and satisfies `KernelBackend` structurally, without subclassing it (the tests make mypy check).
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 from torch import Tensor
@@ -12,7 +17,7 @@ class BackendUnavailableError(ImportError, RuntimeError):
 
 
 class KernelOps(Protocol):
-    """The five ops with the signatures shared by every backend module (`torch_backend`, `triton_backend`, ...)."""
+    """The five ops with the signatures shared by every backend class (`TorchBackend`, `TritonBackend`, ...)."""
 
     def reshape_and_cache(
         self,
@@ -82,5 +87,10 @@ class KernelBackend(KernelOps, Protocol):
 
     @property
     def name(self) -> str:
-        """The backend's registry name: "torch", "triton" or "cupy"."""
+        """The backend's registry name: "torch", "cpu", "triton" or "cupy"."""
         ...
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), as the CPU tests do."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in {"", "0"}

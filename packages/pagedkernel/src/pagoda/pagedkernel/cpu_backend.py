@@ -1,40 +1,33 @@
-"""The cpu backend: paged attention by a C kernel (`csrc/cpu_attention.c`) compiled for this CPU on first use.
+"""The cpu backend (`CpuBackend`): paged attention by a C kernel (`csrc/cpu_attention.c`) built for this CPU.
 
 The torch backend attends by gathering every sequence's K/V blocks into a padded copy and running SDPA on it;
 this kernel instead reads each block once, in place, through the block table, with an online softmax (see the
 C file). Measured on a 2-core AMD EPYC, float32, 110 decodes of 300-500 keys (Gemma 3 270M's attention shape):
 11.6 ms against the torch backend's 41.3 ms per layer.
 
-The kernel is compiled per dtype (float32, float16, bfloat16) by the system's C compiler (`$CC`, else `cc` or
-`gcc`) with `-O3 -march=native -fopenmp` (its threads are torch's OpenMP pool; pthreads where the compiler has
-no OpenMP), like CuPy compiles its CUDA sources at run time; the shared library is cached on disk
-(`$PAGODA_KERNEL_CACHE`, else `~/.cache/pagoda/cpu-kernels`) under a name that hashes the source, the flags, the
-compiler and this CPU, and loaded with ctypes (the call releases the GIL). Attention this kernel does not take
-(another device, a q dtype that differs from the cache's, head_dim not a multiple of 8 or above 512, block_size above 256, more
-than 32 query heads per KV head) runs through the torch backend. `reshape_and_cache` is a C loop of one memcpy
-per row too (torch's index_copy_ took ~0.3 ms per layer for a decode batch); block copies and swaps are the torch
-backend's.
+The kernel is compiled at first use, per dtype (float32, float16, bfloat16), by `cbuild` (the system's C
+compiler, the library cached on disk) with this module's flags: `-O3 -march=native -fopenmp` (its threads are
+torch's OpenMP pool; pthreads where the compiler has no OpenMP), like CuPy compiles its CUDA sources at run
+time; it is loaded with ctypes (the call releases the GIL). `CpuBackend` is the torch backend with its attention
+and `reshape_and_cache` overridden: attention this kernel does not take (another device, a q dtype that differs
+from the cache's, head_dim not a multiple of 8 or above 512, block_size above 256, more than 32 query heads per
+KV head) runs through the torch backend. `reshape_and_cache` is a C loop of one memcpy per row (torch's
+index_copy_ took ~0.3 ms per layer for a decode batch); block copies and swaps are the torch backend's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import csrc, torch_backend
+from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.torch_backend import TorchBackend, check_attention_args
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -43,18 +36,13 @@ SOURCE_FILE = "cpu_attention.c"
 ATTENTION = "pagoda_paged_attention"
 RESHAPE_AND_CACHE = "pagoda_reshape_and_cache"
 # -fno-math-errno lets expf/tanhf inline; no -ffast-math: the softmax relies on -inf and IEEE exp.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-pthread")
 # Tried first: OpenMP, so the kernel runs on torch's thread pool (libgomp.so.1 is already loaded by torch);
 # a compiler without OpenMP builds the pthreads version instead.
 OPENMP_FLAGS = ("-fopenmp",)
-DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 512
 MAX_BLOCK_SIZE = 256
 MAX_GROUP = 32  # query heads per KV head (MAX_ROWS in the C file)
-
-# Whole-block copies run at memory speed through torch's indexed copies already.
-copy_blocks = torch_backend.copy_blocks
-swap_blocks = torch_backend.swap_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,79 +53,21 @@ class CpuKernels:
     reshape_and_cache: Callable[..., int]
 
 
-def find_compiler() -> str | None:
-    """The C compiler to build the kernel with: $CC, else `cc` or `gcc` on PATH, else None."""
-    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
-    for name in names:
-        path = shutil.which(name)
-        if path is not None:
-            return path
-    return None
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels are kept: $PAGODA_KERNEL_CACHE, else $XDG_CACHE_HOME (or ~/.cache)/pagoda/cpu-kernels."""
-    if os.environ.get("PAGODA_KERNEL_CACHE"):
-        return Path(os.environ["PAGODA_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pagoda" / "cpu-kernels"
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU flags (so a shared cache never serves another CPU)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith(("flags", "Features", "model name")):
-                flags += line
-                if line.startswith(("flags", "Features")):
-                    break
-    except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()}|{flags}"
-
-
 def build(dtype: torch.dtype) -> Path:
-    """Compile the kernel for `dtype` unless the cache has it; the path of the shared library.
+    """Compile the kernel for `dtype` unless the cache has it (see `cbuild.build`); the path of the shared library.
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
-    compiler = find_compiler()
-    if compiler is None:
-        raise BackendUnavailableError(
-            "the 'cpu' kernel backend compiles a C kernel at first use and found no C compiler; install gcc "
-            "(or set CC), or use kernel_backend='torch'"
-        )
-    source = csrc.read_source(SOURCE_FILE)
-    flags = (*CFLAGS, f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([source, *flags, version, _cpu_signature()]).encode()).hexdigest()[:24]
-    target = cache_dir() / f"cpu_attention_{str(dtype).removeprefix('torch.')}_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / SOURCE_FILE
-        src.write_text(source, encoding="utf-8")
-        lib = Path(tmp) / target.name
-        for extra in (OPENMP_FLAGS, ()):
-            command = [compiler, *flags, *extra, str(src), "-o", str(lib), "-lm"]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode == 0:
-                break
-        else:
-            raise BackendUnavailableError(
-                f"compiling the 'cpu' kernel backend's {SOURCE_FILE} for {dtype} failed "
-                f"({compiler} exit {done.returncode}):\n{done.stderr.strip()}\nuse kernel_backend='torch' instead"
-            )
-        os.replace(lib, target)  # atomic: a concurrent process sees no file or a whole one
-    return target
-
-
-@functools.cache
-def _kernels(dtype: torch.dtype) -> CpuKernels:
-    """The compiled kernels for `dtype`, built (or found in the cache) and loaded once per process."""
-    return load(build(dtype))
+    return cbuild.build(
+        SOURCE_FILE,
+        csrc.read_source(SOURCE_FILE),
+        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}"),
+        variant=str(dtype).removeprefix("torch."),
+        owner="the 'cpu' kernel backend",
+        instead="use kernel_backend='torch'",
+        alternatives=(OPENMP_FLAGS, ()),
+        libraries=("-lm",),
+    )
 
 
 def load(library: Path) -> CpuKernels:
@@ -154,59 +84,6 @@ def load(library: Path) -> CpuKernels:
     return CpuKernels(attention, cache)
 
 
-def available() -> bool:
-    """Whether the float32 kernel compiles and loads here (what get_backend('auto') asks on a CPU)."""
-    try:
-        _kernels(torch.float32)
-    except (BackendUnavailableError, OSError) as exc:
-        logger.warning("the 'cpu' kernel backend is unavailable, attention runs through torch: %s", exc)
-        return False
-    return True
-
-
-def reshape_and_cache(
-    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
-) -> None:
-    """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
-    native = (
-        key.device.type == "cpu"
-        and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-        and k_cache.dtype in DTYPE_IDS
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and key.shape[1:] == value.shape[1:] == k_cache.shape[2:] == v_cache.shape[2:]
-        and k_cache.shape == v_cache.shape
-    )
-    if not native:
-        torch_backend.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-        return
-    key, value = _token_rows(key), _token_rows(value)
-    slots = slot_mapping.to(torch.int64).contiguous()
-    assert slots.shape == key.shape[:1] == value.shape[:1], (slots.shape, key.shape, value.shape)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    row = k_cache.shape[2] * k_cache.shape[3]
-    bad = _kernels(k_cache.dtype).reshape_and_cache(
-        key.data_ptr(),
-        value.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slots.data_ptr(),
-        key.shape[0],
-        num_slots,
-        row,
-        key.stride(0),
-        value.stride(0),
-    )
-    if bad:
-        raise IndexError(
-            f"slot {int(slots[bad - 1])} of token {bad - 1} is outside the cache's {num_slots} slots"
-        )
-
-
 def _token_rows(x: Tensor) -> Tensor:  # [num_tokens, num_kv_heads, head_dim], each token's row contiguous
     """x itself when each token's [num_kv_heads, head_dim] is one contiguous row (any token stride), else a copy."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
@@ -221,83 +98,12 @@ def supported(q: Tensor, k_cache: Tensor) -> bool:
         q.device.type == "cpu"
         and k_cache.device.type == "cpu"
         and q.dtype == k_cache.dtype
-        and q.dtype in DTYPE_IDS
+        and q.dtype in csrc.DTYPE_IDS
         and head_dim % 8 == 0
         and head_dim <= MAX_HEAD_DIM
         and k_cache.shape[1] <= MAX_BLOCK_SIZE
         and num_heads // num_kv_heads <= MAX_GROUP
         and k_cache.is_contiguous()
-    )
-
-
-def paged_decode_attention(
-    q: Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-) -> Tensor:
-    """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V: the prefill op
-    with one query row per sequence (the C kernel's decode items are its one-token tiles)."""
-    starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_prefill_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        starts,
-        context_lens,
-        scale,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        out=out,
-    )
-
-
-def paged_prefill_attention(
-    q: Tensor,  # [total_query_tokens, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    query_start_loc: Tensor,  # int32 [num_seqs + 1]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-) -> Tensor:
-    """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all its tokens."""
-    torch_backend.check_attention_args(q, k_cache, v_cache)
-    if not supported(q, k_cache):
-        return torch_backend.paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            query_start_loc,
-            context_lens,
-            scale,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            out=out,
-        )
-    return _attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-        sliding_window,
-        logit_softcap,
-        out,
     )
 
 
@@ -312,7 +118,7 @@ def _attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
-    kernels: CpuKernels | None = None,  # default: this dtype's build
+    kernels: CpuKernels,  # built for q's dtype
 ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
     """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
     assert v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype, "the V cache must match the K cache"
@@ -323,7 +129,7 @@ def _attention(
     lens = context_lens.to(torch.int32).contiguous()
     num_seqs = lens.shape[0]
     assert starts.shape[0] == num_seqs + 1 and tables.shape[0] >= num_seqs, (starts.shape, tables.shape)
-    status = (kernels or _kernels(q.dtype)).attention(
+    status = kernels.attention(
         q.data_ptr(),
         result.data_ptr(),
         k_cache.data_ptr(),
@@ -350,3 +156,146 @@ def _attention(
         out.copy_(result)
         return out
     return result
+
+
+class CpuBackend(TorchBackend):
+    """The torch backend with attention and `reshape_and_cache` in C where the kernel takes them.
+
+    Holds the libraries it loaded, one per dtype (built, or found in the on-disk cache, at first use).
+    """
+
+    __slots__ = ("_loaded",)
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._loaded: dict[torch.dtype, CpuKernels] = {}
+
+    def kernels(self, dtype: torch.dtype) -> CpuKernels:
+        """The compiled kernels for `dtype`, built (or found in the cache) and loaded once per backend."""
+        if dtype not in self._loaded:
+            self._loaded[dtype] = load(build(dtype))
+        return self._loaded[dtype]
+
+    def available(self) -> bool:
+        """Whether the float32 kernel compiles and loads here (what get_backend('auto') asks on a CPU)."""
+        try:
+            self.kernels(torch.float32)
+        except (BackendUnavailableError, OSError) as exc:
+            logger.warning("the 'cpu' kernel backend is unavailable, attention runs through torch: %s", exc)
+            return False
+        return True
+
+    def reshape_and_cache(
+        self,
+        key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+    ) -> None:
+        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        native = (
+            key.device.type == "cpu"
+            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in csrc.DTYPE_IDS
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and key.shape[1:] == value.shape[1:] == k_cache.shape[2:] == v_cache.shape[2:]
+            and k_cache.shape == v_cache.shape
+        )
+        if not native:
+            super().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+            return
+        key, value = _token_rows(key), _token_rows(value)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        assert slots.shape == key.shape[:1] == value.shape[:1], (slots.shape, key.shape, value.shape)
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        row = k_cache.shape[2] * k_cache.shape[3]
+        bad = self.kernels(k_cache.dtype).reshape_and_cache(
+            key.data_ptr(),
+            value.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            key.shape[0],
+            num_slots,
+            row,
+            key.stride(0),
+            value.stride(0),
+        )
+        if bad:
+            raise IndexError(
+                f"slot {int(slots[bad - 1])} of token {bad - 1} is outside the cache's {num_slots} slots"
+            )
+
+    def paged_decode_attention(
+        self,
+        q: Tensor,  # [num_seqs, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    ) -> Tensor:
+        """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V: the prefill op
+        with one query row per sequence (the C kernel's decode items are its one-token tiles)."""
+        starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        return self.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            starts,
+            context_lens,
+            scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+        )
+
+    def paged_prefill_attention(
+        self,
+        q: Tensor,  # [total_query_tokens, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        query_start_loc: Tensor,  # int32 [num_seqs + 1]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+    ) -> Tensor:
+        """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
+        check_attention_args(q, k_cache, v_cache)
+        if not supported(q, k_cache):
+            return super().paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                query_start_loc,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+            )
+        return _attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window,
+            logit_softcap,
+            out,
+            self.kernels(q.dtype),
+        )

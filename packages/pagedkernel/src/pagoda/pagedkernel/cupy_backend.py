@@ -1,9 +1,9 @@
-"""The CuPy backend: CUDA C kernels (`csrc/*.cu`) compiled at run time by `cupy.RawModule` (NVRTC).
+"""The CuPy backend (`CupyBackend`): CUDA C kernels (`csrc/*.cu`) compiled at run time by NVRTC, through cupy.
 
 Tensors stay torch tensors: kernels receive their raw `data_ptr()`s and run on the current torch CUDA stream,
 so no dlpack conversion is needed (cupy has no bfloat16 dtype anyway). Each kernel file is compiled once per
-(dtype, head_dim, device) and kept by `functools.cache`, the only state of this module; cupy also caches
-the binaries on disk (~/.cupy/kernel_cache) across processes.
+(dtype, head_dim, device) with the options of `cupy_kernels` and kept by `functools.cache`, the only state of
+this module; cupy also caches the binaries on disk (~/.cupy/kernel_cache) across processes.
 
 Kernels (see the .cu files for the details):
 - reshape_and_cache: one thread block per token.
@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import csrc
+from pagoda.pagedkernel import csrc, cupy_kernels
 from torch import Tensor
 
 try:
@@ -45,7 +45,7 @@ _BLOCKS_PER_SM_TO_SPLIT = 4
 @functools.cache
 def _module(file: str, dtype: torch.dtype, head_dim: int | None) -> Any:
     """The RawModule of kernel file `file` specialised to dtype (and head_dim); NVRTC runs on first use."""
-    return cupy.RawModule(code=csrc.read_source(file), options=csrc.compile_options(dtype, head_dim))
+    return cupy.RawModule(code=csrc.read_source(file), options=cupy_kernels.compile_options(dtype, head_dim))
 
 
 @functools.cache
@@ -98,41 +98,6 @@ def _check_caches(k_cache: Tensor, v_cache: Tensor) -> None:
 def _last_dim_dense(t: Tensor) -> Tensor:
     """`t` itself when its last dimension is contiguous (the kernels take the other strides), else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def reshape_and_cache(
-    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
-) -> None:
-    """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
-    _check_caches(k_cache, v_cache)
-    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"key {key.shape} / value {value.shape} do not match the cache {k_cache.shape}")
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    device = _device_index(k_cache)
-    key = _last_dim_dense(key.to(k_cache.dtype))
-    value = _last_dim_dense(value.to(k_cache.dtype))
-    slots = slot_mapping.to(torch.int64).contiguous()
-    kernel = _kernel(csrc.CACHE_OPS_FILE, csrc.RESHAPE_AND_CACHE, k_cache.dtype, None, device)
-    args = (
-        key.data_ptr(),
-        value.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slots.data_ptr(),
-        _i32(key.stride(0)),
-        _i32(key.stride(1)),
-        _i32(value.stride(0)),
-        _i32(value.stride(1)),
-        _i32(num_kv_heads),
-        _i32(head_dim),
-    )
-    _launch(kernel, device, (num_tokens,), _CACHE_THREADS, args)
 
 
 def _num_partitions(num_work_blocks: int, span: int, device: int) -> int:
@@ -200,7 +165,7 @@ def _attention(
     else:
         part_ptrs = (0, 0, 0)  # null: the kernel writes `out` directly
 
-    kernel = _kernel(csrc.ATTENTION_FILE, csrc.PAGED_ATTENTION, q.dtype, head_dim, device)
+    kernel = _kernel(cupy_kernels.ATTENTION_FILE, cupy_kernels.PAGED_ATTENTION, q.dtype, head_dim, device)
     args = (
         out.data_ptr(),
         *part_ptrs,
@@ -226,7 +191,9 @@ def _attention(
     )
     _launch(kernel, device, (num_rows * num_heads, partitions), _ATTENTION_THREADS, args)
     if partitions > 1:
-        reduce = _kernel(csrc.ATTENTION_FILE, csrc.PAGED_ATTENTION_REDUCE, q.dtype, head_dim, device)
+        reduce = _kernel(
+            cupy_kernels.ATTENTION_FILE, cupy_kernels.PAGED_ATTENTION_REDUCE, q.dtype, head_dim, device
+        )
         reduce_args = (
             out.data_ptr(),
             *part_ptrs,
@@ -239,115 +206,161 @@ def _attention(
     return out
 
 
-def paged_decode_attention(
-    q: Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-) -> Tensor:  # [num_seqs, num_heads, head_dim]
-    """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
-    return _attention(
-        q, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, logit_softcap, out
-    )
+class CupyBackend:
+    """The five ops as CUDA C kernels compiled by NVRTC, launched on torch's current stream (CUDA tensors only)."""
 
+    __slots__ = ()
+    name = "cupy"
 
-def paged_prefill_attention(
-    q: Tensor,  # [total_query_tokens, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    query_start_loc: Tensor,  # int32 [num_seqs + 1]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all its tokens."""
-    return _attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-        sliding_window,
-        logit_softcap,
-        out,
-    )
-
-
-def copy_blocks(
-    k_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    v_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    block_pairs: Tensor,  # int64 [num_pairs, 2] (src, dst)
-) -> None:
-    """Copy block src to block dst in every layer's K and V cache in one launch (dst blocks must not be sources)."""
-    if len(k_caches) != len(v_caches):
-        raise ValueError(f"{len(k_caches)} K caches but {len(v_caches)} V caches")
-    if block_pairs.numel() == 0 or not k_caches:
-        return
-    first = k_caches[0]
-    for cache in [*k_caches, *v_caches]:
-        if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
-            raise ValueError("copy_blocks needs every layer's caches to share one shape, dtype and device")
-        if not cache.is_contiguous():
-            raise ValueError("the cupy kernels need contiguous KV caches")
-    device = _device_index(first)
-    # [2, num_layers]: row 0 the K caches' addresses, row 1 the V caches'.
-    addresses = torch.tensor(
-        [[c.data_ptr() for c in k_caches], [c.data_ptr() for c in v_caches]],
-        dtype=torch.int64,
-        device=first.device,
-    )
-    pairs = block_pairs.to(device=first.device, dtype=torch.int64).contiguous()
-    kernel = _kernel(csrc.CACHE_OPS_FILE, csrc.COPY_BLOCKS, first.dtype, None, device)
-    args = (addresses[0].data_ptr(), addresses[1].data_ptr(), pairs.data_ptr(), _i32(first[0].numel()))
-    _launch(kernel, device, (pairs.shape[0], len(k_caches)), _CACHE_THREADS, args)
-
-
-def swap_blocks(
-    src: Tensor,  # [num_blocks_src, block_size, num_kv_heads, head_dim]
-    dst: Tensor,  # [num_blocks_dst, block_size, num_kv_heads, head_dim]
-    block_pairs: Tensor,  # int64 [num_pairs, 2] (src block, dst block)
-) -> None:
-    """Copy blocks between two caches (host<->device or within a device), one `cudaMemcpyAsync` per block.
-
-    The copies are queued on the current torch stream; with a pinned host cache they are asynchronous, so
-    synchronise before reading a host destination on the CPU (as with the torch backend's non_blocking copies).
-    """
-    if block_pairs.numel() == 0:
-        return
-    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(
-            f"swap_blocks needs alike blocks, got {src.shape} {src.dtype} and {dst.shape} {dst.dtype}"
+    def reshape_and_cache(
+        self,
+        key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+    ) -> None:
+        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        _check_caches(k_cache, v_cache)
+        if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+            raise ValueError(f"key {key.shape} / value {value.shape} do not match the cache {k_cache.shape}")
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if num_tokens == 0:
+            return
+        device = _device_index(k_cache)
+        key = _last_dim_dense(key.to(k_cache.dtype))
+        value = _last_dim_dense(value.to(k_cache.dtype))
+        slots = slot_mapping.to(torch.int64).contiguous()
+        kernel = _kernel(
+            cupy_kernels.CACHE_OPS_FILE, cupy_kernels.RESHAPE_AND_CACHE, k_cache.dtype, None, device
         )
-    if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("swap_blocks needs contiguous caches")
-    device = _device_index(src if src.is_cuda else dst)
-    pairs = block_pairs.tolist()  # the addresses are computed on the host: one read-back if on the GPU
-    for s, d in pairs:
-        if not (0 <= s < src.shape[0] and 0 <= d < dst.shape[0]):
-            raise IndexError(
-                f"block pair ({s}, {d}) is out of range for {src.shape[0]} -> {dst.shape[0]} blocks"
+        args = (
+            key.data_ptr(),
+            value.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            _i32(key.stride(0)),
+            _i32(key.stride(1)),
+            _i32(value.stride(0)),
+            _i32(value.stride(1)),
+            _i32(num_kv_heads),
+            _i32(head_dim),
+        )
+        _launch(kernel, device, (num_tokens,), _CACHE_THREADS, args)
+
+    def paged_decode_attention(
+        self,
+        q: Tensor,  # [num_seqs, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    ) -> Tensor:  # [num_seqs, num_heads, head_dim]
+        """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
+        return _attention(
+            q, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, logit_softcap, out
+        )
+
+    def paged_prefill_attention(
+        self,
+        q: Tensor,  # [total_query_tokens, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        query_start_loc: Tensor,  # int32 [num_seqs + 1]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+    ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
+        """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
+        return _attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window,
+            logit_softcap,
+            out,
+        )
+
+    def copy_blocks(
+        self,
+        k_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        v_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        block_pairs: Tensor,  # int64 [num_pairs, 2] (src, dst)
+    ) -> None:
+        """Copy block src to block dst in every layer's K and V cache in one launch (dst blocks are not sources)."""
+        if len(k_caches) != len(v_caches):
+            raise ValueError(f"{len(k_caches)} K caches but {len(v_caches)} V caches")
+        if block_pairs.numel() == 0 or not k_caches:
+            return
+        first = k_caches[0]
+        for cache in [*k_caches, *v_caches]:
+            if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
+                raise ValueError(
+                    "copy_blocks needs every layer's caches to share one shape, dtype and device"
+                )
+            if not cache.is_contiguous():
+                raise ValueError("the cupy kernels need contiguous KV caches")
+        device = _device_index(first)
+        # [2, num_layers]: row 0 the K caches' addresses, row 1 the V caches'.
+        addresses = torch.tensor(
+            [[c.data_ptr() for c in k_caches], [c.data_ptr() for c in v_caches]],
+            dtype=torch.int64,
+            device=first.device,
+        )
+        pairs = block_pairs.to(device=first.device, dtype=torch.int64).contiguous()
+        kernel = _kernel(cupy_kernels.CACHE_OPS_FILE, cupy_kernels.COPY_BLOCKS, first.dtype, None, device)
+        args = (addresses[0].data_ptr(), addresses[1].data_ptr(), pairs.data_ptr(), _i32(first[0].numel()))
+        _launch(kernel, device, (pairs.shape[0], len(k_caches)), _CACHE_THREADS, args)
+
+    def swap_blocks(
+        self,
+        src: Tensor,  # [num_blocks_src, block_size, num_kv_heads, head_dim]
+        dst: Tensor,  # [num_blocks_dst, block_size, num_kv_heads, head_dim]
+        block_pairs: Tensor,  # int64 [num_pairs, 2] (src block, dst block)
+    ) -> None:
+        """Copy blocks between two caches (host<->device or within a device), one `cudaMemcpyAsync` per block.
+
+        The copies are queued on the current torch stream; with a pinned host cache they are asynchronous, so
+        synchronise before reading a host destination on the CPU (as with the torch backend's non_blocking copies).
+        """
+        if block_pairs.numel() == 0:
+            return
+        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+            raise ValueError(
+                f"swap_blocks needs alike blocks, got {src.shape} {src.dtype} and {dst.shape} {dst.dtype}"
             )
-    block_bytes = src[0].numel() * src.element_size()
-    src_base, dst_base = src.data_ptr(), dst.data_ptr()
-    stream = torch.cuda.current_stream(device).cuda_stream
-    with cupy.cuda.Device(device):
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("swap_blocks needs contiguous caches")
+        device = _device_index(src if src.is_cuda else dst)
+        pairs = block_pairs.tolist()  # the addresses are computed on the host: one read-back if on the GPU
         for s, d in pairs:
-            cupy.cuda.runtime.memcpyAsync(
-                dst_base + d * block_bytes,
-                src_base + s * block_bytes,
-                block_bytes,
-                cupy.cuda.runtime.memcpyDefault,
-                stream,
-            )
+            if not (0 <= s < src.shape[0] and 0 <= d < dst.shape[0]):
+                raise IndexError(
+                    f"block pair ({s}, {d}) is out of range for {src.shape[0]} -> {dst.shape[0]} blocks"
+                )
+        block_bytes = src[0].numel() * src.element_size()
+        src_base, dst_base = src.data_ptr(), dst.data_ptr()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with cupy.cuda.Device(device):
+            for s, d in pairs:
+                cupy.cuda.runtime.memcpyAsync(
+                    dst_base + d * block_bytes,
+                    src_base + s * block_bytes,
+                    block_bytes,
+                    cupy.cuda.runtime.memcpyDefault,
+                    stream,
+                )

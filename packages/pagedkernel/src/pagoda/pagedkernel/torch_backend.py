@@ -1,4 +1,4 @@
-"""The torch backend: the specification of every op, and the engine's CPU path.
+"""The torch backend (`TorchBackend`): the specification of every op, and the fallback of the other backends.
 
 Attention gathers each sequence's K/V through its block table into a padded batch and runs it (in float32, or in
 bfloat16 for a bfloat16 cache) with
@@ -11,26 +11,6 @@ from __future__ import annotations
 import torch
 from pagoda.pagedkernel import torch_attention
 from torch import Tensor
-
-
-def reshape_and_cache(
-    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
-) -> None:
-    """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        # Padding present: drop it. Engines that never pad skip these boolean-mask copies (a tenth of a CPU
-        # decode step when taken every layer).
-        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    # view() (not reshape) so that a non-contiguous cache fails loudly instead of writing into a copy.
-    # index_copy_ rather than `cache[slots] = ...`: index_put's CPU kernel parallelises even tiny writes and
-    # stalls for milliseconds when the other core is busy; slots are unique so both mean the same.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def _attend_group(
@@ -77,61 +57,6 @@ def check_attention_args(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     assert q.shape[-1] == k_cache.shape[-1], "head_dim of q and the cache differ"
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
-
-
-def paged_decode_attention(
-    q: Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-) -> Tensor:
-    """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
-    check_attention_args(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty_like(q)
-    starts = torch.arange(q.shape[0] + 1, device=q.device)
-    _varlen_attention(
-        q, k_cache, v_cache, block_tables, starts, context_lens, scale, sliding_window, logit_softcap, out
-    )
-    return out
-
-
-def paged_prefill_attention(
-    q: Tensor,  # [total_query_tokens, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    query_start_loc: Tensor,  # int32 [num_seqs + 1]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-) -> Tensor:
-    """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all its tokens."""
-    check_attention_args(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty_like(q)
-    _varlen_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-        sliding_window,
-        logit_softcap,
-        out,
-    )
-    return out
 
 
 def _varlen_attention(
@@ -238,33 +163,115 @@ def plan_groups(
     return groups
 
 
-def copy_blocks(
-    k_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    v_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    block_pairs: Tensor,  # int64 [num_pairs, 2] (src, dst)
-) -> None:
-    """Copy block src to block dst in every layer's K and V cache (dst blocks must not also be sources)."""
-    if block_pairs.numel() == 0:
-        return
-    for cache in [*k_caches, *v_caches]:
-        pairs = block_pairs.to(cache.device)
-        cache[pairs[:, 1]] = cache[pairs[:, 0]]
+class TorchBackend:
+    """The five ops in plain torch, on any device: what every other backend must compute."""
 
+    __slots__ = ()
+    name = "torch"
 
-def swap_blocks(
-    src: Tensor,  # [num_blocks_src, block_size, num_kv_heads, head_dim]
-    dst: Tensor,  # [num_blocks_dst, block_size, num_kv_heads, head_dim]
-    block_pairs: Tensor,  # int64 [num_pairs, 2] (src block, dst block)
-) -> None:
-    """Copy blocks between two caches; across devices each block is one async copy (pinned host memory)."""
-    if block_pairs.numel() == 0:
-        return
-    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, (src.shape, dst.shape)
-    if src.device == dst.device:
-        pairs = block_pairs.to(src.device)
-        dst[pairs[:, 1]] = src[pairs[:, 0]]
-        return
-    # One copy_ per block: blocks are contiguous, so each is a single DMA that overlaps with compute when the
-    # host side is pinned; a gather on the host would need an unpinned temporary and a synchronous copy.
-    for s, d in block_pairs.tolist():
-        dst[d].copy_(src[s], non_blocking=True)
+    def reshape_and_cache(
+        self,
+        key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+    ) -> None:
+        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            # Padding present: drop it. Engines that never pad skip these boolean-mask copies (a tenth of a CPU
+            # decode step when taken every layer).
+            slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+        # view() (not reshape) so that a non-contiguous cache fails loudly instead of writing into a copy.
+        # index_copy_ rather than `cache[slots] = ...`: index_put's CPU kernel parallelises even tiny writes and
+        # stalls for milliseconds when the other core is busy; slots are unique so both mean the same.
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def paged_decode_attention(
+        self,
+        q: Tensor,  # [num_seqs, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    ) -> Tensor:
+        """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
+        check_attention_args(q, k_cache, v_cache)
+        if out is None:
+            out = torch.empty_like(q)
+        starts = torch.arange(q.shape[0] + 1, device=q.device)
+        _varlen_attention(
+            q, k_cache, v_cache, block_tables, starts, context_lens, scale, sliding_window, logit_softcap, out
+        )
+        return out
+
+    def paged_prefill_attention(
+        self,
+        q: Tensor,  # [total_query_tokens, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        query_start_loc: Tensor,  # int32 [num_seqs + 1]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+    ) -> Tensor:
+        """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
+        check_attention_args(q, k_cache, v_cache)
+        if out is None:
+            out = torch.empty_like(q)
+        _varlen_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window,
+            logit_softcap,
+            out,
+        )
+        return out
+
+    def copy_blocks(
+        self,
+        k_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        v_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        block_pairs: Tensor,  # int64 [num_pairs, 2] (src, dst)
+    ) -> None:
+        """Copy block src to block dst in every layer's K and V cache (dst blocks must not also be sources)."""
+        if block_pairs.numel() == 0:
+            return
+        for cache in [*k_caches, *v_caches]:
+            pairs = block_pairs.to(cache.device)
+            cache[pairs[:, 1]] = cache[pairs[:, 0]]
+
+    def swap_blocks(
+        self,
+        src: Tensor,  # [num_blocks_src, block_size, num_kv_heads, head_dim]
+        dst: Tensor,  # [num_blocks_dst, block_size, num_kv_heads, head_dim]
+        block_pairs: Tensor,  # int64 [num_pairs, 2] (src block, dst block)
+    ) -> None:
+        """Copy blocks between two caches; across devices each block is one async copy (pinned host memory)."""
+        if block_pairs.numel() == 0:
+            return
+        assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, (src.shape, dst.shape)
+        if src.device == dst.device:
+            pairs = block_pairs.to(src.device)
+            dst[pairs[:, 1]] = src[pairs[:, 0]]
+            return
+        # One copy_ per block: blocks are contiguous, so each is a single DMA that overlaps with compute when the
+        # host side is pinned; a gather on the host would need an unpinned temporary and a synchronous copy.
+        for s, d in block_pairs.tolist():
+            dst[d].copy_(src[s], non_blocking=True)

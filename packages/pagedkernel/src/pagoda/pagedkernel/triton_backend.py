@@ -1,4 +1,4 @@
-"""The Triton backend: launchers for the kernels in `triton_kernels`, with the shared op signatures.
+"""The Triton backend (`TritonBackend`): launchers for the kernels in `triton_kernels`.
 
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the CPU tests). Launchers assert the layouts
 the kernels assume (contiguous head_dim rows, contiguous caches) instead of silently copying.
@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import torch_backend
-from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.registry import triton_interpreted
+from pagoda.pagedkernel.backend import BackendUnavailableError, triton_interpreted
+from pagoda.pagedkernel.torch_backend import TorchBackend
 from torch import Tensor
 
 try:
@@ -75,64 +74,6 @@ def _new_out(q: Tensor, out: Tensor | None) -> Tensor:
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     _check_rows(out)
     return out
-
-
-def reshape_and_cache(
-    key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
-) -> None:
-    """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
-    _check_cache(k_cache, v_cache)
-    _check_rows(key, value)
-    assert key.shape == value.shape and key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],)
-    if key.shape[0] == 0:
-        return
-    row = key.shape[1] * key.shape[2]
-    _launch(
-        kernels.reshape_and_cache_kernel,
-        (key.shape[0],),
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        value.stride(0),
-        ROW=row,
-        ROW_PAD=_pow2(row),
-        BLOCK_SIZE=k_cache.shape[1],
-    )
-
-
-def paged_decode_attention(
-    q: Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-) -> Tensor:
-    """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
-    return decode_with_partitions(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        scale,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        out=out,
-        partition_size=DECODE_PARTITION_SIZE,
-    )
 
 
 def decode_with_partitions(
@@ -227,73 +168,6 @@ def decode_with_partitions(
     return out
 
 
-def paged_prefill_attention(
-    q: Tensor,  # [total_query_tokens, num_heads, head_dim]
-    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
-    query_start_loc: Tensor,  # int32 [num_seqs + 1]
-    context_lens: Tensor,  # int32 [num_seqs]
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-) -> Tensor:
-    """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""
-    _check_cache(k_cache, v_cache)
-    head_dim_pad, group, f32 = _attention_config(q, k_cache)
-    out = _new_out(q, out)
-    num_tokens, _, head_dim = q.shape
-    num_seqs = context_lens.shape[0]
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
-    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,)
-    assert query_start_loc.is_contiguous()
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    block_m = _pow2(group, 64 if head_dim_pad > 128 else 128)
-    block_q = block_m // group
-    # Sequence s owns tiles query_start_loc[s] // block_q + s onwards, so this grid covers every sequence's
-    # queries without reading lengths back to the host; surplus tiles exit without work.
-    grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
-    _launch(
-        kernels.paged_prefill_kernel,
-        grid,
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-        logit_softcap if logit_softcap is not None else 1.0,
-        sliding_window if sliding_window is not None else 0,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=32 if head_dim_pad > 128 else 64,
-        BLOCK_SIZE=k_cache.shape[1],
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=logit_softcap is not None,
-        F32=f32,
-        num_warps=8 if head_dim_pad > 64 else 4,
-    )
-    return out
-
-
 def _launch_copy(src: list[Tensor], dst: list[Tensor], block_pairs: Tensor) -> None:
     """One launch copying blocks src[i][pair[0]] -> dst[i][pair[1]] for every cache i and pair."""
     ref = src[0]
@@ -311,29 +185,161 @@ def _launch_copy(src: list[Tensor], dst: list[Tensor], block_pairs: Tensor) -> N
     _launch(kernels.copy_blocks_kernel, grid, src_ptrs, dst_ptrs, ref, pairs, block_numel, CHUNK=_COPY_CHUNK)
 
 
-def copy_blocks(
-    k_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    v_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    block_pairs: Tensor,  # int64 [num_pairs, 2] (src, dst)
-) -> None:
-    """Copy block src to block dst in every layer's K and V cache, all layers in one kernel launch."""
-    caches = [*k_caches, *v_caches]
-    if caches:
-        _launch_copy(caches, caches, block_pairs)
+class TritonBackend:
+    """The five ops as Triton kernels: on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
 
+    __slots__ = ()
+    name = "triton"
 
-def swap_blocks(
-    src: Tensor,  # [num_blocks_src, block_size, num_kv_heads, head_dim]
-    dst: Tensor,  # [num_blocks_dst, block_size, num_kv_heads, head_dim]
-    block_pairs: Tensor,  # int64 [num_pairs, 2] (src block, dst block)
-) -> None:
-    """Copy blocks between caches: a kernel when both are on one device, async DMA copies host <-> device.
+    def reshape_and_cache(
+        self,
+        key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+    ) -> None:
+        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        _check_cache(k_cache, v_cache)
+        _check_rows(key, value)
+        assert key.shape == value.shape and key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],)
+        if key.shape[0] == 0:
+            return
+        row = key.shape[1] * key.shape[2]
+        _launch(
+            kernels.reshape_and_cache_kernel,
+            (key.shape[0],),
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            value.stride(0),
+            ROW=row,
+            ROW_PAD=_pow2(row),
+            BLOCK_SIZE=k_cache.shape[1],
+        )
 
-    Between host and device, Triton cannot take a host tensor, and per-block `copy_(non_blocking=True)` from
-    pinned memory is a DMA on the copy engine that leaves the SMs to compute, so the torch path is the right one.
-    """
-    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, (src.shape, dst.shape)
-    if src.device != dst.device:
-        torch_backend.swap_blocks(src, dst, block_pairs)
-        return
-    _launch_copy([src], [dst], block_pairs)
+    def paged_decode_attention(
+        self,
+        q: Tensor,  # [num_seqs, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    ) -> Tensor:
+        """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
+        return decode_with_partitions(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+            partition_size=DECODE_PARTITION_SIZE,
+        )
+
+    def paged_prefill_attention(
+        self,
+        q: Tensor,  # [total_query_tokens, num_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        query_start_loc: Tensor,  # int32 [num_seqs + 1]
+        context_lens: Tensor,  # int32 [num_seqs]
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+    ) -> Tensor:
+        """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""
+        _check_cache(k_cache, v_cache)
+        head_dim_pad, group, f32 = _attention_config(q, k_cache)
+        out = _new_out(q, out)
+        num_tokens, _, head_dim = q.shape
+        num_seqs = context_lens.shape[0]
+        assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+        assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+        assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,)
+        assert query_start_loc.is_contiguous()
+        if num_tokens == 0 or num_seqs == 0:
+            return out
+        block_m = _pow2(group, 64 if head_dim_pad > 128 else 128)
+        block_q = block_m // group
+        # Sequence s owns tiles query_start_loc[s] // block_q + s onwards, so this grid covers every sequence's
+        # queries without reading lengths back to the host; surplus tiles exit without work.
+        grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
+        _launch(
+            kernels.paged_prefill_kernel,
+            grid,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            logit_softcap if logit_softcap is not None else 1.0,
+            sliding_window if sliding_window is not None else 0,
+            num_seqs,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            GROUP=group,
+            BLOCK_M=block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=32 if head_dim_pad > 128 else 64,
+            BLOCK_SIZE=k_cache.shape[1],
+            USE_WINDOW=sliding_window is not None,
+            USE_SOFTCAP=logit_softcap is not None,
+            F32=f32,
+            num_warps=8 if head_dim_pad > 64 else 4,
+        )
+        return out
+
+    def copy_blocks(
+        self,
+        k_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        v_caches: list[Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        block_pairs: Tensor,  # int64 [num_pairs, 2] (src, dst)
+    ) -> None:
+        """Copy block src to block dst in every layer's K and V cache, all layers in one kernel launch."""
+        caches = [*k_caches, *v_caches]
+        if caches:
+            _launch_copy(caches, caches, block_pairs)
+
+    def swap_blocks(
+        self,
+        src: Tensor,  # [num_blocks_src, block_size, num_kv_heads, head_dim]
+        dst: Tensor,  # [num_blocks_dst, block_size, num_kv_heads, head_dim]
+        block_pairs: Tensor,  # int64 [num_pairs, 2] (src block, dst block)
+    ) -> None:
+        """Copy blocks between caches: a kernel when both are on one device, async DMA copies host <-> device.
+
+        Between host and device, Triton cannot take a host tensor, and per-block `copy_(non_blocking=True)` from
+        pinned memory is a DMA on the copy engine that leaves the SMs to compute, so the torch path is the right one.
+        """
+        assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, (src.shape, dst.shape)
+        if src.device != dst.device:
+            TorchBackend().swap_blocks(src, dst, block_pairs)
+            return
+        _launch_copy([src], [dst], block_pairs)

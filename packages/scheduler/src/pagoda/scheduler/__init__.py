@@ -2,22 +2,33 @@
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
+from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
-from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
+from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
+from pagoda.scheduler.preemption import (
+    MeasuredPreemptionCosts,
+    PreemptionChoice,
+    PreemptionCostModel,
+    choose_preemption,
+)
 from pagoda.scheduler.protocols import (
     KVBlockManager,
     KVCacheStatsLike,
     SamplingParamsLike,
-    SchedulingPolicy,
     SlotAllocationLike,
 )
-from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "ContiguousKVManager",
+    "ContiguousStats",
     "FCFSPolicy",
     "KVBlockManager",
     "KVCacheStatsLike",
+    "MeasuredPreemptionCosts",
+    "PreemptionChoice",
+    "PreemptionCostModel",
     "PreemptionMode",
     "PriorityPolicy",
     "Request",
@@ -32,4 +43,6 @@ __all__ = [
     "SchedulingPolicy",
     "SlotAllocationLike",
     "StaticBatchPolicy",
+    "choose_preemption",
+    "sample_id",
 ]

@@ -1,4 +1,7 @@
-"""Contiguous per-request KV preallocation, modelled over any paged `KVBlockManager` (a simulator baseline)."""
+"""Contiguous per-request KV preallocation over any paged `KVBlockManager`: the baseline paging is measured against.
+
+The engine runs it (`--kv-manager contiguous`) and so does the simulator (`tools/simulate.py`).
+"""
 
 from __future__ import annotations
 

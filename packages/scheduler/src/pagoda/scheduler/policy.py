@@ -1,6 +1,7 @@
-"""Scheduling policies: objects deciding queue order, admission and preemption victims.
+"""Scheduling policies: the `SchedulingPolicy` interface, then FCFS, priority and static batching.
 
-A policy never touches blocks, budgets or slots (the scheduler's mechanism); it only orders requests.
+A policy decides queue order, admission and preemption victims. It never touches blocks, budgets or slots
+(the scheduler's mechanism); it only orders requests.
 """
 
 from __future__ import annotations
@@ -8,8 +9,32 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from pagoda.scheduler.request import Request
+
+
+class SchedulingPolicy(Protocol):
+    """Who runs next and who is preempted; the scheduler owns the mechanism (budget, blocks, slots)."""
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """Insert `request` into `queue` (the waiting or the swapped queue) where this policy wants it."""
+        ...
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """The waiting requests that may be admitted now, best first; admission stops at the first that does
+        not fit."""
+        ...
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The request to preempt among `candidates` (running requests in running order, never empty)."""
+        ...
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """A running request to preempt so that waiting `request` can be admitted; None: `request` waits."""
+        ...
 
 
 def _arrival_key(request: Request) -> tuple[float, int]:
@@ -52,13 +77,18 @@ class FCFSPolicy:
         """The latest arrival."""
         return _latest(candidates, _arrival_key)
 
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """Nobody: a waiting request waits for blocks and seats to free up."""
+        return None
+
 
 class PriorityPolicy:
     """Lower `priority` value first, FCFS among equals; the victim is the lowest-priority, latest-arrived one.
 
     Queues stay sorted by (priority, arrival): a preempted request re-enters by its key, not at the front, so
-    it never jumps ahead of a more urgent one. Waiting requests never preempt running ones (only a running
-    request that needs a block preempts).
+    it never jumps ahead of a more urgent one. A waiting request that cannot be admitted (no seat or no
+    blocks) preempts running requests that rank after it, least urgent first, until it fits (vLLM's priority
+    preemption).
     """
 
     def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
@@ -74,6 +104,13 @@ class PriorityPolicy:
     def select_victim(self, candidates: Sequence[Request]) -> Request:
         """The least urgent, latest arrival."""
         return _latest(candidates, _priority_key)
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """The least urgent running request if it ranks after `request` by (priority, arrival) (vLLM's rule)."""
+        if not running:
+            return None
+        victim = _latest(running, _priority_key)
+        return victim if _priority_key(victim) > _priority_key(request) else None
 
 
 class StaticBatchPolicy:
@@ -139,3 +176,7 @@ class StaticBatchPolicy:
     def select_victim(self, candidates: Sequence[Request]) -> Request:
         """The latest arrival."""
         return _latest(candidates, _arrival_key)
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """Nobody: a waiting request waits for blocks and seats to free up."""
+        return None

@@ -1,17 +1,15 @@
-"""The interfaces the scheduler needs from its collaborators, declared here so it imports none of them.
+"""The interfaces the scheduler needs from its allocator and its engine, declared here so it imports neither.
 
 `pagoda.blockalloc.BlockManager` satisfies `KVBlockManager` structurally (a test proves it with mypy); the
 engine's `SamplingParams` satisfies `SamplingParamsLike`. Another engine can embed the scheduler with its own
-allocator by implementing these Protocols.
+allocator by implementing these Protocols. The policy interface, `SchedulingPolicy`, lives beside the
+policies in `policy.py`: it takes `Request`s, and `request.py` imports this module, not the reverse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from pagoda.scheduler.request import Request
+from typing import Protocol
 
 
 class SlotAllocationLike(Protocol):
@@ -194,23 +192,4 @@ class SamplingParamsLike(Protocol):
     @property
     def priority(self) -> int:
         """Lower values are served first by the priority policy (vLLM's convention)."""
-        ...
-
-
-class SchedulingPolicy(Protocol):
-    """Who runs next and who is preempted; the scheduler owns the mechanism (budget, blocks, slots)."""
-
-    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
-        """Insert `request` into `queue` (the waiting or the swapped queue) where this policy wants it."""
-        ...
-
-    def admissible(
-        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
-    ) -> Sequence[Request]:
-        """The waiting requests that may be admitted now, best first; admission stops at the first that does
-        not fit."""
-        ...
-
-    def select_victim(self, candidates: Sequence[Request]) -> Request:
-        """The request to preempt among `candidates` (running requests in running order, never empty)."""
         ...

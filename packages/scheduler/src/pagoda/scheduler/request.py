@@ -9,7 +9,20 @@ from pagoda.scheduler.protocols import SamplingParamsLike
 
 
 class RequestRejectedError(ValueError):
-    """`Scheduler.add_request` refused a request that could never run (or whose id is taken)."""
+    """A request refused at admission (it can never run, or its id is taken); `param` names the field at fault.
+
+    `param` uses the OpenAI request fields ("prompt", "max_tokens", "n", ...) so that an engine can relay it
+    to its clients unchanged; None when no single field is at fault. The server's engine raises this class too.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The sequence id of sample `index` of a request: the request's own id for 0, else f"{request_id}:{index}"."""
+    return request_id if index == 0 else f"{request_id}:{index}"
 
 
 class RequestStatus(enum.IntEnum):
@@ -45,7 +58,7 @@ class Request:
 
     The model never distinguishes prefill from decode: the scheduler gives each request a chunk of its
     `num_tokens - num_computed_tokens` uncomputed tokens. A request with `n > 1` forks, when its prompt is
-    computed, into itself (sample 0) and `n - 1` children with ids `f"{request_id}:{i}"`; children carry
+    computed, into itself (sample 0) and `n - 1` children with ids `sample_id(request_id, i)`; children carry
     `parent_id` and `sample_index`, so `group_id` groups the n outputs.
     """
 
@@ -154,7 +167,21 @@ class Request:
         """Ids of the children a fork of this request creates (empty for n == 1 and for children)."""
         if not self.num_children_to_fork:
             return ()
-        return tuple(f"{self.request_id}:{i}" for i in range(1, self.num_children_to_fork + 1))
+        return tuple(sample_id(self.request_id, i) for i in range(1, self.num_children_to_fork + 1))
+
+    def copy_as(self, child_id: str, *, parent_id: str, sample_index: int) -> Request:
+        """A WAITING copy of this request's tokens (prompt and outputs) under `child_id`, in group `parent_id`."""
+        child = Request(
+            child_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            arrival_time=self.arrival_time,
+            cache_salt=self.cache_salt,
+            parent_id=parent_id,
+            sample_index=sample_index,
+        )
+        child._all_token_ids = list(self._all_token_ids)
+        return child
 
     def append_output_token(self, token_id: int) -> None:
         """Record a sampled token (its KV is computed in a later step)."""

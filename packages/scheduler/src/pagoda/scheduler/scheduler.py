@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from pagoda.scheduler.config import SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
-from pagoda.scheduler.policy import FCFSPolicy
-from pagoda.scheduler.protocols import KVBlockManager, SchedulingPolicy, SlotAllocationLike
+from pagoda.scheduler.policy import FCFSPolicy, SchedulingPolicy
+from pagoda.scheduler.preemption import PreemptionChoice, PreemptionCostModel, choose_preemption
+from pagoda.scheduler.protocols import KVBlockManager, SlotAllocationLike
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
 
 RUNNING = RequestStatus.RUNNING
@@ -25,28 +26,43 @@ class _Step:
     """What one `schedule()` call accumulates."""
 
     budget: int
+    prefill_budget: (
+        int | None
+    )  # prefill tokens left (max_batch_prefill_tokens); None: only `budget` caps them
+    num_prefills: int  # requests mid-prefill, those scheduled this step included (max_num_partial_prefills)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # A running request needed a block and preempted: nobody is swapped in or admitted this step.
+    under_pressure: bool = False
 
 
 class Scheduler:
     """Decides, every step, which requests compute how many tokens, and keeps their KV blocks in step.
 
-    Order inside a step: running decodes, then running prefill chunks (preempting when a running request
-    needs a block and none is free), then swapped-out requests swapped back in, then admission of waiting
-    requests — the last two only in a step that preempted nobody.
+    Order inside a step: preemptions the policy makes for the most urgent waiting request (priority), running
+    decodes, then running prefill chunks (preempting when a running request needs a block and none is free),
+    then swapped-out requests swapped back in, then admission of waiting requests — the last two only in a
+    step where no running request ran out of blocks.
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVBlockManager, policy: SchedulingPolicy | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVBlockManager,
+        policy: SchedulingPolicy | None = None,
+        preemption_costs: PreemptionCostModel | None = None,
     ) -> None:
-        """Schedule over the blocks of `kv`; `policy` defaults to FCFS."""
+        """Schedule over the blocks of `kv`; `policy` defaults to FCFS; `preemption_costs` prices swap against
+        recompute for `preemption_mode="auto"` (required there, unused otherwise)."""
+        if config.preemption_mode == "auto" and preemption_costs is None:
+            raise ValueError('preemption_mode "auto" needs a preemption cost model')
         self.config = config
         self.kv = kv
         self.policy: SchedulingPolicy = FCFSPolicy() if policy is None else policy
+        self.preemption_costs = preemption_costs
         self.waiting: list[Request] = []  # new and recompute-preempted requests, in policy order
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # preempted into the host tier, in policy order
@@ -97,33 +113,40 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; RequestRejectedError if it could never run or its id is taken."""
-        rid, cfg = request.request_id, self.config
-        sp = request.sampling_params
+        """Queue a new request; RequestRejectedError if it is malformed, can never fit, or its id is taken.
+
+        Only what this scheduler needs is checked here. Request rules (prompt + max_tokens within
+        max_model_len, token ids in the vocabulary) are the embedding engine's: see the README.
+        """
+        rid, sp = request.request_id, request.sampling_params
         ids = (rid, *request.child_ids())
         if any(i in self._requests or i in self._reserved_ids for i in ids):
-            raise RequestRejectedError(f"request id {rid!r} (or one of its sample ids) is already in use")
+            raise RequestRejectedError(
+                f"request id {rid!r} (or one of its sample ids) is already in use", "request_id"
+            )
         if (
             request.status is not RequestStatus.WAITING
             or request.num_output_tokens
             or request.num_computed_tokens
         ):
             raise RequestRejectedError(f"request {rid!r} is not fresh")
+        # Without a prompt token there is nothing to compute (admission would stall on it), and n < 1 or
+        # max_tokens < 1 would break the seat and stop accounting.
         if request.num_prompt_tokens == 0 or sp.max_tokens < 1 or sp.n < 1:
             raise RequestRejectedError(f"request {rid!r} needs a prompt, max_tokens >= 1 and n >= 1")
-        if request.num_prompt_tokens + sp.max_tokens > cfg.max_model_len:
-            raise RequestRejectedError(
-                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens ({sp.max_tokens}) exceeds "
-                f"max_model_len ({cfg.max_model_len})"
-            )
         # The last sampled token is never fed back, so a sequence holds at most prompt + max_tokens - 1 slots.
-        blocks = -(-(request.num_prompt_tokens + sp.max_tokens - 1) // self.kv.block_size)
+        blocks = -(-(request.num_prompt_tokens + sp.max_tokens - 1) // self._block_size)
         if blocks > self.kv.num_blocks:
+            # The prompt is at fault when it alone overflows the pool, else the max_tokens added to it.
+            prompt_fits = -(-request.num_prompt_tokens // self._block_size) <= self.kv.num_blocks
             raise RequestRejectedError(
-                f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})"
+                f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})",
+                "max_tokens" if prompt_fits else "prompt",
             )
-        if sp.n > cfg.max_num_seqs:
-            raise RequestRejectedError(f"request {rid!r}: n={sp.n} exceeds max_num_seqs ({cfg.max_num_seqs})")
+        if sp.n > self.config.max_num_seqs:
+            raise RequestRejectedError(
+                f"request {rid!r}: n={sp.n} exceeds max_num_seqs ({self.config.max_num_seqs})", "n"
+            )
         self._requests[rid] = request
         self._reserved_ids.update(ids[1:])
         self.policy.enqueue(self.waiting, request, preempted=False)
@@ -142,12 +165,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step (allocating its slots and advancing `num_computed_tokens` of scheduled requests)."""
-        step = _Step(self.config.max_num_batched_tokens)
+        cfg = self.config
+        step = _Step(cfg.max_num_batched_tokens, cfg.max_batch_prefill_tokens, 0)
+        self._preempt_for_waiting(step)
         # Decodes first so a long prefill never stalls token generation, then continuing prefill chunks.
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
             (decodes if request.num_tokens - request.num_computed_tokens == 1 else prefills).append(request)
+        step.num_prefills = len(prefills)
         for request in decodes:
             if step.budget == 0:
                 break
@@ -157,10 +183,10 @@ class Scheduler:
             if step.budget == 0:
                 break
             if request.status is RUNNING:
-                num_new = self._chunk_len(request, request.num_computed_tokens, step.budget)
+                num_new = self._chunk_len(request, request.num_computed_tokens, step)
                 if num_new:
                     self._schedule_running(request, num_new, step)
-        if not step.preempted:
+        if not step.under_pressure:
             self._swap_in(step)
             if not self.swapped:  # swapped requests come back before anyone new is admitted
                 self._admit(step)
@@ -181,10 +207,13 @@ class Scheduler:
         output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
         stop_request_ids: Collection[str] = (),
+        held_ids: Collection[str] = (),
     ) -> list[Request]:
         """Append each sample id's sampled tokens, fork n > 1 requests, apply stop rules, free the finished.
 
         `stop_request_ids` are requests the engine stops (e.g. on a stop string); they finish as stopped.
+        `held_ids` are sample ids whose token the engine decides later (beam search): nothing is appended, and
+        the sequence stays RUNNING with every token computed, never scheduled, until `append_token`.
         Returns the requests that finished in this update (their status tells why).
         """
         finished: list[Request] = []
@@ -197,6 +226,8 @@ class Scheduler:
             if request.num_children_to_fork:
                 self._fork(request)
             for sample_id in chunk.sample_ids:
+                if sample_id in held_ids:
+                    continue
                 target = request if sample_id == chunk.request_id else self._requests[sample_id]
                 tokens = sampled_token_ids.get(sample_id)
                 if not tokens:
@@ -215,11 +246,46 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    # ------------------------------------------------- held sequences (beam search)
+
+    def fork_sequence(self, parent_id: str, child_id: str) -> None:
+        """Add `child_id`, a copy of `parent_id`'s tokens in the same group, sharing its KV blocks.
+
+        A device-resident parent is forked in the allocator (every block shared by reference count, copy-on-write
+        on the next write into the shared last block) and the child joins the running batch with the parent's
+        computed tokens. A preempted parent has no device blocks to share: the child waits to be recomputed.
+        The caller keeps the group within its seats (it frees pruned sequences first).
+        """
+        parent = self._requests[parent_id]
+        if child_id in self._requests or child_id in self._reserved_ids:
+            raise ValueError(f"sequence id {child_id!r} is already in use")
+        child = parent.copy_as(child_id, parent_id=parent.group_id, sample_index=parent.sample_index)
+        self._requests[child_id] = child
+        if parent.status is RUNNING:
+            self.kv.fork(parent_id, child_id)
+            child.status = RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.running.append(child)
+        else:
+            child.status = RequestStatus.PREEMPTED
+            self.policy.enqueue(self.waiting, child, preempted=True)
+
+    def append_token(self, seq_id: str, token_id: int) -> None:
+        """Extend held sequence `seq_id` by `token_id` (no stop rule: the engine that held it decides)."""
+        self._requests[seq_id].append_output_token(token_id)
+
+    def finish_sequence(self, seq_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """Finish one sequence (a pruned or completed beam) in whatever queue it is, freeing its blocks now."""
+        self._finish(self._requests[seq_id], status)
+
     # ----------------------------------------------------------------- helpers
 
-    def _chunk_len(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute for `request` this step given the remaining budget (0: not this step)."""
+    def _chunk_len(self, request: Request, num_computed: int, step: _Step) -> int:
+        """Tokens to compute for `request` this step given the remaining budgets (0: not this step)."""
         num_new = request.num_tokens - num_computed
+        budget = step.budget
+        if num_new > 1 and step.prefill_budget is not None:  # a prefill: TGI's prefill budget caps it too
+            budget = min(budget, step.prefill_budget)
         if not self.config.enable_chunked_prefill:
             return num_new if num_new <= budget else 0
         threshold = self.config.long_prefill_token_threshold
@@ -242,12 +308,43 @@ class Scheduler:
             victim = self.policy.select_victim(candidates)
             if victim not in candidates:
                 raise ValueError(f"policy chose {victim.request_id!r}, not a preemption candidate")
-            self._preempt(victim, step)
+            step.under_pressure = True
+            self._preempt(victim, step, self._preemption_choice(victim))
             if victim is request:
                 return
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
-        """Swap `victim` out if so configured and the host tier has room, else free it for recompute."""
+    def _preempt_for_waiting(self, step: _Step) -> None:
+        """Preempt (by recompute) the running requests the policy gives up for its most urgent waiting request.
+
+        Recompute, not swap: a swapped victim would return before any admission, ahead of the request it made
+        room for. Only when nothing is swapped out, since admission waits for swapped requests anyway.
+        """
+        if self.swapped:
+            return
+        candidates = self.policy.admissible(self.waiting, self.num_running_seqs, self.config.max_num_seqs)
+        if not candidates:
+            return
+        head = candidates[0]
+        # The policy first: FCFS never preempts for a waiting request, and then the fit is not even checked.
+        while (victim := self.policy.preempt_for(head, self.running)) is not None:
+            if self._admission_chunk(head, step) is not None:
+                return
+            if victim not in self.running:
+                raise ValueError(f"policy chose {victim.request_id!r}, not a running request")
+            self._preempt(victim, step, "recompute")
+
+    def _preemption_choice(self, victim: Request) -> PreemptionChoice:
+        """The configured mode, or for "auto" the cheaper one for this victim by the cost model."""
+        mode, costs = self.config.preemption_mode, self.preemption_costs
+        if mode == "swap":
+            return "swap"
+        if mode == "recompute" or costs is None:
+            return "recompute"
+        rid = victim.request_id
+        return choose_preemption(costs, len(self.kv.block_table(rid)), self.kv.num_tokens(rid))
+
+    def _preempt(self, victim: Request, step: _Step, mode: PreemptionChoice) -> None:
+        """Swap `victim` out if `mode` says so and the host tier has room, else free it for recompute."""
         self._remove_running(victim)
         self._block_tables.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
@@ -255,7 +352,7 @@ class Scheduler:
         self._num_preemptions += 1
         step.preempted.append(victim.request_id)
         rid = victim.request_id
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
+        if mode == "swap" and self.kv.can_swap_out(rid):
             pairs = self.kv.swap_out(rid)
             if pairs is not None:
                 step.swap_out.extend(pairs)
@@ -279,13 +376,17 @@ class Scheduler:
                 break
             if self.running and self.kv.num_free_blocks() - blocks < self._watermark_blocks:
                 break
+            is_prefill = request.num_tokens - request.num_computed_tokens > 1
+            if is_prefill and not self._may_start_prefill(step):
+                break
             pairs = self.kv.swap_in(rid)
             if pairs is None:
                 break
             step.swap_in.extend(pairs)
             del self.swapped[0]
             self._add_running(request)
-            num_new = self._chunk_len(request, request.num_computed_tokens, step.budget)
+            step.num_prefills += is_prefill
+            num_new = self._chunk_len(request, request.num_computed_tokens, step)
             if num_new:
                 allocation = self.kv.allocate_slots(
                     rid, request.all_token_ids, num_new, salt=request.cache_salt
@@ -293,35 +394,60 @@ class Scheduler:
                 if allocation is not None:
                     self._emit(request, num_new, allocation, step)
 
-    def _admit(self, step: _Step) -> None:
-        """Admit waiting requests in policy order while budget, seats and free blocks allow."""
+    def _may_start_prefill(self, step: _Step) -> bool:
+        """Whether one more request may be mid-prefill (max_num_partial_prefills)."""
+        cap = self.config.max_num_partial_prefills
+        return cap is None or step.num_prefills < cap
+
+    def _admission_chunk(self, request: Request, step: _Step) -> tuple[int, int] | None:
+        """(cached tokens, chunk length) of waiting `request` if seats, budgets and free blocks admit it now."""
         cfg, kv = self.config, self.kv
-        candidates = list(self.policy.admissible(self.waiting, self.num_running_seqs, cfg.max_num_seqs))
+        if self.num_running_seqs + request.num_seqs > cfg.max_num_seqs or not self._may_start_prefill(step):
+            return None
+        num_cached = 0
+        if cfg.enable_prefix_caching:
+            # At least one token is always computed: its logits are needed.
+            num_cached = kv.get_num_cached_tokens(
+                request.all_token_ids, salt=request.cache_salt, max_tokens=request.num_tokens - 1
+            )
+        num_new = self._chunk_len(request, num_cached, step)
+        if num_new == 0:
+            return None
+        # Leave a few blocks so running decodes do not preempt right away. Held sequences (beam search) compute
+        # nothing until their engine extends them: with only those running, no decode needs the headroom, and the
+        # exact allocation decides (else a beam waiting to be recomputed could wait forever on its parked siblings).
+        if any(r.num_computed_tokens < r.num_tokens for r in self.running):
+            needed = kv.num_blocks_needed(request.request_id, num_new, num_computed_tokens=num_cached)
+            if kv.num_free_blocks() - needed < self._watermark_blocks:
+                return None
+        return num_cached, num_new
+
+    def _admit(self, step: _Step) -> None:
+        """Admit waiting requests in policy order while budgets, seats and free blocks allow."""
+        kv = self.kv
+        candidates = list(
+            self.policy.admissible(self.waiting, self.num_running_seqs, self.config.max_num_seqs)
+        )
         for request in candidates:
-            rid = request.request_id
-            if step.budget == 0 or self.num_running_seqs + request.num_seqs > cfg.max_num_seqs:
+            if step.budget == 0:
                 break
-            num_cached = 0
-            if cfg.enable_prefix_caching:
-                # At least one token is always computed: its logits are needed.
-                num_cached = kv.get_num_cached_tokens(
-                    request.all_token_ids, salt=request.cache_salt, max_tokens=request.num_tokens - 1
-                )
-            num_new = self._chunk_len(request, num_cached, step.budget)
-            if num_new == 0:
+            chunk = self._admission_chunk(request, step)
+            if chunk is None:
                 break
-            if self.running:  # leave a few blocks so running decodes do not preempt right away
-                needed = kv.num_blocks_needed(rid, num_new, num_computed_tokens=num_cached)
-                if kv.num_free_blocks() - needed < self._watermark_blocks:
-                    break
+            num_cached, num_new = chunk
             allocation = kv.allocate_slots(
-                rid, request.all_token_ids, num_new, num_computed_tokens=num_cached, salt=request.cache_salt
+                request.request_id,
+                request.all_token_ids,
+                num_new,
+                num_computed_tokens=num_cached,
+                salt=request.cache_salt,
             )
             if allocation is None:
                 break
             self.waiting.remove(request)
             request.num_computed_tokens = num_cached
             self._add_running(request)
+            step.num_prefills += 1
             self._emit(request, num_new, allocation, step)
 
     def _emit(self, request: Request, num_new: int, allocation: SlotAllocationLike, step: _Step) -> None:
@@ -355,6 +481,8 @@ class Scheduler:
         if allocation.copies:
             step.copies.extend(allocation.copies)
         step.budget -= num_new
+        if step.prefill_budget is not None and start + 1 < len(tokens):  # not a decode
+            step.prefill_budget -= num_new
         request.num_computed_tokens = end
 
     def _fork(self, parent: Request) -> None:
@@ -362,15 +490,7 @@ class Scheduler:
         pid = parent.request_id
         for index, child_id in enumerate(parent.child_ids(), start=1):
             self.kv.fork(pid, child_id)
-            child = Request(
-                child_id,
-                parent.prompt_token_ids,
-                parent.sampling_params,
-                arrival_time=parent.arrival_time,
-                cache_salt=parent.cache_salt,
-                parent_id=pid,
-                sample_index=index,
-            )
+            child = parent.copy_as(child_id, parent_id=pid, sample_index=index)
             child.status = RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
             self._reserved_ids.discard(child_id)
@@ -442,6 +562,7 @@ class Scheduler:
             assert not kv.is_swapped(r.request_id), r
         for r in self.swapped:
             assert r.status is RequestStatus.PREEMPTED and kv.is_swapped(r.request_id), r
-            assert kv.num_tokens(r.request_id) == r.num_computed_tokens < r.num_tokens, r
+            # Equal for a held sequence (beam search) swapped out while it waits for its token.
+            assert kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens, r
         for rid in self._reserved_ids:
             assert rid not in self._requests, rid

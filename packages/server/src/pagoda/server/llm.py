@@ -6,16 +6,15 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from pagoda.server.chat_templates import resolve_chat_template
+from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagoda.server.chat import Message, render_chat, resolve_chat_template
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 Prompt = str | Sequence[int]
-Message = dict[str, str]
 
 
 class LLM:
@@ -61,6 +60,27 @@ class LLM:
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
 
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam-search every prompt, continuously batched; per prompt its beam_width sequences, best first."""
+        outputs = self.generate(prompts, SamplingParams.for_beam_search(params), use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput(
+                tuple(
+                    BeamSearchSequence(
+                        tokens=o.token_ids,
+                        text=o.text,
+                        cum_logprob=o.cumulative_logprob or 0.0,
+                        score=(o.cumulative_logprob or 0.0) / len(o.token_ids) ** params.length_penalty,
+                        finish_reason="stop" if o.finish_reason == "stop" else "length",
+                    )
+                    for o in output.outputs
+                )
+            )
+            for output in outputs
+        ]
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
@@ -71,21 +91,13 @@ class LLM:
         """Render conversations with the tokenizer's chat template and generate each assistant reply."""
         single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if single else messages
-        prompts = [render_chat(self.tokenizer, cast(Sequence[Message], c)) for c in conversations]
+        template = resolve_chat_template(self.tokenizer)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = render_chat(self.tokenizer, template, cast(Sequence[Message], conversation))
+            # The template wrote the special tokens (BOS) itself.
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, params, use_tqdm=use_tqdm)
-
-
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template, ready for the reply."""
-    template = resolve_chat_template(tokenizer)
-    if template is None:
-        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    ids = tokenizer.apply_chat_template(
-        list(messages), chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    if not isinstance(ids, list):
-        raise TypeError(f"the chat template rendered {type(ids).__name__}, not a list of token ids")
-    return [t for t in ids if isinstance(t, int)]
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

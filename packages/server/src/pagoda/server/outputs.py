@@ -71,6 +71,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Per prompt position (vLLM's prompt_logprobs): None for the first token, then the prompt token and the top-k.
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +90,5 @@ class EngineStats:
     num_preemptions: int  # counter
     prompt_tokens: int  # prompt tokens computed (counter)
     generation_tokens: int  # tokens generated (counter)
+    num_host_blocks: int = 0  # host (swap) tier capacity in blocks
+    enable_prefix_caching: bool = False

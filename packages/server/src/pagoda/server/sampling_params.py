@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.server.beam_search import BeamSearchParams
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias in [-100, 100] is added to the token's logit
 
 
 class SamplingParamsError(ValueError):
@@ -38,6 +42,14 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    # Logits processing before the sampler (vLLM's names): a bias added to the listed ids' logits, the only ids
+    # that may be sampled, and words never to complete. Logprobs stay those of the raw model distribution.
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt position (0: the prompt token's only)
+    # Beam search instead of sampling: n (<= beam_width) best beams are returned, nothing is streamed.
+    beam_search: BeamSearchParams | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""
@@ -71,10 +83,56 @@ class SamplingParams:
                 "logprobs",
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                all(
+                    math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for b in (self.logit_bias or {}).values()
+                ),
+                "logit_bias",
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (all(t >= 0 for t in self.logit_bias or {}), "logit_bias", "logit_bias token ids must be >= 0"),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                "allowed_token_ids must not be empty",
+            ),
+            (
+                all(t >= 0 for t in self.allowed_token_ids or ()),
+                "allowed_token_ids",
+                "allowed_token_ids must be >= 0",
+            ),
+            (all(w.strip() for w in self.bad_words or ()), "bad_words", "bad_words must not be blank"),
         ]
+        beam = self.beam_search
+        if beam is not None:
+            checks += [
+                (self.n <= beam.beam_width, "n", "n must be at most the beam width"),
+                (self.max_tokens == beam.max_tokens, "max_tokens", "max_tokens must equal the beam's"),
+                (self.ignore_eos == beam.ignore_eos, "ignore_eos", "ignore_eos must equal the beam's"),
+            ]
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)
+
+    @classmethod
+    def for_beam_search(
+        cls, beam: BeamSearchParams, n: int | None = None, **fields: object
+    ) -> SamplingParams:
+        """Parameters that run `beam` and return its `n` best beams (default: all of them)."""
+        return cls(
+            n=beam.beam_width if n is None else n,
+            temperature=0.0,
+            max_tokens=beam.max_tokens,
+            ignore_eos=beam.ignore_eos,
+            beam_search=beam,
+            **fields,  # type: ignore[arg-type]
+        )
 
     @property
     def greedy(self) -> bool:

@@ -7,15 +7,16 @@ import copy
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-from pagoda.server.api.async_engine import AsyncLLM
-from pagoda.server.api.chat_template import render_chat
 from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.input_checks import first_lone_surrogate, max_prompt_chars
 from pagoda.server.api.openapi import build_openapi
 from pagoda.server.api.protocol import (
     ChatCompletionRequest,
@@ -28,10 +29,13 @@ from pagoda.server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext
-from pagoda.server.api.serving_chat import ChatHandler
+from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
+from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
-from pagoda.server.chat_templates import resolve_chat_template
+from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.chat import resolve_chat_template
+from pagoda.server.config import RequestLimits
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -47,6 +51,8 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+TOKENIZER_THREADS = 4  # threads that tokenize and render chat templates for the API
 # Status sent when the client left before its response was ready (nginx's convention; nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
 
@@ -57,6 +63,7 @@ class AppSettings:
 
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class APIKeyMiddleware:
@@ -95,11 +102,22 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
     except ClientDisconnect as exc:
         raise ClientDisconnectedError from exc
     try:
-        data = json.loads(body)
+        # Strict UTF-8 (RFC 8259): json.loads of bytes would also take UTF-16 and encoded surrogates.
+        data = json.loads(body.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # the C parser recurses once per nesting level
+        raise bad_request("The body is not valid JSON: it is nested too deeply.") from exc
     if not isinstance(data, dict):
         raise bad_request("The body must be a JSON object.")
+    # Only a \uD800-\uDFFF escape can put a lone surrogate into the parsed strings: walk them only then.
+    if _SURROGATE_ESCAPE.search(body) is not None:
+        path = first_lone_surrogate(data)
+        if path is not None:
+            where = ".".join(path) or "a key of the body"
+            raise bad_request(
+                f"{where}: a lone UTF-16 surrogate is not valid text", path[0] if path else None
+            )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -126,13 +144,17 @@ class _Routes:
         tokenizer = copy.deepcopy(engine.tokenizer)
         self.llm = llm
         self.settings = settings
+        # Bounded: a burst of long prompts queues here instead of taking every core from the engine thread.
+        self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenizer")
         self.ctx = ServingContext(
             llm=llm,
             tokenizer=tokenizer,
             served_model_name=llm.served_model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
+            rules=AdmissionRules(engine.max_model_len, engine.vocab_size),
             chat_template=resolve_chat_template(tokenizer),
+            executor=self.executor,
+            limits=settings.limits,
+            max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
@@ -155,7 +177,9 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
-        card = ModelCard(id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.max_model_len)
+        card = ModelCard(
+            id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.rules.max_model_len
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     async def tokenize(self, request: Request) -> Response:
@@ -166,24 +190,19 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            text = render_chat(
-                ctx.tokenizer,
-                ctx.chat_template,
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-            )
-            tokens = ctx.encode(text, add_special_tokens=False)
+            text = await render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+            (tokens,) = await ctx.encode([text], add_special_tokens=False)
         else:
-            tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+            (tokens,) = await ctx.encode([body.prompt or ""], add_special_tokens=body.add_special_tokens)
+        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.rules.max_model_len, tokens=tokens)
         return JSONResponse(response.model_dump())
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize."""
         body = await read_body(request, DetokenizeRequest, self.settings.max_body_bytes)
         self.ctx.check_model(body.model)
-        self.ctx.check_token_ids(body.tokens, "tokens")
-        return JSONResponse(DetokenizeResponse(prompt=self.ctx.decode(body.tokens)).model_dump())
+        self.ctx.rules.check_token_ids(body.tokens, "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=await self.ctx.decode(body.tokens)).model_dump())
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 while the engine loop is alive, 503 once it died or shutdown began."""
@@ -205,6 +224,13 @@ class _Routes:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.to_response()
+
+
+async def _rejected(request: Request, exc: Exception) -> Response:
+    # A request rule a handler checked before the engine saw the request: the same 400 as the engine's.
+    error = to_api_error(exc)
+    assert isinstance(error, APIError)
+    return error.to_response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -236,12 +262,14 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
             yield
         finally:
             await asyncio.to_thread(llm.shutdown)
+            routes.executor.shutdown(wait=False, cancel_futures=True)
 
     middleware: list[Middleware] = []
     if settings.api_key is not None:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
     handlers: dict[Any, Any] = {
         APIError: _api_error,
+        RequestRejectedError: _rejected,
         HTTPException: _http_error,
         ClientDisconnectedError: _client_left,
         Exception: _internal_error,

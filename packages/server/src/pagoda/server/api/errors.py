@@ -31,6 +31,8 @@ class APIError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A message may quote client text; a lone surrogate in it could not be encoded into the response.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message

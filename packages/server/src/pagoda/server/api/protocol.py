@@ -6,7 +6,7 @@ import time
 from typing import Annotated, Literal
 
 from pagoda.server.sampling_params import MAX_LOGPROBS
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 MAX_N = 16  # samples per prompt; caps the KV cache one request may claim
 MAX_STOP_STRINGS = 16  # stop strings per request; each is checked on every new token
@@ -18,9 +18,37 @@ TokenIds = list[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]]
 
 
 class _Model(BaseModel):
-    """Base of request bodies: strict JSON types, no NaN or infinity, unknown fields ignored (as vLLM)."""
+    """Base of request bodies: strict JSON types, no NaN or infinity, unknown fields a 400 naming them (as OpenAI;
+    vLLM ignores them with a warning in its log, which no client sees)."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+# Owned by the structured-outputs work (response_format, vLLM's structured_outputs and guided_* fields): until it
+# lands, the unknown-field rule lets them through rather than rejecting requests it is about to serve.
+STRUCTURED_OUTPUT_FIELDS = frozenset(
+    {
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    }
+)
+
+
+class _Body(_Model):
+    """Base of the completions and chat bodies: extra fields are kept so that the handler can reject each unknown
+    one by name (a 400 with `param` set) and let the structured-output ones through."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        """The body's fields no model declares, structured-output ones aside, sorted."""
+        return sorted(set(self.model_extra or {}) - STRUCTURED_OUTPUT_FIELDS)
 
 
 class StreamOptions(_Model):
@@ -29,7 +57,7 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class SamplingFields(_Model):
+class SamplingFields(_Body):
     """Sampling fields shared by completions and chat (range checks live in SamplingParams)."""
 
     model: str | None = None
@@ -50,7 +78,29 @@ class SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    allowed_token_ids: TokenIds | None = None  # vLLM extra
+    bad_words: list[str] | None = None  # vLLM extra
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM extra
+    priority: Int64 = 0  # vLLM extra: lower is served first under --scheduling-policy priority
+    # Metadata OpenAI itself stores or bills by: accepted, no effect on generation.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None  # only "auto" and "default" (there is one tier)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache is automatic
+    request_id: str | None = None  # vLLM extra; the response keeps Pagoda's own id
+    # Known but not served (yet): a 400 naming the field unless absent, null, or the value that changes nothing.
+    tools: JsonValue = None
+    tool_choice: JsonValue = None  # "none" is accepted
+    parallel_tool_calls: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None  # "none" is accepted
+    use_beam_search: bool = False
+    best_of: Int64 | None = None  # n or null is accepted
+    length_penalty: JsonValue = None
+    logits_processors: JsonValue = None
 
 
 class CompletionRequest(SamplingFields):
@@ -59,7 +109,15 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: Int64 | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs lead `logprobs` (first one null)
+    add_special_tokens: bool = True  # vLLM extra: BOS etc. when tokenizing a text prompt
+    suffix: JsonValue = None  # not served: a 400 unless null
+    # Beam search (vLLM's fields, served on this endpoint only): the beam width is best_of, else n; n <= best_of
+    # beams are returned.
+    use_beam_search: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class TextContentPart(_Model):
@@ -86,6 +144,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # Known but not served (yet): a 400 naming the field unless absent, null, or the value that changes nothing.
+    audio: JsonValue = None
+    modalities: JsonValue = None  # ["text"] is accepted
+    prediction: JsonValue = None
+    reasoning_effort: JsonValue = None
+    verbosity: JsonValue = None
+    web_search_options: JsonValue = None
+    chat_template: JsonValue = None
+    chat_template_kwargs: JsonValue = None
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's chat echo (the last message): a 400 unless false
 
 
 class TokenizeRequest(_Model):
@@ -139,6 +208,18 @@ class CompletionLogprobs(BaseModel):
 FinishReasonField = Literal["stop", "length", "abort"] | None
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry at a prompt position (vLLM's prompt_logprobs format)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position, keyed by token id: null for the first token (vLLM's extra response field).
+PromptLogprobsField = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     """One generated text of a completion response or stream chunk."""
 
@@ -147,6 +228,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonField = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(BaseModel):
@@ -206,6 +288,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class DeltaMessage(BaseModel):

@@ -8,7 +8,8 @@ import socket
 from types import FrameType
 
 import uvicorn
-from pagoda.server.api.async_engine import AsyncLLM
+from pagoda.server.api.http_protocol import HTTPConfig, HTTPLimits
+from pagoda.server.async_llm import AsyncLLM
 from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,13 @@ def run_server(
     host: str,
     port: int,
     shutdown_timeout: float,
+    limits: HTTPLimits | None = None,
     log_level: str = "info",
 ) -> None:
     """Serve `app` until a signal drains and stops it."""
-    config = uvicorn.Config(
+    config = HTTPConfig(
         app,
+        limits or HTTPLimits(),
         host=host,
         port=port,
         log_level=log_level,

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pagoda.server.api.async_engine import (
+from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
+from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
+    PromptRequest,
     RequestStream,
 )
-from pagoda.server.api.errors import APIError, bad_request
-from pagoda.server.api.protocol import SamplingFields
+from pagoda.server.config import RequestLimits
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
 from pydantic import BaseModel
@@ -35,70 +39,81 @@ class ClientDisconnectedError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ServingContext:
-    """What every handler needs: the engine front, the API's own tokenizer copy, the model's limits."""
+    """What every handler needs: the engine front, the API's own tokenizer copy, the model's request rules.
+
+    The rules are the engine's own (`AdmissionRules`); their RequestRejectedError becomes a 400 naming its field.
+    Tokenizing and chat-template rendering run on `executor`, never on the event loop: a long prompt takes
+    seconds, and the fast tokenizer releases the GIL while it encodes.
+    """
 
     llm: AsyncLLM
     tokenizer: PreTrainedTokenizerBase  # a copy: the engine thread detokenizes with its own
     served_model_name: str
-    max_model_len: int
-    vocab_size: int
+    rules: AdmissionRules
     chat_template: str | None
+    executor: Executor
+    limits: RequestLimits
+    max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return ids
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """400 when a request has more prompts, or prompts x n sequences, than the limits allow."""
+        limits = self.limits
+        if num_prompts > limits.max_prompts_per_request:
+            raise bad_request(
+                f"the request has {num_prompts} prompts, more than --max-prompts-per-request "
+                f"({limits.max_prompts_per_request})",
+                "prompt",
+            )
+        if num_prompts * n > limits.max_sequences_per_request:
+            raise bad_request(
+                f"the request asks for {num_prompts} prompts x n {n} = {num_prompts * n} sequences, more than "
+                f"--max-sequences-per-request ({limits.max_sequences_per_request})",
+                "n",
+            )
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of `token_ids` (ids must be in the vocabulary)."""
-        text = self.tokenizer.decode(list(token_ids))
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Reject, before tokenizing, a prompt text too long to fit max_model_len whatever its tokens."""
+        bound = self.max_prompt_chars
+        if bound is not None and len(text) > bound:
+            raise RequestRejectedError(
+                f"the prompt has {len(text)} characters, so more tokens than max_model_len "
+                f"({self.rules.max_model_len})",
+                param,
+            )
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """Run `work` (tokenizing, rendering) on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+
+    async def encode(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of each text, computed off the event loop."""
+
+        def work() -> list[list[int]]:
+            return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+
+        return await self.run(work)
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids` (ids must be in the vocabulary), computed off the event loop."""
+        text = await self.run(lambda: self.tokenizer.decode(list(token_ids)))
         assert isinstance(text, str)
         return text
 
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        """400 when an id is outside the model's vocabulary."""
-        for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise bad_request(
-                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param
-                )
-
-    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int | None, param: str) -> int:
-        """Validate a prompt's length against max_model_len; return the max_tokens to use."""
-        if not prompt_ids:
-            raise bad_request(f"{param} must not be empty", param)
-        self.check_token_ids(prompt_ids, param)
-        room = self.max_model_len - len(prompt_ids)
-        if room < 0:
-            raise bad_request(
-                f"the prompt has {len(prompt_ids)} tokens, more than max_model_len ({self.max_model_len})",
-                param,
-            )
-        if max_tokens is None:
-            if room < 1:
-                raise bad_request(
-                    f"the prompt has {len(prompt_ids)} tokens and leaves no room to generate within "
-                    f"max_model_len ({self.max_model_len})",
-                    param,
-                )
-            return room
-        if max_tokens > room:
-            raise bad_request(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})",
-                "max_tokens",
-            )
-        return max_tokens
-
     def sampling_params(
-        self, body: SamplingFields, *, max_tokens: int, logprobs: int | None
+        self,
+        body: SamplingFields,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """SamplingParams of a request body; a 400 naming the field when a value is out of range."""
+        """SamplingParams of a request body; a 400 naming the field when a value is out of range (unknown and
+        unserved fields are the handlers' check_fields). `prompt_logprobs` defaults to the body's."""
         top_k = body.top_k
         if top_k is not None and (top_k == 0 or top_k < -1):
             raise bad_request("top_k must be -1 (disabled) or at least 1", "top_k")
@@ -110,14 +125,17 @@ class ServingContext:
         else:
             stop = tuple(body.stop)
         stop_token_ids = tuple(body.stop_token_ids or ())
-        self.check_token_ids(stop_token_ids, "stop_token_ids")
+        self.rules.check_token_ids(stop_token_ids, "stop_token_ids")
+        logit_bias = self._logit_bias(body.logit_bias)
+        allowed = None if body.allowed_token_ids is None else tuple(body.allowed_token_ids)
+        self.rules.check_token_ids(allowed or (), "allowed_token_ids")
         try:
             return SamplingParams(
                 n=body.n,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 # -1 disables top-k; beyond the vocabulary it is a no-op, so clamp it there.
-                top_k=None if top_k is None or top_k == -1 else min(top_k, self.vocab_size),
+                top_k=None if top_k is None or top_k == -1 else min(top_k, self.rules.vocab_size),
                 min_p=0.0 if body.min_p is None else body.min_p,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
@@ -131,33 +149,47 @@ class ServingContext:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
+                priority=body.priority,
+                logit_bias=logit_bias,
+                allowed_token_ids=allowed,
+                bad_words=None if body.bad_words is None else tuple(body.bad_words),
+                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
 
+    def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (JSON keys are strings) keyed by token id; a 400 on `logit_bias` for a key that is
+        not a token id of the vocabulary (the value range is SamplingParams' check)."""
+        if not raw:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in raw.items():
+            text = key.strip()
+            if not (text.isascii() and text.lstrip("-").isdigit()) or len(text) > 20:
+                raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+            bias[int(text)] = value
+        self.rules.check_token_ids(list(bias), "logit_bias")
+        return bias
+
     async def open_streams(
         self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
     ) -> list[RequestStream]:
-        """Submit one engine request per prompt; map admission failures to HTTP errors.
+        """Submit the prompts as one admission (one engine request each); map admission failures to HTTP errors.
 
         All prompts are submitted before any acceptance is awaited, so the engine takes them in one step.
         """
-        submissions = [
-            self.llm.add_request(
-                request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, prompt=text
-            )
+        requests = [
+            PromptRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, text)
             for i, (text, ids) in enumerate(prompts)
         ]
-        results = await asyncio.gather(*submissions, return_exceptions=True)
-        streams = [r for r in results if isinstance(r, RequestStream)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is None:
-            return streams
-        for stream in streams:
-            stream.close()
-        if isinstance(failure, Exception):
-            raise to_api_error(failure) from failure
-        raise failure
+        try:
+            return await self.llm.add_requests(requests, params)
+        except Exception as exc:
+            error = to_api_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
 
 def to_api_error(exc: Exception) -> Exception:
@@ -170,9 +202,10 @@ def to_api_error(exc: Exception) -> Exception:
         return APIError(503, "The server is shutting down.")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine has stopped; the server cannot serve requests.")
-    if isinstance(exc, ValueError):  # the engine's RequestRejectedError carries the offending field
-        param = getattr(exc, "param", None)
-        return bad_request(str(exc), param if isinstance(param, str) else None)
+    if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
     return exc
 
 
@@ -282,3 +315,18 @@ def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, float, st
     """The k most likely alternatives at a position as (token id, logprob, text), by rank."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank)[:k]
     return [(token_id, lp.logprob, lp.decoded_token) for token_id, lp in ranked]
+
+
+def prompt_logprobs_field(entries: Sequence[PositionLogprobs | None] | None) -> PromptLogprobsField:
+    """vLLM's `prompt_logprobs` response field of a request's prompt logprobs."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]

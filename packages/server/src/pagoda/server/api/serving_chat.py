@@ -7,7 +7,6 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagoda.server.api.chat_template import render_chat
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     AssistantMessage,
@@ -16,6 +15,7 @@ from pagoda.server.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     PromptTokensDetails,
@@ -28,14 +28,44 @@ from pagoda.server.api.serving_base import (
     ServingContext,
     final_outputs,
     merge_streams,
+    prompt_logprobs_field,
     sse,
     to_api_error,
     top_entries,
     until_disconnect,
 )
+from pagoda.server.api.unserved import check_fields
+from pagoda.server.chat import ChatTemplateError, render_chat
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's content as one string (text parts joined by newlines)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text for part in message.content)
+
+
+async def render_messages(
+    ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool
+) -> str:
+    """The prompt text of a request's messages (rendered off the event loop); a 400 on `messages` when they
+    cannot be rendered."""
+    conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+
+    def render() -> str:
+        return render_chat(
+            ctx.tokenizer, ctx.chat_template, conversation, add_generation_prompt=add_generation_prompt
+        )
+
+    try:
+        return await ctx.run(render)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int) -> ChatLogprobs:
@@ -76,18 +106,21 @@ class ChatHandler:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Serve one chat completion request."""
         ctx = self.ctx
+        check_fields(body)
+        if body.echo:
+            raise bad_request("echo is not supported yet on chat completions", "echo")
         ctx.check_model(body.model)
+        if body.stream and body.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt = render_chat(
-            ctx.tokenizer, ctx.chat_template, body.messages, add_generation_prompt=body.add_generation_prompt
-        )
+        ctx.check_fan_out(1, body.n)
+        prompt = await render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+        ctx.check_prompt_chars(prompt, "messages")
         # The template writes the special tokens (BOS) itself.
-        prompt_ids = ctx.encode(prompt, add_special_tokens=False)
-        if not prompt_ids:
-            raise bad_request("the messages render to an empty prompt", "messages")
+        (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = ctx.check_prompt(prompt_ids, requested, "messages")
+        max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -114,7 +147,11 @@ class ChatHandler:
             for o in final.outputs
         ]
         response = ChatCompletionResponse(
-            id=request_id, model=ctx.served_model_name, choices=choices, usage=_usage(len(prompt_ids), final)
+            id=request_id,
+            model=ctx.served_model_name,
+            choices=choices,
+            usage=_usage(len(prompt_ids), final),
+            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs),
         )
         return JSONResponse(response.model_dump())
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from pagoda.server.api.beam_fields import BEAM_FIELDS, with_beam_search
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     CompletionChoice,
@@ -21,11 +23,13 @@ from pagoda.server.api.serving_base import (
     ServingContext,
     final_outputs,
     merge_streams,
+    prompt_logprobs_field,
     sse,
     to_api_error,
     top_entries,
     until_disconnect,
 )
+from pagoda.server.api.unserved import check_fields
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -34,10 +38,15 @@ Prompt = tuple[str | None, list[int]]
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int, offset: int
+    token_ids: Sequence[int],
+    positions: Sequence[PositionLogprobs],
+    k: int,
+    offset: int,
+    into: CompletionLogprobs | None = None,
 ) -> CompletionLogprobs:
-    """The legacy logprobs object of some generated tokens; text offsets start at `offset`."""
-    result = CompletionLogprobs()
+    """The legacy logprobs object of some generated tokens (appended to `into` if given); text offsets start at
+    `offset`."""
+    result = CompletionLogprobs() if into is None else into
     for token_id, position in zip(token_ids, positions, strict=False):
         sampled = position.get(token_id)
         text = sampled.decoded_token if sampled is not None else ""
@@ -47,6 +56,37 @@ def completion_logprobs(
         result.text_offset.append(offset)
         offset += len(text)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Echo:
+    """What `echo` puts before a choice's text: the prompt, and with logprobs, the prompt tokens' logprobs."""
+
+    text: str
+    first_token_text: str  # the first prompt token's text: it has no logprobs (null), but it is listed
+    prompt_token_ids: Sequence[int]
+
+    def logprobs(self, output: RequestOutput, k: int) -> CompletionLogprobs:
+        """The prompt part of `logprobs.token_logprobs` (lm-evaluation-harness reads it): null, then one per
+        prompt token, from the request's prompt logprobs."""
+        result = CompletionLogprobs(
+            text_offset=[0], token_logprobs=[None], tokens=[self.first_token_text], top_logprobs=[None]
+        )
+        positions = [p for p in (output.prompt_logprobs or ())[1:] if p is not None]
+        return completion_logprobs(
+            self.prompt_token_ids[1:], positions, k, len(self.first_token_text), into=result
+        )
+
+
+NO_ECHO = _Echo("", "", ())
+
+
+def _visible(output: CompletionOutput, echo_only: bool) -> CompletionOutput:
+    """The choice as the client sees it: echo with max_tokens 0 ran one step for the prompt logprobs and shows
+    no generated token (vLLM's behaviour)."""
+    if not echo_only:
+        return output
+    return dataclasses.replace(output, text="", token_ids=(), logprobs=(), cumulative_logprob=None)
 
 
 @dataclass(slots=True)
@@ -66,7 +106,7 @@ class CompletionsHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _prompts(self, body: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, body: CompletionRequest) -> list[Prompt]:
         raw = body.prompt
         if isinstance(raw, str):
             items: list[str | list[int]] = [raw]
@@ -76,42 +116,58 @@ class CompletionsHandler:
             items = [[int(t) for t in raw if isinstance(t, int)]]
         else:
             items = [p for p in raw if isinstance(p, str | list)]
-        prompts: list[Prompt] = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise bad_request("prompt must not be empty", "prompt")
-                prompts.append((item, self.ctx.encode(item, add_special_tokens=True)))
-            else:
-                self.ctx.check_token_ids(item, "prompt")
-                prompts.append((None, item))
-        return prompts
+        # Before any tokenizing: the fan-out caps, then the length bound of each text.
+        self.ctx.check_fan_out(len(items), body.n)
+        texts = [item for item in items if isinstance(item, str)]
+        for text in texts:
+            if not text:
+                raise bad_request("prompt must not be empty", "prompt")
+            self.ctx.check_prompt_chars(text, "prompt")
+        encoded = iter(await self.ctx.encode(texts, add_special_tokens=body.add_special_tokens))
+        return [(item, next(encoded)) if isinstance(item, str) else (None, item) for item in items]
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         """Serve one completion request."""
         ctx = self.ctx
+        check_fields(body, served=BEAM_FIELDS)
         ctx.check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
-        prompts = self._prompts(body)
-        max_tokens = min(ctx.check_prompt(ids, body.max_tokens, "prompt") for _, ids in prompts)
-        params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        if body.stream and body.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
+        # echo with max_tokens 0 (lm-evaluation-harness's loglikelihood requests): score the prompt, generate
+        # nothing visible. The engine runs one step, as vLLM does.
+        echo_only = body.echo and body.max_tokens == 0
+        prompts = await self._prompts(body)
+        requested = 1 if echo_only else body.max_tokens
+        max_tokens = min(ctx.rules.max_tokens(ids, requested, "prompt") for _, ids in prompts)
+        echo_logprobs = body.echo and body.logprobs is not None
+        prompt_logprobs = body.prompt_logprobs
+        if echo_logprobs:
+            prompt_logprobs = max(body.logprobs or 0, prompt_logprobs or 0)
+        params = with_beam_search(
+            body,
+            ctx.sampling_params(
+                body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+            ),
+        )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
-            (text if text is not None else ctx.decode(ids)) if body.echo else "" for text, ids in prompts
+            await self._echo(text, ids, echo_logprobs) if body.echo else NO_ECHO for text, ids in prompts
         ]
         streams = await ctx.open_streams(request_id, prompts, params)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(request_id, body, prompts, echoes, merge_streams(streams), include_usage)
+            events = self._stream(
+                request_id, body, prompts, echoes, merge_streams(streams), include_usage, echo_only
+            )
             return EventStreamResponse(events)
         try:
             finals = await until_disconnect(request, final_outputs(streams))
         finally:
             for stream in streams:
                 stream.close()
+        finals = [self._visible_final(final, echo_only) for final in finals]
         choices = [
-            self._choice(p * params.n + o.index, o, echoes[p], body.logprobs)
+            self._choice(p * params.n + o.index, o, final, echoes[p], body)
             for p, final in enumerate(finals)
             for o in final.outputs
         ]
@@ -120,17 +176,41 @@ class CompletionsHandler:
         )
         return JSONResponse(response.model_dump())
 
+    async def _echo(self, text: str | None, ids: Sequence[int], with_logprobs: bool) -> _Echo:
+        """The echo of one prompt (decoded when the prompt came as token ids)."""
+        echo_text = text if text is not None else await self.ctx.decode(ids)
+        first = await self.ctx.decode(ids[:1]) if with_logprobs else ""
+        return _Echo(echo_text, first, ids if with_logprobs else ())
+
+    @staticmethod
+    def _visible_final(final: RequestOutput, echo_only: bool) -> RequestOutput:
+        if not echo_only:
+            return final
+        return dataclasses.replace(final, outputs=tuple(_visible(o, echo_only) for o in final.outputs))
+
+    @staticmethod
+    def _logprobs(
+        output: CompletionOutput, final: RequestOutput, echo: _Echo, k: int | None, offset: int
+    ) -> CompletionLogprobs | None:
+        """The choice's legacy logprobs: the prompt's first when echoed, then the generated tokens'."""
+        if k is None:
+            return None
+        head = echo.logprobs(final, k) if echo.prompt_token_ids else None
+        start = offset if head is None else sum(len(t) for t in head.tokens)
+        return completion_logprobs(output.token_ids, output.logprobs or (), k, start, into=head)
+
     def _choice(
-        self, index: int, output: CompletionOutput, echo: str, logprobs: int | None
+        self, index: int, output: CompletionOutput, final: RequestOutput, echo: _Echo, body: CompletionRequest
     ) -> CompletionChoice:
         return CompletionChoice(
             index=index,
-            text=echo + output.text,
-            logprobs=None
-            if logprobs is None
-            else completion_logprobs(output.token_ids, output.logprobs or (), logprobs, len(echo)),
+            text=echo.text + output.text,
+            logprobs=self._logprobs(output, final, echo, body.logprobs, len(echo.text)),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs)
+            if body.prompt_logprobs is not None
+            else None,
         )
 
     async def _stream(
@@ -138,9 +218,10 @@ class CompletionsHandler:
         request_id: str,
         body: CompletionRequest,
         prompts: list[Prompt],
-        echoes: list[str],
+        echoes: list[_Echo],
         snapshots: AsyncGenerator[tuple[int, RequestOutput]],
         include_usage: bool,
+        echo_only: bool,
     ) -> AsyncGenerator[str]:
         model = self.ctx.served_model_name
         n = body.n
@@ -148,12 +229,15 @@ class CompletionsHandler:
         finals: dict[int, RequestOutput] = {}
         async with aclosing(snapshots):
             try:
-                async for p, snapshot in snapshots:
+                async for p, raw in snapshots:
+                    snapshot = self._visible_final(raw, echo_only)
                     if snapshot.finished:
                         finals[p] = snapshot
                     for output in snapshot.outputs:
                         index = p * n + output.index
-                        choice = self._delta(cursors[index], index, output, echoes[p], body.logprobs)
+                        choice = self._delta(
+                            cursors[index], index, output, snapshot, echoes[p], body.logprobs
+                        )
                         if choice is not None:
                             chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
                             yield sse(chunk)
@@ -171,14 +255,26 @@ class CompletionsHandler:
         yield sse("[DONE]")
 
     def _delta(
-        self, cursor: _ChoiceCursor, index: int, output: CompletionOutput, echo: str, logprobs: int | None
+        self,
+        cursor: _ChoiceCursor,
+        index: int,
+        output: CompletionOutput,
+        snapshot: RequestOutput,
+        echo: _Echo,
+        logprobs: int | None,
     ) -> CompletionChoice | None:
         if cursor.done:
             return None
-        prefix = "" if cursor.started else echo
+        prefix = "" if cursor.started else echo.text
+        # The first chunk carries the echo, and with logprobs the prompt's logprobs (complete by then: a request
+        # first shows up once its prompt is computed).
+        head = None
         if not cursor.started:
             cursor.started = True
-            cursor.text_offset = len(echo)
+            cursor.text_offset = len(echo.text)
+            if logprobs is not None and echo.prompt_token_ids:
+                head = echo.logprobs(snapshot, logprobs)
+                cursor.text_offset = sum(len(t) for t in head.tokens)
         text = output.text[cursor.text_len :]
         new_ids = output.token_ids[cursor.num_tokens :]
         # Tokens that add no text yet (a partial UTF-8 character) go out with the next text, unless the client
@@ -188,8 +284,9 @@ class CompletionsHandler:
         lp = None
         if logprobs is not None:
             positions = (output.logprobs or ())[cursor.num_tokens :]
-            lp = completion_logprobs(new_ids, positions, logprobs, cursor.text_offset)
-            cursor.text_offset += sum(len(t) for t in lp.tokens)
+            num_head = len(head.tokens) if head is not None else 0
+            lp = completion_logprobs(new_ids, positions, logprobs, cursor.text_offset, into=head)
+            cursor.text_offset += sum(len(t) for t in lp.tokens[num_head:])
         cursor.text_len = len(output.text)
         cursor.num_tokens = len(output.token_ids)
         cursor.done = output.finished

@@ -1,7 +1,8 @@
 """The engine: scheduler + paged KV cache + model runner + sampler, stepped by `LLMEngine.step`."""
 
 from pagoda.server.config import EngineConfig
-from pagoda.server.engine.llm_engine import LLMEngine, RequestRejectedError
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.setup import EngineConfigError
 
-__all__ = ["EngineConfig", "EngineConfigError", "LLMEngine", "RequestRejectedError"]
+__all__ = ["AdmissionRules", "EngineConfig", "EngineConfigError", "LLMEngine", "RequestRejectedError"]

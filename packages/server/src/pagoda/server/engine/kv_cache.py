@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from pagoda.pagedkernel import KernelBackend
+from pagoda.pagedkernel import KernelBackend, allocate_host_cache
+from pagoda.server.models.attention import LayerKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,23 +32,19 @@ class KVCacheShape:
 
 
 def allocate_caches(
-    shape: KVCacheShape, num_blocks: int, device: torch.device, *, pin: bool = False
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Uninitialised per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim].
+    shape: KVCacheShape,
+    num_blocks: int,
+    allocate: Callable[[int, int, int, int, torch.dtype], torch.Tensor],
+) -> list[LayerKVCache]:
+    """Per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim], uninitialised.
 
-    Not zeroed: every kernel ignores slots that were never written (the NaN-poisoned kernel and engine tests
-    prove it), and zero-filling a CPU cache of several GiB took 4.7 s of a 9 s engine start on a 2-core machine;
-    untouched pages now cost nothing until a block is first written.
+    `allocate` takes pagedkernel's `allocate_host_cache` arguments (num_blocks, block_size, num_kv_heads, head_dim,
+    dtype). Not zeroed: every kernel ignores slots that were never written (the NaN-poisoned kernel and engine
+    tests prove it), and zero-filling a CPU cache of several GiB took 4.7 s of a 9 s engine start on a 2-core
+    machine; untouched pages now cost nothing until a block is first written.
     """
-    dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    pin = pin and device.type == "cpu" and torch.cuda.is_available()
-    return [
-        (
-            torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin),
-            torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin),
-        )
-        for _ in range(shape.num_layers)
-    ]
+    args = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.dtype)
+    return [(allocate(*args), allocate(*args)) for _ in range(shape.num_layers)]
 
 
 class KVCache:
@@ -64,8 +62,15 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.backend = backend
-        self.device_caches = allocate_caches(shape, num_blocks, device)
-        self.host_caches = allocate_caches(shape, num_host_blocks, torch.device("cpu"), pin=True)
+        self.device_caches = allocate_caches(
+            shape,
+            num_blocks,
+            lambda blocks, size, heads, dim, dtype: torch.empty(
+                (blocks, size, heads, dim), dtype=dtype, device=device
+            ),
+        )
+        # pagedkernel's host allocator pins the tier when CUDA is present, so that swaps copy asynchronously.
+        self.host_caches = allocate_caches(shape, num_host_blocks, allocate_host_cache)
         self._device = device
 
     def _pairs(self, pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -84,9 +89,8 @@ class KVCache:
         """Move blocks between tiers in every layer, K and V; pairs are (src, dst) in the direction moved."""
         if not pairs:
             return
-        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(
-            -1, 2
-        )  # host-side indices for both directions
+        # Host-side indices for both directions.
+        block_pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
         for device_kv, host_kv in zip(self.device_caches, self.host_caches, strict=True):
             for device_cache, host_cache in zip(device_kv, host_kv, strict=True):
                 src, dst = (device_cache, host_cache) if to_host else (host_cache, device_cache)

@@ -4,37 +4,53 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
-    FCFSPolicy,
-    PriorityPolicy,
+    KVBlockManager,
     Request,
+    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from pagoda.scheduler import (
-    RequestRejectedError as SchedulerRejectedError,
-)
 from pagoda.server.config import EngineConfig
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.model_runner import ModelRunner
+from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.engine.scheduling import build_kv_manager, build_policy
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
-from pagoda.server.sampling import Sampler, SamplingRow
+from pagoda.server.sampling import Sampler, TokenLogprobs
+from pagoda.server.sampling.logits_processors import apply_logits_processors
+from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
+# How long an empty step waits when requests are held back by the policy (static batching's timeout).
+_IDLE_WAIT_S = 0.001
 
-class RequestRejectedError(ValueError):
-    """A request that can never run (too long, too many blocks, bad token ids); `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+@dataclass(slots=True)
+class TokenCounters:
+    """The engine's cumulative token counts, for /metrics."""
+
+    # Prompt tokens computed: prefix-cache hits excluded, recomputed ones counted again.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0  # tokens sampled
+
+    def count_chunk(self, chunk: ScheduledRequest, num_prompt_tokens: int) -> None:
+        """Count the prompt tokens a scheduled chunk computes."""
+        self.prompt_tokens += max(0, min(chunk.seq_len, num_prompt_tokens) - chunk.start)
+
+
+# Prompt logprobs run the LM head over this many prompt positions at a time: [rows, vocab] float32 logits are
+# 1 GiB per 1,024 rows of a 262k vocabulary.
+_PROMPT_LOGITS_SLICE = 256
 
 
 class LLMEngine:
@@ -48,16 +64,21 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
         self.num_kv_blocks = parts.kv_cache.num_blocks
+        self.num_host_kv_blocks = parts.kv_cache.num_host_blocks
         self.block_size = config.block_size
         self.device = parts.device
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
-        self.kv_manager = BlockManager(
-            parts.kv_cache.num_blocks,
-            config.block_size,
-            num_host_blocks=parts.kv_cache.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, config.max_input_tokens)
+        self.kv_manager: KVBlockManager = build_kv_manager(
+            config, parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks, parts.max_model_len
         )
+        # Contiguous regions share nothing: there is no prefix to look up.
+        prefix_caching = config.enable_prefix_caching and config.kv_manager == "paged"
+        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
+        costs = None
+        if config.preemption_mode == "auto":
+            costs = measure_preemption_costs(self.runner, parts.max_num_batched_tokens, parts.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -65,21 +86,23 @@ class LLMEngine:
                 max_model_len=parts.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
-                enable_prefix_caching=config.enable_prefix_caching,
+                max_num_partial_prefills=config.max_num_partial_prefills,
+                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+                enable_prefix_caching=prefix_caching,
                 preemption_mode=config.preemption_mode,
             ),
             self.kv_manager,
-            PriorityPolicy() if config.scheduling_policy == "priority" else FCFSPolicy(),
+            build_policy(config),
+            costs,
         )
-        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         self.sampler = Sampler()
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, RequestState] = {}  # scheduler sequence id -> its user request
-        self._aborted: list[
-            RequestOutput
-        ] = []  # final snapshots of aborted requests, returned by the next step
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        self._beam_groups: dict[str, BeamGroup] = {}  # unfinished beam-search requests by id
+        self._beam_owner: dict[str, BeamGroup] = {}  # running beam's sequence id -> its group
+        # Final snapshots of aborted requests, returned by the next step.
+        self._aborted: list[RequestOutput] = []
+        self.counters = TokenCounters()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -99,39 +122,54 @@ class LLMEngine:
     ) -> None:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
-        if not ids:
-            raise RequestRejectedError("the prompt is empty", "prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejectedError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
-            )
-        if len(ids) > self.max_model_len:
-            raise RequestRejectedError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", "prompt"
-            )
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestRejectedError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})",
-                "max_tokens",
-            )
-        if request_id in self._requests:
+        self.rules.check(ids, params)
+        if request_id in self._requests or request_id in self._beam_groups:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = RequestState(request_id, prompt, ids, params, self.tokenizer, arrival, self.device)
         scheduler_params = SchedulerParams.from_params(params, self.eos_token_ids)
-        state.stop_token_ids = scheduler_params.stop_token_ids
-        request = Request(request_id, ids, scheduler_params, arrival_time=arrival)
-        try:
-            self.scheduler.add_request(request)
-        except SchedulerRejectedError as error:
-            raise RequestRejectedError(str(error), "max_tokens") from error
+        if params.beam_search is not None:
+            group = BeamGroup(
+                request_id,
+                prompt,
+                ids,
+                params.beam_search,
+                params.n,
+                self.eos_token_ids,
+                params.skip_special_tokens,
+                arrival,
+            )
+            self.scheduler.add_request(Request(request_id, ids, scheduler_params, arrival_time=arrival))
+            self._beam_groups[request_id] = group
+            self._beam_owner.update(dict.fromkeys(group.beams, group))
+            return
+        state = RequestState(
+            request_id,
+            prompt,
+            ids,
+            params,
+            scheduler_params.stop_token_ids,
+            self.tokenizer,
+            arrival,
+            self.device,
+        )
+        # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
+        # skipping any (vLLM skips the cache for these requests too).
+        salt = None if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
+        # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
+        self.scheduler.add_request(
+            Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+        )
         self._requests[request_id] = state
         self._seq_owner.update(dict.fromkeys(state.samples, state))
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state, freeing its KV blocks now; unknown or finished ids are ignored."""
+        group = self._beam_groups.pop(request_id, None)
+        if group is not None:
+            self.scheduler.abort_request(request_id)
+            for seq_id in group.beams:
+                self._beam_owner.pop(seq_id, None)
+            return
         state = self._requests.get(request_id)
         if state is None:
             return
@@ -143,11 +181,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still waits, runs, or has an undelivered abort."""
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._beam_groups) or bool(self._aborted)
 
     def get_num_unfinished_requests(self) -> int:
         """User requests not finished yet."""
-        return len(self._requests)
+        return len(self._requests) + len(self._beam_groups)
 
     # -------------------------------------------------------------------- step
 
@@ -156,71 +194,142 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if not outputs and self.scheduler.has_unfinished_requests():
+                # The policy holds the waiting requests back (a static batch still forming): a step loop
+                # would spin on this, so yield the core for a moment.
+                time.sleep(_IDLE_WAIT_S)
             return outputs
-        logits = self.runner.execute(scheduled)
-        now = time.monotonic()
-        sampled, stopped, progressed = self._sample(scheduled, logits, now)
-        finished = self.scheduler.update_from_output(scheduled, sampled, stopped)
-        for request in finished:
-            state = self._seq_owner[request.request_id]
-            if request.request_id in stopped:  # a stop string wins over a length cap on the same token
-                state.finish(request.request_id, "stop", stopped[request.request_id])
-            elif request.finish_reason == "stop":
-                state.finish(request.request_id, "stop", request.stop_token_id)
+        prompt_lens = {
+            chunk.request_id: len(state.prompt_token_ids)
+            for chunk in scheduled.scheduled
+            # Beam sequences have no RequestState (their group scores its own rows).
+            if (state := self._seq_owner.get(chunk.request_id)) is not None and state.wants_prompt_logprobs
+        }
+        if prompt_lens:
+            logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
+            for request_id, rows in prompt_hidden.items():
+                self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
+        else:
+            logits = self.runner.execute(scheduled)
+        sampled = self._sample(scheduled, logits)
+        return outputs + self._update(scheduled, sampled)
+
+    def _add_prompt_logprobs(
+        self,
+        state: RequestState,
+        start: int,
+        hidden: torch.Tensor,  # [num_positions, hidden_size]: positions start, start + 1, ...
+    ) -> None:
+        """Score the prompt tokens after these positions, from the raw logits, a slice at a time."""
+        k = state.params.prompt_logprobs or 0
+        for lo in range(0, hidden.shape[0], _PROMPT_LOGITS_SLICE):
+            part = hidden[lo : lo + _PROMPT_LOGITS_SLICE]
+            logits = self.runner.compute_logits(part).float()
+            first = start + lo + 1
+            targets = torch.tensor(
+                state.prompt_token_ids[first : first + part.shape[0]], dtype=torch.long, device=logits.device
+            )
+            scored = compute_logprobs(logits, targets, [k] * part.shape[0])
+            state.add_prompt_logprobs(start + lo, [lp for lp in scored if lp is not None])
+
+    def _sample(
+        self,
+        scheduled: SchedulerOutput,
+        logits: torch.Tensor,  # [num_rows, vocab]: one row per sample id of the step, in schedule order
+    ) -> list[tuple[str, int, TokenLogprobs | None]]:
+        """Draw the next token of every sample the step completes: (sample id, token id, logprobs)."""
+        seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
+        if not seq_ids:
+            return []
+        beam_rows = [i for i, seq_id in enumerate(seq_ids) if seq_id in self._beam_owner]
+        if beam_rows:
+            seq_ids, logits = self._hold_beam_rows(seq_ids, logits, beam_rows)
+            if not seq_ids:
+                return []
+        owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
+        # logit_bias, allowed_token_ids and bad_words edit a copy; logprobs stay those of the raw logits.
+        processed = apply_logits_processors(
+            logits, [owner.logits_edits(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        )
+        rows = [owner.sampling_row(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
+        out = self.sampler(processed, rows, raw_logits=None if processed is logits else logits)
+        return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
+
+    def _hold_beam_rows(
+        self,
+        seq_ids: list[str],
+        logits: torch.Tensor,  # [num_rows, vocab]
+        beam_rows: list[int],
+    ) -> tuple[list[str], torch.Tensor]:  # the other rows' sample ids and [num_other_rows, vocab] logits
+        """Give beam groups their rows' log-probabilities (float32, as transformers scores them); the rest."""
+        index = torch.tensor(beam_rows, dtype=torch.int64, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1).cpu()
+        for row, logprob in zip(beam_rows, logprobs, strict=True):
+            self._beam_owner[seq_ids[row]].add_row(seq_ids[row], logprob)
+        beam = set(beam_rows)
+        others = [i for i in range(len(seq_ids)) if i not in beam]
+        index = torch.tensor(others, dtype=torch.int64, device=logits.device)
+        return [seq_ids[i] for i in others], logits.index_select(0, index)
+
+    def _advance_beams(self, scheduled: SchedulerOutput, now: float) -> list[RequestOutput]:
+        """Step every beam group whose beams all have their rows; snapshots of the groups that finished."""
+        groups = {
+            self._beam_owner[s]: None
+            for c in scheduled.scheduled
+            for s in c.sample_ids
+            if s in self._beam_owner
+        }
+        outputs: list[RequestOutput] = []
+        for group in groups:
+            if not group.ready:
+                continue
+            for seq_id in group.beams:
+                del self._beam_owner[seq_id]
+            if group.advance(self.scheduler):
+                del self._beam_groups[group.request_id]
+                outputs.append(group.snapshot(self.tokenizer))
             else:
-                state.finish(request.request_id, "length")
+                self._beam_owner.update(dict.fromkeys(group.beams, group))
+        return outputs
+
+    def _update(
+        self, scheduled: SchedulerOutput, sampled: list[tuple[str, int, TokenLogprobs | None]]
+    ) -> list[RequestOutput]:
+        """Record the sampled tokens (finding stop strings), apply the scheduler's stop rules, snapshot."""
+        now = time.monotonic()
+        held: list[str] = []
+        for chunk in scheduled.scheduled:
+            group = self._beam_owner.get(chunk.request_id)
+            if group is not None:
+                if group.first_scheduled_time is None:
+                    group.first_scheduled_time = now
+                self.counters.count_chunk(chunk, len(group.prompt_token_ids))
+                held.extend(chunk.sample_ids)
+                continue
+            state = self._seq_owner[chunk.request_id]
+            state.mark_scheduled(chunk.start, now)
+            self.counters.count_chunk(chunk, len(state.prompt_token_ids))
+        progressed: dict[str, RequestState] = {}
+        stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
+        for seq_id, token, logprobs in sampled:
+            state = self._seq_owner[seq_id]
+            stop = state.add_token(seq_id, token, logprobs, now)
+            if stop is not None:
+                stopped[seq_id] = stop
             progressed[state.request_id] = state
+        self.counters.generation_tokens += len(sampled) + len(held)
+        tokens = {seq_id: [token] for seq_id, token, _ in sampled}
+        for request in self.scheduler.update_from_output(scheduled, tokens, stopped, held):
+            state = self._seq_owner[request.request_id]
+            state.finish_as_scheduled(request, stopped.get(request.request_id))
+            progressed[state.request_id] = state
+        outputs = [state.snapshot() for state in progressed.values()]
+        if held:
+            outputs += self._advance_beams(scheduled, now)
         for state in progressed.values():
-            outputs.append(state.snapshot())
             if state.finished:
                 self._forget(state)
         return outputs
-
-    def _sample(
-        self, scheduled: SchedulerOutput, logits: torch.Tensor, now: float
-    ) -> tuple[dict[str, list[int]], dict[str, str], dict[str, RequestState]]:
-        """Draw every sample of the step; detokenize and find stop strings."""
-        rows: list[SamplingRow] = []
-        seq_ids: list[str] = []
-        progressed: dict[str, RequestState] = {}
-        for chunk in scheduled.scheduled:
-            state = self._seq_owner[chunk.request_id]
-            if state.metrics.first_scheduled_time is None:
-                # Admission starts a request at its prefix-cache hit: the tokens it did not compute.
-                state.num_cached_tokens = chunk.start
-                state.touch(first_scheduled_time=now)
-            computed_prompt = max(0, min(chunk.seq_len, len(state.prompt_token_ids)) - chunk.start)
-            self._prompt_tokens += computed_prompt
-            for seq_id in chunk.sample_ids:
-                sample = state.samples[seq_id]
-                rows.append(
-                    SamplingRow(
-                        params=state.params,
-                        prompt_token_ids=state.prompt_token_ids,
-                        output_token_ids=sample.token_ids,
-                        generator=sample.generator,
-                        stop_token_ids=state.stop_token_ids,
-                    )
-                )
-                seq_ids.append(seq_id)
-        if not rows:
-            return {}, {}, progressed
-        out = self.sampler(logits, rows)
-        sampled: dict[str, list[int]] = {}
-        stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
-        for seq_id, token, logprobs in zip(seq_ids, out.token_ids, out.logprobs, strict=True):
-            state = self._seq_owner[seq_id]
-            sample = state.samples[seq_id]
-            # The scheduler stops on it once the output, this token included, reaches min_tokens.
-            is_stop = token in state.stop_token_ids and len(sample.token_ids) + 1 >= state.params.min_tokens
-            stop = sample.add(token, logprobs, is_stop_token=is_stop)
-            sampled[seq_id] = [token]
-            self._generation_tokens += 1
-            if stop is not None:
-                stopped[seq_id] = stop
-            state.touch(first_token_time=now, last_token_time=now)
-            progressed[state.request_id] = state
-        return sampled, stopped, progressed
 
     def _forget(self, state: RequestState) -> None:
         """Drop a finished or aborted request's bookkeeping."""
@@ -243,6 +352,8 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
+            num_host_blocks=self.num_host_kv_blocks,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )

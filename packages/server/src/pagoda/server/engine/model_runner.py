@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,20 @@ class PreparedBatch:
     attn: AttentionMetadata
     logits_indices: Tensor  # int64 [num_sampled_chunks]: the last token row of each chunk that samples
     num_samples: Tensor  # int64 [num_sampled_chunks]: samples drawn from that row (n when a prompt forks)
+    num_rows: int  # the sum of num_samples: logits rows the sampler draws from
+
+
+@dataclass(frozen=True, slots=True)
+class PromptHidden:
+    """The final hidden states of a chunk's prompt positions whose next token is a prompt token too."""
+
+    start: int  # position of the first row
+    hidden: Tensor  # [num_positions, hidden_size]: positions start, start + 1, ...
+
+
+def prompt_rows(chunk: ScheduledRequest, num_prompt_tokens: int) -> range:
+    """Positions of a chunk that predict a prompt token (the last prompt position predicts the first output)."""
+    return range(chunk.start, max(chunk.start, min(chunk.seq_len, num_prompt_tokens - 1)))
 
 
 class ModelRunner:
@@ -52,8 +66,13 @@ class ModelRunner:
             if c.num_samples
         ]
 
+        # On CUDA the host copies are pinned, so that non_blocking uploads really are asynchronous (a copy from
+        # pageable memory is staged and waits); torch's caching host allocator keeps a pinned buffer alive until
+        # its copy ran. On the CPU `.to` returns the tensor itself and pinning would only cost time.
+        pin = self.device.type == "cuda"
+
         def tensor(values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
         attn = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
@@ -70,22 +89,52 @@ class ModelRunner:
             attn=attn,
             logits_indices=tensor([row for row, _ in sampling], torch.int64),
             num_samples=tensor([n for _, n in sampling], torch.int64),
+            num_rows=sum(n for _, n in sampling),
         )
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> Tensor:  # [num_rows, vocab], see CausalLM.compute_logits
         """Swap out, swap in, copy-on-write, then the forward pass; logits of the rows to sample, in order."""
+        return self.execute_with_prompt_hidden(output, {})[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
+        """The LM head on some final hidden states (prompt logprobs, computed a slice at a time)."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute_with_prompt_hidden(
+        self,
+        output: SchedulerOutput,
+        # Request id -> prompt length, for the requests that want prompt logprobs.
+        prompt_lens: Mapping[str, int],
+    ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> its chunk's prompt rows)
+        """`execute`, plus the hidden states of the prompt positions of the listed requests.
+
+        Only hidden states come back (hidden_size wide, not vocab wide): the caller runs the LM head over them a
+        slice at a time, so a long prompt never holds [prompt_len, vocab] logits at once.
+        """
         self.kv_cache.swap_out(output.blocks_to_swap_out)
         self.kv_cache.swap_in(output.blocks_to_swap_in)
         self.kv_cache.copy(output.blocks_to_copy)
         if not output.scheduled:
-            return torch.empty(0, 0)
+            return torch.empty(0, 0), {}
         batch = self.prepare(output.scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.device_caches, batch.attn)
+        prompt_hidden: dict[str, PromptHidden] = {}
+        offset = 0
+        for chunk in output.scheduled:
+            num_prompt = prompt_lens.get(chunk.request_id)
+            rows = prompt_rows(chunk, num_prompt) if num_prompt is not None else range(0)
+            if rows:
+                first = offset + rows.start - chunk.start
+                prompt_hidden[chunk.request_id] = PromptHidden(rows.start, hidden[first : first + len(rows)])
+            offset += chunk.num_tokens
         if batch.logits_indices.numel() == 0:
-            return torch.empty(0, 0)
+            return torch.empty(0, 0), prompt_hidden
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if logits.shape[0] == batch.num_samples.sum().item():
-            return logits
-        # A prompt that forks into n samples: its logits row is computed once and drawn from n times.
-        return logits.repeat_interleave(batch.num_samples, dim=0)
+        # The count prepare() knew: reading it back from the device tensor would wait for the GPU every step.
+        if logits.shape[0] == batch.num_rows:
+            return logits, prompt_hidden
+        # A prompt that forks into n samples: its logits row is computed once and drawn from n times (output_size
+        # spares repeat_interleave the device sync it would need to size its result).
+        return logits.repeat_interleave(batch.num_samples, dim=0, output_size=batch.num_rows), prompt_hidden

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from pagoda.scheduler import Request, sample_id
 from pagoda.server.outputs import (
     CompletionOutput,
     FinishReason,
@@ -15,7 +16,8 @@ from pagoda.server.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagoda.server.sampling import IncrementalDetokenizer, TokenLogprobs, make_generator
+from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs, make_generator
+from pagoda.server.sampling.logits_processors import LogitsEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
@@ -34,7 +36,9 @@ class SchedulerParams:
     def from_params(cls, params: SamplingParams, eos_token_ids: frozenset[int]) -> SchedulerParams:
         """Derive from the user's parameters and the model's eos ids."""
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        return cls(params.max_tokens, params.min_tokens, params.n, tuple(sorted(stops)), params.priority)
+        # A beam search holds beam_width sequences (the prompt forks into all of them) whatever n it returns.
+        n = params.n if params.beam_search is None else params.beam_search.beam_width
+        return cls(params.max_tokens, params.min_tokens, n, tuple(sorted(stops)), params.priority)
 
 
 @dataclass(slots=True)
@@ -51,6 +55,14 @@ class SampleState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
+    def position_logprobs(self, token_id: int, logprobs: TokenLogprobs) -> PositionLogprobs:
+        """One position's entry: the token's logprob and the top alternatives, with their texts."""
+        decode = self.detokenizer.decode_token
+        entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode(token_id))}
+        for rank, (tid, lp) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True), 1):
+            entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
+        return entry
+
     def add(self, token_id: int, logprobs: TokenLogprobs | None, *, is_stop_token: bool) -> str | None:
         """Record a sampled token; return the stop string it completes, if any.
 
@@ -58,13 +70,7 @@ class SampleState:
         """
         self.token_ids.append(token_id)
         if logprobs is not None and self.logprobs is not None:
-            decode = self.detokenizer.decode_token
-            entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode(token_id))}
-            for rank, (tid, lp) in enumerate(
-                zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True), 1
-            ):
-                entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
-            self.logprobs.append(entry)
+            self.logprobs.append(self.position_logprobs(token_id, logprobs))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs.logprob
         if is_stop_token and not self.include_stop_str:
             return None
@@ -92,24 +98,28 @@ class RequestState:
         prompt: str | None,
         prompt_token_ids: tuple[int, ...],
         params: SamplingParams,
+        stop_token_ids: tuple[int, ...],
         tokenizer: PreTrainedTokenizerBase,
         arrival_time: float,
         device: torch.device,
     ) -> None:
+        """`stop_token_ids` includes eos unless ignored (SchedulerParams.stop_token_ids)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        # Stop ids incl. eos: the sampler masks them while the output is shorter than min_tokens.
+        self.stop_token_ids = stop_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
-        self.stop_token_ids: tuple[
-            int, ...
-        ] = ()  # stop ids incl. eos, masked by the sampler under min_tokens
-        self.samples: dict[str, SampleState] = {}
-        # Sequence ids follow the scheduler's fork naming: the request's own id, then f"{id}:{i}".
-        for index in range(params.n):
-            seq_id = request_id if index == 0 else f"{request_id}:{index}"
-            self.samples[seq_id] = SampleState(
+        self.bad_words_token_ids = tokenize_bad_words(tokenizer, params.bad_words or ())
+        # Entry p is prompt position p's; the first token has no context, so no logprobs (None).
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
+        # Keyed by the scheduler's sequence ids: sample 0 runs under the request's own id.
+        self.samples: dict[str, SampleState] = {
+            sample_id(request_id, index): SampleState(
                 index=index,
                 detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
                 include_stop_str=params.include_stop_str_in_output,
@@ -117,6 +127,59 @@ class RequestState:
                 logprobs=None if params.logprobs is None else [],
                 cumulative_logprob=None if params.logprobs is None else 0.0,
             )
+            for index in range(params.n)
+        }
+
+    def mark_scheduled(self, num_cached_tokens: int, now: float) -> None:
+        """Note the first step that schedules the request; admission starts it at its prefix-cache hit."""
+        if self.metrics.first_scheduled_time is None:
+            self.num_cached_tokens = num_cached_tokens
+            self.touch(first_scheduled_time=now)
+
+    def sampling_row(self, seq_id: str) -> SamplingRow:
+        """What the sampler needs to draw the next token of sample `seq_id`."""
+        sample = self.samples[seq_id]
+        return SamplingRow(
+            params=self.params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=sample.token_ids,
+            generator=sample.generator,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+    def logits_edits(self, seq_id: str) -> LogitsEdits:
+        """What the logits processors do to sample `seq_id`'s next-token logits."""
+        return LogitsEdits(
+            logit_bias=self.params.logit_bias,
+            allowed_token_ids=self.params.allowed_token_ids,
+            bad_words_token_ids=self.bad_words_token_ids,
+            output_token_ids=self.samples[seq_id].token_ids,
+        )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt position's logprobs are still to be computed."""
+        entries = self.prompt_logprobs
+        return entries is not None and len(entries) < len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the logprobs of the prompt tokens after positions start, start + 1, ... (the logits at position
+        p score prompt token p + 1); positions already recorded (a recomputation after preemption) are skipped."""
+        entries = self.prompt_logprobs
+        if entries is None:
+            return
+        first = next(iter(self.samples.values()))
+        for p, lp in enumerate(logprobs, start):
+            if p + 1 == len(entries):
+                entries.append(first.position_logprobs(self.prompt_token_ids[p + 1], lp))
+
+    def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
+        """Record sample `seq_id`'s new token at time `now`; return the stop string it completes, if any."""
+        sample = self.samples[seq_id]
+        # The scheduler stops on it once the output, this token included, reaches min_tokens.
+        is_stop = token_id in self.stop_token_ids and len(sample.token_ids) + 1 >= self.params.min_tokens
+        self.touch(first_token_time=now, last_token_time=now)
+        return sample.add(token_id, logprobs, is_stop_token=is_stop)
 
     @property
     def finished(self) -> bool:
@@ -131,6 +194,16 @@ class RequestState:
             sample.stop_reason = stop_reason
         if self.finished and self.metrics.finished_time is None:
             self.touch(finished_time=time.monotonic())
+
+    def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
+        """Finish the sample the scheduler finished, for its reason (a stop string wins over a length cap)."""
+        seq_id = request.request_id
+        if stop_string is not None:
+            self.finish(seq_id, "stop", stop_string)
+        elif request.finish_reason == "stop":
+            self.finish(seq_id, "stop", request.stop_token_id)
+        else:
+            self.finish(seq_id, "length")
 
     def touch(self, **times: float) -> None:
         """Set metric timestamps (first_scheduled_time, first_token_time, ...) that are not set yet."""
@@ -147,4 +220,5 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
         )

@@ -13,14 +13,13 @@ from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, ke
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
 from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model
 from pagoda.server.models.base import CausalLM
-from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger("pagoda.engine")
 _PACK_BATCH = 128
 
-DEFAULT_MAX_MODEL_LEN = (
-    8192  # cap for models whose context is longer (a 128k KV cache per request is rarely wanted)
-)
+# The cap for models whose context is longer (a 128k KV cache per request is rarely wanted).
+DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,7 +34,6 @@ class EngineParts:
 
     model: CausalLM
     tokenizer: PreTrainedTokenizerBase
-    hf_config: PretrainedConfig
     model_name: str
     model_path: Path
     device: torch.device
@@ -102,14 +100,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
         dtype=dtype,
         device=device,
         cache_dir=None if config.cache_dir is None else Path(config.cache_dir),
+        tokenizer=config.tokenizer,
     )
     # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
     # for 110 rows across hints of 32-2048).
     rows = min(config.max_num_seqs, _PACK_BATCH)
     if packed := loaded.model.pack_weights(rows):
         logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
-    hf_config = loaded.hf_config
-    text_config = hf_config.get_text_config()
+    text_config = loaded.hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
@@ -127,8 +125,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
             f"({max(num_blocks, 0) * config.block_size} tokens), less than one request of max_model_len "
             f"({max_model_len}); raise {knob} or lower --max-model-len"
         )
+    if config.max_input_tokens is not None and config.max_input_tokens >= max_model_len:
+        # TGI's rule: a prompt of max_input_tokens must leave room for at least one output token.
+        raise EngineConfigError(
+            f"max_input_tokens ({config.max_input_tokens}) must be below max_model_len ({max_model_len}); "
+            "lower --max-input-tokens or raise --max-model-len (--max-total-tokens)"
+        )
     num_host_blocks = (
-        shape.blocks_in(config.swap_space_gib * 2**30) if config.preemption_mode == "swap" else 0
+        shape.blocks_in(config.swap_space_gib * 2**30) if config.preemption_mode != "recompute" else 0
     )
     kv_cache = KVCache(shape, num_blocks, num_host_blocks, device, backend)
     logger.info(
@@ -153,7 +157,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(
         model=model,
         tokenizer=loaded.tokenizer,
-        hf_config=hf_config,
         model_name=config.model or DEFAULT_MODEL_NAME,
         model_path=loaded.model_path,
         device=device,

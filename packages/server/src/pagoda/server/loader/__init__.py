@@ -22,6 +22,7 @@ __all__ = [
     "default_cache_root",
     "load_model",
     "resolve_model_folder",
+    "resolve_tokenizer_folder",
 ]
 
 
@@ -50,17 +51,36 @@ def resolve_model_folder(model: str | None, cache_dir: Path | None = None) -> Pa
     )
 
 
+def resolve_tokenizer_folder(tokenizer: str) -> Path:
+    """The folder of a `--tokenizer` path: tokenizer files without a model, as vLLM's `--tokenizer` takes."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(
+        f"tokenizer {tokenizer!r} is not a folder of tokenizer files (Pagoda loads local files only and never "
+        "downloads from a hub)"
+    )
+
+
 def load_model(
-    model: str | None, *, dtype: torch.dtype, device: torch.device, cache_dir: Path | None = None
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: Path | None = None,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
     """Load `model` (see `resolve_model_folder`) onto `device` in `dtype`, with its config and tokenizer.
 
-    Every parameter must come from the checkpoint (`WeightLoadError` otherwise); an unsupported architecture
-    raises `UnsupportedArchitectureError` listing the supported ones.
+    The tokenizer comes from the `tokenizer` folder when given, else from the model's folder. Every parameter
+    must come from the checkpoint (`WeightLoadError` otherwise); an unsupported architecture raises
+    `UnsupportedArchitectureError` listing the supported ones.
     """
+    # Resolved first: a wrong tokenizer path fails before seconds of weight loading, not after.
+    tokenizer_folder = None if tokenizer is None else resolve_tokenizer_folder(tokenizer)
     folder = resolve_model_folder(model, cache_dir)
     hf_config = AutoConfig.from_pretrained(folder)
     built = build_model(hf_config, dtype, device)
     load_safetensors(built, safetensors_files(folder))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(model=built, hf_config=hf_config, tokenizer=tokenizer, model_path=folder)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or folder)
+    return LoadedModel(model=built, hf_config=hf_config, tokenizer=loaded_tokenizer, model_path=folder)

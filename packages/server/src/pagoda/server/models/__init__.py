@@ -1,6 +1,6 @@
 """Model implementations over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3 and Gemma 3 (text)."""
 
-from pagoda.server.models.attention import Attention, AttentionMetadata, KVCache
+from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
 from pagoda.server.models.registry import (
     UnsupportedArchitectureError,
@@ -13,8 +13,8 @@ __all__ = [
     "Attention",
     "AttentionMetadata",
     "CausalLM",
-    "KVCache",
     "KVCacheSpec",
+    "LayerKVCache",
     "PackedShard",
     "UnsupportedArchitectureError",
     "build_model",

@@ -8,7 +8,7 @@ from pagoda.pagedkernel import KernelBackend
 from torch import Tensor, nn
 
 # One layer's paged cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-KVCache = tuple[Tensor, Tensor]
+LayerKVCache = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         q: Tensor,  # [num_tokens, num_heads, head_dim]
         k: Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: KVCache,
+        kv_cache: LayerKVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, num_heads * head_dim]
         """Attention output of every query token, heads flattened."""

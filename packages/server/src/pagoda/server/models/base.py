@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
-from pagoda.server.models.attention import AttentionMetadata, KVCache
+from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.layers import Linear, linear, pack_weight, softcap
 from torch import Tensor, nn
 
@@ -45,7 +45,7 @@ class CausalLM(nn.Module, ABC):
         self,
         input_ids: Tensor,  # int64 [num_tokens]
         positions: Tensor,  # int64 [num_tokens]
-        kv_caches: Sequence[KVCache],  # one per layer
+        kv_caches: Sequence[LayerKVCache],  # one per layer
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden_size]
         """The final hidden state of every token, writing the tokens' K/V into the caches on the way."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.models.attention import Attention, AttentionMetadata, KVCache
+from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, KVCacheSpec
 from pagoda.server.models.layers import (
     Embedding,
@@ -81,7 +81,7 @@ class LlamaAttention(nn.Module):
         x: Tensor,  # [num_tokens, hidden]
         cos: Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: KVCache,
+        kv_cache: LayerKVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Self-attention of the step's tokens."""
@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
         x: Tensor,  # [num_tokens, hidden]
         cos: Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: KVCache,
+        kv_cache: LayerKVCache,
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
@@ -193,7 +193,7 @@ class LlamaForCausalLM(DecoderLM):
         self,
         input_ids: Tensor,  # int64 [num_tokens]
         positions: Tensor,  # int64 [num_tokens]
-        kv_caches: Sequence[KVCache],  # one per layer
+        kv_caches: Sequence[LayerKVCache],  # one per layer
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states of the step's tokens."""

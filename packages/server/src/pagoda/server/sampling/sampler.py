@@ -70,8 +70,11 @@ class Sampler:
         self,
         logits: Tensor,  # [num_rows, vocab] raw model logits (any float dtype), one row per sample to draw
         rows: Sequence[SamplingRow],
+        raw_logits: Tensor
+        | None = None,  # [num_rows, vocab]: the logits before the engine's logits processors
     ) -> SamplerOutput:
-        """Sample one token per row; logprobs (where asked) are of the raw logits, in float32."""
+        """Sample one token per row; logprobs (where asked) are of the raw logits (`raw_logits` when the engine
+        processed `logits`), in float32."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
         if all(row.params.greedy and row.params.logprobs is None for row in rows) and not needs_history(rows):
@@ -89,7 +92,8 @@ class Sampler:
             if random_rows:
                 index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
                 token_ids[index] = self._sample(processed, writable, random_rows, rows)
-        logprobs = compute_logprobs(logits, token_ids, [row.params.logprobs for row in rows])
+        raw = logits if raw_logits is None else raw_logits.float()
+        logprobs = compute_logprobs(raw, token_ids, [row.params.logprobs for row in rows])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
     @staticmethod

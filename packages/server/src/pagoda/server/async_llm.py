@@ -16,8 +16,9 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
-from pagoda.server.api.engine_client import EngineClient
-from pagoda.server.api.metrics import ServerMetrics
+from pagoda.scheduler import RequestRejectedError
+from pagoda.server.engine_client import EngineClient
+from pagoda.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -34,6 +35,15 @@ class EngineDrainingError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many sequences are waiting; retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRequest:
+    """One engine request of an HTTP request: its id, its prompt's token ids and (if it had one) its text."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    prompt: str | None = None
 
 
 @dataclass(slots=True)
@@ -100,13 +110,20 @@ class AsyncLLM:
     """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
 
     def __init__(
-        self, engine: EngineClient, *, served_model_name: str, max_waiting_requests: int | None = None
+        self,
+        engine: EngineClient,
+        *,
+        served_model_name: str,
+        max_waiting_requests: int | None = None,
+        metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+        max_concurrent_requests: int | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
+        self.max_concurrent_requests = max_concurrent_requests  # TGI's limit on requests (prompts) in flight
         self._stats: EngineStats = engine.get_stats()
-        self.metrics = ServerMetrics(served_model_name, lambda: self._stats)
+        self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None
@@ -177,6 +194,39 @@ class AsyncLLM:
 
     # --- requests (event loop side) --------------------------------------------------------------------
 
+    def check_admission(self, num_seqs: int, n: int) -> None:
+        """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`).
+
+        It fits when the pending sequences plus its own stay within --max-waiting-requests, and its prompts plus
+        those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
+        RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
+        """
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop has stopped")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        num_prompts = num_seqs // n
+        concurrent = self.max_concurrent_requests
+        if concurrent is not None:
+            if num_prompts > concurrent:
+                raise RequestRejectedError(
+                    f"the request has {num_prompts} prompts, more than --max-concurrent-requests ({concurrent})",
+                    "prompt",
+                )
+            if self._num_active + num_prompts > concurrent:
+                raise EngineOverloadedError(f"{self._num_active} requests are in flight (limit {concurrent})")
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise RequestRejectedError(
+                f"the request has {num_seqs} sequences (prompts x n), more than --max-waiting-requests "
+                f"({limit}) admits at once; it can never be admitted",
+                "n" if n > limit else "prompt",
+            )
+        if self._num_pending_seqs + num_seqs > limit:
+            raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
+
     async def add_request(
         self,
         request_id: str,
@@ -185,40 +235,51 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
     ) -> RequestStream:
-        """Admit a request and wait until the engine accepted it (at most one step); returns its stream.
+        """Admit one request and wait until the engine accepted it (at most one step); returns its stream."""
+        (stream,) = await self.add_requests([PromptRequest(request_id, prompt_token_ids, prompt)], params)
+        return stream
 
-        Raises EngineDeadError, EngineDrainingError or EngineOverloadedError, or the engine's ValueError
-        (with `param`) when it rejects the request. Close the stream (or exhaust it) when done.
+    async def add_requests(
+        self, prompts: Sequence[PromptRequest], params: SamplingParams
+    ) -> list[RequestStream]:
+        """Admit the prompts of one HTTP request as one admission, then wait until the engine accepted them all.
+
+        Raises EngineDeadError, EngineDrainingError, EngineOverloadedError or RequestRejectedError (see
+        `check_admission`), or the engine's ValueError (with `param`) when it rejects a prompt; then none of the
+        prompts stays in the engine. Close the streams (or exhaust them) when done.
         """
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop has stopped")
-        if self._draining:
-            raise EngineDrainingError("the server is shutting down")
-        limit = self.max_waiting_requests
-        # A request with n samples counts n; an empty queue always admits one request, whatever its n.
-        if limit is not None and self._num_pending_seqs > 0 and self._num_pending_seqs + params.n > limit:
-            raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
-        stream = _Stream(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=tuple(prompt_token_ids),
-            n=params.n,
-            arrival=time.monotonic(),
-        )
-        handle = RequestStream(self, stream)
+        self.check_admission(len(prompts) * params.n, params.n)
+        now = time.monotonic()
+        streams = [
+            _Stream(
+                request_id=p.request_id,
+                prompt=p.prompt,
+                prompt_token_ids=tuple(p.prompt_token_ids),
+                n=params.n,
+                arrival=now,
+            )
+            for p in prompts
+        ]
+        # Counted as pending from here on, synchronously with the check above: no other request interleaves.
+        handles = [RequestStream(self, stream) for stream in streams]
         try:
             with self._lock:
                 if self._dead is not None:
                     raise EngineDeadError("the engine loop has stopped")
-                self._commands.put(_Add(stream, params))
-            accepted = await stream.queue.get()
-            if isinstance(accepted, Exception):
-                handle.finished = True  # never entered the engine
-                raise accepted
+                for stream in streams:
+                    self._commands.put(_Add(stream, params))
+            accepted = [await stream.queue.get() for stream in streams]
+            failure = next((a for a in accepted if isinstance(a, Exception)), None)
+            for handle, item in zip(handles, accepted, strict=True):
+                if isinstance(item, Exception):
+                    handle.finished = True  # never entered the engine
+            if failure is not None:
+                raise failure
         except BaseException:
-            handle.close()
+            for handle in handles:
+                handle.close()
             raise
-        return handle
+        return handles
 
     async def generate(
         self,
@@ -268,11 +329,17 @@ class AsyncLLM:
                 self._stats = engine.get_stats()
                 if not engine.has_unfinished_requests():
                     continue
+                before = self._stats
                 outputs = engine.step()
                 now = time.monotonic()
                 for output in outputs:
                     self._dispatch(output, now)
                 self._stats = engine.get_stats()
+                num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
+                    before.prompt_tokens + before.generation_tokens
+                )
+                if num_tokens > 0:
+                    self.metrics.observe_iteration(num_tokens)
         except BaseException as exc:
             logger.exception("the engine loop failed; every in-flight request fails")
             self._die(exc)
@@ -319,8 +386,14 @@ class AsyncLLM:
     def _abort(self, request_id: str, *, notify: bool) -> None:
         stream = self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
-        if stream is not None and notify:
-            self._push(stream, _aborted_snapshot(stream))
+        if stream is None:
+            return
+        snapshot = _aborted_snapshot(stream)
+        for sample in snapshot.outputs:
+            if sample.finish_reason == "abort":
+                self.metrics.observe_finished("abort")
+        if notify:
+            self._push(stream, snapshot)
 
     def _dispatch(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -332,6 +405,7 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
                 self.metrics.observe_e2e(now - stream.arrival)
+                self.metrics.observe_request(output)
         except Exception as exc:  # a fault in one request's bookkeeping fails that request only
             logger.exception("request %s failed", output.request_id)
             self._streams.pop(output.request_id, None)

@@ -1,4 +1,4 @@
-"""The narrow interface the server needs from an engine; `pagoda.server.engine.LLMEngine` satisfies it."""
+"""The narrow interface `AsyncLLM` needs from an engine; `pagoda.server.engine.LLMEngine` satisfies it."""
 
 from __future__ import annotations
 

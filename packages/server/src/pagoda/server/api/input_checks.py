@@ -1,0 +1,105 @@
+"""Cheap checks of request text that run before any tokenization: lone surrogates, a sound length bound."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+# Normalizers and pre-tokenizers that never shorten the text (so every character still reaches a token).
+_LENGTH_KEEPING_NORMALIZERS = {"Prepend", "Replace", "Sequence"}
+_LENGTH_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "Sequence"}
+
+
+def _keeps_length(node: Mapping[str, Any] | None, allowed: set[str]) -> bool:
+    if node is None:
+        return True
+    kind = node.get("type")
+    if kind not in allowed:
+        return False
+    if kind == "Sequence":
+        children = node.get("normalizers") or node.get("pretokenizers") or []
+        return all(_keeps_length(child, allowed) for child in children)
+    if kind == "Replace":  # only a literal pattern replaced by content at least as long
+        pattern = node.get("pattern", {})
+        return "String" in pattern and len(node.get("content", "")) >= len(pattern["String"])
+    if kind == "Split":
+        return node.get("behavior") != "Removed"
+    return True
+
+
+def max_chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most characters of prompt text one token can stand for, or None when no sound bound is known.
+
+    A BPE whose normalizer and pre-tokenizer never drop characters turns every character (byte, for byte-level
+    BPE) into part of exactly one token, and no token is longer than the longest vocabulary entry; so a text of
+    c characters has at least c / L tokens. Models that map a run of unknown text to one token (WordPiece,
+    Unigram, fused unknowns) or added tokens that swallow whitespace (lstrip, rstrip) get no bound.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback")):
+        return None
+    if not _keeps_length(spec.get("normalizer"), _LENGTH_KEEPING_NORMALIZERS):
+        return None
+    if not _keeps_length(spec.get("pre_tokenizer"), _LENGTH_KEEPING_PRE_TOKENIZERS):
+        return None
+    if any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens", [])):
+        return None
+    return max(1, *(len(token) for token in tokenizer.get_vocab()))
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int | None:
+    """Prompt texts longer than this (in characters) have more than max_model_len tokens; None: no bound."""
+    per_token = max_chars_per_token(tokenizer)
+    return None if per_token is None else per_token * max_model_len
+
+
+def first_lone_surrogate(data: Any) -> tuple[str, ...] | None:
+    """Where parsed JSON holds a string (key or value) with a lone UTF-16 surrogate: the path of the value or
+    of the object whose key it is (() for the body itself); None if nowhere.
+
+    JSON may escape a surrogate half alone ("\\ud800"); Python then holds a str that cannot be encoded, which
+    the tokenizer and every response would fail on. Walks without recursion: the data may be deep.
+    """
+    # Each entry links to its parent's path, so that the walk stays linear in the depth.
+    stack: list[tuple[_Path, Any]] = [(None, data)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if _has_surrogate(node):
+                return _unlink(path)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if _has_surrogate(key):
+                    return _unlink(path)
+                stack.append(((key, path), value))
+        elif isinstance(node, list):
+            stack.extend(((str(i), path), value) for i, value in enumerate(node))
+    return None
+
+
+_Path = tuple[str, "_Path"] | None
+
+
+def _unlink(path: _Path) -> tuple[str, ...]:
+    parts: list[str] = []
+    while path is not None:
+        parts.append(path[0])
+        path = path[1]
+    return tuple(reversed(parts))
+
+
+def _has_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

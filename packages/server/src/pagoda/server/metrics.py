@@ -1,0 +1,190 @@
+"""Prometheus metrics under vLLM's names and meanings, with a `pagoda:` prefix (`--metrics-prefix vllm` gives vLLM's
+own names, so stock vLLM Grafana dashboards work unchanged), in a registry owned by one app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from pagoda.server.outputs import EngineStats, FinishReason, RequestOutput
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Latency buckets in seconds: from one fast CPU step to a long generation.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+# vLLM's buckets for the phase histograms (queue, prefill, decode, inference) and tokens per engine step.
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_METRICS_PREFIX = "pagoda"
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the engine's gauges and counters at scrape time, so they never go stale or double count."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], prefix: str) -> None:
+        self._model_name = model_name
+        self._stats = stats
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[Metric]:
+        """Yield one family per engine gauge and counter."""
+        stats = self._stats()
+        labels = ["model_name"]
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("num_requests_swapped", "Requests swapped out to host memory.", stats.num_swapped),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage),
+        ]
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+        counters = [
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            ("prefix_cache_hits", "Prompt tokens served by the prefix cache.", stats.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted to free KV-cache blocks.", stats.num_preemptions),
+            ("prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens),
+            ("generation_tokens", "Tokens generated.", stats.generation_tokens),
+        ]
+        for name, doc, count in counters:
+            counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
+            counter.add_metric([self._model_name], float(count))
+            yield counter
+        # vLLM's info gauge: the cache configuration as labels, value 1.
+        info = {
+            "block_size": str(stats.block_size),
+            "num_gpu_blocks": str(stats.num_kv_blocks),
+            "num_cpu_blocks": str(stats.num_host_blocks),
+            "enable_prefix_caching": str(stats.enable_prefix_caching),
+        }
+        config = GaugeMetricFamily(
+            f"{self._prefix}:cache_config_info",
+            "Information of the KV-cache configuration.",
+            labels=list(info),
+        )
+        config.add_metric(list(info.values()), 1.0)
+        yield config
+
+
+class ServerMetrics:
+    """The app's metrics: engine stats read on scrape, and latency histograms fed by the request streams."""
+
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats], prefix: str = DEFAULT_METRICS_PREFIX
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(model_name, stats, prefix))
+        self._model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=self.registry)
+            return family.labels(model_name)
+
+        self._queue = histogram(
+            "request_queue_time_seconds", "Seconds a request waited to be scheduled.", _PHASE_BUCKETS
+        )
+        self._prefill = histogram(
+            "request_prefill_time_seconds", "Seconds from first scheduled to the first token.", _PHASE_BUCKETS
+        )
+        self._decode = histogram(
+            "request_decode_time_seconds", "Seconds from the first token to the last.", _PHASE_BUCKETS
+        )
+        self._inference = histogram(
+            "request_inference_time_seconds",
+            "Seconds from first scheduled to the last token.",
+            _PHASE_BUCKETS,
+        )
+        self._tpot = histogram(
+            "time_per_output_token_seconds",
+            "Seconds between two generated tokens of one request.",
+            _ITL_BUCKETS,
+        )
+        self._request_tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "A request's decode time per generated token after the first.",
+            _ITL_BUCKETS,
+        )
+        self._iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens computed or generated per engine step.",
+            _ITERATION_TOKEN_BUCKETS,
+        )
+        self._success = Counter(
+            f"{prefix}:request_success",
+            "Requests (each of n samples) finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            f"{prefix}:time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._itl = Histogram(
+            f"{prefix}:inter_token_latency_seconds",
+            "Seconds between two generated tokens of one request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            f"{prefix}:e2e_request_latency_seconds",
+            "Seconds from arrival to finish.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+
+    def observe_first_token(self, seconds: float) -> None:
+        """Record one request's time to first token."""
+        self._ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float, num_tokens: int = 1) -> None:
+        """Record the gap before `num_tokens` new tokens (one observation per token, the gap split evenly)."""
+        for _ in range(num_tokens):
+            self._itl.observe(seconds / num_tokens)
+            self._tpot.observe(seconds / num_tokens)
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        """Record one engine step's tokens (prompt tokens computed plus tokens generated)."""
+        self._iteration_tokens.observe(num_tokens)
+
+    def observe_finished(self, reason: FinishReason) -> None:
+        """Count one finished sample by its finish reason."""
+        self._success.labels(self._model_name, reason).inc()
+
+    def observe_request(self, output: RequestOutput) -> None:
+        """Record a finished request's finish reasons and phase times (vLLM's definitions)."""
+        for sample in output.outputs:
+            if sample.finish_reason is not None:
+                self.observe_finished(sample.finish_reason)
+        m = output.metrics
+        if m.first_scheduled_time is None:
+            return
+        self._queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None or m.last_token_time is None:
+            return
+        self._prefill.observe(m.first_token_time - m.first_scheduled_time)
+        self._decode.observe(m.last_token_time - m.first_token_time)
+        self._inference.observe(m.last_token_time - m.first_scheduled_time)
+        num_tokens = max(len(sample.token_ids) for sample in output.outputs)
+        if num_tokens > 1:
+            self._request_tpot.observe((m.last_token_time - m.first_token_time) / (num_tokens - 1))
+
+    def observe_e2e(self, seconds: float) -> None:
+        """Record one request's end-to-end latency."""
+        self._e2e.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

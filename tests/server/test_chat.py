@@ -1,0 +1,42 @@
+"""chat.py: which template renders a conversation, and the errors both front doors share."""
+
+from __future__ import annotations
+
+import pytest
+from api_fake_engine import make_char_tokenizer
+from pagoda.server.chat import GEMMA_CHAT_TEMPLATE, ChatTemplateError, render_chat, resolve_chat_template
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def test_the_tokenizers_own_template_wins_over_gemmas() -> None:
+    """A tokenizer's own template is used; a Gemma vocabulary without one gets the built-in Gemma template."""
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert resolve_chat_template(make_char_tokenizer(chat_template=own)) == own
+    assert resolve_chat_template(make_char_tokenizer()) == GEMMA_CHAT_TEMPLATE
+
+
+def test_render_chat_writes_the_generation_prompt() -> None:
+    """The Gemma template folds the system turn into the user turn and opens the model's turn."""
+    tokenizer = make_char_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, *HELLO]
+    text = render_chat(tokenizer, GEMMA_CHAT_TEMPLATE, messages)
+    assert text == "<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+    closed = render_chat(tokenizer, GEMMA_CHAT_TEMPLATE, messages, add_generation_prompt=False)
+    assert closed == text.removesuffix("<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize(
+    ("template", "messages", "message"),
+    [
+        (GEMMA_CHAT_TEMPLATE, [], "must not be empty"),
+        (None, HELLO, "no chat template"),
+        ("{{ raise_exception('roles must alternate') }}", HELLO, "roles must alternate"),
+    ],
+)
+def test_unrenderable_conversations_raise_chat_template_error(
+    template: str | None, messages: list[dict[str, str]], message: str
+) -> None:
+    """Empty conversations, a missing template and the template's own checks raise one ValueError subclass."""
+    with pytest.raises(ChatTemplateError, match=message):
+        render_chat(make_char_tokenizer(), template, messages)

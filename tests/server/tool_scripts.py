@@ -1,0 +1,20 @@
+"""Load a script of tools/ (not a package) as a module, for the tests of that tool."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load_tool(filename: str) -> ModuleType:
+    """tools/`filename` as a module, registered in sys.modules so that its dataclasses resolve."""
+    spec = importlib.util.spec_from_file_location(f"pagoda_tool_{Path(filename).stem}", TOOLS / filename)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,214 @@
+"""Soak benchmark: does the server's memory stay flat over many requests?
+
+Starts `pagoda serve` (on a tiny random Llama by default, `--model PATH` for a real one, `--default-model` for
+the server's default), sends `--requests` requests of mixed shapes (prompt lengths, max_tokens, n, completions
+or chat, streamed or not, some cancelled mid-stream) with `--concurrency` in flight, and prints the server's
+RSS every `--every` requests, then the growth per 1,000 requests after `--warmup` requests.
+
+    python tools/soak.py --requests 5000
+    python tools/soak.py --default-model --requests 3000 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "soak"
+_WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "at", "be", "this")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The server's RSS after a number of finished requests."""
+
+    requests: int
+    rss_bytes: int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="model folder or .gguf (default: a tiny random Llama)")
+    which.add_argument("--default-model", action="store_true", help="the server's default model")
+    parser.add_argument("--requests", type=int, default=5000, help="requests to send")
+    parser.add_argument("--every", type=int, default=500, help="sample the RSS every this many requests")
+    parser.add_argument("--warmup", type=int, default=1000, help="requests before the growth is measured")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--max-prompt-words", type=int, default=200, help="longest prompt, in words")
+    parser.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens")
+    parser.add_argument(
+        "--cancel-fraction", type=float, default=0.1, help="streams cancelled after one chunk"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra `pagoda serve` argument")
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.every < 1 or args.concurrency < 1:
+        parser.error("--requests, --every and --concurrency must be >= 1")
+    return args
+
+
+@contextmanager
+def model_source(args: argparse.Namespace) -> Iterator[list[str]]:
+    """The model arguments of `pagoda serve`: as given, none for the default, or a tiny model built here."""
+    if args.default_model:
+        yield []
+        return
+    if args.model is not None:
+        yield [args.model]
+        return
+    sys.path.insert(0, str(ROOT / "tests" / "server"))
+    from tiny_models import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="soak-tiny-") as tmp:
+        yield [str(make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=1024))]
+
+
+@contextmanager
+def running_server(model_args: list[str], args: argparse.Namespace) -> Iterator[subprocess.Popen[bytes]]:
+    """A `pagoda serve` subprocess, healthy, stopped with SIGTERM at exit."""
+    command = [sys.executable, "-m", "pagoda.server.cli", "serve", *model_args, "--port", str(args.port)]
+    command += ["--served-model-name", MODEL_NAME, "--log-level", "warning", *args.serve_arg]
+    process = subprocess.Popen(command, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy")
+            time.sleep(0.2)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def request_body(rng: random.Random, args: argparse.Namespace) -> tuple[str, dict[str, Any], bool]:
+    """(route, JSON body, cancel after the first chunk) of one request of random shape."""
+    text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, args.max_prompt_words)))
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "max_tokens": rng.randint(1, args.max_tokens),
+        "n": rng.choice([1, 1, 1, 2, 3]),
+        "stream": rng.random() < 0.5,
+        "temperature": rng.choice([0.0, 0.8]),
+        "ignore_eos": True,
+    }
+    if rng.random() < 0.5:
+        route, body["prompt"] = "/v1/completions", text
+    else:
+        route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+    cancel = body["stream"] and rng.random() < args.cancel_fraction
+    return route, body, cancel
+
+
+async def send(client: httpx.AsyncClient, route: str, body: dict[str, Any], cancel: bool) -> None:
+    """Send one request; a cancelled stream closes its connection after the first chunk."""
+    if not body["stream"]:
+        response = await client.post(route, json=body)
+        response.raise_for_status()
+        return
+    async with client.stream("POST", route, json=body) as response:
+        response.raise_for_status()
+        async for _ in response.aiter_bytes():
+            if cancel:
+                return  # leaving the block closes the connection mid-stream: the server aborts the request
+
+
+async def soak(args: argparse.Namespace, server: psutil.Process) -> list[Sample]:
+    """Send the requests; the server's RSS at the start and after every `--every` of them."""
+    rng = random.Random(args.seed)
+    shapes = [request_body(rng, args) for _ in range(args.requests)]
+    samples = [Sample(0, server.memory_info().rss)]
+    print(HEADER, row(samples[0], None), sep="\n", flush=True)
+    limits = httpx.Limits(max_connections=args.concurrency)
+    base_url = f"http://127.0.0.1:{args.port}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        queue: asyncio.Queue[tuple[str, dict[str, Any], bool]] = asyncio.Queue()
+        for shape in shapes:
+            queue.put_nowait(shape)
+        done = 0
+        progress = tqdm(total=args.requests, unit="req")
+
+        async def worker() -> None:
+            nonlocal done
+            while not queue.empty():
+                await send(client, *queue.get_nowait())
+                done += 1
+                progress.update()
+                if done % args.every == 0:
+                    samples.append(Sample(done, server.memory_info().rss))
+                    progress.write(row(samples[-1], samples[-2]))
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        progress.close()
+    return samples
+
+
+def growth_per_1000(samples: list[Sample], warmup: int) -> float | None:
+    """RSS growth in MB per 1,000 requests between the first sample at or after `warmup` and the last."""
+    after = [sample for sample in samples if sample.requests >= warmup]
+    if len(after) < 2 or after[-1].requests == after[0].requests:
+        return None
+    grown = (after[-1].rss_bytes - after[0].rss_bytes) / 2**20
+    return grown * 1000 / (after[-1].requests - after[0].requests)
+
+
+HEADER = f"{'requests':>9} {'RSS MB':>9} {'delta MB':>9}"
+
+
+def row(sample: Sample, previous: Sample | None) -> str:
+    """One table row: requests, RSS and the change since the previous sample, in MB."""
+    delta = "" if previous is None else f"{(sample.rss_bytes - previous.rss_bytes) / 2**20:+9.1f}"
+    return f"{sample.requests:>9} {sample.rss_bytes / 2**20:>9.1f} {delta:>9}"
+
+
+def table(samples: list[Sample]) -> str:
+    """The whole table of `samples`."""
+    return "\n".join([HEADER, *(row(s, p) for p, s in zip([None, *samples], samples, strict=False))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak and print the RSS table and the growth after warm-up."""
+    args = parse_args(argv)
+    with model_source(args) as model_args, running_server(model_args, args) as process:
+        samples = asyncio.run(soak(args, psutil.Process(process.pid)))
+    growth = growth_per_1000(samples, args.warmup)
+    if growth is None:
+        print(f"growth after warm-up: not measured (fewer than two samples after {args.warmup} requests)")
+    else:
+        print(f"growth after {args.warmup} warm-up requests: {growth:+.2f} MB per 1,000 requests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
