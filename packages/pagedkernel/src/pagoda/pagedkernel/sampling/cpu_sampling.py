@@ -11,73 +11,38 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import cpu_backend, csrc
+from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from torch import Tensor
 
 SOURCE_FILE = "cpu_sampling.c"
 ENTRY = "pagoda_sample"
 # -ffp-contract=off: no fused multiply-add, so every float operation rounds as the torch specification's does.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 OPENMP_FLAGS = ("-fopenmp",)
-DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-# TODO(lead): fold into cbuild (this is cpu_backend.build with the source and flags as arguments).
-def build_library(source_file: str, flags: tuple[str, ...], stem: str) -> Path:
-    """Compile csrc/`source_file` with `flags` (OpenMP when the compiler has it) unless cached; the library's path.
-
-    Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
-    """
-    compiler = cpu_backend.find_compiler()
-    if compiler is None:
-        raise BackendUnavailableError(
-            f"the 'cpu' backend compiles {source_file} at first use and found no C compiler; install gcc "
-            "(or set CC), or use the 'torch' backend"
-        )
-    source = csrc.read_source(source_file)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    signature = cpu_backend._cpu_signature()
-    key = hashlib.sha256("\0".join([source, *flags, version, signature]).encode()).hexdigest()[:24]
-    target = cpu_backend.cache_dir() / f"{stem}_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / source_file
-        src.write_text(source, encoding="utf-8")
-        lib = Path(tmp) / target.name
-        for extra in (OPENMP_FLAGS, ()):
-            done = subprocess.run(
-                [compiler, *flags, *extra, str(src), "-o", str(lib), "-lm"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if done.returncode == 0:
-                break
-        else:
-            raise BackendUnavailableError(
-                f"compiling {source_file} failed ({compiler} exit {done.returncode}):\n{done.stderr.strip()}\n"
-                "use the 'torch' backend instead"
-            )
-        os.replace(lib, target)  # atomic: a concurrent process sees no file or a whole one
-    return target
+DTYPE_IDS = csrc.DTYPE_IDS
 
 
 def build(dtype: torch.dtype, flags: tuple[str, ...] = CFLAGS) -> Path:
-    """The sampling library for logits of `dtype`, compiled unless cached."""
-    name = str(dtype).removeprefix("torch.")
-    return build_library(SOURCE_FILE, (*flags, f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}"), f"cpu_sampling_{name}")
+    """The sampling library for logits of `dtype`, compiled unless cached (see `cbuild.build`).
+
+    Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
+    """
+    return cbuild.build(
+        SOURCE_FILE,
+        csrc.read_source(SOURCE_FILE),
+        (*flags, f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}"),
+        variant=str(dtype).removeprefix("torch."),
+        owner="the 'cpu' sampling backend",
+        instead="use the 'torch' sampling backend",
+        alternatives=(OPENMP_FLAGS, ()),
+        libraries=("-lm",),
+    )
 
 
 def load(library: Path) -> Callable[..., int]:

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.registry import triton_interpreted
+from pagoda.pagedkernel.backend import BackendUnavailableError, triton_interpreted
 from pagoda.pagedkernel.sampling import torch_sampling
 from pagoda.pagedkernel.sampling.logprobs import compute_logprobs
 from pagoda.pagedkernel.sampling.params import MAX_VOCAB, SampleOutput, SamplingTensors
