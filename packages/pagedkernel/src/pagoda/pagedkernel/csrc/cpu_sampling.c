@@ -1,0 +1,717 @@
+/* Fused sampling on the CPU: temperature, min_p, top_k, top_p and a Gumbel-max draw in a few passes per row.
+ *
+ * The specification is pagoda/pagedkernel/sampling/torch_sampling.py; this file computes the same tokens,
+ * bitwise, whatever the thread count. What makes that possible:
+ * - exp32/log32 below are the exact operation sequences of sampling/fmath.py, and the library is compiled with
+ *   -ffp-contract=off, so no multiply-add is fused and every operation rounds as torch's does;
+ * - truncation masses are integers (trunc(e * 2^32)) summed in int64, exact in any order;
+ * - every other step is a comparison: max, argmax (lowest index on ties), thresholds.
+ *
+ * Per sampled row (a row per OpenMP task; rows split into vocabulary slices when there are fewer rows than
+ * threads):
+ * 1. the max of the logits, its lowest index, NaN / +inf, and the 64-element chunk maxima (for top_k / top_p),
+ *    with the logits prefetched 2 KB ahead. A row without min_p, top_k and top_p is drawn in this same pass.
+ * 2. (only with top_k or top_p) thresholds on x = logits * (1/T), found without sorting the vocabulary: the
+ *    k-th largest of the chunk maxima is a lower bound for the k-th largest logit, so only the elements above it
+ *    are gathered and selected from (a quickselect over a few hundred values, usually); for top_p one
+ *    vectorised pass sums the kept mass W, the chunk maxima bound the threshold from below the same way (their
+ *    mass above a value is at most the true mass above it), and a weighted quickselect over the elements above
+ *    that bound finds the exact threshold. More than HIST_MIN candidates (flat rows, large k) are first
+ *    narrowed to one bucket of a histogram of x - m.
+ * 3. the Gumbel-max race: argmax of x - log(-log u) over the kept set. The score of an element is at most
+ *    x + 24 ln 2 (u's 23 bits bound -log u from below), so elements more than 17 below the best score so far
+ *    are skipped without hashing; the rest are gathered per chunk and hashed eight at a time, and a bound from
+ *    the word alone (-log u >= 1 - u) rejects all but a handful before the two logs. The pruning is
+ *    conservative, so the result is exactly the full argmax.
+ *
+ * Compiled by sampling/cpu_sampling.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16).
+ */
+#include <math.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef PAGODA_DTYPE
+#define PAGODA_DTYPE 0
+#endif
+
+/* Vectors of LANES floats: sixteen (one register) with AVX-512, eight (one register) otherwise; GCC splits wider
+ * generic vectors badly on AVX2 (measured 10x slower). */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint64_t vq __attribute__((vector_size(4 * LANES)));
+typedef float vfh __attribute__((vector_size(2 * LANES))); /* half a vf */
+typedef double vd __attribute__((vector_size(4 * LANES)));  /* a vfh as doubles */
+
+#if PAGODA_DTYPE == 0
+typedef float scalar_t;
+static inline float load1(const scalar_t *p) { return *p; }
+static inline vf loadv(const scalar_t *p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+#elif PAGODA_DTYPE == 1
+typedef _Float16 scalar_t;
+typedef _Float16 vh __attribute__((vector_size(2 * LANES)));
+static inline float load1(const scalar_t *p) { return (float)*p; }
+static inline vf loadv(const scalar_t *p) {
+  vh h;
+  memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vf);
+}
+#elif PAGODA_DTYPE == 2
+typedef uint16_t scalar_t;
+typedef uint16_t vs __attribute__((vector_size(2 * LANES)));
+static inline float load1(const scalar_t *p) {
+  const uint32_t u = (uint32_t)*p << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline vf loadv(const scalar_t *p) {
+  vs s;
+  memcpy(&s, p, sizeof s);
+  const vu u = __builtin_convertvector(s, vu) << 16;
+  vf f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+#else
+#error "PAGODA_DTYPE must be 0 (float32), 1 (float16) or 2 (bfloat16)"
+#endif
+
+#define CHUNK 64         /* elements per chunk maximum (the bounds of step 2) */
+#define SLICE_ALIGN 64   /* vocabulary slices start at multiples of this (of LANES) */
+#define MAX_THREADS 256
+#define MIN_PARALLEL 65536 /* logits below which one thread does everything */
+#define MIN_SLICE 16384    /* elements of the smallest vocabulary slice */
+#define RACE_CHUNK (64 * LANES) /* elements the race gathers before hashing (a multiple of SLICE_ALIGN) */
+#define MASS_SCALE 0x1p32f
+#define GUMBEL_SPAN 17.0f /* > 24 ln 2 = 16.64: the most -log(-log u) can add to x */
+
+enum { STATUS_OK = 0, STATUS_NONFINITE = 1, STATUS_NO_TOKEN = 2 };
+
+/* ---- float32 math: the exact operation sequences of sampling/fmath.py ---- */
+
+static inline float as_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline uint32_t as_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+#define LOG2E 0x1.715476p+0f
+#define LN2_HI 0x1.63p-1f
+#define LN2_LO (-0x1.bd0106p-13f)
+#define EXP_LO (-86.0f)
+#define SQRT_HALF 0x1.6a09e6p-1f
+
+/* exp(x) for x <= 0, LANES at a time: fmath.exp32's operations lane by lane (floor as truncation corrected
+ * downwards), 0 below EXP_LO; exp of 0 is exactly 1. */
+static inline vf expv(vf x) {
+  const vf lo = (vf){0} + EXP_LO;
+  const vi under = x < lo;
+  const vf xs = (vf)((vi)x & ~under); /* keep the lanes below EXP_LO finite; they return 0 */
+  const vf t = xs * LOG2E + 0.5f;
+  vi n = __builtin_convertvector(t, vi);
+  n += (vi)(__builtin_convertvector(n, vf) > t); /* true is -1: floor for negative t */
+  const vf fn = __builtin_convertvector(n, vf);
+  vf r = xs - fn * LN2_HI;
+  r = r - fn * LN2_LO;
+  const vf z = r * r;
+  vf p = (vf){0} + 0x1.a0d2cep-13f;
+  p = p * r + 0x1.6e879cp-10f;
+  p = p * r + 0x1.11121p-7f;
+  p = p * r + 0x1.555382p-5f;
+  p = p * r + 0x1.555554p-3f;
+  p = p * r + 0x1p-1f;
+  const vf y = p * z + r + 1.0f;
+  const vf scale = (vf)((n + 127) << 23);
+  return (vf)((vi)(y * scale) & ~under);
+}
+
+/* One exp32: the vector's operations on a broadcast, so scalar and vector results are the same bits. */
+static inline float exp32(float x) { return expv((vf){0} + x)[0]; }
+
+static inline float log32(float y) {
+  const uint32_t bits = as_bits(y);
+  const float mantissa = as_float((bits & 0x007fffffu) | 0x3f000000u);
+  const int small = mantissa < SQRT_HALF;
+  const float e = (float)((int32_t)(bits >> 23) - 126 - small);
+  const float x = small ? mantissa + mantissa - 1.0f : mantissa - 1.0f;
+  const float z = x * x;
+  float p = 0x1.204376p-4f;
+  p = p * x + -0x1.d7a37p-4f;
+  p = p * x + 0x1.de4a34p-4f;
+  p = p * x + -0x1.fcba9ep-4f;
+  p = p * x + 0x1.23d37ep-3f;
+  p = p * x + -0x1.555cap-3f;
+  p = p * x + 0x1.999d58p-3f;
+  p = p * x + -0x1.fffff8p-3f;
+  p = p * x + 0x1.555554p-2f;
+  float r = p * x * z;
+  r = r + e * LN2_LO;
+  r = r - 0.5f * z;
+  return x + r + e * LN2_HI;
+}
+
+/* ---- the counter-based RNG: sampling/rng.py ---- */
+
+#define GOLDEN 0x9e3779b97f4a7c15ull
+static inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+/* Word of vocabulary index i: half i % 2 (low half first) of output i / 2 of the row's stream. */
+static inline uint32_t word_at(uint64_t key, int64_t i) {
+  const uint64_t h = mix64(key + ((uint64_t)(i >> 1) + 1) * GOLDEN);
+  return (i & 1) ? (uint32_t)(h >> 32) : (uint32_t)h;
+}
+/* The Gumbel score x - log(-log u) of a word's uniform u = (2k + 1) / 2^24. */
+static inline float gumbel_score(float x, uint32_t word) {
+  const float u = (float)(2 * (word >> 9) + 1) * 0x1p-24f;
+  return x - log32(-log32(u));
+}
+
+/* ---- vector helpers ---- */
+
+static inline vf pick(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vi picki(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
+
+/* Bit l set when lane l of a comparison result is true (one instruction with AVX-512 or AVX2). */
+static inline uint32_t mask_bits(vi m) {
+#if defined(__AVX512F__)
+  return (uint32_t)_mm512_test_epi32_mask((__m512i)m, (__m512i)m);
+#elif defined(__AVX2__)
+  return (uint32_t)_mm256_movemask_ps((__m256)m);
+#else
+  uint32_t bits = 0;
+  for (int l = 0; l < LANES; ++l) bits |= (uint32_t)(m[l] & 1) << l;
+  return bits;
+#endif
+}
+static inline int any(vi m) { return mask_bits(m) != 0; }
+
+/* LANES logits from i (lanes past n read as -inf). */
+static inline vf load_tail(const scalar_t *row, int64_t i, int64_t n) {
+  if (i + LANES <= n) return loadv(row + i);
+  vf v;
+  for (int l = 0; l < LANES; ++l) v[l] = i + l < n ? load1(row + i + l) : -INFINITY;
+  return v;
+}
+
+/* ---- per-row state ---- */
+
+typedef struct {
+  float lmax;  /* max logit of the slice / row */
+  int64_t arg; /* its lowest index */
+  int bad;     /* a NaN or +inf logit */
+  int any;     /* a logit above -inf */
+  float best;  /* step 3: best score */
+  int64_t best_i;
+} slice_t;
+
+typedef struct {
+  float inv_t, m, min_p, cut; /* cut: kept tokens have x >= cut (top_k / top_p), -inf when neither is set */
+  int64_t top_k;
+  float top_p;
+  uint64_t key;
+  int status, greedy;
+  int fused;    /* sampled without min_p, top_k or top_p: drawn during step 1, in one pass */
+  int64_t arg;  /* the argmax: always kept */
+  float s0;     /* its Gumbel score */
+  float *cm;    /* [vocab / CHUNK] chunk maxima of the logits, written by step 1 for rows with top_k or top_p */
+} row_t;
+
+typedef struct {
+  const scalar_t *logits;
+  int64_t rows, vocab, stride, slices, slice_len;
+} problem_t;
+
+/* The Gumbel-max race of one slice: the best (score, lowest index) so far, and the bounds that skip elements.
+ * Every element skipped provably scores below the best, so the race ends with the exact argmax. */
+typedef struct {
+  float best, slack, lo; /* lo: elements with x < lo cannot win (nor are they kept when below rw->cut) */
+  int64_t best_i;
+} race_t;
+
+static inline void race_set(race_t *q, float best, int64_t best_i, float cut) {
+  q->best = best, q->best_i = best_i;
+  /* Margins cover the rounding of the bounds against the computed score (2 ulp logs, |best| up to ~1e6). */
+  q->slack = best > -INFINITY ? 1e-3f + fabsf(best) * 1e-5f : 0.0f;
+  q->lo = best > -INFINITY ? best - GUMBEL_SPAN - q->slack : -INFINITY;
+  if (q->lo < cut) q->lo = cut;
+}
+
+/* Enter the kept elements of logits [begin, end) (at most RACE_CHUNK of them, begin even) in the race. Few are
+ * near enough to the best score to win (about 3% of a vocabulary of real logits at T = 1, one or two in a fifth
+ * of the blocks): they are gathered first, without a branch per block, then hashed eight at a time, and a bound
+ * from each word rejects all but a handful before the two logs. */
+static void race_chunk(race_t *q, const row_t *rw, const scalar_t *row, int64_t begin, int64_t end) {
+  int32_t at[RACE_CHUNK + 8];
+  float xs[RACE_CHUNK + 8];
+  uint32_t masks[RACE_CHUNK / LANES];
+  uint64_t blocks = 0; /* bit b: block b has a near lane */
+  const float lo = q->lo; /* it only rises during the chunk: gathering with the first is conservative */
+  for (int64_t b = 0; b * LANES < end - begin; ++b) {
+    const vf x = load_tail(row, begin + b * LANES, end) * rw->inv_t;
+    masks[b] = mask_bits((x >= lo) & (x > -INFINITY)); /* lanes past the end read -inf */
+    blocks |= (uint64_t)(masks[b] != 0) << b;
+  }
+  int64_t n = 0;
+  for (; blocks; blocks &= blocks - 1) {
+    const int b = __builtin_ctzll(blocks);
+    for (uint32_t m = masks[b]; m; m &= m - 1) {
+      const int32_t i = b * LANES + __builtin_ctz(m);
+      at[n] = i, xs[n++] = load1(row + begin + i) * rw->inv_t;
+    }
+  }
+  for (int l = 0; l < 8; ++l) at[n + l] = 0, xs[n + l] = -INFINITY; /* the last group's unused lanes */
+  typedef uint64_t v8q __attribute__((vector_size(64)));
+  typedef uint32_t v8u __attribute__((vector_size(32)));
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32)));
+  for (int64_t g = 0; g < n; g += 8) {
+    v8i off;
+    v8f x;
+    memcpy(&off, at + g, sizeof off);
+    memcpy(&x, xs + g, sizeof x);
+    /* Word of index i: half i % 2 (low half first) of output i / 2 of the row's stream. */
+    const v8q i = (v8q)__builtin_convertvector(off, v8q) + (uint64_t)begin;
+    v8q z = rw->key + ((i >> 1) + 1) * GOLDEN;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const v8u words = __builtin_convertvector((z >> (32 * (i & 1))) & 0xffffffffu, v8u);
+    /* -log u >= 1 - u = j / 2^24 with j = 2^24 - 2k - 1 >= 2^floor(log2 j), so the score is at most
+     * x + (24 - floor(log2 j)) ln 2, floor(log2 j) read from the exponent of float(j) (exact: j < 2^24). */
+    const v8i j = (int32_t)(1 << 24) - 2 * (v8i)(words >> 9) - 1;
+    const v8i lg = ((v8i)__builtin_convertvector(j, v8f) >> 23) - 127;
+    const v8i go = x + __builtin_convertvector(24 - lg, v8f) * 0.6932f >= q->best - q->slack; /* -inf: no */
+    for (int l = 0; l < 8; ++l) {
+      if (!go[l]) continue;
+      if (rw->min_p > 0.0f && !(exp32(x[l] - rw->m) >= rw->min_p)) continue;
+      const float s = gumbel_score(x[l], words[l]);
+      if (s > q->best || (s == q->best && (int64_t)i[l] < q->best_i)) race_set(q, s, (int64_t)i[l], rw->cut);
+    }
+  }
+}
+
+/* Step 1 over one slice: max, lowest argmax, NaN / +inf; for a fused row also the draw. */
+static void scan_slice(const problem_t *p, int64_t r, const row_t *rw, int64_t begin, int64_t end, slice_t *out) {
+  const scalar_t *row = p->logits + r * p->stride;
+  vf mx = (vf){0} - INFINITY;
+  vi idx = (vi){0} - 1, bad = (vi){0};
+  vi iota;
+  for (int l = 0; l < LANES; ++l) iota[l] = l;
+  race_t q;
+  race_set(&q, -INFINITY, -1, -INFINITY);
+  vf chunk = (vf){0} - INFINITY;
+  for (int64_t c0 = begin; c0 < end; c0 += RACE_CHUNK) {
+    const int64_t c1 = c0 + RACE_CHUNK < end ? c0 + RACE_CHUNK : end;
+    for (int64_t i = c0; i < c1; i += LANES) {
+      /* Rows sit anywhere: ask for the logits 2 KB ahead, so the memory streams while the race computes. */
+      __builtin_prefetch((const char *)(row + i) + 2048);
+      const vf v = load_tail(row, i, end);
+      if (rw->cm) { /* slices start at multiples of CHUNK */
+        chunk = pick(v > chunk, v, chunk);
+        if ((i + LANES) % CHUNK == 0 || i + LANES >= end) {
+          float c = -INFINITY;
+          for (int l = 0; l < LANES; ++l) c = chunk[l] > c ? chunk[l] : c;
+          rw->cm[i / CHUNK] = c;
+          chunk = (vf){0} - INFINITY;
+        }
+      }
+      bad |= (v != v) | (v == INFINITY);
+      const vi gt = v > mx; /* strictly greater: each lane keeps its first maximum */
+      mx = pick(gt, v, mx);
+      idx = picki(gt, iota + (int32_t)(i - begin), idx);
+    }
+    if (rw->fused) race_chunk(&q, rw, row, c0, c1); /* while the chunk is in L1 */
+  }
+  float m = -INFINITY;
+  int64_t arg = -1;
+  for (int l = 0; l < LANES; ++l) {
+    if (idx[l] < 0) continue;
+    const int64_t at = begin + idx[l];
+    if (mx[l] > m || (mx[l] == m && at < arg)) m = mx[l], arg = at;
+  }
+  out->lmax = m;
+  out->arg = arg;
+  out->any = arg >= 0;
+  out->bad = any(bad);
+  out->best = q.best;
+  out->best_i = q.best_i;
+}
+
+/* Weighted selection: the smallest value v among x[0..n) with above + (the weights of x > v) < limit, by a
+ * quickselect with three-way partitions (x and w are reordered). The answer does not depend on the pivots. */
+static float select_threshold(float *x, int64_t *w, int64_t n, double limit, int64_t above) {
+  int64_t lo = 0, hi = n;
+  float answer = INFINITY;
+  while (lo < hi) {
+    const float a = x[lo], b = x[lo + (hi - lo) / 2], c = x[hi - 1];
+    const float pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+    /* [lo, gt) > pivot, [gt, i) == pivot, [lt, hi) < pivot */
+    int64_t gt = lo, i = lo, lt = hi, sum_gt = 0, sum_eq = 0;
+    while (i < lt) {
+      if (x[i] > pivot) {
+        const float tx = x[i];
+        const int64_t tw = w[i];
+        x[i] = x[gt], w[i] = w[gt];
+        x[gt] = tx, w[gt] = tw;
+        sum_gt += tw;
+        ++gt, ++i;
+      } else if (x[i] < pivot) {
+        --lt;
+        const float tx = x[i];
+        const int64_t tw = w[i];
+        x[i] = x[lt], w[i] = w[lt];
+        x[lt] = tx, w[lt] = tw;
+      } else {
+        sum_eq += w[i];
+        ++i;
+      }
+    }
+    if ((double)(above + sum_gt) < limit) { /* the pivot qualifies: look for a smaller value */
+      answer = pivot;
+      above += sum_gt + sum_eq;
+      lo = lt;
+    } else { /* the answer is above the pivot */
+      hi = gt;
+    }
+  }
+  return answer;
+}
+
+/* Whether x passes min_p (e = exp32(x - m) >= min_p); min_p = 0 passes every finite x. */
+static inline int min_p_keeps(const row_t *rw, float x) { return rw->min_p <= 0.0f || exp32(x - rw->m) >= rw->min_p; }
+
+/* Histogram buckets of x by d = x - m: HIST_SCALE per nat, everything below -23.3 in the last one. */
+#define HIST_BUCKETS 2048
+#define HIST_SCALE 88.0f
+#define HIST_MIN 4096 /* more candidates than this: a histogram pass narrows them to one bucket first */
+static inline vi bucketv(vf d) {
+  const vf f = d * -HIST_SCALE;
+  return __builtin_convertvector(pick(f < (float)(HIST_BUCKETS - 1), f, (vf){0} + (HIST_BUCKETS - 1)), vi);
+}
+
+/* The elements one selection runs over, and their weights. */
+typedef struct {
+  float above;   /* x > above, or x >= above when inclusive (a bound below which everything is dropped) */
+  int inclusive;
+  float tk;      /* x >= tk (top_k's threshold, for top_p) */
+  int unit;      /* weights 1 (top_k); else masses trunc(e * 2^32), over x - m >= -23 only (top_p) */
+  int bucket;    /* only histogram bucket `bucket`, or every bucket when -1 */
+} among_t;
+
+enum { COUNT, HISTOGRAM, FILL };
+
+/* One pass over the row's selected elements, in the chunks whose maximum (cm, as x) can pass `above`. COUNT: how
+ * many, ignoring min_p (an upper bound); HISTOGRAM: add each weight to hist[bucket]; FILL: write (x, weight) to
+ * bx, bw. Returns the count. */
+static int64_t visit(const problem_t *p, int64_t r, const row_t *rw, const float *cm, const among_t *a, int mode,
+                     int64_t *hist, float *bx, int64_t *bw) {
+  const scalar_t *row = p->logits + r * p->stride;
+  const vf vm = (vf){0} + rw->m;
+  const int exact = mode != COUNT && (rw->min_p > 0.0f || !a->unit);
+  const int64_t nchunks = (p->vocab + CHUNK - 1) / CHUNK;
+  int64_t n = 0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    if (a->inclusive ? !(cm[c] >= a->above) : !(cm[c] > a->above)) continue;
+    const int64_t end = (c + 1) * CHUNK < p->vocab ? (c + 1) * CHUNK : p->vocab;
+    for (int64_t i = c * CHUNK; i < end; i += LANES) {
+      const vf x = load_tail(row, i, end) * rw->inv_t;
+      const vf d = x - vm;
+      vi in = (a->inclusive ? x >= a->above : x > a->above) & (x >= a->tk) & (x > -INFINITY);
+      if (!a->unit) in &= d >= -23.0f;
+      if (!any(in)) continue;
+      if (a->bucket >= 0) in &= bucketv(d) == a->bucket;
+      vf mass = (vf){0} + 1.0f;
+      if (exact) {
+        const vf e = expv(d);
+        if (rw->min_p > 0.0f) in &= e >= rw->min_p;
+        if (!a->unit) mass = e * MASS_SCALE;
+      }
+      const uint32_t bits = mask_bits(in);
+      if (!bits) continue;
+      if (mode == COUNT) {
+        n += __builtin_popcount(bits);
+        continue;
+      }
+      const vi b = mode == HISTOGRAM ? bucketv(d) : (vi){0};
+      for (uint32_t m = bits; m; m &= m - 1) {
+        const int l = __builtin_ctz(m);
+        if (mode == HISTOGRAM) hist[b[l]] += (int64_t)mass[l], hist[HIST_BUCKETS + b[l]] += 1;
+        else bx[n] = x[l], bw[n] = (int64_t)mass[l];
+        ++n;
+      }
+    }
+  }
+  return n;
+}
+
+/* The threshold of one selection: the smallest selected x whose selected weight above is < limit. Sets *failed
+ * when out of memory. */
+static float select_among(const problem_t *p, int64_t r, const row_t *rw, const float *cm, among_t a, double limit,
+                          int *failed) {
+  int64_t n = visit(p, r, rw, cm, &a, COUNT, NULL, NULL, NULL), above = 0;
+  if (n > HIST_MIN) {
+    /* Buckets are intervals of x, in decreasing order: the threshold lies in the first bucket where the weight
+     * of it and the buckets before it reaches limit; everything before it is kept, everything after dropped. */
+    int64_t *hist = calloc(2 * HIST_BUCKETS, sizeof(int64_t)); /* weights, then counts */
+    if (!hist) return *failed = 1, INFINITY;
+    visit(p, r, rw, cm, &a, HISTOGRAM, hist, NULL, NULL);
+    /* When no bucket reaches limit, every element qualifies: the threshold is the minimum, in the last bucket
+     * holding any. */
+    int j = 0, last = 0;
+    int64_t before_last = 0;
+    for (; j < HIST_BUCKETS && (double)(above + hist[j]) < limit; above += hist[j++])
+      if (hist[HIST_BUCKETS + j]) last = j, before_last = above;
+    if (j == HIST_BUCKETS) j = last, above = before_last;
+    a.bucket = j;
+    n = hist[HIST_BUCKETS + j];
+    free(hist);
+  }
+  float *bx = malloc(sizeof(float) * (size_t)(n ? n : 1));
+  int64_t *bw = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+  float t = INFINITY;
+  if (bx && bw) t = select_threshold(bx, bw, visit(p, r, rw, cm, &a, FILL, NULL, bx, bw), limit, above);
+  else *failed = 1;
+  free(bx), free(bw);
+  return t;
+}
+
+/* Step 2 for one sampled row: rw->cut. Returns 0, or 1 when out of memory. */
+static int thresholds(const problem_t *p, int64_t r, row_t *rw) {
+  const scalar_t *row = p->logits + r * p->stride;
+  const int64_t V = p->vocab, nchunks = (V + CHUNK - 1) / CHUNK;
+  const int use_k = rw->top_k > 0 && rw->top_k < V, use_p = rw->top_p < 1.0f;
+  rw->cut = -INFINITY;
+  if (!use_k && !use_p) return 0;
+  /* Chunk maxima as x (x = l * inv_t is monotone in l). */
+  float *cm = malloc(sizeof(float) * (size_t)nchunks), *ax = malloc(sizeof(float) * (size_t)nchunks);
+  int64_t *aw = malloc(sizeof(int64_t) * (size_t)nchunks);
+  int failed = !cm || !ax || !aw;
+  if (failed) goto done;
+  for (int64_t c = 0; c < nchunks; ++c) cm[c] = rw->cm[c] * rw->inv_t;
+  float tk = -INFINITY;
+  if (use_k) {
+    /* The chunk maxima min_p keeps are distinct candidates: their k-th largest bounds the k-th largest. Fewer
+     * than k elements above the bound (none when it is -inf) give their minimum: every candidate kept. */
+    int64_t na = 0;
+    for (int64_t c = 0; c < nchunks; ++c)
+      if (cm[c] > -INFINITY && min_p_keeps(rw, cm[c])) ax[na] = cm[c], aw[na++] = 1;
+    const double k = (double)rw->top_k;
+    const float bound = na >= rw->top_k ? select_threshold(ax, aw, na, k, 0) : -INFINITY;
+    tk = select_among(p, r, rw, cm, (among_t){bound, 1, -INFINITY, 1, -1}, k, &failed);
+  }
+  float tp = -INFINITY;
+  if (use_p && !failed) {
+    /* The kept mass W. Tokens with x - m < -23 have exp < 2^-32, mass 0: skipped here, and dropped (everything
+     * at or below them has mass 0 too, so the kept mass above them is W >= top_p * W). */
+    vd sum_lo = (vd){0}, sum_hi = (vd){0};
+    const vf vm = (vf){0} + rw->m;
+    for (int64_t i = 0; i < V; i += LANES) {
+      const vf x = load_tail(row, i, V) * rw->inv_t;
+      const vf d = x - vm;
+      vi in = (x >= tk) & (d >= -23.0f);
+      if (!any(in)) continue;
+      const vf e = expv(d);
+      if (rw->min_p > 0.0f) in &= e >= rw->min_p;
+      /* trunc(e * 2^32): floats from 2^23 up are integers already, smaller ones truncate through int32. The
+       * integer-valued doubles add exactly (every partial sum is below 2^53), so the order does not matter. */
+      const vf f = e * MASS_SCALE;
+      const vf t = pick(f < 0x1p23f, __builtin_convertvector(__builtin_convertvector(f, vi), vf), f);
+      const vf kept = (vf)((vi)t & in);
+      vfh lo, hi; /* two register-sized halves: a double vector as wide as LANES floats spills to the stack */
+      memcpy(&lo, &kept, sizeof lo);
+      memcpy(&hi, (const char *)&kept + sizeof lo, sizeof hi);
+      sum_lo += __builtin_convertvector(lo, vd);
+      sum_hi += __builtin_convertvector(hi, vd);
+    }
+    double total = 0.0;
+    for (int l = 0; l < LANES / 2; ++l) total += sum_lo[l] + sum_hi[l];
+    const double limit = (double)rw->top_p * total;
+    /* A lower bound from the kept chunk maxima: the largest of their values whose chunk-maxima mass above is
+     * >= limit has a true mass above >= limit too, so it and everything below it are dropped. */
+    int64_t na = 0;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const float x = cm[c];
+      if (x > -INFINITY && x >= tk && min_p_keeps(rw, x))
+        ax[na] = x, aw[na++] = (int64_t)(exp32(x - rw->m) * MASS_SCALE);
+    }
+    const float t_cm = select_threshold(ax, aw, na, limit, 0);
+    float bound = -INFINITY;
+    for (int64_t c = 0; c < na; ++c)
+      if (ax[c] < t_cm && ax[c] > bound) bound = ax[c];
+    tp = select_among(p, r, rw, cm, (among_t){bound, 0, tk, 0, -1}, limit, &failed);
+  }
+  rw->cut = tk > tp ? tk : tp;
+done:
+  free(cm), free(ax), free(aw);
+  return failed;
+}
+
+/* Step 3 over one slice: the race over the kept tokens, starting from the row's argmax. */
+static void draw_slice(const problem_t *p, int64_t r, const row_t *rw, int64_t begin, int64_t end, slice_t *out) {
+  const scalar_t *row = p->logits + r * p->stride;
+  race_t q;
+  race_set(&q, rw->s0, rw->arg, rw->cut);
+  for (int64_t i = begin; i < end; i += RACE_CHUNK) race_chunk(&q, rw, row, i, i + RACE_CHUNK < end ? i + RACE_CHUNK : end);
+  out->best = q.best;
+  out->best_i = q.best_i;
+}
+
+/* Steps 1 and 2 finished for row r: its status, max, argmax and thresholds (0, or 1 when out of memory). */
+static int prepare_row(const problem_t *p, int64_t r, const slice_t *slices, row_t *rw) {
+  float lmax = -INFINITY;
+  int64_t arg = -1;
+  int bad = 0;
+  for (int64_t s = 0; s < p->slices; ++s) {
+    const slice_t *sl = &slices[r * p->slices + s];
+    bad |= sl->bad;
+    if (sl->any && (sl->lmax > lmax || (sl->lmax == lmax && sl->arg < arg))) lmax = sl->lmax, arg = sl->arg;
+  }
+  rw->arg = arg < 0 ? 0 : arg;
+  if (bad) rw->status = STATUS_NONFINITE;
+  else if (arg < 0) rw->status = STATUS_NO_TOKEN;
+  else rw->status = STATUS_OK;
+  if (rw->status != STATUS_OK || rw->greedy) return 0;
+  rw->m = lmax * rw->inv_t;
+  if (rw->m == INFINITY) { /* finite logits overflowing after 1/T */
+    rw->status = STATUS_NONFINITE;
+    return 0;
+  }
+  if (rw->fused) return 0; /* drawn in step 1 already */
+  rw->s0 = gumbel_score(rw->m, word_at(rw->key, arg));
+  return thresholds(p, r, rw);
+}
+
+/* The kept mask of one row (the tokens it can draw), for the tests: one-hot for greedy rows, empty for bad rows. */
+static void write_mask(const problem_t *p, int64_t r, const row_t *rw, uint8_t *mask) {
+  const scalar_t *row = p->logits + r * p->stride;
+  uint8_t *out = mask + r * p->vocab;
+  memset(out, 0, (size_t)p->vocab);
+  if (rw->status != STATUS_OK) return;
+  if (rw->greedy) {
+    out[rw->arg] = 1;
+    return;
+  }
+  for (int64_t i = 0; i < p->vocab; ++i) {
+    const float x = load1(row + i) * rw->inv_t;
+    out[i] = x > -INFINITY && x >= rw->cut && min_p_keeps(rw, x);
+  }
+}
+
+/* Row r's token (the best of its slices' draws) and status, and its mask when asked for. */
+static void finish_row(const problem_t *p, int64_t r, const row_t *rw, const slice_t *sl, int64_t *tokens,
+                       int32_t *status, uint8_t *mask) {
+  status[r] = rw->status;
+  tokens[r] = rw->status == STATUS_OK ? rw->arg : 0;
+  if (rw->status == STATUS_OK && !rw->greedy) {
+    float best = -INFINITY;
+    int64_t best_i = 0;
+    for (int64_t s = 0; s < p->slices; ++s) {
+      const slice_t *x = &sl[r * p->slices + s];
+      if (x->best > best || (x->best == best && x->best_i < best_i)) best = x->best, best_i = x->best_i;
+    }
+    tokens[r] = best_i;
+  }
+  if (mask) write_mask(p, r, rw, mask);
+}
+
+/* One token per row of logits [rows, vocab] (rows `stride` elements apart). inv_temperature 0 is greedy;
+ * top_k 0 and top_p 1 disable those. Writes tokens and status (0 ok, 1 NaN or +inf, 2 every logit -inf; token 0
+ * then), and the kept mask [rows, vocab] when `mask` is not NULL. Returns 0, 1 for bad sizes, 2 when out of memory. */
+int pagoda_sample(const void *logits, int64_t rows, int64_t vocab, int64_t stride, const float *inv_temperature,
+                  const int64_t *top_k, const float *top_p, const float *min_p, const int64_t *keys,
+                  int64_t *tokens, int32_t *status, uint8_t *mask, int64_t num_threads) {
+  if (rows < 0 || vocab < 1 || stride < vocab) return 1;
+  if (rows == 0) return 0;
+  if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+  if (rows * vocab < MIN_PARALLEL || num_threads < 1) num_threads = 1; /* waking threads would cost more */
+  /* Rows split into vocabulary slices when there are fewer rows than threads, so a single row uses them all;
+   * a slice is at least MIN_SLICE elements. */
+  int64_t slices = rows >= num_threads ? 1 : (2 * num_threads + rows - 1) / rows;
+  if (slices > vocab / MIN_SLICE) slices = vocab / MIN_SLICE > 1 ? vocab / MIN_SLICE : 1;
+  int64_t slice_len = (vocab + slices - 1) / slices;
+  slice_len = (slice_len + SLICE_ALIGN - 1) / SLICE_ALIGN * SLICE_ALIGN;
+  slices = (vocab + slice_len - 1) / slice_len;
+  const problem_t p = {(const scalar_t *)logits, rows, vocab, stride, slices, slice_len};
+  slice_t *sl = malloc(sizeof(slice_t) * (size_t)(rows * slices));
+  row_t *rw = malloc(sizeof(row_t) * (size_t)rows);
+  if (!sl || !rw) {
+    free(sl), free(rw);
+    return 2;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    rw[r] = (row_t){.inv_t = inv_temperature[r], .min_p = min_p[r], .top_k = top_k[r], .top_p = top_p[r],
+                    .key = (uint64_t)keys[r], .greedy = inv_temperature[r] == 0.0f, .cut = -INFINITY};
+    rw[r].fused = !rw[r].greedy && min_p[r] <= 0.0f && (top_k[r] <= 0 || top_k[r] >= vocab) && top_p[r] >= 1.0f;
+  }
+  /* Chunk maxima for the rows that set top_k or top_p. */
+  const int64_t nchunks = (vocab + CHUNK - 1) / CHUNK;
+  int64_t need = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    need += !rw[r].greedy && !rw[r].fused && ((top_k[r] > 0 && top_k[r] < vocab) || top_p[r] < 1.0f);
+  float *cms = need ? malloc(sizeof(float) * (size_t)(need * nchunks)) : NULL;
+  if (need && !cms) {
+    free(sl), free(rw);
+    return 2;
+  }
+  for (int64_t r = 0, j = 0; r < rows; ++r)
+    if (!rw[r].greedy && !rw[r].fused && ((top_k[r] > 0 && top_k[r] < vocab) || top_p[r] < 1.0f))
+      rw[r].cm = cms + nchunks * j++;
+  const int64_t items = rows * slices;
+  int oom = 0;
+  if (slices == 1) { /* a row per task: its later passes read it from this core's cache */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : oom)
+    for (int64_t r = 0; r < rows; ++r) {
+      scan_slice(&p, r, &rw[r], 0, vocab, &sl[r]);
+      oom |= prepare_row(&p, r, sl, &rw[r]);
+      if (rw[r].status == STATUS_OK && !rw[r].greedy && !rw[r].fused) draw_slice(&p, r, &rw[r], 0, vocab, &sl[r]);
+      finish_row(&p, r, &rw[r], sl, tokens, status, mask);
+    }
+    free(sl), free(rw), free(cms);
+    return oom ? 2 : 0;
+  }
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t r = it / slices, b = it % slices * slice_len;
+      scan_slice(&p, r, &rw[r], b, b + slice_len < vocab ? b + slice_len : vocab, &sl[it]);
+    }
+#pragma omp for schedule(dynamic, 1) reduction(| : oom)
+    for (int64_t r = 0; r < rows; ++r) oom |= prepare_row(&p, r, sl, &rw[r]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t r = it / slices, b = it % slices * slice_len;
+      if (rw[r].status == STATUS_OK && !rw[r].greedy && !rw[r].fused)
+        draw_slice(&p, r, &rw[r], b, b + slice_len < vocab ? b + slice_len : vocab, &sl[it]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) finish_row(&p, r, &rw[r], sl, tokens, status, mask);
+  }
+  free(sl), free(rw), free(cms);
+  return oom ? 2 : 0;
+}
