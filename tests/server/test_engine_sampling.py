@@ -42,26 +42,25 @@ def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
 
 
 # Seeded and unseeded rows of every kind: plain temperature, top_p, top_k, min_p, greedy, and n = 2.
-MIXED: list[SamplingParams] = [
-    SamplingParams(**{"temperature": 1.0, "max_tokens": 8, "ignore_eos": True, **kw})
-    for kw in (
-        {"seed": 7},
-        {},
-        {"top_p": 0.9, "seed": 8},
-        {"top_p": 0.8},
-        {"top_k": 5, "seed": 9},
-        {"top_k": 20},
-        {"min_p": 0.05, "seed": 10},
-        {"min_p": 0.1, "top_p": 0.95},
-        {"temperature": 0.0},
-        {"temperature": 0.7, "seed": 11, "n": 2},
-        {"temperature": 1.3},
-        {"top_k": 50, "top_p": 0.95, "seed": 12},
-        {"repetition_penalty": 1.3},
-        {"temperature": 0.5, "seed": 13},
-        {"presence_penalty": 0.5, "seed": 14},
-    )
-]
+_BASE: dict[str, Any] = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+_KINDS: tuple[dict[str, Any], ...] = (
+    {"seed": 7},
+    {},
+    {"top_p": 0.9, "seed": 8},
+    {"top_p": 0.8},
+    {"top_k": 5, "seed": 9},
+    {"top_k": 20},
+    {"min_p": 0.05, "seed": 10},
+    {"min_p": 0.1, "top_p": 0.95},
+    {"temperature": 0.0},
+    {"temperature": 0.7, "seed": 11, "n": 2},
+    {"temperature": 1.3},
+    {"top_k": 50, "top_p": 0.95, "seed": 12},
+    {"repetition_penalty": 1.3},
+    {"temperature": 0.5, "seed": 13},
+    {"presence_penalty": 0.5, "seed": 14},
+)
+MIXED = [SamplingParams(**{**_BASE, **kind}) for kind in _KINDS]
 
 
 @pytest.mark.parametrize("kernel_backend", ["cpu", "torch"])
@@ -110,11 +109,11 @@ def test_a_nan_row_aborts_its_request_and_the_others_go_on(
     execute = engine.runner.execute
     calls = 0
 
-    def poisoned(scheduled: SchedulerOutput) -> torch.Tensor:
+    def poisoned(output: SchedulerOutput) -> torch.Tensor:
         """The model's logits, with NaN in the row of request "bad" on its third step."""
         nonlocal calls
-        logits = execute(scheduled).clone()  # an inference tensor: a clone may be edited
-        rows = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
+        logits = execute(output).clone()  # an inference tensor: a clone may be edited
+        rows = [seq_id for chunk in output.scheduled for seq_id in chunk.sample_ids]
         if "bad" in rows:
             calls += 1
             if calls == 3:

@@ -359,10 +359,7 @@ def test_mixed_batch() -> None:
     ]
 
     def rows_for(indices: Sequence[int]) -> list[SamplingRow]:
-        return [
-            row(specs[i], [i, i + 1], [i + 2] * 3, stop_token_ids=(i,))
-            for i in indices
-        ]
+        return [row(specs[i], [i, i + 1], [i + 2] * 3, stop_token_ids=(i,)) for i in indices]
 
     original = logits.clone()
     batch = Sampler()(logits, rows_for(range(8)))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel.sampling import SampleStatus
 from pagoda.scheduler import (
     KVBlockManager,
     Request,
@@ -26,7 +27,6 @@ from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.scheduling import build_kv_manager, build_policy
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
-from pagoda.pagedkernel.sampling import SampleStatus
 from pagoda.server.sampling import Sampler, TokenLogprobs, unseeded_seed
 from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
@@ -294,7 +294,9 @@ class LLMEngine:
             failed[owner.request_id] = owner
         sampled = [
             entry
-            for entry, owner in zip(zip(seq_ids, out.token_ids, out.logprobs, strict=True), owners, strict=True)
+            for entry, owner in zip(
+                zip(seq_ids, out.token_ids, out.logprobs, strict=True), owners, strict=True
+            )
             if owner.request_id not in failed
         ]
         return sampled, list(failed.values())
