@@ -6,7 +6,7 @@ after a warm-up:
 - greedy: the cpu backend at temperature 0 (its own floor: the same read, in C);
 - cpu: the fused op's cpu backend (C) at the --setting's parameters;
 - torch: the torch backend (the specification) at the same parameters;
-- server: pagoda.server's Sampler (noise over the whole vocabulary, per-row truncation) at the same parameters;
+- server: pagoda.server's Sampler (penalty stage, parameter tensors, then the fused op) at the same parameters;
 and prints each with its ratio to amax (and cpu's to greedy). Settings: t1 (temperature 1.0, what OpenAI clients
 send by default), topp (0.8 and top_p 0.95), topk (top_k 50), minp (min_p 0.05), greedy.
 
@@ -106,7 +106,7 @@ def server_sampler(setting: dict[str, float], rows: int) -> Callable[[Tensor], o
         top_k=None if top_k is None else int(top_k),
         min_p=setting.get("min_p", 0.0),
     )
-    batch = [SamplingRow(params, (), (), None, ()) for _ in range(rows)]
+    batch = [SamplingRow(params, (), (), seed, 0, ()) for seed in range(rows)]
     sampler = Sampler()
     return lambda logits: sampler(logits, batch)
 

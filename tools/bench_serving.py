@@ -12,6 +12,9 @@ Prompts are synthetic text (token counts come from the server's usage report): `
 uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
 like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). Each rate draws its own
 prompts (seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
+
+Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
+API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
 """
 
 from __future__ import annotations
@@ -198,6 +201,24 @@ STRUCTURED_SCHEMA: dict[str, Any] = {
 }
 
 
+def request_body(args: argparse.Namespace, target: Target, request: BenchRequest) -> dict[str, Any]:
+    """The streamed completion request; temperature only when --temperature is given (else the server's)."""
+    body: dict[str, Any] = {
+        "model": target.model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if target.response_format is not None:
+        body["response_format"] = target.response_format
+    return body
+
+
 async def send(
     client: httpx.AsyncClient,
     args: argparse.Namespace,
@@ -206,18 +227,7 @@ async def send(
     result: RequestResult,
 ) -> None:
     """Stream one completion and time its tokens."""
-    body: dict[str, Any] = {
-        "model": target.model,
-        "prompt": request.prompt,
-        "max_tokens": request.max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if args.ignore_eos:
-        body["ignore_eos"] = True
-    if target.response_format is not None:
-        body["response_format"] = target.response_format
+    body = request_body(args, target, request)
     result.start = time.perf_counter()
     last = result.start
     try:
@@ -417,12 +427,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="json_schema: run every server twice, unconstrained and with a JSON-schema response_format",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="send this temperature (0: greedy); default: send none, so the server's default applies",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--output-dir", default=".", help="where bench_serving.json and bench_serving.png go")
     args = parser.parse_args(argv)
     if not 0.0 <= args.range_ratio < 1.0:
         parser.error("--range-ratio must be in [0, 1)")
+    if args.temperature is not None and not 0.0 <= args.temperature <= 2.0:
+        parser.error("--temperature must be in [0, 2]")
     if any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
     if len(args.model) not in {1, len(args.base_url)}:

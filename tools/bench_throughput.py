@@ -4,9 +4,16 @@
     .venv/bin/python tools/bench_throughput.py --compare hf --num-requests 32 --max-prompt-len 256 \
         --max-output-len 128 --json out/tp.json --plot out/tp.png
     .venv/bin/python tools/bench_throughput.py --tiny llama --compare hf   # a tiny random model, seconds
+    .venv/bin/python tools/bench_throughput.py --sampling-sweep --num-requests 32 --max-prompt-len 256 \
+        --min-output-len 64 --max-output-len 64         # greedy, then three sampled settings, same workload
 
 The workload is fixed by --seed: random token-id prompts and per-request output lengths, greedy, EOS ignored, so
-every system computes exactly the same tokens. Only generation is timed (loading and warm-up are not). The peers
+every system computes exactly the same tokens. --temperature, --top-p, --top-k and --min-p make Pagoda sample
+instead (unseeded requests, the engine seeded with --seed; the peers then cannot run: they compare greedy tokens).
+--sampling-sweep runs Pagoda on the same workload greedy, then at temperature 1.0 (what an OpenAI client sends
+by default), 0.8 with top_p 0.95, 1.0 with top_k 50, and greedy again (the first run after loading pays warm-ups
+the later ones do not, and a shared machine drifts), and prints each setting's output tok/s and its ratio to the
+faster greedy run. Only generation is timed (loading and warm-up are not). The peers
 run in the same process on the same weights in the same dtype as Pagoda (--dtype; auto is the engine's choice:
 bfloat16 on CPUs with bfloat16 units, else float32), read from the engine's safetensors folder:
 
@@ -54,6 +61,43 @@ SYSTEMS = ("hf-batch", "hf-static")
 WARMUP_PROMPT_LEN = 8
 WARMUP_OUTPUT_LEN = 4
 HF_PAGE_SIZE = 256  # transformers' default page size for its paged cache
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One sampling setting for Pagoda's requests (temperature 0: greedy)."""
+
+    name: str
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        """True when every token is the argmax (what the peers compute)."""
+        return self.temperature == 0.0
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        """The request parameters at this setting, EOS ignored."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
+
+
+GREEDY = Setting("greedy")
+SWEEP = (
+    GREEDY,
+    Setting("temperature 1.0", 1.0),
+    Setting("temperature 0.8, top_p 0.95", 0.8, top_p=0.95),
+    Setting("temperature 1.0, top_k 50", 1.0, top_k=50),
+    Setting("greedy (again)"),
+)
 
 
 @dataclass(frozen=True)
@@ -184,15 +228,12 @@ def finish(
 # --------------------------------------------------------------------------------------------------- Pagoda
 
 
-def run_pagoda(llm: LLM, workload: Workload) -> tuple[Result, Outputs]:
-    """Greedy generate with EOS ignored, after a tiny untimed warm-up; the engine draws the progress bar."""
+def run_pagoda(llm: LLM, workload: Workload, setting: Setting = GREEDY) -> tuple[Result, Outputs]:
+    """Generate at `setting` with EOS ignored, after a tiny untimed warm-up at the same setting (which builds the
+    sampler's kernel for the logits' dtype); the engine draws the progress bar."""
     warmup = [workload.prompts[0][-1]] * WARMUP_PROMPT_LEN
-    llm.generate(
-        [warmup],
-        SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True),
-        use_tqdm=False,
-    )
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    llm.generate([warmup], setting.params(WARMUP_OUTPUT_LEN), use_tqdm=False)
+    params = [setting.params(n) for n in workload.output_lens]
     clock = Clock.start()
     results = llm.generate([list(p) for p in workload.prompts], params)
     timing = clock.read()
@@ -463,6 +504,14 @@ class Roofline:
 # ---------------------------------------------------------------------------------------------------- report
 
 
+def render(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as an aligned text table, the first row a header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_table(results: Sequence[Result]) -> str:
     """The results table; the ratio column is Pagoda's output tok/s over each system's."""
     pagoda = next(r for r in results if r.system == "pagoda")
@@ -493,10 +542,30 @@ def format_table(results: Sequence[Result]) -> str:
                 f"{r.load_avg:.1f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render(rows)
+
+
+def greedy_tok_s(sweep: Sequence[tuple[Setting, Result]]) -> float:
+    """The sweep's baseline: the faster of its greedy runs' output tok/s."""
+    return max(r.output_tok_s for setting, r in sweep if setting.greedy)
+
+
+def format_sweep(sweep: Sequence[tuple[Setting, Result]]) -> str:
+    """The sampling sweep: each setting's output tok/s and its ratio to the faster greedy run."""
+    greedy = greedy_tok_s(sweep)
+    rows = [("setting", "time s", "cpu s", "output tok/s", "/ greedy", "load")]
+    for setting, r in sweep:
+        rows.append(
+            (
+                setting.name,
+                f"{r.elapsed_s:.1f}",
+                f"{r.cpu_s:.1f}",
+                f"{r.output_tok_s:.1f}",
+                f"{r.output_tok_s / greedy:.2f}x",
+                f"{r.load_avg:.1f}",
+            )
+        )
+    return render(rows)
 
 
 def plot(results: Sequence[Result], rooflines: Sequence[Roofline], path: Path, title: str) -> None:
@@ -568,6 +637,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compare", action="append", default=[], help="none, hf (= hf-batch,hf-static), hf-batch, hf-static"
     )
+    parser.add_argument("--temperature", type=float, default=0.0, help="Pagoda's temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument(
+        "--sampling-sweep",
+        action="store_true",
+        help="run greedy, temperature 1.0, 0.8 + top_p 0.95 and top_k 50 on the same workload (Pagoda only)",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="OUT.png", help="bar chart of output tok/s"
@@ -584,6 +662,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--num-requests and --static-batch-size must be at least 1")
     if args.tiny is not None and args.model is not None:
         parser.error("--tiny and --model are exclusive")
+    args.setting = Setting("command line", args.temperature, args.top_p, args.top_k, args.min_p)
+    try:
+        args.setting.params(1)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.sampling_sweep and args.setting != Setting("command line"):
+        parser.error(
+            "--sampling-sweep runs its own settings: drop --temperature, --top-p, --top-k and --min-p"
+        )
+    if args.compare and (args.sampling_sweep or not args.setting.greedy):
+        parser.error(
+            "--compare runs the peers greedy: it cannot go with sampling (--temperature > 0, --sampling-sweep)"
+        )
     return args
 
 
@@ -605,7 +696,11 @@ def model_source(args: argparse.Namespace) -> Iterator[str | None]:
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """Run every system on the workload; print and return the report."""
     with model_source(args) as model:
-        engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
+        engine_args: dict[str, Any] = {
+            "max_num_seqs": args.max_num_seqs,
+            "dtype": args.dtype,
+            "seed": args.seed,
+        }
         if args.max_num_batched_tokens is not None:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
         start = time.perf_counter()
@@ -634,8 +729,11 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         roof_dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
         # The matmul rate is measured after the runs only: seconds of full-speed matmuls right before a run slowed
         # that run by 10-15% here (142 vs 164 output tok/s, same workload), as the host's clocks settle.
-        pagoda, reference = run_pagoda(llm, workload)
+        pagoda, reference = run_pagoda(llm, workload, GREEDY if args.sampling_sweep else args.setting)
         results = [pagoda]
+        sweep = [(GREEDY, pagoda)]
+        if args.sampling_sweep:
+            sweep += [(setting, run_pagoda(llm, workload, setting)[0]) for setting in SWEEP[1:]]
         cost = model_cost(engine.runner.model, engine.vocab_size)
         if args.compare:
             start = time.perf_counter()
@@ -666,6 +764,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     log("")
     log(format_table(results))
     log("")
+    if args.sampling_sweep:
+        log(format_sweep(sweep))
+        log("")
     for roofline in rooflines:
         log(
             f"compute roofline ({roofline.dtype}): {roofline.workload_gflop:.4g} GFLOP at "
@@ -684,6 +785,17 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         },
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "dtype": dtype_name(dtype),
+        "sampling": asdict(GREEDY if args.sampling_sweep else args.setting),
+        "sweep": [
+            {
+                **asdict(setting),
+                "output_tok_s": r.output_tok_s,
+                "ratio_to_greedy": r.output_tok_s / greedy_tok_s(sweep),
+            }
+            for setting, r in sweep
+        ]
+        if args.sampling_sweep
+        else None,
         "roofline": asdict(rooflines[0]),
         "rooflines": [asdict(r) for r in rooflines],
         "results": [

@@ -109,9 +109,27 @@ def test_summary_statistics_and_table() -> None:
     assert "Output token throughput (tok/s) | 10.00" in text
 
 
+def test_requests_send_no_temperature_unless_asked() -> None:
+    """By default the body has no temperature (the server's default applies); --temperature sends it."""
+    target = bench_serving.Target("http://a:1", "m", "a:1")
+    request = bench_serving.BenchRequest("hello there", 16)
+    body = bench_serving.request_body(bench_serving.parse_args(["--model", "m"]), target, request)
+    assert "temperature" not in body
+    assert (body["model"], body["prompt"], body["max_tokens"], body["stream"]) == (
+        "m",
+        "hello there",
+        16,
+        True,
+    )
+    for value in ("0", "0.8"):
+        args = bench_serving.parse_args(["--model", "m", "--temperature", value, "--ignore-eos"])
+        body = bench_serving.request_body(args, target, request)
+        assert body["temperature"] == float(value) and body["ignore_eos"] is True
+
+
 def test_bad_options_are_refused() -> None:
-    """A range ratio outside [0, 1) or a non-positive rate is a usage error."""
-    for argv in (["--range-ratio", "1.5"], ["--request-rate", "0"]):
+    """A range ratio outside [0, 1), a non-positive rate or a temperature outside [0, 2] is a usage error."""
+    for argv in (["--range-ratio", "1.5"], ["--request-rate", "0"], ["--temperature", "-1"]):
         with pytest.raises(SystemExit):
             bench_serving.parse_args(["--model", "m", *argv])
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,30 @@ def test_n_and_seed_determinism(client: openai.OpenAI) -> None:
         for _ in range(2)
     ]
     assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
+
+
+def test_seeded_request_same_alone_and_among_16_concurrent(client: openai.OpenAI) -> None:
+    """A seeded completion gives the same text alone as among 15 concurrent seeded and unseeded ones."""
+
+    def complete(prompt: str, seed: int | None, temperature: float = 1.0) -> str:
+        result = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=temperature,
+            top_p=0.95,
+            seed=seed,
+            extra_body=NO_EOS,
+        )
+        return result.choices[0].text
+
+    alone = complete("Once upon a time", 4242)
+    others = [(f"Prompt number {i} says", i if i % 2 else None, 0.5 + 0.1 * i) for i in range(15)]
+    with ThreadPoolExecutor(16) as pool:
+        target = pool.submit(complete, "Once upon a time", 4242)
+        crowd = [pool.submit(complete, *args) for args in others]
+        assert target.result() == alone
+        assert all(future.result() is not None for future in crowd)
 
 
 def test_beam_search_completion(client: openai.OpenAI) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -114,21 +115,73 @@ def test_smoke_tiny_llama_against_both_peers(tmp_path: Path, capsys: pytest.Capt
     assert png.stat().st_size > 0
 
 
+def tiny_argv(num_requests: int, max_output_len: int, dtype: str) -> list[str]:
+    """A seconds-long run on a tiny Llama: prompts of 4-8 tokens, outputs of 2 to max_output_len."""
+    argv = [
+        "--tiny",
+        "llama",
+        "--num-requests",
+        str(num_requests),
+        "--min-prompt-len",
+        "4",
+        "--max-prompt-len",
+    ]
+    argv += ["8", "--min-output-len", "2", "--max-output-len", str(max_output_len), "--dtype", dtype]
+    return [*argv, "--matmul-seconds", "0.02"]
+
+
 def test_bfloat16_run_prints_both_rooflines(capsys: pytest.CaptureFixture[str]) -> None:
     """In bfloat16 the report names the dtype and adds the bfloat16 roofline after the float32 one."""
-    argv = ["--tiny", "llama", "--num-requests", "2", "--min-prompt-len", "4", "--max-prompt-len", "8"]
-    argv += [
-        "--min-output-len",
-        "2",
-        "--max-output-len",
-        "4",
-        "--dtype",
-        "bfloat16",
-        "--matmul-seconds",
-        "0.02",
-    ]
-    report = bench.main(argv)
+    report = bench.main(tiny_argv(2, 4, "bfloat16"))
     printed = capsys.readouterr().out
     assert report["dtype"] == "bfloat16"
     assert [r["dtype"] for r in report["rooflines"]] == ["float32", "bfloat16"]
     assert "compute roofline (bfloat16)" in printed and "Pagoda (bfloat16)" in printed
+
+
+def test_sampling_sweep_runs_four_settings_on_one_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    """--sampling-sweep runs greedy, the three sampled settings and greedy again, and prints each ratio to the
+    faster greedy run."""
+    argv = tiny_argv(3, 4, "float32")
+    report = bench.main([*argv, "--sampling-sweep"])
+    printed = capsys.readouterr().out
+    names = [
+        "greedy",
+        "temperature 1.0",
+        "temperature 0.8, top_p 0.95",
+        "temperature 1.0, top_k 50",
+        "greedy (again)",
+    ]
+    assert [row["name"] for row in report["sweep"]] == names
+    assert [(row["temperature"], row["top_p"], row["top_k"]) for row in report["sweep"]] == [
+        (0.0, 1.0, None),
+        (1.0, 1.0, None),
+        (0.8, 0.95, None),
+        (1.0, 1.0, 50),
+        (0.0, 1.0, None),
+    ]
+    assert max(report["sweep"][0]["ratio_to_greedy"], report["sweep"][4]["ratio_to_greedy"]) == 1.0
+    assert all(row["output_tok_s"] > 0 for row in report["sweep"])
+    lines = printed.splitlines()
+    for name in names:
+        assert any(line.startswith(name) and re.search(r" \d+\.\d\dx ", line) for line in lines), name
+    assert any(line.startswith("greedy") and " 1.00x " in line for line in lines)
+
+
+def test_sampling_flags_set_pagodas_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature, --top-p, --top-k and --min-p reach the run; they refuse the greedy peers and the sweep."""
+    argv = tiny_argv(2, 3, "float32")
+    sampled = ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05"]
+    report = bench.main([*argv, *sampled])
+    assert report["sampling"] == {
+        "name": "command line",
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+    }
+    assert report["sweep"] is None and report["results"][0]["output_tokens"] > 0
+    capsys.readouterr()
+    for bad in (["--compare", "hf"], ["--sampling-sweep"], ["--top-p", "1.5"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args([*sampled[:2], *bad])

@@ -1,16 +1,17 @@
-"""Sampler: greedy and truncation identities, penalties against a per-row reference, seeds, logprobs."""
+"""Sampler: greedy and truncation identities, penalties against a per-row reference, seeds, logprobs, bad rows."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
-from pagoda.server.sampling import Sampler, SamplingRow, make_generator, sample_seed
+from pagoda.pagedkernel.sampling import SampleStatus
+from pagoda.server.sampling import Sampler, SamplingRow, unseeded_seed
 from pagoda.server.sampling.penalties import apply_history
-from pagoda.server.sampling.sampler import greedy
-from pagoda.server.sampling.truncation import apply_top_p
+from pagoda.server.sampling.sampler import op_backend_name
 from pagoda.server.sampling_params import SamplingParams
 from torch import Tensor
 
@@ -21,11 +22,19 @@ def row(
     params: SamplingParams,
     prompt: Sequence[int] = (),
     output: Sequence[int] = (),
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
     stop_token_ids: tuple[int, ...] = (),
+    sample_index: int = 0,
 ) -> SamplingRow:
-    """A sampling row with keyword defaults."""
-    return SamplingRow(params, prompt, output, generator, stop_token_ids)
+    """A sampling row with keyword defaults (seed: the request's, else a fixed unseeded one)."""
+    if seed is None:
+        seed = params.seed if params.seed is not None else unseeded_seed(0, 1)
+    return SamplingRow(params, prompt, output, seed, sample_index, stop_token_ids)
+
+
+def unseeded_rows(params: SamplingParams, count: int) -> list[SamplingRow]:
+    """`count` rows of distinct unseeded requests (as the engine numbers them), at output position 0."""
+    return [row(params, seed=unseeded_seed(0, i + 1)) for i in range(count)]
 
 
 def random_logits(num_rows: int, seed: int, vocab: int = VOCAB, scale: float = 3.0) -> Tensor:
@@ -39,18 +48,14 @@ def frequencies(tokens: list[int], vocab: int) -> Tensor:
     return counts / counts.sum()
 
 
-def test_greedy_is_exact_argmax_and_consumes_no_randomness() -> None:
-    """Temperature 0 is argmax whatever the truncation settings, and leaves the row's generator untouched."""
+def test_greedy_is_exact_argmax_whatever_the_seed() -> None:
+    """Temperature 0 is argmax whatever the truncation settings, the seed and the sample index."""
     logits = random_logits(6, 0)
     params = SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=7)
-    generators = [make_generator(params, i, "cpu") for i in range(6)]
-    states = [g.get_state() for g in generators if g is not None]
-    out = Sampler()(logits, [row(params, generator=g) for g in generators])
+    out = Sampler()(logits, [row(params, seed=7 + i, sample_index=i) for i in range(6)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
-    assert all(
-        torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True) if g is not None
-    )
+    assert out.failed == {}
 
 
 def test_greedy_ties_pick_the_lowest_token_id() -> None:
@@ -65,8 +70,9 @@ def test_greedy_ties_pick_the_lowest_token_id() -> None:
 
 @pytest.mark.parametrize("vocab", [7, 4096, 4096 + 5, 262_144, 151_936])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_equals_argmax_with_ties_and_nan(vocab: int, dtype: torch.dtype) -> None:
-    """The chunked argmax equals torch.argmax on random rows, ties across chunks and the tail, and NaN rows."""
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_greedy_equals_argmax_with_ties_and_nan(vocab: int, dtype: torch.dtype, backend: str) -> None:
+    """Greedy rows equal torch.argmax on random rows and ties (the first wins); NaN rows fail, alone."""
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(8, vocab, generator=generator).to(dtype)
     logits[1, [vocab // 2, vocab - 1]] = 50.0  # a tie: the earlier one wins
@@ -75,7 +81,10 @@ def test_greedy_equals_argmax_with_ties_and_nan(vocab: int, dtype: torch.dtype) 
     logits[4, [vocab // 3, vocab - 2]] = float("nan")  # NaN is the maximum, the first NaN wins
     logits[5, vocab - 1] = float("nan")
     logits[6, :] = 1.0
-    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    out = Sampler(backend)(logits, [row(SamplingParams(temperature=0.0))] * 8)
+    assert out.failed == {4: SampleStatus.NONFINITE, 5: SampleStatus.NONFINITE}
+    expected = logits.argmax(dim=-1).tolist()
+    assert [t for i, t in enumerate(out.token_ids) if i not in (4, 5)] == expected[:4] + expected[6:]
 
 
 def test_bfloat16_logits_sample_like_their_float32_copy() -> None:
@@ -105,25 +114,22 @@ def test_degenerate_truncation_equals_greedy(params: SamplingParams) -> None:
     """Settings that keep only the most likely token reproduce greedy, seeded or not."""
     logits = random_logits(32, 1)
     original = logits.clone()
-    torch.manual_seed(0)
-    rows = [row(params, generator=make_generator(params, 0, "cpu") if i % 2 else None) for i in range(32)]
+    rows = [row(params, seed=i if i % 2 else None) for i in range(32)]
     assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
     assert torch.equal(logits, original), "the caller's logits are never edited"
 
 
 def test_distribution_matches_softmax_with_temperature() -> None:
-    """Unseeded rows (one shared draw) and a seeded row drawn step after step both follow softmax(l / T)."""
+    """Unseeded rows (one per request) and a seeded row drawn step after step both follow softmax(l / T)."""
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, -3.0, 0.2]])
     temperature = 0.7
     expected = torch.softmax(logits[0].double() / temperature, dim=0)
     params = SamplingParams(temperature=temperature)
-    torch.manual_seed(1234)
-    many = Sampler()(logits.expand(6000, -1), [row(params)] * 6000).token_ids
+    many = Sampler()(logits.expand(6000, -1), unseeded_rows(params, 6000)).token_ids
     assert (frequencies(many, 8) - expected).abs().max() < 0.03
     seeded = SamplingParams(temperature=temperature, seed=99)
-    generator = make_generator(seeded, 0, "cpu")
     sampler = Sampler()
-    steps = [sampler(logits, [row(seeded, generator=generator)]).token_ids[0] for _ in range(3000)]
+    steps = [sampler(logits, [row(seeded, output=[0] * i)]).token_ids[0] for i in range(3000)]
     assert (frequencies(steps, 8) - expected).abs().max() < 0.04
 
 
@@ -145,30 +151,10 @@ def test_truncation_keeps_exactly_the_allowed_set_renormalized(
     """Only allowed tokens are drawn, each with its renormalized probability."""
     vocab = 8
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]])
-    torch.manual_seed(5)
-    tokens = Sampler()(logits.expand(5000, -1), [row(params)] * 5000).token_ids
+    tokens = Sampler()(logits.expand(5000, -1), unseeded_rows(params, 5000)).token_ids
     assert set(tokens) == set(allowed)
     probs = torch.softmax(logits[0, allowed].double(), dim=0)
     assert (frequencies(tokens, vocab)[allowed] - probs).abs().max() < 0.03
-
-
-def test_top_p_candidates_and_full_sort_agree() -> None:
-    """The nucleus found among a few candidates (falling back to a full sort for rows whose candidates hold
-    too little mass) equals the one a full sort finds, and matches a per-row reference."""
-    vocab = 200
-    logits = random_logits(64, 12, vocab=vocab, scale=1.0)
-    logits[::2] *= 6.0  # peaked rows: the nucleus fits in the candidates; flat rows need the fallback
-    top_p = torch.linspace(0.05, 1.0, 64)
-    few, full = logits.clone(), logits.clone()
-    apply_top_p(few, top_p, candidates=8)
-    apply_top_p(full, top_p, candidates=vocab)
-    assert torch.equal(few, full)
-    probs = torch.softmax(logits.double(), dim=-1)
-    for i in range(64):
-        kept = probs[i].sort(descending=True).values
-        size = int((kept.cumsum(0) - kept < float(top_p[i])).sum())  # smallest prefix reaching top_p
-        assert int(torch.isfinite(full[i]).sum()) == size
-        assert torch.isfinite(full[i][probs[i].argmax()])
 
 
 def reference_history(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
@@ -261,14 +247,20 @@ def test_min_tokens_blocks_stop_ids_until_reached() -> None:
 
 
 def seeded_steps(
-    params: SamplingParams, logits: Tensor, position: int, others: Sequence[SamplingRow], steps: int
+    params: SamplingParams,
+    logits: Tensor,
+    position: int,
+    others: Sequence[SamplingRow],
+    steps: int,
+    backend: str = "cpu",
 ) -> list[int]:
-    """Tokens a fresh seeded row draws over several steps when placed at `position` among `others`."""
-    generator = make_generator(params, 0, "cpu")
-    sampler = Sampler()
+    """Tokens a fresh seeded row draws over several steps when placed at `position` among `others` (whose
+    unseeded rows take new seeds every step)."""
+    sampler = Sampler(backend)
     tokens = []
-    for _ in range(steps):
-        rows = [*others[:position], row(params, generator=generator), *others[position:]]
+    for step in range(steps):
+        neighbours = [o if o.params.seed is not None else replace(o, seed=o.seed + step) for o in others]
+        rows = [*neighbours[:position], row(params, output=[0] * step), *neighbours[position:]]
         batch = torch.cat([logits[:position], logits[-1:], logits[position : len(others)]])
         tokens.append(sampler(batch, rows).token_ids[position])
     return tokens
@@ -284,44 +276,39 @@ def seeded_steps(
     ],
     ids=["plain", "top_k", "min_p", "top_p"],
 )
-def test_same_seed_same_tokens_whatever_the_batch(params: SamplingParams) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_same_seed_same_tokens_whatever_the_batch(params: SamplingParams, backend: str) -> None:
     """A seeded row draws the same tokens alone and at any position among greedy, seeded, unseeded and
-    top_p, top_k, min_p and penalized rows (each stage runs on a different subset of the batch)."""
+    top_p, top_k, min_p and penalized rows, and the same on the cpu and torch backends."""
     logits = random_logits(6, 7, scale=1.0)
     others = [
         row(SamplingParams(temperature=0.0)),
         row(SamplingParams(temperature=1.0, top_p=0.8)),
-        row(
-            SamplingParams(temperature=0.5, seed=3),
-            generator=make_generator(SamplingParams(seed=3), 0, "cpu"),
-        ),
+        row(SamplingParams(temperature=0.5, seed=3)),
         row(SamplingParams(temperature=1.5, top_k=3, min_p=0.1)),
         row(SamplingParams(temperature=1.0, repetition_penalty=1.5), prompt=[1, 2, 3]),
     ]
-    torch.manual_seed(0)
     alone = seeded_steps(params, logits, 0, [], 20)
     assert len(set(alone)) > 1, "the seeded row must actually sample"
     for position in (0, 2, 5):
-        torch.manual_seed(position + 1)  # unseeded neighbours draw differently each time
-        assert seeded_steps(params, logits, position, others, 20) == alone
+        assert seeded_steps(params, logits, position, others, 20, backend) == alone
 
 
-def test_samples_of_one_seed_differ_and_sample_zero_is_the_seed() -> None:
-    """make_generator: None without a seed; sample i uses seed + i, so n > 1 samples draw different tokens."""
-    assert make_generator(SamplingParams(), 0, "cpu") is None
+def test_samples_of_one_seed_differ_and_neighbouring_seeds_share_nothing() -> None:
+    """Keys hash (seed, sample index, position): one seed repeats its tokens, its n samples differ, and seed
+    s + 1's sample 0 no longer repeats seed s's sample 1 (the old seed + index rule made them equal)."""
     params = SamplingParams(temperature=1.0, seed=11, n=2)
-    generators = [make_generator(params, i, "cpu") for i in range(2)]
     logits = random_logits(1, 8, scale=0.5)
     sampler = Sampler()
-    draws = [
-        [sampler(logits, [row(params, generator=g)]).token_ids[0] for _ in range(20)] for g in generators
-    ]
-    assert draws[0] != draws[1]
-    fresh = torch.Generator().manual_seed(11)
-    assert [sampler(logits, [row(params, generator=fresh)]).token_ids[0] for _ in range(20)] == draws[0]
-    assert sample_seed(11, 1) == 12
-    assert sample_seed(2**64 - 1, 2) == 1  # wraps into manual_seed's range
-    assert sample_seed(-5, 0) == 2**64 - 5
+
+    def draws(seed: int, index: int) -> list[int]:
+        rows = [row(params, output=[0] * step, seed=seed, sample_index=index) for step in range(40)]
+        return sampler(logits.expand(40, -1), rows).token_ids
+
+    assert draws(11, 0) == draws(11, 0)
+    assert draws(11, 0) != draws(11, 1)
+    assert draws(11, 1) != draws(12, 0)
+    assert unseeded_seed(0, 1) != unseeded_seed(0, 2) != unseeded_seed(1, 2)
 
 
 def test_logprobs_are_log_softmax_of_raw_logits_with_rank_and_top_k() -> None:
@@ -335,7 +322,6 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_rank_and_top_k() -> None:
         row(SamplingParams(temperature=0.0, logprobs=5, min_tokens=2), stop_token_ids=(0, 1, 2, 3, 4, 5)),
     ]
     logits[4, :6] += 100.0  # the min_tokens row must sample a token that is not the raw argmax
-    torch.manual_seed(3)
     out = Sampler()(logits, rows)
     reference = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[2] is None
@@ -373,10 +359,7 @@ def test_mixed_batch() -> None:
     ]
 
     def rows_for(indices: Sequence[int]) -> list[SamplingRow]:
-        return [
-            row(specs[i], [i, i + 1], [i + 2] * 3, make_generator(specs[i], 0, "cpu"), stop_token_ids=(i,))
-            for i in indices
-        ]
+        return [row(specs[i], [i, i + 1], [i + 2] * 3, stop_token_ids=(i,)) for i in indices]
 
     original = logits.clone()
     batch = Sampler()(logits, rows_for(range(8)))
@@ -386,6 +369,34 @@ def test_mixed_batch() -> None:
         assert batch.token_ids[i] == single.token_ids[0]
         assert batch.logprobs[i] == single.logprobs[0]
     assert [entry is not None for entry in batch.logprobs] == [s.logprobs is not None for s in specs]
+
+
+def test_a_nonfinite_or_fully_masked_row_fails_alone() -> None:
+    """A NaN or +inf row, or one whose every logit is -inf, is reported in `failed`; the others sample."""
+    logits = random_logits(5, 12)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, :] = float("-inf")
+    rows = [row(SamplingParams(temperature=t, seed=i)) for i, t in enumerate([0.0, 1.0, 0.0, 0.7, 0.9])]
+    out = Sampler()(logits, rows)
+    assert out.failed == {1: SampleStatus.NONFINITE, 2: SampleStatus.NONFINITE, 3: SampleStatus.NO_TOKEN}
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[4] == Sampler()(logits[4:], rows[4:]).token_ids[0]
+
+
+def test_engine_backend_names_map_to_sampling_backends() -> None:
+    """cpu -> the C sampler, triton and cupy -> Triton, torch -> torch; an unknown name is refused."""
+    assert [op_backend_name(n) for n in ("auto", "torch", "cpu", "triton", "cupy")] == [
+        "auto",
+        "torch",
+        "cpu",
+        "triton",
+        "triton",
+    ]
+    assert Sampler("torch").op.name == "torch"
+    assert Sampler("cpu").op.name == "cpu"
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        op_backend_name("numpy")
 
 
 def test_rejects_mismatched_rows_and_out_of_vocab_history() -> None:
@@ -399,24 +410,23 @@ def test_rejects_mismatched_rows_and_out_of_vocab_history() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_the_contract() -> None:
-    """On CUDA: greedy is argmax, logprobs are exact, and a CUDA generator row is batch-independent."""
+    """On CUDA: greedy is argmax, logprobs are exact, and a seeded row is batch-independent."""
     device = torch.device("cuda")
     logits = random_logits(4, 11).to(device)
     params = SamplingParams(temperature=0.9, seed=5, top_p=0.95, logprobs=2, repetition_penalty=1.2)
     others = [row(SamplingParams(temperature=0.0, logprobs=0)), row(SamplingParams(temperature=1.0, top_k=4))]
 
     def draw(batch_rows: list[SamplingRow], position: int, batch_logits: Tensor) -> list[int]:
-        generator = make_generator(params, 0, device)
         tokens = []
-        for _ in range(10):
-            batch = [*batch_rows[:position], row(params, [1, 2], generator=generator), *batch_rows[position:]]
-            tokens.append(Sampler()(batch_logits, batch).token_ids[position])
+        for step in range(10):
+            batch = [*batch_rows[:position], row(params, [1, 2], [0] * step), *batch_rows[position:]]
+            tokens.append(Sampler("auto", device)(batch_logits, batch).token_ids[position])
         return tokens
 
     alone = draw([], 0, logits[3:4])
     mixed = torch.cat([logits[:1], logits[3:4], logits[1:2]])
     assert draw(others, 1, mixed) == alone
-    out = Sampler()(logits[:2], others)
+    out = Sampler("auto", device)(logits[:2], others)
     assert out.token_ids[0] == int(logits[0].argmax())
     entry = out.logprobs[0]
     assert entry is not None and entry.rank == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import xgrammar as xgr
+from pagoda.pagedkernel.sampling import SampleStatus
 from pagoda.scheduler import (
     KVBlockManager,
     Request,
@@ -28,7 +29,7 @@ from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.scheduling import build_kv_manager, build_policy
 from pagoda.server.engine.setup import EngineParts, build_parts
 from pagoda.server.outputs import EngineStats, RequestOutput
-from pagoda.server.sampling import Sampler, TokenLogprobs
+from pagoda.server.sampling import Sampler, TokenLogprobs, unseeded_seed
 from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
@@ -36,6 +37,12 @@ from pagoda.server.structured import GrammarBitmask, GrammarError, StructuredOut
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+# Why the sampling op could not draw a row, as the engine's log says it.
+_SAMPLE_FAILURES = {
+    SampleStatus.NONFINITE: "the model produced NaN or +inf logits",
+    SampleStatus.NO_TOKEN: "every token is masked (-inf logits after logit_bias, allowed_token_ids, bad_words)",
+}
 
 # How long an empty step waits when requests are held back by the policy (static batching's timeout).
 _IDLE_WAIT_S = 0.001
@@ -103,7 +110,9 @@ class LLMEngine:
             build_policy(config),
             costs,
         )
-        self.sampler = Sampler()
+        # The op's backend follows the engine's kernel backend (cpu -> C, triton / cupy -> Triton, torch -> torch).
+        self.sampler = Sampler(parts.backend.name, parts.device)
+        self._unseeded_requests = 0  # numbers the unseeded requests, whose RNG seeds derive from config.seed
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.grammar_bitmask = GrammarBitmask(self.vocab_size, self.eos_token_ids)
         # Constrained requests whose grammar is compiling: held back from the scheduler until it is ready, so
@@ -170,7 +179,7 @@ class LLMEngine:
             scheduler_params.stop_token_ids,
             self.tokenizer,
             arrival,
-            self.device,
+            self._request_seed(params),
         )
         # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
         # skipping any (vLLM skips the cache for these requests too).
@@ -183,6 +192,13 @@ class LLMEngine:
             self._waiting_for_grammar[request_id] = (request, self.structured.compile(constraint))
         self._requests[request_id] = state
         self._seq_owner.update(dict.fromkeys(state.samples, state))
+
+    def _request_seed(self, params: SamplingParams) -> int:
+        """The request's own seed, or the next unseeded request's, derived from the engine's `--seed`."""
+        if params.seed is not None:
+            return params.seed
+        self._unseeded_requests += 1
+        return unseeded_seed(self.config.seed, self._unseeded_requests)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state, freeing its KV blocks now; unknown or finished ids are ignored."""
@@ -241,8 +257,16 @@ class LLMEngine:
                 self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
         else:
             logits = self.runner.execute(scheduled)
-        sampled = self._sample(scheduled, logits)
-        return outputs + self._update(scheduled, sampled)
+        sampled, failed = self._sample(scheduled, logits)
+        for state in failed:
+            self.scheduler.abort_request(state.request_id)  # its rows get no token: the update skips them
+        outputs += self._update(scheduled, sampled)
+        for state in failed:
+            for seq_id in state.samples:
+                state.finish(seq_id, "abort")
+            outputs.append(state.snapshot())
+            self._forget(state)
+        return outputs
 
     def _add_prompt_logprobs(
         self,
@@ -266,16 +290,17 @@ class LLMEngine:
         self,
         scheduled: SchedulerOutput,
         logits: torch.Tensor,  # [num_rows, vocab]: one row per sample id of the step, in schedule order
-    ) -> list[tuple[str, int, TokenLogprobs | None]]:
-        """Draw the next token of every sample the step completes: (sample id, token id, logprobs)."""
+    ) -> tuple[list[tuple[str, int, TokenLogprobs | None]], list[RequestState]]:
+        """Draw the next token of every sample the step completes: (sample id, token id, logprobs), and the
+        requests a row of which could not be sampled (each is logged; the caller aborts them, the rest go on)."""
         seq_ids = [seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids]
         if not seq_ids:
-            return []
+            return [], []
         beam_rows = [i for i, seq_id in enumerate(seq_ids) if seq_id in self._beam_owner]
         if beam_rows:
             seq_ids, logits = self._hold_beam_rows(seq_ids, logits, beam_rows)
             if not seq_ids:
-                return []
+                return [], []
         owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
         # The grammar step comes first, so that penalties, temperature, top-k and top-p see only allowed tokens.
         self.grammar_bitmask.apply(
@@ -287,7 +312,25 @@ class LLMEngine:
         )
         rows = [owner.sampling_row(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
         out = self.sampler(processed, rows, raw_logits=None if processed is logits else logits)
-        return list(zip(seq_ids, out.token_ids, out.logprobs, strict=True))
+        failed: dict[str, RequestState] = {}
+        for row, status in out.failed.items():
+            owner = owners[row]
+            if owner.request_id not in failed:
+                logger.error(
+                    "request %s aborted: cannot sample sample %s's next token: %s",
+                    owner.request_id,
+                    seq_ids[row],
+                    _SAMPLE_FAILURES[status],
+                )
+            failed[owner.request_id] = owner
+        sampled = [
+            entry
+            for entry, owner in zip(
+                zip(seq_ids, out.token_ids, out.logprobs, strict=True), owners, strict=True
+            )
+            if owner.request_id not in failed
+        ]
+        return sampled, list(failed.values())
 
     def _hold_beam_rows(
         self,

@@ -1,4 +1,4 @@
-"""The engine's per-request bookkeeping: what the scheduler does not track (text, RNG, logprobs, timings)."""
+"""The engine's per-request bookkeeping: what the scheduler does not track (text, RNG seed, logprobs, timings)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import torch
 import xgrammar as xgr
 from pagoda.scheduler import Request, sample_id
 from pagoda.server.outputs import (
@@ -17,7 +16,7 @@ from pagoda.server.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs, make_generator
+from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs
 from pagoda.server.sampling.logits_processors import LogitsEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
@@ -44,12 +43,11 @@ class SchedulerParams:
 
 @dataclass(slots=True)
 class SampleState:
-    """One of a request's n samples: its detokenizer, RNG, logprobs and finish."""
+    """One of a request's n samples: its detokenizer, logprobs and finish."""
 
     index: int
     detokenizer: IncrementalDetokenizer
     include_stop_str: bool
-    generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -110,13 +108,15 @@ class RequestState:
         stop_token_ids: tuple[int, ...],
         tokenizer: PreTrainedTokenizerBase,
         arrival_time: float,
-        device: torch.device,
+        seed: int,
     ) -> None:
-        """`stop_token_ids` includes eos unless ignored (SchedulerParams.stop_token_ids)."""
+        """`stop_token_ids` includes eos unless ignored (SchedulerParams.stop_token_ids); `seed` keys the
+        samples' draws: params.seed, or one the engine derives for an unseeded request."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.seed = seed
         # Stop ids incl. eos: the sampler masks them while the output is shorter than min_tokens.
         self.stop_token_ids = stop_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
@@ -132,7 +132,6 @@ class RequestState:
                 index=index,
                 detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
                 include_stop_str=params.include_stop_str_in_output,
-                generator=make_generator(params, index, device),
                 logprobs=None if params.logprobs is None else [],
                 cumulative_logprob=None if params.logprobs is None else 0.0,
             )
@@ -157,7 +156,8 @@ class RequestState:
             params=self.params,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=sample.token_ids,
-            generator=sample.generator,
+            seed=self.seed,
+            sample_index=sample.index,
             stop_token_ids=self.stop_token_ids,
         )
 

@@ -5,8 +5,7 @@ from pagoda.server.sampling.records import (
     SamplerOutput,
     SamplingRow,
     TokenLogprobs,
-    make_generator,
-    sample_seed,
+    unseeded_seed,
 )
 from pagoda.server.sampling.sampler import Sampler
 
@@ -16,6 +15,5 @@ __all__ = [
     "SamplerOutput",
     "SamplingRow",
     "TokenLogprobs",
-    "make_generator",
-    "sample_seed",
+    "unseeded_seed",
 ]

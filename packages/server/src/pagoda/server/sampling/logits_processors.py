@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from pagoda.server.sampling.penalties import mask_tokens
+from pagoda.server.sampling.penalties import float_copy, mask_tokens
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
@@ -103,9 +103,7 @@ def apply_logits_processors(
     """allowed_token_ids, then bad_words, then logit_bias, on the rows that ask for them."""
     if all(row.empty for row in rows):
         return logits
-    edited = logits.float()
-    if edited is logits:
-        edited = logits.clone()  # never edit the caller's tensor: the sampler takes logprobs from it
+    edited = float_copy(logits)  # never edit the caller's tensor: the sampler takes logprobs from it
     allowed = [i for i, row in enumerate(rows) if row.allowed_token_ids is not None]
     if allowed:
         _allow_only(edited, allowed, [rows[i].allowed_token_ids or () for i in allowed])

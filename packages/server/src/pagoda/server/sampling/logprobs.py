@@ -10,7 +10,7 @@ from torch import Tensor
 
 
 def compute_logprobs(
-    logits: Tensor,  # [num_rows, vocab] raw model logits, before temperature and penalties
+    logits: Tensor,  # [num_rows, vocab] raw model logits (any float dtype), before temperature and penalties
     token_ids: Tensor,  # [num_rows] int64, the sampled tokens
     num_logprobs: Sequence[int | None],  # per row: top alternatives wanted, None for no logprobs at all
 ) -> list[TokenLogprobs | None]:
@@ -20,7 +20,7 @@ def compute_logprobs(
     if not wanted:
         return result
     index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
-    logprobs = torch.log_softmax(logits[index], dim=-1)  # [num_wanted, vocab]
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_wanted, vocab] float32
     chosen = logprobs.gather(1, token_ids[index].unsqueeze(1))  # [num_wanted, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     max_k = min(max(num_logprobs[i] or 0 for i in wanted), logits.shape[1])

@@ -1,6 +1,6 @@
 """Logit edits that depend on a row's token history: min_tokens stop masking and the three penalties.
 
-`apply_history` runs the stages some row needs on a copy of the logits; the stage functions edit `logits` in
+`apply_history` runs the stages some row needs on a float32 copy of the logits; the stage functions edit `logits` in
 place for a subset of its rows. A history becomes flat (row, token) index pairs, applied with one gather and
 one index_put and no sort or dedup: a token seen twice writes the same value twice, and counts come from an
 accumulating put. So the cost grows with the number of history tokens, not with rows x vocab (a dense
@@ -28,6 +28,14 @@ def _flat_pairs(
         raise ValueError(f"token ids must be in [0, {vocab_size}) to index the logits")
     rows = torch.tensor(row_indices, dtype=torch.long)[local]
     return local.to(device), rows.to(device), tokens.to(device)
+
+
+def float_copy(
+    logits: Tensor,  # [num_rows, vocab]
+) -> Tensor:  # [num_rows, vocab] float32, never the caller's tensor
+    """A float32 copy to edit in place (the caller's logits stay intact for the logprobs users get)."""
+    edited = logits.float()
+    return logits.clone() if edited is logits else edited
 
 
 def mask_tokens(
@@ -94,12 +102,13 @@ def needs_history(rows: Sequence[SamplingRow]) -> bool:
 def apply_history(
     logits: Tensor,  # [num_rows, vocab]
     rows: Sequence[SamplingRow],
-) -> Tensor:  # [num_rows, vocab]: logits itself when no row needs an edit, else an edited copy
-    """The logits after repetition, frequency and presence penalties and min_tokens stop masking."""
+) -> Tensor:  # [num_rows, vocab]: logits itself when no row needs an edit, else an edited float32 copy
+    """The logits after repetition, frequency and presence penalties and min_tokens stop masking (edited in
+    float32, so that a penalty on bfloat16 logits is not rounded to bfloat16)."""
     repetition, additive, blocked = _history_rows(rows)
     if not (repetition or additive or blocked):
         return logits
-    edited = logits.clone()
+    edited = float_copy(logits)
     if repetition:
         apply_repetition_penalty(
             edited,

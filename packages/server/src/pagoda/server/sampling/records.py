@@ -1,25 +1,29 @@
-"""The sampler's input rows and output records, and the per-sample generator seeding rule."""
+"""The sampler's input rows and output records."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+from pagoda.pagedkernel.sampling import SampleStatus, rng_key
 from pagoda.server.sampling_params import SamplingParams
-
-_SEED_MODULUS = 2**64  # torch.Generator.manual_seed accepts any value in [0, 2**64)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
-    """One sample to draw this step: its parameters, token history, own RNG and the ids min_tokens masks."""
+    """One sample to draw this step: its parameters, token history, RNG seed and the ids min_tokens masks."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far for this sample
-    generator: torch.Generator | None  # None: draw from the shared default RNG
+    # The request's seed, or for an unseeded request one the engine derives from its own seed (unseeded_seed).
+    seed: int
+    sample_index: int  # which of the request's n samples
     stop_token_ids: tuple[int, ...]  # masked while len(output_token_ids) < params.min_tokens
+
+    def rng_key(self) -> int:
+        """The op's RNG key of this draw: (seed, sample index, output position) hashed in turn."""
+        return rng_key(self.seed, self.sample_index, len(self.output_token_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,25 +38,15 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
-    """One sampled token per row, and its logprobs where the row asked for them."""
+    """One sampled token per row, its logprobs where the row asked, and the rows that could not be sampled."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # 0 for a failed row
     logprobs: list[TokenLogprobs | None]
+    # Row index -> why it failed (NaN / +inf logits, or every token masked); the engine fails those requests.
+    failed: dict[int, SampleStatus]
 
 
-def sample_seed(seed: int, sample_index: int) -> int:
-    """The seed of sample `sample_index` of a request seeded with `seed` (vLLM's rule: seed + index)."""
-    return (seed + sample_index) % _SEED_MODULUS
-
-
-def make_generator(
-    params: SamplingParams, sample_index: int, device: torch.device | str
-) -> torch.Generator | None:
-    """A generator for one sample of a seeded request, or None when the request has no seed.
-
-    Sample i of a request with seed s draws from `torch.Generator(device).manual_seed(s + i)`, so sample 0 of
-    a seeded request reproduces an n=1 request with the same seed, and the n samples differ from each other.
-    """
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(sample_seed(params.seed, sample_index))
+def unseeded_seed(engine_seed: int, request_number: int) -> int:
+    """The seed of the engine's `request_number`-th unseeded request: a hash of both (rng_key's first two steps),
+    so `--seed` fixes every unseeded request's tokens for the same arrival order."""
+    return rng_key(engine_seed, request_number, 0)
