@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 from api_fake_engine import make_char_tokenizer
-from pagoda.server.chat import GEMMA_CHAT_TEMPLATE, ChatTemplateError, render_chat, resolve_chat_template
+from pagoda.server.chat import (
+    GEMMA_CHAT_TEMPLATE,
+    ChatTemplateError,
+    check_template_kwargs,
+    render_chat,
+    resolve_chat_template,
+)
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -40,3 +46,15 @@ def test_unrenderable_conversations_raise_chat_template_error(
     """Empty conversations, a missing template and the template's own checks raise one ValueError subclass."""
     with pytest.raises(ChatTemplateError, match=message):
         render_chat(make_char_tokenizer(), template, messages)
+
+
+def test_template_kwargs_become_template_variables() -> None:
+    """`template_kwargs` reach the template; a renderer parameter among them is refused before rendering."""
+    template = "{{ messages[0]['content'] }}{% if flag %}+{% endif %}"
+    tokenizer = make_char_tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, template, messages, template_kwargs={"flag": True}) == "hi+"
+    assert render_chat(tokenizer, template, messages, template_kwargs={"flag": False}) == "hi"
+    check_template_kwargs(tokenizer, {"flag": True, "enable_thinking": False})
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        check_template_kwargs(tokenizer, {"add_generation_prompt": False})

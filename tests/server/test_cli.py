@@ -165,6 +165,8 @@ def test_help_lists_the_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> N
         "--enable-chunked-prefill",
         "--long-prefill-token-threshold",
         "--max-num-partial-prefills",
+        "--chat-template",
+        "--reasoning-parser",
     ]:
         assert flag in text, flag
 
@@ -259,3 +261,16 @@ def test_scheduling_flags_map_onto_engine_config(capsys: pytest.CaptureFixture[s
         assert "invalid choice" in capsys.readouterr().err
     assert main(["serve", "unused-model", "--static-batch-timeout", "-1"]) == 2
     assert "static_batch_timeout_s" in capsys.readouterr().err
+
+
+def test_chat_template_and_reasoning_parser_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--reasoning-parser` takes vLLM's names; a `--chat-template` that is neither a file nor a template exits 2."""
+    args = build_parser().parse_args(
+        ["serve", "m", "--reasoning-parser", "deepseek_r1", "--chat-template", "x"]
+    )
+    assert (args.reasoning_parser, args.chat_template) == ("deepseek_r1", "x")
+    assert build_parser().parse_args(["serve", "m"]).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--reasoning-parser", "granite"])
+    assert main(["serve", "unused-model", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err

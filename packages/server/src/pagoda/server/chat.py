@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -44,14 +47,44 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return None
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's `--chat-template`: the text of the file at `value`, or `value` itself when it reads as a template.
+
+    A value that is not a file and has none of `{`, `}` or a newline is most likely a mistyped path: a
+    ValueError says so rather than rendering every chat as that literal string.
+    """
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is not a file, and does not look like a Jinja template")
+
+
+def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, Any]) -> None:
+    """ValueError naming the first key of `chat_template_kwargs` that is one of apply_chat_template's own
+    parameters (`tokenize`, `messages`, ...): the request may add template variables, not change the call."""
+    own = inspect.signature(tokenizer.apply_chat_template).parameters
+    for key in kwargs:
+        if key in own:
+            raise ValueError(
+                f"chat_template_kwargs: {key!r} is a parameter of the renderer, not a template variable"
+            )
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     template: str | None,
     messages: Sequence[Message],
     *,
     add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The prompt text of a conversation (tokenize it without adding special tokens: the template wrote them)."""
+    """The prompt text of a conversation (tokenize it without adding special tokens: the template wrote them).
+
+    `template_kwargs` become variables of the template (`enable_thinking`); check them first with
+    `check_template_kwargs`.
+    """
     if not messages:
         raise ChatTemplateError("messages must not be empty")
     if template is None:
@@ -64,6 +97,7 @@ def render_chat(
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # the template's own checks (role order, ...) raise jinja2 errors
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc

@@ -19,6 +19,7 @@ from pagoda.server.config import (
     EngineConfig,
     KernelBackendName,
     KVManagerName,
+    ReasoningParserName,
     SchedulingPolicyName,
 )
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
@@ -196,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="408 if no byte of a request body arrives for this many seconds",
     )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template for the chat endpoint, as a file path or the Jinja text (default: the tokenizer's)",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=get_args(ReasoningParserName),
+        default=None,
+        help="split <think> reasoning into the chat responses' reasoning_content (vLLM's names)",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
     engine.add_argument(
@@ -342,6 +354,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagoda.server.api.http_protocol import HTTPLimits
     from pagoda.server.api.server import run_server
     from pagoda.server.async_llm import AsyncLLM
+    from pagoda.server.chat import load_chat_template
     from pagoda.server.config import RequestLimits
     from pagoda.server.engine import LLMEngine
     from pagoda.server.engine_client import EngineClient
@@ -349,6 +362,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_server_args(args)
         config = engine_config(args)
+        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     except ValueError as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
@@ -377,7 +391,13 @@ def serve(args: argparse.Namespace) -> int:
         max_prompts_per_request=args.max_prompts_per_request,
         max_sequences_per_request=args.max_sequences_per_request,
     )
-    settings = AppSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes, limits=limits)
+    settings = AppSettings(
+        api_key=args.api_key,
+        max_body_bytes=args.max_request_body_bytes,
+        limits=limits,
+        chat_template=chat_template,
+        reasoning_parser=args.reasoning_parser,
+    )
     app = build_app(llm, settings)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again.

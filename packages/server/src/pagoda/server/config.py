@@ -13,6 +13,7 @@ DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicyName = Literal["fcfs", "priority", "static"]
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,13 @@ from pagoda.server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.server.api.reasoning import make_reasoning_parser
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
-from pagoda.server.config import RequestLimits
+from pagoda.server.config import ReasoningParserName, RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -64,6 +65,8 @@ class AppSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
+    chat_template: str | None = None  # --chat-template: overrides the tokenizer's template
+    reasoning_parser: ReasoningParserName | None = None  # --reasoning-parser
 
 
 class APIKeyMiddleware:
@@ -151,10 +154,13 @@ class _Routes:
             tokenizer=tokenizer,
             served_model_name=llm.served_model_name,
             rules=AdmissionRules(engine.max_model_len, engine.vocab_size),
-            chat_template=resolve_chat_template(tokenizer),
+            chat_template=settings.chat_template or resolve_chat_template(tokenizer),
             executor=self.executor,
             limits=settings.limits,
             max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
+            reasoning_parser=None
+            if settings.reasoning_parser is None
+            else make_reasoning_parser(settings.reasoning_parser),
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)

@@ -136,8 +136,8 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     reasoning_effort: JsonValue = None
     verbosity: JsonValue = None
     web_search_options: JsonValue = None
-    chat_template: JsonValue = None
-    chat_template_kwargs: JsonValue = None
+    chat_template: JsonValue = None  # a 400 (vLLM serves it only behind --trust-request-chat-template)
+    chat_template_kwargs: dict[str, JsonValue] | None = None  # served: extra variables of the template
     continue_final_message: bool = False
     echo: bool = False  # vLLM's chat echo (the last message): a 400 unless false
 
@@ -251,7 +251,8 @@ class AssistantMessage(BaseModel):
     """The generated message of a chat choice."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None only with --reasoning-parser, when the output is all reasoning
+    reasoning_content: str | None = None  # what --reasoning-parser split off (vLLM's field)
 
 
 class ChatChoice(BaseModel):
@@ -281,6 +282,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser, while the model thinks
 
 
 class ChatStreamChoice(BaseModel):

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
+from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.async_llm import (
@@ -57,6 +58,7 @@ class ServingContext:
     executor: Executor
     limits: RequestLimits
     max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""

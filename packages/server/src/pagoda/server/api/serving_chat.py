@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -23,6 +23,7 @@ from pagoda.server.api.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagoda.server.api.reasoning import ReasoningParser, ReasoningStream
 from pagoda.server.api.serving_base import (
     EventStreamResponse,
     ServingContext,
@@ -35,8 +36,9 @@ from pagoda.server.api.serving_base import (
     until_disconnect,
 )
 from pagoda.server.api.unserved import check_fields
-from pagoda.server.chat import ChatTemplateError, render_chat
+from pagoda.server.chat import ChatTemplateError, check_template_kwargs, render_chat
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pydantic import JsonValue
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -51,15 +53,28 @@ def message_text(message: ChatMessage) -> str:
 
 
 async def render_messages(
-    ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, JsonValue] | None = None,
 ) -> str:
     """The prompt text of a request's messages (rendered off the event loop); a 400 on `messages` when they
-    cannot be rendered."""
+    cannot be rendered, on `chat_template_kwargs` when a key would change the call rather than the template."""
     conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+    if template_kwargs:
+        try:
+            check_template_kwargs(ctx.tokenizer, template_kwargs)
+        except ValueError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs") from exc
 
     def render() -> str:
         return render_chat(
-            ctx.tokenizer, ctx.chat_template, conversation, add_generation_prompt=add_generation_prompt
+            ctx.tokenizer,
+            ctx.chat_template,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
         )
 
     try:
@@ -88,6 +103,15 @@ def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs
     return ChatLogprobs(content=content)
 
 
+def assistant_message(text: str, parser: ReasoningParser | None) -> AssistantMessage:
+    """A choice's whole message: its text, or with a reasoning parser its reasoning and content (None if empty,
+    as vLLM sends them)."""
+    if parser is None:
+        return AssistantMessage(content=text)
+    reasoning, content = parser.split(text)
+    return AssistantMessage(content=content or None, reasoning_content=reasoning or None)
+
+
 @dataclass(slots=True)
 class _Cursor:
     """How much of one choice the stream has sent."""
@@ -95,6 +119,7 @@ class _Cursor:
     text_len: int = 0
     num_tokens: int = 0
     done: bool = False
+    reasoning: ReasoningStream | None = None  # with --reasoning-parser
 
 
 class ChatHandler:
@@ -115,7 +140,12 @@ class ChatHandler:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         ctx.check_fan_out(1, body.n)
-        prompt = await render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+        prompt = await render_messages(
+            ctx,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
+        )
         ctx.check_prompt_chars(prompt, "messages")
         # The template writes the special tokens (BOS) itself.
         (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
@@ -140,7 +170,7 @@ class ChatHandler:
         choices = [
             ChatChoice(
                 index=o.index,
-                message=AssistantMessage(content=o.text),
+                message=assistant_message(o.text, ctx.reasoning_parser),
                 logprobs=None if top_k is None else chat_logprobs(o.token_ids, o.logprobs or (), top_k),
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
@@ -166,7 +196,10 @@ class ChatHandler:
         include_usage: bool,
     ) -> AsyncGenerator[str]:
         model = self.ctx.served_model_name
-        cursors = [_Cursor() for _ in range(body.n)]
+        parser = self.ctx.reasoning_parser
+        cursors = [
+            _Cursor(reasoning=None if parser is None else ReasoningStream(parser)) for _ in range(body.n)
+        ]
         final: RequestOutput | None = None
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -204,14 +237,18 @@ class ChatHandler:
         new_ids = output.token_ids[cursor.num_tokens :]
         # Tokens that add no text yet (a partial UTF-8 character) wait for the next delta, unless their logprobs
         # were asked for.
+        delta = DeltaMessage(content=text)
+        if cursor.reasoning is not None:
+            # A tail that may still become a tag waits: `text` is what the parser settled, not what arrived.
+            reasoning, text = cursor.reasoning.delta(output.text, finished=output.finished)
+            delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None)
+            text = reasoning + text
         if text or (new_ids and top_k is not None):
             logprobs = None
             if top_k is not None:
                 positions = (output.logprobs or ())[cursor.num_tokens :]
                 logprobs = chat_logprobs(new_ids, positions, top_k)
-            choices.append(
-                ChatStreamChoice(index=output.index, delta=DeltaMessage(content=text), logprobs=logprobs)
-            )
+            choices.append(ChatStreamChoice(index=output.index, delta=delta, logprobs=logprobs))
             cursor.num_tokens = len(output.token_ids)
         cursor.text_len = len(output.text)
         if output.finished:

@@ -26,7 +26,6 @@ _UNSERVED: tuple[tuple[str, tuple[JsonValue, ...]], ...] = (
     ("verbosity", (None,)),
     ("web_search_options", (None,)),
     ("chat_template", (None,)),
-    ("chat_template_kwargs", (None, {})),
     ("continue_final_message", (False,)),
     ("service_tier", (None, "auto", "default")),
 )
