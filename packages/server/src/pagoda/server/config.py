@@ -14,6 +14,9 @@ SchedulingPolicyName = Literal["fcfs", "priority", "static"]
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
+# Where the processes beyond the first run: local processes (spawn) or Ray actors (tensor-parallel workers of one
+# engine, and data-parallel engine-core replicas alike).
+DistributedExecutorBackendName = Literal["mp", "ray"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class EngineConfig:
     seed: int = 0
     num_kv_blocks: int | None = None  # override the computed KV capacity (tests use tiny pools)
     cache_dir: str | None = None  # where converted GGUF models are cached
+    tensor_parallel_size: int = 1  # ranks one model's layers are split over
+    distributed_executor_backend: DistributedExecutorBackendName = "mp"
 
     def __post_init__(self) -> None:
         """Reject impossible sizes early, naming the field."""
@@ -61,6 +66,7 @@ class EngineConfig:
             "max_num_partial_prefills": self.max_num_partial_prefills,
             "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
             "max_input_tokens": self.max_input_tokens,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name, value in positive.items():
             if value is not None and value < 1:
@@ -75,6 +81,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {get_args(SchedulingPolicyName)}")
         if self.kv_manager not in get_args(KVManagerName):
             raise ValueError(f"kv_manager must be one of {get_args(KVManagerName)}")
+        if self.distributed_executor_backend not in get_args(DistributedExecutorBackendName):
+            raise ValueError(
+                f"distributed_executor_backend must be one of {get_args(DistributedExecutorBackendName)}"
+            )
 
 
 # OpenAI's cap on the prompt array of one completion request; sequences (prompts x n) are capped at the same
