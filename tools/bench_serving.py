@@ -12,7 +12,8 @@ Prompts are synthetic text (token counts come from the server's usage report): `
 uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
 like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). `shared-prefix` is the
 data-parallel routing workload: --num-prefixes system prompts of --prefix-len words each, every request one of them
-(in turn) followed by a short distinct question of about --input-len words. Each rate draws its own prompts
+(each round of --num-prefixes requests uses each once, in a shuffled order) followed by a short distinct question of
+about --input-len words. Each rate draws its own prompts
 (seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
 
 The table also reports each server's prefix-cache hit rate over the run (prompt tokens served from the cache over
@@ -145,15 +146,20 @@ def synthetic_prompt(rng: random.Random, num_words: int) -> str:
 
 
 def shared_prefix_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
-    """--num-prefixes system prompts, taken in turn, each followed by a distinct short question."""
+    """--num-prefixes system prompts, interleaved, each followed by a distinct short question."""
     systems = [synthetic_prompt(rng, args.prefix_len) for _ in range(args.num_prefixes)]
+    # Every round of --num-prefixes requests uses each system prompt once, in its own shuffled order: taken in a
+    # fixed turn, prompt k would always reach replica k mod N under round robin, as if routed by prefix.
+    order: list[int] = []
+    while len(order) < args.num_prompts:
+        order += rng.sample(range(len(systems)), len(systems))
     low, high = 1.0 - args.range_ratio, 1.0 + args.range_ratio
     requests: list[BenchRequest] = []
-    for i in range(args.num_prompts):
+    for i, system in enumerate(order[: args.num_prompts]):
         # The request number makes every question distinct, whatever words the draw gives.
         question = f"Question {i}: " + synthetic_prompt(rng, round(args.input_len * rng.uniform(low, high)))
         output_len = max(1, round(args.output_len * rng.uniform(low, high)))
-        requests.append(BenchRequest(f"{systems[i % len(systems)]}\n\n{question}", output_len))
+        requests.append(BenchRequest(f"{systems[system]}\n\n{question}", output_len))
     return requests
 
 
