@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_blocks, salt_bytes
 from pagoda.server.routing.base import ReplicaLoad, least_loaded, live_replicas
 
-# SGLang's router defaults: route by prefix when over half of the prompt matches; treat the replicas as imbalanced
+# SGLang's router defaults: route by prefix when at least half of the prompt matches; treat the replicas as imbalanced
 # when the busiest one is both far (absolutely) and 1.5x (relatively) ahead of the idlest. SGLang counts requests;
 # the front end here counts outstanding tokens (ReplicaLoad.num_tokens), so the absolute gap is in tokens.
 DEFAULT_CACHE_THRESHOLD = 0.5
