@@ -10,8 +10,18 @@ benchmark several servers (a peer such as vLLM) with the same prompts in one run
 
 Prompts are synthetic text (token counts come from the server's usage report): `random` draws lengths
 uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
-like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). Each rate draws its own
-prompts (seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
+like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). `shared-prefix` is the
+data-parallel routing workload: --num-prefixes system prompts of --prefix-len words each, every request one of them
+(each round of --num-prefixes requests uses each once, in a shuffled order) followed by a short distinct question of
+about --input-len words. Each rate draws its own prompts
+(seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
+
+The table also reports each server's prefix-cache hit rate over the run (prompt tokens served from the cache over
+prompt tokens looked up, from its /metrics counters read before and after; summed over replicas), so that servers
+started with different `--routing-policy` values compare in one table (--label names the columns):
+
+    python tools/bench_serving.py --base-url http://127.0.0.1:8001 http://127.0.0.1:8002 \
+        --label cache_aware round_robin --model NAME --dataset shared-prefix --input-len 16 --request-rate 4 inf
 
 Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
 API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
@@ -135,8 +145,28 @@ def synthetic_prompt(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, num_words)))
 
 
+def shared_prefix_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    """--num-prefixes system prompts, interleaved, each followed by a distinct short question."""
+    systems = [synthetic_prompt(rng, args.prefix_len) for _ in range(args.num_prefixes)]
+    # Every round of --num-prefixes requests uses each system prompt once, in its own shuffled order: taken in a
+    # fixed turn, prompt k would always reach replica k mod N under round robin, as if routed by prefix.
+    order: list[int] = []
+    while len(order) < args.num_prompts:
+        order += rng.sample(range(len(systems)), len(systems))
+    low, high = 1.0 - args.range_ratio, 1.0 + args.range_ratio
+    requests: list[BenchRequest] = []
+    for i, system in enumerate(order[: args.num_prompts]):
+        # The request number makes every question distinct, whatever words the draw gives.
+        question = f"Question {i}: " + synthetic_prompt(rng, round(args.input_len * rng.uniform(low, high)))
+        output_len = max(1, round(args.output_len * rng.uniform(low, high)))
+        requests.append(BenchRequest(f"{systems[system]}\n\n{question}", output_len))
+    return requests
+
+
 def make_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
     """The benchmark's prompts, from the chosen dataset."""
+    if args.dataset == "shared-prefix":
+        return shared_prefix_requests(args, rng)
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
             raise SystemExit("--dataset sharegpt needs --dataset-path")
@@ -258,6 +288,46 @@ async def send(
         result.error = f"{type(exc).__name__}: {exc}"
 
 
+def counter_sum(exposition: str, name: str) -> float | None:
+    """Sum of every sample of counter `name` in a Prometheus text exposition, under any `namespace:` prefix and
+    any labels (a data-parallel server reports one series per replica); None when there is none."""
+    total: float | None = None
+    for line in exposition.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample = line.split("{", 1)[0].split(" ", 1)[0]
+        if sample == name or sample.endswith(":" + name):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def prefix_cache_counters(client: httpx.AsyncClient, base_url: str) -> tuple[float, float] | None:
+    """The server's prefix-cache counters (prompt tokens looked up, tokens hit) from /metrics; None without them."""
+    try:
+        response = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    queries = counter_sum(response.text, "prefix_cache_queries_total")
+    hits = counter_sum(response.text, "prefix_cache_hits_total")
+    return None if queries is None or hits is None else (queries, hits)
+
+
+def prefix_cache_summary(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> dict[str, float | None]:
+    """The run's prefix-cache lookups, hits and hit rate: counter deltas over the run (None when unknown)."""
+    if before is None or after is None:
+        return {"prefix_cache_queries": None, "prefix_cache_hits": None, "prefix_cache_hit_rate": None}
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
+    }
+
+
 async def run_rate(
     args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
 ) -> dict[str, Any]:
@@ -269,6 +339,7 @@ async def run_rate(
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     label = f"{target.label}: rate " + ("inf" if math.isinf(rate) else f"{rate:g}")
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
+        counters_before = await prefix_cache_counters(client, target.base_url)
         with tqdm(total=len(requests), desc=f"{label} req/s", unit="req") as progress:
 
             async def one(request: BenchRequest, result: RequestResult) -> None:
@@ -284,7 +355,12 @@ async def run_rate(
                     await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
             await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
-    return {"target": target.label, **summarize(results, duration, rate)}
+        counters_after = await prefix_cache_counters(client, target.base_url)
+    return {
+        "target": target.label,
+        **summarize(results, duration, rate),
+        **prefix_cache_summary(counters_before, counters_after),
+    }
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -332,6 +408,7 @@ _ROWS = [
     ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
     ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
     ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
+    ("Prefix cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),  # from the server's /metrics
     *[
         (f"{stat.capitalize()} {name.upper()} (ms)", f"{stat}_{name}_ms", "{:.2f}")
         for name in ("ttft", "tpot", "itl", "e2el")
@@ -348,7 +425,10 @@ def _label(run: dict[str, Any]) -> str:
 def table(runs: list[dict[str, Any]]) -> str:
     """The metrics of every run side by side, one column per request rate."""
     header = ["Metric"] + [_label(run) for run in runs]
-    rows = [[title] + [fmt.format(run[key]) for run in runs] for title, key, fmt in _ROWS]
+    rows = [
+        [title] + [fmt.format(run[key]) if run.get(key) is not None else "n/a" for run in runs]
+        for title, key, fmt in _ROWS
+    ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in [header, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -407,10 +487,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--dataset", choices=["random", "sharegpt-like", "sharegpt"], default="random")
+    parser.add_argument(
+        "--label", nargs="+", default=None, help="column names, one per --base-url (default: host:port)"
+    )
+    parser.add_argument(
+        "--dataset", choices=["random", "sharegpt-like", "sharegpt", "shared-prefix"], default="random"
+    )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON for --dataset sharegpt")
     parser.add_argument(
-        "--input-len", type=int, default=128, help="prompt words (random: mean, sharegpt-like: median)"
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt words (random: mean, sharegpt-like: median, shared-prefix: the question's)",
+    )
+    parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many system prompts")
+    parser.add_argument(
+        "--prefix-len", type=int, default=512, help="shared-prefix: words of each system prompt"
     )
     parser.add_argument(
         "--output-len", type=int, default=128, help="max_tokens (random: mean, sharegpt-like: median)"
@@ -445,15 +537,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--request-rate must be > 0")
     if len(args.model) not in {1, len(args.base_url)}:
         parser.error("give one --model, or one per --base-url")
+    if args.label is not None and len(args.label) != len(args.base_url):
+        parser.error("give one --label per --base-url")
+    if args.num_prefixes < 1 or args.prefix_len < 1:
+        parser.error("--num-prefixes and --prefix-len must be >= 1")
     args.base_url = [url.rstrip("/").removesuffix("/v1") for url in args.base_url]
     return args
 
 
 def targets(args: argparse.Namespace) -> list[Target]:
-    """The servers to benchmark, labelled by host:port."""
+    """The servers to benchmark, labelled by --label or host:port."""
     models = args.model * len(args.base_url) if len(args.model) == 1 else args.model
+    labels = args.label or [url.split("://", 1)[-1] for url in args.base_url]
     plain = [
-        Target(url, model, url.split("://", 1)[-1]) for url, model in zip(args.base_url, models, strict=True)
+        Target(url, model, label) for url, model, label in zip(args.base_url, models, labels, strict=True)
     ]
     if args.structured == "none":
         return plain

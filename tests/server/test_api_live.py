@@ -659,37 +659,45 @@ def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:
     assert status == 0
 
 
-def test_bench_serving_smoke(live: LiveServer, tmp_path: Path) -> None:
-    """tools/bench_serving.py runs against the live server and writes its JSON result and plot."""
+def run_bench_serving(live: LiveServer, out: Path, *options: str) -> tuple[str, dict[str, Any]]:
+    """Run tools/bench_serving.py against the live server; its stdout and bench_serving.json (it must succeed)."""
+    command = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--base-url", live.base_url]
+    command += ["--model", MODEL, "--ignore-eos", "--output-dir", str(out), *options]
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_serving.py"),
-            "--base-url",
-            live.base_url,
-            "--model",
-            MODEL,
-            "--num-prompts",
-            "6",
-            "--request-rate",
-            "inf",
-            "--input-len",
-            "8",
-            "--output-len",
-            "6",
-            "--ignore-eos",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MPLBACKEND": "Agg"},
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"}
     )
     assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "bench_serving.json").read_text())
+    report: dict[str, Any] = json.loads((out / "bench_serving.json").read_text())
+    return result.stdout, report
+
+
+def test_bench_serving_smoke(live: LiveServer, tmp_path: Path) -> None:
+    """tools/bench_serving.py runs against the live server and writes its JSON result and plot."""
+    stdout, report = run_bench_serving(
+        live, tmp_path, "--num-prompts", "6", "--request-rate", "inf", "--input-len", "8", "--output-len", "6"
+    )
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["total_output_tokens"] == 36
     assert report["output_throughput"] > 0 and report["mean_ttft_ms"] > 0
     assert (tmp_path / "bench_serving.png").stat().st_size > 0
-    assert "Output token throughput" in result.stdout
+    assert "Output token throughput" in stdout
+
+
+def test_bench_serving_shared_prefix_reports_the_hit_rate(live: LiveServer, tmp_path: Path) -> None:
+    """The shared-prefix workload against a live server: later requests reuse a system prompt's cached blocks, and
+    the hit rate read from /metrics shows it."""
+    stdout, report = run_bench_serving(
+        live,
+        tmp_path,
+        *("--label", "one-replica", "--dataset", "shared-prefix", "--num-prefixes", "2"),
+        # About 30 tokens of the tiny tokenizer: at least one full 16-token block to share, within MAX_MODEL_LEN.
+        *("--prefix-len", "10", "--input-len", "2", "--output-len", "2", "--num-prompts", "6"),
+        # One at a time: each request finds its system prompt's blocks already computed.
+        *("--max-concurrency", "1"),
+    )
+    assert report["completed"] == 6 and report["target"] == "one-replica"
+    # Requests 3 to 6 hit their system prompt's full blocks (at least 16 tokens each); the first two miss.
+    assert report["prefix_cache_hits"] >= 4 * 16 and report["prefix_cache_hits"] % 16 == 0  # whole blocks
+    assert 0.0 < report["prefix_cache_hit_rate"] < 1.0
+    assert report["prefix_cache_queries"] >= report["total_input_tokens"]
+    assert "Prefix cache hit rate" in stdout and "one-replica @ inf" in stdout
