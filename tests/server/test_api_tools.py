@@ -265,6 +265,16 @@ def test_tools_and_tool_history_reach_the_template() -> None:
         assert reply.usage is not None and reply.usage.prompt_tokens == len(expected)
 
 
+def _tool_with_def(name: str, point_type: str) -> dict[str, Any]:
+    """A tool whose parameters refer to a `$defs` entry named P."""
+    parameters = {
+        "$defs": {"P": {"type": point_type}},
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/P"}},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 def _bad_cases() -> list[tuple[dict[str, Any], str]]:
     weather_choice = {"type": "function", "function": {"name": "get_weather"}}
     return [
@@ -292,6 +302,13 @@ def _bad_cases() -> list[tuple[dict[str, Any], str]]:
         ),
         ({"tools": TOOLS, "tool_choice": weather_choice, "guided_regex": "a+"}, "guided_regex"),
         ({"tools": TOOLS, "tool_choice": "none", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            {
+                "tools": [_tool_with_def("a", "integer"), _tool_with_def("b", "string")],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages"),
         ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages"),
@@ -320,3 +337,26 @@ def test_bad_tool_fields_are_400_naming_them() -> None:
             json={"model": MODEL, "messages": MESSAGES, "tools": TOOLS},
         ).json()["error"]
         assert "--enable-auto-tool-choice" in cast(str, error["message"])
+
+
+def test_reasoning_then_tool_calls() -> None:
+    """With --reasoning-parser too, the think block is reasoning_content and the calls are read from the content
+    after it, whole and streamed."""
+    script = "<think>need <tool_call> data</think>Ok." + SCRIPTS["hermes"].removeprefix("Checking.")
+    settings = AppSettings(reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with serve_in_thread(ScriptedEngine(script), settings=settings) as running:
+        client = _client(running.base_url)
+        whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=500)
+        message: Any = whole.choices[0].message
+        assert (message.reasoning_content, message.content) == ("need <tool_call> data", "Ok.")
+        assert function_calls(message) == CALLS and whole.choices[0].finish_reason == "tool_calls"
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=500, stream=True
+            )
+        )
+        reasoning = "".join(
+            getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+        )
+        assert reasoning == "need <tool_call> data"
+        assert reassemble(chunks)[:2] == ("Ok.", CALLS) and reassemble(chunks)[3] == "tool_calls"

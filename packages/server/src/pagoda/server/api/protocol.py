@@ -258,7 +258,7 @@ class AssistantMessage(BaseModel):
     """The generated message of a chat choice."""
 
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None only with --reasoning-parser, when the output is all reasoning
+    content: str | None  # None when the output is all reasoning (--reasoning-parser) or all tool calls
     reasoning_content: str | None = None  # what --reasoning-parser split off (vLLM's field)
     tool_calls: list[ToolCall] = Field(default_factory=list)  # empty without tool calls, as vLLM sends it
 

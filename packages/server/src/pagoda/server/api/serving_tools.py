@@ -101,11 +101,11 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolCallParser | None) 
             raise bad_request(f"tool_choice: the function {name!r} is not one of tools", "tool_choice")
         constraint = StructuredOutputsParams(json=parameters_schema(named))
         return ToolPlan(rendered, NamedToolCall(name), constraint)
-    schema = required_schema(tools, parallel=max_calls is None)
     try:
+        schema = required_schema(tools, parallel=max_calls is None)
         parse_grammar(StructuredOutputsParams(json=schema))
-    except GrammarError as exc:  # each tool parsed alone, but their $defs may clash once lifted together
-        raise bad_request(f"tools: {exc}", "tools") from exc
+    except ValueError as exc:  # each tool parsed alone, but their $defs may clash once lifted together
+        raise bad_request(str(exc), "tools") from exc
     return ToolPlan(rendered, RequiredToolCalls(), StructuredOutputsParams(json=schema), max_calls, True)
 
 

@@ -21,12 +21,17 @@ def parameters_schema(tool: ChatTool) -> dict[str, Any]:
 def required_schema(tools: Sequence[ChatTool], *, parallel: bool) -> dict[str, Any]:
     """vLLM's schema of `tool_choice: "required"`: an array of at least one `{name, parameters}` object, each
     one of the tools (at most one element when `parallel` is false). The tools' `$defs` are lifted to the root,
-    where their `#/$defs/...` references point."""
+    where their `#/$defs/...` references point; ValueError when two tools define one name differently."""
     defs: dict[str, Any] = {}
     alternatives: list[dict[str, Any]] = []
     for tool in tools:
         parameters = dict(parameters_schema(tool))
-        defs.update(parameters.pop("$defs", {}))
+        lifted = parameters.pop("$defs", {})
+        if not isinstance(lifted, dict):
+            raise ValueError(f"tools: {tool.function.name}: $defs must be an object")
+        for key, value in lifted.items():
+            if defs.setdefault(key, value) != value:
+                raise ValueError(f"tools: two tools define $defs.{key} differently")
         alternatives.append(
             {
                 "type": "object",
