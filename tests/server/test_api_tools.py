@@ -52,28 +52,17 @@ CALLS = [("get_weather", WEATHER_ARGS), ("get_time", "{}")]
 
 class ScriptedEngine(FakeEngine):
     """The fake engine, but every sample writes `script` one character per step and stops at its end; the
-    params of every request are kept."""
+    params of every request are kept (at its first step)."""
 
     def __init__(self, script: str, **kwargs: Any) -> None:
         super().__init__(max_model_len=4096, **kwargs)
         self.script = script
         self.params: list[SamplingParams] = []
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Keep the params, then queue the request."""
-        self.params.append(params)
-        super().add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time)
-
     def _advance(self, req: _Req, seq: _Seq) -> None:
         position = len(seq.token_ids)
+        if position == 0 and seq.index == 0:
+            self.params.append(req.params)
         seq.token_ids.append(self._letter_ids[position % len(LETTERS)])  # the ids do not matter here
         seq.text += self.script[position]
         self.generation_tokens += 1
