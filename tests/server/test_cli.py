@@ -274,3 +274,17 @@ def test_chat_template_and_reasoning_parser_flags(tmp_path: Path, capsys: pytest
         build_parser().parse_args(["serve", "m", "--reasoning-parser", "granite"])
     assert main(["serve", "unused-model", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "--chat-template" in capsys.readouterr().err
+
+
+def test_tool_calling_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tool-call-parser` takes vLLM's names; `--enable-auto-tool-choice` without it exits 2, as in vLLM."""
+    args = build_parser().parse_args(
+        ["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+    defaults = build_parser().parse_args(["serve", "m"])
+    assert (defaults.enable_auto_tool_choice, defaults.tool_call_parser) == (False, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--tool-call-parser", "pythonic"])
+    assert main(["serve", "unused-model", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from pagoda.server.config import (
     KVManagerName,
     ReasoningParserName,
     SchedulingPolicyName,
+    ToolParserName,
 )
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 
@@ -208,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split <think> reasoning into the chat responses' reasoning_content (vLLM's names)",
     )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): parse calls out of the output (needs --tool-call-parser)',
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=get_args(ToolParserName),
+        default=None,
+        help="how tool calls are read from the output under tool_choice auto (vLLM's names)",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
     engine.add_argument(
@@ -320,6 +332,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Reject server options out of range (ValueError naming the flag)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be >= 1")
     if args.max_prompts_per_request < 1:
@@ -397,6 +411,8 @@ def serve(args: argparse.Namespace) -> int:
         limits=limits,
         chat_template=chat_template,
         reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(llm, settings)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's

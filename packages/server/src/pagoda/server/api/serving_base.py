@@ -14,6 +14,7 @@ from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, Sampl
 from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
+from pagoda.server.api.tool_parsers import ToolCallParser
 from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -59,6 +60,7 @@ class ServingContext:
     limits: RequestLimits
     max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
+    tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
