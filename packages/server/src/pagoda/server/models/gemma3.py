@@ -19,9 +19,9 @@ from pagoda.server.models.parallel import ParallelGroup, SingleRank, head_shard
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    attention_projections,
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -46,30 +46,17 @@ class Gemma3Attention(nn.Module):
         group: ParallelGroup,
     ) -> None:
         super().__init__()
-        hidden = int(config.hidden_size)
         eps = float(config.rms_norm_eps)
         bias = bool(getattr(config, "attention_bias", False))
         self.layer_type = layer_type
-        num_heads = int(config.num_attention_heads)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            hidden,
-            self.head_dim,
-            num_heads,
-            int(config.num_key_value_heads),
-            bias=bias,
-            dtype=dtype,
-            device=device,
-            group=group,
+        self.qkv_proj, self.o_proj = attention_projections(
+            config, qkv_bias=bias, o_bias=bias, dtype=dtype, device=device, group=group
         )
         # This rank's heads.
-        self.num_heads = self.qkv_proj.heads.num_heads
-        self.num_kv_heads = self.qkv_proj.heads.num_kv_heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            num_heads * self.head_dim, hidden, bias=bias, dtype=dtype, device=device, group=group
-        )
         self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
         window = getattr(config, "sliding_window", None)

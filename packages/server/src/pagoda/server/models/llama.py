@@ -18,9 +18,9 @@ from pagoda.server.models.parallel import ParallelGroup, SingleRank, head_shard
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    attention_projections,
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -51,29 +51,16 @@ class LlamaAttention(nn.Module):
         group: ParallelGroup,
     ) -> None:
         super().__init__()
-        hidden = int(config.hidden_size)
-        num_heads = int(config.num_attention_heads)
         self.head_dim = head_dim_of(config)
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            hidden,
-            self.head_dim,
-            num_heads,
-            int(config.num_key_value_heads or num_heads),
-            bias=qkv_bias,
-            dtype=dtype,
-            device=device,
-            group=group,
+        self.qkv_proj, self.o_proj = attention_projections(
+            config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype, device=device, group=group
         )
         # This rank's heads.
-        self.num_heads = self.qkv_proj.heads.num_heads
-        self.num_kv_heads = self.qkv_proj.heads.num_kv_heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype, device=device, group=group
-        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.model_type == "qwen3":

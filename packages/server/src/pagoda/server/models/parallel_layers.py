@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.models.layers import Embedding, Linear, MergedLinear, linear
+from pagoda.server.models.layers import Embedding, Linear, MergedLinear, head_dim_of, linear
 from pagoda.server.models.parallel import ParallelGroup, head_shard
 from torch import Tensor
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,28 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.whole = group.size == 1
         kv = SourceSlice(0, heads.first_kv_head * head_dim, kv_rows, num_kv_heads * head_dim)
         self.sources = [SourceSlice(0, heads.first_head * head_dim, q_rows, num_heads * head_dim), kv, kv]
+
+
+def attention_projections(
+    config: PretrainedConfig,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: ParallelGroup,
+) -> tuple[QKVParallelLinear, RowParallelLinear]:
+    """The fused q/k/v projection and the output projection of one attention layer, split by heads."""
+    hidden, head_dim = int(config.hidden_size), head_dim_of(config)
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    qkv = QKVParallelLinear(
+        hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias, dtype=dtype, device=device, group=group
+    )
+    out = RowParallelLinear(
+        num_heads * head_dim, hidden, bias=o_bias, dtype=dtype, device=device, group=group
+    )
+    return qkv, out
 
 
 class RowParallelLinear(Linear, SlicedLoad):

@@ -57,6 +57,10 @@ def run_worker(spec: WorkerSpec) -> None:
     socket.connect(spec.driver_address)
     try:
         placement = Placement(torch.device(spec.device), parse_dtype(spec.dtype))
+        if placement.device.type == "cuda":
+            torch.cuda.set_device(
+                placement.device
+            )  # NCCL and the kernels launch on this rank's GPU, not GPU 0
         group = ProcessGroupCollectives(spec.rank, spec.world_size)
         model, backend = build_shard(spec.config, Path(spec.model_folder), placement, group)
         socket.send(msgspec.msgpack.encode(Ready(spec.rank)))
