@@ -379,6 +379,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagoda.server.chat import load_chat_template
     from pagoda.server.config import RequestLimits
     from pagoda.server.engine import LLMEngine
+    from pagoda.server.engine.executor import ExecutorError
     from pagoda.server.engine_client import EngineClient
 
     try:
@@ -390,7 +391,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = LLMEngine.from_config(config)
-    except ValueError as exc:  # EngineConfigError: says what to change
+    except (ValueError, ExecutorError) as exc:  # EngineConfigError says what to change; a worker that failed
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 1
     # build_parts already refused a KV cache smaller than one max_model_len request (EngineConfigError above).

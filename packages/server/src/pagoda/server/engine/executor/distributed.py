@@ -37,6 +37,7 @@ from pagoda.server.engine.model_runner import ModelRunner, PromptHidden
 from pagoda.server.engine.setup import (
     EngineConfigError,
     EngineParts,
+    Placement,
     build_parts,
     dtype_name,
     select_placement,
@@ -115,23 +116,7 @@ class DistributedExecutor(Executor):
         port = router.bind_to_random_port(f"tcp://{host}")
         store = make_store(host, 0, size, is_master=True)
         threads = None if use_gpus else threads_per_rank(size)
-        local = config.distributed_executor_backend == "mp"
-        specs = [
-            WorkerSpec(
-                config=config,
-                model_folder=str(folder),
-                device=(f"cuda:{rank}" if local else "cuda:0") if use_gpus else "cpu",
-                dtype=dtype_name(placement.dtype),
-                rank=rank,
-                world_size=size,
-                driver_address=f"tcp://{host}:{port}",
-                store_host=host,
-                store_port=store.port,
-                num_threads=threads,
-                parent_pid=os.getpid() if local else None,
-            )
-            for rank in range(1, size)
-        ]
+        specs = _worker_specs(config, folder, placement, f"tcp://{host}:{port}", host, store.port, threads)
         restore = torch.get_num_threads() if threads is not None else None
         try:
             launcher.start(specs)
@@ -220,6 +205,36 @@ class DistributedExecutor(Executor):
         self._context.term()
         if self._restore_threads is not None:
             torch.set_num_threads(self._restore_threads)
+
+
+def _worker_specs(
+    config: EngineConfig,
+    folder: Path,
+    placement: Placement,
+    address: str,
+    store_host: str,
+    store_port: int,
+    threads: int | None,
+) -> list[WorkerSpec]:
+    """What ranks 1..N-1 are told: the same config, folder, dtype and addresses; each its own rank and device."""
+    local = config.distributed_executor_backend == "mp"
+    return [
+        WorkerSpec(
+            config=config,
+            model_folder=str(folder),
+            # Ray gives each actor one GPU, visible as its cuda:0; local workers take GPU `rank`.
+            device=(f"cuda:{rank}" if local else "cuda:0") if placement.device.type == "cuda" else "cpu",
+            dtype=dtype_name(placement.dtype),
+            rank=rank,
+            world_size=config.tensor_parallel_size,
+            driver_address=address,
+            store_host=store_host,
+            store_port=store_port,
+            num_threads=threads,
+            parent_pid=os.getpid() if local else None,
+        )
+        for rank in range(1, config.tensor_parallel_size)
+    ]
 
 
 def _wait_ready(router: zmq.Socket[bytes], launcher: Launcher, count: int) -> None:
