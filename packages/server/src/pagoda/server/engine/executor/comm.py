@@ -36,7 +36,9 @@ class ProcessGroupCollectives:
         self._rank = rank
         self._size = size
         self._pg: _Backend | None = None
-        self.seconds = 0.0  # wall time inside collectives (including waits for slower ranks)
+        # Wall time inside collectives, waits for slower ranks included. gloo's ops return when done; NCCL's are
+        # queued on the GPU stream, so on CUDA this counts the launches only (profile the stream for the rest).
+        self.seconds = 0.0
         self.calls = 0
 
     @property
