@@ -9,10 +9,11 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
-from pagoda.server.models.layers import Linear, linear, pack_weight, softcap
-from pagoda.server.models.parallel import ParallelGroup
+from pagoda.server.models.layers import Linear, head_dim_of, linear, pack_weight, softcap
+from pagoda.server.models.parallel import ParallelGroup, head_shard
 from pagoda.server.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from torch import Tensor, nn
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,15 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+def sharded_kv_spec(config: PretrainedConfig, num_layers: int, group: ParallelGroup) -> KVCacheSpec:
+    """The KV cache of one rank: its KV heads only (one, replicated, when the model has fewer than ranks)."""
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    return KVCacheSpec(
+        num_layers, head_shard(num_heads, num_kv_heads, group).num_kv_heads, head_dim_of(config)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
-from pagoda.server.models.base import DecoderLM, KVCacheSpec
+from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
-from pagoda.server.models.parallel import ParallelGroup, SingleRank, head_shard
+from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -196,12 +196,7 @@ class Gemma3ForCausalLM(DecoderLM):
         self.config = config
         self.model = Gemma3TextModel(config, dtype=dtype, device=device, group=self.group)
         self.layer_types = gemma3_layer_types(config)
-        num_kv_heads = head_shard(
-            int(config.num_attention_heads),
-            int(config.num_key_value_heads or config.num_attention_heads),
-            self.group,
-        ).num_kv_heads  # this rank's
-        self.spec = KVCacheSpec(len(self.layer_types), num_kv_heads, head_dim_of(config))
+        self.spec = sharded_kv_spec(config, len(self.layer_types), self.group)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head: ParallelLMHead | None = None

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
-from pagoda.server.models.base import DecoderLM, KVCacheSpec
+from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
-from pagoda.server.models.parallel import ParallelGroup, SingleRank, head_shard
+from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -193,12 +193,7 @@ class LlamaForCausalLM(DecoderLM):
         self.config = config
         self.group = group or SingleRank()
         self.model = LlamaModel(config, dtype=dtype, device=device, group=self.group)
-        num_kv_heads = head_shard(
-            int(config.num_attention_heads),
-            int(config.num_key_value_heads or config.num_attention_heads),
-            self.group,
-        ).num_kv_heads  # this rank's
-        self.spec = KVCacheSpec(int(config.num_hidden_layers), num_kv_heads, head_dim_of(config))
+        self.spec = sharded_kv_spec(config, int(config.num_hidden_layers), self.group)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: ParallelLMHead | None = None
         if not self.tie_word_embeddings:
