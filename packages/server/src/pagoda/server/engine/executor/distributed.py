@@ -65,7 +65,8 @@ def _launcher(config: EngineConfig, use_gpus: bool) -> Launcher:
 
 def threads_per_rank(size: int) -> int:
     """Torch threads of each CPU rank: the cores this process may use, shared evenly (1 on 2 cores for TP=2)."""
-    return max(1, len(os.sched_getaffinity(0)) // size)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // size)
 
 
 class DistributedExecutor(Executor):
@@ -195,11 +196,13 @@ class DistributedExecutor(Executor):
         if self._stopped:
             return
         self._stopped = True
-        if self._failed is None and self.launcher.failure() is None:
+        healthy = self._failed is None and self.launcher.failure() is None
+        if healthy:
             payload = msgspec.msgpack.encode(Shutdown())
             for identity in self._identities:
                 self._router.send_multipart([identity, payload])
-        self.launcher.stop(_STOP_TIMEOUT_S)
+        # After a failure the surviving workers may sit in a collective that will never complete: kill them now.
+        self.launcher.stop(_STOP_TIMEOUT_S if healthy else 0.0)
         self._finalizer()
         self._router.close()
         self._context.term()
