@@ -15,6 +15,7 @@ from pagoda.scheduler import PreemptionMode
 from pagoda.server.config import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DistributedExecutorBackendName,
     DTypeName,
     EngineConfig,
     KernelBackendName,
@@ -263,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    add_parallel_args(serve)
     # t16-fields: metrics naming.
     fields = serve.add_argument_group("metrics")
     fields.add_argument(
@@ -273,6 +275,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_tgi_arguments(serve)
     add_scheduling_args(serve)
     return parser
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (vLLM's flags): the ranks one model is split over, and where they run."""
+    group = parser.add_argument_group("parallelism")
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split every layer over N ranks (gloo on CPU, NCCL on CUDA); N must divide the attention heads",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=get_args(DistributedExecutorBackendName),
+        default="mp",
+        help="where ranks 1..N-1 run: mp: local processes; ray: Ray actors in a placement group (multi-node)",
+    )
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
@@ -327,6 +347,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         static_batch_timeout_s=args.static_batch_timeout,
         kv_manager=args.kv_manager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -371,6 +393,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagoda.server.chat import load_chat_template
     from pagoda.server.config import RequestLimits
     from pagoda.server.engine import LLMEngine
+    from pagoda.server.engine.executor import ExecutorError
     from pagoda.server.engine_client import EngineClient
 
     try:
@@ -382,7 +405,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = LLMEngine.from_config(config)
-    except ValueError as exc:  # EngineConfigError: says what to change
+    except (ValueError, ExecutorError) as exc:  # EngineConfigError says what to change; a worker that failed
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 1
     # build_parts already refused a KV cache smaller than one max_model_len request (EngineConfigError above).
@@ -419,19 +442,22 @@ def serve(args: argparse.Namespace) -> int:
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again.
     gc.collect()
     gc.freeze()
-    run_server(
-        app,
-        llm,
-        host=args.host,
-        port=args.port,
-        shutdown_timeout=args.shutdown_timeout,
-        limits=HTTPLimits(
-            max_head_bytes=args.max_request_head_bytes,
-            head_timeout=args.request_head_timeout,
-            body_timeout=args.request_body_timeout,
-        ),
-        log_level=args.log_level,
-    )
+    try:
+        run_server(
+            app,
+            llm,
+            host=args.host,
+            port=args.port,
+            shutdown_timeout=args.shutdown_timeout,
+            limits=HTTPLimits(
+                max_head_bytes=args.max_request_head_bytes,
+                head_timeout=args.request_head_timeout,
+                body_timeout=args.request_body_timeout,
+            ),
+            log_level=args.log_level,
+        )
+    finally:
+        engine.shutdown()  # tensor-parallel workers exit with the server
     return 0
 
 
