@@ -152,18 +152,27 @@ def dp2(model_dir: Path) -> Iterator[LiveServer]:
     flags = (*CORE_FLAGS, "--data-parallel-size", "2", "--routing-policy", "round_robin")
     with serving(model_dir, *flags) as live:
         yield live
+        cores = [psutil.Process(pid) for pid in _core_pids(live)]
+    # SIGTERM drained the server (exit status 0, asserted by `serving`), and its cores exited with it.
+    _, alive = psutil.wait_procs(cores, timeout=30)
+    assert not alive
 
 
 @pytest.mark.timeout(300)
 def test_one_core_process_gives_inproc_greedy_tokens(model_dir: Path, inproc_greedy: list[list[str]]) -> None:
-    """`--engine-core process`: the same greedy texts as in-process; /health counts one replica."""
-    with serving(model_dir, *CORE_FLAGS, "--engine-core", "process") as live:
+    """`--engine-core process`: the same greedy texts as in-process; /health counts one replica; the core exits
+    by itself when the server is killed (no orphan)."""
+    live = LiveServer(model_dir, *CORE_FLAGS, "--engine-core", "process")
+    try:
         assert _greedy_all(live) == inproc_greedy
-        assert httpx.get(f"{live.base_url}/health").json() == {
-            "status": "ok",
-            "replicas": 1,
-            "replicas_alive": 1,
-        }
+        health = httpx.get(f"{live.base_url}/health").json()
+        assert health == {"status": "ok", "replicas": 1, "replicas_alive": 1}
+        (core,) = [psutil.Process(pid) for pid in _core_pids(live)]
+        live.process.kill()
+        live.process.wait()
+        core.wait(timeout=30)  # psutil.TimeoutExpired if the core outlived its parent
+    finally:
+        live.stop()
 
 
 @pytest.mark.timeout(300)
@@ -305,3 +314,29 @@ def test_dp2_replica_killed_mid_stream(dp2: LiveServer) -> None:
     assert sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1")) == 1
     assert wait_idle(dp2) == [[0, 0, 0], [0, 0, 0]]
     assert client.completions.create(model=MODEL, prompt="back", max_tokens=2).choices[0].text is not None
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A local Ray cluster of 2 CPUs for one test; RAY_ADDRESS points the server at it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        yield address
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(400)
+def test_ray_dp2_gives_inproc_greedy_tokens(
+    model_dir: Path, inproc_greedy: list[list[str]], ray_cluster: str
+) -> None:
+    """`--distributed-executor-backend ray --data-parallel-size 2` on a local cluster: the same greedy texts."""
+    flags = (*CORE_FLAGS, "--distributed-executor-backend", "ray", "--data-parallel-size", "2")
+    with serving(model_dir, *flags, "--routing-policy", "round_robin") as live:
+        assert _greedy_all(live) == inproc_greedy
+        text = httpx.get(f"{live.base_url}/metrics").text
+        assert all(engine_metric(text, "pagoda:prompt_tokens_total", e) > 0 for e in ("0", "1"))
