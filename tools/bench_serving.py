@@ -16,8 +16,9 @@ prompts (seed + rate index), so a later rate does not hit the prefix cache an ea
 Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
 API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
 
---serve LABEL=FLAGS... starts the servers itself, one at a time (so that they never compete for the cores), runs
-every rate against each, and adds a table of ratios to the first: one run compares configurations of Pagoda.
+--serve LABEL=FLAGS... starts the servers itself, then runs every rate against each in turn (one at a time, so that
+they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
+of ratios to the first: one run compares configurations of Pagoda.
 
     python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \
         --request-rate 1 4 inf --num-prompts 40
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -552,16 +553,20 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for target in targets(args)
             for requests, rate in zip(per_rate, args.request_rate, strict=True)
         ]
-    runs = []
-    for spec in args.serve:
-        label, flags = spec.split("=", 1)
-        with launched(args, flags) as url:
-            target = Target(url, args.model[0], label)
-            runs += [
-                asyncio.run(run_rate(args, target, requests, rate))
-                for requests, rate in zip(per_rate, args.request_rate, strict=True)
-            ]
-    return runs
+    # Every configuration is up (idle ones cost nothing) and the runs alternate between them at each rate, so
+    # that a change in the machine's load during the run falls on all of them alike.
+    with ExitStack() as stack:
+        served = []
+        for spec in args.serve:
+            label, flags = spec.split("=", 1)
+            served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
+        runs = [
+            asyncio.run(run_rate(args, target, requests, rate))
+            for requests, rate in zip(per_rate, args.request_rate, strict=True)
+            for target in served
+        ]
+    order = {target.label: i for i, target in enumerate(served)}
+    return sorted(runs, key=lambda run: order[run["target"]])  # stable: each target's rates stay in order
 
 
 _RATIO_ROWS = [

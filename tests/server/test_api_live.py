@@ -44,7 +44,7 @@ NO_EOS: dict[str, Any] = {"ignore_eos": True}  # fixed output lengths: a random 
 class LiveServer:
     """A `pagoda serve` subprocess on a free port of 127.0.0.1."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(self, model: Path, *extra: str, ready_timeout: float = 120) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "pagoda.server.cli", "serve", str(model), "--port", str(self.port)]
@@ -52,7 +52,7 @@ class LiveServer:
         # float32: greedy outputs alone and in a batch must agree, and bfloat16 matmuls vary with the batch size.
         command += ["--dtype", "float32", *extra]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_timeout
         while True:
             if self.process.poll() is not None:
                 output = self.process.stdout.read().decode() if self.process.stdout else ""
@@ -82,9 +82,9 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(model: Path, *extra: str) -> Iterator[LiveServer]:
+def serving(model: Path, *extra: str, ready_timeout: float = 120) -> Iterator[LiveServer]:
     """A live server for the block; it must exit cleanly on SIGTERM."""
-    server = LiveServer(model, *extra)
+    server = LiveServer(model, *extra, ready_timeout=ready_timeout)
     try:
         yield server
     finally:

@@ -25,7 +25,7 @@ import pytest
 from api_cases import MODEL
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.config import EngineConfig
-from pagoda.server.core import CoreClient, ProcessLauncher
+from pagoda.server.core import CoreClient, CoreStartupError, ProcessLauncher
 from pagoda.server.core.deltas import DeltaDecoder, DeltaEncoder
 from pagoda.server.core.messages import AddRequest, input_decoder, output_decoder
 from pagoda.server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -36,6 +36,8 @@ from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN = 2048
 PROMPTS = ["The quick brown fox", "Hello world! How are", "A paged cache splits", "Tokens, blocks, tables"]
+# Engine cores start a fresh interpreter each (torch, transformers): on a busy 2-core machine that takes a while.
+READY_S = 300
 CORE_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--log-level", "info")
 
 
@@ -85,13 +87,21 @@ def test_malformed_frames_do_not_decode(frame: bytes, caplog: pytest.LogCaptureF
     assert "malformed" in caplog.text
 
 
+@pytest.mark.timeout(120)
+def test_core_that_cannot_load_is_a_clear_startup_error(tmp_path: Path) -> None:
+    """A core whose model does not load sends `Failed`; the client raises CoreStartupError saying why."""
+    config = EngineConfig(model=str(tmp_path / "no-such-model"), num_kv_blocks=16)
+    with pytest.raises(CoreStartupError, match=r"engine core 0 failed to start: .*no-such-model"):
+        CoreClient(config, ProcessLauncher(1, logging.INFO), build_router("round_robin", 1, 16), 1)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with a 4096-token context."""
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_core_survives_malformed_frames(model_dir: Path) -> None:
     """Frames that do not decode, sent straight to a core's input socket, are dropped; the core keeps serving."""
     config = EngineConfig(model=str(model_dir), num_kv_blocks=64, dtype="float32", max_model_len=256)
@@ -142,7 +152,7 @@ def _greedy_all(live: LiveServer) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def inproc_greedy(model_dir: Path) -> list[list[str]]:
     """The greedy texts of the in-process server."""
-    with serving(model_dir, *CORE_FLAGS) as live:
+    with serving(model_dir, *CORE_FLAGS, ready_timeout=READY_S) as live:
         return _greedy_all(live)
 
 
@@ -150,7 +160,7 @@ def inproc_greedy(model_dir: Path) -> list[list[str]]:
 def dp2(model_dir: Path) -> Iterator[LiveServer]:
     """A server of two engine-core replicas, round robin (so both serve), with small KV pools."""
     flags = (*CORE_FLAGS, "--data-parallel-size", "2", "--routing-policy", "round_robin")
-    with serving(model_dir, *flags) as live:
+    with serving(model_dir, *flags, ready_timeout=READY_S) as live:
         yield live
         cores = [psutil.Process(pid) for pid in _core_pids(live)]
     # SIGTERM drained the server (exit status 0, asserted by `serving`), and its cores exited with it.
@@ -158,11 +168,11 @@ def dp2(model_dir: Path) -> Iterator[LiveServer]:
     assert not alive
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_one_core_process_gives_inproc_greedy_tokens(model_dir: Path, inproc_greedy: list[list[str]]) -> None:
     """`--engine-core process`: the same greedy texts as in-process; /health counts one replica; the core exits
     by itself when the server is killed (no orphan)."""
-    live = LiveServer(model_dir, *CORE_FLAGS, "--engine-core", "process")
+    live = LiveServer(model_dir, *CORE_FLAGS, "--engine-core", "process", ready_timeout=READY_S)
     try:
         assert _greedy_all(live) == inproc_greedy
         health = httpx.get(f"{live.base_url}/health").json()
@@ -175,7 +185,7 @@ def test_one_core_process_gives_inproc_greedy_tokens(model_dir: Path, inproc_gre
         live.stop()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_dp2_gives_inproc_greedy_tokens(dp2: LiveServer, inproc_greedy: list[list[str]]) -> None:
     """Two replicas: the same greedy texts, both replicas served some, the router counted its choices."""
     assert _greedy_all(dp2) == inproc_greedy
@@ -218,7 +228,7 @@ def wait_idle(live: LiveServer, engines: tuple[str, ...] = ("0", "1")) -> list[l
         time.sleep(0.1)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_dp2_cancellation_storm_leaves_every_replica_idle(dp2: LiveServer) -> None:
     """60 requests cut off by the client over two replicas: afterwards no replica runs, waits or holds KV."""
 
@@ -254,7 +264,7 @@ def _core_pids(live: LiveServer) -> list[int]:
     ]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_dp2_replica_killed_mid_stream(dp2: LiveServer) -> None:
     """SIGKILL one replica while four streams run: its streams end at once with an OpenAI error, the others
     finish; new requests are served meanwhile; the replica comes back; nothing is left on either."""
@@ -330,13 +340,13 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         ray.shutdown()
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_ray_dp2_gives_inproc_greedy_tokens(
     model_dir: Path, inproc_greedy: list[list[str]], ray_cluster: str
 ) -> None:
     """`--distributed-executor-backend ray --data-parallel-size 2` on a local cluster: the same greedy texts."""
     flags = (*CORE_FLAGS, "--distributed-executor-backend", "ray", "--data-parallel-size", "2")
-    with serving(model_dir, *flags, "--routing-policy", "round_robin") as live:
+    with serving(model_dir, *flags, "--routing-policy", "round_robin", ready_timeout=READY_S) as live:
         assert _greedy_all(live) == inproc_greedy
         text = httpx.get(f"{live.base_url}/metrics").text
         assert all(engine_metric(text, "pagoda:prompt_tokens_total", e) > 0 for e in ("0", "1"))

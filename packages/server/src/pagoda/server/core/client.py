@@ -121,10 +121,8 @@ class CoreClient:
                     continue
                 assert replica.handle is not None
                 if replica.restart_at is not None or not replica.handle.is_alive():
-                    raise CoreStartupError(
-                        f"engine core {replica.index} failed to start ({replica.handle.describe_exit()}); "
-                        "its log above says why"
-                    )
+                    reason = replica.last_error or f"{replica.handle.describe_exit()}; its log above says why"
+                    raise CoreStartupError(f"engine core {replica.index} failed to start: {reason}")
                 if now > replica.ready_deadline:
                     raise CoreStartupError(
                         f"engine core {replica.index} was not ready after {self._ready_timeout:.0f} s"
@@ -274,6 +272,7 @@ class CoreClient:
             logger.info("engine core %d ready (pid %d)", replica.index, message.pid)
         elif isinstance(message, Failed):
             logger.error("engine core %d failed: %s", replica.index, message.message)
+            replica.last_error = message.message
             self._fail(replica, f"failed: {message.message}")
 
     def _check_replicas(self, now: float) -> None:

@@ -33,6 +33,7 @@ class Replica:
     restarts: int = 0
     generation: int = 0
     info: EngineInfo | None = None
+    last_error: str | None = None  # what its last `Failed` frame said
     stats: EngineStats | None = None
     decoder: DeltaDecoder = field(default_factory=DeltaDecoder)
     requests: dict[str, int] = field(default_factory=dict)  # request id -> tokens it may still take (routing)
