@@ -58,15 +58,20 @@ class CoreLauncher(Protocol):
 
 
 def replica_cpus(index: int, num_replicas: int) -> tuple[int, ...] | None:
-    """Disjoint cores for replica `index` when the machine has at least one per replica, else None (no pinning).
+    """The cores replica `index` is pinned to (and runs as many torch threads on), or None (no pinning).
 
-    With fewer cores than replicas the replicas share every core and each keeps torch's default thread count:
-    on 2 cores DP=2 gets one core each, so two replicas step in parallel but each step is single-threaded.
+    With more cores than replicas, the first core is left to the front end (HTTP, JSON, tokenizer, the router's
+    thread) and the rest are split evenly: a core process whose OpenMP threads share cores with a busy front end
+    waits on its own barriers (measured on 2 cores: 2 threads beside the front end made a step 5x slower than
+    1 thread). With exactly one core per replica each replica gets one (the front end shares them all); with
+    fewer cores than replicas nothing is pinned and the replicas share every core.
     """
     available = sorted(os.sched_getaffinity(0))
-    per_replica = len(available) // num_replicas
-    if num_replicas == 1 or per_replica < 1:
+    if len(available) < num_replicas:
         return None
+    if len(available) > num_replicas:
+        available = available[1:]
+    per_replica = len(available) // num_replicas
     return tuple(available[index * per_replica : (index + 1) * per_replica])
 
 
