@@ -27,6 +27,7 @@ from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.config import EngineConfig
 from pagoda.server.core import CoreClient, CoreStartupError, ProcessLauncher
 from pagoda.server.core.deltas import DeltaDecoder, DeltaEncoder
+from pagoda.server.core.launchers import replica_cpus
 from pagoda.server.core.messages import AddRequest, input_decoder, output_decoder
 from pagoda.server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.routing import build_router
@@ -85,6 +86,23 @@ def test_malformed_frames_do_not_decode(frame: bytes, caplog: pytest.LogCaptureF
         assert input_decoder().decode_or_none(frame) is None
         assert output_decoder().decode_or_none(frame) is None
     assert "malformed" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("cores", "replicas", "expected"),
+    [
+        (2, 1, [(1,)]),  # the first core is left to the front end
+        (2, 2, [(0,), (1,)]),  # one each, the front end shares them
+        (8, 2, [(1, 2, 3), (4, 5, 6)]),
+        (1, 2, [None, None]),  # fewer cores than replicas: no pinning
+    ],
+)
+def test_replicas_get_disjoint_cores(
+    cores: int, replicas: int, expected: list[tuple[int, ...] | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disjoint core sets per replica, one core left to the front end when there are more cores than replicas."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert [replica_cpus(i, replicas) for i in range(replicas)] == expected
 
 
 @pytest.mark.timeout(120)
