@@ -32,7 +32,7 @@ from pagoda.server.core.messages import AddRequest, input_decoder, output_decode
 from pagoda.server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.routing import build_router
 from pagoda.server.sampling_params import SamplingParams
-from test_api_live import NO_EOS, LiveServer, serving, sync_client
+from test_api_live import NO_EOS, LiveServer, cut_off_requests, serving, sync_client
 from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN = 2048
@@ -250,26 +250,7 @@ def wait_idle(live: LiveServer, engines: tuple[str, ...] = ("0", "1")) -> list[l
 def test_dp2_cancellation_storm_leaves_every_replica_idle(dp2: LiveServer) -> None:
     """60 requests cut off by the client over two replicas: afterwards no replica runs, waits or holds KV."""
 
-    async def impatient() -> int:
-        timeouts = 0
-        async with httpx.AsyncClient(timeout=30) as http:
-
-            async def one(i: int) -> None:
-                nonlocal timeouts
-                body = {"model": MODEL, "prompt": [10, 11, 12 + i], "max_tokens": 1000, "stream": i % 2 == 0}
-                try:
-                    async with asyncio.timeout(0.2 + 0.01 * i):
-                        url = f"{dp2.base_url}/v1/completions"
-                        async with http.stream("POST", url, json={**body, **NO_EOS}) as response:
-                            async for _ in response.aiter_lines():
-                                pass
-                except TimeoutError:
-                    timeouts += 1
-
-            await asyncio.gather(*(one(i) for i in range(60)))
-        return timeouts
-
-    assert asyncio.run(impatient()) > 0
+    assert asyncio.run(cut_off_requests(dp2, 60, 1000, lambda i: 0.2 + 0.01 * i)) > 0
     assert wait_idle(dp2) == [[0, 0, 0], [0, 0, 0]]
 
 
