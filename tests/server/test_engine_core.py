@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ import psutil
 import pytest
 from api_cases import MODEL
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.cli import build_parser, check_server_args, engine_config
 from pagoda.server.config import EngineConfig
 from pagoda.server.core import CoreClient, CoreStartupError, ProcessLauncher
 from pagoda.server.core.deltas import DeltaDecoder, DeltaEncoder
@@ -349,3 +351,29 @@ def test_ray_dp2_gives_inproc_greedy_tokens(
         assert _greedy_all(live) == inproc_greedy
         text = httpx.get(f"{live.base_url}/metrics").text
         assert all(engine_metric(text, "pagoda:prompt_tokens_total", e) > 0 for e in ("0", "1"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+        (["--engine-ready-timeout", "0"], "--engine-ready-timeout must be > 0"),
+    ],
+)
+def test_parallel_flags_are_checked(flags: list[str], message: str) -> None:
+    """Out-of-range replica flags are refused before anything starts; the defaults keep the engine in-process."""
+    parser = build_parser()
+    defaults = parser.parse_args(["serve"])
+    assert (defaults.engine_core, defaults.data_parallel_size, defaults.routing_policy) == (
+        "inproc",
+        1,
+        "least_loaded",
+    )
+    assert (
+        engine_config(
+            parser.parse_args(["serve", "--distributed-executor-backend", "ray"])
+        ).distributed_executor_backend
+        == "ray"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_server_args(parser.parse_args(["serve", *flags]))
