@@ -25,6 +25,13 @@ started with different `--routing-policy` values compare in one table (--label n
 
 Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
 API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
+
+--serve LABEL=FLAGS... starts the servers itself, then runs every rate against each in turn (one at a time, so that
+they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
+of ratios to the first: one run compares configurations of Pagoda.
+
+    python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \
+        --request-rate 1 4 inf --num-prompts 40
 """
 
 from __future__ import annotations
@@ -34,9 +41,14 @@ import asyncio
 import json
 import math
 import random
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -422,6 +434,13 @@ def _label(run: dict[str, Any]) -> str:
     return f"{target} @ {run['request_rate']}" if target else f"rate {run['request_rate']}"
 
 
+def _render(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     """The metrics of every run side by side, one column per request rate."""
     header = ["Metric"] + [_label(run) for run in runs]
@@ -429,10 +448,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         [title] + [fmt.format(run[key]) if run.get(key) is not None else "n/a" for run in runs]
         for title, key, fmt in _ROWS
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in [header, *rows]]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _render(header, rows)
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -479,7 +495,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="server roots (several: compared side by side)",
     )
     parser.add_argument(
-        "--model", nargs="+", required=True, help="model name to send (one, or one per --base-url)"
+        "--model", nargs="+", default=None, help="model name to send (one, or one per --base-url)"
+    )
+    parser.add_argument(
+        "--serve",
+        nargs="+",
+        default=None,
+        metavar="LABEL=FLAGS",
+        help="start `pagoda serve` with these flags for each label in turn (instead of --base-url)",
+    )
+    parser.add_argument(
+        "--serve-model", default=None, help="--serve: the model to load (default: Pagoda's default model)"
     )
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
@@ -535,6 +561,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--temperature must be in [0, 2]")
     if any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
+    if args.serve is not None:
+        if any("=" not in spec for spec in args.serve):
+            parser.error("--serve takes LABEL=FLAGS")
+        args.model = args.model or [_SERVED_NAME]
+    if args.model is None:
+        parser.error("--model is required (unless --serve)")
     if len(args.model) not in {1, len(args.base_url)}:
         parser.error("give one --model, or one per --base-url")
     if args.label is not None and len(args.label) != len(args.base_url):
@@ -568,16 +600,104 @@ def requests_per_rate(args: argparse.Namespace) -> list[list[BenchRequest]]:
     return [make_requests(args, random.Random(args.seed + i)) for i in range(len(args.request_rate))]
 
 
+_SERVED_NAME = "bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextmanager
+def launched(args: argparse.Namespace, flags: str) -> Iterator[str]:
+    """A `pagoda serve` started with `flags`, healthy, until the block ends (SIGTERM); yields its root URL."""
+    port = _free_port()
+    command = [sys.executable, "-m", "pagoda.server.cli", "serve"]
+    command += [args.serve_model] if args.serve_model else []
+    command += ["--port", str(port), "--served-model-name", _SERVED_NAME, "--log-level", "warning"]
+    process = subprocess.Popen([*command, *shlex.split(flags)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"`{shlex.join(command)} {flags}` exited with {process.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`{flags}`: the server did not become healthy")
+            time.sleep(0.5)
+        # One request first, so that one-time costs (kernel selection, first allocations) stay out of the numbers.
+        body = {"model": _SERVED_NAME, "prompt": "warm up the server", "max_tokens": 8}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(120)
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every target at every rate: the given servers, or each --serve configuration started in turn."""
+    per_rate = requests_per_rate(args)
+    if args.serve is None:
+        return [
+            asyncio.run(run_rate(args, target, requests, rate))
+            for target in targets(args)
+            for requests, rate in zip(per_rate, args.request_rate, strict=True)
+        ]
+    # Every configuration is up (idle ones cost nothing) and the runs alternate between them at each rate, so
+    # that a change in the machine's load during the run falls on all of them alike.
+    with ExitStack() as stack:
+        served = []
+        for spec in args.serve:
+            label, flags = spec.split("=", 1)
+            served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
+        runs = [
+            asyncio.run(run_rate(args, target, requests, rate))
+            for requests, rate in zip(per_rate, args.request_rate, strict=True)
+            for target in served
+        ]
+    order = {target.label: i for i, target in enumerate(served)}
+    return sorted(runs, key=lambda run: order[run["target"]])  # stable: each target's rates stay in order
+
+
+_RATIO_ROWS = [
+    ("Output token throughput", "output_throughput"),
+    ("Median TTFT", "median_ttft_ms"),
+    ("P99 TTFT", "p99_ttft_ms"),
+    ("Median TPOT", "median_tpot_ms"),
+    ("P99 TPOT", "p99_tpot_ms"),
+]
+
+
+def ratio_table(runs: list[dict[str, Any]]) -> str:
+    """Each run's throughput and latencies divided by those of the first target at the same rate."""
+    base = {run["request_rate"]: run for run in runs if run.get("target") == runs[0].get("target")}
+    header = ["Ratio to " + str(runs[0].get("target"))] + [_label(run) for run in runs]
+    rows = [
+        [title]
+        + [
+            f"{run[key] / base[run['request_rate']][key]:.2f}x" if base[run["request_rate"]][key] else "-"
+            for run in runs
+        ]
+        for title, key in _RATIO_ROWS
+    ]
+    return _render(header, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark at every rate; print the table, write the JSON and the plot."""
     args = parse_args(argv)
-    per_rate = requests_per_rate(args)
-    runs = [
-        asyncio.run(run_rate(args, target, requests, rate))
-        for target in targets(args)
-        for requests, rate in zip(per_rate, args.request_rate, strict=True)
-    ]
+    runs = run_all(args)
     print(table(runs))
+    if len({run.get("target") for run in runs}) > 1:
+        print()
+        print(ratio_table(runs))
     for run in runs:
         for error in run["errors"]:
             print(f"error ({_label(run)}): {error}", file=sys.stderr)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ NO_EOS: dict[str, Any] = {"ignore_eos": True}  # fixed output lengths: a random 
 class LiveServer:
     """A `pagoda serve` subprocess on a free port of 127.0.0.1."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(self, model: Path, *extra: str, ready_timeout: float = 120) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "pagoda.server.cli", "serve", str(model), "--port", str(self.port)]
@@ -52,7 +52,7 @@ class LiveServer:
         # float32: greedy outputs alone and in a batch must agree, and bfloat16 matmuls vary with the batch size.
         command += ["--dtype", "float32", *extra]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_timeout
         while True:
             if self.process.poll() is not None:
                 output = self.process.stdout.read().decode() if self.process.stdout else ""
@@ -82,9 +82,9 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(model: Path, *extra: str) -> Iterator[LiveServer]:
+def serving(model: Path, *extra: str, ready_timeout: float = 120) -> Iterator[LiveServer]:
     """A live server for the block; it must exit cleanly on SIGTERM."""
-    server = LiveServer(model, *extra)
+    server = LiveServer(model, *extra, ready_timeout=ready_timeout)
     try:
         yield server
     finally:
@@ -343,6 +343,36 @@ def test_32_concurrent_greedy_streams_match_each_alone(live: LiveServer, client:
     assert asyncio.run(together()) == alone
 
 
+async def cut_off_requests(
+    live: LiveServer, count: int, max_tokens: int, deadline: Callable[[int], float]
+) -> int:
+    """Send `count` completions (every other one streamed), request i cut off by the client after `deadline(i)`
+    seconds; returns how many were cut off."""
+    timeouts = 0
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def one(i: int) -> None:
+            nonlocal timeouts
+            body = {
+                "model": MODEL,
+                "prompt": [10, 11, 12 + i],
+                "max_tokens": max_tokens,
+                "stream": i % 2 == 0,
+            }
+            try:
+                # A total deadline, so that streams that keep delivering tokens are cut off too.
+                async with asyncio.timeout(deadline(i)):
+                    url = f"{live.base_url}/v1/completions"
+                    async with http.stream("POST", url, json={**body, **NO_EOS}) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+            except TimeoutError:
+                timeouts += 1
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+    return timeouts
+
+
 def test_cancelled_requests_free_everything(live: LiveServer, client: openai.OpenAI) -> None:
     """100 requests that time out on the client are aborted in the engine (far fewer tokens are generated
     than asked for); afterwards nothing runs or waits and no KV block is in use."""
@@ -351,33 +381,8 @@ def test_cancelled_requests_free_everything(live: LiveServer, client: openai.Ope
     def generated() -> float:
         return metric(httpx.get(f"{live.base_url}/metrics").text, "pagoda:generation_tokens_total")
 
-    async def impatient() -> int:
-        timeouts = 0
-        async with httpx.AsyncClient(timeout=30) as http:
-
-            async def one(i: int) -> None:
-                nonlocal timeouts
-                body = {
-                    "model": MODEL,
-                    "prompt": [10, 11, 12 + i],
-                    "max_tokens": max_tokens,
-                    "stream": i % 2 == 0,
-                }
-                try:
-                    # A total deadline, so that streams that keep delivering tokens are cut off too.
-                    async with asyncio.timeout(0.3):
-                        url = f"{live.base_url}/v1/completions"
-                        async with http.stream("POST", url, json={**body, **NO_EOS}) as response:
-                            async for _ in response.aiter_lines():
-                                pass
-                except TimeoutError:
-                    timeouts += 1
-
-            await asyncio.gather(*(one(i) for i in range(100)))
-        return timeouts
-
     before = generated()
-    assert asyncio.run(impatient()) > 0
+    assert asyncio.run(cut_off_requests(live, 100, max_tokens, lambda i: 0.3)) > 0
     assert_good_request(client)
     deadline = time.monotonic() + 30
     while True:

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from pagoda.scheduler import PreemptionMode
 from pagoda.server.config import (
@@ -25,6 +25,10 @@ from pagoda.server.config import (
     ToolParserName,
 )
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
+from pagoda.server.routing import RoutingPolicyName
+
+if TYPE_CHECKING:
+    from pagoda.server.engine_client import EngineClient
 
 logger = logging.getLogger("pagoda.server")
 
@@ -274,12 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tgi_arguments(serve)
     add_scheduling_args(serve)
+    add_parallel_args(serve)
     return parser
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    """Tensor parallelism (vLLM's flags): the ranks one model is split over, and where they run."""
-    group = parser.add_argument_group("parallelism")
+    """Where the engine runs: tensor-parallel ranks of one model, engine-core processes and replicas (vLLM's flags)."""
+    group = parser.add_argument_group("parallelism and engine cores")
     group.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -288,10 +293,37 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="split every layer over N ranks (gloo on CPU, NCCL on CUDA); N must divide the attention heads",
     )
     group.add_argument(
+        "--engine-core",
+        choices=["inproc", "process"],
+        default="inproc",
+        help="inproc: the engine steps on a thread of the server's process; process: in an engine-core process "
+        "of its own, over ZeroMQ (implied by --data-parallel-size > 1)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine-core replicas, each with its own model, KV cache and cores, behind one router",
+    )
+    group.add_argument(
+        "--routing-policy",
+        choices=get_args(RoutingPolicyName),
+        default="cache_aware",
+        help="which replica serves a request: the one holding its prefix (cache_aware), the least loaded, or "
+        "each in turn",
+    )
+    group.add_argument(
         "--distributed-executor-backend",
         choices=get_args(DistributedExecutorBackendName),
         default="mp",
-        help="where ranks 1..N-1 run: mp: local processes; ray: Ray actors in a placement group (multi-node)",
+        help="where the processes beyond the first run: mp: local processes; ray: Ray actors on the cluster of "
+        "RAY_ADDRESS (or `ray start --head`), tensor-parallel ranks in a placement group",
+    )
+    group.add_argument(
+        "--engine-ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an engine core may take to load its model before the server gives up",
     )
 
 
@@ -374,6 +406,10 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--request-body-timeout must be > 0")
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         raise ValueError("--max-concurrent-requests must be >= 1")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    if args.engine_ready_timeout <= 0:
+        raise ValueError("--engine-ready-timeout must be > 0")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.metrics_prefix) is None:
@@ -386,15 +422,10 @@ def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     bound_onednn_caches()
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
-    from pagoda.server.api import AppSettings, build_app
-    from pagoda.server.api.http_protocol import HTTPLimits
-    from pagoda.server.api.server import run_server
-    from pagoda.server.async_llm import AsyncLLM
     from pagoda.server.chat import load_chat_template
-    from pagoda.server.config import RequestLimits
+    from pagoda.server.core import CoreClient, CoreStartupError
     from pagoda.server.engine import LLMEngine
     from pagoda.server.engine.executor import ExecutorError
-    from pagoda.server.engine_client import EngineClient
 
     try:
         check_server_args(args)
@@ -404,22 +435,56 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine.from_config(config)
-    except (ValueError, ExecutorError) as exc:  # EngineConfigError says what to change; a worker that failed
+        client = _start_engine(args, config)
+    except (ValueError, CoreStartupError, ExecutorError) as exc:  # EngineConfigError says what to change
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 1
     # build_parts already refused a KV cache smaller than one max_model_len request (EngineConfigError above).
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
-        engine.num_kv_blocks,
-        engine.block_size,
-        engine.num_kv_blocks * engine.block_size,
-        engine.max_model_len,
+        "KV cache: %d blocks of %d tokens = %d tokens (per replica); max_model_len %d",
+        client.num_kv_blocks,
+        client.block_size,
+        client.num_kv_blocks * client.block_size,
+        client.max_model_len,
     )
-    client: EngineClient = engine  # mypy proves the engine satisfies the API's Protocol
+    try:
+        _serve_engine(args, client, chat_template)
+    finally:
+        if isinstance(client, CoreClient):
+            client.close()
+        elif isinstance(client, LLMEngine):
+            client.shutdown()  # tensor-parallel workers exit with the server
+    return 0
+
+
+def _start_engine(args: argparse.Namespace, config: EngineConfig) -> EngineClient:
+    """The in-process engine, or engine-core processes (Ray actors) behind a router."""
+    from pagoda.server.core.start import start_core_client
+    from pagoda.server.engine import LLMEngine
+
+    if args.engine_core == "inproc" and args.data_parallel_size == 1:
+        return LLMEngine.from_config(config)  # mypy proves the engine satisfies the API's Protocol
+    return start_core_client(
+        config,
+        data_parallel_size=args.data_parallel_size,
+        routing_policy=args.routing_policy,
+        backend=args.distributed_executor_backend,
+        log_level=logging.getLevelName(args.log_level.upper()),
+        ready_timeout=args.engine_ready_timeout,
+    )
+
+
+def _serve_engine(args: argparse.Namespace, client: EngineClient, chat_template: str | None) -> None:
+    """Serve `client` until SIGTERM drained it."""
+    from pagoda.server.api import AppSettings, build_app
+    from pagoda.server.api.http_protocol import HTTPLimits
+    from pagoda.server.api.server import run_server
+    from pagoda.server.async_llm import AsyncLLM
+    from pagoda.server.config import RequestLimits
+
     llm = AsyncLLM(
         client,
-        served_model_name=args.served_model_name or engine.model_name,
+        served_model_name=args.served_model_name or client.model_name,
         max_waiting_requests=args.max_waiting_requests,
         metrics_prefix=args.metrics_prefix,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -442,23 +507,19 @@ def serve(args: argparse.Namespace) -> int:
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again.
     gc.collect()
     gc.freeze()
-    try:
-        run_server(
-            app,
-            llm,
-            host=args.host,
-            port=args.port,
-            shutdown_timeout=args.shutdown_timeout,
-            limits=HTTPLimits(
-                max_head_bytes=args.max_request_head_bytes,
-                head_timeout=args.request_head_timeout,
-                body_timeout=args.request_body_timeout,
-            ),
-            log_level=args.log_level,
-        )
-    finally:
-        engine.shutdown()  # tensor-parallel workers exit with the server
-    return 0
+    run_server(
+        app,
+        llm,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        limits=HTTPLimits(
+            max_head_bytes=args.max_request_head_bytes,
+            head_timeout=args.request_head_timeout,
+            body_timeout=args.request_body_timeout,
+        ),
+        log_level=args.log_level,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -224,12 +224,23 @@ class _Routes:
         return JSONResponse(DetokenizeResponse(prompt=await self.ctx.decode(body.tokens)).model_dump())
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 while the engine loop is alive, 503 once it died or shutdown began."""
-        if not self.llm.is_alive:
-            return JSONResponse(HealthResponse(status="dead").model_dump(), status_code=503)
+        """GET /health: 200 while the engine loop (and one replica at least) is alive, 503 once it died or
+        shutdown began; with engine-core replicas, how many there are and how many serve."""
+        counts: dict[str, int] = {}
+        alive = self.llm.is_alive
+        if self.llm.replicas is not None:
+            status = self.llm.replicas.replica_status()
+            counts = {"replicas": len(status), "replicas_alive": sum(r.alive for r in status)}
+            alive = alive and counts["replicas_alive"] > 0
+        if not alive:
+            return JSONResponse(
+                HealthResponse(status="dead", **counts).model_dump(exclude_none=True), status_code=503
+            )
         if self.llm.is_draining:
-            return JSONResponse(HealthResponse(status="draining").model_dump(), status_code=503)
-        return JSONResponse(HealthResponse(status="ok").model_dump())
+            return JSONResponse(
+                HealthResponse(status="draining", **counts).model_dump(exclude_none=True), status_code=503
+            )
+        return JSONResponse(HealthResponse(status="ok", **counts).model_dump(exclude_none=True))
 
     async def metrics(self, request: Request) -> Response:
         """GET /metrics: Prometheus text format."""

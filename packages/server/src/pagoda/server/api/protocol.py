@@ -351,6 +351,9 @@ class HealthResponse(BaseModel):
     """Response of GET /health."""
 
     status: Literal["ok", "dead", "draining"]
+    # Data-parallel serving: replicas started, and those serving now (ok while at least one is).
+    replicas: int | None = None
+    replicas_alive: int | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -21,6 +21,7 @@ from pagoda.server.async_llm import (
     EngineDrainingError,
     EngineOverloadedError,
     PromptRequest,
+    ReplicaDeadError,
     RequestStream,
 )
 from pagoda.server.config import RequestLimits
@@ -217,6 +218,8 @@ def to_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EngineDrainingError):
         return APIError(503, "The server is shutting down.")
+    if isinstance(exc, ReplicaDeadError):  # the other replicas still serve: a retry may succeed
+        return APIError(503, f"The engine replica serving this request failed: {exc}. Retry the request.")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine has stopped; the server cannot serve requests.")
     if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
