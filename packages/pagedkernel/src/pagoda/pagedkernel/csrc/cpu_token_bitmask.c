@@ -10,35 +10,26 @@
  */
 #include <stdint.h>
 
-static void mask_row16(uint16_t *x, const int32_t *mask, int64_t vocab, int64_t width, uint16_t neg) {
-  for (int64_t base = 0; base < vocab; base += 32) {
-    const uint32_t word = (uint32_t)mask[base / 32];
-    const int64_t n = vocab - base < 32 ? vocab - base : 32;
-    if (word == 0xFFFFFFFFu) continue;
-    if (word == 0) {
-      for (int64_t b = 0; b < n; ++b) x[base + b] = neg;
-      continue;
-    }
-    for (int64_t b = 0; b < n; ++b)
-      if (!((word >> b) & 1u)) x[base + b] = neg;
+/* One row: skip all-allowed words, store runs of -inf for all-masked ones, test bits in the rest; then the
+ * columns past the vocabulary. Defined once per element width (T: the element's bits as an unsigned integer). */
+#define DEFINE_MASK_ROW(name, T)                                                                   \
+  static void name(T *x, const int32_t *mask, int64_t vocab, int64_t width, T neg) {               \
+    for (int64_t base = 0; base < vocab; base += 32) {                                             \
+      const uint32_t word = (uint32_t)mask[base / 32];                                             \
+      const int64_t n = vocab - base < 32 ? vocab - base : 32;                                     \
+      if (word == 0xFFFFFFFFu) continue;                                                           \
+      if (word == 0) {                                                                             \
+        for (int64_t b = 0; b < n; ++b) x[base + b] = neg;                                         \
+        continue;                                                                                  \
+      }                                                                                            \
+      for (int64_t b = 0; b < n; ++b)                                                              \
+        if (!((word >> b) & 1u)) x[base + b] = neg;                                                \
+    }                                                                                              \
+    for (int64_t t = vocab; t < width; ++t) x[t] = neg;                                            \
   }
-  for (int64_t t = vocab; t < width; ++t) x[t] = neg;
-}
 
-static void mask_row32(uint32_t *x, const int32_t *mask, int64_t vocab, int64_t width, uint32_t neg) {
-  for (int64_t base = 0; base < vocab; base += 32) {
-    const uint32_t word = (uint32_t)mask[base / 32];
-    const int64_t n = vocab - base < 32 ? vocab - base : 32;
-    if (word == 0xFFFFFFFFu) continue;
-    if (word == 0) {
-      for (int64_t b = 0; b < n; ++b) x[base + b] = neg;
-      continue;
-    }
-    for (int64_t b = 0; b < n; ++b)
-      if (!((word >> b) & 1u)) x[base + b] = neg;
-  }
-  for (int64_t t = vocab; t < width; ++t) x[t] = neg;
-}
+DEFINE_MASK_ROW(mask_row16, uint16_t)
+DEFINE_MASK_ROW(mask_row32, uint32_t)
 
 /* logits: rows of `width` elements of `elem_size` bytes (2 or 4), `logits_stride` elements apart; bitmask: int32
  * rows `bitmask_stride` words apart covering `vocab` (<= width) tokens; rows: the `num_rows` row indices to mask.
