@@ -301,8 +301,7 @@ class LLMEngine:
         self,
         scheduled: SchedulerOutput,
         logits: torch.Tensor,  # [num_rows, vocab]: one row per sample id of the step, in schedule order
-        grammar: Future[FilledBitmask]
-        | None,  # the step's grammar masks, filling (None: nothing constrained)
+        grammar: Future[FilledBitmask] | None,  # the step's grammar masks, filling (None: no constrained row)
     ) -> tuple[list[tuple[str, int, TokenLogprobs | None]], list[RequestState]]:
         """Draw the next token of every sample the step completes: (sample id, token id, logprobs), and the
         requests a row of which could not be sampled (each is logged; the caller aborts them, the rest go on)."""
