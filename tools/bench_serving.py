@@ -10,11 +10,28 @@ benchmark several servers (a peer such as vLLM) with the same prompts in one run
 
 Prompts are synthetic text (token counts come from the server's usage report): `random` draws lengths
 uniformly around --input-len / --output-len, `sharegpt-like` draws them from log-normal distributions shaped
-like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). Each rate draws its own
-prompts (seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
+like ShareGPT conversations, and `sharegpt` reads a ShareGPT JSON file (--dataset-path). `shared-prefix` is the
+data-parallel routing workload: --num-prefixes system prompts of --prefix-len words each, every request one of them
+(each round of --num-prefixes requests uses each once, in a shuffled order) followed by a short distinct question of
+about --input-len words. Each rate draws its own prompts
+(seed + rate index), so a later rate does not hit the prefix cache an earlier rate filled.
+
+The table also reports each server's prefix-cache hit rate over the run (prompt tokens served from the cache over
+prompt tokens looked up, from its /metrics counters read before and after; summed over replicas), so that servers
+started with different `--routing-policy` values compare in one table (--label names the columns):
+
+    python tools/bench_serving.py --base-url http://127.0.0.1:8001 http://127.0.0.1:8002 \
+        --label cache_aware round_robin --model NAME --dataset shared-prefix --input-len 16 --request-rate 4 inf
 
 Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
 API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
+
+--serve LABEL=FLAGS... starts the servers itself, then runs every rate against each in turn (one at a time, so that
+they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
+of ratios to the first: one run compares configurations of Pagoda.
+
+    python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \
+        --request-rate 1 4 inf --num-prompts 40
 """
 
 from __future__ import annotations
@@ -24,9 +41,14 @@ import asyncio
 import json
 import math
 import random
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,8 +157,28 @@ def synthetic_prompt(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, num_words)))
 
 
+def shared_prefix_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    """--num-prefixes system prompts, interleaved, each followed by a distinct short question."""
+    systems = [synthetic_prompt(rng, args.prefix_len) for _ in range(args.num_prefixes)]
+    # Every round of --num-prefixes requests uses each system prompt once, in its own shuffled order: taken in a
+    # fixed turn, prompt k would always reach replica k mod N under round robin, as if routed by prefix.
+    order: list[int] = []
+    while len(order) < args.num_prompts:
+        order += rng.sample(range(len(systems)), len(systems))
+    low, high = 1.0 - args.range_ratio, 1.0 + args.range_ratio
+    requests: list[BenchRequest] = []
+    for i, system in enumerate(order[: args.num_prompts]):
+        # The request number makes every question distinct, whatever words the draw gives.
+        question = f"Question {i}: " + synthetic_prompt(rng, round(args.input_len * rng.uniform(low, high)))
+        output_len = max(1, round(args.output_len * rng.uniform(low, high)))
+        requests.append(BenchRequest(f"{systems[system]}\n\n{question}", output_len))
+    return requests
+
+
 def make_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
     """The benchmark's prompts, from the chosen dataset."""
+    if args.dataset == "shared-prefix":
+        return shared_prefix_requests(args, rng)
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
             raise SystemExit("--dataset sharegpt needs --dataset-path")
@@ -258,6 +300,46 @@ async def send(
         result.error = f"{type(exc).__name__}: {exc}"
 
 
+def counter_sum(exposition: str, name: str) -> float | None:
+    """Sum of every sample of counter `name` in a Prometheus text exposition, under any `namespace:` prefix and
+    any labels (a data-parallel server reports one series per replica); None when there is none."""
+    total: float | None = None
+    for line in exposition.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample = line.split("{", 1)[0].split(" ", 1)[0]
+        if sample == name or sample.endswith(":" + name):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def prefix_cache_counters(client: httpx.AsyncClient, base_url: str) -> tuple[float, float] | None:
+    """The server's prefix-cache counters (prompt tokens looked up, tokens hit) from /metrics; None without them."""
+    try:
+        response = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    queries = counter_sum(response.text, "prefix_cache_queries_total")
+    hits = counter_sum(response.text, "prefix_cache_hits_total")
+    return None if queries is None or hits is None else (queries, hits)
+
+
+def prefix_cache_summary(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> dict[str, float | None]:
+    """The run's prefix-cache lookups, hits and hit rate: counter deltas over the run (None when unknown)."""
+    if before is None or after is None:
+        return {"prefix_cache_queries": None, "prefix_cache_hits": None, "prefix_cache_hit_rate": None}
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
+    }
+
+
 async def run_rate(
     args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
 ) -> dict[str, Any]:
@@ -269,6 +351,7 @@ async def run_rate(
     limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     label = f"{target.label}: rate " + ("inf" if math.isinf(rate) else f"{rate:g}")
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
+        counters_before = await prefix_cache_counters(client, target.base_url)
         with tqdm(total=len(requests), desc=f"{label} req/s", unit="req") as progress:
 
             async def one(request: BenchRequest, result: RequestResult) -> None:
@@ -284,7 +367,12 @@ async def run_rate(
                     await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
             await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
-    return {"target": target.label, **summarize(results, duration, rate)}
+        counters_after = await prefix_cache_counters(client, target.base_url)
+    return {
+        "target": target.label,
+        **summarize(results, duration, rate),
+        **prefix_cache_summary(counters_before, counters_after),
+    }
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -332,6 +420,7 @@ _ROWS = [
     ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
     ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
     ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
+    ("Prefix cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),  # from the server's /metrics
     *[
         (f"{stat.capitalize()} {name.upper()} (ms)", f"{stat}_{name}_ms", "{:.2f}")
         for name in ("ttft", "tpot", "itl", "e2el")
@@ -345,14 +434,21 @@ def _label(run: dict[str, Any]) -> str:
     return f"{target} @ {run['request_rate']}" if target else f"rate {run['request_rate']}"
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    """The metrics of every run side by side, one column per request rate."""
-    header = ["Metric"] + [_label(run) for run in runs]
-    rows = [[title] + [fmt.format(run[key]) for run in runs] for title, key, fmt in _ROWS]
+def _render(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in [header, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """The metrics of every run side by side, one column per request rate."""
+    header = ["Metric"] + [_label(run) for run in runs]
+    rows = [
+        [title] + [fmt.format(run[key]) if run.get(key) is not None else "n/a" for run in runs]
+        for title, key, fmt in _ROWS
+    ]
+    return _render(header, rows)
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -399,7 +495,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="server roots (several: compared side by side)",
     )
     parser.add_argument(
-        "--model", nargs="+", required=True, help="model name to send (one, or one per --base-url)"
+        "--model", nargs="+", default=None, help="model name to send (one, or one per --base-url)"
+    )
+    parser.add_argument(
+        "--serve",
+        nargs="+",
+        default=None,
+        metavar="LABEL=FLAGS",
+        help="start `pagoda serve` with these flags for each label in turn (instead of --base-url)",
+    )
+    parser.add_argument(
+        "--serve-model", default=None, help="--serve: the model to load (default: Pagoda's default model)"
     )
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
@@ -407,10 +513,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--dataset", choices=["random", "sharegpt-like", "sharegpt"], default="random")
+    parser.add_argument(
+        "--label", nargs="+", default=None, help="column names, one per --base-url (default: host:port)"
+    )
+    parser.add_argument(
+        "--dataset", choices=["random", "sharegpt-like", "sharegpt", "shared-prefix"], default="random"
+    )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON for --dataset sharegpt")
     parser.add_argument(
-        "--input-len", type=int, default=128, help="prompt words (random: mean, sharegpt-like: median)"
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt words (random: mean, sharegpt-like: median, shared-prefix: the question's)",
+    )
+    parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many system prompts")
+    parser.add_argument(
+        "--prefix-len", type=int, default=512, help="shared-prefix: words of each system prompt"
     )
     parser.add_argument(
         "--output-len", type=int, default=128, help="max_tokens (random: mean, sharegpt-like: median)"
@@ -443,17 +561,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--temperature must be in [0, 2]")
     if any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
+    if args.serve is not None:
+        if any("=" not in spec for spec in args.serve):
+            parser.error("--serve takes LABEL=FLAGS")
+        args.model = args.model or [_SERVED_NAME]
+    if args.model is None:
+        parser.error("--model is required (unless --serve)")
     if len(args.model) not in {1, len(args.base_url)}:
         parser.error("give one --model, or one per --base-url")
+    if args.label is not None and len(args.label) != len(args.base_url):
+        parser.error("give one --label per --base-url")
+    if args.num_prefixes < 1 or args.prefix_len < 1:
+        parser.error("--num-prefixes and --prefix-len must be >= 1")
     args.base_url = [url.rstrip("/").removesuffix("/v1") for url in args.base_url]
     return args
 
 
 def targets(args: argparse.Namespace) -> list[Target]:
-    """The servers to benchmark, labelled by host:port."""
+    """The servers to benchmark, labelled by --label or host:port."""
     models = args.model * len(args.base_url) if len(args.model) == 1 else args.model
+    labels = args.label or [url.split("://", 1)[-1] for url in args.base_url]
     plain = [
-        Target(url, model, url.split("://", 1)[-1]) for url, model in zip(args.base_url, models, strict=True)
+        Target(url, model, label) for url, model, label in zip(args.base_url, models, labels, strict=True)
     ]
     if args.structured == "none":
         return plain
@@ -471,16 +600,104 @@ def requests_per_rate(args: argparse.Namespace) -> list[list[BenchRequest]]:
     return [make_requests(args, random.Random(args.seed + i)) for i in range(len(args.request_rate))]
 
 
+_SERVED_NAME = "bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextmanager
+def launched(args: argparse.Namespace, flags: str) -> Iterator[str]:
+    """A `pagoda serve` started with `flags`, healthy, until the block ends (SIGTERM); yields its root URL."""
+    port = _free_port()
+    command = [sys.executable, "-m", "pagoda.server.cli", "serve"]
+    command += [args.serve_model] if args.serve_model else []
+    command += ["--port", str(port), "--served-model-name", _SERVED_NAME, "--log-level", "warning"]
+    process = subprocess.Popen([*command, *shlex.split(flags)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"`{shlex.join(command)} {flags}` exited with {process.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`{flags}`: the server did not become healthy")
+            time.sleep(0.5)
+        # One request first, so that one-time costs (kernel selection, first allocations) stay out of the numbers.
+        body = {"model": _SERVED_NAME, "prompt": "warm up the server", "max_tokens": 8}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(120)
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every target at every rate: the given servers, or each --serve configuration started in turn."""
+    per_rate = requests_per_rate(args)
+    if args.serve is None:
+        return [
+            asyncio.run(run_rate(args, target, requests, rate))
+            for target in targets(args)
+            for requests, rate in zip(per_rate, args.request_rate, strict=True)
+        ]
+    # Every configuration is up (idle ones cost nothing) and the runs alternate between them at each rate, so
+    # that a change in the machine's load during the run falls on all of them alike.
+    with ExitStack() as stack:
+        served = []
+        for spec in args.serve:
+            label, flags = spec.split("=", 1)
+            served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
+        runs = [
+            asyncio.run(run_rate(args, target, requests, rate))
+            for requests, rate in zip(per_rate, args.request_rate, strict=True)
+            for target in served
+        ]
+    order = {target.label: i for i, target in enumerate(served)}
+    return sorted(runs, key=lambda run: order[run["target"]])  # stable: each target's rates stay in order
+
+
+_RATIO_ROWS = [
+    ("Output token throughput", "output_throughput"),
+    ("Median TTFT", "median_ttft_ms"),
+    ("P99 TTFT", "p99_ttft_ms"),
+    ("Median TPOT", "median_tpot_ms"),
+    ("P99 TPOT", "p99_tpot_ms"),
+]
+
+
+def ratio_table(runs: list[dict[str, Any]]) -> str:
+    """Each run's throughput and latencies divided by those of the first target at the same rate."""
+    base = {run["request_rate"]: run for run in runs if run.get("target") == runs[0].get("target")}
+    header = ["Ratio to " + str(runs[0].get("target"))] + [_label(run) for run in runs]
+    rows = [
+        [title]
+        + [
+            f"{run[key] / base[run['request_rate']][key]:.2f}x" if base[run["request_rate"]][key] else "-"
+            for run in runs
+        ]
+        for title, key in _RATIO_ROWS
+    ]
+    return _render(header, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark at every rate; print the table, write the JSON and the plot."""
     args = parse_args(argv)
-    per_rate = requests_per_rate(args)
-    runs = [
-        asyncio.run(run_rate(args, target, requests, rate))
-        for target in targets(args)
-        for requests, rate in zip(per_rate, args.request_rate, strict=True)
-    ]
+    runs = run_all(args)
     print(table(runs))
+    if len({run.get("target") for run in runs}) > 1:
+        print()
+        print(ratio_table(runs))
     for run in runs:
         for error in run["errors"]:
             print(f"error ({_label(run)}): {error}", file=sys.stderr)

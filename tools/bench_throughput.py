@@ -6,6 +6,7 @@
     .venv/bin/python tools/bench_throughput.py --tiny llama --compare hf   # a tiny random model, seconds
     .venv/bin/python tools/bench_throughput.py --sampling-sweep --num-requests 32 --max-prompt-len 256 \
         --min-output-len 64 --max-output-len 64         # greedy, then three sampled settings, same workload
+    .venv/bin/python tools/bench_throughput.py --tensor-parallel-size 2 --num-requests 32   # TP=1 vs TP=2
 
 The workload is fixed by --seed: random token-id prompts and per-request output lengths, greedy, EOS ignored, so
 every system computes exactly the same tokens. --temperature, --top-p, --top-k and --min-p make Pagoda sample
@@ -13,7 +14,10 @@ instead (unseeded requests, the engine seeded with --seed; the peers then cannot
 --sampling-sweep runs Pagoda on the same workload greedy, then at temperature 1.0 (what an OpenAI client sends
 by default), 0.8 with top_p 0.95, 1.0 with top_k 50, and greedy again (the first run after loading pays warm-ups
 the later ones do not, and a shared machine drifts), and prints each setting's output tok/s and its ratio to the
-faster greedy run. Only generation is timed (loading and warm-up are not). The peers
+faster greedy run. --tensor-parallel-size N runs the workload again on N tensor-parallel ranks (mp executor;
+on the CPU each rank gets cpus / N torch threads, against TP=1 with all of them) and reports the time rank 0
+spent in collectives per step (all-reduces, the logits gather; waits for the slower rank included). Only
+generation is timed (loading and warm-up are not). The peers
 run in the same process on the same weights in the same dtype as Pagoda (--dtype; auto is the engine's choice:
 bfloat16 on CPUs with bfloat16 units, else float32), read from the engine's safetensors folder:
 
@@ -50,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagoda.server.engine.executor.distributed import DistributedExecutor
 from pagoda.server.llm import LLM
 from pagoda.server.models.attention import Attention
 from pagoda.server.models.layers import linear
@@ -239,6 +244,54 @@ def run_pagoda(llm: LLM, workload: Workload, setting: Setting = GREEDY) -> tuple
     timing = clock.read()
     outputs = [r.outputs[0].token_ids for r in results]
     return finish("pagoda", workload, timing, outputs, None), outputs
+
+
+@dataclass(frozen=True)
+class TensorParallelRun:
+    """The TP=N run: its result, and rank 0's time in collectives."""
+
+    result: Result
+    size: int
+    threads_per_rank: int
+    steps: int
+    collective_s: float
+    collective_calls: int
+
+    @property
+    def collective_ms_per_step(self) -> float:
+        """Milliseconds in collectives per engine step."""
+        return 1e3 * self.collective_s / max(self.steps, 1)
+
+
+def run_tensor_parallel(
+    model: str | None, engine_args: dict[str, Any], size: int, workload: Workload, reference: Outputs
+) -> TensorParallelRun:
+    """Pagoda on `size` ranks, greedy, on the same workload; the collectives counted over the timed run only."""
+    llm = LLM(model, tensor_parallel_size=size, **engine_args)
+    try:
+        executor = llm.engine.executor
+        assert isinstance(executor, DistributedExecutor)
+        warmup = [workload.prompts[0][-1]] * WARMUP_PROMPT_LEN
+        llm.generate([warmup], GREEDY.params(WARMUP_OUTPUT_LEN), use_tqdm=False)
+        steps, seconds, calls = executor.steps, executor.collective_seconds(), executor.group.calls
+        threads = torch.get_num_threads()  # the driver's, set for the run like every rank's
+        clock = Clock.start()
+        results = llm.generate(
+            [list(p) for p in workload.prompts], [GREEDY.params(n) for n in workload.output_lens]
+        )
+        timing = clock.read()
+        outputs = [r.outputs[0].token_ids for r in results]
+        result = finish(f"pagoda tp={size}", workload, timing, outputs, reference)
+        return TensorParallelRun(
+            result,
+            size,
+            threads,
+            executor.steps - steps,
+            executor.collective_seconds() - seconds,
+            executor.group.calls - calls,
+        )
+    finally:
+        llm.engine.shutdown()
 
 
 # ------------------------------------------------------------------------------------------- transformers
@@ -646,6 +699,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run greedy, temperature 1.0, 0.8 + top_p 0.95 and top_k 50 on the same workload (Pagoda only)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run the workload on N tensor-parallel ranks (greedy), with its time in collectives per step",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="OUT.png", help="bar chart of output tok/s"
@@ -660,6 +719,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"need 1 <= --{low.replace('_', '-')} <= --{high.replace('_', '-')}")
     if args.num_requests < 1 or args.static_batch_size < 1:
         parser.error("--num-requests and --static-batch-size must be at least 1")
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be at least 1")
     if args.tiny is not None and args.model is not None:
         parser.error("--tiny and --model are exclusive")
     args.setting = Setting("command line", args.temperature, args.top_p, args.top_k, args.min_p)
@@ -667,6 +728,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.setting.params(1)
     except ValueError as error:
         parser.error(str(error))
+    if args.tensor_parallel_size > 1 and not args.setting.greedy:
+        parser.error("--tensor-parallel-size compares greedy tokens: drop the sampling options")
     if args.sampling_sweep and args.setting != Setting("command line"):
         parser.error(
             "--sampling-sweep runs its own settings: drop --temperature, --top-p, --top-k and --min-p"
@@ -735,15 +798,16 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         if args.sampling_sweep:
             sweep += [(setting, run_pagoda(llm, workload, setting)[0]) for setting in SWEEP[1:]]
         cost = model_cost(engine.runner.model, engine.vocab_size)
+        model_path = engine.model_path
+        pad = engine.tokenizer.pad_token_id
+        pad_id = pad if isinstance(pad, int) else 0
+        batch_tokens = engine.scheduler.config.max_num_batched_tokens
+        del llm, engine  # free the engine's KV cache before the peers allocate theirs
+        gc.collect()
         if args.compare:
             start = time.perf_counter()
-            hf_model = load_hf(engine.model_path, dtype)
+            hf_model = load_hf(model_path, dtype)
             log(f"transformers loaded in {time.perf_counter() - start:.1f} s")
-            pad = engine.tokenizer.pad_token_id
-            pad_id = pad if isinstance(pad, int) else 0
-            batch_tokens = engine.scheduler.config.max_num_batched_tokens
-            del llm, engine  # free the engine's KV cache before the peers allocate theirs
-            gc.collect()
             if "hf-batch" in args.compare:
                 results.append(
                     run_hf_batch(hf_model, workload, args.max_num_seqs, batch_tokens, reference, log)[0]
@@ -752,6 +816,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
                 results.append(
                     run_hf_static(hf_model, workload, args.static_batch_size, pad_id, reference)[0]
                 )
+            del hf_model
+            gc.collect()
+        tp_run = None
+        if args.tensor_parallel_size > 1:
+            same_dtype = {**engine_args, "dtype": str(dtype).removeprefix("torch.")}
+            tp_run = run_tensor_parallel(model, same_dtype, args.tensor_parallel_size, workload, reference)
+            results.append(tp_run.result)
     flops = workload_flops(cost, workload)
     rooflines = []
     for roof_dtype in roof_dtypes:
@@ -767,6 +838,14 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     if args.sampling_sweep:
         log(format_sweep(sweep))
         log("")
+    if tp_run is not None:
+        log(
+            f"tensor parallel: {tp_run.size} ranks x {tp_run.threads_per_rank} torch thread(s) vs TP=1 with "
+            f"{torch.get_num_threads()}: {tp_run.result.output_tok_s / pagoda.output_tok_s:.2f}x the output tok/s; "
+            f"rank 0 spent {tp_run.collective_ms_per_step:.2f} ms per step in collectives "
+            f"({tp_run.collective_calls / max(tp_run.steps, 1):.0f} calls per step, {tp_run.steps} steps, "
+            f"{tp_run.collective_s / tp_run.result.elapsed_s:.0%} of the run)"
+        )
     for roofline in rooflines:
         log(
             f"compute roofline ({roofline.dtype}): {roofline.workload_gflop:.4g} GFLOP at "
@@ -796,6 +875,17 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         ]
         if args.sampling_sweep
         else None,
+        "tensor_parallel": None
+        if tp_run is None
+        else {
+            "size": tp_run.size,
+            "threads_per_rank": tp_run.threads_per_rank,
+            "steps": tp_run.steps,
+            "collective_s": tp_run.collective_s,
+            "collective_calls": tp_run.collective_calls,
+            "collective_ms_per_step": tp_run.collective_ms_per_step,
+            "speedup_over_tp1": tp_run.result.output_tok_s / pagoda.output_tok_s,
+        },
         "roofline": asdict(rooflines[0]),
         "rooflines": [asdict(r) for r in rooflines],
         "results": [

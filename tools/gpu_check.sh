@@ -26,15 +26,29 @@ tests_rc=${PIPESTATUS[0]}
 bench_rc=${PIPESTATUS[0]}
 [ "$bench_rc" -eq 0 ] || tail -n 20 "$OUT/bench.stderr" >&2
 
-"$PY" - "$OUT" "$tests_rc" "$bench_rc" <<'PYEOF'
-"""Summary: GPU test outcomes per file, then each benchmark row's bandwidth as a share of the copy bandwidth."""
+# Tensor parallelism over every GPU of the machine (NCCL, the mp executor): TP=1 on one GPU against TP=N on the
+# default model, same greedy workload in bfloat16; the report has both rates, rank 0's time in collectives per step
+# and the share of requests whose tokens equal TP=1's (bfloat16 sums in another order may flip a close argmax).
+NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+tp_rc=0
+if [ "$NUM_GPUS" -ge 2 ]; then
+    "$PY" tools/bench_throughput.py --tensor-parallel-size "$NUM_GPUS" --num-requests 64 --max-prompt-len 256 \
+        --min-output-len 64 --max-output-len 64 --json "$OUT/tp.json" 2>"$OUT/tp.stderr" | tee "$OUT/tp.txt"
+    tp_rc=${PIPESTATUS[0]}
+    [ "$tp_rc" -eq 0 ] || tail -n 20 "$OUT/tp.stderr" >&2
+else
+    echo "gpu_check: $NUM_GPUS GPU: no tensor-parallel run (it needs two or more)"
+fi
+
+"$PY" - "$OUT" "$tests_rc" "$bench_rc" "$tp_rc" <<'PYEOF'
+"""Summary: GPU test outcomes per file, each benchmark row's bandwidth as a share of the copy bandwidth, the TP run."""
 import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-out, tests_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+out, tests_rc, bench_rc, tp_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 print("\n==================== gpu_check summary ====================")
 counts: dict[str, Counter[str]] = {}
 junit = out / "gpu_tests.xml"
@@ -60,8 +74,17 @@ if bench.exists():
     backends = sorted({r["backend"] for r in data["rows"]})
     for (op, batch, context), cells in by_point.items():
         print(f"{op:<8} {batch:>5} {context:>7} " + " ".join(f"{cells.get(b, '-'):>16}" for b in backends))
+tp_report = out / "tp.json"
+if tp_report.exists():
+    report = json.loads(tp_report.read_text())
+    tp = report["tensor_parallel"]
+    one, split = report["results"][0], report["results"][-1]
+    print(f"\ntensor parallel over {tp['size']} GPUs: {one['output_tok_s']:.0f} -> {split['output_tok_s']:.0f} output "
+          f"tok/s ({tp['speedup_over_tp1']:.2f}x), {tp['collective_ms_per_step']:.2f} ms per step in collectives, "
+          f"same tokens as TP=1: {split['same_tokens']:.0%}")
 print(f"\ntests: {'OK' if tests_rc == 0 else f'FAILED (pytest exit {tests_rc})'}; "
-      f"benchmark: {'OK' if bench_rc == 0 else f'FAILED (exit {bench_rc})'}")
+      f"benchmark: {'OK' if bench_rc == 0 else f'FAILED (exit {bench_rc})'}; "
+      f"tensor parallel: {'OK' if tp_rc == 0 else f'FAILED (exit {tp_rc})'}")
 PYEOF
 
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$tp_rc" -eq 0 ]

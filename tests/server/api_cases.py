@@ -86,7 +86,14 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None]] = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
-    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "tool_choice",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}, "reasoning_effort"),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities"),
     ({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}, "audio"),

@@ -157,3 +157,77 @@ def _summary() -> dict[str, object]:
     )
     summary: dict[str, object] = bench_serving.summarize([result], duration=1.0, rate=float("inf"))
     return summary
+
+
+def test_shared_prefix_requests_interleave_the_system_prompts() -> None:
+    """shared-prefix: each round of 8 requests uses each of the 8 system prompts once, in a shuffled order, then a
+    distinct short question."""
+    args = bench_serving.parse_args(
+        [
+            "--model",
+            "m",
+            "--dataset",
+            "shared-prefix",
+            "--num-prompts",
+            "20",
+            "--num-prefixes",
+            "8",
+            "--prefix-len",
+            "512",
+            "--input-len",
+            "12",
+        ]
+    )
+    requests = bench_serving.make_requests(args, random.Random(0))
+    systems = [r.prompt.split("\n\n", 1)[0] for r in requests]
+    questions = [r.prompt.split("\n\n", 1)[1] for r in requests]
+    assert len(set(systems)) == 8 and all(len(system.split()) == 512 for system in systems)
+    assert all(len(set(systems[start : start + 8])) == 8 for start in (0, 8))
+    # Not a fixed turn: some system prompt comes at both an even and an odd position, so round robin over two
+    # replicas computes it on both (a fixed turn would pin prompt k to replica k mod 2, like prefix routing).
+    assert any(len({i % 2 for i in range(20) if systems[i] == system}) == 2 for system in set(systems))
+    assert len(set(questions)) == 20
+    assert all(len(q.split()) == 2 + 12 for q in questions)  # "Question i:" then --input-len words
+    assert all(r.max_tokens == 128 for r in requests)
+
+
+def test_prefix_cache_counters_are_summed_over_series_and_namespaces() -> None:
+    """/metrics counters: any `namespace:` prefix, one series per replica summed; other names ignored."""
+    exposition = "\n".join(
+        [
+            "# HELP pagoda:prefix_cache_hits_total Prompt tokens served by the prefix cache.",
+            "# TYPE pagoda:prefix_cache_hits_total counter",
+            'pagoda:prefix_cache_hits_total{engine="0",model_name="m"} 30.0',
+            'pagoda:prefix_cache_hits_total{engine="1",model_name="m"} 12.0',
+            'pagoda:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9',
+            'vllm:prefix_cache_queries_total{model_name="m x"} 100.0',
+            'pagoda:gpu_prefix_cache_hits_total{model_name="m"} 999.0',
+        ]
+    )
+    assert bench_serving.counter_sum(exposition, "prefix_cache_hits_total") == 42.0
+    assert bench_serving.counter_sum(exposition, "prefix_cache_queries_total") == 100.0
+    assert bench_serving.counter_sum(exposition, "num_preemptions_total") is None
+    summary = bench_serving.prefix_cache_summary((100.0, 10.0), (300.0, 160.0))
+    assert summary == {
+        "prefix_cache_queries": 200.0,
+        "prefix_cache_hits": 150.0,
+        "prefix_cache_hit_rate": 0.75,
+    }
+    assert bench_serving.prefix_cache_summary(None, (1.0, 1.0))["prefix_cache_hit_rate"] is None
+    assert bench_serving.prefix_cache_summary((5.0, 1.0), (5.0, 1.0))["prefix_cache_hit_rate"] is None
+
+
+def test_labelled_servers_compare_hit_rates_in_one_table() -> None:
+    """--label names the columns; the hit-rate row shows a percentage, or n/a for a server without counters."""
+    args = bench_serving.parse_args(
+        ["--base-url", "http://a:1", "http://b:2", "--model", "m", "--label", "cache_aware", "round_robin"]
+    )
+    assert [t.label for t in bench_serving.targets(args)] == ["cache_aware", "round_robin"]
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--base-url", "http://a:1", "--model", "m", "--label", "x", "y"])
+    runs = [
+        {**_summary(), "target": "cache_aware", "prefix_cache_hit_rate": 0.875},
+        {**_summary(), "target": "round_robin", "prefix_cache_hit_rate": None},
+    ]
+    row = next(line for line in bench_serving.table(runs).splitlines() if line.startswith("Prefix cache"))
+    assert [cell.strip() for cell in row.split("|")[1:]] == ["87.5%", "n/a"]

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ NO_EOS: dict[str, Any] = {"ignore_eos": True}  # fixed output lengths: a random 
 class LiveServer:
     """A `pagoda serve` subprocess on a free port of 127.0.0.1."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(self, model: Path, *extra: str, ready_timeout: float = 120) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "pagoda.server.cli", "serve", str(model), "--port", str(self.port)]
@@ -52,7 +52,7 @@ class LiveServer:
         # float32: greedy outputs alone and in a batch must agree, and bfloat16 matmuls vary with the batch size.
         command += ["--dtype", "float32", *extra]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_timeout
         while True:
             if self.process.poll() is not None:
                 output = self.process.stdout.read().decode() if self.process.stdout else ""
@@ -82,9 +82,9 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(model: Path, *extra: str) -> Iterator[LiveServer]:
+def serving(model: Path, *extra: str, ready_timeout: float = 120) -> Iterator[LiveServer]:
     """A live server for the block; it must exit cleanly on SIGTERM."""
-    server = LiveServer(model, *extra)
+    server = LiveServer(model, *extra, ready_timeout=ready_timeout)
     try:
         yield server
     finally:
@@ -343,6 +343,36 @@ def test_32_concurrent_greedy_streams_match_each_alone(live: LiveServer, client:
     assert asyncio.run(together()) == alone
 
 
+async def cut_off_requests(
+    live: LiveServer, count: int, max_tokens: int, deadline: Callable[[int], float]
+) -> int:
+    """Send `count` completions (every other one streamed), request i cut off by the client after `deadline(i)`
+    seconds; returns how many were cut off."""
+    timeouts = 0
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def one(i: int) -> None:
+            nonlocal timeouts
+            body = {
+                "model": MODEL,
+                "prompt": [10, 11, 12 + i],
+                "max_tokens": max_tokens,
+                "stream": i % 2 == 0,
+            }
+            try:
+                # A total deadline, so that streams that keep delivering tokens are cut off too.
+                async with asyncio.timeout(deadline(i)):
+                    url = f"{live.base_url}/v1/completions"
+                    async with http.stream("POST", url, json={**body, **NO_EOS}) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+            except TimeoutError:
+                timeouts += 1
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+    return timeouts
+
+
 def test_cancelled_requests_free_everything(live: LiveServer, client: openai.OpenAI) -> None:
     """100 requests that time out on the client are aborted in the engine (far fewer tokens are generated
     than asked for); afterwards nothing runs or waits and no KV block is in use."""
@@ -351,33 +381,8 @@ def test_cancelled_requests_free_everything(live: LiveServer, client: openai.Ope
     def generated() -> float:
         return metric(httpx.get(f"{live.base_url}/metrics").text, "pagoda:generation_tokens_total")
 
-    async def impatient() -> int:
-        timeouts = 0
-        async with httpx.AsyncClient(timeout=30) as http:
-
-            async def one(i: int) -> None:
-                nonlocal timeouts
-                body = {
-                    "model": MODEL,
-                    "prompt": [10, 11, 12 + i],
-                    "max_tokens": max_tokens,
-                    "stream": i % 2 == 0,
-                }
-                try:
-                    # A total deadline, so that streams that keep delivering tokens are cut off too.
-                    async with asyncio.timeout(0.3):
-                        url = f"{live.base_url}/v1/completions"
-                        async with http.stream("POST", url, json={**body, **NO_EOS}) as response:
-                            async for _ in response.aiter_lines():
-                                pass
-                except TimeoutError:
-                    timeouts += 1
-
-            await asyncio.gather(*(one(i) for i in range(100)))
-        return timeouts
-
     before = generated()
-    assert asyncio.run(impatient()) > 0
+    assert asyncio.run(cut_off_requests(live, 100, max_tokens, lambda i: 0.3)) > 0
     assert_good_request(client)
     deadline = time.monotonic() + 30
     while True:
@@ -659,37 +664,45 @@ def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:
     assert status == 0
 
 
-def test_bench_serving_smoke(live: LiveServer, tmp_path: Path) -> None:
-    """tools/bench_serving.py runs against the live server and writes its JSON result and plot."""
+def run_bench_serving(live: LiveServer, out: Path, *options: str) -> tuple[str, dict[str, Any]]:
+    """Run tools/bench_serving.py against the live server; its stdout and bench_serving.json (it must succeed)."""
+    command = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--base-url", live.base_url]
+    command += ["--model", MODEL, "--ignore-eos", "--output-dir", str(out), *options]
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_serving.py"),
-            "--base-url",
-            live.base_url,
-            "--model",
-            MODEL,
-            "--num-prompts",
-            "6",
-            "--request-rate",
-            "inf",
-            "--input-len",
-            "8",
-            "--output-len",
-            "6",
-            "--ignore-eos",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MPLBACKEND": "Agg"},
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"}
     )
     assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "bench_serving.json").read_text())
+    report: dict[str, Any] = json.loads((out / "bench_serving.json").read_text())
+    return result.stdout, report
+
+
+def test_bench_serving_smoke(live: LiveServer, tmp_path: Path) -> None:
+    """tools/bench_serving.py runs against the live server and writes its JSON result and plot."""
+    stdout, report = run_bench_serving(
+        live, tmp_path, "--num-prompts", "6", "--request-rate", "inf", "--input-len", "8", "--output-len", "6"
+    )
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["total_output_tokens"] == 36
     assert report["output_throughput"] > 0 and report["mean_ttft_ms"] > 0
     assert (tmp_path / "bench_serving.png").stat().st_size > 0
-    assert "Output token throughput" in result.stdout
+    assert "Output token throughput" in stdout
+
+
+def test_bench_serving_shared_prefix_reports_the_hit_rate(live: LiveServer, tmp_path: Path) -> None:
+    """The shared-prefix workload against a live server: later requests reuse a system prompt's cached blocks, and
+    the hit rate read from /metrics shows it."""
+    stdout, report = run_bench_serving(
+        live,
+        tmp_path,
+        *("--label", "one-replica", "--dataset", "shared-prefix", "--num-prefixes", "2"),
+        # About 30 tokens of the tiny tokenizer: at least one full 16-token block to share, within MAX_MODEL_LEN.
+        *("--prefix-len", "10", "--input-len", "2", "--output-len", "2", "--num-prompts", "6"),
+        # One at a time: each request finds its system prompt's blocks already computed.
+        *("--max-concurrency", "1"),
+    )
+    assert report["completed"] == 6 and report["target"] == "one-replica"
+    # Requests 3 to 6 hit their system prompt's full blocks (at least 16 tokens each); the first two miss.
+    assert report["prefix_cache_hits"] >= 4 * 16 and report["prefix_cache_hits"] % 16 == 0  # whole blocks
+    assert 0.0 < report["prefix_cache_hit_rate"] < 1.0
+    assert report["prefix_cache_queries"] >= report["total_input_tokens"]
+    assert "Prefix cache hit rate" in stdout and "one-replica @ inf" in stdout

@@ -185,3 +185,18 @@ def test_sampling_flags_set_pagodas_requests(capsys: pytest.CaptureFixture[str])
     for bad in (["--compare", "hf"], ["--sampling-sweep"], ["--top-p", "1.5"]):
         with pytest.raises(SystemExit):
             bench.parse_args([*sampled[:2], *bad])
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_run_reports_its_collectives(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tensor-parallel-size 2 runs the workload again on two ranks: the same greedy tokens, and rank 0's time in
+    collectives per step is reported."""
+    report = bench.main([*tiny_argv(3, 4, "float32"), "--tensor-parallel-size", "2"])
+    printed = capsys.readouterr().out
+    tp = report["tensor_parallel"]
+    assert tp["size"] == 2 and tp["steps"] > 0 and tp["collective_calls"] > 0 and tp["collective_s"] > 0
+    assert [r["system"] for r in report["results"]] == ["pagoda", "pagoda tp=2"]
+    assert report["results"][1]["same_tokens"] == 1.0
+    assert re.search(r"rank 0 spent \d+\.\d\d ms per step in collectives", printed)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tensor-parallel-size", "2", "--temperature", "1.0"])

@@ -274,3 +274,38 @@ def test_chat_template_and_reasoning_parser_flags(tmp_path: Path, capsys: pytest
         build_parser().parse_args(["serve", "m", "--reasoning-parser", "granite"])
     assert main(["serve", "unused-model", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "--chat-template" in capsys.readouterr().err
+
+
+def test_tool_calling_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tool-call-parser` takes vLLM's names; `--enable-auto-tool-choice` without it exits 2, as in vLLM."""
+    args = build_parser().parse_args(
+        ["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+    defaults = build_parser().parse_args(["serve", "m"])
+    assert (defaults.enable_auto_tool_choice, defaults.tool_call_parser) == (False, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--tool-call-parser", "pythonic"])
+    assert main(["serve", "unused-model", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
+def test_tensor_parallel_flags_map_onto_engine_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--tensor-parallel-size (-tp) and --distributed-executor-backend reach EngineConfig; a size below 1 or an
+    unknown backend exits 2; a size the heads cannot split refuses to start (1) naming the constraint."""
+    flags = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    args = build_parser().parse_args(["serve", "some/model", *flags])
+    assert engine_config(args) == EngineConfig(
+        model="some/model", tensor_parallel_size=2, distributed_executor_backend="ray"
+    )
+    assert engine_config(build_parser().parse_args(["serve", "-tp", "4"])).tensor_parallel_size == 4
+    assert main(["serve", "unused-model", "--tensor-parallel-size", "0"]) == 2
+    assert "tensor_parallel_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--distributed-executor-backend", "slurm"])
+    assert info.value.code == 2
+    model = make_tiny_model("llama", tmp_path / "llama")
+    assert main(["serve", str(model), "--tensor-parallel-size", "3"]) == 1
+    assert "tensor_parallel_size 3 must divide num_attention_heads (4)" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.engine_client import EngineClient
+from pagoda.server.engine_client import EngineClient, EngineEvent, ReplicaSet, RequestAccepted, RequestFailed
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served any more."""
+
+
+class ReplicaDeadError(EngineDeadError):
+    """The data-parallel replica serving a request died; the request is lost, the other replicas still serve."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -119,11 +123,14 @@ class AsyncLLM:
         max_concurrent_requests: int | None = None,
     ) -> None:
         self.engine = engine
+        # A remote core answers each add later, out of `step` (RequestAccepted / RequestFailed).
+        self._deferred_acceptance = bool(getattr(engine, "defers_acceptance", False))
+        self.replicas: ReplicaSet | None = engine if isinstance(engine, ReplicaSet) else None
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
         self.max_concurrent_requests = max_concurrent_requests  # TGI's limit on requests (prompts) in flight
         self._stats: EngineStats = engine.get_stats()
-        self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix)
+        self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix, self.replicas)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None
@@ -333,7 +340,7 @@ class AsyncLLM:
                 outputs = engine.step()
                 now = time.monotonic()
                 for output in outputs:
-                    self._dispatch(output, now)
+                    self._dispatch_event(output, now)
                 self._stats = engine.get_stats()
                 num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
                     before.prompt_tokens + before.generation_tokens
@@ -381,7 +388,8 @@ class AsyncLLM:
             self._push(stream, exc)
             return
         self._streams[stream.request_id] = stream
-        self._push(stream, None)  # accepted
+        if not self._deferred_acceptance:
+            self._push(stream, None)  # accepted
 
     def _abort(self, request_id: str, *, notify: bool) -> None:
         stream = self._streams.pop(request_id, None)
@@ -394,6 +402,20 @@ class AsyncLLM:
                 self.metrics.observe_finished("abort")
         if notify:
             self._push(stream, snapshot)
+
+    def _dispatch_event(self, event: EngineEvent, now: float) -> None:
+        if isinstance(event, RequestOutput):
+            self._dispatch(event, now)
+            return
+        stream = self._streams.get(event.request_id)
+        if stream is None:  # aborted meanwhile
+            return
+        if isinstance(event, RequestAccepted):
+            self._push(stream, None)
+            return
+        if isinstance(event, RequestFailed):
+            del self._streams[event.request_id]
+            self._push(stream, event.error)
 
     def _dispatch(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)

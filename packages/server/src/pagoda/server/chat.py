@@ -29,7 +29,7 @@ GEMMA_CHAT_TEMPLATE = (
 
 _GEMMA_MARKERS = ("<start_of_turn>", "<end_of_turn>")
 
-Message = Mapping[str, str]  # {"role": ..., "content": ...}
+Message = Mapping[str, Any]  # {"role": ..., "content": ...}, and tool_calls / tool_call_id
 
 
 class ChatTemplateError(ValueError):
@@ -79,11 +79,12 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a conversation (tokenize it without adding special tokens: the template wrote them).
 
     `template_kwargs` become variables of the template (`enable_thinking`); check them first with
-    `check_template_kwargs`.
+    `check_template_kwargs`. `tools` (OpenAI's function definitions) go to the template's `tools` variable.
     """
     if not messages:
         raise ChatTemplateError("messages must not be empty")
@@ -97,6 +98,7 @@ def render_chat(
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=None if tools is None else [dict(t) for t in tools],
             **(template_kwargs or {}),
         )
     except Exception as exc:  # the template's own checks (role order, ...) raise jinja2 errors

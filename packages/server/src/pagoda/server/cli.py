@@ -9,20 +9,26 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from pagoda.scheduler import PreemptionMode
 from pagoda.server.config import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DistributedExecutorBackendName,
     DTypeName,
     EngineConfig,
     KernelBackendName,
     KVManagerName,
     ReasoningParserName,
     SchedulingPolicyName,
+    ToolParserName,
 )
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
+from pagoda.server.routing import RoutingPolicyName
+
+if TYPE_CHECKING:
+    from pagoda.server.engine_client import EngineClient
 
 logger = logging.getLogger("pagoda.server")
 
@@ -208,6 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split <think> reasoning into the chat responses' reasoning_content (vLLM's names)",
     )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): parse calls out of the output (needs --tool-call-parser)',
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=get_args(ToolParserName),
+        default=None,
+        help="how tool calls are read from the output under tool_choice auto (vLLM's names)",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
     engine.add_argument(
@@ -251,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    add_parallel_args(serve)
     # t16-fields: metrics naming.
     fields = serve.add_argument_group("metrics")
     fields.add_argument(
@@ -260,7 +278,53 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tgi_arguments(serve)
     add_scheduling_args(serve)
+    add_parallel_args(serve)
     return parser
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Where the engine runs: tensor-parallel ranks of one model, engine-core processes and replicas (vLLM's flags)."""
+    group = parser.add_argument_group("parallelism and engine cores")
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split every layer over N ranks (gloo on CPU, NCCL on CUDA); N must divide the attention heads",
+    )
+    group.add_argument(
+        "--engine-core",
+        choices=["inproc", "process"],
+        default="inproc",
+        help="inproc: the engine steps on a thread of the server's process; process: in an engine-core process "
+        "of its own, over ZeroMQ (implied by --data-parallel-size > 1)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine-core replicas, each with its own model, KV cache and cores, behind one router",
+    )
+    group.add_argument(
+        "--routing-policy",
+        choices=get_args(RoutingPolicyName),
+        default="cache_aware",
+        help="which replica serves a request: the one holding its prefix (cache_aware), the least loaded, or "
+        "each in turn",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=get_args(DistributedExecutorBackendName),
+        default="mp",
+        help="where the processes beyond the first run: mp: local processes; ray: Ray actors on the cluster of "
+        "RAY_ADDRESS (or `ray start --head`), tensor-parallel ranks in a placement group",
+    )
+    group.add_argument(
+        "--engine-ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an engine core may take to load its model before the server gives up",
+    )
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
@@ -315,11 +379,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         static_batch_timeout_s=args.static_batch_timeout,
         kv_manager=args.kv_manager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Reject server options out of range (ValueError naming the flag)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be >= 1")
     if args.max_prompts_per_request < 1:
@@ -338,6 +406,10 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--request-body-timeout must be > 0")
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         raise ValueError("--max-concurrent-requests must be >= 1")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    if args.engine_ready_timeout <= 0:
+        raise ValueError("--engine-ready-timeout must be > 0")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.metrics_prefix) is None:
@@ -350,14 +422,10 @@ def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     bound_onednn_caches()
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
-    from pagoda.server.api import AppSettings, build_app
-    from pagoda.server.api.http_protocol import HTTPLimits
-    from pagoda.server.api.server import run_server
-    from pagoda.server.async_llm import AsyncLLM
     from pagoda.server.chat import load_chat_template
-    from pagoda.server.config import RequestLimits
+    from pagoda.server.core import CoreClient, CoreStartupError
     from pagoda.server.engine import LLMEngine
-    from pagoda.server.engine_client import EngineClient
+    from pagoda.server.engine.executor import ExecutorError
 
     try:
         check_server_args(args)
@@ -367,22 +435,56 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine.from_config(config)
-    except ValueError as exc:  # EngineConfigError: says what to change
+        client = _start_engine(args, config)
+    except (ValueError, CoreStartupError, ExecutorError) as exc:  # EngineConfigError says what to change
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 1
     # build_parts already refused a KV cache smaller than one max_model_len request (EngineConfigError above).
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
-        engine.num_kv_blocks,
-        engine.block_size,
-        engine.num_kv_blocks * engine.block_size,
-        engine.max_model_len,
+        "KV cache: %d blocks of %d tokens = %d tokens (per replica); max_model_len %d",
+        client.num_kv_blocks,
+        client.block_size,
+        client.num_kv_blocks * client.block_size,
+        client.max_model_len,
     )
-    client: EngineClient = engine  # mypy proves the engine satisfies the API's Protocol
+    try:
+        _serve_engine(args, client, chat_template)
+    finally:
+        if isinstance(client, CoreClient):
+            client.close()
+        elif isinstance(client, LLMEngine):
+            client.shutdown()  # tensor-parallel workers exit with the server
+    return 0
+
+
+def _start_engine(args: argparse.Namespace, config: EngineConfig) -> EngineClient:
+    """The in-process engine, or engine-core processes (Ray actors) behind a router."""
+    from pagoda.server.core.start import start_core_client
+    from pagoda.server.engine import LLMEngine
+
+    if args.engine_core == "inproc" and args.data_parallel_size == 1:
+        return LLMEngine.from_config(config)  # mypy proves the engine satisfies the API's Protocol
+    return start_core_client(
+        config,
+        data_parallel_size=args.data_parallel_size,
+        routing_policy=args.routing_policy,
+        backend=args.distributed_executor_backend,
+        log_level=logging.getLevelName(args.log_level.upper()),
+        ready_timeout=args.engine_ready_timeout,
+    )
+
+
+def _serve_engine(args: argparse.Namespace, client: EngineClient, chat_template: str | None) -> None:
+    """Serve `client` until SIGTERM drained it."""
+    from pagoda.server.api import AppSettings, build_app
+    from pagoda.server.api.http_protocol import HTTPLimits
+    from pagoda.server.api.server import run_server
+    from pagoda.server.async_llm import AsyncLLM
+    from pagoda.server.config import RequestLimits
+
     llm = AsyncLLM(
         client,
-        served_model_name=args.served_model_name or engine.model_name,
+        served_model_name=args.served_model_name or client.model_name,
         max_waiting_requests=args.max_waiting_requests,
         metrics_prefix=args.metrics_prefix,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -397,6 +499,8 @@ def serve(args: argparse.Namespace) -> int:
         limits=limits,
         chat_template=chat_template,
         reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(llm, settings)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's
@@ -416,7 +520,6 @@ def serve(args: argparse.Namespace) -> int:
         ),
         log_level=args.log_level,
     )
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

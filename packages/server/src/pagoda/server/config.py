@@ -14,6 +14,9 @@ SchedulingPolicyName = Literal["fcfs", "priority", "static"]
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
+ToolParserName = Literal[
+    "hermes", "llama3_json", "mistral"
+]  # --tool-call-parser (pagoda.server.api.tool_parsers)
 # Where the processes beyond the first run: local processes (spawn) or Ray actors (tensor-parallel workers of one
 # engine, and data-parallel engine-core replicas alike).
 DistributedExecutorBackendName = Literal["mp", "ray"]

@@ -1,20 +1,48 @@
-"""The narrow interface `AsyncLLM` needs from an engine; `pagoda.server.engine.LLMEngine` satisfies it."""
+"""The narrow interface `AsyncLLM` needs from an engine (the engine-core client seam).
+
+Two implementations: `pagoda.server.engine.LLMEngine` itself (in-process: the offline `LLM`, tests, the default
+server) and `pagoda.server.core.CoreClient` (engine cores in their own processes or Ray actors, one or many
+data-parallel replicas, over ZeroMQ).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pagoda.server.outputs import EngineStats, RequestOutput
-from pagoda.server.sampling_params import SamplingParams
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers takes seconds to import; `pagoda --help` and /metrics need none of it
+    from pagoda.server.sampling_params import SamplingParams
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAccepted:
+    """A deferred acceptance: the engine (a remote core) queued the request."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The request ended without a finished snapshot: rejected by a remote core, or its replica died."""
+
+    request_id: str
+    error: Exception
+
+
+EngineEvent = RequestOutput | RequestAccepted | RequestFailed
 
 
 class EngineClient(Protocol):
     """A synchronous, single-threaded engine: requests in, cumulative snapshots out of each `step`.
 
     `add_request` raises a ValueError with a `param` attribute (RequestRejectedError) when the request can
-    never run; `abort_request` frees the request's KV blocks at once and ignores unknown ids.
+    never run; `abort_request` frees the request's KV blocks at once and ignores unknown ids. An engine whose
+    `defers_acceptance` attribute is true (a remote core) answers each add later with a `RequestAccepted` or a
+    `RequestFailed` event out of `step`.
     """
 
     @property
@@ -63,7 +91,7 @@ class EngineClient(Protocol):
         """Stop a request and free its blocks."""
         ...
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> Sequence[EngineEvent]:
         """Run one scheduling step; return a snapshot of every request that progressed or finished."""
         ...
 
@@ -73,4 +101,26 @@ class EngineClient(Protocol):
 
     def get_stats(self) -> EngineStats:
         """The engine's gauges and counters now."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """One data-parallel replica as /health and /metrics show it."""
+
+    alive: bool
+    stats: EngineStats | None  # its last stats (None before its first Ready)
+    restarts: int
+
+
+@runtime_checkable
+class ReplicaSet(Protocol):
+    """An engine made of several replicas behind a router (`CoreClient`)."""
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        """Every replica's state, in index order."""
+        ...
+
+    def router_counts(self) -> tuple[int, int]:
+        """The router's (hits, misses) counters."""
         ...

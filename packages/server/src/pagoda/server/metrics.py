@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from pagoda.server.engine_client import ReplicaSet, ReplicaStatus
 from pagoda.server.outputs import EngineStats, FinishReason, RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,43 +22,67 @@ DEFAULT_METRICS_PREFIX = "pagoda"
 
 
 class _EngineStatsCollector(Collector):
-    """Reads the engine's gauges and counters at scrape time, so they never go stale or double count."""
+    """Reads the engine's gauges and counters at scrape time, so they never go stale or double count.
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], prefix: str) -> None:
+    With data-parallel replicas every series is per replica, labelled `engine` (vLLM's label), and the router's
+    hit and miss counters and each replica's liveness come with them.
+    """
+
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats], prefix: str, replicas: ReplicaSet | None
+    ) -> None:
         self._model_name = model_name
         self._stats = stats
         self._prefix = prefix
+        self._replicas = replicas
 
     def collect(self) -> Iterable[Metric]:
         """Yield one family per engine gauge and counter."""
-        stats = self._stats()
-        labels = ["model_name"]
-        gauges = [
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("num_requests_swapped", "Requests swapped out to host memory.", stats.num_swapped),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage),
+        if self._replicas is None:
+            engines: list[tuple[list[str], EngineStats]] = [([self._model_name], self._stats())]
+            labels = ["model_name"]
+        else:
+            status = self._replicas.replica_status()
+            engines = [
+                ([self._model_name, str(i)], r.stats) for i, r in enumerate(status) if r.stats is not None
+            ]
+            labels = ["model_name", "engine"]
+            yield from self._replica_families(status)
+        gauges: list[tuple[str, str, Callable[[EngineStats], float]]] = [
+            ("num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+            ("num_requests_swapped", "Requests swapped out to host memory.", lambda s: s.num_swapped),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0 to 1).",
+                lambda s: s.kv_cache_usage,
+            ),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
-            gauge.add_metric([self._model_name], float(value))
+            for values, stats in engines:
+                gauge.add_metric(values, float(value(stats)))
             yield gauge
-        counters = [
+        counters: list[tuple[str, str, Callable[[EngineStats], float]]] = [
             (
                 "prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
+                lambda s: s.prefix_cache_queries,
             ),
-            ("prefix_cache_hits", "Prompt tokens served by the prefix cache.", stats.prefix_cache_hits),
-            ("num_preemptions", "Requests preempted to free KV-cache blocks.", stats.num_preemptions),
-            ("prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens),
-            ("generation_tokens", "Tokens generated.", stats.generation_tokens),
+            ("prefix_cache_hits", "Prompt tokens served by the prefix cache.", lambda s: s.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted to free KV-cache blocks.", lambda s: s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens computed.", lambda s: s.prompt_tokens),
+            ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
         ]
         for name, doc, count in counters:
             counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
-            counter.add_metric([self._model_name], float(count))
+            for values, stats in engines:
+                counter.add_metric(values, float(count(stats)))
             yield counter
-        # vLLM's info gauge: the cache configuration as labels, value 1.
+        if not engines:
+            return
+        stats = engines[0][1]
+        # vLLM's info gauge: the cache configuration (of one replica) as labels, value 1.
         info = {
             "block_size": str(stats.block_size),
             "num_gpu_blocks": str(stats.num_kv_blocks),
@@ -72,15 +97,43 @@ class _EngineStatsCollector(Collector):
         config.add_metric(list(info.values()), 1.0)
         yield config
 
+    def _replica_families(self, status: list[ReplicaStatus]) -> Iterable[Metric]:
+        """Each replica's liveness and restarts, and the router's counters."""
+        assert self._replicas is not None
+        labels = ["model_name", "engine"]
+        alive = GaugeMetricFamily(
+            f"{self._prefix}:engine_alive", "1 while the replica serves.", labels=labels
+        )
+        restarts = CounterMetricFamily(
+            f"{self._prefix}:engine_restarts", "Times the replica was restarted.", labels=labels
+        )
+        for i, replica in enumerate(status):
+            alive.add_metric([self._model_name, str(i)], float(replica.alive))
+            restarts.add_metric([self._model_name, str(i)], float(replica.restarts))
+        yield alive
+        yield restarts
+        hits, misses = self._replicas.router_counts()
+        for name, doc, count in (
+            ("router_prefix_hits", "Requests routed to the replica holding their prefix.", hits),
+            ("router_prefix_misses", "Requests routed by load (no replica held their prefix).", misses),
+        ):
+            counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=["model_name"])
+            counter.add_metric([self._model_name], float(count))
+            yield counter
+
 
 class ServerMetrics:
     """The app's metrics: engine stats read on scrape, and latency histograms fed by the request streams."""
 
     def __init__(
-        self, model_name: str, stats: Callable[[], EngineStats], prefix: str = DEFAULT_METRICS_PREFIX
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        prefix: str = DEFAULT_METRICS_PREFIX,
+        replicas: ReplicaSet | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(model_name, stats, prefix))
+        self.registry.register(_EngineStatsCollector(model_name, stats, prefix, replicas))
         self._model_name = model_name
         labels = ["model_name"]
 

@@ -33,9 +33,11 @@ from pagoda.server.api.reasoning import make_reasoning_parser
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.api.serving_tools import check_tool_messages, template_tools
+from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
-from pagoda.server.config import ReasoningParserName, RequestLimits
+from pagoda.server.config import ReasoningParserName, RequestLimits, ToolParserName
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -67,6 +69,8 @@ class AppSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     chat_template: str | None = None  # --chat-template: overrides the tokenizer's template
     reasoning_parser: ReasoningParserName | None = None  # --reasoning-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" needs it
+    tool_call_parser: ToolParserName | None = None  # --tool-call-parser
 
 
 class APIKeyMiddleware:
@@ -161,6 +165,9 @@ class _Routes:
             reasoning_parser=None
             if settings.reasoning_parser is None
             else make_reasoning_parser(settings.reasoning_parser),
+            tool_parser=make_tool_parser(settings.tool_call_parser)
+            if settings.enable_auto_tool_choice and settings.tool_call_parser is not None
+            else None,
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
@@ -196,7 +203,13 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            text = await render_messages(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+            check_tool_messages(body.messages)
+            text = await render_messages(
+                ctx,
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=template_tools(body.tools),
+            )
             (tokens,) = await ctx.encode([text], add_special_tokens=False)
         else:
             (tokens,) = await ctx.encode([body.prompt or ""], add_special_tokens=body.add_special_tokens)
@@ -211,12 +224,23 @@ class _Routes:
         return JSONResponse(DetokenizeResponse(prompt=await self.ctx.decode(body.tokens)).model_dump())
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 while the engine loop is alive, 503 once it died or shutdown began."""
-        if not self.llm.is_alive:
-            return JSONResponse(HealthResponse(status="dead").model_dump(), status_code=503)
+        """GET /health: 200 while the engine loop (and one replica at least) is alive, 503 once it died or
+        shutdown began; with engine-core replicas, how many there are and how many serve."""
+        counts: dict[str, int] = {}
+        alive = self.llm.is_alive
+        if self.llm.replicas is not None:
+            status = self.llm.replicas.replica_status()
+            counts = {"replicas": len(status), "replicas_alive": sum(r.alive for r in status)}
+            alive = alive and counts["replicas_alive"] > 0
+        if not alive:
+            return JSONResponse(
+                HealthResponse(status="dead", **counts).model_dump(exclude_none=True), status_code=503
+            )
         if self.llm.is_draining:
-            return JSONResponse(HealthResponse(status="draining").model_dump(), status_code=503)
-        return JSONResponse(HealthResponse(status="ok").model_dump())
+            return JSONResponse(
+                HealthResponse(status="draining", **counts).model_dump(exclude_none=True), status_code=503
+            )
+        return JSONResponse(HealthResponse(status="ok", **counts).model_dump(exclude_none=True))
 
     async def metrics(self, request: Request) -> Response:
         """GET /metrics: Prometheus text format."""

@@ -6,6 +6,7 @@ import time
 from typing import Annotated, Literal
 
 from pagoda.server.api.structured_fields import StructuredFields
+from pagoda.server.api.tool_fields import DeltaToolCall, ToolCall, ToolChoice, Tools
 from pagoda.server.sampling_params import MAX_LOGPROBS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
@@ -77,9 +78,6 @@ class SamplingFields(_Body):
     prompt_cache_key: str | None = None  # the prefix cache is automatic
     request_id: str | None = None  # vLLM extra; the response keeps Pagoda's own id
     # Known but not served (yet): a 400 naming the field unless absent, null, or the value that changes nothing.
-    tools: JsonValue = None
-    tool_choice: JsonValue = None  # "none" is accepted
-    parallel_tool_calls: JsonValue = None
     functions: JsonValue = None
     function_call: JsonValue = None  # "none" is accepted
     use_beam_search: bool = False
@@ -97,6 +95,9 @@ class CompletionRequest(SamplingFields, StructuredFields):
     echo: bool = False  # with logprobs: the prompt tokens' logprobs lead `logprobs` (first one null)
     add_special_tokens: bool = True  # vLLM extra: BOS etc. when tokenizing a text prompt
     suffix: JsonValue = None  # not served: a 400 unless null
+    tools: JsonValue = None  # chat only: a 400 unless null or empty
+    tool_choice: JsonValue = None  # "none" is accepted
+    parallel_tool_calls: JsonValue = None
     # Beam search (vLLM's fields, served on this endpoint only): the beam width is best_of, else n; n <= best_of
     # beams are returned.
     use_beam_search: bool = False
@@ -118,6 +119,8 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
 
 class ChatCompletionRequest(SamplingFields, StructuredFields):
@@ -129,6 +132,9 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    tools: Tools | None = None  # rendered by the chat template
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (as vLLM)
+    parallel_tool_calls: bool | None = None  # false: at most one call per choice
     # Known but not served (yet): a 400 naming the field unless absent, null, or the value that changes nothing.
     audio: JsonValue = None
     modalities: JsonValue = None  # ["text"] is accepted
@@ -148,6 +154,7 @@ class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Tools | None = None  # with messages: rendered by the chat template (vLLM's field)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -190,7 +197,7 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReasonField = Literal["stop", "length", "abort"] | None
+FinishReasonField = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class PromptLogprob(BaseModel):
@@ -251,8 +258,9 @@ class AssistantMessage(BaseModel):
     """The generated message of a chat choice."""
 
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None only with --reasoning-parser, when the output is all reasoning
+    content: str | None  # None when the output is all reasoning (--reasoning-parser) or all tool calls
     reasoning_content: str | None = None  # what --reasoning-parser split off (vLLM's field)
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # empty without tool calls, as vLLM sends it
 
 
 class ChatChoice(BaseModel):
@@ -283,6 +291,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None  # with --reasoning-parser, while the model thinks
+    tool_calls: list[DeltaToolCall] | None = None  # the calls' starts, then their argument fragments
 
 
 class ChatStreamChoice(BaseModel):
@@ -342,6 +351,9 @@ class HealthResponse(BaseModel):
     """Response of GET /health."""
 
     status: Literal["ok", "dead", "draining"]
+    # Data-parallel serving: replicas started, and those serving now (ok while at least one is).
+    replicas: int | None = None
+    replicas_alive: int | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -14,12 +14,14 @@ from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, Sampl
 from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
+from pagoda.server.api.tool_parsers import ToolCallParser
 from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
     PromptRequest,
+    ReplicaDeadError,
     RequestStream,
 )
 from pagoda.server.config import RequestLimits
@@ -59,6 +61,7 @@ class ServingContext:
     limits: RequestLimits
     max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
+    tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
@@ -215,6 +218,8 @@ def to_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EngineDrainingError):
         return APIError(503, "The server is shutting down.")
+    if isinstance(exc, ReplicaDeadError):  # the other replicas still serve: a retry may succeed
+        return APIError(503, f"The engine replica serving this request failed: {exc}. Retry the request.")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine has stopped; the server cannot serve requests.")
     if isinstance(exc, RequestRejectedError):  # the engine names the field at fault

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
@@ -35,6 +36,9 @@ from pagoda.server.api.serving_base import (
     top_entries,
     until_disconnect,
 )
+from pagoda.server.api.serving_tools import ToolPlan, check_tool_messages, plan_tools, template_tool_fields
+from pagoda.server.api.tool_fields import DeltaToolCall
+from pagoda.server.api.tool_parsers import ToolCallStream
 from pagoda.server.api.unserved import check_fields
 from pagoda.server.chat import ChatTemplateError, check_template_kwargs, render_chat
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -58,10 +62,11 @@ async def render_messages(
     *,
     add_generation_prompt: bool,
     template_kwargs: Mapping[str, JsonValue] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text of a request's messages (rendered off the event loop); a 400 on `messages` when they
-    cannot be rendered, on `chat_template_kwargs` when a key would change the call rather than the template."""
-    conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+    """The prompt text of a request's messages and tools (rendered off the event loop); a 400 on `messages` when
+    they cannot be rendered, on `chat_template_kwargs` when a key would change the call rather than the template."""
+    conversation = [{"role": m.role, "content": message_text(m), **template_tool_fields(m)} for m in messages]
     if template_kwargs:
         try:
             check_template_kwargs(ctx.tokenizer, template_kwargs)
@@ -75,6 +80,7 @@ async def render_messages(
             conversation,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=template_kwargs,
+            tools=tools,
         )
 
     try:
@@ -103,13 +109,18 @@ def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs
     return ChatLogprobs(content=content)
 
 
-def assistant_message(text: str, parser: ReasoningParser | None) -> AssistantMessage:
+def assistant_message(text: str, parser: ReasoningParser | None, tools: ToolPlan) -> AssistantMessage:
     """A choice's whole message: its text, or with a reasoning parser its reasoning and content (None if empty,
-    as vLLM sends them)."""
-    if parser is None:
-        return AssistantMessage(content=text)
-    reasoning, content = parser.split(text)
-    return AssistantMessage(content=content or None, reasoning_content=reasoning or None)
+    as vLLM sends them); the tool plan's parser splits the calls off the content."""
+    reasoning: str | None = None
+    content: str | None = text
+    if parser is not None:
+        reasoning_text, content_text = parser.split(text)
+        reasoning, content = reasoning_text or None, content_text or None
+    if content is None:
+        return AssistantMessage(content=None, reasoning_content=reasoning)
+    content, calls = tools.split(content)
+    return AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
 
 
 @dataclass(slots=True)
@@ -120,6 +131,8 @@ class _Cursor:
     num_tokens: int = 0
     done: bool = False
     reasoning: ReasoningStream | None = None  # with --reasoning-parser
+    tools: ToolCallStream | None = None  # with tool calls to parse
+    content: str = ""  # the content so far, which the tool parser reads (with --reasoning-parser)
 
 
 class ChatHandler:
@@ -131,7 +144,8 @@ class ChatHandler:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Serve one chat completion request."""
         ctx = self.ctx
-        check_fields(body)
+        check_fields(body, served=("tools", "tool_choice", "parallel_tool_calls"))
+        check_tool_messages(body.messages)
         if body.echo:
             raise bad_request("echo is not supported yet on chat completions", "echo")
         ctx.check_model(body.model)
@@ -140,11 +154,13 @@ class ChatHandler:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         ctx.check_fan_out(1, body.n)
+        plan = await ctx.run(lambda: plan_tools(body, ctx.tool_parser))
         prompt = await render_messages(
             ctx,
             body.messages,
             add_generation_prompt=body.add_generation_prompt,
             template_kwargs=body.chat_template_kwargs,
+            tools=plan.tools,
         )
         ctx.check_prompt_chars(prompt, "messages")
         # The template writes the special tokens (BOS) itself.
@@ -153,13 +169,21 @@ class ChatHandler:
         max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
-        params = await ctx.with_structured_outputs(body, params)
+        params = plan.adjust(await ctx.with_structured_outputs(body, params))
+        # Output forced to a schema holds no reasoning block to split off.
+        reasoning_parser = ctx.reasoning_parser if plan.constraint is None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await ctx.open_streams(request_id, [(prompt, prompt_ids)], params)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(
-                request_id, body, len(prompt_ids), merge_streams(streams), top_k, include_usage
+                request_id,
+                body,
+                len(prompt_ids),
+                merge_streams(streams),
+                top_k,
+                include_usage,
+                _Choices(reasoning_parser, plan),
             )
             return EventStreamResponse(events)
         try:
@@ -167,16 +191,18 @@ class ChatHandler:
         finally:
             for stream in streams:
                 stream.close()
-        choices = [
-            ChatChoice(
-                index=o.index,
-                message=assistant_message(o.text, ctx.reasoning_parser),
-                logprobs=None if top_k is None else chat_logprobs(o.token_ids, o.logprobs or (), top_k),
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
+        choices: list[ChatChoice] = []
+        for o in final.outputs:
+            message = assistant_message(o.text, reasoning_parser, plan)
+            choices.append(
+                ChatChoice(
+                    index=o.index,
+                    message=message,
+                    logprobs=None if top_k is None else chat_logprobs(o.token_ids, o.logprobs or (), top_k),
+                    finish_reason=plan.finish_reason(o.finish_reason, called=bool(message.tool_calls)),
+                    stop_reason=o.stop_reason,
+                )
             )
-            for o in final.outputs
-        ]
         response = ChatCompletionResponse(
             id=request_id,
             model=ctx.served_model_name,
@@ -194,12 +220,10 @@ class ChatHandler:
         snapshots: AsyncGenerator[tuple[int, RequestOutput]],
         top_k: int | None,
         include_usage: bool,
+        choices: _Choices,
     ) -> AsyncGenerator[str]:
         model = self.ctx.served_model_name
-        parser = self.ctx.reasoning_parser
-        cursors = [
-            _Cursor(reasoning=None if parser is None else ReasoningStream(parser)) for _ in range(body.n)
-        ]
+        cursors = [choices.cursor() for _ in range(body.n)]
         final: RequestOutput | None = None
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -214,7 +238,7 @@ class ChatHandler:
                     if snapshot.finished:
                         final = snapshot
                     for output in snapshot.outputs:
-                        for choice in self._deltas(cursors[output.index], output, top_k):
+                        for choice in _deltas(cursors[output.index], output, top_k, choices.plan):
                             yield chunk(choice)
             except Exception as exc:
                 error = to_api_error(exc)
@@ -228,40 +252,64 @@ class ChatHandler:
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
         yield sse("[DONE]")
 
-    def _deltas(self, cursor: _Cursor, output: CompletionOutput, top_k: int | None) -> list[ChatStreamChoice]:
-        """The content delta of one snapshot, then the finish chunk (an empty delta) once it is done."""
-        if cursor.done:
-            return []
-        choices: list[ChatStreamChoice] = []
-        text = output.text[cursor.text_len :]
-        new_ids = output.token_ids[cursor.num_tokens :]
-        # Tokens that add no text yet (a partial UTF-8 character) wait for the next delta, unless their logprobs
-        # were asked for.
-        delta = DeltaMessage(content=text)
-        if cursor.reasoning is not None:
-            # A tail that may still become a tag waits: `text` is what the parser settled, not what arrived.
-            reasoning, text = cursor.reasoning.delta(output.text, finished=output.finished)
-            delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None)
-            text = reasoning + text
-        if text or (new_ids and top_k is not None):
-            logprobs = None
-            if top_k is not None:
-                positions = (output.logprobs or ())[cursor.num_tokens :]
-                logprobs = chat_logprobs(new_ids, positions, top_k)
-            choices.append(ChatStreamChoice(index=output.index, delta=delta, logprobs=logprobs))
-            cursor.num_tokens = len(output.token_ids)
-        cursor.text_len = len(output.text)
-        if output.finished:
-            cursor.done = True
-            choices.append(
-                ChatStreamChoice(
-                    index=output.index,
-                    delta=DeltaMessage(),
-                    finish_reason=output.finish_reason,
-                    stop_reason=output.stop_reason,
-                )
+
+@dataclass(frozen=True, slots=True)
+class _Choices:
+    """How every streamed choice of a request splits its text: the reasoning parser and the tool plan."""
+
+    reasoning: ReasoningParser | None
+    plan: ToolPlan
+
+    def cursor(self) -> _Cursor:
+        """A new choice's cursor, with its own parser states."""
+        reasoning = None if self.reasoning is None else ReasoningStream(self.reasoning)
+        return _Cursor(reasoning=reasoning, tools=self.plan.stream())
+
+
+def _deltas(
+    cursor: _Cursor, output: CompletionOutput, top_k: int | None, plan: ToolPlan
+) -> list[ChatStreamChoice]:
+    """The delta of one snapshot (content, reasoning, tool calls), then the finish chunk (an empty delta) once it
+    is done."""
+    if cursor.done:
+        return []
+    choices: list[ChatStreamChoice] = []
+    new_ids = output.token_ids[cursor.num_tokens :]
+    reasoning, content = "", output.text[cursor.text_len :]
+    if cursor.reasoning is not None:
+        # A tail that may still become a tag waits: `content` is what the parser settled, not what arrived.
+        reasoning, content = cursor.reasoning.delta(output.text, finished=output.finished)
+    calls: list[DeltaToolCall] = []
+    if cursor.tools is not None:
+        cursor.content += content
+        content, calls = cursor.tools.delta(cursor.content, finished=output.finished)
+    # Tokens that add nothing yet (a partial UTF-8 character, a tail that may become a tag) wait for the next
+    # delta, unless their logprobs were asked for.
+    if reasoning or content or calls or (new_ids and top_k is not None):
+        delta = DeltaMessage(content=content)
+        if cursor.reasoning is not None or cursor.tools is not None:
+            delta = DeltaMessage(
+                content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
             )
-        return choices
+        logprobs = None
+        if top_k is not None:
+            positions = (output.logprobs or ())[cursor.num_tokens :]
+            logprobs = chat_logprobs(new_ids, positions, top_k)
+        choices.append(ChatStreamChoice(index=output.index, delta=delta, logprobs=logprobs))
+        cursor.num_tokens = len(output.token_ids)
+    cursor.text_len = len(output.text)
+    if output.finished:
+        cursor.done = True
+        called = cursor.tools is not None and cursor.tools.called
+        choices.append(
+            ChatStreamChoice(
+                index=output.index,
+                delta=DeltaMessage(),
+                finish_reason=plan.finish_reason(output.finish_reason, called=called),
+                stop_reason=output.stop_reason,
+            )
+        )
+    return choices
 
 
 def _usage(num_prompt_tokens: int, final: RequestOutput) -> UsageInfo:

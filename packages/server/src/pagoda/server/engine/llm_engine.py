@@ -23,11 +23,12 @@ from pagoda.scheduler import (
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.beams import BeamGroup
+from pagoda.server.engine.executor import Executor, UniProcExecutor, build_executor
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.engine.scheduling import build_kv_manager, build_policy
-from pagoda.server.engine.setup import EngineParts, build_parts
+from pagoda.server.engine.setup import EngineParts
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, TokenLogprobs, unseeded_seed
 from pagoda.server.sampling.logits_processors import apply_logits_processors
@@ -71,29 +72,33 @@ _PROMPT_LOGITS_SLICE = 256
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache; drive it with add_request / step."""
 
-    def __init__(self, config: EngineConfig, parts: EngineParts) -> None:
+    def __init__(self, config: EngineConfig, parts: EngineParts, executor: Executor | None = None) -> None:
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = parts.tokenizer
         self.model_name = parts.model_name
         self.model_path: Path = parts.model_path
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
-        self.num_kv_blocks = parts.kv_cache.num_blocks
-        self.num_host_kv_blocks = parts.kv_cache.num_host_blocks
+        # The model side: the whole model here, or tensor-parallel ranks whose rank 0 runs here (`executor.driver`).
+        self.executor = executor or UniProcExecutor(
+            ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
+        )
+        self.runner = self.executor.driver
+        self.num_kv_blocks = self.executor.num_blocks
+        self.num_host_kv_blocks = self.executor.num_host_blocks
         self.block_size = config.block_size
         self.device = parts.device
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
         self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, config.max_input_tokens)
         self.kv_manager: KVBlockManager = build_kv_manager(
-            config, parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks, parts.max_model_len
+            config, self.num_kv_blocks, self.num_host_kv_blocks, parts.max_model_len
         )
         # Contiguous regions share nothing: there is no prefix to look up.
         prefix_caching = config.enable_prefix_caching and config.kv_manager == "paged"
-        self.runner = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         costs = None
         if config.preemption_mode == "auto":
-            costs = measure_preemption_costs(self.runner, parts.max_num_batched_tokens, parts.max_model_len)
+            costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -128,8 +133,18 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model, size the KV cache and build the engine (EngineConfigError if it cannot serve)."""
-        return cls(config, build_parts(config))
+        """Load the model, size the KV cache and build the engine (EngineConfigError if it cannot serve); with
+        tensor_parallel_size > 1 the model is split over that many ranks (see `pagoda.server.engine.executor`)."""
+        executor, parts = build_executor(config)
+        try:
+            return cls(config, parts, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
+        self.executor.shutdown()
 
     # ---------------------------------------------------------------- requests
 
@@ -253,12 +268,9 @@ class LLMEngine:
         }
         # The grammar masks depend only on the tokens accepted so far: they fill while the model runs.
         grammar = self.grammar_bitmask.start_fill(self._step_matchers(scheduled))
-        if prompt_lens:
-            logits, prompt_hidden = self.runner.execute_with_prompt_hidden(scheduled, prompt_lens)
-            for request_id, rows in prompt_hidden.items():
-                self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
-        else:
-            logits = self.runner.execute(scheduled)
+        logits, prompt_hidden = self.executor.execute(scheduled, prompt_lens)
+        for request_id, rows in prompt_hidden.items():
+            self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
         sampled, failed = self._sample(scheduled, logits, grammar)
         for state in failed:
             self.scheduler.abort_request(state.request_id)  # its rows get no token: the update skips them
@@ -280,7 +292,7 @@ class LLMEngine:
         k = state.params.prompt_logprobs or 0
         for lo in range(0, hidden.shape[0], _PROMPT_LOGITS_SLICE):
             part = hidden[lo : lo + _PROMPT_LOGITS_SLICE]
-            logits = self.runner.compute_logits(part).float()
+            logits = self.executor.compute_logits(part).float()
             first = start + lo + 1
             targets = torch.tensor(
                 state.prompt_token_ids[first : first + part.shape[0]], dtype=torch.long, device=logits.device

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 from pagoda.scheduler import MeasuredPreemptionCosts, ScheduledRequest, SchedulerOutput
-from pagoda.server.engine.model_runner import ModelRunner
+from pagoda.server.engine.executor.base import Executor
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -49,14 +49,15 @@ def _probe_step(num_tokens: int, block_size: int) -> SchedulerOutput:
 
 
 def measure_preemption_costs(
-    runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int
+    executor: Executor, max_num_batched_tokens: int, max_model_len: int
 ) -> MeasuredPreemptionCosts:
     """Time a one-block and a many-block swap out, and a short prefill, on the engine's own caches and model.
 
     Runs before any request, so the blocks it writes hold nothing. The first prefill is a warm-up (kernel
-    selection; on CUDA, torch.compile's compilation, which the first request would otherwise pay).
+    selection; on CUDA, torch.compile's compilation, which the first request would otherwise pay). The copies
+    are timed on the driver's shard alone (every rank copies its shard in parallel); the prefill on every rank.
     """
-    kv, device = runner.kv_cache, runner.device
+    kv, device = executor.driver.kv_cache, executor.driver.device
     bytes_per_block = kv.shape.bytes_per_block
     num_blocks = min(kv.num_blocks, kv.num_host_blocks, _PROBE_BLOCKS)
     if num_blocks < 2:  # no host tier to speak of: swapping is never the choice
@@ -70,8 +71,8 @@ def measure_preemption_costs(
     block_size = kv.shape.block_size
     num_tokens = min(_PROBE_TOKENS, max_num_batched_tokens, max_model_len, kv.num_blocks * block_size)
     step = _probe_step(num_tokens, block_size)
-    runner.execute(step)  # warm-up
-    prefill = _best_seconds(lambda: runner.execute(step), device, 1)
+    executor.execute(step, {})  # warm-up
+    prefill = _best_seconds(lambda: executor.execute(step, {}), device, 1)
     costs = MeasuredPreemptionCosts(bytes_per_block, bandwidth, latency, num_tokens / max(prefill, 1e-9))
     logger.info(
         "preemption auto: host copies %.3g GB/s + %.3g ms each, prefill %.0f tokens/s",

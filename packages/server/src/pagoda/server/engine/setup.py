@@ -11,8 +11,9 @@ from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
-from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model
+from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model, load_shard
 from pagoda.server.models.base import CausalLM
+from pagoda.server.models.parallel import ParallelGroup
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger("pagoda.engine")
@@ -80,6 +81,63 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: Path) -> froze
     return frozenset(ids)
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The device and dtype of a model's weights, activations and KV cache (the same on every rank)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+def select_placement(config: EngineConfig) -> Placement:
+    """The configured or detected device, and the dtype for it (see `select_dtype`)."""
+    device = select_device(config)
+    return Placement(device, select_dtype(config, device))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config's name of a dtype ("float32", ...)."""
+    return next(name for name, value in _DTYPES.items() if value == dtype)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The dtype of a config name."""
+    return _DTYPES[name]
+
+
+def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
+    """Pack the weights for the decode batch (CPU) or compile the forward (CUDA), once loaded."""
+    # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
+    # for 110 rows across hints of 32-2048).
+    rows = min(config.max_num_seqs, _PACK_BATCH)
+    if packed := model.pack_weights(rows):
+        logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
+    if device.type == "cuda" and not config.enforce_eager:
+        # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.
+        model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+
+
+def kv_cache_shape(model: CausalLM, config: EngineConfig, dtype: torch.dtype) -> KVCacheShape:
+    """The per-layer KV geometry of a model (of this rank's shard: its KV heads only)."""
+    spec = model.kv_cache_spec()
+    return KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+
+
+def build_shard(
+    config: EngineConfig,
+    folder: Path,
+    placement: Placement,
+    group: ParallelGroup,
+) -> tuple[CausalLM, KernelBackend]:
+    """A tensor-parallel worker's shard of the model, loaded and prepared (its KV cache comes later)."""
+    if placement.device.type == "cpu":
+        keep_freed_memory()
+    backend = get_backend(config.kernel_backend, placement.device)
+    model, _ = load_shard(folder, dtype=placement.dtype, device=placement.device, group=group)
+    prepare_model(model, config, placement.device)
+    return model, backend
+
+
 def _kv_bytes(config: EngineConfig, device: torch.device) -> float:
     """Bytes the KV cache may take: a fixed size on the CPU, what is left under the utilization on CUDA."""
     if device.type != "cuda":
@@ -88,12 +146,16 @@ def _kv_bytes(config: EngineConfig, device: torch.device) -> float:
     return free - total * (1.0 - config.gpu_memory_utilization)
 
 
-def build_parts(config: EngineConfig) -> EngineParts:
-    """Load the model and size the KV cache; EngineConfigError when a max_model_len request cannot fit."""
-    device = select_device(config)
+def build_parts(
+    config: EngineConfig, group: ParallelGroup | None = None, placement: Placement | None = None
+) -> EngineParts:
+    """Load the model (this rank's shard with a `group`) and size the KV cache; EngineConfigError when a
+    max_model_len request cannot fit. `placement` is decided here unless given (a tensor-parallel driver decides
+    it before its workers start)."""
+    placement = placement or select_placement(config)
+    device, dtype = placement.device, placement.dtype
     if device.type == "cpu" and keep_freed_memory():
         logger.info("glibc malloc: freed large blocks are kept for reuse (no per-step page faults)")
-    dtype = select_dtype(config, device)
     backend = get_backend(config.kernel_backend, device)
     loaded = load_model(
         config.model,
@@ -101,12 +163,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         device=device,
         cache_dir=None if config.cache_dir is None else Path(config.cache_dir),
         tokenizer=config.tokenizer,
+        group=group,
     )
-    # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
-    # for 110 rows across hints of 32-2048).
-    rows = min(config.max_num_seqs, _PACK_BATCH)
-    if packed := loaded.model.pack_weights(rows):
-        logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
+    prepare_model(loaded.model, config, device)
     text_config = loaded.hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
     max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
@@ -115,8 +174,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({model_limit}); lower "
             "--max-model-len"
         )
-    spec = loaded.model.kv_cache_spec()
-    shape = KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+    shape = kv_cache_shape(loaded.model, config, dtype)
     num_blocks = config.num_kv_blocks or shape.blocks_in(_kv_bytes(config, device))
     if num_blocks * config.block_size < max_model_len:
         knob = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-gib"
@@ -144,10 +202,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
         dtype,
         num_host_blocks,
     )
-    model = loaded.model
-    if device.type == "cuda" and not config.enforce_eager:
-        # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.
-        model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
     if config.max_num_batched_tokens is not None:
         max_batched = config.max_num_batched_tokens
     elif config.enable_chunked_prefill:
@@ -155,7 +209,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     else:
         max_batched = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
     return EngineParts(
-        model=model,
+        model=loaded.model,
         tokenizer=loaded.tokenizer,
         model_name=config.model or DEFAULT_MODEL_NAME,
         model_path=loaded.model_path,

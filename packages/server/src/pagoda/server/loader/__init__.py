@@ -9,7 +9,7 @@ import torch
 from pagoda.server.loader.default import DEFAULT_MODEL_NAME, default_model_folder
 from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
 from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
-from pagoda.server.models import CausalLM, build_model
+from pagoda.server.models import CausalLM, ParallelGroup, build_model
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "convert_gguf",
     "default_cache_root",
     "load_model",
+    "load_shard",
     "resolve_model_folder",
     "resolve_tokenizer_folder",
 ]
@@ -62,6 +63,16 @@ def resolve_tokenizer_folder(tokenizer: str) -> Path:
     )
 
 
+def load_shard(
+    folder: Path, *, dtype: torch.dtype, device: torch.device, group: ParallelGroup | None = None
+) -> tuple[CausalLM, PretrainedConfig]:
+    """The model of a safetensors folder, this rank's shard only (each tensor read slice by slice), and its config."""
+    hf_config = AutoConfig.from_pretrained(folder)
+    built = build_model(hf_config, dtype, device, group)
+    load_safetensors(built, safetensors_files(folder))
+    return built, hf_config
+
+
 def load_model(
     model: str | None,
     *,
@@ -69,18 +80,18 @@ def load_model(
     device: torch.device,
     cache_dir: Path | None = None,
     tokenizer: str | None = None,
+    group: ParallelGroup | None = None,
 ) -> LoadedModel:
     """Load `model` (see `resolve_model_folder`) onto `device` in `dtype`, with its config and tokenizer.
 
     The tokenizer comes from the `tokenizer` folder when given, else from the model's folder. Every parameter
     must come from the checkpoint (`WeightLoadError` otherwise); an unsupported architecture raises
-    `UnsupportedArchitectureError` listing the supported ones.
+    `UnsupportedArchitectureError` listing the supported ones. With a `group` of several ranks, the model is
+    this rank's shard.
     """
     # Resolved first: a wrong tokenizer path fails before seconds of weight loading, not after.
     tokenizer_folder = None if tokenizer is None else resolve_tokenizer_folder(tokenizer)
     folder = resolve_model_folder(model, cache_dir)
-    hf_config = AutoConfig.from_pretrained(folder)
-    built = build_model(hf_config, dtype, device)
-    load_safetensors(built, safetensors_files(folder))
+    built, hf_config = load_shard(folder, dtype=dtype, device=device, group=group)
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or folder)
     return LoadedModel(model=built, hf_config=hf_config, tokenizer=loaded_tokenizer, model_path=folder)

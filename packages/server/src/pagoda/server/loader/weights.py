@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear
+from pagoda.server.models.parallel_layers import SlicedLoad, SourceSlice
 from safetensors import safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -74,15 +75,21 @@ def _resolve(model: CausalLM, params: dict[str, Tensor], name: str) -> _Target |
     return _Target(fused, packed.index) if fused in params else None
 
 
-def _destination(model: CausalLM, params: dict[str, Tensor], target: _Target) -> Tensor:
-    """The parameter view that a checkpoint tensor is copied into."""
+def _destination(
+    model: CausalLM, params: dict[str, Tensor], target: _Target
+) -> tuple[Tensor, SourceSlice | None]:
+    """The parameter view that a checkpoint tensor is copied into, and the slice of it this rank holds."""
     param = params[target.param]
-    if target.shard is None:
-        return param
-    fused = model.get_submodule(target.param.rpartition(".")[0])
-    assert isinstance(fused, MergedLinear), target
-    start, rows = fused.shard_rows(target.shard)
-    return param.narrow(0, start, rows)
+    owner_name, _, attr = target.param.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    source = owner.source_slice(attr, target.shard) if isinstance(owner, SlicedLoad) else None
+    if target.shard is not None:
+        assert isinstance(owner, MergedLinear), target
+        start, rows = owner.shard_rows(target.shard)
+        param = param.narrow(0, start, rows)
+    if source is not None:  # a padded vocabulary run: the slice fills the first rows
+        param = param.narrow(source.dim, 0, source.length)
+    return param, source
 
 
 class _Checkpoint:
@@ -99,6 +106,19 @@ class _Checkpoint:
     def get(self, name: str) -> Tensor:
         """One tensor, read from the mapped file."""
         tensor: Tensor = self._handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor
+
+    def get_slice(self, name: str, source: SourceSlice) -> Tensor:
+        """Part of one tensor, reading only that part of the mapped file (a rank never holds a whole shard's
+        neighbours); WeightLoadError when the tensor's size along the sliced dimension is not the model's."""
+        part = self._handle.get_slice(name)  # type: ignore[no-untyped-call]
+        full = int(part.get_shape()[source.dim])
+        if full != source.full:
+            raise WeightLoadError(
+                f"{name}: checkpoint size {full} != model size {source.full} in dim {source.dim}"
+            )
+        index = (slice(None),) * source.dim + (slice(source.start, source.start + source.length),)
+        tensor: Tensor = part[index]
         return tensor
 
 
@@ -142,16 +162,18 @@ def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
                     if name not in ignored:
                         unexpected.append(name)
                     continue
-                dest = _destination(model, params, target)
-                tensor = checkpoint.get(name)
+                dest, source = _destination(model, params, target)
+                tensor = checkpoint.get(name) if source is None else checkpoint.get_slice(name, source)
                 if tensor.shape != dest.shape:
                     raise WeightLoadError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}"
                     )
-                if target.shard is None and tensor.dtype == dest.dtype and tensor.device == dest.device:
+                param = params[target.param]
+                whole = target.shard is None and dest.shape == param.shape
+                if whole and tensor.dtype == dest.dtype and tensor.device == dest.device:
                     # Adopt the memory-mapped tensor instead of copying it: no second 1 GB buffer, pages are
                     # read on first use and shared through the page cache by every process serving the model.
-                    dest.data = tensor
+                    param.data = tensor
                 else:
                     dest.copy_(tensor)
                 loaded.add(target)

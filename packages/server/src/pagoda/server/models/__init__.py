@@ -2,6 +2,7 @@
 
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM, KVCacheSpec, PackedShard
+from pagoda.server.models.parallel import ParallelGroup, SingleRank, TensorParallelError
 from pagoda.server.models.registry import (
     UnsupportedArchitectureError,
     build_model,
@@ -16,6 +17,9 @@ __all__ = [
     "KVCacheSpec",
     "LayerKVCache",
     "PackedShard",
+    "ParallelGroup",
+    "SingleRank",
+    "TensorParallelError",
     "UnsupportedArchitectureError",
     "build_model",
     "model_class",

@@ -9,8 +9,11 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
-from pagoda.server.models.layers import Linear, linear, pack_weight, softcap
+from pagoda.server.models.layers import Linear, head_dim_of, linear, pack_weight, softcap
+from pagoda.server.models.parallel import ParallelGroup, head_shard
+from pagoda.server.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from torch import Tensor, nn
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,15 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+def sharded_kv_spec(config: PretrainedConfig, num_layers: int, group: ParallelGroup) -> KVCacheSpec:
+    """The KV cache of one rank: its KV heads only (one, replicated, when the model has fewer than ranks)."""
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    return KVCacheSpec(
+        num_layers, head_shard(num_heads, num_kv_heads, group).num_kv_heads, head_dim_of(config)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,22 +109,29 @@ class DecoderLM(CausalLM):
     packed_modules = FUSED_QKV_GATE_UP
     model: nn.Module
     spec: KVCacheSpec
-    lm_head: nn.Module | None  # a Linear; typed loosely so models can use their own Linear subclass
+    group: ParallelGroup  # the tensor-parallel ranks this model is split over
+    lm_head: ParallelLMHead | None  # None when tied to the embedding
     tie_word_embeddings: bool
     final_logit_softcapping: float | None = None
     # A packed copy of the tied embedding for the LM head (the lookups need the plain one), set by pack_weights.
     packed_head: Tensor | None = None
 
+    def head(self) -> ParallelLMHead | VocabParallelEmbedding:
+        """The LM head: `lm_head`, or the embedding when tied."""
+        if self.lm_head is not None:
+            return self.lm_head
+        embed = self.model.get_submodule("embed_tokens")
+        assert isinstance(embed, VocabParallelEmbedding)
+        return embed
+
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, hidden] -> [num_rows, vocab]
         """Logits of the given rows through the LM head (the embedding matrix when tied), soft-capped (in float32)
-        if set."""
-        embed = self.model.get_submodule("embed_tokens")
-        head = embed if self.lm_head is None else self.lm_head
-        weight = head.get_parameter("weight") if self.packed_head is None else self.packed_head
-        logits = linear(hidden, weight)
+        if set; with tensor parallelism each rank scores its run of the vocabulary and rank 0 gathers them."""
+        head = self.head()
+        logits = linear(hidden, head.weight if self.packed_head is None else self.packed_head)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits.float(), float(self.final_logit_softcapping))
-        return logits
+        return gather_logits(self.group, logits, head.run.num_embeddings)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One K and one V cache per layer."""
@@ -123,9 +142,7 @@ class DecoderLM(CausalLM):
         worth keeping twice for a 7% faster LM head)."""
         packed = super().pack_weights(batch_size)
         if self.lm_head is None:
-            self.packed_head = pack_weight(
-                self.model.get_submodule("embed_tokens").get_parameter("weight"), batch_size
-            )
+            self.packed_head = pack_weight(self.head().weight, batch_size)
             packed += self.packed_head is not None
         return packed
 

@@ -13,15 +13,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
-from pagoda.server.models.base import DecoderLM, KVCacheSpec
-from pagoda.server.models.layers import (
-    Embedding,
-    Linear,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    head_dim_of,
+from pagoda.server.models.base import DecoderLM, sharded_kv_spec
+from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagoda.server.models.parallel import ParallelGroup, SingleRank
+from pagoda.server.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    attention_projections,
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -37,22 +37,26 @@ class Gemma3Attention(nn.Module):
     """Fused QKV, per-head (1 + w) q/k norms, rope of this layer's type, paged attention, output projection."""
 
     def __init__(
-        self, config: PretrainedConfig, layer_type: str, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        layer_type: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ParallelGroup,
     ) -> None:
         super().__init__()
-        hidden = int(config.hidden_size)
         eps = float(config.rms_norm_eps)
         bias = bool(getattr(config, "attention_bias", False))
         self.layer_type = layer_type
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = head_dim_of(config)
+        self.qkv_proj, self.o_proj = attention_projections(
+            config, qkv_bias=bias, o_bias=bias, dtype=dtype, device=device, group=group
+        )
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            hidden, [self.q_size, self.kv_size, self.kv_size], bias=bias, dtype=dtype, device=device
-        )
-        self.o_proj = Linear(self.q_size, hidden, bias=bias, dtype=dtype, device=device)
         self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True, dtype=dtype, device=device)
         window = getattr(config, "sliding_window", None)
@@ -88,15 +92,19 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     """GeGLU feed-forward (tanh-approximated GELU) with fused gate and up projections."""
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device, group: ParallelGroup
+    ) -> None:
         super().__init__()
         hidden, inner = int(config.hidden_size), int(config.intermediate_size)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise NotImplementedError(f"hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
-        self.inner = inner
-        self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(inner, hidden, bias=False, dtype=dtype, device=device)
+        self.inner = inner // group.size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inner, inner], bias=False, dtype=dtype, device=device, group=group
+        )
+        self.down_proj = RowParallelLinear(inner, hidden, bias=False, dtype=dtype, device=device, group=group)
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         """down(gelu_tanh(gate(x)) * up(x))."""
@@ -109,13 +117,19 @@ class Gemma3DecoderLayer(nn.Module):
     """Sandwich-norm block: x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
     def __init__(
-        self, config: PretrainedConfig, layer_type: str, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        layer_type: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ParallelGroup,
     ) -> None:
         super().__init__()
         hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
         self.layer_type = layer_type
-        self.self_attn = Gemma3Attention(config, layer_type, dtype=dtype, device=device)
-        self.mlp = Gemma3MLP(config, dtype=dtype, device=device)
+        self.self_attn = Gemma3Attention(config, layer_type, dtype=dtype, device=device, group=group)
+        self.mlp = Gemma3MLP(config, dtype=dtype, device=device, group=group)
         self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True, dtype=dtype, device=device)
@@ -140,15 +154,19 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     """Scaled embedding, decoder layers, final norm, and one rotary embedding per layer type."""
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device, group: ParallelGroup
+    ) -> None:
         super().__init__()
         hidden = int(config.hidden_size)
         layer_types = gemma3_layer_types(config)
-        self.embed_tokens = Embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(
+            int(config.vocab_size), hidden, dtype=dtype, device=device, group=group
+        )
         # Rounded to the embedding dtype before the multiply, as Hugging Face does (it matters in bfloat16).
         self.embed_scale = float(torch.tensor(hidden**0.5, dtype=dtype).item())
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, kind, dtype=dtype, device=device) for kind in layer_types
+            Gemma3DecoderLayer(config, kind, dtype=dtype, device=device, group=group) for kind in layer_types
         )
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps), unit_offset=True, dtype=dtype, device=device)
         self.rotary_emb = nn.ModuleDict(
@@ -161,22 +179,30 @@ class Gemma3ForCausalLM(DecoderLM):
 
     model: Gemma3TextModel
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ParallelGroup | None = None,
+    ) -> None:
         super().__init__()
+        self.group = group or SingleRank()
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError(
                 "Gemma 3 with use_bidirectional_attention (an embedding model) is not supported"
             )
         self.config = config
-        self.model = Gemma3TextModel(config, dtype=dtype, device=device)
+        self.model = Gemma3TextModel(config, dtype=dtype, device=device, group=self.group)
         self.layer_types = gemma3_layer_types(config)
-        self.spec = KVCacheSpec(len(self.layer_types), int(config.num_key_value_heads), head_dim_of(config))
+        self.spec = sharded_kv_spec(config, len(self.layer_types), self.group)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head: Linear | None = None
+        self.lm_head: ParallelLMHead | None = None
         if not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
-            self.lm_head = Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
+            self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
 
     def forward(
         self,

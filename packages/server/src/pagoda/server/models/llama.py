@@ -12,15 +12,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
-from pagoda.server.models.base import DecoderLM, KVCacheSpec
-from pagoda.server.models.layers import (
-    Embedding,
-    Linear,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    head_dim_of,
+from pagoda.server.models.base import DecoderLM, sharded_kv_spec
+from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagoda.server.models.parallel import ParallelGroup, SingleRank
+from pagoda.server.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    attention_projections,
 )
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -48,20 +48,19 @@ class LlamaAttention(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        group: ParallelGroup,
     ) -> None:
         super().__init__()
-        hidden = int(config.hidden_size)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads or self.num_heads)
         self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = MergedLinear(
-            hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, dtype=dtype, device=device
+        self.qkv_proj, self.o_proj = attention_projections(
+            config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype, device=device, group=group
         )
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype, device=device)
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.model_type == "qwen3":
@@ -102,15 +101,19 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device, group: ParallelGroup
+    ) -> None:
         super().__init__()
         hidden, inner = int(config.hidden_size), int(config.intermediate_size)
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        self.inner = inner
-        self.gate_up_proj = MergedLinear(hidden, [inner, inner], bias=bias, dtype=dtype, device=device)
-        self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
+        self.inner = inner // group.size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inner, inner], bias=bias, dtype=dtype, device=device, group=group
+        )
+        self.down_proj = RowParallelLinear(inner, hidden, bias=bias, dtype=dtype, device=device, group=group)
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         """down(silu(gate(x)) * up(x))."""
@@ -129,12 +132,13 @@ class LlamaDecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        group: ParallelGroup,
     ) -> None:
         super().__init__()
         eps = float(config.rms_norm_eps)
         hidden = int(config.hidden_size)
-        self.self_attn = LlamaAttention(config, sliding_window, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, sliding_window, dtype=dtype, device=device, group=group)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device, group=group)
         self.input_layernorm = RMSNorm(hidden, eps, unit_offset=False, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=False, dtype=dtype, device=device)
 
@@ -156,12 +160,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (the `model.` prefix of checkpoints)."""
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device, group: ParallelGroup
+    ) -> None:
         super().__init__()
         hidden = int(config.hidden_size)
-        self.embed_tokens = Embedding(int(config.vocab_size), hidden, dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(
+            int(config.vocab_size), hidden, dtype=dtype, device=device, group=group
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, window, dtype=dtype, device=device)
+            LlamaDecoderLayer(config, window, dtype=dtype, device=device, group=group)
             for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(hidden, float(config.rms_norm_eps), unit_offset=False, dtype=dtype, device=device)
@@ -173,21 +181,24 @@ class LlamaForCausalLM(DecoderLM):
 
     model: LlamaModel
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype=dtype, device=device)
-        self.spec = KVCacheSpec(
-            int(config.num_hidden_layers),
-            int(config.num_key_value_heads or config.num_attention_heads),
-            head_dim_of(config),
-        )
+        self.group = group or SingleRank()
+        self.model = LlamaModel(config, dtype=dtype, device=device, group=self.group)
+        self.spec = sharded_kv_spec(config, int(config.num_hidden_layers), self.group)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: Linear | None = None
+        self.lm_head: ParallelLMHead | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(
-                int(config.hidden_size), int(config.vocab_size), bias=False, dtype=dtype, device=device
-            )
+            hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+            self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
 
     def forward(
         self,

@@ -8,6 +8,7 @@ import torch
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
+from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
 from transformers import PretrainedConfig
 
 # Hugging Face architecture name -> (model_type, implementation).
@@ -45,7 +46,15 @@ def model_class(hf_config: PretrainedConfig) -> type[CausalLM]:
     )
 
 
-def build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """An inference-mode model for the config, its parameters allocated on `device` but not yet loaded."""
-    model = model_class(hf_config)(hf_config, dtype=dtype, device=device)
+def build_model(
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: ParallelGroup | None = None,
+) -> CausalLM:
+    """An inference-mode model for the config (this rank's shard of it), its parameters allocated on `device` but
+    not yet loaded; TensorParallelError when the group's size cannot split its heads."""
+    size = 1 if group is None else group.size
+    check_tensor_parallel(hf_config.get_text_config(), size)
+    model = model_class(hf_config)(hf_config, dtype=dtype, device=device, group=group)
     return model.requires_grad_(False).eval()

@@ -5,9 +5,11 @@ the replicas and tells the router when one lost its cache (died and restarted).
 """
 
 from pagoda.server.routing.base import ReplicaLoad, Router, RoutingPolicyName
+from pagoda.server.routing.cache_aware import CacheAwareRouter
 from pagoda.server.routing.simple import LeastLoadedRouter, RoundRobinRouter, build_router
 
 __all__ = [
+    "CacheAwareRouter",
     "LeastLoadedRouter",
     "ReplicaLoad",
     "RoundRobinRouter",

@@ -45,3 +45,16 @@ class Router(Protocol):
     def reset_replica(self, replica: int) -> None:
         """Forget what replica `replica` held: it died, or restarted with an empty cache."""
         ...
+
+
+def live_replicas(loads: Sequence[ReplicaLoad]) -> list[int]:
+    """Indexes of the live replicas; an error when none is alive."""
+    live = [i for i, load in enumerate(loads) if load.alive]
+    if not live:
+        raise ValueError("no replica is alive")
+    return live
+
+
+def least_loaded(loads: Sequence[ReplicaLoad], among: Sequence[int]) -> int:
+    """The least-loaded replica of `among` (ties: the lower index)."""
+    return min(among, key=lambda i: (*loads[i].load, i))

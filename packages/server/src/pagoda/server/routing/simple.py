@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.server.routing.base import ReplicaLoad, Router, RoutingPolicyName
-
-
-def _live(loads: Sequence[ReplicaLoad]) -> list[int]:
-    live = [i for i, load in enumerate(loads) if load.alive]
-    if not live:
-        raise ValueError("no replica is alive")
-    return live
+from pagoda.server.routing.base import ReplicaLoad, Router, RoutingPolicyName, least_loaded, live_replicas
+from pagoda.server.routing.cache_aware import (
+    DEFAULT_BALANCE_ABS_THRESHOLD,
+    DEFAULT_BALANCE_REL_THRESHOLD,
+    DEFAULT_CACHE_THRESHOLD,
+    DEFAULT_MAX_BLOCKS_PER_REPLICA,
+    CacheAwareRouter,
+)
 
 
 class RoundRobinRouter:
@@ -24,7 +24,7 @@ class RoundRobinRouter:
 
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         """The next live replica after the last one chosen."""
-        live = _live(loads)
+        live = live_replicas(loads)
         chosen = next((i for i in live if i >= self._next), live[0])
         self._next = chosen + 1
         return chosen
@@ -42,19 +42,42 @@ class LeastLoadedRouter:
 
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         """The least-loaded live replica."""
-        return min(_live(loads), key=lambda i: (*loads[i].load, i))
+        return least_loaded(loads, live_replicas(loads))
 
     def reset_replica(self, replica: int) -> None:
         """Nothing to forget."""
 
 
-def build_router(policy: RoutingPolicyName, num_replicas: int, block_size: int) -> Router:
-    """The router `--routing-policy` names, for `num_replicas` replicas with KV blocks of `block_size` tokens."""
+def build_router(
+    policy: RoutingPolicyName,
+    num_replicas: int,
+    block_size: int,
+    *,
+    max_blocks_per_replica: int | None = None,
+    cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+    balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
+    balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+) -> Router:
+    """The router `--routing-policy` names, for `num_replicas` replicas with KV blocks of `block_size` tokens.
+
+    The keyword arguments tune cache_aware only: `max_blocks_per_replica` bounds each replica's prefix index (pass
+    a replica's KV capacity in blocks; None: DEFAULT_MAX_BLOCKS_PER_REPLICA), the thresholds are SGLang's.
+    """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
     if policy == "round_robin":
         return RoundRobinRouter()
     if policy == "least_loaded":
         return LeastLoadedRouter()
-    # cache_aware: the prefix-aware router is built by the routing helper (pagoda.server.routing.cache_aware).
-    raise ValueError(f"routing policy {policy!r} is not available yet")
+    if policy == "cache_aware":
+        return CacheAwareRouter(
+            num_replicas,
+            block_size,
+            cache_threshold=cache_threshold,
+            balance_abs_threshold=balance_abs_threshold,
+            balance_rel_threshold=balance_rel_threshold,
+            max_blocks_per_replica=(
+                DEFAULT_MAX_BLOCKS_PER_REPLICA if max_blocks_per_replica is None else max_blocks_per_replica
+            ),
+        )
+    raise ValueError(f"unknown routing policy {policy!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ class StructuredOutputsParams:
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None  # kept as a tuple
+    choice: Sequence[str] | None = None  # kept as a tuple (one sequence type, so msgspec can decode it)
     grammar: str | None = None
     json_object: bool = False
 
@@ -37,7 +38,7 @@ class StructuredOutputsParams:
         """Canonicalize `json` and `choice`; GrammarError unless exactly one constraint is set."""
         if isinstance(self.json, dict):
             object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
-        if isinstance(self.choice, list):
+        if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [
             self.json is not None,

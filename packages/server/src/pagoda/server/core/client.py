@@ -1,0 +1,323 @@
+"""`CoreClient`: the multiprocess engine-core client, N data-parallel cores behind one router.
+
+It satisfies `EngineClient`, so `AsyncLLM` drives it on its engine thread exactly as it drives an in-process
+`LLMEngine`: `add_request` routes and sends a frame, `step` waits briefly for frames from every core and turns
+them into snapshots and events. A core that dies fails its in-flight requests at once (`ReplicaDeadError`), is
+forgotten by the router, and is restarted with a backoff while the others keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+from pagoda.scheduler import RequestRejectedError
+from pagoda.server.async_llm import EngineDeadError, ReplicaDeadError
+from pagoda.server.config import EngineConfig
+from pagoda.server.core.launchers import CoreLauncher, kill_all
+from pagoda.server.core.messages import (
+    AbortRequests,
+    Accepted,
+    AddRequest,
+    EngineInfo,
+    Failed,
+    Outputs,
+    Ready,
+    Rejected,
+    Shutdown,
+    output_decoder,
+)
+from pagoda.server.core.replica import Replica
+from pagoda.server.engine_client import EngineEvent, ReplicaStatus, RequestAccepted, RequestFailed
+from pagoda.server.outputs import EngineStats
+from pagoda.server.routing import ReplicaLoad, Router
+from pagoda.server.sampling_params import SamplingParams
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# How long one `step` waits for frames: an add or abort queued meanwhile waits at most this long (plus a step).
+_POLL_MS = 5
+# How often the liveness of the cores is checked.
+_LIVENESS_S = 0.1
+DEFAULT_READY_TIMEOUT_S = 600.0
+
+
+class CoreStartupError(RuntimeError):
+    """An engine core did not become ready (it failed, exited, or timed out)."""
+
+
+def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """The replicas' stats as one engine's: counts and counters add up, KV usage is over all blocks."""
+    blocks = sum(s.num_kv_blocks for s in stats)
+    used = sum(s.kv_cache_usage * s.num_kv_blocks for s in stats)
+    first = stats[0]
+    return EngineStats(
+        num_running=sum(s.num_running for s in stats),
+        num_waiting=sum(s.num_waiting for s in stats),
+        num_swapped=sum(s.num_swapped for s in stats),
+        kv_cache_usage=used / blocks if blocks else 0.0,
+        num_kv_blocks=blocks,
+        block_size=first.block_size,
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        prompt_tokens=sum(s.prompt_tokens for s in stats),
+        generation_tokens=sum(s.generation_tokens for s in stats),
+        num_host_blocks=sum(s.num_host_blocks for s in stats),
+        enable_prefix_caching=first.enable_prefix_caching,
+    )
+
+
+class CoreClient:
+    """Engine cores in other processes (or Ray actors), one per data-parallel replica, behind `router`."""
+
+    defers_acceptance = True
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        launcher: CoreLauncher,
+        router: Router,
+        num_replicas: int,
+        *,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> None:
+        """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not)."""
+        self._config_frame = msgspec.msgpack.encode(config)
+        self._launcher = launcher
+        self.router = router
+        self._ready_timeout = ready_timeout
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = output_decoder()
+        self._owner: dict[str, Replica] = {}  # request id -> the replica serving it
+        self._events: list[EngineEvent] = []
+        self._next_liveness = 0.0
+        self.replicas = [Replica(i) for i in range(num_replicas)]
+        try:
+            for replica in self.replicas:
+                replica.start(self._context, launcher, self._config_frame, ready_timeout)
+            self._wait_ready()
+        except BaseException:
+            self.close(timeout=5.0)
+            raise
+        info = self.replicas[0].info
+        assert info is not None
+        self._info: EngineInfo = info
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(info.tokenizer_folder)
+        self._last_stats = sum_stats([r.stats for r in self.replicas if r.stats is not None])
+
+    def _wait_ready(self) -> None:
+        """Serve frames until every core sent Ready; raise CoreStartupError if one fails or times out."""
+        while not all(r.ready for r in self.replicas):
+            self._poll(100)
+            now = time.monotonic()
+            for replica in self.replicas:
+                if replica.ready:
+                    continue
+                assert replica.handle is not None
+                if replica.restart_at is not None or not replica.handle.is_alive():
+                    reason = replica.last_error or f"{replica.handle.describe_exit()}; its log above says why"
+                    raise CoreStartupError(f"engine core {replica.index} failed to start: {reason}")
+                if now > replica.ready_deadline:
+                    raise CoreStartupError(
+                        f"engine core {replica.index} was not ready after {self._ready_timeout:.0f} s"
+                    )
+
+    # --- EngineClient properties --------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        """The model's path or default name."""
+        return self._info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence one request may reach."""
+        return self._info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts."""
+        return self._info.vocab_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV-cache blocks of one replica."""
+        return self._info.num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block."""
+        return self._info.block_size
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Route the request and send it; its acceptance comes back out of `step`."""
+        if request_id in self._owner:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
+        self._check_replicas(time.monotonic())  # cheap (waitpid): route nothing to a core known to be dead
+        loads = [
+            ReplicaLoad(
+                alive=r.ready,
+                num_running=r.stats.num_running if r.stats else 0,
+                num_waiting=r.stats.num_waiting if r.stats else 0,
+                num_tokens=r.num_tokens,
+                kv_cache_usage=r.stats.kv_cache_usage if r.stats else 0.0,
+            )
+            for r in self.replicas
+        ]
+        if not any(load.alive for load in loads):
+            raise EngineDeadError("no engine replica is alive (restarting)")
+        ids = list(prompt_token_ids)
+        replica = self.replicas[self.router.route(ids, loads)]
+        replica.requests[request_id] = len(ids) + params.max_tokens * params.n
+        replica.decoder.add(request_id, prompt, ids)
+        self._owner[request_id] = replica
+        replica.send(self._encoder, AddRequest(request_id, ids, params, prompt))
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort the request in its core; its final snapshot comes out of a later `step`."""
+        replica = self._owner.get(request_id)
+        if replica is not None and replica.ready:
+            replica.send(self._encoder, AbortRequests([request_id]))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is out, or a core is (re)starting: either needs `step` to run."""
+        return bool(self._owner) or not all(r.ready for r in self.replicas)
+
+    def step(self) -> list[EngineEvent]:
+        """Wait up to _POLL_MS for frames; return the snapshots and events they carry."""
+        self._poll(_POLL_MS)
+        now = time.monotonic()
+        if now >= self._next_liveness:
+            self._next_liveness = now + _LIVENESS_S
+            self._check_replicas(now)
+        live = [r.stats for r in self.replicas if r.ready and r.stats is not None]
+        if live:
+            self._last_stats = sum_stats(live)
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> EngineStats:
+        """The live replicas' stats as one engine's."""
+        return self._last_stats
+
+    # --- ReplicaSet -----------------------------------------------------------------------------------------
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        """Every replica's state, in index order."""
+        return [ReplicaStatus(r.ready, r.stats, r.restarts) for r in self.replicas]
+
+    def router_counts(self) -> tuple[int, int]:
+        """The router's (hits, misses) counters."""
+        return self.router.hits, self.router.misses
+
+    # --- frames and faults ----------------------------------------------------------------------------------
+
+    def _poll(self, timeout_ms: int) -> None:
+        poller = zmq.Poller()
+        sockets = {}
+        for replica in self.replicas:
+            if replica.outputs is not None:
+                poller.register(replica.outputs, zmq.POLLIN)
+                sockets[replica.outputs] = replica
+        for socket, _ in poller.poll(timeout_ms):
+            replica = sockets[socket]
+            while replica.outputs is not None:
+                try:
+                    frame = replica.outputs.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(replica, frame.buffer)
+
+    def _handle(self, replica: Replica, frame: memoryview) -> None:
+        message = self._decoder.decode_or_none(frame)
+        if isinstance(message, Outputs):
+            replica.stats = message.stats
+            for delta in message.outputs:
+                output = replica.decoder.decode(delta)
+                if output is None:
+                    continue
+                if output.finished:
+                    replica.requests.pop(output.request_id, None)
+                    self._owner.pop(output.request_id, None)
+                self._events.append(output)
+        elif isinstance(message, Accepted):
+            self._events += [RequestAccepted(request_id) for request_id in message.request_ids]
+        elif isinstance(message, Rejected):
+            replica.requests.pop(message.request_id, None)
+            replica.decoder.forget(message.request_id)
+            self._owner.pop(message.request_id, None)
+            error = RequestRejectedError(message.message, message.param or "prompt")
+            self._events.append(RequestFailed(message.request_id, error))
+        elif isinstance(message, Ready):
+            replica.ready = True
+            replica.failures = 0
+            replica.info = message.info
+            replica.stats = message.stats
+            logger.info("engine core %d ready (pid %d)", replica.index, message.pid)
+        elif isinstance(message, Failed):
+            logger.error("engine core %d failed: %s", replica.index, message.message)
+            replica.last_error = message.message
+            self._fail(replica, f"failed: {message.message}")
+
+    def _check_replicas(self, now: float) -> None:
+        for replica in self.replicas:
+            if replica.restart_at is not None:
+                if now >= replica.restart_at:
+                    logger.info("restarting engine core %d", replica.index)
+                    replica.restarts += 1
+                    replica.start(self._context, self._launcher, self._config_frame, self._ready_timeout)
+                continue
+            handle = replica.handle
+            assert handle is not None
+            if not handle.is_alive():
+                self._fail(replica, handle.describe_exit())
+            elif not replica.ready and now > replica.ready_deadline:
+                self._fail(replica, f"not ready after {self._ready_timeout:.0f} s")
+
+    def _fail(self, replica: Replica, reason: str) -> None:
+        """Fail the replica's requests now, make the router forget it, schedule its restart."""
+        if replica.restart_at is not None:
+            return
+        lost = replica.mark_dead(time.monotonic())
+        self.router.reset_replica(replica.index)
+        logger.error(
+            "engine core %d died (%s): %d in-flight request(s) fail; restart in %.0f s",
+            replica.index,
+            reason,
+            len(lost),
+            (replica.restart_at or 0.0) - time.monotonic(),
+        )
+        error = ReplicaDeadError(f"engine replica {replica.index} died ({reason})")
+        for request_id in lost:
+            self._owner.pop(request_id, None)
+            self._events.append(RequestFailed(request_id, error))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Tell every core to stop, wait up to `timeout` seconds, kill what is left, release the sockets."""
+        for replica in self.replicas:
+            if replica.inputs is not None and replica.handle is not None and replica.handle.is_alive():
+                replica.send(self._encoder, Shutdown())
+        kill_all([r.handle for r in self.replicas if r.handle is not None], timeout)
+        for replica in self.replicas:
+            for socket in (replica.inputs, replica.outputs):
+                if socket is not None:
+                    socket.close(linger=0)
+            replica.inputs = replica.outputs = None
+        self._context.term()
+        self._launcher.close()

@@ -1,0 +1,197 @@
+"""`EngineCore`: the `LLMEngine` step loop in a process of its own, behind two ZeroMQ sockets.
+
+The front end binds a PUSH socket (inputs) and a PULL socket (outputs) per core; the core connects to both, so
+the same code serves a local process (ipc://) and a Ray actor on another node (tcp://). Between two steps the
+core applies every queued input; after each step it sends the changed requests as deltas with its stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import msgspec
+import zmq
+from pagoda.server.config import EngineConfig
+from pagoda.server.core.deltas import DeltaEncoder
+from pagoda.server.core.messages import (
+    AbortRequests,
+    Accepted,
+    AddRequest,
+    EngineInfo,
+    Failed,
+    Outputs,
+    Ready,
+    Rejected,
+    Shutdown,
+    input_decoder,
+)
+from pagoda.server.engine import LLMEngine
+from pagoda.server.loader import resolve_tokenizer_folder
+
+logger = logging.getLogger(__name__)
+
+# How long an idle core waits for input before it looks at its parent again.
+_IDLE_POLL_MS = 200
+# How often the watchdog checks that the process that started the core still lives.
+_PARENT_CHECK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSpec:
+    """Where a core connects and how it runs: everything a launcher passes to `run_engine_core`."""
+
+    config_frame: bytes  # the EngineConfig, msgpack-encoded (no pickle, even on the spawn pipe)
+    input_address: str
+    output_address: str
+    parent_pid: int | None  # exit when this process is gone (None: the launcher, e.g. Ray, owns the lifetime)
+    cpus: tuple[int, ...] | None = None  # pin the process to these cores (and as many torch threads)
+
+
+def engine_info(engine: LLMEngine) -> EngineInfo:
+    """The engine's description for the front end."""
+    tokenizer = engine.config.tokenizer
+    folder = engine.model_path if tokenizer is None else resolve_tokenizer_folder(tokenizer)
+    return EngineInfo(
+        model_name=engine.model_name,
+        tokenizer_folder=str(Path(folder).resolve()),
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        num_kv_blocks=engine.num_kv_blocks,
+        block_size=engine.block_size,
+    )
+
+
+class EngineCore:
+    """Serve one engine over connected sockets until `Shutdown`, or SIGTERM once it has drained."""
+
+    def __init__(self, engine: LLMEngine, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> None:
+        self.engine = engine
+        self._inputs = inputs
+        self._outputs = outputs
+        self._decoder = input_decoder()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._deltas = DeltaEncoder()
+        self._stop = False
+        self.draining = False  # set by SIGTERM: refuse new requests, exit once the rest finished
+
+    def run(self) -> None:
+        """Announce readiness, then step and serve inputs until told to stop."""
+        engine = self.engine
+        self._send(Ready(info=engine_info(engine), pid=os.getpid(), stats=engine.get_stats()))
+        while not self._stop:
+            busy = engine.has_unfinished_requests()
+            if self.draining and not busy:
+                logger.info("engine core drained; exiting")
+                return
+            self._serve_inputs(block=not busy)
+            if self._stop or not engine.has_unfinished_requests():
+                continue
+            outputs = engine.step()
+            if outputs:
+                deltas = [self._deltas.encode(output) for output in outputs]
+                self._send(Outputs(outputs=deltas, stats=engine.get_stats()))
+
+    def _serve_inputs(self, *, block: bool) -> None:
+        """Apply every queued input; wait up to _IDLE_POLL_MS for the first one if `block`."""
+        if block and not self._inputs.poll(_IDLE_POLL_MS):
+            return
+        accepted: list[str] = []
+        while not self._stop:
+            try:
+                frame = self._inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            message = self._decoder.decode_or_none(frame.buffer)
+            if isinstance(message, AddRequest):
+                if self._add(message):
+                    accepted.append(message.request_id)
+            elif isinstance(message, AbortRequests):
+                for request_id in message.request_ids:
+                    self.engine.abort_request(request_id)
+                    self._deltas.forget(request_id)
+            elif isinstance(message, Shutdown):
+                self._stop = True
+        if accepted:
+            self._send(Accepted(request_ids=accepted))
+
+    def _add(self, message: AddRequest) -> bool:
+        """Queue a request; a refusal is sent back as `Rejected` (with the field at fault), never raised."""
+        if self.draining:
+            self._send(Rejected(message.request_id, "the engine core is shutting down", None))
+            return False
+        try:
+            self.engine.add_request(
+                message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt
+            )
+        except ValueError as exc:  # RequestRejectedError and the grammar's errors carry `param`
+            self._send(Rejected(message.request_id, str(exc), getattr(exc, "param", None)))
+            return False
+        return True
+
+    def _send(self, message: Ready | Outputs | Accepted | Rejected | Failed) -> None:
+        self._outputs.send(self._encoder.encode(message), copy=False)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit the process at once when its parent is gone (re-parented): an orphan core would hold memory forever."""
+    while True:
+        time.sleep(_PARENT_CHECK_S)
+        if os.getppid() != parent_pid:
+            logger.error("the front end (pid %d) is gone; the engine core exits", parent_pid)
+            os._exit(1)
+
+
+def pin_threads(cpus: tuple[int, ...] | None) -> None:
+    """Pin this process to `cpus` and give torch as many threads (so replicas do not fight over cores)."""
+    if cpus is None:
+        return
+    import torch
+
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
+    """Connect, load the engine, serve until told to stop; a startup or step failure is sent as `Failed`."""
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    outputs = context.socket(zmq.PUSH)
+    inputs.connect(spec.input_address)
+    outputs.connect(spec.output_address)
+    try:
+        pin_threads(spec.cpus)
+        config = msgspec.msgpack.decode(spec.config_frame, type=EngineConfig)
+        core = EngineCore(LLMEngine.from_config(config), inputs, outputs)
+        if handle_signals:
+
+            def drain(sig: int, frame: FrameType | None) -> None:
+                core.draining = True
+
+            signal.signal(signal.SIGTERM, drain)
+        core.run()
+    except BaseException as exc:
+        logger.exception("the engine core failed")
+        outputs.send(msgspec.msgpack.encode(Failed(f"{type(exc).__name__}: {exc}")))
+        raise
+    finally:
+        # Give the last frames (Failed, the final outputs) a moment to leave, then drop what is left.
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+        context.term()
+
+
+def run_engine_core(spec: CoreSpec, log_level: int) -> None:
+    """Body of a core process: watchdog on the parent, SIGINT left to the front end, SIGTERM drains."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core %(process)d]: %(message)s")
+    # Ctrl-C reaches the whole process group; the front end decides (drain, then Shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    serve_core(spec, handle_signals=True)

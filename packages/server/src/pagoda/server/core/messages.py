@@ -1,0 +1,150 @@
+"""The frames between a front end and an engine core: msgspec Structs, msgpack-encoded, never pickle.
+
+Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown` (the `CoreInput` union). Core -> front end: `Ready`
+once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for each added request,
+or `Failed` before it exits on an error (the `CoreOutput` union). Every decoder is typed: a frame that is not exactly one of these fails to decode, and
+the receiver drops it (`decode_or_none`) instead of acting on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Generic, TypeVar
+
+import msgspec
+from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
+from pagoda.server.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PositionLogprobs = dict[int, Logprob]
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag=True):
+    """Queue a request in the core (the core stamps its own arrival time: clocks differ across nodes)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag=True):
+    """Abort requests and free their blocks; unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    """Abort everything and exit."""
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the front end needs to know of a loaded engine (the `EngineClient` properties)."""
+
+    model_name: str
+    tokenizer_folder: str  # the front end loads the same tokenizer files (shared storage across nodes)
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True):
+    """The core loaded its model and serves; `pid` is the core's process id on its node."""
+
+    info: EngineInfo
+    pid: int
+    stats: EngineStats
+
+
+class SampleDelta(msgspec.Struct, frozen=True):
+    """One sample's change since the last frame: keep the first `*_keep` items of each field, append the rest.
+
+    Cumulative snapshots would send O(length^2) bytes per request; a delta sends each token once (a beam's
+    rewrite or a stop string's truncation shows as a shorter keep).
+    """
+
+    index: int
+    token_ids_keep: int
+    token_ids: list[int]
+    text_keep: int
+    text: str
+    logprobs_keep: int
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class OutputDelta(msgspec.Struct, frozen=True):
+    """One request's change after a step (its prompt stays with the front end, which sent it)."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    prompt_logprobs_keep: int
+    prompt_logprobs: list[PositionLogprobs | None] | None
+
+
+class Outputs(msgspec.Struct, frozen=True, tag=True):
+    """The requests a step changed, and the engine's stats after it."""
+
+    outputs: list[OutputDelta]
+    stats: EngineStats
+
+
+class Accepted(msgspec.Struct, frozen=True, tag=True):
+    """The core queued these requests."""
+
+    request_ids: list[str]
+
+
+class Rejected(msgspec.Struct, frozen=True, tag=True):
+    """The core refused a request; `param` names the field at fault (a 400 in the API)."""
+
+    request_id: str
+    message: str
+    param: str | None
+
+
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    """The core could not start, or its step loop failed; it exits after sending this."""
+
+    message: str
+
+
+CoreOutput = Ready | Outputs | Accepted | Rejected | Failed
+
+M = TypeVar("M")
+
+
+class FrameDecoder(Generic[M]):
+    """A typed msgpack decoder that drops (and logs) what does not decode instead of raising."""
+
+    def __init__(self, message_type: type[M], what: str) -> None:
+        self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)
+        self._what = what
+
+    def decode_or_none(self, frame: bytes | memoryview) -> M | None:
+        """The message of `frame`, or None (logged) when it is not a valid frame of this channel."""
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("dropped a malformed %s frame (%d bytes): %s", self._what, len(frame), exc)
+            return None
+
+
+def input_decoder() -> FrameDecoder[CoreInput]:
+    """The core's decoder of the front end's frames."""
+    return FrameDecoder(CoreInput, "core input")  # type: ignore[arg-type]
+
+
+def output_decoder() -> FrameDecoder[CoreOutput]:
+    """The front end's decoder of a core's frames."""
+    return FrameDecoder(CoreOutput, "core output")  # type: ignore[arg-type]

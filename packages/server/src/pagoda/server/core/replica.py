@@ -1,0 +1,97 @@
+"""One engine core as the front end holds it: its sockets, its handle, its requests and its last stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+from pagoda.server.core.deltas import DeltaDecoder
+from pagoda.server.core.engine_core import CoreSpec
+from pagoda.server.core.launchers import CoreHandle, CoreLauncher
+from pagoda.server.core.messages import CoreInput, EngineInfo
+from pagoda.server.outputs import EngineStats
+
+# Restart backoff: the first restart after this many seconds, doubling up to the cap while restarts keep failing.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+@dataclass(slots=True)
+class Replica:
+    """Core `index` of the set. States: starting (no Ready yet), ready, dead (restart due at `restart_at`)."""
+
+    index: int
+    inputs: zmq.Socket[bytes] | None = None
+    outputs: zmq.Socket[bytes] | None = None
+    handle: CoreHandle | None = None
+    ready: bool = False
+    ready_deadline: float = 0.0  # monotonic time by which a starting core must be Ready
+    restart_at: float | None = None  # dead: when to start it again
+    failures: int = 0  # consecutive failed starts (the backoff's exponent)
+    restarts: int = 0
+    generation: int = 0
+    info: EngineInfo | None = None
+    last_error: str | None = None  # what its last `Failed` frame said
+    stats: EngineStats | None = None
+    decoder: DeltaDecoder = field(default_factory=DeltaDecoder)
+    requests: dict[str, int] = field(default_factory=dict)  # request id -> tokens it may still take (routing)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus maximum output tokens of the requests routed here and not finished."""
+        return sum(self.requests.values())
+
+    def start(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        launcher: CoreLauncher,
+        config_frame: bytes,
+        timeout: float,
+    ) -> None:
+        """Bind fresh sockets and launch the core; it is ready once its `Ready` frame arrives."""
+        self.generation += 1
+        self.inputs = context.socket(zmq.PUSH)
+        self.outputs = context.socket(zmq.PULL)
+        input_address = _bind(self.inputs, launcher.address(self.index, self.generation, "input"))
+        output_address = _bind(self.outputs, launcher.address(self.index, self.generation, "output"))
+        spec = CoreSpec(config_frame, input_address, output_address, parent_pid=None)
+        self.handle = launcher.launch(self.index, spec)
+        self.ready = False
+        self.restart_at = None
+        self.ready_deadline = time.monotonic() + timeout
+
+    def send(self, encoder: msgspec.msgpack.Encoder, message: CoreInput) -> None:
+        """Send a frame to the core (queued by ZeroMQ while it starts)."""
+        assert self.inputs is not None
+        self.inputs.send(encoder.encode(message), copy=False)
+
+    def mark_dead(self, now: float) -> list[str]:
+        """Close the sockets, schedule the restart with backoff; returns the requests that were lost."""
+        lost = list(self.requests)
+        for request_id in lost:
+            self.decoder.forget(request_id)
+        self.requests.clear()
+        for socket in (self.inputs, self.outputs):
+            if socket is not None:
+                socket.close(linger=0)
+        self.inputs = self.outputs = None
+        if self.handle is not None:
+            self.handle.kill()
+            self.handle.join(2.0)  # reap it: no zombie while the replacement starts
+        self.ready = False
+        self.stats = None
+        delay = min(RESTART_BACKOFF_S * 2**self.failures, RESTART_BACKOFF_MAX_S)
+        self.failures += 1
+        self.restart_at = now + delay
+        return lost
+
+
+def _bind(socket: zmq.Socket[bytes], address: str) -> str:
+    """Bind `address`; a tcp address with port 0 binds a free port. Returns the address bound."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        port = socket.bind_to_random_port(address.removesuffix(":0"))
+        return f"{address.removesuffix(':0')}:{port}"
+    socket.bind(address)
+    return address

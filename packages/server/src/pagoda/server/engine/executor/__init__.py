@@ -1,0 +1,20 @@
+"""Executors: how one engine's steps run on the model (one process, or tensor-parallel ranks)."""
+
+from __future__ import annotations
+
+from pagoda.server.config import EngineConfig
+from pagoda.server.engine.executor.base import Executor, ExecutorError, UniProcExecutor
+from pagoda.server.engine.model_runner import ModelRunner
+from pagoda.server.engine.setup import EngineParts, build_parts
+
+__all__ = ["Executor", "ExecutorError", "UniProcExecutor", "build_executor"]
+
+
+def build_executor(config: EngineConfig) -> tuple[Executor, EngineParts]:
+    """The executor `config.tensor_parallel_size` asks for, with the driver's parts (rank 0's shard under TP)."""
+    if config.tensor_parallel_size == 1:
+        parts = build_parts(config)
+        return UniProcExecutor(ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)), parts
+    from pagoda.server.engine.executor.distributed import DistributedExecutor
+
+    return DistributedExecutor.launch(config)

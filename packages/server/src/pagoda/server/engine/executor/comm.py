@@ -1,0 +1,115 @@
+"""The tensor-parallel group over torch.distributed: gloo on the CPU, NCCL on CUDA, with a timeout on every op."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import BroadcastOptions, GatherOptions, PrefixStore, Store, TCPStore
+
+# Every rank runs the same layers between two collectives, so a peer that takes this long is stuck or gone; a
+# killed peer usually fails gloo's next op at once (its sockets close), the timeout covers the wedged ones.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class _Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Backend(Protocol):
+    """The calls used here of a c10d backend (gloo, NCCL); torch's stubs leave them out."""
+
+    def allreduce(self, tensors: list[Tensor]) -> _Work: ...
+    def gather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: GatherOptions) -> _Work: ...
+    def broadcast(self, tensors: list[Tensor], opts: BroadcastOptions) -> _Work: ...
+
+
+class ProcessGroupCollectives:
+    """`ParallelGroup` over a process group of its own (no torch.distributed global state, so that several
+    engines, each with its workers, can live in one process); counts the time spent in collectives."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank = rank
+        self._size = size
+        self._pg: _Backend | None = None
+        # Wall time inside collectives, waits for slower ranks included. gloo's ops return when done; NCCL's are
+        # queued on the GPU stream, so on CUDA this counts the launches only (profile the stream for the rest).
+        self.seconds = 0.0
+        self.calls = 0
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self._size
+
+    def connect(self, store: Store, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+        """Join the group (blocks until every rank has joined, at most `timeout_s`)."""
+        prefixed = PrefixStore("pagoda-tp", store)
+        timeout = timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = cast(_Backend, dist.ProcessGroupNCCL(prefixed, self._rank, self._size, options))
+        else:
+            self._pg = cast(_Backend, dist.ProcessGroupGloo(prefixed, self._rank, self._size, timeout))
+
+    def _group(self) -> _Backend:
+        if self._pg is None:
+            raise RuntimeError("the tensor-parallel group is not connected yet")
+        return self._pg
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum over the ranks, in place."""
+        start = time.perf_counter()
+        self._group().allreduce([x]).wait()
+        self._count(start)
+        return x
+
+    def gather_last_dim(self, x: Tensor) -> Tensor:
+        """Rank 0: the ranks' `x` side by side along the last dimension; elsewhere `x`."""
+        start = time.perf_counter()
+        x = x.contiguous()
+        options = GatherOptions()
+        options.rootRank = 0
+        if self._rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self._size)]
+            self._group().gather([parts], [x], options).wait()
+            x = torch.cat(parts, dim=-1)
+        else:
+            self._group().gather([], [x], options).wait()
+        self._count(start)
+        return x
+
+    def broadcast(self, x: Tensor) -> Tensor:
+        """Rank 0's `x` everywhere, in place."""
+        start = time.perf_counter()
+        options = BroadcastOptions()
+        options.rootRank = 0
+        self._group().broadcast([x], options).wait()
+        self._count(start)
+        return x
+
+    def _count(self, start: float) -> None:
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
+
+def make_store(host: str, port: int, world_size: int, *, is_master: bool) -> TCPStore:
+    """The rendezvous store: rank 0 hosts it (port 0 picks a free one, read back from `.port`)."""
+    return TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=is_master,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        wait_for_workers=False,
+    )

@@ -1,0 +1,258 @@
+"""Tensor parallelism: the driver (rank 0, in the engine's process) and N - 1 workers, one shard each.
+
+Each step the driver sends the SchedulerOutput to every worker (msgspec over ZeroMQ), then all ranks run the
+same forward; the layers' collectives keep them in lockstep. Logits are gathered to the driver, which alone
+samples: the sampler's state (seeded streams, grammar matchers, penalties, beams) lives in the engine, the next
+step's SchedulerOutput carries the sampled tokens to the workers anyway, and a gather moves 1/N of what an
+all-gather (every rank sampling with the same keys) would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+import torch
+import zmq
+from pagoda.scheduler import SchedulerOutput
+from pagoda.server.config import EngineConfig
+from pagoda.server.engine.executor.base import Executor, ExecutorError, run_step
+from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_store
+from pagoda.server.engine.executor.launchers import Launcher, ProcessLauncher
+from pagoda.server.engine.executor.messages import (
+    Command,
+    ComputeLogits,
+    Execute,
+    Ready,
+    Shutdown,
+    Start,
+    WorkerSpec,
+)
+from pagoda.server.engine.model_runner import ModelRunner, PromptHidden
+from pagoda.server.engine.setup import (
+    EngineConfigError,
+    EngineParts,
+    Placement,
+    build_parts,
+    dtype_name,
+    select_placement,
+)
+from pagoda.server.loader import resolve_model_folder
+from pagoda.server.models import TensorParallelError
+from pagoda.server.models.parallel import check_tensor_parallel
+from torch import Tensor
+from transformers import AutoConfig
+
+logger = logging.getLogger("pagoda.engine")
+_STARTUP_TIMEOUT_S = 900.0  # loading a large shard; a worker that dies meanwhile is noticed within a poll
+_POLL_MS = 200
+_STOP_TIMEOUT_S = 10.0
+
+
+def _launcher(config: EngineConfig, use_gpus: bool) -> Launcher:
+    """The configured backend's launcher (Ray is imported only when asked for)."""
+    if config.distributed_executor_backend == "ray":
+        from pagoda.server.engine.executor.ray_launcher import RayLauncher
+
+        return RayLauncher(use_gpus)
+    return ProcessLauncher()
+
+
+def threads_per_rank(size: int) -> int:
+    """Torch threads of each CPU rank: the cores this process may use, shared evenly (1 on 2 cores for TP=2)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // size)
+
+
+class DistributedExecutor(Executor):
+    """Drives N - 1 workers from the engine's process, which runs rank 0; see `launch`."""
+
+    def __init__(
+        self,
+        driver: ModelRunner,
+        group: ProcessGroupCollectives,
+        launcher: Launcher,
+        context: zmq.Context[zmq.Socket[bytes]],
+        router: zmq.Socket[bytes],
+        restore_threads: int | None,
+    ) -> None:
+        self.driver = driver
+        self.num_blocks = driver.kv_cache.num_blocks
+        self.num_host_blocks = driver.kv_cache.num_host_blocks
+        self.group = group
+        self.launcher = launcher
+        self._router = router
+        self._context = context
+        self._identities = [f"rank{rank}".encode() for rank in range(1, group.size)]
+        self._restore_threads = restore_threads
+        self._failed: ExecutorError | None = None
+        self._stopped = False
+        self.steps = 0  # steps executed (the benchmark divides the collective time by it)
+        # Workers must not outlive an engine that was never shut down (a test that failed, an interpreter exit).
+        self._finalizer = weakref.finalize(self, launcher.kill)
+
+    @classmethod
+    def launch(cls, config: EngineConfig) -> tuple[DistributedExecutor, EngineParts]:
+        """Start the workers, load rank 0's shard beside them, agree on the KV size, form the process group."""
+        size = config.tensor_parallel_size
+        placement = select_placement(config)
+        folder = resolve_model_folder(
+            config.model, None if config.cache_dir is None else Path(config.cache_dir)
+        )
+        try:
+            check_tensor_parallel(AutoConfig.from_pretrained(folder).get_text_config(), size)
+        except TensorParallelError as exc:
+            raise EngineConfigError(str(exc)) from exc
+        use_gpus = placement.device.type == "cuda"
+        launcher = _launcher(config, use_gpus)
+        host = launcher.host()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port(f"tcp://{host}")
+        store = make_store(host, 0, size, is_master=True)
+        threads = None if use_gpus else threads_per_rank(size)
+        specs = _worker_specs(config, folder, placement, f"tcp://{host}:{port}", host, store.port, threads)
+        restore = torch.get_num_threads() if threads is not None else None
+        try:
+            launcher.start(specs)
+            if threads is not None:
+                torch.set_num_threads(threads)
+            group = ProcessGroupCollectives(0, size)
+            parts = build_parts(config, group, placement)
+            _wait_ready(router, launcher, size - 1)
+            start = msgspec.msgpack.encode(Start(parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks))
+            for rank in range(1, size):
+                router.send_multipart([f"rank{rank}".encode(), start])
+            group.connect(store, placement.device)
+        except BaseException:
+            launcher.kill()
+            router.close()
+            context.term()
+            if restore is not None:
+                torch.set_num_threads(restore)
+            raise
+        logger.info(
+            "tensor parallel: %d ranks over %s (%s backend)%s",
+            size,
+            "NCCL" if use_gpus else "gloo",
+            config.distributed_executor_backend,
+            "" if threads is None else f", {threads} torch thread(s) per rank",
+        )
+        driver = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
+        return cls(driver, group, launcher, context, router, restore), parts
+
+    def execute(
+        self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
+    ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
+        """Send the step to the workers, run rank 0's part; the logits are gathered here."""
+        self._send(Execute(output))
+        self.steps += 1
+        try:
+            return run_step(self.driver, output, prompt_lens)
+        except RuntimeError as exc:
+            raise self._fail(exc) from exc
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
+        """Broadcast the hidden states; every rank scores its run of the vocabulary; rank 0 gathers."""
+        self._send(ComputeLogits(hidden.shape[0], hidden.shape[1]))
+        try:
+            return self.driver.compute_logits(self.group.broadcast(hidden.contiguous()))
+        except RuntimeError as exc:
+            raise self._fail(exc) from exc
+
+    def collective_seconds(self) -> float:
+        """Wall time rank 0 spent in all-reduces, gathers and broadcasts (waiting for slower ranks included)."""
+        return self.group.seconds
+
+    def _send(self, command: Command) -> None:
+        """The same command to every worker, once all are known to run."""
+        if self._failed is not None:
+            raise self._failed
+        if (failure := self.launcher.failure()) is not None:
+            raise self._fail(None, failure)
+        payload = msgspec.msgpack.encode(command)
+        for identity in self._identities:
+            self._router.send_multipart([identity, payload])
+
+    def _fail(self, exc: BaseException | None, failure: str | None = None) -> ExecutorError:
+        """The error every later call raises too, naming the worker that ended when there is one."""
+        deadline = time.monotonic() + 2.0
+        while failure is None and time.monotonic() < deadline:  # a killed peer may not be reaped yet
+            failure = self.launcher.failure()
+            time.sleep(0.05)
+        reason = failure or f"a collective failed: {exc}"
+        self._failed = ExecutorError(f"the tensor-parallel engine cannot continue: {reason}")
+        logger.error("%s", self._failed)
+        return self._failed
+
+    def shutdown(self) -> None:
+        """Tell the workers to exit, wait for them (then kill), close the sockets; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        healthy = self._failed is None and self.launcher.failure() is None
+        if healthy:
+            payload = msgspec.msgpack.encode(Shutdown())
+            for identity in self._identities:
+                self._router.send_multipart([identity, payload])
+        # After a failure the surviving workers may sit in a collective that will never complete: kill them now.
+        self.launcher.stop(_STOP_TIMEOUT_S if healthy else 0.0)
+        self._finalizer()
+        self._router.close()
+        self._context.term()
+        if self._restore_threads is not None:
+            torch.set_num_threads(self._restore_threads)
+
+
+def _worker_specs(
+    config: EngineConfig,
+    folder: Path,
+    placement: Placement,
+    address: str,
+    store_host: str,
+    store_port: int,
+    threads: int | None,
+) -> list[WorkerSpec]:
+    """What ranks 1..N-1 are told: the same config, folder, dtype and addresses; each its own rank and device."""
+    local = config.distributed_executor_backend == "mp"
+    return [
+        WorkerSpec(
+            config=config,
+            model_folder=str(folder),
+            # Ray gives each actor one GPU, visible as its cuda:0; local workers take GPU `rank`.
+            device=(f"cuda:{rank}" if local else "cuda:0") if placement.device.type == "cuda" else "cpu",
+            dtype=dtype_name(placement.dtype),
+            rank=rank,
+            world_size=config.tensor_parallel_size,
+            driver_address=address,
+            store_host=store_host,
+            store_port=store_port,
+            num_threads=threads,
+            parent_pid=os.getpid() if local else None,
+        )
+        for rank in range(1, config.tensor_parallel_size)
+    ]
+
+
+def _wait_ready(router: zmq.Socket[bytes], launcher: Launcher, count: int) -> None:
+    """Wait for `count` Ready messages; ExecutorError as soon as a worker ends (or after the startup timeout)."""
+    decoder = msgspec.msgpack.Decoder(Ready)
+    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    ready: set[int] = set()
+    while len(ready) < count:
+        if router.poll(_POLL_MS):
+            _, payload = router.recv_multipart()
+            ready.add(decoder.decode(payload).rank)
+            continue
+        if (failure := launcher.failure()) is not None:
+            raise ExecutorError(f"a worker failed while loading: {failure}")
+        if time.monotonic() > deadline:
+            raise ExecutorError(
+                f"workers not ready after {_STARTUP_TIMEOUT_S:.0f} s: {count - len(ready)} missing"
+            )

@@ -1,0 +1,56 @@
+"""What the driver tells its workers, as msgspec msgpack frames over ZeroMQ (never pickle over a socket)."""
+
+from __future__ import annotations
+
+import msgspec
+from pagoda.scheduler import SchedulerOutput
+from pagoda.server.config import EngineConfig
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """Everything a worker needs to build its shard; decided once by the driver so that all ranks agree."""
+
+    config: EngineConfig
+    model_folder: str  # resolved by the driver (a GGUF file is converted once, before any worker starts)
+    device: str  # e.g. "cpu", "cuda:1"
+    dtype: str  # "float32", "bfloat16" or "float16"
+    rank: int
+    world_size: int
+    driver_address: str  # the driver's ZeroMQ ROUTER socket
+    store_host: str
+    store_port: int
+    num_threads: int | None  # torch threads of this rank on the CPU; None leaves torch's default
+    parent_pid: int | None  # exit when this process is gone (local workers); None under Ray, which does it
+
+
+class Ready(msgspec.Struct, frozen=True):
+    """A worker loaded its weights."""
+
+    rank: int
+
+
+class Start(msgspec.Struct, frozen=True):
+    """The KV-cache size every rank allocates (the driver's), then the process group forms."""
+
+    num_blocks: int
+    num_host_blocks: int
+
+
+class Execute(msgspec.Struct, frozen=True, tag=True):
+    """Run one scheduled step on this rank's shard (its block moves too)."""
+
+    output: SchedulerOutput
+
+
+class ComputeLogits(msgspec.Struct, frozen=True, tag=True):
+    """Run the LM head over hidden states the driver broadcasts next ([num_rows, hidden_size])."""
+
+    num_rows: int
+    hidden_size: int
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    """Leave the loop and exit."""
+
+
+Command = Execute | ComputeLogits | Shutdown
