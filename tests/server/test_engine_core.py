@@ -353,6 +353,54 @@ def test_ray_dp2_gives_inproc_greedy_tokens(
         assert all(engine_metric(text, "pagoda:prompt_tokens_total", e) > 0 for e in ("0", "1"))
 
 
+def _prompt_tokens(live: LiveServer) -> list[float]:
+    text = httpx.get(f"{live.base_url}/metrics").text
+    return [engine_metric(text, "pagoda:prompt_tokens_total", e) for e in ("0", "1")]
+
+
+@pytest.mark.timeout(600)
+def test_dp2_cache_aware_routes_a_shared_prefix_to_its_replica(model_dir: Path) -> None:
+    """`--routing-policy cache_aware` (the default): a request sharing a 256-token prefix with an earlier one lands
+    on the replica that computed it (its blocks are cached there), and 16 distinct prefixes use both replicas."""
+    flags = (*CORE_FLAGS, "--data-parallel-size", "2")
+    with serving(model_dir, *flags, ready_timeout=READY_S) as live:
+        client = sync_client(live)
+        prefix = [10 + i for i in range(256)]  # 16 full blocks of 16 tokens
+        first = client.completions.create(
+            model=MODEL, prompt=[*prefix, 300, 301], max_tokens=2, temperature=0
+        )
+        before = _prompt_tokens(live)
+        second = client.completions.create(
+            model=MODEL, prompt=[*prefix, 350, 351], max_tokens=2, temperature=0
+        )
+        after = _prompt_tokens(live)
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == 256
+        # Only the replica holding the prefix computed the second prompt's tail.
+        assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 2]
+        text = httpx.get(f"{live.base_url}/metrics").text
+        assert metric_value(text, 'pagoda:router_prefix_hits_total{model_name="' + MODEL + '"}') == 1.0
+        start = _prompt_tokens(live)
+        for p in range(16):
+            distinct = [300 + p] + [
+                20 + i for i in range(31)
+            ]  # two full blocks, its own from the first token
+            client.completions.create(model=MODEL, prompt=distinct, max_tokens=1, temperature=0)
+        spread = [a - b for a, b in zip(_prompt_tokens(live), start, strict=True)]
+        assert min(spread) >= 4 * 32, spread  # each replica computed several of the 16 prefixes
+
+
+@pytest.mark.timeout(600)
+def test_core_process_with_tensor_parallel_workers(model_dir: Path, inproc_greedy: list[list[str]]) -> None:
+    """DP x TP compose: an engine-core process whose engine splits the model over 2 ranks (one worker process of
+    its own) gives the in-process greedy texts."""
+    flags = (*CORE_FLAGS, "--engine-core", "process", "--tensor-parallel-size", "2")
+    with serving(model_dir, *flags, ready_timeout=READY_S) as live:
+        assert _greedy_all(live) == inproc_greedy
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

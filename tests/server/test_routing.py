@@ -96,6 +96,16 @@ def test_distinct_prefixes_spread_over_the_replicas_and_come_back() -> None:
     assert (cluster.router.hits, cluster.router.misses) == (16, 16)
 
 
+def test_new_prefixes_spread_when_requests_arrive_one_at_a_time() -> None:
+    """Every load 0 (each request finished before the next): a new prefix goes to the smaller index, as SGLang
+    sends a miss to the smallest tree, so prefixes alternate instead of piling on replica 0."""
+    router = _cache_aware()
+    idle = [_load(0), _load(0)]
+    assert [router.route(_prompt(p, 0), idle) for p in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert [router.route(_prompt(p, 1), idle) for p in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert (router.hits, router.misses) == (6, 6)
+
+
 def test_a_match_under_the_cache_threshold_routes_by_load() -> None:
     """Two of eight blocks matching (0.25 < 0.5) is not enough: the request goes by load and counts a miss."""
     cluster = _Cluster(_cache_aware(), 2)

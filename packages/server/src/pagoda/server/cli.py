@@ -268,8 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernel-backend", choices=get_args(KernelBackendName), default="auto")
     engine.add_argument("--dtype", choices=get_args(DTypeName), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
-    add_parallel_args(serve)
-    # t16-fields: metrics naming.
     fields = serve.add_argument_group("metrics")
     fields.add_argument(
         "--metrics-prefix",

@@ -95,8 +95,8 @@ class CacheAwareRouter:
         return len(self._indexes[replica])
 
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
-        """The live replica with the longest matching prefix, if long enough and the replicas are balanced; else
-        the least-loaded live replica. The chosen replica's index records the prompt either way."""
+        """The live replica with the longest matching prefix, if long enough and the replicas are balanced; a new
+        prefix to the replica with the smallest index; by load when imbalanced. The chosen one records the prompt."""
         if len(loads) != len(self._indexes):
             raise ValueError(f"expected {len(self._indexes)} replica loads, got {len(loads)}")
         live = live_replicas(loads)
@@ -109,6 +109,10 @@ class CacheAwareRouter:
             best = min(live, key=lambda i: (-matched[i], *loads[i].load, i))
             if matched[best] and matched[best] >= self.cache_threshold * num_blocks:
                 chosen, by_prefix = best, True
+            else:
+                # A new prefix goes where the index is smallest (SGLang: the smallest tree), so that distinct
+                # prefixes spread over the replicas even when requests arrive one at a time and loads tie.
+                chosen = min(live, key=lambda i: (len(self._indexes[i]), *loads[i].load, i))
         if by_prefix:
             self.hits += 1
         else:
