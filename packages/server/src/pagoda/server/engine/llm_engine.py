@@ -34,7 +34,7 @@ from pagoda.server.sampling import Sampler, TokenLogprobs, unseeded_seed
 from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.structured import GrammarBitmask, GrammarError, StructuredOutputManager
+from pagoda.server.structured import FilledBitmask, GrammarBitmask, GrammarError, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -266,10 +266,12 @@ class LLMEngine:
             # Beam sequences have no RequestState (their group scores its own rows).
             if (state := self._seq_owner.get(chunk.request_id)) is not None and state.wants_prompt_logprobs
         }
+        # The grammar masks depend only on the tokens accepted so far: they fill while the model runs.
+        grammar = self.grammar_bitmask.start_fill(self._step_matchers(scheduled))
         logits, prompt_hidden = self.executor.execute(scheduled, prompt_lens)
         for request_id, rows in prompt_hidden.items():
             self._add_prompt_logprobs(self._seq_owner[request_id], rows.start, rows.hidden)
-        sampled, failed = self._sample(scheduled, logits)
+        sampled, failed = self._sample(scheduled, logits, grammar)
         for state in failed:
             self.scheduler.abort_request(state.request_id)  # its rows get no token: the update skips them
         outputs += self._update(scheduled, sampled)
@@ -298,10 +300,20 @@ class LLMEngine:
             scored = compute_logprobs(logits, targets, [k] * part.shape[0])
             state.add_prompt_logprobs(start + lo, [lp for lp in scored if lp is not None])
 
+    def _step_matchers(self, scheduled: SchedulerOutput) -> list[xgr.GrammarMatcher | None]:
+        """The grammar state of each row `_sample` samples (beam rows apart), in order; None: unconstrained."""
+        return [
+            self._seq_owner[seq_id].samples[seq_id].matcher
+            for chunk in scheduled.scheduled
+            for seq_id in chunk.sample_ids
+            if seq_id not in self._beam_owner
+        ]
+
     def _sample(
         self,
         scheduled: SchedulerOutput,
         logits: torch.Tensor,  # [num_rows, vocab]: one row per sample id of the step, in schedule order
+        grammar: Future[FilledBitmask] | None,  # the step's grammar masks, filling (None: no constrained row)
     ) -> tuple[list[tuple[str, int, TokenLogprobs | None]], list[RequestState]]:
         """Draw the next token of every sample the step completes: (sample id, token id, logprobs), and the
         requests a row of which could not be sampled (each is logged; the caller aborts them, the rest go on)."""
@@ -315,9 +327,7 @@ class LLMEngine:
                 return [], []
         owners = [self._seq_owner[seq_id] for seq_id in seq_ids]
         # The grammar step comes first, so that penalties, temperature, top-k and top-p see only allowed tokens.
-        self.grammar_bitmask.apply(
-            logits, [owner.samples[seq_id].matcher for owner, seq_id in zip(owners, seq_ids, strict=True)]
-        )
+        grammar_failed = self.grammar_bitmask.apply(logits, grammar)
         # logit_bias, allowed_token_ids and bad_words edit a copy; logprobs stay those of the raw logits.
         processed = apply_logits_processors(
             logits, [owner.logits_edits(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
@@ -325,6 +335,11 @@ class LLMEngine:
         rows = [owner.sampling_row(seq_id) for owner, seq_id in zip(owners, seq_ids, strict=True)]
         out = self.sampler(processed, rows, raw_logits=None if processed is logits else logits)
         failed: dict[str, RequestState] = {}
+        for row in grammar_failed:
+            logger.error(
+                "request %s aborted: its grammar failed at sample %s", owners[row].request_id, seq_ids[row]
+            )
+            failed[owners[row].request_id] = owners[row]
         for row, status in out.failed.items():
             owner = owners[row]
             if owner.request_id not in failed:

@@ -1,10 +1,11 @@
 """Structured outputs on xgrammar: constraints, background compilation, and the per-step token bitmask."""
 
-from pagoda.server.structured.bitmask import GrammarBitmask
+from pagoda.server.structured.bitmask import FilledBitmask, GrammarBitmask
 from pagoda.server.structured.manager import StructuredOutputManager
 from pagoda.server.structured.params import GrammarError, GrammarKind, StructuredOutputsParams, parse_grammar
 
 __all__ = [
+    "FilledBitmask",
     "GrammarBitmask",
     "GrammarError",
     "GrammarKind",
