@@ -20,7 +20,7 @@ The table also reports each server's prefix-cache hit rate over the run (prompt 
 prompt tokens looked up, from its /metrics counters read before and after; summed over replicas), so that servers
 started with different `--routing-policy` values compare in one table (--label names the columns):
 
-    python tools/bench_serving.py --base-url http://127.0.0.1:8001 http://127.0.0.1:8002 \
+    python tools/bench_serving.py --base-url http://127.0.0.1:8001 http://127.0.0.1:8002 \\
         --label cache_aware round_robin --model NAME --dataset shared-prefix --input-len 16 --request-rate 4 inf
 
 Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
@@ -30,7 +30,7 @@ API), as in vLLM's serving benchmark: that is what real clients send. --temperat
 they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
 of ratios to the first: one run compares configurations of Pagoda.
 
-    python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \
+    python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \\
         --request-rate 1 4 inf --num-prompts 40
 """
 
