@@ -159,6 +159,9 @@ class FakeEngine:
                 del self.requests[req.request_id]
         return outputs
 
+    def check_health(self) -> None:
+        """The fake never dies on its own."""
+
     def get_stats(self) -> EngineStats:
         """Counts of the fake's queues and blocks."""
         running = [r for r in self.requests.values() if r.running]

@@ -6,6 +6,7 @@ worker outlives its test.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -21,6 +22,7 @@ import pagoda.server.loader.weights as weights
 import pytest
 import ray
 import torch
+from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.engine import EngineConfigError
 from pagoda.server.engine.executor import ExecutorError
 from pagoda.server.engine.executor.distributed import DistributedExecutor
@@ -207,6 +209,34 @@ def test_killed_worker_fails_the_engine_fast(tp_models: dict[str, Path], llms: L
     engine.shutdown()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.timeout(300)
+def test_worker_dying_while_idle_kills_the_async_engine(tp_models: dict[str, Path], llms: LLMFactory) -> None:
+    """SIGKILL of the worker while no request runs: the AsyncLLM's idle health check notices it (so /health says
+    503 before any request arrives), and the engine's check_health names the rank."""
+    tp = llms(make_llm, tp_models["llama"], **TP_ARGS)
+    engine = tp.engine
+    engine.check_health()  # healthy: no error
+    llm = AsyncLLM(engine, served_model_name="tp")
+
+    async def main() -> None:
+        llm.start()
+        try:
+            await asyncio.sleep(0.1)
+            assert llm.is_alive
+            (pid,) = worker_pids(tp)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while llm.is_alive:
+                assert time.monotonic() < deadline, "the dead worker went unnoticed"
+                await asyncio.sleep(0.05)
+        finally:
+            await asyncio.to_thread(llm.shutdown)
+
+    asyncio.run(main())
+    with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) exited with -9"):
+        engine.check_health()
 
 
 @pytest.mark.timeout(300)

@@ -24,6 +24,9 @@ from pagoda.server.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# How often the engine thread checks the engine's health while no request runs (seconds).
+_IDLE_HEALTH_CHECK_S = 0.5
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served any more."""
@@ -352,10 +355,18 @@ class AsyncLLM:
             self._die(exc)
 
     def _apply_commands(self, *, block: bool) -> bool:
-        """Apply queued commands (waiting for one if `block`); False once told to stop."""
+        """Apply queued commands (waiting for one if `block`); False once told to stop.
+
+        An idle wait checks the engine's health every _IDLE_HEALTH_CHECK_S, so that a tensor-parallel worker (or a
+        replica) that dies while nothing runs shows on /health at once, not at the next request.
+        """
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=_IDLE_HEALTH_CHECK_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
+            if block:
+                self.engine.check_health()
             return True
         while True:
             if isinstance(command, _Add):

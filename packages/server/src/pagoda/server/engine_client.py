@@ -103,6 +103,10 @@ class EngineClient(Protocol):
         """The engine's gauges and counters now."""
         ...
 
+    def check_health(self) -> None:
+        """Raise if the engine can serve no more requests; cheap, called every second or so while idle."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaStatus:

@@ -216,6 +216,10 @@ class CoreClient:
         """The live replicas' stats as one engine's."""
         return self._last_stats
 
+    def check_health(self) -> None:
+        """Notice a replica that died while the server was idle (it is then restarted); never raises."""
+        self._check_replicas(time.monotonic())
+
     # --- ReplicaSet -----------------------------------------------------------------------------------------
 
     def replica_status(self) -> list[ReplicaStatus]:

@@ -146,6 +146,10 @@ class LLMEngine:
         """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
         self.executor.shutdown()
 
+    def check_health(self) -> None:
+        """Raise if the engine can serve no more steps (a tensor-parallel worker ended); cheap."""
+        self.executor.check_health()
+
     # ---------------------------------------------------------------- requests
 
     def add_request(

@@ -39,6 +39,9 @@ class Executor(ABC):
         """Wall time the driver spent in collectives so far (0 on one process)."""
         return 0.0
 
+    def check_health(self) -> None:  # noqa: B027 (a no-op where there are no workers, not an abstract method)
+        """Raise ExecutorError if a worker has ended; cheap, so an idle engine can call it periodically."""
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers, if any (idempotent)."""

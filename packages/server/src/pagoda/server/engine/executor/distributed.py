@@ -170,12 +170,16 @@ class DistributedExecutor(Executor):
         """Wall time rank 0 spent in all-reduces, gathers and broadcasts (waiting for slower ranks included)."""
         return self.group.seconds
 
-    def _send(self, command: Command) -> None:
-        """The same command to every worker, once all are known to run."""
+    def check_health(self) -> None:
+        """Raise the executor's ExecutorError once a worker has ended (it names the rank)."""
         if self._failed is not None:
             raise self._failed
         if (failure := self.launcher.failure()) is not None:
             raise self._fail(None, failure)
+
+    def _send(self, command: Command) -> None:
+        """The same command to every worker, once all are known to run."""
+        self.check_health()
         payload = msgspec.msgpack.encode(command)
         for identity in self._identities:
             self._router.send_multipart([identity, payload])
