@@ -327,6 +327,31 @@ def test_dp2_replica_killed_mid_stream(dp2: LiveServer) -> None:
     assert client.completions.create(model=MODEL, prompt="back", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.timeout(600)
+def test_dp2_replica_killed_while_idle_is_noticed_and_restarted(dp2: LiveServer) -> None:
+    """SIGKILL one replica while no request runs: /health counts it dead without any request (the idle health
+    check), then it restarts, and requests are served by both again."""
+    assert wait_idle(dp2) == [[0, 0, 0], [0, 0, 0]]
+    text = httpx.get(f"{dp2.base_url}/metrics").text
+    restarts = sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1"))
+    os.kill(_core_pids(dp2)[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{dp2.base_url}/health").json().get("replicas_alive") != 1:
+        assert time.monotonic() < deadline, "the replica that died while idle was not noticed"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{dp2.base_url}/health").json().get("replicas_alive") != 2:
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.5)
+    text = httpx.get(f"{dp2.base_url}/metrics").text
+    assert sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1")) == restarts + 1
+    client = sync_client(dp2)
+    for _ in range(2):
+        assert (
+            client.completions.create(model=MODEL, prompt="again", max_tokens=2).choices[0].text is not None
+        )
+
+
 @pytest.fixture
 def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A local Ray cluster of 2 CPUs for one test; RAY_ADDRESS points the server at it."""
