@@ -265,6 +265,14 @@ def _core_pids(live: LiveServer) -> list[int]:
     ]
 
 
+def wait_replicas_alive(live: LiveServer, count: int, seconds: float, failure: str) -> None:
+    """Poll /health until it counts `count` live replicas; fail with `failure` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while httpx.get(f"{live.base_url}/health").json().get("replicas_alive") != count:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(600)
 def test_dp2_replica_killed_mid_stream(dp2: LiveServer) -> None:
     """SIGKILL one replica while four streams run: its streams end at once with an OpenAI error, the others
@@ -302,10 +310,7 @@ def test_dp2_replica_killed_mid_stream(dp2: LiveServer) -> None:
     assert len(pids) == 2
     killed_at = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{dp2.base_url}/health").json().get("replicas_alive") != 1:
-        assert time.monotonic() < deadline, "the killed replica was not noticed"
-        time.sleep(0.05)
+    wait_replicas_alive(dp2, 1, 30, "the killed replica was not noticed")
     # New requests go to the live replica (round robin skips the dead one) while the dead one restarts.
     for _ in range(3):
         result = client.completions.create(model=MODEL, prompt="still here", max_tokens=4, extra_body=NO_EOS)
@@ -317,10 +322,7 @@ def test_dp2_replica_killed_mid_stream(dp2: LiveServer) -> None:
     assert len(failed) == 2 and len(finished) == 2, results
     assert all("replica" in str(r) for r in failed)
     assert time.monotonic() - killed_at < 60
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{dp2.base_url}/health").json().get("replicas_alive") != 2:
-        assert time.monotonic() < deadline, "the killed replica did not come back"
-        time.sleep(0.5)
+    wait_replicas_alive(dp2, 2, 120, "the killed replica did not come back")
     text = httpx.get(f"{dp2.base_url}/metrics").text
     assert sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1")) == 1
     assert wait_idle(dp2) == [[0, 0, 0], [0, 0, 0]]
@@ -335,14 +337,8 @@ def test_dp2_replica_killed_while_idle_is_noticed_and_restarted(dp2: LiveServer)
     text = httpx.get(f"{dp2.base_url}/metrics").text
     restarts = sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1"))
     os.kill(_core_pids(dp2)[1], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{dp2.base_url}/health").json().get("replicas_alive") != 1:
-        assert time.monotonic() < deadline, "the replica that died while idle was not noticed"
-        time.sleep(0.05)
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{dp2.base_url}/health").json().get("replicas_alive") != 2:
-        assert time.monotonic() < deadline, "the killed replica did not come back"
-        time.sleep(0.5)
+    wait_replicas_alive(dp2, 1, 30, "the replica that died while idle was not noticed")
+    wait_replicas_alive(dp2, 2, 120, "the killed replica did not come back")
     text = httpx.get(f"{dp2.base_url}/metrics").text
     assert sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1")) == restarts + 1
     client = sync_client(dp2)
