@@ -42,9 +42,7 @@ import json
 import math
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -603,42 +601,26 @@ def requests_per_rate(args: argparse.Namespace) -> list[list[BenchRequest]]:
 _SERVED_NAME = "bench"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @contextmanager
 def launched(args: argparse.Namespace, flags: str) -> Iterator[str]:
     """A `pagoda serve` started with `flags`, healthy, until the block ends (SIGTERM); yields its root URL."""
-    port = _free_port()
-    command = [sys.executable, "-m", "pagoda.server.cli", "serve"]
-    command += [args.serve_model] if args.serve_model else []
-    command += ["--port", str(port), "--served-model-name", _SERVED_NAME, "--log-level", "warning"]
-    process = subprocess.Popen([*command, *shlex.split(flags)])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"`{shlex.join(command)} {flags}` exited with {process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"`{flags}`: the server did not become healthy")
-            time.sleep(0.5)
+    # Imported here: benchmarking servers given by --base-url (a peer such as vLLM) needs no Pagoda installed.
+    from pagoda.server.testing import LiveServer
+
+    server = LiveServer(
+        args.serve_model or None,
+        shlex.split(flags),
+        served_model_name=_SERVED_NAME,
+        ready_timeout=900,
+        poll_interval=0.5,
+        stop_timeout=120,
+        capture_log=False,  # the server's warnings go to this terminal, between the benchmark's lines
+    )
+    with server:
         # One request first, so that one-time costs (kernel selection, first allocations) stay out of the numbers.
         body = {"model": _SERVED_NAME, "prompt": "warm up the server", "max_tokens": 8}
-        httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
-        yield url
-    finally:
-        process.terminate()
-        process.wait(120)
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=600).raise_for_status()
+        yield server.base_url
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:

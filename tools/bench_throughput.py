@@ -44,7 +44,6 @@ import json
 import math
 import os
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +58,7 @@ from pagoda.server.llm import LLM
 from pagoda.server.models.attention import Attention
 from pagoda.server.models.layers import linear
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing import make_tiny_model
 from torch import nn
 from tqdm import tqdm
 
@@ -747,9 +747,6 @@ def model_source(args: argparse.Namespace) -> Iterator[str | None]:
     if args.tiny is None:
         yield args.model
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
-    from tiny_models import make_tiny_model
-
     # Long enough for the workload's longest request (the tiny configs default to 256 positions).
     positions = max(256, args.max_prompt_len + args.max_output_len)
     with tempfile.TemporaryDirectory(prefix="bench-tiny-") as tmp:

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from typing import Any
 
 import httpx
 import psutil
+from pagoda.server.testing import LiveServer, make_tiny_model
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,40 +75,21 @@ def model_source(args: argparse.Namespace) -> Iterator[list[str]]:
     if args.model is not None:
         yield [args.model]
         return
-    sys.path.insert(0, str(ROOT / "tests" / "server"))
-    from tiny_models import make_tiny_model
-
     with tempfile.TemporaryDirectory(prefix="soak-tiny-") as tmp:
         yield [str(make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=1024))]
 
 
-@contextmanager
-def running_server(model_args: list[str], args: argparse.Namespace) -> Iterator[subprocess.Popen[bytes]]:
-    """A `pagoda serve` subprocess, healthy, stopped with SIGTERM at exit."""
-    command = [sys.executable, "-m", "pagoda.server.cli", "serve", *model_args, "--port", str(args.port)]
-    command += ["--served-model-name", MODEL_NAME, "--log-level", "warning", *args.serve_arg]
-    process = subprocess.Popen(command, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {process.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy")
-            time.sleep(0.2)
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def running_server(model_args: list[str], args: argparse.Namespace) -> LiveServer:
+    """A `pagoda serve` subprocess on --port, healthy; its output goes to this terminal. Stop it with SIGTERM."""
+    return LiveServer(
+        model_args[0] if model_args else None,
+        args.serve_arg,
+        served_model_name=MODEL_NAME,
+        port=args.port,
+        ready_timeout=600,
+        capture_log=False,
+        cwd=ROOT,
+    )
 
 
 def request_body(rng: random.Random, args: argparse.Namespace) -> tuple[str, dict[str, Any], bool]:
@@ -200,8 +180,8 @@ def table(samples: list[Sample]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the soak and print the RSS table and the growth after warm-up."""
     args = parse_args(argv)
-    with model_source(args) as model_args, running_server(model_args, args) as process:
-        samples = asyncio.run(soak(args, psutil.Process(process.pid)))
+    with model_source(args) as model_args, running_server(model_args, args) as server:
+        samples = asyncio.run(soak(args, psutil.Process(server.process.pid)))
     growth = growth_per_1000(samples, args.warmup)
     if growth is None:
         print(f"growth after warm-up: not measured (fewer than two samples after {args.warmup} requests)")

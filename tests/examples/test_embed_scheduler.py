@@ -12,7 +12,7 @@ import torch
 from embed_scheduler import PROMPTS, generate, main
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 # Six prompts whose KV cannot all fit 24 blocks of 4 tokens, and a budget of 16 tokens that the longer prompts

@@ -1,7 +1,8 @@
 """cbuild on its own: any C source with its caller's flags, compiled once into the cache, alternatives in order.
 
 The cpu backend's build through it (OpenMP, the pthreads fallback, the missing or failing compiler) is tested in
-test_cpu_backend.py; these tests use a one-function source, as a second C kernel would bring its own.
+test_cpu_backend.py; these tests use a one-function source, as a second C kernel would bring its own. The last
+ones check the C kernels' shared header: inlined by `csrc.read_source`, so the text cbuild hashes carries it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import ctypes
 from pathlib import Path
 
 import pytest
-from pagoda.pagedkernel import BackendUnavailableError, cbuild
+from pagoda.pagedkernel import BackendUnavailableError, cbuild, csrc
 
 SOURCE = "int pagoda_answer(void) { return ANSWER; }\n"
 
@@ -22,11 +23,13 @@ def _answer(library: Path) -> int:
     return int(function())
 
 
-def _build(flags: tuple[str, ...], alternatives: tuple[tuple[str, ...], ...] = ((),)) -> Path:
-    """SOURCE built as `answer.c` with `flags` (and `alternatives`), errors worded for a test owner."""
+def _build(
+    flags: tuple[str, ...], alternatives: tuple[tuple[str, ...], ...] = ((),), source: str = SOURCE
+) -> Path:
+    """`source` built as `answer.c` with `flags` (and `alternatives`), errors worded for a test owner."""
     return cbuild.build(
         "answer.c",
-        SOURCE,
+        source,
         flags,
         variant="test",
         owner="the answer kernel",
@@ -70,3 +73,30 @@ def test_no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         BackendUnavailableError, match=r"the answer kernel compiles a C kernel.*use the Python"
     ):
         _build(("-DANSWER=1",))
+
+
+def test_editing_an_included_header_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source read through csrc.read_source carries its local headers, so editing one gives a new library."""
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path / "cache"))
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    (sources / "answer.c").write_text('#include "answer.h"\n' + SOURCE)
+    (sources / "answer.h").write_text("#define ANSWER 42\n")
+    first = _build(("-O2",), source=csrc.read_source("answer.c", sources))
+    assert _answer(first) == 42
+    (sources / "answer.h").write_text("#define ANSWER 7\n")
+    second = _build(("-O2",), source=csrc.read_source("answer.c", sources))
+    assert second != first and _answer(second) == 7
+
+
+def test_the_c_kernels_share_one_dtype_header() -> None:
+    """The dtype loaders are defined in cpu_dtype.h alone, and both C kernels that load tensors inline it."""
+    folder = Path(csrc.__file__).parent
+    header = (folder / "cpu_dtype.h").read_text()
+    definitions = ("typedef float scalar_t;", "static inline float load1(", "static inline scalar_t store1(")
+    assert all(definition in header for definition in definitions)
+    for path in folder.glob("*.c"):
+        assert not any(definition in path.read_text() for definition in definitions), path.name
+    for name in ("cpu_attention.c", "cpu_sampling.c"):
+        text = csrc.read_source(name)
+        assert header in text and '#include "' not in text, name

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.loader import CACHE_DIR_ENV
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`tiny_model_path(arch)`: the folder of the tiny `arch` model (see tiny_models.ARCHS), built on first use."""
+    """`tiny_model_path(arch)`: the folder of the tiny `arch` model (see pagoda.server.testing.ARCHS), built on first use."""
     built: dict[str, Path] = {}
 
     def get(arch: str) -> Path:

@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 from api_cases import MAX_MODEL_LEN, MODEL
+from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving, sync_client
-from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64, 5, 77, 120, 200]

@@ -31,54 +31,28 @@ from api_cases import (
     SURROGATE_BODIES,
     surrogate_body,
 )
-from api_fake_engine import free_port
 from hypothesis import HealthCheck, example, given, settings
+from pagoda.server import testing
+from pagoda.server.testing import make_tiny_model
 from raw_http import assert_openai_error, connect, post_head, read_response
 from schemathesis import GenerationMode
-from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_EOS: dict[str, Any] = {"ignore_eos": True}  # fixed output lengths: a random model may emit EOS anywhere
 
 
-class LiveServer:
-    """A `pagoda serve` subprocess on a free port of 127.0.0.1."""
+# The live tests' server: a tiny KV cache and float32 (greedy outputs alone and in a batch must agree, and
+# bfloat16 matmuls vary with the batch size).
+TEST_FLAGS = ("--kv-cache-gib", "0.05", "--dtype", "float32")
+
+
+class LiveServer(testing.LiveServer):
+    """A `pagoda serve` subprocess of `model` with the tests' settings on a free port of 127.0.0.1, healthy."""
 
     def __init__(self, model: Path, *extra: str, ready_timeout: float = 120) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "pagoda.server.cli", "serve", str(model), "--port", str(self.port)]
-        command += ["--served-model-name", MODEL, "--kv-cache-gib", "0.05", "--log-level", "warning"]
-        # float32: greedy outputs alone and in a batch must agree, and bfloat16 matmuls vary with the batch size.
-        command += ["--dtype", "float32", *extra]
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.process.poll() is not None:
-                output = self.process.stdout.read().decode() if self.process.stdout else ""
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{output}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the server did not become healthy")
-            time.sleep(0.2)
-
-    def stop(self) -> int:
-        """SIGTERM the server and wait for it; returns the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        return self.process.returncode
+        super().__init__(
+            model, [*TEST_FLAGS, *extra], served_model_name=MODEL, ready_timeout=ready_timeout, cwd=ROOT
+        )
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pagoda.scheduler import SchedulerOutput
 from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, EarlyStopping
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 BEAM_ARCHS = ("llama", "qwen3", "gemma3")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pagoda.server.cli import build_parser, engine_config, main
 from pagoda.server.config import EngineConfig
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 
 
 def test_defaults_match_engine_config_defaults() -> None:

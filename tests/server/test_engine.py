@@ -20,7 +20,7 @@ from pagoda.server.engine import EngineConfigError, LLMEngine, RequestRejectedEr
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
-from tiny_models import ARCHS, make_tiny_model
+from pagoda.server.testing import ARCHS, make_tiny_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 PROMPT_LENS = (5, 9, 17, 30, 3)  # cross block boundaries of 4, one shorter than a block

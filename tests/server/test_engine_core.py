@@ -34,8 +34,8 @@ from pagoda.server.core.messages import AddRequest, input_decoder, output_decode
 from pagoda.server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.routing import build_router
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing import make_tiny_model
 from test_api_live import NO_EOS, LiveServer, cut_off_requests, serving, sync_client
-from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN = 2048
 PROMPTS = ["The quick brown fox", "Hello world! How are", "A paged cache splits", "Tokens, blocks, tables"]

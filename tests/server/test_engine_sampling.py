@@ -13,7 +13,7 @@ from pagoda.scheduler import SchedulerOutput
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 
 
 def random_prompts(count: int, seed: int) -> list[list[int]]:

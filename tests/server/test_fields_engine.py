@@ -15,7 +15,7 @@ from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling.logits_processors import LogitsEdits, apply_logits_processors, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64, 5, 77, 120, 200, 33, 14, 9, 300, 45]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from api_fake_engine import make_char_tokenizer
 from pagoda.server.api.input_checks import first_lone_surrogate, max_chars_per_token, max_prompt_chars
-from tiny_models import make_tiny_tokenizer
+from pagoda.server.testing import make_tiny_tokenizer
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 

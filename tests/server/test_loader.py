@@ -19,13 +19,13 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import WeightLoadError, cache_folder, load_model
 from pagoda.server.models import UnsupportedArchitectureError
-from safetensors.torch import load_file, save_file
-from tiny_models import (
+from pagoda.server.testing import (
     PagedKV,
     make_tiny_hf_model,
     make_tiny_model,
     tiny_config,
 )
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import (
     AutoTokenizer,

@@ -13,7 +13,7 @@ from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, CausalLM, KVCacheSpec, build_model
 from pagoda.server.models.layers import Linear, linear, pack_weight
-from tiny_models import (
+from pagoda.server.testing import (
     ARCHS,
     MODEL_VOCAB_SIZE,
     PagedKV,

@@ -12,7 +12,7 @@ import xgrammar as xgr
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.structured import GrammarBitmask
-from tiny_models import make_tiny_model
+from pagoda.server.testing import make_tiny_model
 
 # A character vocabulary: every JSON text below tokenizes one character per token.
 VOCAB = [*'{}[]":, ', *"0123456789", *"abcxyz", "<eos>"]

@@ -16,9 +16,9 @@ import pytest
 from api_cases import MODEL
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.server.testing import make_tiny_model
 from pydantic import BaseModel, Field
 from test_api_live import NO_EOS, LiveServer, assert_good_request, serving, sync_client
-from tiny_models import make_tiny_model
 
 MAX_TOKENS = 400  # room for a schema-bounded JSON object to close (each test checks finish_reason)
 

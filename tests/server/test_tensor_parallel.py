@@ -31,6 +31,7 @@ from pagoda.server.engine.executor.ray_launcher import RayLauncher
 from pagoda.server.llm import LLM
 from pagoda.server.loader import load_model
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing import ARCHS, make_tiny_model, tiny_config
 from test_api_live import greedy, metric, serving, sync_client
 from test_engine import (
     GREEDY,
@@ -41,7 +42,6 @@ from test_engine import (
     random_prompts,
     tokens,
 )
-from tiny_models import ARCHS, make_tiny_model, tiny_config
 
 # Every architecture, plus the head layouts that matter for the split: one KV head (replicated on both ranks,
 # as in Gemma 3 270M), as many KV heads as query heads (split), and a vocabulary that two ranks split unevenly.
@@ -175,8 +175,8 @@ def test_tp_size_the_heads_cannot_split_is_refused(tp_models: dict[str, Path], t
 @pytest.mark.timeout(300)
 def test_tp2_from_a_gguf_file(tmp_path: Path, gguf_cache: Path, llms: LLMFactory) -> None:
     """A GGUF file is converted once, by the driver; both ranks load their shards from the cache."""
+    from pagoda.server.testing import make_tiny_hf_model, make_tiny_tokenizer
     from test_loader import write_tiny_llama_gguf
-    from tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer_dir.mkdir()

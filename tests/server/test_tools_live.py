@@ -10,10 +10,10 @@ import openai
 import pytest
 from api_cases import MODEL
 from openai.types.chat import ChatCompletionToolParam
+from pagoda.server.testing import make_tiny_model
 from pydantic import BaseModel, ConfigDict, Field
 from test_api_live import LiveServer, assert_good_request, serving, sync_client
 from test_api_tools import function_calls, reassemble
-from tiny_models import make_tiny_model
 
 MAX_TOKENS = 800  # room for a schema-bounded array of calls to close (each test checks finish_reason)
 

@@ -20,59 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef PAGODA_DTYPE
-#define PAGODA_DTYPE 0
-#endif
+#include "cpu_dtype.h"
 
 typedef float v8f __attribute__((vector_size(32)));
-
-#if PAGODA_DTYPE == 0
-typedef float scalar_t;
-static inline float load1(const scalar_t *p) { return *p; }
-static inline v8f load8(const scalar_t *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-static inline scalar_t store1(float x) { return x; }
-#elif PAGODA_DTYPE == 1
-typedef _Float16 scalar_t;
-typedef _Float16 v8h __attribute__((vector_size(16)));
-static inline float load1(const scalar_t *p) { return (float)*p; }
-static inline v8f load8(const scalar_t *p) {
-  v8h h;
-  memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, v8f);
-}
-static inline scalar_t store1(float x) { return (scalar_t)x; }
-#elif PAGODA_DTYPE == 2
-typedef uint16_t scalar_t;
-typedef uint16_t v8s __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-static inline float load1(const scalar_t *p) {
-  const uint32_t u = (uint32_t)*p << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-static inline v8f load8(const scalar_t *p) {
-  v8s s;
-  memcpy(&s, p, sizeof s);
-  const v8u u = __builtin_convertvector(s, v8u) << 16;
-  v8f f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-static inline scalar_t store1(float x) { /* round to nearest even, as torch does; NaN stays NaN */
-  uint32_t u;
-  memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (scalar_t)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (scalar_t)(u >> 16);
-}
-#else
-#error "PAGODA_DTYPE must be 0 (float32), 1 (float16) or 2 (bfloat16)"
-#endif
+PAGODA_DEFINE_LOADV(load8, v8f, 8)
 
 #define MAX_ROWS 32        /* query rows of one work item */
 #define MAX_HEAD_DIM 512   /* a multiple of 8 */

@@ -37,9 +37,7 @@
 #include <omp.h>
 #endif
 
-#ifndef PAGODA_DTYPE
-#define PAGODA_DTYPE 0
-#endif
+#include "cpu_dtype.h"
 
 /* Vectors of LANES floats: sixteen (one register) with AVX-512, eight (one register) otherwise; GCC splits wider
  * generic vectors badly on AVX2 (measured 10x slower). */
@@ -55,43 +53,7 @@ typedef uint64_t vq __attribute__((vector_size(4 * LANES)));
 typedef float vfh __attribute__((vector_size(2 * LANES))); /* half a vf */
 typedef double vd __attribute__((vector_size(4 * LANES)));  /* a vfh as doubles */
 
-#if PAGODA_DTYPE == 0
-typedef float scalar_t;
-static inline float load1(const scalar_t *p) { return *p; }
-static inline vf loadv(const scalar_t *p) {
-  vf v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-#elif PAGODA_DTYPE == 1
-typedef _Float16 scalar_t;
-typedef _Float16 vh __attribute__((vector_size(2 * LANES)));
-static inline float load1(const scalar_t *p) { return (float)*p; }
-static inline vf loadv(const scalar_t *p) {
-  vh h;
-  memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vf);
-}
-#elif PAGODA_DTYPE == 2
-typedef uint16_t scalar_t;
-typedef uint16_t vs __attribute__((vector_size(2 * LANES)));
-static inline float load1(const scalar_t *p) {
-  const uint32_t u = (uint32_t)*p << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-static inline vf loadv(const scalar_t *p) {
-  vs s;
-  memcpy(&s, p, sizeof s);
-  const vu u = __builtin_convertvector(s, vu) << 16;
-  vf f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-#else
-#error "PAGODA_DTYPE must be 0 (float32), 1 (float16) or 2 (bfloat16)"
-#endif
+PAGODA_DEFINE_LOADV(loadv, vf, LANES)
 
 #define CHUNK 64         /* elements per chunk maximum (the bounds of step 2) */
 #define SLICE_ALIGN 64   /* vocabulary slices start at multiples of this (of LANES) */

@@ -1,0 +1,46 @@
+"""Helpers for the tests, tools and benchmarks of the server; the server itself imports none of them.
+
+`tiny_models`: tiny random-weight Hugging Face models of every supported architecture (`make_tiny_model`, their
+transformers `tiny_config` and `make_tiny_hf_model`) and the tiny tokenizer they share (`make_tiny_tokenizer`).
+`paged_kv`: `PagedKV`, a paged KV cache that runs a `CausalLM` step by step without the engine. `serve`:
+`LiveServer`, `pagoda serve` in a subprocess returned once /health answers 200 (`ServerStartError`, with the
+server's output, when it exits first or times out), and `free_port`.
+"""
+
+from pagoda.server.testing.paged_kv import PagedKV, Step
+from pagoda.server.testing.serve import LiveServer, ServerStartError, free_port, serve_command
+from pagoda.server.testing.tiny_models import (
+    ARCHS,
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    MODEL_VOCAB_SIZE,
+    PAD,
+    SLIDING_WINDOW,
+    VOCAB_SIZE,
+    make_tiny_hf_model,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    tiny_config,
+)
+
+__all__ = [
+    "ARCHS",
+    "BOS",
+    "CHAT_TEMPLATE",
+    "EOS",
+    "MODEL_VOCAB_SIZE",
+    "PAD",
+    "SLIDING_WINDOW",
+    "VOCAB_SIZE",
+    "LiveServer",
+    "PagedKV",
+    "ServerStartError",
+    "Step",
+    "free_port",
+    "make_tiny_hf_model",
+    "make_tiny_model",
+    "make_tiny_tokenizer",
+    "serve_command",
+    "tiny_config",
+]
