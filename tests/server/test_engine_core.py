@@ -27,11 +27,11 @@ from api_cases import MODEL
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.cli import build_parser, check_server_args, engine_config
 from pagoda.server.config import EngineConfig
-from pagoda.server.core import CoreClient, CoreStartupError, ProcessLauncher
+from pagoda.server.core import CoreClient, CoreStartupError
 from pagoda.server.core.deltas import DeltaDecoder, DeltaEncoder
-from pagoda.server.core.launchers import replica_cpus
 from pagoda.server.core.messages import AddRequest, input_decoder, output_decoder
 from pagoda.server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.server.procs import ProcessLauncher, pinned_cpus
 from pagoda.server.routing import build_router
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import make_tiny_model
@@ -104,7 +104,7 @@ def test_replicas_get_disjoint_cores(
 ) -> None:
     """Disjoint core sets per replica, one core left to the front end when there are more cores than replicas."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert [replica_cpus(i, replicas) for i in range(replicas)] == expected
+    assert [pinned_cpus(i, replicas) for i in range(replicas)] == expected
 
 
 @pytest.mark.timeout(120)

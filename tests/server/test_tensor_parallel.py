@@ -26,10 +26,10 @@ from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.engine import EngineConfigError
 from pagoda.server.engine.executor import ExecutorError
 from pagoda.server.engine.executor.distributed import DistributedExecutor
-from pagoda.server.engine.executor.launchers import ProcessLauncher
-from pagoda.server.engine.executor.ray_launcher import RayLauncher
 from pagoda.server.llm import LLM
 from pagoda.server.loader import load_model
+from pagoda.server.procs import ProcessHandle, ProcessLauncher
+from pagoda.server.procs.ray_launcher import RayLauncher
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import ARCHS, make_tiny_model, tiny_config
 from test_api_live import greedy, metric, serving, sync_client
@@ -83,7 +83,8 @@ def worker_pids(llm: LLM) -> list[int]:
     """The worker processes of a TP engine with the mp backend."""
     executor = llm.engine.executor
     assert isinstance(executor, DistributedExecutor) and isinstance(executor.launcher, ProcessLauncher)
-    return executor.launcher.pids()
+    assert all(isinstance(worker, ProcessHandle) for worker in executor.workers)
+    return [worker.pid for worker in executor.workers if isinstance(worker, ProcessHandle)]
 
 
 def greedy_tokens(
@@ -311,7 +312,7 @@ def test_ray_executor_tp2_equals_tp1(ray_cluster: None, tp_models: dict[str, Pat
     executor = tp.engine.executor
     assert isinstance(executor, DistributedExecutor) and isinstance(executor.launcher, RayLauncher)
     assert greedy_tokens(tp, prompts) == want
-    assert len(ray.util.placement_group_table()) == 1 and executor.launcher.failure() is None
+    assert len(ray.util.placement_group_table()) == 1 and executor.failure() is None
     tp.engine.shutdown()
     assert all(entry["state"] == "REMOVED" for entry in ray.util.placement_group_table().values())
 

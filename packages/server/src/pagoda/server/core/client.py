@@ -17,22 +17,21 @@ import zmq
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.async_llm import EngineDeadError, ReplicaDeadError
 from pagoda.server.config import EngineConfig
-from pagoda.server.core.launchers import CoreLauncher, kill_all
 from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
     EngineInfo,
-    Failed,
     Outputs,
-    Ready,
     Rejected,
-    Shutdown,
     output_decoder,
 )
 from pagoda.server.core.replica import Replica
 from pagoda.server.engine_client import EngineEvent, ReplicaStatus, RequestAccepted, RequestFailed
 from pagoda.server.outputs import EngineStats
+from pagoda.server.procs import Failed, Ready, Shutdown
+from pagoda.server.procs import Launcher as CoreLauncher
+from pagoda.server.procs import stop_children as kill_all
 from pagoda.server.routing import ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase

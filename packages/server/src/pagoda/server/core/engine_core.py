@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -24,34 +22,29 @@ from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
+    CoreOutput,
     EngineInfo,
-    Failed,
     Outputs,
-    Ready,
     Rejected,
-    Shutdown,
     input_decoder,
 )
 from pagoda.server.engine import LLMEngine
 from pagoda.server.loader import resolve_tokenizer_folder
+from pagoda.server.procs import ChildSpec, Failed, Program, Ready, Shutdown
 
 logger = logging.getLogger(__name__)
 
-# How long an idle core waits for input before it looks at its parent again.
+# How long an idle core waits for input before it looks again (at a SIGTERM's drain, say).
 _IDLE_POLL_MS = 200
-# How often the watchdog checks that the process that started the core still lives.
-_PARENT_CHECK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
 class CoreSpec:
-    """Where a core connects and how it runs: everything a launcher passes to `run_engine_core`."""
+    """Where a core connects and what it serves: the spec a launcher hands the `CORE_PROGRAM`."""
 
     config_frame: bytes  # the EngineConfig, msgpack-encoded (no pickle, even on the spawn pipe)
     input_address: str
     output_address: str
-    parent_pid: int | None  # exit when this process is gone (None: the launcher, e.g. Ray, owns the lifetime)
-    cpus: tuple[int, ...] | None = None  # pin the process to these cores (and as many torch threads)
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -135,27 +128,8 @@ class EngineCore:
             return False
         return True
 
-    def _send(self, message: Ready | Outputs | Accepted | Rejected | Failed) -> None:
+    def _send(self, message: CoreOutput) -> None:
         self._outputs.send(self._encoder.encode(message), copy=False)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit the process at once when its parent is gone (re-parented): an orphan core would hold memory forever."""
-    while True:
-        time.sleep(_PARENT_CHECK_S)
-        if os.getppid() != parent_pid:
-            logger.error("the front end (pid %d) is gone; the engine core exits", parent_pid)
-            os._exit(1)
-
-
-def pin_threads(cpus: tuple[int, ...] | None) -> None:
-    """Pin this process to `cpus` and give torch as many threads (so replicas do not fight over cores)."""
-    if cpus is None:
-        return
-    import torch
-
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
 
 
 def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
@@ -166,7 +140,6 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
     inputs.connect(spec.input_address)
     outputs.connect(spec.output_address)
     try:
-        pin_threads(spec.cpus)
         config = msgspec.msgpack.decode(spec.config_frame, type=EngineConfig)
         core = EngineCore(LLMEngine.from_config(config), inputs, outputs)
         if handle_signals:
@@ -187,11 +160,10 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
         context.term()
 
 
-def run_engine_core(spec: CoreSpec, log_level: int) -> None:
-    """Body of a core process: watchdog on the parent, SIGINT left to the front end, SIGTERM drains."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core %(process)d]: %(message)s")
-    # Ctrl-C reaches the whole process group; the front end decides (drain, then Shutdown).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if spec.parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
-    serve_core(spec, handle_signals=True)
+def _run_core(child: ChildSpec[CoreSpec]) -> None:
+    """The core program's body: in a process of its own SIGTERM drains; in a Ray actor Ray owns the signals."""
+    serve_core(child.spec, handle_signals=child.own_process)
+
+
+# `python -m pagoda.server.core` runs it as a local process (core/__main__.py); RayLauncher as an actor.
+CORE_PROGRAM = Program("core", "pagoda.server.core", CoreSpec, _run_core)

@@ -2,20 +2,18 @@
 
 Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown` (the `CoreInput` union). Core -> front end: `Ready`
 once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for each added request,
-or `Failed` before it exits on an error (the `CoreOutput` union). Every decoder is typed: a frame that is not exactly one of these fails to decode, and
-the receiver drops it (`decode_or_none`) instead of acting on it.
+or `Failed` before it exits on an error (the `CoreOutput` union). `Ready`, `Shutdown` and `Failed` are the
+process stack's control frames (procs/control.py), shared with the tensor-parallel workers. Every decoder is
+typed: a frame that is not exactly one of these fails to decode, and the receiver drops it (`decode_or_none`)
+instead of acting on it.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Generic, TypeVar
-
 import msgspec
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
+from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
 from pagoda.server.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 PositionLogprobs = dict[int, Logprob]
 
@@ -35,10 +33,6 @@ class AbortRequests(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
 
 
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
-    """Abort everything and exit."""
-
-
 CoreInput = AddRequest | AbortRequests | Shutdown
 
 
@@ -51,14 +45,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     num_kv_blocks: int
     block_size: int
-
-
-class Ready(msgspec.Struct, frozen=True, tag=True):
-    """The core loaded its model and serves; `pid` is the core's process id on its node."""
-
-    info: EngineInfo
-    pid: int
-    stats: EngineStats
 
 
 class SampleDelta(msgspec.Struct, frozen=True):
@@ -113,31 +99,8 @@ class Rejected(msgspec.Struct, frozen=True, tag=True):
     param: str | None
 
 
-class Failed(msgspec.Struct, frozen=True, tag=True):
-    """The core could not start, or its step loop failed; it exits after sending this."""
-
-    message: str
-
-
-CoreOutput = Ready | Outputs | Accepted | Rejected | Failed
-
-M = TypeVar("M")
-
-
-class FrameDecoder(Generic[M]):
-    """A typed msgpack decoder that drops (and logs) what does not decode instead of raising."""
-
-    def __init__(self, message_type: type[M], what: str) -> None:
-        self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)
-        self._what = what
-
-    def decode_or_none(self, frame: bytes | memoryview) -> M | None:
-        """The message of `frame`, or None (logged) when it is not a valid frame of this channel."""
-        try:
-            return self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("dropped a malformed %s frame (%d bytes): %s", self._what, len(frame), exc)
-            return None
+# `Ready.info` is the core's `EngineInfo`, `Ready.stats` its stats before the first step.
+CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed
 
 
 def input_decoder() -> FrameDecoder[CoreInput]:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 from pagoda.server.core.deltas import DeltaDecoder
-from pagoda.server.core.engine_core import CoreSpec
-from pagoda.server.core.launchers import CoreHandle, CoreLauncher
+from pagoda.server.core.engine_core import CORE_PROGRAM, CoreSpec
 from pagoda.server.core.messages import CoreInput, EngineInfo
 from pagoda.server.outputs import EngineStats
+from pagoda.server.procs import Handle, Launcher
 
 # Restart backoff: the first restart after this many seconds, doubling up to the cap while restarts keep failing.
 RESTART_BACKOFF_S = 1.0
@@ -25,7 +25,7 @@ class Replica:
     index: int
     inputs: zmq.Socket[bytes] | None = None
     outputs: zmq.Socket[bytes] | None = None
-    handle: CoreHandle | None = None
+    handle: Handle | None = None
     ready: bool = False
     ready_deadline: float = 0.0  # monotonic time by which a starting core must be Ready
     restart_at: float | None = None  # dead: when to start it again
@@ -46,7 +46,7 @@ class Replica:
     def start(
         self,
         context: zmq.Context[zmq.Socket[bytes]],
-        launcher: CoreLauncher,
+        launcher: Launcher,
         config_frame: bytes,
         timeout: float,
     ) -> None:
@@ -54,10 +54,11 @@ class Replica:
         self.generation += 1
         self.inputs = context.socket(zmq.PUSH)
         self.outputs = context.socket(zmq.PULL)
-        input_address = _bind(self.inputs, launcher.address(self.index, self.generation, "input"))
-        output_address = _bind(self.outputs, launcher.address(self.index, self.generation, "output"))
-        spec = CoreSpec(config_frame, input_address, output_address, parent_pid=None)
-        self.handle = launcher.launch(self.index, spec)
+        name = f"core{self.index}-{self.generation}"
+        input_address = _bind(self.inputs, launcher.address(f"{name}-input"))
+        output_address = _bind(self.outputs, launcher.address(f"{name}-output"))
+        spec = CoreSpec(config_frame, input_address, output_address)
+        self.handle = launcher.launch(CORE_PROGRAM, spec, index=self.index, name=f"engine core {self.index}")
         self.ready = False
         self.restart_at = None
         self.ready_deadline = time.monotonic() + timeout

@@ -6,7 +6,8 @@ import logging
 
 from pagoda.server.config import DistributedExecutorBackendName, EngineConfig
 from pagoda.server.core.client import DEFAULT_READY_TIMEOUT_S, CoreClient
-from pagoda.server.core.launchers import CoreLauncher, ProcessLauncher
+from pagoda.server.procs import Launcher as CoreLauncher
+from pagoda.server.procs import ProcessLauncher
 from pagoda.server.routing import RoutingPolicyName, build_router
 
 
@@ -23,7 +24,7 @@ def start_core_client(
     """Start `data_parallel_size` engine cores (local processes for "mp", Ray actors for "ray") behind a router."""
     launcher: CoreLauncher
     if backend == "ray":
-        from pagoda.server.core.ray_launcher import RayLauncher
+        from pagoda.server.procs.ray_launcher import RayLauncher
 
         launcher = RayLauncher(ray_num_cpus, _gpus_per_replica(config), log_level)
     else:

@@ -23,16 +23,15 @@ from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.base import Executor, ExecutorError, run_step
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_store
-from pagoda.server.engine.executor.launchers import Launcher, ProcessLauncher
 from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
     Execute,
-    Ready,
-    Shutdown,
     Start,
+    WorkerReady,
     WorkerSpec,
 )
+from pagoda.server.engine.executor.worker import WORKER_PROGRAM
 from pagoda.server.engine.model_runner import ModelRunner, PromptHidden
 from pagoda.server.engine.setup import (
     EngineConfigError,
@@ -45,6 +44,7 @@ from pagoda.server.engine.setup import (
 from pagoda.server.loader import resolve_model_folder
 from pagoda.server.models import TensorParallelError
 from pagoda.server.models.parallel import check_tensor_parallel
+from pagoda.server.procs import FrameDecoder, Handle, Launcher, ProcessLauncher, Shutdown, stop_children
 from torch import Tensor
 from transformers import AutoConfig
 
@@ -54,13 +54,20 @@ _POLL_MS = 200
 _STOP_TIMEOUT_S = 10.0
 
 
-def _launcher(config: EngineConfig, use_gpus: bool) -> Launcher:
-    """The configured backend's launcher (Ray is imported only when asked for)."""
-    if config.distributed_executor_backend == "ray":
-        from pagoda.server.engine.executor.ray_launcher import RayLauncher
+def _launcher(config: EngineConfig, use_gpus: bool, threads: int | None) -> Launcher:
+    """The configured backend's launcher for ranks 1..N-1 (Ray is imported only when asked for).
 
-        return RayLauncher(use_gpus)
-    return ProcessLauncher()
+    Ray: one bundle per worker in a PACK placement group, one GPU each on CUDA, else its torch threads' CPUs.
+    mp: local processes, not pinned (each runs `threads` torch threads).
+    """
+    workers = config.tensor_parallel_size - 1
+    if config.distributed_executor_backend == "ray":
+        from pagoda.server.procs.ray_launcher import RayLauncher
+
+        cpus = 0.0 if use_gpus else float(threads or 1)
+        gpus = 1.0 if use_gpus else 0.0
+        return RayLauncher(cpus, gpus, logging.WARNING, placement_group_size=workers)
+    return ProcessLauncher(workers, logging.WARNING, pin=False)
 
 
 def threads_per_rank(size: int) -> int:
@@ -77,6 +84,7 @@ class DistributedExecutor(Executor):
         driver: ModelRunner,
         group: ProcessGroupCollectives,
         launcher: Launcher,
+        workers: list[Handle],
         context: zmq.Context[zmq.Socket[bytes]],
         router: zmq.Socket[bytes],
         restore_threads: int | None,
@@ -86,6 +94,7 @@ class DistributedExecutor(Executor):
         self.num_host_blocks = driver.kv_cache.num_host_blocks
         self.group = group
         self.launcher = launcher
+        self.workers = workers  # ranks 1..N-1, in order
         self._router = router
         self._context = context
         self._identities = [f"rank{rank}".encode() for rank in range(1, group.size)]
@@ -94,7 +103,7 @@ class DistributedExecutor(Executor):
         self._stopped = False
         self.steps = 0  # steps executed (the benchmark divides the collective time by it)
         # Workers must not outlive an engine that was never shut down (a test that failed, an interpreter exit).
-        self._finalizer = weakref.finalize(self, launcher.kill)
+        self._finalizer = weakref.finalize(self, _release, workers, launcher)
 
     @classmethod
     def launch(cls, config: EngineConfig) -> tuple[DistributedExecutor, EngineParts]:
@@ -109,29 +118,32 @@ class DistributedExecutor(Executor):
         except TensorParallelError as exc:
             raise EngineConfigError(str(exc)) from exc
         use_gpus = placement.device.type == "cuda"
-        launcher = _launcher(config, use_gpus)
+        threads = None if use_gpus else threads_per_rank(size)
+        launcher = _launcher(config, use_gpus, threads)
         host = launcher.host()
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         port = router.bind_to_random_port(f"tcp://{host}")
         store = make_store(host, 0, size, is_master=True)
-        threads = None if use_gpus else threads_per_rank(size)
         specs = _worker_specs(config, folder, placement, f"tcp://{host}:{port}", host, store.port, threads)
         restore = torch.get_num_threads() if threads is not None else None
+        workers: list[Handle] = []
         try:
-            launcher.start(specs)
+            for spec in specs:
+                name = f"tensor-parallel worker rank {spec.rank}"
+                workers.append(launcher.launch(WORKER_PROGRAM, spec, index=spec.rank - 1, name=name))
             if threads is not None:
                 torch.set_num_threads(threads)
             group = ProcessGroupCollectives(0, size)
             parts = build_parts(config, group, placement)
-            _wait_ready(router, launcher, size - 1)
+            _wait_ready(router, workers)
             start = msgspec.msgpack.encode(Start(parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks))
             for rank in range(1, size):
                 router.send_multipart([f"rank{rank}".encode(), start])
             group.connect(store, placement.device)
         except BaseException:
-            launcher.kill()
+            _release(workers, launcher)
             router.close()
             context.term()
             if restore is not None:
@@ -145,7 +157,7 @@ class DistributedExecutor(Executor):
             "" if threads is None else f", {threads} torch thread(s) per rank",
         )
         driver = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
-        return cls(driver, group, launcher, context, router, restore), parts
+        return cls(driver, group, launcher, workers, context, router, restore), parts
 
     def execute(
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
@@ -174,8 +186,12 @@ class DistributedExecutor(Executor):
         """Raise the executor's ExecutorError once a worker has ended (it names the rank)."""
         if self._failed is not None:
             raise self._failed
-        if (failure := self.launcher.failure()) is not None:
+        if (failure := self.failure()) is not None:
             raise self._fail(None, failure)
+
+    def failure(self) -> str | None:
+        """The first worker that ended, with how it ended ("... rank 1 (pid 42) exited with -9 ..."), or None."""
+        return _first_failure(self.workers)
 
     def _send(self, command: Command) -> None:
         """The same command to every worker, once all are known to run."""
@@ -188,7 +204,7 @@ class DistributedExecutor(Executor):
         """The error every later call raises too, naming the worker that ended when there is one."""
         deadline = time.monotonic() + 2.0
         while failure is None and time.monotonic() < deadline:  # a killed peer may not be reaped yet
-            failure = self.launcher.failure()
+            failure = self.failure()
             time.sleep(0.05)
         reason = failure or f"a collective failed: {exc}"
         self._failed = ExecutorError(f"the tensor-parallel engine cannot continue: {reason}")
@@ -200,13 +216,13 @@ class DistributedExecutor(Executor):
         if self._stopped:
             return
         self._stopped = True
-        healthy = self._failed is None and self.launcher.failure() is None
+        healthy = self._failed is None and self.failure() is None
         if healthy:
             payload = msgspec.msgpack.encode(Shutdown())
             for identity in self._identities:
                 self._router.send_multipart([identity, payload])
         # After a failure the surviving workers may sit in a collective that will never complete: kill them now.
-        self.launcher.stop(_STOP_TIMEOUT_S if healthy else 0.0)
+        stop_children(self.workers, _STOP_TIMEOUT_S if healthy else 0.0)
         self._finalizer()
         self._router.close()
         self._context.term()
@@ -238,25 +254,39 @@ def _worker_specs(
             store_host=store_host,
             store_port=store_port,
             num_threads=threads,
-            parent_pid=os.getpid() if local else None,
         )
         for rank in range(1, config.tensor_parallel_size)
     ]
 
 
-def _wait_ready(router: zmq.Socket[bytes], launcher: Launcher, count: int) -> None:
-    """Wait for `count` Ready messages; ExecutorError as soon as a worker ends (or after the startup timeout)."""
-    decoder = msgspec.msgpack.Decoder(Ready)
+def _wait_ready(router: zmq.Socket[bytes], workers: list[Handle]) -> None:
+    """Wait for every worker's Ready; ExecutorError as soon as a worker ends (or after the startup timeout)."""
+    decoder = FrameDecoder(WorkerReady, "worker control")
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     ready: set[int] = set()
-    while len(ready) < count:
+    while len(ready) < len(workers):
         if router.poll(_POLL_MS):
             _, payload = router.recv_multipart()
-            ready.add(decoder.decode(payload).rank)
+            if (message := decoder.decode_or_none(payload)) is not None:
+                ready.add(message.info)
             continue
-        if (failure := launcher.failure()) is not None:
+        if (failure := _first_failure(workers)) is not None:
             raise ExecutorError(f"a worker failed while loading: {failure}")
         if time.monotonic() > deadline:
             raise ExecutorError(
-                f"workers not ready after {_STARTUP_TIMEOUT_S:.0f} s: {count - len(ready)} missing"
+                f"workers not ready after {_STARTUP_TIMEOUT_S:.0f} s: {len(workers) - len(ready)} missing"
             )
+
+
+def _first_failure(workers: list[Handle]) -> str | None:
+    """The first worker that ended, and how, or None while all run."""
+    for handle in workers:
+        if not handle.is_alive():
+            return f"{handle.describe()} {handle.describe_exit()}"
+    return None
+
+
+def _release(workers: list[Handle], launcher: Launcher) -> None:
+    """Kill every worker still running and free what they shared (idempotent; the finalizer calls it)."""
+    stop_children(workers, 0.0)
+    launcher.close()

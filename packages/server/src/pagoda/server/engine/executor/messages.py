@@ -1,10 +1,15 @@
-"""What the driver tells its workers, as msgspec msgpack frames over ZeroMQ (never pickle over a socket)."""
+"""What the driver tells its workers, as msgspec msgpack frames over ZeroMQ (never pickle over a socket).
+
+A worker announces itself with the process stack's `Ready` (procs/control.py; its `info` is the worker's rank),
+gets `Start`, then runs `Command`s until `Shutdown`.
+"""
 
 from __future__ import annotations
 
 import msgspec
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
+from pagoda.server.procs.control import Ready, Shutdown
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -20,13 +25,10 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     store_host: str
     store_port: int
     num_threads: int | None  # torch threads of this rank on the CPU; None leaves torch's default
-    parent_pid: int | None  # exit when this process is gone (local workers); None under Ray, which does it
 
 
-class Ready(msgspec.Struct, frozen=True):
-    """A worker loaded its weights."""
-
-    rank: int
+# A worker's `Ready`: its `info` is its rank.
+WorkerReady = Ready[int]
 
 
 class Start(msgspec.Struct, frozen=True):
@@ -47,10 +49,6 @@ class ComputeLogits(msgspec.Struct, frozen=True, tag=True):
 
     num_rows: int
     hidden_size: int
-
-
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
-    """Leave the loop and exit."""
 
 
 Command = Execute | ComputeLogits | Shutdown

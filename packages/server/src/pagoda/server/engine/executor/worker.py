@@ -1,18 +1,15 @@
 """A tensor-parallel worker: one rank's shard of the model and of the KV cache, driven by the driver's commands.
 
-Run as `python -m pagoda.server.engine.executor.worker <spec>` by the mp executor, or inside a Ray actor.
+`WORKER_PROGRAM`: run as `python -m pagoda.server.engine.executor.worker` (its spec on stdin) by the mp executor's
+`ProcessLauncher`, or inside a Ray actor by `RayLauncher`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
-import threading
-import time
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import msgspec
 import torch
@@ -22,32 +19,26 @@ from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
     Execute,
-    Ready,
-    Shutdown,
     Start,
+    WorkerReady,
     WorkerSpec,
 )
 from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.setup import Placement, build_shard, kv_cache_shape, parse_dtype
+from pagoda.server.procs import ChildSpec, Program, Shutdown
+from pagoda.server.procs.child import run_process
 
 logger = logging.getLogger("pagoda.worker")
 _POLL_MS = 500  # how often an idle worker checks that its driver still exists
 _T = TypeVar("_T")
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit this process once the driver's is gone, whatever the main thread is doing (loading, a collective)."""
-    while os.getppid() == parent_pid:
-        time.sleep(_POLL_MS / 1000)
-    logger.error("the driver (pid %d) is gone: exiting", parent_pid)
-    os._exit(1)
+def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
+    """Load this rank's shard, report ready, join the group, then run commands until Shutdown or the driver's end.
 
-
-def run_worker(spec: WorkerSpec) -> None:
-    """Load this rank's shard, report ready, join the group, then run commands until Shutdown or the driver's end."""
-    if spec.parent_pid is not None:
-        threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
+    `parent_pid`: the driver's process (a local worker leaves its loop once it is gone); None under Ray.
+    """
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     context = zmq.Context()
@@ -63,8 +54,8 @@ def run_worker(spec: WorkerSpec) -> None:
             )  # NCCL and the kernels launch on this rank's GPU, not GPU 0
         group = ProcessGroupCollectives(spec.rank, spec.world_size)
         model, backend = build_shard(spec.config, Path(spec.model_folder), placement, group)
-        socket.send(msgspec.msgpack.encode(Ready(spec.rank)))
-        start = _receive(socket, msgspec.msgpack.Decoder(Start), spec.parent_pid)
+        socket.send(msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid())))
+        start = _receive(socket, msgspec.msgpack.Decoder(Start), parent_pid)
         if start is None:
             return
         shape = kv_cache_shape(model, spec.config, placement.dtype)
@@ -73,19 +64,23 @@ def run_worker(spec: WorkerSpec) -> None:
             make_store(spec.store_host, spec.store_port, spec.world_size, is_master=False), placement.device
         )
         runner = ModelRunner(model, kv_cache, backend, placement.device)
-        _serve(runner, group, socket, spec)
+        _serve(runner, group, socket, spec, parent_pid)
     finally:
         socket.close()
         context.term()
 
 
 def _serve(
-    runner: ModelRunner, group: ProcessGroupCollectives, socket: zmq.Socket[bytes], spec: WorkerSpec
+    runner: ModelRunner,
+    group: ProcessGroupCollectives,
+    socket: zmq.Socket[bytes],
+    spec: WorkerSpec,
+    parent_pid: int | None,
 ) -> None:
     """Run each command in lockstep with the driver; the forward's collectives keep the ranks together."""
     decoder = msgspec.msgpack.Decoder(Command)
     while True:
-        command = _receive(socket, decoder, spec.parent_pid)
+        command = _receive(socket, decoder, parent_pid)
         if command is None or isinstance(command, Shutdown):
             return
         if isinstance(command, Execute):
@@ -107,17 +102,12 @@ def _receive(
     return decoder.decode(socket.recv())
 
 
-def main(argv: list[str]) -> NoReturn:
-    """Entry point of a spawned worker process: its spec is the one argument, msgspec JSON."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Ctrl-C reaches the whole process group: the driver decides when its workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_worker(msgspec.json.decode(argv[0], type=WorkerSpec))
-    # Skip the interpreter's teardown (seconds of collecting torch's objects on a busy machine): all is closed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _run_worker(child: ChildSpec[WorkerSpec]) -> None:
+    """The worker program's body."""
+    run_worker(child.spec, child.parent_pid)
 
+
+WORKER_PROGRAM = Program("worker", "pagoda.server.engine.executor.worker", WorkerSpec, _run_worker)
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_process(WORKER_PROGRAM)
