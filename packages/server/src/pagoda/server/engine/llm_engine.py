@@ -38,7 +38,7 @@ from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.structured import GrammarBitmask, GrammarError, GrammarGate, StructuredOutputManager
+from pagoda.server.structured import GrammarBitmask, GrammarGate, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
 
 # How long an empty step waits when requests are held back by the policy (static batching's timeout).
@@ -136,14 +136,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
-        self.rules.check(ids, params)
-        constraint = params.structured_outputs
-        if constraint is not None:
-            try:
-                self.structured.check(constraint)
-            except GrammarError as exc:
-                field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"
-                raise RequestRejectedError(str(exc), field) from exc
+        self.rules.check(ids, params)  # the constraint too: it parses (compiling comes later)
         if request_id in self._requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -234,6 +227,7 @@ class LLMEngine:
         for request in self.scheduler.update_from_output(scheduled, tokens, stopped, sampled.held):
             owner = self._seq_owner[request.request_id]
             owner.finish_as_scheduled(request, stopped.get(request.request_id))
+            progressed[owner.request_id] = owner
         outputs: list[RequestOutput] = []
         for owner in progressed.values():
             seq_ids = owner.seq_ids
