@@ -6,9 +6,10 @@ request through the same calls each step: the rows it needs (`draw_spec`: drawn 
 float32 log-probabilities), what it got (`add_token` / `add_logprob_row`), finishing as the scheduler says, closing
 the step (`end_step`), its snapshot and its abort. Plain sampling is `RequestState`, beam search `BeamGroup`; a
 request whose grammar is compiling waits at `structured.GrammarGate`, an admission gate in front of the scheduler.
-The next features (speculative drafts, LoRA adapters, pooling requests) come as new EngineRequest implementations,
-a new gate, or a small hook on the Protocol or the executor, never as a branch in `step()`: `step()` does not know
-which features its requests use.
+`step()` does not know which features its requests use, and the next ones keep it so: speculative drafts are an
+EngineRequest whose rows cover its draft positions and whose `end_step` accepts them; a LoRA adapter is a small
+hook on the Protocol that the executor reads per chunk; a pooling request takes hidden states (as prompt logprobs
+do) and finishes after its prefill; a new wait before scheduling is a gate. None of them is a branch in `step()`.
 """
 
 from __future__ import annotations

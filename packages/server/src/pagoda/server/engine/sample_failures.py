@@ -26,6 +26,7 @@ class SampleFailures:
         self.requests: dict[str, EngineRequest] = {}
 
     def __contains__(self, request_id: object) -> bool:
+        """Whether a row of request `request_id` failed this step."""
         return request_id in self.requests
 
     def add_grammar_failures(
