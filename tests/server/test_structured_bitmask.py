@@ -106,7 +106,7 @@ def test_engine_aborts_the_request_whose_grammar_fails(tmp_path: Path) -> None:
     tokenizer = engine.tokenizer
     for request_id, params in (("ok", constrained), ("broken", constrained), ("plain", plain)):
         engine.add_request(request_id, tokenizer.encode("a pet"), params)
-    while len(engine.grammar_gate):  # let both grammars compile and the requests be admitted
+    while len(engine.gate):  # let both grammars compile and the requests be admitted
         engine.step()
     broken = engine._requests["broken"]
     assert isinstance(broken, RequestState)

@@ -98,7 +98,7 @@ class LLMEngine:
         )
         self._unseeded_requests = 0  # numbers the unseeded requests, whose RNG seeds derive from config.seed
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.grammar_gate = GrammarGate()  # constrained requests whose grammar is compiling
+        self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
         self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
         # Final snapshots of aborted requests, returned by the next step.
@@ -149,7 +149,7 @@ class LLMEngine:
             self.scheduler.add_request(new.request)
         else:
             constraint, start = new.grammar
-            self.grammar_gate.hold(new.request, self.structured.compile(constraint), start)
+            self.gate.hold(new.request, self.structured.compile(constraint), start)
         self._own(new.owner)
 
     def _request_seed(self, params: SamplingParams) -> int:
@@ -164,9 +164,8 @@ class LLMEngine:
         owner = self._requests.get(request_id)
         if owner is None:
             return
-        self.grammar_gate.cancel(
-            request_id
-        )  # held there, the scheduler does not know it: its abort is a no-op
+        # A request held at the gate is unknown to the scheduler: its abort there is a no-op.
+        self.gate.cancel(request_id)
         self.scheduler.abort_request(request_id)
         self._abort(owner)
 
@@ -182,14 +181,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; snapshots of the requests that progressed, finished or were aborted."""
-        for request_id in self.grammar_gate.admit_ready(self.scheduler):
+        for request_id in self.gate.admit_ready(self.scheduler):
             self._abort(self._requests[request_id])
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self._idle(bool(outputs))
             return outputs
-        rows = self.step_sampler.plan(scheduled, self._seq_owner)  # grammar masks fill while the model runs
+        rows = self.step_sampler.plan(scheduled, self._seq_owner)  # its masks fill while the model runs
         logits, prompt_hidden = self.executor.execute(scheduled, prompt_lens(scheduled, self._seq_owner))
         add_prompt_logprobs(self.executor, self._seq_owner, prompt_hidden)
         sampled = self.step_sampler.sample(rows, logits)
@@ -201,7 +200,7 @@ class LLMEngine:
 
     def _idle(self, reported: bool) -> None:
         """Nothing ran: wait for a held grammar, or yield the core while the policy holds requests back."""
-        if not self.grammar_gate.wait() and not reported and self.scheduler.has_unfinished_requests():
+        if not self.gate.wait() and not reported and self.scheduler.has_unfinished_requests():
             # A static batch still forming: a step loop would spin on this, so yield for a moment.
             time.sleep(_IDLE_WAIT_S)
 
@@ -266,7 +265,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         return EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting + len(self.grammar_gate),
+            num_waiting=s.num_waiting + len(self.gate),
             num_swapped=s.num_swapped,
             kv_cache_usage=s.kv_usage,
             num_kv_blocks=self.num_kv_blocks,
