@@ -151,6 +151,37 @@ def test_a_plain_request_and_a_beam_group_run_through_one_step_loop(
     assert engine.get_stats().generation_tokens == MAX_TOKENS + 3 * MAX_TOKENS
 
 
+def test_a_row_that_cannot_be_sampled_aborts_its_request_alone(
+    tokenizer: PreTrainedTokenizerBase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NaN logits in one request's row on its second step abort that request (logged, keeping its first token);
+    the request beside it gets all its tokens."""
+    engine = make_engine(tokenizer)
+    executor = cast(FakeModel, engine.executor)
+    execute = executor.execute
+
+    def poisoned(
+        output: SchedulerOutput, prompt_lens: Mapping[str, int]
+    ) -> tuple[torch.Tensor, dict[str, PromptHidden]]:  # ([num_rows, VOCAB], no prompt hidden states)
+        logits, hidden = execute(output, prompt_lens)
+        rows = [seq_id for chunk in output.scheduled for seq_id in chunk.sample_ids]
+        if len(executor.steps) == 2:
+            logits[rows.index("bad"), 7] = float("nan")
+        return logits, hidden
+
+    executor.execute = poisoned  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("good", PROMPT, params)
+    engine.add_request("bad", PROMPT, params)
+    with caplog.at_level(logging.ERROR):
+        finished = {o.request_id: o for o in run(engine) if o.finished}
+    assert finished["bad"].outputs[0].finish_reason == "abort"
+    assert list(finished["bad"].outputs[0].token_ids) == greedy_path(len(PROMPT), 1)
+    assert list(finished["good"].outputs[0].token_ids) == greedy_path(len(PROMPT), MAX_TOKENS)
+    assert "request bad aborted: cannot sample sample bad's next token: the model produced NaN" in caplog.text
+    assert engine.get_num_unfinished_requests() == 0 and engine.kv_manager.stats().num_used_blocks == 0
+
+
 def test_the_step_sampler_hands_logprob_rows_over_and_draws_the_rest(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
