@@ -9,7 +9,7 @@ import pytest
 from pagoda.server.api.errors import APIError
 from pagoda.server.api.serving_base import to_api_error
 from pagoda.server.engine import AdmissionRules, RequestRejectedError
-from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 RULES = AdmissionRules(max_model_len=10, vocab_size=100)
 
@@ -89,3 +89,14 @@ def test_the_api_answers_another_value_error_with_a_400_naming_nothing() -> None
     error = to_api_error(ValueError("bad"))
     assert isinstance(error, APIError)
     assert (error.status, error.param) == (400, None)
+
+
+def test_a_constraint_must_parse() -> None:
+    """A structured-outputs constraint that does not parse names its own field; one that parses passes."""
+    RULES.check(
+        [1, 2], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    )
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z"))
+    assert rejected_param(RULES.check, [1, 2], bad) == "structured_outputs.regex"
+    schema = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json="[1]"))
+    assert rejected_param(RULES.check, [1, 2], schema) == "structured_outputs.json"

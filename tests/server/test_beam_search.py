@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from executor_hooks import hook_steps
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, EarlyStopping
 from pagoda.server.llm import LLM
@@ -145,9 +146,8 @@ def test_beams_share_prompt_blocks(tmp_path: Path) -> None:
     tail_blocks = 1
     seen: list[int] = []
     copies = 0
-    execute = engine.runner.execute
 
-    def observed(output: SchedulerOutput) -> torch.Tensor:
+    def observed(output: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
         nonlocal copies
         copies += len(output.blocks_to_copy)
         if all(chunk.num_tokens == 1 for chunk in output.scheduled):  # a decode step of the k beams
@@ -159,9 +159,9 @@ def test_beams_share_prompt_blocks(tmp_path: Path) -> None:
             assert used == full_prompt_blocks + k * tail_blocks
             assert used < k * len(tables[0])
             seen.append(used)
-        return execute(output)
+        return logits
 
-    engine.runner.execute = observed  # type: ignore[method-assign]
+    hook_steps(engine, observed)
     prompt = random_prompts([prompt_len], seed=3)[0]
     (output,) = llm.beam_search([prompt], BeamSearchParams(k, MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     assert len(seen) == MAX_TOKENS - 1  # every decode step was checked
@@ -181,14 +181,13 @@ def test_preemption_mid_search_gives_the_same_result(mode: str, models: dict[str
         model.path, num_kv_blocks=28, max_model_len=40, preemption_mode=mode, swap_space_gib=0.01
     )
     swapped_blocks = 0
-    execute = small.engine.runner.execute
 
-    def counting(output: SchedulerOutput) -> torch.Tensor:
+    def counting(output: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
         nonlocal swapped_blocks
         swapped_blocks += len(output.blocks_to_swap_out)
-        return execute(output)
+        return logits
 
-    small.engine.runner.execute = counting  # type: ignore[method-assign]
+    hook_steps(small.engine, counting)
     got = small.beam_search(prompts, params, use_tqdm=False)
     assert small.engine.get_stats().num_preemptions > 0
     assert (swapped_blocks > 0) == (mode == "swap")

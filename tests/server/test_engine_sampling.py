@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from executor_hooks import hook_steps
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
@@ -106,13 +107,12 @@ def test_a_nan_row_aborts_its_request_and_the_others_go_on(
     llm = make_llm(model_dir)
     clean = tokens(llm.generate(prompts, params, use_tqdm=False))
     engine = llm.engine
-    execute = engine.runner.execute
     calls = 0
 
-    def poisoned(output: SchedulerOutput) -> torch.Tensor:
+    def poisoned(output: SchedulerOutput, model_logits: torch.Tensor) -> torch.Tensor:
         """The model's logits, with NaN in the row of request "bad" on its third step."""
         nonlocal calls
-        logits = execute(output).clone()  # an inference tensor: a clone may be edited
+        logits = model_logits.clone()  # an inference tensor: a clone may be edited
         rows = [seq_id for chunk in output.scheduled for seq_id in chunk.sample_ids]
         if "bad" in rows:
             calls += 1
@@ -120,7 +120,7 @@ def test_a_nan_row_aborts_its_request_and_the_others_go_on(
                 logits[rows.index("bad"), 5] = float("nan")
         return logits
 
-    engine.runner.execute = poisoned  # type: ignore[method-assign]
+    hook_steps(engine, poisoned)
     for request_id, prompt, sp in zip(("a", "bad", "c"), prompts, params, strict=True):
         engine.add_request(request_id, prompt, sp)
     finished: dict[str, RequestOutput] = {}

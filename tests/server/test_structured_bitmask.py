@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar as xgr
+from pagoda.server.engine.requests import RequestState
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.structured import GrammarBitmask
@@ -105,9 +106,11 @@ def test_engine_aborts_the_request_whose_grammar_fails(tmp_path: Path) -> None:
     tokenizer = engine.tokenizer
     for request_id, params in (("ok", constrained), ("broken", constrained), ("plain", plain)):
         engine.add_request(request_id, tokenizer.encode("a pet"), params)
-    while engine._waiting_for_grammar:  # let both grammars compile and the requests be admitted
+    while len(engine.gate):  # let both grammars compile and the requests be admitted
         engine.step()
-    (sample,) = engine._requests["broken"].samples.values()
+    broken = engine._requests["broken"]
+    assert isinstance(broken, RequestState)
+    (sample,) = broken.samples.values()
     sample.matcher = xgr.GrammarMatcher(compiled())  # a grammar over another vocabulary: its fill raises
     finished = {}
     for _ in range(1000):

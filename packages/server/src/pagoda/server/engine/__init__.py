@@ -2,7 +2,15 @@
 
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.setup import EngineConfigError
 
-__all__ = ["AdmissionRules", "EngineConfig", "EngineConfigError", "LLMEngine", "RequestRejectedError"]
+__all__ = [
+    "AdmissionRules",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineRequest",
+    "LLMEngine",
+    "RequestRejectedError",
+]

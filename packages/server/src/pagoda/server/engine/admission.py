@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.structured import GrammarError, parse_grammar
 
 __all__ = ["AdmissionRules", "RequestRejectedError"]
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionRules:
-    """A prompt is not empty, not longer than max_input_tokens, every token id is in the vocabulary, and prompt +
-    max_tokens fit max_model_len.
+    """A prompt is not empty, not longer than max_input_tokens, every token id is in the vocabulary, prompt +
+    max_tokens fit max_model_len, and a structured-outputs constraint parses.
 
     Each rule raises RequestRejectedError naming the field at fault. Whether the request fits the KV pool and the
     batch (`n`) is the scheduler's check, made when the engine hands the request over.
@@ -73,3 +74,9 @@ class AdmissionRules:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         self.check_token_ids(params.allowed_token_ids or (), "allowed_token_ids")
+        if params.structured_outputs is not None:
+            try:  # parsing only (well under a millisecond); the engine compiles it off the step
+                parse_grammar(params.structured_outputs)
+            except GrammarError as exc:
+                field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"
+                raise RequestRejectedError(str(exc), field) from exc

@@ -6,6 +6,9 @@ once and the group is rewritten in the scheduler: beams no longer picked are fin
 that step), a beam picked c times is forked c - 1 times (block tables shared by reference count, copy-on-write
 on the next write into the shared last block), and each next beam gets its token appended. Beams of one group
 may be scheduled, preempted or recomputed at different steps: holding rows is what keeps the group in step.
+
+`BeamGroup` is beam search's `EngineRequest`: its `draw_spec` is None, so the engine hands it each beam's float32
+log-softmax row (as transformers scores them) and holds the sequence in the scheduler; `end_step` advances.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import itertools
 import time
 
 import torch
-from pagoda.scheduler import Scheduler, sample_id
+from pagoda.scheduler import Request, Scheduler, sample_id
 from pagoda.server.beam_search import BeamSearchParams, BeamSearchPolicy, finish_reason
+from pagoda.server.engine.engine_request import DrawSpec
 from pagoda.server.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.server.sampling import TokenLogprobs
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
@@ -34,6 +39,7 @@ class BeamGroup:
         eos_token_ids: frozenset[int],
         skip_special_tokens: bool,
         arrival_time: float,
+        tokenizer: PreTrainedTokenizerBase,
     ) -> None:
         """The scheduler forks the prompt into `beam_width` samples; they are the first running beams."""
         self.request_id = request_id
@@ -44,19 +50,60 @@ class BeamGroup:
         self.eos_token_ids = eos_token_ids
         self.skip_special_tokens = skip_special_tokens
         self.arrival_time = arrival_time
+        self.tokenizer = tokenizer
         self.first_scheduled_time: float | None = None
+        self.finished = False  # the policy has ended the search
         self.policy = BeamSearchPolicy(params, eos_token_ids)
         self.beams = [sample_id(request_id, i) for i in range(params.beam_width)]  # in the policy's order
         self.rows: dict[str, Tensor] = {}  # float32 [vocab] logprobs of each beam at the current length
         self._new_ids = (f"{request_id}:beam{i}" for i in itertools.count())
 
-    def add_row(
+    @property
+    def seq_ids(self) -> tuple[str, ...]:
+        """The running beams."""
+        return tuple(self.beams)
+
+    @property
+    def prompt_logprobs_k(self) -> None:
+        """A beam search scores no prompt tokens."""
+        return None
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
+        """Never called: `prompt_logprobs_k` is None."""
+
+    def mark_scheduled(self, num_computed_tokens: int, now: float) -> None:
+        """Note the first step that schedules one of its beams."""
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
+
+    def draw_spec(self, seq_id: str) -> DrawSpec | None:
+        """None: the policy picks the tokens from the rows' log-probabilities."""
+        return None
+
+    def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
+        """Never called: `draw_spec` is None."""
+        raise TypeError(f"beam search {self.request_id} draws no tokens: it takes log-probability rows")
+
+    def add_logprob_row(
         self,
         seq_id: str,
         logprobs: Tensor,  # float32 [vocab]
     ) -> None:
         """Hold beam `seq_id`'s next-token logprobs (a recomputed beam gives the same row again: it replaces it)."""
         self.rows[seq_id] = logprobs
+
+    def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
+        """Never called: the scheduler finishes no held sequence."""
+
+    def end_step(self, scheduler: Scheduler) -> bool:
+        """Advance once every running beam has its row; True when the search is over (its only snapshot)."""
+        if not self.ready:
+            return False
+        self.finished = self.advance(scheduler)
+        return self.finished
+
+    def abort(self) -> None:
+        """Nothing to report: a beam search streams nothing, and an aborted one returns no hypotheses."""
 
     @property
     def ready(self) -> bool:
@@ -95,13 +142,13 @@ class BeamGroup:
         self.beams = next_beams
         return False
 
-    def snapshot(self, tokenizer: PreTrainedTokenizerBase) -> RequestOutput:
+    def snapshot(self) -> RequestOutput:
         """The finished request: the best `num_outputs` hypotheses, best first."""
         now = time.monotonic()
         outputs = tuple(
             CompletionOutput(
                 index=index,
-                text=str(tokenizer.decode(list(h.tokens), skip_special_tokens=self.skip_special_tokens)),
+                text=str(self.tokenizer.decode(list(h.tokens), skip_special_tokens=self.skip_special_tokens)),
                 token_ids=h.tokens,
                 cumulative_logprob=h.cum_logprob,
                 logprobs=None,

@@ -92,23 +92,20 @@ class ModelRunner:
             num_rows=sum(n for _, n in sampling),
         )
 
-    def execute(self, output: SchedulerOutput) -> Tensor:  # [num_rows, vocab], see CausalLM.compute_logits
-        """Swap out, swap in, copy-on-write, then the forward pass; logits of the rows to sample, in order."""
-        return self.execute_with_prompt_hidden(output, {})[0]
-
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
         """The LM head on some final hidden states (prompt logprobs, computed a slice at a time)."""
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute_with_prompt_hidden(
+    def execute(
         self,
         output: SchedulerOutput,
-        # Request id -> prompt length, for the requests that want prompt logprobs.
+        # Request id -> prompt length, for the requests that want prompt logprobs (empty: none does).
         prompt_lens: Mapping[str, int],
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> its chunk's prompt rows)
-        """`execute`, plus the hidden states of the prompt positions of the listed requests.
+        """Swap out, swap in, copy-on-write, then the forward pass: the logits of the rows to sample, in order
+        (see CausalLM.compute_logits), and the hidden states of the prompt positions of the listed requests.
 
         Only hidden states come back (hidden_size wide, not vocab wide): the caller runs the LM head over them a
         slice at a time, so a long prompt never holds [prompt_len, vocab] logits at once.

@@ -1,4 +1,7 @@
-"""The engine's per-request bookkeeping: what the scheduler does not track (text, RNG seed, logprobs, timings)."""
+"""The engine's per-request bookkeeping: what the scheduler does not track (text, RNG seed, logprobs, timings).
+
+`RequestState` is the plain request's `EngineRequest`: the sampler draws every row of its n samples.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 import xgrammar as xgr
-from pagoda.scheduler import Request, sample_id
+from pagoda.scheduler import Request, Scheduler, sample_id
+from pagoda.server.engine.engine_request import DrawSpec
 from pagoda.server.outputs import (
     CompletionOutput,
     FinishReason,
@@ -19,6 +23,7 @@ from pagoda.server.outputs import (
 from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs
 from pagoda.server.sampling.logits_processors import LogitsEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
+from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 
@@ -137,6 +142,7 @@ class RequestState:
             )
             for index in range(params.n)
         }
+        self.seq_ids = tuple(self.samples)  # fixed: the scheduler forks all n samples at the first step
 
     def start_grammar(self, compiled: xgr.CompiledGrammar) -> None:
         """Give every sample its own matcher of the compiled grammar (n > 1 samples diverge)."""
@@ -161,6 +167,14 @@ class RequestState:
             stop_token_ids=self.stop_token_ids,
         )
 
+    def draw_spec(self, seq_id: str) -> DrawSpec:
+        """Every row of a plain request is drawn by the sampler."""
+        return DrawSpec(self.sampling_row(seq_id), self.logits_edits(seq_id), self.samples[seq_id].matcher)
+
+    def add_logprob_row(self, seq_id: str, logprobs: Tensor) -> None:  # float32 [vocab]
+        """Never called: `draw_spec` is never None."""
+        raise TypeError(f"request {self.request_id} draws its tokens: it takes no log-probability rows")
+
     def logits_edits(self, seq_id: str) -> LogitsEdits:
         """What the logits processors do to sample `seq_id`'s next-token logits."""
         return LogitsEdits(
@@ -175,6 +189,11 @@ class RequestState:
         """True while some prompt position's logprobs are still to be computed."""
         entries = self.prompt_logprobs
         return entries is not None and len(entries) < len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Top-k of the prompt logprobs still to compute (0: the prompt token's own only); None: none are."""
+        return (self.params.prompt_logprobs or 0) if self.wants_prompt_logprobs else None
 
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Record the logprobs of the prompt tokens after positions start, start + 1, ... (the logits at position
@@ -219,6 +238,16 @@ class RequestState:
             self.finish(seq_id, "stop", request.stop_token_id)
         else:
             self.finish(seq_id, "length")
+
+    def end_step(self, scheduler: Scheduler) -> bool:
+        """Nothing to rewrite: a step that gave it rows always changed its output."""
+        return True
+
+    def abort(self) -> RequestOutput:
+        """Finish every sample as aborted (a finished sample keeps its reason); the final snapshot."""
+        for seq_id in self.samples:
+            self.finish(seq_id, "abort")
+        return self.snapshot()
 
     def touch(self, **times: float) -> None:
         """Set metric timestamps (first_scheduled_time, first_token_time, ...) that are not set yet."""

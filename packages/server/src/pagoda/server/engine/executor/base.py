@@ -29,7 +29,10 @@ class Executor(ABC):
     def execute(
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
-        """One step on every rank: see `ModelRunner.execute_with_prompt_hidden`; the logits are whole-vocabulary."""
+        """One step on every rank: see `ModelRunner.execute`; the logits are whole-vocabulary.
+
+        Tests observe or edit the steps by wrapping an engine's executor (`LLMEngine.executor`) in their own.
+        """
 
     @abstractmethod
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
@@ -59,7 +62,7 @@ class UniProcExecutor(Executor):
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
         """The runner's step."""
-        return run_step(self.driver, output, prompt_lens)
+        return self.driver.execute(output, prompt_lens)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
         """The runner's LM head."""
@@ -67,12 +70,3 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         """Nothing to stop: the model lives as long as the engine."""
-
-
-def run_step(
-    runner: ModelRunner, output: SchedulerOutput, prompt_lens: Mapping[str, int]
-) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
-    """`runner.execute` unless prompt hidden states are wanted (the plain call is the one tests observe)."""
-    if prompt_lens:
-        return runner.execute_with_prompt_hidden(output, prompt_lens)
-    return runner.execute(output), {}

@@ -21,7 +21,7 @@ import torch
 import zmq
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
-from pagoda.server.engine.executor.base import Executor, ExecutorError, run_step
+from pagoda.server.engine.executor.base import Executor, ExecutorError
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_store
 from pagoda.server.engine.executor.messages import (
     Command,
@@ -166,7 +166,7 @@ class DistributedExecutor(Executor):
         self._send(Execute(output))
         self.steps += 1
         try:
-            return run_step(self.driver, output, prompt_lens)
+            return self.driver.execute(output, prompt_lens)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
 

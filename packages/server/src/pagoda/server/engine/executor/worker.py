@@ -84,7 +84,7 @@ def _serve(
         if command is None or isinstance(command, Shutdown):
             return
         if isinstance(command, Execute):
-            runner.execute(command.output)  # rank 0 gathers the logits; this rank's run is dropped
+            runner.execute(command.output, {})  # rank 0 gathers the logits; this rank's run is dropped
         elif isinstance(command, ComputeLogits):
             dtype = runner.kv_cache.shape.dtype
             hidden = torch.empty(command.num_rows, command.hidden_size, dtype=dtype, device=runner.device)

@@ -1,0 +1,62 @@
+"""Which `EngineRequest` a request's parameters make, with the scheduler Request of its first sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xgrammar as xgr
+from pagoda.scheduler import Request
+from pagoda.server.engine.beams import BeamGroup
+from pagoda.server.engine.engine_request import EngineRequest
+from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.structured import StructuredOutputsParams
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request as the engine takes it in: its EngineRequest, its scheduler Request, and its grammar wait."""
+
+    owner: EngineRequest
+    request: Request  # what the scheduler gets: at once, or once the grammar is compiled
+    # The constraint to compile, and what takes the compiled grammar; None: the scheduler gets it at once.
+    grammar: tuple[StructuredOutputsParams, Callable[[xgr.CompiledGrammar], None]] | None
+
+
+def new_request(
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: tuple[int, ...],
+    params: SamplingParams,
+    arrival: float,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_token_ids: frozenset[int],
+    seed: Callable[[SamplingParams], int],  # the request's RNG seed (the engine numbers unseeded requests)
+) -> NewRequest:
+    """A beam group for a beam search, else a plain request (SamplingParams refuses grammars with beams)."""
+    ids = prompt_token_ids
+    scheduler_params = SchedulerParams.from_params(params, eos_token_ids)
+    if params.beam_search is not None:
+        group = BeamGroup(
+            request_id,
+            prompt,
+            ids,
+            params.beam_search,
+            params.n,
+            eos_token_ids,
+            params.skip_special_tokens,
+            arrival,
+            tokenizer,
+        )
+        return NewRequest(group, Request(request_id, ids, scheduler_params, arrival_time=arrival), None)
+    state = RequestState(
+        request_id, prompt, ids, params, scheduler_params.stop_token_ids, tokenizer, arrival, seed(params)
+    )
+    # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
+    # skipping any (vLLM skips the cache for these requests too).
+    salt = None if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
+    request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+    constraint = params.structured_outputs
+    return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))
