@@ -32,7 +32,7 @@ from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling import Sampler
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.structured import GrammarBitmask, GrammarGate
-from tiny_models import make_tiny_tokenizer
+from pagoda.server.testing import make_tiny_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 VOCAB = 400  # the fake model's logits width, padded past the tiny tokenizer's 384 tokens
