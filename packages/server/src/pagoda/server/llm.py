@@ -22,7 +22,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """Build the engine; keyword arguments are `EngineConfig` fields (max_num_seqs, block_size, ...)."""
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine.from_config(EngineConfig.from_flat(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.async_llm import EngineDeadError, ReplicaDeadError
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.launchers import CoreLauncher, kill_all
 from pagoda.server.core.messages import (
@@ -31,7 +30,14 @@ from pagoda.server.core.messages import (
     output_decoder,
 )
 from pagoda.server.core.replica import Replica
-from pagoda.server.engine_client import EngineEvent, ReplicaStatus, RequestAccepted, RequestFailed
+from pagoda.server.engine_client import (
+    EngineDeadError,
+    EngineEvent,
+    ReplicaDeadError,
+    ReplicaStatus,
+    RequestAccepted,
+    RequestFailed,
+)
 from pagoda.server.outputs import EngineStats
 from pagoda.server.routing import ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
