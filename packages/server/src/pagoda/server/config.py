@@ -19,20 +19,33 @@ from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 from pagoda.server.routing import RoutingPolicyName
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_PROMPTS_PER_REQUEST",
+    "DEFAULT_MAX_SEQUENCES_PER_REQUEST",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
     "AppSettings",
     "CacheConfig",
     "CoreClientConfig",
+    "DTypeName",
+    "DistributedExecutorBackendName",
     "EngineConfig",
+    "EngineCoreName",
     "HTTPLimits",
+    "KVManagerName",
+    "KernelBackendName",
+    "LogLevelName",
     "ModelConfig",
     "ParallelConfig",
     "PreemptionMode",
+    "ReasoningParserName",
     "RequestLimits",
     "SchedulerConfig",
     "SchedulingPolicyName",
     "ServeConfig",
     "ServerConfig",
     "ServingConfig",
+    "ToolParserName",
+    "resolved_scheduler_config",
 ]
 
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
