@@ -175,7 +175,7 @@ def engine_config(system: System, args: argparse.Namespace) -> EngineConfig:
     if system.policy == "static" and system.kv_manager == "contiguous":
         # As the simulator does: a static batch is as large as the regions that fit (FasterTransformer's batch).
         max_num_seqs = max(1, min(max_num_seqs, args.kv_tokens // args.max_model_len))
-    return EngineConfig(
+    return EngineConfig.from_flat(
         model=args.model,
         max_model_len=args.max_model_len,
         max_num_seqs=max_num_seqs,

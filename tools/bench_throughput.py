@@ -291,7 +291,7 @@ def run_tensor_parallel(
             executor.group.calls - calls,
         )
     finally:
-        llm.engine.shutdown()
+        llm.engine.close()
 
 
 # ------------------------------------------------------------------------------------------- transformers
@@ -798,7 +798,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         model_path = engine.model_path
         pad = engine.tokenizer.pad_token_id
         pad_id = pad if isinstance(pad, int) else 0
-        batch_tokens = engine.scheduler.config.max_num_batched_tokens
+        batch_tokens = engine.scheduler.max_num_batched_tokens
         del llm, engine  # free the engine's KV cache before the peers allocate theirs
         gc.collect()
         if args.compare:

@@ -73,7 +73,7 @@ def run(
         sched.add_request(r)
 
     def check(out: SchedulerOutput) -> None:
-        assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
         sched.check_invariants()
         kv.check_invariants()
 

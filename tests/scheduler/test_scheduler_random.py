@@ -157,7 +157,7 @@ def test_random_workloads_keep_every_invariant_and_produce_the_reference_tokens(
 
     def after_schedule(out: SchedulerOutput) -> None:
         assert (
-            out.num_batched_tokens == sum(c.num_tokens for c in out.scheduled) <= cfg.max_num_batched_tokens
+            out.num_batched_tokens == sum(c.num_tokens for c in out.scheduled) <= sched.max_num_batched_tokens
         )
         assert len(out.scheduled) <= cfg.max_num_seqs and sched.num_running_seqs <= cfg.max_num_seqs
         assert len({c.request_id for c in out.scheduled}) == len(out.scheduled)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from pagoda.server.api import AppSettings, build_app
-from pagoda.server.api.http_protocol import HTTPConfig, HTTPLimits
+from pagoda.server.api.http_protocol import HTTPConfig
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.config import HTTPLimits, ServingConfig
 from pagoda.server.engine import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
@@ -162,6 +163,9 @@ class FakeEngine:
     def check_health(self) -> None:
         """The fake never dies on its own."""
 
+    def close(self) -> None:
+        """The fake holds nothing outside this process."""
+
     def get_stats(self) -> EngineStats:
         """Counts of the fake's queues and blocks."""
         running = [r for r in self.requests.values() if r.running]
@@ -275,9 +279,11 @@ def serve_in_thread(
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
     llm = AsyncLLM(
         client,
-        served_model_name=served_model_name,
-        max_waiting_requests=max_waiting_requests,
-        max_concurrent_requests=max_concurrent_requests,
+        ServingConfig(
+            served_model_name=served_model_name,
+            max_waiting_requests=max_waiting_requests,
+            max_concurrent_requests=max_concurrent_requests,
+        ),
     )
     app = build_app(llm, settings)
     port = free_port()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from api_fake_engine import FakeEngine
 from pagoda.server.async_llm import AsyncLLM, EngineDrainingError, EngineOverloadedError
+from pagoda.server.config import ServingConfig
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ class CorruptingEngine(FakeEngine):
 
 def run(engine: FakeEngine, body: Callable[[AsyncLLM], Awaitable[None]], **kwargs: Any) -> AsyncLLM:
     """Start an AsyncLLM over `engine`, run `body`, shut it down."""
-    llm = AsyncLLM(engine, served_model_name="test-model", **kwargs)
+    llm = AsyncLLM(engine, ServingConfig(served_model_name="test-model", **kwargs))
 
     async def main() -> None:
         llm.start()

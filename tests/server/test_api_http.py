@@ -15,7 +15,7 @@ import httpx
 import pytest
 from api_cases import MODEL
 from api_fake_engine import FakeEngine, RunningServer, serve_in_thread
-from pagoda.server.api.http_protocol import HTTPLimits
+from pagoda.server.config import HTTPLimits
 from raw_http import assert_openai_error, connect, post_head, read_response
 
 HEAD_BYTES = 4096

@@ -49,7 +49,7 @@ def test_flags_map_onto_engine_config() -> None:
             "3",
         ]
     )
-    assert engine_config(args) == EngineConfig(
+    assert engine_config(args) == EngineConfig.from_flat(
         model="some/model",
         max_model_len=512,
         max_num_batched_tokens=1024,
@@ -123,7 +123,7 @@ def test_refuses_to_start_when_one_request_cannot_fit(
 def test_tokenizer_flag_maps_onto_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
     """`--tokenizer FOLDER` lands in EngineConfig.tokenizer and is documented in --help."""
     args = build_parser().parse_args(["serve", "some/model", "--tokenizer", "some/tokenizer"])
-    assert engine_config(args) == EngineConfig(model="some/model", tokenizer="some/tokenizer")
+    assert engine_config(args) == EngineConfig.from_flat(model="some/model", tokenizer="some/tokenizer")
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "--tokenizer" in capsys.readouterr().out
@@ -193,7 +193,7 @@ def test_tgi_flags_map_onto_engine_config() -> None:
             "auto",
         ]
     )
-    assert engine_config(args) == EngineConfig(
+    assert engine_config(args) == EngineConfig.from_flat(
         max_model_len=512,
         max_num_seqs=8,
         max_input_tokens=300,
@@ -204,7 +204,9 @@ def test_tgi_flags_map_onto_engine_config() -> None:
         preemption_mode="auto",
     )
     same = ["serve", "--max-batch-size", "8", "--max-num-seqs", "8", "--max-input-tokens", "9"]
-    assert engine_config(build_parser().parse_args(same)) == EngineConfig(max_num_seqs=8, max_input_tokens=9)
+    assert engine_config(build_parser().parse_args(same)) == EngineConfig.from_flat(
+        max_num_seqs=8, max_input_tokens=9
+    )
 
 
 @pytest.mark.parametrize(
@@ -249,11 +251,11 @@ def test_scheduling_flags_map_onto_engine_config(capsys: pytest.CaptureFixture[s
     """--scheduling-policy (fcfs|priority|static), --static-batch-timeout and --kv-manager reach EngineConfig."""
     flags = ["--scheduling-policy", "static", "--static-batch-timeout", "0.5", "--kv-manager", "contiguous"]
     args = build_parser().parse_args(["serve", "some/model", *flags])
-    assert engine_config(args) == EngineConfig(
+    assert engine_config(args) == EngineConfig.from_flat(
         model="some/model", scheduling_policy="static", static_batch_timeout_s=0.5, kv_manager="contiguous"
     )
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
-    assert engine_config(args) == EngineConfig(scheduling_policy="priority")
+    assert engine_config(args) == EngineConfig.from_flat(scheduling_policy="priority")
     for bad in (["--scheduling-policy", "lifo"], ["--kv-manager", "slab"]):
         with pytest.raises(SystemExit) as info:
             main(["serve", *bad])
@@ -297,10 +299,13 @@ def test_tensor_parallel_flags_map_onto_engine_config(
     unknown backend exits 2; a size the heads cannot split refuses to start (1) naming the constraint."""
     flags = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
     args = build_parser().parse_args(["serve", "some/model", *flags])
-    assert engine_config(args) == EngineConfig(
+    assert engine_config(args) == EngineConfig.from_flat(
         model="some/model", tensor_parallel_size=2, distributed_executor_backend="ray"
     )
-    assert engine_config(build_parser().parse_args(["serve", "-tp", "4"])).tensor_parallel_size == 4
+    assert (
+        engine_config(build_parser().parse_args(["serve", "-tp", "4"])).parallel_config.tensor_parallel_size
+        == 4
+    )
     assert main(["serve", "unused-model", "--tensor-parallel-size", "0"]) == 2
     assert "tensor_parallel_size" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:

@@ -541,7 +541,7 @@ def run_recording(llm: LLM, prompts: Sequence[Sequence[int]]) -> Recording:
         final.update((o.request_id, o) for o in engine.step() if o.finished)
         record.running.append(frozenset(r.request_id for r in engine.scheduler.running))
         record.batches.append(policy.batch if isinstance(policy, StaticBatchPolicy) else frozenset())
-        if engine.config.kv_manager == "contiguous":
+        if engine.config.cache_config.kv_manager == "contiguous":
             assert engine.kv_manager.stats().num_used_blocks == 16 * len(record.running[-1])
     record.tokens.extend(list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts)))
     return record

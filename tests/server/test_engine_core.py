@@ -25,8 +25,8 @@ import psutil
 import pytest
 from api_cases import MODEL
 from pagoda.server.async_llm import AsyncLLM
-from pagoda.server.cli import build_parser, check_server_args, engine_config
-from pagoda.server.config import EngineConfig
+from pagoda.server.cli import build_parser, engine_config, serve_config
+from pagoda.server.config import EngineConfig, ServingConfig
 from pagoda.server.core import CoreClient, CoreStartupError
 from pagoda.server.core.deltas import DeltaDecoder, DeltaEncoder
 from pagoda.server.core.messages import AddRequest, input_decoder, output_decoder
@@ -110,7 +110,7 @@ def test_replicas_get_disjoint_cores(
 @pytest.mark.timeout(120)
 def test_core_that_cannot_load_is_a_clear_startup_error(tmp_path: Path) -> None:
     """A core whose model does not load sends `Failed`; the client raises CoreStartupError saying why."""
-    config = EngineConfig(model=str(tmp_path / "no-such-model"), num_kv_blocks=16)
+    config = EngineConfig.from_flat(model=str(tmp_path / "no-such-model"), num_kv_blocks=16)
     with pytest.raises(CoreStartupError, match=r"engine core 0 failed to start: .*no-such-model"):
         CoreClient(config, ProcessLauncher(1, logging.INFO), build_router("round_robin", 1, 16), 1)
 
@@ -124,7 +124,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(600)
 def test_core_survives_malformed_frames(model_dir: Path) -> None:
     """Frames that do not decode, sent straight to a core's input socket, are dropped; the core keeps serving."""
-    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, dtype="float32", max_model_len=256)
+    config = EngineConfig.from_flat(
+        model=str(model_dir), num_kv_blocks=64, dtype="float32", max_model_len=256
+    )
     client = CoreClient(config, ProcessLauncher(1, logging.INFO), build_router("round_robin", 1, 16), 1)
     try:
         inputs = client.replicas[0].inputs
@@ -134,7 +136,7 @@ def test_core_survives_malformed_frames(model_dir: Path) -> None:
         inputs.send(msgspec.msgpack.encode(AddRequest("ok", [5, 6, 7], SamplingParams(max_tokens=4))))
 
         async def generate() -> RequestOutput:
-            llm = AsyncLLM(client, served_model_name=MODEL)
+            llm = AsyncLLM(client, ServingConfig(served_model_name=MODEL))
             llm.start()
             try:
                 last = None
@@ -441,8 +443,8 @@ def test_parallel_flags_are_checked(flags: list[str], message: str) -> None:
     assert (
         engine_config(
             parser.parse_args(["serve", "--distributed-executor-backend", "ray"])
-        ).distributed_executor_backend
+        ).parallel_config.distributed_executor_backend
         == "ray"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_server_args(parser.parse_args(["serve", *flags]))
+        serve_config(parser.parse_args(["serve", *flags]))

@@ -97,6 +97,6 @@ def test_explicit_dtype_and_cuda_skip_the_probe(monkeypatch: pytest.MonkeyPatch)
         raise AssertionError("the probe ran")
 
     monkeypatch.setattr(setup, "bfloat16_speedup", probe)
-    assert setup.select_dtype(EngineConfig(dtype="float32"), torch.device("cpu")) == torch.float32
-    assert setup.select_dtype(EngineConfig(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
+    assert setup.select_dtype(EngineConfig.from_flat(dtype="float32"), torch.device("cpu")) == torch.float32
+    assert setup.select_dtype(EngineConfig.from_flat(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
     assert setup.select_dtype(EngineConfig(), torch.device("cuda")) == torch.bfloat16

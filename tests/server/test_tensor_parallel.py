@@ -23,6 +23,7 @@ import pytest
 import ray
 import torch
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.config import ServingConfig
 from pagoda.server.engine import EngineConfigError
 from pagoda.server.engine.executor import ExecutorError
 from pagoda.server.engine.executor.distributed import DistributedExecutor
@@ -76,7 +77,7 @@ def llms() -> Iterator[LLMFactory]:
 
     yield build
     for llm in built:
-        llm.engine.shutdown()
+        llm.engine.close()
 
 
 def worker_pids(llm: LLM) -> list[int]:
@@ -207,7 +208,7 @@ def test_killed_worker_fails_the_engine_fast(tp_models: dict[str, Path], llms: L
     assert time.monotonic() - started < 30
     with pytest.raises(ExecutorError, match="rank 1"):
         engine.executor.compute_logits(torch.zeros(1, 64))
-    engine.shutdown()
+    engine.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
@@ -219,7 +220,7 @@ def test_worker_dying_while_idle_kills_the_async_engine(tp_models: dict[str, Pat
     tp = llms(make_llm, tp_models["llama"], **TP_ARGS)
     engine = tp.engine
     engine.check_health()  # healthy: no error
-    llm = AsyncLLM(engine, served_model_name="tp")
+    llm = AsyncLLM(engine, ServingConfig(served_model_name="tp"))
 
     async def main() -> None:
         llm.start()
@@ -246,8 +247,8 @@ def test_shutdown_stops_the_workers(tp_models: dict[str, Path]) -> None:
     tp = make_llm(tp_models["llama"], **TP_ARGS)
     pids = worker_pids(tp)
     assert greedy_tokens(tp, random_prompts((5,)))
-    tp.engine.shutdown()
-    tp.engine.shutdown()
+    tp.engine.close()
+    tp.engine.close()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -313,7 +314,7 @@ def test_ray_executor_tp2_equals_tp1(ray_cluster: None, tp_models: dict[str, Pat
     assert isinstance(executor, DistributedExecutor) and isinstance(executor.launcher, RayLauncher)
     assert greedy_tokens(tp, prompts) == want
     assert len(ray.util.placement_group_table()) == 1 and executor.failure() is None
-    tp.engine.shutdown()
+    tp.engine.close()
     assert all(entry["state"] == "REMOVED" for entry in ray.util.placement_group_table().values())
 
 

@@ -1,10 +1,16 @@
 """pagoda.scheduler: continuous-batching scheduler (token budget, chunked prefill, prefix-cache-aware
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
-from pagoda.scheduler.config import PreemptionMode, SchedulerConfig
+from pagoda.scheduler.config import PreemptionMode, SchedulerConfig, SchedulingPolicyName
 from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
-from pagoda.scheduler.policy import FCFSPolicy, PriorityPolicy, SchedulingPolicy, StaticBatchPolicy
+from pagoda.scheduler.policy import (
+    FCFSPolicy,
+    PriorityPolicy,
+    SchedulingPolicy,
+    StaticBatchPolicy,
+    build_policy,
+)
 from pagoda.scheduler.preemption import (
     MeasuredPreemptionCosts,
     PreemptionChoice,
@@ -41,8 +47,10 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "SchedulingPolicy",
+    "SchedulingPolicyName",
     "SlotAllocationLike",
     "StaticBatchPolicy",
+    "build_policy",
     "choose_preemption",
     "sample_id",
 ]

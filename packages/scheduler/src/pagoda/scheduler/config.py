@@ -8,15 +8,23 @@ from typing import Literal, get_args
 # The one spelling of the mode in the workspace: embedders (the server's config and CLI) import it. "auto"
 # chooses per victim by a `PreemptionCostModel` (preemption.py); the other two force one mechanism.
 PreemptionMode = Literal["recompute", "swap", "auto"]
+# fcfs: arrival order; priority: lower `priority` first; static: traditional batching, a batch forms and runs
+# to completion before the next is admitted (policy.py).
+SchedulingPolicyName = Literal["fcfs", "priority", "static"]
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Limits and features of the scheduler; the block size is the allocator's (`kv.block_size`)."""
+    """Limits and features of the scheduler; the block size is the allocator's (`kv.block_size`).
+
+    `max_model_len` and `max_num_batched_tokens` may be None in an embedder's configuration ("derive it"):
+    the embedder fills them with `dataclasses.replace` once it knows the model, before building a `Scheduler`
+    (which refuses None).
+    """
 
     max_num_seqs: int = 256  # sequences in the running batch
-    max_num_batched_tokens: int = 2048  # token budget of one step (sum of chunk lengths)
-    max_model_len: int = 2048  # prompt + output tokens of one sequence
+    max_num_batched_tokens: int | None = 2048  # token budget of one step (sum of chunk lengths)
+    max_model_len: int | None = 2048  # prompt + output tokens of one sequence
     enable_chunked_prefill: bool = True
     # Cap on one request's prefill chunk (chunked prefill only); None: only the budget caps it.
     long_prefill_token_threshold: int | None = None
@@ -29,25 +37,39 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     # Fraction of blocks admission (and swap-in) leaves free so running decodes do not preempt at once.
     watermark: float = 0.01
+    # The policy `Scheduler` builds when it is given none (`policy.build_policy`).
+    scheduling_policy: SchedulingPolicyName = "fcfs"
+    # static: how long the oldest waiting request waits for a batch of max_num_seqs before a smaller one runs.
+    static_batch_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        """ValueError on an impossible configuration."""
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
-            raise ValueError(f"limits must be positive: {self}")
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise ValueError("long_prefill_token_threshold must be None or positive")
-        for name in ("max_num_partial_prefills", "max_batch_prefill_tokens"):
+        """ValueError naming the field on an impossible configuration."""
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in (
+            "max_num_batched_tokens",
+            "max_model_len",
+            "long_prefill_token_threshold",
+            "max_num_partial_prefills",
+            "max_batch_prefill_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be None or positive, not {value}")
+                raise ValueError(f"{name} must be None or >= 1, got {value}")
         if self.preemption_mode not in get_args(PreemptionMode):
             modes = " or ".join(map(repr, get_args(PreemptionMode)))
             raise ValueError(f"preemption_mode must be {modes}, not {self.preemption_mode!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), not {self.watermark}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # Without chunking a whole (possibly recomputed) sequence must fit into one step.
+        if self.scheduling_policy not in get_args(SchedulingPolicyName):
+            raise ValueError(f"scheduling_policy must be one of {get_args(SchedulingPolicyName)}")
+        if self.static_batch_timeout_s < 0:
+            raise ValueError(f"static_batch_timeout_s must be >= 0, got {self.static_batch_timeout_s}")
+        max_len = self.max_model_len
+        if max_len is None or self.enable_chunked_prefill:
+            return  # the rules below compare with max_model_len, once it is known
+        # Without chunking a whole (possibly recomputed) sequence must fit into one step.
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max_len:
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
-        prefill_cap = self.max_batch_prefill_tokens
-        if not self.enable_chunked_prefill and prefill_cap is not None and prefill_cap < self.max_model_len:
+        if self.max_batch_prefill_tokens is not None and self.max_batch_prefill_tokens < max_len:
             raise ValueError("without chunked prefill max_batch_prefill_tokens must be >= max_model_len")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from pagoda.scheduler.config import SchedulerConfig
 from pagoda.scheduler.request import Request
 
 
@@ -180,3 +181,13 @@ class StaticBatchPolicy:
     def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
         """Nobody: a waiting request waits for blocks and seats to free up."""
         return None
+
+
+def build_policy(config: SchedulerConfig) -> SchedulingPolicy:
+    """The policy `config.scheduling_policy` names (static: batches formed after `static_batch_timeout_s`)."""
+    if config.scheduling_policy == "priority":
+        return PriorityPolicy()
+    if config.scheduling_policy == "static":
+        # The policy's clock is time.monotonic, the clock of the engines' arrival times.
+        return StaticBatchPolicy(timeout_s=config.static_batch_timeout_s)
+    return FCFSPolicy()

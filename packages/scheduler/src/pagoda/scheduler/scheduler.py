@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pagoda.scheduler.config import SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
-from pagoda.scheduler.policy import FCFSPolicy, SchedulingPolicy
+from pagoda.scheduler.policy import SchedulingPolicy, build_policy
 from pagoda.scheduler.preemption import PreemptionChoice, PreemptionCostModel, choose_preemption
 from pagoda.scheduler.protocols import KVBlockManager, SlotAllocationLike
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
@@ -55,13 +55,19 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
         preemption_costs: PreemptionCostModel | None = None,
     ) -> None:
-        """Schedule over the blocks of `kv`; `policy` defaults to FCFS; `preemption_costs` prices swap against
+        """Schedule over the blocks of `kv`; `policy` defaults to `config.scheduling_policy`; `preemption_costs` prices swap against
         recompute for `preemption_mode="auto"` (required there, unused otherwise)."""
         if config.preemption_mode == "auto" and preemption_costs is None:
             raise ValueError('preemption_mode "auto" needs a preemption cost model')
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError(
+                "max_model_len and max_num_batched_tokens must be set (replace None by the model's)"
+            )
         self.config = config
+        self.max_model_len: int = config.max_model_len
+        self.max_num_batched_tokens: int = config.max_num_batched_tokens  # the token budget of one step
         self.kv = kv
-        self.policy: SchedulingPolicy = FCFSPolicy() if policy is None else policy
+        self.policy: SchedulingPolicy = build_policy(config) if policy is None else policy
         self.preemption_costs = preemption_costs
         self.waiting: list[Request] = []  # new and recompute-preempted requests, in policy order
         self.running: list[Request] = []  # in admission order
@@ -166,7 +172,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (allocating its slots and advancing `num_computed_tokens` of scheduled requests)."""
         cfg = self.config
-        step = _Step(cfg.max_num_batched_tokens, cfg.max_batch_prefill_tokens, 0)
+        step = _Step(self.max_num_batched_tokens, cfg.max_batch_prefill_tokens, 0)
         self._preempt_for_waiting(step)
         # Decodes first so a long prefill never stalls token generation, then continuing prefill chunks.
         decodes: list[Request] = []
@@ -197,7 +203,7 @@ class Scheduler:
             blocks_to_copy=tuple(step.copies),
             preempted_request_ids=tuple(step.preempted),
             finished_request_ids=tuple(self._finished_ids),
-            num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+            num_batched_tokens=self.max_num_batched_tokens - step.budget,
         )
         self._finished_ids = []
         return output
@@ -506,7 +512,7 @@ class Scheduler:
         if token in sp.stop_token_ids and num_output >= sp.min_tokens:
             request.stop_token_id = token
             return RequestStatus.FINISHED_STOPPED
-        if num_output >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if num_output >= sp.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

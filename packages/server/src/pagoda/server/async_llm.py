@@ -17,8 +17,16 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.engine_client import EngineClient, EngineEvent, ReplicaSet, RequestAccepted, RequestFailed
-from pagoda.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
+from pagoda.server.config import ServingConfig
+from pagoda.server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineEvent,
+    ReplicaSet,
+    RequestAccepted,
+    RequestFailed,
+)
+from pagoda.server.metrics import ServerMetrics
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -26,14 +34,6 @@ logger = logging.getLogger(__name__)
 
 # How often the engine thread checks the engine's health while no request runs (seconds).
 _IDLE_HEALTH_CHECK_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served any more."""
-
-
-class ReplicaDeadError(EngineDeadError):
-    """The data-parallel replica serving a request died; the request is lost, the other replicas still serve."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -116,24 +116,22 @@ def _aborted_snapshot(stream: _Stream) -> RequestOutput:
 class AsyncLLM:
     """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        *,
-        served_model_name: str,
-        max_waiting_requests: int | None = None,
-        metrics_prefix: str = DEFAULT_METRICS_PREFIX,
-        max_concurrent_requests: int | None = None,
-    ) -> None:
+    def __init__(self, engine: EngineClient, config: ServingConfig | None = None) -> None:
+        """Front `engine` with `config`'s limits; the served model name defaults to the engine's model name."""
+        config = config or ServingConfig()
         self.engine = engine
         # A remote core answers each add later, out of `step` (RequestAccepted / RequestFailed).
         self._deferred_acceptance = bool(getattr(engine, "defers_acceptance", False))
         self.replicas: ReplicaSet | None = engine if isinstance(engine, ReplicaSet) else None
-        self.served_model_name = served_model_name
-        self.max_waiting_requests = max_waiting_requests
-        self.max_concurrent_requests = max_concurrent_requests  # TGI's limit on requests (prompts) in flight
+        self.served_model_name = config.served_model_name or engine.model_name
+        self.max_waiting_requests = config.max_waiting_requests
+        self.max_concurrent_requests = (
+            config.max_concurrent_requests
+        )  # TGI's limit on requests (prompts) in flight
         self._stats: EngineStats = engine.get_stats()
-        self.metrics = ServerMetrics(served_model_name, lambda: self._stats, metrics_prefix, self.replicas)
+        self.metrics = ServerMetrics(
+            self.served_model_name, lambda: self._stats, config.metrics_prefix, self.replicas
+        )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "put a command"
         self._dead: BaseException | None = None

@@ -1,16 +1,55 @@
-"""Engine arguments (vLLM's names where the meaning is the same) and the API's per-request limits."""
+"""The one configuration: a tree of frozen sections, each validated once in its own `__post_init__`.
+
+`ServeConfig` is what `pagoda serve` runs: the engine part (`EngineConfig`: model, cache, scheduler, parallel)
+plus one section per consumer in front of it (the core client, `AsyncLLM`, the API app, the HTTP server).
+Every leaf field has one flat name, the same as its CLI destination and its `LLM(**kwargs)` keyword;
+`build_config` distributes flat names to sections by their dataclass fields (`pagoda.server.config_tree`).
+vLLM's names where the meaning is the same.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-from pagoda.scheduler import PreemptionMode
+from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
+from pagoda.server.config_tree import build_config
+from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
+from pagoda.server.routing import RoutingPolicyName
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_PROMPTS_PER_REQUEST",
+    "DEFAULT_MAX_SEQUENCES_PER_REQUEST",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "AppSettings",
+    "CacheConfig",
+    "CoreClientConfig",
+    "DTypeName",
+    "DistributedExecutorBackendName",
+    "EngineConfig",
+    "EngineCoreName",
+    "HTTPLimits",
+    "KVManagerName",
+    "KernelBackendName",
+    "LogLevelName",
+    "ModelConfig",
+    "ParallelConfig",
+    "PreemptionMode",
+    "ReasoningParserName",
+    "RequestLimits",
+    "SchedulerConfig",
+    "SchedulingPolicyName",
+    "ServeConfig",
+    "ServerConfig",
+    "ServingConfig",
+    "ToolParserName",
+    "resolved_scheduler_config",
+]
 
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-# static: traditional batching, a batch forms and runs to completion before the next is admitted.
-SchedulingPolicyName = Literal["fcfs", "priority", "static"]
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
@@ -20,73 +59,154 @@ ToolParserName = Literal[
 # Where the processes beyond the first run: local processes (spawn) or Ray actors (tensor-parallel workers of one
 # engine, and data-parallel engine-core replicas alike).
 DistributedExecutorBackendName = Literal["mp", "ray"]
+EngineCoreName = Literal["inproc", "process"]
+LogLevelName = Literal["debug", "info", "warning", "error"]
+
+
+def _at_least(minimum: float, **values: float | None) -> None:
+    """ValueError naming the first field below `minimum` (None passes: "derive it")."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ValueError naming the field when `value` is not one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, not {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything needed to build an engine; None means "derive from the model or the machine"."""
+class ModelConfig:
+    """What model runs, how, and what one prompt may be; None means "derive from the model or the machine"."""
 
     model: str | None = None  # HF folder or .gguf path; None: the default Gemma 3 270M
     tokenizer: str | None = None  # a folder with the tokenizer's files; None: the model's own
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped at 8192)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 if chunked prefill, else max(2048, max_model_len)
+    dtype: DTypeName = "auto"
+    device: str | None = None  # "cuda" when available, else "cpu"
+    kernel_backend: KernelBackendName = "auto"
+    enforce_eager: bool = False  # CUDA: run the model's forward uncompiled (every step, prefill and decode)
+    seed: int = 0
+    cache_dir: str | None = None  # where converted GGUF models are cached
+    # TGI's prompt cap: a longer prompt is a 400. None: max_model_len - 1.
+    max_input_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1, max_input_tokens=self.max_input_tokens)
+        _one_of("dtype", self.dtype, get_args(DTypeName))
+        _one_of("kernel_backend", self.kernel_backend, get_args(KernelBackendName))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The KV cache: block size, its size on the device and the host, and how sequences reserve it."""
+
     block_size: int = 16
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total GPU memory the engine may use
     kv_cache_gib: float = 4.0  # CPU: KV cache size
     swap_space_gib: float = 4.0  # host tier for preemption by swap
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None
-    max_num_partial_prefills: int | None = None  # requests mid-prefill at once; None: no cap
-    # TGI's knobs without a vLLM twin: prefill tokens per step (decodes apart), and a prompt cap (a 400 over it).
-    max_batch_prefill_tokens: int | None = None
-    max_input_tokens: int | None = None  # None: max_model_len - 1
-    preemption_mode: PreemptionMode = "recompute"
-    scheduling_policy: SchedulingPolicyName = "fcfs"
-    # static: how long the oldest waiting request waits for a batch of max_num_seqs before a smaller one runs.
-    static_batch_timeout_s: float = 0.0
-    kv_manager: KVManagerName = "paged"
-    enforce_eager: bool = False  # CUDA: run the model's forward uncompiled (every step, prefill and decode)
-    kernel_backend: KernelBackendName = "auto"
-    dtype: DTypeName = "auto"
-    device: str | None = None  # "cuda" when available, else "cpu"
-    seed: int = 0
     num_kv_blocks: int | None = None  # override the computed KV capacity (tests use tiny pools)
-    cache_dir: str | None = None  # where converted GGUF models are cached
+    kv_manager: KVManagerName = "paged"
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        _at_least(0, swap_space_gib=self.swap_space_gib)
+        _one_of("kv_manager", self.kv_manager, get_args(KVManagerName))
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How one engine's model is split: tensor-parallel ranks, and where the processes beyond the first run."""
+
     tensor_parallel_size: int = 1  # ranks one model's layers are split over
     distributed_executor_backend: DistributedExecutorBackendName = "mp"
 
     def __post_init__(self) -> None:
-        """Reject impossible sizes early, naming the field."""
-        positive = {
-            "max_num_seqs": self.max_num_seqs,
-            "block_size": self.block_size,
-            "max_model_len": self.max_model_len,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "num_kv_blocks": self.num_kv_blocks,
-            "long_prefill_token_threshold": self.long_prefill_token_threshold,
-            "max_num_partial_prefills": self.max_num_partial_prefills,
-            "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
-            "max_input_tokens": self.max_input_tokens,
-            "tensor_parallel_size": self.tensor_parallel_size,
-        }
-        for name, value in positive.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.kv_cache_gib <= 0 or self.swap_space_gib < 0:
-            raise ValueError("kv_cache_gib must be > 0 and swap_space_gib >= 0")
-        if self.static_batch_timeout_s < 0:
-            raise ValueError("static_batch_timeout_s must be >= 0")
-        if self.scheduling_policy not in get_args(SchedulingPolicyName):
-            raise ValueError(f"scheduling_policy must be one of {get_args(SchedulingPolicyName)}")
-        if self.kv_manager not in get_args(KVManagerName):
-            raise ValueError(f"kv_manager must be one of {get_args(KVManagerName)}")
-        if self.distributed_executor_backend not in get_args(DistributedExecutorBackendName):
+        """ValueError naming the field."""
+        _at_least(1, tensor_parallel_size=self.tensor_parallel_size)
+        _one_of(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            get_args(DistributedExecutorBackendName),
+        )
+
+
+def _server_scheduler_config() -> SchedulerConfig:
+    """The scheduler section with the model-derived limits left to the engine (None)."""
+    return SchedulerConfig(max_model_len=None, max_num_batched_tokens=None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything needed to build an engine (sent as is to engine-core processes and tensor-parallel workers).
+
+    `scheduler_config` is the scheduler's own section: its `max_model_len` (None: the model's, capped at 8192)
+    and `max_num_batched_tokens` (None: 2048 with chunked prefill, else max(2048, max_model_len)) are filled
+    by the engine once it has loaded the model.
+    """
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=_server_scheduler_config)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_flat(cls, **names: object) -> EngineConfig:
+        """The config of flat field names (`max_num_seqs=8, block_size=4, ...`); TypeError naming an unknown one."""
+        return build_config(cls(), names)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreClientConfig:
+    """Where the engine steps: on a thread of the server (inproc) or in engine-core processes, data-parallel."""
+
+    engine_core: EngineCoreName = "inproc"
+    data_parallel_size: int = 1  # engine-core replicas behind one router (> 1 implies engine_core "process")
+    routing_policy: RoutingPolicyName = "cache_aware"
+    engine_ready_timeout: float = 600.0  # seconds a core may take to load its model
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1, data_parallel_size=self.data_parallel_size)
+        if self.engine_ready_timeout <= 0:
+            raise ValueError(f"engine_ready_timeout must be > 0, got {self.engine_ready_timeout}")
+        _one_of("engine_core", self.engine_core, get_args(EngineCoreName))
+
+    @property
+    def in_process(self) -> bool:
+        """True when the engine runs in the server's own process (one replica, no core process)."""
+        return self.engine_core == "inproc" and self.data_parallel_size == 1
+
+
+_PROMETHEUS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """`AsyncLLM`'s admission limits and names (the asynchronous front of the engine)."""
+
+    served_model_name: str | None = None  # the model name in the API; None: the engine's model name
+    # 429 when a request's sequences (prompts x n) and those waiting for their first token would exceed this.
+    max_waiting_requests: int | None = None
+    max_concurrent_requests: int | None = None  # TGI's limit on requests (prompts) in flight
+    metrics_prefix: str = DEFAULT_METRICS_PREFIX
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(
+            1,
+            max_waiting_requests=self.max_waiting_requests,
+            max_concurrent_requests=self.max_concurrent_requests,
+        )
+        if _PROMETHEUS_NAME.fullmatch(self.metrics_prefix) is None:
             raise ValueError(
-                f"distributed_executor_backend must be one of {get_args(DistributedExecutorBackendName)}"
+                "metrics_prefix must be a Prometheus name: letters, digits and _, not a digit first"
             )
 
 
@@ -94,6 +214,7 @@ class EngineConfig:
 # number by default, so that a small body cannot fan out into more engine work than a full prompt array.
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 2048
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 2048
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +223,99 @@ class RequestLimits:
 
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(
+            1,
+            max_prompts_per_request=self.max_prompts_per_request,
+            max_sequences_per_request=self.max_sequences_per_request,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AppSettings:
+    """The API app's options (`pagoda.server.api.build_app`)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-request-body-bytes: 413 for larger bodies
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # The chat template's text, overriding the tokenizer's (the CLI loads --chat-template's file into it).
+    chat_template: str | None = None
+    reasoning_parser: ReasoningParserName | None = None  # --reasoning-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" needs it
+    tool_call_parser: ToolParserName | None = None  # --tool-call-parser
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1, max_body_bytes=self.max_body_bytes)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser")
+
+
+@dataclass(frozen=True, slots=True)
+class HTTPLimits:
+    """Bounds on what one HTTP request may take before the app sees it."""
+
+    # Request line + header lines, in bytes: 414 if the request line alone is longer, else 431.
+    max_head_bytes: int = 16 * 1024
+    # Seconds from the connection opening (or the previous response ending) to a complete head: then 408.
+    head_timeout: float = 10.0
+    # Seconds the body may go without a byte arriving (an idle gap, so slow uploads that progress never time out).
+    body_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1024, max_head_bytes=self.max_head_bytes)
+        for name in ("head_timeout", "body_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP server (`pagoda.server.api.server.run_server`): address, drain time, logs, HTTP limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # seconds in-flight requests may run after SIGTERM
+    log_level: LogLevelName = "info"
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        _at_least(0, shutdown_timeout=self.shutdown_timeout)
+        _one_of("log_level", self.log_level, get_args(LogLevelName))
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `pagoda serve` runs: the engine part and one section per consumer in front of it."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    core: CoreClientConfig = field(default_factory=CoreClientConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    app: AppSettings = field(default_factory=AppSettings)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_flat(cls, **names: object) -> ServeConfig:
+        """The config of flat field names; TypeError naming an unknown one."""
+        return build_config(cls(), names)
+
+
+def resolved_scheduler_config(
+    config: SchedulerConfig, *, max_model_len: int, max_num_batched_tokens: int, kv_manager: KVManagerName
+) -> SchedulerConfig:
+    """The scheduler section with the engine's derived limits filled in (contiguous KV shares no prefix)."""
+    return replace(
+        config,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching and kv_manager == "paged",
+    )

@@ -18,6 +18,14 @@ if TYPE_CHECKING:  # transformers takes seconds to import; `pagoda --help` and /
     from transformers import PreTrainedTokenizerBase
 
 
+class EngineDeadError(RuntimeError):
+    """The engine (loop, or every replica) failed; no request can be served any more."""
+
+
+class ReplicaDeadError(EngineDeadError):
+    """The data-parallel replica serving a request died; the request is lost, the other replicas still serve."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestAccepted:
     """A deferred acceptance: the engine (a remote core) queued the request."""
@@ -42,7 +50,8 @@ class EngineClient(Protocol):
     `add_request` raises a ValueError with a `param` attribute (RequestRejectedError) when the request can
     never run; `abort_request` frees the request's KV blocks at once and ignores unknown ids. An engine whose
     `defers_acceptance` attribute is true (a remote core) answers each add later with a `RequestAccepted` or a
-    `RequestFailed` event out of `step`.
+    `RequestFailed` event out of `step`. Errors: `EngineDeadError` (and `ReplicaDeadError`) below. The owner
+    calls `close` once when done.
     """
 
     @property
@@ -105,6 +114,10 @@ class EngineClient(Protocol):
 
     def check_health(self) -> None:
         """Raise if the engine can serve no more requests; cheap, called every second or so while idle."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process: tensor-parallel workers, engine cores."""
         ...
 
 

@@ -21,8 +21,9 @@ class LLM:
     """Generate for a batch of prompts at once, continuously batched; `model=None` is Gemma 3 270M."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """Build the engine; keyword arguments are `EngineConfig` fields (max_num_seqs, block_size, ...)."""
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+        """Build the engine; keywords are the engine config's flat names (max_num_seqs, block_size, ...: the
+        `pagoda serve` flags with underscores), given to their sections by `EngineConfig.from_flat`."""
+        self.engine = LLMEngine.from_config(EngineConfig.from_flat(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

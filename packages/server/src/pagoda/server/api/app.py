@@ -11,7 +11,6 @@ import re
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
@@ -37,7 +36,7 @@ from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
-from pagoda.server.config import ReasoningParserName, RequestLimits, ToolParserName
+from pagoda.server.config import AppSettings
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -53,24 +52,10 @@ logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 TOKENIZER_THREADS = 4  # threads that tokenize and render chat templates for the API
 # Status sent when the client left before its response was ready (nginx's convention; nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
-
-
-@dataclass(frozen=True, slots=True)
-class AppSettings:
-    """Server options that are not the engine's."""
-
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    chat_template: str | None = None  # --chat-template: overrides the tokenizer's template
-    reasoning_parser: ReasoningParserName | None = None  # --reasoning-parser
-    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" needs it
-    tool_call_parser: ToolParserName | None = None  # --tool-call-parser
 
 
 class APIKeyMiddleware:

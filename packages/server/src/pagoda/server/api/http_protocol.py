@@ -7,12 +7,12 @@ and waits forever for a slow head or a stalled body. This subclass bounds all th
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import h11
 import uvicorn
 from pagoda.server.api.errors import APIError
+from pagoda.server.config import HTTPLimits
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from uvicorn.server import ServerState
 
@@ -21,18 +21,6 @@ from uvicorn.server import ServerState
 _LINGER_SECONDS = 2.0
 # Longest protocol-error message echoed to the client (h11's messages may quote the offending bytes).
 _MAX_MESSAGE_CHARS = 200
-
-
-@dataclass(frozen=True, slots=True)
-class HTTPLimits:
-    """Bounds on what one HTTP request may take before the app sees it."""
-
-    # Request line + header lines, in bytes: 414 if the request line alone is longer, else 431.
-    max_head_bytes: int = 16 * 1024
-    # Seconds from the connection opening (or the previous response ending) to a complete head: then 408.
-    head_timeout: float = 10.0
-    # Seconds the body may go without a byte arriving (an idle gap, so slow uploads that progress never time out).
-    body_timeout: float = 30.0
 
 
 class HTTPConfig(uvicorn.Config):

@@ -8,8 +8,9 @@ import socket
 from types import FrameType
 
 import uvicorn
-from pagoda.server.api.http_protocol import HTTPConfig, HTTPLimits
+from pagoda.server.api.http_protocol import HTTPConfig
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.config import ServerConfig
 from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)
@@ -58,24 +59,16 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(
-    app: Starlette,
-    llm: AsyncLLM,
-    *,
-    host: str,
-    port: int,
-    shutdown_timeout: float,
-    limits: HTTPLimits | None = None,
-    log_level: str = "info",
-) -> None:
-    """Serve `app` until a signal drains and stops it."""
-    config = HTTPConfig(
+def run_server(app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None) -> None:
+    """Serve `app` on `config`'s address and HTTP limits until a signal drains and stops it."""
+    config = config or ServerConfig()
+    http = HTTPConfig(
         app,
-        limits or HTTPLimits(),
-        host=host,
-        port=port,
-        log_level=log_level,
+        config.limits,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
         lifespan="on",
         timeout_graceful_shutdown=int(_FLUSH_SECONDS),
     )
-    DrainingServer(config, llm, shutdown_timeout).run()
+    DrainingServer(http, llm, config.shutdown_timeout).run()

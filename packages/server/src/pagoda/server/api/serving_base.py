@@ -17,15 +17,14 @@ from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.api.tool_parsers import ToolCallParser
 from pagoda.server.async_llm import (
     AsyncLLM,
-    EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
     PromptRequest,
-    ReplicaDeadError,
     RequestStream,
 )
 from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine_client import EngineDeadError, ReplicaDeadError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
 from pydantic import BaseModel

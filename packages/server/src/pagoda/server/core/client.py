@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.async_llm import EngineDeadError, ReplicaDeadError
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.messages import (
     AbortRequests,
@@ -27,11 +26,16 @@ from pagoda.server.core.messages import (
     output_decoder,
 )
 from pagoda.server.core.replica import Replica
-from pagoda.server.engine_client import EngineEvent, ReplicaStatus, RequestAccepted, RequestFailed
+from pagoda.server.engine_client import (
+    EngineDeadError,
+    EngineEvent,
+    ReplicaDeadError,
+    ReplicaStatus,
+    RequestAccepted,
+    RequestFailed,
+)
 from pagoda.server.outputs import EngineStats
-from pagoda.server.procs import Failed, Ready, Shutdown
-from pagoda.server.procs import Launcher as CoreLauncher
-from pagoda.server.procs import stop_children as kill_all
+from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
 from pagoda.server.routing import ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -79,7 +83,7 @@ class CoreClient:
     def __init__(
         self,
         config: EngineConfig,
-        launcher: CoreLauncher,
+        launcher: Launcher,
         router: Router,
         num_replicas: int,
         *,
@@ -316,7 +320,7 @@ class CoreClient:
         for replica in self.replicas:
             if replica.inputs is not None and replica.handle is not None and replica.handle.is_alive():
                 replica.send(self._encoder, Shutdown())
-        kill_all([r.handle for r in self.replicas if r.handle is not None], timeout)
+        stop_children([r.handle for r in self.replicas if r.handle is not None], timeout)
         for replica in self.replicas:
             for socket in (replica.inputs, replica.outputs):
                 if socket is not None:

@@ -49,7 +49,7 @@ class CoreSpec:
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
     """The engine's description for the front end."""
-    tokenizer = engine.config.tokenizer
+    tokenizer = engine.config.model_config.tokenizer
     folder = engine.model_path if tokenizer is None else resolve_tokenizer_folder(tokenizer)
     return EngineInfo(
         model_name=engine.model_name,

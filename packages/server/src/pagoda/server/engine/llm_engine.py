@@ -21,10 +21,9 @@ from pathlib import Path
 from pagoda.scheduler import (
     KVBlockManager,
     Scheduler,
-    SchedulerConfig,
     SchedulerOutput,
 )
-from pagoda.server.config import EngineConfig
+from pagoda.server.config import EngineConfig, resolved_scheduler_config
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.counters import TokenCounters
 from pagoda.server.engine.engine_request import EngineRequest
@@ -33,7 +32,7 @@ from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_lens
 from pagoda.server.engine.request_factory import new_request
-from pagoda.server.engine.scheduling import build_kv_manager, build_policy
+from pagoda.server.engine.scheduling import build_kv_manager
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.outputs import EngineStats, RequestOutput
@@ -63,35 +62,26 @@ class LLMEngine:
         self.runner = self.executor.driver
         self.num_kv_blocks = self.executor.num_blocks
         self.num_host_kv_blocks = self.executor.num_host_blocks
-        self.block_size = config.block_size
+        self.block_size = config.cache_config.block_size
         self.device = parts.device
         self.dtype = parts.dtype
         self.eos_token_ids = parts.eos_token_ids
-        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, config.max_input_tokens)
+        model_config = config.model_config
+        self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, model_config.max_input_tokens)
         self.kv_manager: KVBlockManager = build_kv_manager(
             config, self.num_kv_blocks, self.num_host_kv_blocks, parts.max_model_len
         )
-        # Contiguous regions share nothing: there is no prefix to look up.
-        prefix_caching = config.enable_prefix_caching and config.kv_manager == "paged"
-        costs = None
-        if config.preemption_mode == "auto":
-            costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=parts.max_num_batched_tokens,
-                max_model_len=parts.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                max_num_partial_prefills=config.max_num_partial_prefills,
-                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-                enable_prefix_caching=prefix_caching,
-                preemption_mode=config.preemption_mode,
-            ),
-            self.kv_manager,
-            build_policy(config),
-            costs,
+        # The scheduler section itself, with the limits only the loaded model could tell.
+        scheduler_config = resolved_scheduler_config(
+            config.scheduler_config,
+            max_model_len=parts.max_model_len,
+            max_num_batched_tokens=parts.max_num_batched_tokens,
+            kv_manager=config.cache_config.kv_manager,
         )
+        costs = None
+        if scheduler_config.preemption_mode == "auto":
+            costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.kv_manager, preemption_costs=costs)
         # The op's backend follows the engine's kernel backend (cpu -> C, triton / cupy -> Triton, torch -> torch).
         self.step_sampler = StepSampler(
             Sampler(parts.backend.name, parts.device), GrammarBitmask(self.vocab_size, self.eos_token_ids)
@@ -116,7 +106,7 @@ class LLMEngine:
             executor.shutdown()
             raise
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
         self.executor.shutdown()
 
@@ -157,7 +147,7 @@ class LLMEngine:
         if params.seed is not None:
             return params.seed
         self._unseeded_requests += 1
-        return unseeded_seed(self.config.seed, self._unseeded_requests)
+        return unseeded_seed(self.config.model_config.seed, self._unseeded_requests)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state, freeing its KV blocks now; unknown or finished ids are ignored."""
@@ -276,5 +266,5 @@ class LLMEngine:
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
             num_host_blocks=self.num_host_kv_blocks,
-            enable_prefix_caching=self.config.enable_prefix_caching,
+            enable_prefix_caching=self.config.scheduler_config.enable_prefix_caching,
         )

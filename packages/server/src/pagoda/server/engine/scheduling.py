@@ -1,16 +1,9 @@
-"""The scheduler's two axes as the engine configures them: KV reservation (paged or contiguous) and policy."""
+"""KV reservation as the engine configures it: paged, or contiguous (the scheduler builds its own policy)."""
 
 from __future__ import annotations
 
 from pagoda.blockalloc import BlockManager
-from pagoda.scheduler import (
-    ContiguousKVManager,
-    FCFSPolicy,
-    KVBlockManager,
-    PriorityPolicy,
-    SchedulingPolicy,
-    StaticBatchPolicy,
-)
+from pagoda.scheduler import ContiguousKVManager, KVBlockManager
 from pagoda.server.config import EngineConfig
 
 
@@ -22,22 +15,13 @@ def build_kv_manager(
     The contiguous manager's inner `BlockManager` has the engine's whole pool, so its slots and block tables
     index the real KV cache; it shares no prefix and never swaps (no host tier).
     """
-    if config.kv_manager == "contiguous":
-        inner = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+    cache = config.cache_config
+    if cache.kv_manager == "contiguous":
+        inner = BlockManager(num_blocks, cache.block_size, enable_prefix_caching=False)
         return ContiguousKVManager(inner, reserve_tokens=max_model_len)
     return BlockManager(
         num_blocks,
-        config.block_size,
+        cache.block_size,
         num_host_blocks=num_host_blocks,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=config.scheduler_config.enable_prefix_caching,
     )
-
-
-def build_policy(config: EngineConfig) -> SchedulingPolicy:
-    """FCFS, priority, or static batches of up to max_num_seqs (formed after `static_batch_timeout_s`)."""
-    if config.scheduling_policy == "priority":
-        return PriorityPolicy()
-    if config.scheduling_policy == "static":
-        # The policy's clock is time.monotonic, the clock of the engine's arrival times.
-        return StaticBatchPolicy(timeout_s=config.static_batch_timeout_s)
-    return FCFSPolicy()

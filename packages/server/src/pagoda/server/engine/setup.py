@@ -49,8 +49,8 @@ class EngineParts:
 
 def select_device(config: EngineConfig) -> torch.device:
     """The configured device, else CUDA when available, else the CPU."""
-    if config.device is not None:
-        return torch.device(config.device)
+    if config.model_config.device is not None:
+        return torch.device(config.model_config.device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -60,8 +60,8 @@ def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     Like vLLM's "auto", this runs float32 checkpoints (the default model's GGUF dequantizes to float32) in
     bfloat16 where the hardware has bfloat16 units: whether the CPU does is measured, not guessed from its name.
     """
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
+    if config.model_config.dtype != "auto":
+        return _DTYPES[config.model_config.dtype]
     if device.type != "cpu":
         return torch.bfloat16
     speedup = bfloat16_speedup()
@@ -109,10 +109,10 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
     """Pack the weights for the decode batch (CPU) or compile the forward (CUDA), once loaded."""
     # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
     # for 110 rows across hints of 32-2048).
-    rows = min(config.max_num_seqs, _PACK_BATCH)
+    rows = min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
     if packed := model.pack_weights(rows):
         logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
-    if device.type == "cuda" and not config.enforce_eager:
+    if device.type == "cuda" and not config.model_config.enforce_eager:
         # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.
         model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
 
@@ -120,7 +120,9 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
 def kv_cache_shape(model: CausalLM, config: EngineConfig, dtype: torch.dtype) -> KVCacheShape:
     """The per-layer KV geometry of a model (of this rank's shard: its KV heads only)."""
     spec = model.kv_cache_spec()
-    return KVCacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+    return KVCacheShape(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, config.cache_config.block_size, dtype
+    )
 
 
 def build_shard(
@@ -132,7 +134,7 @@ def build_shard(
     """A tensor-parallel worker's shard of the model, loaded and prepared (its KV cache comes later)."""
     if placement.device.type == "cpu":
         keep_freed_memory()
-    backend = get_backend(config.kernel_backend, placement.device)
+    backend = get_backend(config.model_config.kernel_backend, placement.device)
     model, _ = load_shard(folder, dtype=placement.dtype, device=placement.device, group=group)
     prepare_model(model, config, placement.device)
     return model, backend
@@ -141,9 +143,9 @@ def build_shard(
 def _kv_bytes(config: EngineConfig, device: torch.device) -> float:
     """Bytes the KV cache may take: a fixed size on the CPU, what is left under the utilization on CUDA."""
     if device.type != "cuda":
-        return config.kv_cache_gib * 2**30
+        return config.cache_config.kv_cache_gib * 2**30
     free, total = torch.cuda.mem_get_info(device)
-    return free - total * (1.0 - config.gpu_memory_utilization)
+    return free - total * (1.0 - config.cache_config.gpu_memory_utilization)
 
 
 def build_parts(
@@ -156,62 +158,63 @@ def build_parts(
     device, dtype = placement.device, placement.dtype
     if device.type == "cpu" and keep_freed_memory():
         logger.info("glibc malloc: freed large blocks are kept for reuse (no per-step page faults)")
-    backend = get_backend(config.kernel_backend, device)
+    model_config, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
+    backend = get_backend(model_config.kernel_backend, device)
     loaded = load_model(
-        config.model,
+        model_config.model,
         dtype=dtype,
         device=device,
-        cache_dir=None if config.cache_dir is None else Path(config.cache_dir),
-        tokenizer=config.tokenizer,
+        cache_dir=None if model_config.cache_dir is None else Path(model_config.cache_dir),
+        tokenizer=model_config.tokenizer,
         group=group,
     )
     prepare_model(loaded.model, config, device)
     text_config = loaded.hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = scheduler.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_limit:
         raise EngineConfigError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({model_limit}); lower "
             "--max-model-len"
         )
     shape = kv_cache_shape(loaded.model, config, dtype)
-    num_blocks = config.num_kv_blocks or shape.blocks_in(_kv_bytes(config, device))
-    if num_blocks * config.block_size < max_model_len:
+    num_blocks = cache.num_kv_blocks or shape.blocks_in(_kv_bytes(config, device))
+    if num_blocks * cache.block_size < max_model_len:
         knob = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-gib"
         raise EngineConfigError(
-            f"the KV cache holds {max(num_blocks, 0)} blocks of {config.block_size} tokens "
-            f"({max(num_blocks, 0) * config.block_size} tokens), less than one request of max_model_len "
+            f"the KV cache holds {max(num_blocks, 0)} blocks of {cache.block_size} tokens "
+            f"({max(num_blocks, 0) * cache.block_size} tokens), less than one request of max_model_len "
             f"({max_model_len}); raise {knob} or lower --max-model-len"
         )
-    if config.max_input_tokens is not None and config.max_input_tokens >= max_model_len:
+    if model_config.max_input_tokens is not None and model_config.max_input_tokens >= max_model_len:
         # TGI's rule: a prompt of max_input_tokens must leave room for at least one output token.
         raise EngineConfigError(
-            f"max_input_tokens ({config.max_input_tokens}) must be below max_model_len ({max_model_len}); "
+            f"max_input_tokens ({model_config.max_input_tokens}) must be below max_model_len ({max_model_len}); "
             "lower --max-input-tokens or raise --max-model-len (--max-total-tokens)"
         )
     num_host_blocks = (
-        shape.blocks_in(config.swap_space_gib * 2**30) if config.preemption_mode != "recompute" else 0
+        shape.blocks_in(cache.swap_space_gib * 2**30) if scheduler.preemption_mode != "recompute" else 0
     )
     kv_cache = KVCache(shape, num_blocks, num_host_blocks, device, backend)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); host tier %d blocks",
         num_blocks,
-        config.block_size,
-        num_blocks * config.block_size,
+        cache.block_size,
+        num_blocks * cache.block_size,
         num_blocks * shape.bytes_per_block / 2**30,
         dtype,
         num_host_blocks,
     )
-    if config.max_num_batched_tokens is not None:
-        max_batched = config.max_num_batched_tokens
-    elif config.enable_chunked_prefill:
+    if scheduler.max_num_batched_tokens is not None:
+        max_batched = scheduler.max_num_batched_tokens
+    elif scheduler.enable_chunked_prefill:
         max_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS
     else:
         max_batched = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
     return EngineParts(
         model=loaded.model,
         tokenizer=loaded.tokenizer,
-        model_name=config.model or DEFAULT_MODEL_NAME,
+        model_name=config.model_config.model or DEFAULT_MODEL_NAME,
         model_path=loaded.model_path,
         device=device,
         dtype=dtype,

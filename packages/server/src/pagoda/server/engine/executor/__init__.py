@@ -11,8 +11,8 @@ __all__ = ["Executor", "ExecutorError", "UniProcExecutor", "build_executor"]
 
 
 def build_executor(config: EngineConfig) -> tuple[Executor, EngineParts]:
-    """The executor `config.tensor_parallel_size` asks for, with the driver's parts (rank 0's shard under TP)."""
-    if config.tensor_parallel_size == 1:
+    """The executor `tensor_parallel_size` asks for, with the driver's parts (rank 0's shard under TP)."""
+    if config.parallel_config.tensor_parallel_size == 1:
         parts = build_parts(config)
         return UniProcExecutor(ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)), parts
     from pagoda.server.engine.executor.distributed import DistributedExecutor

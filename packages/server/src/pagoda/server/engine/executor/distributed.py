@@ -60,8 +60,8 @@ def _launcher(config: EngineConfig, use_gpus: bool, threads: int | None) -> Laun
     Ray: one bundle per worker in a PACK placement group, one GPU each on CUDA, else its torch threads' CPUs.
     mp: local processes, not pinned (each runs `threads` torch threads).
     """
-    workers = config.tensor_parallel_size - 1
-    if config.distributed_executor_backend == "ray":
+    workers = config.parallel_config.tensor_parallel_size - 1
+    if config.parallel_config.distributed_executor_backend == "ray":
         from pagoda.server.procs.ray_launcher import RayLauncher
 
         cpus = 0.0 if use_gpus else float(threads or 1)
@@ -108,10 +108,11 @@ class DistributedExecutor(Executor):
     @classmethod
     def launch(cls, config: EngineConfig) -> tuple[DistributedExecutor, EngineParts]:
         """Start the workers, load rank 0's shard beside them, agree on the KV size, form the process group."""
-        size = config.tensor_parallel_size
+        size = config.parallel_config.tensor_parallel_size
         placement = select_placement(config)
         folder = resolve_model_folder(
-            config.model, None if config.cache_dir is None else Path(config.cache_dir)
+            config.model_config.model,
+            None if config.model_config.cache_dir is None else Path(config.model_config.cache_dir),
         )
         try:
             check_tensor_parallel(AutoConfig.from_pretrained(folder).get_text_config(), size)
@@ -153,7 +154,7 @@ class DistributedExecutor(Executor):
             "tensor parallel: %d ranks over %s (%s backend)%s",
             size,
             "NCCL" if use_gpus else "gloo",
-            config.distributed_executor_backend,
+            config.parallel_config.distributed_executor_backend,
             "" if threads is None else f", {threads} torch thread(s) per rank",
         )
         driver = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
@@ -240,7 +241,7 @@ def _worker_specs(
     threads: int | None,
 ) -> list[WorkerSpec]:
     """What ranks 1..N-1 are told: the same config, folder, dtype and addresses; each its own rank and device."""
-    local = config.distributed_executor_backend == "mp"
+    local = config.parallel_config.distributed_executor_backend == "mp"
     return [
         WorkerSpec(
             config=config,
@@ -249,13 +250,13 @@ def _worker_specs(
             device=(f"cuda:{rank}" if local else "cuda:0") if placement.device.type == "cuda" else "cpu",
             dtype=dtype_name(placement.dtype),
             rank=rank,
-            world_size=config.tensor_parallel_size,
+            world_size=config.parallel_config.tensor_parallel_size,
             driver_address=address,
             store_host=store_host,
             store_port=store_port,
             num_threads=threads,
         )
-        for rank in range(1, config.tensor_parallel_size)
+        for rank in range(1, config.parallel_config.tensor_parallel_size)
     ]
 
 

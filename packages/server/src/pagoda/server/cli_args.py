@@ -1,0 +1,431 @@
+"""The argument table of `pagoda serve` and the one config it builds (`ServeConfig`).
+
+Each flag's destination is a field name of the config tree (`pagoda.server.config`): its default comes from
+that field and `--help` lists it under that field's section. A new flag is one row here plus its field;
+TGI's aliases are rows that name the vLLM destination they set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Any, get_args
+
+from pagoda.scheduler import PreemptionMode, SchedulingPolicyName
+from pagoda.server.config import (
+    DistributedExecutorBackendName,
+    DTypeName,
+    EngineConfig,
+    EngineCoreName,
+    KernelBackendName,
+    KVManagerName,
+    LogLevelName,
+    ReasoningParserName,
+    ServeConfig,
+    ToolParserName,
+)
+from pagoda.server.config_tree import flat_names
+from pagoda.server.routing import RoutingPolicyName
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One row of the table: argparse's option strings and keywords; `alias_of` for a TGI alias."""
+
+    options: tuple[str, ...]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    alias_of: str | None = None  # the destination (field) this alias sets; None: the flag's own dest is one
+
+    @property
+    def dest(self) -> str:
+        """The namespace attribute: the field name (or, for an alias, its own name)."""
+        explicit = self.kwargs.get("dest")
+        return str(explicit) if explicit else self.options[0].lstrip("-").replace("-", "_")
+
+
+class _Given(argparse.Action):
+    """Store the value and record the flag as given, so that a TGI alias can conflict with it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        """Set the destination and add it to `namespace.given`."""
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+def argument_table() -> list[Flag]:
+    """Every `pagoda serve` flag (vLLM's names where the meaning is the same; TGI's as aliases)."""
+    given: dict[str, Any] = {"action": _Given}
+    return [
+        Flag(("model",), {"nargs": "?", "help": "HF model folder or .gguf file (default: Gemma 3 270M)"}),
+        # model
+        Flag(("--tokenizer",), {"help": "folder of the tokenizer's files (default: the model's own)"}),
+        Flag(("--enforce-eager",), {"action": "store_true", "help": "CUDA: skip torch.compile"}),
+        Flag(("--kernel-backend",), {"choices": get_args(KernelBackendName)}),
+        Flag(("--dtype",), {"choices": get_args(DTypeName)}),
+        Flag(("--seed",), {"type": int, "help": "engine seed for requests without their own"}),
+        Flag(
+            ("--max-input-tokens",),
+            {
+                "type": int,
+                **given,
+                "help": "longest prompt in tokens; a longer one is a 400 (default: --max-model-len - 1)",
+            },
+        ),
+        Flag(
+            ("--max-input-length",),
+            {"type": int, "help": "TGI's older name of --max-input-tokens"},
+            "max_input_tokens",
+        ),
+        # cache
+        Flag(("--block-size",), {"type": int, "help": "tokens per KV-cache block"}),
+        Flag(
+            ("--gpu-memory-utilization",),
+            {"type": float, "help": "CUDA: fraction of GPU memory the engine may use"},
+        ),
+        Flag(("--kv-cache-gib",), {"type": float, "help": "CPU: KV-cache size in GiB"}),
+        Flag(
+            ("--swap-space",),
+            {
+                "dest": "swap_space_gib",
+                "metavar": "SWAP_SPACE",
+                "type": float,
+                "help": "host swap space in GiB (preemption by swap)",
+            },
+        ),
+        Flag(
+            ("--kv-manager",),
+            {
+                "choices": get_args(KVManagerName),
+                "help": "paged: blocks on demand; contiguous: each sequence reserves --max-model-len tokens at "
+                "admission (no prefix caching, no swapping)",
+            },
+        ),
+        # scheduler
+        Flag(
+            ("--max-model-len",), {"type": int, **given, "help": "longest prompt + output (default: model's)"}
+        ),
+        Flag(
+            ("--max-total-tokens",),
+            {"type": int, "help": "prompt + output tokens of one request (--max-model-len)"},
+            "max_model_len",
+        ),
+        Flag(("--max-num-batched-tokens",), {"type": int, "help": "token budget of one step"}),
+        Flag(("--max-num-seqs",), {"type": int, **given, "help": "most sequences in one step"}),
+        Flag(
+            ("--max-batch-size",),
+            {"type": int, "help": "most sequences in one step (--max-num-seqs)"},
+            "max_num_seqs",
+        ),
+        Flag(
+            ("--max-batch-prefill-tokens",),
+            {
+                "type": int,
+                "help": "prefill tokens one step may compute (prompt chunks; decodes are not counted)",
+            },
+        ),
+        Flag(
+            ("--enable-prefix-caching",),
+            {
+                "action": argparse.BooleanOptionalAction,
+                "help": "reuse the KV blocks of shared prompt prefixes",
+            },
+        ),
+        Flag(
+            ("--preemption-mode",),
+            {
+                "choices": get_args(PreemptionMode),
+                "help": "auto: per victim, whichever of swap and recompute costs less on this machine (measured "
+                "at start)",
+            },
+        ),
+        Flag(
+            ("--enable-chunked-prefill",),
+            {
+                "action": argparse.BooleanOptionalAction,
+                "help": "split long prompts over steps, beside the running decodes",
+            },
+        ),
+        Flag(
+            ("--long-prefill-token-threshold",),
+            {
+                "type": int,
+                "help": "cap on one request's prefill chunk in a step (default: only the step's budget)",
+            },
+        ),
+        Flag(
+            ("--max-num-partial-prefills",),
+            {"type": int, "help": "requests that may be mid-prefill at once (default: no cap)"},
+        ),
+        Flag(
+            ("--scheduling-policy",),
+            {
+                "choices": get_args(SchedulingPolicyName),
+                "help": "fcfs: continuous batching in arrival order; priority: lower `priority` first; static: a "
+                "batch of up to --max-num-seqs runs to completion and nobody joins it",
+            },
+        ),
+        Flag(
+            ("--static-batch-timeout",),
+            {
+                "dest": "static_batch_timeout_s",
+                "metavar": "STATIC_BATCH_TIMEOUT",
+                "type": float,
+                "help": "static: seconds the oldest request waits for a full batch before a smaller one starts",
+            },
+        ),
+        # parallel
+        Flag(
+            ("--tensor-parallel-size", "-tp"),
+            {
+                "type": int,
+                "help": "split every layer over N ranks (gloo on CPU, NCCL on CUDA); N must divide the attention "
+                "heads",
+            },
+        ),
+        Flag(
+            ("--distributed-executor-backend",),
+            {
+                "choices": get_args(DistributedExecutorBackendName),
+                "help": "where the processes beyond the first run: mp: local processes; ray: Ray actors on the "
+                "cluster of RAY_ADDRESS (or `ray start --head`), tensor-parallel ranks in a placement group",
+            },
+        ),
+        # engine cores
+        Flag(
+            ("--engine-core",),
+            {
+                "choices": get_args(EngineCoreName),
+                "help": "inproc: the engine steps on a thread of the server's process; process: in an engine-core "
+                "process of its own, over ZeroMQ (implied by --data-parallel-size > 1)",
+            },
+        ),
+        Flag(
+            ("--data-parallel-size",),
+            {
+                "type": int,
+                "help": "engine-core replicas, each with its own model, KV cache and cores, behind one router",
+            },
+        ),
+        Flag(
+            ("--routing-policy",),
+            {
+                "choices": get_args(RoutingPolicyName),
+                "help": "which replica serves a request: the one holding its prefix (cache_aware), the least "
+                "loaded, or each in turn",
+            },
+        ),
+        Flag(
+            ("--engine-ready-timeout",),
+            {
+                "type": float,
+                "help": "seconds an engine core may take to load its model before the server gives up",
+            },
+        ),
+        # serving
+        Flag(("--served-model-name",), {"help": "model name in the API (default: MODEL)"}),
+        Flag(
+            ("--max-waiting-requests",),
+            {
+                "type": int,
+                "help": "429 when a request's sequences (prompts x n) and those waiting for their first token "
+                "would exceed this; 400 for a request that exceeds it alone",
+            },
+        ),
+        Flag(
+            ("--max-concurrent-requests",),
+            {
+                "type": int,
+                "help": "429 when a request's prompts and those in flight would exceed this; 400 for one that "
+                "exceeds it alone",
+            },
+        ),
+        Flag(
+            ("--metrics-prefix",),
+            {"help": "namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)"},
+        ),
+        # app
+        Flag(("--api-key",), {"help": "require `Authorization: Bearer <key>` (all but /health)"}),
+        Flag(
+            ("--max-request-body-bytes",),
+            {
+                "dest": "max_body_bytes",
+                "metavar": "MAX_REQUEST_BODY_BYTES",
+                "type": int,
+                "help": "413 for larger request bodies",
+            },
+        ),
+        Flag(
+            ("--chat-template",),
+            {
+                "help": "chat template for the chat endpoint, as a file path or the Jinja text (default: the "
+                "tokenizer's)"
+            },
+        ),
+        Flag(
+            ("--reasoning-parser",),
+            {
+                "choices": get_args(ReasoningParserName),
+                "help": "split <think> reasoning into the chat responses' reasoning_content (vLLM's names)",
+            },
+        ),
+        Flag(
+            ("--enable-auto-tool-choice",),
+            {
+                "action": "store_true",
+                "help": 'serve tool_choice "auto" (the default with tools): parse calls out of the output (needs '
+                "--tool-call-parser)",
+            },
+        ),
+        Flag(
+            ("--tool-call-parser",),
+            {
+                "choices": get_args(ToolParserName),
+                "help": "how tool calls are read from the output under tool_choice auto (vLLM's names)",
+            },
+        ),
+        Flag(
+            ("--max-prompts-per-request",),
+            {"type": int, "help": "400 for a completion with more prompts in its list (OpenAI's cap)"},
+        ),
+        Flag(
+            ("--max-sequences-per-request",),
+            {"type": int, "help": "400 for a request of more sequences (prompts x n)"},
+        ),
+        # server
+        Flag(("--host",), {"help": "address to listen on"}),
+        Flag(("--port",), {"type": int, "help": "port to listen on"}),
+        Flag(
+            ("--shutdown-timeout",),
+            {
+                "type": float,
+                "help": "seconds in-flight requests may run after SIGTERM before they are aborted",
+            },
+        ),
+        Flag(("--log-level",), {"choices": get_args(LogLevelName)}),
+        Flag(
+            ("--max-request-head-bytes",),
+            {
+                "dest": "max_head_bytes",
+                "metavar": "MAX_REQUEST_HEAD_BYTES",
+                "type": int,
+                "help": "431 for a larger request head (414 if the request line alone is larger)",
+            },
+        ),
+        Flag(
+            ("--request-head-timeout",),
+            {
+                "dest": "head_timeout",
+                "metavar": "REQUEST_HEAD_TIMEOUT",
+                "type": float,
+                "help": "408 if a request head is not complete this many seconds after the connection opens",
+            },
+        ),
+        Flag(
+            ("--request-body-timeout",),
+            {
+                "dest": "body_timeout",
+                "metavar": "REQUEST_BODY_TIMEOUT",
+                "type": float,
+                "help": "408 if no byte of a request body arrives for this many seconds",
+            },
+        ),
+    ]
+
+
+# The --help heading and line of each section of the tree, by its path.
+_SECTIONS = {
+    ("engine", "model_config"): ("model", "what model runs and how, and the longest prompt"),
+    ("engine", "cache_config"): ("cache", "the KV cache: block size, its size on the device and the host"),
+    ("engine", "scheduler_config"): (
+        "scheduler",
+        "pagoda.scheduler.SchedulerConfig: batch limits, chunked prefill, prefix caching, preemption, policy",
+    ),
+    ("engine", "parallel_config"): ("parallel", "tensor parallelism: the ranks one model is split over"),
+    ("core",): ("engine cores", "where the engine steps: in the server's process, or engine-core processes"),
+    ("serving",): ("serving", "admission limits and names of the engine's asynchronous front (AsyncLLM)"),
+    ("app",): ("API", "the OpenAI API app: key, body size, chat template, reasoning and tool-call parsers"),
+    ("app", "limits"): ("API request limits", "the fan-out one request may ask for"),
+    ("server",): ("server", "address, drain time after SIGTERM, log level"),
+    ("server", "limits"): ("HTTP limits", "what one HTTP request may take before the app sees it"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `pagoda` argument parser: one argument group per config section, defaults from the config."""
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = ServeConfig()
+    paths = flat_names(defaults)
+    groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
+    for section, (title, description) in _SECTIONS.items():
+        groups[section] = serve.add_argument_group(title, description)
+    for flag in argument_table():
+        path = paths[flag.alias_of or flag.dest]
+        if flag.options == ("model",):  # the positional lists first, outside the groups
+            serve.add_argument("model", default=defaults.engine.model_config.model, **flag.kwargs)
+            continue
+        default = None if flag.alias_of else reduce(getattr, path, defaults)
+        groups[path[:-1]].add_argument(*flag.options, default=default, **flag.kwargs)
+    return parser
+
+
+def resolve_tgi_aliases(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM destinations TGI's aliases set; ValueError naming both flags when they disagree."""
+    given: set[str] = getattr(args, "given", set())
+    resolved: dict[str, Any] = {}
+    options = {flag.dest: flag.options[0] for flag in argument_table()}
+    for flag in argument_table():
+        if flag.alias_of is None:
+            continue
+        value, other = getattr(args, flag.dest), getattr(args, flag.alias_of)
+        if value is not None and flag.alias_of in given and other != value:
+            raise ValueError(
+                f"{flag.options[0]} {value} and {options[flag.alias_of]} {other} set the same limit differently"
+            )
+        resolved[flag.alias_of] = value if value is not None else other
+    return resolved
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The one config of parsed `serve` arguments; ValueError naming the flag (and the field) of a bad value."""
+    table = argument_table()
+    aliases = {flag.dest for flag in table if flag.alias_of is not None}
+    flat = {name: value for name, value in vars(args).items() if name in {f.dest for f in table} - aliases}
+    flat.update(resolve_tgi_aliases(args))
+    try:
+        return ServeConfig.from_flat(**flat)
+    except ValueError as exc:
+        raise ValueError(flag_message(str(exc), table)) from exc
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine part of `serve_config(args)`."""
+    return serve_config(args).engine
+
+
+def flag_message(message: str, table: Sequence[Flag]) -> str:
+    """A config error as the CLI says it: field names as their flags, the fields named after it."""
+    options = {flag.dest: flag.options[0] for flag in table if flag.options[0].startswith("--")}
+    named: list[str] = []
+
+    def to_flag(match: re.Match[str]) -> str:
+        named.append(match.group(0))
+        return options[match.group(0)]
+
+    pattern = r"\b(" + "|".join(sorted(map(re.escape, options), key=len, reverse=True)) + r")\b"
+    text = re.sub(pattern, to_flag, message)
+    return f"{text} ({', '.join(dict.fromkeys(named))})" if named else text
