@@ -1,0 +1,314 @@
+/* GGUF quantized weights on the CPU: dequantize, and y[rows, n] = x[rows, k] @ W^T with W [n, k] in a GGUF type.
+ *
+ * The specification is pagoda/pagedkernel/quant/torch_quant.py (after gguf's reference). Every block is first
+ * unpacked into signed 8-bit values w, a scale per 16 elements and, for the formats with a minimum, an offset per
+ * 32 elements, so that value = scale * w (+ offset). Dequantization evaluates exactly that, in the reference's
+ * order, so it is bit-exact (the library is built with -ffp-contract=off: no fused multiply-add).
+ *
+ * The matmul quantizes each row of x to int8 per 32 elements (dx = max|x| / 127, q = round(x / dx), as llama.cpp's
+ * Q8_0 does, plus the sum of the q for the offsets) and streams each weight block once, unpacking it once for all
+ * rows. The 32-element dot products are integers, computed as eight lanes of four products:
+ *   - PATH 2, AVX-512 VNNI (with VL): vpdpbusd on |w| and x * sign(w);
+ *   - PATH 1, AVX2: vpmaddubsw then vpmaddwd on the same operands (|w| <= 128, |x| <= 127: no saturation);
+ *   - PATH 0, generic C: the same eight lane sums in scalar code.
+ * The lanes are exact, and the float steps after them are the same operations in the same order on every path,
+ * so the three paths give bitwise the same y (tested). The path is chosen by the target's features at build
+ * (-march=native picks the best this CPU has); pagoda_quant_path() says which one was compiled.
+ *
+ * Columns of y are split over torch's OpenMP pool (the library links the libgomp torch has loaded); each output
+ * is computed whole by one thread, so y does not depend on the thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__)
+#define PATH 2
+#elif defined(__AVX2__)
+#define PATH 1
+#else
+#define PATH 0
+#endif
+
+/* GGUF type ids (gguf's GGMLQuantizationType). */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define QK 32        /* elements per activation block (and per block of the 32-element formats) */
+#define QK_K 256     /* elements per K-quant super-block */
+#define MAX_ROWS 16  /* rows of x that share one unpacked weight block */
+
+int pagoda_quant_path(void) { return PATH; }
+
+/* Elements and bytes per block, and whether values carry an offset (a minimum); 0 elements: unknown type. */
+static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
+  *elems = 0;
+  *bytes = 0;
+  *has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+  switch (type) {
+    case Q4_0: *elems = QK, *bytes = 18; break;
+    case Q4_1: *elems = QK, *bytes = 20; break;
+    case Q5_0: *elems = QK, *bytes = 22; break;
+    case Q5_1: *elems = QK, *bytes = 24; break;
+    case Q8_0: *elems = QK, *bytes = 34; break;
+    case Q4_K: *elems = QK_K, *bytes = 144; break;
+    case Q5_K: *elems = QK_K, *bytes = 176; break;
+    case Q6_K: *elems = QK_K, *bytes = 210; break;
+    default: break;
+  }
+}
+
+/* A little-endian IEEE half as float (exact: every half is a float). */
+static inline float f16(const uint8_t *p) {
+  uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13); /* inf, or NaN with its payload */
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else { /* a subnormal half is a normal float: shift its leading 1 into the implicit bit */
+    uint32_t e = 0;
+    while (!(man & 0x400u)) man <<= 1, e++;
+    bits = sign | ((113 - e) << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+static inline uint32_t u32le(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Element j < 16 is byte j's low nibble, element 16 + j its high nibble. */
+static inline void nibbles32(const uint8_t *qs, int8_t *w, int bias) {
+  for (int j = 0; j < 16; j++) {
+    w[j] = (int8_t)((qs[j] & 0x0F) - bias);
+    w[j + 16] = (int8_t)((qs[j] >> 4) - bias);
+  }
+}
+
+/* Q5_0 / Q5_1: the low nibbles plus bit j of the 32-bit word qh as bit 4 of element j. */
+static inline void fives32(const uint8_t *qh, const uint8_t *qs, int8_t *w, int bias) {
+  uint32_t h = u32le(qh);
+  for (int j = 0; j < 16; j++) {
+    w[j] = (int8_t)(((qs[j] & 0x0F) | (((h >> j) & 1u) << 4)) - bias);
+    w[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1u) << 4)) - bias);
+  }
+}
+
+/* The eight 6-bit scales and mins of a Q4_K / Q5_K block (its 12 scale bytes). */
+static inline void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; j++) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[j + 4] & 0x3F;
+    sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
+    mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+  }
+}
+
+/* Unpack one block: value i = scale[i / 16] * w[i], plus offset[i / 32] for the formats with a minimum. */
+static void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, float *offset) {
+  float d;
+  switch (type) {
+    case Q4_0:
+      d = f16(b), nibbles32(b + 2, w, 8);
+      scale[0] = scale[1] = d;
+      break;
+    case Q4_1:
+      d = f16(b), offset[0] = f16(b + 2), nibbles32(b + 4, w, 0);
+      scale[0] = scale[1] = d;
+      break;
+    case Q5_0:
+      d = f16(b), fives32(b + 2, b + 6, w, 16);
+      scale[0] = scale[1] = d;
+      break;
+    case Q5_1:
+      d = f16(b), offset[0] = f16(b + 2), fives32(b + 4, b + 8, w, 0);
+      scale[0] = scale[1] = d;
+      break;
+    case Q8_0:
+      scale[0] = scale[1] = f16(b);
+      memcpy(w, b + 2, QK);
+      break;
+    case Q4_K:
+    case Q5_K: {
+      float dmin = f16(b + 2);
+      uint8_t sc[8], mn[8];
+      d = f16(b);
+      k_scales(b + 4, sc, mn);
+      const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
+      for (int g = 0; g < 4; g++) { /* 32 bytes: low nibbles are sub-block 2g, high nibbles 2g + 1 */
+        for (int j = 0; j < 32; j++) {
+          int lo = qs[32 * g + j] & 0x0F, hi = qs[32 * g + j] >> 4;
+          if (type == Q5_K) lo |= ((qh[j] >> (2 * g)) & 1) << 4, hi |= ((qh[j] >> (2 * g + 1)) & 1) << 4;
+          w[64 * g + j] = (int8_t)lo;
+          w[64 * g + 32 + j] = (int8_t)hi;
+        }
+      }
+      for (int s = 0; s < 8; s++) {
+        scale[2 * s] = scale[2 * s + 1] = d * (float)sc[s];
+        offset[s] = -(dmin * (float)mn[s]);
+      }
+      break;
+    }
+    case Q6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t *sc = (const int8_t *)(b + 192);
+      d = f16(b + 208);
+      for (int h = 0; h < 2; h++) { /* each half: 64 low-nibble bytes and 32 bytes of four 2-bit highs */
+        for (int p = 0; p < 32; p++) {
+          int a = ql[64 * h + p], c = ql[64 * h + 32 + p], hb = qh[32 * h + p];
+          int8_t *o = w + 128 * h + p;
+          o[0] = (int8_t)(((a & 0x0F) | ((hb & 3) << 4)) - 32);
+          o[32] = (int8_t)(((c & 0x0F) | (((hb >> 2) & 3) << 4)) - 32);
+          o[64] = (int8_t)(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+          o[96] = (int8_t)(((c >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+        }
+      }
+      for (int g = 0; g < 16; g++) scale[g] = d * (float)sc[g];
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+/* Dequantize num_blocks blocks of `type` from src into float32 dst; 1 for an unknown type. */
+int pagoda_quant_dequantize(int64_t type, const uint8_t *src, float *dst, int64_t num_blocks, int64_t num_threads) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  if (elems == 0) return 1;
+  if (num_threads < 1 || num_blocks < 64) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t i = 0; i < num_blocks; i++) {
+    int8_t w[QK_K];
+    float scale[QK_K / 16], offset[QK_K / QK];
+    float *out = dst + i * elems;
+    unpack(type, src + i * bytes, w, scale, offset);
+    if (has_offset) {
+      for (int j = 0; j < elems; j++) out[j] = scale[j / 16] * (float)w[j] + offset[j / QK];
+    } else {
+      for (int j = 0; j < elems; j++) out[j] = scale[j / 16] * (float)w[j];
+    }
+  }
+  return 0;
+}
+
+/* Eight float lanes; acc_step adds lane l of the 32-element integer dot product w . x (its elements 4l..4l+3)
+ * times lo (lanes 0-3) or hi (lanes 4-7). */
+#if PATH >= 1
+typedef __m256 facc;
+static inline facc acc_zero(void) { return _mm256_setzero_ps(); }
+static inline facc acc_step(facc acc, const int8_t *w, const int8_t *x, float lo, float hi) {
+  __m256i wv = _mm256_loadu_si256((const __m256i *)w), xv = _mm256_loadu_si256((const __m256i *)x);
+  __m256i aw = _mm256_abs_epi8(wv), sx = _mm256_sign_epi8(xv, wv); /* |w| unsigned (128 for -128), x * sign(w) */
+#if PATH == 2
+  __m256i lanes = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+  __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+#endif
+  __m256 s = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), s));
+}
+static inline void acc_store(facc acc, float out[8]) { _mm256_storeu_ps(out, acc); }
+#else
+typedef struct {
+  float v[8];
+} facc;
+static inline facc acc_zero(void) {
+  facc a;
+  for (int l = 0; l < 8; l++) a.v[l] = 0.0f;
+  return a;
+}
+static inline facc acc_step(facc acc, const int8_t *w, const int8_t *x, float lo, float hi) {
+  for (int l = 0; l < 8; l++) {
+    int32_t lane = 0;
+    for (int i = 4 * l; i < 4 * l + 4; i++) lane += (int32_t)w[i] * (int32_t)x[i];
+    acc.v[l] = acc.v[l] + (float)lane * (l < 4 ? lo : hi);
+  }
+  return acc;
+}
+static inline void acc_store(facc acc, float out[8]) { memcpy(out, acc.v, sizeof acc.v); }
+#endif
+
+/* Row r of x as int8 per 32 elements: q = round(x / dx) with dx = max|x| / 127, and each block's sum of q. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *qsum) {
+  for (int64_t b = 0; b < k / QK; b++) {
+    const float *v = x + b * QK;
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; i++) {
+      int32_t r = (int32_t)nearbyintf(v[i] * inv);
+      r = r > 127 ? 127 : r < -127 ? -127 : r;
+      q[b * QK + i] = (int8_t)r;
+      sum += r;
+    }
+    dx[b] = d;
+    qsum[b] = sum;
+  }
+}
+
+/* y[r, j] = sum_i x[r, i] * W[j, i] for W [n, k] of `type` (rows of bytes k / elems * bytes). x rows are
+ * x_stride floats apart, y rows y_stride. 0 on success, 1 for an unknown type or k not a multiple of the block,
+ * 2 when the work space cannot be allocated. */
+int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t x_stride,
+                        int64_t rows, float *y, int64_t y_stride, int64_t num_threads) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  if (elems == 0 || k % elems != 0) return 1;
+  if (rows == 0 || n == 0) return 0;
+  const int64_t xblocks = k / QK, wblocks = k / elems, sub = elems / QK, row_bytes = wblocks * bytes;
+  int8_t *xq = malloc((size_t)(rows * k));
+  float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
+  int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
+  if (!xq || !xd || !xs) {
+    free(xq), free(xd), free(xs);
+    return 2;
+  }
+  for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xd + r * xblocks, xs + r * xblocks);
+  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t j = 0; j < n; j++) {
+    const uint8_t *wrow = weight + j * row_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+      int64_t nr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+      facc acc[MAX_ROWS];
+      float off[MAX_ROWS];
+      for (int64_t r = 0; r < nr; r++) acc[r] = acc_zero(), off[r] = 0.0f;
+      for (int64_t wb = 0; wb < wblocks; wb++) {
+        int8_t w[QK_K];
+        float scale[QK_K / 16], offset[QK_K / QK];
+        unpack(type, wrow + wb * bytes, w, scale, offset);
+        for (int64_t r = 0; r < nr; r++) {
+          const int64_t xb0 = (r0 + r) * xblocks + wb * sub;
+          for (int64_t s = 0; s < sub; s++) {
+            float d = xd[xb0 + s];
+            acc[r] = acc_step(acc[r], w + QK * s, xq + xb0 * QK + QK * s, scale[2 * s] * d, scale[2 * s + 1] * d);
+            if (has_offset) off[r] = off[r] + offset[s] * d * (float)xs[xb0 + s];
+          }
+        }
+      }
+      for (int64_t r = 0; r < nr; r++) {
+        float lanes[8], sum = 0.0f;
+        acc_store(acc[r], lanes);
+        for (int l = 0; l < 8; l++) sum = sum + lanes[l];
+        y[(r0 + r) * y_stride + j] = sum + off[r];
+      }
+    }
+  }
+  free(xq), free(xd), free(xs);
+  return 0;
+}

@@ -1,0 +1,97 @@
+"""The quantized ops' public functions: `dequantize` and `qmatmul`, on the `torch` or `cpu` backend."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.quant import cpu_quant, torch_quant
+from pagoda.pagedkernel.quant.formats import QuantizedTensor
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+QuantBackendName = Literal["auto", "torch", "cpu"]
+QUANT_BACKENDS: tuple[QuantBackendName, ...] = ("auto", "torch", "cpu")
+# Activation dtypes qmatmul takes; it computes in float32 and returns x's dtype.
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_cpu(backend: QuantBackendName, weight: QuantizedTensor) -> bool:
+    """Whether `backend` means the C kernels for this weight (raises for a bad name or an unusable 'cpu')."""
+    if backend not in QUANT_BACKENDS:
+        raise ValueError(f"unknown quantized-op backend {backend!r}; one of {', '.join(QUANT_BACKENDS)}")
+    on_cpu = weight.data.device.type == "cpu"
+    if backend == "torch":
+        return False
+    if backend == "cpu":
+        if not on_cpu:
+            raise ValueError(
+                f"the 'cpu' quantized ops take CPU tensors, the weight is on {weight.data.device}"
+            )
+        cpu_quant.kernels()  # raises BackendUnavailableError naming what is missing
+        return True
+    if not on_cpu:
+        return False
+    try:
+        cpu_quant.kernels()
+    except (BackendUnavailableError, OSError) as exc:
+        logger.warning("quantized ops fall back to torch: %s", exc)
+        return False
+    return True
+
+
+def dequantize(
+    weight: QuantizedTensor, *, backend: QuantBackendName = "auto"
+) -> Tensor:  # float32 weight.shape
+    """The float32 values `weight` encodes, bit-exact with gguf's reference on every backend."""
+    if _use_cpu(backend, weight):
+        return cpu_quant.dequantize(weight, cpu_quant.kernels())
+    return torch_quant.dequantize(weight)
+
+
+def qmatmul(
+    x: Tensor,  # [rows, K]
+    weight: QuantizedTensor,  # [N, K]
+    *,
+    backend: QuantBackendName = "auto",
+    out: Tensor | None = None,  # [rows, N] of x's dtype
+) -> Tensor:  # [rows, N] of x's dtype
+    """y = x @ W^T for W stored in a GGUF block format, computed in float32.
+
+    On the `cpu` backend up to `cpu_quant.GEMV_MAX_ROWS` rows use int8 activations (see the README for the
+    error bound); more rows, and the `torch` backend, multiply in float32 by the exact dequantized weights.
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"qmatmul: x {tuple(x.shape)} does not match a weight of shape {weight.shape}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"qmatmul takes x of {', '.join(map(str, ACTIVATION_DTYPES))}, got {x.dtype}")
+    if out is not None and (out.shape != (x.shape[0], n) or out.dtype != x.dtype):
+        raise ValueError(
+            f"qmatmul: out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}"
+        )
+    if not _use_cpu(backend, weight):
+        y = torch_quant.qmatmul(x, weight).to(x.dtype)
+    else:
+        lib = cpu_quant.kernels()
+        xf = x.to(torch.float32)
+        if xf.stride(-1) != 1:
+            xf = xf.contiguous()
+        direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
+        y = out if out is not None and direct else torch.empty((x.shape[0], n), dtype=torch.float32)
+        if x.shape[0] <= cpu_quant.GEMV_MAX_ROWS:
+            cpu_quant.gemv(xf, weight, y, lib)
+        else:
+            cpu_quant.tiled(xf, weight, y, lib)
+        if direct:
+            return y
+        y = y.to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
