@@ -60,3 +60,12 @@ def int8_error_bound(
     wb = w.to(torch.float64).abs().reshape(w.shape[0], k // 32, 32).sum(-1)  # [N, K / 32]
     rounding = x.to(torch.float64).abs() @ w.to(torch.float64).abs().t()
     return (dx / 2) @ wb.t() + 1e-4 * rounding
+
+
+def assert_bit_exact(got: Tensor, expected: Tensor) -> None:
+    """Same float32 bits everywhere, except that NaNs need only be NaN on both sides (payloads may differ)."""
+    assert got.dtype == expected.dtype == torch.float32, (got.dtype, expected.dtype)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN in different places"
+    assert torch.equal(got.view(torch.int32)[~nan], expected.view(torch.int32)[~nan]), "different bits"
