@@ -90,21 +90,109 @@ static inline uint32_t u32le(const uint8_t *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* Element j < 16 is byte j's low nibble, element 16 + j its high nibble. */
-static inline void nibbles32(const uint8_t *qs, int8_t *w, int bias) {
+#define INLINE static inline __attribute__((always_inline))
+
+/* The weight unpackers below write the same bytes on every path: intrinsics with AVX2, plain loops without. */
+
+/* Element j < 16 is byte j's low nibble, element 16 + j its high nibble, minus bias. */
+INLINE void nibbles32(const uint8_t *qs, int8_t *w, int bias) {
+#if PATH >= 1
+  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+#else
   for (int j = 0; j < 16; j++) {
     w[j] = (int8_t)((qs[j] & 0x0F) - bias);
     w[j + 16] = (int8_t)((qs[j] >> 4) - bias);
   }
+#endif
 }
 
-/* Q5_0 / Q5_1: the low nibbles plus bit j of the 32-bit word qh as bit 4 of element j. */
-static inline void fives32(const uint8_t *qh, const uint8_t *qs, int8_t *w, int bias) {
+#if PATH >= 1
+/* Byte j is 0xFF where bit j of the 32-bit word h is set, else 0. */
+static inline __m256i bit_bytes(uint32_t h) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL); /* byte j tests bit j % 8 */
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);       /* byte j: byte j / 8 of h */
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+#endif
+
+/* Q5_0 / Q5_1: the low nibbles plus bit j of the 32-bit word qh as bit 4 of element j, minus bias. */
+INLINE void fives32(const uint8_t *qh, const uint8_t *qs, int8_t *w, int bias) {
   uint32_t h = u32le(qh);
+#if PATH >= 1
+  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+  v = _mm256_or_si256(v, _mm256_and_si256(bit_bytes(h), _mm256_set1_epi8(0x10)));
+  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+#else
   for (int j = 0; j < 16; j++) {
     w[j] = (int8_t)(((qs[j] & 0x0F) | (((h >> j) & 1u) << 4)) - bias);
     w[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1u) << 4)) - bias);
   }
+#endif
+}
+
+/* Q4_K / Q5_K values (0..15 or 0..31) of a super-block: four 32-byte groups of qs whose low nibbles are
+ * sub-block 2g and high nibbles 2g + 1; with qh (Q5_K), bit s of qh[j] is bit 4 of element j of sub-block s. */
+INLINE void k_values(const uint8_t *qs, const uint8_t *qh, int8_t *w) {
+#if PATH >= 1
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i hb = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+  for (int g = 0; g < 4; g++) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (qh) { /* 16-bit shifts, then one bit per byte: each byte keeps its own bit */
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g + 1), one), 4));
+    }
+    _mm256_storeu_si256((__m256i *)(w + 64 * g), lo);
+    _mm256_storeu_si256((__m256i *)(w + 64 * g + 32), hi);
+  }
+#else
+  for (int g = 0; g < 4; g++) {
+    for (int j = 0; j < 32; j++) {
+      int lo = qs[32 * g + j] & 0x0F, hi = qs[32 * g + j] >> 4;
+      if (qh) lo |= ((qh[j] >> (2 * g)) & 1) << 4, hi |= ((qh[j] >> (2 * g + 1)) & 1) << 4;
+      w[64 * g + j] = (int8_t)lo;
+      w[64 * g + 32 + j] = (int8_t)hi;
+    }
+  }
+#endif
+}
+
+/* Q6_K values minus 32: per half of 128, 64 bytes of low nibbles and 32 bytes of four 2-bit highs. */
+INLINE void q6_values(const uint8_t *ql, const uint8_t *qh, int8_t *w) {
+#if PATH >= 1
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  for (int h = 0; h < 2; h++) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+    __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+    /* (hb >> 2t & 3) << 4, for t = 0..3, as 16-bit shifts masked to each byte's own bits 4-5 */
+    __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2), h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2);
+    __m256i h2 = _mm256_and_si256(hb, m2), h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2);
+    int8_t *o = w + 128 * h;
+    _mm256_storeu_si256((__m256i *)o, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), h0), off));
+    _mm256_storeu_si256((__m256i *)(o + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m4), h1), off));
+    _mm256_storeu_si256((__m256i *)(o + 64),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), h2), off));
+    _mm256_storeu_si256((__m256i *)(o + 96),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), h3), off));
+  }
+#else
+  for (int h = 0; h < 2; h++) {
+    for (int p = 0; p < 32; p++) {
+      int a = ql[64 * h + p], c = ql[64 * h + 32 + p], hb = qh[32 * h + p];
+      int8_t *o = w + 128 * h + p;
+      o[0] = (int8_t)(((a & 0x0F) | ((hb & 3) << 4)) - 32);
+      o[32] = (int8_t)(((c & 0x0F) | (((hb >> 2) & 3) << 4)) - 32);
+      o[64] = (int8_t)(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+      o[96] = (int8_t)(((c >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+    }
+  }
+#endif
 }
 
 /* The eight 6-bit scales and mins of a Q4_K / Q5_K block (its 12 scale bytes). */
@@ -117,8 +205,9 @@ static inline void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
   }
 }
 
-/* Unpack one block: value i = scale[i / 16] * w[i], plus offset[i / 32] for the formats with a minimum. */
-static void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, float *offset) {
+/* Unpack one block: value i = scale[i / 16] * w[i], plus offset[i / 32] for the formats with a minimum.
+ * Always inlined, so that each caller specialised for one type (see pagoda_quant_matmul) keeps only its case. */
+INLINE void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, float *offset) {
   float d;
   switch (type) {
     case Q4_0:
@@ -147,15 +236,7 @@ static void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, floa
       uint8_t sc[8], mn[8];
       d = f16(b);
       k_scales(b + 4, sc, mn);
-      const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
-      for (int g = 0; g < 4; g++) { /* 32 bytes: low nibbles are sub-block 2g, high nibbles 2g + 1 */
-        for (int j = 0; j < 32; j++) {
-          int lo = qs[32 * g + j] & 0x0F, hi = qs[32 * g + j] >> 4;
-          if (type == Q5_K) lo |= ((qh[j] >> (2 * g)) & 1) << 4, hi |= ((qh[j] >> (2 * g + 1)) & 1) << 4;
-          w[64 * g + j] = (int8_t)lo;
-          w[64 * g + 32 + j] = (int8_t)hi;
-        }
-      }
+      k_values(b + (type == Q5_K ? 48 : 16), type == Q5_K ? b + 16 : NULL, w);
       for (int s = 0; s < 8; s++) {
         scale[2 * s] = scale[2 * s + 1] = d * (float)sc[s];
         offset[s] = -(dmin * (float)mn[s]);
@@ -163,19 +244,9 @@ static void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, floa
       break;
     }
     case Q6_K: {
-      const uint8_t *ql = b, *qh = b + 128;
       const int8_t *sc = (const int8_t *)(b + 192);
       d = f16(b + 208);
-      for (int h = 0; h < 2; h++) { /* each half: 64 low-nibble bytes and 32 bytes of four 2-bit highs */
-        for (int p = 0; p < 32; p++) {
-          int a = ql[64 * h + p], c = ql[64 * h + 32 + p], hb = qh[32 * h + p];
-          int8_t *o = w + 128 * h + p;
-          o[0] = (int8_t)(((a & 0x0F) | ((hb & 3) << 4)) - 32);
-          o[32] = (int8_t)(((c & 0x0F) | (((hb >> 2) & 3) << 4)) - 32);
-          o[64] = (int8_t)(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
-          o[96] = (int8_t)(((c >> 4) | (((hb >> 6) & 3) << 4)) - 32);
-        }
-      }
+      q6_values(b, b + 128, w);
       for (int g = 0; g < 16; g++) scale[g] = d * (float)sc[g];
       break;
     }
@@ -184,24 +255,61 @@ static void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, floa
   }
 }
 
-/* Dequantize num_blocks blocks of `type` from src into float32 dst; 1 for an unknown type. */
-int pagoda_quant_dequantize(int64_t type, const uint8_t *src, float *dst, int64_t num_blocks, int64_t num_threads) {
+/* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below). */
+INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst, int64_t i0, int64_t i1) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
-  if (elems == 0) return 1;
-  if (num_threads < 1 || num_blocks < 64) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t i = 0; i < num_blocks; i++) {
+  for (int64_t i = i0; i < i1; i++) {
     int8_t w[QK_K];
     float scale[QK_K / 16], offset[QK_K / QK];
     float *out = dst + i * elems;
     unpack(type, src + i * bytes, w, scale, offset);
-    if (has_offset) {
-      for (int j = 0; j < elems; j++) out[j] = scale[j / 16] * (float)w[j] + offset[j / QK];
-    } else {
-      for (int j = 0; j < elems; j++) out[j] = scale[j / 16] * (float)w[j];
+    for (int g = 0; g < elems / 16; g++) { /* sixteen elements share a scale: one vector each */
+      const float sg = scale[g], og = has_offset ? offset[g / 2] : 0.0f;
+      if (has_offset) {
+        for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j] + og;
+      } else {
+        for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j];
+      }
     }
   }
+}
+
+#define DEQUANTIZE_FOR(T) \
+  static void dequantize_##T(const uint8_t *s, float *d, int64_t i0, int64_t i1) { dequantize_blocks(T, s, d, i0, i1); }
+DEQUANTIZE_FOR(Q4_0)
+DEQUANTIZE_FOR(Q4_1)
+DEQUANTIZE_FOR(Q5_0)
+DEQUANTIZE_FOR(Q5_1)
+DEQUANTIZE_FOR(Q8_0)
+DEQUANTIZE_FOR(Q4_K)
+DEQUANTIZE_FOR(Q5_K)
+DEQUANTIZE_FOR(Q6_K)
+
+typedef void (*dequantize_fn)(const uint8_t *, float *, int64_t, int64_t);
+
+static dequantize_fn dequantize_for(int64_t type) {
+  switch (type) {
+    case Q4_0: return dequantize_Q4_0;
+    case Q4_1: return dequantize_Q4_1;
+    case Q5_0: return dequantize_Q5_0;
+    case Q5_1: return dequantize_Q5_1;
+    case Q8_0: return dequantize_Q8_0;
+    case Q4_K: return dequantize_Q4_K;
+    case Q5_K: return dequantize_Q5_K;
+    case Q6_K: return dequantize_Q6_K;
+    default: return NULL;
+  }
+}
+
+/* Dequantize num_blocks blocks of `type` from src into float32 dst; 1 for an unknown type. */
+int pagoda_quant_dequantize(int64_t type, const uint8_t *src, float *dst, int64_t num_blocks, int64_t num_threads) {
+  dequantize_fn run = dequantize_for(type);
+  if (run == NULL) return 1;
+  if (num_threads < 1 || num_blocks < 64) num_threads = 1;
+  const int64_t chunk = 64, chunks = (num_blocks + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t c = 0; c < chunks; c++) run(src, dst, c * chunk, c * chunk + chunk < num_blocks ? c * chunk + chunk : num_blocks);
   return 0;
 }
 
@@ -261,27 +369,14 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_
   }
 }
 
-/* y[r, j] = sum_i x[r, i] * W[j, i] for W [n, k] of `type` (rows of bytes k / elems * bytes). x rows are
- * x_stride floats apart, y rows y_stride. 0 on success, 1 for an unknown type or k not a multiple of the block,
- * 2 when the work space cannot be allocated. */
-int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t x_stride,
-                        int64_t rows, float *y, int64_t y_stride, int64_t num_threads) {
+/* Columns j0..j1 of y for one weight type (a constant once inlined into the per-type functions below). */
+INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
+                           const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, float *y,
+                           int64_t y_stride) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
-  if (elems == 0 || k % elems != 0) return 1;
-  if (rows == 0 || n == 0) return 0;
   const int64_t xblocks = k / QK, wblocks = k / elems, sub = elems / QK, row_bytes = wblocks * bytes;
-  int8_t *xq = malloc((size_t)(rows * k));
-  float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
-  int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
-  if (!xq || !xd || !xs) {
-    free(xq), free(xd), free(xs);
-    return 2;
-  }
-  for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xd + r * xblocks, xs + r * xblocks);
-  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t j = 0; j < n; j++) {
+  for (int64_t j = j0; j < j1; j++) {
     const uint8_t *wrow = weight + j * row_bytes;
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
       int64_t nr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
@@ -289,15 +384,15 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
       float off[MAX_ROWS];
       for (int64_t r = 0; r < nr; r++) acc[r] = acc_zero(), off[r] = 0.0f;
       for (int64_t wb = 0; wb < wblocks; wb++) {
-        int8_t w[QK_K];
+        int8_t w[QK_K] __attribute__((aligned(32)));
         float scale[QK_K / 16], offset[QK_K / QK];
         unpack(type, wrow + wb * bytes, w, scale, offset);
-        for (int64_t r = 0; r < nr; r++) {
-          const int64_t xb0 = (r0 + r) * xblocks + wb * sub;
-          for (int64_t s = 0; s < sub; s++) {
-            float d = xd[xb0 + s];
-            acc[r] = acc_step(acc[r], w + QK * s, xq + xb0 * QK + QK * s, scale[2 * s] * d, scale[2 * s + 1] * d);
-            if (has_offset) off[r] = off[r] + offset[s] * d * (float)xs[xb0 + s];
+        for (int64_t s = 0; s < sub; s++) {
+          for (int64_t r = 0; r < nr; r++) {
+            const int64_t xb = (r0 + r) * xblocks + wb * sub + s;
+            float d = xd[xb];
+            acc[r] = acc_step(acc[r], w + QK * s, xq + xb * QK, scale[2 * s] * d, scale[2 * s + 1] * d);
+            if (has_offset) off[r] = off[r] + offset[s] * d * (float)xs[xb];
           }
         }
       }
@@ -308,6 +403,66 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
         y[(r0 + r) * y_stride + j] = sum + off[r];
       }
     }
+  }
+}
+
+#define COLUMNS_FOR(T)                                                                                           \
+  static void columns_##T(const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq, const float *xd, \
+                          const int32_t *xs, int64_t rows, float *y, int64_t y_stride) {                        \
+    matmul_columns(T, w, j0, j1, k, xq, xd, xs, rows, y, y_stride);                                            \
+  }
+COLUMNS_FOR(Q4_0)
+COLUMNS_FOR(Q4_1)
+COLUMNS_FOR(Q5_0)
+COLUMNS_FOR(Q5_1)
+COLUMNS_FOR(Q8_0)
+COLUMNS_FOR(Q4_K)
+COLUMNS_FOR(Q5_K)
+COLUMNS_FOR(Q6_K)
+
+typedef void (*columns_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,
+                           const int32_t *, int64_t, float *, int64_t);
+
+static columns_fn columns_for(int64_t type) {
+  switch (type) {
+    case Q4_0: return columns_Q4_0;
+    case Q4_1: return columns_Q4_1;
+    case Q5_0: return columns_Q5_0;
+    case Q5_1: return columns_Q5_1;
+    case Q8_0: return columns_Q8_0;
+    case Q4_K: return columns_Q4_K;
+    case Q5_K: return columns_Q5_K;
+    case Q6_K: return columns_Q6_K;
+    default: return NULL;
+  }
+}
+
+/* y[r, j] = sum_i x[r, i] * W[j, i] for W [n, k] of `type` (rows of bytes k / elems * bytes). x rows are
+ * x_stride floats apart, y rows y_stride. 0 on success, 1 for an unknown type or k not a multiple of the block,
+ * 2 when the work space cannot be allocated. */
+int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t x_stride,
+                        int64_t rows, float *y, int64_t y_stride, int64_t num_threads) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  columns_fn columns = columns_for(type);
+  if (columns == NULL || k % elems != 0) return 1;
+  if (rows == 0 || n == 0) return 0;
+  const int64_t xblocks = k / QK;
+  int8_t *xq = malloc((size_t)(rows * k));
+  float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
+  int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
+  if (!xq || !xd || !xs) {
+    free(xq), free(xd), free(xs);
+    return 2;
+  }
+  for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xd + r * xblocks, xs + r * xblocks);
+  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
+  /* Contiguous column ranges, one per chunk of 64 columns: each thread streams its own part of W. */
+  const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+    columns(weight, j0, j1, k, xq, xd, xs, rows, y, y_stride);
   }
   free(xq), free(xd), free(xs);
   return 0;
