@@ -28,7 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from pagoda.pagedkernel.quant import BLOCK_SIZES, GGMLType, cpu_quant, dequantize, ggml_type, qmatmul
+from pagoda.pagedkernel.quant import (
+    BLOCK_SIZES,
+    GGMLType,
+    QuantizedTensor,
+    cpu_quant,
+    dequantize,
+    ggml_type,
+    qmatmul,
+)
 from pagoda.pagedkernel.quant.testing import random_weight
 from torch import Tensor
 
