@@ -224,13 +224,21 @@ def test_without_a_compiler(
     weight = random_weight(GGMLType.Q8_0, (3, 64), torch.Generator().manual_seed(9))
     with pytest.raises(BackendUnavailableError):
         dequantize(weight, backend="cpu")
-    with caplog.at_level(logging.WARNING):
-        assert torch.equal(dequantize(weight), dequantize(weight, backend="torch"))
-    assert "fall back to torch" in caplog.text
+    cpu_quant.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert torch.equal(dequantize(weight), dequantize(weight, backend="torch"))
+            x = torch.randn(2, 64)
+            assert torch.equal(qmatmul(x, weight), qmatmul(x, weight, backend="torch"))
+    finally:
+        cpu_quant.available.cache_clear()  # the next test sees this machine's compiler again
+    assert caplog.text.count("fall back to torch") == 1  # checked once, not at every call
 
 
 def test_cpu_backend_wants_cpu_tensors() -> None:
-    """backend='cpu' on a weight elsewhere (the meta device here) is a ValueError naming the device."""
+    """backend='cpu' on a weight elsewhere (the meta device here), or x and W on two devices: ValueError."""
     weight = QuantizedTensor(torch.empty(18, dtype=torch.uint8, device="meta"), GGMLType.Q4_0, (1, 32))
     with pytest.raises(ValueError, match="meta"):
         dequantize(weight, backend="cpu")
+    with pytest.raises(ValueError, match="x is on cpu, the weight on meta"):
+        qmatmul(torch.randn(1, 32), weight)

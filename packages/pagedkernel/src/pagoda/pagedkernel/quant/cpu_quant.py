@@ -12,14 +12,18 @@ from __future__ import annotations
 import ctypes
 import enum
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from pagoda.pagedkernel import cbuild, csrc
+from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "cpu_quant.c"
 # -ffp-contract=off: no fused multiply-add, so dequantization rounds as the reference does and every path adds
@@ -86,6 +90,18 @@ def load(library: Path) -> QuantKernels:
 def kernels() -> QuantKernels:
     """This CPU's library (-march=native), built or found in the cache and loaded once per process."""
     return load(build())
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU's library builds and loads (checked once per process; `auto` falls back to torch without
+    it, with one logged warning that says why)."""
+    try:
+        kernels()
+    except (BackendUnavailableError, OSError) as exc:
+        logger.warning("the quantized ops fall back to torch: %s", exc)
+        return False
+    return True
 
 
 def _check(code: int, what: str) -> None:

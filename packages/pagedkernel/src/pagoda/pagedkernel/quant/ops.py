@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 import torch
-from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.quant import cpu_quant, torch_quant
 from pagoda.pagedkernel.quant.formats import QuantizedTensor
 from torch import Tensor
-
-logger = logging.getLogger(__name__)
 
 QuantBackendName = Literal["auto", "torch", "cpu"]
 QUANT_BACKENDS: tuple[QuantBackendName, ...] = ("auto", "torch", "cpu")
@@ -33,14 +29,7 @@ def _use_cpu(backend: QuantBackendName, weight: QuantizedTensor) -> bool:
             )
         cpu_quant.kernels()  # raises BackendUnavailableError naming what is missing
         return True
-    if not on_cpu:
-        return False
-    try:
-        cpu_quant.kernels()
-    except (BackendUnavailableError, OSError) as exc:
-        logger.warning("quantized ops fall back to torch: %s", exc)
-        return False
-    return True
+    return on_cpu and cpu_quant.available()
 
 
 def dequantize(
@@ -71,6 +60,8 @@ def qmatmul(
         raise ValueError(f"qmatmul: x {tuple(x.shape)} does not match a weight of shape {weight.shape}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"qmatmul takes x of {', '.join(map(str, ACTIVATION_DTYPES))}, got {x.dtype}")
+    if x.device != weight.data.device:
+        raise ValueError(f"qmatmul: x is on {x.device}, the weight on {weight.data.device}")
     if out is not None and (out.shape != (x.shape[0], n) or out.dtype != x.dtype):
         raise ValueError(
             f"qmatmul: out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}"
