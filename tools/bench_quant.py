@@ -2,14 +2,15 @@
 
 For each shape (default: Gemma 3 270M's LM head, 262,144 x 640, and its layers: gate/up 2,048 x 640 and down
 640 x 2,048; N x K), each format whose block divides K (the K-quants need K % 256 == 0, which is why the model
-stores its 640-wide matrices as Q5_0 and Q8_0) and each batch size (rows of x, default 1, 4, 16, 64, 256), median
+stores its 640-wide matrices as Q5_0 and Q8_0) and each batch size (rows of x, default 1, 4, 16, 64, 256), best
 of --repeats after a warm-up:
 - qmatmul: the cpu backend (int8 dot products up to 16 rows, dequantized tiles and torch's float32 matmul above),
   in ms and in GB/s of weight bytes read (the quantized bytes over the time);
 - deq+mm: dequantize the whole weight (cpu backend), then torch.matmul in float32: what the tiles must beat;
 - bf16, f32: dense torch.matmul with the dequantized weight held in bfloat16 / float32, x in the same dtype.
 A bandwidth probe (`sum` of a float32 tensor as large as the biggest dense weight) is printed in the header and
-each qmatmul's GB/s is shown as a share of it. The machine may be shared: compare ratios from one run.
+each qmatmul's GB/s is shown as a share of it. The machine may be shared: compare ratios from one run, and
+prefer --threads 1 there (two OpenMP threads wait on each other whenever either is descheduled).
 
     python tools/bench_quant.py [--formats Q4_0 Q8_0] [--rows 1 16] [--shape lm_head=262144x640] [--json out.json]
 """
@@ -20,7 +21,6 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -73,16 +73,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def median_ms(fn: Callable[[], object], repeats: int, budget_s: float = 2.0) -> float:
-    """Median wall time of fn() in milliseconds, after one warm-up call; fewer repeats (at least one) once the
-    measured calls have taken `budget_s` (the 256-row LM head calls take about a second each)."""
+def best_ms(fn: Callable[[], object], repeats: int, budget_s: float = 2.0) -> float:
+    """Best wall time of fn() in milliseconds, after one warm-up call (the best, not the median: on a shared
+    machine every slower call is another process's time); fewer repeats (at least one) once the measured calls
+    have taken `budget_s` (the 256-row LM head calls take about a second each)."""
     fn()
     times: list[float] = []
     while len(times) < repeats and (not times or sum(times) < budget_s * 1e3):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def parse_shape(text: str) -> tuple[str, int, int]:
@@ -95,7 +96,7 @@ def parse_shape(text: str) -> tuple[str, int, int]:
 def probe_gbps(numel: int, repeats: int) -> float:
     """Read bandwidth in GB/s: torch's sum over a float32 tensor of `numel` elements."""
     data = torch.ones(numel)
-    ms = median_ms(lambda: data.sum(), repeats)
+    ms = best_ms(lambda: data.sum(), repeats)
     return numel * 4 / ms / 1e6
 
 
@@ -119,12 +120,12 @@ def measure(
     for r in rows:
         x = torch.randn(r, k, generator=g)
         x16 = x.to(torch.bfloat16)
-        bf16_ms = median_ms(functools.partial(torch.matmul, x16, dense16.t()), repeats)
-        f32_ms = median_ms(functools.partial(torch.matmul, x, dense32.t()), repeats)
+        bf16_ms = best_ms(functools.partial(torch.matmul, x16, dense16.t()), repeats)
+        f32_ms = best_ms(functools.partial(torch.matmul, x, dense32.t()), repeats)
         for f in usable:
             w = weights[f]
-            q_ms = median_ms(functools.partial(qmatmul, x, w, backend="cpu"), repeats)
-            d_ms = median_ms(functools.partial(dequantize_then_matmul, x, w), repeats)
+            q_ms = best_ms(functools.partial(qmatmul, x, w, backend="cpu"), repeats)
+            d_ms = best_ms(functools.partial(dequantize_then_matmul, x, w), repeats)
             points.append(Point(name, n, k, f, r, w.nbytes, q_ms, d_ms, bf16_ms, f32_ms))
     return points
 
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", nargs="+", default=list(SHAPES), help="name=NxK (weight rows x columns)")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=[t.name for t in GGMLType])
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--threads", type=int, help="torch's (and the C kernel's) thread count; default: torch's"
     )
@@ -171,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = cpu_quant.kernels().path.name
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads, kernel path {path}, probe (float32 sum) "
-        f"{probe:.1f} GB/s, median of {args.repeats}"
+        f"{probe:.1f} GB/s, best of {args.repeats}"
     )
     print(format_table(points, probe))
     if args.json:

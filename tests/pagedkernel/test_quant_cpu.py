@@ -196,7 +196,7 @@ def test_the_kernel_refuses_an_unknown_type() -> None:
     """Type ids it does not know (Q2_K = 10) and a K that is not whole blocks get a status, not a crash."""
     lib = cpu_quant.kernels()
     src, dst = torch.zeros(84, dtype=torch.uint8), torch.empty(256)
-    assert lib.dequantize(10, src.data_ptr(), dst.data_ptr(), 1, 1) == 1
+    assert lib.dequantize(10, src.data_ptr(), dst.data_ptr(), 0, 1, 1) == 1
     y = torch.empty(1, 1)
     assert lib.matmul(10, src.data_ptr(), 1, 256, dst.data_ptr(), 256, 1, y.data_ptr(), 1, 1) == 1
     assert (
@@ -242,3 +242,30 @@ def test_cpu_backend_wants_cpu_tensors() -> None:
         dequantize(weight, backend="cpu")
     with pytest.raises(ValueError, match="x is on cpu, the weight on meta"):
         qmatmul(torch.randn(1, 32), weight)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_bfloat16_tiles_are_the_rounded_values(qtype: GGMLType) -> None:
+    """Dequantizing into bfloat16 rounds each exact float32 value to nearest even, as torch's conversion does."""
+    weight = random_weight(qtype, (9, K), torch.Generator().manual_seed(10 + int(qtype)), scale=0.0)
+    out = torch.empty((9, K), dtype=torch.bfloat16)
+    cpu_quant.dequantize_rows(weight, 0, 9, out, cpu_quant.kernels())
+    expected = dequantize(weight, backend="torch").to(torch.bfloat16)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_quant.dequantize_rows(weight, 0, 9, torch.empty((9, K), dtype=torch.float16), cpu_quant.kernels())
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_many_bfloat16_rows_are_the_dense_bfloat16_matmul(qtype: GGMLType) -> None:
+    """bfloat16 x above GEMV_MAX_ROWS: bfloat16 tiles of the rounded weights, so the result is torch's bfloat16
+    matmul of the dense bfloat16 weight (today's dequantize-at-load numerics)."""
+    g = torch.Generator().manual_seed(11)
+    weight = random_weight(qtype, (N, K), g)
+    x = torch.randn(40, K, generator=g).to(torch.bfloat16)
+    out = torch.full((40, N), float("nan"), dtype=torch.bfloat16)
+    assert qmatmul(x, weight, backend="cpu", out=out) is out
+    dense = x @ dequantize(weight, backend="torch").to(torch.bfloat16).t()
+    torch.testing.assert_close(out, dense)  # bfloat16 tolerances: only the matmul's blocking may differ

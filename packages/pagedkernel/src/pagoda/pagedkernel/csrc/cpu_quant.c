@@ -255,28 +255,54 @@ INLINE void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, floa
   }
 }
 
-/* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below). */
-INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst, int64_t i0, int64_t i1) {
+/* float bits -> bfloat16 bits, rounded to nearest even (as torch converts); a NaN stays a quiet NaN of its sign.
+ * A select rather than a branch, so that the loop over a block vectorises. */
+static inline uint16_t bf16_bits(uint32_t bits) {
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+  return (uint16_t)((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+typedef uint32_t aliased_u32 __attribute__((may_alias));
+
+/* The values of one unpacked block: scale * w (+ offset), in the reference's order. */
+INLINE void values_of(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
+                      float *restrict out) {
+  for (int g = 0; g < elems / 16; g++) { /* sixteen elements share a scale: one vector each */
+    const float sg = scale[g], og = has_offset ? offset[g / 2] : 0.0f;
+    if (has_offset) {
+      for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j] + og;
+    } else {
+      for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j];
+    }
+  }
+}
+
+/* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below) into float32
+ * dst, or into bfloat16 dst16 when dst is NULL. */
+INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst, uint16_t *dst16, int64_t i0,
+                              int64_t i1) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   for (int64_t i = i0; i < i1; i++) {
     int8_t w[QK_K];
     float scale[QK_K / 16], offset[QK_K / QK];
-    float *out = dst + i * elems;
     unpack(type, src + i * bytes, w, scale, offset);
-    for (int g = 0; g < elems / 16; g++) { /* sixteen elements share a scale: one vector each */
-      const float sg = scale[g], og = has_offset ? offset[g / 2] : 0.0f;
-      if (has_offset) {
-        for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j] + og;
-      } else {
-        for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j];
-      }
+    if (dst) {
+      values_of(w, scale, offset, has_offset, elems, dst + i * elems);
+    } else {
+      float values[QK_K];
+      values_of(w, scale, offset, has_offset, elems, values);
+      const aliased_u32 *bits = (const aliased_u32 *)values;
+      uint16_t *o16 = dst16 + i * elems;
+      for (int j = 0; j < elems; j++) o16[j] = bf16_bits(bits[j]);
     }
   }
 }
 
-#define DEQUANTIZE_FOR(T) \
-  static void dequantize_##T(const uint8_t *s, float *d, int64_t i0, int64_t i1) { dequantize_blocks(T, s, d, i0, i1); }
+#define DEQUANTIZE_FOR(T)                                                                          \
+  static void dequantize_##T(const uint8_t *s, float *d, uint16_t *d16, int64_t i0, int64_t i1) { \
+    dequantize_blocks(T, s, d, d16, i0, i1);                                                       \
+  }
 DEQUANTIZE_FOR(Q4_0)
 DEQUANTIZE_FOR(Q4_1)
 DEQUANTIZE_FOR(Q5_0)
@@ -286,7 +312,7 @@ DEQUANTIZE_FOR(Q4_K)
 DEQUANTIZE_FOR(Q5_K)
 DEQUANTIZE_FOR(Q6_K)
 
-typedef void (*dequantize_fn)(const uint8_t *, float *, int64_t, int64_t);
+typedef void (*dequantize_fn)(const uint8_t *, float *, uint16_t *, int64_t, int64_t);
 
 static dequantize_fn dequantize_for(int64_t type) {
   switch (type) {
@@ -302,14 +328,19 @@ static dequantize_fn dequantize_for(int64_t type) {
   }
 }
 
-/* Dequantize num_blocks blocks of `type` from src into float32 dst; 1 for an unknown type. */
-int pagoda_quant_dequantize(int64_t type, const uint8_t *src, float *dst, int64_t num_blocks, int64_t num_threads) {
+/* Dequantize num_blocks blocks of `type` from src into dst: float32 (bf16 = 0) or bfloat16 (bf16 = 1), the
+ * latter rounded to nearest even. 1 for an unknown type. */
+int pagoda_quant_dequantize(int64_t type, const uint8_t *src, void *dst, int64_t bf16, int64_t num_blocks,
+                            int64_t num_threads) {
   dequantize_fn run = dequantize_for(type);
   if (run == NULL) return 1;
   if (num_threads < 1 || num_blocks < 64) num_threads = 1;
   const int64_t chunk = 64, chunks = (num_blocks + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t c = 0; c < chunks; c++) run(src, dst, c * chunk, c * chunk + chunk < num_blocks ? c * chunk + chunk : num_blocks);
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t i0 = c * chunk, i1 = i0 + chunk < num_blocks ? i0 + chunk : num_blocks;
+    run(src, bf16 ? NULL : (float *)dst, bf16 ? (uint16_t *)dst : NULL, i0, i1);
+  }
   return 0;
 }
 

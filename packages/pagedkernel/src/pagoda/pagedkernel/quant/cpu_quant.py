@@ -3,8 +3,8 @@
 `dequantize` is the C unpacking (bit-exact with the torch specification). `qmatmul` has two paths: up to
 `GEMV_MAX_ROWS` rows the C kernel streams each weight block once and multiplies int8 activations (VNNI, AVX2 or
 generic C, whichever the build targets); above, tiles of W are dequantized in C into a float32 buffer that stays in
-the caches and multiplied by torch's float32 matmul, so many rows cost what the dense float32 matmul costs without
-the dense weights ever existing whole.
+the caches and multiplied by torch's matmul (in bfloat16 for bfloat16 activations, else float32), so many rows
+cost what the dense matmul costs without the dense weights ever existing whole.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class QuantKernels:
     """The entry points of one compiled library (see the C file for their contracts)."""
 
     path: KernelPath
-    dequantize: Any  # ctypes function: (type, src, dst, num_blocks, num_threads) -> int
+    dequantize: Any  # ctypes function: (type, src, dst, bf16, num_blocks, num_threads) -> int
     matmul: Any  # ctypes function: (type, w, n, k, x, x_stride, rows, y, y_stride, num_threads) -> int
 
 
@@ -80,7 +80,7 @@ def load(library: Path) -> QuantKernels:
     path = lib["pagoda_quant_path"]
     path.argtypes, path.restype = [], ctypes.c_int
     deq = lib["pagoda_quant_dequantize"]
-    deq.argtypes, deq.restype = [i64, ptr, ptr, i64, i64], ctypes.c_int
+    deq.argtypes, deq.restype = [i64, ptr, ptr, i64, i64, i64], ctypes.c_int
     mm = lib["pagoda_quant_matmul"]
     mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64], ctypes.c_int
     return QuantKernels(KernelPath(path()), deq, mm)
@@ -116,16 +116,20 @@ def dequantize_rows(
     weight: QuantizedTensor,
     start: int,
     stop: int,
-    out: Tensor,  # float32 [stop - start, shape[-1]], contiguous
+    out: Tensor,  # float32 or bfloat16 [stop - start, shape[-1]], contiguous
     lib: QuantKernels,
 ) -> None:
-    """Dequantize rows start..stop of a 2-D view of `weight` into `out`."""
+    """Dequantize rows start..stop of a 2-D view of `weight` into `out` (bfloat16: rounded to nearest even,
+    bitwise what `.to(torch.bfloat16)` of the float32 values gives, NaNs aside: any NaN is a NaN)."""
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"dequantize_rows writes a contiguous float32 or bfloat16 tensor, got {out.dtype}")
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     blocks_per_row = weight.shape[-1] // BLOCK_SIZES[weight.qtype][0]
     code = lib.dequantize(
         int(weight.qtype),
         data.data_ptr() + start * weight.row_bytes,
         out.data_ptr(),
+        int(out.dtype == torch.bfloat16),
         (stop - start) * blocks_per_row,
         torch.get_num_threads(),
     )
@@ -164,15 +168,16 @@ def gemv(
 
 
 def tiled(
-    x: Tensor,  # float32 [rows, K]
+    x: Tensor,  # float32 or bfloat16 [rows, K]
     weight: QuantizedTensor,  # [N, K]
-    out: Tensor,  # float32 [rows, N]
+    out: Tensor,  # [rows, N], any float dtype
     lib: QuantKernels,
 ) -> None:
-    """out = x @ W^T, W dequantized a tile of rows at a time into one reused buffer and fed to torch's matmul."""
+    """out = x @ W^T, W dequantized a tile of rows at a time into one reused buffer of x's dtype and fed to torch's
+    matmul (bfloat16: the numerics of a dense bfloat16 weight, on AMX / AVX512-BF16 where the CPU has them)."""
     n, k = weight.shape
     step = max(1, TILE_ELEMENTS // max(k, 1))
-    tile = torch.empty((min(step, n), k), dtype=torch.float32)
+    tile = torch.empty((min(step, n), k), dtype=x.dtype)
     for start in range(0, n, step):
         stop = min(n, start + step)
         part = tile[: stop - start]

@@ -51,7 +51,8 @@ def qmatmul(
     """y = x @ W^T for W stored in a GGUF block format, computed in float32.
 
     On the `cpu` backend up to `cpu_quant.GEMV_MAX_ROWS` rows use int8 activations (see the README for the
-    error bound); more rows, and the `torch` backend, multiply in float32 by the exact dequantized weights.
+    error bound); more rows multiply the exact dequantized weights in float32 (in bfloat16, rounded to nearest
+    even, for bfloat16 x), and so does the `torch` backend, in float32.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
@@ -68,21 +69,20 @@ def qmatmul(
         )
     if not _use_cpu(backend, weight):
         y = torch_quant.qmatmul(x, weight).to(x.dtype)
-    else:
-        lib = cpu_quant.kernels()
-        xf = x.to(torch.float32)
-        if xf.stride(-1) != 1:
-            xf = xf.contiguous()
-        direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
-        y = out if out is not None and direct else torch.empty((x.shape[0], n), dtype=torch.float32)
-        if x.shape[0] <= cpu_quant.GEMV_MAX_ROWS:
-            cpu_quant.gemv(xf, weight, y, lib)
-        else:
-            cpu_quant.tiled(xf, weight, y, lib)
-        if direct:
+        if out is None:
             return y
-        y = y.to(x.dtype)
-    if out is None:
+        return out.copy_(y)
+    lib = cpu_quant.kernels()
+    y = out if out is not None else torch.empty((x.shape[0], n), dtype=x.dtype)
+    if x.shape[0] > cpu_quant.GEMV_MAX_ROWS:
+        cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
-    out.copy_(y)
-    return out
+    xf = x.to(torch.float32)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    if y.dtype == torch.float32 and y.stride(-1) == 1:
+        cpu_quant.gemv(xf, weight, y, lib)
+        return y
+    result = torch.empty((x.shape[0], n), dtype=torch.float32)
+    cpu_quant.gemv(xf, weight, result, lib)
+    return y.copy_(result)
