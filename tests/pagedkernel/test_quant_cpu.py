@@ -89,6 +89,7 @@ def test_many_rows_match_the_float32_reference(qtype: GGMLType, rows: int) -> No
 def test_tiles_cover_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles smaller than N (here 5 rows of W, the last one short) still write every output column."""
     monkeypatch.setattr(cpu_quant, "TILE_ELEMENTS", 5 * K)
+    monkeypatch.setattr(cpu_quant, "WHOLE_ELEMENTS", 0)
     g = torch.Generator().manual_seed(3)
     weight = random_weight(GGMLType.Q5_0, (N, K), g)
     x = torch.randn(20, K, generator=g)

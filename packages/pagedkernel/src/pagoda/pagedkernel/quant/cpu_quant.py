@@ -30,12 +30,12 @@ SOURCE_FILE = "cpu_quant.c"
 # its lanes in the same operations.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 OPENMP_FLAGS = ("-fopenmp",)
-GEMV_MAX_ROWS = (
-    16  # above this many rows of x, dequantized tiles and torch's matmul beat the int8 dot products
-)
-TILE_ELEMENTS = (
-    1 << 19
-)  # float32 elements of W per dequantized tile (2 MB: stays in L2/L3 while it is multiplied)
+# above this many rows of x, dequantized tiles and torch's matmul beat the int8 dot products
+GEMV_MAX_ROWS = 16
+# float32 elements of W per dequantized tile (2 MB: stays in L2/L3 while it is multiplied)
+TILE_ELEMENTS = 1 << 19
+# up to this many elements (8 MB of float32) W is dequantized whole, for one matmul call
+WHOLE_ELEMENTS = 1 << 21
 
 
 class KernelPath(enum.IntEnum):
@@ -176,8 +176,14 @@ def tiled(
     """out = x @ W^T, W dequantized a tile of rows at a time into one reused buffer of x's dtype and fed to torch's
     matmul (bfloat16: the numerics of a dense bfloat16 weight, on AMX / AVX512-BF16 where the CPU has them)."""
     n, k = weight.shape
-    step = max(1, TILE_ELEMENTS // max(k, 1))
+    # A weight that fits the caches anyway is dequantized in one piece and multiplied in one call (several
+    # calls would only add their overhead); a larger one a tile at a time.
+    step = n if n * k <= WHOLE_ELEMENTS else max(1, TILE_ELEMENTS // max(k, 1))
     tile = torch.empty((min(step, n), k), dtype=x.dtype)
+    if step >= n and out.dtype == x.dtype and out.is_contiguous():
+        dequantize_rows(weight, 0, n, tile, lib)
+        torch.matmul(x, tile.t(), out=out)
+        return
     for start in range(0, n, step):
         stop = min(n, start + step)
         part = tile[: stop - start]
