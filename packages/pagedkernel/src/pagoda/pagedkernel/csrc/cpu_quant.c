@@ -344,20 +344,37 @@ int pagoda_quant_dequantize(int64_t type, const uint8_t *src, void *dst, int64_t
   return 0;
 }
 
-/* Eight float lanes; acc_step adds lane l of the 32-element integer dot product w . x (its elements 4l..4l+3)
- * times lo (lanes 0-3) or hi (lanes 4-7). */
+/* One 32-element sub-block of weights prepared for every row's dot product, and eight float lanes of sums:
+ * acc_step adds lane l of the integer dot product w . x (its elements 4l..4l+3) times (scale lo for lanes 0-3,
+ * hi for lanes 4-7) * dx. The lanes are exact integers on every path, and the float steps are the same. */
 #if PATH >= 1
 typedef __m256 facc;
-static inline facc acc_zero(void) { return _mm256_setzero_ps(); }
-static inline facc acc_step(facc acc, const int8_t *w, const int8_t *x, float lo, float hi) {
-  __m256i wv = _mm256_loadu_si256((const __m256i *)w), xv = _mm256_loadu_si256((const __m256i *)x);
-  __m256i aw = _mm256_abs_epi8(wv), sx = _mm256_sign_epi8(xv, wv); /* |w| unsigned (128 for -128), x * sign(w) */
+typedef struct {
+  __m256i a, b; /* VNNI: w and -128 * each lane's sum of w; AVX2: |w| (unsigned, 128 for -128) and w */
+  __m256 s;     /* the scale of each lane */
+} wprep;
+INLINE wprep prepare(const int8_t *w, float lo, float hi) {
+  wprep p;
+  __m256i wv = _mm256_loadu_si256((const __m256i *)w);
 #if PATH == 2
-  __m256i lanes = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+  /* x is stored as q + 128 (unsigned): sum (q + 128) w - 128 sum w = sum q w, exactly */
+  __m256i bias = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), wv);
+  p.a = wv, p.b = _mm256_sub_epi32(_mm256_setzero_si256(), bias);
 #else
-  __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+  p.a = _mm256_abs_epi8(wv), p.b = wv;
 #endif
-  __m256 s = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
+  p.s = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
+  return p;
+}
+static inline facc acc_zero(void) { return _mm256_setzero_ps(); }
+INLINE facc acc_step(facc acc, const wprep *p, const int8_t *x, float dx) {
+  __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+#if PATH == 2
+  __m256i lanes = _mm256_dpbusd_epi32(p->b, xv, p->a);
+#else /* |w| * (x * sign(w)): |w| <= 128 and |x| <= 127, so the 16-bit pair sums never saturate */
+  __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(p->a, _mm256_sign_epi8(xv, p->b)), _mm256_set1_epi16(1));
+#endif
+  __m256 s = _mm256_mul_ps(p->s, _mm256_set1_ps(dx));
   return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), s));
 }
 static inline void acc_store(facc acc, float out[8]) { _mm256_storeu_ps(out, acc); }
@@ -365,23 +382,32 @@ static inline void acc_store(facc acc, float out[8]) { _mm256_storeu_ps(out, acc
 typedef struct {
   float v[8];
 } facc;
+typedef struct {
+  const int8_t *w;
+  float lo, hi;
+} wprep;
+INLINE wprep prepare(const int8_t *w, float lo, float hi) {
+  wprep p = {w, lo, hi};
+  return p;
+}
 static inline facc acc_zero(void) {
   facc a;
   for (int l = 0; l < 8; l++) a.v[l] = 0.0f;
   return a;
 }
-static inline facc acc_step(facc acc, const int8_t *w, const int8_t *x, float lo, float hi) {
+INLINE facc acc_step(facc acc, const wprep *p, const int8_t *x, float dx) {
   for (int l = 0; l < 8; l++) {
     int32_t lane = 0;
-    for (int i = 4 * l; i < 4 * l + 4; i++) lane += (int32_t)w[i] * (int32_t)x[i];
-    acc.v[l] = acc.v[l] + (float)lane * (l < 4 ? lo : hi);
+    for (int i = 4 * l; i < 4 * l + 4; i++) lane += (int32_t)p->w[i] * (int32_t)x[i];
+    acc.v[l] = acc.v[l] + (float)lane * ((l < 4 ? p->lo : p->hi) * dx);
   }
   return acc;
 }
 static inline void acc_store(facc acc, float out[8]) { memcpy(out, acc.v, sizeof acc.v); }
 #endif
 
-/* Row r of x as int8 per 32 elements: q = round(x / dx) with dx = max|x| / 127, and each block's sum of q. */
+/* Row r of x as int8 per 32 elements: q = round(x / dx) with dx = max|x| / 127, and each block's sum of q
+ * (stored as q + 128, unsigned, for the VNNI path's unsigned-by-signed products). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *qsum) {
   for (int64_t b = 0; b < k / QK; b++) {
     const float *v = x + b * QK;
@@ -392,7 +418,11 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_
     for (int i = 0; i < QK; i++) {
       int32_t r = (int32_t)nearbyintf(v[i] * inv);
       r = r > 127 ? 127 : r < -127 ? -127 : r;
+#if PATH == 2
+      q[b * QK + i] = (int8_t)(uint8_t)(r + 128);
+#else
       q[b * QK + i] = (int8_t)r;
+#endif
       sum += r;
     }
     dx[b] = d;
@@ -400,13 +430,16 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_
   }
 }
 
-/* Columns j0..j1 of y for one weight type (a constant once inlined into the per-type functions below). */
+/* Columns j0..j1 of y for one weight type (a constant once inlined into the per-type functions below). W is
+ * unpacked 256 elements at a time (one super-block, or eight 32-blocks) and prepared once; then each row runs
+ * over those eight sub-blocks with its sums in registers. */
 INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                            const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, float *y,
                            int64_t y_stride) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
-  const int64_t xblocks = k / QK, wblocks = k / elems, sub = elems / QK, row_bytes = wblocks * bytes;
+  const int64_t xblocks = k / QK, wblocks = k / elems, row_bytes = wblocks * bytes;
+  const int64_t per_chunk = QK_K / elems; /* weight blocks unpacked together */
   for (int64_t j = j0; j < j1; j++) {
     const uint8_t *wrow = weight + j * row_bytes;
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
@@ -414,17 +447,24 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
       facc acc[MAX_ROWS];
       float off[MAX_ROWS];
       for (int64_t r = 0; r < nr; r++) acc[r] = acc_zero(), off[r] = 0.0f;
-      for (int64_t wb = 0; wb < wblocks; wb++) {
+      for (int64_t wb = 0; wb < wblocks; wb += per_chunk) {
+        const int64_t nb = wblocks - wb < per_chunk ? wblocks - wb : per_chunk, nsub = nb * elems / QK;
         int8_t w[QK_K] __attribute__((aligned(32)));
         float scale[QK_K / 16], offset[QK_K / QK];
-        unpack(type, wrow + wb * bytes, w, scale, offset);
-        for (int64_t s = 0; s < sub; s++) {
-          for (int64_t r = 0; r < nr; r++) {
-            const int64_t xb = (r0 + r) * xblocks + wb * sub + s;
-            float d = xd[xb];
-            acc[r] = acc_step(acc[r], w + QK * s, xq + xb * QK, scale[2 * s] * d, scale[2 * s + 1] * d);
-            if (has_offset) off[r] = off[r] + offset[s] * d * (float)xs[xb];
+        wprep prep[QK_K / QK];
+        for (int64_t b = 0; b < nb; b++)
+          unpack(type, wrow + (wb + b) * bytes, w + b * elems, scale + b * elems / 16, offset + b * elems / QK);
+        for (int64_t s = 0; s < nsub; s++) prep[s] = prepare(w + QK * s, scale[2 * s], scale[2 * s + 1]);
+        for (int64_t r = 0; r < nr; r++) {
+          const int64_t xb = (r0 + r) * xblocks + wb * elems / QK; /* this chunk's first block of x */
+          facc a = acc[r];
+          float o = off[r];
+          for (int64_t s = 0; s < nsub; s++) {
+            const float d = xd[xb + s];
+            a = acc_step(a, &prep[s], xq + (xb + s) * QK, d);
+            if (has_offset) o = o + offset[s] * d * (float)xs[xb + s];
           }
+          acc[r] = a, off[r] = o;
         }
       }
       for (int64_t r = 0; r < nr; r++) {
