@@ -6,6 +6,7 @@ stores its 640-wide matrices as Q5_0 and Q8_0) and each batch size (rows of x, d
 of --repeats after a warm-up:
 - qmatmul: the cpu backend (int8 dot products up to 16 rows, dequantized tiles and torch's float32 matmul above),
   in ms and in GB/s of weight bytes read (the quantized bytes over the time);
+- bf16 x: qmatmul with bfloat16 activations (the same int8 kernel up to 16 rows, bfloat16 tiles above);
 - deq+mm: dequantize the whole weight (cpu backend), then torch.matmul in float32: what the tiles must beat;
 - bf16, f32: dense torch.matmul with the dequantized weight held in bfloat16 / float32, x in the same dtype.
 A bandwidth probe (`sum` of a float32 tensor as large as the biggest dense weight) is printed in the header and
@@ -57,6 +58,7 @@ class Point:
     rows: int
     weight_bytes: int
     qmatmul_ms: float
+    qmatmul_bf16_ms: float
     deq_mm_ms: float
     bf16_ms: float
     f32_ms: float
@@ -125,15 +127,16 @@ def measure(
         for f in usable:
             w = weights[f]
             q_ms = best_ms(functools.partial(qmatmul, x, w, backend="cpu"), repeats)
+            q16_ms = best_ms(functools.partial(qmatmul, x16, w, backend="cpu"), repeats)
             d_ms = best_ms(functools.partial(dequantize_then_matmul, x, w), repeats)
-            points.append(Point(name, n, k, f, r, w.nbytes, q_ms, d_ms, bf16_ms, f32_ms))
+            points.append(Point(name, n, k, f, r, w.nbytes, q_ms, q16_ms, d_ms, bf16_ms, f32_ms))
     return points
 
 
 def format_table(points: Sequence[Point], probe: float) -> str:
     """One line per point: qmatmul's ms, GB/s and share of the probe, beside deq+mm and the dense matmuls."""
     header = (
-        f"{'shape':18} {'format':6} {'rows':>4} {'qmatmul ms':>10} {'GB/s':>6} {'of probe':>8} "
+        f"{'shape':18} {'format':6} {'rows':>4} {'qmatmul ms':>10} {'GB/s':>6} {'of probe':>8} {'bf16 x ms':>9} "
         f"{'deq+mm ms':>9} {'bf16 ms':>8} {'f32 ms':>8} {'vs bf16':>7} {'vs f32':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -142,6 +145,7 @@ def format_table(points: Sequence[Point], probe: float) -> str:
         shape = f"{p.shape} {p.n}x{p.k}"
         lines.append(
             f"{shape:18} {p.format:6} {p.rows:4d} {p.qmatmul_ms:10.2f} {gbps:6.1f} {gbps / probe:8.0%} "
+            f"{p.qmatmul_bf16_ms:9.2f} "
             f"{p.deq_mm_ms:9.2f} {p.bf16_ms:8.2f} {p.f32_ms:8.2f} {p.bf16_ms / p.qmatmul_ms:6.2f}x "
             f"{p.f32_ms / p.qmatmul_ms:6.2f}x"
         )

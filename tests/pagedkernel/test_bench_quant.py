@@ -32,7 +32,7 @@ def test_bench_quant_quick(tmp_path: Path) -> None:
         ("b", "Q4_K", 20),
     ]
     for p in points:
-        assert all(p[key] > 0 for key in ("qmatmul_ms", "deq_mm_ms", "bf16_ms", "f32_ms"))
+        assert all(p[key] > 0 for key in ("qmatmul_ms", "qmatmul_bf16_ms", "deq_mm_ms", "bf16_ms", "f32_ms"))
     lines = result.stdout.splitlines()
     assert "threads" in lines[0] and "GB/s" in lines[0] and "vs bf16" in lines[1]
     assert len(lines) == 3 + len(points)
