@@ -11,7 +11,7 @@ from torch import Tensor
 
 QuantBackendName = Literal["auto", "torch", "cpu"]
 QUANT_BACKENDS: tuple[QuantBackendName, ...] = ("auto", "torch", "cpu")
-# Activation dtypes qmatmul takes; it computes in float32 and returns x's dtype.
+# Activation dtypes qmatmul takes; it returns x's dtype (computed in float32, or bfloat16 tiles for many bfloat16 rows).
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
