@@ -1,0 +1,540 @@
+/* GGUF quantized weights on the CPU: dequantize, and y[rows, n] = x[rows, k] @ W^T with W [n, k] in a GGUF type.
+ *
+ * The specification is pagoda/pagedkernel/quant/torch_quant.py (after gguf's reference). Every block is first
+ * unpacked into signed 8-bit values w, a scale per 16 elements and, for the formats with a minimum, an offset per
+ * 32 elements, so that value = scale * w (+ offset). Dequantization evaluates exactly that, in the reference's
+ * order, so it is bit-exact (the library is built with -ffp-contract=off: no fused multiply-add).
+ *
+ * The matmul quantizes each row of x to int8 per 32 elements (dx = max|x| / 127, q = round(x / dx), as llama.cpp's
+ * Q8_0 does, plus the sum of the q for the offsets) and streams each weight block once, unpacking it once for all
+ * rows. The 32-element dot products are integers, computed as eight lanes of four products:
+ *   - PATH 2, AVX-512 VNNI (with VL): vpdpbusd on |w| and x * sign(w);
+ *   - PATH 1, AVX2: vpmaddubsw then vpmaddwd on the same operands (|w| <= 128, |x| <= 127: no saturation);
+ *   - PATH 0, generic C: the same eight lane sums in scalar code.
+ * The lanes are exact, and the float steps after them are the same operations in the same order on every path,
+ * so the three paths give bitwise the same y (tested). The path is chosen by the target's features at build
+ * (-march=native picks the best this CPU has); pagoda_quant_path() says which one was compiled.
+ *
+ * Columns of y are split over torch's OpenMP pool (the library links the libgomp torch has loaded); each output
+ * is computed whole by one thread, so y does not depend on the thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__)
+#define PATH 2
+#elif defined(__AVX2__)
+#define PATH 1
+#else
+#define PATH 0
+#endif
+
+/* GGUF type ids (gguf's GGMLQuantizationType). */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define QK 32        /* elements per activation block (and per block of the 32-element formats) */
+#define QK_K 256     /* elements per K-quant super-block */
+#define MAX_ROWS 16  /* rows of x that share one unpacked weight block */
+
+int pagoda_quant_path(void) { return PATH; }
+
+/* Elements and bytes per block, and whether values carry an offset (a minimum); 0 elements: unknown type. */
+static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
+  *elems = 0;
+  *bytes = 0;
+  *has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+  switch (type) {
+    case Q4_0: *elems = QK, *bytes = 18; break;
+    case Q4_1: *elems = QK, *bytes = 20; break;
+    case Q5_0: *elems = QK, *bytes = 22; break;
+    case Q5_1: *elems = QK, *bytes = 24; break;
+    case Q8_0: *elems = QK, *bytes = 34; break;
+    case Q4_K: *elems = QK_K, *bytes = 144; break;
+    case Q5_K: *elems = QK_K, *bytes = 176; break;
+    case Q6_K: *elems = QK_K, *bytes = 210; break;
+    default: break;
+  }
+}
+
+/* A little-endian IEEE half as float (exact: every half is a float). */
+static inline float f16(const uint8_t *p) {
+  uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13); /* inf, or NaN with its payload */
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else { /* a subnormal half is a normal float: shift its leading 1 into the implicit bit */
+    uint32_t e = 0;
+    while (!(man & 0x400u)) man <<= 1, e++;
+    bits = sign | ((113 - e) << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+static inline uint32_t u32le(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* The weight unpackers below write the same bytes on every path: intrinsics with AVX2, plain loops without. */
+
+/* Element j < 16 is byte j's low nibble, element 16 + j its high nibble, minus bias. */
+INLINE void nibbles32(const uint8_t *qs, int8_t *w, int bias) {
+#if PATH >= 1
+  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+#else
+  for (int j = 0; j < 16; j++) {
+    w[j] = (int8_t)((qs[j] & 0x0F) - bias);
+    w[j + 16] = (int8_t)((qs[j] >> 4) - bias);
+  }
+#endif
+}
+
+#if PATH >= 1
+/* Byte j is 0xFF where bit j of the 32-bit word h is set, else 0. */
+static inline __m256i bit_bytes(uint32_t h) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL); /* byte j tests bit j % 8 */
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);       /* byte j: byte j / 8 of h */
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+#endif
+
+/* Q5_0 / Q5_1: the low nibbles plus bit j of the 32-bit word qh as bit 4 of element j, minus bias. */
+INLINE void fives32(const uint8_t *qh, const uint8_t *qs, int8_t *w, int bias) {
+  uint32_t h = u32le(qh);
+#if PATH >= 1
+  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+  v = _mm256_or_si256(v, _mm256_and_si256(bit_bytes(h), _mm256_set1_epi8(0x10)));
+  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+#else
+  for (int j = 0; j < 16; j++) {
+    w[j] = (int8_t)(((qs[j] & 0x0F) | (((h >> j) & 1u) << 4)) - bias);
+    w[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1u) << 4)) - bias);
+  }
+#endif
+}
+
+/* Q4_K / Q5_K values (0..15 or 0..31) of a super-block: four 32-byte groups of qs whose low nibbles are
+ * sub-block 2g and high nibbles 2g + 1; with qh (Q5_K), bit s of qh[j] is bit 4 of element j of sub-block s. */
+INLINE void k_values(const uint8_t *qs, const uint8_t *qh, int8_t *w) {
+#if PATH >= 1
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i hb = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+  for (int g = 0; g < 4; g++) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (qh) { /* 16-bit shifts, then one bit per byte: each byte keeps its own bit */
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g + 1), one), 4));
+    }
+    _mm256_storeu_si256((__m256i *)(w + 64 * g), lo);
+    _mm256_storeu_si256((__m256i *)(w + 64 * g + 32), hi);
+  }
+#else
+  for (int g = 0; g < 4; g++) {
+    for (int j = 0; j < 32; j++) {
+      int lo = qs[32 * g + j] & 0x0F, hi = qs[32 * g + j] >> 4;
+      if (qh) lo |= ((qh[j] >> (2 * g)) & 1) << 4, hi |= ((qh[j] >> (2 * g + 1)) & 1) << 4;
+      w[64 * g + j] = (int8_t)lo;
+      w[64 * g + 32 + j] = (int8_t)hi;
+    }
+  }
+#endif
+}
+
+/* Q6_K values minus 32: per half of 128, 64 bytes of low nibbles and 32 bytes of four 2-bit highs. */
+INLINE void q6_values(const uint8_t *ql, const uint8_t *qh, int8_t *w) {
+#if PATH >= 1
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  for (int h = 0; h < 2; h++) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+    __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+    /* (hb >> 2t & 3) << 4, for t = 0..3, as 16-bit shifts masked to each byte's own bits 4-5 */
+    __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2), h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2);
+    __m256i h2 = _mm256_and_si256(hb, m2), h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2);
+    int8_t *o = w + 128 * h;
+    _mm256_storeu_si256((__m256i *)o, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), h0), off));
+    _mm256_storeu_si256((__m256i *)(o + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m4), h1), off));
+    _mm256_storeu_si256((__m256i *)(o + 64),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), h2), off));
+    _mm256_storeu_si256((__m256i *)(o + 96),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), h3), off));
+  }
+#else
+  for (int h = 0; h < 2; h++) {
+    for (int p = 0; p < 32; p++) {
+      int a = ql[64 * h + p], c = ql[64 * h + 32 + p], hb = qh[32 * h + p];
+      int8_t *o = w + 128 * h + p;
+      o[0] = (int8_t)(((a & 0x0F) | ((hb & 3) << 4)) - 32);
+      o[32] = (int8_t)(((c & 0x0F) | (((hb >> 2) & 3) << 4)) - 32);
+      o[64] = (int8_t)(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+      o[96] = (int8_t)(((c >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+    }
+  }
+#endif
+}
+
+/* The eight 6-bit scales and mins of a Q4_K / Q5_K block (its 12 scale bytes). */
+static inline void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; j++) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[j + 4] & 0x3F;
+    sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
+    mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+  }
+}
+
+/* Unpack one block: value i = scale[i / 16] * w[i], plus offset[i / 32] for the formats with a minimum.
+ * Always inlined, so that each caller specialised for one type (see pagoda_quant_matmul) keeps only its case. */
+INLINE void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, float *offset) {
+  float d;
+  switch (type) {
+    case Q4_0:
+      d = f16(b), nibbles32(b + 2, w, 8);
+      scale[0] = scale[1] = d;
+      break;
+    case Q4_1:
+      d = f16(b), offset[0] = f16(b + 2), nibbles32(b + 4, w, 0);
+      scale[0] = scale[1] = d;
+      break;
+    case Q5_0:
+      d = f16(b), fives32(b + 2, b + 6, w, 16);
+      scale[0] = scale[1] = d;
+      break;
+    case Q5_1:
+      d = f16(b), offset[0] = f16(b + 2), fives32(b + 4, b + 8, w, 0);
+      scale[0] = scale[1] = d;
+      break;
+    case Q8_0:
+      scale[0] = scale[1] = f16(b);
+      memcpy(w, b + 2, QK);
+      break;
+    case Q4_K:
+    case Q5_K: {
+      float dmin = f16(b + 2);
+      uint8_t sc[8], mn[8];
+      d = f16(b);
+      k_scales(b + 4, sc, mn);
+      k_values(b + (type == Q5_K ? 48 : 16), type == Q5_K ? b + 16 : NULL, w);
+      for (int s = 0; s < 8; s++) {
+        scale[2 * s] = scale[2 * s + 1] = d * (float)sc[s];
+        offset[s] = -(dmin * (float)mn[s]);
+      }
+      break;
+    }
+    case Q6_K: {
+      const int8_t *sc = (const int8_t *)(b + 192);
+      d = f16(b + 208);
+      q6_values(b, b + 128, w);
+      for (int g = 0; g < 16; g++) scale[g] = d * (float)sc[g];
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+/* float bits -> bfloat16 bits, rounded to nearest even (as torch converts); a NaN stays a quiet NaN of its sign.
+ * A select rather than a branch, so that the loop over a block vectorises. */
+static inline uint16_t bf16_bits(uint32_t bits) {
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+  return (uint16_t)((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+typedef uint32_t aliased_u32 __attribute__((may_alias));
+
+/* The values of one unpacked block: scale * w (+ offset), in the reference's order. */
+INLINE void values_of(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
+                      float *restrict out) {
+  for (int g = 0; g < elems / 16; g++) { /* sixteen elements share a scale: one vector each */
+    const float sg = scale[g], og = has_offset ? offset[g / 2] : 0.0f;
+    if (has_offset) {
+      for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j] + og;
+    } else {
+      for (int j = 16 * g; j < 16 * g + 16; j++) out[j] = sg * (float)w[j];
+    }
+  }
+}
+
+/* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below) into float32
+ * dst, or into bfloat16 dst16 when dst is NULL. */
+INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst, uint16_t *dst16, int64_t i0,
+                              int64_t i1) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  for (int64_t i = i0; i < i1; i++) {
+    int8_t w[QK_K];
+    float scale[QK_K / 16], offset[QK_K / QK];
+    unpack(type, src + i * bytes, w, scale, offset);
+    if (dst) {
+      values_of(w, scale, offset, has_offset, elems, dst + i * elems);
+    } else {
+      float values[QK_K];
+      values_of(w, scale, offset, has_offset, elems, values);
+      const aliased_u32 *bits = (const aliased_u32 *)values;
+      uint16_t *o16 = dst16 + i * elems;
+      for (int j = 0; j < elems; j++) o16[j] = bf16_bits(bits[j]);
+    }
+  }
+}
+
+#define DEQUANTIZE_FOR(T)                                                                          \
+  static void dequantize_##T(const uint8_t *s, float *d, uint16_t *d16, int64_t i0, int64_t i1) { \
+    dequantize_blocks(T, s, d, d16, i0, i1);                                                       \
+  }
+DEQUANTIZE_FOR(Q4_0)
+DEQUANTIZE_FOR(Q4_1)
+DEQUANTIZE_FOR(Q5_0)
+DEQUANTIZE_FOR(Q5_1)
+DEQUANTIZE_FOR(Q8_0)
+DEQUANTIZE_FOR(Q4_K)
+DEQUANTIZE_FOR(Q5_K)
+DEQUANTIZE_FOR(Q6_K)
+
+typedef void (*dequantize_fn)(const uint8_t *, float *, uint16_t *, int64_t, int64_t);
+
+static dequantize_fn dequantize_for(int64_t type) {
+  switch (type) {
+    case Q4_0: return dequantize_Q4_0;
+    case Q4_1: return dequantize_Q4_1;
+    case Q5_0: return dequantize_Q5_0;
+    case Q5_1: return dequantize_Q5_1;
+    case Q8_0: return dequantize_Q8_0;
+    case Q4_K: return dequantize_Q4_K;
+    case Q5_K: return dequantize_Q5_K;
+    case Q6_K: return dequantize_Q6_K;
+    default: return NULL;
+  }
+}
+
+/* Dequantize num_blocks blocks of `type` from src into dst: float32 (bf16 = 0) or bfloat16 (bf16 = 1), the
+ * latter rounded to nearest even. 1 for an unknown type. */
+int pagoda_quant_dequantize(int64_t type, const uint8_t *src, void *dst, int64_t bf16, int64_t num_blocks,
+                            int64_t num_threads) {
+  dequantize_fn run = dequantize_for(type);
+  if (run == NULL) return 1;
+  if (num_threads < 1 || num_blocks < 64) num_threads = 1;
+  const int64_t chunk = 64, chunks = (num_blocks + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t i0 = c * chunk, i1 = i0 + chunk < num_blocks ? i0 + chunk : num_blocks;
+    run(src, bf16 ? NULL : (float *)dst, bf16 ? (uint16_t *)dst : NULL, i0, i1);
+  }
+  return 0;
+}
+
+/* One 32-element sub-block of weights prepared for every row's dot product, and eight float lanes of sums:
+ * acc_step adds lane l of the integer dot product w . x (its elements 4l..4l+3) times (scale lo for lanes 0-3,
+ * hi for lanes 4-7) * dx. The lanes are exact integers on every path, and the float steps are the same. */
+#if PATH >= 1
+typedef __m256 facc;
+typedef struct {
+  __m256i a, b; /* VNNI: w and -128 * each lane's sum of w; AVX2: |w| (unsigned, 128 for -128) and w */
+  __m256 s;     /* the scale of each lane */
+} wprep;
+INLINE wprep prepare(const int8_t *w, float lo, float hi) {
+  wprep p;
+  __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+#if PATH == 2
+  /* x is stored as q + 128 (unsigned): sum (q + 128) w - 128 sum w = sum q w, exactly */
+  __m256i bias = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), wv);
+  p.a = wv, p.b = _mm256_sub_epi32(_mm256_setzero_si256(), bias);
+#else
+  p.a = _mm256_abs_epi8(wv), p.b = wv;
+#endif
+  p.s = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
+  return p;
+}
+static inline facc acc_zero(void) { return _mm256_setzero_ps(); }
+INLINE facc acc_step(facc acc, const wprep *p, const int8_t *x, float dx) {
+  __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+#if PATH == 2
+  __m256i lanes = _mm256_dpbusd_epi32(p->b, xv, p->a);
+#else /* |w| * (x * sign(w)): |w| <= 128 and |x| <= 127, so the 16-bit pair sums never saturate */
+  __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(p->a, _mm256_sign_epi8(xv, p->b)), _mm256_set1_epi16(1));
+#endif
+  __m256 s = _mm256_mul_ps(p->s, _mm256_set1_ps(dx));
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), s));
+}
+static inline void acc_store(facc acc, float out[8]) { _mm256_storeu_ps(out, acc); }
+#else
+typedef struct {
+  float v[8];
+} facc;
+typedef struct {
+  const int8_t *w;
+  float lo, hi;
+} wprep;
+INLINE wprep prepare(const int8_t *w, float lo, float hi) {
+  wprep p = {w, lo, hi};
+  return p;
+}
+static inline facc acc_zero(void) {
+  facc a;
+  for (int l = 0; l < 8; l++) a.v[l] = 0.0f;
+  return a;
+}
+INLINE facc acc_step(facc acc, const wprep *p, const int8_t *x, float dx) {
+  for (int l = 0; l < 8; l++) {
+    int32_t lane = 0;
+    for (int i = 4 * l; i < 4 * l + 4; i++) lane += (int32_t)p->w[i] * (int32_t)x[i];
+    acc.v[l] = acc.v[l] + (float)lane * ((l < 4 ? p->lo : p->hi) * dx);
+  }
+  return acc;
+}
+static inline void acc_store(facc acc, float out[8]) { memcpy(out, acc.v, sizeof acc.v); }
+#endif
+
+/* Row r of x as int8 per 32 elements: q = round(x / dx) with dx = max|x| / 127, and each block's sum of q
+ * (stored as q + 128, unsigned, for the VNNI path's unsigned-by-signed products). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *qsum) {
+  for (int64_t b = 0; b < k / QK; b++) {
+    const float *v = x + b * QK;
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; i++) {
+      int32_t r = (int32_t)nearbyintf(v[i] * inv);
+      r = r > 127 ? 127 : r < -127 ? -127 : r;
+#if PATH == 2
+      q[b * QK + i] = (int8_t)(uint8_t)(r + 128);
+#else
+      q[b * QK + i] = (int8_t)r;
+#endif
+      sum += r;
+    }
+    dx[b] = d;
+    qsum[b] = sum;
+  }
+}
+
+/* Columns j0..j1 of y for one weight type (a constant once inlined into the per-type functions below). W is
+ * unpacked 256 elements at a time (one super-block, or eight 32-blocks) and prepared once; then each row runs
+ * over those eight sub-blocks with its sums in registers. */
+INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
+                           const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, float *y,
+                           int64_t y_stride) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  const int64_t xblocks = k / QK, wblocks = k / elems, row_bytes = wblocks * bytes;
+  const int64_t per_chunk = QK_K / elems; /* weight blocks unpacked together */
+  for (int64_t j = j0; j < j1; j++) {
+    const uint8_t *wrow = weight + j * row_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+      int64_t nr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+      facc acc[MAX_ROWS];
+      float off[MAX_ROWS];
+      for (int64_t r = 0; r < nr; r++) acc[r] = acc_zero(), off[r] = 0.0f;
+      for (int64_t wb = 0; wb < wblocks; wb += per_chunk) {
+        const int64_t nb = wblocks - wb < per_chunk ? wblocks - wb : per_chunk, nsub = nb * elems / QK;
+        int8_t w[QK_K] __attribute__((aligned(32)));
+        float scale[QK_K / 16], offset[QK_K / QK];
+        wprep prep[QK_K / QK];
+        for (int64_t b = 0; b < nb; b++)
+          unpack(type, wrow + (wb + b) * bytes, w + b * elems, scale + b * elems / 16, offset + b * elems / QK);
+        for (int64_t s = 0; s < nsub; s++) prep[s] = prepare(w + QK * s, scale[2 * s], scale[2 * s + 1]);
+        for (int64_t r = 0; r < nr; r++) {
+          const int64_t xb = (r0 + r) * xblocks + wb * elems / QK; /* this chunk's first block of x */
+          facc a = acc[r];
+          float o = off[r];
+          for (int64_t s = 0; s < nsub; s++) {
+            const float d = xd[xb + s];
+            a = acc_step(a, &prep[s], xq + (xb + s) * QK, d);
+            if (has_offset) o = o + offset[s] * d * (float)xs[xb + s];
+          }
+          acc[r] = a, off[r] = o;
+        }
+      }
+      for (int64_t r = 0; r < nr; r++) {
+        float lanes[8], sum = 0.0f;
+        acc_store(acc[r], lanes);
+        for (int l = 0; l < 8; l++) sum = sum + lanes[l];
+        y[(r0 + r) * y_stride + j] = sum + off[r];
+      }
+    }
+  }
+}
+
+#define COLUMNS_FOR(T)                                                                                           \
+  static void columns_##T(const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq, const float *xd, \
+                          const int32_t *xs, int64_t rows, float *y, int64_t y_stride) {                        \
+    matmul_columns(T, w, j0, j1, k, xq, xd, xs, rows, y, y_stride);                                            \
+  }
+COLUMNS_FOR(Q4_0)
+COLUMNS_FOR(Q4_1)
+COLUMNS_FOR(Q5_0)
+COLUMNS_FOR(Q5_1)
+COLUMNS_FOR(Q8_0)
+COLUMNS_FOR(Q4_K)
+COLUMNS_FOR(Q5_K)
+COLUMNS_FOR(Q6_K)
+
+typedef void (*columns_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,
+                           const int32_t *, int64_t, float *, int64_t);
+
+static columns_fn columns_for(int64_t type) {
+  switch (type) {
+    case Q4_0: return columns_Q4_0;
+    case Q4_1: return columns_Q4_1;
+    case Q5_0: return columns_Q5_0;
+    case Q5_1: return columns_Q5_1;
+    case Q8_0: return columns_Q8_0;
+    case Q4_K: return columns_Q4_K;
+    case Q5_K: return columns_Q5_K;
+    case Q6_K: return columns_Q6_K;
+    default: return NULL;
+  }
+}
+
+/* y[r, j] = sum_i x[r, i] * W[j, i] for W [n, k] of `type` (rows of bytes k / elems * bytes). x rows are
+ * x_stride floats apart, y rows y_stride. 0 on success, 1 for an unknown type or k not a multiple of the block,
+ * 2 when the work space cannot be allocated. */
+int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t x_stride,
+                        int64_t rows, float *y, int64_t y_stride, int64_t num_threads) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  columns_fn columns = columns_for(type);
+  if (columns == NULL || k % elems != 0) return 1;
+  if (rows == 0 || n == 0) return 0;
+  const int64_t xblocks = k / QK;
+  int8_t *xq = malloc((size_t)(rows * k));
+  float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
+  int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
+  if (!xq || !xd || !xs) {
+    free(xq), free(xd), free(xs);
+    return 2;
+  }
+  for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xd + r * xblocks, xs + r * xblocks);
+  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
+  /* Contiguous column ranges, one per chunk of 64 columns: each thread streams its own part of W. */
+  const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+    columns(weight, j0, j1, k, xq, xd, xs, rows, y, y_stride);
+  }
+  free(xq), free(xd), free(xs);
+  return 0;
+}

@@ -1,0 +1,191 @@
+"""The `cpu` backend of the quantized ops: csrc/cpu_quant.c, compiled at first use by `cbuild`, loaded with ctypes.
+
+`dequantize` is the C unpacking (bit-exact with the torch specification). `qmatmul` has two paths: up to
+`GEMV_MAX_ROWS` rows the C kernel streams each weight block once and multiplies int8 activations (VNNI, AVX2 or
+generic C, whichever the build targets); above, tiles of W are dequantized in C into a float32 buffer that stays in
+the caches and multiplied by torch's matmul (in bfloat16 for bfloat16 activations, else float32), so many rows
+cost what the dense matmul costs without the dense weights ever existing whole.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagoda.pagedkernel import cbuild, csrc
+from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILE = "cpu_quant.c"
+# -ffp-contract=off: no fused multiply-add, so dequantization rounds as the reference does and every path adds
+# its lanes in the same operations.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
+OPENMP_FLAGS = ("-fopenmp",)
+# above this many rows of x, dequantized tiles and torch's matmul beat the int8 dot products
+GEMV_MAX_ROWS = 16
+# float32 elements of W per dequantized tile (2 MB: stays in L2/L3 while it is multiplied)
+TILE_ELEMENTS = 1 << 19
+# up to this many elements (8 MB of float32) W is dequantized whole, for one matmul call
+WHOLE_ELEMENTS = 1 << 21
+
+
+class KernelPath(enum.IntEnum):
+    """Which dot-product code a build of the library runs (`pagoda_quant_path` in the C file)."""
+
+    GENERIC = 0
+    AVX2 = 1
+    AVX512_VNNI = 2
+
+
+@dataclass(frozen=True, slots=True)
+class QuantKernels:
+    """The entry points of one compiled library (see the C file for their contracts)."""
+
+    path: KernelPath
+    dequantize: Any  # ctypes function: (type, src, dst, bf16, num_blocks, num_threads) -> int
+    matmul: Any  # ctypes function: (type, w, n, k, x, x_stride, rows, y, y_stride, num_threads) -> int
+
+
+def build(flags: tuple[str, ...] = CFLAGS) -> Path:
+    """The library built with `flags` (e.g. another -march to test a path), compiled unless cached.
+
+    Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
+    """
+    march = next((f.removeprefix("-march=") for f in flags if f.startswith("-march=")), "default")
+    return cbuild.build(
+        SOURCE_FILE,
+        csrc.read_source(SOURCE_FILE),
+        flags,
+        variant=march,
+        owner="the 'cpu' quantized ops",
+        instead="use backend='torch'",
+        alternatives=(OPENMP_FLAGS, ()),
+        libraries=("-lm",),
+    )
+
+
+def load(library: Path) -> QuantKernels:
+    """The entry points of a library that `build` made, with their C signatures declared."""
+    lib = ctypes.CDLL(str(library))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    path = lib["pagoda_quant_path"]
+    path.argtypes, path.restype = [], ctypes.c_int
+    deq = lib["pagoda_quant_dequantize"]
+    deq.argtypes, deq.restype = [i64, ptr, ptr, i64, i64, i64], ctypes.c_int
+    mm = lib["pagoda_quant_matmul"]
+    mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64], ctypes.c_int
+    return QuantKernels(KernelPath(path()), deq, mm)
+
+
+@functools.cache
+def kernels() -> QuantKernels:
+    """This CPU's library (-march=native), built or found in the cache and loaded once per process."""
+    return load(build())
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU's library builds and loads (checked once per process; `auto` falls back to torch without
+    it, with one logged warning that says why)."""
+    try:
+        kernels()
+    except (BackendUnavailableError, OSError) as exc:
+        logger.warning("the quantized ops fall back to torch: %s", exc)
+        return False
+    return True
+
+
+def _check(code: int, what: str) -> None:
+    """Turn the C kernel's status into an exception."""
+    if code == 2:
+        raise MemoryError(f"the 'cpu' {what} could not allocate its work space")
+    if code != 0:
+        raise ValueError(f"the 'cpu' {what} refused its arguments (status {code})")
+
+
+def dequantize_rows(
+    weight: QuantizedTensor,
+    start: int,
+    stop: int,
+    out: Tensor,  # float32 or bfloat16 [stop - start, shape[-1]], contiguous
+    lib: QuantKernels,
+) -> None:
+    """Dequantize rows start..stop of a 2-D view of `weight` into `out` (bfloat16: rounded to nearest even,
+    bitwise what `.to(torch.bfloat16)` of the float32 values gives, NaNs aside: any NaN is a NaN)."""
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"dequantize_rows writes a contiguous float32 or bfloat16 tensor, got {out.dtype}")
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+    blocks_per_row = weight.shape[-1] // BLOCK_SIZES[weight.qtype][0]
+    code = lib.dequantize(
+        int(weight.qtype),
+        data.data_ptr() + start * weight.row_bytes,
+        out.data_ptr(),
+        int(out.dtype == torch.bfloat16),
+        (stop - start) * blocks_per_row,
+        torch.get_num_threads(),
+    )
+    _check(code, "dequantize")
+
+
+def dequantize(weight: QuantizedTensor, lib: QuantKernels) -> Tensor:  # float32 weight.shape
+    """The float32 values of `weight` (CPU), bit-exact with the torch specification."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    dequantize_rows(weight, 0, weight.rows, out.view(weight.rows, weight.shape[-1]), lib)
+    return out
+
+
+def gemv(
+    x: Tensor,  # float32 [rows, K], rows contiguous
+    weight: QuantizedTensor,  # [N, K]
+    out: Tensor,  # float32 [rows, N], rows contiguous
+    lib: QuantKernels,
+) -> None:
+    """out = x @ W^T by the int8 dot-product kernel (one pass over W per 16 rows)."""
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+    n, k = weight.shape
+    code = lib.matmul(
+        int(weight.qtype),
+        data.data_ptr(),
+        n,
+        k,
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    _check(code, "quantized matmul")
+
+
+def tiled(
+    x: Tensor,  # float32 or bfloat16 [rows, K]
+    weight: QuantizedTensor,  # [N, K]
+    out: Tensor,  # [rows, N], any float dtype
+    lib: QuantKernels,
+) -> None:
+    """out = x @ W^T, W dequantized a tile of rows at a time into one reused buffer of x's dtype and fed to torch's
+    matmul (bfloat16: the numerics of a dense bfloat16 weight, on AMX / AVX512-BF16 where the CPU has them)."""
+    n, k = weight.shape
+    # A weight that fits the caches anyway is dequantized in one piece and multiplied in one call (several
+    # calls would only add their overhead); a larger one a tile at a time.
+    step = n if n * k <= WHOLE_ELEMENTS else max(1, TILE_ELEMENTS // max(k, 1))
+    tile = torch.empty((min(step, n), k), dtype=x.dtype)
+    if step >= n and out.dtype == x.dtype and out.is_contiguous():
+        dequantize_rows(weight, 0, n, tile, lib)
+        torch.matmul(x, tile.t(), out=out)
+        return
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part = tile[: stop - start]
+        dequantize_rows(weight, start, stop, part, lib)
+        out[:, start:stop] = x @ part.t()

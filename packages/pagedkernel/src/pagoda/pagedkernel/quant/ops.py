@@ -1,0 +1,88 @@
+"""The quantized ops' public functions: `dequantize` and `qmatmul`, on the `torch` or `cpu` backend."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pagoda.pagedkernel.quant import cpu_quant, torch_quant
+from pagoda.pagedkernel.quant.formats import QuantizedTensor
+from torch import Tensor
+
+QuantBackendName = Literal["auto", "torch", "cpu"]
+QUANT_BACKENDS: tuple[QuantBackendName, ...] = ("auto", "torch", "cpu")
+# Activation dtypes qmatmul takes; it returns x's dtype (computed in float32, or bfloat16 tiles for many bfloat16 rows).
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_cpu(backend: QuantBackendName, weight: QuantizedTensor) -> bool:
+    """Whether `backend` means the C kernels for this weight (raises for a bad name or an unusable 'cpu')."""
+    if backend not in QUANT_BACKENDS:
+        raise ValueError(f"unknown quantized-op backend {backend!r}; one of {', '.join(QUANT_BACKENDS)}")
+    on_cpu = weight.data.device.type == "cpu"
+    if backend == "torch":
+        return False
+    if backend == "cpu":
+        if not on_cpu:
+            raise ValueError(
+                f"the 'cpu' quantized ops take CPU tensors, the weight is on {weight.data.device}"
+            )
+        cpu_quant.kernels()  # raises BackendUnavailableError naming what is missing
+        return True
+    return on_cpu and cpu_quant.available()
+
+
+def dequantize(
+    weight: QuantizedTensor, *, backend: QuantBackendName = "auto"
+) -> Tensor:  # float32 weight.shape
+    """The float32 values `weight` encodes, bit-exact with gguf's reference on every backend."""
+    if _use_cpu(backend, weight):
+        return cpu_quant.dequantize(weight, cpu_quant.kernels())
+    return torch_quant.dequantize(weight)
+
+
+def qmatmul(
+    x: Tensor,  # [rows, K]
+    weight: QuantizedTensor,  # [N, K]
+    *,
+    backend: QuantBackendName = "auto",
+    out: Tensor | None = None,  # [rows, N] of x's dtype
+) -> Tensor:  # [rows, N] of x's dtype
+    """y = x @ W^T for W stored in a GGUF block format, computed in float32.
+
+    On the `cpu` backend up to `cpu_quant.GEMV_MAX_ROWS` rows use int8 activations (see the README for the
+    error bound); more rows multiply the exact dequantized weights in float32 (in bfloat16, rounded to nearest
+    even, for bfloat16 x), and so does the `torch` backend, in float32.
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"qmatmul: x {tuple(x.shape)} does not match a weight of shape {weight.shape}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"qmatmul takes x of {', '.join(map(str, ACTIVATION_DTYPES))}, got {x.dtype}")
+    if x.device != weight.data.device:
+        raise ValueError(f"qmatmul: x is on {x.device}, the weight on {weight.data.device}")
+    if out is not None and (out.shape != (x.shape[0], n) or out.dtype != x.dtype):
+        raise ValueError(
+            f"qmatmul: out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}"
+        )
+    if not _use_cpu(backend, weight):
+        y = torch_quant.qmatmul(x, weight).to(x.dtype)
+        if out is None:
+            return y
+        return out.copy_(y)
+    lib = cpu_quant.kernels()
+    y = out if out is not None else torch.empty((x.shape[0], n), dtype=x.dtype)
+    if x.shape[0] > cpu_quant.GEMV_MAX_ROWS:
+        cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
+        return y
+    xf = x.to(torch.float32)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    if y.dtype == torch.float32 and y.stride(-1) == 1:
+        cpu_quant.gemv(xf, weight, y, lib)
+        return y
+    result = torch.empty((x.shape[0], n), dtype=torch.float32)
+    cpu_quant.gemv(xf, weight, result, lib)
+    return y.copy_(result)

@@ -1,0 +1,71 @@
+"""Random quantized weights for tests and benchmarks, and the error bound of the int8-activation matmul."""
+
+from __future__ import annotations
+
+import torch
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
+from torch import Tensor
+
+# Byte offsets of each type's float16 scale fields (d, and the minimum or dmin where there is one).
+HALF_FIELDS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}
+
+
+def random_weight(
+    qtype: GGMLType,
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    *,
+    scale: float = 0.01,  # magnitude of the float16 scales; 0: every byte random
+) -> QuantizedTensor:
+    """Random blocks of `qtype` for a tensor of `shape`; the float16 scales are drawn in [scale/2, scale] with a
+    random sign (scale=0: every byte random, so NaN, inf and subnormal halves occur too)."""
+    block, size = BLOCK_SIZES[qtype]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    num_blocks = rows * (shape[-1] // block)
+    raw = torch.randint(0, 256, (num_blocks, size), dtype=torch.uint8, generator=generator)
+    if scale:
+        for at in HALF_FIELDS[qtype]:
+            mags = torch.rand(num_blocks, generator=generator) * (scale / 2) + scale / 2
+            signs = torch.randint(0, 2, (num_blocks,), generator=generator) * 2 - 1
+            halves = (mags * signs).to(torch.float16).view(torch.uint8).reshape(num_blocks, 2)
+            raw[:, at : at + 2] = halves
+    return QuantizedTensor(raw.reshape(rows, -1) if len(shape) > 1 else raw.reshape(-1), qtype, shape)
+
+
+def int8_error_bound(
+    x: Tensor,  # [rows, K]
+    w: Tensor,  # float [N, K], the exact dequantized weights
+) -> Tensor:  # float64 [rows, N]
+    """The most that quantizing x to int8 per 32 elements can move each output of x @ w^T, plus float32 rounding.
+
+    x is rounded to dx * q with dx = max|x_block| / 127, so each element moves by at most dx / 2: an output moves
+    by at most sum over blocks of dx / 2 * sum |w| over the block. The kernel's float32 products and sums (one per
+    32 elements, then eight lanes) add at most ~K/32 + 16 roundings of relative 2^-24 of sum |x| |w|; 1e-4 of it
+    covers K up to ~50,000.
+    """
+    rows, k = x.shape
+    xb = x.to(torch.float64).reshape(rows, k // 32, 32)
+    dx = xb.abs().amax(-1) / 127  # [rows, K / 32]
+    wb = w.to(torch.float64).abs().reshape(w.shape[0], k // 32, 32).sum(-1)  # [N, K / 32]
+    rounding = x.to(torch.float64).abs() @ w.to(torch.float64).abs().t()
+    return (dx / 2) @ wb.t() + 1e-4 * rounding
+
+
+def assert_bit_exact(got: Tensor, expected: Tensor) -> None:
+    """Same float32 bits everywhere, except that NaNs need only be NaN on both sides (payloads may differ)."""
+    assert got.dtype == expected.dtype == torch.float32, (got.dtype, expected.dtype)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN in different places"
+    assert torch.equal(got.view(torch.int32)[~nan], expected.view(torch.int32)[~nan]), "different bits"

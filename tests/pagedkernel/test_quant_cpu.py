@@ -1,0 +1,272 @@
+"""The quantized ops' `cpu` backend (csrc/cpu_quant.c) against the torch specification and gguf's reference.
+
+Dequantization is bit-exact. The matmul up to GEMV_MAX_ROWS rows quantizes x to int8 per 32 elements, so it is held
+to `int8_error_bound` (the rounding of x, |dx| / 2 per element, through |W|, plus float32 rounding); above that
+it multiplies the exact dequantized weights in float32 and matches torch's float32 matmul. The VNNI, AVX2 and
+generic builds each run and agree bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
+from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS, KernelPath
+from pagoda.pagedkernel.quant.testing import assert_bit_exact, int8_error_bound, random_weight
+
+ALL_TYPES = list(GGMLType)
+K = 768  # a multiple of every block (32 and 256)
+N = 77  # a multiple of nothing
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def nan_out(rows: int, n: int) -> torch.Tensor:
+    """An output buffer full of NaN, so that any element the kernel misses fails the comparison."""
+    return torch.full((rows, n), float("nan"))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("scale", [0.0, 0.01])
+def test_dequantize_is_bit_exact(qtype: GGMLType, scale: float) -> None:
+    """Random blocks (scale 0: NaN, inf and subnormal halves too), 9 rows of 3 super-blocks (parallel blocks)."""
+    weight = random_weight(qtype, (9, K), torch.Generator().manual_seed(int(qtype)), scale=scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = gguf_dequantize(weight.data.numpy(), gguf.GGMLQuantizationType(int(qtype)))
+    assert_bit_exact(dequantize(weight, backend="cpu"), torch.from_numpy(expected))
+    assert torch.equal(
+        dequantize(weight, backend="cpu").nan_to_num(7.0), dequantize(weight, backend="torch").nan_to_num(7.0)
+    )
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
+def test_int8_matmul_within_its_bound(qtype: GGMLType, rows: int) -> None:
+    """Few rows: every output within int8_error_bound of the float64 product with the exact weights."""
+    g = torch.Generator().manual_seed(rows * 100 + int(qtype))
+    weight = random_weight(qtype, (N, K), g)
+    x = torch.randn(rows, K, generator=g) * torch.rand(rows, K, generator=g) * 3  # uneven block maxima
+    w = dequantize(weight, backend="torch")
+    out = nan_out(rows, N)
+    assert qmatmul(x, weight, backend="cpu", out=out) is out
+    err = (out.double() - x.double() @ w.double().t()).abs()
+    assert (err <= int8_error_bound(x, w)).all()
+    # And it is a real approximation, not just inside a loose bound: ~0.5% of the output's norm here.
+    assert err.norm() <= 0.02 * (x.double() @ w.double().t()).norm()
+
+
+@pytest.mark.parametrize(
+    "qtype", [GGMLType.Q4_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name
+)
+@pytest.mark.parametrize("rows", [GEMV_MAX_ROWS + 1, 40])
+def test_many_rows_match_the_float32_reference(qtype: GGMLType, rows: int) -> None:
+    """Many rows: dequantized tiles through torch's matmul equal the torch backend up to float32 rounding."""
+    g = torch.Generator().manual_seed(rows + int(qtype))
+    weight = random_weight(qtype, (N, K), g)
+    x = torch.randn(rows, K, generator=g)
+    out = nan_out(rows, N)
+    qmatmul(x, weight, backend="cpu", out=out)
+    torch.testing.assert_close(out, qmatmul(x, weight, backend="torch"), rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_cover_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles smaller than N (here 5 rows of W, the last one short) still write every output column."""
+    monkeypatch.setattr(cpu_quant, "TILE_ELEMENTS", 5 * K)
+    monkeypatch.setattr(cpu_quant, "WHOLE_ELEMENTS", 0)
+    g = torch.Generator().manual_seed(3)
+    weight = random_weight(GGMLType.Q5_0, (N, K), g)
+    x = torch.randn(20, K, generator=g)
+    out = nan_out(20, N)
+    cpu_quant.tiled(x, weight, out, cpu_quant.kernels())
+    torch.testing.assert_close(out, qmatmul(x, weight, backend="torch"), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_row_groups() -> None:
+    """The C kernel called with more rows than one group (16) computes each row as it would alone."""
+    g = torch.Generator().manual_seed(4)
+    weight = random_weight(GGMLType.Q4_K, (N, K), g)
+    x = torch.randn(37, K, generator=g)
+    lib = cpu_quant.kernels()
+    together = nan_out(37, N)
+    cpu_quant.gemv(x, weight, together, lib)
+    for r in (0, 16, 36):
+        alone = nan_out(1, N)
+        cpu_quant.gemv(x[r : r + 1], weight, alone, lib)
+        assert torch.equal(together[r : r + 1], alone)
+
+
+def test_dtypes_strides_and_empty() -> None:
+    """bfloat16 x returns bfloat16; a strided x (a slice of a wider buffer) reads only its columns; zero rows."""
+    g = torch.Generator().manual_seed(5)
+    weight = random_weight(GGMLType.Q8_0, (N, K), g)
+    wide = torch.randn(4, K + 64, generator=g)
+    x = wide[:, :K]
+    assert torch.equal(qmatmul(x, weight, backend="cpu"), qmatmul(x.contiguous(), weight, backend="cpu"))
+    half = qmatmul(
+        x.to(torch.bfloat16), weight, backend="cpu", out=torch.full((4, N), float("nan")).bfloat16()
+    )
+    assert half.dtype == torch.bfloat16 and not half.isnan().any()
+    assert qmatmul(x[:0], weight, backend="cpu").shape == (0, N)
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    """Each output is computed whole by one thread: 1 and 2 threads give the same bits."""
+    g = torch.Generator().manual_seed(6)
+    weight = random_weight(GGMLType.Q6_K, (1024, K), g)  # large enough to run in parallel
+    x = torch.randn(3, K, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qmatmul(x, weight, backend="cpu")
+        torch.set_num_threads(2)
+        two = qmatmul(x, weight, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_native_build_takes_the_best_path() -> None:
+    """-march=native compiles the VNNI path on a CPU with AVX-512 VNNI, AVX2's on one with AVX2 only."""
+    flags = cpu_flags()
+    path = cpu_quant.kernels().path
+    if {"avx512_vnni", "avx512vl", "avx2"} <= flags:
+        assert path is KernelPath.AVX512_VNNI
+    elif "avx2" in flags:
+        assert path is KernelPath.AVX2
+    else:
+        assert path is KernelPath.GENERIC
+
+
+@pytest.mark.parametrize(("march", "path"), [("x86-64-v3", KernelPath.AVX2), ("x86-64", KernelPath.GENERIC)])
+def test_every_path_gives_the_same_bits(
+    march: str, path: KernelPath, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AVX2 build and the generic C build compute bitwise what the native (VNNI here) build computes."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 target flags")
+    if path is KernelPath.AVX2 and "avx2" not in cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_quant.CFLAGS)
+    other = cpu_quant.load(cpu_quant.build(flags))
+    assert other.path is path
+    native = cpu_quant.kernels()
+    g = torch.Generator().manual_seed(7)
+    for qtype in ALL_TYPES:
+        weight = random_weight(qtype, (N, K), g)
+        x = torch.randn(5, K, generator=g)
+        mine, theirs = nan_out(5, N), nan_out(5, N)
+        cpu_quant.gemv(x, weight, mine, other)
+        cpu_quant.gemv(x, weight, theirs, native)
+        assert torch.equal(mine, theirs), qtype.name
+        assert torch.equal(cpu_quant.dequantize(weight, other), cpu_quant.dequantize(weight, native))
+
+
+def test_the_build_without_openmp_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler without OpenMP gets a single-threaded library with the same bits."""
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_quant, "OPENMP_FLAGS", ())
+    single = cpu_quant.load(cpu_quant.build())
+    g = torch.Generator().manual_seed(8)
+    weight = random_weight(GGMLType.Q4_K, (1024, K), g)
+    x = torch.randn(2, K, generator=g)
+    mine, theirs = nan_out(2, 1024), nan_out(2, 1024)
+    cpu_quant.gemv(x, weight, mine, single)
+    cpu_quant.gemv(x, weight, theirs, cpu_quant.kernels())
+    assert torch.equal(mine, theirs)
+
+
+def test_the_kernel_refuses_an_unknown_type() -> None:
+    """Type ids it does not know (Q2_K = 10) and a K that is not whole blocks get a status, not a crash."""
+    lib = cpu_quant.kernels()
+    src, dst = torch.zeros(84, dtype=torch.uint8), torch.empty(256)
+    assert lib.dequantize(10, src.data_ptr(), dst.data_ptr(), 0, 1, 1) == 1
+    y = torch.empty(1, 1)
+    assert lib.matmul(10, src.data_ptr(), 1, 256, dst.data_ptr(), 256, 1, y.data_ptr(), 1, 1) == 1
+    assert (
+        lib.matmul(int(GGMLType.Q4_K), src.data_ptr(), 1, 32, dst.data_ptr(), 32, 1, y.data_ptr(), 1, 1) == 1
+    )
+    with pytest.raises(ValueError, match="refused its arguments"):
+        cpu_quant._check(1, "quantized matmul")  # what gemv and dequantize raise on that status
+    with pytest.raises(MemoryError):
+        cpu_quant._check(2, "quantized matmul")
+
+
+def test_without_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler: building says so; backend='cpu' raises BackendUnavailableError, 'auto' warns and uses torch."""
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(BackendUnavailableError, match="found no C compiler"):
+        cpu_quant.build()
+
+    def unavailable() -> cpu_quant.QuantKernels:
+        return cpu_quant.load(cpu_quant.build())
+
+    monkeypatch.setattr(cpu_quant, "kernels", unavailable)
+    weight = random_weight(GGMLType.Q8_0, (3, 64), torch.Generator().manual_seed(9))
+    with pytest.raises(BackendUnavailableError):
+        dequantize(weight, backend="cpu")
+    cpu_quant.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert torch.equal(dequantize(weight), dequantize(weight, backend="torch"))
+            x = torch.randn(2, 64)
+            assert torch.equal(qmatmul(x, weight), qmatmul(x, weight, backend="torch"))
+    finally:
+        cpu_quant.available.cache_clear()  # the next test sees this machine's compiler again
+    assert caplog.text.count("fall back to torch") == 1  # checked once, not at every call
+
+
+def test_cpu_backend_wants_cpu_tensors() -> None:
+    """backend='cpu' on a weight elsewhere (the meta device here), or x and W on two devices: ValueError."""
+    weight = QuantizedTensor(torch.empty(18, dtype=torch.uint8, device="meta"), GGMLType.Q4_0, (1, 32))
+    with pytest.raises(ValueError, match="meta"):
+        dequantize(weight, backend="cpu")
+    with pytest.raises(ValueError, match="x is on cpu, the weight on meta"):
+        qmatmul(torch.randn(1, 32), weight)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_bfloat16_tiles_are_the_rounded_values(qtype: GGMLType) -> None:
+    """Dequantizing into bfloat16 rounds each exact float32 value to nearest even, as torch's conversion does."""
+    weight = random_weight(qtype, (9, K), torch.Generator().manual_seed(10 + int(qtype)), scale=0.0)
+    out = torch.empty((9, K), dtype=torch.bfloat16)
+    cpu_quant.dequantize_rows(weight, 0, 9, out, cpu_quant.kernels())
+    expected = dequantize(weight, backend="torch").to(torch.bfloat16)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_quant.dequantize_rows(weight, 0, 9, torch.empty((9, K), dtype=torch.float16), cpu_quant.kernels())
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_many_bfloat16_rows_are_the_dense_bfloat16_matmul(qtype: GGMLType) -> None:
+    """bfloat16 x above GEMV_MAX_ROWS: bfloat16 tiles of the rounded weights, so the result is torch's bfloat16
+    matmul of the dense bfloat16 weight (today's dequantize-at-load numerics)."""
+    g = torch.Generator().manual_seed(11)
+    weight = random_weight(qtype, (N, K), g)
+    x = torch.randn(40, K, generator=g).to(torch.bfloat16)
+    out = torch.full((40, N), float("nan"), dtype=torch.bfloat16)
+    assert qmatmul(x, weight, backend="cpu", out=out) is out
+    dense = x @ dequantize(weight, backend="torch").to(torch.bfloat16).t()
+    torch.testing.assert_close(out, dense)  # bfloat16 tolerances: only the matmul's blocking may differ
