@@ -23,6 +23,7 @@ from pagoda.server.config import (
     KernelBackendName,
     KVManagerName,
     LogLevelName,
+    QuantizationName,
     ReasoningParserName,
     ServeConfig,
     ToolParserName,
@@ -71,6 +72,13 @@ def argument_table() -> list[Flag]:
         Flag(("--enforce-eager",), {"action": "store_true", "help": "CUDA: skip torch.compile"}),
         Flag(("--kernel-backend",), {"choices": get_args(KernelBackendName)}),
         Flag(("--dtype",), {"choices": get_args(DTypeName)}),
+        Flag(
+            ("--quantization", "-q"),
+            {
+                "choices": get_args(QuantizationName),
+                "help": "a .gguf's weights: gguf keeps its block formats (default), none dequantizes them",
+            },
+        ),
         Flag(("--seed",), {"type": int, "help": "engine seed for requests without their own"}),
         Flag(
             ("--max-input-tokens",),

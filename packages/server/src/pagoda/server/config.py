@@ -37,6 +37,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "PreemptionMode",
+    "QuantizationName",
     "ReasoningParserName",
     "RequestLimits",
     "SchedulerConfig",
@@ -50,6 +51,8 @@ __all__ = [
 
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+# --quantization (vLLM's flag): gguf keeps a .gguf file's block formats, none dequantizes them at load.
+QuantizationName = Literal["gguf", "none"]
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
@@ -90,12 +93,29 @@ class ModelConfig:
     cache_dir: str | None = None  # where converted GGUF models are cached
     # TGI's prompt cap: a longer prompt is a 400. None: max_model_len - 1.
     max_input_tokens: int | None = None
+    # Weights of a .gguf: None = gguf (its block formats kept); "none": dequantized. Other models: only "none".
+    quantization: QuantizationName | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1, max_input_tokens=self.max_input_tokens)
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, get_args(QuantizationName))
+        if self.quantization == "gguf" and not self.is_gguf():
+            raise ValueError(
+                f"quantization 'gguf' needs a .gguf model (or the default model), not {self.model!r}; "
+                "a safetensors folder loads with quantization none"
+            )
         _one_of("dtype", self.dtype, get_args(DTypeName))
         _one_of("kernel_backend", self.kernel_backend, get_args(KernelBackendName))
+
+    def is_gguf(self) -> bool:
+        """Whether the model is a .gguf file (the default model is one)."""
+        return self.model is None or self.model.endswith(".gguf")
+
+    def keeps_quantized(self) -> bool:
+        """Whether a .gguf's block formats stay quantized in the layers (`quantization` gguf, its default)."""
+        return self.quantization != "none" and self.is_gguf()
 
 
 @dataclass(frozen=True, slots=True)
