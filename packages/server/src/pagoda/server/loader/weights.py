@@ -170,6 +170,21 @@ def _read_quantized(
     return QuantizedTensor(raw.contiguous(), qtype, (int(raw.shape[0]), columns_of(qtype, int(raw.shape[1]))))
 
 
+def _dequantized_slice(
+    checkpoint: _Checkpoint,
+    name: str,
+    qtype: GGMLType,
+    source: SourceSlice | None,
+    backend: QuantBackendName,
+) -> Tensor:  # float32: this rank's slice of the weight
+    """This rank's slice of a block-format weight as float32; columns off the block bounds come from the
+    dequantized whole rows (what `--quantization none` allows where the blocks cannot be split)."""
+    if source is not None and source.dim == 1 and byte_range(qtype, source.start, source.length) is None:
+        whole = dequantize(_read_quantized(checkpoint, name, qtype, None), backend=backend)
+        return whole.narrow(1, source.start, source.length)
+    return dequantize(_read_quantized(checkpoint, name, qtype, source), backend=backend)
+
+
 def _install_quantized(
     model: CausalLM,
     pending: dict[str, dict[int, tuple[Tensor, QuantizedTensor]]],
@@ -224,15 +239,20 @@ def load_safetensors(
                 dest, source = _destination(model, params, target)
                 qtype = qtypes.get(name)
                 if qtype is not None:
-                    quantized = _read_quantized(checkpoint, name, qtype, source)
-                    if quantized.shape != tuple(dest.shape):
-                        raise WeightLoadError(
-                            f"{name}: checkpoint shape {quantized.shape} != model shape {tuple(dest.shape)}"
-                        )
-                    if keep_quantized and target.param.endswith(".weight"):
+                    keep = keep_quantized and target.param.endswith(".weight")
+                    if keep:
+                        quantized = _read_quantized(checkpoint, name, qtype, source)
                         pending.setdefault(target.param, {})[target.shard or 0] = (dest, quantized)
+                        shape = quantized.shape
                     else:
-                        dest.copy_(dequantize(quantized, backend=quant_backend))
+                        values = _dequantized_slice(checkpoint, name, qtype, source, quant_backend)
+                        shape = tuple(values.shape)
+                    if shape != tuple(dest.shape):
+                        raise WeightLoadError(
+                            f"{name}: checkpoint shape {shape} != model shape {tuple(dest.shape)}"
+                        )
+                    if not keep:
+                        dest.copy_(values)
                     loaded.add(target)
                     continue
                 tensor = checkpoint.get(name) if source is None else checkpoint.get_slice(name, source)
