@@ -74,7 +74,7 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> nn.Parameter:
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights the model holds: parameters and buffers (each storage once) plus quantized blocks."""
+    """Bytes of weights the model holds: parameters, buffers, tensor attributes and quantized blocks (each once)."""
     seen: set[tuple[int, int]] = set()
     total = 0
     tensors = [*model.parameters(), *model.buffers()]
@@ -82,6 +82,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
         quantized = getattr(module, "quantized", None)
         if isinstance(quantized, QuantizedWeight):
             tensors.extend(p.data for p in quantized.parts)
+        # Plain tensor attributes too: e.g. the packed copy of a tied LM head (`DecoderLM.packed_head`).
+        tensors.extend(v for v in vars(module).values() if isinstance(v, Tensor))
     for tensor in tensors:
         # Counted by view, not storage: an adopted memory-mapped tensor's storage may span the whole file.
         key = (0, id(tensor)) if tensor.is_mkldnn else (tensor.data_ptr(), tensor.numel())
