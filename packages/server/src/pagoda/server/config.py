@@ -51,8 +51,9 @@ __all__ = [
 
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-# --quantization (vLLM's flag): gguf keeps a .gguf file's block formats, none dequantizes them at load.
-QuantizationName = Literal["gguf", "none"]
+# --quantization (vLLM's flag): gguf keeps a .gguf file's block formats, none dequantizes them at load, int8
+# quantizes a safetensors checkpoint's weights at load (Q8_0 blocks).
+QuantizationName = Literal["gguf", "none", "int8"]
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
@@ -93,7 +94,7 @@ class ModelConfig:
     cache_dir: str | None = None  # where converted GGUF models are cached
     # TGI's prompt cap: a longer prompt is a 400. None: max_model_len - 1.
     max_input_tokens: int | None = None
-    # Weights of a .gguf: None = gguf (its block formats kept); "none": dequantized. Other models: only "none".
+    # Weights of a .gguf: None = gguf (its block formats kept); "none": dequantized. Safetensors: none or int8.
     quantization: QuantizationName | None = None
 
     def __post_init__(self) -> None:
@@ -104,7 +105,12 @@ class ModelConfig:
         if self.quantization == "gguf" and not self.is_gguf():
             raise ValueError(
                 f"quantization 'gguf' needs a .gguf model (or the default model), not {self.model!r}; "
-                "a safetensors folder loads with quantization none"
+                "a safetensors folder loads with quantization none or int8"
+            )
+        if self.quantization == "int8" and self.is_gguf():
+            raise ValueError(
+                "quantization 'int8' quantizes a safetensors checkpoint at load; a .gguf keeps its own block "
+                "formats (quantization gguf) or is dequantized (none)"
             )
         _one_of("dtype", self.dtype, get_args(DTypeName))
         _one_of("kernel_backend", self.kernel_backend, get_args(KernelBackendName))
@@ -116,6 +122,10 @@ class ModelConfig:
     def keeps_quantized(self) -> bool:
         """Whether a .gguf's block formats stay quantized in the layers (`quantization` gguf, its default)."""
         return self.quantization != "none" and self.is_gguf()
+
+    def quantizes_at_load(self) -> bool:
+        """Whether a safetensors checkpoint's weights are quantized at load (`quantization` int8)."""
+        return self.quantization == "int8"
 
 
 @dataclass(frozen=True, slots=True)

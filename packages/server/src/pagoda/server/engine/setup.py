@@ -155,6 +155,7 @@ def build_shard(
         group=group,
         keep_quantized=config.model_config.keeps_quantized(),
         quant_backend=quant_backend(config),
+        int8=config.model_config.quantizes_at_load(),
     )
     log_resident_weights(model)
     prepare_model(model, config, placement.device)
@@ -190,6 +191,7 @@ def build_parts(
         group=group,
         keep_quantized=model_config.keeps_quantized(),
         quant_backend=quant_backend(config),
+        int8=model_config.quantizes_at_load(),
     )
     log_resident_weights(loaded.model)
     prepare_model(loaded.model, config, device)

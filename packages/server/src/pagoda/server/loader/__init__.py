@@ -9,6 +9,7 @@ import torch
 from pagoda.pagedkernel.quant import QuantBackendName
 from pagoda.server.loader.default import DEFAULT_MODEL_NAME, default_model_folder
 from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
+from pagoda.server.loader.quantize_at_load import quantize_weights
 from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
 from pagoda.server.models import CausalLM, ParallelGroup, build_model
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -72,14 +73,18 @@ def load_shard(
     group: ParallelGroup | None = None,
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
+    int8: bool = False,
 ) -> tuple[CausalLM, PretrainedConfig]:
     """The model of a safetensors folder, this rank's shard only (each tensor read slice by slice), and its config;
-    a converted GGUF's block-format weights stay quantized with `keep_quantized` (see `load_safetensors`)."""
+    a converted GGUF's block-format weights stay quantized with `keep_quantized` (see `load_safetensors`), and
+    `int8` quantizes the dense ones at load (`quantize_weights`)."""
     hf_config = AutoConfig.from_pretrained(folder)
     built = build_model(hf_config, dtype, device, group)
     load_safetensors(
         built, safetensors_files(folder), keep_quantized=keep_quantized, quant_backend=quant_backend
     )
+    if int8:
+        quantize_weights(built, quant_backend)
     return built, hf_config
 
 
@@ -93,6 +98,7 @@ def load_model(
     group: ParallelGroup | None = None,
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
+    int8: bool = False,
 ) -> LoadedModel:
     """Load `model` (see `resolve_model_folder`) onto `device` in `dtype`, with its config and tokenizer.
 
@@ -111,6 +117,7 @@ def load_model(
         group=group,
         keep_quantized=keep_quantized,
         quant_backend=quant_backend,
+        int8=int8,
     )
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or folder)
     return LoadedModel(model=built, hf_config=hf_config, tokenizer=loaded_tokenizer, model_path=folder)
