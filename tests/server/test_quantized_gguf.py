@@ -276,6 +276,8 @@ def test_quantization_gguf_on_a_safetensors_folder_exits_2_naming_the_flag(
     folder = str(tiny_model_path("llama"))
     assert main(["serve", folder, "--quantization", "gguf"]) == 2
     assert "--quantization" in capsys.readouterr().err
+    assert main(["serve", "model.gguf", "--quantization", "int8"]) == 2  # int8 quantizes safetensors only
+    assert "--quantization" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["serve", folder, "--quantization", "awq"])
     assert info.value.code == 2
