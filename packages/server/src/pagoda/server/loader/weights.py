@@ -242,6 +242,10 @@ def load_safetensors(
                     keep = keep_quantized and target.param.endswith(".weight")
                     if keep:
                         quantized = _read_quantized(checkpoint, name, qtype, source)
+                        if quantized.data.device != dest.device:  # blocks live where the activations do
+                            quantized = QuantizedTensor(
+                                quantized.data.to(dest.device), quantized.qtype, quantized.shape
+                            )
                         pending.setdefault(target.param, {})[target.shard or 0] = (dest, quantized)
                         shape = quantized.shape
                     else:
