@@ -137,21 +137,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{model.name}: {file_bytes / 2**20:.1f} MiB of tensors | {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus, torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}"
     )
-    results = [run_mode(args, model, mode) for mode in args.modes]
     print(
         f"| --quantization | one stream tok/s | {args.batch} x {args.output_len} tok/s | resident MiB | x file |"
     )
-    print("|---|---|---|---|---|")
-    for r in results:
+    print("|---|---|---|---|---|", flush=True)
+    results = []
+    for mode in args.modes:  # each row as soon as it is measured
+        r = run_mode(args, model, mode)
+        results.append(r)
         print(
             f"| {r.mode} | {r.single_tok_s:.1f} | {r.batch_tok_s:.1f} | {r.resident_bytes / 2**20:.0f} "
-            f"| {r.resident_bytes / file_bytes:.2f} |"
+            f"| {r.resident_bytes / file_bytes:.2f} |",
+            flush=True,
         )
-    for r in results:
-        if r.profile:
-            print(f"\n{r.mode}: top ops of a one-stream request ({args.profile_steps} steps), self CPU share")
-            for key, share in r.profile:
-                print(f"  {share * 100:5.1f}%  {key}")
+        for key, share in r.profile:  # top ops of a one-stream request, self CPU share
+            print(
+                f"    {r.mode} profile ({args.profile_steps} steps): {share * 100:5.1f}%  {key}", flush=True
+            )
     print(f"(load average {os.getloadavg()[0]:.1f} at the end; shared machine: compare ratios)")
     if args.json:
         args.json.write_text(json.dumps({"file_bytes": file_bytes, "results": [asdict(r) for r in results]}))
