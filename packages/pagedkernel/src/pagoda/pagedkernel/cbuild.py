@@ -56,6 +56,17 @@ def cpu_signature() -> str:
     return f"{platform.machine()}|{flags}"
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as benchmark tables name their machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def build(
     file: str,
     source: str,
