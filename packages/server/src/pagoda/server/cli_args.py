@@ -338,6 +338,24 @@ def argument_table() -> list[Flag]:
                 "help": "408 if no byte of a request body arrives for this many seconds",
             },
         ),
+        Flag(
+            ("--request-body-deadline",),
+            {
+                "dest": "body_deadline",
+                "metavar": "REQUEST_BODY_DEADLINE",
+                "type": float,
+                "help": "408 if a whole request body has not arrived this many seconds after its head",
+            },
+        ),
+        Flag(
+            ("--limit-concurrency",),
+            {
+                "dest": "limit_concurrency",
+                "metavar": "LIMIT_CONCURRENCY",
+                "type": int,
+                "help": "503 for connections beyond this many open ones (uvicorn's flag; default: no cap)",
+            },
+        ),
     ]
 
 

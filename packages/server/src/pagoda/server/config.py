@@ -263,11 +263,16 @@ class HTTPLimits:
     head_timeout: float = 10.0
     # Seconds the body may go without a byte arriving (an idle gap, so slow uploads that progress never time out).
     body_timeout: float = 30.0
+    # Seconds a whole body may take however it trickles (beside the idle gap): then 408.
+    body_deadline: float = 120.0
+    # uvicorn's --limit-concurrency: open connections (and tasks) beyond it get a 503. None: no cap.
+    limit_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1024, max_head_bytes=self.max_head_bytes)
-        for name in ("head_timeout", "body_timeout"):
+        _at_least(1, limit_concurrency=self.limit_concurrency)
+        for name in ("head_timeout", "body_timeout", "body_deadline"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -9,7 +9,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -77,8 +77,16 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def read_body(request: Request, model: type[M], limit: int) -> M:
-    """Parse a JSON object body into `model`: 400 for a wrong content type, bad JSON or bad fields, 413 if big."""
+# Bodies over this many bytes are parsed and validated on a worker thread: a few MB of JSON takes the parser
+# and pydantic tens to hundreds of milliseconds, which would stall every other request on the event loop.
+OFF_LOOP_BODY_BYTES = 256 * 1024
+
+
+async def read_body(request: Request, model: type[M], limit: int, executor: Executor | None = None) -> M:
+    """Parse a JSON object body into `model`: 400 for a wrong content type, bad JSON or bad fields, 413 if big.
+
+    A body over OFF_LOOP_BODY_BYTES is parsed on `executor` (None: asyncio's default threads), off the loop.
+    """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise bad_request("Content-Type must be application/json")
@@ -93,6 +101,13 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
                 raise APIError(413, f"The request body is larger than {limit} bytes.")
     except ClientDisconnect as exc:
         raise ClientDisconnectedError from exc
+    if len(body) <= OFF_LOOP_BODY_BYTES:
+        return parse_body(bytes(body), model)
+    return await asyncio.get_running_loop().run_in_executor(executor, parse_body, bytes(body), model)
+
+
+def parse_body(body: bytes, model: type[M]) -> M:
+    """A JSON object body validated into `model`; APIError 400 naming the field at fault."""
     try:
         # Strict UTF-8 (RFC 8259): json.loads of bytes would also take UTF-16 and encoded surrogates.
         data = json.loads(body.decode("utf-8"))
@@ -163,14 +178,18 @@ class _Routes:
             secured=settings.api_key is not None,
         )
 
+    async def _body(self, request: Request, model: type[M]) -> M:
+        """The request's JSON body as `model` (a large one parsed on the tokenizer threads)."""
+        return await read_body(request, model, self.settings.max_body_bytes, self.executor)
+
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
-        body = await read_body(request, CompletionRequest, self.settings.max_body_bytes)
+        body = await self._body(request, CompletionRequest)
         return await self.completions_handler.create(body, request)
 
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        body = await read_body(request, ChatCompletionRequest, self.settings.max_body_bytes)
+        body = await self._body(request, ChatCompletionRequest)
         return await self.chat_handler.create(body, request)
 
     async def models(self, request: Request) -> Response:
@@ -182,7 +201,7 @@ class _Routes:
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or chat messages through the chat template."""
-        body = await read_body(request, TokenizeRequest, self.settings.max_body_bytes)
+        body = await self._body(request, TokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -195,15 +214,24 @@ class _Routes:
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
             )
+            # The bound completions and chat apply: a text this long surely exceeds max_model_len.
+            ctx.check_prompt_chars(text, "messages")
             (tokens,) = await ctx.encode([text], add_special_tokens=False)
         else:
+            ctx.check_prompt_chars(body.prompt or "", "prompt")
             (tokens,) = await ctx.encode([body.prompt or ""], add_special_tokens=body.add_special_tokens)
-        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.rules.max_model_len, tokens=tokens)
+        max_model_len = ctx.rules.max_model_len
+        if len(tokens) > max_model_len:  # the completions' bound, after the tokenizer too
+            raise bad_request(
+                f"the prompt has {len(tokens)} tokens, more than max_model_len ({max_model_len})",
+                "prompt" if body.messages is None else "messages",
+            )
+        response = TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
         return JSONResponse(response.model_dump())
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize."""
-        body = await read_body(request, DetokenizeRequest, self.settings.max_body_bytes)
+        body = await self._body(request, DetokenizeRequest)
         self.ctx.check_model(body.model)
         self.ctx.rules.check_token_ids(body.tokens, "tokens")
         return JSONResponse(DetokenizeResponse(prompt=await self.ctx.decode(body.tokens)).model_dump())
