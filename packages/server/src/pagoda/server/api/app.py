@@ -32,12 +32,15 @@ from pagoda.server.api.reasoning import make_reasoning_parser
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
 from pagoda.server.config import AppSettings
+from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.structured import StructuredOutputManager
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -47,6 +50,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +140,12 @@ def parse_body(body: bytes, model: type[M]) -> M:
         ) from exc
 
 
+def _stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's eos id, what a front-end grammar check compiles with (only its verdict is used)."""
+    eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else []
+
+
 def _package_version() -> str:
     try:
         return version("pagoda-server")
@@ -153,6 +163,13 @@ class _Routes:
         self.settings = settings
         # Bounded: a burst of long prompts queues here instead of taking every core from the engine thread.
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenizer")
+        # The in-process engine's grammar manager: the API's compile fills the cache the engine then reads.
+        # Otherwise (engine-core processes, fakes) a front-end one checks the compile, with its own bounded cache.
+        self.grammars = (
+            engine.structured
+            if isinstance(engine, LLMEngine)
+            else StructuredOutputManager(tokenizer, engine.vocab_size, _stop_ids(tokenizer))
+        )
         self.ctx = ServingContext(
             llm=llm,
             tokenizer=tokenizer,
@@ -168,6 +185,9 @@ class _Routes:
             tool_parser=make_tool_parser(settings.tool_call_parser)
             if settings.enable_auto_tool_choice and settings.tool_call_parser is not None
             else None,
+            grammars=GrammarCheck(
+                self.grammars.compile, settings.max_grammar_chars, settings.grammar_compile_timeout
+            ),
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
@@ -306,6 +326,7 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
         finally:
             await asyncio.to_thread(llm.shutdown)
             routes.executor.shutdown(wait=False, cancel_futures=True)
+            routes.grammars.shutdown()
 
     middleware: list[Middleware] = []
     if settings.api_key is not None:
