@@ -8,7 +8,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -41,6 +41,7 @@ from pagoda.server.config import AppSettings
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.structured import StructuredOutputManager
+from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -138,6 +139,26 @@ def parse_body(body: bytes, model: type[M]) -> M:
         raise bad_request(
             f"{where}: {first['msg']}" if where else first["msg"], loc[0] if loc else None
         ) from exc
+
+
+class _GrammarCacheCollector:
+    """`<prefix>:grammar_cache_bytes`: what the compiled-grammar cache of the API's manager holds (in-process,
+    the engine's own) at scrape time."""
+
+    def __init__(self, manager: StructuredOutputManager, prefix: str, model_name: str) -> None:
+        self._manager = manager
+        self._prefix = prefix
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        """One gauge."""
+        gauge = GaugeMetricFamily(
+            f"{self._prefix}:grammar_cache_bytes",
+            "Bytes held by the compiled-grammar cache (bounded by --grammar-cache-bytes).",
+            labels=["model_name"],
+        )
+        gauge.add_metric([self._model_name], float(self._manager.cache_size_bytes))
+        yield gauge
 
 
 def _stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -317,6 +338,9 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
     """The ASGI app serving `llm`; its lifespan starts the engine thread and stops it at shutdown."""
     settings = settings or AppSettings()
     routes = _Routes(llm, settings)
+    llm.metrics.registry.register(
+        _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
