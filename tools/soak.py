@@ -5,8 +5,13 @@ the server's default), sends `--requests` requests of mixed shapes (prompt lengt
 or chat, streamed or not, some cancelled mid-stream) with `--concurrency` in flight, and prints the server's
 RSS every `--every` requests, then the growth per 1,000 requests after `--warmup` requests.
 
+`--distinct-schemas` makes every request a structured-outputs request with a JSON schema of its own (each one
+compiles anew), and adds the compiled-grammar cache's size (`grammar_cache_bytes` of /metrics) to each row: the
+RSS must level off once the cache reaches `--grammar-cache-bytes`.
+
     python tools/soak.py --requests 5000
     python tools/soak.py --default-model --requests 3000 --concurrency 8
+    python tools/soak.py --distinct-schemas --requests 3000 --serve-arg=--grammar-cache-bytes=67108864
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Sample:
 
     requests: int
     rss_bytes: int
+    cache_bytes: int | None = None  # the compiled-grammar cache (--distinct-schemas only)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens")
     parser.add_argument(
         "--cancel-fraction", type=float, default=0.1, help="streams cancelled after one chunk"
+    )
+    parser.add_argument(
+        "--distinct-schemas",
+        action="store_true",
+        help="every request constrained by a JSON schema of its own; rows add the grammar cache's size",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8123)
@@ -108,7 +119,29 @@ def request_body(rng: random.Random, args: argparse.Namespace) -> tuple[str, dic
     else:
         route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
     cancel = body["stream"] and rng.random() < args.cancel_fraction
+    if args.distinct_schemas:
+        body["structured_outputs"] = {"json": distinct_schema(rng)}
     return route, body, cancel
+
+
+def distinct_schema(rng: random.Random) -> dict[str, Any]:
+    """A small JSON schema no other request sends (its property names and bounds are drawn at random)."""
+    key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(12))
+    return {
+        "type": "object",
+        "properties": {key: {"type": "string", "maxLength": rng.randint(1, 64)}, "n": {"type": "integer"}},
+        "required": [key],
+    }
+
+
+async def grammar_cache_bytes(client: httpx.AsyncClient) -> int | None:
+    """The server's `<prefix>:grammar_cache_bytes` gauge, from /metrics (None if it has none)."""
+    response = await client.get("/metrics")
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.split("{")[0].endswith(":grammar_cache_bytes"):
+            return int(float(value))
+    return None
 
 
 async def send(client: httpx.AsyncClient, route: str, body: dict[str, Any], cancel: bool) -> None:
@@ -146,7 +179,8 @@ async def soak(args: argparse.Namespace, server: psutil.Process) -> list[Sample]
                 done += 1
                 progress.update()
                 if done % args.every == 0:
-                    samples.append(Sample(done, server.memory_info().rss))
+                    cache = await grammar_cache_bytes(client) if args.distinct_schemas else None
+                    samples.append(Sample(done, server.memory_info().rss, cache))
                     progress.write(row(samples[-1], samples[-2]))
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -169,7 +203,8 @@ HEADER = f"{'requests':>9} {'RSS MB':>9} {'delta MB':>9}"
 def row(sample: Sample, previous: Sample | None) -> str:
     """One table row: requests, RSS and the change since the previous sample, in MB."""
     delta = "" if previous is None else f"{(sample.rss_bytes - previous.rss_bytes) / 2**20:+9.1f}"
-    return f"{sample.requests:>9} {sample.rss_bytes / 2**20:>9.1f} {delta:>9}"
+    cache = "" if sample.cache_bytes is None else f" {sample.cache_bytes / 2**20:>9.2f} cache MB"
+    return f"{sample.requests:>9} {sample.rss_bytes / 2**20:>9.1f} {delta:>9}{cache}"
 
 
 def table(samples: list[Sample]) -> str:

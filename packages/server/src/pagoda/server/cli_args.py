@@ -338,6 +338,60 @@ def argument_table() -> list[Flag]:
                 "help": "408 if no byte of a request body arrives for this many seconds",
             },
         ),
+        Flag(
+            ("--max-grammar-chars",),
+            {
+                "dest": "max_grammar_chars",
+                "metavar": "MAX_GRAMMAR_CHARS",
+                "type": int,
+                "help": "400 for a longer regex, grammar, JSON schema or choice list (in characters)",
+            },
+        ),
+        Flag(
+            ("--grammar-compile-timeout",),
+            {
+                "dest": "grammar_compile_timeout",
+                "metavar": "GRAMMAR_COMPILE_TIMEOUT",
+                "type": float,
+                "help": "400 for a structured-outputs constraint that takes longer to compile (seconds)",
+            },
+        ),
+        Flag(
+            ("--grammar-cache-bytes",),
+            {
+                "dest": "grammar_cache_bytes",
+                "metavar": "GRAMMAR_CACHE_BYTES",
+                "type": int,
+                "help": "bound of the compiled-grammar cache (xgrammar's cache_limit_bytes)",
+            },
+        ),
+        Flag(
+            ("--grammar-fill-timeout",),
+            {
+                "dest": "grammar_fill_timeout",
+                "metavar": "GRAMMAR_FILL_TIMEOUT",
+                "type": float,
+                "help": "seconds a step waits for a row's grammar mask before aborting that request alone",
+            },
+        ),
+        Flag(
+            ("--request-body-deadline",),
+            {
+                "dest": "body_deadline",
+                "metavar": "REQUEST_BODY_DEADLINE",
+                "type": float,
+                "help": "408 if a whole request body has not arrived this many seconds after its head",
+            },
+        ),
+        Flag(
+            ("--limit-concurrency",),
+            {
+                "dest": "limit_concurrency",
+                "metavar": "LIMIT_CONCURRENCY",
+                "type": int,
+                "help": "503 for connections beyond this many open ones (uvicorn's flag; default: no cap)",
+            },
+        ),
     ]
 
 
@@ -356,6 +410,10 @@ _SECTIONS = {
     ("app", "limits"): ("API request limits", "the fan-out one request may ask for"),
     ("server",): ("server", "address, drain time after SIGTERM, log level"),
     ("server", "limits"): ("HTTP limits", "what one HTTP request may take before the app sees it"),
+    ("engine", "structured_outputs_config"): (
+        "structured outputs",
+        "the engine's compiled-grammar cache and per-row mask deadline",
+    ),
 }
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "ServeConfig",
     "ServerConfig",
     "ServingConfig",
+    "StructuredOutputsConfig",
     "ToolParserName",
     "resolved_scheduler_config",
 ]
@@ -137,6 +138,25 @@ class ParallelConfig:
         )
 
 
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Structured outputs in the engine: the compiled-grammar cache's bound, and the per-row mask deadline."""
+
+    # xgrammar's compiled-grammar cache (its cache_limit_bytes): least recently used grammars leave beyond it.
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    # Seconds a step waits for a row's token mask; a row not filled by then aborts its request alone.
+    grammar_fill_timeout: float = 1.0
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1024 * 1024, grammar_cache_bytes=self.grammar_cache_bytes)
+        if self.grammar_fill_timeout <= 0:
+            raise ValueError(f"grammar_fill_timeout must be > 0, got {self.grammar_fill_timeout}")
+
+
 def _server_scheduler_config() -> SchedulerConfig:
     """The scheduler section with the model-derived limits left to the engine (None)."""
     return SchedulerConfig(max_model_len=None, max_num_batched_tokens=None)
@@ -155,6 +175,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=_server_scheduler_config)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:
@@ -245,10 +266,16 @@ class AppSettings:
     reasoning_parser: ReasoningParserName | None = None  # --reasoning-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" needs it
     tool_call_parser: ToolParserName | None = None  # --tool-call-parser
+    # Longest regex, grammar, JSON schema (as canonical JSON text) or choice grammar a request may send: else 400.
+    max_grammar_chars: int = 128 * 1024
+    # Seconds the API waits for a constraint to compile before answering 400 (the compile runs on, dropped).
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
-        _at_least(1, max_body_bytes=self.max_body_bytes)
+        _at_least(1, max_body_bytes=self.max_body_bytes, max_grammar_chars=self.max_grammar_chars)
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")
 
@@ -263,11 +290,16 @@ class HTTPLimits:
     head_timeout: float = 10.0
     # Seconds the body may go without a byte arriving (an idle gap, so slow uploads that progress never time out).
     body_timeout: float = 30.0
+    # Seconds a whole body may take however it trickles (beside the idle gap): then 408.
+    body_deadline: float = 120.0
+    # uvicorn's --limit-concurrency: open connections (and tasks) beyond it get a 503. None: no cap.
+    limit_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1024, max_head_bytes=self.max_head_bytes)
-        for name in ("head_timeout", "body_timeout"):
+        _at_least(1, limit_concurrency=self.limit_concurrency)
+        for name in ("head_timeout", "body_timeout", "body_deadline"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -12,7 +12,7 @@ from typing import TypeVar
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
 from pagoda.server.api.reasoning import ReasoningParser
-from pagoda.server.api.serving_structured import check_constraint, requested_constraint
+from pagoda.server.api.serving_structured import GrammarCheck, check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.api.tool_parsers import ToolCallParser
 from pagoda.server.async_llm import (
@@ -27,6 +27,7 @@ from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine_client import EngineDeadError, ReplicaDeadError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
+from pagoda.server.structured import GrammarKind, StructuredOutputsParams
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -61,6 +62,7 @@ class ServingContext:
     max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
     tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
+    grammars: GrammarCheck | None = None  # length, parse and compile-time checks (None: parse only)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
@@ -172,8 +174,17 @@ class ServingContext:
         if requested is None:
             return params
         constraint, fields = requested
-        await self.run(lambda: check_constraint(constraint, fields))
+        await self.check_grammar(constraint, fields)
         return dataclasses.replace(params, structured_outputs=constraint)
+
+    async def check_grammar(
+        self, constraint: StructuredOutputsParams, fields: dict[GrammarKind, str]
+    ) -> None:
+        """A 400 naming the field when the constraint is too long, does not parse or does not compile in time."""
+        if self.grammars is None:
+            await self.run(lambda: check_constraint(constraint, fields))
+        else:
+            await self.grammars.check(constraint, fields, self.run)
 
     def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias (JSON keys are strings) keyed by token id; a 400 on `logit_bias` for a key that is

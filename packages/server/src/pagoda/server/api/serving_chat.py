@@ -170,6 +170,8 @@ class ChatHandler:
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
         params = plan.adjust(await ctx.with_structured_outputs(body, params))
+        if plan.constraint is not None:  # the schema of a required or named tool_choice
+            await ctx.check_grammar(plan.constraint, {plan.constraint.kind: "tools"})
         # Output forced to a schema holds no reasoning block to split off.
         reasoning_parser = ctx.reasoning_parser if plan.constraint is None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
