@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.server.cli import main
+from pagoda.server.config import EngineConfig
+from pagoda.server.engine.setup import build_parts
 from pagoda.server.loader import WeightLoadError, cache_folder, load_model
 from pagoda.server.testing import make_tiny_hf_model, make_tiny_model
 from test_loader import write_tiny_llama_gguf
@@ -87,3 +90,15 @@ def test_damaged_weights_are_a_clear_serve_error(
     assert status == 1
     assert "cannot start" in err and f"delete the folder {folder}" in err
     assert "Traceback" not in err
+
+
+def test_kernels_of_the_engine_dtype_are_built_at_start_up(tiny_model_path: Callable[[str], Path]) -> None:
+    """A bfloat16 engine on the cpu backend has its bfloat16 kernels loaded once built, before any step runs
+    (the first forward does not wait for the compiler)."""
+    config = EngineConfig.from_flat(
+        model=str(tiny_model_path("llama")), dtype="bfloat16", kernel_backend="cpu", num_kv_blocks=32
+    )
+    parts = build_parts(config)
+    assert isinstance(parts.backend, CpuBackend)
+    assert torch.bfloat16 in parts.backend.loaded_dtypes()
+    assert parts.backend.kernels(torch.bfloat16) is not None

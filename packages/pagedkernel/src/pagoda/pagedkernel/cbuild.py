@@ -53,9 +53,17 @@ def check_private(path: Path, *, kind: str) -> None:
         raise UnsafeCacheError(f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})")
 
 
+def make_dirs_private(path: Path) -> None:
+    """Create `path` and its missing parents, each 0700 (mkdir(parents=True) makes the parents by the umask)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.chmod(0o700)  # mkdir's mode is masked by the umask
+
+
 def private_dir(path: Path) -> Path:
     """`path` created 0700 if missing (its missing parents too), then checked by `check_private`."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_dirs_private(path)
     check_private(path, kind="dir")
     return path
 
