@@ -5,6 +5,7 @@ stops reading its frames neither blocks the front end's sender thread nor the ot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -152,10 +153,8 @@ def stopped_replica() -> Iterator[list[int]]:
     stopped: list[int] = []
     yield stopped
     for pid in stopped:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(600)
