@@ -25,6 +25,7 @@ from pagoda.server.api.errors import (
     APIError,
 )
 from pagoda.server.api.serving_base import to_api_error
+from pagoda.server.cli import main
 from pagoda.server.engine_client import EngineClient, EngineDeadError, ReplicaDeadError
 from pagoda.server.testing import LiveServer as BaseLiveServer
 from pagoda.server.testing import make_tiny_model
@@ -89,7 +90,7 @@ def test_503_texts_never_carry_the_exception_text() -> None:
     assert isinstance(replica, APIError) and isinstance(dead, APIError)
     assert (replica.status, replica.message) == (503, REPLICA_FAILED_MESSAGE)
     assert (dead.status, dead.message) == (503, ENGINE_DEAD_MESSAGE)
-    assert SECRET not in replica.to_response().body.decode() + dead.to_response().body.decode()
+    assert SECRET not in bytes(replica.to_response().body).decode() + bytes(dead.to_response().body).decode()
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +221,21 @@ def test_dp2_replica_that_stops_reading_is_sick_and_does_not_block(
         back = httpx.post(url, json={"model": MODEL, "prompt": "back", "max_tokens": 2}, timeout=120)
         assert back.status_code == 200
         assert "sick: its input stayed full" in live.log_tail(400)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--on-engine-failure", "reboot"], "--on-engine-failure"),
+        (["--replica-send-hwm", "0"], "replica_send_hwm"),
+        (["--replica-stall-timeout", "0"], "replica_stall_timeout"),
+    ],
+)
+def test_fault_flags_are_checked(flags: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad value of the new flags exits 2 naming the flag or field, before any model loads."""
+    try:
+        status = main(["serve", *flags])
+    except SystemExit as exc:  # argparse's choices
+        status = int(str(exc.code))
+    assert status == 2
+    assert named in capsys.readouterr().err

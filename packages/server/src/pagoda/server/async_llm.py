@@ -5,9 +5,9 @@ thread-safe queue and are applied between steps, so an abort frees its KV blocks
 request's snapshots come back through its own asyncio.Queue via `loop.call_soon_threadsafe`.
 
 A step that raises is handled by `--on-engine-failure`: "restart" fails the in-flight requests with a 503 to
-retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" (or a rebuild that fails, or an
-engine that cannot be rebuilt) fails them for good, and with "exit" the server then stops with a non-zero status
-(`fatal`), for a supervisor to restart the process.
+retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" and "none" (and an engine given no
+`rebuild`) fail them for good and leave the engine dead; with "exit", or when a rebuild fails, the server then
+stops with a non-zero status (`wait_fatal`), for a supervisor to restart the process.
 """
 
 from __future__ import annotations

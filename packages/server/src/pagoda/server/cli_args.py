@@ -274,7 +274,8 @@ def argument_table() -> list[Flag]:
             {
                 "choices": get_args(EngineFailureName),
                 "help": "when the in-process engine's step raises: fail its requests with a 503 and rebuild it "
-                "(restart, the default), or exit non-zero for a supervisor (exit)",
+                "(restart, the default), exit non-zero for a supervisor (exit), or stay up answering 503, "
+                "/health too (none)",
             },
         ),
         # app

@@ -62,8 +62,9 @@ ToolParserName = Literal[
 DistributedExecutorBackendName = Literal["mp", "ray"]
 EngineCoreName = Literal["inproc", "process"]
 LogLevelName = Literal["debug", "info", "warning", "error"]
-# --on-engine-failure: what an in-process engine whose step raised does (rebuild itself, or end the process).
-EngineFailureName = Literal["restart", "exit"]
+# --on-engine-failure: what an in-process engine whose step raised does: rebuild itself, end the process, or (none)
+# stay dead answering 503, /health included, for a load balancer or liveness probe to act on.
+EngineFailureName = Literal["restart", "exit", "none"]
 
 
 def _at_least(minimum: float, **values: float | None) -> None:
