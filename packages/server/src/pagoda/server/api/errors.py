@@ -58,7 +58,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 # The 503 texts clients see: stable, never an exception's text (the server log has that).
 ENGINE_RESTARTED_MESSAGE = (
-    "The engine failed while serving this request and has been restarted. Retry the request."
+    "The engine failed while serving this request and is being restarted. Retry the request."
 )
 REPLICA_FAILED_MESSAGE = "The engine replica serving this request failed. Retry the request."
 ENGINE_DEAD_MESSAGE = "The engine has stopped; the server cannot serve requests."
