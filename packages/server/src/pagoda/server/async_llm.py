@@ -3,6 +3,11 @@
 The event loop never runs a model step. Commands (add, abort, stop) go to the engine thread through a
 thread-safe queue and are applied between steps, so an abort frees its KV blocks before the next step. Each
 request's snapshots come back through its own asyncio.Queue via `loop.call_soon_threadsafe`.
+
+A step that raises is handled by `--on-engine-failure`: "restart" fails the in-flight requests with a 503 to
+retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" and "none" (and an engine given no
+`rebuild`) fail them for good and leave the engine dead; with "exit", or when a rebuild fails, the server then
+stops with a non-zero status (`wait_fatal`), for a supervisor to restart the process.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pagoda.scheduler import RequestRejectedError
@@ -22,6 +27,7 @@ from pagoda.server.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineEvent,
+    ReplicaDeadError,
     ReplicaSet,
     RequestAccepted,
     RequestFailed,
@@ -42,6 +48,10 @@ class EngineDrainingError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many sequences are waiting; retry later."""
+
+
+class EngineRestartedError(ReplicaDeadError):
+    """The in-process engine's step raised: the request is lost, the engine is rebuilt and a retry is served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +126,23 @@ def _aborted_snapshot(stream: _Stream) -> RequestOutput:
 class AsyncLLM:
     """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
 
-    def __init__(self, engine: EngineClient, config: ServingConfig | None = None) -> None:
-        """Front `engine` with `config`'s limits; the served model name defaults to the engine's model name."""
+    def __init__(
+        self,
+        engine: EngineClient,
+        config: ServingConfig | None = None,
+        *,
+        rebuild: Callable[[], EngineClient] | None = None,
+    ) -> None:
+        """Front `engine` with `config`'s limits; the served model name defaults to the engine's model name.
+
+        `rebuild` makes a fresh engine from the same config: with --on-engine-failure restart, a step that
+        raised replaces the engine by `rebuild()` (without it, a failed engine stays dead)."""
         config = config or ServingConfig()
         self.engine = engine
+        self._rebuild = rebuild
+        self.on_engine_failure = config.on_engine_failure
+        self.engine_restarts = 0  # times a failed engine was rebuilt
+        self._fatal = asyncio.Event()  # set once the engine died for good and the process should end
         # A remote core answers each add later, out of `step` (RequestAccepted / RequestFailed).
         self._deferred_acceptance = bool(getattr(engine, "defers_acceptance", False))
         self.replicas: ReplicaSet | None = engine if isinstance(engine, ReplicaSet) else None
@@ -157,6 +180,10 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         """True while the engine thread runs and has not failed."""
         return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    async def wait_fatal(self) -> None:
+        """Return once the engine died and --on-engine-failure exit wants the process to end (never otherwise)."""
+        await self._fatal.wait()
 
     @property
     def is_draining(self) -> bool:
@@ -329,28 +356,70 @@ class AsyncLLM:
     # --- engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                if not self._apply_commands(block=not engine.has_unfinished_requests()):
+        while True:
+            try:
+                self._serve_steps()
+                return
+            except BaseException as exc:
+                if not self._recover(exc):
                     return
-                self._stats = engine.get_stats()
-                if not engine.has_unfinished_requests():
-                    continue
-                before = self._stats
-                outputs = engine.step()
-                now = time.monotonic()
-                for output in outputs:
-                    self._dispatch_event(output, now)
-                self._stats = engine.get_stats()
-                num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
-                    before.prompt_tokens + before.generation_tokens
-                )
-                if num_tokens > 0:
-                    self.metrics.observe_iteration(num_tokens)
-        except BaseException as exc:
-            logger.exception("the engine loop failed; every in-flight request fails")
+
+    def _recover(self, exc: BaseException) -> bool:
+        """After a step raised: rebuild the engine (True: serve on) or die (False), per --on-engine-failure."""
+        # The exception text stays in this log: clients get a stable 503 (api.serving_base.to_api_error).
+        logger.exception("the engine loop failed")
+        restart = self.on_engine_failure == "restart" and self._rebuild is not None
+        if not restart or not isinstance(exc, Exception):
             self._die(exc)
+            if self.on_engine_failure == "exit":
+                logger.critical("--on-engine-failure exit: the server stops with a non-zero status")
+                self._set_fatal()
+            return False
+        lost = EngineRestartedError("the engine failed and is being rebuilt")
+        for stream in self._streams.values():
+            self._push(stream, lost)
+        self._streams.clear()
+        logger.error("every in-flight request fails (503, retry); rebuilding the engine from its config")
+        with contextlib.suppress(Exception):  # a broken engine may fail to close; its replacement matters
+            self.engine.close()
+        assert self._rebuild is not None
+        try:
+            self.engine = self._rebuild()
+        except Exception as rebuild_exc:
+            logger.exception("rebuilding the engine failed; it stays dead and the server stops (non-zero)")
+            self._die(rebuild_exc)
+            self._set_fatal()  # a server that can never serve again is better restarted by its supervisor
+            return False
+        self.engine_restarts += 1
+        self._stats = self.engine.get_stats()
+        logger.info("the engine was rebuilt (restart %d)", self.engine_restarts)
+        return True
+
+    def _set_fatal(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending anyway
+                self._loop.call_soon_threadsafe(self._fatal.set)
+
+    def _serve_steps(self) -> None:
+        """Apply commands and step the engine until told to stop; a step's exception propagates."""
+        while True:
+            engine = self.engine
+            if not self._apply_commands(block=not engine.has_unfinished_requests()):
+                return
+            self._stats = engine.get_stats()
+            if not engine.has_unfinished_requests():
+                continue
+            before = self._stats
+            outputs = engine.step()
+            now = time.monotonic()
+            for output in outputs:
+                self._dispatch_event(output, now)
+            self._stats = engine.get_stats()
+            num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
+                before.prompt_tokens + before.generation_tokens
+            )
+            if num_tokens > 0:
+                self.metrics.observe_iteration(num_tokens)
 
     def _apply_commands(self, *, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once told to stop.

@@ -20,6 +20,7 @@ from pagoda.server.config import (
     DTypeName,
     EngineConfig,
     EngineCoreName,
+    EngineFailureName,
     KernelBackendName,
     KVManagerName,
     LogLevelName,
@@ -230,6 +231,22 @@ def argument_table() -> list[Flag]:
                 "help": "seconds an engine core may take to load its model before the server gives up",
             },
         ),
+        Flag(
+            ("--replica-send-hwm",),
+            {
+                "type": int,
+                "help": "frames the front end queues for one engine core before it stops sending to it "
+                "(ZeroMQ's send high-water mark; sends never block)",
+            },
+        ),
+        Flag(
+            ("--replica-stall-timeout",),
+            {
+                "type": float,
+                "help": "seconds an engine core may stay full (not reading its frames) before it is treated as "
+                "sick: its requests fail with a 503 to retry and it is restarted",
+            },
+        ),
         # serving
         Flag(("--served-model-name",), {"help": "model name in the API (default: MODEL)"}),
         Flag(
@@ -251,6 +268,15 @@ def argument_table() -> list[Flag]:
         Flag(
             ("--metrics-prefix",),
             {"help": "namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)"},
+        ),
+        Flag(
+            ("--on-engine-failure",),
+            {
+                "choices": get_args(EngineFailureName),
+                "help": "when the in-process engine's step raises: fail its requests with a 503 and rebuild it "
+                "(restart, the default), exit non-zero for a supervisor (exit), or stay up answering 503, "
+                "/health too (none)",
+            },
         ),
         # app
         Flag(("--api-key",), {"help": "require `Authorization: Bearer <key>` (all but /health)"}),

@@ -30,6 +30,7 @@ __all__ = [
     "DistributedExecutorBackendName",
     "EngineConfig",
     "EngineCoreName",
+    "EngineFailureName",
     "HTTPLimits",
     "KVManagerName",
     "KernelBackendName",
@@ -62,6 +63,9 @@ ToolParserName = Literal[
 DistributedExecutorBackendName = Literal["mp", "ray"]
 EngineCoreName = Literal["inproc", "process"]
 LogLevelName = Literal["debug", "info", "warning", "error"]
+# --on-engine-failure: what an in-process engine whose step raised does: rebuild itself, end the process, or (none)
+# stay dead answering 503, /health included, for a load balancer or liveness probe to act on.
+EngineFailureName = Literal["restart", "exit", "none"]
 
 
 def _at_least(minimum: float, **values: float | None) -> None:
@@ -191,12 +195,16 @@ class CoreClientConfig:
     data_parallel_size: int = 1  # engine-core replicas behind one router (> 1 implies engine_core "process")
     routing_policy: RoutingPolicyName = "cache_aware"
     engine_ready_timeout: float = 600.0  # seconds a core may take to load its model
+    replica_send_hwm: int = 1000  # frames queued for one core before sends to it stop (ZeroMQ's SNDHWM)
+    replica_stall_timeout: float = 30.0  # seconds a core may stay full before it is treated as sick
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
-        _at_least(1, data_parallel_size=self.data_parallel_size)
+        _at_least(1, data_parallel_size=self.data_parallel_size, replica_send_hwm=self.replica_send_hwm)
         if self.engine_ready_timeout <= 0:
             raise ValueError(f"engine_ready_timeout must be > 0, got {self.engine_ready_timeout}")
+        if self.replica_stall_timeout <= 0:
+            raise ValueError(f"replica_stall_timeout must be > 0, got {self.replica_stall_timeout}")
         _one_of("engine_core", self.engine_core, get_args(EngineCoreName))
 
     @property
@@ -217,6 +225,7 @@ class ServingConfig:
     max_waiting_requests: int | None = None
     max_concurrent_requests: int | None = None  # TGI's limit on requests (prompts) in flight
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
+    on_engine_failure: EngineFailureName = "restart"  # an in-process engine whose step raised
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -225,6 +234,7 @@ class ServingConfig:
             max_waiting_requests=self.max_waiting_requests,
             max_concurrent_requests=self.max_concurrent_requests,
         )
+        _one_of("on_engine_failure", self.on_engine_failure, get_args(EngineFailureName))
         if _PROMETHEUS_NAME.fullmatch(self.metrics_prefix) is None:
             raise ValueError(
                 "metrics_prefix must be a Prometheus name: letters, digits and _, not a digit first"

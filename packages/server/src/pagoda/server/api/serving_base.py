@@ -9,7 +9,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.errors import (
+    ENGINE_DEAD_MESSAGE,
+    ENGINE_RESTARTED_MESSAGE,
+    REPLICA_FAILED_MESSAGE,
+    APIError,
+    bad_request,
+)
 from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
 from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import GrammarCheck, check_constraint, requested_constraint
@@ -19,6 +25,7 @@ from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDrainingError,
     EngineOverloadedError,
+    EngineRestartedError,
     PromptRequest,
     RequestStream,
 )
@@ -228,10 +235,13 @@ def to_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EngineDrainingError):
         return APIError(503, "The server is shutting down.")
+    # 503 texts are stable: what failed inside (an exception's text, a core's traceback) is in the server log only.
+    if isinstance(exc, EngineRestartedError):  # rebuilt from its config: a retry is served
+        return APIError(503, ENGINE_RESTARTED_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, ReplicaDeadError):  # the other replicas still serve: a retry may succeed
-        return APIError(503, f"The engine replica serving this request failed: {exc}. Retry the request.")
+        return APIError(503, REPLICA_FAILED_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineDeadError):
-        return APIError(503, "The engine has stopped; the server cannot serve requests.")
+        return APIError(503, ENGINE_DEAD_MESSAGE)
     if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
         return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -37,6 +38,9 @@ class Replica:
     stats: EngineStats | None = None
     decoder: DeltaDecoder = field(default_factory=DeltaDecoder)
     requests: dict[str, int] = field(default_factory=dict)  # request id -> tokens it may still take (routing)
+    # Frames ZeroMQ would not take (the core's input is at its high-water mark), oldest first, and since when.
+    backlog: deque[bytes] = field(default_factory=deque)
+    full_since: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,10 +53,14 @@ class Replica:
         launcher: Launcher,
         config_frame: bytes,
         timeout: float,
+        send_hwm: int = 1000,
     ) -> None:
-        """Bind fresh sockets and launch the core; it is ready once its `Ready` frame arrives."""
+        """Bind fresh sockets and launch the core; it is ready once its `Ready` frame arrives.
+
+        At most `send_hwm` frames queue in ZeroMQ for the core; beyond that `send` keeps them in `backlog`."""
         self.generation += 1
         self.inputs = context.socket(zmq.PUSH)
+        self.inputs.setsockopt(zmq.SNDHWM, send_hwm)
         self.outputs = context.socket(zmq.PULL)
         name = f"core{self.index}-{self.generation}"
         input_address = _bind(self.inputs, launcher.address(f"{name}-input"))
@@ -64,9 +72,31 @@ class Replica:
         self.ready_deadline = time.monotonic() + timeout
 
     def send(self, encoder: msgspec.msgpack.Encoder, message: CoreInput) -> None:
-        """Send a frame to the core (queued by ZeroMQ while it starts)."""
-        assert self.inputs is not None
-        self.inputs.send(encoder.encode(message), copy=False)
+        """Queue a frame for the core without ever blocking: into ZeroMQ, or the backlog while that is full.
+
+        The front end has one sender thread for every core: a core that stops reading (a long step, a stopped
+        process) must not hold up the frames of the others."""
+        self.backlog.append(encoder.encode(message))
+        self.flush(time.monotonic())
+
+    def flush(self, now: float) -> None:
+        """Hand backlogged frames to ZeroMQ, oldest first, until it is full again (`full_since` then says since
+        when) or the backlog is empty."""
+        if self.inputs is None:
+            return
+        while self.backlog:
+            try:
+                self.inputs.send(self.backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if self.full_since is None:
+                    self.full_since = now
+                return
+            self.backlog.popleft()
+        self.full_since = None
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """Whether this ready core stayed full (not reading its frames) for more than `timeout` seconds."""
+        return self.ready and self.full_since is not None and now - self.full_since > timeout
 
     def mark_dead(self, now: float) -> list[str]:
         """Close the sockets, schedule the restart with backoff; returns the requests that were lost."""
@@ -74,6 +104,8 @@ class Replica:
         for request_id in lost:
             self.decoder.forget(request_id)
         self.requests.clear()
+        self.backlog.clear()
+        self.full_since = None
         for socket in (self.inputs, self.outputs):
             if socket is not None:
                 socket.close(linger=0)
