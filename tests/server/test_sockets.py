@@ -20,13 +20,13 @@ from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.config import EngineConfig, ServingConfig
 from pagoda.server.core import CoreClient
 from pagoda.server.core import client as core_client
-from pagoda.server.core.messages import AddRequest, Failed, Outputs
+from pagoda.server.core.messages import AddRequest, Outputs
 from pagoda.server.core.replica import Replica
 from pagoda.server.engine.executor.distributed import _wait_ready
 from pagoda.server.engine.executor.messages import WorkerReady
 from pagoda.server.engine_client import ReplicaDeadError, RequestFailed
 from pagoda.server.outputs import EngineStats
-from pagoda.server.procs import ProcessLauncher
+from pagoda.server.procs import Failed, ProcessLauncher
 from pagoda.server.procs.security import (
     MAX_FRAME_BYTES,
     Authenticator,
