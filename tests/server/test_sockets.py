@@ -91,6 +91,8 @@ def test_intruders_get_nothing_and_inject_nothing(model_dir: Path, monkeypatch: 
     )
     client = CoreClient(config, ProcessLauncher(1, logging.INFO), build_router("round_robin", 1, 16), 1)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    thieves: list[zmq.Socket[bytes]] = []
+    forgers: list[zmq.Socket[bytes]] = []
     try:
         replica = client.replicas[0]
         assert replica.inputs is not None and replica.outputs is not None and replica.keys is not None
@@ -99,7 +101,6 @@ def test_intruders_get_nothing_and_inject_nothing(model_dir: Path, monkeypatch: 
             assert socket.getsockopt(zmq.CURVE_SERVER) == 1
         stranger = LaunchKeys.new()
         spoofed = msgspec.structs.replace(stranger.peer, server_public=replica.keys.server_public)
-        thieves, forgers = [], []
         for peer in (None, stranger.peer, spoofed):
             thief, forger = context.socket(zmq.PULL), context.socket(zmq.PUSH)
             for socket in (thief, forger):
