@@ -279,7 +279,21 @@ def argument_table() -> list[Flag]:
             },
         ),
         # app
-        Flag(("--api-key",), {"help": "require `Authorization: Bearer <key>` (all but /health)"}),
+        Flag(
+            ("--api-key",),
+            {
+                "action": "append",
+                "help": "require `Authorization: Bearer <key>` (all but /health); repeat it for several keys",
+            },
+        ),
+        Flag(("--api-key-file",), {"help": "file of accepted API keys, one per line (beside --api-key)"}),
+        Flag(
+            ("--isolate-prefix-cache-per-key",),
+            {
+                "action": argparse.BooleanOptionalAction,
+                "help": "with API keys, share cached prompt prefixes only among one key's requests",
+            },
+        ),
         Flag(
             ("--max-request-body-bytes",),
             {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
@@ -268,7 +269,11 @@ class RequestLimits:
 class AppSettings:
     """The API app's options (`pagoda.server.api.build_app`)."""
 
-    api_key: str | None = None
+    # --api-key: one key, or several (the flag repeated); each caller presents one of them (or of api_key_file).
+    api_key: str | tuple[str, ...] | None = None
+    api_key_file: str | None = None  # --api-key-file: one key per line (blank lines and `#` comments skipped)
+    # --[no-]isolate-prefix-cache-per-key: a key's requests share cached prefixes only with that key's.
+    isolate_prefix_cache_per_key: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-request-body-bytes: 413 for larger bodies
     limits: RequestLimits = field(default_factory=RequestLimits)
     # The chat template's text, overriding the tokenizer's (the CLI loads --chat-template's file into it).
@@ -286,8 +291,30 @@ class AppSettings:
         _at_least(1, max_body_bytes=self.max_body_bytes, max_grammar_chars=self.max_grammar_chars)
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+        given: object = self.api_key
+        if isinstance(given, list):  # argparse's `append` gives a list; the section stays hashable
+            object.__setattr__(self, "api_key", tuple(given))
+        self.api_keys()  # ValueError naming api_key or api_key_file
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted key: api_key's and api_key_file's lines; empty when the API is open."""
+        given = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
+        if any(not key.strip() for key in given):
+            raise ValueError("api_key must not be empty")
+        if self.api_key_file is None:
+            return tuple(key.strip() for key in given)
+        try:
+            lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"api_key_file {self.api_key_file!r} cannot be read: {exc}") from exc
+        from_file = tuple(
+            line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")
+        )
+        if not from_file:
+            raise ValueError(f"api_key_file {self.api_key_file!r} holds no key")
+        return tuple(key.strip() for key in given) + from_file
 
 
 @dataclass(frozen=True, slots=True)

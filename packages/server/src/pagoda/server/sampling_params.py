@@ -54,6 +54,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top alternatives per prompt position (0: the prompt token's only)
     # Beam search instead of sampling: n (<= beam_width) best beams are returned, nothing is streamed.
     beam_search: BeamSearchParams | None = None
+    # Prefix-cache isolation (vLLM's `cache_salt`): only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""

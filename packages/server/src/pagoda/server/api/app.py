@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
+from pagoda.server.api.cache_scope import key_digest, set_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.input_checks import first_lone_surrogate, max_prompt_chars
 from pagoda.server.api.openapi import build_openapi
@@ -64,22 +65,38 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 class APIKeyMiddleware:
-    """401 for every route but /health unless the request carries `Authorization: Bearer <api key>`."""
+    """401 for every route but /health unless the request carries `Authorization: Bearer <one of the keys>`.
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    With `isolate`, the matched key's digest is left in the request's state: its requests' prefix-cache salt
+    (api/cache_scope.py), so that no key can see, through `cached_tokens`, what another key's prompts cached.
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], isolate: bool = True) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [(key.encode(), key_digest(key.encode())) for key in api_keys]
+        self._isolate = isolate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the bearer token, then pass the request on."""
         if scope["type"] == "http" and scope["path"] != "/health":
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            # compare_digest: the time taken must not reveal how much of the key matched.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            digest = self._match(token.strip().encode()) if scheme.lower() == "bearer" else None
+            if digest is None:
                 error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
                 await error.to_response()(scope, receive, send)
                 return
+            if self._isolate:
+                set_scope(scope, digest)
         await self.app(scope, receive, send)
+
+    def _match(self, token: bytes) -> str | None:
+        """The digest of the key `token` is, or None; every key is compared (compare_digest, no early exit), so
+        the time taken tells neither how much of a key matched nor which key did."""
+        found: str | None = None
+        for key, digest in self._keys:
+            if hmac.compare_digest(token, key):
+                found = digest
+        return found
 
 
 # Bodies over this many bytes are parsed and validated on a worker thread: a few MB of JSON takes the parser
@@ -216,7 +233,7 @@ class _Routes:
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
-            secured=settings.api_key is not None,
+            secured=bool(settings.api_keys()),
         )
 
     async def _body(self, request: Request, model: type[M]) -> M:
@@ -353,8 +370,11 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
             routes.grammars.shutdown()
 
     middleware: list[Middleware] = []
-    if settings.api_key is not None:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    api_keys = settings.api_keys()
+    if api_keys:
+        middleware.append(
+            Middleware(APIKeyMiddleware, api_keys=api_keys, isolate=settings.isolate_prefix_cache_per_key)
+        )
     handlers: dict[Any, Any] = {
         APIError: _api_error,
         RequestRejectedError: _rejected,

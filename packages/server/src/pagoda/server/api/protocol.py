@@ -11,6 +11,7 @@ from pagoda.server.sampling_params import MAX_LOGPROBS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 MAX_N = 16  # samples per prompt; caps the KV cache one request may claim
+MAX_CACHE_SALT_CHARS = 1024  # the salt is hashed into every block's key: a bound, not a payload
 MAX_STOP_STRINGS = 16  # stop strings per request; each is checked on every new token
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -69,6 +70,8 @@ class SamplingFields(_Body):
     bad_words: list[str] | None = None  # vLLM extra
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM extra
     priority: Int64 = 0  # vLLM extra: lower is served first under --scheduling-policy priority
+    # vLLM extra: only requests with the same salt (and, by default, the same API key) share cached prefixes.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # Metadata OpenAI itself stores or bills by: accepted, no effect on generation.
     user: str | None = None
     metadata: dict[str, str] | None = None

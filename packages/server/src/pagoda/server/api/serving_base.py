@@ -9,6 +9,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pagoda.server.api.cache_scope import combine
 from pagoda.server.api.errors import (
     ENGINE_DEAD_MESSAGE,
     ENGINE_RESTARTED_MESSAGE,
@@ -170,6 +171,7 @@ class ServingContext:
                 allowed_token_ids=allowed,
                 bad_words=None if body.bad_words is None else tuple(body.bad_words),
                 prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                cache_salt=body.cache_salt,
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
@@ -208,12 +210,21 @@ class ServingContext:
         return bias
 
     async def open_streams(
-        self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: Sequence[tuple[str | None, Sequence[int]]],
+        params: SamplingParams,
+        *,
+        cache_scope: str | None = None,
     ) -> list[RequestStream]:
         """Submit the prompts as one admission (one engine request each); map admission failures to HTTP errors.
 
         All prompts are submitted before any acceptance is awaited, so the engine takes them in one step.
+        `cache_scope` (the API key's digest) is folded into the request's cache salt (api/cache_scope.py).
         """
+        salt = combine(cache_scope, params.cache_salt)
+        if salt != params.cache_salt:
+            params = dataclasses.replace(params, cache_salt=salt)
         requests = [
             PromptRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, text)
             for i, (text, ids) in enumerate(prompts)

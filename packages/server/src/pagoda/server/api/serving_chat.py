@@ -8,6 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     AssistantMessage,
@@ -175,7 +176,9 @@ class ChatHandler:
         # Output forced to a schema holds no reasoning block to split off.
         reasoning_parser = ctx.reasoning_parser if plan.constraint is None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await ctx.open_streams(request_id, [(prompt, prompt_ids)], params)
+        streams = await ctx.open_streams(
+            request_id, [(prompt, prompt_ids)], params, cache_scope=request_scope(request)
+        )
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagoda.server.api.beam_fields import BEAM_FIELDS, with_beam_search
+from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     CompletionChoice,
@@ -154,7 +155,7 @@ class CompletionsHandler:
         echoes = [
             await self._echo(text, ids, echo_logprobs) if body.echo else NO_ECHO for text, ids in prompts
         ]
-        streams = await ctx.open_streams(request_id, prompts, params)
+        streams = await ctx.open_streams(request_id, prompts, params, cache_scope=request_scope(request))
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(

@@ -30,7 +30,7 @@ from pagoda.server.core.messages import (
     Rejected,
     output_decoder,
 )
-from pagoda.server.core.replica import Replica
+from pagoda.server.core.replica import ACCEPT_TIMEOUT_S, Replica
 from pagoda.server.engine_client import (
     EngineDeadError,
     EngineEvent,
@@ -41,6 +41,7 @@ from pagoda.server.engine_client import (
 )
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
+from pagoda.server.procs.security import Authenticator, token_matches
 from pagoda.server.routing import ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -106,6 +107,7 @@ class CoreClient:
         self._send_hwm = send_hwm
         self._stall_timeout = stall_timeout
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._authenticator = Authenticator(self._context)  # admits each start's core only (CURVE + ZAP)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = output_decoder()
         self._owner: dict[str, Replica] = {}  # request id -> the replica serving it
@@ -114,7 +116,9 @@ class CoreClient:
         self.replicas = [Replica(i) for i in range(num_replicas)]
         try:
             for replica in self.replicas:
-                replica.start(self._context, launcher, self._config_frame, ready_timeout, send_hwm)
+                replica.start(
+                    self._context, self._authenticator, launcher, self._config_frame, ready_timeout, send_hwm
+                )
             self._wait_ready()
         except BaseException:
             self.close(timeout=5.0)
@@ -199,10 +203,11 @@ class CoreClient:
         if not any(load.alive for load in loads):
             raise EngineDeadError("no engine replica is alive (restarting)")
         ids = list(prompt_token_ids)
-        replica = self.replicas[self.router.route(ids, loads)]
+        replica = self.replicas[self.router.route(ids, loads, salt=params.cache_salt)]
         replica.requests[request_id] = len(ids) + params.max_tokens * params.n
         replica.decoder.add(request_id, prompt, ids)
         self._owner[request_id] = replica
+        replica.pending[request_id] = time.monotonic() + ACCEPT_TIMEOUT_S
         replica.send(self._encoder, AddRequest(request_id, ids, params, prompt))
 
     def abort_request(self, request_id: str) -> None:
@@ -280,14 +285,22 @@ class CoreClient:
                     self._owner.pop(output.request_id, None)
                 self._events.append(output)
         elif isinstance(message, Accepted):
-            self._events += [RequestAccepted(request_id) for request_id in message.request_ids]
+            # Only requests this core was sent and has not answered yet: a repeated or stray id is ignored.
+            answered = [request_id for request_id in message.request_ids if request_id in replica.pending]
+            for request_id in answered:
+                del replica.pending[request_id]
+            self._events += [RequestAccepted(request_id) for request_id in answered]
         elif isinstance(message, Rejected):
+            replica.pending.pop(message.request_id, None)
             replica.requests.pop(message.request_id, None)
             replica.decoder.forget(message.request_id)
             self._owner.pop(message.request_id, None)
             error = RequestRejectedError(message.message, message.param or "prompt")
             self._events.append(RequestFailed(message.request_id, error))
         elif isinstance(message, Ready):
+            if replica.ready or replica.keys is None or not token_matches(message.token, replica.keys.peer):
+                logger.warning("engine core %d: refused a Ready without this start's token", replica.index)
+                return
             replica.ready = True
             replica.failures = 0
             replica.full_since = None  # a wait before it connected is not a stall; flushing stamps a new one
@@ -307,7 +320,12 @@ class CoreClient:
                     logger.info("restarting engine core %d", replica.index)
                     replica.restarts += 1
                     replica.start(
-                        self._context, self._launcher, self._config_frame, self._ready_timeout, self._send_hwm
+                        self._context,
+                        self._authenticator,
+                        self._launcher,
+                        self._config_frame,
+                        self._ready_timeout,
+                        self._send_hwm,
                     )
                 continue
             handle = replica.handle
@@ -318,6 +336,8 @@ class CoreClient:
                 self._fail(replica, f"sick: its input stayed full for more than {self._stall_timeout:g} s")
             elif not replica.ready and now > replica.ready_deadline:
                 self._fail(replica, f"not ready after {self._ready_timeout:.0f} s")
+            elif (late := replica.overdue(now)) is not None:
+                self._fail(replica, f"request {late!r} not accepted within {ACCEPT_TIMEOUT_S:.0f} s")
 
     def _fail(self, replica: Replica, reason: str) -> None:
         """Fail the replica's requests now, make the router forget it, schedule its restart."""
@@ -348,5 +368,6 @@ class CoreClient:
                 if socket is not None:
                     socket.close(linger=0)
             replica.inputs = replica.outputs = None
+        self._authenticator.stop()
         self._context.term()
         self._launcher.close()
