@@ -274,6 +274,7 @@ def serve_in_thread(
     max_concurrent_requests: int | None = None,
     served_model_name: str = "test-model",
     limits: HTTPLimits | None = None,
+    stream_stall_timeout: float | None = 30.0,
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
@@ -283,6 +284,7 @@ def serve_in_thread(
             served_model_name=served_model_name,
             max_waiting_requests=max_waiting_requests,
             max_concurrent_requests=max_concurrent_requests,
+            stream_stall_timeout=stream_stall_timeout,
         ),
     )
     app = build_app(llm, settings)

@@ -236,8 +236,8 @@ def argument_table() -> list[Flag]:
             ("--max-waiting-requests",),
             {
                 "type": int,
-                "help": "429 when a request's sequences (prompts x n) and those waiting for their first token "
-                "would exceed this; 400 for a request that exceeds it alone",
+                "help": "429 when a request's sequences (prompts x n, or x the beam width) and those waiting "
+                "for their first token would exceed this; 400 for a request that exceeds it alone",
             },
         ),
         Flag(
@@ -251,6 +251,14 @@ def argument_table() -> list[Flag]:
         Flag(
             ("--metrics-prefix",),
             {"help": "namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)"},
+        ),
+        Flag(
+            ("--stream-stall-timeout",),
+            {
+                "type": float,
+                "help": "seconds a reader may leave a snapshot of its response unread before the request is "
+                "aborted (its KV freed)",
+            },
         ),
         # app
         Flag(("--api-key",), {"help": "require `Authorization: Bearer <key>` (all but /health)"}),

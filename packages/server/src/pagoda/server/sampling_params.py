@@ -151,6 +151,11 @@ class SamplingParams:
         )
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences one prompt holds in the engine: its n samples, or the beam width of a beam search."""
+        return self.n if self.beam_search is None else max(self.n, self.beam_search.beam_width)
+
+    @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0

@@ -244,8 +244,17 @@ async def final_output(stream: RequestStream) -> RequestOutput:
 
 
 async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The last snapshot of every stream (they progress concurrently; the order of waiting is free)."""
-    return [await final_output(stream) for stream in streams]
+    """The last snapshot of every stream, read concurrently: a stream read only after the others finished would
+    look like a stalled reader (--stream-stall-timeout) to the engine thread."""
+    if len(streams) == 1:
+        return [await final_output(streams[0])]
+    tasks = [asyncio.ensure_future(final_output(stream)) for stream in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        return [task.result() for task in tasks]  # the first failure, if any, is raised here
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -273,16 +282,21 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
-    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end.
+
+    The queue between is bounded, so a consumer that stops reading (a client that does not read its response)
+    stops the pumps too, and each stream's `OutputBox` keeps only its latest snapshot meanwhile.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(index: int, stream: RequestStream) -> None:
+        # Nothing is put once cancelled: the consumer has gone, and a put into the full queue would never end.
         try:
             async for output in stream:
                 await queue.put((index, output))
         except Exception as exc:
             await queue.put(exc)
-        finally:
+        else:
             await queue.put(None)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

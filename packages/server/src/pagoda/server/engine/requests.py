@@ -42,7 +42,7 @@ class SchedulerParams:
         """Derive from the user's parameters and the model's eos ids."""
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         # A beam search holds beam_width sequences (the prompt forks into all of them) whatever n it returns.
-        n = params.n if params.beam_search is None else params.beam_search.beam_width
+        n = params.num_sequences
         return cls(params.max_tokens, params.min_tokens, n, tuple(sorted(stops)), params.priority)
 
 
