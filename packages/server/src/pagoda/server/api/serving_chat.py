@@ -153,7 +153,7 @@ class ChatHandler:
             raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        ctx.check_fan_out(1, body.n)
+        ctx.check_fan_out(1, body.n, body.best_of)
         plan = await ctx.run(lambda: plan_tools(body, ctx.tool_parser))
         prompt = await render_messages(
             ctx,
@@ -169,7 +169,8 @@ class ChatHandler:
         max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
-        params = plan.adjust(await ctx.with_structured_outputs(body, params))
+        ctx.check_prompt_logprobs([len(prompt_ids)], params.prompt_logprobs, "prompt_logprobs")
+        params = plan.adjust(await ctx.with_bad_words(await ctx.with_structured_outputs(body, params)))
         # Output forced to a schema holds no reasoning block to split off.
         reasoning_parser = ctx.reasoning_parser if plan.constraint is None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
