@@ -289,6 +289,13 @@ def _deltas(
     if reasoning or content or calls or (new_ids and top_k is not None):
         delta = DeltaMessage(content=content)
         if cursor.reasoning is not None or cursor.tools is not None:
+            if reasoning and (content or calls):
+                # Snapshots a slow reader missed arrive merged (async_llm's OutputBox): the end of the think
+                # block goes out first, alone, so that no delta mixes the two phases.
+                choices.append(
+                    ChatStreamChoice(index=output.index, delta=DeltaMessage(reasoning_content=reasoning))
+                )
+                reasoning = ""
             delta = DeltaMessage(
                 content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
             )
