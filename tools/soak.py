@@ -12,15 +12,25 @@ RSS must level off once the cache reaches `--grammar-cache-bytes`.
     python tools/soak.py --requests 5000
     python tools/soak.py --default-model --requests 3000 --concurrency 8
     python tools/soak.py --distinct-schemas --requests 3000 --serve-arg=--grammar-cache-bytes=67108864
+
+`--slow-reader` instead opens `--concurrency` connections that each ask for a streamed `n = 4` completion of
+`--max-tokens` tokens with 20 logprobs per token and never read the answer, and prints the server's RSS every
+`--sample-seconds` for `--duration` seconds (the server keeps one snapshot per stream and aborts a reader stalled
+past its --stream-stall-timeout, so the RSS should stay flat):
+
+    python tools/soak.py --slow-reader --concurrency 4 --max-tokens 3000 --duration 60
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `pagoda serve` argument")
+    parser.add_argument(
+        "--slow-reader", action="store_true", help="never-reading streamed clients; RSS over time"
+    )
+    parser.add_argument("--duration", type=float, default=60.0, help="--slow-reader: seconds to watch")
+    parser.add_argument(
+        "--sample-seconds", type=float, default=1.0, help="--slow-reader: RSS sampling period"
+    )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.every < 1 or args.concurrency < 1:
         parser.error("--requests, --every and --concurrency must be >= 1")
@@ -188,6 +205,50 @@ async def soak(args: argparse.Namespace, server: psutil.Process) -> list[Sample]
     return samples
 
 
+def never_reading_client(port: int, max_tokens: int) -> socket.socket:
+    """A connection that asks for a long streamed n = 4 completion with logprobs and never reads the answer."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "the slow reader",
+        "n": 4,
+        "logprobs": 20,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server backs up early
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(head + payload)
+    return sock
+
+
+def slow_readers(args: argparse.Namespace, server: psutil.Process) -> list[tuple[float, int]]:
+    """Open the never-reading clients; (seconds, RSS) every --sample-seconds for --duration seconds."""
+    clients = [never_reading_client(args.port, args.max_tokens) for _ in range(args.concurrency)]
+    try:
+        start = time.monotonic()
+        samples: list[tuple[float, int]] = []
+        print(f"{'seconds':>9} {'RSS MB':>9} {'delta MB':>9}", flush=True)
+        while True:
+            elapsed = time.monotonic() - start
+            samples.append((elapsed, server.memory_info().rss))
+            previous = samples[-2][1] if len(samples) > 1 else None
+            delta = "" if previous is None else f"{(samples[-1][1] - previous) / 2**20:+9.1f}"
+            print(f"{elapsed:>9.1f} {samples[-1][1] / 2**20:>9.1f} {delta:>9}", flush=True)
+            if elapsed >= args.duration:
+                return samples
+            time.sleep(args.sample_seconds)
+    finally:
+        for client in clients:
+            client.close()
+
+
 def growth_per_1000(samples: list[Sample], warmup: int) -> float | None:
     """RSS growth in MB per 1,000 requests between the first sample at or after `warmup` and the last."""
     after = [sample for sample in samples if sample.requests >= warmup]
@@ -215,6 +276,12 @@ def table(samples: list[Sample]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the soak and print the RSS table and the growth after warm-up."""
     args = parse_args(argv)
+    if args.slow_reader:
+        with model_source(args) as model_args, running_server(model_args, args) as server:
+            watched = slow_readers(args, psutil.Process(server.process.pid))
+        grown = (max(rss for _, rss in watched) - watched[0][1]) / 2**20
+        print(f"slow readers: RSS peak {grown:+.1f} MB over the start")
+        return 0
     with model_source(args) as model_args, running_server(model_args, args) as server:
         samples = asyncio.run(soak(args, psutil.Process(server.process.pid)))
     growth = growth_per_1000(samples, args.warmup)

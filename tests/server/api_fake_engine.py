@@ -275,6 +275,7 @@ def serve_in_thread(
     served_model_name: str = "test-model",
     limits: HTTPLimits | None = None,
     rebuild: Callable[[], EngineClient] | None = None,
+    stream_stall_timeout: float | None = 30.0,
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits (`rebuild`: what
     --on-engine-failure restart replaces a failed engine with)."""
@@ -285,6 +286,7 @@ def serve_in_thread(
             served_model_name=served_model_name,
             max_waiting_requests=max_waiting_requests,
             max_concurrent_requests=max_concurrent_requests,
+            stream_stall_timeout=stream_stall_timeout,
         ),
         rebuild=rebuild,
     )

@@ -2,7 +2,8 @@
 
 The event loop never runs a model step. Commands (add, abort, stop) go to the engine thread through a
 thread-safe queue and are applied between steps, so an abort frees its KV blocks before the next step. Each
-request's snapshots come back through its own asyncio.Queue via `loop.call_soon_threadsafe`.
+request's snapshots come back through its own `OutputBox`, which keeps only the latest (they are cumulative), so a
+slow reader costs one snapshot; a reader that leaves a snapshot unread past `stream_stall_timeout` is aborted.
 
 A step that raises is handled by `--on-engine-failure`: "restart" fails the in-flight requests with a 503 to
 retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" and "none" (and an engine given no
@@ -19,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import ServingConfig
@@ -33,6 +34,7 @@ from pagoda.server.engine_client import (
     RequestFailed,
 )
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.output_box import BoxItem, OutputBox
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -65,14 +67,15 @@ class PromptRequest:
 
 @dataclass(slots=True)
 class _Stream:
-    """One request's channel. The engine thread owns every field except `queue`'s consumer side."""
+    """One request's channel. The engine thread owns every field except `box`'s consumer side."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    n: int
+    n: int  # samples it reports
+    num_seqs: int  # sequences it holds in the engine: n, or the beam width of a beam search
     arrival: float  # time.monotonic() when the server accepted it
-    queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
+    box: OutputBox
     last: RequestOutput | None = None
     num_tokens: int = 0
     last_token_time: float | None = None
@@ -148,6 +151,8 @@ class AsyncLLM:
         self.replicas: ReplicaSet | None = engine if isinstance(engine, ReplicaSet) else None
         self.served_model_name = config.served_model_name or engine.model_name
         self.max_waiting_requests = config.max_waiting_requests
+        self.stream_stall_timeout = config.stream_stall_timeout
+        self.num_stalled_aborts = 0  # requests aborted because their reader left a snapshot unread too long
         self.max_concurrent_requests = (
             config.max_concurrent_requests
         )  # TGI's limit on requests (prompts) in flight
@@ -160,8 +165,9 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._draining = False
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the streams are read on (start())
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._open: dict[str, _Stream] = {}  # event loop only: the streams of unreleased RequestStreams
         # Event-loop side accounting.
         self._num_pending_seqs = 0  # admitted sequences that have no token yet
         self._num_active = 0
@@ -205,6 +211,11 @@ class AsyncLLM:
         """Admitted sequences without a token yet: what --max-waiting-requests limits."""
         return self._num_pending_seqs
 
+    @property
+    def num_buffered_outputs(self) -> int:
+        """Items (snapshots, acceptances, errors) waiting unread in the open streams: at most 3 per stream."""
+        return sum(len(stream.box) for stream in self._open.values())
+
     async def drain(self, timeout: float) -> None:
         """Stop admitting, wait up to `timeout` seconds for in-flight requests, then abort the rest."""
         self._draining = True
@@ -229,12 +240,13 @@ class AsyncLLM:
 
     # --- requests (event loop side) --------------------------------------------------------------------
 
-    def check_admission(self, num_seqs: int, n: int) -> None:
-        """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`).
+    def check_admission(self, num_seqs: int, n: int, width_param: str = "n") -> None:
+        """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`, where `n` is the
+        sequences one prompt holds: its samples, or its beam width, named by `width_param`).
 
         It fits when the pending sequences plus its own stay within --max-waiting-requests, and its prompts plus
         those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
-        RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
+        RequestRejectedError (a 400, naming `width_param` or `prompt`), not a 429 to retry.
         """
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped")
@@ -257,7 +269,7 @@ class AsyncLLM:
             raise RequestRejectedError(
                 f"the request has {num_seqs} sequences (prompts x n), more than --max-waiting-requests "
                 f"({limit}) admits at once; it can never be admitted",
-                "n" if n > limit else "prompt",
+                width_param if n > limit else "prompt",
             )
         if self._num_pending_seqs + num_seqs > limit:
             raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
@@ -283,15 +295,19 @@ class AsyncLLM:
         `check_admission`), or the engine's ValueError (with `param`) when it rejects a prompt; then none of the
         prompts stays in the engine. Close the streams (or exhaust them) when done.
         """
-        self.check_admission(len(prompts) * params.n, params.n)
+        width = params.num_sequences
+        self.check_admission(len(prompts) * width, width, "n" if width == params.n else "best_of")
         now = time.monotonic()
+        loop = asyncio.get_running_loop()
         streams = [
             _Stream(
                 request_id=p.request_id,
                 prompt=p.prompt,
                 prompt_token_ids=tuple(p.prompt_token_ids),
                 n=params.n,
+                num_seqs=width,
                 arrival=now,
+                box=OutputBox(loop),
             )
             for p in prompts
         ]
@@ -303,7 +319,7 @@ class AsyncLLM:
                     raise EngineDeadError("the engine loop has stopped")
                 for stream in streams:
                     self._commands.put(_Add(stream, params))
-            accepted = [await stream.queue.get() for stream in streams]
+            accepted = [await stream.box.get() for stream in streams]
             failure = next((a for a in accepted if isinstance(a, Exception)), None)
             for handle, item in zip(handles, accepted, strict=True):
                 if isinstance(item, Exception):
@@ -332,17 +348,19 @@ class AsyncLLM:
         finally:
             handle.close()
 
-    def _admit(self, n: int) -> None:
-        self._num_pending_seqs += n
+    def _admit(self, stream: _Stream) -> None:
+        self._num_pending_seqs += stream.num_seqs
         self._num_active += 1
+        self._open[stream.request_id] = stream
         self._idle.clear()
 
-    def _first_token(self, n: int) -> None:
-        self._num_pending_seqs -= n
+    def _first_token(self, num_seqs: int) -> None:
+        self._num_pending_seqs -= num_seqs
 
     def _release(self, request_id: str, *, abort: bool) -> None:
         if abort:
             self._put(_Abort(request_id, notify=False))
+        self._open.pop(request_id, None)
         self._num_active -= 1
         if self._num_active == 0:
             self._idle.set()
@@ -502,6 +520,10 @@ class AsyncLLM:
         try:
             self._observe(stream, output, now)
             stream.last = output
+            timeout = self.stream_stall_timeout
+            if timeout is not None and not output.finished and stream.box.unread_for(now) > timeout:
+                self._abort_stalled(stream, timeout)
+                return
             if output.finished:
                 del self._streams[output.request_id]
                 self.metrics.observe_e2e(now - stream.arrival)
@@ -513,6 +535,17 @@ class AsyncLLM:
             self._push(stream, exc)
             return
         self._push(stream, output)
+
+    def _abort_stalled(self, stream: _Stream, timeout: float) -> None:
+        """Abort a request whose reader left a snapshot unread past `timeout`: its KV is freed now, and the reader
+        finds the final `abort` snapshot (replacing the unread one) if it ever reads again."""
+        logger.warning(
+            "request %s: its reader left a snapshot unread for over %gs (--stream-stall-timeout); aborted",
+            stream.request_id,
+            timeout,
+        )
+        self.num_stalled_aborts += 1
+        self._abort(stream.request_id, notify=True)
 
     def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -528,13 +561,8 @@ class AsyncLLM:
         stream.num_tokens = num_tokens
         stream.last_token_time = now
 
-    def _push(self, stream: _Stream, item: RequestOutput | Exception | None) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        # RuntimeError: the event loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _push(self, stream: _Stream, item: BoxItem) -> None:
+        stream.box.put(item)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
@@ -562,7 +590,7 @@ class RequestStream:
         self.finished = False
         self._pending = True
         self._closed = False
-        llm._admit(stream.n)
+        llm._admit(stream)
 
     async def __aiter__(self) -> AsyncGenerator[RequestOutput]:
         """Yield snapshots until the request finishes; raise the request's error if it fails.
@@ -571,7 +599,7 @@ class RequestStream:
         """
         try:
             while not self.finished:
-                item = await self._stream.queue.get()
+                item = await self._stream.box.get()
                 if item is None:
                     continue
                 if isinstance(item, Exception):
@@ -579,7 +607,7 @@ class RequestStream:
                     raise item
                 if self._pending and (item.finished or any(o.token_ids for o in item.outputs)):
                     self._pending = False
-                    self._llm._first_token(self._stream.n)
+                    self._llm._first_token(self._stream.num_seqs)
                 if item.finished:
                     self.finished = True
                     self.close()
@@ -594,5 +622,5 @@ class RequestStream:
         self._closed = True
         if self._pending:
             self._pending = False
-            self._llm._first_token(self._stream.n)
+            self._llm._first_token(self._stream.num_seqs)
         self._llm._release(self.request_id, abort=not self.finished)

@@ -253,8 +253,8 @@ def argument_table() -> list[Flag]:
             ("--max-waiting-requests",),
             {
                 "type": int,
-                "help": "429 when a request's sequences (prompts x n) and those waiting for their first token "
-                "would exceed this; 400 for a request that exceeds it alone",
+                "help": "429 when a request's sequences (prompts x n, or x the beam width) and those waiting "
+                "for their first token would exceed this; 400 for a request that exceeds it alone",
             },
         ),
         Flag(
@@ -276,6 +276,14 @@ def argument_table() -> list[Flag]:
                 "help": "when the in-process engine's step raises: fail its requests with a 503 and rebuild it "
                 "(restart, the default), exit non-zero for a supervisor (exit), or stay up answering 503, "
                 "/health too (none)",
+            },
+        ),
+        Flag(
+            ("--stream-stall-timeout",),
+            {
+                "type": float,
+                "help": "seconds a reader may leave a snapshot of its response unread before the request is "
+                "aborted (its KV freed)",
             },
         ),
         # app

@@ -215,6 +215,12 @@ class CoreClientConfig:
 
 
 _PROMETHEUS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Sequences waiting for their first token before new requests get a 429: two requests at the default
+# --max-sequences-per-request (so one always fits an idle server), 16 times the default --max-num-seqs. Waiting
+# sequences hold no KV but hold their prompts and state, and each wait costs the ones behind it.
+DEFAULT_MAX_WAITING_REQUESTS = 4096
+# A reader that leaves a snapshot of its stream unread this long (seconds) is aborted, freeing its KV.
+DEFAULT_STREAM_STALL_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,10 +229,11 @@ class ServingConfig:
 
     served_model_name: str | None = None  # the model name in the API; None: the engine's model name
     # 429 when a request's sequences (prompts x n) and those waiting for their first token would exceed this.
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS  # None: no limit
     max_concurrent_requests: int | None = None  # TGI's limit on requests (prompts) in flight
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
     on_engine_failure: EngineFailureName = "restart"  # an in-process engine whose step raised
+    stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT  # None: never abort a slow reader
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -240,6 +247,8 @@ class ServingConfig:
             raise ValueError(
                 "metrics_prefix must be a Prometheus name: letters, digits and _, not a digit first"
             )
+        if self.stream_stall_timeout is not None and not self.stream_stall_timeout > 0:
+            raise ValueError(f"stream_stall_timeout must be > 0, got {self.stream_stall_timeout}")
 
 
 # OpenAI's cap on the prompt array of one completion request; sequences (prompts x n) are capped at the same

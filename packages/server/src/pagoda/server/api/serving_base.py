@@ -17,7 +17,12 @@ from pagoda.server.api.errors import (
     APIError,
     bad_request,
 )
-from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
+from pagoda.server.api.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    PromptLogprob,
+    PromptLogprobsField,
+    SamplingFields,
+)
 from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import GrammarCheck, check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
@@ -34,6 +39,7 @@ from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine_client import EngineDeadError, ReplicaDeadError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
+from pagoda.server.sampling.logits_processors import tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
 from pagoda.server.structured import GrammarKind, StructuredOutputsParams
 from pydantic import BaseModel
@@ -77,20 +83,23 @@ class ServingContext:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
-    def check_fan_out(self, num_prompts: int, n: int) -> None:
-        """400 when a request has more prompts, or prompts x n sequences, than the limits allow."""
+    def check_fan_out(self, num_prompts: int, n: int, best_of: int | None = None) -> None:
+        """400 when a request has more prompts, or prompts x max(n, best_of) sequences (best_of is a beam search's
+        width), than the limits allow; the 400 names best_of when it is the wider."""
         limits = self.limits
+        param = "best_of" if best_of is not None and best_of > n else "n"
+        width = max(n, best_of or 0)
         if num_prompts > limits.max_prompts_per_request:
             raise bad_request(
                 f"the request has {num_prompts} prompts, more than --max-prompts-per-request "
                 f"({limits.max_prompts_per_request})",
                 "prompt",
             )
-        if num_prompts * n > limits.max_sequences_per_request:
+        if num_prompts * width > limits.max_sequences_per_request:
             raise bad_request(
-                f"the request asks for {num_prompts} prompts x n {n} = {num_prompts * n} sequences, more than "
-                f"--max-sequences-per-request ({limits.max_sequences_per_request})",
-                "n",
+                f"the request asks for {num_prompts} prompts x {param} {width} = {num_prompts * width} sequences, "
+                f"more than --max-sequences-per-request ({limits.max_sequences_per_request})",
+                param,
             )
 
     def check_prompt_chars(self, text: str, param: str) -> None:
@@ -145,6 +154,11 @@ class ServingContext:
         self.rules.check_token_ids(stop_token_ids, "stop_token_ids")
         logit_bias = self._logit_bias(body.logit_bias)
         allowed = None if body.allowed_token_ids is None else tuple(body.allowed_token_ids)
+        if allowed is not None and len(allowed) > self.rules.vocab_size:
+            raise bad_request(
+                f"allowed_token_ids has {len(allowed)} ids, more than the vocabulary's {self.rules.vocab_size}",
+                "allowed_token_ids",
+            )
         self.rules.check_token_ids(allowed or (), "allowed_token_ids")
         try:
             return SamplingParams(
@@ -175,6 +189,27 @@ class ServingContext:
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
+
+    async def with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words tokenized, on the tokenizer threads: the engine thread never tokenizes."""
+        words = params.bad_words
+        if not words:
+            return params
+        ids = await self.run(lambda: tokenize_bad_words(self.tokenizer, words))
+        return dataclasses.replace(params, bad_words_token_ids=ids)
+
+    def check_prompt_logprobs(self, prompt_lens: Sequence[int], k: int | None, param: str) -> None:
+        """400 naming `param` when the prompt logprobs asked for (k alternatives per position of every prompt)
+        exceed MAX_PROMPT_LOGPROB_ENTRIES."""
+        if k is None:
+            return
+        entries = sum(prompt_lens) * (k + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise bad_request(
+                f"prompt logprobs of {sum(prompt_lens)} prompt tokens x {k + 1} entries = {entries}, more than "
+                f"{MAX_PROMPT_LOGPROB_ENTRIES} per request: ask for fewer alternatives or shorter prompts",
+                param,
+            )
 
     async def with_structured_outputs(self, body: StructuredFields, params: SamplingParams) -> SamplingParams:
         """`params` with the body's structured-output constraint, parsed off the event loop (a 400 naming the
@@ -276,8 +311,17 @@ async def final_output(stream: RequestStream) -> RequestOutput:
 
 
 async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The last snapshot of every stream (they progress concurrently; the order of waiting is free)."""
-    return [await final_output(stream) for stream in streams]
+    """The last snapshot of every stream, read concurrently: a stream read only after the others finished would
+    look like a stalled reader (--stream-stall-timeout) to the engine thread."""
+    if len(streams) == 1:
+        return [await final_output(streams[0])]
+    tasks = [asyncio.ensure_future(final_output(stream)) for stream in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        return [task.result() for task in tasks]  # the first failure, if any, is raised here
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -305,16 +349,21 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
-    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end.
+
+    The queue between is bounded, so a consumer that stops reading (a client that does not read its response)
+    stops the pumps too, and each stream's `OutputBox` keeps only its latest snapshot meanwhile.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(index: int, stream: RequestStream) -> None:
+        # Nothing is put once cancelled: the consumer has gone, and a put into the full queue would never end.
         try:
             async for output in stream:
                 await queue.put((index, output))
         except Exception as exc:
             await queue.put(exc)
-        finally:
+        else:
             await queue.put(None)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

@@ -118,7 +118,7 @@ class CompletionsHandler:
         else:
             items = [p for p in raw if isinstance(p, str | list)]
         # Before any tokenizing: the fan-out caps, then the length bound of each text.
-        self.ctx.check_fan_out(len(items), body.n)
+        self.ctx.check_fan_out(len(items), body.n, body.best_of)
         texts = [item for item in items if isinstance(item, str)]
         for text in texts:
             if not text:
@@ -150,7 +150,12 @@ class CompletionsHandler:
                 body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
             ),
         )
-        params = await ctx.with_structured_outputs(body, params)
+        ctx.check_prompt_logprobs(
+            [len(ids) for _, ids in prompts],
+            params.prompt_logprobs,
+            "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs",
+        )
+        params = await ctx.with_bad_words(await ctx.with_structured_outputs(body, params))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
             await self._echo(text, ids, echo_logprobs) if body.echo else NO_ECHO for text, ids in prompts
