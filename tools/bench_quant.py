@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.pagedkernel.quant import (
     BLOCK_SIZES,
     GGMLType,
@@ -62,17 +62,6 @@ class Point:
     deq_mm_ms: float
     bf16_ms: float
     f32_ms: float
-
-
-def cpu_name() -> str:
-    """The CPU's model name (tables of numbers name their machine)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def best_ms(fn: Callable[[], object], repeats: int, budget_s: float = 2.0) -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.pagedkernel.sampling import SamplingTensors, get_sampler, rng_key
 from torch import Tensor
 from tqdm import tqdm
@@ -67,17 +67,6 @@ def make_logits(rows: int, vocab: int, dtype: torch.dtype, source: Tensor | None
     spikes = torch.randint(0, vocab, (rows, 64), generator=g)
     lift = x.amax(dim=-1, keepdim=True) + 4.0 * torch.rand(rows, 64, generator=g) ** 2
     return x.scatter_(1, spikes, lift).to(dtype)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (tables of numbers name their machine)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

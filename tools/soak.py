@@ -5,17 +5,32 @@ the server's default), sends `--requests` requests of mixed shapes (prompt lengt
 or chat, streamed or not, some cancelled mid-stream) with `--concurrency` in flight, and prints the server's
 RSS every `--every` requests, then the growth per 1,000 requests after `--warmup` requests.
 
+`--distinct-schemas` makes every request a structured-outputs request with a JSON schema of its own (each one
+compiles anew), and adds the compiled-grammar cache's size (`grammar_cache_bytes` of /metrics) to each row: the
+RSS must level off once the cache reaches `--grammar-cache-bytes`.
+
     python tools/soak.py --requests 5000
     python tools/soak.py --default-model --requests 3000 --concurrency 8
+    python tools/soak.py --distinct-schemas --requests 3000 --serve-arg=--grammar-cache-bytes=67108864
+
+`--slow-reader` instead opens `--concurrency` connections that each ask for a streamed `n = 4` completion of
+`--max-tokens` tokens with 20 logprobs per token and never read the answer, and prints the server's RSS every
+`--sample-seconds` for `--duration` seconds (the server keeps one snapshot per stream and aborts a reader stalled
+past its --stream-stall-timeout, so the RSS should stay flat):
+
+    python tools/soak.py --slow-reader --concurrency 4 --max-tokens 3000 --duration 60
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +53,7 @@ class Sample:
 
     requests: int
     rss_bytes: int
+    cache_bytes: int | None = None  # the compiled-grammar cache (--distinct-schemas only)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,9 +73,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cancel-fraction", type=float, default=0.1, help="streams cancelled after one chunk"
     )
+    parser.add_argument(
+        "--distinct-schemas",
+        action="store_true",
+        help="every request constrained by a JSON schema of its own; rows add the grammar cache's size",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `pagoda serve` argument")
+    parser.add_argument(
+        "--slow-reader", action="store_true", help="never-reading streamed clients; RSS over time"
+    )
+    parser.add_argument("--duration", type=float, default=60.0, help="--slow-reader: seconds to watch")
+    parser.add_argument(
+        "--sample-seconds", type=float, default=1.0, help="--slow-reader: RSS sampling period"
+    )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.every < 1 or args.concurrency < 1:
         parser.error("--requests, --every and --concurrency must be >= 1")
@@ -108,7 +136,29 @@ def request_body(rng: random.Random, args: argparse.Namespace) -> tuple[str, dic
     else:
         route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
     cancel = body["stream"] and rng.random() < args.cancel_fraction
+    if args.distinct_schemas:
+        body["structured_outputs"] = {"json": distinct_schema(rng)}
     return route, body, cancel
+
+
+def distinct_schema(rng: random.Random) -> dict[str, Any]:
+    """A small JSON schema no other request sends (its property names and bounds are drawn at random)."""
+    key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(12))
+    return {
+        "type": "object",
+        "properties": {key: {"type": "string", "maxLength": rng.randint(1, 64)}, "n": {"type": "integer"}},
+        "required": [key],
+    }
+
+
+async def grammar_cache_bytes(client: httpx.AsyncClient) -> int | None:
+    """The server's `<prefix>:grammar_cache_bytes` gauge, from /metrics (None if it has none)."""
+    response = await client.get("/metrics")
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.split("{")[0].endswith(":grammar_cache_bytes"):
+            return int(float(value))
+    return None
 
 
 async def send(client: httpx.AsyncClient, route: str, body: dict[str, Any], cancel: bool) -> None:
@@ -146,12 +196,57 @@ async def soak(args: argparse.Namespace, server: psutil.Process) -> list[Sample]
                 done += 1
                 progress.update()
                 if done % args.every == 0:
-                    samples.append(Sample(done, server.memory_info().rss))
+                    cache = await grammar_cache_bytes(client) if args.distinct_schemas else None
+                    samples.append(Sample(done, server.memory_info().rss, cache))
                     progress.write(row(samples[-1], samples[-2]))
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         progress.close()
     return samples
+
+
+def never_reading_client(port: int, max_tokens: int) -> socket.socket:
+    """A connection that asks for a long streamed n = 4 completion with logprobs and never reads the answer."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "the slow reader",
+        "n": 4,
+        "logprobs": 20,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server backs up early
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(head + payload)
+    return sock
+
+
+def slow_readers(args: argparse.Namespace, server: psutil.Process) -> list[tuple[float, int]]:
+    """Open the never-reading clients; (seconds, RSS) every --sample-seconds for --duration seconds."""
+    clients = [never_reading_client(args.port, args.max_tokens) for _ in range(args.concurrency)]
+    try:
+        start = time.monotonic()
+        samples: list[tuple[float, int]] = []
+        print(f"{'seconds':>9} {'RSS MB':>9} {'delta MB':>9}", flush=True)
+        while True:
+            elapsed = time.monotonic() - start
+            samples.append((elapsed, server.memory_info().rss))
+            previous = samples[-2][1] if len(samples) > 1 else None
+            delta = "" if previous is None else f"{(samples[-1][1] - previous) / 2**20:+9.1f}"
+            print(f"{elapsed:>9.1f} {samples[-1][1] / 2**20:>9.1f} {delta:>9}", flush=True)
+            if elapsed >= args.duration:
+                return samples
+            time.sleep(args.sample_seconds)
+    finally:
+        for client in clients:
+            client.close()
 
 
 def growth_per_1000(samples: list[Sample], warmup: int) -> float | None:
@@ -169,7 +264,8 @@ HEADER = f"{'requests':>9} {'RSS MB':>9} {'delta MB':>9}"
 def row(sample: Sample, previous: Sample | None) -> str:
     """One table row: requests, RSS and the change since the previous sample, in MB."""
     delta = "" if previous is None else f"{(sample.rss_bytes - previous.rss_bytes) / 2**20:+9.1f}"
-    return f"{sample.requests:>9} {sample.rss_bytes / 2**20:>9.1f} {delta:>9}"
+    cache = "" if sample.cache_bytes is None else f" {sample.cache_bytes / 2**20:>9.2f} cache MB"
+    return f"{sample.requests:>9} {sample.rss_bytes / 2**20:>9.1f} {delta:>9}{cache}"
 
 
 def table(samples: list[Sample]) -> str:
@@ -180,6 +276,12 @@ def table(samples: list[Sample]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the soak and print the RSS table and the growth after warm-up."""
     args = parse_args(argv)
+    if args.slow_reader:
+        with model_source(args) as model_args, running_server(model_args, args) as server:
+            watched = slow_readers(args, psutil.Process(server.process.pid))
+        grown = (max(rss for _, rss in watched) - watched[0][1]) / 2**20
+        print(f"slow readers: RSS peak {grown:+.1f} MB over the start")
+        return 0
     with model_source(args) as model_args, running_server(model_args, args) as server:
         samples = asyncio.run(soak(args, psutil.Process(server.process.pid)))
     growth = growth_per_1000(samples, args.warmup)

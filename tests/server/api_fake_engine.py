@@ -7,7 +7,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -274,8 +274,11 @@ def serve_in_thread(
     max_concurrent_requests: int | None = None,
     served_model_name: str = "test-model",
     limits: HTTPLimits | None = None,
+    rebuild: Callable[[], EngineClient] | None = None,
+    stream_stall_timeout: float | None = 30.0,
 ) -> Iterator[RunningServer]:
-    """Run the app over `engine` with uvicorn in a background thread until the block exits."""
+    """Run the app over `engine` with uvicorn in a background thread until the block exits (`rebuild`: what
+    --on-engine-failure restart replaces a failed engine with)."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
     llm = AsyncLLM(
         client,
@@ -283,7 +286,9 @@ def serve_in_thread(
             served_model_name=served_model_name,
             max_waiting_requests=max_waiting_requests,
             max_concurrent_requests=max_concurrent_requests,
+            stream_stall_timeout=stream_stall_timeout,
         ),
+        rebuild=rebuild,
     )
     app = build_app(llm, settings)
     port = free_port()

@@ -93,10 +93,23 @@ def test_the_api_answers_another_value_error_with_a_400_naming_nothing() -> None
 
 def test_a_constraint_must_parse() -> None:
     """A structured-outputs constraint that does not parse names its own field; one that parses passes."""
-    RULES.check(
-        [1, 2], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    RULES.check_constraint(
+        SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
     )
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z"))
-    assert rejected_param(RULES.check, [1, 2], bad) == "structured_outputs.regex"
+    assert rejected_param(RULES.check_constraint, bad) == "structured_outputs.regex"
     schema = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json="[1]"))
-    assert rejected_param(RULES.check, [1, 2], schema) == "structured_outputs.json"
+    assert rejected_param(RULES.check_constraint, schema) == "structured_outputs.json"
+
+
+def test_the_engine_check_does_not_parse_the_constraint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine thread's check leaves the grammar alone (the front end parsed it; the pool compiles it)."""
+    import pagoda.server.engine.admission as admission
+
+    def no_parse(*_: object) -> None:
+        raise AssertionError("the engine's check parsed the grammar")
+
+    monkeypatch.setattr(admission, "parse_grammar", no_parse)
+    RULES.check(
+        [1, 2], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z"))
+    )

@@ -21,7 +21,9 @@ class ScriptedEngine(FakeEngine):
     """The fake engine, but every sample writes `script` one character per step (a token each)."""
 
     def __init__(self, script: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        # A step takes a real engine's few milliseconds: a stream that keeps up then gets a delta per token
+        # (snapshots a reader has not taken yet are merged, so an instant engine would send one big delta).
+        super().__init__(**{"step_seconds": 0.005, **kwargs})
         self.script = script
 
     def _advance(self, req: _Req, seq: _Seq) -> None:

@@ -55,7 +55,9 @@ class ScriptedEngine(FakeEngine):
     params of every request are kept (at its first step)."""
 
     def __init__(self, script: str, **kwargs: Any) -> None:
-        super().__init__(max_model_len=4096, **kwargs)
+        # A step takes a real engine's milliseconds: a stream that keeps up then gets a delta per token
+        # (snapshots a reader has not taken yet are merged, so an instant engine would send one big delta).
+        super().__init__(max_model_len=4096, **{"step_seconds": 0.003, **kwargs})
         self.script = script
         self.params: list[SamplingParams] = []
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from pagoda.server.cli import build_parser, engine_config, main
-from pagoda.server.config import EngineConfig
+from pagoda.server.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from pagoda.server.testing import make_tiny_model
 
 
@@ -14,7 +14,10 @@ def test_defaults_match_engine_config_defaults() -> None:
     """Without flags the engine gets EngineConfig's own defaults, the default model and vLLM's host/port."""
     args = build_parser().parse_args(["serve"])
     assert engine_config(args) == EngineConfig()
-    assert (args.host, args.port, args.api_key, args.max_waiting_requests) == ("127.0.0.1", 8000, None, None)
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    # A finite default (issue 28): beyond it a 429, as with the flag given.
+    assert args.max_waiting_requests == DEFAULT_MAX_WAITING_REQUESTS == 4096
+    assert args.stream_stall_timeout == 30.0
 
 
 def test_flags_map_onto_engine_config() -> None:
@@ -97,6 +100,7 @@ def test_invalid_choices_exit_2(flags: list[str], capsys: pytest.CaptureFixture[
         (["--max-request-head-bytes", "100"], "--max-request-head-bytes"),
         (["--request-head-timeout", "0"], "--request-head-timeout"),
         (["--request-body-timeout", "-1"], "--request-body-timeout"),
+        (["--stream-stall-timeout", "0"], "--stream-stall-timeout"),
         (["--block-size", "0"], "block_size"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     ],

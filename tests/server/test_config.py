@@ -95,7 +95,9 @@ def test_help_groups_the_flags_by_section() -> None:
     assert {"block_size", "swap_space_gib", "kv_manager"} <= groups["cache"]
     assert {"tensor_parallel_size", "distributed_executor_backend"} <= groups["parallel"]
     assert {"data_parallel_size", "routing_policy", "engine_core"} <= groups["engine cores"]
-    assert {"max_head_bytes", "head_timeout", "body_timeout"} == groups["HTTP limits"]
+    assert {"max_head_bytes", "head_timeout", "body_timeout", "body_deadline", "limit_concurrency"} == groups[
+        "HTTP limits"
+    ]
     assert {"model", "tokenizer", "dtype", "max_input_tokens", "max_input_length"} <= (
         groups["model"] | groups["positional arguments"]
     )

@@ -296,7 +296,7 @@ def test_gguf_is_converted_once_then_read_from_the_cache(
     assert first.model_path == cache_folder(gguf_path, gguf_cache)
     assert first.model_path.parent == gguf_cache
     assert [p.name for p in gguf_cache.iterdir()] == [first.model_path.name]  # no partial folder left behind
-    assert first.model_path.stat().st_mode & 0o777 == 0o755  # shareable, unlike the private scratch folder
+    assert first.model_path.stat().st_mode & 0o777 == 0o700  # private (issue 28 item 9): files 0600
     assert first.hf_config.architectures == ["LlamaForCausalLM"]
     assert GenerationConfig.from_pretrained(first.model_path).eos_token_id == [2]
     tokenizer_config = json.loads((first.model_path / "tokenizer_config.json").read_text())

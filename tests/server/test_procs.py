@@ -175,7 +175,9 @@ def test_malformed_control_frames_are_rejected(frame: bytes, caplog: pytest.LogC
 def test_control_frames_round_trip() -> None:
     """`Ready` carries any info type, `Shutdown` nothing; both decode as themselves from their tags."""
     decoder: FrameDecoder[Ready[int] | Shutdown] = FrameDecoder(Ready[int] | Shutdown, "test")  # type: ignore[arg-type]
-    assert decoder.decode_or_none(msgspec.msgpack.encode(Ready(info=3, pid=42))) == Ready(info=3, pid=42)
+    assert decoder.decode_or_none(msgspec.msgpack.encode(Ready(info=3, pid=42, token="t"))) == Ready(
+        info=3, pid=42, token="t"
+    )
     assert decoder.decode_or_none(msgspec.msgpack.encode(Shutdown())) == Shutdown()
 
 

@@ -5,14 +5,20 @@ The system's C compiler (`$CC`, else `cc` or `gcc`) builds `-fPIC -shared` libra
 the compiler's version and this CPU (so `-march=native` code never runs on another CPU sharing the folder). A
 library is written to a temporary file and renamed, so concurrent processes never load half a file. The caller
 (a backend, e.g. `cpu_backend`) owns its flags and loads the library with ctypes.
+
+Loading a library runs its code, so the cache is private: its folders are created 0700, and a folder or library
+that another user owns, that others may write, or that is a symlink is never used (`check_private`); the build
+then goes into a fresh private folder instead, with a warning naming the refused path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -20,8 +26,51 @@ from pathlib import Path
 
 from pagoda.pagedkernel.backend import BackendUnavailableError
 
+logger = logging.getLogger(__name__)
+
 # What every shared library needs, whatever the caller's flags.
 SHARED_FLAGS = ("-fPIC", "-shared")
+# Mode bits that let someone other than the owner replace a file (group or others may write).
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class UnsafeCacheError(OSError):
+    """A cache folder or library is not private to this user (a symlink, another owner, writable by others)."""
+
+
+def check_private(path: Path, *, kind: str) -> None:
+    """UnsafeCacheError naming `path` unless it is a real `kind` ("dir" or "file"), not a symlink, owned by this
+    user and writable by nobody else."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeCacheError(f"{path} is a symlink")
+    real_kind = stat.S_ISDIR(info.st_mode) if kind == "dir" else stat.S_ISREG(info.st_mode)
+    if not real_kind:
+        raise UnsafeCacheError(f"{path} is not a {'folder' if kind == 'dir' else 'regular file'}")
+    if info.st_uid != os.geteuid():
+        raise UnsafeCacheError(f"{path} is owned by uid {info.st_uid}, not by this user ({os.geteuid()})")
+    if info.st_mode & _OTHERS_WRITE:
+        raise UnsafeCacheError(f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def make_dirs_private(path: Path) -> None:
+    """Create `path` and its missing parents, each 0700 (mkdir(parents=True) makes the parents by the umask)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.chmod(0o700)  # mkdir's mode is masked by the umask
+
+
+def private_dir(path: Path) -> Path:
+    """`path` created 0700 if missing (its missing parents too), then checked by `check_private`."""
+    make_dirs_private(path)
+    check_private(path, kind="dir")
+    return path
+
+
+def fresh_private_dir() -> Path:
+    """A new folder that only this user can use (mkdtemp makes it 0700), for a build the cache cannot hold."""
+    return Path(tempfile.mkdtemp(prefix="pagoda-kernels-"))
 
 
 def find_compiler() -> str | None:
@@ -56,6 +105,17 @@ def cpu_signature() -> str:
     return f"{platform.machine()}|{flags}"
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as benchmark tables name their machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def build(
     file: str,
     source: str,
@@ -86,10 +146,40 @@ def build(
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     parts = [source, *flags, *("|".join(extra) for extra in attempts), *libraries, version, cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-    target = cache_dir() / f"{Path(file).stem}_{variant}_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"{Path(file).stem}_{variant}_{key}.so"
+    folder = cache_dir()
+    try:
+        private_dir(folder)
+        target = folder / name
+        if target.exists() or target.is_symlink():
+            check_private(target, kind="file")
+            return target
+    except UnsafeCacheError as exc:
+        # Loading what someone else could have written would run their code: build a private copy instead.
+        folder = fresh_private_dir()
+        logger.warning("refusing the kernel cache (%s): building %s into %s instead", exc, name, folder)
+        target = folder / name
+    return _compile(compiler, file, source, flags, attempts, libraries, target, owner, variant, instead)
+
+
+def discard(library: Path) -> None:
+    """Delete a cached library that failed to load, so that the next `build` compiles it again."""
+    library.unlink(missing_ok=True)
+
+
+def _compile(
+    compiler: str,
+    file: str,
+    source: str,
+    flags: Sequence[str],
+    attempts: Sequence[Sequence[str]],
+    libraries: Sequence[str],
+    target: Path,
+    owner: str,
+    variant: str,
+    instead: str,
+) -> Path:
+    """Compile into `target` (in a checked private folder) through a temporary file renamed into place."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / file
         src.write_text(source, encoding="utf-8")
@@ -104,5 +194,6 @@ def build(
                 f"compiling {owner}'s {file} for {variant} failed ({compiler} exit {done.returncode}):\n"
                 f"{done.stderr.strip()}\n{instead} instead"
             )
+        lib.chmod(0o700)  # whatever the umask: a group-writable library would be refused at the next load
         os.replace(lib, target)  # atomic: a concurrent process sees no file or a whole one
     return target

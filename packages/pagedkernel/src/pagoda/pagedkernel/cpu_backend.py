@@ -13,13 +13,17 @@ and `reshape_and_cache` overridden: attention this kernel does not take (another
 from the cache's, head_dim not a multiple of 8 or above 512, block_size above 256, more than 32 query heads per
 KV head) runs through the torch backend. `reshape_and_cache` is a C loop of one memcpy per row (torch's
 index_copy_ took ~0.3 ms per layer for a decode batch); block copies and swaps are the torch backend's.
+
+A cached library that fails to load (a damaged file) is deleted and compiled once more; if that one fails to
+load too, that dtype runs on the torch backend's kernels, with a warning naming the library. The engine builds
+every dtype it uses at start-up (`prepare`), so no first forward waits for the compiler.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +86,27 @@ def load(library: Path) -> CpuKernels:
     cache.argtypes = [ptr] * 5 + [i64] * 5
     cache.restype = i64
     return CpuKernels(attention, cache)
+
+
+def _load_or_rebuild(dtype: torch.dtype) -> CpuKernels | None:
+    """Load the library for `dtype`; one that fails to load is deleted and built again once, then None (torch)."""
+    library = build(dtype)
+    try:
+        return load(library)
+    except OSError as exc:
+        logger.warning("the 'cpu' kernel %s failed to load (%s); building it again", library, exc)
+    cbuild.discard(library)
+    library = build(dtype)
+    try:
+        return load(library)
+    except OSError as exc:
+        logger.warning(
+            "the rebuilt 'cpu' kernel %s failed to load too (%s): %s attention runs on the torch kernels",
+            library,
+            exc,
+            dtype,
+        )
+        return None
 
 
 def _token_rows(x: Tensor) -> Tensor:  # [num_tokens, num_kv_heads, head_dim], each token's row contiguous
@@ -161,29 +186,42 @@ def _attention(
 class CpuBackend(TorchBackend):
     """The torch backend with attention and `reshape_and_cache` in C where the kernel takes them.
 
-    Holds the libraries it loaded, one per dtype (built, or found in the on-disk cache, at first use).
+    Holds the libraries it loaded, one per dtype (built, or found in the on-disk cache, at first use); None for a
+    dtype whose library would not load, which then runs on the torch kernels.
     """
 
     __slots__ = ("_loaded",)
     name = "cpu"
 
     def __init__(self) -> None:
-        self._loaded: dict[torch.dtype, CpuKernels] = {}
+        self._loaded: dict[torch.dtype, CpuKernels | None] = {}
 
-    def kernels(self, dtype: torch.dtype) -> CpuKernels:
-        """The compiled kernels for `dtype`, built (or found in the cache) and loaded once per backend."""
+    def kernels(self, dtype: torch.dtype) -> CpuKernels | None:
+        """The compiled kernels for `dtype`, built (or found in the cache) and loaded once per backend; None when
+        the library failed to load even after one rebuild (the torch kernels run instead).
+
+        Raises BackendUnavailableError when there is no compiler or it fails."""
         if dtype not in self._loaded:
-            self._loaded[dtype] = load(build(dtype))
+            self._loaded[dtype] = _load_or_rebuild(dtype)
         return self._loaded[dtype]
+
+    def prepare(self, dtypes: Iterable[torch.dtype]) -> None:
+        """Build and load the kernels of every dtype the engine will run, before its first step."""
+        for dtype in dtypes:
+            if dtype in csrc.DTYPE_IDS:
+                self.kernels(dtype)
+
+    def loaded_dtypes(self) -> frozenset[torch.dtype]:
+        """The dtypes whose kernels were built (or refused, then left to torch) so far."""
+        return frozenset(self._loaded)
 
     def available(self) -> bool:
         """Whether the float32 kernel compiles and loads here (what get_backend('auto') asks on a CPU)."""
         try:
-            self.kernels(torch.float32)
+            return self.kernels(torch.float32) is not None
         except (BackendUnavailableError, OSError) as exc:
             logger.warning("the 'cpu' kernel backend is unavailable, attention runs through torch: %s", exc)
             return False
-        return True
 
     def reshape_and_cache(
         self,
@@ -203,7 +241,8 @@ class CpuBackend(TorchBackend):
             and key.shape[1:] == value.shape[1:] == k_cache.shape[2:] == v_cache.shape[2:]
             and k_cache.shape == v_cache.shape
         )
-        if not native:
+        kernels = self.kernels(k_cache.dtype) if native else None
+        if kernels is None:
             super().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
             return
         key, value = _token_rows(key), _token_rows(value)
@@ -211,7 +250,7 @@ class CpuBackend(TorchBackend):
         assert slots.shape == key.shape[:1] == value.shape[:1], (slots.shape, key.shape, value.shape)
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         row = k_cache.shape[2] * k_cache.shape[3]
-        bad = self.kernels(k_cache.dtype).reshape_and_cache(
+        bad = kernels.reshape_and_cache(
             key.data_ptr(),
             value.data_ptr(),
             k_cache.data_ptr(),
@@ -273,7 +312,8 @@ class CpuBackend(TorchBackend):
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
         check_attention_args(q, k_cache, v_cache)
-        if not supported(q, k_cache):
+        kernels = self.kernels(q.dtype) if supported(q, k_cache) else None
+        if kernels is None:
             return super().paged_prefill_attention(
                 q,
                 k_cache,
@@ -297,5 +337,5 @@ class CpuBackend(TorchBackend):
             sliding_window,
             logit_softcap,
             out,
-            self.kernels(q.dtype),
+            kernels,
         )

@@ -73,6 +73,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # preempted into the host tier, in policy order
         self._requests: dict[str, Request] = {}  # every unfinished request, children included
+        # Group id -> the ids of its unfinished children (forked samples, beams), in fork order: an abort finds
+        # a request's sequences without scanning every request.
+        self._children: dict[str, dict[str, None]] = {}
         self._reserved_ids: set[str] = set()  # ids of children still to fork
         self._num_pending_forks = 0  # children still to fork by running requests (they hold batch seats)
         self._finished_ids: list[str] = []  # finished since the last schedule()
@@ -160,9 +163,12 @@ class Scheduler:
     def abort_request(self, request_id: str) -> list[Request]:
         """Finish a request as aborted in whatever state it is, with its forked samples; frees blocks at once.
 
-        Returns the aborted requests; an unknown (e.g. already finished) id aborts nothing.
+        Returns the aborted requests; an unknown (e.g. already finished) id aborts nothing. The group's sequences
+        come from the children index, so the cost does not grow with the other requests in the scheduler.
         """
-        targets = [r for r in self._requests.values() if request_id in (r.request_id, r.parent_id)]
+        own = self._requests.get(request_id)
+        children = self._children.get(request_id, {})
+        targets = ([] if own is None else [own]) + [self._requests[c] for c in children]
         for request in targets:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
         return targets
@@ -266,7 +272,7 @@ class Scheduler:
         if child_id in self._requests or child_id in self._reserved_ids:
             raise ValueError(f"sequence id {child_id!r} is already in use")
         child = parent.copy_as(child_id, parent_id=parent.group_id, sample_index=parent.sample_index)
-        self._requests[child_id] = child
+        self._add_child(child)
         if parent.status is RUNNING:
             self.kv.fork(parent_id, child_id)
             child.status = RUNNING
@@ -500,7 +506,7 @@ class Scheduler:
             child.status = RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
             self._reserved_ids.discard(child_id)
-            self._requests[child_id] = child
+            self._add_child(child)
             self.running.append(child)
         self._num_pending_forks -= parent.num_children_to_fork
         parent.num_children_to_fork = 0
@@ -532,7 +538,20 @@ class Scheduler:
         request.num_children_to_fork = 0
         request.status = status
         del self._requests[rid]
+        if request.parent_id is not None:
+            siblings = self._children[request.parent_id]
+            del siblings[rid]
+            if not siblings:
+                del self._children[request.parent_id]
         self._finished_ids.append(rid)
+
+    def _add_child(self, child: Request) -> None:
+        """Register a forked sequence (its `parent_id` is its group's id) in the request map and the index."""
+        group = child.parent_id
+        if group is None:
+            raise ValueError(f"{child.request_id!r} is not a forked sequence")
+        self._requests[child.request_id] = child
+        self._children.setdefault(group, {})[child.request_id] = None
 
     def _add_running(self, request: Request) -> None:
         """Put `request` into the running batch."""
@@ -572,3 +591,8 @@ class Scheduler:
             assert kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens, r
         for rid in self._reserved_ids:
             assert rid not in self._requests, rid
+        index: dict[str, list[str]] = {}
+        for r in self._requests.values():
+            if r.parent_id is not None:
+                index.setdefault(r.parent_id, []).append(r.request_id)
+        assert {g: list(c) for g, c in self._children.items()} == index, "the children index is stale"

@@ -2,7 +2,13 @@
 
 The event loop never runs a model step. Commands (add, abort, stop) go to the engine thread through a
 thread-safe queue and are applied between steps, so an abort frees its KV blocks before the next step. Each
-request's snapshots come back through its own asyncio.Queue via `loop.call_soon_threadsafe`.
+request's snapshots come back through its own `OutputBox`, which keeps only the latest (they are cumulative), so a
+slow reader costs one snapshot; a reader that leaves a snapshot unread past `stream_stall_timeout` is aborted.
+
+A step that raises is handled by `--on-engine-failure`: "restart" fails the in-flight requests with a 503 to
+retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" and "none" (and an engine given no
+`rebuild`) fail them for good and leave the engine dead; with "exit", or when a rebuild fails, the server then
+stops with a non-zero status (`wait_fatal`), for a supervisor to restart the process.
 """
 
 from __future__ import annotations
@@ -13,8 +19,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import ServingConfig
@@ -22,11 +28,13 @@ from pagoda.server.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineEvent,
+    ReplicaDeadError,
     ReplicaSet,
     RequestAccepted,
     RequestFailed,
 )
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.output_box import BoxItem, OutputBox
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -44,6 +52,10 @@ class EngineOverloadedError(RuntimeError):
     """Too many sequences are waiting; retry later."""
 
 
+class EngineRestartedError(ReplicaDeadError):
+    """The in-process engine's step raised: the request is lost, the engine is rebuilt and a retry is served."""
+
+
 @dataclass(frozen=True, slots=True)
 class PromptRequest:
     """One engine request of an HTTP request: its id, its prompt's token ids and (if it had one) its text."""
@@ -55,14 +67,15 @@ class PromptRequest:
 
 @dataclass(slots=True)
 class _Stream:
-    """One request's channel. The engine thread owns every field except `queue`'s consumer side."""
+    """One request's channel. The engine thread owns every field except `box`'s consumer side."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    n: int
+    n: int  # samples it reports
+    num_seqs: int  # sequences it holds in the engine: n, or the beam width of a beam search
     arrival: float  # time.monotonic() when the server accepted it
-    queue: asyncio.Queue[RequestOutput | Exception | None] = field(default_factory=asyncio.Queue)
+    box: OutputBox
     last: RequestOutput | None = None
     num_tokens: int = 0
     last_token_time: float | None = None
@@ -116,15 +129,30 @@ def _aborted_snapshot(stream: _Stream) -> RequestOutput:
 class AsyncLLM:
     """Asynchronous front of an engine: `generate` streams snapshots; admission, draining and death handling."""
 
-    def __init__(self, engine: EngineClient, config: ServingConfig | None = None) -> None:
-        """Front `engine` with `config`'s limits; the served model name defaults to the engine's model name."""
+    def __init__(
+        self,
+        engine: EngineClient,
+        config: ServingConfig | None = None,
+        *,
+        rebuild: Callable[[], EngineClient] | None = None,
+    ) -> None:
+        """Front `engine` with `config`'s limits; the served model name defaults to the engine's model name.
+
+        `rebuild` makes a fresh engine from the same config: with --on-engine-failure restart, a step that
+        raised replaces the engine by `rebuild()` (without it, a failed engine stays dead)."""
         config = config or ServingConfig()
         self.engine = engine
+        self._rebuild = rebuild
+        self.on_engine_failure = config.on_engine_failure
+        self.engine_restarts = 0  # times a failed engine was rebuilt
+        self._fatal = asyncio.Event()  # set once the engine died for good and the process should end
         # A remote core answers each add later, out of `step` (RequestAccepted / RequestFailed).
         self._deferred_acceptance = bool(getattr(engine, "defers_acceptance", False))
         self.replicas: ReplicaSet | None = engine if isinstance(engine, ReplicaSet) else None
         self.served_model_name = config.served_model_name or engine.model_name
         self.max_waiting_requests = config.max_waiting_requests
+        self.stream_stall_timeout = config.stream_stall_timeout
+        self.num_stalled_aborts = 0  # requests aborted because their reader left a snapshot unread too long
         self.max_concurrent_requests = (
             config.max_concurrent_requests
         )  # TGI's limit on requests (prompts) in flight
@@ -137,8 +165,9 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._draining = False
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the streams are read on (start())
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._open: dict[str, _Stream] = {}  # event loop only: the streams of unreleased RequestStreams
         # Event-loop side accounting.
         self._num_pending_seqs = 0  # admitted sequences that have no token yet
         self._num_active = 0
@@ -157,6 +186,10 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         """True while the engine thread runs and has not failed."""
         return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    async def wait_fatal(self) -> None:
+        """Return once the engine died and --on-engine-failure exit wants the process to end (never otherwise)."""
+        await self._fatal.wait()
 
     @property
     def is_draining(self) -> bool:
@@ -177,6 +210,11 @@ class AsyncLLM:
     def num_pending_sequences(self) -> int:
         """Admitted sequences without a token yet: what --max-waiting-requests limits."""
         return self._num_pending_seqs
+
+    @property
+    def num_buffered_outputs(self) -> int:
+        """Items (snapshots, acceptances, errors) waiting unread in the open streams: at most 3 per stream."""
+        return sum(len(stream.box) for stream in self._open.values())
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting, wait up to `timeout` seconds for in-flight requests, then abort the rest."""
@@ -202,12 +240,13 @@ class AsyncLLM:
 
     # --- requests (event loop side) --------------------------------------------------------------------
 
-    def check_admission(self, num_seqs: int, n: int) -> None:
-        """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`).
+    def check_admission(self, num_seqs: int, n: int, width_param: str = "n") -> None:
+        """The one admission rule for an HTTP request of `num_seqs` sequences (prompts x `n`, where `n` is the
+        sequences one prompt holds: its samples, or its beam width, named by `width_param`).
 
         It fits when the pending sequences plus its own stay within --max-waiting-requests, and its prompts plus
         those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
-        RequestRejectedError (a 400, naming `n` or `prompt`), not a 429 to retry.
+        RequestRejectedError (a 400, naming `width_param` or `prompt`), not a 429 to retry.
         """
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped")
@@ -230,7 +269,7 @@ class AsyncLLM:
             raise RequestRejectedError(
                 f"the request has {num_seqs} sequences (prompts x n), more than --max-waiting-requests "
                 f"({limit}) admits at once; it can never be admitted",
-                "n" if n > limit else "prompt",
+                width_param if n > limit else "prompt",
             )
         if self._num_pending_seqs + num_seqs > limit:
             raise EngineOverloadedError(f"{self._num_pending_seqs} sequences are waiting (limit {limit})")
@@ -256,15 +295,19 @@ class AsyncLLM:
         `check_admission`), or the engine's ValueError (with `param`) when it rejects a prompt; then none of the
         prompts stays in the engine. Close the streams (or exhaust them) when done.
         """
-        self.check_admission(len(prompts) * params.n, params.n)
+        width = params.num_sequences
+        self.check_admission(len(prompts) * width, width, "n" if width == params.n else "best_of")
         now = time.monotonic()
+        loop = asyncio.get_running_loop()
         streams = [
             _Stream(
                 request_id=p.request_id,
                 prompt=p.prompt,
                 prompt_token_ids=tuple(p.prompt_token_ids),
                 n=params.n,
+                num_seqs=width,
                 arrival=now,
+                box=OutputBox(loop),
             )
             for p in prompts
         ]
@@ -276,7 +319,7 @@ class AsyncLLM:
                     raise EngineDeadError("the engine loop has stopped")
                 for stream in streams:
                     self._commands.put(_Add(stream, params))
-            accepted = [await stream.queue.get() for stream in streams]
+            accepted = [await stream.box.get() for stream in streams]
             failure = next((a for a in accepted if isinstance(a, Exception)), None)
             for handle, item in zip(handles, accepted, strict=True):
                 if isinstance(item, Exception):
@@ -305,17 +348,19 @@ class AsyncLLM:
         finally:
             handle.close()
 
-    def _admit(self, n: int) -> None:
-        self._num_pending_seqs += n
+    def _admit(self, stream: _Stream) -> None:
+        self._num_pending_seqs += stream.num_seqs
         self._num_active += 1
+        self._open[stream.request_id] = stream
         self._idle.clear()
 
-    def _first_token(self, n: int) -> None:
-        self._num_pending_seqs -= n
+    def _first_token(self, num_seqs: int) -> None:
+        self._num_pending_seqs -= num_seqs
 
     def _release(self, request_id: str, *, abort: bool) -> None:
         if abort:
             self._put(_Abort(request_id, notify=False))
+        self._open.pop(request_id, None)
         self._num_active -= 1
         if self._num_active == 0:
             self._idle.set()
@@ -329,28 +374,70 @@ class AsyncLLM:
     # --- engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                if not self._apply_commands(block=not engine.has_unfinished_requests()):
+        while True:
+            try:
+                self._serve_steps()
+                return
+            except BaseException as exc:
+                if not self._recover(exc):
                     return
-                self._stats = engine.get_stats()
-                if not engine.has_unfinished_requests():
-                    continue
-                before = self._stats
-                outputs = engine.step()
-                now = time.monotonic()
-                for output in outputs:
-                    self._dispatch_event(output, now)
-                self._stats = engine.get_stats()
-                num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
-                    before.prompt_tokens + before.generation_tokens
-                )
-                if num_tokens > 0:
-                    self.metrics.observe_iteration(num_tokens)
-        except BaseException as exc:
-            logger.exception("the engine loop failed; every in-flight request fails")
+
+    def _recover(self, exc: BaseException) -> bool:
+        """After a step raised: rebuild the engine (True: serve on) or die (False), per --on-engine-failure."""
+        # The exception text stays in this log: clients get a stable 503 (api.serving_base.to_api_error).
+        logger.exception("the engine loop failed")
+        restart = self.on_engine_failure == "restart" and self._rebuild is not None
+        if not restart or not isinstance(exc, Exception):
             self._die(exc)
+            if self.on_engine_failure == "exit":
+                logger.critical("--on-engine-failure exit: the server stops with a non-zero status")
+                self._set_fatal()
+            return False
+        lost = EngineRestartedError("the engine failed and is being rebuilt")
+        for stream in self._streams.values():
+            self._push(stream, lost)
+        self._streams.clear()
+        logger.error("every in-flight request fails (503, retry); rebuilding the engine from its config")
+        with contextlib.suppress(Exception):  # a broken engine may fail to close; its replacement matters
+            self.engine.close()
+        assert self._rebuild is not None
+        try:
+            self.engine = self._rebuild()
+        except Exception as rebuild_exc:
+            logger.exception("rebuilding the engine failed; it stays dead and the server stops (non-zero)")
+            self._die(rebuild_exc)
+            self._set_fatal()  # a server that can never serve again is better restarted by its supervisor
+            return False
+        self.engine_restarts += 1
+        self._stats = self.engine.get_stats()
+        logger.info("the engine was rebuilt (restart %d)", self.engine_restarts)
+        return True
+
+    def _set_fatal(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending anyway
+                self._loop.call_soon_threadsafe(self._fatal.set)
+
+    def _serve_steps(self) -> None:
+        """Apply commands and step the engine until told to stop; a step's exception propagates."""
+        while True:
+            engine = self.engine
+            if not self._apply_commands(block=not engine.has_unfinished_requests()):
+                return
+            self._stats = engine.get_stats()
+            if not engine.has_unfinished_requests():
+                continue
+            before = self._stats
+            outputs = engine.step()
+            now = time.monotonic()
+            for output in outputs:
+                self._dispatch_event(output, now)
+            self._stats = engine.get_stats()
+            num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
+                before.prompt_tokens + before.generation_tokens
+            )
+            if num_tokens > 0:
+                self.metrics.observe_iteration(num_tokens)
 
     def _apply_commands(self, *, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once told to stop.
@@ -433,6 +520,10 @@ class AsyncLLM:
         try:
             self._observe(stream, output, now)
             stream.last = output
+            timeout = self.stream_stall_timeout
+            if timeout is not None and not output.finished and stream.box.unread_for(now) > timeout:
+                self._abort_stalled(stream, timeout)
+                return
             if output.finished:
                 del self._streams[output.request_id]
                 self.metrics.observe_e2e(now - stream.arrival)
@@ -444,6 +535,17 @@ class AsyncLLM:
             self._push(stream, exc)
             return
         self._push(stream, output)
+
+    def _abort_stalled(self, stream: _Stream, timeout: float) -> None:
+        """Abort a request whose reader left a snapshot unread past `timeout`: its KV is freed now, and the reader
+        finds the final `abort` snapshot (replacing the unread one) if it ever reads again."""
+        logger.warning(
+            "request %s: its reader left a snapshot unread for over %gs (--stream-stall-timeout); aborted",
+            stream.request_id,
+            timeout,
+        )
+        self.num_stalled_aborts += 1
+        self._abort(stream.request_id, notify=True)
 
     def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -459,13 +561,8 @@ class AsyncLLM:
         stream.num_tokens = num_tokens
         stream.last_token_time = now
 
-    def _push(self, stream: _Stream, item: RequestOutput | Exception | None) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        # RuntimeError: the event loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _push(self, stream: _Stream, item: BoxItem) -> None:
+        stream.box.put(item)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
@@ -493,7 +590,7 @@ class RequestStream:
         self.finished = False
         self._pending = True
         self._closed = False
-        llm._admit(stream.n)
+        llm._admit(stream)
 
     async def __aiter__(self) -> AsyncGenerator[RequestOutput]:
         """Yield snapshots until the request finishes; raise the request's error if it fails.
@@ -502,7 +599,7 @@ class RequestStream:
         """
         try:
             while not self.finished:
-                item = await self._stream.queue.get()
+                item = await self._stream.box.get()
                 if item is None:
                     continue
                 if isinstance(item, Exception):
@@ -510,7 +607,7 @@ class RequestStream:
                     raise item
                 if self._pending and (item.finished or any(o.token_ids for o in item.outputs)):
                     self._pending = False
-                    self._llm._first_token(self._stream.n)
+                    self._llm._first_token(self._stream.num_seqs)
                 if item.finished:
                     self.finished = True
                     self.close()
@@ -525,5 +622,5 @@ class RequestStream:
         self._closed = True
         if self._pending:
             self._pending = False
-            self._llm._first_token(self._stream.n)
+            self._llm._first_token(self._stream.num_seqs)
         self._llm._release(self.request_id, abort=not self.finished)

@@ -65,10 +65,9 @@ def serve(args: argparse.Namespace) -> int:
         client.max_model_len,
     )
     try:
-        _serve_engine(config, client)
+        return _serve_engine(config, client)
     finally:
         client.close()  # tensor-parallel workers and engine cores exit with the server
-    return 0
 
 
 def start_engine(config: ServeConfig) -> EngineClient:
@@ -82,19 +81,28 @@ def start_engine(config: ServeConfig) -> EngineClient:
     return start_core_client(config.engine, config.core, log_level=log_level)
 
 
-def _serve_engine(config: ServeConfig, client: EngineClient) -> None:
-    """Serve `client` until SIGTERM drained it."""
+def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
+    """Serve `client` until SIGTERM drained it (0), or until the engine failed for good (1); the exit status."""
     from pagoda.server.api import build_app
     from pagoda.server.api.server import run_server
     from pagoda.server.async_llm import AsyncLLM
 
-    llm = AsyncLLM(client, config.serving)
+    def rebuild() -> EngineClient:
+        """A fresh in-process engine from the same config (--on-engine-failure restart)."""
+        return start_engine(config)
+
+    # Engine cores restart on their own (CoreClient); only an in-process engine is rebuilt here.
+    llm = AsyncLLM(client, config.serving, rebuild=rebuild if config.core.in_process else None)
     app = build_app(llm, config.app)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again.
     gc.collect()
     gc.freeze()
-    run_server(app, llm, config.server)
+    try:
+        return run_server(app, llm, config.server)
+    finally:
+        if llm.engine is not client:  # a rebuilt engine: `serve` closes the first one
+            llm.engine.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from pagoda.server.config import (
     DTypeName,
     EngineConfig,
     EngineCoreName,
+    EngineFailureName,
     KernelBackendName,
     KVManagerName,
     LogLevelName,
@@ -239,14 +240,30 @@ def argument_table() -> list[Flag]:
                 "help": "seconds an engine core may take to load its model before the server gives up",
             },
         ),
+        Flag(
+            ("--replica-send-hwm",),
+            {
+                "type": int,
+                "help": "frames the front end queues for one engine core before it stops sending to it "
+                "(ZeroMQ's send high-water mark; sends never block)",
+            },
+        ),
+        Flag(
+            ("--replica-stall-timeout",),
+            {
+                "type": float,
+                "help": "seconds an engine core may stay full (not reading its frames) before it is treated as "
+                "sick: its requests fail with a 503 to retry and it is restarted",
+            },
+        ),
         # serving
         Flag(("--served-model-name",), {"help": "model name in the API (default: MODEL)"}),
         Flag(
             ("--max-waiting-requests",),
             {
                 "type": int,
-                "help": "429 when a request's sequences (prompts x n) and those waiting for their first token "
-                "would exceed this; 400 for a request that exceeds it alone",
+                "help": "429 when a request's sequences (prompts x n, or x the beam width) and those waiting "
+                "for their first token would exceed this; 400 for a request that exceeds it alone",
             },
         ),
         Flag(
@@ -261,8 +278,39 @@ def argument_table() -> list[Flag]:
             ("--metrics-prefix",),
             {"help": "namespace of the /metrics names (`vllm` for stock vLLM Grafana dashboards)"},
         ),
+        Flag(
+            ("--on-engine-failure",),
+            {
+                "choices": get_args(EngineFailureName),
+                "help": "when the in-process engine's step raises: fail its requests with a 503 and rebuild it "
+                "(restart, the default), exit non-zero for a supervisor (exit), or stay up answering 503, "
+                "/health too (none)",
+            },
+        ),
+        Flag(
+            ("--stream-stall-timeout",),
+            {
+                "type": float,
+                "help": "seconds a reader may leave a snapshot of its response unread before the request is "
+                "aborted (its KV freed)",
+            },
+        ),
         # app
-        Flag(("--api-key",), {"help": "require `Authorization: Bearer <key>` (all but /health)"}),
+        Flag(
+            ("--api-key",),
+            {
+                "action": "append",
+                "help": "require `Authorization: Bearer <key>` (all but /health); repeat it for several keys",
+            },
+        ),
+        Flag(("--api-key-file",), {"help": "file of accepted API keys, one per line (beside --api-key)"}),
+        Flag(
+            ("--isolate-prefix-cache-per-key",),
+            {
+                "action": argparse.BooleanOptionalAction,
+                "help": "with API keys, share cached prompt prefixes only among one key's requests",
+            },
+        ),
         Flag(
             ("--max-request-body-bytes",),
             {
@@ -347,6 +395,60 @@ def argument_table() -> list[Flag]:
                 "help": "408 if no byte of a request body arrives for this many seconds",
             },
         ),
+        Flag(
+            ("--max-grammar-chars",),
+            {
+                "dest": "max_grammar_chars",
+                "metavar": "MAX_GRAMMAR_CHARS",
+                "type": int,
+                "help": "400 for a longer regex, grammar, JSON schema or choice list (in characters)",
+            },
+        ),
+        Flag(
+            ("--grammar-compile-timeout",),
+            {
+                "dest": "grammar_compile_timeout",
+                "metavar": "GRAMMAR_COMPILE_TIMEOUT",
+                "type": float,
+                "help": "400 for a structured-outputs constraint that takes longer to compile (seconds)",
+            },
+        ),
+        Flag(
+            ("--grammar-cache-bytes",),
+            {
+                "dest": "grammar_cache_bytes",
+                "metavar": "GRAMMAR_CACHE_BYTES",
+                "type": int,
+                "help": "bound of the compiled-grammar cache (xgrammar's cache_limit_bytes)",
+            },
+        ),
+        Flag(
+            ("--grammar-fill-timeout",),
+            {
+                "dest": "grammar_fill_timeout",
+                "metavar": "GRAMMAR_FILL_TIMEOUT",
+                "type": float,
+                "help": "seconds a step waits for a row's grammar mask before aborting that request alone",
+            },
+        ),
+        Flag(
+            ("--request-body-deadline",),
+            {
+                "dest": "body_deadline",
+                "metavar": "REQUEST_BODY_DEADLINE",
+                "type": float,
+                "help": "408 if a whole request body has not arrived this many seconds after its head",
+            },
+        ),
+        Flag(
+            ("--limit-concurrency",),
+            {
+                "dest": "limit_concurrency",
+                "metavar": "LIMIT_CONCURRENCY",
+                "type": int,
+                "help": "503 for connections beyond this many open ones (uvicorn's flag; default: no cap)",
+            },
+        ),
     ]
 
 
@@ -365,6 +467,10 @@ _SECTIONS = {
     ("app", "limits"): ("API request limits", "the fan-out one request may ask for"),
     ("server",): ("server", "address, drain time after SIGTERM, log level"),
     ("server", "limits"): ("HTTP limits", "what one HTTP request may take before the app sees it"),
+    ("engine", "structured_outputs_config"): (
+        "structured outputs",
+        "the engine's compiled-grammar cache and per-row mask deadline",
+    ),
 }
 
 

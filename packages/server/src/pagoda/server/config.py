@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
@@ -30,6 +31,7 @@ __all__ = [
     "DistributedExecutorBackendName",
     "EngineConfig",
     "EngineCoreName",
+    "EngineFailureName",
     "HTTPLimits",
     "KVManagerName",
     "KernelBackendName",
@@ -45,6 +47,7 @@ __all__ = [
     "ServeConfig",
     "ServerConfig",
     "ServingConfig",
+    "StructuredOutputsConfig",
     "ToolParserName",
     "resolved_scheduler_config",
 ]
@@ -65,6 +68,9 @@ ToolParserName = Literal[
 DistributedExecutorBackendName = Literal["mp", "ray"]
 EngineCoreName = Literal["inproc", "process"]
 LogLevelName = Literal["debug", "info", "warning", "error"]
+# --on-engine-failure: what an in-process engine whose step raised does: rebuild itself, end the process, or (none)
+# stay dead answering 503, /health included, for a load balancer or liveness probe to act on.
+EngineFailureName = Literal["restart", "exit", "none"]
 
 
 def _at_least(minimum: float, **values: float | None) -> None:
@@ -167,6 +173,25 @@ class ParallelConfig:
         )
 
 
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Structured outputs in the engine: the compiled-grammar cache's bound, and the per-row mask deadline."""
+
+    # xgrammar's compiled-grammar cache (its cache_limit_bytes): least recently used grammars leave beyond it.
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    # Seconds a step waits for a row's token mask; a row not filled by then aborts its request alone.
+    grammar_fill_timeout: float = 1.0
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _at_least(1024 * 1024, grammar_cache_bytes=self.grammar_cache_bytes)
+        if self.grammar_fill_timeout <= 0:
+            raise ValueError(f"grammar_fill_timeout must be > 0, got {self.grammar_fill_timeout}")
+
+
 def _server_scheduler_config() -> SchedulerConfig:
     """The scheduler section with the model-derived limits left to the engine (None)."""
     return SchedulerConfig(max_model_len=None, max_num_batched_tokens=None)
@@ -185,6 +210,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=_server_scheduler_config)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:
@@ -200,12 +226,16 @@ class CoreClientConfig:
     data_parallel_size: int = 1  # engine-core replicas behind one router (> 1 implies engine_core "process")
     routing_policy: RoutingPolicyName = "cache_aware"
     engine_ready_timeout: float = 600.0  # seconds a core may take to load its model
+    replica_send_hwm: int = 1000  # frames queued for one core before sends to it stop (ZeroMQ's SNDHWM)
+    replica_stall_timeout: float = 30.0  # seconds a core may stay full before it is treated as sick
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
-        _at_least(1, data_parallel_size=self.data_parallel_size)
+        _at_least(1, data_parallel_size=self.data_parallel_size, replica_send_hwm=self.replica_send_hwm)
         if self.engine_ready_timeout <= 0:
             raise ValueError(f"engine_ready_timeout must be > 0, got {self.engine_ready_timeout}")
+        if self.replica_stall_timeout <= 0:
+            raise ValueError(f"replica_stall_timeout must be > 0, got {self.replica_stall_timeout}")
         _one_of("engine_core", self.engine_core, get_args(EngineCoreName))
 
     @property
@@ -215,6 +245,12 @@ class CoreClientConfig:
 
 
 _PROMETHEUS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Sequences waiting for their first token before new requests get a 429: two requests at the default
+# --max-sequences-per-request (so one always fits an idle server), 16 times the default --max-num-seqs. Waiting
+# sequences hold no KV but hold their prompts and state, and each wait costs the ones behind it.
+DEFAULT_MAX_WAITING_REQUESTS = 4096
+# A reader that leaves a snapshot of its stream unread this long (seconds) is aborted, freeing its KV.
+DEFAULT_STREAM_STALL_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,9 +259,11 @@ class ServingConfig:
 
     served_model_name: str | None = None  # the model name in the API; None: the engine's model name
     # 429 when a request's sequences (prompts x n) and those waiting for their first token would exceed this.
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS  # None: no limit
     max_concurrent_requests: int | None = None  # TGI's limit on requests (prompts) in flight
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
+    on_engine_failure: EngineFailureName = "restart"  # an in-process engine whose step raised
+    stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT  # None: never abort a slow reader
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -234,10 +272,13 @@ class ServingConfig:
             max_waiting_requests=self.max_waiting_requests,
             max_concurrent_requests=self.max_concurrent_requests,
         )
+        _one_of("on_engine_failure", self.on_engine_failure, get_args(EngineFailureName))
         if _PROMETHEUS_NAME.fullmatch(self.metrics_prefix) is None:
             raise ValueError(
                 "metrics_prefix must be a Prometheus name: letters, digits and _, not a digit first"
             )
+        if self.stream_stall_timeout is not None and not self.stream_stall_timeout > 0:
+            raise ValueError(f"stream_stall_timeout must be > 0, got {self.stream_stall_timeout}")
 
 
 # OpenAI's cap on the prompt array of one completion request; sequences (prompts x n) are capped at the same
@@ -267,7 +308,11 @@ class RequestLimits:
 class AppSettings:
     """The API app's options (`pagoda.server.api.build_app`)."""
 
-    api_key: str | None = None
+    # --api-key: one key, or several (the flag repeated); each caller presents one of them (or of api_key_file).
+    api_key: str | tuple[str, ...] | None = None
+    api_key_file: str | None = None  # --api-key-file: one key per line (blank lines and `#` comments skipped)
+    # --[no-]isolate-prefix-cache-per-key: a key's requests share cached prefixes only with that key's.
+    isolate_prefix_cache_per_key: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-request-body-bytes: 413 for larger bodies
     limits: RequestLimits = field(default_factory=RequestLimits)
     # The chat template's text, overriding the tokenizer's (the CLI loads --chat-template's file into it).
@@ -275,12 +320,40 @@ class AppSettings:
     reasoning_parser: ReasoningParserName | None = None  # --reasoning-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" needs it
     tool_call_parser: ToolParserName | None = None  # --tool-call-parser
+    # Longest regex, grammar, JSON schema (as canonical JSON text) or choice grammar a request may send: else 400.
+    max_grammar_chars: int = 128 * 1024
+    # Seconds the API waits for a constraint to compile before answering 400 (the compile runs on, dropped).
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
-        _at_least(1, max_body_bytes=self.max_body_bytes)
+        _at_least(1, max_body_bytes=self.max_body_bytes, max_grammar_chars=self.max_grammar_chars)
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+        given: object = self.api_key
+        if isinstance(given, list):  # argparse's `append` gives a list; the section stays hashable
+            object.__setattr__(self, "api_key", tuple(given))
+        self.api_keys()  # ValueError naming api_key or api_key_file
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted key: api_key's and api_key_file's lines; empty when the API is open."""
+        given = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
+        if any(not key.strip() for key in given):
+            raise ValueError("api_key must not be empty")
+        if self.api_key_file is None:
+            return tuple(key.strip() for key in given)
+        try:
+            lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"api_key_file {self.api_key_file!r} cannot be read: {exc}") from exc
+        from_file = tuple(
+            line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")
+        )
+        if not from_file:
+            raise ValueError(f"api_key_file {self.api_key_file!r} holds no key")
+        return tuple(key.strip() for key in given) + from_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,11 +366,16 @@ class HTTPLimits:
     head_timeout: float = 10.0
     # Seconds the body may go without a byte arriving (an idle gap, so slow uploads that progress never time out).
     body_timeout: float = 30.0
+    # Seconds a whole body may take however it trickles (beside the idle gap): then 408.
+    body_deadline: float = 120.0
+    # uvicorn's --limit-concurrency: open connections (and tasks) beyond it get a 503. None: no cap.
+    limit_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1024, max_head_bytes=self.max_head_bytes)
-        for name in ("head_timeout", "body_timeout"):
+        _at_least(1, limit_concurrency=self.limit_concurrency)
+        for name in ("head_timeout", "body_timeout", "body_deadline"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -45,6 +45,7 @@ class LLM:
         order: dict[str, int] = {}
         for index, (prompt, sp) in enumerate(zip(batch, params_list, strict=True)):
             request_id = f"offline-{next(self._ids)}"
+            self.engine.rules.check_constraint(sp)  # the front end's parse: the engine only compiles
             if isinstance(prompt, str):
                 token_ids = self.tokenizer.encode(prompt)
                 self.engine.add_request(request_id, token_ids, sp, prompt=prompt)

@@ -134,6 +134,7 @@ class ServerMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(model_name, stats, prefix, replicas))
+        self.prefix = prefix  # for the app's own collectors (grammar cache)
         self._model_name = model_name
         labels = ["model_name"]
 

@@ -54,6 +54,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top alternatives per prompt position (0: the prompt token's only)
     # Beam search instead of sampling: n (<= beam_width) best beams are returned, nothing is streamed.
     beam_search: BeamSearchParams | None = None
+    # Prefix-cache isolation (vLLM's `cache_salt`): only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
+    # bad_words as token sequences (logits_processors.tokenize_bad_words), filled by the API at admission so that
+    # the engine thread does not tokenize; None: the engine tokenizes bad_words itself (vLLM's _bad_words_token_ids).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""
@@ -112,6 +117,12 @@ class SamplingParams:
                 "allowed_token_ids must be >= 0",
             ),
             (all(w.strip() for w in self.bad_words or ()), "bad_words", "bad_words must not be blank"),
+            (
+                self.bad_words_token_ids is None
+                or (self.bad_words is not None and all(t >= 0 for w in self.bad_words_token_ids for t in w)),
+                "bad_words",
+                "bad_words_token_ids are the tokens of bad_words (ids >= 0)",
+            ),
         ]
         beam = self.beam_search
         if beam is not None:
@@ -149,6 +160,11 @@ class SamplingParams:
             beam_search=beam,
             **fields,  # type: ignore[arg-type]
         )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences one prompt holds in the engine: its n samples, or the beam width of a beam search."""
+        return self.n if self.beam_search is None else max(self.n, self.beam_search.beam_width)
 
     @property
     def greedy(self) -> bool:

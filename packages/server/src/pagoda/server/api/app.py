@@ -8,12 +8,13 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
+from pagoda.server.api.cache_scope import key_digest, set_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.input_checks import first_lone_surrogate, max_prompt_chars
 from pagoda.server.api.openapi import build_openapi
@@ -32,12 +33,16 @@ from pagoda.server.api.reasoning import make_reasoning_parser
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
 from pagoda.server.config import AppSettings
+from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.structured import StructuredOutputManager
+from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -47,6 +52,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +65,50 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 class APIKeyMiddleware:
-    """401 for every route but /health unless the request carries `Authorization: Bearer <api key>`."""
+    """401 for every route but /health unless the request carries `Authorization: Bearer <one of the keys>`.
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    With `isolate`, the matched key's digest is left in the request's state: its requests' prefix-cache salt
+    (api/cache_scope.py), so that no key can see, through `cached_tokens`, what another key's prompts cached.
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], isolate: bool = True) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [(key.encode(), key_digest(key.encode())) for key in api_keys]
+        self._isolate = isolate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the bearer token, then pass the request on."""
         if scope["type"] == "http" and scope["path"] != "/health":
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            # compare_digest: the time taken must not reveal how much of the key matched.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            digest = self._match(token.strip().encode()) if scheme.lower() == "bearer" else None
+            if digest is None:
                 error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
                 await error.to_response()(scope, receive, send)
                 return
+            if self._isolate:
+                set_scope(scope, digest)
         await self.app(scope, receive, send)
 
+    def _match(self, token: bytes) -> str | None:
+        """The digest of the key `token` is, or None; every key is compared (compare_digest, no early exit), so
+        the time taken tells neither how much of a key matched nor which key did."""
+        found: str | None = None
+        for key, digest in self._keys:
+            if hmac.compare_digest(token, key):
+                found = digest
+        return found
 
-async def read_body(request: Request, model: type[M], limit: int) -> M:
-    """Parse a JSON object body into `model`: 400 for a wrong content type, bad JSON or bad fields, 413 if big."""
+
+# Bodies over this many bytes are parsed and validated on a worker thread: a few MB of JSON takes the parser
+# and pydantic tens to hundreds of milliseconds, which would stall every other request on the event loop.
+OFF_LOOP_BODY_BYTES = 256 * 1024
+
+
+async def read_body(request: Request, model: type[M], limit: int, executor: Executor | None = None) -> M:
+    """Parse a JSON object body into `model`: 400 for a wrong content type, bad JSON or bad fields, 413 if big.
+
+    A body over OFF_LOOP_BODY_BYTES is parsed on `executor` (None: asyncio's default threads), off the loop.
+    """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise bad_request("Content-Type must be application/json")
@@ -93,6 +123,13 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
                 raise APIError(413, f"The request body is larger than {limit} bytes.")
     except ClientDisconnect as exc:
         raise ClientDisconnectedError from exc
+    if len(body) <= OFF_LOOP_BODY_BYTES:
+        return parse_body(bytes(body), model)
+    return await asyncio.get_running_loop().run_in_executor(executor, parse_body, bytes(body), model)
+
+
+def parse_body(body: bytes, model: type[M]) -> M:
+    """A JSON object body validated into `model`; APIError 400 naming the field at fault."""
     try:
         # Strict UTF-8 (RFC 8259): json.loads of bytes would also take UTF-16 and encoded surrogates.
         data = json.loads(body.decode("utf-8"))
@@ -121,6 +158,32 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
         ) from exc
 
 
+class _GrammarCacheCollector:
+    """`<prefix>:grammar_cache_bytes`: what the compiled-grammar cache of the API's manager holds (in-process,
+    the engine's own) at scrape time."""
+
+    def __init__(self, manager: StructuredOutputManager, prefix: str, model_name: str) -> None:
+        self._manager = manager
+        self._prefix = prefix
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        """One gauge."""
+        gauge = GaugeMetricFamily(
+            f"{self._prefix}:grammar_cache_bytes",
+            "Bytes held by the compiled-grammar cache (bounded by --grammar-cache-bytes).",
+            labels=["model_name"],
+        )
+        gauge.add_metric([self._model_name], float(self._manager.cache_size_bytes))
+        yield gauge
+
+
+def _stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's eos id, what a front-end grammar check compiles with (only its verdict is used)."""
+    eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else []
+
+
 def _package_version() -> str:
     try:
         return version("pagoda-server")
@@ -138,6 +201,13 @@ class _Routes:
         self.settings = settings
         # Bounded: a burst of long prompts queues here instead of taking every core from the engine thread.
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenizer")
+        # The in-process engine's grammar manager: the API's compile fills the cache the engine then reads.
+        # Otherwise (engine-core processes, fakes) a front-end one checks the compile, with its own bounded cache.
+        self.grammars = (
+            engine.structured
+            if isinstance(engine, LLMEngine)
+            else StructuredOutputManager(tokenizer, engine.vocab_size, _stop_ids(tokenizer))
+        )
         self.ctx = ServingContext(
             llm=llm,
             tokenizer=tokenizer,
@@ -153,6 +223,9 @@ class _Routes:
             tool_parser=make_tool_parser(settings.tool_call_parser)
             if settings.enable_auto_tool_choice and settings.tool_call_parser is not None
             else None,
+            grammars=GrammarCheck(
+                self.grammars.compile, settings.max_grammar_chars, settings.grammar_compile_timeout
+            ),
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
@@ -160,17 +233,21 @@ class _Routes:
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
-            secured=settings.api_key is not None,
+            secured=bool(settings.api_keys()),
         )
+
+    async def _body(self, request: Request, model: type[M]) -> M:
+        """The request's JSON body as `model` (a large one parsed on the tokenizer threads)."""
+        return await read_body(request, model, self.settings.max_body_bytes, self.executor)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
-        body = await read_body(request, CompletionRequest, self.settings.max_body_bytes)
+        body = await self._body(request, CompletionRequest)
         return await self.completions_handler.create(body, request)
 
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        body = await read_body(request, ChatCompletionRequest, self.settings.max_body_bytes)
+        body = await self._body(request, ChatCompletionRequest)
         return await self.chat_handler.create(body, request)
 
     async def models(self, request: Request) -> Response:
@@ -182,7 +259,7 @@ class _Routes:
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or chat messages through the chat template."""
-        body = await read_body(request, TokenizeRequest, self.settings.max_body_bytes)
+        body = await self._body(request, TokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -195,15 +272,24 @@ class _Routes:
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
             )
+            # The bound completions and chat apply: a text this long surely exceeds max_model_len.
+            ctx.check_prompt_chars(text, "messages")
             (tokens,) = await ctx.encode([text], add_special_tokens=False)
         else:
+            ctx.check_prompt_chars(body.prompt or "", "prompt")
             (tokens,) = await ctx.encode([body.prompt or ""], add_special_tokens=body.add_special_tokens)
-        response = TokenizeResponse(count=len(tokens), max_model_len=ctx.rules.max_model_len, tokens=tokens)
+        max_model_len = ctx.rules.max_model_len
+        if len(tokens) > max_model_len:  # the completions' bound, after the tokenizer too
+            raise bad_request(
+                f"the prompt has {len(tokens)} tokens, more than max_model_len ({max_model_len})",
+                "prompt" if body.messages is None else "messages",
+            )
+        response = TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
         return JSONResponse(response.model_dump())
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize."""
-        body = await read_body(request, DetokenizeRequest, self.settings.max_body_bytes)
+        body = await self._body(request, DetokenizeRequest)
         self.ctx.check_model(body.model)
         self.ctx.rules.check_token_ids(body.tokens, "tokens")
         return JSONResponse(DetokenizeResponse(prompt=await self.ctx.decode(body.tokens)).model_dump())
@@ -269,6 +355,9 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
     """The ASGI app serving `llm`; its lifespan starts the engine thread and stops it at shutdown."""
     settings = settings or AppSettings()
     routes = _Routes(llm, settings)
+    llm.metrics.registry.register(
+        _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -278,10 +367,14 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
         finally:
             await asyncio.to_thread(llm.shutdown)
             routes.executor.shutdown(wait=False, cancel_futures=True)
+            routes.grammars.shutdown()
 
     middleware: list[Middleware] = []
-    if settings.api_key is not None:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    api_keys = settings.api_keys()
+    if api_keys:
+        middleware.append(
+            Middleware(APIKeyMiddleware, api_keys=api_keys, isolate=settings.isolate_prefix_cache_per_key)
+        )
     handlers: dict[Any, Any] = {
         APIError: _api_error,
         RequestRejectedError: _rejected,

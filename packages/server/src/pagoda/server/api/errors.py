@@ -54,3 +54,11 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None) -> APIError:
     """A 400 error naming the offending field."""
     return APIError(400, message, param=param)
+
+
+# The 503 texts clients see: stable, never an exception's text (the server log has that).
+ENGINE_RESTARTED_MESSAGE = (
+    "The engine failed while serving this request and is being restarted. Retry the request."
+)
+REPLICA_FAILED_MESSAGE = "The engine replica serving this request failed. Retry the request."
+ENGINE_DEAD_MESSAGE = "The engine has stopped; the server cannot serve requests."

@@ -28,7 +28,11 @@ class HTTPConfig(uvicorn.Config):
 
     def __init__(self, app: Any, limits: HTTPLimits, **kwargs: Any) -> None:
         super().__init__(
-            app, http=LimitedH11Protocol, h11_max_incomplete_event_size=limits.max_head_bytes, **kwargs
+            app,
+            http=LimitedH11Protocol,
+            h11_max_incomplete_event_size=limits.max_head_bytes,
+            limit_concurrency=limits.limit_concurrency,
+            **kwargs,
         )
         self.limits = limits
 
@@ -81,7 +85,7 @@ class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with HTTPLimits, answering protocol errors and timeouts with OpenAI-shaped JSON.
 
     Timers: the head timer runs while a connection waits for a request head (h11's IDLE); the body timer while
-    it reads a body (SEND_BODY). Both are checked after each read, so the normal path pays two attribute
+    it reads a body (SEND_BODY), for both the idle gap and the whole body's deadline. Both are checked after each read, so the normal path pays two attribute
     reads and a clock read per received chunk.
     """
 
@@ -98,6 +102,7 @@ class LimitedH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._last_body_read = 0.0
+        self._body_started = 0.0  # when the current body began (its deadline counts from here)
         self._lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -139,7 +144,9 @@ class LimitedH11Protocol(H11Protocol):
             self._cancel_head_timer()
         if state is h11.SEND_BODY:
             if self._body_timer is None:
-                self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_timed_out)
+                self._body_started = self.loop.time()
+                first = min(self.limits.body_timeout, self.limits.body_deadline)
+                self._body_timer = self.loop.call_later(first, self._body_timed_out)
         else:
             self._cancel_body_timer()
 
@@ -174,12 +181,19 @@ class LimitedH11Protocol(H11Protocol):
             # uvicorn stopped reading because the app has not taken what arrived: not the client's delay.
             self._last_body_read = now
         idle = now - self._last_body_read
-        if idle < self.limits.body_timeout:
-            self._body_timer = self.loop.call_later(self.limits.body_timeout - idle, self._body_timed_out)
+        # The deadline bounds a body that trickles one byte per idle gap, which the gap alone never cuts off.
+        left = self.limits.body_deadline - (now - self._body_started)
+        if idle < self.limits.body_timeout and left > 0:
+            wait = min(self.limits.body_timeout - idle, left)
+            self._body_timer = self.loop.call_later(wait, self._body_timed_out)
             return
         cycle = self.cycle
         if cycle is not None and cycle.response_started:
             self.transport.close()  # the app answered already; the client stalled sending the rest
+            return
+        if left <= 0:
+            seconds = self.limits.body_deadline
+            self._send_error(APIError(408, f"The request body did not arrive within {seconds:g} s."))
             return
         seconds = self.limits.body_timeout
         self._send_error(APIError(408, f"No byte of the request body arrived for {seconds:g} s."))

@@ -11,12 +11,25 @@ from pagoda.server.sampling_params import MAX_LOGPROBS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 MAX_N = 16  # samples per prompt; caps the KV cache one request may claim
+MAX_CACHE_SALT_CHARS = 1024  # the salt is hashed into every block's key: a bound, not a payload
 MAX_STOP_STRINGS = 16  # stop strings per request; each is checked on every new token
+# Caps on per-request lists (issue 28), each a 400 naming the field. OpenAI's 300 logit_bias keys (counted as
+# sent, before "5" and "05" merge into one id); vLLM caps none of these, so the others leave room for what clients
+# send today while bounding the work and memory one request may ask for.
+MAX_STOP_STRING_CHARS = 1024  # a stream holds back the longest stop string's length - 1 characters
+MAX_LOGIT_BIAS_KEYS = 300
+MAX_BAD_WORDS = 300
+MAX_BAD_WORD_CHARS = 256
+# Prompt logprob entries of one request: prompt tokens x (prompt_logprobs + 1), summed over its prompts (a full
+# 8,192-token prompt with 20 alternatives is 172,032); each entry is a Python object and ~80 bytes of JSON.
+MAX_PROMPT_LOGPROB_ENTRIES = 2**18
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenIds = list[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+BadWord = Annotated[str, Field(max_length=MAX_BAD_WORD_CHARS)]
 
 
 class _Model(BaseModel):
@@ -56,7 +69,7 @@ class SamplingFields(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: Int64 | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_STRINGS)] | None = None
     ignore_eos: bool = False
     min_tokens: Int64 = 0
@@ -64,11 +77,14 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
-    allowed_token_ids: TokenIds | None = None  # vLLM extra
-    bad_words: list[str] | None = None  # vLLM extra
+    # token id (a JSON key, so a string) -> bias in [-100, 100]
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_KEYS)] | None = None
+    allowed_token_ids: TokenIds | None = None  # vLLM extra; at most the vocabulary's size (serving_base)
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM extra
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM extra
     priority: Int64 = 0  # vLLM extra: lower is served first under --scheduling-policy priority
+    # vLLM extra: only requests with the same salt (and, by default, the same API key) share cached prefixes.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # Metadata OpenAI itself stores or bills by: accepted, no effect on generation.
     user: str | None = None
     metadata: dict[str, str] | None = None

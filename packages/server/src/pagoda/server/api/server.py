@@ -15,6 +15,8 @@ from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)
 
+# The process's status when the engine failed for good (--on-engine-failure exit, or a failed rebuild).
+ENGINE_FAILURE_EXIT_STATUS = 1
 # After the drain, how long uvicorn waits for responses still being written before it cuts them.
 _FLUSH_SECONDS = 5.0
 
@@ -33,11 +35,21 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_requested = False
         self._drain_task: asyncio.Task[None] | None = None
+        self._fatal_task: asyncio.Task[None] | None = None
+        self.exit_status = 0  # what `run_server` returns: non-zero once the engine failed for good
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Remember the event loop so the signal handler can schedule the drain on it."""
+        """Remember the event loop so the signal handler can schedule the drain on it; watch for a fatal engine."""
         self._loop = asyncio.get_running_loop()
+        self._fatal_task = asyncio.ensure_future(self._exit_on_fatal())
         await super().startup(sockets)
+
+    async def _exit_on_fatal(self) -> None:
+        # --on-engine-failure exit: the engine died for good, so the process ends non-zero for its supervisor.
+        await self._llm.wait_fatal()
+        logger.critical("the engine failed: the server exits with status %d", ENGINE_FAILURE_EXIT_STATUS)
+        self.exit_status = ENGINE_FAILURE_EXIT_STATUS
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: drain in the background; later signals (or one before start-up): uvicorn's exit."""
@@ -59,8 +71,9 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None) -> None:
-    """Serve `app` on `config`'s address and HTTP limits until a signal drains and stops it."""
+def run_server(app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None) -> int:
+    """Serve `app` on `config`'s address and HTTP limits until a signal drains and stops it (0), or the engine
+    failed for good (ENGINE_FAILURE_EXIT_STATUS); the process's exit status."""
     config = config or ServerConfig()
     http = HTTPConfig(
         app,
@@ -71,4 +84,6 @@ def run_server(app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None
         lifespan="on",
         timeout_graceful_shutdown=int(_FLUSH_SECONDS),
     )
-    DrainingServer(http, llm, config.shutdown_timeout).run()
+    server = DrainingServer(http, llm, config.shutdown_timeout)
+    server.run()
+    return server.exit_status

@@ -9,16 +9,29 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pagoda.server.api.errors import APIError, bad_request
-from pagoda.server.api.protocol import PromptLogprob, PromptLogprobsField, SamplingFields
+from pagoda.server.api.cache_scope import combine
+from pagoda.server.api.errors import (
+    ENGINE_DEAD_MESSAGE,
+    ENGINE_RESTARTED_MESSAGE,
+    REPLICA_FAILED_MESSAGE,
+    APIError,
+    bad_request,
+)
+from pagoda.server.api.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    PromptLogprob,
+    PromptLogprobsField,
+    SamplingFields,
+)
 from pagoda.server.api.reasoning import ReasoningParser
-from pagoda.server.api.serving_structured import check_constraint, requested_constraint
+from pagoda.server.api.serving_structured import GrammarCheck, check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.api.tool_parsers import ToolCallParser
 from pagoda.server.async_llm import (
     AsyncLLM,
     EngineDrainingError,
     EngineOverloadedError,
+    EngineRestartedError,
     PromptRequest,
     RequestStream,
 )
@@ -26,7 +39,9 @@ from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine_client import EngineDeadError, ReplicaDeadError
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
+from pagoda.server.sampling.logits_processors import tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
+from pagoda.server.structured import GrammarKind, StructuredOutputsParams
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -61,26 +76,30 @@ class ServingContext:
     max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
     tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
+    grammars: GrammarCheck | None = None  # length, parse and compile-time checks (None: parse only)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
-    def check_fan_out(self, num_prompts: int, n: int) -> None:
-        """400 when a request has more prompts, or prompts x n sequences, than the limits allow."""
+    def check_fan_out(self, num_prompts: int, n: int, best_of: int | None = None) -> None:
+        """400 when a request has more prompts, or prompts x max(n, best_of) sequences (best_of is a beam search's
+        width), than the limits allow; the 400 names best_of when it is the wider."""
         limits = self.limits
+        param = "best_of" if best_of is not None and best_of > n else "n"
+        width = max(n, best_of or 0)
         if num_prompts > limits.max_prompts_per_request:
             raise bad_request(
                 f"the request has {num_prompts} prompts, more than --max-prompts-per-request "
                 f"({limits.max_prompts_per_request})",
                 "prompt",
             )
-        if num_prompts * n > limits.max_sequences_per_request:
+        if num_prompts * width > limits.max_sequences_per_request:
             raise bad_request(
-                f"the request asks for {num_prompts} prompts x n {n} = {num_prompts * n} sequences, more than "
-                f"--max-sequences-per-request ({limits.max_sequences_per_request})",
-                "n",
+                f"the request asks for {num_prompts} prompts x {param} {width} = {num_prompts * width} sequences, "
+                f"more than --max-sequences-per-request ({limits.max_sequences_per_request})",
+                param,
             )
 
     def check_prompt_chars(self, text: str, param: str) -> None:
@@ -135,6 +154,11 @@ class ServingContext:
         self.rules.check_token_ids(stop_token_ids, "stop_token_ids")
         logit_bias = self._logit_bias(body.logit_bias)
         allowed = None if body.allowed_token_ids is None else tuple(body.allowed_token_ids)
+        if allowed is not None and len(allowed) > self.rules.vocab_size:
+            raise bad_request(
+                f"allowed_token_ids has {len(allowed)} ids, more than the vocabulary's {self.rules.vocab_size}",
+                "allowed_token_ids",
+            )
         self.rules.check_token_ids(allowed or (), "allowed_token_ids")
         try:
             return SamplingParams(
@@ -161,9 +185,31 @@ class ServingContext:
                 allowed_token_ids=allowed,
                 bad_words=None if body.bad_words is None else tuple(body.bad_words),
                 prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                cache_salt=body.cache_salt,
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc
+
+    async def with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words tokenized, on the tokenizer threads: the engine thread never tokenizes."""
+        words = params.bad_words
+        if not words:
+            return params
+        ids = await self.run(lambda: tokenize_bad_words(self.tokenizer, words))
+        return dataclasses.replace(params, bad_words_token_ids=ids)
+
+    def check_prompt_logprobs(self, prompt_lens: Sequence[int], k: int | None, param: str) -> None:
+        """400 naming `param` when the prompt logprobs asked for (k alternatives per position of every prompt)
+        exceed MAX_PROMPT_LOGPROB_ENTRIES."""
+        if k is None:
+            return
+        entries = sum(prompt_lens) * (k + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise bad_request(
+                f"prompt logprobs of {sum(prompt_lens)} prompt tokens x {k + 1} entries = {entries}, more than "
+                f"{MAX_PROMPT_LOGPROB_ENTRIES} per request: ask for fewer alternatives or shorter prompts",
+                param,
+            )
 
     async def with_structured_outputs(self, body: StructuredFields, params: SamplingParams) -> SamplingParams:
         """`params` with the body's structured-output constraint, parsed off the event loop (a 400 naming the
@@ -172,8 +218,17 @@ class ServingContext:
         if requested is None:
             return params
         constraint, fields = requested
-        await self.run(lambda: check_constraint(constraint, fields))
+        await self.check_grammar(constraint, fields)
         return dataclasses.replace(params, structured_outputs=constraint)
+
+    async def check_grammar(
+        self, constraint: StructuredOutputsParams, fields: dict[GrammarKind, str]
+    ) -> None:
+        """A 400 naming the field when the constraint is too long, does not parse or does not compile in time."""
+        if self.grammars is None:
+            await self.run(lambda: check_constraint(constraint, fields))
+        else:
+            await self.grammars.check(constraint, fields, self.run)
 
     def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias (JSON keys are strings) keyed by token id; a 400 on `logit_bias` for a key that is
@@ -190,12 +245,21 @@ class ServingContext:
         return bias
 
     async def open_streams(
-        self, request_id: str, prompts: Sequence[tuple[str | None, Sequence[int]]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: Sequence[tuple[str | None, Sequence[int]]],
+        params: SamplingParams,
+        *,
+        cache_scope: str | None = None,
     ) -> list[RequestStream]:
         """Submit the prompts as one admission (one engine request each); map admission failures to HTTP errors.
 
         All prompts are submitted before any acceptance is awaited, so the engine takes them in one step.
+        `cache_scope` (the API key's digest) is folded into the request's cache salt (api/cache_scope.py).
         """
+        salt = combine(cache_scope, params.cache_salt)
+        if salt != params.cache_salt:
+            params = dataclasses.replace(params, cache_salt=salt)
         requests = [
             PromptRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, text)
             for i, (text, ids) in enumerate(prompts)
@@ -217,10 +281,13 @@ def to_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EngineDrainingError):
         return APIError(503, "The server is shutting down.")
+    # 503 texts are stable: what failed inside (an exception's text, a core's traceback) is in the server log only.
+    if isinstance(exc, EngineRestartedError):  # rebuilt from its config: a retry is served
+        return APIError(503, ENGINE_RESTARTED_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, ReplicaDeadError):  # the other replicas still serve: a retry may succeed
-        return APIError(503, f"The engine replica serving this request failed: {exc}. Retry the request.")
+        return APIError(503, REPLICA_FAILED_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineDeadError):
-        return APIError(503, "The engine has stopped; the server cannot serve requests.")
+        return APIError(503, ENGINE_DEAD_MESSAGE)
     if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
         return bad_request(str(exc), exc.param)
     if isinstance(exc, ValueError):
@@ -244,8 +311,17 @@ async def final_output(stream: RequestStream) -> RequestOutput:
 
 
 async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The last snapshot of every stream (they progress concurrently; the order of waiting is free)."""
-    return [await final_output(stream) for stream in streams]
+    """The last snapshot of every stream, read concurrently: a stream read only after the others finished would
+    look like a stalled reader (--stream-stall-timeout) to the engine thread."""
+    if len(streams) == 1:
+        return [await final_output(streams[0])]
+    tasks = [asyncio.ensure_future(final_output(stream)) for stream in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        return [task.result() for task in tasks]  # the first failure, if any, is raised here
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -273,16 +349,21 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
-    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue()
+    """Interleave the snapshots of several streams as (stream index, snapshot); closes them all at the end.
+
+    The queue between is bounded, so a consumer that stops reading (a client that does not read its response)
+    stops the pumps too, and each stream's `OutputBox` keeps only its latest snapshot meanwhile.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput] | Exception | None] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(index: int, stream: RequestStream) -> None:
+        # Nothing is put once cancelled: the consumer has gone, and a put into the full queue would never end.
         try:
             async for output in stream:
                 await queue.put((index, output))
         except Exception as exc:
             await queue.put(exc)
-        finally:
+        else:
             await queue.put(None)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

@@ -8,6 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     AssistantMessage,
@@ -153,7 +154,7 @@ class ChatHandler:
             raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        ctx.check_fan_out(1, body.n)
+        ctx.check_fan_out(1, body.n, body.best_of)
         plan = await ctx.run(lambda: plan_tools(body, ctx.tool_parser))
         prompt = await render_messages(
             ctx,
@@ -169,11 +170,16 @@ class ChatHandler:
         max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
-        params = plan.adjust(await ctx.with_structured_outputs(body, params))
+        ctx.check_prompt_logprobs([len(prompt_ids)], params.prompt_logprobs, "prompt_logprobs")
+        params = plan.adjust(await ctx.with_bad_words(await ctx.with_structured_outputs(body, params)))
+        if plan.constraint is not None:  # the schema of a required or named tool_choice
+            await ctx.check_grammar(plan.constraint, {plan.constraint.kind: "tools"})
         # Output forced to a schema holds no reasoning block to split off.
         reasoning_parser = ctx.reasoning_parser if plan.constraint is None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await ctx.open_streams(request_id, [(prompt, prompt_ids)], params)
+        streams = await ctx.open_streams(
+            request_id, [(prompt, prompt_ids)], params, cache_scope=request_scope(request)
+        )
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(
@@ -288,6 +294,13 @@ def _deltas(
     if reasoning or content or calls or (new_ids and top_k is not None):
         delta = DeltaMessage(content=content)
         if cursor.reasoning is not None or cursor.tools is not None:
+            if reasoning and (content or calls):
+                # Snapshots a slow reader missed arrive merged (async_llm's OutputBox): the end of the think
+                # block goes out first, alone, so that no delta mixes the two phases.
+                choices.append(
+                    ChatStreamChoice(index=output.index, delta=DeltaMessage(reasoning_content=reasoning))
+                )
+                reasoning = ""
             delta = DeltaMessage(
                 content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
             )

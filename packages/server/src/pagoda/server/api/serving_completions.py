@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagoda.server.api.beam_fields import BEAM_FIELDS, with_beam_search
+from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import (
     CompletionChoice,
@@ -117,7 +118,7 @@ class CompletionsHandler:
         else:
             items = [p for p in raw if isinstance(p, str | list)]
         # Before any tokenizing: the fan-out caps, then the length bound of each text.
-        self.ctx.check_fan_out(len(items), body.n)
+        self.ctx.check_fan_out(len(items), body.n, body.best_of)
         texts = [item for item in items if isinstance(item, str)]
         for text in texts:
             if not text:
@@ -149,12 +150,17 @@ class CompletionsHandler:
                 body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
             ),
         )
-        params = await ctx.with_structured_outputs(body, params)
+        ctx.check_prompt_logprobs(
+            [len(ids) for _, ids in prompts],
+            params.prompt_logprobs,
+            "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs",
+        )
+        params = await ctx.with_bad_words(await ctx.with_structured_outputs(body, params))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoes = [
             await self._echo(text, ids, echo_logprobs) if body.echo else NO_ECHO for text, ids in prompts
         ]
-        streams = await ctx.open_streams(request_id, prompts, params)
+        streams = await ctx.open_streams(request_id, prompts, params, cache_scope=request_scope(request))
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(

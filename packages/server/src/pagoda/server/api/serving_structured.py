@@ -3,6 +3,12 @@ fault in every 400."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import xgrammar as xgr
 from pagoda.server.api.errors import bad_request
 from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.structured import GrammarError, GrammarKind, StructuredOutputsParams, parse_grammar
@@ -90,3 +96,47 @@ def check_constraint(constraint: StructuredOutputsParams, fields: dict[GrammarKi
     except GrammarError as exc:
         field = fields.get(exc.kind or constraint.kind, "structured_outputs")
         raise bad_request(f"{field}: {exc}", field) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarCheck:
+    """What the API checks of a constraint before the engine sees it: its length, its parse, its compile time.
+
+    `compile` starts a compilation (the in-process engine's own manager, so that the engine then finds the
+    grammar in its cache; else a front-end manager). A compile not done within `timeout` seconds is a 400; it
+    runs on on its pool thread (xgrammar cannot be interrupted) and its result is dropped.
+    """
+
+    compile: Callable[[StructuredOutputsParams], Future[xgr.CompiledGrammar]]
+    max_chars: int  # --max-grammar-chars
+    timeout: float  # --grammar-compile-timeout
+
+    async def check(
+        self,
+        constraint: StructuredOutputsParams,
+        fields: dict[GrammarKind, str],
+        run: Callable[[Callable[[], None]], Awaitable[None]],  # runs work off the event loop
+    ) -> None:
+        """A 400 naming the request field when the constraint is too long, does not parse, or does not compile
+        in time."""
+        field = fields.get(constraint.kind, "structured_outputs")
+        try:
+            _, text = constraint.source()
+        except GrammarError as exc:
+            raise bad_request(f"{field}: {exc}", field) from exc
+        if len(text) > self.max_chars:
+            raise bad_request(
+                f"{field}: the constraint has {len(text)} characters, more than --max-grammar-chars "
+                f"({self.max_chars})",
+                field,
+            )
+        await run(lambda: check_constraint(constraint, fields))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.compile(constraint)), self.timeout)
+        except TimeoutError as exc:
+            raise bad_request(
+                f"{field}: the constraint did not compile within {self.timeout:g} s (--grammar-compile-timeout)",
+                field,
+            ) from exc
+        except (RuntimeError, ValueError) as exc:  # what the parse let through and the compiler refused
+            raise bad_request(f"{field}: the constraint could not be compiled: {exc}", field) from exc

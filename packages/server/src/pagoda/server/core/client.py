@@ -4,6 +4,11 @@ It satisfies `EngineClient`, so `AsyncLLM` drives it on its engine thread exactl
 `LLMEngine`: `add_request` routes and sends a frame, `step` waits briefly for frames from every core and turns
 them into snapshots and events. A core that dies fails its in-flight requests at once (`ReplicaDeadError`), is
 forgotten by the router, and is restarted with a backoff while the others keep serving.
+
+Sends never block that one thread: each core's input takes at most `send_hwm` frames (ZeroMQ's high-water mark),
+the rest wait in the replica's backlog, and no new request is routed to a full core while another has room. A
+core that stays full for more than `stall_timeout` seconds (stuck in a step, or stopped) is treated as sick,
+exactly as a dead one: its requests fail with a 503 to retry and it is killed and restarted.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pagoda.server.core.messages import (
     Rejected,
     output_decoder,
 )
-from pagoda.server.core.replica import Replica
+from pagoda.server.core.replica import ACCEPT_TIMEOUT_S, Replica
 from pagoda.server.engine_client import (
     EngineDeadError,
     EngineEvent,
@@ -36,6 +41,7 @@ from pagoda.server.engine_client import (
 )
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
+from pagoda.server.procs.security import Authenticator, token_matches
 from pagoda.server.routing import ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -47,6 +53,8 @@ _POLL_MS = 5
 # How often the liveness of the cores is checked.
 _LIVENESS_S = 0.1
 DEFAULT_READY_TIMEOUT_S = 600.0
+DEFAULT_SEND_HWM = 1000
+DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 class CoreStartupError(RuntimeError):
@@ -88,13 +96,18 @@ class CoreClient:
         num_replicas: int,
         *,
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+        send_hwm: int = DEFAULT_SEND_HWM,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not)."""
         self._config_frame = msgspec.msgpack.encode(config)
         self._launcher = launcher
         self.router = router
         self._ready_timeout = ready_timeout
+        self._send_hwm = send_hwm
+        self._stall_timeout = stall_timeout
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._authenticator = Authenticator(self._context)  # admits each start's core only (CURVE + ZAP)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = output_decoder()
         self._owner: dict[str, Replica] = {}  # request id -> the replica serving it
@@ -103,7 +116,9 @@ class CoreClient:
         self.replicas = [Replica(i) for i in range(num_replicas)]
         try:
             for replica in self.replicas:
-                replica.start(self._context, launcher, self._config_frame, ready_timeout)
+                replica.start(
+                    self._context, self._authenticator, launcher, self._config_frame, ready_timeout, send_hwm
+                )
             self._wait_ready()
         except BaseException:
             self.close(timeout=5.0)
@@ -173,9 +188,11 @@ class CoreClient:
         if request_id in self._owner:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         self._check_replicas(time.monotonic())  # cheap (waitpid): route nothing to a core known to be dead
+        # A full core is skipped while another has room: its frames would only wait in the backlog.
+        roomy = any(r.ready and r.full_since is None for r in self.replicas)
         loads = [
             ReplicaLoad(
-                alive=r.ready,
+                alive=r.ready and (r.full_since is None or not roomy),
                 num_running=r.stats.num_running if r.stats else 0,
                 num_waiting=r.stats.num_waiting if r.stats else 0,
                 num_tokens=r.num_tokens,
@@ -186,10 +203,11 @@ class CoreClient:
         if not any(load.alive for load in loads):
             raise EngineDeadError("no engine replica is alive (restarting)")
         ids = list(prompt_token_ids)
-        replica = self.replicas[self.router.route(ids, loads)]
+        replica = self.replicas[self.router.route(ids, loads, salt=params.cache_salt)]
         replica.requests[request_id] = len(ids) + params.max_tokens * params.n
         replica.decoder.add(request_id, prompt, ids)
         self._owner[request_id] = replica
+        replica.pending[request_id] = time.monotonic() + ACCEPT_TIMEOUT_S
         replica.send(self._encoder, AddRequest(request_id, ids, params, prompt))
 
     def abort_request(self, request_id: str) -> None:
@@ -206,6 +224,9 @@ class CoreClient:
         """Wait up to _POLL_MS for frames; return the snapshots and events they carry."""
         self._poll(_POLL_MS)
         now = time.monotonic()
+        for replica in self.replicas:
+            if replica.backlog:
+                replica.flush(now)
         if now >= self._next_liveness:
             self._next_liveness = now + _LIVENESS_S
             self._check_replicas(now)
@@ -264,16 +285,26 @@ class CoreClient:
                     self._owner.pop(output.request_id, None)
                 self._events.append(output)
         elif isinstance(message, Accepted):
-            self._events += [RequestAccepted(request_id) for request_id in message.request_ids]
+            # Only requests this core was sent and has not answered yet: a repeated or stray id is ignored.
+            answered = [request_id for request_id in message.request_ids if request_id in replica.pending]
+            for request_id in answered:
+                del replica.pending[request_id]
+            self._events += [RequestAccepted(request_id) for request_id in answered]
         elif isinstance(message, Rejected):
+            replica.pending.pop(message.request_id, None)
             replica.requests.pop(message.request_id, None)
             replica.decoder.forget(message.request_id)
             self._owner.pop(message.request_id, None)
             error = RequestRejectedError(message.message, message.param or "prompt")
             self._events.append(RequestFailed(message.request_id, error))
         elif isinstance(message, Ready):
+            if replica.ready or replica.keys is None or not token_matches(message.token, replica.keys.peer):
+                logger.warning("engine core %d: refused a Ready without this start's token", replica.index)
+                return
             replica.ready = True
             replica.failures = 0
+            replica.full_since = None  # a wait before it connected is not a stall; flushing stamps a new one
+            replica.flush(time.monotonic())
             replica.info = message.info
             replica.stats = message.stats
             logger.info("engine core %d ready (pid %d)", replica.index, message.pid)
@@ -288,14 +319,25 @@ class CoreClient:
                 if now >= replica.restart_at:
                     logger.info("restarting engine core %d", replica.index)
                     replica.restarts += 1
-                    replica.start(self._context, self._launcher, self._config_frame, self._ready_timeout)
+                    replica.start(
+                        self._context,
+                        self._authenticator,
+                        self._launcher,
+                        self._config_frame,
+                        self._ready_timeout,
+                        self._send_hwm,
+                    )
                 continue
             handle = replica.handle
             assert handle is not None
             if not handle.is_alive():
                 self._fail(replica, handle.describe_exit())
+            elif replica.stalled(now, self._stall_timeout):
+                self._fail(replica, f"sick: its input stayed full for more than {self._stall_timeout:g} s")
             elif not replica.ready and now > replica.ready_deadline:
                 self._fail(replica, f"not ready after {self._ready_timeout:.0f} s")
+            elif (late := replica.overdue(now)) is not None:
+                self._fail(replica, f"request {late!r} not accepted within {ACCEPT_TIMEOUT_S:.0f} s")
 
     def _fail(self, replica: Replica, reason: str) -> None:
         """Fail the replica's requests now, make the router forget it, schedule its restart."""
@@ -326,5 +368,6 @@ class CoreClient:
                 if socket is not None:
                     socket.close(linger=0)
             replica.inputs = replica.outputs = None
+        self._authenticator.stop()
         self._context.term()
         self._launcher.close()

@@ -31,6 +31,7 @@ from pagoda.server.core.messages import (
 from pagoda.server.engine import LLMEngine
 from pagoda.server.loader import resolve_tokenizer_folder
 from pagoda.server.procs import ChildSpec, Failed, Program, Ready, Shutdown
+from pagoda.server.procs.security import PeerKeys, connect_securely
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class CoreSpec:
     config_frame: bytes  # the EngineConfig, msgpack-encoded (no pickle, even on the spawn pipe)
     input_address: str
     output_address: str
+    keys: PeerKeys  # the sockets' CURVE keys and the token its `Ready` carries (procs/security.py)
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -64,8 +66,11 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
 class EngineCore:
     """Serve one engine over connected sockets until `Shutdown`, or SIGTERM once it has drained."""
 
-    def __init__(self, engine: LLMEngine, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> None:
+    def __init__(
+        self, engine: LLMEngine, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes], token: str
+    ) -> None:
         self.engine = engine
+        self._token = token
         self._inputs = inputs
         self._outputs = outputs
         self._decoder = input_decoder()
@@ -77,7 +82,9 @@ class EngineCore:
     def run(self) -> None:
         """Announce readiness, then step and serve inputs until told to stop."""
         engine = self.engine
-        self._send(Ready(info=engine_info(engine), pid=os.getpid(), stats=engine.get_stats()))
+        self._send(
+            Ready(info=engine_info(engine), pid=os.getpid(), token=self._token, stats=engine.get_stats())
+        )
         while not self._stop:
             busy = engine.has_unfinished_requests()
             if self.draining and not busy:
@@ -137,11 +144,13 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     outputs = context.socket(zmq.PUSH)
+    for socket in (inputs, outputs):
+        connect_securely(socket, spec.keys)
     inputs.connect(spec.input_address)
     outputs.connect(spec.output_address)
     try:
         config = msgspec.msgpack.decode(spec.config_frame, type=EngineConfig)
-        core = EngineCore(LLMEngine.from_config(config), inputs, outputs)
+        core = EngineCore(LLMEngine.from_config(config), inputs, outputs, spec.keys.token)
         if handle_signals:
 
             def drain(sig: int, frame: FrameType | None) -> None:

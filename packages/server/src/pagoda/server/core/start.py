@@ -35,7 +35,13 @@ def start_core_client(
         max_blocks_per_replica=cache.num_kv_blocks,
     )
     return CoreClient(
-        config, launcher, router, core.data_parallel_size, ready_timeout=core.engine_ready_timeout
+        config,
+        launcher,
+        router,
+        core.data_parallel_size,
+        ready_timeout=core.engine_ready_timeout,
+        send_hwm=core.replica_send_hwm,
+        stall_timeout=core.replica_stall_timeout,
     )
 
 

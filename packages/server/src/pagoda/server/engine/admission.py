@@ -16,7 +16,8 @@ __all__ = ["AdmissionRules", "RequestRejectedError"]
 @dataclass(frozen=True, slots=True)
 class AdmissionRules:
     """A prompt is not empty, not longer than max_input_tokens, every token id is in the vocabulary, prompt +
-    max_tokens fit max_model_len, and a structured-outputs constraint parses.
+    max_tokens fit max_model_len, and (`check_constraint`, a front end's call) a structured-outputs constraint
+    parses.
 
     Each rule raises RequestRejectedError naming the field at fault. Whether the request fits the KV pool and the
     batch (`n`) is the scheduler's check, made when the engine hands the request over.
@@ -69,13 +70,18 @@ class AdmissionRules:
         return max_tokens
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Every rule for one engine request: the prompt, its max_tokens, and the token ids of its parameters."""
+        """Every rule for one engine request: the prompt, its max_tokens, and the token ids of its parameters
+        (cheap: the constraint's parse is `check_constraint`, made by the front end)."""
         self.max_tokens(prompt_token_ids, params.max_tokens)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         self.check_token_ids(params.allowed_token_ids or (), "allowed_token_ids")
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """The structured-outputs constraint parses (front ends call it before the engine sees the request: the
+        engine thread only compiles it, on its pool)."""
         if params.structured_outputs is not None:
-            try:  # parsing only (well under a millisecond); the engine compiles it off the step
+            try:
                 parse_grammar(params.structured_outputs)
             except GrammarError as exc:
                 field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"

@@ -82,12 +82,16 @@ class LLMEngine:
         if scheduler_config.preemption_mode == "auto":
             costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, preemption_costs=costs)
+        structured = config.structured_outputs_config
         # The op's backend follows the engine's kernel backend (cpu -> C, triton / cupy -> Triton, torch -> torch).
         self.step_sampler = StepSampler(
-            Sampler(parts.backend.name, parts.device), GrammarBitmask(self.vocab_size, self.eos_token_ids)
+            Sampler(parts.backend.name, parts.device),
+            GrammarBitmask(self.vocab_size, self.eos_token_ids, structured.grammar_fill_timeout),
         )
         self._unseeded_requests = 0  # numbers the unseeded requests, whose RNG seeds derive from config.seed
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
+        )
         self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
         self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
@@ -127,7 +131,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request; RequestRejectedError (with `param`) if it can never run."""
         ids = tuple(prompt_token_ids)
-        self.rules.check(ids, params)  # the constraint too: it parses (compiling comes later)
+        # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
+        self.rules.check(ids, params)
         if request_id in self._requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time

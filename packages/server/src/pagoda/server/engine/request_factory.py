@@ -50,13 +50,16 @@ def new_request(
             arrival,
             tokenizer,
         )
-        return NewRequest(group, Request(request_id, ids, scheduler_params, arrival_time=arrival), None)
+        request = Request(
+            request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=params.cache_salt
+        )
+        return NewRequest(group, request, None)
     state = RequestState(
         request_id, prompt, ids, params, scheduler_params.stop_token_ids, tokenizer, arrival, seed(params)
     )
     # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
     # skipping any (vLLM skips the cache for these requests too).
-    salt = None if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
+    salt = params.cache_salt if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
     request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
     constraint = params.structured_outputs
     return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))

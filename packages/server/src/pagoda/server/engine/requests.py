@@ -21,7 +21,7 @@ from pagoda.server.outputs import (
     RequestOutput,
 )
 from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs
-from pagoda.server.sampling.logits_processors import LogitsEdits, tokenize_bad_words
+from pagoda.server.sampling.logits_processors import LogitsEdits, PreparedEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
@@ -42,7 +42,7 @@ class SchedulerParams:
         """Derive from the user's parameters and the model's eos ids."""
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         # A beam search holds beam_width sequences (the prompt forks into all of them) whatever n it returns.
-        n = params.n if params.beam_search is None else params.beam_search.beam_width
+        n = params.num_sequences
         return cls(params.max_tokens, params.min_tokens, n, tuple(sorted(stops)), params.priority)
 
 
@@ -126,7 +126,13 @@ class RequestState:
         self.stop_token_ids = stop_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
-        self.bad_words_token_ids = tokenize_bad_words(tokenizer, params.bad_words or ())
+        # The API tokenizes bad words at admission, on its tokenizer threads; offline callers get it done here.
+        bad_words = params.bad_words_token_ids
+        if bad_words is None:
+            bad_words = tokenize_bad_words(tokenizer, params.bad_words or ())
+        self.bad_words_token_ids = bad_words
+        # Masks and bias tensors built once for the request and all its samples, not per row per step.
+        self.prepared_edits = PreparedEdits(params.logit_bias, params.allowed_token_ids, bad_words)
         # Entry p is prompt position p's; the first token has no context, so no logprobs (None).
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             None if params.prompt_logprobs is None else [None]
@@ -182,6 +188,7 @@ class RequestState:
             allowed_token_ids=self.params.allowed_token_ids,
             bad_words_token_ids=self.bad_words_token_ids,
             output_token_ids=self.samples[seq_id].token_ids,
+            prepared=self.prepared_edits,
         )
 
     @property

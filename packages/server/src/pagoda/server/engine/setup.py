@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from pagoda.pagedkernel import KernelBackend, get_backend
+from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.quant import QuantBackendName
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
@@ -138,6 +139,13 @@ def kv_cache_shape(model: CausalLM, config: EngineConfig, dtype: torch.dtype) ->
     )
 
 
+def prepare_kernels(backend: KernelBackend, dtype: torch.dtype) -> None:
+    """Compile the kernels of the engine's dtype now, at start-up: not while the first request waits."""
+    # The KV cache and the activations share the weights' dtype, so it is the one dtype the kernels see.
+    if isinstance(backend, CpuBackend):
+        backend.prepare([dtype])
+
+
 def build_shard(
     config: EngineConfig,
     folder: Path,
@@ -148,6 +156,7 @@ def build_shard(
     if placement.device.type == "cpu":
         keep_freed_memory()
     backend = get_backend(config.model_config.kernel_backend, placement.device)
+    prepare_kernels(backend, placement.dtype)
     model, _ = load_shard(
         folder,
         dtype=placement.dtype,
@@ -182,6 +191,7 @@ def build_parts(
         logger.info("glibc malloc: freed large blocks are kept for reuse (no per-step page faults)")
     model_config, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
     backend = get_backend(model_config.kernel_backend, device)
+    prepare_kernels(backend, dtype)
     loaded = load_model(
         model_config.model,
         dtype=dtype,

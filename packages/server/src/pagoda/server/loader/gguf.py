@@ -66,7 +66,9 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
     target = cache_folder(gguf_path, root)
     if is_converted(target):
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(
+        mode=0o700, parents=True, exist_ok=True
+    )  # the cache's folders are private (mkdir obeys the umask)
     _remove_stale_scratch(target)
     logger.info(
         "converting %s to %s once (dequantizing takes a while; later loads read the cache)", gguf_path, target
@@ -75,7 +77,7 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
     try:
         _convert_into(gguf_path, scratch)
-        _make_shareable(scratch)
+        _make_private(scratch)
         try:
             scratch.rename(target)
         except OSError:
@@ -96,11 +98,14 @@ def _remove_stale_scratch(target: Path) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _make_shareable(folder: Path) -> None:
-    """Make the cache readable by everyone, like the files of a model download (mkdtemp makes it owner-only)."""
-    folder.chmod(0o755)
+def _make_private(folder: Path) -> None:
+    """Keep the converted model this user's only: folder 0700, files 0600 (whatever the umask gave the files).
+
+    Weights a user converted may be licensed to them alone, and a folder others may write is one they could
+    swap weights in."""
+    folder.chmod(0o700)
     for path in folder.iterdir():
-        path.chmod(0o644)
+        path.chmod(0o600)
 
 
 def _convert_into(gguf_path: Path, folder: Path) -> None:

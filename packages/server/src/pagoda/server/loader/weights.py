@@ -14,7 +14,7 @@ from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear, QuantizableWeight
 from pagoda.server.models.parallel_layers import SlicedLoad, SourceSlice
 from pagoda.server.models.quantized import QuantizedWeight
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -95,11 +95,28 @@ def _destination(
     return param, source
 
 
+class DamagedCheckpointError(WeightLoadError):
+    """A safetensors file that cannot be read (truncated, bad header): says which folder to delete."""
+
+
+def _damaged(path: Path, exc: Exception) -> DamagedCheckpointError:
+    """The error of a weights file that safetensors cannot read, naming the folder to delete."""
+    return DamagedCheckpointError(
+        f"the weights file {path} is damaged ({exc}); delete the folder {path.parent} and start again "
+        "(a converted GGUF cache is then converted anew; a model folder needs a fresh copy)"
+    )
+
+
 class _Checkpoint:
     """One safetensors file opened lazily (memory-mapped); typed wrapper over the untyped `safe_open`."""
 
     def __init__(self, path: Path) -> None:
-        self._handle = safe_open(str(path), framework="pt", device="cpu")
+        self._path = path
+        try:
+            # Opening parses the header and checks its offsets against the file's size (a truncated file fails).
+            self._handle = safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise _damaged(path, exc) from exc
 
     def metadata(self) -> dict[str, str]:
         """The file's string metadata (empty when it has none)."""
@@ -113,7 +130,10 @@ class _Checkpoint:
 
     def get(self, name: str) -> Tensor:
         """One tensor, read from the mapped file."""
-        tensor: Tensor = self._handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        try:
+            tensor: Tensor = self._handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        except (SafetensorError, OSError) as exc:
+            raise _damaged(self._path, exc) from exc
         return tensor
 
     def get_slice(self, name: str, source: SourceSlice) -> Tensor:

@@ -7,7 +7,7 @@ stragglers. Parent and child speak the control frames of procs/control.py (`Read
 """
 
 from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
-from pagoda.server.procs.launch import Handle, Launcher, stop_children
+from pagoda.server.procs.launch import Handle, Launcher, bind, local_path, stop_children
 from pagoda.server.procs.local import ProcessHandle, ProcessLauncher, pinned_cpus
 from pagoda.server.procs.spec import ChildSpec, Program
 
@@ -22,6 +22,8 @@ __all__ = [
     "Program",
     "Ready",
     "Shutdown",
+    "bind",
+    "local_path",
     "pinned_cpus",
     "stop_children",
 ]

@@ -26,6 +26,7 @@ class Ready(msgspec.Struct, Generic[InfoT], frozen=True, tag=True):
 
     info: InfoT  # the child's description: an engine core's `EngineInfo`, a worker's rank
     pid: int
+    token: str  # the launch's token from the child's spec (procs/security.py): a Ready without it is refused
     stats: EngineStats | None = None  # an engine core's stats before its first step; None from a worker
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
+import zmq
 from pagoda.server.procs.spec import Program
 
 logger = logging.getLogger(__name__)
@@ -77,3 +78,18 @@ def stop_children(handles: Sequence[Handle], timeout: float) -> None:
             logger.warning("%s did not exit in %.0f s; killing it", handle.describe(), timeout)
         handle.kill()
         handle.join(5.0)  # reap it: no zombie left behind
+
+
+def bind(socket: zmq.Socket[bytes], address: str) -> str:
+    """Bind `address` (a launcher's); a tcp address with port 0 binds a free port. Returns the address bound."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        port = socket.bind_to_random_port(address.removesuffix(":0"))
+        return f"{address.removesuffix(':0')}:{port}"
+    socket.bind(address)
+    return address
+
+
+def local_path(launcher: Launcher, name: str) -> str | None:
+    """A file path in the launcher's private folder when its children are local (ipc://), else None."""
+    address = launcher.address(name)
+    return address.removeprefix("ipc://") if address.startswith("ipc://") else None

@@ -10,6 +10,7 @@ the driver (this process).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, TypeVar
 
 import ray
@@ -84,6 +85,33 @@ class RayHandle:
         return bool(ready)
 
 
+def private_ray_options() -> dict[str, Any]:
+    """`ray.init`'s options when Pagoda starts Ray itself: no dashboard (an HTTP API that runs jobs), and its
+    host loopback should one be started anyway. Ray (2.60) resolves a loopback node address to the node's IP and
+    binds its GCS and raylets on every interface whatever it is given: token authentication (on by default,
+    `RAY_AUTH_MODE`) is what guards them; see the server README's Ray section."""
+    return {"include_dashboard": False, "dashboard_host": "127.0.0.1"}
+
+
+def start_ray(num_cpus: int | None = None) -> bool:
+    """Join the cluster RAY_ADDRESS names, else the one `ray start --head` left on this node, else start a
+    private one (`private_ray_options`); True when Pagoda started it. `num_cpus` bounds a started one."""
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return False
+    try:
+        ray.init(address="auto")
+        return False
+    except ConnectionError:
+        pass  # no cluster on this node: start one
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        logger.warning(
+            "RAY_AUTH_MODE=disabled: the Ray cluster Pagoda starts accepts any peer on the network"
+        )
+    ray.init(num_cpus=num_cpus, **private_ray_options())
+    return True
+
+
 class RayLauncher:
     """Children as Ray actors of `num_cpus` CPUs and `num_gpus` GPUs each, reached over tcp:// on this node's IP.
 
@@ -95,9 +123,7 @@ class RayLauncher:
         self, num_cpus: float, num_gpus: float, log_level: int, *, placement_group_size: int | None = None
     ) -> None:
         if not ray.is_initialized():
-            # Ray's own lookup: RAY_ADDRESS, else the cluster `ray start --head` left on this node, else a new
-            # local one.
-            ray.init()
+            start_ray()
         self._host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._num_cpus = num_cpus
         self._num_gpus = num_gpus

@@ -38,8 +38,11 @@ class Router(Protocol):
         """Requests routed by load because no replica held their prefix (counter)."""
         ...
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
-        """The index of the replica that serves this prompt; at least one of `loads` is alive."""
+    def route(
+        self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad], *, salt: str | None = None
+    ) -> int:
+        """The index of the replica that serves this prompt; at least one of `loads` is alive. `salt` is the
+        request's prefix-cache salt (`SamplingParams.cache_salt`): salted prompts share blocks only alike."""
         ...
 
     def reset_replica(self, replica: int) -> None:

@@ -23,8 +23,6 @@ DEFAULT_BALANCE_REL_THRESHOLD = 1.5
 # Index entries per replica when the front end does not pass the replica's KV capacity: 1M tokens of 16-token blocks
 # (about 100 bytes an entry, so a few MB a replica).
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 65536
-# Prompts carry no cache salt at the router; a salted request's engine hashes differ, which only costs it a hit.
-_NO_SALT = salt_bytes(None)
 
 
 class _PrefixIndex:
@@ -94,14 +92,21 @@ class CacheAwareRouter:
         """How many block hashes the index holds for `replica` (for tests and debugging)."""
         return len(self._indexes[replica])
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def route(
+        self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad], *, salt: str | None = None
+    ) -> int:
         """The live replica with the longest matching prefix, if long enough and the replicas are balanced; a new
-        prefix to the replica with the smallest index; by load when imbalanced. The chosen one records the prompt."""
+        prefix to the replica with the smallest index; by load when imbalanced. The chosen one records the prompt.
+
+        `salt` is hashed in as the engine hashes it, so a key's (or a `cache_salt`'s) prompts match only their
+        own blocks, exactly where that replica's prefix cache holds them."""
         if len(loads) != len(self._indexes):
             raise ValueError(f"expected {len(self._indexes)} replica loads, got {len(loads)}")
         live = live_replicas(loads)
         num_blocks = len(prompt_token_ids) // self.block_size
-        hashes = hash_blocks(prompt_token_ids, self.block_size, 0, num_blocks, ROOT_BLOCK_HASH, _NO_SALT)
+        hashes = hash_blocks(
+            prompt_token_ids, self.block_size, 0, num_blocks, ROOT_BLOCK_HASH, salt_bytes(salt)
+        )
         chosen, by_prefix = least_loaded(loads, live), False
         if hashes and not self._imbalanced([loads[i].num_tokens for i in live]):
             matched = {i: self._indexes[i].match(hashes) for i in live}

@@ -22,7 +22,9 @@ class RoundRobinRouter:
         self.hits = 0  # never routes by prefix
         self.misses = 0
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def route(
+        self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad], *, salt: str | None = None
+    ) -> int:
         """The next live replica after the last one chosen."""
         live = live_replicas(loads)
         chosen = next((i for i in live if i >= self._next), live[0])
@@ -40,7 +42,9 @@ class LeastLoadedRouter:
         self.hits = 0  # never routes by prefix
         self.misses = 0
 
-    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    def route(
+        self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad], *, salt: str | None = None
+    ) -> int:
         """The least-loaded live replica."""
         return least_loaded(loads, live_replicas(loads))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagoda.server.api.tool_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from pagoda.server.api.tool_parsers.json_scan import ObjectScan
+from pagoda.server.api.tool_parsers.json_scan import ObjectScan, ScanCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +37,11 @@ class ParsedTools:
 class ToolCallParser(Protocol):
     """Splits a (possibly partial) output text into content and tool calls."""
 
-    def parse(self, text: str, *, final: bool) -> ParsedTools:
-        """Content and calls of `text`; unless `final`, a tail that may still open a call is held back."""
+    def parse(self, text: str, *, final: bool, cache: ScanCache | None = None) -> ParsedTools:
+        """Content and calls of `text`; unless `final`, a tail that may still open a call is held back.
+
+        `cache` (a stream's, over its growing text) lets the scans resume; the answer is the same without it.
+        """
         ...
 
 
@@ -105,6 +108,8 @@ class ToolCallStream:
     max_calls: int | None = None  # 1 with parallel_tool_calls false
     content_len: int = 0
     sent: list[_SentCall] = field(default_factory=list)
+    # The choice's text only grows: its scans resume here, so a stream costs work linear in its text.
+    cache: ScanCache = field(default_factory=ScanCache)
 
     @property
     def called(self) -> bool:
@@ -113,7 +118,7 @@ class ToolCallStream:
 
     def delta(self, text: str, *, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """The content and call deltas that `text`, the choice's whole text so far, adds to what was sent."""
-        parsed = self.parser.parse(text, final=finished)
+        parsed = self.parser.parse(text, final=finished, cache=self.cache)
         content = parsed.content[self.content_len :]
         self.content_len = max(self.content_len, len(parsed.content))
         deltas: list[DeltaToolCall] = []

@@ -8,7 +8,7 @@ from typing import Any
 
 from pagoda.server.api.tool_fields import ChatTool
 from pagoda.server.api.tool_parsers.base import ParsedTools, ToolCallText, calls_of
-from pagoda.server.api.tool_parsers.json_scan import scan_object_array, skip_whitespace
+from pagoda.server.api.tool_parsers.json_scan import ScanCache, scan_object_array, skip_whitespace
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # the arguments of a function declared without parameters
 
@@ -56,7 +56,7 @@ class NamedToolCall:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def parse(self, text: str, *, final: bool) -> ParsedTools:
+    def parse(self, text: str, *, final: bool, cache: ScanCache | None = None) -> ParsedTools:
         """One call of the named function, whose arguments are all of `text`."""
         return ParsedTools("", (ToolCallText(self.name, text),))
 
@@ -64,12 +64,12 @@ class NamedToolCall:
 class RequiredToolCalls:
     """`tool_choice: "required"`: the output is a JSON array of `{name, parameters}` objects."""
 
-    def parse(self, text: str, *, final: bool) -> ParsedTools:
+    def parse(self, text: str, *, final: bool, cache: ScanCache | None = None) -> ParsedTools:
         """The calls of the array; output that holds none (cut short) is content once final."""
         start = skip_whitespace(text, 0)
         calls: list[ToolCallText] = []
         if start < len(text) and text[start] == "[":
-            calls = calls_of(text, scan_object_array(text, start), ("parameters",))
+            calls = calls_of(text, scan_object_array(text, start, cache), ("parameters",))
         if final and not calls:
             return ParsedTools(text)
         return ParsedTools("", tuple(calls))

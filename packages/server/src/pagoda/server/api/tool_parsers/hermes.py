@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagoda.server.api.tool_parsers.base import ParsedTools, ToolCallText, calls_of, text_before_tag
-from pagoda.server.api.tool_parsers.json_scan import scan_object, skip_whitespace
+from pagoda.server.api.tool_parsers.json_scan import ScanCache, find_tag, scan_object, skip_whitespace
 
 TOOL_CALL_START = "<tool_call>"
 
@@ -15,9 +15,9 @@ class HermesToolParser:
     is all content.
     """
 
-    def parse(self, text: str, *, final: bool) -> ParsedTools:
+    def parse(self, text: str, *, final: bool, cache: ScanCache | None = None) -> ParsedTools:
         """Content before the first `<tool_call>`, and the calls of the tags from there."""
-        first = text.find(TOOL_CALL_START)
+        first = find_tag(text, TOOL_CALL_START, 0, cache)
         if first < 0:
             return text_before_tag(text, TOOL_CALL_START, final=final)
         calls: list[ToolCallText] = []
@@ -26,12 +26,12 @@ class HermesToolParser:
             start = skip_whitespace(text, tag + len(TOOL_CALL_START))
             if start >= len(text) or text[start] != "{":
                 break
-            scan = scan_object(text, start)
+            scan = scan_object(text, start, cache)
             found = calls_of(text, [scan], ("arguments",))
             calls += found
             if not found or scan.end is None:
                 break
-            tag = text.find(TOOL_CALL_START, scan.end)
+            tag = find_tag(text, TOOL_CALL_START, scan.end, cache)
         if final and not calls:
             return ParsedTools(text)
         return ParsedTools(text[:first], tuple(calls))

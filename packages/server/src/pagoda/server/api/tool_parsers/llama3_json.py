@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pagoda.server.api.tool_parsers.base import ParsedTools, ToolCallText, calls_of
-from pagoda.server.api.tool_parsers.json_scan import scan_object, skip_whitespace
+from pagoda.server.api.tool_parsers.json_scan import ScanCache, scan_object, skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -16,19 +16,19 @@ class Llama3JsonToolParser:
     call but holds none is all content, which a stream therefore sends only at the end.
     """
 
-    def parse(self, text: str, *, final: bool) -> ParsedTools:
+    def parse(self, text: str, *, final: bool, cache: ScanCache | None = None) -> ParsedTools:
         """No content and the calls, when the text opens with a call; else all content."""
         start = skip_whitespace(text, 0)
-        rest = text[start:]
-        if rest.startswith(PYTHON_TAG):
+        # startswith at an offset, not a slice: a slice would copy the whole text at every delta.
+        if text.startswith(PYTHON_TAG, start):
             start = skip_whitespace(text, start + len(PYTHON_TAG))
-        elif not rest.startswith("{"):
-            if not final and PYTHON_TAG.startswith(rest):  # nothing yet, or part of the tag
+        elif not text.startswith("{", start):
+            if not final and len(text) - start < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[start:]):
                 return ParsedTools("")
             return ParsedTools(text)
         calls: list[ToolCallText] = []
         while start < len(text) and text[start] == "{":
-            scan = scan_object(text, start)
+            scan = scan_object(text, start, cache)
             found = calls_of(text, [scan], ("parameters", "arguments"))
             calls += found
             if not found or scan.end is None:

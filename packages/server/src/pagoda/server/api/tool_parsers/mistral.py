@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from pagoda.server.api.tool_parsers.base import ParsedTools, calls_of, text_before_tag
-from pagoda.server.api.tool_parsers.json_scan import scan_object, scan_object_array, skip_whitespace
+from pagoda.server.api.tool_parsers.json_scan import (
+    ScanCache,
+    find_tag,
+    scan_object,
+    scan_object_array,
+    skip_whitespace,
+)
 
 TOOL_CALLS = "[TOOL_CALLS]"
 
@@ -15,17 +21,17 @@ class MistralToolParser:
     form is not read (its output stays content).
     """
 
-    def parse(self, text: str, *, final: bool) -> ParsedTools:
+    def parse(self, text: str, *, final: bool, cache: ScanCache | None = None) -> ParsedTools:
         """Content before `[TOOL_CALLS]`, and the calls after it."""
-        tag = text.find(TOOL_CALLS)
+        tag = find_tag(text, TOOL_CALLS, 0, cache)
         if tag < 0:
             return text_before_tag(text, TOOL_CALLS, final=final)
         start = skip_whitespace(text, tag + len(TOOL_CALLS))
         scans = []
         if start < len(text) and text[start] == "[":
-            scans = scan_object_array(text, start)
+            scans = scan_object_array(text, start, cache)
         elif start < len(text) and text[start] == "{":
-            scans = [scan_object(text, start)]
+            scans = [scan_object(text, start, cache)]
         calls = calls_of(text, scans, ("arguments",))
         if final and not calls:
             return ParsedTools(text)

@@ -9,7 +9,14 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import BroadcastOptions, GatherOptions, PrefixStore, Store, TCPStore
+from torch._C._distributed_c10d import (
+    BroadcastOptions,
+    FileStore,
+    GatherOptions,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 # Every rank runs the same layers between two collectives, so a peer that takes this long is stuck or gone; a
 # killed peer usually fails gloo's next op at once (its sockets close), the timeout covers the wedged ones.
@@ -51,8 +58,11 @@ class ProcessGroupCollectives:
         """Number of ranks."""
         return self._size
 
-    def connect(self, store: Store, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        """Join the group (blocks until every rank has joined, at most `timeout_s`)."""
+    def connect(
+        self, store: Store, device: torch.device, host: str, timeout_s: float = COLLECTIVE_TIMEOUT_S
+    ) -> None:
+        """Join the group (blocks until every rank has joined, at most `timeout_s`); gloo listens on `host` only
+        (loopback for local workers, the node's IP under Ray) rather than on the hostname's address."""
         prefixed = PrefixStore("pagoda-tp", store)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -60,7 +70,10 @@ class ProcessGroupCollectives:
             options._timeout = timeout
             self._pg = cast(_Backend, dist.ProcessGroupNCCL(prefixed, self._rank, self._size, options))
         else:
-            self._pg = cast(_Backend, dist.ProcessGroupGloo(prefixed, self._rank, self._size, timeout))
+            gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit it
+            gloo._timeout = timeout
+            gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            self._pg = cast(_Backend, dist.ProcessGroupGloo(prefixed, self._rank, self._size, gloo))
 
     def _group(self) -> _Backend:
         if self._pg is None:
@@ -103,8 +116,14 @@ class ProcessGroupCollectives:
         self.calls += 1
 
 
+def make_file_store(path: str, world_size: int) -> FileStore:
+    """The local rendezvous: a file in the launcher's private (0700) folder, so no TCP port at all."""
+    return FileStore(path, world_size)
+
+
 def make_store(host: str, port: int, world_size: int, *, is_master: bool) -> TCPStore:
-    """The rendezvous store: rank 0 hosts it (port 0 picks a free one, read back from `.port`)."""
+    """The rendezvous store across nodes (Ray): rank 0 hosts it (port 0 picks a free one, read back from
+    `.port`). torch's TCPStore listens on every interface whatever `host` says: run Ray on a private network."""
     return TCPStore(
         host,
         port,

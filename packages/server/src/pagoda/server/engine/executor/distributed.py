@@ -14,6 +14,7 @@ import os
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -22,7 +23,7 @@ import zmq
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.base import Executor, ExecutorError
-from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_store
+from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
@@ -44,8 +45,19 @@ from pagoda.server.engine.setup import (
 from pagoda.server.loader import resolve_model_folder
 from pagoda.server.models import TensorParallelError
 from pagoda.server.models.parallel import check_tensor_parallel
-from pagoda.server.procs import FrameDecoder, Handle, Launcher, ProcessLauncher, Shutdown, stop_children
+from pagoda.server.procs import (
+    FrameDecoder,
+    Handle,
+    Launcher,
+    ProcessLauncher,
+    Shutdown,
+    bind,
+    local_path,
+    stop_children,
+)
+from pagoda.server.procs.security import Authenticator, LaunchKeys, PeerKeys, serve_securely, token_matches
 from torch import Tensor
+from torch._C._distributed_c10d import Store, TCPStore
 from transformers import AutoConfig
 
 logger = logging.getLogger("pagoda.engine")
@@ -86,7 +98,9 @@ class DistributedExecutor(Executor):
         launcher: Launcher,
         workers: list[Handle],
         context: zmq.Context[zmq.Socket[bytes]],
+        authenticator: Authenticator,
         router: zmq.Socket[bytes],
+        identities: list[bytes],
         restore_threads: int | None,
     ) -> None:
         self.driver = driver
@@ -97,7 +111,8 @@ class DistributedExecutor(Executor):
         self.workers = workers  # ranks 1..N-1, in order
         self._router = router
         self._context = context
-        self._identities = [f"rank{rank}".encode() for rank in range(1, group.size)]
+        self._authenticator = authenticator
+        self._identities = identities  # ranks 1..N-1: the sockets that sent this launch's Ready
         self._restore_threads = restore_threads
         self._failed: ExecutorError | None = None
         self._stopped = False
@@ -122,12 +137,25 @@ class DistributedExecutor(Executor):
         threads = None if use_gpus else threads_per_rank(size)
         launcher = _launcher(config, use_gpus, threads)
         host = launcher.host()
+        keys = LaunchKeys.new()
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        authenticator = Authenticator(context)
+        authenticator.allow(keys)
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port(f"tcp://{host}")
-        store = make_store(host, 0, size, is_master=True)
-        specs = _worker_specs(config, folder, placement, f"tcp://{host}:{port}", host, store.port, threads)
+        serve_securely(router, keys)
+        address = bind(router, launcher.address("driver"))  # ipc:// locally, the node's IP under Ray
+        # Local workers meet in a file of the launcher's private folder: no TCPStore, which would listen on
+        # every interface whatever host it is given.
+        store_path = local_path(launcher, "store")
+        store: Store = (
+            make_store(host, 0, size, is_master=True)
+            if store_path is None
+            else make_file_store(store_path, size)
+        )
+        port = store.port if isinstance(store, TCPStore) else 0
+        endpoint = _Endpoint(address, host, port, store_path, keys.peer)
+        specs = _worker_specs(config, folder, placement, endpoint, threads)
         restore = torch.get_num_threads() if threads is not None else None
         workers: list[Handle] = []
         try:
@@ -138,14 +166,15 @@ class DistributedExecutor(Executor):
                 torch.set_num_threads(threads)
             group = ProcessGroupCollectives(0, size)
             parts = build_parts(config, group, placement)
-            _wait_ready(router, workers)
+            identities = _wait_ready(router, workers, keys.peer)
             start = msgspec.msgpack.encode(Start(parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks))
-            for rank in range(1, size):
-                router.send_multipart([f"rank{rank}".encode(), start])
-            group.connect(store, placement.device)
+            for identity in identities:
+                router.send_multipart([identity, start])
+            group.connect(store, placement.device, host)
         except BaseException:
             _release(workers, launcher)
             router.close()
+            authenticator.stop()
             context.term()
             if restore is not None:
                 torch.set_num_threads(restore)
@@ -158,7 +187,9 @@ class DistributedExecutor(Executor):
             "" if threads is None else f", {threads} torch thread(s) per rank",
         )
         driver = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
-        return cls(driver, group, launcher, workers, context, router, restore), parts
+        return cls(
+            driver, group, launcher, workers, context, authenticator, router, identities, restore
+        ), parts
 
     def execute(
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
@@ -226,19 +257,25 @@ class DistributedExecutor(Executor):
         stop_children(self.workers, _STOP_TIMEOUT_S if healthy else 0.0)
         self._finalizer()
         self._router.close()
+        self._authenticator.stop()
         self._context.term()
         if self._restore_threads is not None:
             torch.set_num_threads(self._restore_threads)
 
 
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    """Where the workers reach the driver and each other, and the launch's keys."""
+
+    address: str  # the driver's ROUTER socket
+    host: str  # the store's host (Ray) and the address gloo binds
+    port: int  # the TCPStore's port (Ray); 0 with a FileStore
+    store_path: str | None  # the FileStore of local workers
+    keys: PeerKeys
+
+
 def _worker_specs(
-    config: EngineConfig,
-    folder: Path,
-    placement: Placement,
-    address: str,
-    store_host: str,
-    store_port: int,
-    threads: int | None,
+    config: EngineConfig, folder: Path, placement: Placement, endpoint: _Endpoint, threads: int | None
 ) -> list[WorkerSpec]:
     """What ranks 1..N-1 are told: the same config, folder, dtype and addresses; each its own rank and device."""
     local = config.parallel_config.distributed_executor_backend == "mp"
@@ -251,32 +288,51 @@ def _worker_specs(
             dtype=dtype_name(placement.dtype),
             rank=rank,
             world_size=config.parallel_config.tensor_parallel_size,
-            driver_address=address,
-            store_host=store_host,
-            store_port=store_port,
+            driver_address=endpoint.address,
+            store_host=endpoint.host,
+            store_port=endpoint.port,
             num_threads=threads,
+            keys=endpoint.keys,
+            store_path=endpoint.store_path,
         )
         for rank in range(1, config.parallel_config.tensor_parallel_size)
     ]
 
 
-def _wait_ready(router: zmq.Socket[bytes], workers: list[Handle]) -> None:
-    """Wait for every worker's Ready; ExecutorError as soon as a worker ends (or after the startup timeout)."""
+def _wait_ready(router: zmq.Socket[bytes], workers: list[Handle], keys: PeerKeys) -> list[bytes]:
+    """Wait for every worker's Ready; the identities of ranks 1..N-1, in order. ExecutorError as soon as a worker
+    ends (or after the startup timeout).
+
+    A frame is validated like every other (two parts, a typed `Ready[int]`), and must carry the launch's token
+    and a rank not yet seen: anything else is logged and dropped, so a forged Ready cannot take a rank's place.
+    """
     decoder = FrameDecoder(WorkerReady, "worker control")
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-    ready: set[int] = set()
-    while len(ready) < len(workers):
+    identities: dict[int, bytes] = {}
+    while len(identities) < len(workers):
         if router.poll(_POLL_MS):
-            _, payload = router.recv_multipart()
-            if (message := decoder.decode_or_none(payload)) is not None:
-                ready.add(message.info)
+            parts = router.recv_multipart()
+            if len(parts) != 2:
+                logger.warning("dropped a worker control frame of %d parts", len(parts))
+                continue
+            identity, payload = parts
+            message = decoder.decode_or_none(payload)
+            if message is None:
+                continue
+            if not token_matches(message.token, keys):
+                logger.warning("refused a worker Ready without this launch's token (rank %d)", message.info)
+            elif not 1 <= message.info <= len(workers) or message.info in identities:
+                logger.warning("refused a worker Ready of rank %d (unexpected or repeated)", message.info)
+            else:
+                identities[message.info] = identity
             continue
         if (failure := _first_failure(workers)) is not None:
             raise ExecutorError(f"a worker failed while loading: {failure}")
         if time.monotonic() > deadline:
             raise ExecutorError(
-                f"workers not ready after {_STARTUP_TIMEOUT_S:.0f} s: {len(workers) - len(ready)} missing"
+                f"workers not ready after {_STARTUP_TIMEOUT_S:.0f} s: {len(workers) - len(identities)} missing"
             )
+    return [identities[rank] for rank in range(1, len(workers) + 1)]
 
 
 def _first_failure(workers: list[Handle]) -> str | None:

@@ -10,6 +10,7 @@ import msgspec
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
 from pagoda.server.procs.control import Ready, Shutdown
+from pagoda.server.procs.security import PeerKeys
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -22,9 +23,11 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     rank: int
     world_size: int
     driver_address: str  # the driver's ZeroMQ ROUTER socket
-    store_host: str
+    store_host: str  # the rendezvous: a TCPStore here under Ray; gloo binds this address too
     store_port: int
     num_threads: int | None  # torch threads of this rank on the CPU; None leaves torch's default
+    keys: PeerKeys  # the driver socket's CURVE keys and the token `Ready` carries (procs/security.py)
+    store_path: str | None = None  # local workers: a FileStore in the launcher's private folder, no TCP port
 
 
 # A worker's `Ready`: its `info` is its rank.

@@ -14,7 +14,7 @@ from typing import TypeVar
 import msgspec
 import torch
 import zmq
-from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_store
+from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
@@ -28,6 +28,7 @@ from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.setup import Placement, build_shard, kv_cache_shape, parse_dtype
 from pagoda.server.procs import ChildSpec, Program, Shutdown
 from pagoda.server.procs.child import run_process
+from pagoda.server.procs.security import connect_securely
 
 logger = logging.getLogger("pagoda.worker")
 _POLL_MS = 500  # how often an idle worker checks that its driver still exists
@@ -45,6 +46,7 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.IDENTITY, f"rank{spec.rank}".encode())
+    connect_securely(socket, spec.keys)
     socket.connect(spec.driver_address)
     try:
         placement = Placement(torch.device(spec.device), parse_dtype(spec.dtype))
@@ -54,15 +56,20 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
             )  # NCCL and the kernels launch on this rank's GPU, not GPU 0
         group = ProcessGroupCollectives(spec.rank, spec.world_size)
         model, backend = build_shard(spec.config, Path(spec.model_folder), placement, group)
-        socket.send(msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid())))
+        socket.send(
+            msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token))
+        )
         start = _receive(socket, msgspec.msgpack.Decoder(Start), parent_pid)
         if start is None:
             return
         shape = kv_cache_shape(model, spec.config, placement.dtype)
         kv_cache = KVCache(shape, start.num_blocks, start.num_host_blocks, placement.device, backend)
-        group.connect(
-            make_store(spec.store_host, spec.store_port, spec.world_size, is_master=False), placement.device
+        store = (
+            make_store(spec.store_host, spec.store_port, spec.world_size, is_master=False)
+            if spec.store_path is None
+            else make_file_store(spec.store_path, spec.world_size)
         )
+        group.connect(store, placement.device, spec.store_host)
         runner = ModelRunner(model, kv_cache, backend, placement.device)
         _serve(runner, group, socket, spec, parent_pid)
     finally:
