@@ -77,7 +77,8 @@ def argument_table() -> list[Flag]:
             ("--quantization", "-q"),
             {
                 "choices": get_args(QuantizationName),
-                "help": "a .gguf's weights: gguf keeps its block formats (default), none dequantizes them; "
+                "help": "a .gguf's weights: gguf keeps its block formats (faster for one stream, slower for large "
+                "batches, for now), none dequantizes them (default); "
                 "int8: a safetensors model's weights quantized at load (Q8_0 blocks of 32)",
             },
         ),
