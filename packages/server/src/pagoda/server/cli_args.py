@@ -24,6 +24,7 @@ from pagoda.server.config import (
     KernelBackendName,
     KVManagerName,
     LogLevelName,
+    QuantizationName,
     ReasoningParserName,
     ServeConfig,
     ToolParserName,
@@ -72,6 +73,15 @@ def argument_table() -> list[Flag]:
         Flag(("--enforce-eager",), {"action": "store_true", "help": "CUDA: skip torch.compile"}),
         Flag(("--kernel-backend",), {"choices": get_args(KernelBackendName)}),
         Flag(("--dtype",), {"choices": get_args(DTypeName)}),
+        Flag(
+            ("--quantization", "-q"),
+            {
+                "choices": get_args(QuantizationName),
+                "help": "a .gguf's weights: gguf keeps its block formats (faster for one stream, slower for large "
+                "batches, for now), none dequantizes them (default); "
+                "int8: a safetensors model's weights quantized at load (Q8_0 blocks of 32)",
+            },
+        ),
         Flag(("--seed",), {"type": int, "help": "engine seed for requests without their own"}),
         Flag(
             ("--max-input-tokens",),

@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.pagedkernel.cpu_backend import CpuBackend
+from pagoda.pagedkernel.quant import QuantBackendName
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
 from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model, load_shard
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.parallel import ParallelGroup
+from pagoda.server.models.quantized import resident_weight_bytes
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger("pagoda.engine")
@@ -118,6 +120,17 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
         model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
 
 
+def quant_backend(config: EngineConfig) -> QuantBackendName:
+    """The quantized ops' backend for the configured kernel backend: torch and cpu as named, else auto."""
+    backend = config.model_config.kernel_backend
+    return backend if backend in ("torch", "cpu") else "auto"
+
+
+def log_resident_weights(model: CausalLM) -> None:
+    """Log the bytes of weights the model holds (quantized blocks and dense tensors), before any packing."""
+    logger.info("weights: %.1f MiB resident", resident_weight_bytes(model) / 2**20)
+
+
 def kv_cache_shape(model: CausalLM, config: EngineConfig, dtype: torch.dtype) -> KVCacheShape:
     """The per-layer KV geometry of a model (of this rank's shard: its KV heads only)."""
     spec = model.kv_cache_spec()
@@ -144,7 +157,16 @@ def build_shard(
         keep_freed_memory()
     backend = get_backend(config.model_config.kernel_backend, placement.device)
     prepare_kernels(backend, placement.dtype)
-    model, _ = load_shard(folder, dtype=placement.dtype, device=placement.device, group=group)
+    model, _ = load_shard(
+        folder,
+        dtype=placement.dtype,
+        device=placement.device,
+        group=group,
+        keep_quantized=config.model_config.keeps_quantized(),
+        quant_backend=quant_backend(config),
+        int8=config.model_config.quantizes_at_load(),
+    )
+    log_resident_weights(model)
     prepare_model(model, config, placement.device)
     return model, backend
 
@@ -177,7 +199,11 @@ def build_parts(
         cache_dir=None if model_config.cache_dir is None else Path(model_config.cache_dir),
         tokenizer=model_config.tokenizer,
         group=group,
+        keep_quantized=model_config.keeps_quantized(),
+        quant_backend=quant_backend(config),
+        int8=model_config.quantizes_at_load(),
     )
+    log_resident_weights(loaded.model)
     prepare_model(loaded.model, config, device)
     text_config = loaded.hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel.quant import QuantBackendName
 from pagoda.server.loader.default import DEFAULT_MODEL_NAME, default_model_folder
 from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
+from pagoda.server.loader.quantize_at_load import quantize_weights
 from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
 from pagoda.server.models import CausalLM, ParallelGroup, build_model
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -64,12 +66,25 @@ def resolve_tokenizer_folder(tokenizer: str) -> Path:
 
 
 def load_shard(
-    folder: Path, *, dtype: torch.dtype, device: torch.device, group: ParallelGroup | None = None
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: ParallelGroup | None = None,
+    keep_quantized: bool = True,
+    quant_backend: QuantBackendName = "auto",
+    int8: bool = False,
 ) -> tuple[CausalLM, PretrainedConfig]:
-    """The model of a safetensors folder, this rank's shard only (each tensor read slice by slice), and its config."""
+    """The model of a safetensors folder, this rank's shard only (each tensor read slice by slice), and its config;
+    a converted GGUF's block-format weights stay quantized with `keep_quantized` (see `load_safetensors`), and
+    `int8` quantizes the dense ones at load (`quantize_weights`)."""
     hf_config = AutoConfig.from_pretrained(folder)
     built = build_model(hf_config, dtype, device, group)
-    load_safetensors(built, safetensors_files(folder))
+    load_safetensors(
+        built, safetensors_files(folder), keep_quantized=keep_quantized, quant_backend=quant_backend
+    )
+    if int8:
+        quantize_weights(built, quant_backend)
     return built, hf_config
 
 
@@ -81,17 +96,28 @@ def load_model(
     cache_dir: Path | None = None,
     tokenizer: str | None = None,
     group: ParallelGroup | None = None,
+    keep_quantized: bool = True,
+    quant_backend: QuantBackendName = "auto",
+    int8: bool = False,
 ) -> LoadedModel:
     """Load `model` (see `resolve_model_folder`) onto `device` in `dtype`, with its config and tokenizer.
 
     The tokenizer comes from the `tokenizer` folder when given, else from the model's folder. Every parameter
     must come from the checkpoint (`WeightLoadError` otherwise); an unsupported architecture raises
     `UnsupportedArchitectureError` listing the supported ones. With a `group` of several ranks, the model is
-    this rank's shard.
+    this rank's shard. A .gguf's weights keep their block formats with `keep_quantized` (else dequantized).
     """
     # Resolved first: a wrong tokenizer path fails before seconds of weight loading, not after.
     tokenizer_folder = None if tokenizer is None else resolve_tokenizer_folder(tokenizer)
     folder = resolve_model_folder(model, cache_dir)
-    built, hf_config = load_shard(folder, dtype=dtype, device=device, group=group)
+    built, hf_config = load_shard(
+        folder,
+        dtype=dtype,
+        device=device,
+        group=group,
+        keep_quantized=keep_quantized,
+        quant_backend=quant_backend,
+        int8=int8,
+    )
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or folder)
     return LoadedModel(model=built, hf_config=hf_config, tokenizer=loaded_tokenizer, model_path=folder)

@@ -1,4 +1,8 @@
-"""GGUF files: dequantized once through transformers' GGUF reader, cached as a safetensors model folder."""
+"""GGUF files: converted once through transformers' GGUF reader, cached as a safetensors model folder.
+
+The cache keeps each weight in the block format the file stores it in (uint8 rows, see `quantized_cache`) where
+the quantized ops support that format, and float32 elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from pagoda.server.loader.quantized_cache import quantized_state
 from pagoda.server.loader.weights import SAFETENSORS_SINGLE
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -20,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "PAGODA_CACHE_DIR"
 # Part of every cache key: bump it when the conversion writes something different, so old caches are redone.
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4  # 4: GGUF blocks kept as stored (3 was float32 throughout)
 # Gemma's chat turns end with this token. Google's generation_config.json lists it beside <eos>, but llama.cpp's
 # Gemma GGUF files keep <eos> only, so a converted chat model would not stop at the end of its turn.
 _GEMMA_END_OF_TURN = "<end_of_turn>"
@@ -115,12 +120,17 @@ def _convert_into(gguf_path: Path, folder: Path) -> None:
         del config.quantization_config
     config.architectures = [type(hf_model).__name__]
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {
+    dense = {
         name: tensor.contiguous()
         for name, tensor in hf_model.state_dict().items()
         if not (tied and name == "lm_head.weight")
     }
-    save_file(state, str(folder / SAFETENSORS_SINGLE), metadata={"format": "pt", "source": gguf_path.name})
+    state, metadata = quantized_state(gguf_path, hf_model, dense)
+    save_file(
+        state,
+        str(folder / SAFETENSORS_SINGLE),
+        metadata={"format": "pt", "source": gguf_path.name, **metadata},
+    )
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _list_added_tokens(tokenizer, folder)

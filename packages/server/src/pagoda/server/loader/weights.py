@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel.quant import BLOCK_SIZES, GGMLType, QuantBackendName, QuantizedTensor, dequantize
+from pagoda.server.loader.quantized_cache import byte_range, columns_of, quantized_types
 from pagoda.server.models.base import CausalLM
-from pagoda.server.models.layers import MergedLinear
+from pagoda.server.models.layers import MergedLinear, QuantizableWeight
 from pagoda.server.models.parallel_layers import SlicedLoad, SourceSlice
+from pagoda.server.models.quantized import QuantizedWeight
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -115,6 +118,11 @@ class _Checkpoint:
         except (SafetensorError, OSError) as exc:
             raise _damaged(path, exc) from exc
 
+    def metadata(self) -> dict[str, str]:
+        """The file's string metadata (empty when it has none)."""
+        found: dict[str, str] | None = self._handle.metadata()  # type: ignore[no-untyped-call]
+        return found or {}
+
     def names(self) -> list[str]:
         """The tensor names in the file."""
         names: list[str] = self._handle.keys()  # type: ignore[no-untyped-call]
@@ -160,11 +168,74 @@ def _names(items: Sequence[str]) -> str:
     return ", ".join(shown) + (f", ... ({more} more)" if more else "")
 
 
+def _read_quantized(
+    checkpoint: _Checkpoint, name: str, qtype: GGMLType, source: SourceSlice | None
+) -> QuantizedTensor:
+    """A cached block-format weight, or this rank's slice of it: whole rows of blocks, or columns on block bounds
+    (WeightLoadError naming the tensor when the split does not fall on them)."""
+    if source is None:
+        raw = checkpoint.get(name)
+    elif source.dim == 0:
+        raw = checkpoint.get_slice(name, source)
+    else:
+        block, size = BLOCK_SIZES[qtype]
+        columns = byte_range(qtype, source.start, source.length)
+        if columns is None or source.full % block:
+            raise WeightLoadError(
+                f"{name}: {qtype.name} stores columns in blocks of {block}; this rank's columns "
+                f"[{source.start}, {source.start + source.length}) of {source.full} are not on block bounds "
+                "(use --quantization none, or a tensor-parallel size that splits it on blocks)"
+            )
+        raw = checkpoint.get_slice(name, SourceSlice(1, *columns, source.full // block * size))
+    return QuantizedTensor(raw.contiguous(), qtype, (int(raw.shape[0]), columns_of(qtype, int(raw.shape[1]))))
+
+
+def _dequantized_slice(
+    checkpoint: _Checkpoint,
+    name: str,
+    qtype: GGMLType,
+    source: SourceSlice | None,
+    backend: QuantBackendName,
+) -> Tensor:  # float32: this rank's slice of the weight
+    """This rank's slice of a block-format weight as float32; columns off the block bounds come from the
+    dequantized whole rows (what `--quantization none` allows where the blocks cannot be split)."""
+    if source is not None and source.dim == 1 and byte_range(qtype, source.start, source.length) is None:
+        whole = dequantize(_read_quantized(checkpoint, name, qtype, None), backend=backend)
+        return whole.narrow(1, source.start, source.length)
+    return dequantize(_read_quantized(checkpoint, name, qtype, source), backend=backend)
+
+
+def _install_quantized(
+    model: CausalLM,
+    pending: dict[str, dict[int, tuple[Tensor, QuantizedTensor]]],
+    backend: QuantBackendName,
+) -> None:
+    """Hand each layer its blocks when every part of its weight came quantized; dequantize into the dense
+    weight otherwise (a fused layer whose parts mix block formats with plain floats)."""
+    for param, parts in pending.items():
+        owner = model.get_submodule(param.rpartition(".")[0])
+        count = len(owner.shard_sizes) if isinstance(owner, MergedLinear) else 1
+        if isinstance(owner, QuantizableWeight) and sorted(parts) == list(range(count)):
+            owner.set_quantized(QuantizedWeight.of([parts[i][1] for i in range(count)], backend))
+            continue
+        for dest, quantized in parts.values():
+            dest.copy_(dequantize(quantized, backend=backend))
+
+
 @torch.no_grad()
-def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
+def load_safetensors(
+    model: CausalLM,
+    files: Sequence[Path],
+    *,
+    keep_quantized: bool = True,
+    quant_backend: QuantBackendName = "auto",
+) -> None:
     """Fill every parameter of `model` from `files`, casting to the parameter dtype and device.
 
-    Raises `WeightLoadError` when a tensor has no parameter, a shape differs, or a parameter stays unloaded.
+    Block-format weights (a converted GGUF's, see `quantized_cache`) stay quantized in their layers with
+    `keep_quantized`, multiplied by the `quant_backend` ops; without it they are dequantized into the dense
+    parameters. Raises `WeightLoadError` when a tensor has no parameter, a shape differs, or a parameter stays
+    unloaded.
     """
     params: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
     ignored = model.ignored_weights()
@@ -173,8 +244,11 @@ def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
     unexpected: list[str] = []
     checkpoints = [_Checkpoint(path) for path in files]
     total = sum(len(checkpoint.names()) for checkpoint in checkpoints)
+    # param name -> shard -> (the dense view it would fill, its blocks)
+    pending: dict[str, dict[int, tuple[Tensor, QuantizedTensor]]] = {}
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as progress:
         for checkpoint in checkpoints:
+            qtypes = quantized_types(checkpoint.metadata())
             for name in checkpoint.names():
                 progress.update(1)
                 target = _resolve(model, params, name)
@@ -183,6 +257,28 @@ def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
                         unexpected.append(name)
                     continue
                 dest, source = _destination(model, params, target)
+                qtype = qtypes.get(name)
+                if qtype is not None:
+                    keep = keep_quantized and target.param.endswith(".weight")
+                    if keep:
+                        quantized = _read_quantized(checkpoint, name, qtype, source)
+                        if quantized.data.device != dest.device:  # blocks live where the activations do
+                            quantized = QuantizedTensor(
+                                quantized.data.to(dest.device), quantized.qtype, quantized.shape
+                            )
+                        pending.setdefault(target.param, {})[target.shard or 0] = (dest, quantized)
+                        shape = quantized.shape
+                    else:
+                        values = _dequantized_slice(checkpoint, name, qtype, source, quant_backend)
+                        shape = tuple(values.shape)
+                    if shape != tuple(dest.shape):
+                        raise WeightLoadError(
+                            f"{name}: checkpoint shape {shape} != model shape {tuple(dest.shape)}"
+                        )
+                    if not keep:
+                        dest.copy_(values)
+                    loaded.add(target)
+                    continue
                 tensor = checkpoint.get(name) if source is None else checkpoint.get_slice(name, source)
                 if tensor.shape != dest.shape:
                     raise WeightLoadError(
@@ -197,6 +293,7 @@ def load_safetensors(model: CausalLM, files: Sequence[Path]) -> None:
                 else:
                     dest.copy_(tensor)
                 loaded.add(target)
+    _install_quantized(model, pending, quant_backend)
     if unexpected:
         raise WeightLoadError(f"checkpoint tensors with no matching parameter: {_names(unexpected)}")
     missing = expected - loaded

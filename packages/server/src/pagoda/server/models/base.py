@@ -128,7 +128,10 @@ class DecoderLM(CausalLM):
         """Logits of the given rows through the LM head (the embedding matrix when tied), soft-capped (in float32)
         if set; with tensor parallelism each rank scores its run of the vocabulary and rank 0 gathers them."""
         head = self.head()
-        logits = linear(hidden, head.weight if self.packed_head is None else self.packed_head)
+        if head.quantized is not None:
+            logits = head.scores(hidden)
+        else:
+            logits = linear(hidden, head.weight if self.packed_head is None else self.packed_head)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits.float(), float(self.final_logit_softcapping))
         return gather_logits(self.group, logits, head.run.num_embeddings)
@@ -141,7 +144,7 @@ class DecoderLM(CausalLM):
         """Also pack a copy of a tied LM head: the largest matmul of a step (the default model: 671 MB, 262k x 640,
         worth keeping twice for a 7% faster LM head)."""
         packed = super().pack_weights(batch_size)
-        if self.lm_head is None:
+        if self.lm_head is None and self.head().quantized is None:
             self.packed_head = pack_weight(self.head().weight, batch_size)
             packed += self.packed_head is not None
         return packed

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pagoda.server.models.quantized import QuantizedWeight, placeholder
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -57,7 +58,32 @@ def _empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device) -> n
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class Linear(nn.Module):
+class QuantizableWeight(nn.Module):
+    """A module whose `weight` the loader may replace by GGUF blocks (`quantized`; `weight` is then empty)."""
+
+    weight: nn.Parameter
+    quantized: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Hold `weight` instead of the dense matrix, which is freed (its shape must be the dense one's)."""
+        want = (self.quantized_rows(), int(self.weight.shape[1]))
+        if weight.shape != want:
+            raise ValueError(f"quantized weight {weight.shape} != layer weight {want}")
+        self.quantized = weight
+        self.weight = placeholder(self.weight.dtype, self.weight.device)
+
+    def quantized_rows(self) -> int:
+        """Rows a quantized weight has: the dense weight's (a padded vocabulary run holds its real rows only)."""
+        return int(self.weight.shape[0])
+
+    def weight_shape(self) -> tuple[int, int]:
+        """[rows, columns] of the weight, dense or quantized."""
+        if self.quantized is not None:
+            return self.quantized.shape
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+
+class Linear(QuantizableWeight):
     """y = x W^T (+ b), with the weight laid out [out_features, in_features] like checkpoints store it."""
 
     def __init__(
@@ -69,10 +95,19 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
         """The affine map."""
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:  # [..., in_features] -> [..., out_features]
+        """x W^T (+ bias) through the dense or the quantized weight."""
+        if self.quantized is None:
+            return linear(x, self.weight, bias)
+        y = self.quantized.matmul(x)
+        return y if bias is None else y + bias
 
     def pack(self, batch_size: int) -> bool:
         """Replace the weight by its `pack_weight` form (the plain one is freed); whether it was packed."""
+        if self.quantized is not None:
+            return False
         packed = pack_weight(self.weight, batch_size)
         if packed is None:
             return False
@@ -81,7 +116,15 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         """Shown by print(model)."""
-        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
+        out_features, in_features = self.weight_shape()
+        quantized = (
+            ""
+            if self.quantized is None
+            else ", quantized=" + "+".join(p.qtype.name for p in self.quantized.parts)
+        )
+        return (
+            f"in_features={in_features}, out_features={out_features}, bias={self.bias is not None}{quantized}"
+        )
 
 
 class MergedLinear(Linear):
@@ -104,7 +147,7 @@ class MergedLinear(Linear):
         return sum(self.shard_sizes[:index]), self.shard_sizes[index]
 
 
-class Embedding(nn.Module):
+class Embedding(QuantizableWeight):
     """Token embedding table [num_embeddings, dim] (also the LM head when embeddings are tied)."""
 
     def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
@@ -113,7 +156,13 @@ class Embedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, dim]
         """The rows of `ids`."""
-        return F.embedding(ids, self.weight)
+        return self.lookup(ids)
+
+    def lookup(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] (valid rows) -> [num_tokens, dim]
+        """Rows of the dense table, or only those rows dequantized from the quantized one."""
+        if self.quantized is None:
+            return F.embedding(ids, self.weight)
+        return self.quantized.rows(ids, self.weight.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.models.layers import Embedding, Linear, MergedLinear, head_dim_of, linear
+from pagoda.server.models.layers import Embedding, Linear, MergedLinear, head_dim_of
 from pagoda.server.models.parallel import ParallelGroup, head_shard
 from torch import Tensor
 from transformers import PretrainedConfig
@@ -130,8 +130,8 @@ class RowParallelLinear(Linear, SlicedLoad):
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features / size] -> [..., out_features]
         """x_r W_r^T summed over ranks r, plus the bias once."""
         if self.group.size == 1:
-            return linear(x, self.weight, self.bias)
-        out = self.group.all_reduce(linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.group.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
     def source_slice(self, attr: str, shard: int | None) -> SourceSlice | None:
@@ -178,11 +178,19 @@ class VocabParallelEmbedding(Embedding, SlicedLoad):
     def forward(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, dim]
         """Each rank looks up the ids in its run (zeros for the others); the all-reduce assembles the rows."""
         if self.group.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.run.first
         outside = (local < 0) | (local >= self.run.num_real)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        rows = self.lookup(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0.0)
         return self.group.all_reduce(rows)
+
+    def quantized_rows(self) -> int:
+        """The run's rows inside the vocabulary (the padding rows are not stored)."""
+        return self.run.num_real
+
+    def scores(self, hidden: Tensor) -> Tensor:  # [num_rows, dim] -> [num_rows, per]
+        """hidden W^T over this run (as the tied LM head); see `run_scores`."""
+        return run_scores(self, self.run, hidden)
 
     def source_slice(self, attr: str, shard: int | None) -> SourceSlice | None:
         """The checkpoint rows of this rank's run."""
@@ -205,6 +213,26 @@ class ParallelLMHead(Linear, SlicedLoad):
     def source_slice(self, attr: str, shard: int | None) -> SourceSlice | None:
         """The checkpoint rows of this rank's run."""
         return self.run.source()
+
+    def quantized_rows(self) -> int:
+        """The run's rows inside the vocabulary (the padding rows are not stored)."""
+        return self.run.num_real
+
+    def scores(self, hidden: Tensor) -> Tensor:  # [num_rows, dim] -> [num_rows, per]
+        """hidden W^T over this run; see `run_scores`."""
+        return run_scores(self, self.run, hidden)
+
+
+def run_scores(
+    table: Embedding | Linear,
+    run: VocabRun,
+    hidden: Tensor,  # [num_rows, dim]
+) -> Tensor:  # [num_rows, run.per]
+    """Logits of a vocabulary run through its quantized table; the padding rows score 0, as their zero rows do."""
+    assert table.quantized is not None
+    logits = table.quantized.matmul(hidden)
+    pad = run.per - logits.shape[-1]
+    return F.pad(logits, (0, pad)) if pad else logits
 
 
 def gather_logits(
