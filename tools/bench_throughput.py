@@ -58,7 +58,7 @@ from pagoda.server.llm import LLM
 from pagoda.server.models.attention import Attention
 from pagoda.server.models.layers import linear
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.testing import make_tiny_model
+from pagoda.server.testing import dense_copy, make_tiny_model
 from torch import nn
 from tqdm import tqdm
 
@@ -298,10 +298,12 @@ def run_tensor_parallel(
 
 
 def load_hf(model_path: Path, dtype: torch.dtype) -> Any:
-    """The same checkpoint as a transformers model, in Pagoda's dtype, in eval mode."""
+    """The same checkpoint as a transformers model, in Pagoda's dtype, in eval mode (read from a float32 copy
+    when the engine's cache keeps GGUF block formats, which transformers cannot load)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    with tempfile.TemporaryDirectory() as scratch:
+        model = AutoModelForCausalLM.from_pretrained(dense_copy(model_path, Path(scratch)), dtype=dtype)
     return nn.Module.eval(model)
 
 

@@ -20,7 +20,7 @@ from pagoda.server.engine import EngineConfigError, LLMEngine, RequestRejectedEr
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.testing import ARCHS, make_tiny_model
+from pagoda.server.testing import ARCHS, dense_copy, make_tiny_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 PROMPT_LENS = (5, 9, 17, 30, 3)  # cross block boundaries of 4, one shorter than a block
@@ -616,13 +616,15 @@ def test_static_batch_waits_for_its_timeout_and_admits_nobody_until_it_drains(
 
 
 @pytest.mark.slow
-def test_default_model_generates_coherent_text() -> None:
-    """The real Gemma 3 270M (a base model) continues a fixed prompt sensibly, exactly as transformers does."""
+def test_default_model_generates_coherent_text(tmp_path: Path) -> None:
+    """The real Gemma 3 270M (a base model) continues a fixed prompt sensibly, exactly as transformers does
+    (on a float32 copy of the converted cache, whose weights stay in their GGUF block formats)."""
     llm = LLM(max_model_len=256, kv_cache_gib=0.25, dtype="float32")
     prompt = "The capital of France is"
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert "France" in out.text and out.text.strip()[0].isalpha()
-    hf = cast(Any, AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32))
+    reference = dense_copy(llm.engine.model_path, tmp_path / "dense")
+    hf = cast(Any, AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32))
     ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
     expected = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
     assert list(out.token_ids) == expected

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ from pagoda.server.loader import LoadedModel, load_model
 from pagoda.server.models.layers import Linear, QuantizableWeight
 from pagoda.server.models.quantized import QuantizedWeight, resident_weight_bytes
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.testing import PagedKV
+from pagoda.server.testing import PagedKV, dense_copy
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 CPU = torch.device("cpu")
 TYPES = [t.name for t in GGMLType]
@@ -284,3 +286,30 @@ def test_quantization_gguf_on_a_safetensors_folder_exits_2_naming_the_flag(
     assert info.value.code == 2
     with pytest.raises(ValueError, match="quantization"):
         LLM(folder, quantization="gguf")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_dense_copy_lets_transformers_load_the_quantized_cache(
+    arch: str, gguf_files: Callable[[str, str], Path], tmp_path: Path
+) -> None:
+    """transformers cannot read a cache that keeps block formats; `dense_copy` makes a float32 folder it loads
+    without a mismatched size, whose greedy tokens are the engine's over the kept blocks (torch ops)."""
+    llm = LLM(
+        str(gguf_files(arch, "Q8_0")),
+        quantization="gguf",
+        kernel_backend="torch",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=64,
+        max_model_len=64,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([list(PROMPT)], params, use_tqdm=False)[0].outputs[0].token_ids
+    folder = llm.engine.model_path
+    copy = dense_copy(folder, tmp_path / "dense")
+    assert copy != folder and dense_copy(copy, tmp_path / "again") == copy  # a plain folder is its own copy
+    hf = cast(Any, AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32))
+    ids = torch.tensor([list(PROMPT)])
+    want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :].tolist()
+    assert list(got) == want

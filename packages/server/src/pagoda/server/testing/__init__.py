@@ -4,9 +4,11 @@
 transformers `tiny_config` and `make_tiny_hf_model`) and the tiny tokenizer they share (`make_tiny_tokenizer`).
 `paged_kv`: `PagedKV`, a paged KV cache that runs a `CausalLM` step by step without the engine. `serve`:
 `LiveServer`, `pagoda serve` in a subprocess returned once /health answers 200 (`ServerStartError`, with the
-server's output, when it exits first or times out), and `free_port`.
+server's output, when it exits first or times out), and `free_port`. `dense_copy`: a float32 copy of a converted
+model folder whose weights stay in GGUF block formats, for transformers to load as the reference.
 """
 
+from pagoda.server.testing.dense_copy import dense_copy
 from pagoda.server.testing.paged_kv import PagedKV, Step
 from pagoda.server.testing.serve import LiveServer, ServerStartError, free_port, serve_command
 from pagoda.server.testing.tiny_models import (
@@ -37,6 +39,7 @@ __all__ = [
     "PagedKV",
     "ServerStartError",
     "Step",
+    "dense_copy",
     "free_port",
     "make_tiny_hf_model",
     "make_tiny_model",
