@@ -16,6 +16,7 @@ from typing import Any, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulingPolicyName
 from pagoda.server.config import (
+    INT4_GROUP_SIZES,
     DistributedExecutorBackendName,
     DTypeName,
     EngineConfig,
@@ -79,7 +80,16 @@ def argument_table() -> list[Flag]:
                 "choices": get_args(QuantizationName),
                 "help": "a .gguf's weights: gguf keeps its block formats (faster for one stream, slower for large "
                 "batches, for now), none dequantizes them (default); "
-                "int8: a safetensors model's weights quantized at load (Q8_0 blocks of 32)",
+                "int8 / int4: a safetensors model's weights quantized at load (Q8_0 blocks of 32; int4 groups "
+                "of --quantization-group-size)",
+            },
+        ),
+        Flag(
+            ("--quantization-group-size",),
+            {
+                "type": int,
+                "choices": INT4_GROUP_SIZES,
+                "help": "--quantization int4: weights per float16 scale and minimum (default: 128)",
             },
         ),
         Flag(("--seed",), {"type": int, "help": "engine seed for requests without their own"}),
