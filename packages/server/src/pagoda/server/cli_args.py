@@ -485,6 +485,17 @@ _SECTIONS = {
 }
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" suffix, left off where the help already says its default or X is None (a
+    value derived from the model or the machine, which the help explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pagoda` argument parser: one argument group per config section, defaults from the config."""
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
@@ -492,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="start the OpenAI-compatible server",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     defaults = ServeConfig()
     paths = flat_names(defaults)
