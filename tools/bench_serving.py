@@ -32,6 +32,15 @@ of ratios to the first: one run compares configurations of Pagoda.
 
     python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \\
         --request-rate 1 4 inf --num-prompts 40
+
+--peer LABEL=COMMAND... adds peers to the same alternating runs: each COMMAND starts an OpenAI-compatible server
+(`{port}` is replaced by a free port; the model name is the first that its /v1/models lists), for example
+llama.cpp's server on the same file (`../shared/peers/llama_cpp.sh` builds it); --peer-url LABEL=URL adds one that
+is already running. --single-stream sends one request at a time (a person chatting: --max-concurrency 1, all
+queued at once).
+
+    python tools/bench_serving.py --serve "pagoda=-q gguf" \\
+        --peer "llama.cpp=$BIN/llama-server -m $GGUF -t 2 -c 32768 -np 32 --port {port}" --single-stream
 """
 
 from __future__ import annotations
@@ -40,14 +49,18 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import shlex
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -505,6 +518,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--serve-model", default=None, help="--serve: the model to load (default: Pagoda's default model)"
     )
+    parser.add_argument(
+        "--peer",
+        nargs="+",
+        default=[],
+        metavar="LABEL=COMMAND",
+        help="start a peer server with COMMAND ({port}: a free port) and run it beside --serve's",
+    )
+    parser.add_argument(
+        "--peer-url",
+        nargs="+",
+        default=[],
+        metavar="LABEL=URL",
+        help="a running peer to run beside --serve's",
+    )
+    parser.add_argument(
+        "--single-stream", action="store_true", help="one request at a time (--max-concurrency 1, rate inf)"
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
         "--request-rate", nargs="+", type=float, default=[math.inf], help="req/s (inf: all at once)"
@@ -563,6 +593,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if any("=" not in spec for spec in args.serve):
             parser.error("--serve takes LABEL=FLAGS")
         args.model = args.model or [_SERVED_NAME]
+    if any("=" not in spec for spec in args.peer + args.peer_url):
+        parser.error("--peer takes LABEL=COMMAND and --peer-url LABEL=URL")
+    if (args.peer or args.peer_url) and args.serve is None:
+        parser.error(
+            "--peer and --peer-url run beside --serve (give several --base-url to compare running servers)"
+        )
+    if args.single_stream:
+        if args.max_concurrency not in (None, 1) or args.request_rate != [math.inf]:
+            parser.error(
+                "--single-stream sends one request at a time: give no --request-rate or --max-concurrency"
+            )
+        args.max_concurrency = 1
     if args.model is None:
         parser.error("--model is required (unless --serve)")
     if len(args.model) not in {1, len(args.base_url)}:
@@ -623,6 +665,72 @@ def launched(args: argparse.Namespace, flags: str) -> Iterator[str]:
         yield server.base_url
 
 
+def _free_port() -> int:
+    """A loopback TCP port nobody listens on (for a peer's {port})."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _first_model(base_url: str) -> str | None:
+    """The first model id a server's /v1/models lists, or None while it does not answer yet."""
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=5)
+        if response.status_code == 200:
+            data = response.json().get("data") or []
+            return str(data[0]["id"]) if data else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return None
+
+
+@contextmanager
+def peer_launched(command: str, timeout: float = 900.0) -> Iterator[Target]:
+    """A peer server started by `command` (its {port} a free port), until the block ends; yields its Target
+    (label unset) once /v1/models answers. Stopped with SIGTERM to its process group (SIGKILL after 30 s)."""
+    port = _free_port()
+    argv = shlex.split(command.replace("{port}", str(port)))
+    process = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        model = _first_model(base_url)
+        while model is None:
+            if process.poll() is not None:
+                raise RuntimeError(f"peer exited with status {process.returncode} before serving: {command}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peer did not serve /v1/models within {timeout:.0f} s: {command}")
+            time.sleep(0.5)
+            model = _first_model(base_url)
+        body = {"model": model, "prompt": "warm up the server", "max_tokens": 8}
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=600).raise_for_status()
+        yield Target(base_url, model, "")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _peers(args: argparse.Namespace, stack: ExitStack) -> list[Target]:
+    """--peer servers started (in the stack) and --peer-url servers found, labelled."""
+    found = []
+    for spec in args.peer:
+        label, command = spec.split("=", 1)
+        found.append(replace(stack.enter_context(peer_launched(command)), label=label))
+    for spec in args.peer_url:
+        label, url = spec.split("=", 1)
+        url = url.rstrip("/").removesuffix("/v1")
+        model = _first_model(url)
+        if model is None:
+            raise RuntimeError(f"--peer-url {url}: /v1/models does not answer")
+        found.append(Target(url, model, label))
+    return found
+
+
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every target at every rate: the given servers, or each --serve configuration started in turn."""
     per_rate = requests_per_rate(args)
@@ -639,6 +747,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         for spec in args.serve:
             label, flags = spec.split("=", 1)
             served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
+        served += _peers(args, stack)
         runs = [
             asyncio.run(run_rate(args, target, requests, rate))
             for requests, rate in zip(per_rate, args.request_rate, strict=True)

@@ -8,17 +8,27 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from pagoda.pagedkernel.quant import BLOCK_SIZES, GGMLType, QuantizedTensor, dequantize, ggml_type, qmatmul
+from pagoda.pagedkernel.quant import (
+    BLOCK_SIZES,
+    INT4_BY_GROUP,
+    GGMLType,
+    QuantizedTensor,
+    dequantize,
+    ggml_type,
+    qmatmul,
+    quantize,
+)
+from pagoda.pagedkernel.quant.formats import OWN_TYPES
 from pagoda.pagedkernel.quant.testing import assert_bit_exact, random_weight
 
-ALL_TYPES = list(GGMLType)
+ALL_TYPES = [t for t in GGMLType if t not in OWN_TYPES]  # GGUF's types (ours are tested below on their own)
 # Types gguf's Python code can also quantize (the K-quants it only dequantizes).
 GGUF_QUANTIZABLE = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
 
 
 def test_type_table_matches_gguf() -> None:
     """Every type's id is gguf's, and its (elements, bytes) per block are gguf's GGML_QUANT_SIZES."""
-    for qtype in GGMLType:
+    for qtype in ALL_TYPES:
         theirs = gguf.GGMLQuantizationType[qtype.name]
         assert int(theirs) == int(qtype)
         assert gguf.GGML_QUANT_SIZES[theirs] == BLOCK_SIZES[qtype]
@@ -117,3 +127,68 @@ def test_qmatmul_argument_checks() -> None:
         qmatmul(torch.randn(2, 64), weight, backend="torch", out=torch.empty(2, 6))
     with pytest.raises(ValueError, match="unknown quantized-op backend"):
         qmatmul(torch.randn(2, 64), weight, backend="cuda")  # type: ignore[arg-type]
+
+
+def test_own_types_are_clear_of_gguf() -> None:
+    """Pagoda's int4 group formats use no gguf id or name, and are 4 + group / 2 bytes per group."""
+    for qtype in OWN_TYPES:
+        assert qtype.name not in gguf.GGMLQuantizationType.__members__
+        assert int(qtype) not in {int(t) for t in gguf.GGMLQuantizationType}
+        group, size = BLOCK_SIZES[qtype]
+        assert size == 4 + group // 2
+    assert INT4_BY_GROUP == {32: GGMLType.Q4_1, 64: GGMLType.I4_G64, 128: GGMLType.I4_G128}
+
+
+@pytest.mark.parametrize("qtype", sorted(OWN_TYPES), ids=lambda t: t.name)
+def test_own_int4_groups_decode_as_specified(qtype: GGMLType) -> None:
+    """Random bytes decode to d * q + m, q read from Q4_1's nibble order per 32 values (written out here)."""
+    group, size = BLOCK_SIZES[qtype]
+    weight = random_weight(qtype, (5, 2 * group), torch.Generator().manual_seed(int(qtype)))
+    raw = weight.data.reshape(-1, size).numpy()
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    expected = np.zeros((raw.shape[0], group), dtype=np.float32)
+    for b in range(raw.shape[0]):
+        for i in range(group):
+            byte = raw[b, 4 + 16 * (i // 32) + (i % 32) % 16]
+            q = byte & 0x0F if i % 32 < 16 else byte >> 4
+            expected[b, i] = d[b, 0] * np.float32(q) + m[b, 0]
+    assert_bit_exact(dequantize(weight, backend="torch"), torch.from_numpy(expected.reshape(5, 2 * group)))
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1], ids=lambda t: t.name)
+def test_quantize_writes_ggufs_blocks(qtype: GGMLType) -> None:
+    """Q8_0 and Q4_1 blocks are byte for byte those of gguf's reference quantizer (ties and zero blocks too)."""
+    values = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+    values[0, :32] = 0.0  # a zero block: d = 0
+    values[1, :64] = np.round(values[1, :64] * 4) / 4  # ties
+    want = gguf_quantize(values, gguf.GGMLQuantizationType(int(qtype)))
+    got = quantize(torch.from_numpy(values), qtype)
+    assert got.shape == (7, 256)
+    assert np.array_equal(got.data.numpy(), want)
+
+
+@pytest.mark.parametrize("group", sorted(INT4_BY_GROUP))
+def test_int4_quantization_error_is_half_a_step(group: int) -> None:
+    """Each value comes back within half its group's step (plus float16 rounding of the scale and minimum)."""
+    values = torch.randn(6, 512, generator=torch.Generator().manual_seed(group))
+    got = dequantize(quantize(values, INT4_BY_GROUP[group]), backend="torch")
+    grouped = values.reshape(-1, group)
+    step = (grouped.amax(1, keepdim=True) - grouped.amin(1, keepdim=True)) / 15
+    error = (got.reshape(-1, group) - grouped).abs()
+    slack = 2e-3 * grouped.abs().amax(
+        1, keepdim=True
+    )  # float16 d and m: relative 2^-11 each, through q <= 15
+    assert bool((error <= step / 2 + slack).all())
+    # Larger groups share one scale over more values: the error grows, the bytes shrink.
+    assert BLOCK_SIZES[INT4_BY_GROUP[group]][1] * 8 / group == 4 + 32 / group
+
+
+def test_quantize_refuses_what_it_cannot_write() -> None:
+    """A format quantize does not write, a ragged row, a 1-D weight: ValueError saying which."""
+    with pytest.raises(ValueError, match="cannot quantize into Q6_K"):
+        quantize(torch.zeros(2, 256), GGMLType.Q6_K)
+    with pytest.raises(ValueError, match="I4_G128 stores rows in blocks of 128; rows of 96"):
+        quantize(torch.zeros(2, 96), GGMLType.I4_G128)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(torch.zeros(64), GGMLType.Q8_0)

@@ -9,6 +9,8 @@ import pytest
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.loader import CACHE_DIR_ENV
 from pagoda.server.testing import make_tiny_model
+from pagoda.server.testing.tiny_gguf import write_tiny_gguf
+from transformers import PreTrainedModel
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +38,9 @@ def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "pagoda-cache"
     monkeypatch.setenv(CACHE_DIR_ENV, str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    """A tiny Llama written as an F32 GGUF by gguf's writer, and the Hugging Face model it was written from."""
+    return write_tiny_gguf("llama", tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", lambda name: "F32")

@@ -318,3 +318,14 @@ def test_tensor_parallel_flags_map_onto_engine_config(
     model = make_tiny_model("llama", tmp_path / "llama")
     assert main(["serve", str(model), "--tensor-parallel-size", "3"]) == 1
     assert "tensor_parallel_size 3 must divide num_attention_heads (4)" in capsys.readouterr().err
+
+
+def test_help_states_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """No "(default: None)" and no second "(default: ...)" after a help text that states its own default; a flag
+    whose help does not state it gets argparse's suffix."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: None)" not in text
+    assert "(default: the model's own) (default" not in text
+    assert "--enforce-eager CUDA: skip torch.compile (default: False)" in text

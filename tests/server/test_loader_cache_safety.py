@@ -15,8 +15,6 @@ from pagoda.server.cli import main
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.setup import build_parts
 from pagoda.server.loader import WeightLoadError, cache_folder, load_model
-from pagoda.server.testing import make_tiny_hf_model, make_tiny_model
-from test_loader import write_tiny_llama_gguf
 from transformers import PreTrainedModel
 
 CPU = torch.device("cpu")
@@ -24,15 +22,6 @@ CPU = torch.device("cpu")
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
-    """A tiny Llama written with gguf's writer, and the Hugging Face model it came from."""
-    folder = tmp_path_factory.mktemp("gguf-safety")
-    hf_model = make_tiny_hf_model("llama")
-    make_tiny_model("llama", folder / "tokenizer")
-    return write_tiny_llama_gguf(hf_model, folder / "tokenizer", folder / "tiny.gguf"), hf_model
 
 
 def test_conversion_is_private(tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path) -> None:

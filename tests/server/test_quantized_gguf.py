@@ -19,6 +19,7 @@ from pagoda.pagedkernel import KernelBackend
 from pagoda.pagedkernel.quant import GGMLType, QuantBackendName, dequantize
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS
 from pagoda.pagedkernel.quant.cpu_quant import available as cpu_quant_available
+from pagoda.pagedkernel.quant.formats import OWN_TYPES
 from pagoda.pagedkernel.quant.testing import int8_error_bound
 from pagoda.server.cli import main
 from pagoda.server.llm import LLM
@@ -32,7 +33,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 CPU = torch.device("cpu")
-TYPES = [t.name for t in GGMLType]
+TYPES = [t.name for t in GGMLType if t not in OWN_TYPES]  # the types a GGUF file can hold
 PROMPT = [
     1,
     40,

@@ -43,6 +43,7 @@ from test_engine import (
     random_prompts,
     tokens,
 )
+from transformers import PreTrainedModel
 
 # Every architecture, plus the head layouts that matter for the split: one KV head (replicated on both ranks,
 # as in Gemma 3 270M), as many KV heads as query heads (split), and a vocabulary that two ranks split unevenly.
@@ -175,15 +176,11 @@ def test_tp_size_the_heads_cannot_split_is_refused(tp_models: dict[str, Path], t
 
 
 @pytest.mark.timeout(300)
-def test_tp2_from_a_gguf_file(tmp_path: Path, gguf_cache: Path, llms: LLMFactory) -> None:
+def test_tp2_from_a_gguf_file(
+    tiny_gguf: tuple[Path, PreTrainedModel], gguf_cache: Path, llms: LLMFactory
+) -> None:
     """A GGUF file is converted once, by the driver; both ranks load their shards from the cache."""
-    from pagoda.server.testing import make_tiny_hf_model, make_tiny_tokenizer
-    from test_loader import write_tiny_llama_gguf
-
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer_dir.mkdir()
-    make_tiny_tokenizer(tokenizer_dir)
-    gguf_path = write_tiny_llama_gguf(make_tiny_hf_model("llama"), tokenizer_dir, tmp_path / "tiny.gguf")
+    gguf_path, _ = tiny_gguf
     prompts = random_prompts((6, 11))
     want = greedy_tokens(llms(make_llm, gguf_path), prompts)
     assert greedy_tokens(llms(make_llm, gguf_path, **TP_ARGS), prompts) == want

@@ -35,6 +35,15 @@ def bound_onednn_caches() -> None:
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
+def _check_quantization(config: ServeConfig) -> None:
+    """ValueError (exit 2) naming the layer when --quantization int8/int4 cannot split a folder's weights."""
+    model = config.engine.model_config
+    if model.quantizes_at_load() and model.model is not None:
+        from pagoda.server.loader.quantize_at_load import check_folder_quantizable
+
+        check_folder_quantizable(model.model, model.quantization, model.quantization_group_size)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     bound_onednn_caches()
@@ -45,6 +54,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         config = serve_config(args)
+        _check_quantization(config)
         if config.app.chat_template is not None:  # a file path or the template's text, read once here
             app = replace(config.app, chat_template=load_chat_template(config.app.chat_template))
             config = replace(config, app=app)

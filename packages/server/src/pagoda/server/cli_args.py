@@ -16,6 +16,7 @@ from typing import Any, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulingPolicyName
 from pagoda.server.config import (
+    INT4_GROUP_SIZES,
     DistributedExecutorBackendName,
     DTypeName,
     EngineConfig,
@@ -79,7 +80,16 @@ def argument_table() -> list[Flag]:
                 "choices": get_args(QuantizationName),
                 "help": "a .gguf's weights: gguf keeps its block formats (faster for one stream, slower for large "
                 "batches, for now), none dequantizes them (default); "
-                "int8: a safetensors model's weights quantized at load (Q8_0 blocks of 32)",
+                "int8 / int4: a safetensors model's weights quantized at load (Q8_0 blocks of 32; int4 groups "
+                "of --quantization-group-size)",
+            },
+        ),
+        Flag(
+            ("--quantization-group-size",),
+            {
+                "type": int,
+                "choices": INT4_GROUP_SIZES,
+                "help": "--quantization int4: weights per float16 scale and minimum (default: 128)",
             },
         ),
         Flag(("--seed",), {"type": int, "help": "engine seed for requests without their own"}),
@@ -475,6 +485,17 @@ _SECTIONS = {
 }
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" suffix, left off where the help already says its default or X is None (a
+    value derived from the model or the machine, which the help explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pagoda` argument parser: one argument group per config section, defaults from the config."""
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
@@ -482,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="start the OpenAI-compatible server",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     defaults = ServeConfig()
     paths = flat_names(defaults)

@@ -54,9 +54,10 @@ __all__ = [
 
 KernelBackendName = Literal["auto", "torch", "cpu", "triton", "cupy"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-# --quantization (vLLM's flag): gguf keeps a .gguf file's block formats, none dequantizes them at load, int8
-# quantizes a safetensors checkpoint's weights at load (Q8_0 blocks).
-QuantizationName = Literal["gguf", "none", "int8"]
+# --quantization (vLLM's flag): gguf keeps a .gguf file's block formats, none dequantizes them at load, int8 and
+# int4 quantize a safetensors checkpoint's weights at load (Q8_0 blocks; int4 groups of --quantization-group-size).
+QuantizationName = Literal["gguf", "none", "int8", "int4"]
+INT4_GROUP_SIZES = (32, 64, 128)
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
@@ -103,8 +104,10 @@ class ModelConfig:
     # Weights of a .gguf: "gguf" keeps its block formats; None (the default, for now) or "none" dequantizes them:
     # measured on 2 cores, the kept blocks serve one stream 1.6x faster but batches of more than 16 rows slower
     # (0.63x offline, 0.78x at saturation), so they stay opt-in until the many-row kernel catches up.
-    # Safetensors: none or int8.
+    # Safetensors: none, int8 or int4.
     quantization: QuantizationName | None = None
+    # int4's weights per float16 scale and minimum: 32, 64 or 128; None: 128.
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -114,13 +117,23 @@ class ModelConfig:
         if self.quantization == "gguf" and not self.is_gguf():
             raise ValueError(
                 f"quantization 'gguf' needs a .gguf model (or the default model), not {self.model!r}; "
-                "a safetensors folder loads with quantization none or int8"
+                "a safetensors folder loads with quantization none, int8 or int4"
             )
-        if self.quantization == "int8" and self.is_gguf():
+        if self.quantization in ("int8", "int4") and self.is_gguf():
             raise ValueError(
-                "quantization 'int8' quantizes a safetensors checkpoint at load; a .gguf keeps its own block "
-                "formats (quantization gguf) or is dequantized (none)"
+                f"quantization {self.quantization!r} quantizes a safetensors checkpoint at load; a .gguf keeps its "
+                "own block formats (quantization gguf) or is dequantized (none)"
             )
+        if self.quantization_group_size is not None:
+            if self.quantization != "int4":
+                raise ValueError(
+                    "quantization_group_size applies to quantization int4 (int8 uses Q8_0 blocks of 32), "
+                    f"not to quantization {self.quantization}"
+                )
+            if self.quantization_group_size not in INT4_GROUP_SIZES:
+                raise ValueError(
+                    f"quantization_group_size must be one of {INT4_GROUP_SIZES}, not {self.quantization_group_size}"
+                )
         _one_of("dtype", self.dtype, get_args(DTypeName))
         _one_of("kernel_backend", self.kernel_backend, get_args(KernelBackendName))
 
@@ -133,8 +146,8 @@ class ModelConfig:
         return self.quantization == "gguf" and self.is_gguf()
 
     def quantizes_at_load(self) -> bool:
-        """Whether a safetensors checkpoint's weights are quantized at load (`quantization` int8)."""
-        return self.quantization == "int8"
+        """Whether a safetensors checkpoint's weights are quantized at load (`quantization` int8 or int4)."""
+        return self.quantization in ("int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,8 @@
 #define PATH 0
 #endif
 
-/* GGUF type ids (gguf's GGMLQuantizationType). */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* GGUF type ids (gguf's GGMLQuantizationType), and Pagoda's own int4 group formats (formats.py). */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, I4_G64 = 1064, I4_G128 = 1128 };
 
 #define QK 32        /* elements per activation block (and per block of the 32-element formats) */
 #define QK_K 256     /* elements per K-quant super-block */
@@ -48,7 +48,7 @@ int pagoda_quant_path(void) { return PATH; }
 static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
   *elems = 0;
   *bytes = 0;
-  *has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+  *has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == I4_G64 || type == I4_G128;
   switch (type) {
     case Q4_0: *elems = QK, *bytes = 18; break;
     case Q4_1: *elems = QK, *bytes = 20; break;
@@ -58,6 +58,8 @@ static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
     case Q4_K: *elems = QK_K, *bytes = 144; break;
     case Q5_K: *elems = QK_K, *bytes = 176; break;
     case Q6_K: *elems = QK_K, *bytes = 210; break;
+    case I4_G64: *elems = 64, *bytes = 4 + 32; break;
+    case I4_G128: *elems = 128, *bytes = 4 + 64; break;
     default: break;
   }
 }
@@ -230,6 +232,18 @@ INLINE void unpack(int64_t type, const uint8_t *b, int8_t *w, float *scale, floa
       scale[0] = scale[1] = f16(b);
       memcpy(w, b + 2, QK);
       break;
+    case I4_G64:
+    case I4_G128: { /* one scale and minimum for the group; Q4_1's nibbles per 32 values */
+      const int subs = type == I4_G64 ? 2 : 4;
+      float m = f16(b + 2);
+      d = f16(b);
+      for (int s = 0; s < subs; s++) {
+        nibbles32(b + 4 + 16 * s, w + QK * s, 0);
+        scale[2 * s] = scale[2 * s + 1] = d;
+        offset[s] = m;
+      }
+      break;
+    }
     case Q4_K:
     case Q5_K: {
       float dmin = f16(b + 2);
@@ -311,6 +325,8 @@ DEQUANTIZE_FOR(Q8_0)
 DEQUANTIZE_FOR(Q4_K)
 DEQUANTIZE_FOR(Q5_K)
 DEQUANTIZE_FOR(Q6_K)
+DEQUANTIZE_FOR(I4_G64)
+DEQUANTIZE_FOR(I4_G128)
 
 typedef void (*dequantize_fn)(const uint8_t *, float *, uint16_t *, int64_t, int64_t);
 
@@ -324,6 +340,8 @@ static dequantize_fn dequantize_for(int64_t type) {
     case Q4_K: return dequantize_Q4_K;
     case Q5_K: return dequantize_Q5_K;
     case Q6_K: return dequantize_Q6_K;
+    case I4_G64: return dequantize_I4_G64;
+    case I4_G128: return dequantize_I4_G128;
     default: return NULL;
   }
 }
@@ -490,6 +508,8 @@ COLUMNS_FOR(Q8_0)
 COLUMNS_FOR(Q4_K)
 COLUMNS_FOR(Q5_K)
 COLUMNS_FOR(Q6_K)
+COLUMNS_FOR(I4_G64)
+COLUMNS_FOR(I4_G128)
 
 typedef void (*columns_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,
                            const int32_t *, int64_t, float *, int64_t);
@@ -504,6 +524,8 @@ static columns_fn columns_for(int64_t type) {
     case Q4_K: return columns_Q4_K;
     case Q5_K: return columns_Q5_K;
     case Q6_K: return columns_Q6_K;
+    case I4_G64: return columns_I4_G64;
+    case I4_G128: return columns_I4_G128;
     default: return NULL;
   }
 }

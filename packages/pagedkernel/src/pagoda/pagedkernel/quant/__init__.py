@@ -1,15 +1,18 @@
 """Quantized weights on the CPU: GGUF block formats as pagedkernel ops (dequantize, and a matmul through them).
 
 `QuantizedTensor` holds a GGUF tensor's raw blocks; `dequantize` returns its float32 values (bit-exact with gguf's
-reference), `qmatmul(x, weight)` computes x @ W^T. Backends: `torch` (the specification, `torch_quant`) and `cpu`
+reference), `qmatmul(x, weight)` computes x @ W^T, `quantize(w, qtype)` writes Q8_0, Q4_1 or Pagoda's int4 groups. Backends: `torch` (the specification, `torch_quant`) and `cpu`
 (the C kernels of `cpu_quant`); `auto` is `cpu` for CPU tensors when a C compiler builds it, else `torch`.
 """
 
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor, ggml_type
 from pagoda.pagedkernel.quant.ops import QUANT_BACKENDS, QuantBackendName, dequantize, qmatmul
+from pagoda.pagedkernel.quant.quantize import INT4_BY_GROUP, QUANTIZABLE, quantize
 
 __all__ = [
     "BLOCK_SIZES",
+    "INT4_BY_GROUP",
+    "QUANTIZABLE",
     "QUANT_BACKENDS",
     "GGMLType",
     "QuantBackendName",
@@ -17,4 +20,5 @@ __all__ = [
     "dequantize",
     "ggml_type",
     "qmatmul",
+    "quantize",
 ]

@@ -2,6 +2,10 @@
 
 A row of K weights is stored as K / block_size blocks of type_size bytes each, laid out as ggml writes them
 (`ggml-common.h`); `torch_quant.py` decodes each layout, and is its specification here.
+
+Two formats are Pagoda's own, for `--quantization int4` with groups of 64 or 128 (GGUF has Q4_1 for 32): a float16
+scale d and minimum m per group, then the group's 4-bit values q, 16 bytes per 32 values in Q4_1's nibble order;
+value = d * q + m. They are numbered above 1000, clear of gguf's ids, and never appear in a GGUF file.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from torch import Tensor
 
 
 class GGMLType(enum.IntEnum):
-    """A GGUF tensor type supported by the quantized ops, numbered as in gguf's `GGMLQuantizationType`."""
+    """A block format supported by the quantized ops: GGUF's, numbered as in gguf's `GGMLQuantizationType`, or ours."""
 
     Q4_0 = 2
     Q4_1 = 3
@@ -24,6 +28,8 @@ class GGMLType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    I4_G64 = 1064  # Pagoda's own (see above): int4, one scale and minimum per 64 values
+    I4_G128 = 1128  # the same per 128 values
 
 
 QK_K = 256  # elements of a K-quant super-block
@@ -38,7 +44,12 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
     GGMLType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     GGMLType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+    GGMLType.I4_G64: (64, 2 + 2 + 64 // 2),
+    GGMLType.I4_G128: (128, 2 + 2 + 128 // 2),
 }
+
+# Pagoda's own formats: not GGUF types, so never looked up by a GGUF tensor's type name.
+OWN_TYPES = frozenset({GGMLType.I4_G64, GGMLType.I4_G128})
 
 
 def ggml_type(qtype: int | str) -> GGMLType:

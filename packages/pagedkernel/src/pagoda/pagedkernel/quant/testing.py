@@ -16,6 +16,8 @@ HALF_FIELDS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
+    GGMLType.I4_G64: (0, 2),
+    GGMLType.I4_G128: (0, 2),
 }
 
 

@@ -45,6 +45,15 @@ def _q4_1(b: Tensor) -> Tensor:  # uint8 [num_blocks, 20] -> float32 [num_blocks
     return d * q + m
 
 
+def _i4_group(
+    b: Tensor, group: int
+) -> Tensor:  # uint8 [num_blocks, 4 + group / 2] -> float32 [num_blocks, group]
+    """Pagoda's int4 group format: d * q + m, q in Q4_1's nibble order per 32 values."""
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q = _nibbles(b[:, 4:].reshape(-1, group // 32, 16)).reshape(-1, group).to(torch.float32)
+    return d * q + m
+
+
 def _q5(b: Tensor, first: int) -> Tensor:  # uint8 [num_blocks, type_size] -> uint8 [num_blocks, 32], 0..31
     """The 5-bit values of a Q5_0 / Q5_1 block whose high-bit word starts at byte `first`."""
     low = _nibbles(b[:, None, first + 4 : first + 20])[:, 0]
@@ -116,6 +125,8 @@ DECODERS: dict[GGMLType, Callable[[Tensor], Tensor]] = {
     GGMLType.Q4_K: _q4_k,
     GGMLType.Q5_K: _q5_k,
     GGMLType.Q6_K: _q6_k,
+    GGMLType.I4_G64: lambda b: _i4_group(b, 64),
+    GGMLType.I4_G128: lambda b: _i4_group(b, 128),
 }
 
 

@@ -14,6 +14,7 @@ from pagoda.server.config import EngineConfig
 from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
 from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model, load_shard
+from pagoda.server.loader.quantize_at_load import load_qtype
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.parallel import ParallelGroup
 from pagoda.server.models.quantized import resident_weight_bytes
@@ -164,7 +165,7 @@ def build_shard(
         group=group,
         keep_quantized=config.model_config.keeps_quantized(),
         quant_backend=quant_backend(config),
-        int8=config.model_config.quantizes_at_load(),
+        quantize_to=load_qtype(config.model_config.quantization, config.model_config.quantization_group_size),
     )
     log_resident_weights(model)
     prepare_model(model, config, placement.device)
@@ -201,7 +202,7 @@ def build_parts(
         group=group,
         keep_quantized=model_config.keeps_quantized(),
         quant_backend=quant_backend(config),
-        int8=model_config.quantizes_at_load(),
+        quantize_to=load_qtype(model_config.quantization, model_config.quantization_group_size),
     )
     log_resident_weights(loaded.model)
     prepare_model(loaded.model, config, device)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pagoda.pagedkernel.quant import QuantBackendName
+from pagoda.pagedkernel.quant import GGMLType, QuantBackendName
 from pagoda.server.loader.default import DEFAULT_MODEL_NAME, default_model_folder
 from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
 from pagoda.server.loader.quantize_at_load import quantize_weights
@@ -73,18 +73,18 @@ def load_shard(
     group: ParallelGroup | None = None,
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
-    int8: bool = False,
+    quantize_to: GGMLType | None = None,
 ) -> tuple[CausalLM, PretrainedConfig]:
     """The model of a safetensors folder, this rank's shard only (each tensor read slice by slice), and its config;
     a converted GGUF's block-format weights stay quantized with `keep_quantized` (see `load_safetensors`), and
-    `int8` quantizes the dense ones at load (`quantize_weights`)."""
+    `quantize_to` quantizes the dense ones at load into that block format (`quantize_weights`)."""
     hf_config = AutoConfig.from_pretrained(folder)
     built = build_model(hf_config, dtype, device, group)
     load_safetensors(
         built, safetensors_files(folder), keep_quantized=keep_quantized, quant_backend=quant_backend
     )
-    if int8:
-        quantize_weights(built, quant_backend)
+    if quantize_to is not None:
+        quantize_weights(built, quantize_to, quant_backend)
     return built, hf_config
 
 
@@ -98,7 +98,7 @@ def load_model(
     group: ParallelGroup | None = None,
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
-    int8: bool = False,
+    quantize_to: GGMLType | None = None,
 ) -> LoadedModel:
     """Load `model` (see `resolve_model_folder`) onto `device` in `dtype`, with its config and tokenizer.
 
@@ -117,7 +117,7 @@ def load_model(
         group=group,
         keep_quantized=keep_quantized,
         quant_backend=quant_backend,
-        int8=int8,
+        quantize_to=quantize_to,
     )
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or folder)
     return LoadedModel(model=built, hf_config=hf_config, tokenizer=loaded_tokenizer, model_path=folder)

@@ -1,0 +1,35 @@
+"""Perplexity of an engine over a fixed text: exp of the mean negative log-likelihood of each token given the
+ones before it, from the engine's prompt logprobs (the whole text as one prompt, or windows of it)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pagoda.server.llm import LLM
+from pagoda.server.sampling_params import SamplingParams
+
+
+def perplexity(llm: LLM, token_ids: Sequence[int], *, window: int | None = None) -> float:
+    """exp(-mean log p(token | the tokens before it in its window)) over `token_ids` after the first of each window.
+
+    `window` None scores the whole text as one prompt (it must fit max_model_len); otherwise consecutive windows of
+    that many tokens, each scored from its own start, as llama-perplexity's chunks are.
+    """
+    ids = list(token_ids)
+    size = len(ids) if window is None else window
+    if size < 2 or len(ids) < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens a window, got {min(size, len(ids))}")
+    chunks = [ids[i : i + size] for i in range(0, len(ids), size) if len(ids[i : i + size]) >= 2]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    total, count = 0.0, 0
+    for output in llm.generate(chunks, params, use_tqdm=False):
+        positions = output.prompt_logprobs
+        if positions is None:
+            raise RuntimeError("the engine returned no prompt logprobs")
+        for token, entry in zip(output.prompt_token_ids[1:], positions[1:], strict=True):
+            if entry is None:
+                raise RuntimeError("a prompt position after the first has no logprob")
+            total -= entry[token].logprob
+            count += 1
+    return math.exp(total / count)

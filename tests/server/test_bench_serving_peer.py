@@ -1,0 +1,74 @@
+"""tools/bench_serving.py's peers: --peer starts a server by command beside --serve's (same prompts, alternating
+runs, a ratio table), --peer-url adds a running one, --single-stream sends one request at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tool_scripts import load_tool
+
+bench_serving = load_tool("bench_serving.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_peer_options_are_checked() -> None:
+    """A peer needs LABEL=...; peers run beside --serve; --single-stream means max concurrency 1 at rate inf."""
+    args = bench_serving.parse_args(["--serve", "a=", "--single-stream"])
+    assert args.max_concurrency == 1 and args.request_rate == [float("inf")]
+    for argv in (
+        ["--serve", "a=", "--peer", "no-label"],
+        ["--serve", "a=", "--peer-url", "http://x:1"],
+        ["--model", "m", "--peer", "b=cmd"],
+        ["--serve", "a=", "--single-stream", "--request-rate", "2"],
+        ["--serve", "a=", "--single-stream", "--max-concurrency", "4"],
+    ):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(argv)
+
+
+def test_a_peer_that_exits_is_reported() -> None:
+    """A peer command that exits before serving is a RuntimeError naming its status and the command."""
+    command = f"{shlex.quote(sys.executable)} -c 'raise SystemExit(3)'"
+    with (
+        pytest.raises(RuntimeError, match="peer exited with status 3"),
+        bench_serving.peer_launched(command, 60),
+    ):
+        pass
+
+
+def test_serve_and_a_started_peer_run_the_same_prompts_one_at_a_time(
+    tiny_model_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Pagoda by --serve and a second server by --peer (here Pagoda again, under another name): both complete
+    every request with one in flight, and the ratio table compares them."""
+    model = str(tiny_model_path("llama"))
+    small = "--dtype float32 --kv-cache-gib 0.01 --block-size 4 --max-model-len 64"
+    peer = f"{shlex.quote(sys.executable)} -m pagoda.server.cli serve {model} --port {{port}} {small} --served-model-name peer-model"
+    command = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--serve-model", model]
+    command += [
+        "--serve",
+        f"pagoda={small}",
+        "--peer",
+        f"peer={peer}",
+        "--single-stream",
+        "--num-prompts",
+        "3",
+    ]
+    command += ["--input-len", "6", "--output-len", "4", "--ignore-eos", "--output-dir", str(tmp_path)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"}
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "bench_serving.json").read_text())
+    runs = {run["target"]: run for run in report["runs"]}
+    assert set(runs) == {"pagoda", "peer"}
+    assert all(run["completed"] == 3 and run["failed"] == 0 for run in runs.values())
+    assert report["config"]["max_concurrency"] == 1
+    assert "Ratio to pagoda" in result.stdout
