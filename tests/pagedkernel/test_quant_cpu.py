@@ -136,6 +136,28 @@ def test_dtypes_strides_and_empty() -> None:
     assert qmatmul(x[:0], weight, backend="cpu").shape == (0, N)
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.I4_G128], ids=lambda t: t.name)
+def test_bfloat16_rows_go_straight_through_the_kernel(qtype: GGMLType) -> None:
+    """bfloat16 x and a bfloat16 out read and written by the kernel itself equal the float32 path on the widened x,
+    rounded to nearest even (bitwise); a strided bfloat16 x and a float32 out of a bfloat16 x agree too."""
+    g = torch.Generator().manual_seed(int(qtype))
+    weight = random_weight(qtype, (N, K), g)
+    lib = cpu_quant.kernels()
+    wide = torch.randn(3, K + 32, generator=g).to(torch.bfloat16)
+    x = wide[:, :K]  # rows K + 32 apart
+    reference = nan_out(3, N)
+    cpu_quant.gemv(x.to(torch.float32).contiguous(), weight, reference, lib)
+    direct = torch.full((3, N), float("nan"), dtype=torch.bfloat16)
+    cpu_quant.gemv(x, weight, direct, lib)
+    assert torch.equal(direct.view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
+    widened = nan_out(3, N)
+    cpu_quant.gemv(x, weight, widened, lib)
+    assert torch.equal(widened, reference)
+    assert torch.equal(qmatmul(x, weight, backend="cpu").view(torch.int16), direct.view(torch.int16))
+    with pytest.raises(ValueError, match="float32 or bfloat16 rows"):
+        cpu_quant.gemv(x.to(torch.float16), weight, direct, lib)
+
+
 def test_thread_count_does_not_change_the_result() -> None:
     """Each output is computed whole by one thread: 1 and 2 threads give the same bits."""
     g = torch.Generator().manual_seed(6)
@@ -209,9 +231,10 @@ def test_the_kernel_refuses_an_unknown_type() -> None:
     src, dst = torch.zeros(84, dtype=torch.uint8), torch.empty(256)
     assert lib.dequantize(10, src.data_ptr(), dst.data_ptr(), 0, 1, 1) == 1
     y = torch.empty(1, 1)
-    assert lib.matmul(10, src.data_ptr(), 1, 256, dst.data_ptr(), 256, 1, y.data_ptr(), 1, 1) == 1
+    assert lib.matmul(10, src.data_ptr(), 1, 256, dst.data_ptr(), 256, 0, 1, y.data_ptr(), 1, 0, 1) == 1
     assert (
-        lib.matmul(int(GGMLType.Q4_K), src.data_ptr(), 1, 32, dst.data_ptr(), 32, 1, y.data_ptr(), 1, 1) == 1
+        lib.matmul(int(GGMLType.Q4_K), src.data_ptr(), 1, 32, dst.data_ptr(), 32, 0, 1, y.data_ptr(), 1, 0, 1)
+        == 1
     )
     with pytest.raises(ValueError, match="refused its arguments"):
         cpu_quant._check(1, "quantized matmul")  # what gemv and dequantize raise on that status

@@ -20,7 +20,7 @@ from pagoda.pagedkernel.quant import GGMLType, QuantBackendName, dequantize
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS
 from pagoda.pagedkernel.quant.cpu_quant import available as cpu_quant_available
 from pagoda.pagedkernel.quant.formats import OWN_TYPES
-from pagoda.pagedkernel.quant.testing import int8_error_bound
+from pagoda.pagedkernel.quant.testing import int8_error_bound, random_weight
 from pagoda.server.cli import main
 from pagoda.server.llm import LLM
 from pagoda.server.loader import LoadedModel, load_model
@@ -314,3 +314,27 @@ def test_dense_copy_lets_transformers_load_the_quantized_cache(
     ids = torch.tensor([list(PROMPT)])
     want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :].tolist()
     assert list(got) == want
+
+
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS + 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_runs_of_rows_of_different_types_write_their_own_columns(
+    rows: int, dtype: torch.dtype, backend: QuantBackendName
+) -> None:
+    """A weight held as runs of rows in several types (as q/k/v of mixed types are) gives each run's product in its
+    own columns of one output: equal to the products of the runs apart, side by side."""
+    g = torch.Generator().manual_seed(rows)
+    parts = [
+        random_weight(GGMLType.Q8_0, (7, 256), g),
+        random_weight(GGMLType.Q4_K, (5, 256), g),
+        random_weight(GGMLType.Q6_K, (9, 256), g),
+    ]
+    weight = QuantizedWeight.of(parts, backend)
+    assert len(weight.parts) == 3 and weight.shape == (21, 256)
+    x = torch.randn(2, rows, 256, generator=g).to(dtype)
+    got = weight.matmul(x)
+    flat = x.reshape(-1, 256)
+    want = torch.cat([QuantizedWeight.of([p], backend).matmul(flat) for p in parts], dim=-1)
+    assert got.shape == (2, rows, 21) and got.dtype == dtype
+    assert torch.equal(got.reshape(-1, 21), want)

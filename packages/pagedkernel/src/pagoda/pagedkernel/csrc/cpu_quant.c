@@ -425,10 +425,20 @@ static inline void acc_store(facc acc, float out[8]) { memcpy(out, acc.v, sizeof
 #endif
 
 /* Row r of x as int8 per 32 elements: q = round(x / dx) with dx = max|x| / 127, and each block's sum of q
- * (stored as q + 128, unsigned, for the VNNI path's unsigned-by-signed products). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *qsum) {
+ * (stored as q + 128, unsigned, for the VNNI path's unsigned-by-signed products). x is float32, or bfloat16
+ * (x_bf16) read exactly as the float32 it widens to. */
+static void quantize_row(const void *xrow, int x_bf16, int64_t k, int8_t *q, float *dx, int32_t *qsum) {
   for (int64_t b = 0; b < k / QK; b++) {
-    const float *v = x + b * QK;
+    float v[QK];
+    if (x_bf16) {
+      const uint16_t *h = (const uint16_t *)xrow + b * QK;
+      for (int i = 0; i < QK; i++) {
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(&v[i], &bits, sizeof bits);
+      }
+    } else {
+      memcpy(v, (const float *)xrow + b * QK, sizeof v);
+    }
     float amax = 0.0f;
     for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
     float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
@@ -452,8 +462,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_
  * unpacked 256 elements at a time (one super-block, or eight 32-blocks) and prepared once; then each row runs
  * over those eight sub-blocks with its sums in registers. */
 INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
-                           const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, float *y,
-                           int64_t y_stride) {
+                           const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, void *y,
+                           int64_t y_stride, int y_bf16) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t xblocks = k / QK, wblocks = k / elems, row_bytes = wblocks * bytes;
@@ -489,7 +499,14 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
         float lanes[8], sum = 0.0f;
         acc_store(acc[r], lanes);
         for (int l = 0; l < 8; l++) sum = sum + lanes[l];
-        y[(r0 + r) * y_stride + j] = sum + off[r];
+        const float value = sum + off[r];
+        if (y_bf16) {
+          uint32_t bits;
+          memcpy(&bits, &value, sizeof bits);
+          ((uint16_t *)y)[(r0 + r) * y_stride + j] = bf16_bits(bits);
+        } else {
+          ((float *)y)[(r0 + r) * y_stride + j] = value;
+        }
       }
     }
   }
@@ -497,8 +514,8 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
 
 #define COLUMNS_FOR(T)                                                                                           \
   static void columns_##T(const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq, const float *xd, \
-                          const int32_t *xs, int64_t rows, float *y, int64_t y_stride) {                        \
-    matmul_columns(T, w, j0, j1, k, xq, xd, xs, rows, y, y_stride);                                            \
+                          const int32_t *xs, int64_t rows, void *y, int64_t y_stride, int y_bf16) {             \
+    matmul_columns(T, w, j0, j1, k, xq, xd, xs, rows, y, y_stride, y_bf16);                                    \
   }
 COLUMNS_FOR(Q4_0)
 COLUMNS_FOR(Q4_1)
@@ -512,7 +529,7 @@ COLUMNS_FOR(I4_G64)
 COLUMNS_FOR(I4_G128)
 
 typedef void (*columns_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,
-                           const int32_t *, int64_t, float *, int64_t);
+                           const int32_t *, int64_t, void *, int64_t, int);
 
 static columns_fn columns_for(int64_t type) {
   switch (type) {
@@ -531,10 +548,12 @@ static columns_fn columns_for(int64_t type) {
 }
 
 /* y[r, j] = sum_i x[r, i] * W[j, i] for W [n, k] of `type` (rows of bytes k / elems * bytes). x rows are
- * x_stride floats apart, y rows y_stride. 0 on success, 1 for an unknown type or k not a multiple of the block,
- * 2 when the work space cannot be allocated. */
-int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t x_stride,
-                        int64_t rows, float *y, int64_t y_stride, int64_t num_threads) {
+ * x_stride elements apart, y rows y_stride; x is float32 or bfloat16 (x_bf16), y float32 or bfloat16 (y_bf16:
+ * the float32 result rounded to nearest even, as torch converts), so bfloat16 activations need no copies.
+ * 0 on success, 1 for an unknown type or k not a multiple of the block, 2 when the work space cannot be allocated. */
+int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                        int64_t x_bf16, int64_t rows, void *y, int64_t y_stride, int64_t y_bf16,
+                        int64_t num_threads) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   columns_fn columns = columns_for(type);
@@ -548,14 +567,17 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
     free(xq), free(xd), free(xs);
     return 2;
   }
-  for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xd + r * xblocks, xs + r * xblocks);
+  const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+  for (int64_t r = 0; r < rows; r++)
+    quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
+                 xs + r * xblocks);
   if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
   /* Contiguous column ranges, one per chunk of 64 columns: each thread streams its own part of W. */
   const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t c = 0; c < chunks; c++) {
     int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-    columns(weight, j0, j1, k, xq, xd, xs, rows, y, y_stride);
+    columns(weight, j0, j1, k, xq, xd, xs, rows, y, y_stride, (int)y_bf16);
   }
   free(xq), free(xd), free(xs);
   return 0;

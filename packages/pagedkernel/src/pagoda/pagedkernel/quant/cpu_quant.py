@@ -52,7 +52,8 @@ class QuantKernels:
 
     path: KernelPath
     dequantize: Any  # ctypes function: (type, src, dst, bf16, num_blocks, num_threads) -> int
-    matmul: Any  # ctypes function: (type, w, n, k, x, x_stride, rows, y, y_stride, num_threads) -> int
+    # ctypes function: (type, w, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads) -> int
+    matmul: Any
 
 
 def build(flags: tuple[str, ...] = CFLAGS) -> Path:
@@ -82,7 +83,7 @@ def load(library: Path) -> QuantKernels:
     deq = lib["pagoda_quant_dequantize"]
     deq.argtypes, deq.restype = [i64, ptr, ptr, i64, i64, i64], ctypes.c_int
     mm = lib["pagoda_quant_matmul"]
-    mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64], ctypes.c_int
+    mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64], ctypes.c_int
     return QuantKernels(KernelPath(path()), deq, mm)
 
 
@@ -143,13 +144,20 @@ def dequantize(weight: QuantizedTensor, lib: QuantKernels) -> Tensor:  # float32
     return out
 
 
+# The activation and output dtypes the C matmul reads and writes directly (bfloat16: no copies on either side).
+GEMV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def gemv(
-    x: Tensor,  # float32 [rows, K], rows contiguous
+    x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
     weight: QuantizedTensor,  # [N, K]
-    out: Tensor,  # float32 [rows, N], rows contiguous
+    out: Tensor,  # float32 or bfloat16 [rows, N], rows contiguous
     lib: QuantKernels,
 ) -> None:
-    """out = x @ W^T by the int8 dot-product kernel (one pass over W per 16 rows)."""
+    """out = x @ W^T by the int8 dot-product kernel (one pass over W per 16 rows), computed in float32; a bfloat16
+    out is the float32 result rounded to nearest even."""
+    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"gemv reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     n, k = weight.shape
     code = lib.matmul(
@@ -159,9 +167,11 @@ def gemv(
         k,
         x.data_ptr(),
         x.stride(0),
+        int(x.dtype == torch.bfloat16),
         x.shape[0],
         out.data_ptr(),
         out.stride(0),
+        int(out.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     _check(code, "quantized matmul")

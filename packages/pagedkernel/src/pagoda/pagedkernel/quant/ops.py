@@ -77,12 +77,12 @@ def qmatmul(
     if x.shape[0] > cpu_quant.GEMV_MAX_ROWS:
         cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
-    xf = x.to(torch.float32)
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    if y.dtype == torch.float32 and y.stride(-1) == 1:
-        cpu_quant.gemv(xf, weight, y, lib)
+    # float32 and bfloat16 rows go to the kernel as they are (it widens bfloat16 exactly and rounds a bfloat16
+    # output as torch would): no conversion copies around the matmul.
+    xin = x if x.dtype in cpu_quant.GEMV_DTYPES and x.stride(-1) == 1 else x.to(torch.float32).contiguous()
+    if y.dtype in cpu_quant.GEMV_DTYPES and y.stride(-1) == 1:
+        cpu_quant.gemv(xin, weight, y, lib)
         return y
     result = torch.empty((x.shape[0], n), dtype=torch.float32)
-    cpu_quant.gemv(xf, weight, result, lib)
+    cpu_quant.gemv(xin, weight, result, lib)
     return y.copy_(result)

@@ -50,10 +50,19 @@ class QuantizedWeight:
         return sum(p.data.numel() for p in self.parts)
 
     def matmul(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N] of x's dtype
-        """x W^T through the quantized ops (one `qmatmul` per run of rows)."""
+        """x W^T through the quantized ops (one `qmatmul` per run of rows, each writing its columns in place)."""
         flat = x.reshape(-1, x.shape[-1])  # [rows, K]
-        outs = [qmatmul(flat, part, backend=self.backend) for part in self.parts]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(self.parts) == 1:
+            y = qmatmul(flat, self.parts[0], backend=self.backend)
+        else:
+            # Runs of rows of different types (e.g. q and k in one GGUF type, v in another): each writes its own
+            # column range of one output, with no torch.cat copy after them.
+            y = torch.empty((flat.shape[0], self.shape[0]), dtype=x.dtype, device=x.device)
+            start = 0
+            for part in self.parts:
+                stop = start + part.shape[0]
+                qmatmul(flat, part, backend=self.backend, out=y[:, start:stop])
+                start = stop
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # int64 [num_tokens] -> [num_tokens, K]
