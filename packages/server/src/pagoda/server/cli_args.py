@@ -351,6 +351,14 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--max-stored-responses",),
+            {
+                "type": int,
+                "help": "stored /v1/responses kept in memory for previous_response_id and GET, over all API keys "
+                "(least recently used dropped first; 0: store nothing)",
+            },
+        ),
+        Flag(
             ("--max-prompts-per-request",),
             {"type": int, "help": "400 for a completion with more prompts in its list (OpenAI's cap)"},
         ),
