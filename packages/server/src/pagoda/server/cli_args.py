@@ -359,6 +359,14 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--disable-any-whitespace",),
+            {
+                "action": argparse.BooleanOptionalAction,
+                "help": "JSON a grammar forces (response_format json_schema, required and named tool calls) has "
+                "no whitespace runs outside strings (the default); --no-disable-any-whitespace allows them",
+            },
+        ),
+        Flag(
             ("--max-prompts-per-request",),
             {"type": int, "help": "400 for a completion with more prompts in its list (OpenAI's cap)"},
         ),

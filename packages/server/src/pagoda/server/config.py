@@ -329,6 +329,9 @@ class AppSettings:
     grammar_compile_timeout: float = 10.0
     # --max-stored-responses: /v1/responses kept for previous_response_id and GET (all keys; LRU beyond it).
     max_stored_responses: int = 1024
+    # --[no-]disable-any-whitespace: grammar-forced JSON (response_format json_schema, required and named tool
+    # calls) has no whitespace runs outside strings; off restores free (bounded) whitespace.
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""

@@ -230,6 +230,7 @@ class _Routes:
             grammars=GrammarCheck(
                 self.grammars.compile, settings.max_grammar_chars, settings.grammar_compile_timeout
             ),
+            compact_json=settings.disable_any_whitespace,
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)

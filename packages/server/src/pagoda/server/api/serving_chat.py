@@ -155,7 +155,7 @@ class ChatHandler:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         ctx.check_fan_out(1, body.n, body.best_of)
-        plan = await ctx.run(lambda: plan_tools(body, ctx.tool_parser))
+        plan = await ctx.run(lambda: plan_tools(body, ctx.tool_parser, compact_json=ctx.compact_json))
         prompt = await render_messages(
             ctx,
             body.messages,

@@ -164,7 +164,7 @@ class ResponsesHandler:
     async def _prepare(self, body: ResponsesRequest, chat: ChatCompletionRequest) -> _Prepared:
         """The chat handler's checks and parameters, with the errors naming the Responses fields."""
         ctx = self.ctx
-        plan = await ctx.run(lambda: plan_tools(chat, ctx.tool_parser))
+        plan = await ctx.run(lambda: plan_tools(chat, ctx.tool_parser, compact_json=ctx.compact_json))
         prompt = await render_messages(ctx, chat.messages, add_generation_prompt=True, tools=plan.tools)
         ctx.check_prompt_chars(prompt, "input")
         (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
