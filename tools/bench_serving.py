@@ -691,7 +691,10 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         served = []
         for spec in args.serve:
             label, flags = spec.split("=", 1)
-            served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
+            url = stack.enter_context(launched(args, flags))
+            for endpoint in args.endpoint:  # several: each configuration on each, as targets() labels them
+                name = f"{label} {endpoint.removeprefix('/v1/')}" if len(args.endpoint) > 1 else label
+                served.append(Target(url, args.model[0], name, endpoint=endpoint))
         runs = [
             asyncio.run(run_rate(args, target, requests, rate))
             for requests, rate in zip(per_rate, args.request_rate, strict=True)

@@ -101,7 +101,7 @@ class ResponsesHandler:
         if body.stream:
             return EventStreamResponse(self._stream(base, streams, prepared, caller, conversation))
         if body.background:
-            queued = base.model_dump()
+            queued = _with(base, status="queued").model_dump()
             entry = StoredResponse(queued, conversation)
             entry.task = asyncio.ensure_future(self._background(entry, base, streams, prepared, conversation))
             self.store.put(caller, response_id, entry)
