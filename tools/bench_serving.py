@@ -26,6 +26,12 @@ started with different `--routing-policy` values compare in one table (--label n
 Requests carry no temperature unless --temperature is given, so the server's default applies (1.0 in the OpenAI
 API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
 
+--endpoint picks the API the requests stream from (/v1/completions by default, /v1/chat/completions with the
+prompt as one user message, /v1/responses with it as `input`); several endpoints run every server on each, so
+that one run measures, say, the Responses API's streaming overhead over chat completions on the same server:
+
+    python tools/bench_serving.py --serve "pagoda=" --endpoint /v1/chat/completions /v1/responses --ignore-eos
+
 --serve LABEL=FLAGS... starts the servers itself, then runs every rate against each in turn (one at a time, so that
 they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
 of ratios to the first: one run compares configurations of Pagoda.
@@ -230,6 +236,7 @@ class Target:
     model: str
     label: str
     response_format: dict[str, Any] | None = None  # --structured: every request constrained by this
+    endpoint: str = "/v1/completions"  # --endpoint: which API the streamed requests go to
 
 
 # --structured json_schema: what every constrained request must produce (a list of records, as JSON pipelines
@@ -255,21 +262,52 @@ STRUCTURED_SCHEMA: dict[str, Any] = {
 
 
 def request_body(args: argparse.Namespace, target: Target, request: BenchRequest) -> dict[str, Any]:
-    """The streamed completion request; temperature only when --temperature is given (else the server's)."""
-    body: dict[str, Any] = {
-        "model": target.model,
-        "prompt": request.prompt,
-        "max_tokens": request.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    """The streamed request of the target's endpoint (the prompt as the one user message for chat and
+    responses); temperature only when --temperature is given (else the server's)."""
+    body: dict[str, Any] = {"model": target.model, "stream": True}
+    if target.endpoint == "/v1/responses":
+        body.update(input=request.prompt, max_output_tokens=request.max_tokens)
+    else:
+        if target.endpoint == "/v1/chat/completions":
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+        else:
+            body["prompt"] = request.prompt
+        body.update(max_tokens=request.max_tokens, stream_options={"include_usage": True})
     if args.temperature is not None:
         body["temperature"] = args.temperature
     if args.ignore_eos:
         body["ignore_eos"] = True
     if target.response_format is not None:
-        body["response_format"] = target.response_format
+        if target.endpoint == "/v1/responses":
+            schema = target.response_format["json_schema"]
+            body["text"] = {
+                "format": {"type": "json_schema", "name": schema["name"], "schema": schema["schema"]}
+            }
+        else:
+            body["response_format"] = target.response_format
     return body
+
+
+def read_event(endpoint: str, event: dict[str, Any], result: RequestResult) -> bool:
+    """Record one streamed event's usage or error in `result`; True when it carries generated text."""
+    if endpoint == "/v1/responses":
+        kind = event.get("type")
+        if kind == "error":
+            result.error = str(event.get("message"))
+        usage = (event.get("response") or {}).get("usage")
+        if kind in ("response.completed", "response.incomplete") and usage:
+            result.prompt_tokens, result.output_tokens = usage["input_tokens"], usage["output_tokens"]
+        return kind == "response.output_text.delta" and bool(event.get("delta"))
+    if event.get("usage"):
+        result.prompt_tokens = event["usage"]["prompt_tokens"]
+        result.output_tokens = event["usage"]["completion_tokens"]
+    if event.get("error"):
+        result.error = str(event["error"].get("message"))
+    key = "text" if endpoint == "/v1/completions" else "delta"
+    choices = event.get("choices", [])
+    if key == "text":
+        return any(choice.get("text") for choice in choices)
+    return any((choice.get("delta") or {}).get("content") for choice in choices)
 
 
 async def send(
@@ -279,26 +317,22 @@ async def send(
     request: BenchRequest,
     result: RequestResult,
 ) -> None:
-    """Stream one completion and time its tokens."""
+    """Stream one request and time its tokens."""
     body = request_body(args, target, request)
     result.start = time.perf_counter()
     last = result.start
     try:
-        async with client.stream("POST", f"{target.base_url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{target.base_url}{target.endpoint}", json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("error"):
-                    result.error = str(chunk["error"].get("message"))
+                has_text = read_event(target.endpoint, json.loads(line[6:]), result)
+                if result.error:
                     return
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                if has_text:
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - result.start
@@ -579,6 +613,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="send this temperature (0: greedy); default: send none, so the server's default applies",
     )
+    parser.add_argument(
+        "--endpoint",
+        nargs="+",
+        choices=ENDPOINTS,
+        default=["/v1/completions"],
+        help="the API the streamed requests go to; several: each server is run on each, compared in one table "
+        "(e.g. /v1/chat/completions /v1/responses for the Responses API's streaming overhead)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--output-dir", default=".", help="where bench_serving.json and bench_serving.png go")
@@ -617,12 +659,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
 def targets(args: argparse.Namespace) -> list[Target]:
-    """The servers to benchmark, labelled by --label or host:port."""
+    """The servers to benchmark, labelled by --label or host:port (and the endpoint, when several)."""
     models = args.model * len(args.base_url) if len(args.model) == 1 else args.model
     labels = args.label or [url.split("://", 1)[-1] for url in args.base_url]
+    several = len(args.endpoint) > 1
     plain = [
-        Target(url, model, label) for url, model, label in zip(args.base_url, models, labels, strict=True)
+        Target(
+            url, model, f"{label} {endpoint.removeprefix('/v1/')}" if several else label, endpoint=endpoint
+        )
+        for url, model, label in zip(args.base_url, models, labels, strict=True)
+        for endpoint in args.endpoint
     ]
     if args.structured == "none":
         return plain
@@ -630,7 +680,10 @@ def targets(args: argparse.Namespace) -> list[Target]:
     return [
         run
         for target in plain
-        for run in (target, Target(target.base_url, target.model, f"{target.label} json_schema", schema))
+        for run in (
+            target,
+            Target(target.base_url, target.model, f"{target.label} json_schema", schema, target.endpoint),
+        )
     ]
 
 
@@ -746,8 +799,13 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         served = []
         for spec in args.serve:
             label, flags = spec.split("=", 1)
-            served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
-        served += _peers(args, stack)
+            url = stack.enter_context(launched(args, flags))
+            for endpoint in args.endpoint:  # several: each configuration on each, as targets() labels them
+                name = f"{label} {endpoint.removeprefix('/v1/')}" if len(args.endpoint) > 1 else label
+                served.append(Target(url, args.model[0], name, endpoint=endpoint))
+        served += [  # peers on the first endpoint (the one every OpenAI-compatible server has first)
+            replace(peer, endpoint=args.endpoint[0]) for peer in _peers(args, stack)
+        ]
         runs = [
             asyncio.run(run_rate(args, target, requests, rate))
             for requests, rate in zip(per_rate, args.request_rate, strict=True)

@@ -361,6 +361,22 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--max-stored-responses",),
+            {
+                "type": int,
+                "help": "stored /v1/responses kept in memory for previous_response_id and GET, over all API keys "
+                "(least recently used dropped first; 0: store nothing)",
+            },
+        ),
+        Flag(
+            ("--disable-any-whitespace",),
+            {
+                "action": argparse.BooleanOptionalAction,
+                "help": "JSON a grammar forces (response_format json_schema, required and named tool calls) has "
+                "no whitespace runs outside strings (the default); --no-disable-any-whitespace allows them",
+            },
+        ),
+        Flag(
             ("--max-prompts-per-request",),
             {"type": int, "help": "400 for a completion with more prompts in its list (OpenAI's cap)"},
         ),

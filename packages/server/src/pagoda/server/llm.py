@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagoda.server.chat import Message, render_chat, resolve_chat_template
+from pagoda.server.chat import Message, check_template_kwargs, render_chat, resolve_chat_template
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.outputs import RequestOutput
@@ -89,14 +89,28 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         use_tqdm: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render conversations with the tokenizer's chat template and generate each assistant reply."""
+        """Render conversations with the tokenizer's chat template and generate each assistant reply.
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` entries) go to the template's `tools`
+        variable; `chat_template_kwargs` become template variables (`enable_thinking`), as vLLM's LLM.chat.
+        """
         single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if single else messages
         template = resolve_chat_template(self.tokenizer)
+        if chat_template_kwargs:
+            check_template_kwargs(self.tokenizer, chat_template_kwargs)
         prompts: list[Prompt] = []
         for conversation in conversations:
-            text = render_chat(self.tokenizer, template, cast(Sequence[Message], conversation))
+            text = render_chat(
+                self.tokenizer,
+                template,
+                cast(Sequence[Message], conversation),
+                template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
             # The template wrote the special tokens (BOS) itself.
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, params, use_tqdm=use_tqdm)

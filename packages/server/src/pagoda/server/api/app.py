@@ -30,9 +30,12 @@ from pagoda.server.api.protocol import (
     TokenizeResponse,
 )
 from pagoda.server.api.reasoning import make_reasoning_parser
+from pagoda.server.api.response_store import ResponseStore, set_caller
+from pagoda.server.api.responses_protocol import ResponsesRequest
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.api.serving_responses import ResponsesHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
@@ -85,6 +88,7 @@ class APIKeyMiddleware:
                 error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
                 await error.to_response()(scope, receive, send)
                 return
+            set_caller(scope, digest)  # stored responses are the key's own, whatever the cache sharing
             if self._isolate:
                 set_scope(scope, digest)
         await self.app(scope, receive, send)
@@ -226,10 +230,13 @@ class _Routes:
             grammars=GrammarCheck(
                 self.grammars.compile, settings.max_grammar_chars, settings.grammar_compile_timeout
             ),
+            compact_json=settings.disable_any_whitespace,
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
         self.chat_handler = ChatHandler(self.ctx)
+        self.responses_store = ResponseStore(settings.max_stored_responses)
+        self.responses_handler = ResponsesHandler(self.ctx, self.responses_store)
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
@@ -249,6 +256,23 @@ class _Routes:
         """POST /v1/chat/completions."""
         body = await self._body(request, ChatCompletionRequest)
         return await self.chat_handler.create(body, request)
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses."""
+        body = await self._body(request, ResponsesRequest)
+        return await self.responses_handler.create(body, request)
+
+    async def get_response(self, request: Request) -> Response:
+        """GET /v1/responses/{response_id}."""
+        return await self.responses_handler.retrieve(request.path_params["response_id"], request)
+
+    async def delete_response(self, request: Request) -> Response:
+        """DELETE /v1/responses/{response_id}."""
+        return await self.responses_handler.delete(request.path_params["response_id"], request)
+
+    async def cancel_response(self, request: Request) -> Response:
+        """POST /v1/responses/{response_id}/cancel."""
+        return await self.responses_handler.cancel(request.path_params["response_id"], request)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
@@ -365,6 +389,7 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
         try:
             yield
         finally:
+            routes.responses_store.cancel_all()
             await asyncio.to_thread(llm.shutdown)
             routes.executor.shutdown(wait=False, cancel_futures=True)
             routes.grammars.shutdown()
@@ -386,6 +411,10 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+            Route("/v1/responses", routes.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", routes.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", routes.cancel_response, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

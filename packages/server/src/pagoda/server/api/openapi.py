@@ -18,6 +18,7 @@ from pagoda.server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.server.api.responses_protocol import ResponseObject, ResponsesRequest
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
@@ -86,6 +87,8 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         (ModelList, "serialization"),
         (HealthResponse, "serialization"),
         (ErrorResponse, "serialization"),
+        (ResponsesRequest, "validation"),
+        (ResponseObject, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=_REF)
     paths: dict[str, Any] = {
@@ -95,6 +98,7 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         "/v1/chat/completions": _post(
             "Create a chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk
         ),
+        "/v1/responses": _post("Create a response", ResponsesRequest, ResponseObject, ResponseObject),
         "/tokenize": _post("Tokenize a prompt or chat messages", TokenizeRequest, TokenizeResponse),
         "/detokenize": _post("Turn token ids into text", DetokenizeRequest, DetokenizeResponse),
         "/v1/models": _get("List the served model", _json(ModelList), _errors("401")),

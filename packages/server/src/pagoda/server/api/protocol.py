@@ -54,6 +54,9 @@ class StreamOptions(_Model):
     """Options of a streamed response."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = (
+        False  # vLLM extra: with include_usage, every chunk carries the usage so far
+    )
 
 
 class SamplingFields(_Body):
@@ -93,6 +96,9 @@ class SamplingFields(_Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache is automatic
     request_id: str | None = None  # vLLM extra; the response keeps Pagoda's own id
+    return_tokens_as_token_ids: bool = (
+        False  # vLLM extra: logprobs name tokens `token_id:<id>`, not their text
+    )
     # Known but not served (yet): a 400 naming the field unless absent, null, or the value that changes nothing.
     functions: JsonValue = None
     function_call: JsonValue = None  # "none" is accepted

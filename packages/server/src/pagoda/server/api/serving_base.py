@@ -77,6 +77,9 @@ class ServingContext:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
     tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
     grammars: GrammarCheck | None = None  # length, parse and compile-time checks (None: parse only)
+    # --[no-]disable-any-whitespace: JSON that a grammar forces (response_format json_schema, required and
+    # named tool calls) has no whitespace runs outside strings.
+    compact_json: bool = True
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model."""
@@ -218,6 +221,8 @@ class ServingContext:
         if requested is None:
             return params
         constraint, fields = requested
+        if self.compact_json and fields.get("json") == "response_format.json_schema.schema":
+            constraint = dataclasses.replace(constraint, disable_any_whitespace=True)
         await self.check_grammar(constraint, fields)
         return dataclasses.replace(params, structured_outputs=constraint)
 

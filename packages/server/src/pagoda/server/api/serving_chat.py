@@ -10,6 +10,7 @@ from typing import Any
 
 from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.legacy_functions import map_legacy_functions
 from pagoda.server.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -37,6 +38,7 @@ from pagoda.server.api.serving_base import (
     top_entries,
     until_disconnect,
 )
+from pagoda.server.api.serving_completions import token_label
 from pagoda.server.api.serving_tools import ToolPlan, check_tool_messages, plan_tools, template_tool_fields
 from pagoda.server.api.tool_fields import DeltaToolCall
 from pagoda.server.api.tool_parsers import ToolCallStream
@@ -90,20 +92,23 @@ async def render_messages(
         raise bad_request(str(exc), "messages") from exc
 
 
-def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int) -> ChatLogprobs:
-    """The chat logprobs object of some generated tokens with k alternatives each."""
+def chat_logprobs(
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], k: int, *, as_ids: bool = False
+) -> ChatLogprobs:
+    """The chat logprobs object of some generated tokens with k alternatives each (`as_ids`: tokens named
+    `token_id:<id>`, return_tokens_as_token_ids; `bytes` stay the text's)."""
     content: list[TokenLogprob] = []
     for token_id, position in zip(token_ids, positions, strict=False):
         sampled = position.get(token_id)
         text = sampled.decoded_token if sampled is not None else ""
         content.append(
             TokenLogprob(
-                token=text,
+                token=token_label(token_id, text, as_ids),
                 logprob=sampled.logprob if sampled is not None else float("-inf"),
                 bytes=list(text.encode()),
                 top_logprobs=[
-                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                    for _, lp, t in top_entries(position, k)
+                    TopLogprob(token=token_label(i, t, as_ids), logprob=lp, bytes=list(t.encode()))
+                    for i, lp, t in top_entries(position, k)
                 ],
             )
         )
@@ -145,7 +150,10 @@ class ChatHandler:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Serve one chat completion request."""
         ctx = self.ctx
-        check_fields(body, served=("tools", "tool_choice", "parallel_tool_calls"))
+        check_fields(
+            body, served=("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+        )
+        legacy = map_legacy_functions(body)
         check_tool_messages(body.messages)
         if body.echo:
             raise bad_request("echo is not supported yet on chat completions", "echo")
@@ -155,7 +163,9 @@ class ChatHandler:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         ctx.check_fan_out(1, body.n, body.best_of)
-        plan = await ctx.run(lambda: plan_tools(body, ctx.tool_parser))
+        plan = await legacy.named_errors(
+            ctx.run(lambda: plan_tools(legacy.body, ctx.tool_parser, compact_json=ctx.compact_json))
+        )
         prompt = await render_messages(
             ctx,
             body.messages,
@@ -204,7 +214,11 @@ class ChatHandler:
                 ChatChoice(
                     index=o.index,
                     message=message,
-                    logprobs=None if top_k is None else chat_logprobs(o.token_ids, o.logprobs or (), top_k),
+                    logprobs=None
+                    if top_k is None
+                    else chat_logprobs(
+                        o.token_ids, o.logprobs or (), top_k, as_ids=body.return_tokens_as_token_ids
+                    ),
                     finish_reason=plan.finish_reason(o.finish_reason, called=bool(message.tool_calls)),
                     stop_reason=o.stop_reason,
                 )
@@ -231,9 +245,15 @@ class ChatHandler:
         model = self.ctx.served_model_name
         cursors = [choices.cursor() for _ in range(body.n)]
         final: RequestOutput | None = None
+        continuous = (
+            include_usage and body.stream_options is not None and body.stream_options.continuous_usage_stats
+        )
+        as_ids = body.return_tokens_as_token_ids
+        latest: RequestOutput | None = None  # with continuous_usage_stats: every chunk's usage so far
 
         def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
+            usage = None if latest is None else _usage(num_prompt_tokens, latest)
+            return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice], usage=usage))
 
         # The first event of every choice carries the role, as OpenAI sends it.
         for i in range(body.n):
@@ -243,8 +263,12 @@ class ChatHandler:
                 async for _, snapshot in snapshots:
                     if snapshot.finished:
                         final = snapshot
+                    if continuous:
+                        latest = snapshot
                     for output in snapshot.outputs:
-                        for choice in _deltas(cursors[output.index], output, top_k, choices.plan):
+                        for choice in _deltas(
+                            cursors[output.index], output, top_k, choices.plan, as_ids=as_ids
+                        ):
                             yield chunk(choice)
             except Exception as exc:
                 error = to_api_error(exc)
@@ -273,7 +297,7 @@ class _Choices:
 
 
 def _deltas(
-    cursor: _Cursor, output: CompletionOutput, top_k: int | None, plan: ToolPlan
+    cursor: _Cursor, output: CompletionOutput, top_k: int | None, plan: ToolPlan, *, as_ids: bool = False
 ) -> list[ChatStreamChoice]:
     """The delta of one snapshot (content, reasoning, tool calls), then the finish chunk (an empty delta) once it
     is done."""
@@ -307,7 +331,7 @@ def _deltas(
         logprobs = None
         if top_k is not None:
             positions = (output.logprobs or ())[cursor.num_tokens :]
-            logprobs = chat_logprobs(new_ids, positions, top_k)
+            logprobs = chat_logprobs(new_ids, positions, top_k, as_ids=as_ids)
         choices.append(ChatStreamChoice(index=output.index, delta=delta, logprobs=logprobs))
         cursor.num_tokens = len(output.token_ids)
     cursor.text_len = len(output.text)

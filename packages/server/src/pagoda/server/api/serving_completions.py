@@ -44,19 +44,29 @@ def completion_logprobs(
     k: int,
     offset: int,
     into: CompletionLogprobs | None = None,
+    *,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
     """The legacy logprobs object of some generated tokens (appended to `into` if given); text offsets start at
-    `offset`."""
+    `offset`. `as_ids` (return_tokens_as_token_ids) names each token `token_id:<id>` (offsets stay the text's)."""
     result = CompletionLogprobs() if into is None else into
     for token_id, position in zip(token_ids, positions, strict=False):
         sampled = position.get(token_id)
         text = sampled.decoded_token if sampled is not None else ""
-        result.tokens.append(text)
+        result.tokens.append(token_label(token_id, text, as_ids))
         result.token_logprobs.append(sampled.logprob if sampled is not None else None)
-        result.top_logprobs.append({t: lp for _, lp, t in top_entries(position, k)} if k else None)
+        result.top_logprobs.append(
+            {token_label(i, t, as_ids): lp for i, lp, t in top_entries(position, k)} if k else None
+        )
         result.text_offset.append(offset)
         offset += len(text)
     return result
+
+
+def token_label(token_id: int, text: str, as_ids: bool) -> str:
+    """How logprobs name a generated token: its text, or vLLM's `token_id:<id>` (which tells apart tokens whose
+    text is the same or is part of a UTF-8 character)."""
+    return f"token_id:{token_id}" if as_ids else text
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,14 +207,21 @@ class CompletionsHandler:
 
     @staticmethod
     def _logprobs(
-        output: CompletionOutput, final: RequestOutput, echo: _Echo, k: int | None, offset: int
+        output: CompletionOutput,
+        final: RequestOutput,
+        echo: _Echo,
+        k: int | None,
+        offset: int,
+        as_ids: bool = False,
     ) -> CompletionLogprobs | None:
         """The choice's legacy logprobs: the prompt's first when echoed, then the generated tokens'."""
         if k is None:
             return None
         head = echo.logprobs(final, k) if echo.prompt_token_ids else None
         start = offset if head is None else sum(len(t) for t in head.tokens)
-        return completion_logprobs(output.token_ids, output.logprobs or (), k, start, into=head)
+        return completion_logprobs(
+            output.token_ids, output.logprobs or (), k, start, into=head, as_ids=as_ids
+        )
 
     def _choice(
         self, index: int, output: CompletionOutput, final: RequestOutput, echo: _Echo, body: CompletionRequest
@@ -212,7 +229,9 @@ class CompletionsHandler:
         return CompletionChoice(
             index=index,
             text=echo.text + output.text,
-            logprobs=self._logprobs(output, final, echo, body.logprobs, len(echo.text)),
+            logprobs=self._logprobs(
+                output, final, echo, body.logprobs, len(echo.text), body.return_tokens_as_token_ids
+            ),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
             prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs)
@@ -230,6 +249,7 @@ class CompletionsHandler:
         include_usage: bool,
         echo_only: bool,
     ) -> AsyncGenerator[str]:
+        continuous_usage = body.stream_options is not None and body.stream_options.continuous_usage_stats
         model = self.ctx.served_model_name
         n = body.n
         cursors = [_ChoiceCursor() for _ in range(len(prompts) * n)]
@@ -243,10 +263,18 @@ class CompletionsHandler:
                     for output in snapshot.outputs:
                         index = p * n + output.index
                         choice = self._delta(
-                            cursors[index], index, output, snapshot, echoes[p], body.logprobs
+                            cursors[index],
+                            index,
+                            output,
+                            snapshot,
+                            echoes[p],
+                            body.logprobs,
+                            body.return_tokens_as_token_ids,
                         )
                         if choice is not None:
                             chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
+                            if include_usage and continuous_usage:  # this prompt's usage so far
+                                chunk.usage = _usage([prompts[p]], [snapshot])
                             yield sse(chunk)
             except Exception as exc:
                 error = to_api_error(exc)
@@ -269,6 +297,7 @@ class CompletionsHandler:
         snapshot: RequestOutput,
         echo: _Echo,
         logprobs: int | None,
+        as_ids: bool = False,
     ) -> CompletionChoice | None:
         if cursor.done:
             return None
@@ -292,7 +321,9 @@ class CompletionsHandler:
         if logprobs is not None:
             positions = (output.logprobs or ())[cursor.num_tokens :]
             num_head = len(head.tokens) if head is not None else 0
-            lp = completion_logprobs(new_ids, positions, logprobs, cursor.text_offset, into=head)
+            lp = completion_logprobs(
+                new_ids, positions, logprobs, cursor.text_offset, into=head, as_ids=as_ids
+            )
             cursor.text_offset += sum(len(t) for t in lp.tokens[num_head:])
         cursor.text_len = len(output.text)
         cursor.num_tokens = len(output.token_ids)

@@ -53,6 +53,7 @@ def requested_constraint(
                 choice=None if so.choice is None else tuple(so.choice),
                 grammar=so.grammar,
                 json_object=bool(so.json_object),
+                disable_any_whitespace=so.disable_any_whitespace and so.json_ is not None,
             )
             found.append(("structured_outputs", constraint, f"structured_outputs.{kind}"))
         legacy: list[tuple[str, StructuredOutputsParams | None]] = [

@@ -67,8 +67,12 @@ class ToolPlan:
         return "tool_calls" if reason == "stop" and called and self.stop_means_tool_calls else reason
 
 
-def plan_tools(body: ChatCompletionRequest, auto_parser: ToolCallParser | None) -> ToolPlan:
+def plan_tools(
+    body: ChatCompletionRequest, auto_parser: ToolCallParser | None, *, compact_json: bool = False
+) -> ToolPlan:
     """How `body` is served (its schemas parsed, so run it off the event loop); a 400 naming the field at fault.
+
+    `compact_json`: the grammar of a required or named choice allows no whitespace runs outside strings.
 
     As vLLM: without `tool_choice`, tools mean "auto", which needs the server's `--enable-auto-tool-choice
     --tool-call-parser` (`auto_parser`); "none" renders the tools but parses nothing.
@@ -99,14 +103,17 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: ToolCallParser | None) 
         named = next((t for t in tools if t.function.name == name), None)
         if named is None:
             raise bad_request(f"tool_choice: the function {name!r} is not one of tools", "tool_choice")
-        constraint = StructuredOutputsParams(json=parameters_schema(named))
+        constraint = StructuredOutputsParams(
+            json=parameters_schema(named), disable_any_whitespace=compact_json
+        )
         return ToolPlan(rendered, NamedToolCall(name), constraint)
     try:
         schema = required_schema(tools, parallel=max_calls is None)
         parse_grammar(StructuredOutputsParams(json=schema))
     except ValueError as exc:  # each tool parsed alone, but their $defs may clash once lifted together
         raise bad_request(str(exc), "tools") from exc
-    return ToolPlan(rendered, RequiredToolCalls(), StructuredOutputsParams(json=schema), max_calls, True)
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=compact_json)
+    return ToolPlan(rendered, RequiredToolCalls(), constraint, max_calls, True)
 
 
 def template_tools(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:

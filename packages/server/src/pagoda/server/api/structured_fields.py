@@ -38,6 +38,7 @@ class StructuredOutputsField(_Model):
     choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False  # vLLM's: with `json`, no whitespace runs outside strings
 
 
 class StructuredFields(_Model):

@@ -76,7 +76,7 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind, text = params.source()
         if kind == "json":
-            return compiler.compile_grammar(json_schema_grammar(text))
+            return compiler.compile_grammar(json_schema_grammar(text, compact=params.disable_any_whitespace))
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind in ("choice", "grammar"):

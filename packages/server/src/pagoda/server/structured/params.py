@@ -33,6 +33,9 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None  # kept as a tuple (one sequence type, so msgspec can decode it)
     grammar: str | None = None
     json_object: bool = False
+    # vLLM's option: a `json` schema's output has no whitespace runs outside strings (one space after `,` and
+    # `:`), so that output cut short by max_tokens is still a JSON prefix a client can parse.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         """Canonicalize `json` and `choice`; GrammarError unless exactly one constraint is set."""
@@ -91,7 +94,7 @@ def parse_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
             schema = json.loads(text)
             if not isinstance(schema, dict | bool):
                 raise GrammarError(kind, "a JSON schema must be an object")
-            return xgr.Grammar.from_ebnf(json_schema_grammar(text))
+            return xgr.Grammar.from_ebnf(json_schema_grammar(text, compact=params.disable_any_whitespace))
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind in ("choice", "grammar"):
@@ -103,13 +106,13 @@ def parse_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         raise GrammarError(kind, f"invalid {_NAMES[kind]}: {_reason(exc)}") from exc
 
 
-def json_schema_grammar(schema: str) -> str:
-    """The EBNF grammar of a JSON schema.
+def json_schema_grammar(schema: str, *, compact: bool = False) -> str:
+    """The EBNF grammar of a JSON schema (`compact`: no whitespace runs outside strings).
 
     xgrammar 0.2 lets a length-bounded string (maxLength) hold raw control characters, which JSON forbids (and
     pydantic rejects): its character class is narrowed to the one its unbounded strings already use.
     """
-    grammar = str(xgr.Grammar.from_json_schema(schema, **JSON_OPTIONS))
+    grammar = str(xgr.Grammar.from_json_schema(schema, **(COMPACT_JSON_OPTIONS if compact else JSON_OPTIONS)))
     return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
@@ -119,6 +122,8 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 # Whitespace inside JSON is free (as vLLM's default) but bounded per run: a model that keeps emitting spaces
 # would otherwise never close its object.
 JSON_OPTIONS: dict[str, Any] = {"any_whitespace": True, "max_whitespace_cnt": 16, "strict_mode": True}
+# disable_any_whitespace: xgrammar's fixed separators, ", " and ": ", and no other whitespace outside strings.
+COMPACT_JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False, "strict_mode": True}
 
 _NAMES: dict[GrammarKind, str] = {
     "json": "JSON schema",
