@@ -302,6 +302,7 @@ def test_body_over_the_limit_is_413() -> None:
 ROUTES = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/embeddings"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),

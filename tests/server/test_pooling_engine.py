@@ -135,7 +135,7 @@ def test_kv_freed_in_the_step_of_the_last_chunk(tiny_model_path: Callable[[str],
 
 def test_preempted_mean_request_counts_no_position_twice() -> None:
     """The pooler skips positions it already took (a recomputation after preemption re-sends them)."""
-    pooler = Pooler(PoolingParams("MEAN", normalize=False), 6)
+    pooler = Pooler(PoolingParams(pooling_type="MEAN", normalize=False), 6)
     rows = torch.arange(12, dtype=torch.float32).reshape(6, 2)  # [6, 2]
     pooler.add(0, rows[:4])
     pooler.add(0, rows[:3])  # recomputed from the start
@@ -145,7 +145,7 @@ def test_preempted_mean_request_counts_no_position_twice() -> None:
 
 def test_matryoshka_dimensions_cut_before_normalising() -> None:
     """`dimensions` keeps the first values, then normalises (vLLM's order)."""
-    pooler = Pooler(PoolingParams("LAST", normalize=True, dimensions=2), 2)
+    pooler = Pooler(PoolingParams(dimensions=2, pooling_type="LAST", normalize=True), 2)
     pooler.add(0, torch.tensor([[9.0, 9.0, 9.0], [3.0, 4.0, 100.0]]))
     assert torch.allclose(pooler.result(), torch.tensor([0.6, 0.8]))
 

@@ -12,7 +12,7 @@ from pagoda.server.chat import Message, render_chat, resolve_chat_template
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.outputs import RequestOutput
-from pagoda.server.pooling import PoolerConfig, PoolingParams
+from pagoda.server.pooling import PoolingParams
 from pagoda.server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from tqdm.auto import tqdm
@@ -74,8 +74,7 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Pool every prompt (text or token ids) into one vector, continuously batched, prefill only: needs
         `LLM(runner="pooling")`; `pooler_config` sets the pooling; `dimensions` cuts a Matryoshka model's vector."""
-        pooler = self.engine.config.model_config.pooler_config or PoolerConfig()
-        params = SamplingParams(temperature=0.0, max_tokens=1, pooling=PoolingParams.of(pooler, dimensions))
+        params = SamplingParams(temperature=0.0, max_tokens=1, pooling=PoolingParams(dimensions))
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         results: list[EmbeddingRequestOutput] = []
         for output in outputs:

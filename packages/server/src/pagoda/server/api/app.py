@@ -23,6 +23,7 @@ from pagoda.server.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -33,6 +34,7 @@ from pagoda.server.api.reasoning import make_reasoning_parser
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.api.serving_embeddings import EmbeddingsHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
@@ -230,6 +232,7 @@ class _Routes:
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
         self.chat_handler = ChatHandler(self.ctx)
+        self.embeddings_handler = EmbeddingsHandler(self.ctx)
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
@@ -249,6 +252,11 @@ class _Routes:
         """POST /v1/chat/completions."""
         body = await self._body(request, ChatCompletionRequest)
         return await self.chat_handler.create(body, request)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings (the pooling runner)."""
+        body = await self._body(request, EmbeddingRequest)
+        return await self.embeddings_handler.create(body, request)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
@@ -386,6 +394,7 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+            Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

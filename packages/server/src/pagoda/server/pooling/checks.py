@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.pooling.params import RunnerName
+from pagoda.server.pooling.params import PoolerConfig, RunnerName
 from pagoda.server.sampling_params import SamplingParams
 
 
@@ -46,28 +46,40 @@ class Matryoshka:
             )
 
 
-def check_runner(runner: RunnerName, params: SamplingParams, matryoshka: Matryoshka | None) -> None:
-    """RequestRejectedError saying which runner to start when the request is not this runner's, or naming
-    `dimensions` when the model declares no Matryoshka widths (or not that one)."""
-    pooling = params.pooling
-    if runner == "generate" and pooling is not None:
-        raise RequestRejectedError(
-            "this server runs the generate runner, which serves completions and chat; embeddings need a server "
-            "started with --runner pooling (or --task embed)",
-            "input",
-        )
-    if runner == "pooling" and pooling is None:
-        raise RequestRejectedError(
-            "this server runs the pooling runner (--runner pooling), which serves /v1/embeddings only; "
-            "completions and chat need a server started with --runner generate (the default)",
-            "model",
-        )
-    if pooling is None or pooling.dimensions is None:
-        return
-    if matryoshka is None:
-        raise RequestRejectedError(
-            "dimensions is only supported by models that declare Matryoshka dimensions (matryoshka_dimensions "
-            "in config.json); this one does not",
-            "dimensions",
-        )
-    matryoshka.check(pooling.dimensions)
+class PoolingRules:
+    """The engine's admission rules of its runner: which requests it serves, and its pooler config."""
+
+    def __init__(
+        self, runner: RunnerName, pooler: PoolerConfig | None, matryoshka: Matryoshka | None
+    ) -> None:
+        self.runner = runner
+        self.pooler = pooler or PoolerConfig()
+        self.matryoshka = matryoshka
+
+    def admit(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the runner's pooling filled in; RequestRejectedError saying which runner to start when
+        the request is not this runner's, or naming `dimensions` when the model declares no such width."""
+        pooling = params.pooling
+        if self.runner == "generate" and pooling is not None:
+            raise RequestRejectedError(
+                "this server runs the generate runner, which serves completions and chat; embeddings need a "
+                "server started with --runner pooling (or --task embed)",
+                "input",
+            )
+        if self.runner == "pooling" and pooling is None:
+            raise RequestRejectedError(
+                "this server runs the pooling runner (--runner pooling), which serves /v1/embeddings only; "
+                "completions and chat need a server started with --runner generate (the default)",
+                "model",
+            )
+        if pooling is None:
+            return params
+        if pooling.dimensions is not None:
+            if self.matryoshka is None:
+                raise RequestRejectedError(
+                    "dimensions is only supported by models that declare Matryoshka dimensions "
+                    "(matryoshka_dimensions in config.json); this one does not",
+                    "dimensions",
+                )
+            self.matryoshka.check(pooling.dimensions)
+        return replace(params, pooling=pooling.resolved(self.pooler))

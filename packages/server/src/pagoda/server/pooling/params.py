@@ -72,19 +72,31 @@ def parse_pooler_config(text: str) -> PoolerConfig:
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
-    """One pooling request: the runner's pooling type and normalisation, and an optional Matryoshka width."""
+    """One pooling request: its Matryoshka width, and the pooling its runner's --pooler-config sets.
 
-    pooling_type: PoolingType = "LAST"
-    normalize: bool = True
+    `pooling_type` and `normalize` left None are the engine's (its --pooler-config); the engine fills them at
+    admission, so the API front end needs no copy of the engine's config.
+    """
+
     dimensions: int | None = None  # keep the first `dimensions` values (before normalising); None: all
+    pooling_type: PoolingType | None = None
+    normalize: bool | None = None
 
-    @classmethod
-    def of(cls, config: PoolerConfig, dimensions: int | None = None) -> PoolingParams:
-        """The params a runner configured with `config` gives a request asking for `dimensions`."""
-        return cls(config.pooling_type, config.normalize, dimensions)
+    def resolved(self, config: PoolerConfig) -> PoolingParams:
+        """These params with the runner's pooling type and normalisation where they are None."""
+        return PoolingParams(
+            self.dimensions,
+            config.pooling_type if self.pooling_type is None else self.pooling_type,
+            config.normalize if self.normalize is None else self.normalize,
+        )
+
+    @property
+    def kind(self) -> PoolingType:
+        """The pooling type (LAST until resolved)."""
+        return self.pooling_type or "LAST"
 
     @property
     def needs_every_position(self) -> bool:
         """Whether the pooled vector reads positions a prefix-cache hit would skip (MEAN and CLS do; LAST reads
         only the last position, which is always computed)."""
-        return self.pooling_type != "LAST"
+        return self.kind != "LAST"

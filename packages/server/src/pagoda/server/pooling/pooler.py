@@ -16,6 +16,7 @@ class Pooler:
     """
 
     def __init__(self, params: PoolingParams, num_positions: int) -> None:
+        """`params` as resolved by the engine (its --pooler-config filled in)."""
         self.params = params
         self.num_positions = num_positions
         self._next = 0  # the next position a MEAN or CLS pooler takes (it needs every one, in order)
@@ -25,11 +26,9 @@ class Pooler:
     @property
     def done(self) -> bool:
         """Whether every position the pooling type reads has been taken."""
-        if self.params.pooling_type == "LAST":
+        if self.params.kind == "LAST":
             return self._row is not None
-        return (
-            self._next >= self.num_positions if self.params.pooling_type == "MEAN" else self._row is not None
-        )
+        return self._next >= self.num_positions if self.params.kind == "MEAN" else self._row is not None
 
     def add(
         self,
@@ -37,7 +36,7 @@ class Pooler:
         hidden: Tensor,  # [num_rows, hidden_size]: final hidden states of positions start, start + 1, ...
     ) -> None:
         """Take the rows of positions start, start + 1, ... that this pooler still needs."""
-        kind = self.params.pooling_type
+        kind = self.params.kind
         end = start + hidden.shape[0]
         if kind == "LAST":
             if end == self.num_positions:
@@ -56,7 +55,7 @@ class Pooler:
 
     def result(self) -> Tensor:  # float32 [dimensions or hidden_size]
         """The pooled vector, cut to the Matryoshka width and L2-normalised as the params say."""
-        if self.params.pooling_type == "MEAN":
+        if self.params.kind == "MEAN":
             assert self._sum is not None, "a MEAN pooler got no rows"
             vector = self._sum / self.num_positions
         else:
@@ -64,6 +63,6 @@ class Pooler:
             vector = self._row
         if self.params.dimensions is not None:
             vector = vector[: self.params.dimensions]
-        if self.params.normalize:
+        if self.params.normalize is not False:  # None (unresolved) is the default: normalised
             vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
         return vector
