@@ -108,6 +108,7 @@ def argument_table() -> list[Flag]:
             ("--runner",),
             {
                 "choices": get_args(RunnerName),
+                **given,
                 "help": "generate: completions and chat; pooling: /v1/embeddings (prompts pooled into vectors)",
             },
         ),
