@@ -167,3 +167,32 @@ def test_runner_mismatch_is_rejected_naming_the_runner(tiny_model_path: Callable
     )
     with pytest.raises(RequestRejectedError, match="--runner pooling"):
         generate.embed([1, 2, 3], use_tqdm=False)
+
+
+def test_embedding_crosses_the_core_frames() -> None:
+    """An engine core's delta of a finished pooling snapshot carries the vector through msgpack to the front end."""
+    import msgspec
+    from pagoda.server.core.deltas import DeltaDecoder, DeltaEncoder
+    from pagoda.server.core.messages import OutputDelta
+    from pagoda.server.outputs import RequestMetrics, RequestOutput
+
+    vector = (0.25, -0.5, 0.125)
+    output = RequestOutput("r", None, (1, 2), (), True, RequestMetrics(0.0), embedding=vector)
+    frame = msgspec.msgpack.encode(DeltaEncoder().encode(output))
+    decoder = DeltaDecoder()
+    decoder.add("r", None, (1, 2))
+    rebuilt = decoder.decode(msgspec.msgpack.decode(frame, type=OutputDelta))
+    assert rebuilt is not None and rebuilt.embedding == vector
+
+
+def test_aborted_pooling_request_leaves_no_owner(tiny_model_path: Callable[[str], Path]) -> None:
+    """Aborting a pooling request mid-prefill frees its blocks and the engine forgets its sequence."""
+    llm = embed_llm(tiny_model_path("llama"), "MEAN", prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("a", list(range(1, 41)), SamplingParams(max_tokens=1, pooling=PoolingParams()))
+    engine.step()
+    engine.abort_request("a")
+    (final,) = engine.step()
+    assert final.finished and final.embedding is None
+    assert not engine.has_unfinished_requests() and not engine._seq_owner
+    assert engine.kv_manager.num_free_blocks() == engine.num_kv_blocks

@@ -29,7 +29,7 @@ class PreparedBatch:
 
 @dataclass(frozen=True, slots=True)
 class PromptHidden:
-    """The final hidden states of a chunk's prompt positions whose next token is a prompt token too."""
+    """The final hidden states of the chunk positions a request asked for (prompt logprobs, pooling)."""
 
     start: int  # position of the first row
     hidden: Tensor  # [num_positions, hidden_size]: positions start, start + 1, ...

@@ -26,9 +26,9 @@ class Pooler:
     @property
     def done(self) -> bool:
         """Whether every position the pooling type reads has been taken."""
-        if self.params.kind == "LAST":
-            return self._row is not None
-        return self._next >= self.num_positions if self.params.kind == "MEAN" else self._row is not None
+        if self.params.kind == "MEAN":
+            return self._next >= self.num_positions
+        return self._row is not None
 
     def add(
         self,

@@ -42,8 +42,8 @@ class PoolingRequest:
 
     @property
     def seq_ids(self) -> tuple[str, ...]:
-        """Its one sequence, under its own id (nothing forks)."""
-        return () if self.finished else (self.request_id,)
+        """Its one sequence, under its own id (nothing forks; the engine forgets it by this id once finished)."""
+        return (self.request_id,)
 
     @property
     def prompt_logprobs_k(self) -> None:
