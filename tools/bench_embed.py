@@ -9,7 +9,7 @@ token the model's BOS), each embedded once (LAST pooling, normalised: both engin
 Only `embed` is timed (loading and a warm-up batch are not). vLLM runs in its own venv (the peer script's) in a
 subprocess, in the same dtype, on the default model's weights converted by that script; its vectors are compared
 with Pagoda's (mean cosine), so both computed the same thing. The machine may be shared: each row also shows the
-process CPU seconds and the 1-minute load average when it ended; compare the ratio, from the same minutes.
+1-minute load average when it ended (and Pagoda's process CPU seconds); compare the ratio, from the same minutes.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ llm = LLM(model=spec["model"], runner="pooling", dtype=spec["dtype"], enforce_ea
           max_num_seqs=spec["max_num_seqs"], seed=0)
 inputs = [TokensPrompt(prompt_token_ids=ids) for ids in spec["inputs"]]
 llm.embed(inputs[: spec["warmup"]], use_tqdm=False)
-cpu, start = time.process_time(), time.perf_counter()
+start = time.perf_counter()
 outputs = llm.embed(inputs, use_tqdm=False)
-seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+seconds = time.perf_counter() - start
 vectors = [list(o.outputs.embedding) for o in outputs]
-json.dump({"seconds": seconds, "cpu_seconds": cpu_seconds, "vectors": vectors}, open(sys.argv[2], "w"))
+json.dump({"seconds": seconds, "vectors": vectors}, open(sys.argv[2], "w"))
 """
 
 
@@ -57,7 +57,8 @@ class Result:
     num_inputs: int
     num_tokens: int
     seconds: float
-    cpu_seconds: float
+    # This process's CPU seconds; None for vLLM, whose engine core is another process.
+    cpu_seconds: float | None
     load_1m: float  # the machine's 1-minute load average when the run ended
 
     @property
@@ -114,9 +115,7 @@ def run_vllm(
         command = [str(venv / "bin" / "python"), "-c", _VLLM_PROGRAM, str(spec_file), str(out_file)]
         subprocess.run(command, env=env, check=True, timeout=args.peer_timeout)
         out = json.loads(out_file.read_text())
-    result = Result(
-        "vllm-cpu", len(inputs), sum(map(len, inputs)), out["seconds"], out["cpu_seconds"], os.getloadavg()[0]
-    )
+    result = Result("vllm-cpu", len(inputs), sum(map(len, inputs)), out["seconds"], None, os.getloadavg()[0])
     return result, out["vectors"]
 
 
@@ -137,7 +136,7 @@ def format_table(results: Sequence[Result]) -> str:
                 f"{r.inputs_per_s:.2f}",
                 f"{r.tokens_per_s:.0f}",
                 f"{r.seconds:.2f}",
-                f"{r.cpu_seconds:.1f}",
+                "-" if r.cpu_seconds is None else f"{r.cpu_seconds:.1f}",
                 f"{r.load_1m:.1f}",
                 f"{r.inputs_per_s / base:.2f}x",
             )

@@ -46,8 +46,8 @@ def prompts_of(count: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[in
     return out
 
 
-def embed_llm(model_dir: Path, kind: PoolingType, *, prefix_caching: bool) -> LLM:
-    """A float32 pooling LLM with small chunks (16-token budget: every long prompt is prefilled in chunks)."""
+def embed_llm(model_dir: Path, kind: PoolingType, *, prefix_caching: bool, budget: int = 16) -> LLM:
+    """A float32 pooling LLM with small chunks (a `budget`-token step: longer prompts are prefilled in chunks)."""
     return LLM(
         str(model_dir),
         runner="pooling",
@@ -55,7 +55,7 @@ def embed_llm(model_dir: Path, kind: PoolingType, *, prefix_caching: bool) -> LL
         dtype="float32",
         kernel_backend="torch",
         block_size=4,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=budget,
         max_model_len=128,
         enable_prefix_caching=prefix_caching,
         kv_cache_gib=0.01,
@@ -77,10 +77,11 @@ def assert_close(got: Sequence[Sequence[float]], want: Sequence[torch.Tensor]) -
 def test_last_pooling_matches_transformers(
     tiny_model_path: Callable[[str], Path], arch: str, prefix_caching: bool
 ) -> None:
-    """LAST (the default): single inputs and a 64-input batch, chunked prefill, prefix caching on and off; a
-    second pass over the same batch is served by the prefix cache (when on) and gives the same vectors."""
+    """LAST (the default): single inputs and a 64-input batch, chunked prefill (inputs of up to 64 tokens in a
+    32-token step), prefix caching on and off; a second pass over the same batch is served by the prefix cache (when
+    on) and gives the same vectors."""
     model_dir = tiny_model_path(arch)
-    llm = embed_llm(model_dir, "LAST", prefix_caching=prefix_caching)
+    llm = embed_llm(model_dir, "LAST", prefix_caching=prefix_caching, budget=32)
     batch = prompts_of(64, seed=1)
     want = reference(model_dir, batch, "LAST")
     single = [llm.embed(batch[i], use_tqdm=False)[0].outputs.embedding for i in (0, 1, 5)]
@@ -105,7 +106,7 @@ def test_mean_and_cls_pooling_match_transformers(
     """MEAN and CLS read every position (or the first): under chunked prefill with prefix caching on, the batch and
     its repeat give transformers' vectors, the repeat taking nothing from the prefix cache (which would skip them)."""
     model_dir = tiny_model_path(arch)
-    llm = embed_llm(model_dir, kind, prefix_caching=True)
+    llm = embed_llm(model_dir, kind, prefix_caching=True, budget=32)
     batch = prompts_of(64, seed=2)
     want = reference(model_dir, batch, kind)
     assert_close([llm.embed(batch[1], use_tqdm=False)[0].outputs.embedding], [want[1]])
