@@ -303,6 +303,7 @@ ROUTES = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),

@@ -31,6 +31,7 @@ from pagoda.server.config import (
     ToolParserName,
 )
 from pagoda.server.config_tree import flat_names
+from pagoda.server.pooling.params import PoolerConfig, PoolerConfigError, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
 
 
@@ -64,6 +65,26 @@ class _Given(argparse.Action):
         namespace.given = {*getattr(namespace, "given", ()), self.dest}
 
 
+# --task's values (vLLM's older flag) -> the --runner they select.
+_TASK_RUNNERS: dict[str, RunnerName] = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def task_runner(text: str) -> RunnerName:
+    """The runner of a --task value; argparse's error (exit 2) naming the flag for another."""
+    runner = _TASK_RUNNERS.get(text)
+    if runner is None:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(_TASK_RUNNERS)})")
+    return runner
+
+
+def pooler_config_flag(text: str) -> PoolerConfig:
+    """--pooler-config's JSON as a PoolerConfig; argparse's error (exit 2) naming the bad key."""
+    try:
+        return parse_pooler_config(text)
+    except PoolerConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def argument_table() -> list[Flag]:
     """Every `pagoda serve` flag (vLLM's names where the meaning is the same; TGI's as aliases)."""
     given: dict[str, Any] = {"action": _Given}
@@ -93,6 +114,28 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(("--seed",), {"type": int, "help": "engine seed for requests without their own"}),
+        Flag(
+            ("--runner",),
+            {
+                "choices": get_args(RunnerName),
+                **given,
+                "help": "generate: completions and chat; pooling: /v1/embeddings (prompts pooled into vectors)",
+            },
+        ),
+        Flag(
+            ("--task",),
+            {"type": task_runner, "metavar": "{generate,embed}", "help": "vLLM's older name of --runner"},
+            "runner",
+        ),
+        Flag(
+            ("--pooler-config",),
+            {
+                "type": pooler_config_flag,
+                "metavar": "JSON",
+                "help": 'the pooling runner\'s pooler, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                "(pooling_type LAST (default), MEAN or CLS; normalize default true)",
+            },
+        ),
         Flag(
             ("--max-input-tokens",),
             {

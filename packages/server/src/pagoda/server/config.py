@@ -9,6 +9,7 @@ vLLM's names where the meaning is the same.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Literal, get_args
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
 from pagoda.server.config_tree import build_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
+from pagoda.server.pooling.params import PoolerConfig, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
 
 __all__ = [
@@ -38,10 +40,12 @@ __all__ = [
     "LogLevelName",
     "ModelConfig",
     "ParallelConfig",
+    "PoolerConfig",
     "PreemptionMode",
     "QuantizationName",
     "ReasoningParserName",
     "RequestLimits",
+    "RunnerName",
     "SchedulerConfig",
     "SchedulingPolicyName",
     "ServeConfig",
@@ -108,10 +112,22 @@ class ModelConfig:
     quantization: QuantizationName | None = None
     # int4's weights per float16 scale and minimum: 32, 64 or 128; None: 128.
     quantization_group_size: int | None = None
+    # --runner (vLLM's; --task embed is its older alias): generate serves completions and chat, pooling serves
+    # /v1/embeddings (pagoda.server.pooling).
+    runner: RunnerName = "generate"
+    # --pooler-config (vLLM's): the pooling runner's pooling type and normalisation; None: LAST, normalised. A dict
+    # (LLM(pooler_config={...})) is taken as the flag's JSON object.
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1, max_input_tokens=self.max_input_tokens)
+        _one_of("runner", self.runner, get_args(RunnerName))
+        given: object = self.pooler_config
+        if isinstance(given, dict):
+            object.__setattr__(self, "pooler_config", parse_pooler_config(json.dumps(given)))
+        elif given is not None and not isinstance(given, PoolerConfig):
+            raise ValueError(f"pooler_config must be a PoolerConfig or a dict, not {given!r}")
         if self.quantization is not None:
             _one_of("quantization", self.quantization, get_args(QuantizationName))
         if self.quantization == "gguf" and not self.is_gguf():

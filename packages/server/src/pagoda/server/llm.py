@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(messages)` and, on the pooling runner,
+`LLM(model, runner="pooling").embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pagoda.server.chat import Message, check_template_kwargs, render_chat, reso
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.outputs import RequestOutput
+from pagoda.server.pooling import PoolingParams
+from pagoda.server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from tqdm.auto import tqdm
 
@@ -61,6 +64,30 @@ class LLM:
                         bar.update(1)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Pool every prompt (text or token ids) into one vector, continuously batched, prefill only: needs
+        `LLM(runner="pooling")`; `pooler_config` sets the pooling; `dimensions` cuts a Matryoshka model's vector."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, pooling=PoolingParams(dimensions))
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        results: list[EmbeddingRequestOutput] = []
+        for output in outputs:
+            assert output.embedding is not None, "a finished pooling request carries its vector"
+            results.append(
+                EmbeddingRequestOutput(
+                    output.request_id,
+                    output.prompt_token_ids,
+                    EmbeddingOutput(output.embedding),
+                    output.num_cached_tokens,
+                )
+            )
+        return results
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = True

@@ -73,6 +73,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Per prompt position (vLLM's prompt_logprobs): None for the first token, then the prompt token and the top-k.
     prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
+    # A pooling request's vector (vLLM's PoolingRequestOutput.outputs.data), once finished; None otherwise.
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

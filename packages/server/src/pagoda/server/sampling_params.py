@@ -10,6 +10,7 @@ from pagoda.server.structured.params import StructuredOutputsParams
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 from pagoda.server.beam_search import BeamSearchParams
+from pagoda.server.pooling.params import PoolingParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias in [-100, 100] is added to the token's logit
@@ -56,6 +57,8 @@ class SamplingParams:
     beam_search: BeamSearchParams | None = None
     # Prefix-cache isolation (vLLM's `cache_salt`): only requests with the same salt share cached blocks.
     cache_salt: str | None = None
+    # An embedding request (the pooling runner): prefill only, its prompt pooled into one vector; nothing sampled.
+    pooling: PoolingParams | None = None
     # bad_words as token sequences (logits_processors.tokenize_bad_words), filled by the API at admission so that
     # the engine thread does not tokenize; None: the engine tokenizes bad_words itself (vLLM's _bad_words_token_ids).
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None

@@ -23,6 +23,7 @@ from pagoda.server.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -35,6 +36,7 @@ from pagoda.server.api.responses_protocol import ResponsesRequest
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
+from pagoda.server.api.serving_embeddings import EmbeddingsHandler
 from pagoda.server.api.serving_responses import ResponsesHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
@@ -237,6 +239,7 @@ class _Routes:
         self.chat_handler = ChatHandler(self.ctx)
         self.responses_store = ResponseStore(settings.max_stored_responses)
         self.responses_handler = ResponsesHandler(self.ctx, self.responses_store)
+        self.embeddings_handler = EmbeddingsHandler(self.ctx)
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
@@ -273,6 +276,11 @@ class _Routes:
     async def cancel_response(self, request: Request) -> Response:
         """POST /v1/responses/{response_id}/cancel."""
         return await self.responses_handler.cancel(request.path_params["response_id"], request)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings (the pooling runner)."""
+        body = await self._body(request, EmbeddingRequest)
+        return await self.embeddings_handler.create(body, request)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
@@ -415,6 +423,7 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
             Route("/v1/responses/{response_id}", routes.get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", routes.cancel_response, methods=["POST"]),
+            Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

@@ -12,6 +12,8 @@ from pagoda.server.api.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     HealthResponse,
     ModelList,
@@ -79,6 +81,8 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         (ChatCompletionRequest, "validation"),
         (TokenizeRequest, "validation"),
         (DetokenizeRequest, "validation"),
+        (EmbeddingRequest, "validation"),
+        (EmbeddingResponse, "serialization"),
         (CompletionResponse, "serialization"),
         (ChatCompletionResponse, "serialization"),
         (ChatCompletionChunk, "serialization"),
@@ -99,6 +103,9 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
             "Create a chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk
         ),
         "/v1/responses": _post("Create a response", ResponsesRequest, ResponseObject, ResponseObject),
+        "/v1/embeddings": _post(
+            "Create embeddings (the pooling runner)", EmbeddingRequest, EmbeddingResponse
+        ),
         "/tokenize": _post("Tokenize a prompt or chat messages", TokenizeRequest, TokenizeResponse),
         "/detokenize": _post("Turn token ids into text", DetokenizeRequest, DetokenizeResponse),
         "/v1/models": _get("List the served model", _json(ModelList), _errors("401")),

@@ -391,3 +391,45 @@ class ErrorResponse(BaseModel):
     """Every error response: {"error": {"message", "type", "param", "code"}}."""
 
     error: ErrorInfo
+
+
+# POST /v1/embeddings (issue 26): inputs per request are capped by --max-prompts-per-request.
+EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
+
+
+class EmbeddingRequest(_Model):
+    """Body of POST /v1/embeddings (OpenAI's fields, plus vLLM's add_special_tokens)."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None  # a 400 unless the model declares Matryoshka widths
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    add_special_tokens: bool = True  # vLLM extra: BOS etc. when tokenizing a text input
+
+
+class EmbeddingData(BaseModel):
+    """One input's vector: floats, or base64 of its little-endian float32 bytes."""
+
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    """Token counts of an embeddings request (no completion tokens)."""
+
+    prompt_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class EmbeddingResponse(BaseModel):
+    """Body of a POST /v1/embeddings answer."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

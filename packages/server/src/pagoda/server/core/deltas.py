@@ -79,6 +79,7 @@ class DeltaEncoder:
             num_cached_tokens=output.num_cached_tokens,
             prompt_logprobs_keep=keep,
             prompt_logprobs=prompt_logprobs,
+            embedding=None if output.embedding is None else list(output.embedding),
         )
 
     def forget(self, request_id: str) -> None:
@@ -135,6 +136,7 @@ class DeltaDecoder:
             metrics=delta.metrics,
             num_cached_tokens=delta.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            embedding=None if delta.embedding is None else tuple(delta.embedding),
         )
         if delta.finished:
             self.forget(delta.request_id)

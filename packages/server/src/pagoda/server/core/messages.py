@@ -76,6 +76,7 @@ class OutputDelta(msgspec.Struct, frozen=True):
     num_cached_tokens: int
     prompt_logprobs_keep: int
     prompt_logprobs: list[PositionLogprobs | None] | None
+    embedding: list[float] | None = None  # a pooling request's vector, in its finished frame
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):

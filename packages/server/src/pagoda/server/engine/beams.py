@@ -68,6 +68,15 @@ class BeamGroup:
         """A beam search scores no prompt tokens."""
         return None
 
+    @property
+    def hidden_states_end(self) -> None:
+        """A beam search pools nothing."""
+        return None
+
+    def add_hidden_states(self, start: int, hidden: Tensor) -> None:  # [num_rows, hidden_size]
+        """Never called: `hidden_states_end` is None."""
+        raise TypeError(f"request {self.request_id} takes no hidden states")
+
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Never called: `prompt_logprobs_k` is None."""
 

@@ -1,8 +1,8 @@
 """`EngineRequest`: a user request as the engine drives it, whatever feature it carries.
 
 The engine keeps one owner map, scheduler sequence id -> EngineRequest, and drives every request through the
-same calls each step (see `pagoda.server.engine.llm_engine` for the contract). `RequestState` (plain sampling)
-and `BeamGroup` (beam search) implement it.
+same calls each step (see `pagoda.server.engine.llm_engine` for the contract). `RequestState` (plain sampling),
+`BeamGroup` (beam search) and `pooling.PoolingRequest` (embeddings) implement it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,22 @@ class EngineRequest(Protocol):
 
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Record the logprobs of the prompt tokens after positions start, start + 1, ..."""
+        ...
+
+    @property
+    def hidden_states_end(self) -> int | None:
+        """Positions before this end have their final hidden states handed over (`add_hidden_states`); None: none.
+
+        A pooling request's is its prompt length until it has pooled; the others' is None.
+        """
+        ...
+
+    def add_hidden_states(
+        self,
+        start: int,
+        hidden: Tensor,  # [num_rows, hidden_size]: final hidden states of positions start, start + 1, ...
+    ) -> None:
+        """Take a chunk's final hidden states (after the model's final norm), as `hidden_states_end` asked."""
         ...
 
     def mark_scheduled(self, num_computed_tokens: int, now: float) -> None:

@@ -36,6 +36,7 @@ from pagoda.server.engine.scheduling import build_kv_manager
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.outputs import EngineStats, RequestOutput
+from pagoda.server.pooling.checks import Matryoshka, PoolingRules
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import GrammarBitmask, GrammarGate, StructuredOutputManager
@@ -68,6 +69,10 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         model_config = config.model_config
         self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, model_config.max_input_tokens)
+        # generate or pooling: which requests this engine serves, and how the pooling runner pools.
+        self.pooling_rules = PoolingRules(
+            model_config.runner, model_config.pooler_config, Matryoshka.of_model(parts.model_path)
+        )
         self.kv_manager: KVBlockManager = build_kv_manager(
             config, self.num_kv_blocks, self.num_host_kv_blocks, parts.max_model_len
         )
@@ -133,6 +138,7 @@ class LLMEngine:
         ids = tuple(prompt_token_ids)
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
         self.rules.check(ids, params)
+        params = self.pooling_rules.admit(params)
         if request_id in self._requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time

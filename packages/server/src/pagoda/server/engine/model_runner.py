@@ -29,15 +29,16 @@ class PreparedBatch:
 
 @dataclass(frozen=True, slots=True)
 class PromptHidden:
-    """The final hidden states of a chunk's prompt positions whose next token is a prompt token too."""
+    """The final hidden states of the chunk positions a request asked for (prompt logprobs, pooling)."""
 
     start: int  # position of the first row
     hidden: Tensor  # [num_positions, hidden_size]: positions start, start + 1, ...
 
 
-def prompt_rows(chunk: ScheduledRequest, num_prompt_tokens: int) -> range:
-    """Positions of a chunk that predict a prompt token (the last prompt position predicts the first output)."""
-    return range(chunk.start, max(chunk.start, min(chunk.seq_len, num_prompt_tokens - 1)))
+def prompt_rows(chunk: ScheduledRequest, end: int) -> range:
+    """Positions of a chunk before `end` (prompt logprobs: prompt length - 1, as the last prompt position predicts
+    the first output; pooling: the prompt length)."""
+    return range(chunk.start, max(chunk.start, min(chunk.seq_len, end)))
 
 
 class ModelRunner:
@@ -101,7 +102,7 @@ class ModelRunner:
     def execute(
         self,
         output: SchedulerOutput,
-        # Request id -> prompt length, for the requests that want prompt logprobs (empty: none does).
+        # Request id -> end of the positions whose hidden states it wants (prompt logprobs, pooling; empty: none).
         prompt_lens: Mapping[str, int],
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> its chunk's prompt rows)
         """Swap out, swap in, copy-on-write, then the forward pass: the logits of the rows to sample, in order
@@ -120,8 +121,8 @@ class ModelRunner:
         prompt_hidden: dict[str, PromptHidden] = {}
         offset = 0
         for chunk in output.scheduled:
-            num_prompt = prompt_lens.get(chunk.request_id)
-            rows = prompt_rows(chunk, num_prompt) if num_prompt is not None else range(0)
+            end = prompt_lens.get(chunk.request_id)
+            rows = prompt_rows(chunk, end) if end is not None else range(0)
             if rows:
                 first = offset + rows.start - chunk.start
                 prompt_hidden[chunk.request_id] = PromptHidden(rows.start, hidden[first : first + len(rows)])

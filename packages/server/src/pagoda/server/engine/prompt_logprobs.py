@@ -1,4 +1,5 @@
-"""Prompt logprobs: which chunks want their prompt positions' hidden states, and scoring them over the LM head."""
+"""Prompt logprobs and pooling: which chunks want their prompt positions' hidden states; scoring them over the LM
+head, or handing them to the pooling request."""
 
 from __future__ import annotations
 
@@ -17,20 +18,29 @@ _PROMPT_LOGITS_SLICE = 256
 
 
 def prompt_lens(scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> dict[str, int]:
-    """Chunk request id -> prompt length, for the chunks whose request still wants prompt logprobs."""
-    return {
-        chunk.request_id: len(owner.prompt_token_ids)
-        for chunk in scheduled.scheduled
-        if (owner := owners[chunk.request_id]).prompt_logprobs_k is not None
-    }
+    """Chunk request id -> the end of the positions whose hidden states it wants: prompt length - 1 for prompt
+    logprobs (the last position predicts the first output), `hidden_states_end` for a pooling request."""
+    ends: dict[str, int] = {}
+    for chunk in scheduled.scheduled:
+        owner = owners[chunk.request_id]
+        if owner.prompt_logprobs_k is not None:
+            ends[chunk.request_id] = len(owner.prompt_token_ids) - 1
+        elif (end := owner.hidden_states_end) is not None:
+            ends[chunk.request_id] = end
+    return ends
 
 
 def add_prompt_logprobs(
     executor: Executor, owners: Mapping[str, EngineRequest], prompt_hidden: Mapping[str, PromptHidden]
 ) -> None:
-    """Score each chunk's prompt positions and hand the logprobs to its request."""
+    """Score each chunk's prompt positions and hand the logprobs to its request; a request that asked for the
+    hidden states themselves (pooling) takes them."""
     for request_id, rows in prompt_hidden.items():
-        score_prompt(executor, owners[request_id], rows.start, rows.hidden)
+        owner = owners[request_id]
+        if owner.prompt_logprobs_k is None:
+            owner.add_hidden_states(rows.start, rows.hidden)
+        else:
+            score_prompt(executor, owner, rows.start, rows.hidden)
 
 
 def score_prompt(

@@ -10,6 +10,8 @@ from pagoda.scheduler import Request
 from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.pooling.params import PoolingParams
+from pagoda.server.pooling.request import PoolingRequest
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import StructuredOutputsParams
 from transformers import PreTrainedTokenizerBase
@@ -35,8 +37,11 @@ def new_request(
     eos_token_ids: frozenset[int],
     seed: Callable[[SamplingParams], int],  # the request's RNG seed (the engine numbers unseeded requests)
 ) -> NewRequest:
-    """A beam group for a beam search, else a plain request (SamplingParams refuses grammars with beams)."""
+    """A pooling request for an embedding, a beam group for a beam search, else a plain request (SamplingParams
+    refuses grammars with beams)."""
     ids = prompt_token_ids
+    if params.pooling is not None:
+        return _pooling_request(request_id, prompt, ids, params, params.pooling, arrival)
     scheduler_params = SchedulerParams.from_params(params, eos_token_ids)
     if params.beam_search is not None:
         group = BeamGroup(
@@ -63,3 +68,23 @@ def new_request(
     request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
     constraint = params.structured_outputs
     return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))
+
+
+def _pooling_request(
+    request_id: str,
+    prompt: str | None,
+    ids: tuple[int, ...],
+    params: SamplingParams,
+    pooling: PoolingParams,
+    arrival: float,
+) -> NewRequest:
+    """A prefill-only request: the scheduler runs its prompt and one held row (max_tokens 1, nothing sampled)."""
+    owner = PoolingRequest(request_id, prompt, ids, pooling, arrival)
+    scheduler_params = SchedulerParams(
+        max_tokens=1, min_tokens=0, n=1, stop_token_ids=(), priority=params.priority
+    )
+    # LAST reads only the last position, which admission always computes: a prefix-cache hit before it is exact.
+    # MEAN and CLS read positions a hit would skip: a private salt keeps the cache from skipping any.
+    salt = f"pooling:{request_id}" if pooling.needs_every_position else params.cache_salt
+    request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+    return NewRequest(owner, request, None)

@@ -202,6 +202,15 @@ class RequestState:
         """Top-k of the prompt logprobs still to compute (0: the prompt token's own only); None: none are."""
         return (self.params.prompt_logprobs or 0) if self.wants_prompt_logprobs else None
 
+    @property
+    def hidden_states_end(self) -> None:
+        """A sampling request pools nothing (its prompt logprobs are scored over the LM head instead)."""
+        return None
+
+    def add_hidden_states(self, start: int, hidden: Tensor) -> None:  # [num_rows, hidden_size]
+        """Never called: `hidden_states_end` is None."""
+        raise TypeError(f"request {self.request_id} takes no hidden states")
+
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Record the logprobs of the prompt tokens after positions start, start + 1, ... (the logits at position
         p score prompt token p + 1); positions already recorded (a recomputation after preemption) are skipped."""

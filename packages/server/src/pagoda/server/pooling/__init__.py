@@ -1,0 +1,23 @@
+"""The pooling runner (`--runner pooling`): prompts pooled into embedding vectors over the same engine.
+
+`params` (the pooler config and per-request params) is light and imported by `SamplingParams`; `request`
+(`PoolingRequest`, an `EngineRequest`) and `pooler` are imported where the engine makes requests.
+"""
+
+from pagoda.server.pooling.params import (
+    PoolerConfig,
+    PoolerConfigError,
+    PoolingParams,
+    PoolingType,
+    RunnerName,
+    parse_pooler_config,
+)
+
+__all__ = [
+    "PoolerConfig",
+    "PoolerConfigError",
+    "PoolingParams",
+    "PoolingType",
+    "RunnerName",
+    "parse_pooler_config",
+]

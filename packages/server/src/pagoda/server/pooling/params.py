@@ -1,0 +1,102 @@
+"""What a pooling runner computes per input: vLLM's `--pooler-config` and per-request `PoolingParams`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+__all__ = [
+    "PoolerConfig",
+    "PoolerConfigError",
+    "PoolingParams",
+    "PoolingType",
+    "RunnerName",
+    "parse_pooler_config",
+]
+
+# --runner (vLLM's flag): generate serves completions and chat, pooling serves embeddings.
+RunnerName = Literal["generate", "pooling"]
+# LAST: the last position's hidden state (vLLM's default for decoder LMs, whose last position has seen every
+# token); MEAN: the mean over every position; CLS: the first position's.
+PoolingType = Literal["LAST", "MEAN", "CLS"]
+_POOLER_KEYS = ("pooling_type", "normalize")
+
+
+class PoolerConfigError(ValueError):
+    """A bad --pooler-config; `key` names the key at fault (None: the text is not a JSON object)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """How the pooling runner turns hidden states into one vector: the pooling type and L2 normalisation."""
+
+    pooling_type: PoolingType = "LAST"
+    normalize: bool = True  # vLLM's embed default: unit vectors, so that a dot product is the cosine
+
+    def __post_init__(self) -> None:
+        """PoolerConfigError naming the key."""
+        if self.pooling_type not in get_args(PoolingType):
+            raise PoolerConfigError(
+                f"pooler_config pooling_type must be one of {get_args(PoolingType)}, not {self.pooling_type!r}",
+                "pooling_type",
+            )
+        if not isinstance(self.normalize, bool):
+            raise PoolerConfigError(
+                f"pooler_config normalize must be true or false, not {self.normalize!r}", "normalize"
+            )
+
+
+def parse_pooler_config(text: str) -> PoolerConfig:
+    """The PoolerConfig of --pooler-config's JSON object; PoolerConfigError naming the bad or unknown key."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise PoolerConfigError(f"pooler_config is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PoolerConfigError('pooler_config must be a JSON object such as {"pooling_type": "MEAN"}')
+    unknown = [key for key in data if key not in _POOLER_KEYS]
+    if unknown:
+        raise PoolerConfigError(
+            f"pooler_config has unknown key {unknown[0]!r} (known: {', '.join(_POOLER_KEYS)})", unknown[0]
+        )
+    pooling_type = data.get("pooling_type", "LAST")
+    if isinstance(pooling_type, str):
+        pooling_type = pooling_type.upper()  # vLLM takes "mean" as well as "MEAN"
+    return PoolerConfig(pooling_type=pooling_type, normalize=data.get("normalize", True))
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """One pooling request: its Matryoshka width, and the pooling its runner's --pooler-config sets.
+
+    `pooling_type` and `normalize` left None are the engine's (its --pooler-config); the engine fills them at
+    admission, so the API front end needs no copy of the engine's config.
+    """
+
+    dimensions: int | None = None  # keep the first `dimensions` values (before normalising); None: all
+    pooling_type: PoolingType | None = None
+    normalize: bool | None = None
+
+    def resolved(self, config: PoolerConfig) -> PoolingParams:
+        """These params with the runner's pooling type and normalisation where they are None."""
+        return PoolingParams(
+            self.dimensions,
+            config.pooling_type if self.pooling_type is None else self.pooling_type,
+            config.normalize if self.normalize is None else self.normalize,
+        )
+
+    @property
+    def kind(self) -> PoolingType:
+        """The pooling type (LAST until resolved)."""
+        return self.pooling_type or "LAST"
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether the pooled vector reads positions a prefix-cache hit would skip (MEAN and CLS do; LAST reads
+        only the last position, which is always computed)."""
+        return self.kind != "LAST"

@@ -1,0 +1,123 @@
+"""`PoolingRequest`: an embedding request as the engine drives it, prefill only.
+
+Its prompt goes through the same scheduler and paged KV as any request (chunked prefill, batching, preemption).
+It takes the final hidden states of its prompt positions as a prompt-logprobs request does (`hidden_states_end`),
+a chunk at a time, into its `Pooler`. The last chunk's logits row is handed to it (`draw_spec` None: the
+scheduler appends nothing) and its `end_step` finishes the sequence, so its KV blocks are freed in that same step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagoda.scheduler import Request, RequestStatus, Scheduler
+from pagoda.server.engine.engine_request import DrawSpec
+from pagoda.server.outputs import RequestMetrics, RequestOutput
+from pagoda.server.pooling.params import PoolingParams
+from pagoda.server.pooling.pooler import Pooler
+from pagoda.server.sampling import TokenLogprobs
+from torch import Tensor
+
+
+class PoolingRequest:
+    """One prompt to embed: its pooler, timings and, once its prefill is done, the pooled vector."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        params: PoolingParams,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.pooler = Pooler(params, len(prompt_token_ids))
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.embedding: tuple[float, ...] | None = None
+        self.finished = False
+        self._aborted = False
+
+    @property
+    def seq_ids(self) -> tuple[str, ...]:
+        """Its one sequence, under its own id (nothing forks; the engine forgets it by this id once finished)."""
+        return (self.request_id,)
+
+    @property
+    def prompt_logprobs_k(self) -> None:
+        """A pooling request scores no prompt tokens."""
+        return None
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
+        """Never called: `prompt_logprobs_k` is None."""
+
+    @property
+    def hidden_states_end(self) -> int | None:
+        """Every prompt position's hidden state comes back until the pooler has what it needs."""
+        return None if self.pooler.done else len(self.prompt_token_ids)
+
+    def add_hidden_states(
+        self,
+        start: int,
+        hidden: Tensor,  # [num_rows, hidden_size]: final hidden states of positions start, start + 1, ...
+    ) -> None:
+        """Pool a chunk's rows."""
+        self.pooler.add(start, hidden)
+
+    def mark_scheduled(self, num_computed_tokens: int, now: float) -> None:
+        """Note the first chunk (admission starts it at its prefix-cache hit)."""
+        if self.metrics.first_scheduled_time is None:
+            self.num_cached_tokens = num_computed_tokens
+            self.metrics = RequestMetrics(self.metrics.arrival_time, first_scheduled_time=now)
+
+    def draw_spec(self, seq_id: str) -> DrawSpec | None:
+        """None: the last chunk's row is handed over and nothing is sampled (the scheduler holds the sequence)."""
+        return None
+
+    def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
+        """Never called: `draw_spec` is None."""
+        raise TypeError(f"request {self.request_id} pools its prompt: it samples no tokens")
+
+    def add_logprob_row(self, seq_id: str, logprobs: Tensor) -> None:  # float32 [vocab]
+        """The prefill is complete: the row itself is not needed, the pooler has every position."""
+
+    def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
+        """The scheduler finished it (it never samples, so only an abort does): nothing to pool any more."""
+        self._finish()
+
+    def end_step(self, scheduler: Scheduler) -> bool:
+        """After the last chunk: finish the held sequence (its KV freed now) and pool; True once finished."""
+        if not self.finished and self.pooler.done:
+            scheduler.finish_sequence(self.request_id, RequestStatus.FINISHED_STOPPED)
+            self.embedding = tuple(self.pooler.result().tolist())
+            self._finish()
+        return self.finished
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            m = self.metrics
+            self.metrics = RequestMetrics(
+                m.arrival_time, first_scheduled_time=m.first_scheduled_time, finished_time=time.monotonic()
+            )
+
+    def abort(self) -> RequestOutput:
+        """Finish it as aborted, without a vector; the final snapshot."""
+        self._aborted = True
+        self._finish()
+        return self.snapshot()
+
+    def snapshot(self) -> RequestOutput:
+        """No samples; the pooled vector once finished."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=(),
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+            embedding=None if self._aborted else self.embedding,
+        )
