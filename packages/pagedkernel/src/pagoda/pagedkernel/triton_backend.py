@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from pagoda.pagedkernel.backend import BackendUnavailableError, triton_interpreted
-from pagoda.pagedkernel.torch_backend import TorchBackend
+from pagoda.pagedkernel.torch_backend import QUANTIZED_DTYPES, TorchBackend
 from torch import Tensor
 
 try:
@@ -198,8 +198,16 @@ class TritonBackend:
         k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+        *,
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+            TorchBackend().reshape_and_cache(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
+            return
         _check_cache(k_cache, v_cache)
         _check_rows(key, value)
         assert key.shape == value.shape and key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
@@ -234,8 +242,24 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
+        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+            return TorchBackend().paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         return decode_with_partitions(
             q,
             k_cache,
@@ -262,8 +286,25 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""
+        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+            return TorchBackend().paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                query_start_loc,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         _check_cache(k_cache, v_cache)
         head_dim_pad, group, f32 = _attention_config(q, k_cache)
         out = _new_out(q, out)
