@@ -407,7 +407,7 @@ static void write_block_int8(const scalar_t *x, int64_t stride, const int64_t *s
     const float old = scales[block * H + h];
     float scale = fresh;
     if (first > 0) {
-      scale = old > fresh ? old : fresh;
+      scale = old > fresh || old != old ? old : fresh; /* a NaN scale stays NaN, as torch.maximum keeps it */
       if (fresh > old) {
         const float ratio = old / scale;
         for (int64_t o = 0; o < first; ++o) {

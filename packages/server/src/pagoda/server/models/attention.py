@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagoda.pagedkernel import KernelBackend
 from torch import Tensor, nn
 
-# One layer's paged cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-LayerKVCache = tuple[Tensor, Tensor]
+
+@dataclass(frozen=True, slots=True)
+class LayerKVCache:
+    """One layer's paged cache; unpacks as (k_cache, v_cache). An int8 cache carries its scales (else None)."""
+
+    k: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale: Tensor | None = None  # float32 [num_blocks, num_kv_heads], int8 caches only
+    v_scale: Tensor | None = None  # float32 [num_blocks, num_kv_heads], int8 caches only
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """k, then v: `k_cache, v_cache = layer_cache`, as when this was a pair."""
+        yield self.k
+        yield self.v
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,10 @@ class Attention(nn.Module):
     ) -> Tensor:  # [num_tokens, num_heads * head_dim]
         """Attention output of every query token, heads flattened."""
         k_cache, v_cache = kv_cache
-        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        k_scale, v_scale = kv_cache.k_scale, kv_cache.v_scale  # None unless the cache is int8
+        attn.backend.reshape_and_cache(
+            k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
         if attn.is_decode:
             out = attn.backend.paged_decode_attention(
                 q,
@@ -67,6 +83,8 @@ class Attention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         else:
             out = attn.backend.paged_prefill_attention(
@@ -79,6 +97,8 @@ class Attention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
