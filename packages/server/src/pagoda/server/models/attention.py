@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypedDict
 
 from pagoda.pagedkernel import KernelBackend
 from torch import Tensor, nn
@@ -35,6 +36,20 @@ class AttentionMetadata:
     max_query_len: int
     is_decode: bool  # every sequence has exactly one query token this step
     backend: KernelBackend
+
+
+class _Scales(TypedDict, total=False):
+    """The ops' scale keywords: given for an int8 cache only, so a float cache's calls are as they always were."""
+
+    k_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+    v_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+
+
+def _scales(kv_cache: LayerKVCache) -> _Scales:
+    """The scale keywords of one layer's cache (none for a float cache)."""
+    if kv_cache.k_scale is None or kv_cache.v_scale is None:
+        return {}
+    return {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
 
 
 class Attention(nn.Module):
@@ -69,10 +84,8 @@ class Attention(nn.Module):
     ) -> Tensor:  # [num_tokens, num_heads * head_dim]
         """Attention output of every query token, heads flattened."""
         k_cache, v_cache = kv_cache
-        k_scale, v_scale = kv_cache.k_scale, kv_cache.v_scale  # None unless the cache is int8
-        attn.backend.reshape_and_cache(
-            k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale
-        )
+        scales = _scales(kv_cache)
+        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping, **scales)
         if attn.is_decode:
             out = attn.backend.paged_decode_attention(
                 q,
@@ -83,8 +96,7 @@ class Attention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
-                k_scale=k_scale,
-                v_scale=v_scale,
+                **scales,
             )
         else:
             out = attn.backend.paged_prefill_attention(
@@ -97,8 +109,7 @@ class Attention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
-                k_scale=k_scale,
-                v_scale=v_scale,
+                **scales,
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
