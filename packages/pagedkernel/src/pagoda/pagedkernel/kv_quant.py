@@ -55,6 +55,11 @@ def to_fp8(x: Tensor, dtype: torch.dtype) -> Tensor:  # same shape, in `dtype`
     return x.float().clamp(-limit, limit).to(dtype)
 
 
+def as_bytes(cache: Tensor) -> Tensor:  # same shape; uint8 for an fp8 cache, else `cache` itself
+    """An fp8 cache viewed as its bytes, for the indexed copies torch's CPU kernels lack for fp8."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
 def write_int8(
     x: Tensor,  # [num_tokens, num_kv_heads, head_dim], any float dtype
     cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]

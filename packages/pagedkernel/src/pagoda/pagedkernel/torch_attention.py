@@ -72,7 +72,7 @@ def gather_kv(
     num_seqs, n_keys = keys.key_pos.shape
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
     flat = keys.blocks.flatten()
-    rows = cache.view(cache.shape[0], -1).index_select(0, flat)
+    rows = kv_quant.as_bytes(cache).view(cache.shape[0], -1).index_select(0, flat).view(cache.dtype)
     if scales is not None:
         rows = kv_quant.dequantize_rows(rows.view(-1, *cache.shape[1:]), scales.index_select(0, flat), dtype)
     elif rows.dtype in kv_quant.FP8_DTYPES:

@@ -225,7 +225,10 @@ class TorchBackend:
             kv_quant.write_int8(value, v_cache, v_scale, slot_mapping)
             return
         if k_cache.dtype in kv_quant.FP8_DTYPES:
-            key, value = kv_quant.to_fp8(key, k_cache.dtype), kv_quant.to_fp8(value, v_cache.dtype)
+            # Written as bytes: torch's CPU index_copy_ has no fp8 kernel.
+            key = kv_quant.to_fp8(key, k_cache.dtype).view(torch.uint8)
+            value = kv_quant.to_fp8(value, v_cache.dtype).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -312,6 +315,7 @@ class TorchBackend:
             return
         for cache in [*k_caches, *v_caches]:
             pairs = block_pairs.to(cache.device)
+            cache = kv_quant.as_bytes(cache)
             cache[pairs[:, 1]] = cache[pairs[:, 0]]
 
     def swap_blocks(
@@ -326,6 +330,7 @@ class TorchBackend:
         assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, (src.shape, dst.shape)
         if src.device == dst.device:
             pairs = block_pairs.to(src.device)
+            src, dst = kv_quant.as_bytes(src), kv_quant.as_bytes(dst)
             dst[pairs[:, 1]] = src[pairs[:, 0]]
             return
         # One copy_ per block: blocks are contiguous, so each is a single DMA that overlaps with compute when the

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pagoda.pagedkernel import kv_quant
 from pagoda.pagedkernel.backend import BackendUnavailableError, triton_interpreted
-from pagoda.pagedkernel.torch_backend import QUANTIZED_DTYPES, TorchBackend
+from pagoda.pagedkernel.torch_backend import TorchBackend
 from torch import Tensor
 
 try:
@@ -62,9 +63,25 @@ def _attention_config(q: Tensor, k_cache: Tensor) -> tuple[int, int, bool]:
     head_dim, num_heads, num_kv_heads = q.shape[2], q.shape[1], k_cache.shape[2]
     assert k_cache.shape[3] == head_dim, "head_dim of q and the cache differ"
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.dtype == k_cache.dtype, "q and the cache must share a dtype"
+    assert q.dtype == k_cache.dtype or k_cache.dtype in kv_quant.FP8_DTYPES, (
+        "q and the cache must share a dtype"
+    )
     f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and triton_interpreted())
     return _pow2(head_dim, 16), num_heads // num_kv_heads, f32
+
+
+def _fp8_meta(dtype: torch.dtype) -> dict[str, float | int]:
+    """The fp8 constexprs of reshape_and_cache_kernel for a cache dtype (none for other caches)."""
+    if dtype not in kv_quant.FP8_DTYPES:
+        return {}
+    info = torch.finfo(dtype)
+    mant = 3 if dtype == torch.float8_e4m3fn else 2
+    return {
+        "FP8_MAX": info.max,
+        "FP8_MANT": mant,
+        "FP8_MIN_NORMAL": info.tiny,
+        "FP8_MAGIC": info.tiny * 2.0 ** (23 - mant),
+    }
 
 
 def _new_out(q: Tensor, out: Tensor | None) -> Tensor:
@@ -203,7 +220,9 @@ class TritonBackend:
         v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
-        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+        if kv_quant.is_scaled(
+            k_cache.dtype
+        ):  # int8 caches run the torch reference on this device (fp8: native)
             TorchBackend().reshape_and_cache(
                 key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
             )
@@ -228,6 +247,7 @@ class TritonBackend:
             ROW=row,
             ROW_PAD=_pow2(row),
             BLOCK_SIZE=k_cache.shape[1],
+            **_fp8_meta(k_cache.dtype),
         )
 
     def paged_decode_attention(
@@ -246,7 +266,9 @@ class TritonBackend:
         v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
-        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+        if kv_quant.is_scaled(
+            k_cache.dtype
+        ):  # int8 caches run the torch reference on this device (fp8: native)
             return TorchBackend().paged_decode_attention(
                 q,
                 k_cache,
@@ -290,7 +312,9 @@ class TritonBackend:
         v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""
-        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+        if kv_quant.is_scaled(
+            k_cache.dtype
+        ):  # int8 caches run the torch reference on this device (fp8: native)
             return TorchBackend().paged_prefill_attention(
                 q,
                 k_cache,
