@@ -84,6 +84,23 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
             key = c.q[:5, :8]
             backend.reshape_and_cache(key, key, c.k_cache, c.v_cache, torch.arange(5))
             backend.copy_blocks([c.k_cache], [c.v_cache], torch.tensor([[0, 1]]))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # --kv-cache-dtype fp8 under bfloat16 activations
+        shape = {
+            "num_heads": 8,
+            "num_kv_heads": 2,
+            "head_dim": 128,
+            "block_size": 16,
+            "dtype": torch.bfloat16,
+        }
+        c = make_case([(1, 1), (17, 3), (300, 1)], **shape)
+        k, v = c.k_cache.to(fp8), c.v_cache.to(fp8)
+        backend.paged_prefill_attention(
+            c.q, k, v, c.block_tables, c.query_start_loc, c.context_lens, c.scale, sliding_window=64
+        )
+        decode_q = c.q[c.query_start_loc[1:].long() - 1]
+        backend.paged_decode_attention(decode_q, k, v, c.block_tables, c.context_lens, c.scale)
+        key = c.q[:5, :2]
+        backend.reshape_and_cache(key, key, k, v, torch.arange(5))
     return launches
 
 
@@ -128,6 +145,9 @@ def test_kernels_compile_for_sm90() -> None:
         and "compiled copy_blocks_kernel:" in result.stdout
     )
     assert compiled >= 10, result.stdout
+    # The fp8 caches' kernels (e4m3, e5m2) on top of the four float configurations and the one float write.
+    assert result.stdout.count("compiled reshape_and_cache_kernel:") == 3, result.stdout
+    assert result.stdout.count("compiled paged_prefill_kernel:") == 6, result.stdout
 
 
 if __name__ == "__main__":

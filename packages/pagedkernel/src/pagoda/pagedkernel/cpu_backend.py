@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.torch_backend import TorchBackend, check_attention_args
+from pagoda.pagedkernel.torch_backend import TorchBackend, check_attention_args, check_scales
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCE_FILE = "cpu_attention.c"
 ATTENTION = "pagoda_paged_attention"
 RESHAPE_AND_CACHE = "pagoda_reshape_and_cache"
+RESHAPE_AND_CACHE_INT8 = "pagoda_reshape_and_cache_int8"  # only in the int8-cache builds (-DPAGODA_KV_INT8)
 # -fno-math-errno lets expf/tanhf inline; no -ffast-math: the softmax relies on -inf and IEEE exp.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-pthread")
 # Tried first: OpenMP, so the kernel runs on torch's thread pool (libgomp.so.1 is already loaded by torch);
@@ -55,18 +56,21 @@ class CpuKernels:
 
     attention: Callable[..., int]
     reshape_and_cache: Callable[..., int]
+    reshape_and_cache_int8: Callable[..., int] | None = None  # the int8-cache builds' write
 
 
-def build(dtype: torch.dtype) -> Path:
-    """Compile the kernel for `dtype` unless the cache has it (see `cbuild.build`); the path of the shared library.
+def build(dtype: torch.dtype, *, int8_cache: bool = False) -> Path:
+    """Compile the kernel for `dtype` (activations; with `int8_cache` over int8 caches with scales) unless the
+    cache has it (see `cbuild.build`); the path of the shared library.
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
+    int8_flags = ("-DPAGODA_KV_INT8=1",) if int8_cache else ()
     return cbuild.build(
         SOURCE_FILE,
         csrc.read_source(SOURCE_FILE),
-        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}"),
-        variant=str(dtype).removeprefix("torch."),
+        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}", *int8_flags),
+        variant=str(dtype).removeprefix("torch.") + ("-int8kv" if int8_cache else ""),
         owner="the 'cpu' kernel backend",
         instead="use kernel_backend='torch'",
         alternatives=(OPENMP_FLAGS, ()),
@@ -74,31 +78,36 @@ def build(dtype: torch.dtype) -> Path:
     )
 
 
-def load(library: Path) -> CpuKernels:
+def load(library: Path, *, int8_cache: bool = False) -> CpuKernels:
     """The entry points of a shared library that `build` made, with their C signatures declared."""
     lib = ctypes.CDLL(str(library))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     attention = lib[ATTENTION]
-    argtypes: list[Any] = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [i64]
+    argtypes: list[Any] = [ptr] * 7 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [i64]
     attention.argtypes = argtypes
     attention.restype = ctypes.c_int
     cache = lib[RESHAPE_AND_CACHE]
     cache.argtypes = [ptr] * 5 + [i64] * 5
     cache.restype = i64
-    return CpuKernels(attention, cache)
+    if not int8_cache:
+        return CpuKernels(attention, cache)
+    cache_int8 = lib[RESHAPE_AND_CACHE_INT8]
+    cache_int8.argtypes = [ptr] * 7 + [i64] * 7
+    cache_int8.restype = i64
+    return CpuKernels(attention, cache, cache_int8)
 
 
-def _load_or_rebuild(dtype: torch.dtype) -> CpuKernels | None:
+def _load_or_rebuild(dtype: torch.dtype, int8_cache: bool = False) -> CpuKernels | None:
     """Load the library for `dtype`; one that fails to load is deleted and built again once, then None (torch)."""
-    library = build(dtype)
+    library = build(dtype, int8_cache=int8_cache)
     try:
-        return load(library)
+        return load(library, int8_cache=True) if int8_cache else load(library)
     except OSError as exc:
         logger.warning("the 'cpu' kernel %s failed to load (%s); building it again", library, exc)
     cbuild.discard(library)
-    library = build(dtype)
+    library = build(dtype, int8_cache=int8_cache)
     try:
-        return load(library)
+        return load(library, int8_cache=True) if int8_cache else load(library)
     except OSError as exc:
         logger.warning(
             "the rebuilt 'cpu' kernel %s failed to load too (%s): %s attention runs on the torch kernels",
@@ -122,7 +131,7 @@ def supported(q: Tensor, k_cache: Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and k_cache.device.type == "cpu"
-        and q.dtype == k_cache.dtype
+        and k_cache.dtype in (q.dtype, torch.int8)
         and q.dtype in csrc.DTYPE_IDS
         and head_dim % 8 == 0
         and head_dim <= MAX_HEAD_DIM
@@ -143,10 +152,14 @@ def _attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
-    kernels: CpuKernels,  # built for q's dtype
+    kernels: CpuKernels,  # built for q's dtype (and an int8 cache's when k_scale is given)
+    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
     """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
     assert v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype, "the V cache must match the K cache"
+    scales = [s.contiguous() for s in (k_scale, v_scale) if s is not None]
+    scale_ptrs = [s.data_ptr() for s in scales] if scales else [None, None]
     q = q.contiguous()
     result = out if out is not None and out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
     tables = block_tables.to(torch.int32).contiguous()
@@ -159,6 +172,7 @@ def _attention(
         result.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        *scale_ptrs,
         tables.data_ptr(),
         tables.shape[1],
         starts.data_ptr(),
@@ -194,26 +208,30 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        self._loaded: dict[torch.dtype, CpuKernels | None] = {}
+        # Keyed by (activation dtype, whether the caches are int8 with scales).
+        self._loaded: dict[tuple[torch.dtype, bool], CpuKernels | None] = {}
 
-    def kernels(self, dtype: torch.dtype) -> CpuKernels | None:
-        """The compiled kernels for `dtype`, built (or found in the cache) and loaded once per backend; None when
-        the library failed to load even after one rebuild (the torch kernels run instead).
+    def kernels(self, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> CpuKernels | None:
+        """The compiled kernels for `dtype` (over caches of `cache_dtype`, default the same; int8 is the other
+        build), built (or found in the cache) and loaded once per backend; None when the library failed to load
+        even after one rebuild (the torch kernels run instead).
 
         Raises BackendUnavailableError when there is no compiler or it fails."""
-        if dtype not in self._loaded:
-            self._loaded[dtype] = _load_or_rebuild(dtype)
-        return self._loaded[dtype]
+        key = (dtype, cache_dtype == torch.int8)
+        if key not in self._loaded:
+            self._loaded[key] = _load_or_rebuild(*key)
+        return self._loaded[key]
 
-    def prepare(self, dtypes: Iterable[torch.dtype]) -> None:
-        """Build and load the kernels of every dtype the engine will run, before its first step."""
+    def prepare(self, dtypes: Iterable[torch.dtype], cache_dtype: torch.dtype | None = None) -> None:
+        """Build and load the kernels of every dtype the engine will run (over caches of `cache_dtype`, default
+        the same dtype), before its first step."""
         for dtype in dtypes:
-            if dtype in csrc.DTYPE_IDS:
-                self.kernels(dtype)
+            if dtype in csrc.DTYPE_IDS and cache_dtype in (None, dtype, torch.int8):
+                self.kernels(dtype, cache_dtype)
 
     def loaded_dtypes(self) -> frozenset[torch.dtype]:
-        """The dtypes whose kernels were built (or refused, then left to torch) so far."""
-        return frozenset(self._loaded)
+        """The activation dtypes whose kernels were built (or refused, then left to torch) so far."""
+        return frozenset(dtype for dtype, _ in self._loaded)
 
     def available(self) -> bool:
         """Whether the float32 kernel compiles and loads here (what get_backend('auto') asks on a CPU)."""
@@ -230,8 +248,15 @@ class CpuBackend(TorchBackend):
         k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+        *,
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> None:
-        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots (an int8
+        cache quantizes them, kv_quant's rule, in C)."""
+        if k_cache.dtype == torch.int8:
+            self._write_int8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            return
         native = (
             key.device.type == "cpu"
             and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
@@ -243,7 +268,9 @@ class CpuBackend(TorchBackend):
         )
         kernels = self.kernels(k_cache.dtype) if native else None
         if kernels is None:
-            super().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+            super().reshape_and_cache(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
             return
         key, value = _token_rows(key), _token_rows(value)
         slots = slot_mapping.to(torch.int64).contiguous()
@@ -267,6 +294,58 @@ class CpuBackend(TorchBackend):
                 f"slot {int(slots[bad - 1])} of token {bad - 1} is outside the cache's {num_slots} slots"
             )
 
+    def _write_int8(
+        self,
+        key: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+        k_scale: Tensor | None,  # float32 [num_blocks, num_kv_heads]
+        v_scale: Tensor | None,  # float32 [num_blocks, num_kv_heads]
+    ) -> None:
+        """The int8 write in C where it takes the inputs, else the torch reference's."""
+        check_scales(k_cache, v_cache, k_scale, v_scale)
+        assert k_scale is not None and v_scale is not None
+        native = (
+            key.device.type == "cpu"
+            and key.dtype == value.dtype
+            and key.dtype in csrc.DTYPE_IDS
+            and all(t.is_contiguous() for t in (k_cache, v_cache, k_scale, v_scale))
+            and key.shape[1:] == value.shape[1:] == k_cache.shape[2:]
+            and k_cache.shape == v_cache.shape
+        )
+        kernels = self.kernels(key.dtype, torch.int8) if native else None
+        if kernels is None or kernels.reshape_and_cache_int8 is None:
+            super().reshape_and_cache(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
+            return
+        key, value = _token_rows(key), _token_rows(value)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        assert slots.shape == key.shape[:1] == value.shape[:1], (slots.shape, key.shape, value.shape)
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        bad = kernels.reshape_and_cache_int8(
+            key.data_ptr(),
+            value.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_scale.data_ptr(),
+            v_scale.data_ptr(),
+            slots.data_ptr(),
+            key.shape[0],
+            num_slots,
+            k_cache.shape[1],
+            k_cache.shape[2],
+            k_cache.shape[3],
+            key.stride(0),
+            value.stride(0),
+        )
+        if bad:
+            raise IndexError(
+                f"slot {int(slots[bad - 1])} of token {bad - 1} is outside the cache's {num_slots} slots"
+            )
+
     def paged_decode_attention(
         self,
         q: Tensor,  # [num_seqs, num_heads, head_dim]
@@ -279,6 +358,8 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V: the prefill op
         with one query row per sequence (the C kernel's decode items are its one-token tiles)."""
@@ -294,6 +375,8 @@ class CpuBackend(TorchBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def paged_prefill_attention(
@@ -309,10 +392,12 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
-        check_attention_args(q, k_cache, v_cache)
-        kernels = self.kernels(q.dtype) if supported(q, k_cache) else None
+        check_attention_args(q, k_cache, v_cache, k_scale, v_scale)
+        kernels = self.kernels(q.dtype, k_cache.dtype) if supported(q, k_cache) else None
         if kernels is None:
             return super().paged_prefill_attention(
                 q,
@@ -325,6 +410,8 @@ class CpuBackend(TorchBackend):
                 sliding_window=sliding_window,
                 logit_softcap=logit_softcap,
                 out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return _attention(
             q,
@@ -338,4 +425,6 @@ class CpuBackend(TorchBackend):
             logit_softcap,
             out,
             kernels,
+            k_scale,
+            v_scale,
         )

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from pagoda.pagedkernel import csrc, cupy_kernels
+from pagoda.pagedkernel.torch_backend import QUANTIZED_DTYPES, TorchBackend
 from torch import Tensor
 
 try:
@@ -219,8 +220,16 @@ class CupyBackend:
         k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+        *,
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+            TorchBackend().reshape_and_cache(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
+            return
         _check_caches(k_cache, v_cache)
         if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
             raise ValueError(f"key {key.shape} / value {value.shape} do not match the cache {k_cache.shape}")
@@ -261,8 +270,24 @@ class CupyBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:  # [num_seqs, num_heads, head_dim]
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
+        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+            return TorchBackend().paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         return _attention(
             q, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, logit_softcap, out
         )
@@ -280,8 +305,25 @@ class CupyBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
+        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+            return TorchBackend().paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                query_start_loc,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         return _attention(
             q,
             k_cache,

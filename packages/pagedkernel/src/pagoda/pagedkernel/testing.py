@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -119,3 +119,95 @@ def relative_error(out: Tensor, ref: Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     diff = out.double().cpu() - ref.double().cpu()
     return float(diff.norm() / ref.double().cpu().norm())
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedCase:
+    """A `PagedCase` whose K/V were written, in rounds, into int8 caches with per-block, per-head scales."""
+
+    case: PagedCase  # the float inputs (q, tables, lengths; its caches hold the values that were written)
+    k_cache: Tensor  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: Tensor  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+    v_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+
+    def dequantized(self) -> PagedCase:
+        """The case with its caches replaced by the float32 values the int8 caches hold (q * scale)."""
+        k = self.k_cache.float() * self.k_scale[:, None, :, None]
+        v = self.v_cache.float() * self.v_scale[:, None, :, None]
+        return PagedCase(
+            self.case.q.float(),
+            k,
+            v,
+            self.case.block_tables,
+            self.case.query_start_loc,
+            self.case.context_lens,
+            self.case.scale,
+        )
+
+
+def write_rounds(context_lens: Sequence[int], seed: int = 0) -> list[list[tuple[int, int]]]:
+    """Rounds of cache writes that fill each sequence in order: a prompt chunk, single tokens, then the rest.
+
+    Each round is a list of (sequence, end position) pairs: the round writes positions from the sequence's
+    previous end up to that end, all sequences together (so one call spans many blocks), as an engine's steps do.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    done = [0] * len(context_lens)
+    rounds: list[list[tuple[int, int]]] = []
+    while any(d < n for d, n in zip(done, context_lens, strict=True)):
+        round_: list[tuple[int, int]] = []
+        for i, n in enumerate(context_lens):
+            if done[i] >= n:
+                continue
+            step = 1 if rounds and len(rounds) % 3 else int(torch.randint(1, n + 1, (1,), generator=gen))
+            done[i] = min(n, done[i] + step)
+            round_.append((i, done[i]))
+        rounds.append(round_)
+    return rounds
+
+
+def quantize_case(
+    case: PagedCase,
+    write: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], None],
+    *,
+    seed: int = 0,
+    poison_unused: bool = True,
+) -> QuantizedCase:
+    """Write every sequence's K/V from `case` into fresh int8 caches through `write` (a backend's
+    reshape_and_cache: key, value, k_cache, v_cache, slots, k_scale, v_scale) in `write_rounds`, with a padding
+    slot in each round; with `poison_unused`, unwritten slots hold random bytes and unused blocks' scales NaN."""
+    num_blocks, block_size, num_kv_heads, head_dim = case.k_cache.shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+    v_cache = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+    fill = float("nan") if poison_unused else 1.0
+    k_scale = torch.full((num_blocks, num_kv_heads), fill)
+    v_scale = torch.full((num_blocks, num_kv_heads), fill)
+    lens = case.context_lens.tolist()
+    start = [0] * len(lens)
+    for round_ in write_rounds(lens, seed):
+        slots: list[int] = []
+        for i, end in round_:
+            pos = torch.arange(start[i], end)
+            blocks = case.block_tables[i].cpu().long()[pos // block_size]
+            slots.extend((blocks * block_size + pos % block_size).tolist())
+            start[i] = end
+        slots.append(-1)  # a padding row: skipped
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        real = slot_t[:-1]
+        key = torch.cat(
+            [
+                case.k_cache.cpu().view(-1, num_kv_heads, head_dim)[real],
+                case.q.new_zeros(1, 1, 1).cpu().expand(1, num_kv_heads, head_dim),
+            ]
+        )
+        value = torch.cat(
+            [
+                case.v_cache.cpu().view(-1, num_kv_heads, head_dim)[real],
+                case.q.new_zeros(1, 1, 1).cpu().expand(1, num_kv_heads, head_dim),
+            ]
+        )
+        write(key, value, k_cache, v_cache, slot_t, k_scale, v_scale)
+    return QuantizedCase(case, k_cache, v_cache, k_scale, v_scale)

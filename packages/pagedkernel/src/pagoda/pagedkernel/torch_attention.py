@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagoda.pagedkernel import kv_quant
 from torch import Tensor
 
 # The matmul (softcap) path processes query rows in chunks so its float32 scores stay under this many elements.
@@ -65,11 +66,17 @@ def gather_kv(
     cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     keys: VisibleKeys,
     dtype: torch.dtype,
+    scales: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [num_seqs, num_kv_heads, n_keys, head_dim] in `dtype` (a strided view of one gathered copy)
-    """The cache blocks of `keys`, blank rows zeroed, heads first, in `dtype`."""
+    """The cache blocks of `keys`, blank rows zeroed, heads first, in `dtype` (int8 and fp8 caches dequantized)."""
     num_seqs, n_keys = keys.key_pos.shape
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    rows = cache.view(cache.shape[0], -1).index_select(0, keys.blocks.flatten())
+    flat = keys.blocks.flatten()
+    rows = kv_quant.as_bytes(cache).view(cache.shape[0], -1).index_select(0, flat).view(cache.dtype)
+    if scales is not None:
+        rows = kv_quant.dequantize_rows(rows.view(-1, *cache.shape[1:]), scales.index_select(0, flat), dtype)
+    elif rows.dtype in kv_quant.FP8_DTYPES:
+        rows = rows.to(dtype)  # fp8 first: the blanking below fills in the compute dtype
     rows = rows.view(num_seqs * n_keys, num_kv_heads * head_dim).index_fill_(0, keys.blank_rows, 0.0)
     heads_first = rows.view(num_seqs, n_keys, num_kv_heads, head_dim).transpose(1, 2)
     return heads_first.to(dtype)

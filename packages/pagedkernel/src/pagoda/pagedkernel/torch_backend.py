@@ -9,7 +9,7 @@ bfloat16 for a bfloat16 cache) with
 from __future__ import annotations
 
 import torch
-from pagoda.pagedkernel import torch_attention
+from pagoda.pagedkernel import kv_quant, torch_attention
 from torch import Tensor
 
 
@@ -24,6 +24,8 @@ def _attend_group(
     sliding_window: int | None,
     logit_softcap: float | None,
     dtype: torch.dtype,  # the compute dtype (torch_attention.compute_dtype)
+    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in `dtype`
     """Attention for a padded batch of sequences whose queries are their last q_lens tokens."""
     q_len = q.shape[1]
@@ -41,8 +43,8 @@ def _attend_group(
     keys = torch_attention.visible_keys(block_tables, first_pos, context_lens, k_cache.shape[1])
     return torch_attention.attend(
         q,
-        torch_attention.gather_kv(k_cache, keys, dtype),
-        torch_attention.gather_kv(v_cache, keys, dtype),
+        torch_attention.gather_kv(k_cache, keys, dtype, k_scale),
+        torch_attention.gather_kv(v_cache, keys, dtype, v_scale),
         q_pos,
         keys.key_pos,
         scale,
@@ -52,11 +54,30 @@ def _attend_group(
     )
 
 
-def check_attention_args(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
-    """Shapes that every attention op relies on."""
+def check_attention_args(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Shapes that every attention op relies on; an int8 cache comes with both scales, a float one with none."""
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     assert q.shape[-1] == k_cache.shape[-1], "head_dim of q and the cache differ"
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
+    check_scales(k_cache, v_cache, k_scale, v_scale)
+
+
+def check_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> None:
+    """An int8 cache has float32 scales [num_blocks, num_kv_heads] for K and V; other caches have none."""
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    if not kv_quant.is_scaled(k_cache.dtype):
+        assert k_scale is None and v_scale is None, f"a {k_cache.dtype} cache takes no scales"
+        return
+    expected = (k_cache.shape[0], k_cache.shape[2])
+    for scale in (k_scale, v_scale):
+        assert scale is not None, "an int8 cache needs k_scale and v_scale"
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == expected, (scale.dtype, scale.shape)
 
 
 def _varlen_attention(
@@ -70,6 +91,8 @@ def _varlen_attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor,  # [total_query_tokens, num_heads, head_dim]
+    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    v_scale: Tensor | None = None,
 ) -> None:
     """Run the sequences in padded groups (see `plan_groups`) and scatter each group's rows into `out`."""
     starts = query_start_loc.long()
@@ -80,7 +103,9 @@ def _varlen_attention(
         keys = ctx_list
     else:
         keys = [min(ctx, n + sliding_window - 1) for n, ctx in zip(q_list, ctx_list, strict=True)]
-    dtype = torch_attention.compute_dtype(k_cache.dtype, logit_softcap)
+    # A quantized cache is attended in the dtype a float cache of the model's would be (q's).
+    stored = q.dtype if k_cache.dtype in QUANTIZED_DTYPES else k_cache.dtype
+    dtype = torch_attention.compute_dtype(stored, logit_softcap)
     bytes_per_key = (
         2 * dtype.itemsize * k_cache.shape[2] * k_cache.shape[3]
     )  # gathered K and V of one position
@@ -103,6 +128,8 @@ def _varlen_attention(
             sliding_window,
             logit_softcap,
             dtype,
+            k_scale,
+            v_scale,
         )
         if width == 1:
             out[token[:, 0]] = result[:, 0].to(out.dtype)
@@ -111,6 +138,8 @@ def _varlen_attention(
             out[token[real]] = result[real].to(out.dtype)
 
 
+# Cache dtypes that hold quantized values of the model's activations (dequantized on every read).
+QUANTIZED_DTYPES = (torch.int8, *kv_quant.FP8_DTYPES)
 # Gathered K+V (in the compute dtype) of one group stays under this size (unless one sequence alone is larger). Since
 # K/V are gathered a block per row, fewer and larger groups win: 110 decodes of ~410 keys (Gemma 3 270M) took 414 ms
 # a step at 256 MB (one group) vs 472 ms at 16 MB and 587 ms at 4 MB in bfloat16, 720 vs 787 ms in float32.
@@ -176,8 +205,13 @@ class TorchBackend:
         k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+        *,
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> None:
-        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots; an int8
+        cache quantizes them and updates its scales (`kv_quant.write_int8`), an fp8 one rounds them."""
+        check_scales(k_cache, v_cache, k_scale, v_scale)
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             # Padding present: drop it. Engines that never pad skip these boolean-mask copies (a tenth of a CPU
@@ -186,6 +220,15 @@ class TorchBackend:
         # view() (not reshape) so that a non-contiguous cache fails loudly instead of writing into a copy.
         # index_copy_ rather than `cache[slots] = ...`: index_put's CPU kernel parallelises even tiny writes and
         # stalls for milliseconds when the other core is busy; slots are unique so both mean the same.
+        if k_scale is not None and v_scale is not None:
+            kv_quant.write_int8(key, k_cache, k_scale, slot_mapping)
+            kv_quant.write_int8(value, v_cache, v_scale, slot_mapping)
+            return
+        if k_cache.dtype in kv_quant.FP8_DTYPES:
+            # Written as bytes: torch's CPU index_copy_ has no fp8 kernel.
+            key = kv_quant.to_fp8(key, k_cache.dtype).view(torch.uint8)
+            value = kv_quant.to_fp8(value, v_cache.dtype).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -201,14 +244,27 @@ class TorchBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
-        check_attention_args(q, k_cache, v_cache)
+        check_attention_args(q, k_cache, v_cache, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
         starts = torch.arange(q.shape[0] + 1, device=q.device)
         _varlen_attention(
-            q, k_cache, v_cache, block_tables, starts, context_lens, scale, sliding_window, logit_softcap, out
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            starts,
+            context_lens,
+            scale,
+            sliding_window,
+            logit_softcap,
+            out,
+            k_scale,
+            v_scale,
         )
         return out
 
@@ -225,9 +281,11 @@ class TorchBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
-        check_attention_args(q, k_cache, v_cache)
+        check_attention_args(q, k_cache, v_cache, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
         _varlen_attention(
@@ -241,6 +299,8 @@ class TorchBackend:
             sliding_window,
             logit_softcap,
             out,
+            k_scale,
+            v_scale,
         )
         return out
 
@@ -255,6 +315,7 @@ class TorchBackend:
             return
         for cache in [*k_caches, *v_caches]:
             pairs = block_pairs.to(cache.device)
+            cache = kv_quant.as_bytes(cache)
             cache[pairs[:, 1]] = cache[pairs[:, 0]]
 
     def swap_blocks(
@@ -269,6 +330,7 @@ class TorchBackend:
         assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype, (src.shape, dst.shape)
         if src.device == dst.device:
             pairs = block_pairs.to(src.device)
+            src, dst = kv_quant.as_bytes(src), kv_quant.as_bytes(dst)
             dst[pairs[:, 1]] = src[pairs[:, 0]]
             return
         # One copy_ per block: blocks are contiguous, so each is a single DMA that overlaps with compute when the

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pagoda.pagedkernel import kv_quant
 from pagoda.pagedkernel.backend import BackendUnavailableError, triton_interpreted
 from pagoda.pagedkernel.torch_backend import TorchBackend
 from torch import Tensor
@@ -62,9 +63,25 @@ def _attention_config(q: Tensor, k_cache: Tensor) -> tuple[int, int, bool]:
     head_dim, num_heads, num_kv_heads = q.shape[2], q.shape[1], k_cache.shape[2]
     assert k_cache.shape[3] == head_dim, "head_dim of q and the cache differ"
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.dtype == k_cache.dtype, "q and the cache must share a dtype"
+    assert q.dtype == k_cache.dtype or k_cache.dtype in kv_quant.FP8_DTYPES, (
+        "q and the cache must share a dtype"
+    )
     f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and triton_interpreted())
     return _pow2(head_dim, 16), num_heads // num_kv_heads, f32
+
+
+def _fp8_meta(dtype: torch.dtype) -> dict[str, float | int]:
+    """The fp8 constexprs of reshape_and_cache_kernel for a cache dtype (none for other caches)."""
+    if dtype not in kv_quant.FP8_DTYPES:
+        return {}
+    info = torch.finfo(dtype)
+    mant = 3 if dtype == torch.float8_e4m3fn else 2
+    return {
+        "FP8_MAX": info.max,
+        "FP8_MANT": mant,
+        "FP8_MIN_NORMAL": info.tiny,
+        "FP8_MAGIC": info.tiny * 2.0 ** (23 - mant),
+    }
 
 
 def _new_out(q: Tensor, out: Tensor | None) -> Tensor:
@@ -198,8 +215,18 @@ class TritonBackend:
         k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
+        *,
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
+        if kv_quant.is_scaled(
+            k_cache.dtype
+        ):  # int8 caches run the torch reference on this device (fp8: native)
+            TorchBackend().reshape_and_cache(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
+            return
         _check_cache(k_cache, v_cache)
         _check_rows(key, value)
         assert key.shape == value.shape and key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
@@ -220,6 +247,7 @@ class TritonBackend:
             ROW=row,
             ROW_PAD=_pow2(row),
             BLOCK_SIZE=k_cache.shape[1],
+            **_fp8_meta(k_cache.dtype),
         )
 
     def paged_decode_attention(
@@ -234,8 +262,26 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
+        if kv_quant.is_scaled(
+            k_cache.dtype
+        ):  # int8 caches run the torch reference on this device (fp8: native)
+            return TorchBackend().paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         return decode_with_partitions(
             q,
             k_cache,
@@ -262,8 +308,27 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""
+        if kv_quant.is_scaled(
+            k_cache.dtype
+        ):  # int8 caches run the torch reference on this device (fp8: native)
+            return TorchBackend().paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                query_start_loc,
+                context_lens,
+                scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         _check_cache(k_cache, v_cache)
         head_dim_pad, group, f32 = _attention_config(q, k_cache)
         out = _new_out(q, out)

@@ -33,6 +33,25 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _round_fp8(x, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr):
+    """x (float32) saturated to +-FP8_MAX and rounded to nearest even on an fp8 format's grid (MANT mantissa
+    bits, smallest normal MIN_NORMAL), so that the cast after it is exact: Triton 3.9's interpreter rounds fp8
+    casts wrongly (values just below a power of two lose their carry), and this is the same on every target.
+    Normals round by integer arithmetic on the bits (the carry runs into the exponent); subnormals by adding and
+    subtracting MAGIC, a float32 whose unit in the last place is the format's subnormal step."""
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    DROP: tl.constexpr = 23 - MANT
+    u = x.to(tl.uint32, bitcast=True)
+    lsb = (u >> DROP) & 1
+    u = ((u + ((1 << (DROP - 1)) - 1) + lsb) >> DROP) << DROP
+    normal = u.to(tl.float32, bitcast=True)
+    a = tl.abs(x)
+    sub = (a + MAGIC) - MAGIC
+    sub = tl.where(x < 0, -sub, sub)
+    return tl.where(a < MIN_NORMAL, sub, normal)
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], heads and dims contiguous
     value_ptr,  # [num_tokens, num_kv_heads, head_dim], heads and dims contiguous
@@ -44,6 +63,10 @@ def reshape_and_cache_kernel(
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     ROW_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr = 0.0,  # an fp8 cache's largest finite value (saturate to it); 0: not fp8
+    FP8_MANT: tl.constexpr = 3,  # its mantissa bits
+    FP8_MIN_NORMAL: tl.constexpr = 0.0,  # its smallest normal value
+    FP8_MAGIC: tl.constexpr = 0.0,  # MIN_NORMAL * 2**(23 - MANT): see _round_fp8
 ):
     """One program per token: copy its K and V row into slot slot_mapping[t], nothing when negative."""
     t = tl.program_id(0).to(tl.int64)
@@ -55,6 +78,10 @@ def reshape_and_cache_kernel(
     dst = slot * ROW + offs
     k = tl.load(key_ptr + t * stride_key_t + offs, mask=ok)
     v = tl.load(value_ptr + t * stride_value_t + offs, mask=ok)
+    if FP8_MAX > 0.0:
+        # e4m3fn has no infinity: an out-of-range value would round to NaN, so saturate first (as torch's to_fp8).
+        k = _round_fp8(k.to(tl.float32), FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_MAGIC)
+        v = _round_fp8(v.to(tl.float32), FP8_MAX, FP8_MANT, FP8_MIN_NORMAL, FP8_MAGIC)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
@@ -152,7 +179,8 @@ def paged_decode_kernel(
         )
         row = block.to(tl.int64) * stride_k_b + (pos % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # An fp8 cache's rows are widened to q's dtype (a no-op for a cache of q's dtype).
+        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), F32) * scale  # [GROUP_PAD, TOKENS]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)
@@ -161,7 +189,7 @@ def paged_decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         m = m_new
 
@@ -310,7 +338,8 @@ def paged_prefill_kernel(
         )
         row = block.to(tl.int64) * stride_k_b + (pos % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # An fp8 cache's rows are widened to q's dtype (a no-op for a cache of q's dtype).
+        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), F32) * scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)
@@ -322,7 +351,7 @@ def paged_prefill_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         m = m_new
 

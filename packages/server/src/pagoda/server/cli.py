@@ -51,10 +51,13 @@ def serve(args: argparse.Namespace) -> int:
     from pagoda.server.chat import load_chat_template
     from pagoda.server.core import CoreStartupError
     from pagoda.server.engine.executor import ExecutorError
+    from pagoda.server.engine.kv_dtype import check_kv_cache_dtype
 
     try:
         config = serve_config(args)
         _check_quantization(config)
+        # fp8 where it cannot run is a bad flag (exit 2), not a failed start
+        check_kv_cache_dtype(config.engine)
         if config.app.chat_template is not None:  # a file path or the template's text, read once here
             app = replace(config.app, chat_template=load_chat_template(config.app.chat_template))
             config = replace(config, app=app)

@@ -23,6 +23,7 @@ from pagoda.server.config import (
     EngineCoreName,
     EngineFailureName,
     KernelBackendName,
+    KVCacheDtypeName,
     KVManagerName,
     LogLevelName,
     QuantizationName,
@@ -171,6 +172,14 @@ def argument_table() -> list[Flag]:
                 "choices": get_args(KVManagerName),
                 "help": "paged: blocks on demand; contiguous: each sequence reserves --max-model-len tokens at "
                 "admission (no prefix caching, no swapping)",
+            },
+        ),
+        Flag(
+            ("--kv-cache-dtype",),
+            {
+                "choices": get_args(KVCacheDtypeName),
+                "help": "KV-cache storage: auto = the model's dtype; int8 = a scale per block and KV head (half "
+                "of bfloat16's bytes); fp8 (= fp8_e4m3), fp8_e5m2: CUDA only",
             },
         ),
         # scheduler

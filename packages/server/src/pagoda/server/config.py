@@ -35,6 +35,7 @@ __all__ = [
     "EngineCoreName",
     "EngineFailureName",
     "HTTPLimits",
+    "KVCacheDtypeName",
     "KVManagerName",
     "KernelBackendName",
     "LogLevelName",
@@ -64,6 +65,9 @@ QuantizationName = Literal["gguf", "none", "int8", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128)
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
 KVManagerName = Literal["paged", "contiguous"]
+# --kv-cache-dtype (vLLM's names): auto = the model's dtype; int8 with a scale per block and KV head; fp8 = e4m3
+# (CUDA only). The same names as pagoda.pagedkernel.kv_quant.KVCacheDtypeName (this module does not import torch).
+KVCacheDtypeName = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # --reasoning-parser (pagoda.server.api.reasoning)
 ToolParserName = Literal[
     "hermes", "llama3_json", "mistral"
@@ -176,6 +180,7 @@ class CacheConfig:
     swap_space_gib: float = 4.0  # host tier for preemption by swap
     num_kv_blocks: int | None = None  # override the computed KV capacity (tests use tiny pools)
     kv_manager: KVManagerName = "paged"
+    kv_cache_dtype: KVCacheDtypeName = "auto"  # the KV cache's storage dtype
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -186,6 +191,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         _at_least(0, swap_space_gib=self.swap_space_gib)
         _one_of("kv_manager", self.kv_manager, get_args(KVManagerName))
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, get_args(KVCacheDtypeName))
 
 
 @dataclass(frozen=True, slots=True)

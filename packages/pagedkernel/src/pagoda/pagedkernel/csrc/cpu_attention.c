@@ -9,8 +9,12 @@
  * without OpenMP), one range of items each.
  *
  * Compiled by cpu_backend.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16): q, out and the
- * caches share that dtype; everything is computed in float32.
+ * caches share that dtype; everything is computed in float32. With -DPAGODA_KV_INT8 the caches are int8 instead,
+ * with a float32 scale per block and KV head (k_scale, v_scale: [num_blocks, num_kv_heads]; value = q * scale):
+ * a block's K scale multiplies its scores, its V scale the softmax weights, so rows are converted but never
+ * rescaled element by element. The write rule (requantize-on-growth) is kv_quant.py's, computed bit for bit.
  */
+#include <float.h>
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -24,6 +28,19 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 PAGODA_DEFINE_LOADV(load8, v8f, 8)
+
+#ifdef PAGODA_KV_INT8
+typedef int8_t cache_t;
+typedef int8_t v8b __attribute__((vector_size(8)));
+static inline v8f loadc8(const cache_t *p) { /* eight int8 values as float32 (exact) */
+  v8b b;
+  memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, v8f);
+}
+#else
+typedef scalar_t cache_t;
+#define loadc8 load8
+#endif
 
 #define MAX_ROWS 32        /* query rows of one work item */
 #define MAX_HEAD_DIM 512   /* a multiple of 8 */
@@ -65,7 +82,9 @@ static inline v8f exp8(v8f x) {
 }
 
 typedef struct {
-  const scalar_t *q, *k_cache, *v_cache; /* q: [num_tokens, num_heads, head_dim]; caches: [blocks, bs, kvh, d] */
+  const scalar_t *q;                     /* [num_tokens, num_heads, head_dim] */
+  const cache_t *k_cache, *v_cache;      /* [blocks, bs, kvh, d] */
+  const float *k_scale, *v_scale;        /* int8 caches: [blocks, kvh]; NULL otherwise */
   scalar_t *out;                           /* [num_tokens, num_heads, head_dim] */
   const int32_t *block_tables, *query_start_loc, *context_lens;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
@@ -86,12 +105,12 @@ typedef struct {
  * (read next, by pv_block) and the next block's K rows (kn, NULL if none) are prefetched: blocks sit anywhere in
  * the pool, so no hardware prefetcher can guess them; measured 20% faster on a pool larger than the caches. */
 static inline __attribute__((always_inline)) void qk_block(const int R, const int64_t D, float (*qf)[MAX_HEAD_DIM],
-                                                           const scalar_t *kb, const scalar_t *vb,
-                                                           const scalar_t *kn, int64_t row, int64_t n,
+                                                           const cache_t *kb, const cache_t *vb,
+                                                           const cache_t *kn, int64_t row, int64_t n,
                                                            float (*sc)[MAX_BLOCK_SIZE]) {
-  const int64_t line = 64 / sizeof(scalar_t);
+  const int64_t line = 64 / sizeof(cache_t);
   for (int64_t j = 0; j < n; ++j) {
-    const scalar_t *kr = kb + j * row;
+    const cache_t *kr = kb + j * row;
     for (int64_t c = 0; c < D; c += line) {
       __builtin_prefetch(vb + j * row + c);
       if (kn) __builtin_prefetch(kn + j * row + c);
@@ -102,7 +121,7 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
     int64_t d = 0;
     if (R <= 4) {
       for (; d + 16 <= D; d += 16) {
-        const v8f k0 = load8(kr + d), k1 = load8(kr + d + 8);
+        const v8f k0 = loadc8(kr + d), k1 = loadc8(kr + d + 8);
         for (int r = 0; r < R; ++r) {
           acc[r][0] += loadf(qf[r] + d) * k0;
           acc[r][1] += loadf(qf[r] + d + 8) * k1;
@@ -110,7 +129,7 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
       }
     }
     for (; d < D; d += 8) {
-      const v8f k0 = load8(kr + d);
+      const v8f k0 = loadc8(kr + d);
       for (int r = 0; r < R; ++r) acc[r][0] += loadf(qf[r] + d) * k0;
     }
     for (int r = 0; r < R; ++r) sc[r][j] = hsum(acc[r][0] + acc[r][1]);
@@ -121,7 +140,7 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
  * for up to four rows (eight independent FMA chains: with one chain per row the FMA latency, not the loads, set
  * the pace; measured 2x on this loop), else eight. */
 static inline __attribute__((always_inline)) void pv_block(const int R, const int64_t D, float (*acc)[MAX_HEAD_DIM],
-                                                           const float *corr, const scalar_t *vb, int64_t row,
+                                                           const float *corr, const cache_t *vb, int64_t row,
                                                            int64_t n, float (*p)[MAX_BLOCK_SIZE]) {
   int64_t d = 0;
   if (R <= 4) {
@@ -132,7 +151,7 @@ static inline __attribute__((always_inline)) void pv_block(const int R, const in
         a[r][1] = loadf(acc[r] + d + 8) * corr[r];
       }
       for (int64_t j = 0; j < n; ++j) {
-        const v8f v0 = load8(vb + j * row + d), v1 = load8(vb + j * row + d + 8);
+        const v8f v0 = loadc8(vb + j * row + d), v1 = loadc8(vb + j * row + d + 8);
         for (int r = 0; r < R; ++r) {
           a[r][0] += p[r][j] * v0;
           a[r][1] += p[r][j] * v1;
@@ -148,7 +167,7 @@ static inline __attribute__((always_inline)) void pv_block(const int R, const in
     v8f a[MAX_ROWS];
     for (int r = 0; r < R; ++r) a[r] = loadf(acc[r] + d) * corr[r];
     for (int64_t j = 0; j < n; ++j) {
-      const v8f v = load8(vb + j * row + d);
+      const v8f v = loadc8(vb + j * row + d);
       for (int r = 0; r < R; ++r) a[r] += p[r][j] * v;
     }
     for (int r = 0; r < R; ++r) storef(acc[r] + d, a[r]);
@@ -190,14 +209,20 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     const int64_t b = t0 / BS, off = t0 % BS;
     const int64_t n = t0 + (BS - off) <= end ? BS - off : end - t0;
     const int64_t base = ((int64_t)table[b] * BS + off) * row + h * D;
-    const scalar_t *kn = t0 + n < end ? p->k_cache + (int64_t)table[b + 1] * BS * row + h * D : NULL;
+    const cache_t *kn = t0 + n < end ? p->k_cache + (int64_t)table[b + 1] * BS * row + h * D : NULL;
     qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+#ifdef PAGODA_KV_INT8
+    const float sk = p->k_scale[(int64_t)table[b] * p->num_kv_heads + h];
+    const float sv = p->v_scale[(int64_t)table[b] * p->num_kv_heads + h];
+#else
+    const float sk = 1.f, sv = 1.f; /* folded away: a float cache holds the values themselves */
+#endif
     const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
     for (int r = 0; r < R; ++r) {
       float mx = -INFINITY;
       for (int64_t j = 0; j < n8; ++j) {
         const int64_t key = t0 + j;
-        float x = sc[r][j];
+        float x = sc[r][j] * sk;
         if (p->softcap > 0.f) x = p->softcap * tanhf(x / p->softcap);
         x = j < n && key >= lo[r] && key <= hi[r] ? x : -INFINITY;
         sc[r][j] = x;
@@ -218,6 +243,8 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
       }
       l[r] = l[r] * corr[r] + hsum(sum);
       m[r] = new_m;
+      if (sv != 1.f)
+        for (int64_t j = 0; j < n; ++j) sc[r][j] *= sv; /* the block's V scale, applied to its weights */
     }
     pv_block(R, D, acc, corr, p->v_cache + base, row, n, sc);
     t0 += n;
@@ -259,15 +286,18 @@ static int64_t item_cost(const problem_t *p, const item_t *it) {
  * 2 when out of memory. Query token t of sequence s (rows query_start_loc[s] + t) sits at position
  * context_lens[s] - q_len + t and sees the keys up to its own position (the last `window` of them if window > 0). */
 int pagoda_paged_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, int64_t max_blocks, const int32_t *query_start_loc,
+                           const float *k_scale, const float *v_scale, const int32_t *block_tables, int64_t max_blocks, const int32_t *query_start_loc,
                            const int32_t *context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
                            int64_t num_threads) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_ROWS || head_dim < 8 ||
       head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size < 1 || block_size > MAX_BLOCK_SIZE)
     return 1;
-  const problem_t p = {(const scalar_t *)q, (const scalar_t *)k_cache, (const scalar_t *)v_cache, (scalar_t *)out,
-                       block_tables, query_start_loc, context_lens, max_blocks, num_heads, num_kv_heads,
+#ifdef PAGODA_KV_INT8
+  if (!k_scale || !v_scale) return 1;
+#endif
+  const problem_t p = {(const scalar_t *)q, (const cache_t *)k_cache, (const cache_t *)v_cache, k_scale, v_scale,
+                       (scalar_t *)out, block_tables, query_start_loc, context_lens, max_blocks, num_heads, num_kv_heads,
                        head_dim, block_size, window, scale, softcap};
   const int64_t G = num_heads / num_kv_heads;
   const int64_t tile = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
@@ -351,3 +381,88 @@ int64_t pagoda_reshape_and_cache(const void *key, const void *value, void *k_cac
   }
   return 0;
 }
+
+#ifdef PAGODA_KV_INT8
+/* Quantize the rows of tokens t0 .. t1 - 1 (all in cache block `block`, at offsets `first` and up) into one cache:
+ * kv_quant.write_int8's rule per KV head. The block's scale is its rows' absolute maximum / 127 when the rows start
+ * the block (offset 0); otherwise it grows to cover them, and the rows already in the block are requantized to the
+ * grown scale (round(q * old / new)), so nothing is clamped. float32 `x / scale`, rintf's round half to even:
+ * the same operations as torch's, so the two agree bit for bit. */
+static void write_block_int8(const scalar_t *x, int64_t stride, const int64_t *slots, int64_t t0, int64_t t1,
+                             int8_t *cache, float *scales, int64_t block, int64_t first, int64_t block_size,
+                             int64_t H, int64_t D) {
+  const int64_t row = H * D;
+  for (int64_t h = 0; h < H; ++h) {
+    float amax = 0.f;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      const scalar_t *xr = x + t * stride + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = fabsf(load1(xr + d));
+        amax = a > amax ? a : amax;
+      }
+    }
+    float fresh = amax / 127.f;
+    fresh = fresh > FLT_MIN ? fresh : FLT_MIN;
+    const float old = scales[block * H + h];
+    float scale = fresh;
+    if (first > 0) {
+      scale = old > fresh || old != old ? old : fresh; /* a NaN scale stays NaN, as torch.maximum keeps it */
+      if (fresh > old) {
+        const float ratio = old / scale;
+        for (int64_t o = 0; o < first; ++o) {
+          int8_t *qr = cache + (block * block_size + o) * row + h * D;
+          for (int64_t d = 0; d < D; ++d) {
+            float y = rintf((float)qr[d] * ratio);
+            y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
+            qr[d] = (int8_t)y;
+          }
+        }
+      }
+    }
+    scales[block * H + h] = scale;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      const scalar_t *xr = x + t * stride + h * D;
+      int8_t *qr = cache + slots[t] * row + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float y = rintf(load1(xr + d) / scale);
+        y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
+        qr[d] = (int8_t)y;
+      }
+    }
+  }
+}
+
+/* The int8 cache write: token t's key and value rows go to slot slots[t] (negative: padding, skipped), each block's
+ * scale following kv_quant.write_int8. The tokens of one block must be consecutive (padding aside), as the
+ * engine writes them (a sequence's tokens in order); each such run is quantized as one group. Returns 0, or
+ * token + 1 of a slot outside the cache (then nothing is written). */
+int64_t pagoda_reshape_and_cache_int8(const void *key, const void *value, void *k_cache, void *v_cache,
+                                      float *k_scale, float *v_scale, const int64_t *slots, int64_t num_tokens,
+                                      int64_t num_slots, int64_t block_size, int64_t num_kv_heads,
+                                      int64_t head_dim, int64_t key_stride, int64_t value_stride) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slots[t] >= num_slots) return t + 1;
+  int64_t t = 0;
+  while (t < num_tokens) {
+    if (slots[t] < 0) {
+      ++t;
+      continue;
+    }
+    const int64_t block = slots[t] / block_size;
+    int64_t first = slots[t] % block_size, end = t + 1;
+    for (; end < num_tokens; ++end) {
+      if (slots[end] < 0) continue;
+      if (slots[end] / block_size != block) break;
+      if (slots[end] % block_size < first) first = slots[end] % block_size;
+    }
+    write_block_int8((const scalar_t *)key, key_stride, slots, t, end, (int8_t *)k_cache, k_scale, block, first,
+                     block_size, num_kv_heads, head_dim);
+    write_block_int8((const scalar_t *)value, value_stride, slots, t, end, (int8_t *)v_cache, v_scale, block,
+                     first, block_size, num_kv_heads, head_dim);
+    t = end;
+  }
+  return 0;
+}
+#endif

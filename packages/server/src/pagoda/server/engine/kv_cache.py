@@ -1,4 +1,8 @@
-"""KV-cache tensors: one (k, v) pair per layer on the device, a second tier in host memory for swapping."""
+"""KV-cache tensors: one (k, v) pair per layer on the device, a second tier in host memory for swapping.
+
+An int8 cache (`--kv-cache-dtype int8`) also holds a float32 scale per block and KV head for K and for V, which
+every block move (copy-on-write, swaps to and from the host tier) carries with the block's rows.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,12 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.pagedkernel import KernelBackend, allocate_host_cache
+from pagoda.pagedkernel.kv_quant import is_scaled
+from pagoda.pagedkernel.torch_backend import TorchBackend
 from pagoda.server.models.attention import LayerKVCache
+
+# Scales are [num_blocks, num_kv_heads]: indexed copies of a few bytes per block, the same on every device.
+_SCALE_MOVES = TorchBackend()
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,13 +27,31 @@ class KVCacheShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (activations')
+    cache_dtype: torch.dtype | None = None  # what the cache stores (--kv-cache-dtype); None: `dtype`
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the cache tensors."""
+        return self.dtype if self.cache_dtype is None else self.cache_dtype
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the cache keeps a float32 scale per block and KV head (int8)."""
+        return is_scaled(self.storage_dtype)
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes over all layers, K and V together."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes one block takes over all layers, K and V together (with an int8 cache's scales)."""
+        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
+        rows = self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        scales = 4 * self.num_kv_heads if self.scaled else 0
+        return 2 * self.num_layers * (rows + scales)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """KV bytes one token takes over all layers (a block's bytes over its tokens)."""
+        return self.bytes_per_block / self.block_size
 
     def blocks_in(self, num_bytes: float) -> int:
         """How many whole blocks fit in num_bytes."""
@@ -36,15 +63,26 @@ def allocate_caches(
     num_blocks: int,
     allocate: Callable[[int, int, int, int, torch.dtype], torch.Tensor],
 ) -> list[LayerKVCache]:
-    """Per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim], uninitialised.
+    """Per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim], uninitialised; an int8
+    cache's scales ([num_blocks, num_kv_heads] float32, from the same allocator) too.
 
     `allocate` takes pagedkernel's `allocate_host_cache` arguments (num_blocks, block_size, num_kv_heads, head_dim,
     dtype). Not zeroed: every kernel ignores slots that were never written (the NaN-poisoned kernel and engine
     tests prove it), and zero-filling a CPU cache of several GiB took 4.7 s of a 9 s engine start on a 2-core
     machine; untouched pages now cost nothing until a block is first written.
     """
-    args = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.dtype)
-    return [(allocate(*args), allocate(*args)) for _ in range(shape.num_layers)]
+    args = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.storage_dtype)
+
+    def scale() -> (
+        torch.Tensor | None
+    ):  # [num_blocks, num_kv_heads], a view of a [num_blocks, 1, heads, 1] tensor
+        if not shape.scaled:
+            return None
+        return allocate(num_blocks, 1, shape.num_kv_heads, 1, torch.float32).view(
+            num_blocks, shape.num_kv_heads
+        )
+
+    return [LayerKVCache(allocate(*args), allocate(*args), scale(), scale()) for _ in range(shape.num_layers)]
 
 
 class KVCache:
@@ -95,11 +133,27 @@ class KVCache:
             for device_cache, host_cache in zip(device_kv, host_kv, strict=True):
                 src, dst = (device_cache, host_cache) if to_host else (host_cache, device_cache)
                 self.backend.swap_blocks(src, dst, block_pairs)
+            for device_scale, host_scale in _scale_pairs(device_kv, host_kv):
+                src, dst = (device_scale, host_scale) if to_host else (host_scale, device_scale)
+                _SCALE_MOVES.swap_blocks(src, dst, block_pairs)
 
     def copy(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy-on-write: duplicate device blocks in every layer, (src, dst) pairs."""
         if not pairs:
             return
+        block_pairs = self._pairs(pairs)
         self.backend.copy_blocks(
-            [k for k, _ in self.device_caches], [v for _, v in self.device_caches], self._pairs(pairs)
+            [k for k, _ in self.device_caches], [v for _, v in self.device_caches], block_pairs
         )
+        scales = [scale for layer in self.device_caches for scale in (layer.k_scale, layer.v_scale)]
+        if self.shape.scaled:
+            _SCALE_MOVES.copy_blocks([s for s in scales if s is not None], [], block_pairs)
+
+
+def _scale_pairs(device: LayerKVCache, host: LayerKVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(device, host) scale tensors of one layer, K then V; none for a float cache."""
+    return [
+        (d, h)
+        for d, h in ((device.k_scale, host.k_scale), (device.v_scale, host.v_scale))
+        if d is not None and h is not None
+    ]

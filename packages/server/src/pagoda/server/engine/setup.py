@@ -13,6 +13,7 @@ from pagoda.pagedkernel.quant import QuantBackendName
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
+from pagoda.server.engine.kv_dtype import check_kv_cache_dtype, storage_dtype
 from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model, load_shard
 from pagoda.server.loader.quantize_at_load import load_qtype
 from pagoda.server.models.base import CausalLM
@@ -133,18 +134,22 @@ def log_resident_weights(model: CausalLM) -> None:
 
 
 def kv_cache_shape(model: CausalLM, config: EngineConfig, dtype: torch.dtype) -> KVCacheShape:
-    """The per-layer KV geometry of a model (of this rank's shard: its KV heads only)."""
+    """The per-layer KV geometry of a model (of this rank's shard: its KV heads only), stored as
+    --kv-cache-dtype says."""
     spec = model.kv_cache_spec()
+    cache_dtype = storage_dtype(config.cache_config.kv_cache_dtype, dtype)
     return KVCacheShape(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, config.cache_config.block_size, dtype
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, config.cache_config.block_size, dtype, cache_dtype
     )
 
 
-def prepare_kernels(backend: KernelBackend, dtype: torch.dtype) -> None:
-    """Compile the kernels of the engine's dtype now, at start-up: not while the first request waits."""
-    # The KV cache and the activations share the weights' dtype, so it is the one dtype the kernels see.
+def prepare_kernels(backend: KernelBackend, dtype: torch.dtype, config: EngineConfig | None = None) -> None:
+    """Compile the kernels of the engine's dtype (over its KV cache's dtype) now, at start-up: not while the
+    first request waits."""
+    # The activations share the weights' dtype, so it is the one activation dtype the kernels see.
     if isinstance(backend, CpuBackend):
-        backend.prepare([dtype])
+        cache = None if config is None else storage_dtype(config.cache_config.kv_cache_dtype, dtype)
+        backend.prepare([dtype], cache)
 
 
 def build_shard(
@@ -156,8 +161,9 @@ def build_shard(
     """A tensor-parallel worker's shard of the model, loaded and prepared (its KV cache comes later)."""
     if placement.device.type == "cpu":
         keep_freed_memory()
+    check_kv_cache_dtype(config, placement.device)
     backend = get_backend(config.model_config.kernel_backend, placement.device)
-    prepare_kernels(backend, placement.dtype)
+    prepare_kernels(backend, placement.dtype, config)
     model, _ = load_shard(
         folder,
         dtype=placement.dtype,
@@ -191,8 +197,9 @@ def build_parts(
     if device.type == "cpu" and keep_freed_memory():
         logger.info("glibc malloc: freed large blocks are kept for reuse (no per-step page faults)")
     model_config, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
+    check_kv_cache_dtype(config, device)
     backend = get_backend(model_config.kernel_backend, device)
-    prepare_kernels(backend, dtype)
+    prepare_kernels(backend, dtype, config)
     loaded = load_model(
         model_config.model,
         dtype=dtype,
@@ -234,12 +241,13 @@ def build_parts(
     )
     kv_cache = KVCache(shape, num_blocks, num_host_blocks, device, backend)
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); host tier %d blocks",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s, %.0f B/token); host tier %d blocks",
         num_blocks,
         cache.block_size,
         num_blocks * cache.block_size,
         num_blocks * shape.bytes_per_block / 2**30,
-        dtype,
+        shape.storage_dtype,
+        shape.bytes_per_token,
         num_host_blocks,
     )
     if scheduler.max_num_batched_tokens is not None:

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypedDict
 
 from pagoda.pagedkernel import KernelBackend
 from torch import Tensor, nn
 
-# One layer's paged cache: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
-LayerKVCache = tuple[Tensor, Tensor]
+
+@dataclass(frozen=True, slots=True)
+class LayerKVCache:
+    """One layer's paged cache; unpacks as (k_cache, v_cache). An int8 cache carries its scales (else None)."""
+
+    k: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale: Tensor | None = None  # float32 [num_blocks, num_kv_heads], int8 caches only
+    v_scale: Tensor | None = None  # float32 [num_blocks, num_kv_heads], int8 caches only
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """k, then v: `k_cache, v_cache = layer_cache`, as when this was a pair."""
+        yield self.k
+        yield self.v
 
 
 @dataclass(frozen=True)
@@ -22,6 +36,20 @@ class AttentionMetadata:
     max_query_len: int
     is_decode: bool  # every sequence has exactly one query token this step
     backend: KernelBackend
+
+
+class _Scales(TypedDict, total=False):
+    """The ops' scale keywords: given for an int8 cache only, so a float cache's calls are as they always were."""
+
+    k_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+    v_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+
+
+def _scales(kv_cache: LayerKVCache) -> _Scales:
+    """The scale keywords of one layer's cache (none for a float cache)."""
+    if kv_cache.k_scale is None or kv_cache.v_scale is None:
+        return {}
+    return {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
 
 
 class Attention(nn.Module):
@@ -56,7 +84,8 @@ class Attention(nn.Module):
     ) -> Tensor:  # [num_tokens, num_heads * head_dim]
         """Attention output of every query token, heads flattened."""
         k_cache, v_cache = kv_cache
-        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        scales = _scales(kv_cache)
+        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping, **scales)
         if attn.is_decode:
             out = attn.backend.paged_decode_attention(
                 q,
@@ -67,6 +96,7 @@ class Attention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
+                **scales,
             )
         else:
             out = attn.backend.paged_prefill_attention(
@@ -79,6 +109,7 @@ class Attention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logit_softcap=self.logit_softcap,
+                **scales,
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

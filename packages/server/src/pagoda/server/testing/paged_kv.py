@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.pagedkernel import KernelBackend
-from pagoda.server.models import AttentionMetadata, CausalLM, KVCacheSpec
+from pagoda.server.models import AttentionMetadata, CausalLM, KVCacheSpec, LayerKVCache
 from torch import Tensor
 
 
@@ -40,7 +40,8 @@ class PagedKV:
     ) -> None:
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)
+            LayerKVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(spec.num_layers)
         ]
         self.backend = backend
         self.block_size = block_size

@@ -1,0 +1,181 @@
+"""int8 KV caches with per-block, per-head scales: the torch reference's write rule, and the C kernels against it.
+
+Caches are filled the way an engine fills them (`testing.write_rounds`: a prompt chunk, then single tokens, then
+more chunks, all sequences in one call, a padding row in each), so blocks grow and requantize. Unwritten slots hold
+random bytes, unused blocks' scales NaN, and outputs are preallocated full of NaN: a kernel that reads what it
+must not, or skips an element, fails. Contexts cross block boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.pagedkernel import kv_quant
+from pagoda.pagedkernel.cpu_backend import CpuBackend
+from pagoda.pagedkernel.testing import AttentionConfig as Case
+from pagoda.pagedkernel.testing import (
+    PagedCase,
+    QuantizedCase,
+    make_case,
+    quantize_case,
+    reference_attention,
+    relative_error,
+)
+from pagoda.pagedkernel.torch_backend import TorchBackend
+from torch import Tensor
+
+TORCH = TorchBackend()
+CASES = [
+    Case(64, 8, 1, None, None),
+    Case(64, 16, 4, 32, None),
+    Case(128, 16, 2, None, 30.0),
+    Case(40, 4, 3, 7, None),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+# Against the float64 attention over the very values the int8 cache holds: only the kernels' own rounding.
+DEQUANT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# Against the attention over the unquantized values: int8's rounding (a step of amax / 127 per element).
+QUANT_TOLERANCE = 0.03
+
+
+@pytest.fixture(scope="module")
+def cpu() -> CpuBackend:
+    """One cpu backend for the module, so each library is loaded once."""
+    return CpuBackend()
+
+
+def _case(case: Case, dtype: torch.dtype, seed: int = 0) -> PagedCase:
+    bs = case.block_size
+    seqs = [(1, 1), (bs, bs), (bs + 1, 3), (3 * bs + 5, 2 * bs), (150, 1)]
+    return make_case(
+        seqs,
+        num_heads=2 * case.group,
+        num_kv_heads=2,
+        head_dim=case.head_dim,
+        block_size=bs,
+        dtype=dtype,
+        seed=seed,
+        poison_unused=True,
+    )
+
+
+def _quantize(backend: TorchBackend, c: PagedCase) -> QuantizedCase:
+    def write(
+        key: Tensor, value: Tensor, k: Tensor, v: Tensor, slots: Tensor, k_scale: Tensor, v_scale: Tensor
+    ) -> None:
+        backend.reshape_and_cache(key, value, k, v, slots, k_scale=k_scale, v_scale=v_scale)
+
+    return quantize_case(c, write)
+
+
+def _written(qc: QuantizedCase) -> tuple[Tensor, Tensor]:
+    """Flat slot mask of every written slot, and the mask of blocks that hold any."""
+    bs = qc.k_cache.shape[1]
+    slots = torch.zeros(qc.k_cache.shape[0] * bs, dtype=torch.bool)
+    for i, ctx in enumerate(qc.case.context_lens.tolist()):
+        pos = torch.arange(ctx)
+        slots[qc.case.block_tables[i].long()[pos // bs] * bs + pos % bs] = True
+    return slots, slots.view(-1, bs).any(dim=1)
+
+
+def test_write_rule_requantizes_a_growing_block_and_never_clamps() -> None:
+    """A block's first row sets its scale; a larger later row raises it and requantizes the earlier rows."""
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.int8)
+    scales = torch.full((2, 1), float("nan"))
+    first = torch.linspace(-1.0, 1.0, 8).view(1, 1, 8)
+    kv_quant.write_int8(first, cache, scales, torch.tensor([4]))  # block 1, offset 0
+    assert scales[1, 0].item() == pytest.approx(1.0 / 127)
+    assert cache[1, 0, 0, 0].item() == -127 and torch.isnan(scales[0, 0])  # block 0 untouched
+    kv_quant.write_int8(4.0 * first, cache, scales, torch.tensor([5]))  # 4x larger: the scale grows
+    assert scales[1, 0].item() == pytest.approx(4.0 / 127)
+    assert cache[1, 1, 0, 0].item() == -127  # not clamped
+    assert cache[1, 0, 0, 0].item() == round(-127 / 4)  # requantized to the new scale
+    small = 0.5 * first
+    kv_quant.write_int8(small, cache, scales, torch.tensor([6]))  # smaller: the scale stays
+    assert scales[1, 0].item() == pytest.approx(4.0 / 127)
+    assert cache[1, 2, 0, 0].item() == round(-0.5 * 127 / 4)
+    kv_quant.write_int8(small, cache, scales, torch.tensor([4]))  # offset 0 again: a fresh block
+    assert scales[1, 0].item() == pytest.approx(0.5 / 127)
+    zeros = torch.zeros(1, 1, 8)
+    kv_quant.write_int8(zeros, cache, scales, torch.tensor([0]))  # an all-zero row: a positive scale
+    assert scales[0, 0].item() > 0 and bool((cache[0, 0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_c_write_equals_the_torch_reference_bitwise(cpu: CpuBackend, case: Case, dtype: torch.dtype) -> None:
+    """The C int8 write gives the torch reference's bytes and scales in every written slot and used block."""
+    c = _case(case, dtype)
+    ours, ref = _quantize(cpu, c), _quantize(TORCH, c)
+    slots, blocks = _written(ref)
+    row = c.k_cache.shape[2] * c.k_cache.shape[3]
+    for a, b in ((ours.k_cache, ref.k_cache), (ours.v_cache, ref.v_cache)):
+        assert torch.equal(a.view(-1, row)[slots], b.view(-1, row)[slots])
+    assert torch.equal(ours.k_scale[blocks], ref.k_scale[blocks])
+    assert torch.equal(ours.v_scale[blocks], ref.v_scale[blocks])
+    assert bool((ref.k_scale[blocks] > 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_int8_attention_matches_reference(cpu: CpuBackend, case: Case, dtype: torch.dtype) -> None:
+    """Prefill and decode over an int8 cache: C and torch against float64 attention over the cache's values,
+    and within int8's rounding of the attention over the unquantized K/V."""
+    c = _case(case, dtype)
+    qc = _quantize(TORCH, c)
+    window, softcap = case.sliding_window, case.logit_softcap
+    exact = reference_attention(qc.dequantized(), sliding_window=window, logit_softcap=softcap)
+    unquantized = reference_attention(c, sliding_window=window, logit_softcap=softcap)
+    args = (c.q, qc.k_cache, qc.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
+    outs = {}
+    for backend in (cpu, TORCH):
+        out = torch.full_like(c.q, float("nan"))
+        got = backend.paged_prefill_attention(
+            *args,
+            sliding_window=window,
+            logit_softcap=softcap,
+            out=out,
+            k_scale=qc.k_scale,
+            v_scale=qc.v_scale,
+        )
+        assert got is out and out.dtype == dtype
+        assert relative_error(out, exact) < DEQUANT_TOLERANCE[dtype], backend.name
+        assert relative_error(out, unquantized) < QUANT_TOLERANCE, backend.name
+        outs[backend.name] = out
+    assert relative_error(outs["cpu"], outs["torch"].double()) < DEQUANT_TOLERANCE[dtype]
+    # Decode: one query per sequence, at its last position.
+    last = c.query_start_loc[1:].long() - 1
+    q = c.q[last].contiguous()
+    decode_args = (q, qc.k_cache, qc.v_cache, c.block_tables, c.context_lens, c.scale)
+    for backend in (cpu, TORCH):
+        out = torch.full_like(q, float("nan"))
+        backend.paged_decode_attention(
+            *decode_args,
+            sliding_window=window,
+            logit_softcap=softcap,
+            out=out,
+            k_scale=qc.k_scale,
+            v_scale=qc.v_scale,
+        )
+        assert relative_error(out, exact[last]) < DEQUANT_TOLERANCE[dtype], backend.name
+
+
+def test_int8_cache_is_built_as_its_own_library(cpu: CpuBackend) -> None:
+    """The C kernel runs int8 caches itself (its own build), not through the torch fallback."""
+    c = _case(CASES[0], torch.float32)
+    _quantize(cpu, c)
+    kernels = cpu.kernels(torch.float32, torch.int8)
+    assert kernels is not None and kernels.reshape_and_cache_int8 is not None
+    assert cpu.kernels(torch.float32).reshape_and_cache_int8 is None  # type: ignore[union-attr]
+
+
+def test_scales_are_required_for_int8_and_refused_for_float() -> None:
+    """An int8 cache without scales, or a float cache with them, is a caller's bug: asserted, not guessed."""
+    c = _case(CASES[0], torch.float32)
+    args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
+    scale = torch.ones(c.k_cache.shape[0], c.k_cache.shape[2])
+    with pytest.raises(AssertionError, match="takes no scales"):
+        TORCH.paged_prefill_attention(*args, k_scale=scale, v_scale=scale)
+    int8 = c.k_cache.to(torch.int8)
+    with pytest.raises(AssertionError, match="needs k_scale"):
+        TORCH.paged_prefill_attention(c.q, int8, int8, *args[3:])

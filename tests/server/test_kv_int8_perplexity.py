@@ -1,0 +1,59 @@
+"""int8 KV on the real default model: perplexity over a fixed English text within 0.5% of bfloat16 KV (slow).
+
+The text (`tests/data/public_domain_english.txt`: Genesis 1-2 in the King James Version, the Declaration of
+Independence, the Gettysburg Address and Lincoln's Second Inaugural; public domain, 4,468 Gemma 3 tokens) is
+scored in windows of WINDOW tokens through the prompt logprobs, once with the KV cache in bfloat16 (the model's
+dtype) and once in int8; the model, weights and every other setting are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from pagoda.server.llm import LLM
+from pagoda.server.sampling_params import SamplingParams
+
+TEXT = Path(__file__).resolve().parent.parent / "data" / "public_domain_english.txt"
+WINDOW = 1024
+MIN_TOKENS = 4096
+BOUND = 1.005  # int8 KV perplexity / bfloat16 KV perplexity
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of every token after the first of each WINDOW-token window."""
+    windows = [token_ids[i : i + WINDOW] for i in range(0, len(token_ids), WINDOW)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    nll, count = 0.0, 0
+    for window, out in zip(windows, llm.generate(windows, params, use_tqdm=False), strict=True):
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        for token, position in zip(window[1:], out.prompt_logprobs[1:], strict=True):
+            assert position is not None
+            nll -= position[token].logprob
+            count += 1
+    return math.exp(nll / count)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met yet: measured 14.47 (int8 KV) vs 14.09 (bfloat16 KV), 1.027x, over 4,468 tokens (2026-12-01); "
+    "one scale per block and KV head spans all 256 channels of Gemma 3's single KV head",
+)
+def test_int8_kv_perplexity_is_within_half_a_percent_of_bfloat16() -> None:
+    """The issue's target: int8 KV perplexity <= 1.005 x bfloat16 KV's, on the default model."""
+    results: dict[str, float] = {}
+    token_ids: list[int] = []
+    for kv_cache_dtype in ("auto", "int8"):
+        llm = LLM(
+            dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=WINDOW + 8, kv_cache_gib=0.25
+        )
+        token_ids = llm.tokenizer.encode(TEXT.read_text(encoding="utf-8"))
+        assert len(token_ids) >= MIN_TOKENS
+        results[kv_cache_dtype] = perplexity(llm, token_ids)
+        del llm
+    print(
+        f"perplexity over {len(token_ids)} tokens: bfloat16 KV {results['auto']:.4f}, int8 KV {results['int8']:.4f}"
+    )
+    assert results["int8"] <= BOUND * results["auto"], results
