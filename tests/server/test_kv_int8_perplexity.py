@@ -8,31 +8,16 @@ dtype) and once in int8; the model, weights and every other setting are the same
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 from pagoda.server.llm import LLM
-from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing.perplexity import perplexity
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "public_domain_english.txt"
 WINDOW = 1024
 MIN_TOKENS = 4096
 BOUND = 1.005  # int8 KV perplexity / bfloat16 KV perplexity
-
-
-def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    """exp(mean negative log-likelihood) of every token after the first of each WINDOW-token window."""
-    windows = [token_ids[i : i + WINDOW] for i in range(0, len(token_ids), WINDOW)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    nll, count = 0.0, 0
-    for window, out in zip(windows, llm.generate(windows, params, use_tqdm=False), strict=True):
-        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
-        for token, position in zip(window[1:], out.prompt_logprobs[1:], strict=True):
-            assert position is not None
-            nll -= position[token].logprob
-            count += 1
-    return math.exp(nll / count)
 
 
 @pytest.mark.slow
@@ -51,7 +36,7 @@ def test_int8_kv_perplexity_is_within_half_a_percent_of_bfloat16() -> None:
         )
         token_ids = llm.tokenizer.encode(TEXT.read_text(encoding="utf-8"))
         assert len(token_ids) >= MIN_TOKENS
-        results[kv_cache_dtype] = perplexity(llm, token_ids)
+        results[kv_cache_dtype] = perplexity(llm, token_ids, window=WINDOW)
         del llm
     print(
         f"perplexity over {len(token_ids)} tokens: bfloat16 KV {results['auto']:.4f}, int8 KV {results['int8']:.4f}"
