@@ -360,8 +360,9 @@ class Scheduler:
         if mode == "recompute" or costs is None:
             return "recompute"
         rid = victim.request_id
-        num_tokens = self.kv.num_tokens(rid)
-        return choose_preemption(costs, self.kv.blocks_for_tokens(num_tokens), num_tokens)
+        # Group 0's table length: the block positions a swap moves (an engine with several groups prices a
+        # position as every group's block at it).
+        return choose_preemption(costs, len(self.kv.block_table(rid)), self.kv.num_tokens(rid))
 
     def _preempt(self, victim: Request, step: _Step, mode: PreemptionChoice) -> None:
         """Swap `victim` out if `mode` says so and the host tier has room, else free it for recompute."""

@@ -120,6 +120,14 @@ def argument_table() -> list[Flag]:
                 "admission (no prefix caching, no swapping)",
             },
         ),
+        Flag(
+            ("--disable-hybrid-kv-cache-manager",),
+            {
+                "action": "store_true",
+                "help": "keep every layer's KV for every position (one block table for all layers) instead of "
+                "KV cache groups whose sliding-window layers keep only their window",
+            },
+        ),
         # scheduler
         Flag(
             ("--max-model-len",), {"type": int, **given, "help": "longest prompt + output (default: model's)"}

@@ -147,6 +147,8 @@ class CacheConfig:
     swap_space_gib: float = 4.0  # host tier for preemption by swap
     num_kv_blocks: int | None = None  # override the computed KV capacity (tests use tiny pools)
     kv_manager: KVManagerName = "paged"
+    # vLLM's flag: one full-attention group of every layer (today's layout) instead of KV cache groups.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.pagedkernel import KernelBackend, allocate_host_cache
+from pagoda.server.engine.kv_groups import KVCacheLayout
 from pagoda.server.models.attention import LayerKVCache
 
 
@@ -14,11 +15,19 @@ from pagoda.server.models.attention import LayerKVCache
 class KVCacheShape:
     """Per-layer cache geometry; every layer shares it."""
 
-    num_layers: int
+    num_layers: (
+        int  # (K, V) tensor pairs: the model's layers, or with KV cache groups the layers of one group
+    )
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # The KV cache groups and each model layer's pair (None: one full-attention group, layer i in pair i).
+    layout: KVCacheLayout | None = None
+
+    def layer_slots(self) -> tuple[int, ...]:
+        """Per model layer, the index of its (K, V) tensor pair."""
+        return tuple(range(self.num_layers)) if self.layout is None else self.layout.layer_slots
 
     @property
     def bytes_per_block(self) -> int:
@@ -71,6 +80,8 @@ class KVCache:
         )
         # pagedkernel's host allocator pins the tier when CUDA is present, so that swaps copy asynchronously.
         self.host_caches = allocate_caches(shape, num_host_blocks, allocate_host_cache)
+        # Per model layer (the pairs repeat with KV cache groups: a block id is owned by one group at a time).
+        self.layer_caches = [self.device_caches[s] for s in shape.layer_slots()]
         self._device = device
 
     def _pairs(self, pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:
