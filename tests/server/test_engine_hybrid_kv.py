@@ -16,9 +16,11 @@ from pagoda.server.beam_search import BeamSearchParams
 from pagoda.server.cli_args import build_parser, engine_config
 from pagoda.server.engine import EngineConfigError
 from pagoda.server.llm import LLM
+from pagoda.server.metrics import ServerMetrics
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import SLIDING_WINDOW, make_tiny_model
+from prometheus_client import generate_latest
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 BS = 4
@@ -244,3 +246,19 @@ def test_flag_maps_onto_the_cache_config() -> None:
     off = engine_config(build_parser().parse_args(["serve", "m", "--disable-hybrid-kv-cache-manager"]))
     assert not on.cache_config.disable_hybrid_kv_cache_manager
     assert off.cache_config.disable_hybrid_kv_cache_manager
+
+
+def test_kv_usage_per_group_reaches_the_stats_and_metrics(model_dirs: dict[str, Path]) -> None:
+    """Mid-decode a local group holds fewer blocks than the full group; /metrics has one gauge per group."""
+    llm = make_llm(model_dirs["gemma3"], True)
+    engine = llm.engine
+    engine.add_request("r", prompts_of((40,), seed=9)[0], GREEDY)
+    for _ in range(3):  # the prefill, then two decodes
+        engine.step()
+    stats = engine.get_stats()
+    full, *local = stats.kv_cache_usage_per_group
+    assert len(local) == 2 and full == 11 / 767 and all(u == 3 / 767 for u in local)
+    text = generate_latest(ServerMetrics("m", engine.get_stats).registry).decode()
+    assert 'pagoda:kv_cache_group_usage_perc{kv_cache_group="1",model_name="m"}' in text
+    off = make_llm(model_dirs["gemma3"], False).engine.get_stats()
+    assert off.kv_cache_usage_per_group == ()

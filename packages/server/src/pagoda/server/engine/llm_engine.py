@@ -276,4 +276,5 @@ class LLMEngine:
             generation_tokens=self.counters.generation_tokens,
             num_host_blocks=self.num_host_kv_blocks,
             enable_prefix_caching=self.config.scheduler_config.enable_prefix_caching,
+            kv_cache_usage_per_group=s.kv_usage_per_group,
         )
