@@ -2,6 +2,7 @@
 
 from pagoda.blockalloc.block import KVCacheBlock
 from pagoda.blockalloc.free_queue import FreeKVCacheBlockQueue
+from pagoda.blockalloc.groups import FULL_ATTENTION, KVCacheGroupSpec
 from pagoda.blockalloc.hashing import BlockHash, hash_block_tokens
 from pagoda.blockalloc.manager import BlockManager
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
@@ -9,11 +10,13 @@ from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId
 
 __all__ = [
+    "FULL_ATTENTION",
     "BlockHash",
     "BlockManager",
     "BlockPool",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
+    "KVCacheGroupSpec",
     "KVCacheStats",
     "SeqId",
     "SlotAllocation",

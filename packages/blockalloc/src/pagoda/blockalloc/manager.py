@@ -8,6 +8,7 @@ from itertools import chain
 from operator import attrgetter
 
 from pagoda.blockalloc.block import KVCacheBlock
+from pagoda.blockalloc.groups import FULL_ATTENTION, KVCacheGroupSpec, group_key
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, LastChainCache, hash_blocks, salt_bytes
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
@@ -25,9 +26,12 @@ class BlockManager:
         "block_slots",
         "chain_cache",
         "enable_prefix_caching",
+        "groups",
         "host_pool",
+        "null_block",
         "num_blocks",
         "num_host_blocks",
+        "num_used_per_group",
         "pool",
         "prefix_cache_hits",
         "prefix_cache_queries",
@@ -42,16 +46,31 @@ class BlockManager:
         *,
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
     ) -> None:
-        """Make `num_blocks` device blocks and `num_host_blocks` host blocks of `block_size` token slots."""
-        if block_size <= 0 or num_blocks < 0 or num_host_blocks < 0:
-            raise ValueError(f"bad sizes: {num_blocks=} {block_size=} {num_host_blocks=}")
+        """Make `num_blocks` device blocks and `num_host_blocks` host blocks of `block_size` token slots.
+
+        `groups` lists the KV cache groups (one block table each per sequence, all drawn from the one pool); with
+        a sliding-window group, block 0 becomes the null block that stands for the blocks a window left behind,
+        and `num_blocks` counts the others.
+        """
+        if block_size <= 0 or num_blocks < 0 or num_host_blocks < 0 or not groups:
+            raise ValueError(
+                f"bad sizes: {num_blocks=} {block_size=} {num_host_blocks=} groups={len(groups)}"
+            )
+        hybrid = any(g.sliding_window is not None for g in groups)
+        if hybrid and num_blocks == 0:
+            raise ValueError("a sliding-window group needs at least one block for the null block")
         # Read-only after construction.
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.groups = tuple(groups)
+        self.num_blocks = num_blocks - hybrid
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Never freed, never written: kernels of a sliding layer start reading at the window, past these entries.
+        self.null_block = self.pool.get_new_blocks(1)[0] if hybrid else None
+        self.num_used_per_group = [0] * len(groups)
         # Slot range of every device block, so whole blocks' slots are chained in C.
         self.block_slots = [range(i * block_size, (i + 1) * block_size) for i in range(num_blocks)]
         # Host blocks are never prefix-cached: a swapped sequence owns its host blocks alone.
@@ -88,9 +107,30 @@ class BlockManager:
             raise ValueError(f"unknown sequence {seq_id!r}")
         return seq.num_tokens
 
+    @property
+    def num_kv_cache_groups(self) -> int:
+        """KV cache groups: block tables per sequence."""
+        return len(self.groups)
+
     def block_table(self, seq_id: SeqId) -> tuple[int, ...]:
-        """Device block ids of `seq_id`, in token order."""
+        """Device block ids of `seq_id` in group 0, in token order."""
         return tuple(b.block_id for b in self._device_seq(seq_id, "has no device block table").blocks)
+
+    def block_tables(self, seq_id: SeqId) -> tuple[tuple[int, ...], ...]:
+        """Device block ids of `seq_id`, one table per group, in token order (the null block's id, 0, outside a
+        sliding window)."""
+        seq = self._device_seq(seq_id, "has no device block table")
+        return tuple(tuple(b.block_id for b in table) for table in seq.tables)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether a group releases the blocks its window left behind (tables then change in the middle)."""
+        return self.null_block is not None
+
+    def blocks_for_tokens(self, num_tokens: int, *, chunk_tokens: int = 1) -> int:
+        """Most device blocks one sequence of `num_tokens` tokens holds, over all groups, when no step computes
+        more than `chunk_tokens` of its tokens."""
+        return sum(g.max_blocks(num_tokens, self.block_size, chunk_tokens) for g in self.groups)
 
     def host_block_table(self, seq_id: SeqId) -> tuple[int, ...]:
         """Host block ids of swapped-out `seq_id`, in token order."""
@@ -104,8 +144,11 @@ class BlockManager:
             return 0
         limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
         cache_map = self.pool.cached_block_hash_to_block
+        hashes = self.chain_cache.hashes_for(token_ids, limit // self.block_size, salt_bytes(salt))
+        if len(self.groups) > 1 or self.null_block is not None:
+            return self._num_hit_blocks(hashes) * self.block_size
         num_hits = 0
-        for block_hash in self.chain_cache.hashes_for(token_ids, limit // self.block_size, salt_bytes(salt)):
+        for block_hash in hashes:
             if block_hash not in cache_map:
                 break
             num_hits += 1
@@ -120,12 +163,16 @@ class BlockManager:
         if seq is None:
             self._check_new_seq(seq_id, num_computed_tokens)
             # Every cached block might be an evictable one that the allocation revives out of the free queue.
-            return -(-(num_computed_tokens + num_new_tokens) // bs)
+            end_blocks = -(-(num_computed_tokens + num_new_tokens) // bs)
+            return sum(end_blocks - g.first_needed_block(num_computed_tokens, bs) for g in self.groups)
         if num_new_tokens == 0:
             return 0
         start = seq.num_tokens
-        cow = start % bs != 0 and seq.blocks[-1].ref_cnt > 1
-        return -(-(start + num_new_tokens) // bs) - len(seq.blocks) + cow
+        if len(self.groups) == 1 and self.null_block is None:
+            cow = start % bs != 0 and seq.blocks[-1].ref_cnt > 1
+            return -(-(start + num_new_tokens) // bs) - len(seq.blocks) + cow
+        needed, released = self._growth(seq, start + num_new_tokens)
+        return max(0, needed - released)
 
     def can_allocate(self, seq_id: SeqId, num_new_tokens: int, *, num_computed_tokens: int = 0) -> bool:
         """Whether `num_blocks_needed` free device blocks exist (True guarantees `allocate_slots` succeeds)."""
@@ -134,7 +181,9 @@ class BlockManager:
 
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether device-resident `seq_id` fits into the free host blocks."""
-        return len(self._device_seq(seq_id, "cannot be swapped out").blocks) <= self.num_free_host_blocks()
+        return (
+            self._num_live(self._device_seq(seq_id, "cannot be swapped out")) <= self.num_free_host_blocks()
+        )
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
         """Whether swapped-out `seq_id` fits into the free device blocks (exact: `swap_in` then succeeds)."""
@@ -154,6 +203,8 @@ class BlockManager:
             num_free_host_blocks=self.num_free_host_blocks(),
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            # Several groups count their own (one group holds every used block: left empty).
+            num_used_blocks_per_group=() if len(self.groups) == 1 else tuple(self.num_used_per_group),
         )
 
     # --------------------------------------------------------------- mutations
@@ -167,7 +218,11 @@ class BlockManager:
         num_computed_tokens: int = 0,
         salt: str | None = None,
     ) -> SlotAllocation | None:
-        """Give slots to the next `num_new_tokens` positions of `seq_id`; None (no change) when blocks run out."""
+        """Give slots to the next `num_new_tokens` positions of `seq_id`; None (no change) when blocks run out.
+
+        In a sliding-window group the blocks no query from the current position on can see are released first
+        (cached ones stay prefix-cache hits in the free queue) and their entries become the null block.
+        """
         if num_new_tokens < 0:
             raise ValueError(f"negative num_new_tokens for sequence {seq_id!r}")
         seq = self.seqs.get(seq_id)
@@ -175,102 +230,161 @@ class BlockManager:
             return self._allocate_new(seq_id, token_ids, num_new_tokens, num_computed_tokens, salt)
         if num_new_tokens == 0:
             self._cache_full_blocks(seq, token_ids)
-            return _NO_SLOTS
+            return _NO_SLOTS if len(self.groups) == 1 else SlotAllocation((), (), 0, ((),) * len(self.groups))
         bs = self.block_size
         pool = self.pool
-        blocks = seq.blocks
         start = seq.num_tokens
         end = start + num_new_tokens
-        num_new_blocks = -(-end // bs) - len(blocks)
-        # Writing into a partial last block that a fork shares would clobber the other holders' tokens.
-        cow = start % bs != 0 and blocks[-1].ref_cnt > 1
-        if num_new_blocks + cow > pool.free_block_queue.num_free_blocks:
+        needed, released = self._growth(seq, end)
+        if needed > pool.free_block_queue.num_free_blocks + released:
             return None
-        copies: tuple[tuple[int, int], ...] = ()
-        if cow:
-            src = blocks[-1]
-            dst = pool.get_new_blocks(1)[0]
-            blocks[-1] = dst
-            src.ref_cnt -= 1  # stays >= 1: another table still holds it
-            copies = ((src.block_id, dst.block_id),)
-        if num_new_blocks > 0:
-            blocks.extend(pool.get_new_blocks(num_new_blocks))
+        copies: list[tuple[int, int]] = []
+        group_slots: list[tuple[int, ...]] = []
+        num_end_blocks = -(-end // bs)
+        # Every group releases before any allocates: one group's new blocks may be another's released ones.
+        for gi, spec in enumerate(self.groups):
+            self._release_outside_window(seq, gi, spec.first_needed_block(start, bs))
+        for gi, blocks in enumerate(seq.tables):
+            # Writing into a partial last block that a fork shares would clobber the other holders' tokens.
+            if start % bs != 0 and blocks[-1].ref_cnt > 1:
+                src = blocks[-1]
+                dst = pool.get_new_blocks(1)[0]
+                self.num_used_per_group[gi] += 1
+                blocks[-1] = dst
+                src.ref_cnt -= 1  # stays >= 1: another table still holds it
+                copies.append((src.block_id, dst.block_id))
+            num_new_blocks = num_end_blocks - len(blocks)
+            if num_new_blocks > 0:
+                blocks.extend(pool.get_new_blocks(num_new_blocks))
+                self.num_used_per_group[gi] += num_new_blocks
+            group_slots.append(self._slots(blocks, start, end))
         seq.num_tokens = end
         self._cache_full_blocks(seq, token_ids)
-        return SlotAllocation(self._slots(blocks, start, end), copies, 0)
+        return SlotAllocation(group_slots[0], tuple(copies), 0, self._per_group(group_slots))
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share every block of device-resident `parent` (ref counts up, nothing copied)."""
         seq = self._device_seq(parent, "cannot be forked")
         if child in self.seqs or child in self.swapped:
             raise ValueError(f"cannot fork {parent!r} onto existing sequence {child!r}")
-        for block in seq.blocks:
-            block.ref_cnt += 1  # every block is referenced by the parent, so none sits in the free queue
-        self.seqs[child] = SequenceBlocks(list(seq.blocks), seq.num_tokens, list(seq.block_hashes), seq.salt)
+        for gi in range(len(self.groups)):
+            for block in seq.live(gi):
+                block.ref_cnt += 1  # every block is referenced by the parent, so none sits in the free queue
+        self.seqs[child] = SequenceBlocks(
+            [list(t) for t in seq.tables], seq.num_tokens, list(seq.block_hashes), seq.salt, list(seq.skipped)
+        )
 
     def free(self, seq_id: SeqId) -> None:
         """Release every block of `seq_id` (either tier), tail first so chain tails are evicted before heads."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            self.pool.free_blocks(reversed(seq.blocks))
+            for gi in range(len(self.groups)):
+                self.num_used_per_group[gi] -= self.pool.free_blocks(reversed(seq.live(gi)))
             return
         seq = self.swapped.pop(seq_id, None)
         if seq is None:
             raise ValueError(f"unknown or already freed sequence {seq_id!r}")
-        self.host_pool.free_blocks(reversed(seq.blocks))
+        for gi in range(len(self.groups)):
+            self.host_pool.free_blocks(reversed(seq.live(gi)))
 
     def swap_out(self, seq_id: SeqId) -> list[tuple[int, int]] | None:
         """Move `seq_id` to host blocks; (device_block, host_block) copy pairs, or None (no change) if no room."""
         seq = self._device_seq(seq_id, "cannot be swapped out")
-        if len(seq.blocks) > self.num_free_host_blocks():
+        if self._num_live(seq) > self.num_free_host_blocks():
             return None
-        host_blocks = self.host_pool.get_new_blocks(len(seq.blocks))
-        pairs = [(d.block_id, h.block_id) for d, h in zip(seq.blocks, host_blocks, strict=True)]
-        # A block shared with another sequence just loses this reference; cached ones stay revivable.
-        self.pool.free_blocks(reversed(seq.blocks))
+        pairs: list[tuple[int, int]] = []
+        host_tables: list[list[KVCacheBlock]] = []
+        for gi, skipped in enumerate(seq.skipped):
+            live = seq.live(gi)
+            host_blocks = self.host_pool.get_new_blocks(len(live))
+            pairs += [(d.block_id, h.block_id) for d, h in zip(live, host_blocks, strict=True)]
+            # The null entries stay null (the device null block object marks them in either tier).
+            host_tables.append(seq.tables[gi][:skipped] + host_blocks)
+            # A block shared with another sequence just loses this reference; cached ones stay revivable.
+            self.num_used_per_group[gi] -= self.pool.free_blocks(reversed(live))
         del self.seqs[seq_id]
-        self.swapped[seq_id] = SequenceBlocks(host_blocks, seq.num_tokens, seq.block_hashes, seq.salt)
+        self.swapped[seq_id] = SequenceBlocks(
+            host_tables, seq.num_tokens, seq.block_hashes, seq.salt, list(seq.skipped)
+        )
         return pairs
 
     def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]] | None:
         """Move `seq_id` back to device blocks; (host_block, device_block) copy pairs, or None if no room."""
         seq = self._host_seq(seq_id)
-        hits, num_needed = self._swap_in_plan(seq)
+        plans, num_needed = self._swap_in_plan(seq)
         if num_needed > self.num_free_blocks():
             return None
         pool = self.pool
-        # Full blocks whose content is still cached on the device are shared, not copied.
-        pool.touch(b for b in hits if b is not None)
-        new_blocks = iter(pool.get_new_blocks(sum(1 for b in hits if b is None)))
-        device_blocks = [next(new_blocks) if b is None else b for b in hits]
-        pairs = [
-            (h.block_id, d.block_id)
-            for h, d, hit in zip(seq.blocks, device_blocks, hits, strict=True)
-            if hit is None
-        ]
-        self.host_pool.free_blocks(reversed(seq.blocks))
+        # Full blocks whose content is still cached on the device are shared, not copied; every group's hits
+        # are revived before any new block is popped, or the pops could evict them.
+        for gi, hits in enumerate(plans):
+            self.num_used_per_group[gi] += pool.touch(b for b in hits if b is not None)
+        pairs: list[tuple[int, int]] = []
+        device_tables: list[list[KVCacheBlock]] = []
+        for gi, hits in enumerate(plans):
+            num_new = sum(1 for b in hits if b is None)
+            new_blocks = iter(pool.get_new_blocks(num_new))
+            self.num_used_per_group[gi] += num_new
+            device_blocks = [next(new_blocks) if b is None else b for b in hits]
+            live = seq.live(gi)
+            pairs += [
+                (h.block_id, d.block_id)
+                for h, d, hit in zip(live, device_blocks, hits, strict=True)
+                if hit is None
+            ]
+            skipped = seq.skipped[gi]
+            device_tables.append(seq.tables[gi][:skipped] + device_blocks)
+            self.host_pool.free_blocks(reversed(live))
+            if self.enable_prefix_caching:
+                # The copied blocks' content is known again once the caller copies it in, so they become hits.
+                for i in range(skipped, min(len(seq.block_hashes), len(seq.tables[gi]))):
+                    pool.cache_block(device_blocks[i - skipped], group_key(seq.block_hashes[i], gi))
         del self.swapped[seq_id]
-        self.seqs[seq_id] = SequenceBlocks(device_blocks, seq.num_tokens, seq.block_hashes, seq.salt)
-        if self.enable_prefix_caching:
-            # The copied blocks' content is known again once the caller copies it in, so they become hits too.
-            for block, block_hash in zip(device_blocks, seq.block_hashes, strict=False):
-                pool.cache_block(block, block_hash)
+        self.seqs[seq_id] = SequenceBlocks(
+            device_tables, seq.num_tokens, seq.block_hashes, seq.salt, list(seq.skipped)
+        )
         return pairs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (and no change) while any device block is in use."""
-        return self.pool.reset_prefix_cache()
+        return self.pool.reset_prefix_cache(num_reserved=self.null_block is not None)
 
     def check_invariants(self) -> None:
         """Assert ref counts match the tables, free and used partition each tier, and the hash map is consistent."""
-        device_refs = Counter(b.block_id for seq in self.seqs.values() for b in seq.blocks)
-        host_refs = Counter(b.block_id for seq in self.swapped.values() for b in seq.blocks)
+        null = self.null_block
+        device_refs: Counter[int] = Counter()
+        host_refs: Counter[int] = Counter()
+        owner: dict[int, int] = {}
+        for refs, tier in ((device_refs, self.seqs), (host_refs, self.swapped)):
+            for seq_id, seq in tier.items():
+                for gi, table in enumerate(seq.tables):
+                    skipped = seq.skipped[gi]
+                    assert all(b is null for b in table[:skipped]), (
+                        f"sequence {seq_id!r}: group {gi} null prefix"
+                    )
+                    assert null is None or all(b is not null for b in table[skipped:]), (
+                        f"sequence {seq_id!r}: group {gi} null block inside its window"
+                    )
+                    assert self.groups[gi].sliding_window is not None or not skipped, (
+                        f"sequence {seq_id!r}: full-attention group {gi} skipped blocks"
+                    )
+                    refs.update(b.block_id for b in table[skipped:])
+                    if refs is device_refs:
+                        for b in table[skipped:]:
+                            assert owner.setdefault(b.block_id, gi) == gi, f"block {b.block_id} in two groups"
+        if null is not None:
+            device_refs[null.block_id] += 1  # the manager's own reference: never freed
         self.pool.check_invariants(device_refs)
         self.host_pool.check_invariants(host_refs)
+        if len(self.groups) > 1:
+            used = Counter(owner.values())
+            for gi, count in enumerate(self.num_used_per_group):
+                assert count == used[gi], f"group {gi}: used counter {count} != {used[gi]}"
         assert not self.seqs.keys() & self.swapped.keys(), "a sequence lives in both tiers"
         bs = self.block_size
         for seq_id, seq in (*self.seqs.items(), *self.swapped.items()):
-            assert len(seq.blocks) == -(-seq.num_tokens // bs), f"sequence {seq_id!r}: table length"
+            for gi, table in enumerate(seq.tables):
+                assert len(table) == -(-seq.num_tokens // bs), f"sequence {seq_id!r}: group {gi} table length"
             assert len(seq.block_hashes) <= seq.num_tokens // bs, (
                 f"sequence {seq_id!r}: hash of a partial block"
             )
@@ -278,12 +392,16 @@ class BlockManager:
                 f"sequence {seq_id!r} hashed with caching off"
             )
         for seq_id, seq in self.seqs.items():
-            for block, block_hash in zip(seq.blocks, seq.block_hashes, strict=False):
-                assert block.block_hash in (None, block_hash), (
-                    f"sequence {seq_id!r}: block {block.block_id} hash"
-                )
+            for gi, table in enumerate(seq.tables):
+                for i in range(seq.skipped[gi], min(len(table), len(seq.block_hashes))):
+                    assert table[i].block_hash in (None, group_key(seq.block_hashes[i], gi)), (
+                        f"sequence {seq_id!r}: group {gi} block {table[i].block_id} hash"
+                    )
         for seq_id, seq in self.swapped.items():
-            assert all(b.ref_cnt == 1 for b in seq.blocks), f"swapped sequence {seq_id!r} shares a host block"
+            for gi in range(len(self.groups)):
+                assert all(b.ref_cnt == 1 for b in seq.live(gi)), (
+                    f"swapped sequence {seq_id!r} shares a host block"
+                )
 
     # ---------------------------------------------------------------- helpers
 
@@ -303,14 +421,89 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} is not swapped out: it {where}")
         return seq
 
-    def _swap_in_plan(self, seq: SequenceBlocks) -> tuple[list[KVCacheBlock | None], int]:
-        """Per block of swapped `seq`, the cached device block holding its content (or None); free blocks needed."""
+    def _per_group(self, group_slots: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+        """`SlotAllocation.group_slots`: empty for one group (its slots are `slots`), else one tuple per group."""
+        return () if len(group_slots) == 1 else tuple(group_slots)
+
+    def _num_live(self, seq: SequenceBlocks) -> int:
+        """Blocks `seq` holds over all groups (null entries excluded)."""
+        return sum(len(t) - k for t, k in zip(seq.tables, seq.skipped, strict=True))
+
+    def _growth(self, seq: SequenceBlocks, end: int) -> tuple[int, int]:
+        """Blocks that growing device-resident `seq` to `end` tokens takes (new and copy-on-write) and the
+        blocks it frees (sliding-window blocks left behind that no other table holds)."""
+        bs = self.block_size
+        start = seq.num_tokens
+        num_end_blocks = -(-end // bs)
+        needed = released = 0
+        for gi, (spec, blocks) in enumerate(zip(self.groups, seq.tables, strict=True)):
+            needed += num_end_blocks - len(blocks) + (start % bs != 0 and blocks[-1].ref_cnt > 1)
+            first = spec.first_needed_block(start, bs)
+            released += sum(1 for b in blocks[seq.skipped[gi] : first] if b.ref_cnt == 1)
+        return needed, released
+
+    def _release_outside_window(self, seq: SequenceBlocks, group: int, first_needed: int) -> None:
+        """Free the blocks of device-resident `seq`'s `group` before `first_needed`; their entries go null."""
+        skipped = seq.skipped[group]
+        if first_needed <= skipped:
+            return
+        null = self.null_block
+        assert null is not None, "only a sliding-window group leaves blocks behind"
+        table = seq.tables[group]
+        self.num_used_per_group[group] -= self.pool.free_blocks(reversed(table[skipped:first_needed]))
+        table[skipped:first_needed] = [null] * (first_needed - skipped)
+        seq.skipped[group] = first_needed
+
+    def _swap_in_plan(self, seq: SequenceBlocks) -> tuple[list[list[KVCacheBlock | None]], int]:
+        """Per group, per live block of swapped `seq`, the cached device block holding its content (or None);
+        and the free blocks needed."""
         cache_map = self.pool.cached_block_hash_to_block if self.enable_prefix_caching else {}
-        hits: list[KVCacheBlock | None] = [cache_map.get(h) for h in seq.block_hashes]
-        hits += [None] * (len(seq.blocks) - len(hits))
+        plans: list[list[KVCacheBlock | None]] = []
+        for gi, skipped in enumerate(seq.skipped):
+            live = len(seq.tables[gi]) - skipped
+            hashes = seq.block_hashes[skipped : skipped + live]
+            hits: list[KVCacheBlock | None] = [cache_map.get(group_key(h, gi)) for h in hashes]
+            hits += [None] * (live - len(hits))
+            plans.append(hits)
         # A hit on an evictable block takes it out of the free queue, so it counts like a new block.
-        num_needed = sum(1 for b in hits if b is None or b.ref_cnt == 0)
-        return hits, num_needed
+        num_needed = sum(1 for hits in plans for b in hits if b is None or b.ref_cnt == 0)
+        return plans, num_needed
+
+    def _num_hit_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """Blocks of the longest prefix every group can serve: a full group needs every block, a sliding group
+        only those its window sees from the hit point (vLLM's hybrid semantics); shrinks until all agree."""
+        cache_map = self.pool.cached_block_hash_to_block
+        hit = len(hashes)
+        for gi, spec in enumerate(self.groups):
+            if spec.sliding_window is None:
+                n = 0
+                while n < hit and group_key(hashes[n], gi) in cache_map:
+                    n += 1
+                hit = n
+        changed = True
+        while changed and hit:
+            changed = False
+            for gi, spec in enumerate(self.groups):
+                if spec.sliding_window is not None:
+                    best = self._sliding_hit(gi, spec, hashes, hit)
+                    changed = changed or best < hit
+                    hit = best
+        return hit
+
+    def _sliding_hit(
+        self, group: int, spec: KVCacheGroupSpec, hashes: Sequence[BlockHash], limit: int
+    ) -> int:
+        """The largest hit of at most `limit` blocks whose window blocks `group` holds in the cache."""
+        cache_map = self.pool.cached_block_hash_to_block
+        # run[i]: cached blocks of this group ending just before block i, consecutively.
+        run = [0] * (limit + 1)
+        for i in range(limit):
+            run[i + 1] = run[i] + 1 if group_key(hashes[i], group) in cache_map else 0
+        bs = self.block_size
+        for hit in range(limit, 0, -1):
+            if run[hit] >= hit - spec.first_needed_block(hit * bs, bs):
+                return hit
+        return 0
 
     def _check_new_seq(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """ValueError naming `seq_id` if it is swapped out or `num_computed_tokens` is not block-aligned."""
@@ -346,38 +539,49 @@ class BlockManager:
             else []
         )
         cache_map = self.pool.cached_block_hash_to_block
-        hit_blocks: list[KVCacheBlock] = []
-        for block_hash in hashes[:num_cached_blocks]:
-            block = cache_map.get(block_hash)
-            if block is None:
-                raise ValueError(
-                    f"sequence {seq_id!r}: only {len(hit_blocks) * bs} of {num_computed_tokens} computed tokens "
-                    "are cached"
-                )
-            hit_blocks.append(block)
+        # Per group: the blocks before its window stay null; the cached blocks inside it are shared.
+        firsts = [g.first_needed_block(num_computed_tokens, bs) for g in self.groups]
+        group_hits: list[list[KVCacheBlock]] = []
+        for gi, first in enumerate(firsts):
+            hit_blocks: list[KVCacheBlock] = []
+            for i in range(first, num_cached_blocks):
+                block = cache_map.get(group_key(hashes[i], gi))
+                if block is None:
+                    raise ValueError(
+                        f"sequence {seq_id!r}: only {i * bs} of {num_computed_tokens} computed tokens are cached"
+                    )
+                hit_blocks.append(block)
+            group_hits.append(hit_blocks)
         num_new_blocks = -(-end // bs) - num_cached_blocks
-        num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        num_revived = sum(1 for hits in group_hits for b in hits if b.ref_cnt == 0)
         pool = self.pool
-        if num_new_blocks + num_revived > pool.free_block_queue.num_free_blocks:
+        if num_new_blocks * len(self.groups) + num_revived > pool.free_block_queue.num_free_blocks:
             return None
         # Revive hits before popping new blocks, or the pops could evict the very blocks being hit.
-        pool.touch(hit_blocks)
-        blocks = hit_blocks
-        blocks.extend(pool.get_new_blocks(num_new_blocks))
-        self.seqs[seq_id] = SequenceBlocks(blocks, end, hashes, salt_b)
+        for gi, hits in enumerate(group_hits):
+            self.num_used_per_group[gi] += pool.touch(hits)
+        tables: list[list[KVCacheBlock]] = []
+        for gi, (first, hits) in enumerate(zip(firsts, group_hits, strict=True)):
+            null_prefix: list[KVCacheBlock] = [self.null_block] * first if self.null_block is not None else []
+            tables.append([*null_prefix, *hits, *pool.get_new_blocks(num_new_blocks)])
+            self.num_used_per_group[gi] += num_new_blocks
+        self.seqs[seq_id] = seq = SequenceBlocks(tables, end, hashes, salt_b, firsts)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed_tokens
-            self._register(blocks, hashes, num_cached_blocks)
+            for gi, table in enumerate(tables):
+                self._register(table, hashes, num_cached_blocks, gi)
         if num_new_tokens == 0:
-            return SlotAllocation((), (), num_computed_tokens)
-        return SlotAllocation(self._slots(blocks, num_computed_tokens, end), (), num_computed_tokens)
+            return SlotAllocation((), (), num_computed_tokens, self._per_group([()] * len(tables)))
+        group_slots = [self._slots(table, num_computed_tokens, end) for table in seq.tables]
+        return SlotAllocation(group_slots[0], (), num_computed_tokens, self._per_group(group_slots))
 
-    def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int) -> None:
-        """Register blocks[i] under hashes[i] for i >= start; first writer wins, duplicates stay uncached."""
+    def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int, group: int) -> None:
+        """Register blocks[i] under hashes[i] (keyed for `group`) for i >= start; first writer wins, duplicates
+        stay uncached."""
         cache_map = self.pool.cached_block_hash_to_block
         for i in range(start, len(hashes)):
-            block, block_hash = blocks[i], hashes[i]
+            block, block_hash = blocks[i], group_key(hashes[i], group)
             if block.block_hash is None and block_hash not in cache_map:
                 cache_map[block_hash] = block
                 block.block_hash = block_hash
@@ -392,7 +596,9 @@ class BlockManager:
             return
         parent = seq.block_hashes[-1] if num_hashed else ROOT_BLOCK_HASH
         seq.block_hashes += hash_blocks(token_ids, self.block_size, num_hashed, num_full, parent, seq.salt)
-        self._register(seq.blocks, seq.block_hashes, num_hashed)
+        for gi, table in enumerate(seq.tables):
+            # A block a window already left behind (null) holds nothing to register.
+            self._register(table, seq.block_hashes, max(num_hashed, seq.skipped[gi]), gi)
 
     def _slots(self, blocks: list[KVCacheBlock], start: int, end: int) -> tuple[int, ...]:
         """Slot ids of token positions [start, end): per-block ranges chained in C, no per-token Python work."""

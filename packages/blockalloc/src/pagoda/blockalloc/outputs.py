@@ -13,6 +13,9 @@ class SlotAllocation:
     # Copy-on-write (src_block, dst_block) pairs to perform BEFORE writing.
     copies: tuple[tuple[int, int], ...]
     num_cached_tokens: int  # tokens of this sequence served by the prefix cache (0 unless new)
+    # With several KV cache groups: the new tokens' slots in each group's own blocks (group 0's are `slots`);
+    # empty with one group.
+    group_slots: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,8 @@ class KVCacheStats:
     num_free_host_blocks: int
     prefix_cache_queries: int  # tokens looked up (counted once per new sequence allocation)
     prefix_cache_hits: int  # tokens served from the cache
+    # With several KV cache groups: the device blocks each holds (empty with one group).
+    num_used_blocks_per_group: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

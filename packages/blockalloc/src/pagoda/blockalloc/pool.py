@@ -57,18 +57,27 @@ class BlockPool:
         """The block registered for `block_hash`, if any."""
         return self.cached_block_hash_to_block.get(block_hash)
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference on each block, reviving evictable ones out of the middle of the free queue."""
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Take one more reference on each block, reviving evictable ones out of the middle of the free queue.
+
+        Returns how many were revived (were free before).
+        """
         queue = self.free_block_queue
+        revived = 0
         for block in blocks:
             if block.ref_cnt == 0:
                 queue.remove(block)
+                revived += 1
                 if block.block_hash is not None:
                     self.num_cached_free -= 1
             block.ref_cnt += 1
+        return revived
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block, in the given (eviction) order; uncached go to the front, cached to the back."""
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> int:
+        """Drop one reference per block, in the given (eviction) order; uncached go to the front, cached to the back.
+
+        Returns how many became free.
+        """
         uncached: list[KVCacheBlock] = []
         cached: list[KVCacheBlock] = []
         for block in ordered_blocks:
@@ -79,6 +88,7 @@ class BlockPool:
         self.free_block_queue.appendleft_n(uncached)
         self.free_block_queue.append_n(cached)
         self.num_cached_free += len(cached)
+        return len(uncached) + len(cached)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full, referenced block under its hash unless that hash (or this block) is registered already."""
@@ -86,9 +96,9 @@ class BlockPool:
             self.cached_block_hash_to_block[block_hash] = block
             block.block_hash = block_hash
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every hash if no block is referenced; False (and no change) otherwise."""
-        if self.free_block_queue.num_free_blocks != len(self.blocks):
+    def reset_prefix_cache(self, num_reserved: int = 0) -> bool:
+        """Forget every hash if no block but the `num_reserved` held for good is referenced; False otherwise."""
+        if self.free_block_queue.num_free_blocks != len(self.blocks) - num_reserved:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None

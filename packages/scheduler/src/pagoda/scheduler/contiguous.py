@@ -22,6 +22,7 @@ class ContiguousStats:
     num_free_host_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_used_blocks_per_group: tuple[int, ...] = ()
 
 
 class ContiguousKVManager:
@@ -42,6 +43,24 @@ class ContiguousKVManager:
         if self.blocks_per_seq > self.num_blocks:
             raise ValueError("one reservation exceeds the pool")
         self._seqs: set[str] = set()
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        """One group: a contiguous region per sequence."""
+        return 1
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Never: a region is never given back piecewise."""
+        return False
+
+    def blocks_for_tokens(self, num_tokens: int, *, chunk_tokens: int = 1) -> int:
+        """Every token keeps its block."""
+        return -(-num_tokens // self.block_size)
+
+    def block_tables(self, seq_id: str) -> Sequence[Sequence[int]]:
+        """The one group's table."""
+        return (self.block_table(seq_id),)
 
     def num_free_blocks(self) -> int:
         """Blocks no reservation holds."""

@@ -21,6 +21,9 @@ class ScheduledRequest(NamedTuple):
     slots: tuple[int, ...]  # KV slot of each chunk token: block_id * block_size + offset
     num_samples: int  # tokens to sample from the logits at the chunk's last position (0: mid-prompt chunk)
     sample_ids: tuple[str, ...]  # request id each sample goes to (parent first, then forked children)
+    # With several KV cache groups: each group's block table and chunk slots (group 0's are the two above).
+    group_block_tables: tuple[tuple[int, ...], ...] = ()
+    group_slots: tuple[tuple[int, ...], ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -60,6 +63,9 @@ class SchedulerStats:
     num_free_blocks: int
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
+    kv_usage_per_group: tuple[
+        float, ...
+    ] = ()  # used / total device blocks held by each KV cache group (>1 group)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

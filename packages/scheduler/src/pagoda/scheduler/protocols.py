@@ -30,6 +30,11 @@ class SlotAllocationLike(Protocol):
         """Tokens of a new sequence served by the prefix cache."""
         ...
 
+    @property
+    def group_slots(self) -> Sequence[Sequence[int]]:
+        """With several KV cache groups, the new tokens' slots in each group (group 0's are `slots`); else empty."""
+        ...
+
 
 class KVCacheStatsLike(Protocol):
     """A snapshot of block usage and prefix-cache counters."""
@@ -69,6 +74,11 @@ class KVCacheStatsLike(Protocol):
         """Tokens served from the prefix cache so far."""
         ...
 
+    @property
+    def num_used_blocks_per_group(self) -> Sequence[int]:
+        """With several KV cache groups, the device blocks each holds; else empty."""
+        ...
+
 
 class KVBlockManager(Protocol):
     """The paged KV block manager, as the scheduler uses it (mirrors packages/blockalloc/API.md).
@@ -84,6 +94,16 @@ class KVBlockManager(Protocol):
     @property
     def num_blocks(self) -> int:
         """Device blocks in the pool."""
+        ...
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        """KV cache groups (one per attention type; 1 for a plain paged allocator): block tables per sequence."""
+        ...
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether a group releases the blocks its window left behind (its tables then change in the middle)."""
         ...
 
     def num_free_blocks(self) -> int:
@@ -107,8 +127,17 @@ class KVBlockManager(Protocol):
 
         Between allocations of a device-resident sequence the table only changes by blocks appended at the
         end, or by its last block replaced with a copy-on-write copy (returned in `copies`); the scheduler
-        relies on this to reuse the table it sent last.
+        relies on this to reuse the table it sent last, unless `has_sliding_window`.
         """
+        ...
+
+    def block_tables(self, seq_id: str) -> Sequence[Sequence[int]]:
+        """Device block ids of `seq_id`, one table per KV cache group (group 0's is `block_table`)."""
+        ...
+
+    def blocks_for_tokens(self, num_tokens: int, *, chunk_tokens: int = 1) -> int:
+        """Most device blocks one sequence of `num_tokens` tokens holds, over all groups, when no step computes
+        more than `chunk_tokens` of its tokens."""
         ...
 
     def get_num_cached_tokens(

@@ -85,6 +85,8 @@ class Scheduler:
         # Block tables as last sent: a known sequence's table only grows at the end or has its last block
         # replaced by copy-on-write (reported in `copies`), so most steps reuse the tuple instead of asking kv.
         self._block_tables: dict[str, tuple[int, ...]] = {}
+        # Several KV cache groups or a sliding window: every chunk takes its tables fresh from the allocator.
+        self._grouped = kv.num_kv_cache_groups > 1 or kv.has_sliding_window
 
     # ------------------------------------------------------------------ queries
 
@@ -108,6 +110,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions, and the allocator's usage and prefix-cache counters."""
         kv = self.kv.stats()
+        per_group = tuple(n / kv.num_blocks if kv.num_blocks else 0.0 for n in kv.num_used_blocks_per_group)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -117,6 +120,7 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            kv_usage_per_group=per_group,
         )
 
     # ---------------------------------------------------------------- requests
@@ -144,10 +148,13 @@ class Scheduler:
         if request.num_prompt_tokens == 0 or sp.max_tokens < 1 or sp.n < 1:
             raise RequestRejectedError(f"request {rid!r} needs a prompt, max_tokens >= 1 and n >= 1")
         # The last sampled token is never fed back, so a sequence holds at most prompt + max_tokens - 1 slots.
-        blocks = -(-(request.num_prompt_tokens + sp.max_tokens - 1) // self._block_size)
+        chunk = self.max_num_batched_tokens
+        blocks = self.kv.blocks_for_tokens(request.num_prompt_tokens + sp.max_tokens - 1, chunk_tokens=chunk)
         if blocks > self.kv.num_blocks:
             # The prompt is at fault when it alone overflows the pool, else the max_tokens added to it.
-            prompt_fits = -(-request.num_prompt_tokens // self._block_size) <= self.kv.num_blocks
+            prompt_fits = (
+                self.kv.blocks_for_tokens(request.num_prompt_tokens, chunk_tokens=chunk) <= self.kv.num_blocks
+            )
             raise RequestRejectedError(
                 f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})",
                 "max_tokens" if prompt_fits else "prompt",
@@ -353,6 +360,8 @@ class Scheduler:
         if mode == "recompute" or costs is None:
             return "recompute"
         rid = victim.request_id
+        # Group 0's table length: the block positions a swap moves (an engine with several groups prices a
+        # position as every group's block at it).
         return choose_preemption(costs, len(self.kv.block_table(rid)), self.kv.num_tokens(rid))
 
     def _preempt(self, victim: Request, step: _Step, mode: PreemptionChoice) -> None:
@@ -377,11 +386,10 @@ class Scheduler:
 
     def _swap_in(self, step: _Step) -> None:
         """Bring swapped-out requests back while seats and blocks (above the watermark) allow; schedule them."""
-        bs = self.kv.block_size
         while self.swapped:
             request = self.swapped[0]
             rid = request.request_id
-            blocks = -(-self.kv.num_tokens(rid) // bs)
+            blocks = self.kv.blocks_for_tokens(self.kv.num_tokens(rid))
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
             if not self.kv.can_swap_in(rid):
@@ -475,27 +483,54 @@ class Scheduler:
             sample_ids = (rid, *request.child_ids())
         else:
             sample_ids = (rid,)
-        table = self._block_tables.get(rid)
-        if table is None or allocation.copies or len(table) * self._block_size < end:
-            table = self._block_tables[rid] = tuple(self.kv.block_table(rid))
-        step.scheduled.append(
-            ScheduledRequest(
-                rid,
-                tuple(tokens[start:end]),
-                start,
-                num_new,
-                table,
-                tuple(allocation.slots),
-                len(sample_ids),
-                sample_ids,
+        if self._grouped:
+            step.scheduled.append(self._grouped_chunk(request, start, num_new, allocation, sample_ids))
+        else:
+            table = self._block_tables.get(rid)
+            if table is None or allocation.copies or len(table) * self._block_size < end:
+                table = self._block_tables[rid] = tuple(self.kv.block_table(rid))
+            step.scheduled.append(
+                ScheduledRequest(
+                    rid,
+                    tuple(tokens[start:end]),
+                    start,
+                    num_new,
+                    table,
+                    tuple(allocation.slots),
+                    len(sample_ids),
+                    sample_ids,
+                )
             )
-        )
         if allocation.copies:
             step.copies.extend(allocation.copies)
         step.budget -= num_new
         if step.prefill_budget is not None and start + 1 < len(tokens):  # not a decode
             step.prefill_budget -= num_new
         request.num_computed_tokens = end
+
+    def _grouped_chunk(
+        self,
+        request: Request,
+        start: int,
+        num_new: int,
+        allocation: SlotAllocationLike,
+        sample_ids: tuple[str, ...],
+    ) -> ScheduledRequest:
+        """A chunk with every KV cache group's table and slots, read fresh (a window changes a table anywhere)."""
+        tables = tuple(tuple(t) for t in self.kv.block_tables(request.request_id))
+        group_slots = tuple(tuple(s) for s in allocation.group_slots)
+        return ScheduledRequest(
+            request.request_id,
+            tuple(request.all_token_ids[start : start + num_new]),
+            start,
+            num_new,
+            tables[0],
+            tuple(allocation.slots),
+            len(sample_ids),
+            sample_ids,
+            tables if len(tables) > 1 else (),
+            group_slots,
+        )
 
     def _fork(self, parent: Request) -> None:
         """Make the parent's n - 1 children, sharing its computed prompt blocks (copy-on-write)."""

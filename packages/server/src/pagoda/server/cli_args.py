@@ -182,6 +182,14 @@ def argument_table() -> list[Flag]:
                 "of bfloat16's bytes); fp8 (= fp8_e4m3), fp8_e5m2: CUDA only",
             },
         ),
+        Flag(
+            ("--disable-hybrid-kv-cache-manager",),
+            {
+                "action": "store_true",
+                "help": "keep every layer's KV for every position (one block table for all layers) instead of "
+                "KV cache groups whose sliding-window layers keep only their window",
+            },
+        ),
         # scheduler
         Flag(
             ("--max-model-len",), {"type": int, **given, "help": "longest prompt + output (default: model's)"}

@@ -181,6 +181,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # override the computed KV capacity (tests use tiny pools)
     kv_manager: KVManagerName = "paged"
     kv_cache_dtype: KVCacheDtypeName = "auto"  # the KV cache's storage dtype
+    # vLLM's flag: one full-attention group of every layer (today's layout) instead of KV cache groups.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""

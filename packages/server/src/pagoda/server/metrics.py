@@ -36,6 +36,18 @@ class _EngineStatsCollector(Collector):
         self._prefix = prefix
         self._replicas = replicas
 
+    def _group_usage(self, labels: list[str], engines: list[tuple[list[str], EngineStats]]) -> Metric:
+        """KV usage per KV cache group (engines with sliding-window groups; none with one group)."""
+        gauge = GaugeMetricFamily(
+            f"{self._prefix}:kv_cache_group_usage_perc",
+            "Fraction of KV-cache blocks each KV cache group holds (0 to 1).",
+            labels=[*labels, "kv_cache_group"],
+        )
+        for values, stats in engines:
+            for group, usage in enumerate(stats.kv_cache_usage_per_group):
+                gauge.add_metric([*values, str(group)], usage)
+        return gauge
+
     def collect(self) -> Iterable[Metric]:
         """Yield one family per engine gauge and counter."""
         if self._replicas is None:
@@ -63,6 +75,7 @@ class _EngineStatsCollector(Collector):
             for values, stats in engines:
                 gauge.add_metric(values, float(value(stats)))
             yield gauge
+        yield self._group_usage(labels, engines)
         counters: list[tuple[str, str, Callable[[EngineStats], float]]] = [
             (
                 "prefix_cache_queries",

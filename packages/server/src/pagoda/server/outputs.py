@@ -94,3 +94,5 @@ class EngineStats:
     generation_tokens: int  # tokens generated (counter)
     num_host_blocks: int = 0  # host (swap) tier capacity in blocks
     enable_prefix_caching: bool = False
+    # With KV cache groups: the fraction of device blocks each group holds (empty with one group).
+    kv_cache_usage_per_group: tuple[float, ...] = ()

@@ -59,8 +59,21 @@ def reference_output(
 class TokenCacheModel:
     """A model runner over a paged cache of token ids (one int per slot) instead of K/V vectors."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
-        """A cache shaped like the allocator's two tiers; every slot starts empty (None)."""
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        sliding_windows: Sequence[int | None] = (None,),
+    ) -> None:
+        """A cache shaped like the allocator's two tiers; every slot starts empty (None).
+
+        `sliding_windows` has one entry per KV cache group (None: full attention, which group 0 must be): every
+        group's slots are written, and each group's window of the context must read back the same tokens.
+        """
+        if sliding_windows[0] is not None:
+            raise ValueError("group 0 must be full attention: the tokens are sampled from its whole context")
+        self.sliding_windows = tuple(sliding_windows)
         self.block_size = block_size
         self.device: list[int | None] = [None] * (num_blocks * block_size)
         self.host: list[int | None] = [None] * (num_host_blocks * block_size)
@@ -81,10 +94,14 @@ class TokenCacheModel:
             self._copy(self.device, src, self.device, dst)
         # Every chunk's KV is written before any context is read, as reshape_and_cache precedes attention.
         for chunk in output.scheduled:
-            assert len(chunk.token_ids) == len(chunk.slots) == chunk.num_tokens, chunk
-            for pos, (token, slot) in enumerate(zip(chunk.token_ids, chunk.slots, strict=True), chunk.start):
-                assert slot == chunk.block_table[pos // bs] * bs + pos % bs, (chunk, pos)
-                self.device[slot] = token
+            tables = chunk.group_block_tables or (chunk.block_table,)
+            group_slots = chunk.group_slots or (chunk.slots,)
+            assert len(tables) == len(group_slots) == len(self.sliding_windows), chunk
+            for table, slots in zip(tables, group_slots, strict=True):
+                assert len(chunk.token_ids) == len(slots) == chunk.num_tokens, chunk
+                for pos, (token, slot) in enumerate(zip(chunk.token_ids, slots, strict=True), chunk.start):
+                    assert slot == table[pos // bs] * bs + pos % bs, (chunk, pos)
+                    self.device[slot] = token
         sampled: dict[str, list[int]] = {}
         for chunk in output.scheduled:
             if not chunk.num_samples:
@@ -93,6 +110,14 @@ class TokenCacheModel:
             context = [self.device[table[p // bs] * bs + p % bs] for p in range(chunk.seq_len)]
             known = [t for t in context if t is not None]
             assert len(known) == len(context), f"{chunk.request_id!r} reads an empty slot"
+            for window, group_table in zip(
+                self.sliding_windows[1:], chunk.group_block_tables[1:], strict=True
+            ):
+                # A sliding group's last query sees the keys of its window, which must hold the same tokens.
+                first = 0 if window is None else max(0, chunk.seq_len - window)
+                for p in range(first, chunk.seq_len):
+                    got = self.device[group_table[p // bs] * bs + p % bs]
+                    assert got == known[p], f"{chunk.request_id!r}: group slot of position {p}"
             for index, sample_id in enumerate(chunk.sample_ids):
                 sampled[sample_id] = [next_token(known, index)]
         return sampled

@@ -80,6 +80,18 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         generation_tokens=sum(s.generation_tokens for s in stats),
         num_host_blocks=sum(s.num_host_blocks for s in stats),
         enable_prefix_caching=first.enable_prefix_caching,
+        kv_cache_usage_per_group=_group_usage(stats, blocks),
+    )
+
+
+def _group_usage(stats: Sequence[EngineStats], blocks: int) -> tuple[float, ...]:
+    """Each KV cache group's usage over every replica's blocks (replicas of one model share their groups)."""
+    num_groups = len(stats[0].kv_cache_usage_per_group)
+    if not blocks or any(len(s.kv_cache_usage_per_group) != num_groups for s in stats):
+        return ()
+    return tuple(
+        sum(s.kv_cache_usage_per_group[g] * s.num_kv_blocks for s in stats) / blocks
+        for g in range(num_groups)
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend, allocate_host_cache
 from pagoda.pagedkernel.kv_quant import is_scaled
 from pagoda.pagedkernel.torch_backend import TorchBackend
+from pagoda.server.engine.kv_groups import KVCacheLayout
 from pagoda.server.models.attention import LayerKVCache
 
 # Scales are [num_blocks, num_kv_heads]: indexed copies of a few bytes per block, the same on every device.
@@ -23,12 +24,16 @@ _SCALE_MOVES = TorchBackend()
 class KVCacheShape:
     """Per-layer cache geometry; every layer shares it."""
 
-    num_layers: int
+    num_layers: (
+        int  # (K, V) tensor pairs: the model's layers, or with KV cache groups the layers of one group
+    )
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype  # the model's (activations')
     cache_dtype: torch.dtype | None = None  # what the cache stores (--kv-cache-dtype); None: `dtype`
+    # The KV cache groups and each model layer's pair (None: one full-attention group, layer i in pair i).
+    layout: KVCacheLayout | None = None
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -39,6 +44,10 @@ class KVCacheShape:
     def scaled(self) -> bool:
         """Whether the cache keeps a float32 scale per block and KV head (int8)."""
         return is_scaled(self.storage_dtype)
+
+    def layer_slots(self) -> tuple[int, ...]:
+        """Per model layer, the index of its (K, V) tensor pair."""
+        return tuple(range(self.num_layers)) if self.layout is None else self.layout.layer_slots
 
     @property
     def bytes_per_block(self) -> int:
@@ -109,6 +118,8 @@ class KVCache:
         )
         # pagedkernel's host allocator pins the tier when CUDA is present, so that swaps copy asynchronously.
         self.host_caches = allocate_caches(shape, num_host_blocks, allocate_host_cache)
+        # Per model layer (the pairs repeat with KV cache groups: a block id is owned by one group at a time).
+        self.layer_caches = [self.device_caches[s] for s in shape.layer_slots()]
         self._device = device
 
     def _pairs(self, pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_lens
 from pagoda.server.engine.request_factory import new_request
-from pagoda.server.engine.scheduling import build_kv_manager
+from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.outputs import EngineStats, RequestOutput
@@ -74,7 +74,11 @@ class LLMEngine:
             model_config.runner, model_config.pooler_config, Matryoshka.of_model(parts.model_path)
         )
         self.kv_manager: KVBlockManager = build_kv_manager(
-            config, self.num_kv_blocks, self.num_host_kv_blocks, parts.max_model_len
+            config,
+            self.num_kv_blocks,
+            self.num_host_kv_blocks,
+            parts.max_model_len,
+            groups=kv_cache_groups(parts.kv_cache.shape),
         )
         # The scheduler section itself, with the limits only the loaded model could tell.
         scheduler_config = resolved_scheduler_config(
@@ -278,4 +282,5 @@ class LLMEngine:
             generation_tokens=self.counters.generation_tokens,
             num_host_blocks=self.num_host_kv_blocks,
             enable_prefix_caching=self.config.scheduler_config.enable_prefix_caching,
+            kv_cache_usage_per_group=s.kv_usage_per_group,
         )

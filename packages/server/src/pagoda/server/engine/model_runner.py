@@ -10,7 +10,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.server.engine.kv_cache import KVCache
-from pagoda.server.models.attention import AttentionMetadata
+from pagoda.server.models.attention import Attention, AttentionMetadata
 from pagoda.server.models.base import CausalLM
 from torch import Tensor
 
@@ -51,6 +51,16 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        layout = kv_cache.shape.layout
+        if layout is not None:
+            # Each attention layer reads and writes through its KV cache group's block tables.
+            layers = [m for m in model.modules() if isinstance(m, Attention)]
+            if len(layers) != layout.num_layers:
+                raise ValueError(
+                    f"KV cache layout of {layout.num_layers} layers for a model of {len(layers)}"
+                )
+            for layer, group in zip(layers, layout.layer_groups, strict=True):
+                layer.kv_cache_group = group
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> PreparedBatch:
         """Flatten the scheduled chunks into the model's varlen inputs and attention metadata."""
@@ -75,6 +85,22 @@ class ModelRunner:
         def tensor(values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
+        group_slots: tuple[Tensor, ...] = ()
+        group_tables: tuple[Tensor, ...] = ()
+        if scheduled[0].group_block_tables:
+            num_groups = len(scheduled[0].group_block_tables)
+            group_slots = tuple(
+                tensor(list(itertools.chain.from_iterable(c.group_slots[g] for c in scheduled)), torch.int64)
+                for g in range(num_groups)
+            )
+            # Padding with block 0 (the null block): past a sequence's end, never read.
+            group_tables = tuple(
+                tensor(
+                    [[*t, *([0] * (width - len(t)))] for t in (c.group_block_tables[g] for c in scheduled)],
+                    torch.int32,
+                )
+                for g in range(num_groups)
+            )
         attn = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
             block_tables=tensor(block_tables, torch.int32),
@@ -83,6 +109,8 @@ class ModelRunner:
             max_query_len=max(c.num_tokens for c in scheduled),
             is_decode=all(c.num_tokens == 1 for c in scheduled),
             backend=self.backend,
+            group_slot_mappings=group_slots,
+            group_block_tables=group_tables,
         )
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64),
@@ -117,7 +145,7 @@ class ModelRunner:
         if not output.scheduled:
             return torch.empty(0, 0), {}
         batch = self.prepare(output.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.device_caches, batch.attn)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
         prompt_hidden: dict[str, PromptHidden] = {}
         offset = 0
         for chunk in output.scheduled:

@@ -58,6 +58,9 @@ def measure_preemption_costs(
     are timed on the driver's shard alone (every rank copies its shard in parallel); the prefill on every rank.
     """
     kv, device = executor.driver.kv_cache, executor.driver.device
+    # The scheduler prices a victim by its block positions (group 0's table): with KV cache groups a position
+    # moves one block of each group (an upper bound where a window already released some).
+    groups = 1 if kv.shape.layout is None else len(kv.shape.layout.groups)
     bytes_per_block = kv.shape.bytes_per_block
     num_blocks = min(kv.num_blocks, kv.num_host_blocks, _PROBE_BLOCKS)
     if num_blocks < 2:  # no host tier to speak of: swapping is never the choice
@@ -73,7 +76,9 @@ def measure_preemption_costs(
     step = _probe_step(num_tokens, block_size)
     executor.execute(step, {})  # warm-up
     prefill = _best_seconds(lambda: executor.execute(step, {}), device, 1)
-    costs = MeasuredPreemptionCosts(bytes_per_block, bandwidth, latency, num_tokens / max(prefill, 1e-9))
+    costs = MeasuredPreemptionCosts(
+        bytes_per_block * groups, bandwidth, latency, num_tokens / max(prefill, 1e-9)
+    )
     logger.info(
         "preemption auto: host copies %.3g GB/s + %.3g ms each, prefill %.0f tokens/s",
         bandwidth / 1e9,

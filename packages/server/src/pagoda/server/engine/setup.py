@@ -14,8 +14,10 @@ from pagoda.server.config import EngineConfig
 from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
 from pagoda.server.engine.kv_dtype import check_kv_cache_dtype, storage_dtype
+from pagoda.server.engine.kv_groups import KVCacheLayout, plan_kv_cache_layout
 from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model, load_shard
 from pagoda.server.loader.quantize_at_load import load_qtype
+from pagoda.server.models.attention import Attention
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.parallel import ParallelGroup
 from pagoda.server.models.quantized import resident_weight_bytes
@@ -133,14 +135,43 @@ def log_resident_weights(model: CausalLM) -> None:
     logger.info("weights: %.1f MiB resident", resident_weight_bytes(model) / 2**20)
 
 
+def kv_cache_layout(model: CausalLM, config: EngineConfig) -> KVCacheLayout:
+    """The model's KV cache groups: by attention type (the hybrid manager), or one group of every layer when
+    `--disable-hybrid-kv-cache-manager` or the contiguous manager (which reserves whole regions) is on."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    cache = config.cache_config
+    hybrid = not cache.disable_hybrid_kv_cache_manager and cache.kv_manager == "paged"
+    return plan_kv_cache_layout(windows, hybrid=hybrid)
+
+
 def kv_cache_shape(model: CausalLM, config: EngineConfig, dtype: torch.dtype) -> KVCacheShape:
-    """The per-layer KV geometry of a model (of this rank's shard: its KV heads only), stored as
+    """The per-layer KV geometry of a model (of this rank's shard: its KV heads only), grouped, and stored as
     --kv-cache-dtype says."""
     spec = model.kv_cache_spec()
-    cache_dtype = storage_dtype(config.cache_config.kv_cache_dtype, dtype)
+    layout = kv_cache_layout(model, config)
+    if layout.num_layers != spec.num_layers:
+        raise ValueError(f"{layout.num_layers} attention layers, but a KV cache spec of {spec.num_layers}")
     return KVCacheShape(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, config.cache_config.block_size, dtype, cache_dtype
+        layout.layers_per_group,
+        spec.num_kv_heads,
+        spec.head_dim,
+        config.cache_config.block_size,
+        dtype,
+        cache_dtype=storage_dtype(config.cache_config.kv_cache_dtype, dtype),
+        layout=None if len(layout.groups) == 1 and not layout.is_hybrid else layout,
     )
+
+
+def longest_sequence(layout: KVCacheLayout, num_blocks: int, block_size: int, chunk_tokens: int) -> int:
+    """The most tokens one sequence can reach in `num_blocks` blocks (prefilled in chunks of `chunk_tokens`)."""
+    lo, hi = 0, 1 << 30
+    while lo < hi:  # the largest n with blocks_for_tokens(n) <= num_blocks: the count only grows with n
+        mid = (lo + hi + 1) // 2
+        if layout.blocks_for_tokens(mid, block_size, min(chunk_tokens, mid)) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def prepare_kernels(backend: KernelBackend, dtype: torch.dtype, config: EngineConfig | None = None) -> None:
@@ -215,20 +246,39 @@ def build_parts(
     prepare_model(loaded.model, config, device)
     text_config = loaded.hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-    max_model_len = scheduler.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > model_limit:
+    if scheduler.max_model_len is not None and scheduler.max_model_len > model_limit:
         raise EngineConfigError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({model_limit}); lower "
-            "--max-model-len"
+            f"max_model_len {scheduler.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_limit}); lower --max-model-len"
         )
     shape = kv_cache_shape(loaded.model, config, dtype)
-    num_blocks = cache.num_kv_blocks or shape.blocks_in(_kv_bytes(config, device))
-    if num_blocks * cache.block_size < max_model_len:
+    layout = shape.layout or plan_kv_cache_layout([None] * shape.num_layers, hybrid=False)
+    # num_kv_blocks counts memory in blocks of every layer (today's layout): the grouped pool of the same
+    # memory has num_layers / layers_per_group times as many (smaller) blocks.
+    num_blocks = (
+        cache.num_kv_blocks * (layout.num_layers // layout.layers_per_group)
+        if cache.num_kv_blocks
+        else shape.blocks_in(_kv_bytes(config, device))
+    )
+    # A sliding-window group's block manager keeps one block aside: the null block.
+    usable_blocks = max(num_blocks - layout.is_hybrid, 0)
+    # The longest chunk a step computes: a sliding group holds its window plus that chunk while prefilling.
+    chunk = scheduler.max_num_batched_tokens or (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS if scheduler.enable_chunked_prefill else 1 << 30
+    )
+    longest = longest_sequence(layout, usable_blocks, cache.block_size, chunk)
+    # The model's own context where the pool holds one such sequence (paged only: a contiguous reservation
+    # takes max_model_len per sequence), else the capped default.
+    own = cache.kv_manager == "paged" and longest >= model_limit
+    max_model_len = scheduler.max_model_len or (
+        model_limit if own else min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    )
+    if longest < max_model_len:
         knob = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-gib"
         raise EngineConfigError(
-            f"the KV cache holds {max(num_blocks, 0)} blocks of {cache.block_size} tokens "
-            f"({max(num_blocks, 0) * cache.block_size} tokens), less than one request of max_model_len "
-            f"({max_model_len}); raise {knob} or lower --max-model-len"
+            f"max_model_len {max_model_len} does not fit: the KV cache holds {usable_blocks} blocks of "
+            f"{cache.block_size} tokens ({layout.describe()}), at most {longest} tokens for one sequence, less "
+            f"than one request of max_model_len ({max_model_len}); raise {knob} or lower --max-model-len"
         )
     if model_config.max_input_tokens is not None and model_config.max_input_tokens >= max_model_len:
         # TGI's rule: a prompt of max_input_tokens must leave room for at least one output token.
@@ -250,6 +300,7 @@ def build_parts(
         shape.bytes_per_token,
         num_host_blocks,
     )
+    log_capacity(layout, usable_blocks, cache.block_size, max_model_len, chunk)
     if scheduler.max_num_batched_tokens is not None:
         max_batched = scheduler.max_num_batched_tokens
     elif scheduler.enable_chunked_prefill:
@@ -269,4 +320,23 @@ def build_parts(
         max_num_batched_tokens=max_batched,
         vocab_size=int(text_config.vocab_size),
         eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model_path),
+    )
+
+
+def log_capacity(
+    layout: KVCacheLayout, num_blocks: int, block_size: int, max_model_len: int, chunk: int
+) -> None:
+    """Log how many sequences of max_model_len tokens the pool holds, and what one takes in each group."""
+    full = layout.blocks_for_tokens(max_model_len, block_size, min(chunk, max_model_len))
+    per_group = [g.max_blocks(max_model_len, block_size) for g in layout.groups]
+    logger.info(
+        "KV cache groups: %s; one sequence of max_model_len %d holds %s blocks per group (%d in all): %d "
+        "sequences at once (%.1f while prefilling in chunks of %d)",
+        layout.describe(),
+        max_model_len,
+        "/".join(str(n) for n in per_group),
+        sum(per_group),
+        num_blocks // max(sum(per_group), 1),
+        num_blocks / max(full, 1),
+        chunk,
     )

@@ -36,6 +36,10 @@ class AttentionMetadata:
     max_query_len: int
     is_decode: bool  # every sequence has exactly one query token this step
     backend: KernelBackend
+    # With several KV cache groups, per group: int64 [num_tokens] slots and int32 [num_seqs, max_blocks] tables
+    # (a layer uses its group's; empty: every layer uses the two above).
+    group_slot_mappings: tuple[Tensor, ...] = ()
+    group_block_tables: tuple[Tensor, ...] = ()
 
 
 class _Scales(TypedDict, total=False):
@@ -73,6 +77,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # The KV cache group whose block tables and slots this layer uses (set by the model runner).
+        self.kv_cache_group = 0
 
     def forward(
         self,
@@ -85,13 +91,17 @@ class Attention(nn.Module):
         """Attention output of every query token, heads flattened."""
         k_cache, v_cache = kv_cache
         scales = _scales(kv_cache)
-        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping, **scales)
+        slot_mapping, block_tables = attn.slot_mapping, attn.block_tables
+        if attn.group_block_tables:
+            group = self.kv_cache_group
+            slot_mapping, block_tables = attn.group_slot_mappings[group], attn.group_block_tables[group]
+        attn.backend.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, **scales)
         if attn.is_decode:
             out = attn.backend.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
-                attn.block_tables,
+                block_tables,
                 attn.context_lens,
                 self.scale,
                 sliding_window=self.sliding_window,
@@ -103,7 +113,7 @@ class Attention(nn.Module):
                 q,
                 k_cache,
                 v_cache,
-                attn.block_tables,
+                block_tables,
                 attn.query_start_loc,
                 attn.context_lens,
                 self.scale,
