@@ -21,6 +21,7 @@ class ScheduledRequest(NamedTuple):
     slots: tuple[int, ...]  # KV slot of each chunk token: block_id * block_size + offset
     num_samples: int  # tokens to sample from the logits at the chunk's last position (0: mid-prompt chunk)
     sample_ids: tuple[str, ...]  # request id each sample goes to (parent first, then forked children)
+    lora_id: int | None = None  # the request's LoRA adapter (None: the base model)
 
     @property
     def seq_len(self) -> int:
