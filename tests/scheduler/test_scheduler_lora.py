@@ -23,7 +23,9 @@ def make(**config: Any) -> tuple[Scheduler, TokenCacheModel]:
 def lora_req(rid: str, lora_id: int | None, max_tokens: int = 4) -> Request:
     """A 6-token request under adapter `lora_id` (None: the base model)."""
     base = 100 * (sum(map(ord, rid)) % 500)
-    return Request(rid, list(range(base, base + 6)), SimSamplingParams(max_tokens=max_tokens), lora_id=lora_id)
+    return Request(
+        rid, list(range(base, base + 6)), SimSamplingParams(max_tokens=max_tokens), lora_id=lora_id
+    )
 
 
 def step(sched: Scheduler, model: TokenCacheModel) -> SchedulerOutput:

@@ -142,6 +142,7 @@ class LLMEngine:
         """Queue a request (under `lora_request`'s adapter, if given); RequestRejectedError (with `param`) if it
         can never run."""
         ids = tuple(prompt_token_ids)
+        lora_request = lora_request or params.lora_request
         if lora_request is not None and self.lora is None:
             raise RequestRejectedError("LoRA adapters are served with enable_lora (--enable-lora)", "model")
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.

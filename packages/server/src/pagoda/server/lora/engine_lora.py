@@ -148,6 +148,9 @@ def build_engine_lora(
     lora_config = config.lora_config
     if not lora_config.enable_lora:
         return None
+    if config.parallel_config.tensor_parallel_size > 1:
+        # The ranks' shards would need the adapters too (workers do not load them yet): refuse, never ignore.
+        raise LoRAError("enable_lora with tensor_parallel_size > 1 is not supported yet", "enable_lora")
     max_loras = config.scheduler_config.max_loras or DEFAULT_MAX_LORAS
     manager = LoRAManager(
         model,
