@@ -164,3 +164,25 @@ def test_lora_request_without_enable_lora_is_refused(setups: dict[str, Setup]) -
     with pytest.raises(LoRAError) as info:
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=setups["llama"].request("a"))
     assert info.value.param == "model"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tp2_with_adapters_equals_tp1(arch: str, setups: dict[str, Setup]) -> None:
+    """Two ranks (q/k/v and gate/up B split by rows, o and down A by columns, as the base weights) give TP=1's
+    tokens for a batch mixing both adapters and the base, in two rounds (the worker reads them at first use)."""
+    setup = setups[arch]
+    batch = prompts([9, 13, 7, 11], seed=8)
+    loras = [setup.request("a"), setup.request("b"), None, setup.request("a")]
+    tp1 = make_llm(setup.base)
+    want = [
+        list(o.outputs[0].token_ids) for o in tp1.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
+    ]
+    tp2 = make_llm(setup.base, tensor_parallel_size=2)
+    try:
+        for _ in range(2):
+            outs = tp2.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
+            assert [list(o.outputs[0].token_ids) for o in outs] == want
+    finally:
+        tp2.engine.close()
+    assert want[0] == setup.reference("a", batch[0]) and want[2] == setup.reference(None, batch[2])

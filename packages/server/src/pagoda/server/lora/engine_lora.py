@@ -141,18 +141,16 @@ def lora_backend(kernel_backend: str) -> LoRABackendName:
     return kernel_backend if kernel_backend in ("torch", "cpu", "triton") else "auto"  # type: ignore[return-value]
 
 
-def build_engine_lora(
+def build_manager(
     config: EngineConfig, model: CausalLM, dtype: torch.dtype, device: torch.device
-) -> EngineLoRA | None:
-    """The engine's LoRA side with `--lora-modules` loaded (None without `enable_lora`); LoRAError if one is bad."""
+) -> LoRAManager | None:
+    """The slot pool and hooks of one rank's model (None without `enable_lora`); tensor-parallel workers build
+    theirs from the same config, and read each adapter, cut to their shard, when a step first uses it."""
     lora_config = config.lora_config
     if not lora_config.enable_lora:
         return None
-    if config.parallel_config.tensor_parallel_size > 1:
-        # The ranks' shards would need the adapters too (workers do not load them yet): refuse, never ignore.
-        raise LoRAError("enable_lora with tensor_parallel_size > 1 is not supported yet", "enable_lora")
     max_loras = config.scheduler_config.max_loras or DEFAULT_MAX_LORAS
-    manager = LoRAManager(
+    return LoRAManager(
         model,
         max_loras=max_loras,
         max_lora_rank=lora_config.max_lora_rank,
@@ -161,8 +159,17 @@ def build_engine_lora(
         device=device,
         backend=lora_backend(config.model_config.kernel_backend),
     )
+
+
+def build_engine_lora(
+    config: EngineConfig, model: CausalLM, dtype: torch.dtype, device: torch.device
+) -> EngineLoRA | None:
+    """The engine's LoRA side with `--lora-modules` loaded (None without `enable_lora`); LoRAError if one is bad."""
+    manager = build_manager(config, model, dtype, device)
+    if manager is None:
+        return None
     engine_lora = EngineLoRA(manager)
-    for lora_id, module in enumerate(lora_config.lora_modules, start=1):
+    for lora_id, module in enumerate(config.lora_config.lora_modules, start=1):
         request = LoRARequest(module.name, lora_id, module.path, module.base_model_name)
         engine_lora.add(manager.load(request))
     return engine_lora

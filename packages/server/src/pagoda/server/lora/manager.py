@@ -141,6 +141,23 @@ class LoRAManager:
             rows.extend([slot] * chunk.num_tokens)
         self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
+    def requests_for(self, scheduled: Sequence[ScheduledRequest]) -> tuple[LoRARequest, ...]:
+        """The adapters a step uses, for the tensor-parallel workers (which read one they do not hold)."""
+        ids = sorted({c.lora_id for c in scheduled if c.lora_id is not None})
+        return tuple(self.adapters[i].request for i in ids if i in self.adapters)
+
+    def ensure(self, requests: Sequence[LoRARequest]) -> None:
+        """Read (this rank's shard of) every adapter not held yet: a worker's side of `requests_for`."""
+        for request in requests:  # pinned meanwhile, so that reading one never evicts another of the step
+            self.pin(request.lora_int_id)
+        try:
+            for request in requests:
+                if not self.has(request.lora_int_id):
+                    self.add(self.load(request))
+        finally:
+            for request in requests:
+                self.unpin(request.lora_int_id)
+
     def clear(self) -> None:
         """No adapter rows (after a step, so that other forwards, e.g. cost probes, run the base model)."""
         self.batch.slots = None
