@@ -4,6 +4,7 @@ cache never serves a block computed under another adapter."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,33 @@ def test_tp2_with_adapters_equals_tp1(arch: str, setups: dict[str, Setup]) -> No
     finally:
         tp2.engine.close()
     assert want[0] == setup.reference("a", batch[0]) and want[2] == setup.reference(None, batch[2])
+
+
+def test_one_slot_and_one_cached_adapter_still_serve_every_adapter(setups: dict[str, Setup]) -> None:
+    """max_loras=1, max_cpu_loras=1: a batch for a, b and the base runs one adapter per step; an adapter evicted
+    from the CPU cache is read again on the loader thread (never the engine's) while its requests wait."""
+    setup = setups["llama"]
+    llm = make_llm(setup.base, max_loras=1, max_cpu_loras=1)
+    recorder = Recorder(llm)
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    readers: list[str] = []
+    load = manager.load
+
+    def spy(request: LoRARequest) -> Any:
+        readers.append(threading.current_thread().name)
+        return load(request)
+
+    manager.load = spy  # type: ignore[method-assign]
+    batch = prompts([9, 12, 7, 10], seed=9)
+    loras = [setup.request("a"), setup.request("b"), None, setup.request("a")]
+    outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
+    for out, prompt, lora in zip(outs, batch, loras, strict=True):
+        assert list(out.outputs[0].token_ids) == setup.reference(
+            None if lora is None else lora.lora_name, prompt
+        )
+    assert all(len({c.lora_id for c in s.scheduled if c.lora_id is not None}) <= 1 for s in recorder.steps)
+    assert len(manager.adapters) <= 1 + len(manager.pins)
+    # generate read both adapters up front (the caller's thread); the evicted one was read again off the engine
+    background = [name for name in readers if name.startswith("pagoda-lora-load")]
+    assert background, readers

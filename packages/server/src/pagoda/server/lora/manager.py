@@ -77,10 +77,14 @@ class LoRAManager:
         self._drop_slot(lora_id)
         self.adapters[lora_id] = adapter
         self.adapters.move_to_end(lora_id)
+        self._trim(keep=lora_id)
+
+    def _trim(self, keep: int | None = None) -> None:
+        """Evict least recently used unpinned adapters beyond max_cpu_loras (pinned ones may exceed it a while)."""
         for old in list(self.adapters):
             if len(self.adapters) <= self.max_cpu_loras:
                 break
-            if old != lora_id and not self.pins[old]:
+            if old != keep and not self.pins.get(old):
                 self.remove(old)
 
     def remove(self, lora_id: int) -> bool:
@@ -101,6 +105,7 @@ class LoRAManager:
         self.pins[lora_id] -= 1
         if self.pins[lora_id] <= 0:
             del self.pins[lora_id]
+            self._trim()
 
     def _drop_slot(self, lora_id: int) -> None:
         """Free the slot holding `lora_id`, if any (it is reloaded at its next use)."""
