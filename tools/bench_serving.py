@@ -32,6 +32,13 @@ of ratios to the first: one run compares configurations of Pagoda.
 
     python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \\
         --request-rate 1 4 inf --num-prompts 40
+
+--lora NAME... benchmarks multi-LoRA serving: each server runs twice on the same prompts and arrivals, first every
+request to --model (the base alone), then requests taking the base and each adapter in turn (4 adapters: a fifth
+of the requests each); the ratio table gives the LoRA run's throughput and TPOT against the base run.
+
+    python tools/bench_serving.py --serve "lora=--enable-lora --max-loras 4 --lora-modules a1=/p/a1 a2=/p/a2 ..." \\
+        --lora a1 a2 a3 a4 --request-rate inf --num-prompts 40
 """
 
 from __future__ import annotations
@@ -217,6 +224,7 @@ class Target:
     model: str
     label: str
     response_format: dict[str, Any] | None = None  # --structured: every request constrained by this
+    spread: tuple[str, ...] = ()  # --lora: model names the requests take in turn (the base and its adapters)
 
 
 # --structured json_schema: what every constrained request must produce (a list of records, as JSON pipelines
@@ -241,10 +249,13 @@ STRUCTURED_SCHEMA: dict[str, Any] = {
 }
 
 
-def request_body(args: argparse.Namespace, target: Target, request: BenchRequest) -> dict[str, Any]:
-    """The streamed completion request; temperature only when --temperature is given (else the server's)."""
+def request_body(
+    args: argparse.Namespace, target: Target, request: BenchRequest, index: int = 0
+) -> dict[str, Any]:
+    """The streamed completion request (request `index` of the run); temperature only when --temperature is
+    given (else the server's); with --lora the model is the next of `target.spread`."""
     body: dict[str, Any] = {
-        "model": target.model,
+        "model": target.spread[index % len(target.spread)] if target.spread else target.model,
         "prompt": request.prompt,
         "max_tokens": request.max_tokens,
         "stream": True,
@@ -265,9 +276,10 @@ async def send(
     target: Target,
     request: BenchRequest,
     result: RequestResult,
+    index: int = 0,
 ) -> None:
-    """Stream one completion and time its tokens."""
-    body = request_body(args, target, request)
+    """Stream one completion (request `index` of the run) and time its tokens."""
+    body = request_body(args, target, request, index)
     result.start = time.perf_counter()
     last = result.start
     try:
@@ -352,15 +364,15 @@ async def run_rate(
         counters_before = await prefix_cache_counters(client, target.base_url)
         with tqdm(total=len(requests), desc=f"{label} req/s", unit="req") as progress:
 
-            async def one(request: BenchRequest, result: RequestResult) -> None:
+            async def one(request: BenchRequest, result: RequestResult, index: int) -> None:
                 async with limit:
-                    await send(client, args, target, request, result)
+                    await send(client, args, target, request, result, index)
                 progress.update(1)
 
             start = time.perf_counter()
             tasks = []
-            for request, result in zip(requests, results, strict=True):
-                tasks.append(asyncio.ensure_future(one(request, result)))
+            for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+                tasks.append(asyncio.ensure_future(one(request, result, index)))
                 if not math.isinf(rate):
                     await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
             await asyncio.gather(*tasks)
@@ -544,6 +556,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="json_schema: run every server twice, unconstrained and with a JSON-schema response_format",
     )
     parser.add_argument(
+        "--lora",
+        nargs="+",
+        default=None,
+        metavar="ADAPTER",
+        help="adapter model names the server serves beside --model: every server runs twice on the same "
+        "arrivals, the base model alone, then requests taking the base and each adapter in turn",
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=None,
@@ -582,6 +602,17 @@ def targets(args: argparse.Namespace) -> list[Target]:
     plain = [
         Target(url, model, label) for url, model, label in zip(args.base_url, models, labels, strict=True)
     ]
+    if args.lora:
+        plain = [
+            run
+            for target in plain
+            for run in (
+                target,
+                Target(
+                    target.base_url, target.model, f"{target.label} lora", spread=(target.model, *args.lora)
+                ),
+            )
+        ]
     if args.structured == "none":
         return plain
     schema = {"type": "json_schema", "json_schema": {"name": "records", "schema": STRUCTURED_SCHEMA}}
@@ -638,7 +669,10 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         served = []
         for spec in args.serve:
             label, flags = spec.split("=", 1)
-            served.append(Target(stack.enter_context(launched(args, flags)), args.model[0], label))
+            url = stack.enter_context(launched(args, flags))
+            served.append(Target(url, args.model[0], label))
+            if args.lora:
+                served.append(Target(url, args.model[0], f"{label} lora", spread=(args.model[0], *args.lora)))
         runs = [
             asyncio.run(run_rate(args, target, requests, rate))
             for requests, rate in zip(per_rate, args.request_rate, strict=True)
