@@ -7,7 +7,7 @@
  * touch it. Every slot is checked against num_slots before anything is written (status 1: out of range).
  * x, a, b and y share the storage dtype of -DPAGODA_DTYPE (cpu_dtype.h); every product is accumulated in float32,
  * eight lanes at a time. Work items (rows for shrink, row x column tiles for expand) are split over torch's
- * OpenMP pool when built with -fopenmp; each output is computed whole by one thread, so the result does not
+ * OpenMP pool when built with -fopenmp and the call is large enough (PARALLEL_MIN_WORK); each output is computed whole by one thread, so the result does not
  * depend on the thread count.
  */
 #include <stdint.h>
@@ -18,6 +18,9 @@ typedef float v8f __attribute__((vector_size(32)));
 PAGODA_DEFINE_LOADV(loadv8, v8f, 8)
 
 #define EXPAND_TILE 64 /* output columns per expand work item */
+/* Below this many multiply-adds a call runs on one thread: a decode batch's delta is microseconds of work, and
+ * an OpenMP region costs more than that when a core of a loaded machine is taken (its barrier waits). */
+#define PARALLEL_MIN_WORK (1 << 21)
 
 static int check_slots(const int64_t *slots, int64_t rows, int64_t num_slots) {
   for (int64_t t = 0; t < rows; t++)
@@ -39,7 +42,8 @@ int pagoda_lora_shrink(const scalar_t *x, int64_t x_stride, const scalar_t *a, c
                        const float *scales, int64_t rows, int64_t rank, int64_t in_features, int64_t num_slots,
                        float *h, int64_t num_threads) {
   if (check_slots(slots, rows, num_slots)) return 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+  const int parallel = rows * rank * in_features >= PARALLEL_MIN_WORK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
   for (int64_t t = 0; t < rows; t++) {
     float *out = h + t * rank;
     const int64_t s = slots[t];
@@ -59,7 +63,8 @@ int pagoda_lora_expand(const float *h, const scalar_t *b, const int64_t *slots, 
                        int64_t num_threads) {
   if (check_slots(slots, rows, num_slots)) return 1;
   const int64_t tiles = (out_features + EXPAND_TILE - 1) / EXPAND_TILE;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+  const int parallel = rows * out_features * rank >= PARALLEL_MIN_WORK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
   for (int64_t item = 0; item < rows * tiles; item++) {
     const int64_t t = item / tiles;
     const int64_t s = slots[t];

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from pagoda.pagedkernel.lora import LoRABackendName, add_lora
+from pagoda.pagedkernel.lora import LoRABackendName, lora_expand, lora_shrink
 from pagoda.server.lora.peft_loader import LoRAWeights
 from torch import Tensor
 
@@ -20,8 +20,10 @@ class LoRABatch:
 class LoRAHook:
     """The adapters of one Linear: per shard (q, k, v of a fused projection), A and B of every slot.
 
-    Slots hold zeros beyond an adapter's rank and for shards it does not adapt, so a slot's factors are always
-    whole; a shard no loaded slot adapts is skipped. Called by `Linear.matmul` with its input and output.
+    The shards' A are stacked ([slots, shards * max_rank, in]) so that one shrink serves a fused projection;
+    each shard's B then expands its part of h into its columns. Slots hold zeros beyond an adapter's rank and
+    for shards it does not adapt; a shard no loaded slot adapts is skipped. Called by `Linear.matmul` with its
+    input and output.
     """
 
     def __init__(
@@ -39,23 +41,22 @@ class LoRAHook:
         self.batch = batch
         self.backend: LoRABackendName = backend
         self.offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
-        self.a = [
-            torch.zeros(num_slots, max_rank, in_features, dtype=dtype, device=device) for _ in shard_sizes
-        ]
+        self.max_rank = max_rank
+        self.a = torch.zeros(num_slots, len(shard_sizes) * max_rank, in_features, dtype=dtype, device=device)
         self.b = [torch.zeros(num_slots, n, max_rank, dtype=dtype, device=device) for n in shard_sizes]
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=device)  # scales are folded into b
         self.used: list[set[int]] = [set() for _ in shard_sizes]  # slots that adapt each shard
 
     def load(self, slot: int, shards: dict[int, LoRAWeights]) -> None:
         """Put an adapter's factors of this module (by shard) into `slot`, zeroing the rest of the slot."""
-        for index, (a, b) in enumerate(zip(self.a, self.b, strict=True)):
-            a[slot].zero_()
+        self.a[slot].zero_()
+        for index, b in enumerate(self.b):
             b[slot].zero_()
             self.used[index].discard(slot)
             weights = shards.get(index)
             if weights is not None:
-                rank = weights.a.shape[0]
-                a[slot, :rank].copy_(weights.a)
+                first, rank = index * self.max_rank, weights.a.shape[0]
+                self.a[slot, first : first + rank].copy_(weights.a)
                 b[slot, :, :rank].copy_(weights.b)
                 self.used[index].add(slot)
 
@@ -74,16 +75,12 @@ class LoRAHook:
                 f"the LoRA slot mapping has {slots.shape[0]} rows, the layer input {x2.shape[0]}"
             )
         y2 = y.view(-1, y.shape[-1])
+        if not any(self.used):
+            return y
+        h = lora_shrink(x2, self.a, slots, self.scales, backend=self.backend)  # [tokens, shards * max_rank]
+        rank = self.max_rank
         for index, offset in enumerate(self.offsets):
             if self.used[index]:
-                add_lora(
-                    y2,
-                    x2,
-                    self.a[index],
-                    self.b[index],
-                    slots,
-                    self.scales,
-                    offset=offset,
-                    backend=self.backend,
-                )
+                part = h[:, index * rank : (index + 1) * rank]
+                lora_expand(part, self.b[index], slots, y2, offset=offset, backend=self.backend)
         return y
