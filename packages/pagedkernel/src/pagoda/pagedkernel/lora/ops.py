@@ -11,6 +11,9 @@ from torch import Tensor
 
 LoRABackendName = Literal["auto", "torch", "cpu", "triton"]
 LORA_BACKENDS: tuple[LoRABackendName, ...] = ("auto", "torch", "cpu", "triton")
+# `auto` on the CPU: the C kernel up to this many rows (decode batches: one pass over each row's factors, no
+# gather), torch's per-slot matmuls above (prefill chunks), where BLAS outruns row-at-a-time dot products.
+CPU_MAX_ROWS = 64
 
 
 def _resolve(backend: LoRABackendName, x: Tensor) -> Literal["torch", "cpu", "triton"]:
@@ -32,7 +35,8 @@ def _resolve(backend: LoRABackendName, x: Tensor) -> Literal["torch", "cpu", "tr
     if backend == "torch":
         return "torch"
     if on_cpu:
-        return "cpu" if x.dtype in cpu_lora.DTYPES and cpu_lora.available(x.dtype) else "torch"
+        fits = x.shape[0] <= CPU_MAX_ROWS and x.dtype in cpu_lora.DTYPES
+        return "cpu" if fits and cpu_lora.available(x.dtype) else "torch"
     try:
         import triton  # noqa: F401 (only whether it is installed)
     except ImportError:
