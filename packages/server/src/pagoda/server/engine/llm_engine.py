@@ -84,7 +84,8 @@ class LLMEngine:
         )
         # LoRA: the per-step adapter cap is the scheduler's (vLLM's default 1); None without LoRA.
         self.lora: EngineLoRA | None = build_engine_lora(config, parts.model, parts.dtype, parts.device)
-        self.runner.lora = None if self.lora is None else self.lora.manager
+        if self.lora is not None:  # the runner's own default is None (a test's fake executor has no runner)
+            self.runner.lora = self.lora.manager
         max_loras = scheduler_config.max_loras or DEFAULT_MAX_LORAS if self.lora is not None else None
         scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras)
         costs = None
