@@ -47,6 +47,13 @@ queued at once).
 
     python tools/bench_serving.py --serve "pagoda=-q gguf" \\
         --peer "llama.cpp=$BIN/llama-server -m $GGUF -t 2 -c 32768 -np 32 --port {port}" --single-stream
+
+--lora NAME... benchmarks multi-LoRA serving: each server runs twice on the same prompts and arrivals, first every
+request to --model (the base alone), then requests taking the base and each adapter in turn (4 adapters: a fifth
+of the requests each); the ratio table gives the LoRA run's throughput and TPOT against the base run.
+
+    python tools/bench_serving.py --serve "lora=--enable-lora --max-loras 4 --lora-modules a1=/p/a1 a2=/p/a2 ..." \\
+        --lora a1 a2 a3 a4 --request-rate inf --num-prompts 40
 """
 
 from __future__ import annotations
@@ -237,6 +244,7 @@ class Target:
     label: str
     response_format: dict[str, Any] | None = None  # --structured: every request constrained by this
     endpoint: str = "/v1/completions"  # --endpoint: which API the streamed requests go to
+    spread: tuple[str, ...] = ()  # --lora: model names the requests take in turn (the base and its adapters)
 
 
 # --structured json_schema: what every constrained request must produce (a list of records, as JSON pipelines
@@ -261,10 +269,14 @@ STRUCTURED_SCHEMA: dict[str, Any] = {
 }
 
 
-def request_body(args: argparse.Namespace, target: Target, request: BenchRequest) -> dict[str, Any]:
-    """The streamed request of the target's endpoint (the prompt as the one user message for chat and
-    responses); temperature only when --temperature is given (else the server's)."""
-    body: dict[str, Any] = {"model": target.model, "stream": True}
+def request_body(
+    args: argparse.Namespace, target: Target, request: BenchRequest, index: int = 0
+) -> dict[str, Any]:
+    """The streamed request of the target's endpoint (request `index` of the run; the prompt as the one user
+    message for chat and responses); temperature only when --temperature is given (else the server's); with
+    --lora the model is the next of `target.spread`."""
+    model = target.spread[index % len(target.spread)] if target.spread else target.model
+    body: dict[str, Any] = {"model": model, "stream": True}
     if target.endpoint == "/v1/responses":
         body.update(input=request.prompt, max_output_tokens=request.max_tokens)
     else:
@@ -316,9 +328,10 @@ async def send(
     target: Target,
     request: BenchRequest,
     result: RequestResult,
+    index: int = 0,
 ) -> None:
-    """Stream one request and time its tokens."""
-    body = request_body(args, target, request)
+    """Stream one request (request `index` of the run) and time its tokens."""
+    body = request_body(args, target, request, index)
     result.start = time.perf_counter()
     last = result.start
     try:
@@ -399,15 +412,15 @@ async def run_rate(
         counters_before = await prefix_cache_counters(client, target.base_url)
         with tqdm(total=len(requests), desc=f"{label} req/s", unit="req") as progress:
 
-            async def one(request: BenchRequest, result: RequestResult) -> None:
+            async def one(request: BenchRequest, result: RequestResult, index: int) -> None:
                 async with limit:
-                    await send(client, args, target, request, result)
+                    await send(client, args, target, request, result, index)
                 progress.update(1)
 
             start = time.perf_counter()
             tasks = []
-            for request, result in zip(requests, results, strict=True):
-                tasks.append(asyncio.ensure_future(one(request, result)))
+            for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+                tasks.append(asyncio.ensure_future(one(request, result, index)))
                 if not math.isinf(rate):
                     await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
             await asyncio.gather(*tasks)
@@ -608,6 +621,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="json_schema: run every server twice, unconstrained and with a JSON-schema response_format",
     )
     parser.add_argument(
+        "--lora",
+        nargs="+",
+        default=None,
+        metavar="ADAPTER",
+        help="adapter model names the server serves beside --model: every server runs twice on the same "
+        "arrivals, the base model alone, then requests taking the base and each adapter in turn",
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=None,
@@ -674,6 +695,17 @@ def targets(args: argparse.Namespace) -> list[Target]:
         for url, model, label in zip(args.base_url, models, labels, strict=True)
         for endpoint in args.endpoint
     ]
+    if args.lora:
+        plain = [
+            run
+            for target in plain
+            for run in (
+                target,
+                Target(
+                    target.base_url, target.model, f"{target.label} lora", spread=(target.model, *args.lora)
+                ),
+            )
+        ]
     if args.structured == "none":
         return plain
     schema = {"type": "json_schema", "json_schema": {"name": "records", "schema": STRUCTURED_SCHEMA}}
@@ -803,6 +835,11 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for endpoint in args.endpoint:  # several: each configuration on each, as targets() labels them
                 name = f"{label} {endpoint.removeprefix('/v1/')}" if len(args.endpoint) > 1 else label
                 served.append(Target(url, args.model[0], name, endpoint=endpoint))
+                if args.lora:
+                    spread = (args.model[0], *args.lora)
+                    served.append(
+                        Target(url, args.model[0], f"{name} lora", endpoint=endpoint, spread=spread)
+                    )
         served += [  # peers on the first endpoint (the one every OpenAI-compatible server has first)
             replace(peer, endpoint=args.endpoint[0]) for peer in _peers(args, stack)
         ]

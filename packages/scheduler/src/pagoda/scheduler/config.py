@@ -41,6 +41,8 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicyName = "fcfs"
     # static: how long the oldest waiting request waits for a batch of max_num_seqs before a smaller one runs.
     static_batch_timeout_s: float = 0.0
+    # Distinct LoRA adapters the running batch may use at once (vLLM's --max-loras); None: no cap.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field on an impossible configuration."""
@@ -52,6 +54,7 @@ class SchedulerConfig:
             "long_prefill_token_threshold",
             "max_num_partial_prefills",
             "max_batch_prefill_tokens",
+            "max_loras",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

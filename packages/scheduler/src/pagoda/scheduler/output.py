@@ -24,6 +24,7 @@ class ScheduledRequest(NamedTuple):
     # With several KV cache groups: each group's block table and chunk slots (group 0's are the two above).
     group_block_tables: tuple[tuple[int, ...], ...] = ()
     group_slots: tuple[tuple[int, ...], ...] = ()
+    lora_id: int | None = None  # the request's LoRA adapter (None: the base model)
 
     @property
     def seq_len(self) -> int:

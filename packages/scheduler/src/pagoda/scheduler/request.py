@@ -66,6 +66,7 @@ class Request:
         "_all_token_ids",
         "arrival_time",
         "cache_salt",
+        "lora_id",
         "num_children_to_fork",
         "num_computed_tokens",
         "num_preemptions",
@@ -86,6 +87,7 @@ class Request:
         *,
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
+        lora_id: int | None = None,
         parent_id: str | None = None,
         sample_index: int = 0,
     ) -> None:
@@ -95,6 +97,7 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt  # isolates prefix-cache sharing (e.g. per tenant)
+        self.lora_id = lora_id  # the LoRA adapter it runs under (None: the base model); see max_loras
         self.parent_id = parent_id
         self.sample_index = sample_index
         self.status = RequestStatus.WAITING
@@ -177,6 +180,7 @@ class Request:
             self.sampling_params,
             arrival_time=self.arrival_time,
             cache_salt=self.cache_salt,
+            lora_id=self.lora_id,
             parent_id=parent_id,
             sample_index=sample_index,
         )

@@ -392,6 +392,8 @@ class Scheduler:
             blocks = self.kv.blocks_for_tokens(self.kv.num_tokens(rid))
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
+            if not self._lora_fits(request):
+                break
             if not self.kv.can_swap_in(rid):
                 break
             if self.running and self.kv.num_free_blocks() - blocks < self._watermark_blocks:
@@ -448,9 +450,16 @@ class Scheduler:
         candidates = list(
             self.policy.admissible(self.waiting, self.num_running_seqs, self.config.max_num_seqs)
         )
+        # An adapter request the max_loras cap holds back keeps its place: later requests for the adapters
+        # already running are held behind it too (else a steady stream of them would keep its adapter out
+        # forever); requests for the base model still pass, they take no adapter slot.
+        loras_blocked = False
         for request in candidates:
             if step.budget == 0:
                 break
+            if request.lora_id is not None and (loras_blocked or not self._lora_fits(request)):
+                loras_blocked = True
+                continue
             chunk = self._admission_chunk(request, step)
             if chunk is None:
                 break
@@ -469,6 +478,14 @@ class Scheduler:
             self._add_running(request)
             step.num_prefills += 1
             self._emit(request, num_new, allocation, step)
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request`'s adapter fits under max_loras beside those of the running batch."""
+        cap = self.config.max_loras
+        if cap is None or request.lora_id is None:
+            return True
+        active = {r.lora_id for r in self.running if r.lora_id is not None}
+        return request.lora_id in active or len(active) < cap
 
     def _emit(self, request: Request, num_new: int, allocation: SlotAllocationLike, step: _Step) -> None:
         """Record `request`'s chunk in the step and advance its computed tokens."""
@@ -499,6 +516,7 @@ class Scheduler:
                     tuple(allocation.slots),
                     len(sample_ids),
                     sample_ids,
+                    lora_id=request.lora_id,
                 )
             )
         if allocation.copies:
@@ -530,6 +548,7 @@ class Scheduler:
             sample_ids,
             tables if len(tables) > 1 else (),
             group_slots,
+            lora_id=request.lora_id,
         )
 
     def _fork(self, parent: Request) -> None:

@@ -14,6 +14,7 @@ stops with a non-zero status (`wait_fatal`), for a supervisor to restart the pro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar, cast
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import ServingConfig
@@ -37,6 +39,8 @@ from pagoda.server.metrics import ServerMetrics
 from pagoda.server.output_box import BoxItem, OutputBox
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +107,15 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `fn` on the engine thread between steps (LoRA load / unload), its result into `done`."""
+
+    fn: Callable[[EngineClient], object]
+    done: concurrent.futures.Future[object]
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop | _Call
 
 
 def _aborted_snapshot(stream: _Stream) -> RequestOutput:
@@ -365,6 +377,15 @@ class AsyncLLM:
         if self._num_active == 0:
             self._idle.set()
 
+    async def call(self, fn: Callable[[EngineClient], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (EngineDeadError once the engine died)."""
+        done: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine loop failed: {type(self._dead).__name__}")
+            self._commands.put(_Call(fn, done))
+        return cast(T, await asyncio.wrap_future(done))
+
     def _put(self, command: _Command) -> None:
         # After death nobody reads the queue; dropping the command is then correct.
         with self._lock:
@@ -458,6 +479,8 @@ class AsyncLLM:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id, notify=command.notify)
+            elif isinstance(command, _Call):
+                self._call(command)
             elif isinstance(command, _AbortAll):
                 for request_id in list(self._streams):
                     self._abort(request_id, notify=True)
@@ -469,6 +492,14 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _call(self, command: _Call) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return
+        try:
+            command.done.set_result(command.fn(self.engine))
+        except Exception as exc:  # the caller's error (a bad adapter), not the engine's
+            command.done.set_exception(exc)
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -578,6 +609,8 @@ class AsyncLLM:
                 break
             if isinstance(command, _Add):
                 self._push(command.stream, error)
+            elif isinstance(command, _Call):
+                command.done.set_exception(error)
 
 
 class RequestStream:

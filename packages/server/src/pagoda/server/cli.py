@@ -106,7 +106,7 @@ def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
 
     # Engine cores restart on their own (CoreClient); only an in-process engine is rebuilt here.
     llm = AsyncLLM(client, config.serving, rebuild=rebuild if config.core.in_process else None)
-    app = build_app(llm, config.app)
+    app = build_app(llm, config.app, config.engine.lora_config)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again.
     gc.collect()

@@ -527,6 +527,27 @@ def argument_table() -> list[Flag]:
                 "help": "408 if a whole request body has not arrived this many seconds after its head",
             },
         ),
+        # LoRA (vLLM's flags)
+        Flag(("--enable-lora",), {"action": "store_true", "help": "serve LoRA adapters (PEFT folders)"}),
+        Flag(
+            ("--lora-modules",),
+            {
+                "nargs": "+",
+                "metavar": "NAME=PATH",
+                "help": 'adapters served from the start: name=path or JSON {"name", "path", "base_model_name"}',
+            },
+        ),
+        Flag(("--max-loras",), {"type": int, "help": "distinct adapters in one step (default 1 with LoRA)"}),
+        Flag(("--max-lora-rank",), {"type": int, "help": "highest adapter rank served"}),
+        Flag(("--max-cpu-loras",), {"type": int, "help": "adapters kept loaded (default: --max-loras)"}),
+        Flag(
+            ("--allow-runtime-lora-updating",),
+            {
+                "action": "store_true",
+                "help": "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+            },
+        ),
         Flag(
             ("--limit-concurrency",),
             {
@@ -554,6 +575,7 @@ _SECTIONS = {
     ("app", "limits"): ("API request limits", "the fan-out one request may ask for"),
     ("server",): ("server", "address, drain time after SIGTERM, log level"),
     ("server", "limits"): ("HTTP limits", "what one HTTP request may take before the app sees it"),
+    ("engine", "lora_config"): ("LoRA", "multi-LoRA serving: adapters, their rank and how many stay loaded"),
     ("engine", "structured_outputs_config"): (
         "structured outputs",
         "the engine's compiled-grammar cache and per-row mask deadline",

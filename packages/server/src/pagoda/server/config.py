@@ -10,6 +10,7 @@ vLLM's names where the meaning is the same.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,6 +39,8 @@ __all__ = [
     "KVCacheDtypeName",
     "KVManagerName",
     "KernelBackendName",
+    "LoRAConfig",
+    "LoRAModulePath",
     "LogLevelName",
     "ModelConfig",
     "ParallelConfig",
@@ -232,6 +235,63 @@ class StructuredOutputsConfig:
             raise ValueError(f"grammar_fill_timeout must be > 0, got {self.grammar_fill_timeout}")
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAModulePath:
+    """One `--lora-modules` entry: an adapter served under `name` from the PEFT folder `path`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModulePath:
+        """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError if neither."""
+        if text.lstrip().startswith("{"):
+            try:
+                spec = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"lora_modules: {text!r} is not valid JSON ({exc})") from exc
+            if not isinstance(spec, dict) or set(spec) - {"name", "path", "base_model_name"}:
+                raise ValueError(f"lora_modules: {text!r} takes the keys name, path and base_model_name")
+            name, path, base = spec.get("name"), spec.get("path"), spec.get("base_model_name")
+            if not isinstance(name, str) or not isinstance(path, str) or not isinstance(base, str | None):
+                raise ValueError(f"lora_modules: {text!r} needs string name and path")
+            return cls(name, path, base)
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: {text!r} is neither name=path nor a JSON object")
+        return cls(name, path)
+
+
+def _runtime_lora_updating_from_env() -> bool:
+    """vLLM's switch: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (or 1) enables the load/unload endpoints."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in {"1", "true"}
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags); the per-step adapter cap is the scheduler's `max_loras`."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters served from the start
+    max_lora_rank: int = 16  # the slot pool's rank: an adapter of a higher rank is refused
+    max_cpu_loras: int | None = None  # adapters kept loaded (LRU beyond); None: max_loras
+    allow_runtime_lora_updating: bool = field(default_factory=_runtime_lora_updating_from_env)
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        modules = tuple(
+            m if isinstance(m, LoRAModulePath) else LoRAModulePath.parse(str(m)) for m in self.lora_modules
+        )
+        object.__setattr__(self, "lora_modules", modules)  # a CLI list, or name=path strings
+        _at_least(1, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: an adapter name is given twice ({', '.join(names)})")
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+
+
 def _server_scheduler_config() -> SchedulerConfig:
     """The scheduler section with the model-derived limits left to the engine (None)."""
     return SchedulerConfig(max_model_len=None, max_num_batched_tokens=None)
@@ -251,6 +311,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=_server_scheduler_config)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:

@@ -11,6 +11,7 @@ from pagoda.server.beam_search import BeamSearchOutput, BeamSearchParams, BeamSe
 from pagoda.server.chat import Message, check_template_kwargs, render_chat, resolve_chat_template
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
+from pagoda.server.lora import LoRARequest
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.pooling import PoolingParams
 from pagoda.server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -36,9 +37,12 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion; outputs in prompt order."""
+        """Run every prompt (text or token ids) to completion; outputs in prompt order. `lora_request` (one, or
+        one per prompt; `LLM(enable_lora=True)`) runs prompts under an adapter, read now if it is new."""
         batch = _as_batch(prompts)
+        loras = self._loras(lora_request, len(batch))
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(batch)
         else:
@@ -46,14 +50,14 @@ class LLM:
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} SamplingParams")
         order: dict[str, int] = {}
-        for index, (prompt, sp) in enumerate(zip(batch, params_list, strict=True)):
+        for index, (prompt, sp, lora) in enumerate(zip(batch, params_list, loras, strict=True)):
             request_id = f"offline-{next(self._ids)}"
             self.engine.rules.check_constraint(sp)  # the front end's parse: the engine only compiles
             if isinstance(prompt, str):
                 token_ids = self.tokenizer.encode(prompt)
-                self.engine.add_request(request_id, token_ids, sp, prompt=prompt)
+                self.engine.add_request(request_id, token_ids, sp, prompt=prompt, lora_request=lora)
             else:
-                self.engine.add_request(request_id, list(prompt), sp)
+                self.engine.add_request(request_id, list(prompt), sp, lora_request=lora)
             order[request_id] = index
         results: list[RequestOutput | None] = [None] * len(batch)
         with tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm) as bar:
@@ -88,6 +92,21 @@ class LLM:
                 )
             )
         return results
+
+    def _loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; adapters the engine does not serve yet are read and served now."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * count
+        else:
+            loras = list(lora_request)
+        if len(loras) != count:
+            raise ValueError(f"{count} prompts but {len(loras)} lora_request entries")
+        for lora in dict.fromkeys(loras):
+            if lora is not None and lora not in self.engine.list_loras():
+                self.engine.add_lora(lora)
+        return loras
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = True

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.server.lora.request import LoRARequest
 from pagoda.server.structured.params import StructuredOutputsParams
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
@@ -62,6 +63,8 @@ class SamplingParams:
     # bad_words as token sequences (logits_processors.tokenize_bad_words), filled by the API at admission so that
     # the engine thread does not tokenize; None: the engine tokenizes bad_words itself (vLLM's _bad_words_token_ids).
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # The LoRA adapter the request runs under (the API sets it from `model`; offline: generate's lora_request).
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with an error naming the field."""

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pagoda.server.api.cache_scope import key_digest, set_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.input_checks import first_lone_surrogate, max_prompt_chars
+from pagoda.server.api.lora_routes import LoRARoutes, lora_cards
 from pagoda.server.api.openapi import build_openapi
 from pagoda.server.api.protocol import (
     ChatCompletionRequest,
@@ -43,9 +44,10 @@ from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
-from pagoda.server.config import AppSettings
+from pagoda.server.config import AppSettings, LoRAConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.lora.served import ServedLoRAs
 from pagoda.server.structured import StructuredOutputManager
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import BaseModel, ValidationError
@@ -200,8 +202,9 @@ def _package_version() -> str:
 class _Routes:
     """The route handlers, bound to one app's engine and settings."""
 
-    def __init__(self, llm: AsyncLLM, settings: AppSettings) -> None:
+    def __init__(self, llm: AsyncLLM, settings: AppSettings, lora: LoRAConfig | None = None) -> None:
         engine = llm.engine
+        self.loras = None if lora is None or not lora.enable_lora else ServedLoRAs(lora)
         tokenizer = copy.deepcopy(engine.tokenizer)
         self.llm = llm
         self.settings = settings
@@ -233,6 +236,7 @@ class _Routes:
                 self.grammars.compile, settings.max_grammar_chars, settings.grammar_compile_timeout
             ),
             compact_json=settings.disable_any_whitespace,
+            loras=self.loras,
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
@@ -287,7 +291,8 @@ class _Routes:
         card = ModelCard(
             id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.rules.max_model_len
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        adapters = lora_cards(self.loras, self.ctx.served_model_name, self.ctx.rules.max_model_len)
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or chat messages through the chat template."""
@@ -383,10 +388,20 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "Internal server error.").to_response()
 
 
-def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
-    """The ASGI app serving `llm`; its lifespan starts the engine thread and stops it at shutdown."""
+def build_app(
+    llm: AsyncLLM, settings: AppSettings | None = None, lora: LoRAConfig | None = None
+) -> Starlette:
+    """The ASGI app serving `llm` (and the LoRA adapters of `lora`); its lifespan starts the engine thread and
+    stops it at shutdown."""
     settings = settings or AppSettings()
-    routes = _Routes(llm, settings)
+    routes = _Routes(llm, settings, lora)
+    extra: list[Route] = []
+    if routes.loras is not None and routes.loras.allow_runtime_updating:
+        lora_routes = LoRARoutes(llm, routes.loras, routes.ctx.served_model_name, routes._body)
+        extra = [
+            Route("/v1/load_lora_adapter", lora_routes.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", lora_routes.unload, methods=["POST"]),
+        ]
     llm.metrics.registry.register(
         _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
     )
@@ -430,6 +445,7 @@ def build_app(llm: AsyncLLM, settings: AppSettings | None = None) -> Starlette:
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/openapi.json", routes.openapi_json, methods=["GET"]),
+            *extra,
         ],
         middleware=middleware,
         exception_handlers=handlers,

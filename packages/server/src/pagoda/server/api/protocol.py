@@ -345,6 +345,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagoda"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int
 
 
@@ -433,3 +434,17 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """Body of POST /v1/load_lora_adapter (vLLM's): serve the PEFT folder `lora_path` as model `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """Body of POST /v1/unload_lora_adapter (vLLM's): stop serving `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None  # accepted as vLLM does; the name decides

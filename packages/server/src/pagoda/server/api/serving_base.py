@@ -38,6 +38,8 @@ from pagoda.server.async_llm import (
 from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine_client import EngineDeadError, ReplicaDeadError
+from pagoda.server.lora.request import LoRARequest
+from pagoda.server.lora.served import ServedLoRAs
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling.logits_processors import tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
@@ -80,11 +82,16 @@ class ServingContext:
     # --[no-]disable-any-whitespace: JSON that a grammar forces (response_format json_schema, required and
     # named tool calls) has no whitespace runs outside strings.
     compact_json: bool = True
+    loras: ServedLoRAs | None = None  # the LoRA adapters `model` may name (None: LoRA is off)
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is omitted or names the served model."""
-        if model is not None and model != self.served_model_name:
+        """404 unless `model` is omitted or names the served model or a served LoRA adapter."""
+        if model is not None and model != self.served_model_name and self.lora_for(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, if any."""
+        return None if self.loras is None else self.loras.get(model)
 
     def check_fan_out(self, num_prompts: int, n: int, best_of: int | None = None) -> None:
         """400 when a request has more prompts, or prompts x max(n, best_of) sequences (best_of is a beam search's
@@ -189,6 +196,7 @@ class ServingContext:
                 bad_words=None if body.bad_words is None else tuple(body.bad_words),
                 prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 cache_salt=body.cache_salt,
+                lora_request=self.lora_for(body.model),
             )
         except SamplingParamsError as exc:
             raise bad_request(str(exc), exc.param) from exc

@@ -14,6 +14,7 @@ do) and finishes after its prefill; a new wait before scheduling is a gate. None
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,9 @@ from pagoda.server.engine.request_factory import new_request
 from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
+from pagoda.server.lora import LoRAError, LoRARequest
+from pagoda.server.lora.engine_lora import DEFAULT_MAX_LORAS, EngineLoRA, build_engine_lora
+from pagoda.server.lora.peft_loader import LoRAAdapter
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.pooling.checks import Matryoshka, PoolingRules
 from pagoda.server.sampling import Sampler, unseeded_seed
@@ -87,6 +91,12 @@ class LLMEngine:
             max_num_batched_tokens=parts.max_num_batched_tokens,
             kv_manager=config.cache_config.kv_manager,
         )
+        # LoRA: the per-step adapter cap is the scheduler's (vLLM's default 1); None without LoRA.
+        self.lora: EngineLoRA | None = build_engine_lora(config, parts.model, parts.dtype, parts.device)
+        if self.lora is not None:  # the runner's own default is None (a test's fake executor has no runner)
+            self.runner.lora = self.lora.manager
+        max_loras = scheduler_config.max_loras or DEFAULT_MAX_LORAS if self.lora is not None else None
+        scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras)
         costs = None
         if scheduler_config.preemption_mode == "auto":
             costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
@@ -137,9 +147,14 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; RequestRejectedError (with `param`) if it can never run."""
+        """Queue a request (under `lora_request`'s adapter, if given); RequestRejectedError (with `param`) if it
+        can never run."""
         ids = tuple(prompt_token_ids)
+        lora_request = lora_request or params.lora_request
+        if lora_request is not None and self.lora is None:
+            raise RequestRejectedError("LoRA adapters are served with enable_lora (--enable-lora)", "model")
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
         self.rules.check(ids, params)
         params = self.pooling_rules.admit(params)
@@ -147,14 +162,33 @@ class LLMEngine:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         new = new_request(
-            request_id, prompt, ids, params, arrival, self.tokenizer, self.eos_token_ids, self._request_seed
+            request_id,
+            prompt,
+            ids,
+            params,
+            arrival,
+            self.tokenizer,
+            self.eos_token_ids,
+            self._request_seed,
+            lora_request,
         )
-        if new.grammar is None:
-            # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
-            self.scheduler.add_request(new.request)
-        else:
-            constraint, start = new.grammar
-            self.gate.hold(new.request, self.structured.compile(constraint), start)
+
+        def forward() -> None:
+            if new.grammar is None:
+                # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
+                self.scheduler.add_request(new.request)
+            else:
+                constraint, start = new.grammar
+                self.gate.hold(new.request, self.structured.compile(constraint), start)
+
+        if lora_request is None or self.lora is None:
+            forward()
+        else:  # an adapter not loaded yet is read off this thread; the request waits for it
+            try:
+                self.lora.admit(request_id, lora_request, forward)
+            except BaseException:
+                self.lora.finish(request_id)
+                raise
         self._own(new.owner)
 
     def _request_seed(self, params: SamplingParams) -> int:
@@ -171,6 +205,8 @@ class LLMEngine:
             return
         # A request held at the gate is unknown to the scheduler: its abort there is a no-op.
         self.gate.cancel(request_id)
+        if self.lora is not None:
+            self.lora.cancel(request_id)
         self.scheduler.abort_request(request_id)
         self._abort(owner)
 
@@ -187,6 +223,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; snapshots of the requests that progressed, finished or were aborted."""
         for request_id in self.gate.admit_ready(self.scheduler):
+            self._abort(self._requests[request_id])
+        for request_id in self.lora.admit_ready() if self.lora is not None else ():
             self._abort(self._requests[request_id])
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
@@ -205,7 +243,13 @@ class LLMEngine:
 
     def _idle(self, reported: bool) -> None:
         """Nothing ran: wait for a held grammar, or yield the core while the policy holds requests back."""
-        if not self.gate.wait() and not reported and self.scheduler.has_unfinished_requests():
+        lora_wait = self.lora is not None and self.lora.wait()
+        if (
+            not self.gate.wait()
+            and not lora_wait
+            and not reported
+            and self.scheduler.has_unfinished_requests()
+        ):
             # A static batch still forming: a step loop would spin on this, so yield for a moment.
             time.sleep(_IDLE_WAIT_S)
 
@@ -260,8 +304,41 @@ class LLMEngine:
     def _forget(self, owner: EngineRequest, seq_ids: Sequence[str]) -> None:
         """Drop a request's bookkeeping under these sequence ids."""
         self._requests.pop(owner.request_id, None)
+        if self.lora is not None and owner.finished:
+            self.lora.finish(owner.request_id)
         for seq_id in seq_ids:
             self._seq_owner.pop(seq_id, None)
+
+    # -------------------------------------------------------------------- LoRA
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and serve an adapter now, on this thread (LoRAError naming the field); the server reads it on
+        a worker thread instead (`load_lora` then `add_loaded_lora`)."""
+        self.add_loaded_lora(self.load_lora(lora_request))
+
+    def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter's folder without registering it (safe on any thread)."""
+        lora = self._lora_side()
+        lora.check_new(lora_request)
+        return lora.manager.load(lora_request)
+
+    def add_loaded_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve an adapter `load_lora` read (LoRAError if its name or id was taken meanwhile)."""
+        self._lora_side().add(adapter)
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Stop serving an adapter; requests already running on it finish on it."""
+        return self._lora_side().remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters served, in load order (empty without LoRA)."""
+        return [] if self.lora is None else list(self.lora.served.values())
+
+    def _lora_side(self) -> EngineLoRA:
+        """The LoRA side, or LoRAError when the engine serves none."""
+        if self.lora is None:
+            raise LoRAError("LoRA adapters are served with enable_lora (--enable-lora)", "model")
+        return self.lora
 
     # ------------------------------------------------------------------- stats
 
@@ -270,7 +347,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         return EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting + len(self.gate),
+            num_waiting=s.num_waiting + len(self.gate) + (len(self.lora) if self.lora is not None else 0),
             num_swapped=s.num_swapped,
             kv_cache_usage=s.kv_usage,
             num_kv_blocks=self.num_kv_blocks,

@@ -10,6 +10,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.server.engine.kv_cache import KVCache
+from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.models.attention import Attention, AttentionMetadata
 from pagoda.server.models.base import CausalLM
 from torch import Tensor
@@ -61,6 +62,7 @@ class ModelRunner:
                 )
             for layer, group in zip(layers, layout.layer_groups, strict=True):
                 layer.kv_cache_group = group
+        self.lora: LoRAManager | None = None  # set by the engine with enable_lora: slots each step's adapters
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> PreparedBatch:
         """Flatten the scheduled chunks into the model's varlen inputs and attention metadata."""
@@ -145,6 +147,8 @@ class ModelRunner:
         if not output.scheduled:
             return torch.empty(0, 0), {}
         batch = self.prepare(output.scheduled)
+        if self.lora is not None:
+            self.lora.prepare(output.scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
         prompt_hidden: dict[str, PromptHidden] = {}
         offset = 0

@@ -10,6 +10,8 @@ from pagoda.scheduler import Request
 from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.lora import LoRARequest
+from pagoda.server.lora.salt import lora_salt
 from pagoda.server.pooling.params import PoolingParams
 from pagoda.server.pooling.request import PoolingRequest
 from pagoda.server.sampling_params import SamplingParams
@@ -36,6 +38,7 @@ def new_request(
     tokenizer: PreTrainedTokenizerBase,
     eos_token_ids: frozenset[int],
     seed: Callable[[SamplingParams], int],  # the request's RNG seed (the engine numbers unseeded requests)
+    lora: LoRARequest | None = None,  # the adapter it runs under
 ) -> NewRequest:
     """A pooling request for an embedding, a beam group for a beam search, else a plain request (SamplingParams
     refuses grammars with beams)."""
@@ -56,7 +59,12 @@ def new_request(
             tokenizer,
         )
         request = Request(
-            request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=params.cache_salt
+            request_id,
+            ids,
+            scheduler_params,
+            arrival_time=arrival,
+            cache_salt=lora_salt(params.cache_salt, lora),
+            lora_id=None if lora is None else lora.lora_int_id,
         )
         return NewRequest(group, request, None)
     state = RequestState(
@@ -65,7 +73,14 @@ def new_request(
     # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
     # skipping any (vLLM skips the cache for these requests too).
     salt = params.cache_salt if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
-    request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+    request = Request(
+        request_id,
+        ids,
+        scheduler_params,
+        arrival_time=arrival,
+        cache_salt=lora_salt(salt, lora),
+        lora_id=None if lora is None else lora.lora_int_id,
+    )
     constraint = params.structured_outputs
     return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +83,20 @@ class QuantizableWeight(nn.Module):
         return int(self.weight.shape[0]), int(self.weight.shape[1])
 
 
+class OutputHook(Protocol):
+    """Adds to a Linear's output in place (a LoRA adapter's delta: `pagoda.server.lora.layers.LoRAHook`)."""
+
+    def __call__(self, x: Tensor, y: Tensor) -> Tensor:  # x [..., in_features], y [..., out_features] -> y
+        """y plus the hook's term of x."""
+        ...
+
+
 class Linear(QuantizableWeight):
     """y = x W^T (+ b), with the weight laid out [out_features, in_features] like checkpoints store it."""
+
+    # Set on the adaptable projections when LoRA is enabled; added before a row-parallel all-reduce, so each
+    # rank's partial delta (its columns of A) is summed with its partial product.
+    lora: OutputHook | None = None
 
     def __init__(
         self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device: torch.device
@@ -100,9 +112,11 @@ class Linear(QuantizableWeight):
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:  # [..., in_features] -> [..., out_features]
         """x W^T (+ bias) through the dense or the quantized weight."""
         if self.quantized is None:
-            return linear(x, self.weight, bias)
-        y = self.quantized.matmul(x)
-        return y if bias is None else y + bias
+            y = linear(x, self.weight, bias)
+        else:
+            y = self.quantized.matmul(x)
+            y = y if bias is None else y + bias
+        return y if self.lora is None else self.lora(x, y)
 
     def pack(self, batch_size: int) -> bool:
         """Replace the weight by its `pack_weight` form (the plain one is freed); whether it was packed."""

@@ -5,7 +5,8 @@ transformers `tiny_config` and `make_tiny_hf_model`) and the tiny tokenizer they
 `paged_kv`: `PagedKV`, a paged KV cache that runs a `CausalLM` step by step without the engine. `serve`:
 `LiveServer`, `pagoda serve` in a subprocess returned once /health answers 200 (`ServerStartError`, with the
 server's output, when it exits first or times out), and `free_port`. `dense_copy`: a float32 copy of a converted
-model folder whose weights stay in GGUF block formats, for transformers to load as the reference.
+model folder whose weights stay in GGUF block formats, for transformers to load as the reference. `tiny_lora`
+(needs `peft`): tiny random PEFT adapters (`make_tiny_lora`) and their transformers + PEFT reference.
 """
 
 from pagoda.server.testing.dense_copy import dense_copy

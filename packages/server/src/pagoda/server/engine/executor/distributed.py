@@ -195,7 +195,8 @@ class DistributedExecutor(Executor):
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
         """Send the step to the workers, run rank 0's part; the logits are gathered here."""
-        self._send(Execute(output))
+        lora = self.driver.lora
+        self._send(Execute(output, () if lora is None else lora.requests_for(output.scheduled)))
         self.steps += 1
         try:
             return self.driver.execute(output, prompt_lens)

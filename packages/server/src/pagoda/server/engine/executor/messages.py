@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
+from pagoda.server.lora.request import LoRARequest
 from pagoda.server.procs.control import Ready, Shutdown
 from pagoda.server.procs.security import PeerKeys
 
@@ -45,6 +46,7 @@ class Execute(msgspec.Struct, frozen=True, tag=True):
     """Run one scheduled step on this rank's shard (its block moves too)."""
 
     output: SchedulerOutput
+    loras: tuple[LoRARequest, ...] = ()  # the adapters the step uses (a rank reads one it does not hold)
 
 
 class ComputeLogits(msgspec.Struct, frozen=True, tag=True):

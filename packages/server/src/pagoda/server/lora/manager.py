@@ -1,0 +1,168 @@
+"""`LoRAManager`: the adapters an engine (or one tensor-parallel rank) serves, their CPU cache and slot pool.
+
+Adapters are loaded from disk into CPU tensors (`load`, safe to call from any thread: it touches no shared
+state) and registered (`add`); at most `max_cpu_loras` stay registered, the least recently used unpinned one
+leaving first (a request for it waits at the engine's `LoRAGate` while it is read again). Each step,
+`prepare` puts the step's adapters into the `max_loras` slots of every hooked layer (the scheduler never
+schedules more distinct adapters in one step), reusing a slot that already holds one, and sets every token row's
+slot for the hooks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
+
+import torch
+from pagoda.pagedkernel.lora import LoRABackendName
+from pagoda.scheduler import ScheduledRequest
+from pagoda.server.lora.layers import LoRABatch, LoRAHook
+from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, load_adapter
+from pagoda.server.lora.request import LoRARequest
+from pagoda.server.lora.targets import find_targets
+from pagoda.server.models.base import CausalLM
+from pagoda.server.models.layers import Linear, MergedLinear
+
+
+class LoRAManager:
+    """Hooks every adaptable projection of `model` and serves adapters through `max_loras` slots."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: LoRABackendName = "auto",
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.dtype = dtype
+        self.device = device
+        self.targets = find_targets(model)
+        self.batch = LoRABatch()
+        self.hooks: dict[str, LoRAHook] = {}
+        for module_name in dict.fromkeys(t.module for t in self.targets.values()):
+            module = model.get_submodule(module_name)
+            assert isinstance(module, Linear)
+            rows, cols = module.weight_shape()
+            shards = module.shard_sizes if isinstance(module, MergedLinear) else (rows,)
+            hook = LoRAHook(
+                self.batch,
+                cols,
+                shards,
+                num_slots=max_loras,
+                max_rank=max_lora_rank,
+                dtype=dtype,
+                device=device,
+                backend=backend,
+            )
+            module.lora = hook
+            self.hooks[module_name] = hook
+        self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # registered, least recently used first
+        self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
+        self.pins: defaultdict[int, int] = defaultdict(int)  # unfinished requests per adapter id
+
+    def load(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter from disk (LoRAError naming the field); registers nothing."""
+        return load_adapter(request, self.targets, max_rank=self.max_lora_rank, dtype=self.dtype)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Register a loaded adapter (replacing one of the same id), evicting unpinned ones beyond max_cpu_loras."""
+        lora_id = adapter.request.lora_int_id
+        self._drop_slot(lora_id)
+        self.adapters[lora_id] = adapter
+        self.adapters.move_to_end(lora_id)
+        self._trim(keep=lora_id)
+
+    def _trim(self, keep: int | None = None) -> None:
+        """Evict least recently used unpinned adapters beyond max_cpu_loras (pinned ones may exceed it a while)."""
+        for old in list(self.adapters):
+            if len(self.adapters) <= self.max_cpu_loras:
+                break
+            if old != keep and not self.pins.get(old):
+                self.remove(old)
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget an adapter's weights (its slot too); whether it was registered."""
+        self._drop_slot(lora_id)
+        return self.adapters.pop(lora_id, None) is not None
+
+    def has(self, lora_id: int) -> bool:
+        """Whether the adapter's weights are registered (requests for it can be scheduled)."""
+        return lora_id in self.adapters
+
+    def pin(self, lora_id: int) -> None:
+        """One more unfinished request runs under the adapter: it is not evicted meanwhile."""
+        self.pins[lora_id] += 1
+
+    def unpin(self, lora_id: int) -> None:
+        """A request under the adapter finished."""
+        self.pins[lora_id] -= 1
+        if self.pins[lora_id] <= 0:
+            del self.pins[lora_id]
+            self._trim()
+
+    def _drop_slot(self, lora_id: int) -> None:
+        """Free the slot holding `lora_id`, if any (it is reloaded at its next use)."""
+        for slot, held in enumerate(self.slot_ids):
+            if held == lora_id:
+                self.slot_ids[slot] = None
+
+    def _slot_of(self, lora_id: int, needed: set[int]) -> int:
+        """The slot holding `lora_id`, loading it into a free slot (one no adapter of this step needs)."""
+        if lora_id in self.slot_ids:
+            return self.slot_ids.index(lora_id)
+        slot = next((i for i, held in enumerate(self.slot_ids) if held is None or held not in needed), None)
+        if slot is None:
+            raise RuntimeError(f"a step uses more than max_loras={self.max_loras} adapters")
+        adapter = self.adapters.get(lora_id)
+        if adapter is None:
+            raise RuntimeError(f"LoRA adapter id {lora_id} is scheduled but not loaded")
+        by_module: dict[str, dict[int, LoRAWeights]] = defaultdict(dict)
+        for name, weights in adapter.weights.items():
+            target = self.targets[name]
+            by_module[target.module][target.shard] = weights
+        for module_name, hook in self.hooks.items():
+            hook.load(slot, by_module.get(module_name, {}))
+        self.slot_ids[slot] = lora_id
+        self.adapters.move_to_end(lora_id)
+        return slot
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Slot the step's adapters and set every token row's slot (None when no chunk has an adapter)."""
+        needed = {c.lora_id for c in scheduled if c.lora_id is not None}
+        if not needed:
+            self.batch.slots = None
+            return
+        slots = {lora_id: self._slot_of(lora_id, needed) for lora_id in sorted(needed)}
+        rows: list[int] = []
+        for chunk in scheduled:
+            slot = -1 if chunk.lora_id is None else slots[chunk.lora_id]
+            rows.extend([slot] * chunk.num_tokens)
+        self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def requests_for(self, scheduled: Sequence[ScheduledRequest]) -> tuple[LoRARequest, ...]:
+        """The adapters a step uses, for the tensor-parallel workers (which read one they do not hold)."""
+        ids = sorted({c.lora_id for c in scheduled if c.lora_id is not None})
+        return tuple(self.adapters[i].request for i in ids if i in self.adapters)
+
+    def ensure(self, requests: Sequence[LoRARequest]) -> None:
+        """Read (this rank's shard of) every adapter not held yet: a worker's side of `requests_for`."""
+        for request in requests:  # pinned meanwhile, so that reading one never evicts another of the step
+            self.pin(request.lora_int_id)
+        try:
+            for request in requests:
+                if not self.has(request.lora_int_id):
+                    self.add(self.load(request))
+        finally:
+            for request in requests:
+                self.unpin(request.lora_int_id)
+
+    def clear(self) -> None:
+        """No adapter rows (after a step, so that other forwards, e.g. cost probes, run the base model)."""
+        self.batch.slots = None

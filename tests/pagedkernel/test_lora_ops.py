@@ -1,0 +1,88 @@
+"""The batched LoRA ops (`pagoda.pagedkernel.lora`) on every CPU-runnable backend against the float64 reference:
+mixed slots, rows without an adapter (left untouched, even when NaN), fused-projection column offsets, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.pagedkernel.lora import add_lora, lora_expand, lora_shrink
+from pagoda.pagedkernel.lora.ops import LoRABackendName
+from pagoda.pagedkernel.lora.testing import make_case, reference_add, reference_shrink
+
+BACKENDS: list[LoRABackendName] = ["torch", "cpu", "triton"]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_shrink_matches_the_reference(backend: LoRABackendName, dtype: torch.dtype) -> None:
+    """h per row from its own slot's A, scaled; rows without an adapter are exactly 0."""
+    case = make_case(13, 70, 24, 5, 3, dtype=dtype, seed=1)
+    h = lora_shrink(case.x, case.a, case.slots, case.scales, backend=backend)
+    assert h.dtype == torch.float32
+    want = reference_shrink(case)
+    torch.testing.assert_close(h.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert bool((h[case.slots < 0] == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("offset", [0, 11])
+def test_add_lora_matches_the_reference(backend: LoRABackendName, dtype: torch.dtype, offset: int) -> None:
+    """A slice of a wider (fused) output gets each row's delta; columns outside it are untouched."""
+    case = make_case(17, 40, 90, 8, 4, dtype=dtype, width=120, seed=2)
+    y = case.y.clone()
+    add_lora(y, case.x, case.a, case.b, case.slots, case.scales, offset=offset, backend=backend)
+    want = reference_add(case, offset)
+    tol = TOLERANCE[dtype] * 10
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    outside = torch.ones(120, dtype=torch.bool)
+    outside[offset : offset + 90] = False
+    assert torch.equal(y[:, outside], case.y[:, outside])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_an_adapter_are_never_touched(backend: LoRABackendName) -> None:
+    """NaN-poisoned base rows of no-adapter rows stay NaN bit for bit, every adapter row becomes finite."""
+    case = make_case(20, 33, 21, 4, 2, seed=3)
+    y = case.y.clone()
+    none = case.slots < 0
+    assert bool(none.any()) and bool((~none).any())
+    y[none] = float("nan")
+    h = lora_shrink(case.x, case.a, case.slots, case.scales, backend=backend)
+    lora_expand(h, case.b, case.slots, y, backend=backend)
+    assert bool(y[none].isnan().all())
+    torch.testing.assert_close(y[~none].double(), reference_add(case, 0)[~none], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_rows_without_adapter_is_the_identity(backend: LoRABackendName) -> None:
+    """A batch where no row has an adapter leaves y as it was (and h zero), whatever the pool holds (NaN)."""
+    case = make_case(6, 16, 16, 4, 2, seed=4)
+    slots = torch.full((6,), -1, dtype=torch.int64)
+    y = case.y.clone()
+    a = torch.full_like(case.a, float("nan"))
+    b = torch.full_like(case.b, float("nan"))
+    add_lora(y, case.x, a, b, slots, case.scales, backend=backend)
+    assert torch.equal(y, case.y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_slot_outside_the_pool_is_refused(backend: LoRABackendName) -> None:
+    """An out-of-range slot is an IndexError before anything is written."""
+    case = make_case(4, 16, 16, 4, 2, seed=5)
+    slots = torch.tensor([0, 1, 2, -1])
+    y = case.y.clone()
+    with pytest.raises(IndexError, match="out of range"):
+        add_lora(y, case.x, case.a, case.b, slots, case.scales, backend=backend)
+    assert torch.equal(y, case.y)
+
+
+def test_mismatched_shapes_are_refused() -> None:
+    """Shapes that do not line up name the op and the tensors."""
+    case = make_case(4, 16, 16, 4, 2)
+    with pytest.raises(ValueError, match="lora_shrink"):
+        lora_shrink(case.x[:, :8], case.a, case.slots, case.scales)
+    h = lora_shrink(case.x, case.a, case.slots, case.scales)
+    with pytest.raises(ValueError, match="lora_expand"):
+        lora_expand(h, case.b, case.slots, case.y, offset=4)
