@@ -7,10 +7,12 @@ from pagoda.blockalloc.manager import BlockManager
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId
+from pagoda.blockalloc.snapshot import BlockMapSnapshot
 
 __all__ = [
     "BlockHash",
     "BlockManager",
+    "BlockMapSnapshot",
     "BlockPool",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",

@@ -12,6 +12,7 @@ from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, LastChainCache
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId, SequenceBlocks
+from pagoda.blockalloc.snapshot import BlockMapSnapshot, take_snapshot
 
 _NO_SLOTS = SlotAllocation((), (), 0)
 _BLOCK_ID = attrgetter("block_id")
@@ -155,6 +156,10 @@ class BlockManager:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
         )
+
+    def snapshot(self) -> BlockMapSnapshot:
+        """Ref counts, cached blocks and block tables of both tiers, copied cheaply (for live views)."""
+        return take_snapshot(self)
 
     # --------------------------------------------------------------- mutations
 

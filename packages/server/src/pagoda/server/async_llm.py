@@ -14,6 +14,7 @@ stops with a non-zero status (`wait_fatal`), for a supervisor to restart the pro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import ServingConfig
@@ -103,7 +105,17 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between two steps (a live view's cheap snapshot)."""
+
+    fn: Callable[[EngineClient], Any]
+    future: concurrent.futures.Future[Any]
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop | _Call
+
+T = TypeVar("T")
 
 
 def _aborted_snapshot(stream: _Stream) -> RequestOutput:
@@ -332,6 +344,16 @@ class AsyncLLM:
             raise
         return handles
 
+    async def call_on_engine_thread(self, fn: Callable[[EngineClient], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps and return its result (EngineDeadError if
+        the engine is dead). For cheap reads of engine state that only that thread may touch."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError("the engine loop has stopped")
+            self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     async def generate(
         self,
         request_id: str,
@@ -461,6 +483,8 @@ class AsyncLLM:
             elif isinstance(command, _AbortAll):
                 for request_id in list(self._streams):
                     self._abort(request_id, notify=True)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 for request_id in list(self._streams):
                     self._abort(request_id, notify=True)
@@ -469,6 +493,14 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _call(self, command: _Call) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        try:
+            command.future.set_result(command.fn(self.engine))
+        except Exception as exc:  # a failing view fails its caller, never the engine loop
+            command.future.set_exception(exc)
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -578,6 +610,8 @@ class AsyncLLM:
                 break
             if isinstance(command, _Add):
                 self._push(command.stream, error)
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
 
 
 class RequestStream:

@@ -98,6 +98,7 @@ class LLMEngine:
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
+        self.last_schedule: SchedulerOutput | None = None  # the latest step's chunks (live views read them)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -180,6 +181,7 @@ class LLMEngine:
             self._abort(self._requests[request_id])
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
+        self.last_schedule = scheduled
         if scheduled.is_empty:
             self._idle(bool(outputs))
             return outputs
