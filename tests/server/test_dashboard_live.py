@@ -4,7 +4,6 @@ requests run, share blocks (n = 4, a repeated prefix) and finish."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
