@@ -68,7 +68,10 @@ def ensure_chromium() -> None:
     if shutil.which("chromium") or shutil.which("chromium-browser"):
         return
     if sys.platform != "linux" or shutil.which("apt-get") is None or os.geteuid() != 0:
-        print("chromium is missing: install it (apt-get install chromium) for the browser tests", file=sys.stderr)
+        print(
+            "chromium is missing: install it (apt-get install chromium) for the browser tests",
+            file=sys.stderr,
+        )
         return
     print("installing chromium with apt-get (the dashboard's browser tests)", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}

@@ -193,6 +193,7 @@
       const ctx = ch.canvas.getContext("2d");
       ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
       ctx.clearRect(0, 0, w, h);
+      const span = Math.max(60, pts.length); // the x axis fills over the first minute, then scrolls
       let max = 0;
       for (const p of pts) for (const [key, scale] of ch.lines) if (p[key] != null) max = Math.max(max, p[key] * scale);
       max = max > 0 ? max * 1.1 : 1;
@@ -203,7 +204,7 @@
         let started = false;
         pts.forEach((p, i) => {
           if (p[key] == null) { started = false; return; }
-          const x = pts.length > 1 ? (i / (MAX_POINTS - 1)) * w : 0;
+          const x = (i / (span - 1)) * w;
           const y = h - 2 - ((p[key] * scale) / max) * (h - 14);
           if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
         });
