@@ -48,17 +48,23 @@ def allocator_part(num_blocks: int, num_seqs: int, repeat: int) -> None:
     # Prompts that fill ~all blocks: a shared 16-block system prompt, then each sequence's own blocks.
     prompt_len = 256 + (num_blocks - 16 - num_seqs) * block_size // num_seqs - block_size
     config = SchedulerConfig(
-        max_num_seqs=2 * num_seqs, max_model_len=prompt_len + 64, max_num_batched_tokens=num_blocks * block_size
+        max_num_seqs=2 * num_seqs,
+        max_model_len=prompt_len + 64,
+        max_num_batched_tokens=num_blocks * block_size,
     )
     kv = BlockManager(num_blocks, block_size, num_host_blocks=1024)
     sched = Scheduler(config, kv)
     system = list(range(1, 257))
     for i in range(num_seqs):
         prompt = system + [1000 + i * 7 + j for j in range(prompt_len - len(system))]
-        sched.add_request(Request(f"req-{i}", prompt, SimSamplingParams(max_tokens=32, n=2 if i % 4 == 0 else 1)))
+        sched.add_request(
+            Request(f"req-{i}", prompt, SimSamplingParams(max_tokens=32, n=2 if i % 4 == 0 else 1))
+        )
     out = sched.schedule()
     chunks = {c.request_id: c.num_tokens for c in out.scheduled}
-    stats = EngineStats(len(sched.running), len(sched.waiting), 0, kv.stats().usage, num_blocks, block_size, 0, 0, 0, 0, 0)
+    stats = EngineStats(
+        len(sched.running), len(sched.waiting), 0, kv.stats().usage, num_blocks, block_size, 0, 0, 0, 0, 0
+    )
 
     def snapshot() -> ReplicaSnapshot:
         return ReplicaSnapshot(0, kv.snapshot(), sched.queue_view(chunks), stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def test_screenshot_under_load(browser: Browser, live: LiveServer, tmp_path: Pat
             extra: dict[str, Any] = {"n": 4} if i == 0 else {}
             _complete(live, f"{prefix} question {i}.{j}", 1800, **extra)
 
-    threads = [in_background(lambda i=i: load(i)) for i in range(4)]
+    threads = [in_background(partial(load, i)) for i in range(4)]
     try:
         browser.wait_for(
             f"(() => {{ const c = {COUNTS}; return c && c.shared > 0 && c.owned > 50"

@@ -1,6 +1,7 @@
 """pagoda.blockalloc: paged KV-cache block allocator (block pool, prefix caching, block tables, CoW, swap)."""
 
 from pagoda.blockalloc.block import KVCacheBlock
+from pagoda.blockalloc.events import KVEventSink
 from pagoda.blockalloc.free_queue import FreeKVCacheBlockQueue
 from pagoda.blockalloc.hashing import BlockHash, hash_block_tokens
 from pagoda.blockalloc.manager import BlockManager
@@ -17,6 +18,7 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheStats",
+    "KVEventSink",
     "SeqId",
     "SlotAllocation",
     "hash_block_tokens",

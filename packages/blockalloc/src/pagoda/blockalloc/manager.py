@@ -8,6 +8,7 @@ from itertools import chain
 from operator import attrgetter
 
 from pagoda.blockalloc.block import KVCacheBlock
+from pagoda.blockalloc.events import KVEventSink
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, LastChainCache, hash_blocks, salt_bytes
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
@@ -26,6 +27,7 @@ class BlockManager:
         "block_slots",
         "chain_cache",
         "enable_prefix_caching",
+        "events",
         "host_pool",
         "num_blocks",
         "num_host_blocks",
@@ -63,6 +65,12 @@ class BlockManager:
         self.prefix_cache_hits = 0
         # A scheduler looks a prompt up and then allocates it: the allocation reuses the lookup's hashes.
         self.chain_cache = LastChainCache(block_size)
+        self.events: KVEventSink | None = None  # set_event_sink
+
+    def set_event_sink(self, sink: KVEventSink | None) -> None:
+        """Tell `sink` every hash that enters or leaves the device prefix cache (None: stop telling)."""
+        self.events = sink
+        self.pool.on_evict = None if sink is None else sink.blocks_removed
 
     # ----------------------------------------------------------------- queries
 
@@ -264,7 +272,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (and no change) while any device block is in use."""
-        return self.pool.reset_prefix_cache()
+        done = self.pool.reset_prefix_cache()
+        if done and self.events is not None:
+            self.events.all_cleared()
+        return done
 
     def check_invariants(self) -> None:
         """Assert ref counts match the tables, free and used partition each tier, and the hash map is consistent."""
@@ -373,19 +384,40 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed_tokens
-            self._register(blocks, hashes, num_cached_blocks)
+            self._register(blocks, hashes, num_cached_blocks, token_ids)
         if num_new_tokens == 0:
             return SlotAllocation((), (), num_computed_tokens)
         return SlotAllocation(self._slots(blocks, num_computed_tokens, end), (), num_computed_tokens)
 
-    def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int) -> None:
+    def _register(
+        self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int, token_ids: Sequence[int]
+    ) -> None:
         """Register blocks[i] under hashes[i] for i >= start; first writer wins, duplicates stay uncached."""
         cache_map = self.pool.cached_block_hash_to_block
+        stored: list[int] = []  # indices newly registered, for the event sink
         for i in range(start, len(hashes)):
             block, block_hash = blocks[i], hashes[i]
             if block.block_hash is None and block_hash not in cache_map:
                 cache_map[block_hash] = block
                 block.block_hash = block_hash
+                stored.append(i)
+        if stored and self.events is not None:
+            self._emit_stored(hashes, stored, token_ids)
+
+    def _emit_stored(self, hashes: list[BlockHash], stored: list[int], token_ids: Sequence[int]) -> None:
+        """One `blocks_stored` per run of consecutive newly registered blocks of a chain."""
+        assert self.events is not None
+        bs = self.block_size
+        first = prev = stored[0]
+        for i in [*stored[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            parent = hashes[first - 1] if first > 0 else None
+            tokens = list(token_ids[first * bs : (prev + 1) * bs])
+            self.events.blocks_stored(hashes[first : prev + 1], parent, tokens, bs)
+            if i is not None:
+                first = prev = i
 
     def _cache_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> None:
         """Hash and register each block of `seq` that is now full with known tokens (only when it fills)."""
@@ -397,7 +429,7 @@ class BlockManager:
             return
         parent = seq.block_hashes[-1] if num_hashed else ROOT_BLOCK_HASH
         seq.block_hashes += hash_blocks(token_ids, self.block_size, num_hashed, num_full, parent, seq.salt)
-        self._register(seq.blocks, seq.block_hashes, num_hashed)
+        self._register(seq.blocks, seq.block_hashes, num_hashed, token_ids)
 
     def _slots(self, blocks: list[KVCacheBlock], start: int, end: int) -> tuple[int, ...]:
         """Slot ids of token positions [start, end): per-block ranges chained in C, no per-token Python work."""

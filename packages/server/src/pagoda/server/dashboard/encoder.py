@@ -7,6 +7,7 @@ SWAPPED on the host tier (a preempted sequence's copy).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from itertools import groupby, repeat
 from typing import Any
@@ -48,10 +49,11 @@ def id_runs(block_ids: Iterable[int]) -> list[int]:
     return out
 
 
-def device_states(blocks: BlockMapSnapshot) -> bytearray:
-    """[num_blocks] state of each device block."""
-    states = bytearray(map(_BY_REF.__getitem__, map(min, blocks.ref_counts, repeat(2))))
-    for block_id in blocks.cached_block_ids:
+def device_states(blocks: BlockMapSnapshot, ref_counts: array[int] | None = None) -> bytearray:
+    """[num_blocks] state of each device block (`ref_counts`: blocks.ref_counts(), if already computed)."""
+    refs = blocks.ref_counts() if ref_counts is None else ref_counts
+    states = bytearray(map(_BY_REF.__getitem__, map(min, refs, repeat(2))))
+    for block_id in blocks.cached_block_ids():
         if states[block_id] == FREE:
             states[block_id] = CACHED
     return states
@@ -59,7 +61,7 @@ def device_states(blocks: BlockMapSnapshot) -> bytearray:
 
 def host_states(blocks: BlockMapSnapshot) -> bytearray:
     """[num_host_blocks] state of each host block: SWAPPED when a swapped sequence holds it."""
-    return bytearray(SWAPPED if r else FREE for r in blocks.host_ref_counts)
+    return bytearray(SWAPPED if r else FREE for r in blocks.host_ref_counts())
 
 
 def _entry(e: QueueEntry) -> list[Any]:
@@ -89,19 +91,19 @@ def encode_replica(snap: ReplicaSnapshot) -> dict[str, Any]:
         out["num_blocks"] = stats.num_kv_blocks
         out["map"] = None
         return out
-    states = device_states(blocks)
-    counts = [0] * len(STATE_NAMES)
-    for value, run in groupby(states):
-        counts[value] += sum(1 for _ in run)
-    counts[SWAPPED] = sum(1 for r in blocks.host_ref_counts if r)
+    refs = blocks.ref_counts()
+    states = device_states(blocks, refs)
+    host = host_states(blocks)
+    counts = [states.count(s) for s in range(len(STATE_NAMES))]
+    counts[SWAPPED] = host.count(SWAPPED)
     out.update(
         num_blocks=blocks.num_blocks,
         num_host_blocks=blocks.num_host_blocks,
         map=run_length(states),
-        refs=run_length(blocks.ref_counts),
-        host_map=run_length(host_states(blocks)),
+        refs=run_length(refs),
+        host_map=run_length(host),
         counts=dict(zip(STATE_NAMES, counts, strict=True)),
-        tables={seq_id: id_runs(ids) for seq_id, ids in blocks.tables},
-        swapped_tables={seq_id: id_runs(ids) for seq_id, ids in blocks.swapped_tables},
+        tables={seq_id: id_runs(ids) for seq_id, ids in blocks.tables()},
+        swapped_tables={seq_id: id_runs(ids) for seq_id, ids in blocks.swapped_tables()},
     )
     return out

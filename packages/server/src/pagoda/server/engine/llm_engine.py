@@ -35,6 +35,7 @@ from pagoda.server.engine.request_factory import new_request
 from pagoda.server.engine.scheduling import build_kv_manager
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
+from pagoda.server.kv_events import start_kv_events
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
@@ -99,6 +100,11 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
         self.last_schedule: SchedulerOutput | None = None  # the latest step's chunks (live views read them)
+        self.kv_events = start_kv_events(
+            config.cache_config.kv_events_config,
+            self.kv_manager,
+            medium="GPU" if parts.device.type == "cuda" else "CPU",
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -113,6 +119,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.executor.shutdown()
 
     def check_health(self) -> None:
