@@ -7,7 +7,7 @@ Part 1, the allocator and scheduler alone: a pool of `--num-blocks` blocks fille
 sequences (a shared 256-token system prompt, every 4th request with n = 2), then the engine-thread part of a
 frame (`BlockManager.snapshot` + `Scheduler.queue_view`) and the off-thread part (encode + JSON), median of
 `--repeat` runs. Part 2, a real engine (the tiny random Llama of pagoda.server.testing, float32) with the same
-pool size and `--num-seqs` requests decoding: its mean step time, and the snapshot of that engine. The frame
+pool size and `--num-seqs` requests decoding: its mean step time, and the whole engine-thread snapshot of that engine (with full latency windows). The frame
 share is the snapshot's time per second of engine time at 4 frames a second (what the engine thread gives up),
 and the snapshot over one step.
 """
@@ -26,7 +26,8 @@ from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import Request, Scheduler, SchedulerConfig
 from pagoda.scheduler.testing.sim import SimSamplingParams
 from pagoda.server.dashboard.encoder import encode_replica
-from pagoda.server.dashboard.snapshot import ReplicaSnapshot, replica_snapshot
+from pagoda.server.dashboard.snapshot import ReplicaSnapshot, take_snapshot
+from pagoda.server.metrics import ServerMetrics
 from pagoda.server.outputs import EngineStats
 
 FPS = 4.0
@@ -110,7 +111,11 @@ def engine_part(num_blocks: int, num_seqs: int, steps: int, repeat: int) -> None
         for _ in range(steps):
             engine.step()
         step = (time.perf_counter() - t0) / steps
-        take = median_seconds(lambda: replica_snapshot(engine), repeat)
+        metrics = ServerMetrics("bench", engine.get_stats)
+        for _ in range(8192):  # full latency windows, as a busy server's
+            metrics.ttft_window.add(0.1)
+            metrics.itl_window.add(0.01)
+        take = median_seconds(lambda: take_snapshot(engine, metrics), repeat)
         used = engine.get_stats().kv_cache_usage
         print(f"engine (tiny llama, float32): {num_blocks} blocks ({used:.0%} used), {num_seqs} running")
         print(f"  mean step: {step * 1e3:.2f} ms   engine-thread snapshot: {take * 1e3:.2f} ms")

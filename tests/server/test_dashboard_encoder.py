@@ -97,3 +97,30 @@ def test_latency_window_and_percentiles() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+
+
+def test_series_points_are_interval_rates_and_windowed_percentiles() -> None:
+    from dataclasses import replace
+
+    from pagoda.server.dashboard.series import SeriesRecorder
+    from pagoda.server.dashboard.snapshot import LATENCY_WINDOW_S, EngineSnapshot
+
+    stats = _stats(BlockManager(num_blocks=4, block_size=4))
+    recorder = SeriesRecorder(period=1.0, maxlen=2)
+    first = EngineSnapshot(100.0, (), stats, (), ())
+    assert recorder.observe(first, wall=1.0) is None  # the first snapshot only starts the interval
+    later_stats = replace(
+        stats, generation_tokens=50, prefix_cache_queries=40, prefix_cache_hits=10, num_preemptions=2
+    )
+    old = 100.0 - LATENCY_WINDOW_S  # out of the window at t=102
+    ttft = ((old, 9.0), (101.0, 0.1), (101.5, 0.3))
+    assert recorder.observe(EngineSnapshot(100.5, (), later_stats, ttft, ()), wall=1.5) is None  # < period
+    point = recorder.observe(EngineSnapshot(102.0, (), later_stats, ttft, ((101.9, 0.02),)), wall=3.0)
+    assert point is not None
+    assert point.output_tps == 25.0 and point.prefix_hit_rate == 0.25 and point.preemptions == 2
+    assert point.ttft_p50 == 0.1 and point.ttft_p99 == 0.3  # the 9 s sample fell out of the window
+    assert point.itl_p50 == point.itl_p99 == 0.02 and point.t == 3.0
+    quiet = recorder.observe(EngineSnapshot(103.0, (), later_stats, (), ()), wall=4.0)
+    assert quiet is not None and quiet.output_tps == 0.0 and quiet.prefix_hit_rate is None
+    assert quiet.ttft_p50 is None
+    assert list(recorder.points) == [point, quiet]

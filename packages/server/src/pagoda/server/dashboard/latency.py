@@ -23,7 +23,16 @@ class LatencyWindow:
 
     def samples(self, since: float) -> list[float]:
         """The sample values recorded at `since` or later."""
-        return [value for t, value in self._samples if t >= since]
+        return since_time(self.copy(), since)
+
+    def copy(self) -> tuple[tuple[float, float], ...]:
+        """Every (time, seconds) sample, copied at C speed (cheap enough for the engine thread)."""
+        return tuple(self._samples)
+
+
+def since_time(samples: tuple[tuple[float, float], ...], since: float) -> list[float]:
+    """The values of `samples` recorded at `since` or later."""
+    return [value for t, value in samples if t >= since]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

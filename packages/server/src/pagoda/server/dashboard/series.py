@@ -6,8 +6,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pagoda.server.dashboard.latency import percentile
-from pagoda.server.dashboard.snapshot import EngineSnapshot
+from pagoda.server.dashboard.latency import percentile, since_time
+from pagoda.server.dashboard.snapshot import LATENCY_WINDOW_S, EngineSnapshot
 
 HISTORY_POINTS = 300  # five minutes at one point per second
 
@@ -54,6 +54,8 @@ class SeriesRecorder:
             return None
         self._last = snap
         now, before = snap.stats, last.stats
+        since = snap.time - LATENCY_WINDOW_S
+        ttft, itl = since_time(snap.ttft, since), since_time(snap.itl, since)
         queries = now.prefix_cache_queries - before.prefix_cache_queries
         hits = now.prefix_cache_hits - before.prefix_cache_hits
         point = SeriesPoint(
@@ -65,10 +67,10 @@ class SeriesRecorder:
             kv_usage=now.kv_cache_usage,
             prefix_hit_rate=hits / queries if queries > 0 else None,
             preemptions=max(0, now.num_preemptions - before.num_preemptions),
-            ttft_p50=percentile(snap.ttft, 50),
-            ttft_p99=percentile(snap.ttft, 99),
-            itl_p50=percentile(snap.itl, 50),
-            itl_p99=percentile(snap.itl, 99),
+            ttft_p50=percentile(ttft, 50),
+            ttft_p99=percentile(ttft, 99),
+            itl_p50=percentile(itl, 50),
+            itl_p99=percentile(itl, 99),
         )
         self.points.append(point)
         return point

@@ -33,8 +33,9 @@ class EngineSnapshot:
     time: float
     replicas: tuple[ReplicaSnapshot, ...]  # empty: this engine offers no block map (engine-core processes)
     stats: EngineStats
-    ttft: tuple[float, ...]  # seconds, the last LATENCY_WINDOW_S
-    itl: tuple[float, ...]
+    # (time, seconds) samples as recorded (the series keeps the last LATENCY_WINDOW_S of them, off this thread)
+    ttft: tuple[tuple[float, float], ...]
+    itl: tuple[tuple[float, float], ...]
 
 
 def replica_snapshot(engine: object, index: int = 0) -> ReplicaSnapshot | None:
@@ -58,11 +59,10 @@ def take_snapshot(engine: EngineClient, metrics: ServerMetrics) -> EngineSnapsho
     """Copy a frame's inputs; call on the engine thread (AsyncLLM.call_on_engine_thread)."""
     now = time.monotonic()
     own = replica_snapshot(engine)
-    since = now - LATENCY_WINDOW_S
     return EngineSnapshot(
         time=now,
         replicas=() if own is None else (own,),
-        stats=engine.get_stats(),
-        ttft=tuple(metrics.ttft_window.samples(since)),
-        itl=tuple(metrics.itl_window.samples(since)),
+        stats=own.stats if own is not None else engine.get_stats(),
+        ttft=metrics.ttft_window.copy(),
+        itl=metrics.itl_window.copy(),
     )
