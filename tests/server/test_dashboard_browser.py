@@ -72,10 +72,19 @@ def test_page_loads_with_the_key_and_without_it_shows_nothing(browser: Browser, 
 
 def test_map_shows_used_blocks_while_requests_run_and_none_after(browser: Browser, live: LiveServer) -> None:
     _login(browser, live)
-    thread = in_background(lambda: _complete(live, PROMPT, 600))
+    thread = in_background(lambda: _complete(live, PROMPT, 1800))
     used = browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0 && c; }})()")
     assert used["owned"] > 0
     assert "Running (1)" in browser.evaluate("document.getElementById('replicas').innerText")
+    # Hovering a block shows its state, ref count and owner.
+    block = browser.evaluate("window.pagodaDashboard.firstBlock(0, 'owned')")
+    assert block >= 0
+    pos = browser.evaluate(f"window.pagodaDashboard.blockCenter(0, {block})")
+    browser.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": pos["x"], "y": pos["y"]})
+    tip = browser.wait_for(
+        "!document.getElementById('tip').hidden && document.getElementById('tip').textContent"
+    )
+    assert f"block {block}: owned, ref count 1" in tip and "held by cmpl-" in tip
     thread.join(600)
     after = browser.wait_for(
         f"(() => {{ const c = {COUNTS}; return c && c.owned + c.shared + c.swapped === 0 && c; }})()"

@@ -245,6 +245,17 @@
     return out;
   };
 
+  // Where block `block` of replica `index` is drawn, and the first block in a state (the tests hover them).
+  state.blockCenter = function (index, block) {
+    const v = views.get(index || 0);
+    const rect = v.map.getBoundingClientRect();
+    return { x: rect.left + ((block % v.cols) + 0.5) * v.cell, y: rect.top + (Math.floor(block / v.cols) + 0.5) * v.cell };
+  };
+  state.firstBlock = function (index, name) {
+    const v = views.get(index || 0);
+    return v ? v.states.indexOf(STATES.indexOf(name)) : -1;
+  };
+
   function connect() {
     const status = document.getElementById("status");
     const source = new EventSource("/dashboard/events");
