@@ -67,3 +67,25 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig:
         if not ok:
             raise ValueError(f"kv_events_config.{key} has the wrong type: {value!r}")
     return KVEventsConfig(**data)
+
+
+def _offset_port(endpoint: str, offset: int) -> str:
+    """`endpoint` with its tcp port moved up by `offset` (other transports and `*` ports: a suffix / as is)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        return f"tcp://{host}:{int(port) + offset}" if port.isdigit() else endpoint
+    return f"{endpoint}-{offset}" if offset else endpoint
+
+
+def for_replica(text: str | None, index: int) -> str | None:
+    """Replica `index`'s `--kv-events-config`: its tcp ports offset by `index`, as vLLM offsets them by the
+    data-parallel rank, so that every engine core binds its own endpoint."""
+    config = parse_kv_events_config(text)
+    if not config.enable_kv_cache_events or index == 0:
+        return text
+    data = json.loads(text or "{}")
+    data["endpoint"] = _offset_port(config.endpoint, index)
+    if config.replay_endpoint is not None:
+        data["replay_endpoint"] = _offset_port(config.replay_endpoint, index)
+    return json.dumps(data)
