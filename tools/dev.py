@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -61,6 +62,25 @@ def ensure_venv() -> Path:
     return python
 
 
+def ensure_chromium() -> None:
+    """Install Debian's chromium (the dashboard's browser tests need it) with apt-get when it is missing and we
+    are root; otherwise say so: those tests then fail, loudly, rather than skip."""
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        return
+    if sys.platform != "linux" or shutil.which("apt-get") is None or os.geteuid() != 0:
+        print(
+            "chromium is missing: install it (apt-get install chromium) for the browser tests",
+            file=sys.stderr,
+        )
+        return
+    print("installing chromium with apt-get (the dashboard's browser tests)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+    if subprocess.call(install, env=env) != 0:
+        subprocess.call(["apt-get", "update"], env=env)
+        subprocess.call(install, env=env)
+
+
 def run(argv: list[str]) -> int:
     """Dispatch `serve`, `test` or `exec` and return the exit status."""
     if not argv or argv[0] not in {"serve", "test", "exec"}:
@@ -73,6 +93,7 @@ def run(argv: list[str]) -> int:
         return subprocess.call([str(python), "-m", "pagoda.server.cli", "serve", *rest])
     if command == "exec":
         return subprocess.call([str(python), *rest])
+    ensure_chromium()
     checks = (["mypy"], ["ruff", "check", "."], ["ruff", "format", "--check", "."])
     for check in checks:
         status = subprocess.call([str(python), "-m", *check])

@@ -41,6 +41,11 @@ class KVCacheGroupSpec:
 FULL_ATTENTION = KVCacheGroupSpec()
 
 
+def is_first_group_key(key: BlockHash) -> bool:
+    """Whether a prefix-cache key is group 0's (the content hash itself: a sha256 digest, no group suffix)."""
+    return len(key) == 32
+
+
 def group_key(block_hash: BlockHash, group: int) -> BlockHash:
     """The prefix-cache key of a block of `group`: group 0 keeps the content hash, others append their index."""
     return block_hash if group == 0 else BlockHash(block_hash + group.to_bytes(2, "little"))

@@ -8,11 +8,13 @@ from itertools import chain
 from operator import attrgetter
 
 from pagoda.blockalloc.block import KVCacheBlock
-from pagoda.blockalloc.groups import FULL_ATTENTION, KVCacheGroupSpec, group_key
+from pagoda.blockalloc.events import KVEventSink
+from pagoda.blockalloc.groups import FULL_ATTENTION, KVCacheGroupSpec, group_key, is_first_group_key
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, LastChainCache, hash_blocks, salt_bytes
 from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId, SequenceBlocks
+from pagoda.blockalloc.snapshot import BlockMapSnapshot, take_snapshot
 
 _NO_SLOTS = SlotAllocation((), (), 0)
 _BLOCK_ID = attrgetter("block_id")
@@ -26,6 +28,7 @@ class BlockManager:
         "block_slots",
         "chain_cache",
         "enable_prefix_caching",
+        "events",
         "groups",
         "host_pool",
         "null_block",
@@ -81,6 +84,21 @@ class BlockManager:
         self.prefix_cache_hits = 0
         # A scheduler looks a prompt up and then allocates it: the allocation reuses the lookup's hashes.
         self.chain_cache = LastChainCache(block_size)
+        self.events: KVEventSink | None = None  # set_event_sink
+
+    def set_event_sink(self, sink: KVEventSink | None) -> None:
+        """Tell `sink` every hash that enters or leaves the device prefix cache (None: stop telling)."""
+        self.events = sink
+        if sink is None:
+            self.pool.on_evict = None
+            return
+
+        def removed(keys: list[BlockHash]) -> None:  # group 0's keys are the content hashes the events name
+            first = [key for key in keys if is_first_group_key(key)]
+            if first:
+                sink.blocks_removed(first)
+
+        self.pool.on_evict = removed
 
     # ----------------------------------------------------------------- queries
 
@@ -206,6 +224,10 @@ class BlockManager:
             # Several groups count their own (one group holds every used block: left empty).
             num_used_blocks_per_group=() if len(self.groups) == 1 else tuple(self.num_used_per_group),
         )
+
+    def snapshot(self) -> BlockMapSnapshot:
+        """Ref counts, cached blocks and block tables of both tiers, copied cheaply (for live views)."""
+        return take_snapshot(self)
 
     # --------------------------------------------------------------- mutations
 
@@ -347,7 +369,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (and no change) while any device block is in use."""
-        return self.pool.reset_prefix_cache(num_reserved=self.null_block is not None)
+        done = self.pool.reset_prefix_cache(num_reserved=self.null_block is not None)
+        if done and self.events is not None:
+            self.events.all_cleared()
+        return done
 
     def check_invariants(self) -> None:
         """Assert ref counts match the tables, free and used partition each tier, and the hash map is consistent."""
@@ -570,21 +595,48 @@ class BlockManager:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed_tokens
             for gi, table in enumerate(tables):
-                self._register(table, hashes, num_cached_blocks, gi)
+                self._register(table, hashes, num_cached_blocks, gi, token_ids)
         if num_new_tokens == 0:
             return SlotAllocation((), (), num_computed_tokens, self._per_group([()] * len(tables)))
         group_slots = [self._slots(table, num_computed_tokens, end) for table in seq.tables]
         return SlotAllocation(group_slots[0], (), num_computed_tokens, self._per_group(group_slots))
 
-    def _register(self, blocks: list[KVCacheBlock], hashes: list[BlockHash], start: int, group: int) -> None:
+    def _register(
+        self,
+        blocks: list[KVCacheBlock],
+        hashes: list[BlockHash],
+        start: int,
+        group: int,
+        token_ids: Sequence[int],
+    ) -> None:
         """Register blocks[i] under hashes[i] (keyed for `group`) for i >= start; first writer wins, duplicates
-        stay uncached."""
+        stay uncached. Group 0's new entries are told to the event sink (KV cache events speak of content
+        hashes; every group holds the same chain)."""
         cache_map = self.pool.cached_block_hash_to_block
+        stored: list[int] = []  # indices newly registered, for the event sink
         for i in range(start, len(hashes)):
             block, block_hash = blocks[i], group_key(hashes[i], group)
             if block.block_hash is None and block_hash not in cache_map:
                 cache_map[block_hash] = block
                 block.block_hash = block_hash
+                stored.append(i)
+        if stored and group == 0 and self.events is not None:
+            self._emit_stored(hashes, stored, token_ids)
+
+    def _emit_stored(self, hashes: list[BlockHash], stored: list[int], token_ids: Sequence[int]) -> None:
+        """One `blocks_stored` per run of consecutive newly registered blocks of a chain."""
+        assert self.events is not None
+        bs = self.block_size
+        first = prev = stored[0]
+        for i in [*stored[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            parent = hashes[first - 1] if first > 0 else None
+            tokens = list(token_ids[first * bs : (prev + 1) * bs])
+            self.events.blocks_stored(hashes[first : prev + 1], parent, tokens, bs)
+            if i is not None:
+                first = prev = i
 
     def _cache_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> None:
         """Hash and register each block of `seq` that is now full with known tokens (only when it fills)."""
@@ -598,7 +650,7 @@ class BlockManager:
         seq.block_hashes += hash_blocks(token_ids, self.block_size, num_hashed, num_full, parent, seq.salt)
         for gi, table in enumerate(seq.tables):
             # A block a window already left behind (null) holds nothing to register.
-            self._register(table, seq.block_hashes, max(num_hashed, seq.skipped[gi]), gi)
+            self._register(table, seq.block_hashes, max(num_hashed, seq.skipped[gi]), gi, token_ids)
 
     def _slots(self, blocks: list[KVCacheBlock], start: int, end: int) -> tuple[int, ...]:
         """Slot ids of token positions [start, end): per-block ranges chained in C, no per-token Python work."""

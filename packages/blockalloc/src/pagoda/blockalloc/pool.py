@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagoda.blockalloc.block import KVCacheBlock
 from pagoda.blockalloc.free_queue import FreeKVCacheBlockQueue
@@ -18,6 +18,7 @@ class BlockPool:
         "enable_caching",
         "free_block_queue",
         "num_cached_free",
+        "on_evict",
     )
 
     def __init__(self, num_blocks: int, *, enable_caching: bool) -> None:
@@ -29,6 +30,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # Free blocks that still hold a registered hash (they sit at the back of the free queue).
         self.num_cached_free = 0
+        # Told the hashes each allocation evicts (KV cache events); None: nobody listens.
+        self.on_evict: Callable[[list[BlockHash]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -45,12 +48,16 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_block_queue.num_free_blocks} free")
         blocks = self.free_block_queue.popleft_n(n)
         cache_map = self.cached_block_hash_to_block
+        evicted: list[BlockHash] = []
         for block in blocks:
             if block.block_hash is not None:
                 del cache_map[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
                 self.num_cached_free -= 1
             block.ref_cnt = 1
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

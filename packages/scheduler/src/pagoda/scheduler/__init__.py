@@ -25,6 +25,7 @@ from pagoda.scheduler.protocols import (
 )
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.scheduler.views import QueueEntry, QueueView
 
 __all__ = [
     "ContiguousKVManager",
@@ -37,6 +38,8 @@ __all__ = [
     "PreemptionCostModel",
     "PreemptionMode",
     "PriorityPolicy",
+    "QueueEntry",
+    "QueueView",
     "Request",
     "RequestRejectedError",
     "RequestStatus",

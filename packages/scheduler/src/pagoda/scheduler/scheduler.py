@@ -17,6 +17,7 @@ from pagoda.scheduler.policy import SchedulingPolicy, build_policy
 from pagoda.scheduler.preemption import PreemptionChoice, PreemptionCostModel, choose_preemption
 from pagoda.scheduler.protocols import KVBlockManager, SlotAllocationLike
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+from pagoda.scheduler.views import QueueView, queue_view
 
 RUNNING = RequestStatus.RUNNING
 
@@ -106,6 +107,10 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         """Batch seats taken: running requests plus the children they will fork."""
         return len(self.running) + self._num_pending_forks
+
+    def queue_view(self, chunks: Mapping[str, int] | None = None) -> QueueView:
+        """The running, waiting and swapped queues with progress; `chunks`: each sequence's last chunk length."""
+        return queue_view(self.running, self.waiting, self.swapped, chunks or {})
 
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions, and the allocator's usage and prefix-cache counters."""

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar, cast
+from typing import Any, TypeVar
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import ServingConfig
@@ -109,10 +109,10 @@ class _Stop:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """Run `fn` on the engine thread between steps (LoRA load / unload), its result into `done`."""
+    """Run `fn(engine)` on the engine thread between two steps (a live view's snapshot, a LoRA load or unload)."""
 
-    fn: Callable[[EngineClient], object]
-    done: concurrent.futures.Future[object]
+    fn: Callable[[EngineClient], Any]
+    future: concurrent.futures.Future[Any]
 
 
 _Command = _Add | _Abort | _AbortAll | _Stop | _Call
@@ -344,6 +344,16 @@ class AsyncLLM:
             raise
         return handles
 
+    async def call_on_engine_thread(self, fn: Callable[[EngineClient], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps and return its result (EngineDeadError if
+        the engine is dead): cheap reads of engine state that only that thread may touch, LoRA registration."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError("the engine loop has stopped")
+            self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     async def generate(
         self,
         request_id: str,
@@ -376,15 +386,6 @@ class AsyncLLM:
         self._num_active -= 1
         if self._num_active == 0:
             self._idle.set()
-
-    async def call(self, fn: Callable[[EngineClient], T]) -> T:
-        """`fn(engine)` run on the engine thread between two steps (EngineDeadError once the engine died)."""
-        done: concurrent.futures.Future[object] = concurrent.futures.Future()
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError(f"the engine loop failed: {type(self._dead).__name__}")
-            self._commands.put(_Call(fn, done))
-        return cast(T, await asyncio.wrap_future(done))
 
     def _put(self, command: _Command) -> None:
         # After death nobody reads the queue; dropping the command is then correct.
@@ -494,12 +495,14 @@ class AsyncLLM:
                 return True
 
     def _call(self, command: _Call) -> None:
-        if not command.done.set_running_or_notify_cancel():
+        if not command.future.set_running_or_notify_cancel():
             return
         try:
-            command.done.set_result(command.fn(self.engine))
-        except Exception as exc:  # the caller's error (a bad adapter), not the engine's
-            command.done.set_exception(exc)
+            command.future.set_result(command.fn(self.engine))
+        except (
+            Exception
+        ) as exc:  # the caller's error (a bad adapter, a failing view), never the engine loop's
+            command.future.set_exception(exc)
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -609,8 +612,8 @@ class AsyncLLM:
                 break
             if isinstance(command, _Add):
                 self._push(command.stream, error)
-            elif isinstance(command, _Call):
-                command.done.set_exception(error)
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
 
 
 class RequestStream:

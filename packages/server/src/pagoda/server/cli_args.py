@@ -190,6 +190,14 @@ def argument_table() -> list[Flag]:
                 "KV cache groups whose sliding-window layers keep only their window",
             },
         ),
+        Flag(
+            ("--kv-events-config",),
+            {
+                "metavar": "JSON",
+                "help": "vLLM's KV cache events: a JSON object of enable_kv_cache_events, publisher (zmq), endpoint "
+                "(tcp://127.0.0.1:5557), replay_endpoint, buffer_steps, hwm, max_queue_size, topic",
+            },
+        ),
         # scheduler
         Flag(
             ("--max-model-len",), {"type": int, **given, "help": "longest prompt + output (default: model's)"}

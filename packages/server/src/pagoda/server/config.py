@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
 from pagoda.server.config_tree import build_config
+from pagoda.server.kv_events.config import parse_kv_events_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 from pagoda.server.pooling.params import PoolerConfig, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
@@ -186,9 +187,11 @@ class CacheConfig:
     kv_cache_dtype: KVCacheDtypeName = "auto"  # the KV cache's storage dtype
     # vLLM's flag: one full-attention group of every layer (today's layout) instead of KV cache groups.
     disable_hybrid_kv_cache_manager: bool = False
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (pagoda.server.kv_events)
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
+        parse_kv_events_config(self.kv_events_config)
         _at_least(1, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from pagoda.server.dashboard.latency import LatencyWindow
 from pagoda.server.engine_client import ReplicaSet, ReplicaStatus
 from pagoda.server.outputs import EngineStats, FinishReason, RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -204,6 +205,9 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        # Raw recent samples for the dashboard's windowed percentiles (histograms only give buckets).
+        self.ttft_window = LatencyWindow()
+        self.itl_window = LatencyWindow()
         self._e2e = Histogram(
             f"{prefix}:e2e_request_latency_seconds",
             "Seconds from arrival to finish.",
@@ -215,12 +219,14 @@ class ServerMetrics:
     def observe_first_token(self, seconds: float) -> None:
         """Record one request's time to first token."""
         self._ttft.observe(seconds)
+        self.ttft_window.add(seconds)
 
     def observe_inter_token(self, seconds: float, num_tokens: int = 1) -> None:
         """Record the gap before `num_tokens` new tokens (one observation per token, the gap split evenly)."""
         for _ in range(num_tokens):
             self._itl.observe(seconds / num_tokens)
             self._tpot.observe(seconds / num_tokens)
+        self.itl_window.add(seconds / num_tokens)
 
     def observe_iteration(self, num_tokens: int) -> None:
         """Record one engine step's tokens (prompt tokens computed plus tokens generated)."""

@@ -45,6 +45,15 @@ from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
 from pagoda.server.config import AppSettings, LoRAConfig
+from pagoda.server.dashboard.auth import (
+    clean_redirect,
+    cookie_key,
+    is_dashboard_path,
+    pop_query_key,
+    with_cookie,
+)
+from pagoda.server.dashboard.producer import FrameProducer
+from pagoda.server.dashboard.routes import dashboard_routes
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.lora.served import ServedLoRAs
@@ -88,13 +97,35 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] != "/health":
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             digest = self._match(token.strip().encode()) if scheme.lower() == "bearer" else None
+            if is_dashboard_path(
+                scope["path"]
+            ):  # a browser: the key may come once in the URL, then as a cookie
+                await self._dashboard(scope, receive, send, token.strip() if digest is not None else None)
+                return
             if digest is None:
-                error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
-                await error.to_response()(scope, receive, send)
+                await _unauthorized(scope, receive, send)
                 return
             set_caller(scope, digest)  # stored responses are the key's own, whatever the cache sharing
             if self._isolate:
                 set_scope(scope, digest)
+        await self.app(scope, receive, send)
+
+    async def _dashboard(self, scope: Scope, receive: Receive, send: Send, bearer: str | None) -> None:
+        """`?api_key=` -> cookie + redirect to the clean URL; else the Bearer header or the cookie."""
+        query_key = pop_query_key(scope)  # out of the scope before anything (the access log) reads it
+        if query_key is not None:
+            if self._match(query_key.encode()) is None:
+                await _unauthorized(scope, receive, send)
+            else:
+                await clean_redirect(scope, query_key)(scope, receive, send)
+            return
+        if bearer is not None:
+            await self.app(scope, receive, with_cookie(send, bearer))
+            return
+        cookie = cookie_key(scope)
+        if cookie is None or self._match(cookie.encode()) is None:
+            await _unauthorized(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     def _match(self, token: bytes) -> str | None:
@@ -105,6 +136,12 @@ class APIKeyMiddleware:
             if hmac.compare_digest(token, key):
                 found = digest
         return found
+
+
+async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:
+    """The 401 of a missing or wrong key."""
+    error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
+    await error.to_response()(scope, receive, send)
 
 
 # Bodies over this many bytes are parsed and validated on a worker thread: a few MB of JSON takes the parser
@@ -402,6 +439,7 @@ def build_app(
             Route("/v1/load_lora_adapter", lora_routes.load, methods=["POST"]),
             Route("/v1/unload_lora_adapter", lora_routes.unload, methods=["POST"]),
         ]
+    dashboard = FrameProducer(llm)
     llm.metrics.registry.register(
         _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
     )
@@ -413,6 +451,7 @@ def build_app(
             yield
         finally:
             routes.responses_store.cancel_all()
+            await dashboard.close()
             await asyncio.to_thread(llm.shutdown)
             routes.executor.shutdown(wait=False, cancel_futures=True)
             routes.grammars.shutdown()
@@ -446,6 +485,7 @@ def build_app(
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/openapi.json", routes.openapi_json, methods=["GET"]),
             *extra,
+            *dashboard_routes(dashboard),
         ],
         middleware=middleware,
         exception_handlers=handlers,

@@ -65,7 +65,7 @@ class LoRARoutes:
         lora = self.loras.new_request(name, body.lora_path)
         try:
             adapter = await asyncio.to_thread(engine.load_lora, lora)  # the disk read, off the engine thread
-            await self.llm.call(lambda e: _as_engine(e).add_loaded_lora(adapter))
+            await self.llm.call_on_engine_thread(lambda e: _as_engine(e).add_loaded_lora(adapter))
         except LoRAError as exc:
             raise bad_request(str(exc), exc.param) from exc
         self.loras.add(lora)
@@ -81,7 +81,7 @@ class LoRARoutes:
         self._engine()
         removed: LoRARequest | None = self.loras.remove(name)  # new requests cannot name it from now on
         try:
-            await self.llm.call(lambda e: _as_engine(e).remove_lora(name))
+            await self.llm.call_on_engine_thread(lambda e: _as_engine(e).remove_lora(name))
         except LoRAError as exc:
             if removed is not None:
                 self.loras.add(removed)

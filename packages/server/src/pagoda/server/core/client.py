@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import msgspec
 import zmq
@@ -39,6 +40,7 @@ from pagoda.server.engine_client import (
     RequestAccepted,
     RequestFailed,
 )
+from pagoda.server.kv_events.config import for_replica
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
 from pagoda.server.procs.security import Authenticator, token_matches
@@ -112,7 +114,19 @@ class CoreClient:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not)."""
-        self._config_frame = msgspec.msgpack.encode(config)
+        # One config per replica: each core's KV-events endpoint is its own (ports offset by its index).
+        self._config_frames = [
+            msgspec.msgpack.encode(
+                replace(
+                    config,
+                    cache_config=replace(
+                        config.cache_config,
+                        kv_events_config=for_replica(config.cache_config.kv_events_config, i),
+                    ),
+                )
+            )
+            for i in range(num_replicas)
+        ]
         self._launcher = launcher
         self.router = router
         self._ready_timeout = ready_timeout
@@ -129,7 +143,12 @@ class CoreClient:
         try:
             for replica in self.replicas:
                 replica.start(
-                    self._context, self._authenticator, launcher, self._config_frame, ready_timeout, send_hwm
+                    self._context,
+                    self._authenticator,
+                    launcher,
+                    self._config_frames[replica.index],
+                    ready_timeout,
+                    send_hwm,
                 )
             self._wait_ready()
         except BaseException:
@@ -335,7 +354,7 @@ class CoreClient:
                         self._context,
                         self._authenticator,
                         self._launcher,
-                        self._config_frame,
+                        self._config_frames[replica.index],
                         self._ready_timeout,
                         self._send_hwm,
                     )

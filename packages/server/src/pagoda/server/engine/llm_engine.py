@@ -36,6 +36,7 @@ from pagoda.server.engine.request_factory import new_request
 from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
+from pagoda.server.kv_events import start_kv_events
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.engine_lora import DEFAULT_MAX_LORAS, EngineLoRA, build_engine_lora
 from pagoda.server.lora.peft_loader import LoRAAdapter
@@ -117,6 +118,12 @@ class LLMEngine:
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
+        self.last_schedule: SchedulerOutput | None = None  # the latest step's chunks (live views read them)
+        self.kv_events = start_kv_events(
+            config.cache_config.kv_events_config,
+            self.kv_manager,
+            medium="GPU" if parts.device.type == "cuda" else "CPU",
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -131,6 +138,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.executor.shutdown()
 
     def check_health(self) -> None:
@@ -228,6 +237,7 @@ class LLMEngine:
             self._abort(self._requests[request_id])
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
+        self.last_schedule = scheduled
         if scheduled.is_empty:
             self._idle(bool(outputs))
             return outputs

@@ -12,7 +12,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_blocks, salt_bytes
+from pagoda.server.kv_events.wire import KVEventBatch
 from pagoda.server.routing.base import ReplicaLoad, least_loaded, live_replicas
+from pagoda.server.routing.event_index import EventIndex
 
 # SGLang's router defaults: route by prefix when at least half of the prompt matches; treat the replicas as imbalanced
 # when the busiest one is both far (absolutely) and 1.5x (relatively) ahead of the idlest. SGLang counts requests;
@@ -72,8 +74,10 @@ class CacheAwareRouter:
         balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
         balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
+        use_kv_events: bool = False,
     ) -> None:
-        """An empty index per replica; thresholds as in SGLang's router (see the module constants)."""
+        """An empty index per replica; thresholds as in SGLang's router (see the module constants). With
+        `use_kv_events` each replica's index is what its KV cache events report (`apply_events`), not a guess."""
         if num_replicas < 1 or block_size < 1 or max_blocks_per_replica < 1:
             raise ValueError("num_replicas, block_size and max_blocks_per_replica must be at least 1")
         if not 0.0 <= cache_threshold <= 1.0:
@@ -84,9 +88,22 @@ class CacheAwareRouter:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self._indexes = [_PrefixIndex(max_blocks_per_replica) for _ in range(num_replicas)]
+        self._events: list[EventIndex] | None = (
+            [EventIndex() for _ in range(num_replicas)] if use_kv_events else None
+        )
+        self._indexes: list[_PrefixIndex] | list[EventIndex] = (
+            self._events
+            if self._events is not None
+            else [_PrefixIndex(max_blocks_per_replica) for _ in range(num_replicas)]
+        )
         self.hits = 0
         self.misses = 0
+
+    def apply_events(self, replica: int, batch: KVEventBatch) -> None:
+        """Feed one batch of `replica`'s KV cache events (only with `use_kv_events`)."""
+        if self._events is None:
+            raise ValueError("this router was built without use_kv_events")
+        self._events[replica].apply(batch)
 
     def indexed_blocks(self, replica: int) -> int:
         """How many block hashes the index holds for `replica` (for tests and debugging)."""

@@ -1,0 +1,68 @@
+"""The dashboard's HTTP routes: the page and its two static files, and the SSE stream of frames."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from importlib.resources import files
+
+from pagoda.server.dashboard.producer import FrameProducer
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+# A comment line every this many seconds without a frame keeps proxies from closing an idle stream.
+KEEPALIVE_S = 15.0
+_STATIC = {
+    "index.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+
+
+def _static(name: str) -> Response:
+    """A package-data file of the page (read per request: a few KB, and editable in a checkout)."""
+    body = files("pagoda.server.dashboard").joinpath("static", name).read_bytes()
+    return Response(body, media_type=_STATIC[name], headers={"Cache-Control": "no-cache"})
+
+
+async def sse_stream(producer: FrameProducer) -> AsyncIterator[str]:
+    """The history, then every frame the producer hands this viewer, until it closes or the viewer leaves."""
+    sub = producer.subscribe()
+    try:
+        yield f"event: history\ndata: {producer.history()}\n\n"
+        while True:
+            try:
+                data = await asyncio.wait_for(sub.next(), KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            if data is None:
+                return
+            yield f"data: {data}\n\n"
+    finally:
+        producer.unsubscribe(sub)
+
+
+def dashboard_routes(producer: FrameProducer) -> list[Route]:
+    """GET /dashboard (+ its JS and CSS) and GET /dashboard/events."""
+
+    async def page(request: Request) -> Response:
+        return _static("index.html")
+
+    async def script(request: Request) -> Response:
+        return _static("dashboard.js")
+
+    async def style(request: Request) -> Response:
+        return _static("dashboard.css")
+
+    async def events(request: Request) -> Response:
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(sse_stream(producer), media_type="text/event-stream", headers=headers)
+
+    return [
+        Route("/dashboard", page, methods=["GET"]),
+        Route("/dashboard/dashboard.js", script, methods=["GET"]),
+        Route("/dashboard/dashboard.css", style, methods=["GET"]),
+        Route("/dashboard/events", events, methods=["GET"]),
+    ]

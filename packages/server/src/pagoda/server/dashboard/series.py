@@ -1,0 +1,76 @@
+"""The dashboard's time series: one point per second over the last minutes, from successive snapshots."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pagoda.server.dashboard.latency import percentile, since_time
+from pagoda.server.dashboard.snapshot import LATENCY_WINDOW_S, EngineSnapshot
+
+HISTORY_POINTS = 300  # five minutes at one point per second
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesPoint:
+    """The engine over one interval (rates) or at its end (gauges); None where the interval had no sample."""
+
+    t: float  # wall-clock seconds (the page draws time axes from it)
+    output_tps: float  # tokens generated per second over the interval
+    running: int
+    waiting: int
+    swapped: int
+    kv_usage: float  # fraction of device blocks in use
+    prefix_hit_rate: float | None  # cached prompt tokens over looked-up ones, in the interval
+    preemptions: int  # preemptions in the interval
+    ttft_p50: float | None  # seconds, over snapshot.LATENCY_WINDOW_S
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+class SeriesRecorder:
+    """Turns snapshots into points, at most one per `period` seconds, keeping the last `maxlen`."""
+
+    def __init__(self, period: float = 1.0, maxlen: int = HISTORY_POINTS) -> None:
+        """An empty history."""
+        self.period = period
+        self.points: deque[SeriesPoint] = deque(maxlen=maxlen)
+        self._last: EngineSnapshot | None = None
+
+    def observe(self, snap: EngineSnapshot, wall: float) -> SeriesPoint | None:
+        """A new point when `period` passed since the last one (the first snapshot only sets the start)."""
+        last = self._last
+        if last is None:
+            self._last = snap
+            return None
+        dt = snap.time - last.time
+        if dt < self.period:
+            return None
+        self._last = snap
+        now, before = snap.stats, last.stats
+        since = snap.time - LATENCY_WINDOW_S
+        ttft, itl = since_time(snap.ttft, since), since_time(snap.itl, since)
+        queries = now.prefix_cache_queries - before.prefix_cache_queries
+        hits = now.prefix_cache_hits - before.prefix_cache_hits
+        point = SeriesPoint(
+            t=wall,
+            output_tps=max(0, now.generation_tokens - before.generation_tokens) / dt,
+            running=now.num_running,
+            waiting=now.num_waiting,
+            swapped=now.num_swapped,
+            kv_usage=now.kv_cache_usage,
+            prefix_hit_rate=hits / queries if queries > 0 else None,
+            preemptions=max(0, now.num_preemptions - before.num_preemptions),
+            ttft_p50=percentile(ttft, 50),
+            ttft_p99=percentile(ttft, 99),
+            itl_p50=percentile(itl, 50),
+            itl_p99=percentile(itl, 99),
+        )
+        self.points.append(point)
+        return point

@@ -1,0 +1,270 @@
+// Pagoda's live dashboard: reads /dashboard/events (SSE) and draws each replica's KV block map on a canvas,
+// its queues, and the time series. No library, no build step. DOM nodes are reused or replaced, never piled up.
+"use strict";
+(function () {
+  const STATES = ["free", "cached", "owned", "shared", "swapped"];
+  const css = getComputedStyle(document.documentElement);
+  const COLORS = STATES.map((s) => css.getPropertyValue("--" + s).trim());
+  const MAX_ROWS = 12; // queue rows shown per queue; the rest is counted
+  const MAX_POINTS = 300; // time-series points kept (five minutes at one a second)
+  const CHARTS = [
+    ["Output tokens/s", [["output_tps", 1, "#3182bd"]], ""],
+    ["Running / waiting", [["running", 1, "#3182bd"], ["waiting", 1, "#e6550d"]], ""],
+    ["KV usage", [["kv_usage", 100, "#3182bd"]], "%"],
+    ["Prefix-cache hit rate", [["prefix_hit_rate", 100, "#31a354"]], "%"],
+    ["Preemptions per second", [["preemptions", 1, "#e6550d"]], ""],
+    ["TTFT p50 / p99", [["ttft_p50", 1000, "#3182bd"], ["ttft_p99", 1000, "#e6550d"]], " ms"],
+    ["ITL p50 / p99", [["itl_p50", 1000, "#3182bd"], ["itl_p99", 1000, "#e6550d"]], " ms"],
+  ];
+  const views = new Map(); // replica index -> its DOM and decoded arrays
+  const state = { frames: 0, points: [], last: null };
+  window.pagodaDashboard = state; // read by the browser tests
+
+  function el(tag, cls, text) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+
+  function decodeRuns(runs, out) {
+    // [value, count, ...] into the typed array `out`; returns the filled length.
+    let i = 0;
+    for (let r = 0; r < runs.length; r += 2) {
+      out.fill(runs[r], i, i + runs[r + 1]);
+      i += runs[r + 1];
+    }
+    return i;
+  }
+
+  function replicaView(index) {
+    let v = views.get(index);
+    if (v) return v;
+    const root = el("div", "replica");
+    const title = el("h2", null, "Replica " + index);
+    const map = el("canvas", "map");
+    const host = el("canvas", "host");
+    const counts = el("div", "counts");
+    const queues = el("div");
+    root.append(title, map, host, counts, queues);
+    document.getElementById("replicas").append(root);
+    v = { root, title, map, host, counts, queues, states: new Uint8Array(0), refs: new Uint32Array(0),
+          hostStates: new Uint8Array(0), frame: null, cell: 8, cols: 1 };
+    map.addEventListener("mousemove", (ev) => hover(v, ev));
+    map.addEventListener("mouseleave", () => { document.getElementById("tip").hidden = true; });
+    views.set(index, v);
+    return v;
+  }
+
+  function drawMap(v, r) {
+    const n = r.num_blocks;
+    if (v.states.length !== n) { v.states = new Uint8Array(n); v.refs = new Uint32Array(n); }
+    decodeRuns(r.map, v.states);
+    decodeRuns(r.refs, v.refs);
+    const width = Math.max(200, v.map.clientWidth || v.root.clientWidth - 24);
+    // Cells as large as fit ~320 px of height, between 2 and 14 px.
+    const cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt((width * 320) / Math.max(1, n)))));
+    const cols = Math.max(1, Math.floor(width / cell));
+    const rows = Math.ceil(n / cols);
+    const dpr = window.devicePixelRatio || 1;
+    if (v.map.width !== Math.round(width * dpr) || v.map.height !== Math.round(rows * cell * dpr)) {
+      v.map.width = Math.round(width * dpr);
+      v.map.height = Math.round(rows * cell * dpr);
+      v.map.style.height = rows * cell + "px";
+    }
+    const ctx = v.map.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, rows * cell);
+    const gap = cell >= 5 ? 1 : 0;
+    // One fill per state colour run keeps this fast at tens of thousands of blocks.
+    for (let s = 0; s < STATES.length; s++) {
+      ctx.fillStyle = COLORS[s];
+      for (let i = 0; i < n; i++) {
+        if (v.states[i] === s) ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, cell - gap, cell - gap);
+      }
+    }
+    v.cell = cell; v.cols = cols;
+    const hn = r.num_host_blocks || 0;
+    v.host.hidden = hn === 0;
+    if (hn) {
+      if (v.hostStates.length !== hn) v.hostStates = new Uint8Array(hn);
+      decodeRuns(r.host_map, v.hostStates);
+      v.host.width = Math.round(width * dpr); v.host.height = Math.round(10 * dpr);
+      const h = v.host.getContext("2d");
+      h.setTransform(dpr, 0, 0, dpr, 0, 0);
+      const w = width / hn;
+      for (let i = 0; i < hn; i++) {
+        h.fillStyle = COLORS[v.hostStates[i]];
+        h.fillRect(i * w, 0, Math.max(1, w - (w > 3 ? 1 : 0)), 10);
+      }
+      v.host.title = "host (swap) tier: " + hn + " blocks";
+    }
+  }
+
+  function owners(r, block, tables) {
+    const found = [];
+    for (const id in tables) {
+      const runs = tables[id];
+      for (let k = 0; k < runs.length; k += 2) {
+        if (block >= runs[k] && block < runs[k] + runs[k + 1]) { found.push(id); break; }
+      }
+    }
+    return found;
+  }
+
+  function hover(v, ev) {
+    const r = v.frame;
+    const tip = document.getElementById("tip");
+    if (!r || !r.map) { tip.hidden = true; return; }
+    const rect = v.map.getBoundingClientRect();
+    const col = Math.floor((ev.clientX - rect.left) / v.cell);
+    const row = Math.floor((ev.clientY - rect.top) / v.cell);
+    const i = row * v.cols + col;
+    if (col >= v.cols || i < 0 || i >= r.num_blocks) { tip.hidden = true; return; }
+    const who = owners(r, i, r.tables);
+    let text = "block " + i + ": " + STATES[v.states[i]] + ", ref count " + v.refs[i];
+    if (who.length) text += "\nheld by " + who.slice(0, 8).join(", ") + (who.length > 8 ? " +" + (who.length - 8) : "");
+    tip.textContent = text;
+    tip.hidden = false;
+    tip.style.left = ev.clientX + 14 + "px";
+    tip.style.top = ev.clientY + 14 + "px";
+  }
+
+  function queueTable(name, rows) {
+    const frag = document.createDocumentFragment();
+    frag.append(el("h3", null, name + " (" + rows.length + ")"));
+    if (!rows.length) return frag;
+    const table = el("table", "q");
+    for (const [id, computed, total, prompt, chunk, priority] of rows.slice(0, MAX_ROWS)) {
+      const tr = el("tr");
+      const bar = el("div", "bar");
+      const done = el("span");
+      done.style.width = (100 * computed) / Math.max(1, total) + "%";
+      const step = el("b");
+      step.style.left = (100 * Math.max(0, computed - chunk)) / Math.max(1, total) + "%";
+      step.style.width = (100 * chunk) / Math.max(1, total) + "%";
+      bar.append(done, step);
+      const tdBar = el("td"); tdBar.append(bar);
+      tr.append(el("td", "id", id), tdBar, el("td", null, computed + " / " + total + " tok"),
+                el("td", null, chunk ? "chunk " + chunk : ""), el("td", null, "prio " + priority));
+      tr.title = id + ": prompt " + prompt + " tokens, " + (total - prompt) + " generated";
+      table.append(tr);
+    }
+    frag.append(table);
+    if (rows.length > MAX_ROWS) frag.append(el("div", "more", "+ " + (rows.length - MAX_ROWS) + " more"));
+    return frag;
+  }
+
+  function drawReplica(r) {
+    const v = replicaView(r.replica);
+    v.frame = r;
+    const c = r.counts;
+    v.title.textContent = "Replica " + r.replica + " — " + r.num_blocks + " blocks × " + r.block_size + " tokens";
+    if (r.map) {
+      drawMap(v, r);
+      v.counts.textContent = STATES.map((s) => s + " " + c[s]).join(" · ") +
+        " · usage " + (100 * r.kv_usage).toFixed(1) + "%";
+    } else {
+      v.counts.textContent = "this KV manager (contiguous) keeps no block map";
+    }
+    const q = r.queues;
+    const frag = document.createDocumentFragment();
+    frag.append(queueTable("Running", q.running), queueTable("Waiting", q.waiting), queueTable("Swapped", q.swapped));
+    v.queues.replaceChildren(frag);
+  }
+
+  const charts = CHARTS.map(([title, lines, unit]) => {
+    const box = el("div", "chart");
+    const head = el("div", "title");
+    const value = el("span", "value");
+    head.append(el("span", null, title), value);
+    const canvas = el("canvas");
+    box.append(head, canvas);
+    document.getElementById("series").append(box);
+    return { lines, unit, canvas, value };
+  });
+
+  function drawCharts() {
+    const pts = state.points;
+    for (const ch of charts) {
+      const w = Math.max(100, ch.canvas.clientWidth), h = 70;
+      const dpr = window.devicePixelRatio || 1;
+      if (ch.canvas.width !== Math.round(w * dpr)) { ch.canvas.width = Math.round(w * dpr); ch.canvas.height = Math.round(h * dpr); }
+      const ctx = ch.canvas.getContext("2d");
+      ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+      ctx.clearRect(0, 0, w, h);
+      const span = Math.max(60, pts.length); // the x axis fills over the first minute, then scrolls
+      let max = 0;
+      for (const p of pts) for (const [key, scale] of ch.lines) if (p[key] != null) max = Math.max(max, p[key] * scale);
+      max = max > 0 ? max * 1.1 : 1;
+      ctx.fillStyle = "#5f6368"; ctx.font = "10px system-ui";
+      ctx.fillText(fmt(max) + ch.unit, 2, 10);
+      for (const [key, scale, color] of ch.lines) {
+        ctx.strokeStyle = color; ctx.lineWidth = 1.5; ctx.beginPath();
+        let started = false;
+        pts.forEach((p, i) => {
+          if (p[key] == null) { started = false; return; }
+          const x = (i / (span - 1)) * w;
+          const y = h - 2 - ((p[key] * scale) / max) * (h - 14);
+          if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
+        });
+        ctx.stroke();
+      }
+      const last = pts[pts.length - 1];
+      ch.value.textContent = last ? ch.lines.map(([k, s]) => (last[k] == null ? "–" : fmt(last[k] * s))).join(" / ") + ch.unit : "";
+    }
+  }
+
+  function fmt(x) { return x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : x.toFixed(2); }
+
+  function onFrame(f) {
+    state.frames += 1;
+    state.last = f;
+    document.getElementById("model").textContent = f.model;
+    if (!f.replicas.length) {
+      const v = replicaView(0);
+      v.title.textContent = "No block map";
+      v.counts.textContent = "this engine client does not report its block map";
+    }
+    for (const r of f.replicas) drawReplica(r);
+    if (f.point) {
+      state.points.push(f.point);
+      if (state.points.length > MAX_POINTS) state.points.splice(0, state.points.length - MAX_POINTS);
+    }
+    drawCharts();
+  }
+
+  // Counts of each state as this page decoded them (the tests compare them with the server's).
+  state.decodedCounts = function (index) {
+    const v = views.get(index || 0);
+    const out = {};
+    STATES.forEach((s) => { out[s] = 0; });
+    if (!v) return out;
+    for (let i = 0; i < v.states.length; i++) out[STATES[v.states[i]]] += 1;
+    for (let i = 0; i < v.hostStates.length; i++) if (v.hostStates[i]) out.swapped += 1;
+    return out;
+  };
+
+  // Where block `block` of replica `index` is drawn, and the first block in a state (the tests hover them).
+  state.blockCenter = function (index, block) {
+    const v = views.get(index || 0);
+    const rect = v.map.getBoundingClientRect();
+    return { x: rect.left + ((block % v.cols) + 0.5) * v.cell, y: rect.top + (Math.floor(block / v.cols) + 0.5) * v.cell };
+  };
+  state.firstBlock = function (index, name) {
+    const v = views.get(index || 0);
+    return v ? v.states.indexOf(STATES.indexOf(name)) : -1;
+  };
+
+  function connect() {
+    const status = document.getElementById("status");
+    const source = new EventSource("/dashboard/events");
+    source.addEventListener("history", (ev) => {
+      state.points = JSON.parse(ev.data).points.slice(-MAX_POINTS);
+      drawCharts();
+    });
+    source.onmessage = (ev) => { status.textContent = "live"; status.className = "status on"; onFrame(JSON.parse(ev.data)); };
+    source.onerror = () => { status.textContent = "disconnected, retrying…"; status.className = "status off"; };
+  }
+  connect();
+})();

@@ -1,0 +1,130 @@
+"""The dashboard's viewers against the engine: does watching slow it, does a slow viewer grow the server?
+
+    .venv/bin/python tools/bench_dashboard_sse.py                 # tiny random Llama, a few minutes
+    .venv/bin/python tools/bench_dashboard_sse.py --model PATH    # any model folder
+
+Starts `pagoda serve` (pagoda.server.testing.LiveServer) and runs the same workload (`--requests` completions of
+`--max-tokens` tokens, `--concurrency` at a time, ignore_eos) in rounds that alternate between no viewer and
+`--viewers` viewers reading /dashboard/events; prints each round's output tokens/s. Then it opens `--slow`
+connections to /dashboard/events that never read a byte, keeps the workload running for `--slow-seconds`, and
+prints the server's RSS (psutil) before and after, beside a round without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+from pagoda.server.testing import LiveServer, make_tiny_model
+
+KEY = "sk-bench"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def workload(base_url: str, requests: int, max_tokens: int, concurrency: int) -> float:
+    """Output tokens per second of one round."""
+    body = {"model": "bench", "prompt": "tell me a story " * 8, "max_tokens": max_tokens, "ignore_eos": True}
+
+    def one(_: int) -> int:
+        r = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=600)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, range(requests)))
+    return tokens / (time.perf_counter() - t0)
+
+
+def viewer(base_url: str, stop: threading.Event, frames: list[int]) -> None:
+    """Read frames until `stop`."""
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("GET", f"{base_url}/dashboard/events", headers=AUTH) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                frames[0] += 1
+            if stop.is_set():
+                return
+
+
+def never_reading(port: int) -> socket.socket:
+    """A connection that asks for the event stream and then reads nothing."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    head = f"GET /dashboard/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+    sock.sendall(head.encode())
+    return sock
+
+
+def main() -> None:
+    """Run the rounds and print the numbers."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--viewers", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--slow", type=int, default=10)
+    parser.add_argument("--slow-seconds", type=float, default=60.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=4096)
+        flags = ["--api-key", KEY, "--kv-cache-gib", "0.05", "--dtype", "float32"]
+        with LiveServer(model, flags, served_model_name="bench") as server:
+            proc = psutil.Process(server.process.pid)
+            workload(server.base_url, 4, 16, 4)  # warm-up
+            base, watched = [], []
+            for _ in range(args.rounds):
+                base.append(workload(server.base_url, args.requests, args.max_tokens, args.concurrency))
+                stop, frames = threading.Event(), [0]
+                threads = [
+                    threading.Thread(target=viewer, args=(server.base_url, stop, frames), daemon=True)
+                    for _ in range(args.viewers)
+                ]
+                for t in threads:
+                    t.start()
+                time.sleep(1.0)
+                watched.append(workload(server.base_url, args.requests, args.max_tokens, args.concurrency))
+                stop.set()
+                for t in threads:
+                    t.join(30)
+            print(
+                f"output tok/s, no viewer: {[round(x, 1) for x in base]} (median {statistics.median(base):.1f})"
+            )
+            print(
+                f"output tok/s, {args.viewers} viewers: {[round(x, 1) for x in watched]} "
+                f"(median {statistics.median(watched):.1f}; ratio {statistics.median(watched) / statistics.median(base):.2f})"
+            )
+            rss0 = proc.memory_info().rss
+            deadline = time.monotonic() + args.slow_seconds
+            while time.monotonic() < deadline:
+                workload(server.base_url, args.requests, args.max_tokens // 4, args.concurrency)
+            rss_plain = proc.memory_info().rss
+            slow = [never_reading(server.port) for _ in range(args.slow)]
+            deadline = time.monotonic() + args.slow_seconds
+            while time.monotonic() < deadline:
+                workload(server.base_url, args.requests, args.max_tokens // 4, args.concurrency)
+            rss_slow = proc.memory_info().rss
+            for sock in slow:
+                sock.close()
+            mib = 1024 * 1024
+            print(
+                f"server RSS: {rss0 / mib:.0f} MiB at start, {rss_plain / mib:.0f} MiB after {args.slow_seconds:g} s "
+                f"of load, {rss_slow / mib:.0f} MiB after {args.slow_seconds:g} s more with {args.slow} viewers "
+                "that never read"
+            )
+
+
+if __name__ == "__main__":
+    main()
