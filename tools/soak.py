@@ -196,8 +196,9 @@ async def soak(args: argparse.Namespace, server: psutil.Process) -> list[Sample]
                 done += 1
                 progress.update()
                 if done % args.every == 0:
+                    count = done  # before the scrape's await, while which the other workers go on counting
                     cache = await grammar_cache_bytes(client) if args.distinct_schemas else None
-                    samples.append(Sample(done, server.memory_info().rss, cache))
+                    samples.append(Sample(count, server.memory_info().rss, cache))
                     progress.write(row(samples[-1], samples[-2]))
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
