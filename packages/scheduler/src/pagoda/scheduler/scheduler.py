@@ -125,9 +125,12 @@ class Scheduler:
         if request is not None:
             request.spec_token_ids = tuple(token_ids)
 
-    def tokens_before_stop(self, seq_id: str, token_ids: Sequence[int]) -> int:
-        """How many of `token_ids`, appended in order, unfinished `seq_id` takes before a stop rule ends it."""
-        request = self._requests[seq_id]
+    def tokens_before_stop(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
+        """How many of `token_ids`, appended in order to `seq_id`, it takes up to the one a stop rule ends it
+        at (a stop token, `max_tokens`, `max_model_len`); None when none ends it (or the id is unknown)."""
+        request = self._requests.get(seq_id)
+        if request is None:
+            return None
         sp = request.sampling_params
         for i, token in enumerate(token_ids, start=1):
             num_output = request.num_output_tokens + i
@@ -135,7 +138,7 @@ class Scheduler:
                 return i
             if num_output >= sp.max_tokens or request.num_tokens + i >= self.max_model_len:
                 return i
-        return len(token_ids)
+        return None
 
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions, and the allocator's usage and prefix-cache counters."""

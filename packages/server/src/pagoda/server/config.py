@@ -18,6 +18,7 @@ from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyNa
 from pagoda.server.config_tree import build_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 from pagoda.server.routing import RoutingPolicyName
+from pagoda.server.spec.config import SpeculativeConfig
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -214,6 +215,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=_server_scheduler_config)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # --speculative-config (vLLM's JSON; pagoda.server.spec): drafts verified in one pass; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:

@@ -34,6 +34,7 @@ from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_len
 from pagoda.server.engine.request_factory import new_request
 from pagoda.server.engine.scheduling import build_kv_manager
 from pagoda.server.engine.setup import EngineParts
+from pagoda.server.engine.speculation import speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, unseeded_seed
@@ -93,6 +94,7 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
         self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
+        self.speculate = speculation_for(config, self.scheduler)  # None: no drafts
         self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
         # Final snapshots of aborted requests, returned by the next step.
@@ -137,7 +139,15 @@ class LLMEngine:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         new = new_request(
-            request_id, prompt, ids, params, arrival, self.tokenizer, self.eos_token_ids, self._request_seed
+            request_id,
+            prompt,
+            ids,
+            params,
+            arrival,
+            self.tokenizer,
+            self.eos_token_ids,
+            self._request_seed,
+            self.speculate,
         )
         if new.grammar is None:
             # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
@@ -208,17 +218,26 @@ class LLMEngine:
             self.counters.count_chunk(chunk, len(owner.prompt_token_ids))
         progressed: dict[str, EngineRequest] = {}
         stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
+        tokens: dict[str, list[int]] = {}
+        ended: set[str] = set()  # a drafted run's sequences that a stop rule ends before its last token
         for seq_id, token, logprobs in sampled.drawn:
+            if seq_id in ended:
+                continue
             owner = self._seq_owner[seq_id]
             stop = owner.add_token(seq_id, token, logprobs, now)
+            run = tokens.setdefault(seq_id, [])
+            run.append(token)
             if stop is not None:
                 stopped[seq_id] = stop
+                ended.add(seq_id)
+            elif sampled.verified and self.scheduler.tokens_before_stop(seq_id, run) is not None:
+                ended.add(seq_id)  # EOS, a stop token or max_tokens inside an accepted run
             progressed[owner.request_id] = owner
         for seq_id in sampled.held:
             owner = self._seq_owner[seq_id]
             progressed[owner.request_id] = owner
-        self.counters.generation_tokens += len(sampled.drawn) + len(sampled.held)
-        tokens = {seq_id: [token] for seq_id, token, _ in sampled.drawn}
+        self.counters.generation_tokens += sum(map(len, tokens.values())) + len(sampled.held)
+        self.counters.count_drafts(sampled.verified)
         for request in self.scheduler.update_from_output(scheduled, tokens, stopped, sampled.held):
             owner = self._seq_owner[request.request_id]
             owner.finish_as_scheduled(request, stopped.get(request.request_id))

@@ -34,8 +34,11 @@ def new_request(
     tokenizer: PreTrainedTokenizerBase,
     eos_token_ids: frozenset[int],
     seed: Callable[[SamplingParams], int],  # the request's RNG seed (the engine numbers unseeded requests)
+    speculate: Callable[[RequestState], EngineRequest]
+    | None = None,  # drafts for plain rows (--speculative-config)
 ) -> NewRequest:
-    """A beam group for a beam search, else a plain request (SamplingParams refuses grammars with beams)."""
+    """A beam group for a beam search, else a plain request (SamplingParams refuses grammars with beams),
+    speculative under `speculate` unless constrained (grammar rows are never drafted)."""
     ids = prompt_token_ids
     scheduler_params = SchedulerParams.from_params(params, eos_token_ids)
     if params.beam_search is not None:
@@ -62,4 +65,6 @@ def new_request(
     salt = params.cache_salt if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
     request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
     constraint = params.structured_outputs
+    if constraint is None and speculate is not None:
+        return NewRequest(speculate(state), request, None)
     return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))

@@ -1,0 +1,26 @@
+"""`build_speculation`: what the engine wraps a plain request in under a `SpeculativeConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagoda.scheduler import Scheduler
+from pagoda.server.engine.engine_request import EngineRequest
+from pagoda.server.engine.requests import RequestState
+from pagoda.server.spec.config import SpeculativeConfig
+from pagoda.server.spec.ngram import NgramProposer
+from pagoda.server.spec.request import SpeculativeRequest
+
+
+def build_speculation(config: SpeculativeConfig) -> Callable[[RequestState], EngineRequest]:
+    """What makes a plain request speculative under `config` (each request gets its own proposer)."""
+    k = config.num_speculative_tokens
+
+    def budget(scheduler: Scheduler) -> int:
+        return k
+
+    def speculate(state: RequestState) -> EngineRequest:
+        proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        return SpeculativeRequest(state, proposer, budget)
+
+    return speculate
