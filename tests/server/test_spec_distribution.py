@@ -69,7 +69,7 @@ def test_drafted_samples_follow_the_exact_distribution(model_dir: Path) -> None:
 
     llm = LLM(str(model_dir), block_size=4, num_kv_blocks=1024, max_model_len=32, dtype="float32")
 
-    def budget(scheduler: Scheduler) -> int:
+    def budget(scheduler: Scheduler, acceptance: float) -> int:
         return 1
 
     def speculate(state: RequestState) -> EngineRequest:

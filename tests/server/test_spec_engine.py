@@ -20,6 +20,9 @@ from pagoda.server.engine.requests import RequestState
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.spec import parse_speculative_config
+from pagoda.server.spec.build import build_speculation
+from pagoda.server.spec.policy import DraftPolicy, StepCostModel
 from pagoda.server.spec.proposer import Proposer
 from pagoda.server.spec.request import SpeculativeRequest
 from pagoda.server.testing import ARCHS, MODEL_VOCAB_SIZE, make_tiny_model
@@ -88,7 +91,7 @@ class Oracle:
 def draft_with(llm: LLM, proposer: Callable[[], Proposer], k: int) -> None:
     """Make every plain request of `llm` speculative with `proposer()` drafting `k` tokens."""
 
-    def budget(scheduler: Scheduler) -> int:
+    def budget(scheduler: Scheduler, acceptance: float) -> int:
         return k
 
     def speculate(state: RequestState) -> EngineRequest:
@@ -148,10 +151,12 @@ def test_ngram_config_equals_non_speculative(arch: str, model_dirs: dict[str, Pa
     ]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     expected = tokens(make_llm(model_dirs[arch]).generate(prompts, params, use_tqdm=False))
-    llm = make_llm(
-        model_dirs[arch],
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-    )
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = make_llm(model_dirs[arch], speculative_config=config)
+    assert llm.engine.speculate is not None  # built with the policy measured at start
+    # A flat step cost (decode bound) makes the policy draft all 3 whatever this machine's load measured.
+    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3)
+    llm.engine.speculate = build_speculation(parse_speculative_config(config), flat)
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
     assert llm.engine.counters.spec_decode_num_drafts > 0
     assert_pool_back(llm)
@@ -285,3 +290,34 @@ def test_seeded_sampling_is_unchanged_by_drafts(model_dirs: dict[str, Path]) -> 
     alone = tokens(llm.generate(prompts[1:2], params[1:2], use_tqdm=False))
     assert alone == expected[1:2]
     assert_drafts_both_ways(llm)
+
+
+def test_opted_out_requests_never_draft(model_dirs: dict[str, Path]) -> None:
+    """SamplingParams(speculative=False) (the API's "speculative": false) keeps a request out of drafting."""
+    prompt = [5, 6, 7, 8, 9] * 3 + [5, 6]
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = make_llm(model_dirs["llama"], speculative_config=config)
+    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3)
+    llm.engine.speculate = build_speculation(parse_speculative_config(config), flat)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculative=False)
+    out = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.engine.counters.spec_decode_num_drafts == 0
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.engine.counters.spec_decode_num_drafts > 0  # the same prompt drafts when not opted out
+    assert tokens(out) == non_speculative(model_dirs["llama"], [prompt], params)
+
+
+def test_spec_metrics_in_engine_stats(model_dirs: dict[str, Path]) -> None:
+    """get_stats carries vLLM's spec_decode counters (the /metrics families read them)."""
+    prompts = random_prompts((5, 9), seed=20)
+    expected = non_speculative(model_dirs["llama"], prompts, GREEDY)
+    llm = make_llm(model_dirs["llama"])
+    draft_with(llm, lambda: Oracle(truths_of(prompts, expected), error_rate=0.3, seed=21), k=4)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    c = llm.engine.counters
+    assert stats.spec_decode_num_drafts == c.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_draft_tokens == c.spec_decode_num_draft_tokens
+    assert stats.spec_decode_num_accepted_tokens == sum(stats.spec_decode_num_accepted_tokens_per_pos) > 0
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # position j is accepted only after 0..j-1

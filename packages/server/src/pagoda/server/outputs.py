@@ -92,3 +92,9 @@ class EngineStats:
     generation_tokens: int  # tokens generated (counter)
     num_host_blocks: int = 0  # host (swap) tier capacity in blocks
     enable_prefix_caching: bool = False
+    # Speculative decoding counters (vLLM's names): drafted chunks, draft tokens, accepted ones, and accepted
+    # drafts by position in the run.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()

@@ -34,7 +34,7 @@ from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_len
 from pagoda.server.engine.request_factory import new_request
 from pagoda.server.engine.scheduling import build_kv_manager
 from pagoda.server.engine.setup import EngineParts
-from pagoda.server.engine.speculation import speculation_for
+from pagoda.server.engine.speculation import AcceptanceLog, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling import Sampler, unseeded_seed
@@ -94,12 +94,13 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
         self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
-        self.speculate = speculation_for(config, self.scheduler)  # None: no drafts
+        self.speculate = speculation_for(config, self.scheduler, self.executor)  # None: no drafts
         self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
+        self.spec_log = AcceptanceLog()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -237,7 +238,9 @@ class LLMEngine:
             owner = self._seq_owner[seq_id]
             progressed[owner.request_id] = owner
         self.counters.generation_tokens += sum(map(len, tokens.values())) + len(sampled.held)
-        self.counters.count_drafts(sampled.verified)
+        if sampled.verified:
+            self.counters.count_drafts(sampled.verified)
+            self.spec_log.observe(self.counters, now)
         for request in self.scheduler.update_from_output(scheduled, tokens, stopped, sampled.held):
             owner = self._seq_owner[request.request_id]
             owner.finish_as_scheduled(request, stopped.get(request.request_id))
@@ -291,4 +294,10 @@ class LLMEngine:
             generation_tokens=self.counters.generation_tokens,
             num_host_blocks=self.num_host_kv_blocks,
             enable_prefix_caching=self.config.scheduler_config.enable_prefix_caching,
+            spec_decode_num_drafts=self.counters.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=self.counters.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.counters.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                self.counters.spec_decode_num_accepted_tokens_per_pos
+            ),
         )

@@ -38,7 +38,7 @@ def new_request(
     | None = None,  # drafts for plain rows (--speculative-config)
 ) -> NewRequest:
     """A beam group for a beam search, else a plain request (SamplingParams refuses grammars with beams),
-    speculative under `speculate` unless constrained (grammar rows are never drafted)."""
+    speculative under `speculate` unless constrained (grammar rows are never drafted) or opted out."""
     ids = prompt_token_ids
     scheduler_params = SchedulerParams.from_params(params, eos_token_ids)
     if params.beam_search is not None:
@@ -65,6 +65,6 @@ def new_request(
     salt = params.cache_salt if params.prompt_logprobs is None else f"prompt-logprobs:{request_id}"
     request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
     constraint = params.structured_outputs
-    if constraint is None and speculate is not None:
+    if constraint is None and speculate is not None and params.speculative:
         return NewRequest(speculate(state), request, None)
     return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))

@@ -9,15 +9,21 @@ from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.requests import RequestState
 from pagoda.server.spec.config import SpeculativeConfig
 from pagoda.server.spec.ngram import NgramProposer
+from pagoda.server.spec.policy import DraftPolicy
 from pagoda.server.spec.request import SpeculativeRequest
 
 
-def build_speculation(config: SpeculativeConfig) -> Callable[[RequestState], EngineRequest]:
-    """What makes a plain request speculative under `config` (each request gets its own proposer)."""
+def build_speculation(
+    config: SpeculativeConfig, policy: DraftPolicy | None = None
+) -> Callable[[RequestState], EngineRequest]:
+    """What makes a plain request speculative under `config` (each request gets its own proposer); `policy`
+    backs off by batch size and acceptance (None: always `num_speculative_tokens` drafts)."""
     k = config.num_speculative_tokens
 
-    def budget(scheduler: Scheduler) -> int:
-        return k
+    def budget(scheduler: Scheduler, acceptance: float) -> int:
+        if policy is None:
+            return k
+        return policy.num_drafts(len(scheduler.running), acceptance)
 
     def speculate(state: RequestState) -> EngineRequest:
         proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)

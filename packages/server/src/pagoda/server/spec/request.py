@@ -15,11 +15,13 @@ from pagoda.server.engine.engine_request import DrawSpec
 from pagoda.server.engine.requests import RequestState
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling import TokenLogprobs
+from pagoda.server.spec.policy import AcceptanceEstimate
 from pagoda.server.spec.proposer import Proposer
 from torch import Tensor
 
-# How many drafts a sequence gets this step, given the scheduler (the back-off policy); 0: none.
-DraftBudget = Callable[[Scheduler], int]
+# How many drafts a sequence gets next, given the scheduler and its acceptance rate so far (the back-off
+# policy, `DraftPolicy`); 0: none.
+DraftBudget = Callable[[Scheduler, float], int]
 
 
 class SpeculativeRequest:
@@ -30,6 +32,9 @@ class SpeculativeRequest:
         self.state = state
         self.proposer = proposer
         self.budget = budget
+        self.acceptance = AcceptanceEstimate()  # over all its samples: they share one text
+        self._proposed: dict[str, int] = {}  # sequence id -> drafts proposed for its next step
+        self._added: dict[str, int] = {}  # sequence id -> tokens it got in this step
 
     @property
     def request_id(self) -> str:
@@ -70,6 +75,7 @@ class SpeculativeRequest:
 
     def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
         """Record one token of the accepted run; the stop string it completes, if any."""
+        self._added[seq_id] = self._added.get(seq_id, 0) + 1
         return self.state.add_token(seq_id, token_id, logprobs, now)
 
     def add_logprob_row(self, seq_id: str, logprobs: Tensor) -> None:  # float32 [vocab]
@@ -83,13 +89,19 @@ class SpeculativeRequest:
     def end_step(self, scheduler: Scheduler) -> bool:
         """Close the step, then propose each running, decoding sample's drafts for the next one."""
         changed = self.state.end_step(scheduler)
-        k = self.budget(scheduler)
+        for seq_id, num_added in self._added.items():
+            proposed = self._proposed.pop(seq_id, 0)
+            if proposed and num_added:  # the scheduler may have cut the drafts: an estimate then
+                self.acceptance.update(proposed, min(num_added - 1, proposed))
+        self._added.clear()
+        k = self.budget(scheduler, self.acceptance.rate)
         for seq_id in self.state.seq_ids:
             request = scheduler.get_request(seq_id)
             if request is None or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # finished, or mid-prefill (a prompt chunk, or a recompute after preemption)
             drafts = self.proposer.propose(request.all_token_ids, k) if k else ()
             scheduler.set_draft_token_ids(seq_id, drafts)
+            self._proposed[seq_id] = len(drafts)
         return changed
 
     def snapshot(self) -> RequestOutput:
