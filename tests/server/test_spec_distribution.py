@@ -73,7 +73,7 @@ def test_drafted_samples_follow_the_exact_distribution(model_dir: Path) -> None:
         return 1
 
     def speculate(state: RequestState) -> EngineRequest:
-        return SpeculativeRequest(state, MostLikely(drafts), budget)
+        return SpeculativeRequest(state, lambda: MostLikely(drafts), budget)
 
     llm.engine.speculate = speculate
     params = [

@@ -95,7 +95,7 @@ def draft_with(llm: LLM, proposer: Callable[[], Proposer], k: int) -> None:
         return k
 
     def speculate(state: RequestState) -> EngineRequest:
-        return SpeculativeRequest(state, proposer(), budget)
+        return SpeculativeRequest(state, proposer, budget)
 
     llm.engine.speculate = speculate
 

@@ -7,12 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-# ngram: prompt lookup over the request's own prompt and output (model-free drafts).
-SpeculativeMethod = Literal["ngram"]
+# ngram: prompt lookup over the request's own prompt and output; suffix: suffix decoding over it and the recent
+# sequences of other requests (both model-free drafts).
+SpeculativeMethod = Literal["ngram", "suffix"]
 _DEFAULT_LOOKUP_MIN, _DEFAULT_LOOKUP_MAX = 2, 5
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
 # Methods vLLM has that this engine does not run yet: named in the error, so the message says which exist.
-_NOT_YET = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 
 
 @dataclass(frozen=True, slots=True)

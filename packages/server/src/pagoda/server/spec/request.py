@@ -9,15 +9,18 @@ the next decode. The step's rows for the drafted positions and the accepted run 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagoda.scheduler import Request, Scheduler
-from pagoda.server.engine.engine_request import DrawSpec
-from pagoda.server.engine.requests import RequestState
-from pagoda.server.outputs import RequestOutput
-from pagoda.server.sampling import TokenLogprobs
 from pagoda.server.spec.policy import AcceptanceEstimate
 from pagoda.server.spec.proposer import Proposer
-from torch import Tensor
+
+if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
+    from pagoda.server.engine.engine_request import DrawSpec
+    from pagoda.server.engine.requests import RequestState
+    from pagoda.server.outputs import RequestOutput
+    from pagoda.server.sampling import TokenLogprobs
+    from torch import Tensor
 
 # How many drafts a sequence gets next, given the scheduler and its acceptance rate so far (the back-off
 # policy, `DraftPolicy`); 0: none.
@@ -25,12 +28,14 @@ DraftBudget = Callable[[Scheduler, float], int]
 
 
 class SpeculativeRequest:
-    """A plain request whose running samples get drafts from `proposer` after each step they progressed in."""
+    """A plain request whose running samples get drafts from their proposers after each step they progressed in."""
 
-    def __init__(self, state: RequestState, proposer: Proposer, budget: DraftBudget) -> None:
-        """Wrap `state` (no grammar, no beams: those rows are never drafted)."""
+    def __init__(self, state: RequestState, proposer: Callable[[], Proposer], budget: DraftBudget) -> None:
+        """Wrap `state` (no grammar, no beams: those rows are never drafted); `proposer()` makes the proposer
+        of each of its samples (a proposer may keep per-sequence state, as the suffix index cursor)."""
         self.state = state
-        self.proposer = proposer
+        self.make_proposer = proposer
+        self.proposers: dict[str, Proposer] = {}
         self.budget = budget
         self.acceptance = AcceptanceEstimate()  # over all its samples: they share one text
         self._proposed: dict[str, int] = {}  # sequence id -> drafts proposed for its next step
@@ -99,7 +104,10 @@ class SpeculativeRequest:
             request = scheduler.get_request(seq_id)
             if request is None or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # finished, or mid-prefill (a prompt chunk, or a recompute after preemption)
-            drafts = self.proposer.propose(request.all_token_ids, k) if k else ()
+            proposer = self.proposers.get(seq_id)
+            if proposer is None:
+                proposer = self.proposers[seq_id] = self.make_proposer()
+            drafts = proposer.propose(request.all_token_ids, k) if k else ()
             scheduler.set_draft_token_ids(seq_id, drafts)
             self._proposed[seq_id] = len(drafts)
         return changed

@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagoda.server.engine.engine_request import DrawSpec
+if TYPE_CHECKING:  # the engine imports this module: no import of the engine at run time
+    from pagoda.server.engine.engine_request import DrawSpec
 
 
 def draft_row_specs(spec: DrawSpec, drafts: Sequence[int]) -> list[DrawSpec]:
@@ -29,10 +31,10 @@ def draft_row_specs(spec: DrawSpec, drafts: Sequence[int]) -> list[DrawSpec]:
     for j in range(1, len(drafts) + 1):
         history = [*spec.row.output_token_ids, *drafts[:j]]
         rows.append(
-            DrawSpec(
-                dataclasses.replace(spec.row, output_token_ids=history),
-                dataclasses.replace(spec.edits, output_token_ids=history),
-                None,
+            dataclasses.replace(
+                spec,
+                row=dataclasses.replace(spec.row, output_token_ids=history),
+                edits=dataclasses.replace(spec.edits, output_token_ids=history),
             )
         )
     return rows
