@@ -29,7 +29,7 @@ from pagoda.server.sampling_params import SamplingParams
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "spec_text.md"
 CODE = ROOT.parent / "packages" / "scheduler" / "src" / "pagoda" / "scheduler" / "request.py"
-METHODS = {"none": None, "ngram": {"method": "ngram"}}
+METHODS = {"none": None, "ngram": {"method": "ngram"}, "suffix": {"method": "suffix"}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,10 @@ def test_smoke_run_reports_every_method_workload_and_concurrency(tmp_path: Path)
     results = bench.main([*argv, "--num-speculative-tokens", "2", "--json", str(out)])
     cells = {(r.method, r.workload, r.concurrency) for r in results}
     assert cells == {
-        (m, w, c) for m in ("none", "ngram") for w in ("repeat", "code_edit", "random") for c in (1, 2)
+        (m, w, c)
+        for m in ("none", "ngram", "suffix")
+        for w in ("repeat", "code_edit", "random")
+        for c in (1, 2)
     }
     assert all(r.output_tokens == 8 * r.concurrency and r.tok_per_s > 0 for r in results)
     assert all(r.acceptance_length is None for r in results if r.method == "none")
