@@ -117,7 +117,7 @@ class StepSampler:
             entries, verified = self._accepted_runs(rows, drawn_rows, entries, failures)
         drawn = tuple(
             entry
-            for entry, owner in zip(entries, (rows.owners[i] for i in drawn_rows), strict=True)
+            for entry, owner in zip(entries, owners, strict=True)
             if entry is not None and owner.request_id not in failures
         )
         return SampledStep(drawn, held, failures, tuple(verified))
