@@ -284,6 +284,29 @@ class BlockManager:
         self._cache_full_blocks(seq, token_ids)
         return SlotAllocation(group_slots[0], tuple(copies), 0, self._per_group(group_slots))
 
+    def trim(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Keep the first `num_tokens` slots of device-resident `seq_id`, freeing the blocks past them.
+
+        Speculative decoding gives slots to draft tokens and takes back the rejected ones. Only slots whose
+        tokens were never hashed may go: ValueError (naming the id, changing nothing) for an unknown or swapped
+        sequence, a negative count, more slots than it holds, or a cut into a hashed (prefix-cached) block.
+        """
+        seq = self._device_seq(seq_id, "cannot be trimmed")
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {seq_id!r}: cannot trim {seq.num_tokens} slots to {num_tokens}")
+        if num_tokens < len(seq.block_hashes) * self.block_size:
+            raise ValueError(f"sequence {seq_id!r}: trimming to {num_tokens} slots would cut a hashed block")
+        keep = -(-num_tokens // self.block_size)
+        for gi, table in enumerate(seq.tables):
+            # A window releases blocks far before the tail, so the cut falls among live blocks; should it reach
+            # the null prefix, only the live entries are freed.
+            first_live = max(keep, seq.skipped[gi])
+            dropped = table[first_live:]
+            del table[keep:]
+            seq.skipped[gi] = min(seq.skipped[gi], keep)
+            self.num_used_per_group[gi] -= self.pool.free_blocks(reversed(dropped))
+        seq.num_tokens = num_tokens
+
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make `child` share every block of device-resident `parent` (ref counts up, nothing copied)."""
         seq = self._device_seq(parent, "cannot be forked")

@@ -22,6 +22,7 @@ from pagoda.scheduler.protocols import (
     KVCacheStatsLike,
     SamplingParamsLike,
     SlotAllocationLike,
+    TrimmableKVBlockManager,
 )
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
@@ -53,6 +54,7 @@ __all__ = [
     "SchedulingPolicyName",
     "SlotAllocationLike",
     "StaticBatchPolicy",
+    "TrimmableKVBlockManager",
     "build_policy",
     "choose_preemption",
     "sample_id",

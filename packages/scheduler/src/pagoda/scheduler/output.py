@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -25,6 +26,9 @@ class ScheduledRequest(NamedTuple):
     group_block_tables: tuple[tuple[int, ...], ...] = ()
     group_slots: tuple[tuple[int, ...], ...] = ()
     lora_id: int | None = None  # the request's LoRA adapter (None: the base model)
+    # Draft tokens (speculative decoding): the last len(spec_token_ids) of `token_ids`, whose logits the
+    # runner computes too (1 + k rows for the chunk); () for every other chunk.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -42,7 +46,9 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (src_block, dst_block)
     preempted_request_ids: tuple[str, ...]  # preempted in this step (runner drops their per-request state)
     finished_request_ids: tuple[str, ...]  # finished or aborted since the previous step
-    num_batched_tokens: int  # sum of chunk lengths (<= max_num_batched_tokens)
+    num_batched_tokens: int  # sum of chunk lengths (<= max_num_batched_tokens), draft tokens included
+    # Request id -> its scheduled draft tokens (vLLM's name), for the chunks that carry any.
+    scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -222,3 +222,14 @@ class SamplingParamsLike(Protocol):
     def priority(self) -> int:
         """Lower values are served first by the priority policy (vLLM's convention)."""
         ...
+
+
+class TrimmableKVBlockManager(KVBlockManager, Protocol):
+    """A `KVBlockManager` that can give back tail slots: what speculative decoding needs (optional).
+
+    The scheduler schedules draft tokens only over an allocator with `trim`; another allocator ignores drafts.
+    """
+
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Keep the first `num_tokens` slots of device-resident `seq_id`, freeing the blocks past them."""
+        ...

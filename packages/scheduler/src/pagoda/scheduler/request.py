@@ -75,6 +75,7 @@ class Request:
         "request_id",
         "sample_index",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_token_id",
     )
@@ -104,6 +105,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_token_id: int | None = None  # the stop token that finished the request
+        # Draft tokens proposed for the positions after the last token (speculative decoding): the next decode
+        # step computes them with it, and `update_from_output` rolls back those the engine rejects.
+        self.spec_token_ids: tuple[int, ...] = ()
         # Forks still to make when the prompt completes; children never fork again.
         self.num_children_to_fork = sampling_params.n - 1 if parent_id is None else 0
         # prompt + outputs kept as one list: the allocator hashes it and the chunk is sliced from it every step.

@@ -8,7 +8,7 @@ recompute preemption resets it to 0 — one mechanism (vLLM v1's model).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.scheduler.config import SchedulerConfig
@@ -36,6 +36,7 @@ class _Step:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    spec: dict[str, tuple[int, ...]] = field(default_factory=dict)  # scheduled draft tokens by request id
     # A running request needed a block and preempted: nobody is swapped in or admitted this step.
     under_pressure: bool = False
 
@@ -88,6 +89,10 @@ class Scheduler:
         self._block_tables: dict[str, tuple[int, ...]] = {}
         # Several KV cache groups or a sliding window: every chunk takes its tables fresh from the allocator.
         self._grouped = kv.num_kv_cache_groups > 1 or kv.has_sliding_window
+        # Speculative decoding needs the allocator to give back rejected draft slots (`trim`, an optional
+        # extension of `KVBlockManager`); without it drafts are never scheduled.
+        trim = getattr(kv, "trim", None)
+        self._trim: Callable[[str, int], None] | None = trim if callable(trim) else None
 
     # ------------------------------------------------------------------ queries
 
@@ -111,6 +116,36 @@ class Scheduler:
     def queue_view(self, chunks: Mapping[str, int] | None = None) -> QueueView:
         """The running, waiting and swapped queues with progress; `chunks`: each sequence's last chunk length."""
         return queue_view(self.running, self.waiting, self.swapped, chunks or {})
+
+    @property
+    def supports_drafts(self) -> bool:
+        """Whether draft tokens are scheduled (the allocator can `trim` rejected draft slots)."""
+        return self._trim is not None
+
+    def set_draft_token_ids(self, seq_id: str, token_ids: Sequence[int]) -> None:
+        """Propose draft tokens for the positions after running `seq_id`'s last token (unknown ids: ignored).
+
+        The next step that decodes it computes as many of them as its budget, `max_tokens` and `max_model_len`
+        leave room for, in the same chunk; `update_from_output` takes back the slots of the rejected ones.
+        """
+        request = self._requests.get(seq_id)
+        if request is not None:
+            request.spec_token_ids = tuple(token_ids)
+
+    def tokens_before_stop(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
+        """How many of `token_ids`, appended in order to `seq_id`, it takes up to the one a stop rule ends it
+        at (a stop token, `max_tokens`, `max_model_len`); None when none ends it (or the id is unknown)."""
+        request = self._requests.get(seq_id)
+        if request is None:
+            return None
+        sp = request.sampling_params
+        for i, token in enumerate(token_ids, start=1):
+            num_output = request.num_output_tokens + i
+            if token in sp.stop_token_ids and num_output >= sp.min_tokens:
+                return i
+            if num_output >= sp.max_tokens or request.num_tokens + i >= self.max_model_len:
+                return i
+        return None
 
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions, and the allocator's usage and prefix-cache counters."""
@@ -202,7 +237,7 @@ class Scheduler:
             if step.budget == 0:
                 break
             if request.status is RUNNING:  # else preempted earlier in this step
-                self._schedule_running(request, 1, step)
+                self._schedule_running(request, 1, step, self._drafts(request, step.budget))
         for request in prefills:
             if step.budget == 0:
                 break
@@ -222,6 +257,7 @@ class Scheduler:
             preempted_request_ids=tuple(step.preempted),
             finished_request_ids=tuple(self._finished_ids),
             num_batched_tokens=self.max_num_batched_tokens - step.budget,
+            scheduled_spec_decode_tokens=step.spec,
         )
         self._finished_ids = []
         return output
@@ -238,6 +274,9 @@ class Scheduler:
         `stop_request_ids` are requests the engine stops (e.g. on a stop string); they finish as stopped.
         `held_ids` are sample ids whose token the engine decides later (beam search): nothing is appended, and
         the sequence stays RUNNING with every token computed, never scheduled, until `append_token`.
+        A chunk with draft tokens (`spec_token_ids`, k of them) takes 1 to 1 + k tokens: the accepted drafts,
+        then the token sampled after them. The `num_rejected` = 1 + k - len(tokens) draft positions are rolled
+        back: `num_computed_tokens` goes back by that many and the allocator frees their slots (`trim`).
         Returns the requests that finished in this update (their status tells why).
         """
         finished: list[Request] = []
@@ -256,6 +295,8 @@ class Scheduler:
                 tokens = sampled_token_ids.get(sample_id)
                 if not tokens:
                     raise ValueError(f"no sampled token for scheduled sample {sample_id!r}")
+                if len(tokens) > 1 or chunk.spec_token_ids:
+                    self._check_accepted(sample_id, chunk.spec_token_ids, tokens)
                 for token in tokens:
                     target.append_output_token(token)
                     status = self._stop_status(target, token)
@@ -263,6 +304,11 @@ class Scheduler:
                         self._finish(target, status)
                         finished.append(target)
                         break
+                else:
+                    if chunk.spec_token_ids:
+                        self._roll_back(target, len(chunk.spec_token_ids) + 1 - len(tokens))
+            if chunk.spec_token_ids and request.status is RUNNING and chunk.request_id in held_ids:
+                self._roll_back(request, len(chunk.spec_token_ids))
         for request_id in stop_request_ids:
             request = self._requests.get(request_id)
             if request is not None:
@@ -317,15 +363,58 @@ class Scheduler:
             num_new = threshold
         return min(num_new, budget)
 
-    def _schedule_running(self, request: Request, num_new: int, step: _Step) -> None:
-        """Give a running request its chunk, preempting policy-chosen victims until it fits (or is one)."""
+    def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """The draft tokens a decode of `request` computes this step: what budget and stop rules leave room for."""
+        spec = request.spec_token_ids
+        if not spec or self._trim is None:
+            return ()
+        sp = request.sampling_params
+        # The step may add 1 + k outputs: never past max_tokens or max_model_len (so never past the slots
+        # add_request checked against the pool either).
+        k = min(
+            len(spec),
+            budget - 1,
+            sp.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return spec[:k] if k > 0 else ()
+
+    def _check_accepted(self, sample_id: str, spec: tuple[int, ...], tokens: Sequence[int]) -> None:
+        """ValueError unless `tokens` are accepted drafts (a prefix of `spec`) then one token after them."""
+        if len(tokens) > 1 + len(spec) or tuple(tokens[:-1]) != spec[: len(tokens) - 1]:
+            raise ValueError(
+                f"sample {sample_id!r}: {len(tokens)} tokens are not a prefix of its {len(spec)} drafts "
+                "then one sampled token"
+            )
+
+    def _roll_back(self, request: Request, num_rejected: int) -> None:
+        """Take back the slots of `request`'s rejected draft positions (their KV is never read again)."""
+        request.spec_token_ids = ()
+        if num_rejected == 0 or self._trim is None:
+            return
+        request.num_computed_tokens -= num_rejected
+        self._trim(request.request_id, request.num_computed_tokens)
+        # Blocks may have gone from the end of the table: the next chunk asks the allocator again.
+        self._block_tables.pop(request.request_id, None)
+
+    def _schedule_running(
+        self, request: Request, num_new: int, step: _Step, spec: tuple[int, ...] = ()
+    ) -> None:
+        """Give a running request its chunk, preempting policy-chosen victims until it fits (or is one).
+
+        Drafts never preempt anyone: when the chunk with them does not fit, it is tried without them.
+        """
         while True:
+            # The token list excludes the drafts: their blocks are never hashed into the prefix cache.
             allocation = self.kv.allocate_slots(
-                request.request_id, request.all_token_ids, num_new, salt=request.cache_salt
+                request.request_id, request.all_token_ids, num_new + len(spec), salt=request.cache_salt
             )
             if allocation is not None:
-                self._emit(request, num_new, allocation, step)
+                self._emit(request, num_new + len(spec), allocation, step, spec)
                 return
+            if spec:
+                spec = ()
+                continue
             # Requests already scheduled this step hold allocations the runner will use: never victims.
             scheduled = {chunk.request_id for chunk in step.scheduled}
             candidates = [r for r in self.running if r.request_id not in scheduled]
@@ -377,6 +466,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self._num_preemptions += 1
         step.preempted.append(victim.request_id)
+        victim.spec_token_ids = ()
         rid = victim.request_id
         if mode == "swap" and self.kv.can_swap_out(rid):
             pairs = self.kv.swap_out(rid)
@@ -492,8 +582,15 @@ class Scheduler:
         active = {r.lora_id for r in self.running if r.lora_id is not None}
         return request.lora_id in active or len(active) < cap
 
-    def _emit(self, request: Request, num_new: int, allocation: SlotAllocationLike, step: _Step) -> None:
-        """Record `request`'s chunk in the step and advance its computed tokens."""
+    def _emit(
+        self,
+        request: Request,
+        num_new: int,
+        allocation: SlotAllocationLike,
+        step: _Step,
+        spec: tuple[int, ...] = (),
+    ) -> None:
+        """Record `request`'s chunk (its `spec` drafts last) in the step and advance its computed tokens."""
         # Hot path (once per request per step): plain locals, no work for what is empty.
         rid = request.request_id
         start = request.num_computed_tokens
@@ -505,8 +602,15 @@ class Scheduler:
             sample_ids = (rid, *request.child_ids())
         else:
             sample_ids = (rid,)
+        if spec:
+            chunk_ids = (*tokens[start:], *spec)
+            step.spec[rid] = spec
+        else:
+            chunk_ids = tuple(tokens[start:end])
+        request.spec_token_ids = spec
         if self._grouped:
-            step.scheduled.append(self._grouped_chunk(request, start, num_new, allocation, sample_ids))
+            chunk = self._grouped_chunk(request, start, num_new, allocation, sample_ids, chunk_ids, spec)
+            step.scheduled.append(chunk)
         else:
             table = self._block_tables.get(rid)
             if table is None or allocation.copies or len(table) * self._block_size < end:
@@ -514,13 +618,14 @@ class Scheduler:
             step.scheduled.append(
                 ScheduledRequest(
                     rid,
-                    tuple(tokens[start:end]),
+                    chunk_ids,
                     start,
                     num_new,
                     table,
                     tuple(allocation.slots),
                     len(sample_ids),
                     sample_ids,
+                    spec_token_ids=spec,
                     lora_id=request.lora_id,
                 )
             )
@@ -538,13 +643,15 @@ class Scheduler:
         num_new: int,
         allocation: SlotAllocationLike,
         sample_ids: tuple[str, ...],
+        chunk_ids: tuple[int, ...],
+        spec: tuple[int, ...],
     ) -> ScheduledRequest:
         """A chunk with every KV cache group's table and slots, read fresh (a window changes a table anywhere)."""
         tables = tuple(tuple(t) for t in self.kv.block_tables(request.request_id))
         group_slots = tuple(tuple(s) for s in allocation.group_slots)
         return ScheduledRequest(
             request.request_id,
-            tuple(request.all_token_ids[start : start + num_new]),
+            chunk_ids,
             start,
             num_new,
             tables[0],
@@ -554,6 +661,7 @@ class Scheduler:
             tables if len(tables) > 1 else (),
             group_slots,
             lora_id=request.lora_id,
+            spec_token_ids=spec,
         )
 
     def _fork(self, parent: Request) -> None:
@@ -638,8 +746,11 @@ class Scheduler:
             assert r.status is RUNNING and kv.has_seq(r.request_id), r
             sent = self._block_tables.get(r.request_id)
             assert sent is None or sent == tuple(kv.block_table(r.request_id)), r
-            # Equal only between schedule() and update_from_output(), for a chunk that completes the sequence.
-            assert kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens, r
+            # Equal only between schedule() and update_from_output(), for a chunk that completes the sequence;
+            # scheduled drafts count as computed until the update rolls the rejected ones back.
+            assert (
+                kv.num_tokens(r.request_id) == r.num_computed_tokens <= r.num_tokens + len(r.spec_token_ids)
+            ), r
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert r.num_computed_tokens == 0 and not kv.has_seq(r.request_id), r

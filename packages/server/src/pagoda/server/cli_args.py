@@ -34,6 +34,7 @@ from pagoda.server.config import (
 from pagoda.server.config_tree import flat_names
 from pagoda.server.pooling.params import PoolerConfig, PoolerConfigError, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
+from pagoda.server.spec.config import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -565,7 +566,24 @@ def argument_table() -> list[Flag]:
                 "help": "503 for connections beyond this many open ones (uvicorn's flag; default: no cap)",
             },
         ),
+        Flag(
+            ("--speculative-config",),
+            {
+                "type": _speculative_config,
+                "metavar": "JSON",
+                "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                '"prompt_lookup_max": 5, "prompt_lookup_min": 2}; None: off',
+            },
+        ),
     ]
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's value; a bad one exits 2 with argparse's message naming the flag and the key."""
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # The --help heading and line of each section of the tree, by its path.
@@ -584,6 +602,7 @@ _SECTIONS = {
     ("server",): ("server", "address, drain time after SIGTERM, log level"),
     ("server", "limits"): ("HTTP limits", "what one HTTP request may take before the app sees it"),
     ("engine", "lora_config"): ("LoRA", "multi-LoRA serving: adapters, their rank and how many stay loaded"),
+    ("engine",): ("speculative decoding", "drafted tokens verified in one forward pass (pagoda.server.spec)"),
     ("engine", "structured_outputs_config"): (
         "structured outputs",
         "the engine's compiled-grammar cache and per-row mask deadline",

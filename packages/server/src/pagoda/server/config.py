@@ -22,6 +22,7 @@ from pagoda.server.kv_events.config import parse_kv_events_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 from pagoda.server.pooling.params import PoolerConfig, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
+from pagoda.server.spec.config import SpeculativeConfig
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -315,6 +316,8 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    # --speculative-config (vLLM's JSON; pagoda.server.spec): drafts verified in one pass; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:

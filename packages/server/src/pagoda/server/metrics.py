@@ -87,12 +87,32 @@ class _EngineStatsCollector(Collector):
             ("num_preemptions", "Requests preempted to free KV-cache blocks.", lambda s: s.num_preemptions),
             ("prompt_tokens", "Prompt tokens computed.", lambda s: s.prompt_tokens),
             ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
+            ("spec_decode_num_drafts", "Drafted chunks verified.", lambda s: s.spec_decode_num_drafts),
+            (
+                "spec_decode_num_draft_tokens",
+                "Draft tokens verified.",
+                lambda s: s.spec_decode_num_draft_tokens,
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                lambda s: s.spec_decode_num_accepted_tokens,
+            ),
         ]
         for name, doc, count in counters:
             counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
             for values, stats in engines:
                 counter.add_metric(values, float(count(stats)))
             yield counter
+        per_pos = CounterMetricFamily(
+            f"{self._prefix}:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the drafted run.",
+            labels=[*labels, "position"],
+        )
+        for values, stats in engines:
+            for position, accepted in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*values, str(position)], float(accepted))
+        yield per_pos
         if not engines:
             return
         stats = engines[0][1]

@@ -96,3 +96,9 @@ class EngineStats:
     enable_prefix_caching: bool = False
     # With KV cache groups: the fraction of device blocks each group holds (empty with one group).
     kv_cache_usage_per_group: tuple[float, ...] = ()
+    # Speculative decoding counters (vLLM's names): drafted chunks, draft tokens, accepted ones, and accepted
+    # drafts by position in the run.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()

@@ -47,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    speculative: bool = True  # False: never drafted, whatever --speculative-config says
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
     # Logits processing before the sampler (vLLM's names): a bias added to the listed ids' logits, the only ids
     # that may be sampled, and words never to complete. Logprobs stay those of the raw model distribution.

@@ -2,7 +2,8 @@
 
 `TokenCacheModel` executes a `SchedulerOutput` the way a real runner does (swap out, swap in, copies, write
 the chunk's tokens into their slots, read each context back through the block table) but stores token ids
-instead of K/V vectors and "samples" a deterministic function of the context it read. Any slot, block table,
+instead of K/V vectors and "samples" a deterministic function of the context it read (a chunk with draft
+tokens is verified greedily: the token after each position, while the drafts match). Any slot, block table,
 copy or swap the scheduler and allocator get wrong shows up as a wrong token, so tests compare its output with
 `reference_output` (the same function applied to the plain sequence).
 """
@@ -118,9 +119,25 @@ class TokenCacheModel:
                 for p in range(first, chunk.seq_len):
                     got = self.device[group_table[p // bs] * bs + p % bs]
                     assert got == known[p], f"{chunk.request_id!r}: group slot of position {p}"
+            spec = chunk.spec_token_ids
+            if spec:
+                sampled[chunk.request_id] = self._verify(known, spec)
+                continue
             for index, sample_id in enumerate(chunk.sample_ids):
                 sampled[sample_id] = [next_token(known, index)]
         return sampled
+
+    @staticmethod
+    def _verify(context: list[int], spec: tuple[int, ...]) -> list[int]:
+        """Greedy verification of a draft chunk: the token after each position while the drafts match it."""
+        first = len(context) - len(spec)  # the context of the chunk's first (non-draft) position
+        tokens: list[int] = []
+        for j in range(len(spec) + 1):
+            token = next_token(context[: first + j])
+            tokens.append(token)
+            if j == len(spec) or token != spec[j]:
+                return tokens
+        return tokens
 
 
 @dataclass(slots=True)

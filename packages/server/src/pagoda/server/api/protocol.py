@@ -86,6 +86,7 @@ class SamplingFields(_Body):
     bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM extra
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM extra
     priority: Int64 = 0  # vLLM extra: lower is served first under --scheduling-policy priority
+    speculative: bool = True  # Pagoda extra: false opts this request out of --speculative-config's drafts
     # vLLM extra: only requests with the same salt (and, by default, the same API key) share cached prefixes.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # Metadata OpenAI itself stores or bills by: accepted, no effect on generation.

@@ -191,6 +191,7 @@ class ServingContext:
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 priority=body.priority,
+                speculative=body.speculative,
                 logit_bias=logit_bias,
                 allowed_token_ids=allowed,
                 bad_words=None if body.bad_words is None else tuple(body.bad_words),

@@ -13,6 +13,7 @@ exactly as a dead one: its requests fail with a 503 to retry and it is killed an
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -83,6 +84,17 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         num_host_blocks=sum(s.num_host_blocks for s in stats),
         enable_prefix_caching=first.enable_prefix_caching,
         kv_cache_usage_per_group=_group_usage(stats, blocks),
+        spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),
+        spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
+        spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
+        spec_decode_num_accepted_tokens_per_pos=tuple(
+            map(
+                sum,
+                itertools.zip_longest(
+                    *(s.spec_decode_num_accepted_tokens_per_pos for s in stats), fillvalue=0
+                ),
+            )
+        ),
     )
 
 

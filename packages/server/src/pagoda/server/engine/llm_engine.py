@@ -35,6 +35,7 @@ from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_len
 from pagoda.server.engine.request_factory import new_request
 from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
 from pagoda.server.engine.setup import EngineParts
+from pagoda.server.engine.speculation import AcceptanceLog, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.lora import LoRAError, LoRARequest
@@ -113,6 +114,7 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
         self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
+        self.speculate = speculation_for(config, self.scheduler, self.executor)  # None: no drafts
         self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
         # Final snapshots of aborted requests, returned by the next step.
@@ -124,6 +126,7 @@ class LLMEngine:
             self.kv_manager,
             medium="GPU" if parts.device.type == "cuda" else "CPU",
         )
+        self.spec_log = AcceptanceLog()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -180,6 +183,7 @@ class LLMEngine:
             self.eos_token_ids,
             self._request_seed,
             lora_request,
+            self.speculate,
         )
 
         def forward() -> None:
@@ -272,17 +276,28 @@ class LLMEngine:
             self.counters.count_chunk(chunk, len(owner.prompt_token_ids))
         progressed: dict[str, EngineRequest] = {}
         stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
+        tokens: dict[str, list[int]] = {}
+        ended: set[str] = set()  # a drafted run's sequences that a stop rule ends before its last token
         for seq_id, token, logprobs in sampled.drawn:
+            if seq_id in ended:
+                continue
             owner = self._seq_owner[seq_id]
             stop = owner.add_token(seq_id, token, logprobs, now)
+            run = tokens.setdefault(seq_id, [])
+            run.append(token)
             if stop is not None:
                 stopped[seq_id] = stop
+                ended.add(seq_id)
+            elif sampled.verified and self.scheduler.tokens_before_stop(seq_id, run) is not None:
+                ended.add(seq_id)  # EOS, a stop token or max_tokens inside an accepted run
             progressed[owner.request_id] = owner
         for seq_id in sampled.held:
             owner = self._seq_owner[seq_id]
             progressed[owner.request_id] = owner
-        self.counters.generation_tokens += len(sampled.drawn) + len(sampled.held)
-        tokens = {seq_id: [token] for seq_id, token, _ in sampled.drawn}
+        self.counters.generation_tokens += sum(map(len, tokens.values())) + len(sampled.held)
+        if sampled.verified:
+            self.counters.count_drafts(sampled.verified)
+            self.spec_log.observe(self.counters, now)
         for request in self.scheduler.update_from_output(scheduled, tokens, stopped, sampled.held):
             owner = self._seq_owner[request.request_id]
             owner.finish_as_scheduled(request, stopped.get(request.request_id))
@@ -370,4 +385,10 @@ class LLMEngine:
             num_host_blocks=self.num_host_kv_blocks,
             enable_prefix_caching=self.config.scheduler_config.enable_prefix_caching,
             kv_cache_usage_per_group=s.kv_usage_per_group,
+            spec_decode_num_drafts=self.counters.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=self.counters.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.counters.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                self.counters.spec_decode_num_accepted_tokens_per_pos
+            ),
         )

@@ -72,11 +72,13 @@ class ModelRunner:
         query_start_loc = [0, *itertools.accumulate(c.num_tokens for c in scheduled)]
         width = max(len(c.block_table) for c in scheduled)
         block_tables = [[*c.block_table, *([0] * (width - len(c.block_table)))] for c in scheduled]
-        # Each request's samples come from its chunk's last token; mid-prompt chunks sample nothing.
+        # Each request's samples come from its chunk's last token; mid-prompt chunks sample nothing. A chunk
+        # with k draft tokens is verified at all of its k + 1 positions (one row each).
         sampling = [
-            (end - 1, c.num_samples)
+            (row, 1 if c.spec_token_ids else c.num_samples)
             for c, end in zip(scheduled, query_start_loc[1:], strict=True)
             if c.num_samples
+            for row in range(end - 1 - len(c.spec_token_ids), end)
         ]
 
         # On CUDA the host copies are pinned, so that non_blocking uploads really are asynchronous (a copy from

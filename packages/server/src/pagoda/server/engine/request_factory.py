@@ -39,9 +39,12 @@ def new_request(
     eos_token_ids: frozenset[int],
     seed: Callable[[SamplingParams], int],  # the request's RNG seed (the engine numbers unseeded requests)
     lora: LoRARequest | None = None,  # the adapter it runs under
+    speculate: Callable[[RequestState], EngineRequest]
+    | None = None,  # drafts for plain rows (--speculative-config)
 ) -> NewRequest:
     """A pooling request for an embedding, a beam group for a beam search, else a plain request (SamplingParams
-    refuses grammars with beams)."""
+    refuses grammars with beams), speculative under `speculate` unless constrained (grammar rows are never
+    drafted) or opted out."""
     ids = prompt_token_ids
     if params.pooling is not None:
         return _pooling_request(request_id, prompt, ids, params, params.pooling, arrival)
@@ -82,6 +85,8 @@ def new_request(
         lora_id=None if lora is None else lora.lora_int_id,
     )
     constraint = params.structured_outputs
+    if constraint is None and speculate is not None and params.speculative:
+        return NewRequest(speculate(state), request, None)
     return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))
 
 

@@ -1,7 +1,9 @@
 """One step's sampling: every row of the step goes to its request, drawn by the sampler or as log-probabilities.
 
 A row's request says which through its `draw_spec` (see `EngineRequest`): a spec is drawn (grammar mask, logits
-processors, the sampling op), None hands the request the row's float32 log-softmax and holds the sequence.
+processors, the sampling op), None hands the request the row's float32 log-softmax and holds the sequence. A
+chunk with draft tokens has one row per drafted position, and its sequence gets the accepted run of tokens
+(`pagoda.server.spec.verify`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pagoda.server.engine.engine_request import DrawSpec, EngineRequest
 from pagoda.server.engine.sample_failures import SampleFailures
 from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling.logits_processors import apply_logits_processors
+from pagoda.server.spec.verify import DraftGroup, draft_row_specs, num_accepted
 from pagoda.server.structured import FilledBitmask, GrammarBitmask
 
 
@@ -27,6 +30,7 @@ class StepRows:
     owners: tuple[EngineRequest, ...]
     specs: tuple[DrawSpec | None, ...]
     grammar: Future[FilledBitmask] | None  # masks of the drawn rows, in order (None: no constrained row)
+    drafts: tuple[DraftGroup, ...] = ()  # the drafted chunks' rows (speculative decoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class SampledStep:
     drawn: tuple[tuple[str, int, TokenLogprobs | None], ...]
     held: tuple[str, ...]  # sequences whose request took the row's log-probabilities (no token appended)
     failures: SampleFailures
+    # (drafts, accepted) of each drafted chunk whose request did not fail, for the spec-decode metrics.
+    verified: tuple[tuple[int, int], ...] = ()
 
 
 class StepSampler:
@@ -47,11 +53,35 @@ class StepSampler:
 
     def plan(self, scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> StepRows:
         """Each row's owner and draw spec; the grammar masks depend only on tokens accepted so far: start them."""
+        if scheduled.scheduled_spec_decode_tokens:
+            return self._plan_drafted(scheduled, owners)
         seq_ids = tuple(seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids)
         row_owners = tuple(owners[seq_id] for seq_id in seq_ids)
         specs = tuple(owner.draw_spec(seq_id) for owner, seq_id in zip(row_owners, seq_ids, strict=True))
         grammar = self.grammar_bitmask.start_fill([spec.matcher for spec in specs if spec is not None])
         return StepRows(seq_ids, row_owners, specs, grammar)
+
+    def _plan_drafted(self, scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> StepRows:
+        """`plan` for a step with drafted chunks: k + 1 rows for each, one per position."""
+        seq_ids: list[str] = []
+        specs: list[DrawSpec | None] = []
+        groups: list[DraftGroup] = []
+        for chunk in scheduled.scheduled:
+            drafts = chunk.spec_token_ids
+            for seq_id in chunk.sample_ids:
+                spec = owners[seq_id].draw_spec(seq_id)
+                if not drafts:
+                    seq_ids.append(seq_id)
+                    specs.append(spec)
+                    continue
+                if spec is None:
+                    raise ValueError(f"sequence {seq_id!r} has drafts but takes log-probability rows")
+                groups.append(DraftGroup(len(seq_ids), seq_id, drafts))
+                seq_ids += [seq_id] * (len(drafts) + 1)
+                specs += draft_row_specs(spec, drafts)
+        row_owners = tuple(owners[seq_id] for seq_id in seq_ids)
+        grammar = self.grammar_bitmask.start_fill([spec.matcher for spec in specs if spec is not None])
+        return StepRows(tuple(seq_ids), row_owners, tuple(specs), grammar, tuple(groups))
 
     def sample(
         self,
@@ -79,14 +109,41 @@ class StepSampler:
         )
         failures.add_grammar_failures(grammar_failed, seq_ids, owners)
         failures.add_sample_failures(out.failed, seq_ids, owners)
+        entries: list[tuple[str, int, TokenLogprobs | None] | None] = list(
+            zip(seq_ids, out.token_ids, out.logprobs, strict=True)
+        )
+        verified: list[tuple[int, int]] = []
+        if rows.drafts:
+            entries, verified = self._accepted_runs(rows, drawn_rows, entries, failures)
         drawn = tuple(
             entry
-            for entry, owner in zip(
-                zip(seq_ids, out.token_ids, out.logprobs, strict=True), owners, strict=True
-            )
-            if owner.request_id not in failures
+            for entry, owner in zip(entries, owners, strict=True)
+            if entry is not None and owner.request_id not in failures
         )
-        return SampledStep(drawn, held, failures)
+        return SampledStep(drawn, held, failures, tuple(verified))
+
+    @staticmethod
+    def _accepted_runs(
+        rows: StepRows,
+        drawn_rows: list[int],
+        entries: list[tuple[str, int, TokenLogprobs | None] | None],
+        failures: SampleFailures,
+    ) -> tuple[list[tuple[str, int, TokenLogprobs | None] | None], list[tuple[int, int]]]:
+        """Each drafted chunk's entries cut to its accepted run (None in place of the rest); (k, accepted) each.
+
+        `entries` are the drawn rows' (`drawn_rows`, step row indices); a drafted chunk's rows are all drawn.
+        """
+        kept: list[tuple[str, int, TokenLogprobs | None] | None] = list(entries)
+        verified: list[tuple[int, int]] = []
+        local = {row: i for i, row in enumerate(drawn_rows)}
+        for group in rows.drafts:
+            first, k = local[group.first_row], len(group.drafts)
+            drawn = [entry[1] for entry in entries[first : first + k + 1] if entry is not None]
+            accepted = num_accepted(group.drafts, drawn)
+            kept[first + accepted + 1 : first + k + 1] = [None] * (k - accepted)
+            if rows.owners[group.first_row].request_id not in failures:
+                verified.append((k, accepted))
+        return kept, verified
 
     @staticmethod
     def _hand_over(

@@ -1,0 +1,44 @@
+"""`build_speculation`: what the engine wraps a plain request in under a `SpeculativeConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pagoda.scheduler import Scheduler
+from pagoda.server.spec.config import SpeculativeConfig
+from pagoda.server.spec.ngram import NgramProposer
+from pagoda.server.spec.policy import DraftPolicy
+from pagoda.server.spec.proposer import Proposer
+from pagoda.server.spec.request import SpeculativeRequest
+from pagoda.server.spec.suffix import SuffixIndex, SuffixProposer
+
+if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
+    from pagoda.server.engine.engine_request import EngineRequest
+    from pagoda.server.engine.requests import RequestState
+
+
+def build_speculation(
+    config: SpeculativeConfig, policy: DraftPolicy | None = None
+) -> Callable[[RequestState], EngineRequest]:
+    """What makes a plain request speculative under `config` (each request gets its own proposer); `policy`
+    backs off by batch size and acceptance (None: always `num_speculative_tokens` drafts)."""
+    k = config.num_speculative_tokens
+
+    def budget(scheduler: Scheduler, acceptance: float) -> int:
+        if policy is None:
+            return k
+        return policy.num_drafts(len(scheduler.running), acceptance)
+
+    # suffix: one index for the engine, so that a request drafts from the others' recent sequences too.
+    index = SuffixIndex() if config.method == "suffix" else None
+
+    def proposer() -> Proposer:
+        if index is not None:
+            return SuffixProposer(index, k)
+        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def speculate(state: RequestState) -> EngineRequest:
+        return SpeculativeRequest(state, proposer, budget)
+
+    return speculate

@@ -1,0 +1,80 @@
+"""`SpeculativeConfig`: vLLM's `--speculative-config` JSON, parsed and checked once (no torch here)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+# ngram: prompt lookup over the request's own prompt and output; suffix: suffix decoding over it and the recent
+# sequences of other requests (both model-free drafts).
+SpeculativeMethod = Literal["ngram", "suffix"]
+_DEFAULT_LOOKUP_MIN, _DEFAULT_LOOKUP_MAX = 2, 5
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+# Methods vLLM has that this engine does not run yet: named in the error, so the message says which exist.
+_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """How the engine drafts: the method, k drafts per step, and the n-gram sizes prompt lookup matches."""
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 4  # k: drafted tokens per decode step
+    # ngram: the longest and shortest suffix of the sequence looked up in its earlier tokens (longest first).
+    prompt_lookup_max: int = _DEFAULT_LOOKUP_MAX
+    prompt_lookup_min: int = _DEFAULT_LOOKUP_MIN
+    model: str | None = None  # draft_model only (not available yet)
+
+    def __post_init__(self) -> None:
+        """ValueError naming the key."""
+        if self.method not in get_args(SpeculativeMethod):
+            later = f" ({self.method!r} is not available yet)" if self.method in _NOT_YET else ""
+            raise ValueError(
+                f"speculative_config key 'method' must be one of {get_args(SpeculativeMethod)}, "
+                f"not {self.method!r}{later}"
+            )
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config key {key!r} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config key 'prompt_lookup_min' must be <= 'prompt_lookup_max', got "
+                f"{self.prompt_lookup_min} > {self.prompt_lookup_max}"
+            )
+        if self.model is not None:
+            raise ValueError(
+                f"speculative_config key 'model' is for method 'draft_model', not {self.method!r}"
+            )
+
+
+def parse_speculative_config(value: str | Mapping[str, object] | SpeculativeConfig) -> SpeculativeConfig:
+    """The config of a JSON object (the flag), a mapping (`LLM(speculative_config={...})`) or a config as is;
+    ValueError naming the key (or saying the JSON is invalid)."""
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError('speculative_config must be a JSON object such as {"method": "ngram"}')
+    unknown = sorted(set(map(str, value)) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {list(_KEYS)}")
+    fields: dict[str, object] = dict(value)
+    if "method" not in fields:
+        raise ValueError("speculative_config key 'method' is required (e.g. \"ngram\")")
+    # One of the two n-gram sizes alone keeps the other's default unless that would contradict it.
+    longest, shortest = fields.get("prompt_lookup_max"), fields.get("prompt_lookup_min")
+    if isinstance(longest, int) and shortest is None:
+        fields["prompt_lookup_min"] = min(_DEFAULT_LOOKUP_MIN, longest)
+    if isinstance(shortest, int) and longest is None:
+        fields["prompt_lookup_max"] = max(_DEFAULT_LOOKUP_MAX, shortest)
+    try:
+        return SpeculativeConfig(**fields)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ValueError(f"speculative_config: {exc}") from None

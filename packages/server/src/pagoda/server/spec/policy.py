@@ -1,0 +1,71 @@
+"""The automatic back-off: how many drafts a sequence gets, from a step-cost model measured at start-up.
+
+A drafted position costs what one more token in the step's forward pass costs. While decode is bound by
+reading the weights, a few more tokens are nearly free; in a large batch every extra token makes the whole
+step slower. `StepCostModel` is that curve, measured on the engine's own model when it starts
+(`pagoda.server.engine.speculation.measure_step_costs`), and `DraftPolicy` picks, per sequence, the number of
+drafts that maximises the batch's expected tokens per second given the sequence's acceptance so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepCostModel:
+    """Seconds of one step of n tokens: the one-token step's time, or n times the marginal token's time."""
+
+    one_token_s: float  # a step of one decode token (the weights read once)
+    per_token_s: float  # the marginal token of a large step (compute bound)
+
+    def step_seconds(self, num_tokens: int) -> float:
+        """The modelled time of a step with `num_tokens` tokens."""
+        return max(self.one_token_s, self.per_token_s * num_tokens)
+
+
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens a step gives a sequence with `num_drafts` drafts each accepted with probability `acceptance`
+    (the run stops at the first rejection, and one token always comes after it): 1 + a + ... + a^k."""
+    return sum(acceptance**i for i in range(num_drafts + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPolicy:
+    """Fewer drafts, or none, when the batch is large or acceptance is low; at most `max_drafts`."""
+
+    costs: StepCostModel
+    max_drafts: int
+
+    def num_drafts(self, batch_size: int, acceptance: float) -> int:
+        """The k in 0..max_drafts maximising the batch's tokens per second, the other `batch_size - 1`
+        sequences decoding one token each (0: drafting would slow the batch down)."""
+        others = max(batch_size, 1) - 1
+        best_k, best_rate = 0, (others + 1) / self.costs.step_seconds(others + 1)
+        for k in range(1, self.max_drafts + 1):
+            rate = (others + expected_tokens(acceptance, k)) / self.costs.step_seconds(others + 1 + k)
+            if rate > best_rate * 1.0001:  # ties keep fewer drafts
+                best_k, best_rate = k, rate
+        return best_k
+
+
+class AcceptanceEstimate:
+    """A sequence's per-draft acceptance rate, decayed so that it follows the text (starts at `prior`)."""
+
+    __slots__ = ("accepted", "trials")
+
+    def __init__(self, prior: float = 0.5, weight: float = 2.0) -> None:
+        """Start as if `weight` drafts had been tested with rate `prior`."""
+        self.accepted = prior * weight
+        self.trials = weight
+
+    @property
+    def rate(self) -> float:
+        """Accepted over tested drafts."""
+        return self.accepted / self.trials
+
+    def update(self, num_drafts: int, num_accepted: int, decay: float = 0.8) -> None:
+        """Record a verified run: drafts up to the first rejected one were tested."""
+        tested = num_accepted + (1 if num_accepted < num_drafts else 0)
+        self.accepted = self.accepted * decay + num_accepted
+        self.trials = self.trials * decay + tested

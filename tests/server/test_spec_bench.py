@@ -1,0 +1,26 @@
+"""tools/bench_spec.py: a smoke run on the tiny model (the real figures need the default model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tool_scripts import load_tool
+
+bench = load_tool("bench_spec.py")
+
+
+def test_smoke_run_reports_every_method_workload_and_concurrency(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    argv = ["--tiny", "--max-tokens", "8", "--max-prompt-tokens", "40", "--concurrency", "1", "2"]
+    results = bench.main([*argv, "--num-speculative-tokens", "2", "--json", str(out)])
+    cells = {(r.method, r.workload, r.concurrency) for r in results}
+    assert cells == {
+        (m, w, c)
+        for m in ("none", "ngram", "suffix")
+        for w in ("repeat", "code_edit", "random")
+        for c in (1, 2)
+    }
+    assert all(r.output_tokens == 8 * r.concurrency and r.tok_per_s > 0 for r in results)
+    assert all(r.acceptance_length is None for r in results if r.method == "none")
+    assert len(json.loads(out.read_text())) == len(results)
