@@ -95,7 +95,7 @@ def test_last_pooling_matches_transformers(
     # Every block was freed when its request finished: nothing is left running or held.
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.stats().num_running == 0
-    assert llm.engine.kv_manager.num_free_blocks() == llm.engine.num_kv_blocks
+    assert llm.engine.kv_manager.num_free_blocks() == llm.engine.kv_manager.num_blocks
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -131,7 +131,7 @@ def test_kv_freed_in_the_step_of_the_last_chunk(tiny_model_path: Callable[[str],
     assert steps == 3
     assert len(finished) == 1 and finished[0].embedding is not None
     assert finished[0].outputs == ()
-    assert engine.kv_manager.num_free_blocks() == engine.num_kv_blocks
+    assert engine.kv_manager.num_free_blocks() == engine.kv_manager.num_blocks
 
 
 def test_preempted_mean_request_counts_no_position_twice() -> None:
@@ -196,4 +196,4 @@ def test_aborted_pooling_request_leaves_no_owner(tiny_model_path: Callable[[str]
     (final,) = engine.step()
     assert final.finished and final.embedding is None
     assert not engine.has_unfinished_requests() and not engine._seq_owner
-    assert engine.kv_manager.num_free_blocks() == engine.num_kv_blocks
+    assert engine.kv_manager.num_free_blocks() == engine.kv_manager.num_blocks
