@@ -3,28 +3,13 @@ CI), whose numbers and JSON are complete."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from tool_scripts import load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_embed.py"
-
-
-def load_tool() -> ModuleType:
-    """Import tools/bench_embed.py (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("pagoda_tool_bench_embed", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_tool()
+bench = load_tool("bench_embed.py")
 
 
 def test_inputs_are_fixed_by_the_seed_and_within_the_lengths() -> None:

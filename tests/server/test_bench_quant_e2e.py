@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_quant_e2e.py"
-
-
-def load_tool() -> ModuleType:
-    """Import tools/bench_quant_e2e.py (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("pagoda_tool_bench_quant_e2e", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tool_scripts import load_tool
 
 
 def test_smoke_run_reports_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,7 +27,12 @@ def test_smoke_run_reports_both_modes(tmp_path: Path, capsys: pytest.CaptureFixt
         "6",
     ]
     args += ["--single-requests", "1", "--profile", "--profile-steps", "2", "--dtype", "float32"]
-    assert load_tool().main([*args, "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]) == 0
+    assert (
+        load_tool("bench_quant_e2e.py").main(
+            [*args, "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     gguf, none = report["results"]
     assert (gguf["mode"], none["mode"]) == ("gguf", "none")

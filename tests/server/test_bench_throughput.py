@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from tool_scripts import load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_throughput.py"
-
-
-def load_tool() -> ModuleType:
-    """Import tools/bench_throughput.py (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("pagoda_tool_bench_throughput", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_tool()
+bench = load_tool("bench_throughput.py")
 
 
 def test_workload_is_fixed_by_the_seed_and_within_the_ranges() -> None:
