@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import openai
 import pytest
@@ -13,18 +13,8 @@ from api_cases import MODEL
 from pagoda.server.cli import main
 from pagoda.server.cli_args import build_parser, serve_config
 from pagoda.server.testing import make_tiny_model
-from pydantic import BaseModel, ConfigDict, Field
 from test_api_live import LiveServer, serving, sync_client
-
-
-class City(BaseModel):
-    """A bounded object the grammar can always close."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[a-z]{1,8}$")
-    unit: Literal["celsius", "fahrenheit"]
-    days: int = Field(ge=1, le=7)
-
+from test_compact_json_live import City  # the bounded object both tests force
 
 TOOLS: Any = [
     {

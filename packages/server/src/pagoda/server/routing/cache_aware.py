@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, BlockHash, hash_blocks, salt_bytes
 from pagoda.server.kv_events.wire import KVEventBatch
 from pagoda.server.routing.base import ReplicaLoad, least_loaded, live_replicas
-from pagoda.server.routing.event_index import EventIndex
+from pagoda.server.routing.event_index import EventIndex, leading_held
 
 # SGLang's router defaults: route by prefix when at least half of the prompt matches; treat the replicas as imbalanced
 # when the busiest one is both far (absolutely) and 1.5x (relatively) ahead of the idlest. SGLang counts requests;
@@ -41,11 +41,7 @@ class _PrefixIndex:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the chain this replica holds."""
-        # A chained hash names its whole prefix, so the first miss ends the match.
-        for i, block_hash in enumerate(hashes):
-            if block_hash not in self._hashes:
-                return i
-        return len(hashes)
+        return leading_held(hashes, self._hashes)
 
     def record(self, hashes: Sequence[BlockHash]) -> None:
         """Mark the chain as the most recently used, then evict the least recently used blocks over capacity."""

@@ -3,10 +3,19 @@ hashes its prefix cache holds, where the router's own index only guesses from wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from pagoda.blockalloc.hashing import BlockHash
 from pagoda.server.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+def leading_held(hashes: Sequence[BlockHash], held: Container[bytes]) -> int:
+    """How many leading hashes of a chain `held` contains: a chained hash names its whole prefix, so the first
+    miss ends the match."""
+    for i, block_hash in enumerate(hashes):
+        if block_hash not in held:
+            return i
+    return len(hashes)
 
 
 class EventIndex:
@@ -34,10 +43,7 @@ class EventIndex:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the chain the replica's cache holds."""
-        for i, block_hash in enumerate(hashes):
-            if block_hash not in self._hashes:
-                return i
-        return len(hashes)
+        return leading_held(hashes, self._hashes)
 
     def record(self, hashes: Sequence[BlockHash]) -> None:
         """Nothing: only the replica's events say what it caches."""
