@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -97,7 +98,8 @@ def make_engine(tokenizer: PreTrainedTokenizerBase) -> LLMEngine:
         device=torch.device("cpu"),
         dtype=torch.float32,
         backend=get_backend("torch", "cpu"),
-        kv_cache=cast(KVCache, None),
+        # No KV tensors: only the cache's geometry is read (one full-attention group).
+        kv_cache=cast(KVCache, SimpleNamespace(shape=SimpleNamespace(layout=None))),
         max_model_len=64,
         max_num_batched_tokens=256,
         vocab_size=VOCAB,
