@@ -26,6 +26,24 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split()[1]), headers, body
 
 
+def read_one_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One Content-Length response on a connection kept alive: (status, body), leaving the connection open."""
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {bytes(data)!r}"
+        data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    rest = bytearray(body)
+    while len(rest) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection inside a body"
+        rest += chunk
+    return int(status_line.split()[1]), bytes(rest)
+
+
 def assert_openai_error(response: tuple[int, dict[str, str], bytes], status: int) -> dict[str, Any]:
     """The response is `status` with an OpenAI-shaped JSON error body; returns the error object."""
     got, headers, body = response

@@ -16,7 +16,7 @@ import pytest
 from api_cases import MODEL
 from api_fake_engine import FakeEngine, RunningServer, serve_in_thread
 from pagoda.server.config import HTTPLimits
-from raw_http import assert_openai_error, connect, post_head, read_response
+from raw_http import assert_openai_error, connect, post_head, read_one_response, read_response
 
 HEAD_BYTES = 4096
 # Short enough to keep the tests quick, long enough that a loaded machine does not trip them by itself.
@@ -90,6 +90,25 @@ def test_idle_connection_is_closed_without_a_response(server: RunningServer) -> 
     """A connection that sends nothing is closed after --request-head-timeout, with no bytes sent."""
     with connect(server.base_url) as sock:
         assert sock.recv(65536) == b""
+    assert_good_request(server)
+
+
+def test_kept_alive_connection_outlives_the_head_timeout(server: RunningServer) -> None:
+    """Between two requests of one connection the head timer waits for the next head's first byte: a client
+    reusing its pooled connection after a pause longer than --request-head-timeout (but under uvicorn's 5 s
+    keep-alive) is served, and a head that then stalls still gets its 408."""
+    with connect(server.base_url) as sock:
+        for _ in range(2):
+            sock.sendall(completion_head() + GOOD_BODY)
+            status, body = read_one_response(sock)
+            assert status == 200, body
+            time.sleep(2 * TIMEOUT)
+        sock.sendall(completion_head()[:30])
+        started = time.monotonic()
+        assert_openai_error(read_response(sock), 408)
+        assert (
+            time.monotonic() - started >= 0.9 * TIMEOUT
+        )  # timed from the head's first byte, not the idle start
     assert_good_request(server)
 
 

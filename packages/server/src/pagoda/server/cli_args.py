@@ -479,7 +479,7 @@ def argument_table() -> list[Flag]:
                 "dest": "head_timeout",
                 "metavar": "REQUEST_HEAD_TIMEOUT",
                 "type": float,
-                "help": "408 if a request head is not complete this many seconds after the connection opens",
+                "help": "408 if a request head is not complete this many seconds after the connection opens (kept alive: after its first byte)",
             },
         ),
         Flag(

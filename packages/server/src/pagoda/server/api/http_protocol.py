@@ -84,9 +84,11 @@ class _LimitedConnection(h11.Connection):
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with HTTPLimits, answering protocol errors and timeouts with OpenAI-shaped JSON.
 
-    Timers: the head timer runs while a connection waits for a request head (h11's IDLE); the body timer while
-    it reads a body (SEND_BODY), for both the idle gap and the whole body's deadline. Both are checked after each read, so the normal path pays two attribute
-    reads and a clock read per received chunk.
+    Timers: the head timer runs while a connection waits for a request head (h11's IDLE), from the connection
+    opening or, on a kept-alive connection, from the first byte of its next head; the body timer while it reads a
+    body (SEND_BODY), for both the idle gap and the whole body's deadline. An idle kept-alive connection is left to
+    uvicorn's keep-alive timer. Both are checked after each read, so the normal path pays two attribute reads and
+    a clock read per received chunk.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class LimitedH11Protocol(H11Protocol):
         self._last_body_read = 0.0
         self._body_started = 0.0  # when the current body began (its deadline counts from here)
         self._lingering = False
+        self._kept_alive = False  # a response has completed on this connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the head timer: a connection that never sends a head must not stay open forever."""
@@ -125,8 +128,13 @@ class LimitedH11Protocol(H11Protocol):
         self._update_timers()
 
     def on_response_complete(self) -> None:
-        """After a response the next head's timer starts (uvicorn's keep-alive timer closes idle ones sooner)."""
+        """After a response the next head's timer waits for that head's first byte.
+
+        Idle, the connection is uvicorn's keep-alive timer's to close: a head timer shorter than it would close a
+        connection the client may be reusing at that very moment, and the client's request would meet a reset.
+        """
         super().on_response_complete()
+        self._kept_alive = True
         self._update_timers()
 
     def send_400_response(self, msg: str) -> None:
@@ -138,7 +146,8 @@ class LimitedH11Protocol(H11Protocol):
             return
         state = self.conn.their_state
         if state is h11.IDLE:
-            if self._head_timer is None:
+            waiting_idle = self._kept_alive and not self.conn.trailing_data[0]
+            if self._head_timer is None and not waiting_idle:
                 self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
         else:
             self._cancel_head_timer()
