@@ -80,11 +80,10 @@ class Gemma3Attention(nn.Module):
         """Self-attention of the step's tokens."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        # The q/k norms and the rotary embedding in one op each.
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin, self.q_norm)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin, self.k_norm)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
         out: Tensor = self.o_proj(self.attn(q, k, v, kv_cache, attn))
         return out
 
@@ -145,8 +144,9 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
         attn_out: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        x = x + self.post_attention_layernorm(attn_out)
-        mlp_out: Tensor = self.mlp(self.pre_feedforward_layernorm(x))
+        # x + post_attention_layernorm(attn_out), and pre_feedforward_layernorm of that, in one op.
+        x, normed = self.pre_feedforward_layernorm.add(attn_out, x, pre=self.post_attention_layernorm)
+        mlp_out: Tensor = self.mlp(normed)
         out: Tensor = x + self.post_feedforward_layernorm(mlp_out)
         return out
 

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from pagoda.pagedkernel import norm as norm_ops
 from pagoda.server.models.quantized import QuantizedWeight, placeholder
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -195,11 +196,24 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim] -> [..., dim]
-        """Normalise `x` by its root mean square and scale it."""
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        """Normalise `x` by its root mean square and scale it (one fused op: pagoda.pagedkernel.norm)."""
+        return norm_ops.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+
+    def add(
+        self,
+        branch: Tensor,  # [num_tokens, dim]: a block's attention or MLP output
+        residual: Tensor,  # [num_tokens, dim]
+        pre: RMSNorm | None = None,  # the branch's own norm first (Gemma's sandwich), or None
+    ) -> tuple[Tensor, Tensor]:  # (residual + branch, this norm of it)
+        """The residual stream after a branch, and its norm by this module, in one pass."""
+        return norm_ops.add_rms_norm(
+            branch,
+            residual,
+            self.weight,
+            self.eps,
+            unit_offset=self.unit_offset,
+            pre_weight=None if pre is None else pre.weight,
+        )
 
     def extra_repr(self) -> str:
         """Shown by print(model)."""
@@ -240,10 +254,12 @@ def apply_rotary(
     x: Tensor,  # [num_tokens, num_heads, head_dim]
     cos: Tensor,  # [num_tokens, 1, head_dim // 2]
     sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+    norm: RMSNorm | None = None,  # a per-head norm first (the q/k norms of Gemma 3 and Qwen 3), or None
 ) -> Tensor:  # [num_tokens, num_heads, head_dim]
-    """Rotate each (x[i], x[i + head_dim / 2]) pair by its position's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate each (x[i], x[i + head_dim / 2]) pair by its position's angle, after `norm` when given."""
+    if norm is None:
+        return norm_ops.rotary(x, cos, sin)
+    return norm_ops.rotary(x, cos, sin, norm_weight=norm.weight, eps=norm.eps, unit_offset=norm.unit_offset)
 
 
 def rope_inv_freq(

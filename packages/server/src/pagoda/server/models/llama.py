@@ -89,11 +89,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin, self.q_norm)  # with Qwen 3's q/k norms first, in one op
+        k = apply_rotary(k, cos, sin, self.k_norm)
         out: Tensor = self.o_proj(self.attn(q, k, v, kv_cache, attn))
         return out
 
@@ -152,8 +149,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
         attn_out: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        x = x + attn_out
-        mlp_out: Tensor = self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.add(attn_out, x)  # x + attn_out and its norm, in one op
+        mlp_out: Tensor = self.mlp(normed)
         return x + mlp_out
 
 

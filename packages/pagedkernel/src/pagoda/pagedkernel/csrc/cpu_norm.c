@@ -1,0 +1,164 @@
+/* RMSNorm and rotary embeddings on the CPU, fused the way decoder layers chain them.
+ *
+ * The specification is pagoda/pagedkernel/norm/torch_norm.py; every rounding of it is reproduced here:
+ *   norm(x) = x * (1 / sqrt(mean(x^2) + eps)) in float32, then
+ *     unit_offset (Gemma):  round(norm(x) * (1 + w))         (the product in float32, rounded once)
+ *     otherwise (Llama):    round(w * round(norm(x)))        (normed rounded to the dtype, then the dtype's product)
+ *   rotary (half split):    y1 = round(round(x1 * c) - round(x2 * s)),  y2 = round(round(x2 * c) + round(x1 * s))
+ *   add_norm:               s = round(r + (w_pre ? norm_pre(x) : x)),   y = norm(s)
+ * where round() is the storage dtype's rounding (-DPAGODA_DTYPE, cpu_dtype.h; none for float32): so a bfloat16
+ * model rounds exactly where Hugging Face's modules round. Only the sum of squares is summed in another order
+ * than torch's (sixteen lanes, then the tail). One call replaces the five to nine torch ops of each norm or
+ * rotary, which at one decode token are microseconds of dispatch each. Rows are split over torch's OpenMP pool
+ * when built with -fopenmp and the call is large enough; each row is computed whole by one thread.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_dtype.h"
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+PAGODA_DEFINE_LOADV(loadv16, v16f, 16)
+
+/* Below this many elements a call runs on one thread: an OpenMP region costs more than a decode row's work. */
+#define PARALLEL_MIN_WORK (1 << 16)
+
+/* Store 16 float32 lanes as scalar_t, rounding as store1 does (to nearest even; NaN stays NaN). */
+static inline void storev16(scalar_t *p, v16f x) {
+#if PAGODA_DTYPE == PAGODA_FLOAT32
+  memcpy(p, &x, sizeof x);
+#elif PAGODA_DTYPE == PAGODA_FLOAT16
+  typedef _Float16 v16h __attribute__((vector_size(32)));
+  const v16h h = __builtin_convertvector(x, v16h);
+  memcpy(p, &h, sizeof h);
+#else
+  typedef uint16_t v16s __attribute__((vector_size(32)));
+  v16u u;
+  memcpy(&u, &x, sizeof u);
+  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const v16u quiet = (u >> 16) | 0x40u;
+  const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+  const v16s s = __builtin_convertvector((rounded & ~nan) | (quiet & nan), v16s);
+  memcpy(p, &s, sizeof s);
+#endif
+}
+
+/* x as stored in scalar_t and read back: the dtype's rounding (the identity for float32), in registers. */
+static inline v16f roundv16(v16f x) {
+#if PAGODA_DTYPE == PAGODA_FLOAT32
+  return x;
+#elif PAGODA_DTYPE == PAGODA_FLOAT16
+  typedef _Float16 v16h __attribute__((vector_size(32)));
+  return __builtin_convertvector(__builtin_convertvector(x, v16h), v16f);
+#else
+  v16u u;
+  memcpy(&u, &x, sizeof u);
+  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const v16u quiet = (u | 0x400000u) & 0xffff0000u;
+  const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+  const v16u bits = (rounded & ~nan) | (quiet & nan);
+  v16f out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+#endif
+}
+
+static inline float round1(float x) {
+  const scalar_t t = store1(x);
+  return load1(&t);
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row. */
+static inline float inv_rms(const scalar_t *x, int64_t dim, float eps) {
+  v16f acc = {0};
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    const v16f v = loadv16(x + i);
+    acc += v * v;
+  }
+  float sum = 0.0f;
+  for (int lane = 0; lane < 16; lane++) sum += acc[lane];
+  for (; i < dim; i++) {
+    const float v = load1(x + i);
+    sum += v * v;
+  }
+  return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+/* y = the weighted norm of row x (see the header for the two forms). y may be x. */
+static void norm_row(const scalar_t *x, const scalar_t *w, int64_t dim, float eps, int unit_offset, scalar_t *y) {
+  const float inv = inv_rms(x, dim, eps);
+  const v16f vinv = {inv, inv, inv, inv, inv, inv, inv, inv, inv, inv, inv, inv, inv, inv, inv, inv};
+  int64_t i = 0;
+  if (unit_offset) {
+    for (; i + 16 <= dim; i += 16) storev16(y + i, (loadv16(x + i) * vinv) * (1.0f + loadv16(w + i)));
+    for (; i < dim; i++) y[i] = store1((load1(x + i) * inv) * (1.0f + load1(w + i)));
+  } else {
+    for (; i + 16 <= dim; i += 16) storev16(y + i, loadv16(w + i) * roundv16(loadv16(x + i) * vinv));
+    for (; i < dim; i++) y[i] = store1(load1(w + i) * round1(load1(x + i) * inv));
+  }
+}
+
+/* Rotate row y in place by the angles whose cos and sin (scalar_t, half a row each) are c and s. */
+static void rotate_row(scalar_t *y, const scalar_t *c, const scalar_t *s, int64_t dim) {
+  const int64_t half = dim / 2;
+  int64_t i = 0;
+  for (; i + 16 <= half; i += 16) {
+    const v16f x1 = loadv16(y + i), x2 = loadv16(y + half + i), vc = loadv16(c + i), vs = loadv16(s + i);
+    storev16(y + i, roundv16(x1 * vc) - roundv16(x2 * vs));
+    storev16(y + half + i, roundv16(x2 * vc) + roundv16(x1 * vs));
+  }
+  for (; i < half; i++) {
+    const float x1 = load1(y + i), x2 = load1(y + half + i), ci = load1(c + i), si = load1(s + i);
+    y[i] = store1(round1(x1 * ci) - round1(x2 * si));
+    y[half + i] = store1(round1(x2 * ci) + round1(x1 * si));
+  }
+}
+
+/* y[t, h, :] = rotary(norm(x[t, h, :])): row (t, h) of x at x + t * stride_t + h * stride_h, its `dim` values
+ * contiguous; y contiguous [tokens, heads, dim]. w NULL: no norm (the row is copied); c NULL: no rotary. c and s
+ * are [tokens, dim / 2] rows `cs_stride` apart. Returns 0, or 2 for an odd dim with a rotary. */
+int pagoda_norm_rotary(const scalar_t *x, int64_t tokens, int64_t heads, int64_t stride_t, int64_t stride_h,
+                       int64_t dim, const scalar_t *w, float eps, int unit_offset, const scalar_t *c,
+                       const scalar_t *s, int64_t cs_stride, scalar_t *y, int64_t num_threads) {
+  if (c != NULL && dim % 2 != 0) return 2;
+  const int64_t rows = tokens * heads;
+  const int parallel = rows * dim >= PARALLEL_MIN_WORK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+  for (int64_t row = 0; row < rows; row++) {
+    const int64_t t = row / heads, h = row % heads;
+    const scalar_t *xr = x + t * stride_t + h * stride_h;
+    scalar_t *yr = y + row * dim;
+    if (w != NULL) {
+      norm_row(xr, w, dim, eps, unit_offset, yr);
+    } else {
+      memcpy(yr, xr, (size_t)dim * sizeof(scalar_t));
+    }
+    if (c != NULL) rotate_row(yr, c + t * cs_stride, s + t * cs_stride, dim);
+  }
+  return 0;
+}
+
+/* sum[t] = round(r[t] + (w_pre ? norm_pre(x[t]) : x[t])) and y[t] = norm(sum[t]) with weight w, for `rows` rows
+ * of `dim` values (x's rows x_stride apart; r, sum and y contiguous; sum may be r). */
+int pagoda_add_norm(const scalar_t *x, int64_t x_stride, const scalar_t *r, int64_t rows, int64_t dim,
+                    const scalar_t *w_pre, const scalar_t *w, float eps, int unit_offset, scalar_t *sum,
+                    scalar_t *y, int64_t num_threads) {
+  const int parallel = rows * dim >= PARALLEL_MIN_WORK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+  for (int64_t t = 0; t < rows; t++) {
+    const scalar_t *xr = x + t * x_stride, *rr = r + t * dim;
+    scalar_t *sr = sum + t * dim, *yr = y + t * dim;
+    const scalar_t *add = xr;
+    if (w_pre != NULL) {
+      norm_row(xr, w_pre, dim, eps, unit_offset, yr); /* y is scratch until the last norm */
+      add = yr;
+    }
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) storev16(sr + i, loadv16(rr + i) + loadv16(add + i));
+    for (; i < dim; i++) sr[i] = store1(load1(rr + i) + load1(add + i));
+    norm_row(sr, w, dim, eps, unit_offset, yr);
+  }
+  return 0;
+}

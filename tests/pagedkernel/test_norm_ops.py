@@ -1,0 +1,142 @@
+"""The fused norm ops (pagoda.pagedkernel.norm): the C kernels against the torch specification."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.pagedkernel.norm import add_rms_norm, cpu_norm, rms_norm, rotary, torch_norm
+from torch import Tensor
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Each row's sum of squares is added in another order than torch's: float32 results may differ in the last bits,
+# and a bfloat16 / float16 result may round the other way, one unit in the last place, on a few elements.
+ULP = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+MAX_FLIPPED = 0.01
+
+
+def assert_matches(got: Tensor, want: Tensor) -> None:
+    """got equals want up to last-place roundings (float32: a few ulps anywhere; else on few elements)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not got.isnan().any() and not want.isnan().any()
+    diff = (got.float() - want.float()).abs()
+    # Relative to each value, plus a few ulps of the largest (a sum near zero cancels its terms' roundings).
+    bound = 2 * ULP[got.dtype] * want.float().abs() + 4 * ULP[got.dtype] * float(want.float().abs().max())
+    assert bool((diff <= bound).all()), float((diff / bound).max())
+    if got.dtype != torch.float32:
+        assert float((got != want).float().mean()) <= MAX_FLIPPED
+
+
+@pytest.fixture(autouse=True)
+def _needs_compiler() -> None:
+    if not cpu_norm.available(torch.float32):
+        pytest.fail("the C norm kernels do not build here (a C compiler is required)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize(("rows", "dim"), [(1, 640), (3, 17), (37, 100), (5, 8)])
+def test_rms_norm_matches_the_torch_specification(
+    dtype: torch.dtype, unit_offset: bool, rows: int, dim: int
+) -> None:
+    """Every row length (16-lane bodies and tails), both weight forms, each storage dtype."""
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    w = torch.randn(dim, generator=gen).to(dtype)
+    want = torch_norm.rms_norm(x, w, 1e-6, unit_offset)
+    assert_matches(rms_norm(x, w, 1e-6, unit_offset=unit_offset, backend="cpu"), want)
+    # Leading dimensions and a transposed (non-contiguous) input take the same path.
+    x3 = x.view(rows, 1, dim).expand(rows, 2, dim)
+    assert_matches(
+        rms_norm(x3, w, 1e-6, unit_offset=unit_offset, backend="cpu"), want[:, None].expand(-1, 2, -1)
+    )
+    xt = x.t().contiguous().t()
+    assert_matches(rms_norm(xt, w, 1e-6, unit_offset=unit_offset, backend="cpu"), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("with_pre", [True, False])
+def test_add_rms_norm_matches(dtype: torch.dtype, unit_offset: bool, with_pre: bool) -> None:
+    """Llama's add-then-norm and Gemma's sandwich (norm the branch, add, norm); the sum is exact."""
+    gen = torch.Generator().manual_seed(7)
+    rows, dim = 19, 96
+    x, r = (torch.randn(rows, dim, generator=gen).to(dtype) for _ in range(2))
+    w, pre = (torch.randn(dim, generator=gen).to(dtype) for _ in range(2))
+    pre_weight = pre if with_pre else None
+    total, normed = add_rms_norm(x, r, w, 1e-5, unit_offset=unit_offset, pre_weight=pre_weight, backend="cpu")
+    want_total, want_normed = torch_norm.add_rms_norm(x, r, w, 1e-5, unit_offset, pre_weight)
+    if with_pre:
+        assert_matches(total, want_total)
+    else:
+        assert torch.equal(total, want_total)
+    assert_matches(normed, want_normed)
+    assert torch.equal(r, r.clone())  # the residual is read, never written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_bit_exact_on_strided_views(dtype: torch.dtype) -> None:
+    """q and k as views into one qkv row (strided), rotated exactly as torch does: no sum, no reordering."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 48
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    for x in (q, k):
+        got = rotary(x, cos, sin, backend="cpu")
+        assert got.is_contiguous()
+        assert torch.equal(got, torch_norm.rotary(x, cos, sin, None, 0.0, False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [True, False])
+def test_norm_then_rotary_matches(dtype: torch.dtype, unit_offset: bool) -> None:
+    """The q/k norm fused before the rotary equals the two torch ops in a row."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 3, 64, generator=gen).to(dtype)
+    w = torch.randn(64, generator=gen).to(dtype)
+    angles = torch.rand(9, 32, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    got = rotary(x, cos, sin, norm_weight=w, eps=1e-6, unit_offset=unit_offset, backend="cpu")
+    assert_matches(got, torch_norm.rotary(x, cos, sin, w, 1e-6, unit_offset))
+
+
+def test_nan_rows_stay_nan_and_others_are_untouched() -> None:
+    """A NaN in one row makes that row NaN (as torch), and no other."""
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    x[2, 5] = float("nan")
+    w = torch.randn(32, dtype=torch.bfloat16)
+    got = rms_norm(x, w, 1e-6, unit_offset=True, backend="cpu")
+    assert bool(got[2].isnan().all()) and not got[[0, 1, 3]].isnan().any()
+
+
+def test_auto_picks_the_kernel_and_falls_back_to_torch() -> None:
+    """`auto` runs the C kernel for CPU float tensors and torch for a dtype it lacks (float64)."""
+    x64 = torch.randn(2, 8, dtype=torch.float64)
+    w64 = torch.randn(8, dtype=torch.float64)
+    assert torch.equal(
+        rms_norm(x64, w64, 1e-6, unit_offset=False), torch_norm.rms_norm(x64, w64, 1e-6, False)
+    )
+    x = torch.randn(2, 8)
+    assert_matches(
+        rms_norm(x, torch.ones(8), 1e-6, unit_offset=False),
+        torch_norm.rms_norm(x, torch.ones(8), 1e-6, False),
+    )
+
+
+def test_bad_arguments_are_named() -> None:
+    """Shapes, backends and dtypes that cannot run raise ValueError naming what is wrong."""
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight must be \[8\]"):
+        rms_norm(x, torch.ones(7), 1e-6, unit_offset=False)
+    with pytest.raises(ValueError, match="unknown norm backend"):
+        rms_norm(x, torch.ones(8), 1e-6, unit_offset=False, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one dtype"):
+        rms_norm(x.double(), torch.ones(8), 1e-6, unit_offset=False, backend="cpu")
+    with pytest.raises(ValueError, match="even head_dim"):
+        rotary(torch.randn(2, 1, 7), torch.randn(2, 1, 3), torch.randn(2, 1, 3))
+    with pytest.raises(ValueError, match="cos and sin"):
+        rotary(torch.randn(2, 1, 8), torch.randn(2, 1, 3), torch.randn(2, 1, 4))
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(x, torch.randn(3, 8), torch.ones(8), 1e-6, unit_offset=False)
