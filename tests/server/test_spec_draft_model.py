@@ -157,6 +157,30 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(models: dict[str, P
     assert [list(d) for _, d in proposals] == want
 
 
+def test_no_drafts_past_the_drafts_context(models: dict[str, Path], tmp_path: Path) -> None:
+    """A draft of a shorter context (max_position_embeddings 20): drafts stop where they would pass it; the
+    output stays the plain engine's."""
+    draft = make_tiny_model("llama", tmp_path / "short", max_position_embeddings=20)
+    prompts = random_prompts((5, 9), seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = tokens(make_llm(models["llama"], None).generate(prompts, params, use_tqdm=False))
+    llm = make_llm(models["llama"], draft, k=3)
+    scheduler = llm.engine.scheduler
+    ends: list[int] = []
+    propose = scheduler.set_draft_token_ids
+
+    def record(seq_id: str, token_ids: Sequence[int]) -> None:
+        request = scheduler.get_request(seq_id)
+        if request is not None and token_ids:
+            ends.append(request.num_tokens + len(token_ids))
+        propose(seq_id, token_ids)
+
+    scheduler.set_draft_token_ids = record  # type: ignore[method-assign]
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert ends and max(ends) == 20  # drafted up to the draft's last position, never past it
+    assert_pools_back(llm)
+
+
 def test_chunked_prefill_and_prefix_caching(models: dict[str, Path]) -> None:
     """Small step budget (prompts chunked, drafts cut to the budget) and shared prefixes hitting the cache."""
     shared = random_prompts((16,), seed=4)[0]

@@ -94,4 +94,9 @@ def load_draft(
     runner.execute(probe, {})  # warm-up (kernel selection; compilation on CUDA)
     seconds = _best_seconds(lambda: runner.execute(probe, {}), parts.device, 3)
     kv = BlockManager(num_blocks, shape.block_size, enable_prefix_caching=False)
-    return LoadedDraft(DraftModel(runner, kv, parts.max_model_len, probabilities), seconds)
+    # Past the draft's own context, a sequence gets no drafts (the target may serve longer ones).
+    text_config = loaded.hf_config.get_text_config()
+    limit = min(
+        parts.max_model_len, int(getattr(text_config, "max_position_embeddings", parts.max_model_len))
+    )
+    return LoadedDraft(DraftModel(runner, kv, limit, probabilities), seconds)
