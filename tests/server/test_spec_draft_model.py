@@ -13,17 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import pytest
 import torch
-from pagoda.server.cli import main
+from pagoda.server.cli import build_parser, engine_config, main
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.spec import parse_speculative_config
+from pagoda.server.spec import SpeculativeConfig, parse_speculative_config
 from pagoda.server.spec.build import build_speculation
 from pagoda.server.spec.policy import DraftPolicy, StepCostModel
 from pagoda.server.spec.verify import rejection_sample
-from pagoda.server.testing import ARCHS, make_tiny_draft, make_tiny_model
+from pagoda.server.testing import ARCHS, LiveServer, make_tiny_draft, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 MAX_TOKENS = 14
@@ -479,3 +480,40 @@ def test_policy_prices_the_draft() -> None:
     cheap = DraftPolicy(costs, 5, draft_token_s=0.001).num_drafts(batch_size=1, acceptance=0.6)
     dear = DraftPolicy(costs, 5, draft_token_s=0.010).num_drafts(batch_size=1, acceptance=0.6)
     assert free == 5 and 0 < cheap <= free and dear == 0
+
+
+def test_flag_maps_onto_the_engine_config(models: dict[str, Path]) -> None:
+    """vLLM's keys of draft_model reach the engine config."""
+    value = {"method": "draft_model", "model": str(models["noisy"]), "num_speculative_tokens": 3}
+    args = build_parser().parse_args(["serve", "m", "--speculative-config", json.dumps(value)])
+    want = SpeculativeConfig("draft_model", 3, model=str(models["noisy"]))
+    assert engine_config(args).speculative_config == want
+
+
+def test_server_serves_with_a_draft_model(models: dict[str, Path]) -> None:
+    """`pagoda serve --speculative-config` with a draft model starts (its vocabulary checked) and answers as the
+    plain engine does."""
+    prompt = random_prompts((8,), seed=50)[0]
+    want = make_llm(models["llama"], None).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
+    config = json.dumps({"method": "draft_model", "model": str(models["noisy"]), "num_speculative_tokens": 3})
+    flags = [
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "96",
+        "--speculative-config",
+        config,
+    ]
+    with LiveServer(models["llama"], flags, served_model_name="m") as server:
+        body = {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want
