@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.scheduler import Request, Scheduler
 from pagoda.server.spec.draft_model import DraftModel
-from pagoda.server.spec.ngram import NgramProposer
+from pagoda.server.spec.proposer import Proposer
 from pagoda.server.spec.request import DraftBudget, SpeculativeRequest
 
 if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
@@ -19,13 +19,17 @@ if TYPE_CHECKING:  # the engine imports this package: no import of the engine at
     from pagoda.server.outputs import RequestOutput
 
 
+def _no_proposer() -> Proposer:
+    """Never called: a draft-model request's `propose` queues at the draft model, no per-sequence proposer."""
+    raise AssertionError("a draft-model request has no per-sequence proposer")
+
+
 class DraftModelRequest(SpeculativeRequest):
     """A plain request drafted by the engine's draft model (see the module docstring)."""
 
     def __init__(self, state: RequestState, drafter: DraftModel, budget: DraftBudget) -> None:
         """Wrap `state`; `drafter` drafts for all its samples."""
-        # The proposer factory is never called: `propose` below queues at the draft model instead.
-        super().__init__(state, lambda: NgramProposer(1, 1, 1), budget)
+        super().__init__(state, _no_proposer, budget)
         self.drafter = drafter
 
     def propose(self, scheduler: Scheduler, seq_id: str, request: Request, k: int) -> None:
