@@ -517,3 +517,19 @@ def test_server_serves_with_a_draft_model(models: dict[str, Path]) -> None:
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == want
+
+
+@pytest.mark.timeout(300)
+def test_tp2_target_with_an_unsplit_draft(tmp_path: Path) -> None:
+    """A TP=2 target drafted by a draft model on the driver (unsplit): TP=1's greedy tokens, exactly."""
+    model = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=4)
+    draft = make_tiny_draft(model, tmp_path / "noisy", noise=0.3)
+    prompts = random_prompts((5, 9, 17), seed=30)
+    expected = tokens(make_llm(model, None).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(model, draft, k=3, tensor_parallel_size=2)
+    try:
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert_drafts_both_ways(llm)
+        assert_pools_back(llm)
+    finally:
+        llm.engine.close()
