@@ -8,6 +8,10 @@ run by this tool yet.
 
     python tools/bench_spec.py                       # default model; heavy on a shared machine
     python tools/bench_spec.py --tiny --max-tokens 16 --concurrency 1 2   # a tiny random model (smoke)
+    python tools/bench_spec.py --model M --draft-model D   # also the draft_model method, D drafting for M
+
+The draft_model method runs when --draft-model is given (or named in --methods; with --tiny its draft is a
+one-layer tiny llama of the same vocabulary).
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from pagoda.server.sampling_params import SamplingParams
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "spec_text.md"
 CODE = ROOT.parent / "packages" / "scheduler" / "src" / "pagoda" / "scheduler" / "request.py"
-METHODS = {"none": None, "ngram": {"method": "ngram"}, "suffix": {"method": "suffix"}}
+METHODS = {
+    "none": None,
+    "ngram": {"method": "ngram"},
+    "suffix": {"method": "suffix"},
+    "draft_model": {"method": "draft_model"},  # its "model" is --draft-model
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +111,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: Gemma 3 270M)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random-weight llama (smoke runs)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=list(METHODS),
+        help="default: all, draft_model with --draft-model",
+    )
+    parser.add_argument(
+        "--draft-model", default=None, help="the draft_model method's draft (HF folder or .gguf)"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -123,6 +141,17 @@ def engine_args(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     return {"model": str(folder), "dtype": "float32", "num_kv_blocks": 2048, "block_size": 16}
 
 
+def draft_model_path(args: argparse.Namespace, scratch: Path) -> str:
+    """--draft-model, or with --tiny a one-layer tiny llama (the tiny target's vocabulary)."""
+    if args.draft_model is not None:
+        return str(args.draft_model)
+    if not args.tiny:
+        raise SystemExit("bench_spec.py: the draft_model method needs --draft-model PATH")
+    from pagoda.server.testing import make_tiny_model
+
+    return str(make_tiny_model("llama", scratch / "tiny-draft", num_hidden_layers=1))
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     """Run every method on every workload and concurrency; print a table."""
     args = build_arg_parser().parse_args(argv)
@@ -133,10 +162,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     with tempfile.TemporaryDirectory() as scratch:
         shared = engine_args(args, Path(scratch))
         shared["max_model_len"] = args.max_prompt_tokens + args.max_tokens + 8
-        for method in args.methods:
+        methods = args.methods or [m for m in METHODS if m != "draft_model" or args.draft_model is not None]
+        for method in methods:
             spec = METHODS[method]
             if spec is not None:
                 spec = {**spec, "num_speculative_tokens": args.num_speculative_tokens}
+            if method == "draft_model":
+                spec = {**(spec or {}), "model": draft_model_path(args, Path(scratch))}
             llm = LLM(**shared, speculative_config=spec)
             prompts = workloads(llm.tokenizer, args.max_prompt_tokens, args.seed)
             for name, prompt in prompts.items():

@@ -26,7 +26,8 @@ def test_flag_maps_onto_the_engine_config() -> None:
     [
         ("{not json", "not valid JSON"),
         ('{"method": "medusa2"}', "'method'"),
-        ('{"method": "draft_model"}', "not available yet"),
+        ('{"method": "draft_model"}', "'model'"),
+        ('{"method": "eagle"}', "not available yet"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "'num_speculative_tokens'"),
         ('{"method": "ngram", "num_speculative_tokens": "4"}', "'num_speculative_tokens'"),
         ('{"method": "ngram", "prompt_lookup_min": 0}', "'prompt_lookup_min'"),

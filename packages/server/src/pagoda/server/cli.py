@@ -44,6 +44,24 @@ def _check_quantization(config: ServeConfig) -> None:
         check_folder_quantizable(model.model, model.quantization, model.quantization_group_size)
 
 
+def _check_draft_model(config: ServeConfig) -> None:
+    """ValueError (exit 2) naming the key 'model' for a draft model of another vocabulary than the target's,
+    found from configs and tokenizers before any weight loads."""
+    spec = config.engine.speculative_config
+    if spec is None or spec.model is None:
+        return
+    from pathlib import Path
+
+    from pagoda.server.spec.draft_check import check_draft_vocabulary
+
+    model = config.engine.model_config
+    cache_dir = None if model.cache_dir is None else Path(model.cache_dir)
+    try:
+        check_draft_vocabulary(model.model, spec.model, tokenizer=model.tokenizer, cache_dir=cache_dir)
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config: {exc}") from None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     bound_onednn_caches()
@@ -56,6 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = serve_config(args)
         _check_quantization(config)
+        _check_draft_model(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start
         check_kv_cache_dtype(config.engine)
         if config.app.chat_template is not None:  # a file path or the template's text, read once here

@@ -572,7 +572,8 @@ def argument_table() -> list[Flag]:
                 "type": _speculative_config,
                 "metavar": "JSON",
                 "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                '"prompt_lookup_max": 5, "prompt_lookup_min": 2}; None: off',
+                '"prompt_lookup_max": 5, "prompt_lookup_min": 2}, or {"method": "draft_model", "model": PATH, '
+                '"num_speculative_tokens": 4}; None: off',
             },
         ),
     ]

@@ -27,6 +27,7 @@ from pagoda.scheduler import (
 from pagoda.server.config import EngineConfig, resolved_scheduler_config
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.counters import TokenCounters
+from pagoda.server.engine.draft_setup import load_draft
 from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.executor import Executor, UniProcExecutor, build_executor
 from pagoda.server.engine.model_runner import ModelRunner
@@ -114,7 +115,15 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
         self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
-        self.speculate = speculation_for(config, self.scheduler, self.executor)  # None: no drafts
+        # method draft_model: the draft model, its own runner and paged KV (None otherwise).
+        self.draft = (
+            load_draft(config, parts, scheduler_config.max_num_seqs, self.step_sampler.sampler.probabilities)
+            if self.scheduler.supports_drafts
+            else None
+        )
+        self.speculate = speculation_for(config, self.scheduler, self.executor, self.draft)  # None: no drafts
+        if self.draft is not None:  # sampled drafts are verified against the draft's q
+            self.step_sampler.draft_probs = self.draft.drafter.draft_probs
         self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
         self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
         # Final snapshots of aborted requests, returned by the next step.
@@ -312,6 +321,8 @@ class LLMEngine:
             elif owner.seq_ids != seq_ids:  # its held sequences were rewritten (forked, pruned)
                 self._forget(owner, seq_ids)
                 self._own(owner)
+        if self.draft is not None:  # the queued sequences' drafts, in one batch
+            self.draft.drafter.draft(self.scheduler)
         return outputs
 
     def _own(self, owner: EngineRequest) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pagoda.scheduler import Scheduler
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.counters import TokenCounters
+from pagoda.server.engine.draft_setup import LoadedDraft
 from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.executor.base import Executor
 from pagoda.server.engine.preemption_costs import _best_seconds, _probe_step
@@ -35,10 +36,11 @@ def measure_step_costs(executor: Executor, max_num_batched_tokens: int, max_mode
 
 
 def speculation_for(
-    config: EngineConfig, scheduler: Scheduler, executor: Executor
+    config: EngineConfig, scheduler: Scheduler, executor: Executor, draft: LoadedDraft | None = None
 ) -> Callable[[RequestState], EngineRequest] | None:
     """What makes a plain request speculative, with the back-off policy measured on `executor` now; None (no
-    `speculative_config`, or an allocator without `trim`: the contiguous KV manager)."""
+    `speculative_config`, or an allocator without `trim`: the contiguous KV manager). `draft`: the draft model
+    of method draft_model, whose measured step time the policy adds per draft."""
     spec = config.speculative_config
     if spec is None:
         return None
@@ -55,7 +57,11 @@ def speculation_for(
         costs.one_token_s * 1e3,
         costs.per_token_s * 1e3,
     )
-    return build_speculation(spec, DraftPolicy(costs, spec.num_speculative_tokens))
+    if draft is None:
+        return build_speculation(spec, DraftPolicy(costs, spec.num_speculative_tokens))
+    logger.info("speculative decoding: a draft model step costs %.3g ms", draft.token_seconds * 1e3)
+    policy = DraftPolicy(costs, spec.num_speculative_tokens, draft_token_s=draft.token_seconds)
+    return build_speculation(spec, policy, draft.drafter)
 
 
 class AcceptanceLog:

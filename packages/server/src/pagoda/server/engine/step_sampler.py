@@ -8,7 +8,7 @@ chunk with draft tokens has one row per drafted position, and its sequence gets 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -18,8 +18,12 @@ from pagoda.server.engine.engine_request import DrawSpec, EngineRequest
 from pagoda.server.engine.sample_failures import SampleFailures
 from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling.logits_processors import apply_logits_processors
-from pagoda.server.spec.verify import DraftGroup, draft_row_specs, num_accepted
+from pagoda.server.sampling.logprobs import compute_logprobs
+from pagoda.server.spec.verify import DraftGroup, draft_row_specs, num_accepted, rejection_sample
 from pagoda.server.structured import FilledBitmask, GrammarBitmask
+
+# A sequence's scheduled drafts -> the draft model's q at each (float32 [k, vocab]); None: point masses.
+DraftProbs = Callable[[str, Sequence[int]], torch.Tensor | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,7 @@ class StepSampler:
     def __init__(self, sampler: Sampler, grammar_bitmask: GrammarBitmask) -> None:
         self.sampler = sampler
         self.grammar_bitmask = grammar_bitmask
+        self.draft_probs: DraftProbs | None = None  # set by the engine under the draft_model method
 
     def plan(self, scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> StepRows:
         """Each row's owner and draw spec; the grammar masks depend only on tokens accepted so far: start them."""
@@ -76,7 +81,8 @@ class StepSampler:
                     continue
                 if spec is None:
                     raise ValueError(f"sequence {seq_id!r} has drafts but takes log-probability rows")
-                groups.append(DraftGroup(len(seq_ids), seq_id, drafts))
+                probs = None if self.draft_probs is None else self.draft_probs(seq_id, drafts)
+                groups.append(DraftGroup(len(seq_ids), seq_id, drafts, probs))
                 seq_ids += [seq_id] * (len(drafts) + 1)
                 specs += draft_row_specs(spec, drafts)
         row_owners = tuple(owners[seq_id] for seq_id in seq_ids)
@@ -113,6 +119,8 @@ class StepSampler:
             zip(seq_ids, out.token_ids, out.logprobs, strict=True)
         )
         verified: list[tuple[int, int]] = []
+        if any(group.probs is not None for group in rows.drafts):
+            self._rejection_sample(rows, drawn_rows, processed, logits, specs, entries, out.failed)
         if rows.drafts:
             entries, verified = self._accepted_runs(rows, drawn_rows, entries, failures)
         drawn = tuple(
@@ -121,6 +129,40 @@ class StepSampler:
             if entry is not None and owner.request_id not in failures
         )
         return SampledStep(drawn, held, failures, tuple(verified))
+
+    def _rejection_sample(
+        self,
+        rows: StepRows,
+        drawn_rows: list[int],
+        processed: torch.Tensor,  # [num_drawn_rows, vocab]: what the sampler drew from
+        raw: torch.Tensor,  # [num_drawn_rows, vocab]: the raw logits (logprobs are of these)
+        specs: list[DrawSpec],
+        entries: list[tuple[str, int, TokenLogprobs | None] | None],
+        failed: Mapping[int, object],
+    ) -> None:
+        """Replace each draft-model chunk's drawn tokens by the rejection-sampled run (in `entries`), with the
+        logprobs of the tokens that changed."""
+        local = {row: i for i, row in enumerate(drawn_rows)}
+        for group in rows.drafts:
+            first, k = local[group.first_row], len(group.drafts)
+            span = range(first, first + k + 1)
+            if group.probs is None or any(i in failed for i in span):
+                continue
+            row_specs = [specs[i].row for i in span]
+            p = self.sampler.probabilities(processed[first : first + k + 1], row_specs)
+            drawn = [entry[1] if entry is not None else 0 for entry in entries[first : first + k + 1]]
+            keys = [row.rng_key() for row in row_specs]
+            chosen = rejection_sample(p, group.probs.to(p.device), group.drafts, keys, drawn)
+            changed = [j for j in range(k + 1) if chosen[j] != drawn[j]]
+            if not changed:
+                continue
+            index = torch.tensor([first + j for j in changed], dtype=torch.int64, device=raw.device)
+            tokens = torch.tensor([chosen[j] for j in changed], dtype=torch.int64, device=raw.device)
+            logprobs = compute_logprobs(
+                raw.index_select(0, index), tokens, [row_specs[j].params.logprobs for j in changed]
+            )
+            for j, logprob in zip(changed, logprobs, strict=True):
+                entries[first + j] = (group.seq_id, chosen[j], logprob)
 
     @staticmethod
     def _accepted_runs(

@@ -61,3 +61,26 @@ class Sampler:
         raw = logits if raw_logits is None else raw_logits
         logprobs = compute_logprobs(raw, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, failed=out.failed_rows())
+
+    def probabilities(
+        self,
+        logits: Tensor,  # [num_rows, vocab]: the rows as __call__ would get them
+        rows: Sequence[SamplingRow],
+    ) -> Tensor:  # float32 [num_rows, vocab]
+        """The distribution each row's token is drawn from (history edits, temperature, min_p, top_k, top_p):
+        softmax of the scaled logits over the kept tokens; a one-hot argmax for greedy rows. Verification of a
+        draft model's drafts needs it (rejection sampling against the draft's q)."""
+        processed = apply_history(logits, rows)
+        params = [row.params for row in rows]
+        tensors = SamplingTensors.build(
+            temperature=[p.temperature for p in params],
+            keys=[row.rng_key() for row in rows],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            device=logits.device,
+        )
+        kept = self.op.kept_mask(processed, tensors)
+        inverse = tensors.inverse_temperature()
+        scaled = processed.float() * torch.where(inverse == 0, 1.0, inverse).unsqueeze(1)
+        return torch.softmax(torch.where(kept, scaled, float("-inf")), dim=-1)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from pagoda.scheduler import Scheduler
 from pagoda.server.spec.config import SpeculativeConfig
+from pagoda.server.spec.draft_model import DraftModel
+from pagoda.server.spec.draft_request import DraftModelRequest
 from pagoda.server.spec.ngram import NgramProposer
 from pagoda.server.spec.policy import DraftPolicy
 from pagoda.server.spec.proposer import Proposer
@@ -19,10 +21,11 @@ if TYPE_CHECKING:  # the engine imports this package: no import of the engine at
 
 
 def build_speculation(
-    config: SpeculativeConfig, policy: DraftPolicy | None = None
+    config: SpeculativeConfig, policy: DraftPolicy | None = None, drafter: DraftModel | None = None
 ) -> Callable[[RequestState], EngineRequest]:
     """What makes a plain request speculative under `config` (each request gets its own proposer); `policy`
-    backs off by batch size and acceptance (None: always `num_speculative_tokens` drafts)."""
+    backs off by batch size and acceptance (None: always `num_speculative_tokens` drafts); `drafter` is the
+    engine's draft model (method draft_model: required)."""
     k = config.num_speculative_tokens
 
     def budget(scheduler: Scheduler, acceptance: float) -> int:
@@ -37,6 +40,16 @@ def build_speculation(
         if index is not None:
             return SuffixProposer(index, k)
         return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    if config.method == "draft_model":
+        if drafter is None:
+            raise ValueError("method 'draft_model' drafts with the engine's draft model: none was given")
+        model = drafter
+
+        def draft(state: RequestState) -> EngineRequest:
+            return DraftModelRequest(state, model, budget)
+
+        return draft
 
     def speculate(state: RequestState) -> EngineRequest:
         return SpeculativeRequest(state, proposer, budget)

@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 # ngram: prompt lookup over the request's own prompt and output; suffix: suffix decoding over it and the recent
-# sequences of other requests (both model-free drafts).
-SpeculativeMethod = Literal["ngram", "suffix"]
+# sequences of other requests (both model-free drafts); draft_model: a smaller model of the same vocabulary.
+SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
 _DEFAULT_LOOKUP_MIN, _DEFAULT_LOOKUP_MAX = 2, 5
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "draft_tensor_parallel_size",
+)
 # Methods vLLM has that this engine does not run yet: named in the error, so the message says which exist.
-_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +33,8 @@ class SpeculativeConfig:
     # ngram: the longest and shortest suffix of the sequence looked up in its earlier tokens (longest first).
     prompt_lookup_max: int = _DEFAULT_LOOKUP_MAX
     prompt_lookup_min: int = _DEFAULT_LOOKUP_MIN
-    model: str | None = None  # draft_model only (not available yet)
+    model: str | None = None  # draft_model only: the draft's HF folder or .gguf file (same vocabulary)
+    draft_tensor_parallel_size: int = 1  # draft_model only: the draft runs unsplit on the driver (1 only)
 
     def __post_init__(self) -> None:
         """ValueError naming the key."""
@@ -44,10 +53,33 @@ class SpeculativeConfig:
                 "speculative_config key 'prompt_lookup_min' must be <= 'prompt_lookup_max', got "
                 f"{self.prompt_lookup_min} > {self.prompt_lookup_max}"
             )
-        if self.model is not None:
+        if self.method == "draft_model":
+            _check_draft_path(self.model)
+        elif self.model is not None:
             raise ValueError(
                 f"speculative_config key 'model' is for method 'draft_model', not {self.method!r}"
             )
+        tp = self.draft_tensor_parallel_size
+        if isinstance(tp, bool) or tp != 1:
+            raise ValueError(
+                f"speculative_config key 'draft_tensor_parallel_size' must be 1 (the draft runs unsplit), got {tp!r}"
+            )
+
+
+def _check_draft_path(model: object) -> None:
+    """ValueError naming 'model' unless it is a model folder (config.json) or a .gguf file (the loader's rule)."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(
+            "speculative_config key 'model' (the draft model's path) is required for 'draft_model'"
+        )
+    path = Path(model).expanduser()
+    if not (path.is_dir() and (path / "config.json").is_file()) and not (
+        path.is_file() and path.suffix == ".gguf"
+    ):
+        raise ValueError(
+            f"speculative_config key 'model': {model!r} is neither a model folder (config.json + safetensors) "
+            "nor a .gguf file"
+        )
 
 
 def parse_speculative_config(value: str | Mapping[str, object] | SpeculativeConfig) -> SpeculativeConfig:

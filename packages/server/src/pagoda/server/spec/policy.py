@@ -4,7 +4,7 @@ A drafted position costs what one more token in the step's forward pass costs. W
 reading the weights, a few more tokens are nearly free; in a large batch every extra token makes the whole
 step slower. `StepCostModel` is that curve, measured on the engine's own model when it starts
 (`pagoda.server.engine.speculation.measure_step_costs`), and `DraftPolicy` picks, per sequence, the number of
-drafts that maximises the batch's expected tokens per second given the sequence's acceptance so far.
+drafts that maximises the batch's expected tokens per second given the sequence's acceptance so far. A draft model adds its own time: k drafts cost k of its one-token steps.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class DraftPolicy:
 
     costs: StepCostModel
     max_drafts: int
+    # A draft model's forward time per drafted token (its one-token decode step, measured at start-up): k
+    # drafts cost k of them before the target's step; 0 for the model-free methods.
+    draft_token_s: float = 0.0
 
     def num_drafts(self, batch_size: int, acceptance: float) -> int:
         """The k in 0..max_drafts maximising the batch's tokens per second, the other `batch_size - 1`
@@ -43,7 +46,8 @@ class DraftPolicy:
         others = max(batch_size, 1) - 1
         best_k, best_rate = 0, (others + 1) / self.costs.step_seconds(others + 1)
         for k in range(1, self.max_drafts + 1):
-            rate = (others + expected_tokens(acceptance, k)) / self.costs.step_seconds(others + 1 + k)
+            seconds = self.costs.step_seconds(others + 1 + k) + k * self.draft_token_s
+            rate = (others + expected_tokens(acceptance, k)) / seconds
             if rate > best_rate * 1.0001:  # ties keep fewer drafts
                 best_k, best_rate = k, rate
         return best_k

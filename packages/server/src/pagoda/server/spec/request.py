@@ -113,13 +113,21 @@ class SpeculativeRequest:
             request = scheduler.get_request(seq_id)
             if request is None or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # finished, or mid-prefill (a prompt chunk, or a recompute after preemption)
-            proposer = self.proposers.get(seq_id)
-            if proposer is None:
-                proposer = self.proposers[seq_id] = self.make_proposer()
-            drafts = proposer.propose(request.all_token_ids, k) if k else ()
-            scheduler.set_draft_token_ids(seq_id, drafts)
-            self._proposed[seq_id] = len(drafts)
+            self.propose(scheduler, seq_id, request, k)
         return changed
+
+    def propose(self, scheduler: Scheduler, seq_id: str, request: Request, k: int) -> None:
+        """Give running sample `seq_id` up to `k` drafts (its proposer's), for the scheduler's next step."""
+        proposer = self.proposers.get(seq_id)
+        if proposer is None:
+            proposer = self.proposers[seq_id] = self.make_proposer()
+        drafts = proposer.propose(request.all_token_ids, k) if k else ()
+        scheduler.set_draft_token_ids(seq_id, drafts)
+        self.note_proposed(seq_id, len(drafts))
+
+    def note_proposed(self, seq_id: str, num_drafts: int) -> None:
+        """Record how many drafts `seq_id` got for its next step (its acceptance is measured against them)."""
+        self._proposed[seq_id] = num_drafts
 
     def snapshot(self) -> RequestOutput:
         """Its cumulative output now."""

@@ -10,6 +10,12 @@ the draft d is kept with probability p(d), and otherwise the drawn token is dist
 removed and renormalised, so every output token has exactly the target's distribution; and since the draw of
 a position depends only on its row and key, a seeded request's tokens are the same whatever the batch and
 whatever was drafted.
+
+A draft model's drafts are not point masses: a sampled row's draft d was drawn from the draft's distribution
+q, and `rejection_sample` keeps it with probability min(1, p(d) / q(d)), else draws the position's token from
+the normalised residual max(0, p - q) (Leviathan et al.'s rule; the output is again exactly p). Its uniforms
+come from the row's own key, salted, so a seeded request stays deterministic. Greedy rows (q unused) keep
+"accept while the draft is the argmax".
 """
 
 from __future__ import annotations
@@ -19,8 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+from pagoda.pagedkernel.sampling.rng import mix64_int, uniforms
+from torch import Tensor
+
 if TYPE_CHECKING:  # the engine imports this module: no import of the engine at run time
     from pagoda.server.engine.engine_request import DrawSpec
+
+# Salts a row's key into the keys of its acceptance test and of its residual draw.
+_ACCEPT_SALT, _RESIDUAL_SALT = 0x2545F4914F6CDD1D, 0x7F4A7C159E3779B9
 
 
 def draft_row_specs(spec: DrawSpec, drafts: Sequence[int]) -> list[DrawSpec]:
@@ -57,3 +70,39 @@ class DraftGroup:
     first_row: int
     seq_id: str
     drafts: tuple[int, ...]
+    probs: Tensor | None = None  # float32 [len(drafts), vocab]: the draft model's q (None: point masses)
+
+
+def _uniforms(key: int, salt: int, vocab: int, device: torch.device) -> Tensor:  # float32 [vocab]
+    """The counter-based uniforms of a salted row key (the sampling op's generator)."""
+    mixed = mix64_int(key ^ salt)
+    signed = mixed - (1 << 64) if mixed >= 1 << 63 else mixed  # the int64 of the same bits
+    return uniforms(torch.tensor([signed], dtype=torch.int64, device=device), vocab)[0]
+
+
+def rejection_sample(
+    p: Tensor,  # float32 [k + 1, vocab]: the target's distribution at each row (after every sampling param)
+    q: Tensor,  # float32 [k, vocab]: the draft's distribution at each drafted position
+    drafts: Sequence[int],
+    keys: Sequence[int],  # the k + 1 rows' RNG keys
+    drawn: Sequence[
+        int
+    ],  # the k + 1 tokens the sampler drew from p (the last one follows an all-accepted run)
+) -> list[int]:
+    """The rows' tokens: each draft while accepted (probability min(1, p/q)), then one draw from the normalised
+    residual max(0, p - q) at the first rejected position, or the sampler's own draw after the last draft."""
+    tokens = list(drawn)
+    vocab = p.shape[1]
+    for j, draft in enumerate(drafts):
+        u = float(_uniforms(keys[j], _ACCEPT_SALT, 1, p.device)[0])
+        if u * float(q[j, draft]) <= float(p[j, draft]):
+            tokens[j] = draft
+            continue
+        residual = (p[j] - q[j]).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: a rejection is then (nearly) impossible
+            residual = p[j]
+        gumbel = -torch.log(-torch.log(_uniforms(keys[j], _RESIDUAL_SALT, vocab, p.device)))
+        scores = torch.where(residual > 0, torch.log(residual) + gumbel, float("-inf"))
+        tokens[j] = int(scores.argmax())
+        break
+    return tokens

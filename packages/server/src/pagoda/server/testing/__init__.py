@@ -7,11 +7,13 @@ transformers `tiny_config` and `make_tiny_hf_model`) and the tiny tokenizer they
 server's output, when it exits first or times out), and `free_port`. `dense_copy`: a float32 copy of a converted
 model folder whose weights stay in GGUF block formats, for transformers to load as the reference. `tiny_lora`
 (needs `peft`): tiny random PEFT adapters (`make_tiny_lora`) and their transformers + PEFT reference.
+`tiny_draft`: `make_tiny_draft`, a tiny model's copy with a noisy LM head, as its speculative draft model.
 """
 
 from pagoda.server.testing.dense_copy import dense_copy
 from pagoda.server.testing.paged_kv import PagedKV, Step
 from pagoda.server.testing.serve import LiveServer, ServerStartError, free_port, serve_command
+from pagoda.server.testing.tiny_draft import make_tiny_draft
 from pagoda.server.testing.tiny_models import (
     ARCHS,
     BOS,
@@ -42,6 +44,7 @@ __all__ = [
     "Step",
     "dense_copy",
     "free_port",
+    "make_tiny_draft",
     "make_tiny_hf_model",
     "make_tiny_model",
     "make_tiny_tokenizer",
