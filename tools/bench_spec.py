@@ -3,12 +3,17 @@
 Two workloads where drafts help (an English text shipped in tools/data, given and then asked to be repeated;
 a source file of this repository with a small rename asked for) and one where they cannot (random token ids),
 each at one stream and at several concurrent requests (default 1, 4 and 32), greedy or at --temperature, on
-the offline engine. Every method is a separate engine in the same run. The llama.cpp peer of the issue is not
-run by this tool yet.
+the offline engine. Every method is a separate engine in the same run. `--peer LABEL=COMMAND` also runs a peer
+server on the same prompts (as token ids, `{port}` a free port), one after the other in the same run: llama.cpp's
+`llama-server` plain and with its n-gram lookup (`--spec-type ngram-simple`); its TPOT and acceptance come from
+the `timings` llama-server returns with each completion.
 
     python tools/bench_spec.py                       # default model; heavy on a shared machine
     python tools/bench_spec.py --tiny --max-tokens 16 --concurrency 1 2   # a tiny random model (smoke)
     python tools/bench_spec.py --model M --draft-model D   # also the draft_model method, D drafting for M
+    python tools/bench_spec.py --model $GGUF --peer "llama.cpp=$BIN/llama-server -m $GGUF -t 2 -np 32 -c 32768 \
+        --port {port}" "llama.cpp-ngram=$BIN/llama-server -m $GGUF -t 2 -np 32 -c 32768 --port {port} \
+        --spec-type ngram-simple --spec-draft-n-max 4"
 
 The draft_model method runs when --draft-model is given (or named in --methods; with --tiny its draft is a
 one-layer tiny llama of the same vocabulary).
@@ -17,6 +22,7 @@ one-layer tiny llama of the same vocabulary).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -27,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from bench_serving import peer_launched
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
 
@@ -52,7 +60,8 @@ class Result:
     seconds: float
     tok_per_s: float
     tpot_ms: float  # mean time per output token after the first, per request
-    acceptance_length: float | None  # 1 + accepted drafts per drafted step (None: no drafts)
+    acceptance_length: float | None  # 1 + accepted drafts per drafted step (None: no drafts, or a peer)
+    acceptance_rate: float | None = None  # accepted / drafted tokens (None: no drafts)
 
 
 def workloads(tokenizer: Any, max_prompt_tokens: int, seed: int) -> dict[str, list[int]]:
@@ -80,7 +89,11 @@ def run(
 ) -> Result:
     """Generate `concurrency` copies of `prompt` at once; throughput, TPOT and acceptance of that run."""
     counters = llm.engine.counters
-    before = (counters.spec_decode_num_drafts, counters.spec_decode_num_accepted_tokens)
+    before = (
+        counters.spec_decode_num_drafts,
+        counters.spec_decode_num_accepted_tokens,
+        counters.spec_decode_num_draft_tokens,
+    )
     # A distinct first token per copy keeps the copies from sharing prefix-cache blocks with each other.
     prompts = [[3 + i % 50, *prompt] for i in range(concurrency)]
     start = time.perf_counter()
@@ -94,6 +107,7 @@ def run(
             tpots.append((m.last_token_time - m.first_token_time) / (n - 1))
     drafts = counters.spec_decode_num_drafts - before[0]
     accepted = counters.spec_decode_num_accepted_tokens - before[1]
+    drafted = counters.spec_decode_num_draft_tokens - before[2]
     return Result(
         method,
         name,
@@ -103,6 +117,66 @@ def run(
         num_tokens / seconds,
         1e3 * statistics.fmean(tpots) if tpots else 0.0,
         1 + accepted / drafts if drafts else None,
+        accepted / drafted if drafted else None,
+    )
+
+
+async def _peer_request(
+    client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
+) -> tuple[int, float | None, float | None]:
+    """One completion from a peer: (output tokens, TPOT in ms, draft acceptance) from its usage and timings."""
+    response = await client.post(f"{base_url}/v1/completions", json=body)
+    response.raise_for_status()
+    data = response.json()
+    timings = data.get("timings") or {}
+    drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
+    rate = accepted / drafted if drafted else None
+    return int(data["usage"]["completion_tokens"]), timings.get("predicted_per_token_ms"), rate
+
+
+def run_peer(
+    label: str,
+    base_url: str,
+    model: str,
+    name: str,
+    prompt: list[int],
+    concurrency: int,
+    args: argparse.Namespace,
+) -> Result:
+    """`concurrency` copies of `prompt` sent at once to a peer's /v1/completions (token ids, EOS ignored)."""
+
+    async def all_copies() -> list[tuple[int, float | None, float | None]]:
+        async with httpx.AsyncClient(timeout=args.peer_timeout) as client:
+            bodies = [
+                {
+                    "model": model,
+                    "prompt": [3 + i % 50, *prompt],  # as for Pagoda: copies share no prefix blocks
+                    "max_tokens": args.max_tokens,
+                    "temperature": args.temperature,
+                    "ignore_eos": True,
+                    "seed": args.seed + i,
+                }
+                for i in range(concurrency)
+            ]
+            return await asyncio.gather(*(_peer_request(client, base_url, body) for body in bodies))
+
+    start = time.perf_counter()
+    replies = asyncio.run(all_copies())
+    seconds = time.perf_counter() - start
+    num_tokens = sum(r[0] for r in replies)
+    tpots = [r[1] for r in replies if r[1] is not None]
+    rates = [r[2] for r in replies if r[2] is not None]
+    # llama.cpp reports drafted and accepted tokens, not drafting steps: a rate, no acceptance length.
+    return Result(
+        label,
+        name,
+        concurrency,
+        num_tokens,
+        seconds,
+        num_tokens / seconds,
+        statistics.fmean(tpots) if tpots else 0.0,
+        None,
+        statistics.fmean(rates) if rates else None,
     )
 
 
@@ -128,6 +202,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--peer",
+        nargs="+",
+        default=[],
+        metavar="LABEL=COMMAND",
+        help="a peer server to run on the same prompts ({port}: a free port), e.g. llama.cpp's llama-server",
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, default=1800.0, help="per-request timeout of a peer (s)"
+    )
     return parser
 
 
@@ -175,15 +259,37 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 for concurrency in args.concurrency:
                     results.append(run(llm, method, name, prompt, concurrency, params))
             llm.engine.close()
-    print(f"{'method':8} {'workload':10} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept len':>10}")
-    for r in results:
-        accept = "-" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
-        print(
-            f"{r.method:8} {r.workload:10} {r.concurrency:4} {r.tok_per_s:9.1f} {r.tpot_ms:8.2f} {accept:>10}"
-        )
+        for spec in args.peer:
+            label, command = spec.split("=", 1)
+            with peer_launched(command) as target:
+                for name, prompt in prompts.items():
+                    for concurrency in args.concurrency:
+                        results.append(
+                            run_peer(label, target.base_url, target.model, name, prompt, concurrency, args)
+                        )
+    print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return results
+
+
+def table(results: list[Result]) -> str:
+    """One row per run, with its tok/s against the first method's (the baseline) on the same cell."""
+    base = {(r.workload, r.concurrency): r.tok_per_s for r in results if r.method == results[0].method}
+    width = max(8, *(len(r.method) for r in results)) if results else 8
+    head = f"{'method':{width}} {'workload':10} {'conc':>4} {'tok/s':>9} {'vs base':>7} {'TPOT ms':>8}"
+    lines = [f"{head} {'acc len':>7} {'acc rate':>8}"]
+    for r in results:
+        length = "-" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
+        rate = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}"
+        ratio = (
+            r.tok_per_s / base[(r.workload, r.concurrency)] if base.get((r.workload, r.concurrency)) else 0.0
+        )
+        lines.append(
+            f"{r.method:{width}} {r.workload:10} {r.concurrency:4} {r.tok_per_s:9.1f} {ratio:6.2f}x"
+            f" {r.tpot_ms:8.2f} {length:>7} {rate:>8}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

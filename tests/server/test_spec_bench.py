@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tool_scripts import load_tool
@@ -33,3 +36,23 @@ def test_draft_model_method(tmp_path: Path) -> None:
     results = bench.main([*argv, "--methods", "none", "draft_model", "--num-speculative-tokens", "2"])
     assert {(r.method, r.concurrency) for r in results} == {("none", 1), ("draft_model", 1)}
     assert all(r.output_tokens == 6 and r.tok_per_s > 0 for r in results)
+
+
+def test_a_peer_server_runs_the_same_prompts(tiny_model_path: Callable[[str], Path]) -> None:
+    """--peer LABEL=COMMAND starts a server (here `pagoda serve` on the same tiny model, standing in for
+    llama-server) and sends it every workload's prompt at every concurrency, as token ids; its rows sit beside
+    the engine's with their tok/s ratio to the first method."""
+    model = str(tiny_model_path("llama"))
+    peer = (
+        f"{shlex.quote(sys.executable)} -m pagoda.server.cli serve {model} --port {{port}} --dtype float32"
+        " --kv-cache-gib 0.02 --max-model-len 128"
+    )
+    argv = ["--model", model, "--methods", "none", "--max-tokens", "5", "--max-prompt-tokens", "30"]
+    results = bench.main([*argv, "--concurrency", "1", "3", "--peer", f"peer={peer}"])
+    peer_rows = [r for r in results if r.method == "peer"]
+    assert {(r.workload, r.concurrency) for r in peer_rows} == {
+        (w, c) for w in ("repeat", "code_edit", "random") for c in (1, 3)
+    }
+    assert all(r.output_tokens == 5 * r.concurrency and r.tok_per_s > 0 for r in peer_rows)
+    assert all(r.acceptance_length is None and r.acceptance_rate is None for r in peer_rows)
+    assert "vs base" in bench.table(results) and "peer" in bench.table(results)

@@ -11,7 +11,10 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def load_tool(filename: str) -> ModuleType:
-    """tools/`filename` as a module, registered in sys.modules so that its dataclasses resolve."""
+    """tools/`filename` as a module, registered in sys.modules so that its dataclasses resolve; tools/ joins
+    sys.path, as it does when a tool runs as a script, so that tools importing each other by name load."""
+    if str(TOOLS) not in sys.path:
+        sys.path.append(str(TOOLS))
     spec = importlib.util.spec_from_file_location(f"pagoda_tool_{Path(filename).stem}", TOOLS / filename)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
