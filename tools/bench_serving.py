@@ -788,7 +788,11 @@ def peer_launched(command: str, timeout: float = 900.0) -> Iterator[Target]:
             time.sleep(0.5)
             model = _first_model(base_url)
         body = {"model": model, "prompt": "warm up the server", "max_tokens": 8}
-        httpx.post(f"{base_url}/v1/completions", json=body, timeout=600).raise_for_status()
+        warm = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
+        while warm.status_code == 503 and time.monotonic() < deadline:  # llama-server: "Loading model"
+            time.sleep(0.5)
+            warm = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
+        warm.raise_for_status()
         yield Target(base_url, model, "")
     finally:
         if process.poll() is None:
