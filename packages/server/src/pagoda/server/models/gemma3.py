@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
+from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
@@ -107,8 +107,7 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         """down(gelu_tanh(gate(x)) * up(x))."""
-        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
-        out: Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        out: Tensor = self.down_proj(fused.act_and_mul(self.gate_up_proj(x), "gelu_tanh"))
         return out
 
 

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from pagoda.pagedkernel import norm as norm_ops
+from pagoda.pagedkernel import fused
 from pagoda.server.models.quantized import QuantizedWeight, placeholder
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -196,8 +196,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:  # [..., dim] -> [..., dim]
-        """Normalise `x` by its root mean square and scale it (one fused op: pagoda.pagedkernel.norm)."""
-        return norm_ops.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+        """Normalise `x` by its root mean square and scale it (one fused op: pagoda.pagedkernel.fused)."""
+        return fused.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
 
     def add(
         self,
@@ -206,7 +206,7 @@ class RMSNorm(nn.Module):
         pre: RMSNorm | None = None,  # the branch's own norm first (Gemma's sandwich), or None
     ) -> tuple[Tensor, Tensor]:  # (residual + branch, this norm of it)
         """The residual stream after a branch, and its norm by this module, in one pass."""
-        return norm_ops.add_rms_norm(
+        return fused.add_rms_norm(
             branch,
             residual,
             self.weight,
@@ -258,8 +258,8 @@ def apply_rotary(
 ) -> Tensor:  # [num_tokens, num_heads, head_dim]
     """Rotate each (x[i], x[i + head_dim / 2]) pair by its position's angle, after `norm` when given."""
     if norm is None:
-        return norm_ops.rotary(x, cos, sin)
-    return norm_ops.rotary(x, cos, sin, norm_weight=norm.weight, eps=norm.eps, unit_offset=norm.unit_offset)
+        return fused.rotary(x, cos, sin)
+    return fused.rotary(x, cos, sin, norm_weight=norm.weight, eps=norm.eps, unit_offset=norm.unit_offset)
 
 
 def rope_inv_freq(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
+from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
@@ -114,8 +114,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         """down(silu(gate(x)) * up(x))."""
-        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
-        out: Tensor = self.down_proj(F.silu(gate) * up)
+        out: Tensor = self.down_proj(fused.act_and_mul(self.gate_up_proj(x), "silu"))
         return out
 
 

@@ -1,14 +1,16 @@
-/* RMSNorm and rotary embeddings on the CPU, fused the way decoder layers chain them.
+/* RMSNorm, rotary embeddings and gated activations on the CPU, fused the way decoder layers chain them.
  *
- * The specification is pagoda/pagedkernel/norm/torch_norm.py; every rounding of it is reproduced here:
+ * The specification is pagoda/pagedkernel/fused/torch_fused.py; every rounding of it is reproduced here:
  *   norm(x) = x * (1 / sqrt(mean(x^2) + eps)) in float32, then
  *     unit_offset (Gemma):  round(norm(x) * (1 + w))         (the product in float32, rounded once)
  *     otherwise (Llama):    round(w * round(norm(x)))        (normed rounded to the dtype, then the dtype's product)
  *   rotary (half split):    y1 = round(round(x1 * c) - round(x2 * s)),  y2 = round(round(x2 * c) + round(x1 * s))
  *   add_norm:               s = round(r + (w_pre ? norm_pre(x) : x)),   y = norm(s)
+ *   act_and_mul:            y = round(round(act(gate)) * up), act GELU (tanh form) or SiLU, in float32
  * where round() is the storage dtype's rounding (-DPAGODA_DTYPE, cpu_dtype.h; none for float32): so a bfloat16
  * model rounds exactly where Hugging Face's modules round. Only the sum of squares is summed in another order
- * than torch's (sixteen lanes, then the tail). One call replaces the five to nine torch ops of each norm or
+ * than torch's (sixteen lanes, then the tail), and exp is this file's polynomial rather than torch's (both within
+ * a few float32 ulps). One call replaces the five to nine torch ops of each norm or
  * rotary, which at one decode token are microseconds of dispatch each. Rows are split over torch's OpenMP pool
  * when built with -fopenmp and the call is large enough; each row is computed whole by one thread.
  */
@@ -19,6 +21,7 @@
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 PAGODA_DEFINE_LOADV(loadv16, v16f, 16)
 
 /* Below this many elements a call runs on one thread: an OpenMP region costs more than a decode row's work. */
@@ -159,6 +162,78 @@ int pagoda_add_norm(const scalar_t *x, int64_t x_stride, const scalar_t *r, int6
     for (; i + 16 <= dim; i += 16) storev16(sr + i, loadv16(rr + i) + loadv16(add + i));
     for (; i < dim; i++) sr[i] = store1(load1(rr + i) + load1(add + i));
     norm_row(sr, w, dim, eps, unit_offset, yr);
+  }
+  return 0;
+}
+
+/* a where mask (all ones) else b, lane by lane. */
+static inline v16f selectv(v16i mask, v16f a, v16f b) {
+  v16u ua, ub;
+  memcpy(&ua, &a, sizeof ua);
+  memcpy(&ub, &b, sizeof ub);
+  const v16u m = (v16u)mask, bits = (ua & m) | (ub & ~m);
+  v16f out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* exp(x) to about 2 float32 ulps: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial in r (Cephes'
+ * coefficients), times 2^n built in the exponent bits. Inputs are clamped to where the result is finite and
+ * normal; NaN stays NaN. */
+static inline v16f expv16(v16f x) {
+  x = selectv(x > splat(88.3762626647949f), splat(88.3762626647949f), x);
+  x = selectv(x < splat(-87.3365447504019f), splat(-87.3365447504019f), x);
+  const v16f shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+  const v16f n = (x * splat(1.44269504088896341f) + shifter) - shifter;
+  const v16f r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f scale;
+  memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+/* The activation of one vector of gate values: GELU's tanh form 0.5 x (1 + tanh z), as torch writes it (its
+ * 1 + tanh z cancels for very negative z, and so does this), tanh |z| = 1 - 2 / (exp(2 |z|) + 1); or SiLU,
+ * x / (1 + exp(-x)). */
+static inline v16f actv16(v16f g, int kind) {
+  if (kind == 0) {
+    const v16f z = splat(0.7978845608028654f) * (g + splat(0.044715f) * (g * g * g));
+    const v16i negative = z < splat(0.0f);
+    const v16f az = selectv(negative, -z, z);
+    const v16f t = splat(1.0f) - splat(2.0f) / (expv16(splat(2.0f) * az) + splat(1.0f));
+    return splat(0.5f) * g * (splat(1.0f) + selectv(negative, -t, t));
+  }
+  return g / (splat(1.0f) + expv16(-g));
+}
+
+/* y[t, i] = round(round(act(x[t, i])) * x[t, inner + i]) for the gate and up halves of each row of x (rows
+ * x_stride apart; y contiguous [rows, inner]). kind 0: GELU (tanh), 1: SiLU. */
+int pagoda_act_and_mul(const scalar_t *x, int64_t rows, int64_t x_stride, int64_t inner, int kind, scalar_t *y,
+                       int64_t num_threads) {
+  if (kind != 0 && kind != 1) return 2;
+  const int parallel = rows * inner >= PARALLEL_MIN_WORK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+  for (int64_t t = 0; t < rows; t++) {
+    const scalar_t *gate = x + t * x_stride, *up = gate + inner;
+    scalar_t *out = y + t * inner;
+    int64_t i = 0;
+    for (; i + 16 <= inner; i += 16) storev16(out + i, roundv16(actv16(loadv16(gate + i), kind)) * loadv16(up + i));
+    if (i < inner) { /* the tail through a padded vector: the same function as the body's lanes */
+      scalar_t g[16] = {0}, u[16] = {0}, o[16];
+      memcpy(g, gate + i, (size_t)(inner - i) * sizeof(scalar_t));
+      memcpy(u, up + i, (size_t)(inner - i) * sizeof(scalar_t));
+      storev16(o, roundv16(actv16(loadv16(g), kind)) * loadv16(u));
+      memcpy(out + i, o, (size_t)(inner - i) * sizeof(scalar_t));
+    }
   }
   return 0;
 }

@@ -1,10 +1,10 @@
-"""The fused norm ops (pagoda.pagedkernel.norm): the C kernels against the torch specification."""
+"""The fused layer ops (pagoda.pagedkernel.fused): the C kernels against the torch specification."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.pagedkernel.norm import add_rms_norm, cpu_norm, rms_norm, rotary, torch_norm
+from pagoda.pagedkernel.fused import act_and_mul, add_rms_norm, cpu_fused, rms_norm, rotary, torch_fused
 from torch import Tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -28,7 +28,7 @@ def assert_matches(got: Tensor, want: Tensor) -> None:
 
 @pytest.fixture(autouse=True)
 def _needs_compiler() -> None:
-    if not cpu_norm.available(torch.float32):
+    if not cpu_fused.available(torch.float32):
         pytest.fail("the C norm kernels do not build here (a C compiler is required)")
 
 
@@ -42,7 +42,7 @@ def test_rms_norm_matches_the_torch_specification(
     gen = torch.Generator().manual_seed(rows * dim)
     x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
     w = torch.randn(dim, generator=gen).to(dtype)
-    want = torch_norm.rms_norm(x, w, 1e-6, unit_offset)
+    want = torch_fused.rms_norm(x, w, 1e-6, unit_offset)
     assert_matches(rms_norm(x, w, 1e-6, unit_offset=unit_offset, backend="cpu"), want)
     # Leading dimensions and a transposed (non-contiguous) input take the same path.
     x3 = x.view(rows, 1, dim).expand(rows, 2, dim)
@@ -64,7 +64,7 @@ def test_add_rms_norm_matches(dtype: torch.dtype, unit_offset: bool, with_pre: b
     w, pre = (torch.randn(dim, generator=gen).to(dtype) for _ in range(2))
     pre_weight = pre if with_pre else None
     total, normed = add_rms_norm(x, r, w, 1e-5, unit_offset=unit_offset, pre_weight=pre_weight, backend="cpu")
-    want_total, want_normed = torch_norm.add_rms_norm(x, r, w, 1e-5, unit_offset, pre_weight)
+    want_total, want_normed = torch_fused.add_rms_norm(x, r, w, 1e-5, unit_offset, pre_weight)
     if with_pre:
         assert_matches(total, want_total)
     else:
@@ -86,7 +86,7 @@ def test_rotary_is_bit_exact_on_strided_views(dtype: torch.dtype) -> None:
     for x in (q, k):
         got = rotary(x, cos, sin, backend="cpu")
         assert got.is_contiguous()
-        assert torch.equal(got, torch_norm.rotary(x, cos, sin, None, 0.0, False))
+        assert torch.equal(got, torch_fused.rotary(x, cos, sin, None, 0.0, False))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,7 +99,7 @@ def test_norm_then_rotary_matches(dtype: torch.dtype, unit_offset: bool) -> None
     angles = torch.rand(9, 32, generator=gen) * 6
     cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
     got = rotary(x, cos, sin, norm_weight=w, eps=1e-6, unit_offset=unit_offset, backend="cpu")
-    assert_matches(got, torch_norm.rotary(x, cos, sin, w, 1e-6, unit_offset))
+    assert_matches(got, torch_fused.rotary(x, cos, sin, w, 1e-6, unit_offset))
 
 
 def test_nan_rows_stay_nan_and_others_are_untouched() -> None:
@@ -116,12 +116,12 @@ def test_auto_picks_the_kernel_and_falls_back_to_torch() -> None:
     x64 = torch.randn(2, 8, dtype=torch.float64)
     w64 = torch.randn(8, dtype=torch.float64)
     assert torch.equal(
-        rms_norm(x64, w64, 1e-6, unit_offset=False), torch_norm.rms_norm(x64, w64, 1e-6, False)
+        rms_norm(x64, w64, 1e-6, unit_offset=False), torch_fused.rms_norm(x64, w64, 1e-6, False)
     )
     x = torch.randn(2, 8)
     assert_matches(
         rms_norm(x, torch.ones(8), 1e-6, unit_offset=False),
-        torch_norm.rms_norm(x, torch.ones(8), 1e-6, False),
+        torch_fused.rms_norm(x, torch.ones(8), 1e-6, False),
     )
 
 
@@ -130,7 +130,7 @@ def test_bad_arguments_are_named() -> None:
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight must be \[8\]"):
         rms_norm(x, torch.ones(7), 1e-6, unit_offset=False)
-    with pytest.raises(ValueError, match="unknown norm backend"):
+    with pytest.raises(ValueError, match="unknown fused-op backend"):
         rms_norm(x, torch.ones(8), 1e-6, unit_offset=False, backend="cuda")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one dtype"):
         rms_norm(x.double(), torch.ones(8), 1e-6, unit_offset=False, backend="cpu")
@@ -140,3 +140,34 @@ def test_bad_arguments_are_named() -> None:
         rotary(torch.randn(2, 1, 8), torch.randn(2, 1, 3), torch.randn(2, 1, 4))
     with pytest.raises(ValueError, match="residual"):
         add_rms_norm(x, torch.randn(3, 8), torch.ones(8), 1e-6, unit_offset=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize(("rows", "inner"), [(1, 2048), (5, 37), (3, 16)])
+def test_act_and_mul_matches(dtype: torch.dtype, activation: str, rows: int, inner: int) -> None:
+    """GeGLU / SwiGLU from the fused gate-up output: each half read in place, tails included; float32 within a
+    few ulps of torch's exp and tanh (the tiny values where 1 + tanh z cancels aside), bfloat16 / float16 equal
+    but for rare last-place roundings."""
+    gen = torch.Generator().manual_seed(rows * inner)
+    x = (torch.randn(rows, 2 * inner, generator=gen) * 4).to(dtype)
+    got = act_and_mul(x, activation, backend="cpu")  # type: ignore[arg-type]
+    assert_matches(got, torch_fused.act_and_mul(x, activation))
+    wide = torch.randn(rows, 2 * inner + 8, generator=gen).to(dtype)[:, : 2 * inner]  # rows apart by a stride
+    assert_matches(act_and_mul(wide, activation, backend="cpu"), torch_fused.act_and_mul(wide, activation))  # type: ignore[arg-type]
+
+
+def test_act_and_mul_propagates_nan_and_saturates() -> None:
+    """A NaN gate gives NaN; very large gates give x * up (GELU and SiLU saturate), very negative ones ~0."""
+    x = torch.tensor([[float("nan"), 200.0, -200.0, 1.0, 1.0, 3.0, 5.0, 7.0]])
+    for activation in ("gelu_tanh", "silu"):
+        got = act_and_mul(x, activation, backend="cpu")  # type: ignore[arg-type]
+        assert bool(got[0, 0].isnan()) and float(got[0, 1]) == 200.0 * 3.0 and abs(float(got[0, 2])) < 1e-30
+
+
+def test_act_and_mul_bad_arguments() -> None:
+    """An unknown activation or an odd width is a ValueError naming it."""
+    with pytest.raises(ValueError, match="activation must be one of"):
+        act_and_mul(torch.randn(2, 8), "relu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\[rows, 2 \* inner\]"):
+        act_and_mul(torch.randn(2, 7), "silu")

@@ -1,4 +1,4 @@
-"""The `cpu` backend of the norm ops: csrc/cpu_norm.c, compiled per dtype at first use by `cbuild`, loaded with
+"""The `cpu` backend of the fused ops: csrc/cpu_fused.c, compiled per dtype at first use by `cbuild`, loaded with
 ctypes (which releases the GIL during the call)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE_FILE = "cpu_norm.c"
+SOURCE_FILE = "cpu_fused.c"
 # No contraction into FMAs: every product and sum rounds where the torch specification rounds.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 OPENMP_FLAGS = ("-fopenmp",)
@@ -24,17 +24,18 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
-class NormKernels:
-    """The two entry points of one dtype's library (see the C file for their contracts)."""
+class FusedKernels:
+    """The entry points of one dtype's library (see the C file for their contracts)."""
 
     norm_rotary: (
         Any  # ctypes: (x, tokens, heads, stride_t, stride_h, dim, w, eps, unit, c, s, cs_stride, y, thr)
     )
     add_norm: Any  # ctypes: (x, x_stride, r, rows, dim, w_pre, w, eps, unit, sum, y, threads) -> int
+    act_and_mul: Any  # ctypes: (x, rows, x_stride, inner, kind, y, threads) -> int
 
 
 @functools.cache
-def kernels(dtype: torch.dtype) -> NormKernels:
+def kernels(dtype: torch.dtype) -> FusedKernels:
     """This CPU's library for `dtype`, built or found in the cache and loaded once per process.
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
@@ -44,7 +45,7 @@ def kernels(dtype: torch.dtype) -> NormKernels:
         csrc.read_source(SOURCE_FILE),
         (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}"),
         variant=str(dtype).removeprefix("torch."),
-        owner="the 'cpu' norm ops",
+        owner="the 'cpu' fused ops",
         instead="use backend='torch'",
         alternatives=(OPENMP_FLAGS, ()),
     )
@@ -56,7 +57,9 @@ def kernels(dtype: torch.dtype) -> NormKernels:
     add_norm = lib["pagoda_add_norm"]
     add_norm.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, f32, i32, ptr, ptr, i64]
     add_norm.restype = ctypes.c_int
-    return NormKernels(norm_rotary, add_norm)
+    act_and_mul = lib["pagoda_act_and_mul"]
+    act_and_mul.argtypes, act_and_mul.restype = [ptr, i64, i64, i64, i32, ptr, i64], ctypes.c_int
+    return FusedKernels(norm_rotary, add_norm, act_and_mul)
 
 
 @functools.cache
@@ -65,7 +68,7 @@ def available(dtype: torch.dtype) -> bool:
     try:
         kernels(dtype)
     except (BackendUnavailableError, OSError) as exc:
-        logger.warning("the norm ops fall back to torch: %s", exc)
+        logger.warning("the fused ops fall back to torch: %s", exc)
         return False
     return True
 
@@ -82,7 +85,7 @@ def norm_rotary(
     cos: Tensor | None,  # [num_tokens, dim // 2] rows contiguous, x's dtype
     sin: Tensor | None,  # like cos
 ) -> Tensor:  # x's shape, contiguous
-    """See `torch_norm.rotary` (and `torch_norm.rms_norm` when cos is None)."""
+    """See `torch_fused.rotary` (and `torch_fused.rms_norm` when cos is None)."""
     if x.dim() == 3:
         tokens, heads, dim = x.shape
         stride_h = x.stride(1)
@@ -120,7 +123,7 @@ def add_norm(
     unit_offset: bool,
     pre_weight: Tensor | None,  # [dim] contiguous, or None
 ) -> tuple[Tensor, Tensor]:  # (sum, normed), each [rows, dim] contiguous
-    """See `torch_norm.add_rms_norm`."""
+    """See `torch_fused.add_rms_norm`."""
     rows, dim = x.shape
     total, normed = torch.empty_like(residual), torch.empty_like(residual)
     kernels(x.dtype).add_norm(
@@ -138,3 +141,25 @@ def add_norm(
         torch.get_num_threads(),
     )
     return total, normed
+
+
+ACTIVATION_IDS = {"gelu_tanh": 0, "silu": 1}
+
+
+def act_and_mul(
+    x: Tensor,  # [rows, 2 * inner], last dim contiguous
+    activation: str,
+) -> Tensor:  # [rows, inner] contiguous
+    """See `torch_fused.act_and_mul`."""
+    rows, inner = x.shape[0], x.shape[1] // 2
+    y = torch.empty((rows, inner), dtype=x.dtype)
+    kernels(x.dtype).act_and_mul(
+        x.data_ptr(),
+        rows,
+        x.stride(0),
+        inner,
+        ACTIVATION_IDS[activation],
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y

@@ -1,4 +1,4 @@
-"""The norm ops in torch: the specification the C kernels reproduce (Hugging Face's order of operations)."""
+"""The fused ops in torch: the specification the C kernels reproduce (Hugging Face's order of operations)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,13 @@ def rotary(
         x = rms_norm(x, norm_weight, eps, unit_offset)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def act_and_mul(
+    x: Tensor,  # [rows, 2 * inner]: the gate and up projections side by side
+    activation: str,  # "gelu_tanh" or "silu"
+) -> Tensor:  # [rows, inner], x's dtype
+    """act(gate) * up, each op in x's dtype (as Gemma's GeGLU and Llama's SwiGLU MLPs compute it)."""
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+    return act * up
