@@ -1,12 +1,14 @@
-"""int8 KV caches with per-block, per-head scales: the torch reference's write rule, and the C kernels against it.
+"""int8 KV caches with per-token, per-head scales: the torch reference's write rule, and the C kernels against it.
 
 Caches are filled the way an engine fills them (`testing.write_rounds`: a prompt chunk, then single tokens, then
-more chunks, all sequences in one call, a padding row in each), so blocks grow and requantize. Unwritten slots hold
-random bytes, unused blocks' scales NaN, and outputs are preallocated full of NaN: a kernel that reads what it
-must not, or skips an element, fails. Contexts cross block boundaries.
+more chunks, all sequences in one call, a padding row in each), so blocks fill over several calls. Unwritten slots
+hold random bytes, unwritten slots' scales NaN, and outputs are preallocated full of NaN: a kernel that reads what
+it must not, or skips an element, fails. Contexts cross block boundaries.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -78,42 +80,69 @@ def _written(qc: QuantizedCase) -> tuple[Tensor, Tensor]:
     return slots, slots.view(-1, bs).any(dim=1)
 
 
-def test_write_rule_requantizes_a_growing_block_and_never_clamps() -> None:
-    """A block's first row sets its scale; a larger later row raises it and requantizes the earlier rows."""
+def test_write_rule_gives_each_row_its_own_scale_and_never_clamps() -> None:
+    """A row's scale is its absolute maximum / 127, whatever else its block holds; later rows change nothing."""
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.int8)
-    scales = torch.full((2, 1), float("nan"))
+    scales = torch.full((2, 4, 1), float("nan"))
     first = torch.linspace(-1.0, 1.0, 8).view(1, 1, 8)
     kv_quant.write_int8(first, cache, scales, torch.tensor([4]))  # block 1, offset 0
-    assert scales[1, 0].item() == pytest.approx(1.0 / 127)
-    assert cache[1, 0, 0, 0].item() == -127 and torch.isnan(scales[0, 0])  # block 0 untouched
-    kv_quant.write_int8(4.0 * first, cache, scales, torch.tensor([5]))  # 4x larger: the scale grows
-    assert scales[1, 0].item() == pytest.approx(4.0 / 127)
+    assert scales[1, 0, 0].item() == pytest.approx(1.0 / 127)
+    assert cache[1, 0, 0, 0].item() == -127 and bool(torch.isnan(scales[0]).all())  # block 0 untouched
+    before = cache[1, 0].clone()
+    kv_quant.write_int8(4.0 * first, cache, scales, torch.tensor([5]))  # 4x larger: its own scale
+    assert scales[1, 1, 0].item() == pytest.approx(4.0 / 127)
     assert cache[1, 1, 0, 0].item() == -127  # not clamped
-    assert cache[1, 0, 0, 0].item() == round(-127 / 4)  # requantized to the new scale
+    assert torch.equal(cache[1, 0], before) and scales[1, 0, 0].item() == pytest.approx(1.0 / 127)  # untouched
     small = 0.5 * first
-    kv_quant.write_int8(small, cache, scales, torch.tensor([6]))  # smaller: the scale stays
-    assert scales[1, 0].item() == pytest.approx(4.0 / 127)
-    assert cache[1, 2, 0, 0].item() == round(-0.5 * 127 / 4)
-    kv_quant.write_int8(small, cache, scales, torch.tensor([4]))  # offset 0 again: a fresh block
-    assert scales[1, 0].item() == pytest.approx(0.5 / 127)
+    kv_quant.write_int8(small, cache, scales, torch.tensor([6]))  # smaller: the full int8 range again
+    assert scales[1, 2, 0].item() == pytest.approx(0.5 / 127) and cache[1, 2, 0, 0].item() == -127
     zeros = torch.zeros(1, 1, 8)
     kv_quant.write_int8(zeros, cache, scales, torch.tensor([0]))  # an all-zero row: a positive scale
-    assert scales[0, 0].item() > 0 and bool((cache[0, 0] == 0).all())
+    assert scales[0, 0, 0].item() > 0 and bool((cache[0, 0] == 0).all())
+    # Rows are within half a step of their values: |x - q * scale| <= scale / 2.
+    rows = torch.randn(5, 1, 8) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 7.0]).view(5, 1, 1)
+    kv_quant.write_int8(rows, cache, scales, torch.tensor([1, 2, 3, 7, 6]))
+    got = cache.view(-1, 1, 8)[[1, 2, 3, 7, 6]].float() * scales.view(-1, 1)[[1, 2, 3, 7, 6]][..., None]
+    assert bool(((got - rows).abs() <= scales.view(-1, 1)[[1, 2, 3, 7, 6]][..., None] / 2 * 1.0001).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_write_split_into_calls_gives_the_bytes_of_one_call(cpu: CpuBackend, backend: str) -> None:
+    """Tokens written one call at a time, or in uneven chunks across blocks, give one call's bytes and scales."""
+    ops = cpu if backend == "cpu" else TORCH
+    gen = torch.Generator().manual_seed(3)
+    n, bs, heads, dim = 37, 8, 2, 16
+    key = torch.randn(n, heads, dim, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    value = torch.randn(n, heads, dim, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    slots = torch.randperm(8 * bs, generator=gen)[:n]
+    results = []
+    for cuts in ([0, n], [0, 1, 2, 9, 10, 30, n], list(range(n + 1))):
+        k = torch.zeros(8, bs, heads, dim, dtype=torch.int8)
+        v = torch.zeros_like(k)
+        ks, vs = torch.zeros(8, bs, heads), torch.zeros(8, bs, heads)
+        for a, b in itertools.pairwise(cuts):
+            ops.reshape_and_cache(key[a:b], value[a:b], k, v, slots[a:b], k_scale=ks, v_scale=vs)
+        results.append((k, v, ks, vs))
+    for other in results[1:]:
+        for x, y in zip(results[0], other, strict=True):
+            assert torch.equal(x, y)
+    assert bool((results[0][2].view(-1, heads)[slots] > 0).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_c_write_equals_the_torch_reference_bitwise(cpu: CpuBackend, case: Case, dtype: torch.dtype) -> None:
-    """The C int8 write gives the torch reference's bytes and scales in every written slot and used block."""
+    """The C int8 write gives the torch reference's bytes and scales in every written slot."""
     c = _case(case, dtype)
     ours, ref = _quantize(cpu, c), _quantize(TORCH, c)
     slots, blocks = _written(ref)
     row = c.k_cache.shape[2] * c.k_cache.shape[3]
     for a, b in ((ours.k_cache, ref.k_cache), (ours.v_cache, ref.v_cache)):
         assert torch.equal(a.view(-1, row)[slots], b.view(-1, row)[slots])
-    assert torch.equal(ours.k_scale[blocks], ref.k_scale[blocks])
-    assert torch.equal(ours.v_scale[blocks], ref.v_scale[blocks])
-    assert bool((ref.k_scale[blocks] > 0).all())
+    heads = c.k_cache.shape[2]
+    for a, b in ((ours.k_scale, ref.k_scale), (ours.v_scale, ref.v_scale)):
+        assert torch.equal(a.view(-1, heads)[slots], b.view(-1, heads)[slots])
+    assert bool((ref.k_scale.view(-1, heads)[slots] > 0).all()) and bool(blocks.any())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -173,7 +202,7 @@ def test_scales_are_required_for_int8_and_refused_for_float() -> None:
     """An int8 cache without scales, or a float cache with them, is a caller's bug: asserted, not guessed."""
     c = _case(CASES[0], torch.float32)
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
-    scale = torch.ones(c.k_cache.shape[0], c.k_cache.shape[2])
+    scale = torch.ones(c.k_cache.shape[0], c.k_cache.shape[1], c.k_cache.shape[2])
     with pytest.raises(AssertionError, match="takes no scales"):
         TORCH.paged_prefill_attention(*args, k_scale=scale, v_scale=scale)
     int8 = c.k_cache.to(torch.int8)

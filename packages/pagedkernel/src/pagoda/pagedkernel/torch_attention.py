@@ -66,7 +66,7 @@ def gather_kv(
     cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     keys: VisibleKeys,
     dtype: torch.dtype,
-    scales: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    scales: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [num_seqs, num_kv_heads, n_keys, head_dim] in `dtype` (a strided view of one gathered copy)
     """The cache blocks of `keys`, blank rows zeroed, heads first, in `dtype` (int8 and fp8 caches dequantized)."""
     num_seqs, n_keys = keys.key_pos.shape

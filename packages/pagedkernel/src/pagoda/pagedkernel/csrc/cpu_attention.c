@@ -10,9 +10,10 @@
  *
  * Compiled by cpu_backend.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16): q, out and the
  * caches share that dtype; everything is computed in float32. With -DPAGODA_KV_INT8 the caches are int8 instead,
- * with a float32 scale per block and KV head (k_scale, v_scale: [num_blocks, num_kv_heads]; value = q * scale):
- * a block's K scale multiplies its scores, its V scale the softmax weights, so rows are converted but never
- * rescaled element by element. The write rule (requantize-on-growth) is kv_quant.py's, computed bit for bit.
+ * with a float32 scale per token slot and KV head (k_scale, v_scale: [num_blocks, block_size, num_kv_heads];
+ * value = q * scale): a key's K scale multiplies its score, its V scale its softmax weight, so int8 rows are
+ * converted to float32 in registers but never rescaled element by element. The write rule (one scale per row,
+ * its absolute maximum / 127) is kv_quant.py's, computed bit for bit.
  */
 #include <float.h>
 #include <math.h>
@@ -84,7 +85,7 @@ static inline v8f exp8(v8f x) {
 typedef struct {
   const scalar_t *q;                     /* [num_tokens, num_heads, head_dim] */
   const cache_t *k_cache, *v_cache;      /* [blocks, bs, kvh, d] */
-  const float *k_scale, *v_scale;        /* int8 caches: [blocks, kvh]; NULL otherwise */
+  const float *k_scale, *v_scale;        /* int8 caches: [blocks, bs, kvh]; NULL otherwise */
   scalar_t *out;                           /* [num_tokens, num_heads, head_dim] */
   const int32_t *block_tables, *query_start_loc, *context_lens;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
@@ -211,18 +212,26 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     const int64_t base = ((int64_t)table[b] * BS + off) * row + h * D;
     const cache_t *kn = t0 + n < end ? p->k_cache + (int64_t)table[b + 1] * BS * row + h * D : NULL;
     qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
-#ifdef PAGODA_KV_INT8
-    const float sk = p->k_scale[(int64_t)table[b] * p->num_kv_heads + h];
-    const float sv = p->v_scale[(int64_t)table[b] * p->num_kv_heads + h];
-#else
-    const float sk = 1.f, sv = 1.f; /* folded away: a float cache holds the values themselves */
-#endif
     const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
+#ifdef PAGODA_KV_INT8
+    /* The block's keys' scales, one per slot (only the n read: the rest of the block may be unwritten). */
+    float sk[MAX_BLOCK_SIZE + 8], sv[MAX_BLOCK_SIZE];
+    const int64_t first_slot = (int64_t)table[b] * BS + off;
+    for (int64_t j = 0; j < n; ++j) {
+      sk[j] = p->k_scale[(first_slot + j) * p->num_kv_heads + h];
+      sv[j] = p->v_scale[(first_slot + j) * p->num_kv_heads + h];
+    }
+    for (int64_t j = n; j < n8; ++j) sk[j] = 0.f; /* lanes past n: masked to -inf below */
+#endif
     for (int r = 0; r < R; ++r) {
       float mx = -INFINITY;
       for (int64_t j = 0; j < n8; ++j) {
         const int64_t key = t0 + j;
-        float x = sc[r][j] * sk;
+#ifdef PAGODA_KV_INT8
+        float x = sc[r][j] * sk[j];
+#else
+        float x = sc[r][j]; /* a float cache holds the values themselves */
+#endif
         if (p->softcap > 0.f) x = p->softcap * tanhf(x / p->softcap);
         x = j < n && key >= lo[r] && key <= hi[r] ? x : -INFINITY;
         sc[r][j] = x;
@@ -243,8 +252,9 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
       }
       l[r] = l[r] * corr[r] + hsum(sum);
       m[r] = new_m;
-      if (sv != 1.f)
-        for (int64_t j = 0; j < n; ++j) sc[r][j] *= sv; /* the block's V scale, applied to its weights */
+#ifdef PAGODA_KV_INT8
+      for (int64_t j = 0; j < n; ++j) sc[r][j] *= sv[j]; /* each key's V scale, applied to its weight */
+#endif
     }
     pv_block(R, D, acc, corr, p->v_cache + base, row, n, sc);
     t0 += n;
@@ -383,85 +393,45 @@ int64_t pagoda_reshape_and_cache(const void *key, const void *value, void *k_cac
 }
 
 #ifdef PAGODA_KV_INT8
-/* Quantize the rows of tokens t0 .. t1 - 1 (all in cache block `block`, at offsets `first` and up) into one cache:
- * kv_quant.write_int8's rule per KV head. The block's scale is its rows' absolute maximum / 127 when the rows start
- * the block (offset 0); otherwise it grows to cover them, and the rows already in the block are requantized to the
- * grown scale (round(q * old / new)), so nothing is clamped. float32 `x / scale`, rintf's round half to even:
- * the same operations as torch's, so the two agree bit for bit. */
-static void write_block_int8(const scalar_t *x, int64_t stride, const int64_t *slots, int64_t t0, int64_t t1,
-                             int8_t *cache, float *scales, int64_t block, int64_t first, int64_t block_size,
-                             int64_t H, int64_t D) {
-  const int64_t row = H * D;
-  for (int64_t h = 0; h < H; ++h) {
-    float amax = 0.f;
-    for (int64_t t = t0; t < t1; ++t) {
-      if (slots[t] < 0) continue;
-      const scalar_t *xr = x + t * stride + h * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float a = fabsf(load1(xr + d));
-        amax = a > amax ? a : amax;
-      }
-    }
-    float fresh = amax / 127.f;
-    fresh = fresh > FLT_MIN ? fresh : FLT_MIN;
-    const float old = scales[block * H + h];
-    float scale = fresh;
-    if (first > 0) {
-      scale = old > fresh || old != old ? old : fresh; /* a NaN scale stays NaN, as torch.maximum keeps it */
-      if (fresh > old) {
-        const float ratio = old / scale;
-        for (int64_t o = 0; o < first; ++o) {
-          int8_t *qr = cache + (block * block_size + o) * row + h * D;
-          for (int64_t d = 0; d < D; ++d) {
-            float y = rintf((float)qr[d] * ratio);
-            y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
-            qr[d] = (int8_t)y;
-          }
-        }
-      }
-    }
-    scales[block * H + h] = scale;
-    for (int64_t t = t0; t < t1; ++t) {
-      if (slots[t] < 0) continue;
-      const scalar_t *xr = x + t * stride + h * D;
-      int8_t *qr = cache + slots[t] * row + h * D;
-      for (int64_t d = 0; d < D; ++d) {
-        float y = rintf(load1(xr + d) / scale);
-        y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
-        qr[d] = (int8_t)y;
-      }
-    }
+/* Quantize one row of D values into q with kv_quant.write_int8's rule and return its scale: the row's absolute
+ * maximum / 127 (at least FLT_MIN), then float32 `x / scale` rounded by rintf (half to even), as torch's
+ * division and round do, so the two agree bit for bit. Nothing clamps but the safety bound. */
+static inline float quantize_row(const scalar_t *x, int8_t *q, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = fabsf(load1(x + d));
+    amax = a > amax ? a : amax;
   }
+  float scale = amax / 127.f;
+  scale = scale > FLT_MIN ? scale : FLT_MIN;
+  for (int64_t d = 0; d < D; ++d) {
+    float y = rintf(load1(x + d) / scale);
+    y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
+    q[d] = (int8_t)y;
+  }
+  return scale;
 }
 
-/* The int8 cache write: token t's key and value rows go to slot slots[t] (negative: padding, skipped), each block's
- * scale following kv_quant.write_int8. The tokens of one block must be consecutive (padding aside), as the
- * engine writes them (a sequence's tokens in order); each such run is quantized as one group. Returns 0, or
- * token + 1 of a slot outside the cache (then nothing is written). */
+/* The int8 cache write: token t's key and value rows go to slot slots[t] (negative: padding, skipped), each
+ * KV head's row with its own scale into k_scale / v_scale [num_slots, num_kv_heads]. Rows never change once
+ * written (no requantization), so calls may split tokens any way. Returns 0, or token + 1 of a slot outside
+ * the cache (then nothing is written). */
 int64_t pagoda_reshape_and_cache_int8(const void *key, const void *value, void *k_cache, void *v_cache,
                                       float *k_scale, float *v_scale, const int64_t *slots, int64_t num_tokens,
                                       int64_t num_slots, int64_t block_size, int64_t num_kv_heads,
                                       int64_t head_dim, int64_t key_stride, int64_t value_stride) {
+  (void)block_size; /* slots address rows directly: the block geometry is not needed */
   for (int64_t t = 0; t < num_tokens; ++t)
     if (slots[t] >= num_slots) return t + 1;
-  int64_t t = 0;
-  while (t < num_tokens) {
-    if (slots[t] < 0) {
-      ++t;
-      continue;
+  const scalar_t *k = (const scalar_t *)key, *v = (const scalar_t *)value;
+  int8_t *kc = (int8_t *)k_cache, *vc = (int8_t *)v_cache;
+  const int64_t H = num_kv_heads, D = head_dim;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      k_scale[slots[t] * H + h] = quantize_row(k + t * key_stride + h * D, kc + (slots[t] * H + h) * D, D);
+      v_scale[slots[t] * H + h] = quantize_row(v + t * value_stride + h * D, vc + (slots[t] * H + h) * D, D);
     }
-    const int64_t block = slots[t] / block_size;
-    int64_t first = slots[t] % block_size, end = t + 1;
-    for (; end < num_tokens; ++end) {
-      if (slots[end] < 0) continue;
-      if (slots[end] / block_size != block) break;
-      if (slots[end] % block_size < first) first = slots[end] % block_size;
-    }
-    write_block_int8((const scalar_t *)key, key_stride, slots, t, end, (int8_t *)k_cache, k_scale, block, first,
-                     block_size, num_kv_heads, head_dim);
-    write_block_int8((const scalar_t *)value, value_stride, slots, t, end, (int8_t *)v_cache, v_scale, block,
-                     first, block_size, num_kv_heads, head_dim);
-    t = end;
   }
   return 0;
 }

@@ -1,7 +1,8 @@
 """KV-cache tensors: one (k, v) pair per layer on the device, a second tier in host memory for swapping.
 
-An int8 cache (`--kv-cache-dtype int8`) also holds a float32 scale per block and KV head for K and for V, which
-every block move (copy-on-write, swaps to and from the host tier) carries with the block's rows.
+An int8 cache (`--kv-cache-dtype int8`) also holds a float32 scale per token slot and KV head for K and for V,
+`[num_blocks, block_size, num_kv_heads]`, which every block move (copy-on-write, swaps to and from the host tier)
+carries with the block's rows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pagoda.pagedkernel.torch_backend import TorchBackend
 from pagoda.server.engine.kv_groups import KVCacheLayout
 from pagoda.server.models.attention import LayerKVCache
 
-# Scales are [num_blocks, num_kv_heads]: indexed copies of a few bytes per block, the same on every device.
+# Scales are [num_blocks, block_size, num_kv_heads]: indexed copies of a few bytes per block, the same on every
+# device.
 _SCALE_MOVES = TorchBackend()
 
 
@@ -42,7 +44,7 @@ class KVCacheShape:
 
     @property
     def scaled(self) -> bool:
-        """Whether the cache keeps a float32 scale per block and KV head (int8)."""
+        """Whether the cache keeps a float32 scale per token slot and KV head (int8)."""
         return is_scaled(self.storage_dtype)
 
     def layer_slots(self) -> tuple[int, ...]:
@@ -54,7 +56,7 @@ class KVCacheShape:
         """Bytes one block takes over all layers, K and V together (with an int8 cache's scales)."""
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
         rows = self.block_size * self.num_kv_heads * self.head_dim * itemsize
-        scales = 4 * self.num_kv_heads if self.scaled else 0
+        scales = 4 * self.block_size * self.num_kv_heads if self.scaled else 0
         return 2 * self.num_layers * (rows + scales)
 
     @property
@@ -73,7 +75,7 @@ def allocate_caches(
     allocate: Callable[[int, int, int, int, torch.dtype], torch.Tensor],
 ) -> list[LayerKVCache]:
     """Per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim], uninitialised; an int8
-    cache's scales ([num_blocks, num_kv_heads] float32, from the same allocator) too.
+    cache's scales ([num_blocks, block_size, num_kv_heads] float32, from the same allocator) too.
 
     `allocate` takes pagedkernel's `allocate_host_cache` arguments (num_blocks, block_size, num_kv_heads, head_dim,
     dtype). Not zeroed: every kernel ignores slots that were never written (the NaN-poisoned kernel and engine
@@ -84,11 +86,11 @@ def allocate_caches(
 
     def scale() -> (
         torch.Tensor | None
-    ):  # [num_blocks, num_kv_heads], a view of a [num_blocks, 1, heads, 1] tensor
+    ):  # [num_blocks, block_size, num_kv_heads], a view of a [num_blocks, block_size, heads, 1] tensor
         if not shape.scaled:
             return None
-        return allocate(num_blocks, 1, shape.num_kv_heads, 1, torch.float32).view(
-            num_blocks, shape.num_kv_heads
+        return allocate(num_blocks, shape.block_size, shape.num_kv_heads, 1, torch.float32).view(
+            num_blocks, shape.block_size, shape.num_kv_heads
         )
 
     return [LayerKVCache(allocate(*args), allocate(*args), scale(), scale()) for _ in range(shape.num_layers)]
