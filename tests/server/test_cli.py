@@ -132,7 +132,9 @@ def test_refuses_to_start_when_one_request_cannot_fit(
 def test_offline_llm_refuses_a_max_model_len_the_pool_cannot_hold(tmp_path: Path) -> None:
     """The offline LLM raises a ValueError naming both numbers (the CLI's exit-2 case)."""
     model = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=4096)
-    with pytest.raises(ValueError, match=r"max_model_len 4096 does not fit.*at most \d+ tokens for one sequence"):
+    with pytest.raises(
+        ValueError, match=r"max_model_len 4096 does not fit.*at most \d+ tokens for one sequence"
+    ):
         LLM(str(model), max_model_len=4096, kv_cache_gib=0.0001)
 
 

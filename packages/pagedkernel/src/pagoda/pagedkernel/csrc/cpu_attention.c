@@ -10,10 +10,11 @@
  *
  * Compiled by cpu_backend.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16): q, out and the
  * caches share that dtype; everything is computed in float32. With -DPAGODA_KV_INT8 the caches are int8 instead,
- * with a float32 scale per token slot and KV head (k_scale, v_scale: [num_blocks, block_size, num_kv_heads];
- * value = q * scale): a key's K scale multiplies its score, its V scale its softmax weight, so int8 rows are
- * converted to float32 in registers but never rescaled element by element. The write rule (one scale per row,
- * its absolute maximum / 127) is kv_quant.py's, computed bit for bit.
+ * with float32 scales (value = q * scale): keys one per block, KV head and channel (k_scale [num_blocks,
+ * num_kv_heads, head_dim]), values one per token slot and KV head (v_scale [num_blocks, block_size,
+ * num_kv_heads]). The block's channel scales multiply the query once per block (q . (k * s) = (q * s) . k), a
+ * value row's scale its softmax weight, so int8 rows are converted to float32 in registers but never rescaled
+ * element by element. The write rules (kv_quant.py's) are computed bit for bit.
  */
 #include <float.h>
 #include <math.h>
@@ -85,7 +86,7 @@ static inline v8f exp8(v8f x) {
 typedef struct {
   const scalar_t *q;                     /* [num_tokens, num_heads, head_dim] */
   const cache_t *k_cache, *v_cache;      /* [blocks, bs, kvh, d] */
-  const float *k_scale, *v_scale;        /* int8 caches: [blocks, bs, kvh]; NULL otherwise */
+  const float *k_scale, *v_scale;        /* int8 caches: [blocks, kvh, d] and [blocks, bs, kvh]; else NULL */
   scalar_t *out;                           /* [num_tokens, num_heads, head_dim] */
   const int32_t *block_tables, *query_start_loc, *context_lens;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
@@ -188,6 +189,9 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
   const int64_t ctx = p->context_lens[s];
   float qf[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64)));
   float acc[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+#ifdef PAGODA_KV_INT8
+  float qs[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* qf times the current block's K scales */
+#endif
   float sc[MAX_ROWS][MAX_BLOCK_SIZE];
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
   int64_t lo[MAX_ROWS], hi[MAX_ROWS]; /* row r sees keys lo[r] .. hi[r] */
@@ -211,27 +215,25 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     const int64_t n = t0 + (BS - off) <= end ? BS - off : end - t0;
     const int64_t base = ((int64_t)table[b] * BS + off) * row + h * D;
     const cache_t *kn = t0 + n < end ? p->k_cache + (int64_t)table[b + 1] * BS * row + h * D : NULL;
-    qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
-    const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
 #ifdef PAGODA_KV_INT8
-    /* The block's keys' scales, one per slot (only the n read: the rest of the block may be unwritten). */
-    float sk[MAX_BLOCK_SIZE + 8], sv[MAX_BLOCK_SIZE];
+    /* The block's channel scales folded into the query rows: R * D products per block instead of n * D. */
+    const float *ks = p->k_scale + ((int64_t)table[b] * p->num_kv_heads + h) * D;
+    for (int r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; d += 8) storef(qs[r] + d, loadf(qf[r] + d) * loadf(ks + d));
+    qk_block(R, D, qs, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+    /* The value rows' scales, one per slot (only the n read: the rest of the block may be unwritten). */
+    float sv[MAX_BLOCK_SIZE];
     const int64_t first_slot = (int64_t)table[b] * BS + off;
-    for (int64_t j = 0; j < n; ++j) {
-      sk[j] = p->k_scale[(first_slot + j) * p->num_kv_heads + h];
-      sv[j] = p->v_scale[(first_slot + j) * p->num_kv_heads + h];
-    }
-    for (int64_t j = n; j < n8; ++j) sk[j] = 0.f; /* lanes past n: masked to -inf below */
+    for (int64_t j = 0; j < n; ++j) sv[j] = p->v_scale[(first_slot + j) * p->num_kv_heads + h];
+#else
+    qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
 #endif
+    const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
     for (int r = 0; r < R; ++r) {
       float mx = -INFINITY;
       for (int64_t j = 0; j < n8; ++j) {
         const int64_t key = t0 + j;
-#ifdef PAGODA_KV_INT8
-        float x = sc[r][j] * sk[j];
-#else
-        float x = sc[r][j]; /* a float cache holds the values themselves */
-#endif
+        float x = sc[r][j];
         if (p->softcap > 0.f) x = p->softcap * tanhf(x / p->softcap);
         x = j < n && key >= lo[r] && key <= hi[r] ? x : -INFINITY;
         sc[r][j] = x;
@@ -393,9 +395,9 @@ int64_t pagoda_reshape_and_cache(const void *key, const void *value, void *k_cac
 }
 
 #ifdef PAGODA_KV_INT8
-/* Quantize one row of D values into q with kv_quant.write_int8's rule and return its scale: the row's absolute
- * maximum / 127 (at least FLT_MIN), then float32 `x / scale` rounded by rintf (half to even), as torch's
- * division and round do, so the two agree bit for bit. Nothing clamps but the safety bound. */
+/* Quantize one value row of D values into q (kv_quant.write_int8_values) and return its scale: the row's
+ * absolute maximum / 127 (at least FLT_MIN), then float32 `x / scale` rounded by rintf (half to even), as
+ * torch's division and round do, so the two agree bit for bit. */
 static inline float quantize_row(const scalar_t *x, int8_t *q, int64_t D) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) {
@@ -412,26 +414,94 @@ static inline float quantize_row(const scalar_t *x, int8_t *q, int64_t D) {
   return scale;
 }
 
-/* The int8 cache write: token t's key and value rows go to slot slots[t] (negative: padding, skipped), each
- * KV head's row with its own scale into k_scale / v_scale [num_slots, num_kv_heads]. Rows never change once
- * written (no requantization), so calls may split tokens any way. Returns 0, or token + 1 of a slot outside
- * the cache (then nothing is written). */
+/* Quantize the key rows of tokens t0 .. t1 - 1 (all in cache block `block`, at offsets `first` and up):
+ * kv_quant.write_int8_keys' rule per KV head and channel. A channel's scale is its rows' absolute maximum / 127
+ * when the rows start the block (offset 0); otherwise it grows to cover them, and the channel's rows already in
+ * the block are requantized to the grown scale (round(q * old / new)), so nothing is clamped. `amax` and `scale`
+ * are scratch of D floats. */
+static void write_keys_int8(const scalar_t *x, int64_t stride, const int64_t *slots, int64_t t0, int64_t t1,
+                            int8_t *cache, float *scales, int64_t block, int64_t first, int64_t block_size,
+                            int64_t H, int64_t D, float *amax) {
+  const int64_t row = H * D;
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t d = 0; d < D; ++d) amax[d] = 0.f;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      const scalar_t *xr = x + t * stride + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = fabsf(load1(xr + d));
+        amax[d] = a > amax[d] ? a : amax[d];
+      }
+    }
+    float *sc = scales + (block * H + h) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float fresh = amax[d] / 127.f;
+      fresh = fresh > FLT_MIN ? fresh : FLT_MIN;
+      const float old = sc[d];
+      float scale = fresh;
+      if (first > 0) {
+        scale = old > fresh || old != old ? old : fresh; /* a NaN scale stays NaN, as torch.maximum keeps it */
+        if (fresh > old) {
+          const float ratio = old / scale;
+          for (int64_t o = 0; o < first; ++o) {
+            int8_t *qr = cache + (block * block_size + o) * row + h * D + d;
+            float y = rintf((float)*qr * ratio);
+            y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
+            *qr = (int8_t)y;
+          }
+        }
+      }
+      sc[d] = scale;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      const scalar_t *xr = x + t * stride + h * D;
+      int8_t *qr = cache + slots[t] * row + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float y = rintf(load1(xr + d) / sc[d]);
+        y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
+        qr[d] = (int8_t)y;
+      }
+    }
+  }
+}
+
+/* The int8 cache write: token t's key and value rows go to slot slots[t] (negative: padding, skipped). Values
+ * get one scale per row (v_scale [num_slots, num_kv_heads]); keys follow kv_quant.write_int8_keys per block
+ * (k_scale [num_blocks, num_kv_heads, head_dim]): the tokens of one block must be consecutive (padding aside),
+ * as the engine writes them (a sequence's tokens in order), and each such run is quantized as one group.
+ * Returns 0, or token + 1 of a slot outside the cache (then nothing is written). */
 int64_t pagoda_reshape_and_cache_int8(const void *key, const void *value, void *k_cache, void *v_cache,
                                       float *k_scale, float *v_scale, const int64_t *slots, int64_t num_tokens,
                                       int64_t num_slots, int64_t block_size, int64_t num_kv_heads,
                                       int64_t head_dim, int64_t key_stride, int64_t value_stride) {
-  (void)block_size; /* slots address rows directly: the block geometry is not needed */
   for (int64_t t = 0; t < num_tokens; ++t)
     if (slots[t] >= num_slots) return t + 1;
-  const scalar_t *k = (const scalar_t *)key, *v = (const scalar_t *)value;
-  int8_t *kc = (int8_t *)k_cache, *vc = (int8_t *)v_cache;
   const int64_t H = num_kv_heads, D = head_dim;
+  const scalar_t *v = (const scalar_t *)value;
+  int8_t *vc = (int8_t *)v_cache;
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;
-    for (int64_t h = 0; h < H; ++h) {
-      k_scale[slots[t] * H + h] = quantize_row(k + t * key_stride + h * D, kc + (slots[t] * H + h) * D, D);
+    for (int64_t h = 0; h < H; ++h)
       v_scale[slots[t] * H + h] = quantize_row(v + t * value_stride + h * D, vc + (slots[t] * H + h) * D, D);
+  }
+  float amax[MAX_HEAD_DIM]; /* the caller keeps head_dim <= MAX_HEAD_DIM */
+  int64_t t = 0;
+  while (t < num_tokens) {
+    if (slots[t] < 0) {
+      ++t;
+      continue;
     }
+    const int64_t block = slots[t] / block_size;
+    int64_t first = slots[t] % block_size, end = t + 1;
+    for (; end < num_tokens; ++end) {
+      if (slots[end] < 0) continue;
+      if (slots[end] / block_size != block) break;
+      if (slots[end] % block_size < first) first = slots[end] % block_size;
+    }
+    write_keys_int8((const scalar_t *)key, key_stride, slots, t, end, (int8_t *)k_cache, k_scale, block, first,
+                    block_size, H, D, amax);
+    t = end;
   }
   return 0;
 }
