@@ -134,10 +134,9 @@ def run_engine(args: argparse.Namespace, setup: Setup) -> tuple[int, float, floa
     )
     engine = LLMEngine.from_config(config)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    span = min(20_000, engine.vocab_size - 10)  # distinct ids a prompt cycles through (a tiny model has few)
     for i in range(args.num_prompts):
-        engine.add_request(
-            f"r{i}", [(7 + 31 * i + 17 * p) % 20_000 + 10 for p in range(args.prompt_len)], params
-        )
+        engine.add_request(f"r{i}", [(7 + 31 * i + 17 * p) % span + 10 for p in range(args.prompt_len)], params)
     most, produced, decode_times = 0, 0, []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
