@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import Request, Scheduler, SchedulerConfig
 from pagoda.scheduler.testing import SimSamplingParams
@@ -32,7 +33,6 @@ from pagoda.server.engine.kv_groups import KVCacheLayout, plan_kv_cache_layout
 from pagoda.server.loader import resolve_model_folder
 from pagoda.server.models.layers import head_dim_of
 from pagoda.server.models.llama import layer_sliding_windows
-import torch
 from transformers import AutoConfig
 
 
@@ -46,7 +46,9 @@ class Setup:
     @property
     def name(self) -> str:
         """As the table and plot label it."""
-        return f"hybrid {'on' if self.hybrid else 'off'}" + (" + int8" if self.kv_cache_dtype == "int8" else "")
+        return f"hybrid {'on' if self.hybrid else 'off'}" + (
+            " + int8" if self.kv_cache_dtype == "int8" else ""
+        )
 
 
 SETUPS = (Setup(False, "auto"), Setup(True, "auto"), Setup(True, "int8"))
@@ -136,7 +138,9 @@ def run_engine(args: argparse.Namespace, setup: Setup) -> tuple[int, float, floa
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     span = min(20_000, engine.vocab_size - 10)  # distinct ids a prompt cycles through (a tiny model has few)
     for i in range(args.num_prompts):
-        engine.add_request(f"r{i}", [(7 + 31 * i + 17 * p) % span + 10 for p in range(args.prompt_len)], params)
+        engine.add_request(
+            f"r{i}", [(7 + 31 * i + 17 * p) % span + 10 for p in range(args.prompt_len)], params
+        )
     most, produced, decode_times = 0, 0, []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -235,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{fmt(r.measured_at_once, 'd')} | {fmt(r.output_tok_s, '.1f')} | {fmt(r.tpot_ms, '.1f')} |"
         )
     costs = cost_table(geo, args.lengths, args.block_size)
-    print("\n| length | KV per token, hybrid off | hybrid on | hybrid on + int8 | ratio on | ratio on + int8 |")
+    print(
+        "\n| length | KV per token, hybrid off | hybrid on | hybrid on + int8 | ratio on | ratio on + int8 |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for n, (off, on, on_int8) in costs:
         print(

@@ -28,7 +28,17 @@ def test_bench_kv_capacity_reports_three_configurations(tmp_path: Path) -> None:
     model = make_tiny_model("gemma3", tmp_path / "gemma3")
     png = tmp_path / "capacity.png"
     args = ["--model", str(model), "--kv-cache-gib", "0.002", "--prompt-len", "96", "--max-tokens", "4"]
-    args += ["--num-prompts", "3", "--max-num-batched-tokens", "256", "--lengths", "128", "512", "--out", str(png)]
+    args += [
+        "--num-prompts",
+        "3",
+        "--max-num-batched-tokens",
+        "256",
+        "--lengths",
+        "128",
+        "512",
+        "--out",
+        str(png),
+    ]
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_kv_capacity.py"), *args, "--engine"],
         check=True,
