@@ -47,8 +47,10 @@ def _quantized(case: Case, dtype: torch.dtype) -> QuantizedCase:
     qc = quantize_case(c, write)
     if DEVICE == "cpu":
         return qc
-    fields = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens)
-    moved = PagedCase(*(t.to(DEVICE) for t in fields), c.scale)  # the same case on the GPU
+    q, k, v, tables, starts, lens = (
+        t.to(DEVICE) for t in (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens)
+    )
+    moved = PagedCase(q, k, v, tables, starts, lens, c.scale)  # the same case on the GPU
     return QuantizedCase(moved, *(t.to(DEVICE) for t in (qc.k_cache, qc.v_cache, qc.k_scale, qc.v_scale)))
 
 
@@ -71,17 +73,20 @@ def test_int8_prefill_and_decode_match_the_torch_reference(
     qc = _quantized(case, dtype)
     c = qc.case
     window, softcap = case.sliding_window, case.logit_softcap
-    scales = {"k_scale": qc.k_scale, "v_scale": qc.v_scale}
     args = (c.q, qc.k_cache, qc.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
-    ref = TORCH.paged_prefill_attention(*args, sliding_window=window, logit_softcap=softcap, **scales)
+    ref = TORCH.paged_prefill_attention(
+        *args, sliding_window=window, logit_softcap=softcap, k_scale=qc.k_scale, v_scale=qc.v_scale
+    )
     last = c.query_start_loc[1:].long() - 1
     q = c.q[last].contiguous()
     decode = (q, qc.k_cache, qc.v_cache, c.block_tables, c.context_lens, c.scale)
-    ref_decode = TORCH.paged_decode_attention(*decode, sliding_window=window, logit_softcap=softcap, **scales)
+    ref_decode = TORCH.paged_decode_attention(
+        *decode, sliding_window=window, logit_softcap=softcap, k_scale=qc.k_scale, v_scale=qc.v_scale
+    )
     _forbid_the_torch_reference(monkeypatch)
     out = torch.full_like(c.q, float("nan"))
     got = TRITON.paged_prefill_attention(
-        *args, sliding_window=window, logit_softcap=softcap, out=out, **scales
+        *args, sliding_window=window, logit_softcap=softcap, out=out, k_scale=qc.k_scale, v_scale=qc.v_scale
     )
     assert got is out and out.dtype == dtype
     assert relative_error(out, ref) < TOLERANCE[dtype]
@@ -93,7 +98,8 @@ def test_int8_prefill_and_decode_match_the_torch_reference(
             logit_softcap=softcap,
             out=out,
             partition_size=partition_size,
-            **scales,
+            k_scale=qc.k_scale,
+            v_scale=qc.v_scale,
         )
         assert relative_error(out, ref_decode) < TOLERANCE[dtype], partition_size
 
