@@ -112,28 +112,44 @@ def test_value_rule_gives_each_row_its_own_scale_and_never_clamps() -> None:
 
 
 def test_key_rule_scales_each_channel_and_requantizes_only_the_grown_ones() -> None:
-    """A key block's first rows set one scale per channel; a later row larger in one channel raises that
-    channel's scale and requantizes that channel's earlier rows only; a smaller channel keeps its own range."""
+    """A key block's first rows set one scale per channel (amax / 127 rounded up to bfloat16); a later row larger in
+    one channel raises that channel's scale and requantizes that channel's earlier rows only; a smaller channel
+    keeps its own range."""
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.int8)
-    scales = torch.full((2, 1, 8), float("nan"))
+    scales = torch.full((2, 1, 8), float("nan"), dtype=torch.bfloat16)
     first = torch.linspace(1.0, 8.0, 8).view(1, 1, 8)  # channel c has magnitude c + 1
     kv_quant.write_int8_keys(first, cache, scales, torch.tensor([4]))  # block 1, offset 0
-    assert torch.allclose(scales[1, 0], first[0, 0] / 127) and bool(torch.isnan(scales[0]).all())
-    assert bool((cache[1, 0, 0] == 127).all())  # every channel uses the full range
+    expected = kv_quant.ceil_bfloat16(first[0, 0] / 127)
+    assert torch.equal(scales[1, 0].float(), expected) and bool(torch.isnan(scales[0]).all())
+    assert bool((expected >= first[0, 0] / 127).all()) and bool((expected <= first[0, 0] / 127 * 1.008).all())
+    assert bool((cache[1, 0, 0] >= 126).all())  # every channel uses (nearly) the full range, none clamps
     grown = first.clone()
     grown[0, 0, 0] = 4.0  # channel 0 grows 4x, the others stay
+    before = cache[1, 0, 0].clone()
     kv_quant.write_int8_keys(grown, cache, scales, torch.tensor([5]))
-    assert scales[1, 0, 0].item() == pytest.approx(4.0 / 127)
-    assert torch.equal(scales[1, 0, 1:], first[0, 0, 1:] / 127)  # the other channels' scales unchanged
-    assert cache[1, 0, 0, 0].item() == round(127 / 4)  # channel 0 requantized
-    assert bool((cache[1, 0, 0, 1:] == 127).all())  # the other channels not
-    assert cache[1, 1, 0, 0].item() == 127  # not clamped
+    new0 = kv_quant.ceil_bfloat16(torch.tensor([4.0 / 127]))[0]
+    assert scales[1, 0, 0].float().item() == new0.item()
+    assert torch.equal(scales[1, 0, 1:].float(), expected[1:])  # the other channels' scales unchanged
+    ratio = torch.tensor(expected[0].item()) / new0  # float32, as the rule computes it
+    assert cache[1, 0, 0, 0].item() == torch.round(before[0].float() * ratio).item()  # requantized
+    assert torch.equal(cache[1, 0, 0, 1:], before[1:])  # the other channels not
+    assert cache[1, 1, 0, 0].item() == torch.round(torch.tensor(4.0) / new0).item()  # not clamped
     kv_quant.write_int8_keys(0.5 * first, cache, scales, torch.tensor([4]))  # offset 0 again: a fresh block
-    assert torch.allclose(scales[1, 0], 0.5 * first[0, 0] / 127)
+    assert torch.equal(scales[1, 0].float(), kv_quant.ceil_bfloat16(0.5 * first[0, 0] / 127))
     kv_quant.write_int8_keys(
         torch.zeros(1, 1, 8), cache, scales, torch.tensor([0])
     )  # all zero: positive scales
     assert bool((scales[0, 0] > 0).all()) and bool((cache[0, 0] == 0).all())
+
+
+def test_ceil_bfloat16_never_rounds_down() -> None:
+    """Every float32 rounds up to the nearest bfloat16 at or above it (bfloat16 values stay)."""
+    x = torch.rand(10_000) * torch.logspace(-30, 30, 10_000)
+    up = kv_quant.ceil_bfloat16(x)
+    assert bool((up >= x).all()) and torch.equal(up.to(torch.bfloat16).float(), up)
+    assert bool((up <= x * (1 + 2**-7)).all())
+    exact = x.to(torch.bfloat16).float()
+    assert torch.equal(kv_quant.ceil_bfloat16(exact), exact)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -150,15 +166,16 @@ def test_value_writes_split_into_calls_give_the_bytes_of_one_call(cpu: CpuBacken
     for cuts in ([0, n], [0, 1, 2, 9, 10, 30, n], list(range(n + 1))):
         k = torch.zeros(8, bs, heads, dim, dtype=torch.int8)
         v = torch.zeros_like(k)
-        ks, vs = torch.ones(8, heads, dim), torch.zeros(8, bs, heads)
+        ks, vs = torch.ones(8, heads, dim, dtype=torch.bfloat16), torch.zeros(8, bs, heads)
         for a, b in itertools.pairwise(cuts):
             ops.reshape_and_cache(key[a:b], value[a:b], k, v, slots[a:b], k_scale=ks, v_scale=vs)
         results.append((k, v, ks, vs))
     for other in results[1:]:
         assert torch.equal(results[0][1], other[1]) and torch.equal(results[0][3], other[3])
         for ours in (results[0], other):  # keys: each within a step of its scale (at most one per growth)
-            deq = ours[0].view(-1, heads, dim)[slots].float() * ours[2][slots // bs]
-            assert bool(((deq - key.float()).abs() <= ours[2][slots // bs] * 1.5).all())
+            step = ours[2][slots // bs].float()
+            deq = ours[0].view(-1, heads, dim)[slots].float() * step
+            assert bool(((deq - key.float()).abs() <= step * 1.5).all())
     assert bool((results[0][3].view(-1, heads)[slots] > 0).all())
 
 

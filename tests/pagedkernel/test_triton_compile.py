@@ -115,7 +115,8 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
         )
         k, v = c.k_cache.to(torch.int8), c.v_cache.to(torch.int8)
         blocks, block_size = k.shape[0], k.shape[1]
-        k_scale, v_scale = torch.ones(blocks, 1, head_dim), torch.ones(blocks, block_size, 1)
+        k_scale = torch.ones(blocks, 1, head_dim, dtype=torch.bfloat16)
+        v_scale = torch.ones(blocks, block_size, 1)
         backend.paged_prefill_attention(
             c.q,
             k,

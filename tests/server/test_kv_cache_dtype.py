@@ -110,7 +110,7 @@ def _pool_bytes_per_token(llm: LLM) -> float:
 
 
 def test_int8_halves_the_kv_bytes_per_token(model_dirs: dict[str, Path]) -> None:
-    """The pool's tensors take half of bfloat16's bytes per token, plus the scales (per layer and KV head, 4 B per
+    """The pool's tensors take half of bfloat16's bytes per token, plus the scales (per layer and KV head, 2 B per
     key channel and block, 4 B per value row); the shape's arithmetic (what sizes the pool) says the same."""
     bf16 = _llm(model_dirs["llama"], dtype="bfloat16", block_size=16, num_kv_blocks=8)
     int8 = _llm(model_dirs["llama"], dtype="bfloat16", block_size=16, num_kv_blocks=8, kv_cache_dtype="int8")
@@ -119,17 +119,16 @@ def test_int8_halves_the_kv_bytes_per_token(model_dirs: dict[str, Path]) -> None
     assert ours == int8.engine.runner.kv_cache.shape.bytes_per_token
     assert theirs == bf16.engine.runner.kv_cache.shape.bytes_per_token
     head_dim, block_size = 16, 16  # the tiny llama's
-    assert ours == theirs * (2 * head_dim * block_size + 4 * (head_dim + block_size)) / (
-        4 * head_dim * block_size
-    )
+    # Per KV head and block: int8 rows of K and V, bfloat16 key-channel scales, float32 value-row scales.
+    int8_block = 2 * head_dim * block_size + 2 * head_dim + 4 * block_size
+    assert ours == theirs * int8_block / (4 * head_dim * block_size)
     assert 0.5 * theirs < ours
     shape = KVCacheShape(18, 1, 256, 16, torch.bfloat16)  # Gemma 3 270M
     assert shape.bytes_per_token == 18432  # the issue's 18.4 KB per token
     int8_gemma = KVCacheShape(18, 1, 256, 16, torch.bfloat16, torch.int8).bytes_per_token
-    assert (
-        int8_gemma == 9216 + 18 * 4 * (256 + 16) / 16
-    )  # + per layer 256 K channel scales and 16 V row scales
-    assert int8_gemma <= 0.57 * 18432  # 0.566x (llama.cpp's q8_0: 0.53x)
+    # + per layer 256 bfloat16 K channel scales and 16 float32 V row scales per 16-token block
+    assert int8_gemma == 9216 + 18 * (2 * 256 + 4 * 16) / 16 == 9864
+    assert int8_gemma <= 0.54 * 18432  # 0.535x (llama.cpp's q8_0: 0.53x)
 
 
 def test_int8_greedy_agrees_with_float32_kv(model_dirs: dict[str, Path]) -> None:

@@ -153,7 +153,7 @@ def _attention(
     logit_softcap: float | None,
     out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
     kernels: CpuKernels,  # built for q's dtype (and an int8 cache's when k_scale is given)
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim] of an int8 cache
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim] of an int8 cache
     v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
     """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
@@ -249,7 +249,7 @@ class CpuBackend(TorchBackend):
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots (an int8
@@ -301,7 +301,7 @@ class CpuBackend(TorchBackend):
         k_cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
-        k_scale: Tensor | None,  # float32 [num_blocks, num_kv_heads, head_dim]
+        k_scale: Tensor | None,  # bfloat16 [num_blocks, num_kv_heads, head_dim]
         v_scale: Tensor | None,  # float32 [num_blocks, block_size, num_kv_heads]
     ) -> None:
         """The int8 write in C where it takes the inputs, else the torch reference's."""
@@ -359,7 +359,7 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V: the prefill op
@@ -393,7 +393,7 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from pagoda.pagedkernel import kv_quant
 from torch import Tensor
 
 
@@ -128,12 +129,12 @@ class QuantizedCase:
     case: PagedCase  # the float inputs (q, tables, lengths; its caches hold the values that were written)
     k_cache: Tensor  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: Tensor  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale: Tensor  # float32 [num_blocks, num_kv_heads, head_dim]
+    k_scale: Tensor  # bfloat16 [num_blocks, num_kv_heads, head_dim]
     v_scale: Tensor  # float32 [num_blocks, block_size, num_kv_heads]
 
     def dequantized(self) -> PagedCase:
         """The case with its caches replaced by the float32 values the int8 caches hold (q * scale)."""
-        k = self.k_cache.float() * self.k_scale[:, None]
+        k = self.k_cache.float() * self.k_scale.float()[:, None]
         v = self.v_cache.float() * self.v_scale[..., None]
         return PagedCase(
             self.case.q.float(),
@@ -183,7 +184,7 @@ def quantize_case(
     k_cache = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
     v_cache = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
     fill = float("nan") if poison_unused else 1.0
-    k_scale = torch.full((num_blocks, num_kv_heads, head_dim), fill)
+    k_scale = torch.full((num_blocks, num_kv_heads, head_dim), fill, dtype=kv_quant.KEY_SCALE_DTYPE)
     v_scale = torch.full((num_blocks, block_size, num_kv_heads), fill)
     lens = case.context_lens.tolist()
     start = [0] * len(lens)

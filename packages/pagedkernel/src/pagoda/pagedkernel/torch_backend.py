@@ -24,7 +24,7 @@ def _attend_group(
     sliding_window: int | None,
     logit_softcap: float | None,
     dtype: torch.dtype,  # the compute dtype (torch_attention.compute_dtype)
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim] of an int8 cache
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim] of an int8 cache
     v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in `dtype`
     """Attention for a padded batch of sequences whose queries are their last q_lens tokens."""
@@ -69,18 +69,19 @@ def check_attention_args(
 
 
 def check_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> None:
-    """An int8 cache has float32 k_scale [num_blocks, num_kv_heads, head_dim] and v_scale [num_blocks,
-    block_size, num_kv_heads]; other caches have none."""
+    """An int8 cache has bfloat16 k_scale [num_blocks, num_kv_heads, head_dim] and float32 v_scale
+    [num_blocks, block_size, num_kv_heads]; other caches have none."""
     assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
     if not kv_quant.is_scaled(k_cache.dtype):
         assert k_scale is None and v_scale is None, f"a {k_cache.dtype} cache takes no scales"
         return
-    for scale, expected in (
-        (k_scale, kv_quant.key_scale_shape(k_cache)),
-        (v_scale, kv_quant.value_scale_shape(v_cache)),
-    ):
+    checks = (
+        (k_scale, kv_quant.KEY_SCALE_DTYPE, kv_quant.key_scale_shape(k_cache)),
+        (v_scale, kv_quant.VALUE_SCALE_DTYPE, kv_quant.value_scale_shape(v_cache)),
+    )
+    for scale, dtype, expected in checks:
         assert scale is not None, "an int8 cache needs k_scale and v_scale"
-        assert scale.dtype == torch.float32 and tuple(scale.shape) == expected, (scale.dtype, scale.shape)
+        assert scale.dtype == dtype and tuple(scale.shape) == expected, (scale.dtype, scale.shape)
 
 
 def _varlen_attention(
@@ -94,7 +95,7 @@ def _varlen_attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor,  # [total_query_tokens, num_heads, head_dim]
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim] of an int8 cache
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim] of an int8 cache
     v_scale: Tensor | None = None,
 ) -> None:
     """Run the sequences in padded groups (see `plan_groups`) and scatter each group's rows into `out`."""
@@ -209,7 +210,7 @@ class TorchBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots; an int8
@@ -248,7 +249,7 @@ class TorchBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
@@ -285,7 +286,7 @@ class TorchBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""

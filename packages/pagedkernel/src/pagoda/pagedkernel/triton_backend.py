@@ -117,7 +117,7 @@ def decode_with_partitions(
     logit_softcap: float | None,
     out: Tensor | None,  # [num_seqs, num_heads, head_dim]
     partition_size: int,
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
     v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
 ) -> Tensor:
     """`paged_decode_attention` with an explicit partition size (the tests use small ones to split short contexts)."""
@@ -234,7 +234,7 @@ class TritonBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
@@ -280,7 +280,7 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
@@ -312,7 +312,7 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
         v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""

@@ -140,7 +140,7 @@ def _load_keys(
             k_scale_ptr + (b * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        )
+        ).to(tl.float32)  # bfloat16 scales
         v_scale = tl.load(
             v_scale_ptr + (b * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head, mask=tok_ok, other=0.0
         )
@@ -161,7 +161,7 @@ def paged_decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # same strides as k_cache
-    k_scale_ptr,  # INT8: float32 [num_blocks, num_kv_heads, head_dim] (else any pointer, unread)
+    k_scale_ptr,  # INT8: bfloat16 [num_blocks, num_kv_heads, head_dim] (else any pointer, unread)
     v_scale_ptr,  # INT8: float32 [num_blocks, block_size, num_kv_heads] (else any pointer, unread)
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     context_lens_ptr,  # int32 [num_seqs]
@@ -337,7 +337,7 @@ def paged_prefill_kernel(
     q_ptr,  # [total_query_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # same strides as k_cache
-    k_scale_ptr,  # INT8: float32 [num_blocks, num_kv_heads, head_dim] (else any pointer, unread)
+    k_scale_ptr,  # INT8: bfloat16 [num_blocks, num_kv_heads, head_dim] (else any pointer, unread)
     v_scale_ptr,  # INT8: float32 [num_blocks, block_size, num_kv_heads] (else any pointer, unread)
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     query_start_loc_ptr,  # int32 [num_seqs + 1]

@@ -10,8 +10,8 @@
  *
  * Compiled by cpu_backend.py with -DPAGODA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16): q, out and the
  * caches share that dtype; everything is computed in float32. With -DPAGODA_KV_INT8 the caches are int8 instead,
- * with float32 scales (value = q * scale): keys one per block, KV head and channel (k_scale [num_blocks,
- * num_kv_heads, head_dim]), values one per token slot and KV head (v_scale [num_blocks, block_size,
+ * with scales (value = q * scale): keys one per block, KV head and channel (k_scale, bfloat16 bits [num_blocks,
+ * num_kv_heads, head_dim]), values one per token slot and KV head (v_scale, float32 [num_blocks, block_size,
  * num_kv_heads]). The block's channel scales multiply the query once per block (q . (k * s) = (q * s) . k), a
  * value row's scale its softmax weight, so int8 rows are converted to float32 in registers but never rescaled
  * element by element. The write rules (kv_quant.py's) are computed bit for bit.
@@ -29,6 +29,14 @@
 #include "cpu_dtype.h"
 
 typedef float v8f __attribute__((vector_size(32)));
+
+/* bfloat16 bits (the key scales) as float32, exactly. */
+static inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
 PAGODA_DEFINE_LOADV(load8, v8f, 8)
 
 #ifdef PAGODA_KV_INT8
@@ -86,7 +94,8 @@ static inline v8f exp8(v8f x) {
 typedef struct {
   const scalar_t *q;                     /* [num_tokens, num_heads, head_dim] */
   const cache_t *k_cache, *v_cache;      /* [blocks, bs, kvh, d] */
-  const float *k_scale, *v_scale;        /* int8 caches: [blocks, kvh, d] and [blocks, bs, kvh]; else NULL */
+  const uint16_t *k_scale;               /* int8 caches: bfloat16 bits [blocks, kvh, d]; else NULL */
+  const float *v_scale;                  /* int8 caches: [blocks, bs, kvh]; else NULL */
   scalar_t *out;                           /* [num_tokens, num_heads, head_dim] */
   const int32_t *block_tables, *query_start_loc, *context_lens;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
@@ -217,9 +226,11 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     const cache_t *kn = t0 + n < end ? p->k_cache + (int64_t)table[b + 1] * BS * row + h * D : NULL;
 #ifdef PAGODA_KV_INT8
     /* The block's channel scales folded into the query rows: R * D products per block instead of n * D. */
-    const float *ks = p->k_scale + ((int64_t)table[b] * p->num_kv_heads + h) * D;
+    const uint16_t *ks = p->k_scale + ((int64_t)table[b] * p->num_kv_heads + h) * D;
+    float ksf[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int64_t d = 0; d < D; ++d) ksf[d] = bf16_to_f32(ks[d]);
     for (int r = 0; r < R; ++r)
-      for (int64_t d = 0; d < D; d += 8) storef(qs[r] + d, loadf(qf[r] + d) * loadf(ks + d));
+      for (int64_t d = 0; d < D; d += 8) storef(qs[r] + d, loadf(qf[r] + d) * loadf(ksf + d));
     qk_block(R, D, qs, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
     /* The value rows' scales, one per slot (only the n read: the rest of the block may be unwritten). */
     float sv[MAX_BLOCK_SIZE];
@@ -298,7 +309,7 @@ static int64_t item_cost(const problem_t *p, const item_t *it) {
  * 2 when out of memory. Query token t of sequence s (rows query_start_loc[s] + t) sits at position
  * context_lens[s] - q_len + t and sees the keys up to its own position (the last `window` of them if window > 0). */
 int pagoda_paged_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
-                           const float *k_scale, const float *v_scale, const int32_t *block_tables, int64_t max_blocks, const int32_t *query_start_loc,
+                           const uint16_t *k_scale, const float *v_scale, const int32_t *block_tables, int64_t max_blocks, const int32_t *query_start_loc,
                            const int32_t *context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
                            int64_t num_threads) {
@@ -414,13 +425,27 @@ static inline float quantize_row(const scalar_t *x, int8_t *q, int64_t D) {
   return scale;
 }
 
+/* A positive float32 rounded up to a bfloat16 value (kv_quant.ceil_bfloat16), and that value's bits. */
+static inline float ceil_bf16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  u = (u + 0xFFFFu) & 0xFFFF0000u;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+static inline uint16_t bf16_bits(float x) { /* exact for a bfloat16 value (or a NaN read from one) */
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 /* Quantize the key rows of tokens t0 .. t1 - 1 (all in cache block `block`, at offsets `first` and up):
  * kv_quant.write_int8_keys' rule per KV head and channel. A channel's scale is its rows' absolute maximum / 127
  * when the rows start the block (offset 0); otherwise it grows to cover them, and the channel's rows already in
- * the block are requantized to the grown scale (round(q * old / new)), so nothing is clamped. `amax` and `scale`
- * are scratch of D floats. */
+ * the block are requantized to the grown scale (round(q * old / new)), so nothing is clamped. Scales are stored
+ * as bfloat16, rounded up (never below amax / 127). `amax` is scratch of D floats. */
 static void write_keys_int8(const scalar_t *x, int64_t stride, const int64_t *slots, int64_t t0, int64_t t1,
-                            int8_t *cache, float *scales, int64_t block, int64_t first, int64_t block_size,
+                            int8_t *cache, uint16_t *scales, int64_t block, int64_t first, int64_t block_size,
                             int64_t H, int64_t D, float *amax) {
   const int64_t row = H * D;
   for (int64_t h = 0; h < H; ++h) {
@@ -433,11 +458,11 @@ static void write_keys_int8(const scalar_t *x, int64_t stride, const int64_t *sl
         amax[d] = a > amax[d] ? a : amax[d];
       }
     }
-    float *sc = scales + (block * H + h) * D;
+    uint16_t *sc = scales + (block * H + h) * D;
     for (int64_t d = 0; d < D; ++d) {
       float fresh = amax[d] / 127.f;
-      fresh = fresh > FLT_MIN ? fresh : FLT_MIN;
-      const float old = sc[d];
+      fresh = ceil_bf16(fresh > FLT_MIN ? fresh : FLT_MIN);
+      const float old = bf16_to_f32(sc[d]);
       float scale = fresh;
       if (first > 0) {
         scale = old > fresh || old != old ? old : fresh; /* a NaN scale stays NaN, as torch.maximum keeps it */
@@ -451,14 +476,15 @@ static void write_keys_int8(const scalar_t *x, int64_t stride, const int64_t *sl
           }
         }
       }
-      sc[d] = scale;
+      sc[d] = bf16_bits(scale);
+      amax[d] = scale; /* from here on: the channel's scale */
     }
     for (int64_t t = t0; t < t1; ++t) {
       if (slots[t] < 0) continue;
       const scalar_t *xr = x + t * stride + h * D;
       int8_t *qr = cache + slots[t] * row + h * D;
       for (int64_t d = 0; d < D; ++d) {
-        float y = rintf(load1(xr + d) / sc[d]);
+        float y = rintf(load1(xr + d) / amax[d]);
         y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
         qr[d] = (int8_t)y;
       }
@@ -468,11 +494,11 @@ static void write_keys_int8(const scalar_t *x, int64_t stride, const int64_t *sl
 
 /* The int8 cache write: token t's key and value rows go to slot slots[t] (negative: padding, skipped). Values
  * get one scale per row (v_scale [num_slots, num_kv_heads]); keys follow kv_quant.write_int8_keys per block
- * (k_scale [num_blocks, num_kv_heads, head_dim]): the tokens of one block must be consecutive (padding aside),
+ * (k_scale, bfloat16 bits [num_blocks, num_kv_heads, head_dim]): the tokens of one block must be consecutive (padding aside),
  * as the engine writes them (a sequence's tokens in order), and each such run is quantized as one group.
  * Returns 0, or token + 1 of a slot outside the cache (then nothing is written). */
 int64_t pagoda_reshape_and_cache_int8(const void *key, const void *value, void *k_cache, void *v_cache,
-                                      float *k_scale, float *v_scale, const int64_t *slots, int64_t num_tokens,
+                                      uint16_t *k_scale, float *v_scale, const int64_t *slots, int64_t num_tokens,
                                       int64_t num_slots, int64_t block_size, int64_t num_kv_heads,
                                       int64_t head_dim, int64_t key_stride, int64_t value_stride) {
   for (int64_t t = 0; t < num_tokens; ++t)

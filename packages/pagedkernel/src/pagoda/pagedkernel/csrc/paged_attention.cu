@@ -12,8 +12,8 @@
 // and pagoda_paged_attention_reduce merges them, as in vLLM's paged_attention_v2.
 //
 // Compile-time: PAGODA_DTYPE (pagoda_common.cuh) and PAGODA_HEAD_DIM (<= 256; any value, multiples of 32 best).
-// With PAGODA_KV_INT8 the caches are int8 with float32 scales (kv_quant.py): keys one per block, KV head and
-// channel (k_scale [num_blocks, num_kv_heads, HEAD_DIM]), values one per slot and KV head (v_scale
+// With PAGODA_KV_INT8 the caches are int8 with scales (kv_quant.py): keys one per block, KV head and channel
+// (k_scale, bfloat16 bits [num_blocks, num_kv_heads, HEAD_DIM]), values one per slot and KV head (v_scale, float32
 // [num_blocks, block_size, num_kv_heads]); keys are dequantized as they are read, a value row's scale weights
 // its probability. Without it the scale pointers are null and unread.
 #include "pagoda_common.cuh"
@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
     const scalar_t* __restrict__ q,          // [num_rows, num_heads, HEAD_DIM] (strided)
     const cache_t* __restrict__ k_cache,     // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
     const cache_t* __restrict__ v_cache,     // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
-    const float* __restrict__ k_scale,       // int8: [num_blocks, num_kv_heads, HEAD_DIM]; else null
+    const unsigned short* __restrict__ k_scale,  // int8: bfloat16 bits [num_blocks, num_kv_heads, HEAD_DIM]; else null
     const float* __restrict__ v_scale,       // int8: [num_blocks, block_size, num_kv_heads]; else null
     const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ context_lens,    // [num_seqs]
@@ -157,8 +157,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
             const cache_t* k = k_head + slots[j] * slot_stride;
             float s = 0.0f;
 #ifdef PAGODA_KV_INT8
-            const float* ks = k_scale + ((long long)(slots[j] / block_size) * num_kv_heads + kv_head) * HEAD_DIM;
-            for (int d = lane; d < HEAD_DIM; d += 32) s += q_sh[d] * (ks[d] * cache_to_float(k[d]));
+            const unsigned short* ks =
+                k_scale + ((long long)(slots[j] / block_size) * num_kv_heads + kv_head) * HEAD_DIM;
+            for (int d = lane; d < HEAD_DIM; d += 32)
+                s += q_sh[d] * (__uint_as_float(((unsigned int)ks[d]) << 16) * cache_to_float(k[d]));
 #else
             for (int d = lane; d < HEAD_DIM; d += 32) s += q_sh[d] * cache_to_float(k[d]);
 #endif

@@ -1,8 +1,8 @@
 """KV-cache tensors: one (k, v) pair per layer on the device, a second tier in host memory for swapping.
 
-An int8 cache (`--kv-cache-dtype int8`) also holds float32 scales (see pagedkernel's `kv_quant`): for K one per
-block, KV head and channel (`[num_blocks, num_kv_heads, head_dim]`), for V one per token slot and KV head
-(`[num_blocks, block_size, num_kv_heads]`); every block move (copy-on-write, swaps to and from the host tier)
+An int8 cache (`--kv-cache-dtype int8`) also holds scales (see pagedkernel's `kv_quant`): for K one per block,
+KV head and channel (bfloat16 `[num_blocks, num_kv_heads, head_dim]`), for V one per token slot and KV head
+(float32 `[num_blocks, block_size, num_kv_heads]`); every block move (copy-on-write, swaps to and from the host tier)
 carries them with the block's rows.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.pagedkernel import KernelBackend, allocate_host_cache
-from pagoda.pagedkernel.kv_quant import is_scaled
+from pagoda.pagedkernel.kv_quant import KEY_SCALE_DTYPE, VALUE_SCALE_DTYPE, is_scaled
 from pagoda.pagedkernel.torch_backend import TorchBackend
 from pagoda.server.engine.kv_groups import KVCacheLayout
 from pagoda.server.models.attention import LayerKVCache
@@ -56,8 +56,9 @@ class KVCacheShape:
         """Bytes one block takes over all layers, K and V together (with an int8 cache's scales)."""
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
         rows = self.block_size * self.num_kv_heads * self.head_dim * itemsize
-        # int8: K's channel scales (num_kv_heads x head_dim) and V's row scales (block_size x num_kv_heads).
-        scales = 4 * self.num_kv_heads * (self.head_dim + self.block_size) if self.scaled else 0
+        # int8: K's channel scales (num_kv_heads x head_dim, bfloat16) and V's row scales (block_size x
+        # num_kv_heads, float32).
+        scales = self.num_kv_heads * (2 * self.head_dim + 4 * self.block_size) if self.scaled else 0
         return self.num_layers * (2 * rows + scales)
 
     @property
@@ -76,7 +77,7 @@ def allocate_caches(
     allocate: Callable[[int, int, int, int, torch.dtype], torch.Tensor],
 ) -> list[LayerKVCache]:
     """Per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim], uninitialised; an int8
-    cache's scales (float32 K [num_blocks, num_kv_heads, head_dim] and V [num_blocks, block_size,
+    cache's scales (bfloat16 K [num_blocks, num_kv_heads, head_dim] and float32 V [num_blocks, block_size,
     num_kv_heads], from the same allocator) too.
 
     `allocate` takes pagedkernel's `allocate_host_cache` arguments (num_blocks, block_size, num_kv_heads, head_dim,
@@ -91,7 +92,7 @@ def allocate_caches(
     ):  # [num_blocks, num_kv_heads, head_dim], of [num_blocks, 1, heads, dim]
         if not shape.scaled:
             return None
-        return allocate(num_blocks, 1, shape.num_kv_heads, shape.head_dim, torch.float32).view(
+        return allocate(num_blocks, 1, shape.num_kv_heads, shape.head_dim, KEY_SCALE_DTYPE).view(
             num_blocks, shape.num_kv_heads, shape.head_dim
         )
 
@@ -100,7 +101,7 @@ def allocate_caches(
     ):  # [num_blocks, block_size, num_kv_heads], of [num_blocks, bs, heads, 1]
         if not shape.scaled:
             return None
-        return allocate(num_blocks, shape.block_size, shape.num_kv_heads, 1, torch.float32).view(
+        return allocate(num_blocks, shape.block_size, shape.num_kv_heads, 1, VALUE_SCALE_DTYPE).view(
             num_blocks, shape.block_size, shape.num_kv_heads
         )
 
