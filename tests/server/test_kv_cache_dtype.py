@@ -264,8 +264,9 @@ def test_unknown_kv_cache_dtype_exits_2(capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["int8", "fp8", "fp8_e5m2"])
 def test_quantized_kv_on_cuda(model_dirs: dict[str, Path], name: str) -> None:
-    """On CUDA (Triton: fp8 native, int8 through the torch reference) greedy keeps the float32-KV tokens on at
-    least 90% of prompts for int8 and fp8 (e4m3); e5m2 (two mantissa bits) must generate every token."""
+    """On CUDA (Triton: fp8 and int8 attention native, int8 writes the torch reference's) greedy keeps the
+    float32-KV tokens on at least 90% of prompts for int8 and fp8 (e4m3); e5m2 (two mantissa bits) must generate
+    every token."""
     prompts = _prompts(20, seed=0, high=60)
     cuda: dict[str, Any] = {"device": "cuda", "enforce_eager": True}
     reference = _tokens(_llm(model_dirs["gemma3"], **cuda).generate(prompts, GREEDY, use_tqdm=False))

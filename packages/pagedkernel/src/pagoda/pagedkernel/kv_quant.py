@@ -14,7 +14,8 @@ stored, and that it is not below `amax / 127`: so a key scale is `amax / 127` ro
 
 Why: measured on the default model (Gemma 3 270M, one KV head of 256 channels; the pagedkernel README has the
 table), one scale per block and head gave 1.027x bfloat16 KV's perplexity, one per token and head 1.014x, groups
-of 32 channels 1.006x, and per-channel keys with per-token values 1.001x: a few key channels are far larger
+of 32 channels 1.006x, and per-channel keys with per-token values 1.001x (this rule, with bfloat16 key
+scales, measured in the real cache: 1.0005x): a few key channels are far larger
 than the rest, so any scale shared across channels leaves the others a handful of int8 steps. Values alone,
 per token, cost nothing measurable (0.998x), keys alone per token 1.017x.
 
