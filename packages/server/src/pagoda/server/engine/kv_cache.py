@@ -2,8 +2,8 @@
 
 An int8 cache (`--kv-cache-dtype int8`) also holds scales (see pagedkernel's `kv_quant`): for K one per block,
 KV head and channel (bfloat16 `[num_blocks, num_kv_heads, head_dim]`), for V one per token slot and KV head
-(float32 `[num_blocks, block_size, num_kv_heads]`); every block move (copy-on-write, swaps to and from the host tier)
-carries them with the block's rows.
+(float32 `[num_blocks, block_size, num_kv_heads]`); every block move (copy-on-write, swaps to and from the host
+tier) carries them with the block's rows.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class KVCacheShape:
 
     @property
     def scaled(self) -> bool:
-        """Whether the cache keeps float32 scales beside its rows (int8: K per channel, V per token)."""
+        """Whether the cache keeps scales beside its rows (int8: K per channel, V per token)."""
         return is_scaled(self.storage_dtype)
 
     def layer_slots(self) -> tuple[int, ...]:
