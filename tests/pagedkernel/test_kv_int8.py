@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 import torch
-from pagoda.pagedkernel import kv_quant
+from pagoda.pagedkernel import cpu_backend, kv_quant
 from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import (
@@ -258,3 +258,32 @@ def test_scales_are_required_for_int8_and_refused_for_float() -> None:
     int8 = c.k_cache.to(torch.int8)
     with pytest.raises(AssertionError, match="needs k_scale"):
         TORCH.paged_prefill_attention(c.q, int8, int8, *args[3:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_generic_c_build_agrees_with_the_native_one(cpu: CpuBackend, dtype: torch.dtype) -> None:
+    """The int8 kernel built for a CPU without AVX2 (the generic vector code, not the AVX2 int8 loads) computes
+    what the native build computes, within float32 rounding (FMA contraction differs), and the same writes."""
+    c = _case(CASES[1], dtype)
+    qc = _quantize(cpu, c)
+    generic_flags = tuple("-march=x86-64" if f == "-march=native" else f for f in cpu_backend.CFLAGS)
+    generic = cpu_backend.load(
+        cpu_backend.build(dtype, int8_cache=True, cflags=generic_flags), int8_cache=True
+    )
+    native = cpu.kernels(dtype, torch.int8)
+    assert native is not None
+    args = (
+        c.q,
+        qc.k_cache,
+        qc.v_cache,
+        c.block_tables,
+        c.query_start_loc,
+        c.context_lens,
+        c.scale,
+        32,
+        None,
+        None,
+    )
+    ours = cpu_backend._attention(*args, generic, qc.k_scale, qc.v_scale)
+    theirs = cpu_backend._attention(*args, native, qc.k_scale, qc.v_scale)
+    assert relative_error(ours, theirs.double()) < DEQUANT_TOLERANCE[dtype]

@@ -59,9 +59,10 @@ class CpuKernels:
     reshape_and_cache_int8: Callable[..., int] | None = None  # the int8-cache builds' write
 
 
-def build(dtype: torch.dtype, *, int8_cache: bool = False) -> Path:
+def build(dtype: torch.dtype, *, int8_cache: bool = False, cflags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile the kernel for `dtype` (activations; with `int8_cache` over int8 caches with scales) unless the
-    cache has it (see `cbuild.build`); the path of the shared library.
+    cache has it (see `cbuild.build`); the path of the shared library. `cflags` (e.g. another -march, to test the
+    generic C path on an AVX2 machine) replaces the default flags.
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
@@ -69,7 +70,7 @@ def build(dtype: torch.dtype, *, int8_cache: bool = False) -> Path:
     return cbuild.build(
         SOURCE_FILE,
         csrc.read_source(SOURCE_FILE),
-        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}", *int8_flags),
+        (*cflags, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}", *int8_flags),
         variant=str(dtype).removeprefix("torch.") + ("-int8kv" if int8_cache else ""),
         owner="the 'cpu' kernel backend",
         instead="use kernel_backend='torch'",

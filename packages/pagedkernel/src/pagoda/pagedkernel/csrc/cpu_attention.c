@@ -41,12 +41,23 @@ PAGODA_DEFINE_LOADV(load8, v8f, 8)
 
 #ifdef PAGODA_KV_INT8
 typedef int8_t cache_t;
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* Eight int8 values as float32 (exact): one sign-extending load and one conversion. GCC turns the generic
+ * version below into eight scalar conversions (vcvtsi2ss); measured 11.8 -> 1.8 ms for a Gemma-shaped decode
+ * batch (8 sequences x 4,096 keys), which makes int8 KV faster than bfloat16 KV (2.5 ms) instead of 4.7x slower. */
+static inline v8f loadc8(const cache_t *p) {
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
 typedef int8_t v8b __attribute__((vector_size(8)));
-static inline v8f loadc8(const cache_t *p) { /* eight int8 values as float32 (exact) */
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+static inline v8f loadc8(const cache_t *p) { /* eight int8 values as float32 (exact), any CPU */
   v8b b;
   memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, v8f);
+  return __builtin_convertvector(__builtin_convertvector(b, v8i32), v8f);
 }
+#endif
 #else
 typedef scalar_t cache_t;
 #define loadc8 load8
