@@ -1,10 +1,11 @@
-"""KV capacity with and without KV cache groups (the hybrid KV cache manager): long prompts at a fixed KV size.
+"""KV capacity with and without KV cache groups (the hybrid KV cache manager), and with int8 KV: long prompts at a
+fixed KV size.
 
     .venv/bin/python tools/bench_kv_capacity.py                    # default model, simulator only: table + PNG
     .venv/bin/python tools/bench_kv_capacity.py --engine --kv-cache-gib 0.05 --prompt-len 1024 --num-prompts 8
 
-For hybrid off (one block table for every layer) and on (one group per attention type, sliding-window groups
-keeping only their window), at the same `--kv-cache-gib`:
+For hybrid off (one block table for every layer), on (one group per attention type, sliding-window groups
+keeping only their window) and on + int8 (the same groups, `--kv-cache-dtype int8`), at the same `--kv-cache-gib`:
   - the simulator's prediction: the real `Scheduler` and `BlockManager` (with the model's groups) run the
     workload with a stand-in model, and report how many sequences decode at once;
   - with `--engine`, the real engine on the model: sequences decoding at once, output tokens/s over the
@@ -22,47 +23,71 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import Request, Scheduler, SchedulerConfig
 from pagoda.scheduler.testing import SimSamplingParams
 from pagoda.server.config import EngineConfig
+from pagoda.server.engine.kv_cache import KVCacheShape
 from pagoda.server.engine.kv_groups import KVCacheLayout, plan_kv_cache_layout
 from pagoda.server.loader import resolve_model_folder
 from pagoda.server.models.layers import head_dim_of
 from pagoda.server.models.llama import layer_sliding_windows
 from transformers import AutoConfig
 
-BYTES_BF16 = 2
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """One configuration measured: the hybrid KV cache manager on or off, and the KV cache dtype."""
+
+    hybrid: bool
+    kv_cache_dtype: str  # "auto" (the model's bfloat16) or "int8"
+
+    @property
+    def name(self) -> str:
+        """As the table and plot label it."""
+        return f"hybrid {'on' if self.hybrid else 'off'}" + (
+            " + int8" if self.kv_cache_dtype == "int8" else ""
+        )
+
+
+SETUPS = (Setup(False, "auto"), Setup(True, "auto"), Setup(True, "int8"))
 
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """What a model's KV cache costs: its layer windows and the bytes of one token of one layer (K and V)."""
+    """What a model's KV cache costs: its layer windows and its KV heads' shape."""
 
     windows: tuple[int | None, ...]
-    layer_token_bytes: int
+    num_kv_heads: int
+    head_dim: int
 
     def layout(self, hybrid: bool) -> KVCacheLayout:
         """The engine's layout for this model."""
         return plan_kv_cache_layout(self.windows, hybrid=hybrid)
 
-    def block_bytes(self, layout: KVCacheLayout, block_size: int) -> int:
-        """Bytes of one block of the layout (its layers_per_group layers)."""
-        return layout.layers_per_group * block_size * self.layer_token_bytes
+    def block_bytes(self, layout: KVCacheLayout, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one block of the layout (its layers_per_group layers), as the engine sizes it (int8: with
+        its scales)."""
+        cache_dtype = torch.int8 if kv_cache_dtype == "int8" else None
+        shape = KVCacheShape(
+            layout.layers_per_group, self.num_kv_heads, self.head_dim, block_size, torch.bfloat16, cache_dtype
+        )
+        return shape.bytes_per_block
 
 
 def geometry(model: str | None) -> Geometry:
-    """The model's layer windows and per-layer token bytes (bfloat16), from its config alone."""
+    """The model's layer windows and KV heads, from its config alone."""
     config = AutoConfig.from_pretrained(resolve_model_folder(model)).get_text_config()
     kv_heads = int(getattr(config, "num_key_value_heads", config.num_attention_heads))
-    return Geometry(tuple(layer_sliding_windows(config)), 2 * kv_heads * head_dim_of(config) * BYTES_BF16)
+    return Geometry(tuple(layer_sliding_windows(config)), kv_heads, head_dim_of(config))
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
     """One configuration's numbers (None: not measured)."""
 
-    hybrid: bool
+    setup: Setup
     num_blocks: int
     predicted_at_once: int
     measured_at_once: int | None = None
@@ -93,7 +118,7 @@ def simulate(layout: KVCacheLayout, num_blocks: int, args: argparse.Namespace) -
     return most
 
 
-def run_engine(args: argparse.Namespace, hybrid: bool) -> tuple[int, float, float]:
+def run_engine(args: argparse.Namespace, setup: Setup) -> tuple[int, float, float]:
     """(sequences decoding at once, output tokens/s, TPOT in ms) of the real engine on the workload."""
     from pagoda.server.engine import LLMEngine
     from pagoda.server.sampling_params import SamplingParams
@@ -106,13 +131,15 @@ def run_engine(args: argparse.Namespace, hybrid: bool) -> tuple[int, float, floa
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.num_prompts,
         enable_prefix_caching=False,
-        disable_hybrid_kv_cache_manager=not hybrid,
+        disable_hybrid_kv_cache_manager=not setup.hybrid,
+        kv_cache_dtype=setup.kv_cache_dtype,
     )
     engine = LLMEngine.from_config(config)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    span = min(20_000, engine.vocab_size - 10)  # distinct ids a prompt cycles through (a tiny model has few)
     for i in range(args.num_prompts):
         engine.add_request(
-            f"r{i}", [(7 + 31 * i + 17 * p) % 20_000 + 10 for p in range(args.prompt_len)], params
+            f"r{i}", [(7 + 31 * i + 17 * p) % span + 10 for p in range(args.prompt_len)], params
         )
     most, produced, decode_times = 0, 0, []
     start = time.perf_counter()
@@ -130,20 +157,20 @@ def run_engine(args: argparse.Namespace, hybrid: bool) -> tuple[int, float, floa
     return most, produced / makespan, tpot
 
 
-def cost_table(geo: Geometry, lengths: Sequence[int], block_size: int) -> list[tuple[int, float, float]]:
-    """Per length: KV bytes per token of one decoding sequence, hybrid off and on."""
+def cost_table(geo: Geometry, lengths: Sequence[int], block_size: int) -> list[tuple[int, list[float]]]:
+    """Per length: KV bytes per token of one decoding sequence in each of SETUPS."""
     rows = []
     for n in lengths:
         per = []
-        for hybrid in (False, True):
-            layout = geo.layout(hybrid)
+        for setup in SETUPS:
+            layout = geo.layout(setup.hybrid)
             blocks = layout.blocks_for_tokens(n, block_size, 1)
-            per.append(blocks * geo.block_bytes(layout, block_size) / n)
-        rows.append((n, per[0], per[1]))
+            per.append(blocks * geo.block_bytes(layout, block_size, setup.kv_cache_dtype) / n)
+        rows.append((n, per))
     return rows
 
 
-def plot(rows: Sequence[Row], costs: Sequence[tuple[int, float, float]], path: Path) -> None:
+def plot(rows: Sequence[Row], costs: Sequence[tuple[int, list[float]]], path: Path) -> None:
     """Sequences at once (predicted and measured) and KV bytes per token against length."""
     import matplotlib
 
@@ -151,7 +178,7 @@ def plot(rows: Sequence[Row], costs: Sequence[tuple[int, float, float]], path: P
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["hybrid " + ("on" if r.hybrid else "off") for r in rows]
+    names = [r.setup.name for r in rows]
     left.bar([i - 0.2 for i in range(len(rows))], [r.predicted_at_once for r in rows], 0.4, label="simulator")
     measured = [r.measured_at_once or 0 for r in rows]
     if any(measured):
@@ -159,8 +186,8 @@ def plot(rows: Sequence[Row], costs: Sequence[tuple[int, float, float]], path: P
     left.set_xticks(range(len(rows)), names)
     left.set_ylabel("sequences decoding at once")
     left.legend()
-    right.plot([c[0] for c in costs], [c[1] / 1024 for c in costs], marker="o", label="hybrid off")
-    right.plot([c[0] for c in costs], [c[2] / 1024 for c in costs], marker="o", label="hybrid on")
+    for i, setup in enumerate(SETUPS):
+        right.plot([c[0] for c in costs], [c[1][i] / 1024 for c in costs], marker="o", label=setup.name)
     right.set_xscale("log", base=2)
     right.set_xlabel("sequence length (tokens)")
     right.set_ylabel("KV KiB per token")
@@ -186,20 +213,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     geo = geometry(args.model)
     rows = []
-    for hybrid in (False, True):
-        layout = geo.layout(hybrid)
-        num_blocks = int(args.kv_cache_gib * 2**30 // geo.block_bytes(layout, args.block_size))
-        row = Row(hybrid, num_blocks, simulate(layout, num_blocks, args))
+    for setup in SETUPS:
+        layout = geo.layout(setup.hybrid)
+        block_bytes = geo.block_bytes(layout, args.block_size, setup.kv_cache_dtype)
+        num_blocks = int(args.kv_cache_gib * 2**30 // block_bytes)
+        row = Row(setup, num_blocks, simulate(layout, num_blocks, args))
         if args.engine:
-            most, tok_s, tpot = run_engine(args, hybrid)
-            row = Row(hybrid, num_blocks, row.predicted_at_once, most, tok_s, tpot)
+            most, tok_s, tpot = run_engine(args, setup)
+            row = Row(setup, num_blocks, row.predicted_at_once, most, tok_s, tpot)
         rows.append(row)
-        print(f"hybrid {'on' if hybrid else 'off'}: {layout.describe()}", file=sys.stderr)
+        print(f"{setup.name}: {layout.describe()}", file=sys.stderr)
     print(
         f"{args.num_prompts} prompts of {args.prompt_len} tokens + {args.max_tokens} out, "
         f"--kv-cache-gib {args.kv_cache_gib}, block size {args.block_size}"
     )
-    print("| hybrid | blocks | at once (simulator) | at once (engine) | output tok/s | TPOT ms |")
+    print("| configuration | blocks | at once (simulator) | at once (engine) | output tok/s | TPOT ms |")
     print("| --- | --- | --- | --- | --- | --- |")
 
     def fmt(value: float | None, spec: str) -> str:
@@ -207,14 +235,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for r in rows:
         print(
-            f"| {'on' if r.hybrid else 'off'} | {r.num_blocks} | {r.predicted_at_once} | "
+            f"| {r.setup.name} | {r.num_blocks} | {r.predicted_at_once} | "
             f"{fmt(r.measured_at_once, 'd')} | {fmt(r.output_tok_s, '.1f')} | {fmt(r.tpot_ms, '.1f')} |"
         )
     costs = cost_table(geo, args.lengths, args.block_size)
-    print("\n| length | KV per token, hybrid off | hybrid on | ratio |")
-    print("| --- | --- | --- | --- |")
-    for n, off, on in costs:
-        print(f"| {n} | {off / 1024:.1f} KiB | {on / 1024:.2f} KiB | {off / on:.2f}x |")
+    print(
+        "\n| length | KV per token, hybrid off | hybrid on | hybrid on + int8 | ratio on | ratio on + int8 |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n, (off, on, on_int8) in costs:
+        print(
+            f"| {n} | {off / 1024:.1f} KiB | {on / 1024:.2f} KiB | {on_int8 / 1024:.2f} KiB | {off / on:.2f}x | "
+            f"{off / on_int8:.2f}x |"
+        )
     plot(rows, costs, args.out)
     print(f"\nplot: {args.out}")
     return 0

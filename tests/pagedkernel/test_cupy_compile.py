@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 from pagoda.pagedkernel import KernelBackend, csrc, cupy_kernels
-from pagoda.pagedkernel.testing import make_case, relative_error
+from pagoda.pagedkernel.testing import make_case, quantize_case, relative_error
 from pagoda.pagedkernel.torch_backend import TorchBackend
+from torch import Tensor
 
 TORCH = TorchBackend()
 NVCC = shutil.which("nvcc")
@@ -36,16 +37,34 @@ ARCH = "sm_90"
 HEAD_DIMS = (64, 80, 128, 256)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-SPECIALISATIONS = [
-    pytest.param(cupy_kernels.CACHE_OPS_FILE, dtype, None, id=f"cache_ops-{DTYPE_NAMES[dtype]}")
-    for dtype in csrc.DTYPE_IDS
-] + [
-    pytest.param(
-        cupy_kernels.ATTENTION_FILE, dtype, head_dim, id=f"attention-{DTYPE_NAMES[dtype]}-d{head_dim}"
-    )
-    for dtype in csrc.DTYPE_IDS
-    for head_dim in HEAD_DIMS
-]
+SPECIALISATIONS = (
+    [
+        pytest.param(cupy_kernels.CACHE_OPS_FILE, dtype, None, False, id=f"cache_ops-{DTYPE_NAMES[dtype]}")
+        for dtype in csrc.DTYPE_IDS
+    ]
+    + [
+        pytest.param(
+            cupy_kernels.ATTENTION_FILE,
+            dtype,
+            head_dim,
+            False,
+            id=f"attention-{DTYPE_NAMES[dtype]}-d{head_dim}",
+        )
+        for dtype in csrc.DTYPE_IDS
+        for head_dim in HEAD_DIMS
+    ]
+    + [  # over int8 caches with scales (--kv-cache-dtype int8)
+        pytest.param(
+            cupy_kernels.ATTENTION_FILE,
+            dtype,
+            head_dim,
+            True,
+            id=f"attention-int8kv-{DTYPE_NAMES[dtype]}-d{head_dim}",
+        )
+        for dtype in csrc.DTYPE_IDS
+        for head_dim in (80, 256)
+    ]
+)
 
 
 def test_every_kernel_file_is_covered() -> None:
@@ -71,8 +90,10 @@ def test_compile_options_reject_unsupported() -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
-@pytest.mark.parametrize(("file", "dtype", "head_dim"), SPECIALISATIONS)
-def test_kernels_compile(tmp_path: Path, file: str, dtype: torch.dtype, head_dim: int | None) -> None:
+@pytest.mark.parametrize(("file", "dtype", "head_dim", "int8_cache"), SPECIALISATIONS)
+def test_kernels_compile(
+    tmp_path: Path, file: str, dtype: torch.dtype, head_dim: int | None, int8_cache: bool
+) -> None:
     """nvcc compiles the file for sm_90 with the runtime's options, warning-free, and emits each kernel."""
     assert NVCC is not None
     source = tmp_path / file
@@ -84,7 +105,7 @@ def test_kernels_compile(tmp_path: Path, file: str, dtype: torch.dtype, head_dim
         f"-arch={ARCH}",
         "--Werror",
         "all-warnings",
-        *cupy_kernels.compile_options(dtype, head_dim),
+        *cupy_kernels.compile_options(dtype, head_dim, int8_cache=int8_cache),
         str(source),
         "-o",
         str(cubin),
@@ -115,8 +136,10 @@ NVRTC = _nvrtc_library()
 
 
 @pytest.mark.skipif(NVRTC is None, reason="the nvidia-cuda-nvrtc wheel is not installed")
-@pytest.mark.parametrize(("file", "dtype", "head_dim"), SPECIALISATIONS)
-def test_kernels_compile_with_nvrtc(file: str, dtype: torch.dtype, head_dim: int | None) -> None:
+@pytest.mark.parametrize(("file", "dtype", "head_dim", "int8_cache"), SPECIALISATIONS)
+def test_kernels_compile_with_nvrtc(
+    file: str, dtype: torch.dtype, head_dim: int | None, int8_cache: bool
+) -> None:
     """NVRTC, the compiler cupy uses at run time, builds each specialisation from the bare source (no headers)."""
     assert NVRTC is not None
     nvrtc = ctypes.CDLL(str(NVRTC))
@@ -127,7 +150,7 @@ def test_kernels_compile_with_nvrtc(file: str, dtype: torch.dtype, head_dim: int
     options = [
         f"-arch=compute_{ARCH.removeprefix('sm_')}",
         "-ftz=true",
-        *cupy_kernels.compile_options(dtype, head_dim),
+        *cupy_kernels.compile_options(dtype, head_dim, int8_cache=int8_cache),
     ]
     status = nvrtc.nvrtcCompileProgram(
         program, len(options), (ctypes.c_char_p * len(options))(*map(str.encode, options))
@@ -476,6 +499,106 @@ def test_emulated_attention(
             case.scale,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+        )
+    assert result is out
+    assert not out.isnan().any()
+    assert relative_error(out, spec) < EMULATED_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", EMULATED_DTYPES)
+@pytest.mark.parametrize(("seqs", "dims", "sliding_window", "logit_softcap"), EMULATED_ATTENTION)
+def test_emulated_int8_attention(
+    emulated: KernelBackend,
+    dtype: torch.dtype,
+    seqs: list[tuple[int, int]],
+    dims: tuple[int, int, int, int],
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over int8 caches (written by the torch reference in rounds, every scale NaN until written, random bytes in
+    unwritten slots) the kernel reads the rows and both scales itself and matches the torch reference."""
+    num_heads, num_kv_heads, head_dim, block_size = dims
+    case = make_case(
+        seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        poison_unused=True,
+    )
+
+    def write(
+        key: Tensor, value: Tensor, k: Tensor, v: Tensor, slots: Tensor, k_scale: Tensor, v_scale: Tensor
+    ) -> None:
+        TORCH.reshape_and_cache(key, value, k, v, slots, k_scale=k_scale, v_scale=v_scale)
+
+    qc = quantize_case(case, write)
+    caches = (qc.k_cache, qc.v_cache)
+    k_scale, v_scale = qc.k_scale, qc.v_scale
+    window, softcap = sliding_window, logit_softcap
+    tables, lens = case.block_tables, case.context_lens
+    decode = all(q_len == 1 for _, q_len in seqs)
+    if decode:
+        spec = TORCH.paged_decode_attention(
+            case.q,
+            *caches,
+            tables,
+            lens,
+            case.scale,
+            sliding_window=window,
+            logit_softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    else:
+        starts = case.query_start_loc
+        spec = TORCH.paged_prefill_attention(
+            case.q,
+            *caches,
+            tables,
+            starts,
+            lens,
+            case.scale,
+            sliding_window=window,
+            logit_softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+    def refuse(*args: object, **kwargs: object) -> Tensor:
+        raise AssertionError("the cupy backend handed an int8 cache to the torch reference")
+
+    monkeypatch.setattr(TorchBackend, "paged_decode_attention", refuse)
+    monkeypatch.setattr(TorchBackend, "paged_prefill_attention", refuse)
+    out = torch.full_like(case.q, float("nan"))
+    if decode:
+        result = emulated.paged_decode_attention(
+            case.q,
+            *caches,
+            tables,
+            lens,
+            case.scale,
+            out=out,
+            sliding_window=window,
+            logit_softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    else:
+        result = emulated.paged_prefill_attention(
+            case.q,
+            *caches,
+            tables,
+            case.query_start_loc,
+            lens,
+            case.scale,
+            out=out,
+            sliding_window=window,
+            logit_softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     assert result is out
     assert not out.isnan().any()

@@ -101,6 +101,38 @@ def _record_launches() -> list[tuple[Any, tuple[object, ...], dict[str, object]]
         backend.paged_decode_attention(decode_q, k, v, c.block_tables, c.context_lens, c.scale)
         key = c.q[:5, :2]
         backend.reshape_and_cache(key, key, k, v, torch.arange(5))
+    for dtype, head_dim in (
+        (torch.bfloat16, 256),
+        (torch.float16, 128),
+    ):  # --kv-cache-dtype int8 (Gemma 3: 256)
+        c = make_case(
+            [(1, 1), (17, 3), (300, 1)],
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=dtype,
+        )
+        k, v = c.k_cache.to(torch.int8), c.v_cache.to(torch.int8)
+        blocks, block_size = k.shape[0], k.shape[1]
+        k_scale = torch.ones(blocks, 1, head_dim, dtype=torch.bfloat16)
+        v_scale = torch.ones(blocks, block_size, 1)
+        backend.paged_prefill_attention(
+            c.q,
+            k,
+            v,
+            c.block_tables,
+            c.query_start_loc,
+            c.context_lens,
+            c.scale,
+            sliding_window=64,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        decode_q = c.q[c.query_start_loc[1:].long() - 1]
+        backend.paged_decode_attention(
+            decode_q, k, v, c.block_tables, c.context_lens, c.scale, k_scale=k_scale, v_scale=v_scale
+        )
     return launches
 
 
@@ -145,9 +177,10 @@ def test_kernels_compile_for_sm90() -> None:
         and "compiled copy_blocks_kernel:" in result.stdout
     )
     assert compiled >= 10, result.stdout
-    # The fp8 caches' kernels (e4m3, e5m2) on top of the four float configurations and the one float write.
+    # The fp8 caches' kernels (e4m3, e5m2) on top of the four float configurations and the one float write, and
+    # the two int8 caches' attention (their writes are the torch reference's).
     assert result.stdout.count("compiled reshape_and_cache_kernel:") == 3, result.stdout
-    assert result.stdout.count("compiled paged_prefill_kernel:") == 6, result.stdout
+    assert result.stdout.count("compiled paged_prefill_kernel:") == 8, result.stdout
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from pagoda.server.cli import build_parser, engine_config, main
 from pagoda.server.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
+from pagoda.server.llm import LLM
 from pagoda.server.testing import make_tiny_model
 
 
@@ -116,12 +118,24 @@ def test_out_of_range_values_exit_2(
 def test_refuses_to_start_when_one_request_cannot_fit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A KV cache smaller than one max_model_len request: exit 1 with a message saying what to change."""
+    """A KV cache smaller than one max_model_len request: a bad flag, exit 2 naming both numbers and what to
+    change."""
     model = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=4096)
     status = main(["serve", str(model), "--max-model-len", "4096", "--kv-cache-gib", "0.0001"])
-    assert status == 1
+    assert status == 2
     err = capsys.readouterr().err
     assert "cannot start" in err and "--kv-cache-gib" in err and "--max-model-len" in err
+    longest = re.search(r"at most (\d+) tokens for one sequence", err)
+    assert "max_model_len 4096" in err and longest is not None and int(longest.group(1)) < 4096, err
+
+
+def test_offline_llm_refuses_a_max_model_len_the_pool_cannot_hold(tmp_path: Path) -> None:
+    """The offline LLM raises a ValueError naming both numbers (the CLI's exit-2 case)."""
+    model = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=4096)
+    with pytest.raises(
+        ValueError, match=r"max_model_len 4096 does not fit.*at most \d+ tokens for one sequence"
+    ):
+        LLM(str(model), max_model_len=4096, kv_cache_gib=0.0001)
 
 
 def test_tokenizer_flag_maps_onto_engine_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,8 +27,8 @@ class KernelOps(Protocol):
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding (skipped)
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into its cache slot (block * block_size + offset); an int8 cache
         quantizes them and updates its scales (see `kv_quant`)."""
@@ -46,8 +46,8 @@ class KernelOps(Protocol):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence (at position context_lens[i] - 1) over its paged K/V."""
         ...
@@ -65,8 +65,8 @@ class KernelOps(Protocol):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal varlen attention of each sequence's last q_len tokens over all its tokens (cached and new)."""
         ...

@@ -59,9 +59,10 @@ class CpuKernels:
     reshape_and_cache_int8: Callable[..., int] | None = None  # the int8-cache builds' write
 
 
-def build(dtype: torch.dtype, *, int8_cache: bool = False) -> Path:
+def build(dtype: torch.dtype, *, int8_cache: bool = False, cflags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile the kernel for `dtype` (activations; with `int8_cache` over int8 caches with scales) unless the
-    cache has it (see `cbuild.build`); the path of the shared library.
+    cache has it (see `cbuild.build`); the path of the shared library. `cflags` (e.g. another -march, to test the
+    generic C path on an AVX2 machine) replaces the default flags.
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
@@ -69,7 +70,7 @@ def build(dtype: torch.dtype, *, int8_cache: bool = False) -> Path:
     return cbuild.build(
         SOURCE_FILE,
         csrc.read_source(SOURCE_FILE),
-        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}", *int8_flags),
+        (*cflags, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}", *int8_flags),
         variant=str(dtype).removeprefix("torch.") + ("-int8kv" if int8_cache else ""),
         owner="the 'cpu' kernel backend",
         instead="use kernel_backend='torch'",
@@ -153,8 +154,8 @@ def _attention(
     logit_softcap: float | None,
     out: Tensor | None,  # [total_query_tokens, num_heads, head_dim]
     kernels: CpuKernels,  # built for q's dtype (and an int8 cache's when k_scale is given)
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
-    v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim] of an int8 cache
+    v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
     """Run the C kernel; its int and layout arguments are made contiguous int32 here, as it reads raw pointers."""
     assert v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype, "the V cache must match the K cache"
@@ -249,8 +250,8 @@ class CpuBackend(TorchBackend):
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots (an int8
         cache quantizes them, kv_quant's rule, in C)."""
@@ -301,8 +302,8 @@ class CpuBackend(TorchBackend):
         k_cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
-        k_scale: Tensor | None,  # float32 [num_blocks, num_kv_heads]
-        v_scale: Tensor | None,  # float32 [num_blocks, num_kv_heads]
+        k_scale: Tensor | None,  # bfloat16 [num_blocks, num_kv_heads, head_dim]
+        v_scale: Tensor | None,  # float32 [num_blocks, block_size, num_kv_heads]
     ) -> None:
         """The int8 write in C where it takes the inputs, else the torch reference's."""
         check_scales(k_cache, v_cache, k_scale, v_scale)
@@ -314,6 +315,7 @@ class CpuBackend(TorchBackend):
             and all(t.is_contiguous() for t in (k_cache, v_cache, k_scale, v_scale))
             and key.shape[1:] == value.shape[1:] == k_cache.shape[2:]
             and k_cache.shape == v_cache.shape
+            and k_cache.shape[3] <= MAX_HEAD_DIM  # the C write's scratch row
         )
         kernels = self.kernels(key.dtype, torch.int8) if native else None
         if kernels is None or kernels.reshape_and_cache_int8 is None:
@@ -358,8 +360,8 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V: the prefill op
         with one query row per sequence (the C kernel's decode items are its one-token tiles)."""
@@ -392,8 +394,8 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
         check_attention_args(q, k_cache, v_cache, k_scale, v_scale)

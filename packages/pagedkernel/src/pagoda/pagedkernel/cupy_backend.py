@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from pagoda.pagedkernel import csrc, cupy_kernels
-from pagoda.pagedkernel.torch_backend import QUANTIZED_DTYPES, TorchBackend
+from pagoda.pagedkernel.kv_quant import FP8_DTYPES
+from pagoda.pagedkernel.torch_backend import QUANTIZED_DTYPES, TorchBackend, check_scales
 from torch import Tensor
 
 try:
@@ -44,16 +45,25 @@ _BLOCKS_PER_SM_TO_SPLIT = 4
 
 
 @functools.cache
-def _module(file: str, dtype: torch.dtype, head_dim: int | None) -> Any:
-    """The RawModule of kernel file `file` specialised to dtype (and head_dim); NVRTC runs on first use."""
-    return cupy.RawModule(code=csrc.read_source(file), options=cupy_kernels.compile_options(dtype, head_dim))
+def _module(file: str, dtype: torch.dtype, head_dim: int | None, int8_cache: bool = False) -> Any:
+    """The RawModule of kernel file `file` specialised to dtype (and head_dim, int8 caches); NVRTC runs on first
+    use."""
+    options = cupy_kernels.compile_options(dtype, head_dim, int8_cache=int8_cache)
+    return cupy.RawModule(code=csrc.read_source(file), options=options)
 
 
 @functools.cache
-def _kernel(file: str, name: str, dtype: torch.dtype, head_dim: int | None, device_index: int) -> Any:
-    """Kernel `name` of `file` specialised to dtype (and head_dim), loaded on one device."""
+def _kernel(
+    file: str,
+    name: str,
+    dtype: torch.dtype,
+    head_dim: int | None,
+    device_index: int,
+    int8_cache: bool = False,
+) -> Any:
+    """Kernel `name` of `file` specialised to dtype (and head_dim, int8 caches), loaded on one device."""
     with cupy.cuda.Device(device_index):
-        return _module(file, dtype, head_dim).get_function(name)
+        return _module(file, dtype, head_dim, int8_cache).get_function(name)
 
 
 @functools.cache
@@ -119,10 +129,17 @@ def _attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor | None,  # [num_rows, num_heads, head_dim]
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+    v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
 ) -> Tensor:  # [num_rows, num_heads, head_dim]
     """Shared launcher of decode and prefill attention."""
     _check_caches(k_cache, v_cache)
-    if q.dim() != 3 or q.shape[-1] != k_cache.shape[-1] or q.dtype != k_cache.dtype:
+    check_scales(k_cache, v_cache, k_scale, v_scale)
+    int8 = k_scale is not None and v_scale is not None
+    if k_scale is not None and v_scale is not None:  # contiguous, as the kernel indexes them
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    expected = torch.int8 if int8 else q.dtype
+    if q.dim() != 3 or q.shape[-1] != k_cache.shape[-1] or k_cache.dtype != expected:
         raise ValueError(f"q {q.shape} {q.dtype} does not match the cache {k_cache.shape} {k_cache.dtype}")
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -166,13 +183,17 @@ def _attention(
     else:
         part_ptrs = (0, 0, 0)  # null: the kernel writes `out` directly
 
-    kernel = _kernel(cupy_kernels.ATTENTION_FILE, cupy_kernels.PAGED_ATTENTION, q.dtype, head_dim, device)
+    kernel = _kernel(
+        cupy_kernels.ATTENTION_FILE, cupy_kernels.PAGED_ATTENTION, q.dtype, head_dim, device, int8
+    )
     args = (
         out.data_ptr(),
         *part_ptrs,
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        0 if k_scale is None else k_scale.data_ptr(),  # null: a float cache
+        0 if v_scale is None else v_scale.data_ptr(),
         tables.data_ptr(),
         lens.data_ptr(),
         0 if starts is None else starts.data_ptr(),
@@ -221,8 +242,8 @@ class CupyBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
         if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
@@ -270,11 +291,11 @@ class CupyBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:  # [num_seqs, num_heads, head_dim]
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
-        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+        if k_cache.dtype in FP8_DTYPES:  # fp8 caches run the torch reference on this device (int8: native)
             return TorchBackend().paged_decode_attention(
                 q,
                 k_cache,
@@ -289,7 +310,18 @@ class CupyBackend:
                 v_scale=v_scale,
             )
         return _attention(
-            q, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window, logit_softcap, out
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            None,
+            context_lens,
+            scale,
+            sliding_window,
+            logit_softcap,
+            out,
+            k_scale,
+            v_scale,
         )
 
     def paged_prefill_attention(
@@ -305,11 +337,11 @@ class CupyBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:  # [total_query_tokens, num_heads, head_dim]
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
-        if k_cache.dtype in QUANTIZED_DTYPES:  # quantized caches run the torch reference on this device
+        if k_cache.dtype in FP8_DTYPES:  # fp8 caches run the torch reference on this device (int8: native)
             return TorchBackend().paged_prefill_attention(
                 q,
                 k_cache,
@@ -335,6 +367,8 @@ class CupyBackend:
             sliding_window,
             logit_softcap,
             out,
+            k_scale,
+            v_scale,
         )
 
     def copy_blocks(

@@ -24,8 +24,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
 }
 
 
-def compile_options(dtype: torch.dtype, head_dim: int | None = None) -> tuple[str, ...]:
-    """The -D options that specialise a kernel file to `dtype` (and `head_dim` for the attention kernels)."""
+def compile_options(
+    dtype: torch.dtype, head_dim: int | None = None, *, int8_cache: bool = False
+) -> tuple[str, ...]:
+    """The -D options that specialise a kernel file to `dtype` (and `head_dim` for the attention kernels, over
+    int8 caches with scales when `int8_cache`)."""
     if dtype not in DTYPE_IDS:
         raise TypeError(f"the cupy kernels support {sorted(map(str, DTYPE_IDS))}, got {dtype}")
     # No -std: the sources are plain C++11, and cupy's NVRTC defaults to C++17 anyway.
@@ -36,4 +39,6 @@ def compile_options(dtype: torch.dtype, head_dim: int | None = None) -> tuple[st
                 f"the cupy attention kernels support head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
             )
         options.append(f"-DPAGODA_HEAD_DIM={head_dim}")
+    if int8_cache:
+        options.append("-DPAGODA_KV_INT8=1")
     return tuple(options)

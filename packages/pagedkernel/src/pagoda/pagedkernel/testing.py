@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from pagoda.pagedkernel import kv_quant
 from torch import Tensor
 
 
@@ -123,18 +124,18 @@ def relative_error(out: Tensor, ref: Tensor) -> float:
 
 @dataclass(frozen=True, slots=True)
 class QuantizedCase:
-    """A `PagedCase` whose K/V were written, in rounds, into int8 caches with per-block, per-head scales."""
+    """A `PagedCase` whose K/V were written, in rounds, into int8 caches (per-channel K, per-token V scales)."""
 
     case: PagedCase  # the float inputs (q, tables, lengths; its caches hold the values that were written)
     k_cache: Tensor  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: Tensor  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale: Tensor  # float32 [num_blocks, num_kv_heads]
-    v_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+    k_scale: Tensor  # bfloat16 [num_blocks, num_kv_heads, head_dim]
+    v_scale: Tensor  # float32 [num_blocks, block_size, num_kv_heads]
 
     def dequantized(self) -> PagedCase:
         """The case with its caches replaced by the float32 values the int8 caches hold (q * scale)."""
-        k = self.k_cache.float() * self.k_scale[:, None, :, None]
-        v = self.v_cache.float() * self.v_scale[:, None, :, None]
+        k = self.k_cache.float() * self.k_scale.float()[:, None]
+        v = self.v_cache.float() * self.v_scale[..., None]
         return PagedCase(
             self.case.q.float(),
             k,
@@ -176,15 +177,15 @@ def quantize_case(
 ) -> QuantizedCase:
     """Write every sequence's K/V from `case` into fresh int8 caches through `write` (a backend's
     reshape_and_cache: key, value, k_cache, v_cache, slots, k_scale, v_scale) in `write_rounds`, with a padding
-    slot in each round; with `poison_unused`, unwritten slots hold random bytes and unused blocks' scales NaN."""
+    slot in each round; with `poison_unused`, unwritten slots hold random bytes and every scale starts NaN."""
     num_blocks, block_size, num_kv_heads, head_dim = case.k_cache.shape
     gen = torch.Generator().manual_seed(seed + 1)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
     v_cache = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
     fill = float("nan") if poison_unused else 1.0
-    k_scale = torch.full((num_blocks, num_kv_heads), fill)
-    v_scale = torch.full((num_blocks, num_kv_heads), fill)
+    k_scale = torch.full((num_blocks, num_kv_heads, head_dim), fill, dtype=kv_quant.KEY_SCALE_DTYPE)
+    v_scale = torch.full((num_blocks, block_size, num_kv_heads), fill)
     lens = case.context_lens.tolist()
     start = [0] * len(lens)
     for round_ in write_rounds(lens, seed):

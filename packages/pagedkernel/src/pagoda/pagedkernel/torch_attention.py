@@ -11,6 +11,7 @@ float32 copy of every gathered key; float16 and float32 caches are attended in f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,9 @@ def gather_kv(
     cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     keys: VisibleKeys,
     dtype: torch.dtype,
-    scales: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    scales: Tensor
+    | None = None,  # float32 of an int8 cache: k_scale [num_blocks, kvh, d] or v_scale [num_blocks, bs, kvh]
+    dequantize: Callable[[Tensor, Tensor, torch.dtype], Tensor] = kv_quant.dequantize_values,
 ) -> Tensor:  # [num_seqs, num_kv_heads, n_keys, head_dim] in `dtype` (a strided view of one gathered copy)
     """The cache blocks of `keys`, blank rows zeroed, heads first, in `dtype` (int8 and fp8 caches dequantized)."""
     num_seqs, n_keys = keys.key_pos.shape
@@ -74,7 +77,7 @@ def gather_kv(
     flat = keys.blocks.flatten()
     rows = kv_quant.as_bytes(cache).view(cache.shape[0], -1).index_select(0, flat).view(cache.dtype)
     if scales is not None:
-        rows = kv_quant.dequantize_rows(rows.view(-1, *cache.shape[1:]), scales.index_select(0, flat), dtype)
+        rows = dequantize(rows.view(-1, *cache.shape[1:]), scales.index_select(0, flat), dtype)
     elif rows.dtype in kv_quant.FP8_DTYPES:
         rows = rows.to(dtype)  # fp8 first: the blanking below fills in the compute dtype
     rows = rows.view(num_seqs * n_keys, num_kv_heads * head_dim).index_fill_(0, keys.blank_rows, 0.0)

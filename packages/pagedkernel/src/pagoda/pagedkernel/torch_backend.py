@@ -24,8 +24,8 @@ def _attend_group(
     sliding_window: int | None,
     logit_softcap: float | None,
     dtype: torch.dtype,  # the compute dtype (torch_attention.compute_dtype)
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
-    v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim] of an int8 cache
+    v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads] of an int8 cache
 ) -> Tensor:  # [num_seqs, q_len, num_heads, head_dim] in `dtype`
     """Attention for a padded batch of sequences whose queries are their last q_lens tokens."""
     q_len = q.shape[1]
@@ -43,8 +43,8 @@ def _attend_group(
     keys = torch_attention.visible_keys(block_tables, first_pos, context_lens, k_cache.shape[1])
     return torch_attention.attend(
         q,
-        torch_attention.gather_kv(k_cache, keys, dtype, k_scale),
-        torch_attention.gather_kv(v_cache, keys, dtype, v_scale),
+        torch_attention.gather_kv(k_cache, keys, dtype, k_scale, kv_quant.dequantize_keys),
+        torch_attention.gather_kv(v_cache, keys, dtype, v_scale, kv_quant.dequantize_values),
         q_pos,
         keys.key_pos,
         scale,
@@ -69,15 +69,19 @@ def check_attention_args(
 
 
 def check_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> None:
-    """An int8 cache has float32 scales [num_blocks, num_kv_heads] for K and V; other caches have none."""
+    """An int8 cache has bfloat16 k_scale [num_blocks, num_kv_heads, head_dim] and float32 v_scale
+    [num_blocks, block_size, num_kv_heads]; other caches have none."""
     assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
     if not kv_quant.is_scaled(k_cache.dtype):
         assert k_scale is None and v_scale is None, f"a {k_cache.dtype} cache takes no scales"
         return
-    expected = (k_cache.shape[0], k_cache.shape[2])
-    for scale in (k_scale, v_scale):
+    checks = (
+        (k_scale, kv_quant.KEY_SCALE_DTYPE, kv_quant.key_scale_shape(k_cache)),
+        (v_scale, kv_quant.VALUE_SCALE_DTYPE, kv_quant.value_scale_shape(v_cache)),
+    )
+    for scale, dtype, expected in checks:
         assert scale is not None, "an int8 cache needs k_scale and v_scale"
-        assert scale.dtype == torch.float32 and tuple(scale.shape) == expected, (scale.dtype, scale.shape)
+        assert scale.dtype == dtype and tuple(scale.shape) == expected, (scale.dtype, scale.shape)
 
 
 def _varlen_attention(
@@ -91,7 +95,7 @@ def _varlen_attention(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: Tensor,  # [total_query_tokens, num_heads, head_dim]
-    k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads] of an int8 cache
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim] of an int8 cache
     v_scale: Tensor | None = None,
 ) -> None:
     """Run the sequences in padded groups (see `plan_groups`) and scatter each group's rows into `out`."""
@@ -206,11 +210,12 @@ class TorchBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots; an int8
-        cache quantizes them and updates its scales (`kv_quant.write_int8`), an fp8 one rounds them."""
+        cache quantizes them and updates its scales (`kv_quant.write_int8_keys`, `write_int8_values`), an fp8 one
+        rounds them."""
         check_scales(k_cache, v_cache, k_scale, v_scale)
         valid = slot_mapping >= 0
         if not bool(valid.all()):
@@ -221,8 +226,8 @@ class TorchBackend:
         # index_copy_ rather than `cache[slots] = ...`: index_put's CPU kernel parallelises even tiny writes and
         # stalls for milliseconds when the other core is busy; slots are unique so both mean the same.
         if k_scale is not None and v_scale is not None:
-            kv_quant.write_int8(key, k_cache, k_scale, slot_mapping)
-            kv_quant.write_int8(value, v_cache, v_scale, slot_mapping)
+            kv_quant.write_int8_keys(key, k_cache, k_scale, slot_mapping)
+            kv_quant.write_int8_values(value, v_cache, v_scale, slot_mapping)
             return
         if k_cache.dtype in kv_quant.FP8_DTYPES:
             # Written as bytes: torch's CPU index_copy_ has no fp8 kernel.
@@ -244,8 +249,8 @@ class TorchBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence, at position context_lens[i] - 1, over its paged K/V."""
         check_attention_args(q, k_cache, v_cache, k_scale, v_scale)
@@ -281,8 +286,8 @@ class TorchBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Causal attention of each sequence's last q_len tokens (rows query_start_loc[i]:[i+1]) over all of them."""
         check_attention_args(q, k_cache, v_cache, k_scale, v_scale)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import kv_quant
 from pagoda.pagedkernel.backend import BackendUnavailableError, triton_interpreted
-from pagoda.pagedkernel.torch_backend import TorchBackend
+from pagoda.pagedkernel.torch_backend import TorchBackend, check_scales
 from torch import Tensor
 
 try:
@@ -63,7 +63,7 @@ def _attention_config(q: Tensor, k_cache: Tensor) -> tuple[int, int, bool]:
     head_dim, num_heads, num_kv_heads = q.shape[2], q.shape[1], k_cache.shape[2]
     assert k_cache.shape[3] == head_dim, "head_dim of q and the cache differ"
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.dtype == k_cache.dtype or k_cache.dtype in kv_quant.FP8_DTYPES, (
+    assert q.dtype == k_cache.dtype or k_cache.dtype in (torch.int8, *kv_quant.FP8_DTYPES), (
         "q and the cache must share a dtype"
     )
     f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and triton_interpreted())
@@ -82,6 +82,18 @@ def _fp8_meta(dtype: torch.dtype) -> dict[str, float | int]:
         "FP8_MIN_NORMAL": info.tiny,
         "FP8_MAGIC": info.tiny * 2.0 ** (23 - mant),
     }
+
+
+def _scale_args(
+    k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The scale pointers the attention kernels take: an int8 cache's contiguous scales, else the caches
+    themselves (never read: INT8 is off)."""
+    check_scales(k_cache, v_cache, k_scale, v_scale)
+    if k_scale is None or v_scale is None:
+        return k_cache, v_cache
+    assert k_scale.device == k_cache.device and v_scale.device == k_cache.device
+    return k_scale.contiguous(), v_scale.contiguous()
 
 
 def _new_out(q: Tensor, out: Tensor | None) -> Tensor:
@@ -105,9 +117,12 @@ def decode_with_partitions(
     logit_softcap: float | None,
     out: Tensor | None,  # [num_seqs, num_heads, head_dim]
     partition_size: int,
+    k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+    v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
 ) -> Tensor:
     """`paged_decode_attention` with an explicit partition size (the tests use small ones to split short contexts)."""
     _check_cache(k_cache, v_cache)
+    k_scale_arg, v_scale_arg = _scale_args(k_cache, v_cache, k_scale, v_scale)
     head_dim_pad, group, f32 = _attention_config(q, k_cache)
     out = _new_out(q, out)
     num_seqs, num_heads, head_dim = q.shape
@@ -137,6 +152,8 @@ def decode_with_partitions(
         q,
         k_cache,
         v_cache,
+        k_scale_arg,
+        v_scale_arg,
         block_tables,
         context_lens,
         scale,
@@ -163,6 +180,7 @@ def decode_with_partitions(
         USE_SOFTCAP=logit_softcap is not None,
         ONE_PARTITION=one,
         F32=f32,
+        INT8=k_scale is not None,
         num_warps=4,
     )
     if not one:
@@ -216,8 +234,8 @@ class TritonBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: Tensor,  # int64 [num_tokens], negative = padding
         *,
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> None:
         """Write each token's key and value into cache slot `slot_mapping[t]`, skipping negative slots."""
         if kv_quant.is_scaled(
@@ -262,26 +280,10 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Attention of one query per sequence (position context_lens[i] - 1), split-K over long contexts."""
-        if kv_quant.is_scaled(
-            k_cache.dtype
-        ):  # int8 caches run the torch reference on this device (fp8: native)
-            return TorchBackend().paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                context_lens,
-                scale,
-                sliding_window=sliding_window,
-                logit_softcap=logit_softcap,
-                out=out,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
         return decode_with_partitions(
             q,
             k_cache,
@@ -293,6 +295,8 @@ class TritonBackend:
             logit_softcap=logit_softcap,
             out=out,
             partition_size=DECODE_PARTITION_SIZE,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def paged_prefill_attention(
@@ -308,28 +312,12 @@ class TritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
-        k_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
-        v_scale: Tensor | None = None,  # float32 [num_blocks, num_kv_heads], int8 caches only
+        k_scale: Tensor | None = None,  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+        v_scale: Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
     ) -> Tensor:
         """Varlen causal attention of each sequence's last q_len tokens over its paged K/V (cached and new)."""
-        if kv_quant.is_scaled(
-            k_cache.dtype
-        ):  # int8 caches run the torch reference on this device (fp8: native)
-            return TorchBackend().paged_prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                query_start_loc,
-                context_lens,
-                scale,
-                sliding_window=sliding_window,
-                logit_softcap=logit_softcap,
-                out=out,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
         _check_cache(k_cache, v_cache)
+        k_scale_arg, v_scale_arg = _scale_args(k_cache, v_cache, k_scale, v_scale)
         head_dim_pad, group, f32 = _attention_config(q, k_cache)
         out = _new_out(q, out)
         num_tokens, _, head_dim = q.shape
@@ -352,6 +340,8 @@ class TritonBackend:
             q,
             k_cache,
             v_cache,
+            k_scale_arg,
+            v_scale_arg,
             block_tables,
             query_start_loc,
             context_lens,
@@ -377,6 +367,7 @@ class TritonBackend:
             USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=logit_softcap is not None,
             F32=f32,
+            INT8=k_scale is not None,
             num_warps=8 if head_dim_pad > 64 else 4,
         )
         return out

@@ -111,6 +111,48 @@ def copy_blocks_kernel(
 
 
 @triton.jit
+def _load_keys(
+    k_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    row,  # int64 [TOKENS], each key's first element in the cache
+    block,  # [TOKENS], each key's cache block
+    pos,  # [TOKENS], each key's position
+    kv_head,
+    dims,  # [HEAD_DIM_PAD]
+    kv_mask,  # [TOKENS, HEAD_DIM_PAD]
+    tok_ok,  # [TOKENS]
+    dtype: tl.constexpr,
+    stride_k_s,  # elements from one cache slot to the next: num_kv_heads * head_dim
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
+    F32: tl.constexpr,
+):
+    """Key rows in `dtype` (int8: dequantized by their block's channel scales), and the value rows' scales (1.0
+    unless INT8). An fp8 cache's rows are widened to `dtype` (a no-op for a cache of `dtype`)."""
+    k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if INT8:
+        # k_scale [blocks, kvh, d]: one channel row per block and head; v_scale [blocks, bs, kvh]: one per slot.
+        b = block.to(tl.int64)
+        num_kv_heads = stride_k_s // HEAD_DIM
+        k_scale = tl.load(
+            k_scale_ptr + (b * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # bfloat16 scales
+        v_scale = tl.load(
+            v_scale_ptr + (b * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head, mask=tok_ok, other=0.0
+        )
+        if (
+            F32
+        ):  # kept in float32: _dot upcasts anyway (and the interpreter's float32 -> bfloat16 cast is wrong)
+            return k.to(tl.float32) * k_scale, v_scale
+        return (k.to(tl.float32) * k_scale).to(dtype), v_scale
+    return k.to(dtype), tl.full(pos.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim], written when ONE_PARTITION
     part_acc_ptr,  # float32 [num_seqs, num_heads, num_partitions, HEAD_DIM_PAD], unnormalised
@@ -119,6 +161,8 @@ def paged_decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # same strides as k_cache
+    k_scale_ptr,  # INT8: bfloat16 [num_blocks, num_kv_heads, head_dim] (else any pointer, unread)
+    v_scale_ptr,  # INT8: float32 [num_blocks, block_size, num_kv_heads] (else any pointer, unread)
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     context_lens_ptr,  # int32 [num_seqs]
     scale,
@@ -145,6 +189,7 @@ def paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     ONE_PARTITION: tl.constexpr,
     F32: tl.constexpr,
+    INT8: tl.constexpr = False,
 ):
     """Grid (seq, kv_head, partition): online softmax of one query per head of the group over PARTITION keys."""
     seq = tl.program_id(0)
@@ -179,8 +224,24 @@ def paged_decode_kernel(
         )
         row = block.to(tl.int64) * stride_k_b + (pos % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        # An fp8 cache's rows are widened to q's dtype (a no-op for a cache of q's dtype).
-        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k, v_scale = _load_keys(
+            k_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            row,
+            block,
+            pos,
+            kv_head,
+            dims,
+            kv_mask,
+            tok_ok,
+            q.dtype,
+            stride_k_s,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            INT8,
+            F32,
+        )
         s = _dot(q, tl.trans(k), F32) * scale  # [GROUP_PAD, TOKENS]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)
@@ -189,8 +250,16 @@ def paged_decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        if INT8:
+            # Each key's value-row scale weights its probability: the int8 row itself is exact in q's dtype.
+            v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0)
+            if F32:
+                acc = acc * alpha[:, None] + _dot(p * v_scale[None, :], v.to(tl.float32), F32)
+            else:
+                acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), F32)
+        else:
+            v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         m = m_new
 
     if ONE_PARTITION:
@@ -268,6 +337,8 @@ def paged_prefill_kernel(
     q_ptr,  # [total_query_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # same strides as k_cache
+    k_scale_ptr,  # INT8: bfloat16 [num_blocks, num_kv_heads, head_dim] (else any pointer, unread)
+    v_scale_ptr,  # INT8: float32 [num_blocks, block_size, num_kv_heads] (else any pointer, unread)
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     query_start_loc_ptr,  # int32 [num_seqs + 1]
     context_lens_ptr,  # int32 [num_seqs]
@@ -293,6 +364,7 @@ def paged_prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     F32: tl.constexpr,
+    INT8: tl.constexpr = False,
 ):
     """Grid (query tile, kv_head): flash attention of BLOCK_Q query tokens x the GROUP heads of one KV head."""
     tile = tl.program_id(0)
@@ -338,8 +410,24 @@ def paged_prefill_kernel(
         )
         row = block.to(tl.int64) * stride_k_b + (pos % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        # An fp8 cache's rows are widened to q's dtype (a no-op for a cache of q's dtype).
-        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k, v_scale = _load_keys(
+            k_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            row,
+            block,
+            pos,
+            kv_head,
+            dims,
+            kv_mask,
+            tok_ok,
+            q.dtype,
+            stride_k_s,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            INT8,
+            F32,
+        )
         s = _dot(q, tl.trans(k), F32) * scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)
@@ -351,8 +439,16 @@ def paged_prefill_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        if INT8:
+            # Each key's value-row scale weights its probability: the int8 row itself is exact in q's dtype.
+            v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0)
+            if F32:
+                acc = acc * alpha[:, None] + _dot(p * v_scale[None, :], v.to(tl.float32), F32)
+            else:
+                acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), F32)
+        else:
+            v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         m = m_new
 
     o = acc / tl.where(row_ok, denom, 1.0)[:, None]

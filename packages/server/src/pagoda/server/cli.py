@@ -70,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagoda.server.core import CoreStartupError
     from pagoda.server.engine.executor import ExecutorError
     from pagoda.server.engine.kv_dtype import check_kv_cache_dtype
+    from pagoda.server.engine.setup import MaxModelLenError
 
     try:
         config = serve_config(args)
@@ -85,6 +86,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         client = start_engine(config)
+    except MaxModelLenError as exc:  # --max-model-len beyond what the KV pool holds: a bad flag
+        print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, CoreStartupError, ExecutorError) as exc:  # EngineConfigError says what to change
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 1

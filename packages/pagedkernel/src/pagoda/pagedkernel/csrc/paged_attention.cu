@@ -12,7 +12,19 @@
 // and pagoda_paged_attention_reduce merges them, as in vLLM's paged_attention_v2.
 //
 // Compile-time: PAGODA_DTYPE (pagoda_common.cuh) and PAGODA_HEAD_DIM (<= 256; any value, multiples of 32 best).
+// With PAGODA_KV_INT8 the caches are int8 with scales (kv_quant.py): keys one per block, KV head and channel
+// (k_scale, bfloat16 bits [num_blocks, num_kv_heads, HEAD_DIM]), values one per slot and KV head (v_scale, float32
+// [num_blocks, block_size, num_kv_heads]); keys are dequantized as they are read, a value row's scale weights
+// its probability. Without it the scale pointers are null and unread.
 #include "pagoda_common.cuh"
+
+#ifdef PAGODA_KV_INT8
+typedef signed char cache_t;
+__device__ __forceinline__ float cache_to_float(cache_t x) { return (float)x; }
+#else
+typedef scalar_t cache_t;
+__device__ __forceinline__ float cache_to_float(cache_t x) { return to_float(x); }
+#endif
 
 #ifndef PAGODA_HEAD_DIM
 #error "compile with -DPAGODA_HEAD_DIM=<head_dim>"
@@ -58,8 +70,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
     float* __restrict__ part_max,            // [num_rows, num_heads, num_partitions]
     float* __restrict__ part_sum,            // [num_rows, num_heads, num_partitions]
     const scalar_t* __restrict__ q,          // [num_rows, num_heads, HEAD_DIM] (strided)
-    const scalar_t* __restrict__ k_cache,    // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
-    const scalar_t* __restrict__ v_cache,    // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const cache_t* __restrict__ k_cache,     // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const cache_t* __restrict__ v_cache,     // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const unsigned short* __restrict__ k_scale,  // int8: bfloat16 bits [num_blocks, num_kv_heads, HEAD_DIM]; else null
+    const float* __restrict__ v_scale,       // int8: [num_blocks, block_size, num_kv_heads]; else null
     const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ context_lens,    // [num_seqs]
     const int* __restrict__ query_start_loc, // [num_seqs + 1] (prefill), or null (decode: row = sequence)
@@ -117,8 +131,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
 
     const int kv_head = head / (num_heads / num_kv_heads);
     const long long slot_stride = (long long)num_kv_heads * HEAD_DIM;
-    const scalar_t* k_head = k_cache + (long long)kv_head * HEAD_DIM;
-    const scalar_t* v_head = v_cache + (long long)kv_head * HEAD_DIM;
+    const cache_t* k_head = k_cache + (long long)kv_head * HEAD_DIM;
+    const cache_t* v_head = v_cache + (long long)kv_head * HEAD_DIM;
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
 
     const int group = GROUPS > 1 ? tid / HEAD_DIM : 0;
@@ -140,9 +154,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
         // Unrolled so that a warp's loads for its next keys are in flight while it reduces the current one.
 #pragma unroll 4
         for (int j = warp; j < n; j += NUM_WARPS) {
-            const scalar_t* k = k_head + slots[j] * slot_stride;
+            const cache_t* k = k_head + slots[j] * slot_stride;
             float s = 0.0f;
-            for (int d = lane; d < HEAD_DIM; d += 32) s += q_sh[d] * to_float(k[d]);
+#ifdef PAGODA_KV_INT8
+            const unsigned short* ks =
+                k_scale + ((long long)(slots[j] / block_size) * num_kv_heads + kv_head) * HEAD_DIM;
+            for (int d = lane; d < HEAD_DIM; d += 32)
+                s += q_sh[d] * (__uint_as_float(((unsigned int)ks[d]) << 16) * cache_to_float(k[d]));
+#else
+            for (int d = lane; d < HEAD_DIM; d += 32) s += q_sh[d] * cache_to_float(k[d]);
+#endif
             s = warp_sum(s) * scale;
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             if (lane == 0) logits[j] = s;
@@ -167,11 +188,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pagoda_paged_attention
         if (in_group) {
 #pragma unroll 4
             for (int j = group; j < n; j += GROUPS) {
+#ifdef PAGODA_KV_INT8
+                const float p = logits[j] * v_scale[(long long)slots[j] * num_kv_heads + kv_head];
+#else
                 const float p = logits[j];
-                const scalar_t* v = v_head + slots[j] * slot_stride;
+#endif
+                const cache_t* v = v_head + slots[j] * slot_stride;
                 for (int i = 0; i < DIMS_PER_THREAD; ++i) {
                     const int d = dim0 + i * NUM_THREADS;
-                    if (d < HEAD_DIM) acc[i] += p * to_float(v[d]);
+                    if (d < HEAD_DIM) acc[i] += p * cache_to_float(v[d]);
                 }
             }
         }

@@ -1,7 +1,9 @@
 """KV-cache tensors: one (k, v) pair per layer on the device, a second tier in host memory for swapping.
 
-An int8 cache (`--kv-cache-dtype int8`) also holds a float32 scale per block and KV head for K and for V, which
-every block move (copy-on-write, swaps to and from the host tier) carries with the block's rows.
+An int8 cache (`--kv-cache-dtype int8`) also holds scales (see pagedkernel's `kv_quant`): for K one per block,
+KV head and channel (bfloat16 `[num_blocks, num_kv_heads, head_dim]`), for V one per token slot and KV head
+(float32 `[num_blocks, block_size, num_kv_heads]`); every block move (copy-on-write, swaps to and from the host
+tier) carries them with the block's rows.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.pagedkernel import KernelBackend, allocate_host_cache
-from pagoda.pagedkernel.kv_quant import is_scaled
+from pagoda.pagedkernel.kv_quant import KEY_SCALE_DTYPE, VALUE_SCALE_DTYPE, is_scaled
 from pagoda.pagedkernel.torch_backend import TorchBackend
 from pagoda.server.engine.kv_groups import KVCacheLayout
 from pagoda.server.models.attention import LayerKVCache
 
-# Scales are [num_blocks, num_kv_heads]: indexed copies of a few bytes per block, the same on every device.
+# Scales are indexed by block first: copies of a few bytes per block, the same on every device.
 _SCALE_MOVES = TorchBackend()
 
 
@@ -42,7 +44,7 @@ class KVCacheShape:
 
     @property
     def scaled(self) -> bool:
-        """Whether the cache keeps a float32 scale per block and KV head (int8)."""
+        """Whether the cache keeps scales beside its rows (int8: K per channel, V per token)."""
         return is_scaled(self.storage_dtype)
 
     def layer_slots(self) -> tuple[int, ...]:
@@ -54,8 +56,10 @@ class KVCacheShape:
         """Bytes one block takes over all layers, K and V together (with an int8 cache's scales)."""
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
         rows = self.block_size * self.num_kv_heads * self.head_dim * itemsize
-        scales = 4 * self.num_kv_heads if self.scaled else 0
-        return 2 * self.num_layers * (rows + scales)
+        # int8: K's channel scales (num_kv_heads x head_dim, bfloat16) and V's row scales (block_size x
+        # num_kv_heads, float32).
+        scales = self.num_kv_heads * (2 * self.head_dim + 4 * self.block_size) if self.scaled else 0
+        return self.num_layers * (2 * rows + scales)
 
     @property
     def bytes_per_token(self) -> float:
@@ -73,7 +77,8 @@ def allocate_caches(
     allocate: Callable[[int, int, int, int, torch.dtype], torch.Tensor],
 ) -> list[LayerKVCache]:
     """Per-layer (k, v) caches, each [num_blocks, block_size, num_kv_heads, head_dim], uninitialised; an int8
-    cache's scales ([num_blocks, num_kv_heads] float32, from the same allocator) too.
+    cache's scales (bfloat16 K [num_blocks, num_kv_heads, head_dim] and float32 V [num_blocks, block_size,
+    num_kv_heads], from the same allocator) too.
 
     `allocate` takes pagedkernel's `allocate_host_cache` arguments (num_blocks, block_size, num_kv_heads, head_dim,
     dtype). Not zeroed: every kernel ignores slots that were never written (the NaN-poisoned kernel and engine
@@ -82,16 +87,27 @@ def allocate_caches(
     """
     args = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.storage_dtype)
 
-    def scale() -> (
+    def k_scale() -> (
         torch.Tensor | None
-    ):  # [num_blocks, num_kv_heads], a view of a [num_blocks, 1, heads, 1] tensor
+    ):  # [num_blocks, num_kv_heads, head_dim], of [num_blocks, 1, heads, dim]
         if not shape.scaled:
             return None
-        return allocate(num_blocks, 1, shape.num_kv_heads, 1, torch.float32).view(
-            num_blocks, shape.num_kv_heads
+        return allocate(num_blocks, 1, shape.num_kv_heads, shape.head_dim, KEY_SCALE_DTYPE).view(
+            num_blocks, shape.num_kv_heads, shape.head_dim
         )
 
-    return [LayerKVCache(allocate(*args), allocate(*args), scale(), scale()) for _ in range(shape.num_layers)]
+    def v_scale() -> (
+        torch.Tensor | None
+    ):  # [num_blocks, block_size, num_kv_heads], of [num_blocks, bs, heads, 1]
+        if not shape.scaled:
+            return None
+        return allocate(num_blocks, shape.block_size, shape.num_kv_heads, 1, VALUE_SCALE_DTYPE).view(
+            num_blocks, shape.block_size, shape.num_kv_heads
+        )
+
+    return [
+        LayerKVCache(allocate(*args), allocate(*args), k_scale(), v_scale()) for _ in range(shape.num_layers)
+    ]
 
 
 class KVCache:

@@ -36,6 +36,10 @@ class EngineConfigError(ValueError):
     """The configuration cannot serve (e.g. one max-length request does not fit in the KV cache)."""
 
 
+class MaxModelLenError(EngineConfigError):
+    """--max-model-len asks for a longer sequence than the KV pool holds: a bad flag (the CLI exits 2)."""
+
+
 @dataclass(frozen=True)
 class EngineParts:
     """Everything `LLMEngine` is built from."""
@@ -275,7 +279,7 @@ def build_parts(
     )
     if longest < max_model_len:
         knob = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-gib"
-        raise EngineConfigError(
+        raise MaxModelLenError(
             f"max_model_len {max_model_len} does not fit: the KV cache holds {usable_blocks} blocks of "
             f"{cache.block_size} tokens ({layout.describe()}), at most {longest} tokens for one sequence, less "
             f"than one request of max_model_len ({max_model_len}); raise {knob} or lower --max-model-len"

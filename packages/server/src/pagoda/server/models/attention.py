@@ -16,8 +16,8 @@ class LayerKVCache:
 
     k: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale: Tensor | None = None  # float32 [num_blocks, num_kv_heads], int8 caches only
-    v_scale: Tensor | None = None  # float32 [num_blocks, num_kv_heads], int8 caches only
+    k_scale: Tensor | None = None  # bfloat16 [num_blocks, num_kv_heads, head_dim], int8 caches only
+    v_scale: Tensor | None = None  # float32 [num_blocks, block_size, num_kv_heads], int8 caches only
 
     def __iter__(self) -> Iterator[Tensor]:
         """k, then v: `k_cache, v_cache = layer_cache`, as when this was a pair."""
@@ -45,8 +45,8 @@ class AttentionMetadata:
 class _Scales(TypedDict, total=False):
     """The ops' scale keywords: given for an int8 cache only, so a float cache's calls are as they always were."""
 
-    k_scale: Tensor  # float32 [num_blocks, num_kv_heads]
-    v_scale: Tensor  # float32 [num_blocks, num_kv_heads]
+    k_scale: Tensor  # bfloat16 [num_blocks, num_kv_heads, head_dim]
+    v_scale: Tensor  # float32 [num_blocks, block_size, num_kv_heads]
 
 
 def _scales(kv_cache: LayerKVCache) -> _Scales:
