@@ -5,7 +5,9 @@
 
 Starts `pagoda serve` (pagoda.server.testing.LiveServer) and runs the same workload (`--requests` completions of
 `--max-tokens` tokens, `--concurrency` at a time, ignore_eos) in rounds that alternate between no viewer and
-`--viewers` viewers reading /dashboard/events; prints each round's output tokens/s. Then it opens `--slow`
+`--viewers` viewers reading /dashboard/events; prints each round's output tokens/s and mean inter-token latency
+(the engine's decode step time as the server's `inter_token_latency_seconds` histogram records it, from /metrics
+read before and after the round) and the frames the viewers received. Then it opens `--slow`
 connections to /dashboard/events that never read a byte, keeps the workload running for `--slow-seconds`, and
 prints the server's RSS (psutil) before and after, beside a round without them.
 """
@@ -27,6 +29,26 @@ from pagoda.server.testing import LiveServer, make_tiny_model
 
 KEY = "sk-bench"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def itl_totals(base_url: str) -> tuple[float, float]:
+    """The server's inter-token latency histogram: (sum of seconds, count), summed over its series."""
+    text = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=60).text
+    total = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for suffix in total:
+            if name.endswith(":inter_token_latency_seconds" + suffix):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+    return total["_sum"], total["_count"]
+
+
+def measured(base_url: str, requests: int, max_tokens: int, concurrency: int) -> tuple[float, float]:
+    """One round's output tokens/s and mean inter-token latency (ms)."""
+    sum0, count0 = itl_totals(base_url)
+    tps = workload(base_url, requests, max_tokens, concurrency)
+    sum1, count1 = itl_totals(base_url)
+    return tps, 1000 * (sum1 - sum0) / max(1.0, count1 - count0)
 
 
 def workload(base_url: str, requests: int, max_tokens: int, concurrency: int) -> float:
@@ -84,9 +106,9 @@ def main() -> None:
         with LiveServer(model, flags, served_model_name="bench") as server:
             proc = psutil.Process(server.process.pid)
             workload(server.base_url, 4, 16, 4)  # warm-up
-            base, watched = [], []
+            base, watched, frames_seen = [], [], []
             for _ in range(args.rounds):
-                base.append(workload(server.base_url, args.requests, args.max_tokens, args.concurrency))
+                base.append(measured(server.base_url, args.requests, args.max_tokens, args.concurrency))
                 stop, frames = threading.Event(), [0]
                 threads = [
                     threading.Thread(target=viewer, args=(server.base_url, stop, frames), daemon=True)
@@ -95,16 +117,20 @@ def main() -> None:
                 for t in threads:
                     t.start()
                 time.sleep(1.0)
-                watched.append(workload(server.base_url, args.requests, args.max_tokens, args.concurrency))
+                watched.append(measured(server.base_url, args.requests, args.max_tokens, args.concurrency))
                 stop.set()
                 for t in threads:
                     t.join(30)
+                frames_seen.append(frames[0])
+            for name, rounds in (("no viewer", base), (f"{args.viewers} viewers", watched)):
+                tps, itl = [r[0] for r in rounds], [r[1] for r in rounds]
+                print(
+                    f"{name}: output tok/s {[round(x, 1) for x in tps]} (median {statistics.median(tps):.1f}), "
+                    f"mean ITL ms {[round(x, 2) for x in itl]} (median {statistics.median(itl):.2f})"
+                )
+            ratio = statistics.median(r[0] for r in watched) / statistics.median(r[0] for r in base)
             print(
-                f"output tok/s, no viewer: {[round(x, 1) for x in base]} (median {statistics.median(base):.1f})"
-            )
-            print(
-                f"output tok/s, {args.viewers} viewers: {[round(x, 1) for x in watched]} "
-                f"(median {statistics.median(watched):.1f}; ratio {statistics.median(watched) / statistics.median(base):.2f})"
+                f"tok/s with / without viewers: {ratio:.2f}; frames the viewers read per round: {frames_seen}"
             )
             rss0 = proc.memory_info().rss
             deadline = time.monotonic() + args.slow_seconds
