@@ -15,12 +15,13 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from api_cases import MODEL
 from pagoda.server.cli import main
 from pagoda.server.cli_args import build_parser, serve_config
 from pagoda.server.kv_events.wire import BlockStored, KVEventBatch
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving, sync_client
-from test_engine_core import CORE_FLAGS, MODEL, READY_S, engine_metric, metric_value
+from test_engine_core import CORE_FLAGS, READY_S, engine_metric, metric_value
 
 PREFIX = [10 + i for i in range(256)]  # 16 full blocks of 16 tokens
 
