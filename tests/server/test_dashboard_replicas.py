@@ -66,3 +66,52 @@ def test_each_replica_shows_its_own_block_map(dp2: LiveServer) -> None:
         c = counts(idle, i)
         assert c["owned"] == 0 and c["shared"] == 0 and c["cached"] > 0
         assert idle["replicas"][i]["tables"] == {}
+
+
+def test_a_core_encodes_one_view_at_a_time_off_its_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """core/block_maps.py: requests while a view is encoded coalesce into it; a failing encode is skipped, and the
+    next request snapshots again."""
+    import threading
+
+    from pagoda.server.core import block_maps
+    from pagoda.server.llm import LLM
+    from pagoda.server.sampling_params import SamplingParams
+
+    engine = LLM(
+        str(make_tiny_model("llama", tmp_path / "llama")), num_kv_blocks=64, max_model_len=256
+    ).engine
+    engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    gate, calls = threading.Event(), []
+    encode = block_maps._encode
+
+    def slow_encode(snap: Any) -> dict[str, Any]:
+        calls.append(threading.current_thread().name)
+        gate.wait(30)
+        if len(calls) == 2:
+            raise RuntimeError("a failing view")
+        return encode(snap)
+
+    monkeypatch.setattr(block_maps, "_encode", slow_encode)
+    views = block_maps.CoreBlockMaps()
+    try:
+        views.request(engine)
+        views.request(engine)  # coalesced: one encode on its way
+        encoding = views.pending  # (a local: mypy would keep the property narrowed for the loops below)
+        assert encoding and views.take() is None
+        gate.set()
+        while (view := views.take()) is None:
+            pass
+        assert list(view["tables"]) == ["r"] and view["counts"]["owned"] > 0
+        assert len(calls) == 1 and calls[0].startswith("pagoda-core-dashboard")  # not the loop's thread
+        views.request(engine)
+        while views.pending:
+            assert views.take() is None  # the failing encode gives nothing, and no exception
+        views.request(engine)
+        while (view := views.take()) is None:
+            pass
+        assert len(calls) == 3
+    finally:
+        views.close()
