@@ -15,6 +15,7 @@ prints the server's RSS (psutil) before and after, beside a round without them.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
 import tempfile
@@ -79,6 +80,19 @@ def viewer(base_url: str, stop: threading.Event, frames: list[int]) -> None:
                 return
 
 
+def frame_size(base_url: str) -> tuple[int, int]:
+    """The bytes of one frame's JSON and its replica's block count."""
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("GET", f"{base_url}/dashboard/events", headers=AUTH) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"type":"frame"' in line:
+                frame = json.loads(line[len("data: ") :])
+                return len(line), int(frame["replicas"][0]["num_blocks"])
+    raise RuntimeError("the event stream ended")
+
+
 def never_reading(port: int) -> socket.socket:
     """A connection that asks for the event stream and then reads nothing."""
     sock = socket.create_connection(("127.0.0.1", port))
@@ -99,13 +113,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--slow", type=int, default=10)
     parser.add_argument("--slow-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=0.05, help="the KV pool (larger: more blocks, larger frames)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=4096)
-        flags = ["--api-key", KEY, "--kv-cache-gib", "0.05", "--dtype", "float32"]
+        flags = ["--api-key", KEY, "--kv-cache-gib", str(args.kv_cache_gib), "--dtype", "float32"]
         with LiveServer(model, flags, served_model_name="bench") as server:
             proc = psutil.Process(server.process.pid)
             workload(server.base_url, 4, 16, 4)  # warm-up
+            size, blocks = frame_size(server.base_url)
+            print(f"a frame: {size / 1024:.1f} KiB of JSON at rest, {blocks} blocks")
             base, watched, frames_seen = [], [], []
             for _ in range(args.rounds):
                 base.append(measured(server.base_url, args.requests, args.max_tokens, args.concurrency))
@@ -144,11 +163,15 @@ def main() -> None:
             rss_slow = proc.memory_info().rss
             for sock in slow:
                 sock.close()
+            deadline = time.monotonic() + args.slow_seconds
+            while time.monotonic() < deadline:
+                workload(server.base_url, args.requests, args.max_tokens // 4, args.concurrency)
+            rss_after = proc.memory_info().rss
             mib = 1024 * 1024
             print(
                 f"server RSS: {rss0 / mib:.0f} MiB at start, {rss_plain / mib:.0f} MiB after {args.slow_seconds:g} s "
                 f"of load, {rss_slow / mib:.0f} MiB after {args.slow_seconds:g} s more with {args.slow} viewers "
-                "that never read"
+                f"that never read, {rss_after / mib:.0f} MiB after {args.slow_seconds:g} s more without them"
             )
 
 
