@@ -5,11 +5,12 @@
 
 Starts `pagoda serve` (pagoda.server.testing.LiveServer) and runs the same workload (`--requests` completions of
 `--max-tokens` tokens, `--concurrency` at a time, ignore_eos) in rounds that alternate between no viewer and
-`--viewers` viewers reading /dashboard/events; prints each round's output tokens/s and mean inter-token latency
-(the engine's decode step time as the server's `inter_token_latency_seconds` histogram records it, from /metrics
-read before and after the round) and the frames the viewers received. Then it opens `--slow`
-connections to /dashboard/events that never read a byte, keeps the workload running for `--slow-seconds`, and
-prints the server's RSS (psutil) before and after, beside a round without them.
+`--viewers` viewers reading /dashboard/events (which of the two comes first alternates too); prints each round's
+output tokens/s and mean inter-token latency (the engine's decode step time as the server's
+`inter_token_latency_seconds` histogram records it, from /metrics read before and after the round) and the frames
+the viewers received. Then it keeps the workload running for `--slow-seconds` three times: alone, beside `--slow`
+connections to /dashboard/events that never read a byte, and alone again; and prints the server's RSS (psutil)
+after each.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def viewer(base_url: str, stop: threading.Event, frames: list[int]) -> None:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 frames[0] += 1
+                frames[1] += len(line)
             if stop.is_set():
                 return
 
@@ -125,10 +127,13 @@ def main() -> None:
             workload(server.base_url, 4, 16, 4)  # warm-up
             size, blocks = frame_size(server.base_url)
             print(f"a frame: {size / 1024:.1f} KiB of JSON at rest, {blocks} blocks")
-            base, watched, frames_seen = [], [], []
-            for _ in range(args.rounds):
-                base.append(measured(server.base_url, args.requests, args.max_tokens, args.concurrency))
-                stop, frames = threading.Event(), [0]
+            base, watched, frames_seen, frame_bytes = [], [], [], []
+            for i in range(args.rounds):
+                # The order alternates (a round with viewers first every other time): a drift of the machine's
+                # load, or a warming cache, then weighs on both alike.
+                if i % 2 == 0:
+                    base.append(measured(server.base_url, args.requests, args.max_tokens, args.concurrency))
+                stop, frames = threading.Event(), [0, 0]  # frames read, their bytes
                 threads = [
                     threading.Thread(target=viewer, args=(server.base_url, stop, frames), daemon=True)
                     for _ in range(args.viewers)
@@ -141,6 +146,9 @@ def main() -> None:
                 for t in threads:
                     t.join(30)
                 frames_seen.append(frames[0])
+                frame_bytes.append(frames[1])
+                if i % 2 == 1:
+                    base.append(measured(server.base_url, args.requests, args.max_tokens, args.concurrency))
             for name, rounds in (("no viewer", base), (f"{args.viewers} viewers", watched)):
                 tps, itl = [r[0] for r in rounds], [r[1] for r in rounds]
                 print(
@@ -151,6 +159,8 @@ def main() -> None:
             print(
                 f"tok/s with / without viewers: {ratio:.2f}; frames the viewers read per round: {frames_seen}"
             )
+            mean_frame = sum(frame_bytes) / max(1, sum(frames_seen))
+            print(f"a frame under this load: {mean_frame / 1024:.1f} KiB on average")
             rss0 = proc.memory_info().rss
             deadline = time.monotonic() + args.slow_seconds
             while time.monotonic() < deadline:

@@ -77,11 +77,10 @@ def group_states(blocks: BlockMapSnapshot, states: bytearray) -> list[bytearray]
             owner[block_id] = owner[block_id] or gi + 1
     out = []
     for gi in range(blocks.num_groups):
-        mine = bytearray(states)
-        for block_id, holder in enumerate(owner):
-            if holder and holder != gi + 1:
-                mine[block_id] = OTHER
-        out.append(mine)
+        # OTHER (the largest state) where another group holds the block, 0 elsewhere; then max with the states,
+        # all at C speed (a gemma3 pool has 6 groups of some 16k blocks).
+        others = bytes(OTHER if holder not in (0, gi + 1) else 0 for holder in range(256))
+        out.append(bytearray(map(max, states, owner.translate(others))))
     return out
 
 
