@@ -132,6 +132,7 @@
     const grid = r.groups && r.groups.length ? { cell: v.cell, cols: v.cols, width: Math.max(200, v.root.clientWidth - 24) }
       : paint(v.map, v.states, n, 320);
     const width = grid.width;
+    const dpr = window.devicePixelRatio || 1;
     v.cell = grid.cell; v.cols = grid.cols;
     const hn = r.num_host_blocks || 0;
     v.host.hidden = hn === 0;
