@@ -281,6 +281,13 @@
       v.counts.textContent = "this engine client does not report its block map";
     }
     for (const r of f.replicas) drawReplica(r);
+    // A replica missing from a frame that has others (an engine core restarting) keeps its view, marked stale.
+    const present = new Set(f.replicas.map((r) => r.replica));
+    if (present.size) {
+      for (const [index, v] of views) {
+        if (!present.has(index)) v.counts.textContent = "no map from this replica now (dead or restarting); last seen above";
+      }
+    }
     if (f.point) {
       state.points.push(f.point);
       if (state.points.length > MAX_POINTS) state.points.splice(0, state.points.length - MAX_POINTS);
