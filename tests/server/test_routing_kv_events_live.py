@@ -132,3 +132,50 @@ def test_the_router_follows_the_replicas_events(ipc_dir: Path, tmp_path: Path) -
 def _prompt_tokens(live: LiveServer) -> list[float]:
     text = httpx.get(f"{live.base_url}/metrics").text
     return [engine_metric(text, "pagoda:prompt_tokens_total", e) for e in ("0", "1")]
+
+
+def test_subscriptions_apply_their_replicas_batches_and_refuse_others(ipc_dir: Path) -> None:
+    """core/kv_subscriber.py on its own: a batch of the endpoint's rank (or none) is applied, in order; one
+    naming another rank, or undecodable bytes, is refused; a wildcard host is connected on loopback."""
+    from pagoda.server.core.kv_subscriber import KVEventSubscriptions, connect_address
+
+    assert connect_address("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert connect_address("tcp://0.0.0.0:7") == "tcp://127.0.0.1:7"
+    assert connect_address("tcp://10.0.0.2:7") == "tcp://10.0.0.2:7"
+    assert connect_address("ipc:///run/kv-1") == "ipc:///run/kv-1"
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    applied: list[tuple[int, KVEventBatch]] = []
+    endpoint = f"ipc://{ipc_dir}/unit"
+    pubs = [context.socket(zmq.PUB) for _ in range(2)]
+    pubs[0].bind(endpoint)
+    pubs[1].bind(f"{endpoint}-1")
+    subs = KVEventSubscriptions(context, _events_config(endpoint), 2, lambda i, b: applied.append((i, b)))
+    try:
+        assert subs.endpoints == [endpoint, f"{endpoint}-1"]
+        encode = msgspec.msgpack.encode
+        stored = BlockStored([b"h" * 32], None, list(range(16)), 16, None, "CPU")
+        # ZeroMQ's slow joiner: publish until the subscriptions are connected (the first batch arrives).
+        deadline = time.monotonic() + 30
+        while not applied and time.monotonic() < deadline:
+            pubs[1].send_multipart([b"", (0).to_bytes(8, "big"), encode(KVEventBatch(0.0, [], 1))])
+            time.sleep(0.05)
+            subs.drain_all()
+        assert applied and applied[-1][0] == 1
+        applied.clear()
+        pubs[1].send_multipart(
+            [b"", (1).to_bytes(8, "big"), encode(KVEventBatch(1.0, [stored], 0))]
+        )  # rank 0
+        pubs[1].send_multipart([b"", (2).to_bytes(8, "big"), b"not msgpack"])
+        pubs[1].send_multipart([b"", (3).to_bytes(8, "big"), encode(KVEventBatch(2.0, [stored], None))])
+        pubs[1].send_multipart([b"", (4).to_bytes(8, "big"), encode(KVEventBatch(3.0, [stored], 1))])
+        deadline = time.monotonic() + 30
+        while len(applied) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            subs.drain(1)
+        assert [(i, b.ts) for i, b in applied] == [(1, 2.0), (1, 3.0)]
+        assert subs.num_refused == 2
+    finally:
+        subs.close()
+        for pub in pubs:
+            pub.close(linger=0)
+        context.term()
