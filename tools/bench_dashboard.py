@@ -9,7 +9,9 @@ frame (`BlockManager.snapshot` + `Scheduler.queue_view`) and the off-thread part
 `--repeat` runs. Part 2, a real engine (the tiny random Llama of pagoda.server.testing, float32) with the same
 pool size and `--num-seqs` requests decoding: its mean step time, and the whole engine-thread snapshot of that engine (with full latency windows). The frame
 share is the snapshot's time per second of engine time at 4 frames a second (what the engine thread gives up),
-and the snapshot over one step.
+and the snapshot over one step. `--sliding-groups K` gives part 1's allocator one full-attention KV cache group and
+K sliding-window groups of `--window` tokens (gemma3's layout: 1 + 5 groups of window 512), so that the frame
+carries one map per group; `--allocator-only` skips part 2.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pagoda.blockalloc import BlockManager
+from pagoda.blockalloc import FULL_ATTENTION, BlockManager, KVCacheGroupSpec
 from pagoda.scheduler import Request, Scheduler, SchedulerConfig
 from pagoda.scheduler.testing.sim import SimSamplingParams
 from pagoda.server.dashboard.encoder import encode_replica
@@ -43,8 +45,11 @@ def median_seconds(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def allocator_part(num_blocks: int, num_seqs: int, repeat: int) -> None:
-    """Snapshot and encode times over a full pool driven by the real scheduler."""
+def allocator_part(
+    num_blocks: int, num_seqs: int, repeat: int, sliding_groups: int = 0, window: int = 512
+) -> None:
+    """Snapshot and encode times over a full pool driven by the real scheduler (with `sliding_groups` window
+    groups beside the full one: as many sequences run as the pool takes)."""
     block_size = 16
     # Prompts that fill ~all blocks: a shared 16-block system prompt, then each sequence's own blocks.
     prompt_len = 256 + (num_blocks - 16 - num_seqs) * block_size // num_seqs - block_size
@@ -53,7 +58,8 @@ def allocator_part(num_blocks: int, num_seqs: int, repeat: int) -> None:
         max_model_len=prompt_len + 64,
         max_num_batched_tokens=num_blocks * block_size,
     )
-    kv = BlockManager(num_blocks, block_size, num_host_blocks=1024)
+    groups = (FULL_ATTENTION, *[KVCacheGroupSpec(sliding_window=window)] * sliding_groups)
+    kv = BlockManager(num_blocks, block_size, num_host_blocks=1024, groups=groups)
     sched = Scheduler(config, kv)
     system = list(range(1, 257))
     for i in range(num_seqs):
@@ -75,7 +81,8 @@ def allocator_part(num_blocks: int, num_seqs: int, repeat: int) -> None:
     take = median_seconds(snapshot, repeat)
     encode = median_seconds(lambda: json.dumps(encode_replica(snap)), repeat)
     size = len(json.dumps(encode_replica(snap), separators=(",", ":")))
-    print(f"allocator: {num_blocks} blocks ({used} used), {len(sched.running)} running sequences")
+    kinds = f", groups: 1 full + {sliding_groups} x window {window}" if sliding_groups else ""
+    print(f"allocator: {num_blocks} blocks ({used} used), {len(sched.running)} running sequences{kinds}")
     print(f"  engine-thread snapshot: {take * 1e3:.2f} ms   off-thread encode + JSON: {encode * 1e3:.2f} ms")
     print(f"  frame: {size / 1024:.1f} KiB of JSON")
 
@@ -131,11 +138,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="1,024 blocks, 32 sequences")
+    parser.add_argument(
+        "--sliding-groups", type=int, default=0, help="part 1: sliding-window KV cache groups"
+    )
+    parser.add_argument("--window", type=int, default=512, help="their window, in tokens")
+    parser.add_argument("--allocator-only", action="store_true", help="skip part 2 (the real engine)")
     args = parser.parse_args()
     if args.quick:
         args.num_blocks, args.num_seqs, args.steps, args.repeat = 1024, 32, 3, 5
-    allocator_part(args.num_blocks, args.num_seqs, args.repeat)
-    engine_part(args.num_blocks, args.num_seqs, args.steps, args.repeat)
+    allocator_part(args.num_blocks, args.num_seqs, args.repeat, args.sliding_groups, args.window)
+    if not args.allocator_only:
+        engine_part(args.num_blocks, args.num_seqs, args.steps, args.repeat)
 
 
 if __name__ == "__main__":

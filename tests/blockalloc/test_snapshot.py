@@ -27,3 +27,29 @@ def test_snapshot_reports_refs_cached_blocks_and_tables() -> None:
     assert list(later.host_ref_counts()) == [1, 1, 1, 0]
     assert {seq: list(ids) for seq, ids in later.swapped_tables()} == {"a": [0, 1, 2]}
     assert later.tables() == ()
+
+
+def test_snapshot_of_kv_cache_groups_has_every_groups_tables() -> None:
+    """A full and a sliding-window group (W = 4 tokens, blocks of 4): the window's table goes null behind it, the
+    null block counts no reference, and every block id of the pool (the null block's too) has a ref count."""
+    from pagoda.blockalloc import FULL_ATTENTION, KVCacheGroupSpec
+
+    kv = BlockManager(
+        num_blocks=12, block_size=4, groups=(FULL_ATTENTION, KVCacheGroupSpec(sliding_window=4))
+    )
+    tokens = list(range(16))
+    assert kv.allocate_slots("a", tokens[:8], 8) is not None
+    assert kv.allocate_slots("a", tokens, 8, num_computed_tokens=8) is not None
+    snap = kv.snapshot()
+    assert snap.num_groups == 2 and snap.sliding_windows == (None, 4)
+    assert snap.null_block_id == 0 and snap.num_blocks == 11 and snap.num_pool_blocks == 12
+    full = dict(snap.group_tables(0))["a"]
+    window = dict(snap.group_tables(1))["a"]
+    assert len(full) == 4  # every block of 16 tokens
+    assert 0 not in full and 0 not in window and len(window) < 4  # the window left blocks behind
+    assert {seq: list(ids) for seq, ids in snap.tables()} == {"a": list(full)}
+    refs = snap.ref_counts()
+    assert len(refs) == 12 and refs[0] == 0
+    assert {i for i, r in enumerate(refs) if r} == {*full, *window}
+    cached = snap.cached_group_ids()
+    assert len(cached) == 2 and set(cached[0]) <= set(full) and set(cached[1]).isdisjoint(full)

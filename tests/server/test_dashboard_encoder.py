@@ -82,6 +82,44 @@ def test_states_of_every_kind() -> None:
     assert frame["num_blocks"] == 12 and frame["num_host_blocks"] == 4
 
 
+def test_kv_cache_groups_get_a_map_each() -> None:
+    """A full and a sliding-window group: the null block is RESERVED, each group's map shows its own blocks (the
+    other group's as OTHER), and the window's map holds fewer blocks than the full one as the sequence grows."""
+    from pagoda.blockalloc import FULL_ATTENTION, KVCacheGroupSpec
+    from pagoda.server.dashboard.encoder import OTHER, RESERVED
+
+    kv = BlockManager(
+        num_blocks=16, block_size=4, groups=(FULL_ATTENTION, KVCacheGroupSpec(sliding_window=4))
+    )
+    tokens = list(range(20))
+    assert kv.allocate_slots("a", tokens[:8], 8) is not None
+    assert kv.allocate_slots("a", tokens, 12, num_computed_tokens=8) is not None
+    snap = kv.snapshot()
+    queues = QueueView(running=(QueueEntry("a", 20, 20, 8, 12, 0),), waiting=(), swapped=())
+    frame = encode_replica(ReplicaSnapshot(0, snap, queues, _stats(kv)))
+    states = expand_runs(frame["map"])
+    assert frame["num_blocks"] == 16 == len(states) and states[0] == RESERVED
+    assert frame["counts"]["reserved"] == 1
+    full, window = frame["groups"]
+    assert (full["group"], full["sliding_window"], window["sliding_window"]) == (0, None, 4)
+    full_map, window_map = expand_runs(full["map"]), expand_runs(window["map"])
+    full_ids = expand_id_runs(frame["group_tables"][0]["a"])
+    window_ids = expand_id_runs(frame["group_tables"][1]["a"])
+    assert len(full_ids) == 5 and 0 < len(window_ids) < 5  # the window released the blocks behind it
+    assert all(full_map[i] == OWNED and window_map[i] == OTHER for i in full_ids)
+    assert all(window_map[i] == OWNED and full_map[i] == OTHER for i in window_ids)
+    assert full["counts"]["owned"] == 5 and window["counts"]["owned"] == len(window_ids)
+    # The blocks the window left behind stay prefix-cache hits of the window's group, evictable.
+    assert window["counts"]["cached"] > 0 and full["counts"]["cached"] == 0
+    assert full_map[0] == window_map[0] == RESERVED
+    assert frame["tables"] == frame["group_tables"][0]
+
+
+def expand_id_runs(runs: list[int]) -> list[int]:
+    """The block ids of `id_runs` output."""
+    return [runs[i] + k for i in range(0, len(runs), 2) for k in range(runs[i + 1])]
+
+
 def test_no_block_map_for_a_contiguous_manager() -> None:
     kv = BlockManager(num_blocks=4, block_size=4)
     frame = encode_replica(ReplicaSnapshot(1, None, QueueView((), (), ()), _stats(kv)))

@@ -49,3 +49,8 @@ def is_first_group_key(key: BlockHash) -> bool:
 def group_key(block_hash: BlockHash, group: int) -> BlockHash:
     """The prefix-cache key of a block of `group`: group 0 keeps the content hash, others append their index."""
     return block_hash if group == 0 else BlockHash(block_hash + group.to_bytes(2, "little"))
+
+
+def key_group(key: BlockHash) -> int:
+    """The group whose prefix-cache key `key` is (the inverse of `group_key`'s suffix)."""
+    return 0 if is_first_group_key(key) else int.from_bytes(key[32:34], "little")

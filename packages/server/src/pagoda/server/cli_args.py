@@ -314,6 +314,15 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--routing-kv-events",),
+            {
+                "action": "store_true",
+                "help": "cache_aware routing by the KV cache events of the replicas (subscribed on each one's "
+                "--kv-events-config endpoint, which must enable zmq events) instead of an index of what was "
+                "routed where",
+            },
+        ),
+        Flag(
             ("--engine-ready-timeout",),
             {
                 "type": float,

@@ -209,6 +209,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1  # ranks one model's layers are split over
     distributed_executor_backend: DistributedExecutorBackendName = "mp"
+    data_parallel_rank: int | None = None  # an engine core's place among the replicas (set by CoreClient)
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -335,6 +336,7 @@ class CoreClientConfig:
     engine_ready_timeout: float = 600.0  # seconds a core may take to load its model
     replica_send_hwm: int = 1000  # frames queued for one core before sends to it stop (ZeroMQ's SNDHWM)
     replica_stall_timeout: float = 30.0  # seconds a core may stay full before it is treated as sick
+    routing_kv_events: bool = False  # the cache_aware router follows the cores' KV cache events (no guessing)
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -343,6 +345,12 @@ class CoreClientConfig:
             raise ValueError(f"engine_ready_timeout must be > 0, got {self.engine_ready_timeout}")
         if self.replica_stall_timeout <= 0:
             raise ValueError(f"replica_stall_timeout must be > 0, got {self.replica_stall_timeout}")
+        if self.routing_kv_events and self.routing_policy != "cache_aware":
+            raise ValueError("routing_kv_events needs routing_policy cache_aware")
+        if self.routing_kv_events and self.in_process:
+            raise ValueError(
+                "routing_kv_events needs engine-core replicas (data_parallel_size or engine_core)"
+            )
         _one_of("engine_core", self.engine_core, get_args(EngineCoreName))
 
     @property
@@ -523,6 +531,15 @@ class ServeConfig:
     serving: ServingConfig = field(default_factory=ServingConfig)
     app: AppSettings = field(default_factory=AppSettings)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        """ValueError naming the fields of two sections that do not go together."""
+        if self.core.routing_kv_events:
+            events = parse_kv_events_config(self.engine.cache_config.kv_events_config)
+            if not events.enable_kv_cache_events or events.publisher != "zmq":
+                raise ValueError(
+                    "routing_kv_events needs kv_events_config with enable_kv_cache_events and the zmq publisher"
+                )
 
     @classmethod
     def from_flat(cls, **names: object) -> ServeConfig:

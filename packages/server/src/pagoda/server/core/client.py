@@ -18,18 +18,22 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 import zmq
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import EngineConfig
+from pagoda.server.core.kv_subscriber import KVEventSubscriptions
 from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
+    BlockMap,
     EngineInfo,
     Outputs,
     Rejected,
+    SnapshotRequest,
     output_decoder,
 )
 from pagoda.server.core.replica import ACCEPT_TIMEOUT_S, Replica
@@ -45,7 +49,7 @@ from pagoda.server.kv_events.config import for_replica
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
 from pagoda.server.procs.security import Authenticator, token_matches
-from pagoda.server.routing import ReplicaLoad, Router
+from pagoda.server.routing import CacheAwareRouter, ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -58,6 +62,8 @@ _LIVENESS_S = 0.1
 DEFAULT_READY_TIMEOUT_S = 600.0
 DEFAULT_SEND_HWM = 1000
 DEFAULT_STALL_TIMEOUT_S = 30.0
+# A core that has not answered a SnapshotRequest after this long is asked again (the answer was lost).
+_MAP_RETRY_S = 2.0
 
 
 class CoreStartupError(RuntimeError):
@@ -124,9 +130,14 @@ class CoreClient:
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
         send_hwm: int = DEFAULT_SEND_HWM,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+        routing_kv_events: bool = False,
     ) -> None:
-        """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not)."""
-        # One config per replica: each core's KV-events endpoint is its own (ports offset by its index).
+        """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not).
+
+        With `routing_kv_events` the router (a CacheAwareRouter built with use_kv_events) is fed every core's KV
+        cache events, subscribed on each replica's `--kv-events-config` endpoint."""
+        # One config per replica: each core's KV-events endpoint is its own (ports offset by its index), and its
+        # events name its data-parallel rank.
         self._config_frames = [
             msgspec.msgpack.encode(
                 replace(
@@ -135,6 +146,7 @@ class CoreClient:
                         config.cache_config,
                         kv_events_config=for_replica(config.cache_config.kv_events_config, i),
                     ),
+                    parallel_config=replace(config.parallel_config, data_parallel_rank=i),
                 )
             )
             for i in range(num_replicas)
@@ -152,6 +164,13 @@ class CoreClient:
         self._events: list[EngineEvent] = []
         self._next_liveness = 0.0
         self.replicas = [Replica(i) for i in range(num_replicas)]
+        self.kv_events: KVEventSubscriptions | None = None
+        if routing_kv_events:
+            if not isinstance(router, CacheAwareRouter):
+                raise ValueError("routing_kv_events needs the cache_aware routing policy")
+            self.kv_events = KVEventSubscriptions(
+                self._context, config.cache_config.kv_events_config, num_replicas, router.apply_events
+            )
         try:
             for replica in self.replicas:
                 replica.start(
@@ -246,6 +265,8 @@ class CoreClient:
         if not any(load.alive for load in loads):
             raise EngineDeadError("no engine replica is alive (restarting)")
         ids = list(prompt_token_ids)
+        if self.kv_events is not None:  # the router decides on every batch the cores published so far
+            self.kv_events.drain_all()
         replica = self.replicas[self.router.route(ids, loads, salt=params.cache_salt)]
         replica.requests[request_id] = len(ids) + params.max_tokens * params.n
         replica.decoder.add(request_id, prompt, ids)
@@ -297,6 +318,24 @@ class CoreClient:
         """The router's (hits, misses) counters."""
         return self.router.hits, self.router.misses
 
+    # --- the dashboard --------------------------------------------------------------------------------------
+
+    def block_maps(self) -> tuple[dict[str, Any], ...]:
+        """The live replicas' last block maps (frame replica objects, index order), and ask each for its next.
+
+        The cores snapshot between two of their steps and encode on a thread of their own; what arrives here is
+        already a frame's replica object, so the dashboard's frame lags its cores by one period at most."""
+        # An idle server does not step: read the answers here (events are kept for the next `step`).
+        self._poll(0)
+        now = time.monotonic()
+        for replica in self.replicas:
+            if not replica.ready:
+                continue
+            if replica.map_asked_at is None or now - replica.map_asked_at > _MAP_RETRY_S:
+                replica.map_asked_at = now
+                replica.send(self._encoder, SnapshotRequest())
+        return tuple(r.block_map for r in self.replicas if r.ready and r.block_map is not None)
+
     # --- frames and faults ----------------------------------------------------------------------------------
 
     def _poll(self, timeout_ms: int) -> None:
@@ -306,7 +345,15 @@ class CoreClient:
             if replica.outputs is not None:
                 poller.register(replica.outputs, zmq.POLLIN)
                 sockets[replica.outputs] = replica
+        # The KV events of `--routing-kv-events`: socket -> its replica's index.
+        events_of = {} if self.kv_events is None else {s: i for i, s in enumerate(self.kv_events.sockets)}
+        for socket in events_of:
+            poller.register(socket, zmq.POLLIN)
         for socket, _ in poller.poll(timeout_ms):
+            if socket in events_of:
+                assert self.kv_events is not None
+                self.kv_events.drain(events_of[socket])
+                continue
             replica = sockets[socket]
             while replica.outputs is not None:
                 try:
@@ -327,6 +374,9 @@ class CoreClient:
                     replica.requests.pop(output.request_id, None)
                     self._owner.pop(output.request_id, None)
                 self._events.append(output)
+        elif isinstance(message, BlockMap):
+            replica.block_map = {**message.replica, "replica": replica.index}
+            replica.map_asked_at = None
         elif isinstance(message, Accepted):
             # Only requests this core was sent and has not answered yet: a repeated or stray id is ignored.
             answered = [request_id for request_id in message.request_ids if request_id in replica.pending]
@@ -411,6 +461,8 @@ class CoreClient:
                 if socket is not None:
                     socket.close(linger=0)
             replica.inputs = replica.outputs = None
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._authenticator.stop()
         self._context.term()
         self._launcher.close()

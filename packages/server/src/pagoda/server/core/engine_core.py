@@ -17,15 +17,18 @@ from types import FrameType
 import msgspec
 import zmq
 from pagoda.server.config import EngineConfig
+from pagoda.server.core.block_maps import CoreBlockMaps
 from pagoda.server.core.deltas import DeltaEncoder
 from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
+    BlockMap,
     CoreOutput,
     EngineInfo,
     Outputs,
     Rejected,
+    SnapshotRequest,
     input_decoder,
 )
 from pagoda.server.engine import LLMEngine
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle core waits for input before it looks again (at a SIGTERM's drain, say).
 _IDLE_POLL_MS = 200
+# ... and while a dashboard view is being encoded on its worker thread (it is sent from the loop).
+_VIEW_POLL_MS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,7 @@ class EngineCore:
         self._decoder = input_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas = DeltaEncoder()
+        self._views = CoreBlockMaps()
         self._stop = False
         self.draining = False  # set by SIGTERM: refuse new requests, exit once the rest finished
 
@@ -85,22 +91,27 @@ class EngineCore:
         self._send(
             Ready(info=engine_info(engine), pid=os.getpid(), token=self._token, stats=engine.get_stats())
         )
-        while not self._stop:
-            busy = engine.has_unfinished_requests()
-            if self.draining and not busy:
-                logger.info("engine core drained; exiting")
-                return
-            self._serve_inputs(block=not busy)
-            if self._stop or not engine.has_unfinished_requests():
-                continue
-            outputs = engine.step()
-            if outputs:
-                deltas = [self._deltas.encode(output) for output in outputs]
-                self._send(Outputs(outputs=deltas, stats=engine.get_stats()))
+        try:
+            while not self._stop:
+                busy = engine.has_unfinished_requests()
+                if self.draining and not busy:
+                    logger.info("engine core drained; exiting")
+                    return
+                self._serve_inputs(block=not busy)
+                if (view := self._views.take()) is not None:
+                    self._send(BlockMap(view))
+                if self._stop or not engine.has_unfinished_requests():
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    deltas = [self._deltas.encode(output) for output in outputs]
+                    self._send(Outputs(outputs=deltas, stats=engine.get_stats()))
+        finally:
+            self._views.close()
 
     def _serve_inputs(self, *, block: bool) -> None:
         """Apply every queued input; wait up to _IDLE_POLL_MS for the first one if `block`."""
-        if block and not self._inputs.poll(_IDLE_POLL_MS):
+        if block and not self._inputs.poll(_VIEW_POLL_MS if self._views.pending else _IDLE_POLL_MS):
             return
         accepted: list[str] = []
         while not self._stop:
@@ -116,6 +127,8 @@ class EngineCore:
                 for request_id in message.request_ids:
                     self.engine.abort_request(request_id)
                     self._deltas.forget(request_id)
+            elif isinstance(message, SnapshotRequest):
+                self._views.request(self.engine)  # between two steps: the copies are consistent
             elif isinstance(message, Shutdown):
                 self._stop = True
         if accepted:

@@ -1,14 +1,16 @@
 """The frames between a front end and an engine core: msgspec Structs, msgpack-encoded, never pickle.
 
-Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown` (the `CoreInput` union). Core -> front end: `Ready`
-once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for each added request,
-or `Failed` before it exits on an error (the `CoreOutput` union). `Ready`, `Shutdown` and `Failed` are the
-process stack's control frames (procs/control.py), shared with the tensor-parallel workers. Every decoder is
-typed: a frame that is not exactly one of these fails to decode, and the receiver drops it (`decode_or_none`)
-instead of acting on it.
+Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown`, `SnapshotRequest` (the `CoreInput` union). Core
+-> front end: `Ready` once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for
+each added request, `BlockMap` answering a `SnapshotRequest`, or `Failed` before it exits on an error (the
+`CoreOutput` union). `Ready`, `Shutdown` and `Failed` are the process stack's control frames (procs/control.py),
+shared with the tensor-parallel workers. Every decoder is typed: a frame that is not exactly one of these fails
+to decode, and the receiver drops it (`decode_or_none`) instead of acting on it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
@@ -33,7 +35,11 @@ class AbortRequests(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown
+class SnapshotRequest(msgspec.Struct, frozen=True, tag=True):
+    """Send the block map and queues once, between two steps (the dashboard; ignored while one is on its way)."""
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown | SnapshotRequest
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -100,8 +106,14 @@ class Rejected(msgspec.Struct, frozen=True, tag=True):
     param: str | None
 
 
+class BlockMap(msgspec.Struct, frozen=True, tag=True):
+    """The core's dashboard view, encoded off its step loop: a frame's replica object (dashboard/encoder.py)."""
+
+    replica: dict[str, Any]
+
+
 # `Ready.info` is the core's `EngineInfo`, `Ready.stats` its stats before the first step.
-CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed
+CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed | BlockMap
 
 
 def input_decoder() -> FrameDecoder[CoreInput]:

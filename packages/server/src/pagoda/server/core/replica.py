@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -47,6 +48,9 @@ class Replica:
     full_since: float | None = None
     pending: dict[str, float] = field(default_factory=dict)  # request id -> when its Accepted is overdue
     keys: LaunchKeys | None = None  # this start's CURVE keys and token (procs/security.py)
+    # The dashboard: the core's last `BlockMap` (a frame's replica object) and when the next one was asked for.
+    block_map: dict[str, Any] | None = None
+    map_asked_at: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +135,7 @@ class Replica:
             self.handle.join(2.0)  # reap it: no zombie while the replacement starts
         self.ready = False
         self.stats = None
+        self.block_map = self.map_asked_at = None
         delay = min(RESTART_BACKOFF_S * 2**self.failures, RESTART_BACKOFF_MAX_S)
         self.failures += 1
         self.restart_at = now + delay

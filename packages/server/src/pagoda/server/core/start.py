@@ -33,6 +33,7 @@ def start_core_client(
         core.data_parallel_size,
         cache.block_size,
         max_blocks_per_replica=cache.num_kv_blocks,
+        use_kv_events=core.routing_kv_events,
     )
     return CoreClient(
         config,
@@ -42,6 +43,7 @@ def start_core_client(
         ready_timeout=core.engine_ready_timeout,
         send_hwm=core.replica_send_hwm,
         stall_timeout=core.replica_stall_timeout,
+        routing_kv_events=core.routing_kv_events,
     )
 
 

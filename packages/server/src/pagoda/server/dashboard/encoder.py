@@ -2,7 +2,9 @@
 
 States (the page's colours): FREE, CACHED (unreferenced but still a prefix-cache hit: evictable), OWNED (ref
 count 1: one sequence), SHARED (ref count >= 2: a copy-on-write fork or a prefix hit) on the device tier, and
-SWAPPED on the host tier (a preempted sequence's copy).
+SWAPPED on the host tier (a preempted sequence's copy). With KV cache groups (sliding-window layers), RESERVED is
+the null block (the stand-in for the blocks a window left behind) and each group gets a map of its own, where
+OTHER marks the blocks another group holds (all groups draw from one pool: a free block is free for all).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from pagoda.blockalloc import BlockMapSnapshot
 from pagoda.scheduler import QueueEntry, QueueView
 from pagoda.server.dashboard.snapshot import ReplicaSnapshot
 
-FREE, CACHED, OWNED, SHARED, SWAPPED = 0, 1, 2, 3, 4
-STATE_NAMES = ("free", "cached", "owned", "shared", "swapped")
+FREE, CACHED, OWNED, SHARED, SWAPPED, RESERVED, OTHER = 0, 1, 2, 3, 4, 5, 6
+STATE_NAMES = ("free", "cached", "owned", "shared", "swapped")  # the counts of every map
+GROUP_STATE_NAMES = ("free", "cached", "owned", "shared", "other")  # the counts of a group's map
 # Device state by min(ref count, 2).
 _BY_REF = bytes((FREE, OWNED, SHARED))
 
@@ -56,7 +59,45 @@ def device_states(blocks: BlockMapSnapshot, ref_counts: array[int] | None = None
     for block_id in blocks.cached_block_ids():
         if states[block_id] == FREE:
             states[block_id] = CACHED
+    if blocks.null_block_id is not None:
+        states[blocks.null_block_id] = RESERVED
     return states
+
+
+def group_states(blocks: BlockMapSnapshot, states: bytearray) -> list[bytearray]:
+    """Per KV cache group, [num_pool_blocks] states: `states` (the device map) where the group holds or caches the
+    block, OTHER where another group does, FREE and RESERVED as they are."""
+    owner = bytearray(len(states))  # 1 + the group holding or caching each block; 0: none
+    for gi in range(blocks.num_groups):
+        for _, ids in blocks.group_tables(gi):
+            for block_id in ids:
+                owner[block_id] = gi + 1
+    for gi, cached in enumerate(blocks.cached_group_ids()):
+        for block_id in cached:
+            owner[block_id] = owner[block_id] or gi + 1
+    out = []
+    for gi in range(blocks.num_groups):
+        # OTHER (the largest state) where another group holds the block, 0 elsewhere; then max with the states,
+        # all at C speed (a gemma3 pool has 6 groups of some 16k blocks).
+        others = bytes(OTHER if holder not in (0, gi + 1) else 0 for holder in range(256))
+        out.append(bytearray(map(max, states, owner.translate(others))))
+    return out
+
+
+def encode_groups(blocks: BlockMapSnapshot, states: bytearray) -> list[dict[str, Any]]:
+    """Each KV cache group's map (run-length encoded), its window and counts, for a frame."""
+    out = []
+    for gi, mine in enumerate(group_states(blocks, states)):
+        counts = [mine.count(s) for s in (FREE, CACHED, OWNED, SHARED, OTHER)]
+        out.append(
+            {
+                "group": gi,
+                "sliding_window": blocks.sliding_windows[gi],
+                "map": run_length(mine),
+                "counts": dict(zip(GROUP_STATE_NAMES, counts, strict=True)),
+            }
+        )
+    return out
 
 
 def host_states(blocks: BlockMapSnapshot) -> bytearray:
@@ -97,7 +138,7 @@ def encode_replica(snap: ReplicaSnapshot) -> dict[str, Any]:
     counts = [states.count(s) for s in range(len(STATE_NAMES))]
     counts[SWAPPED] = host.count(SWAPPED)
     out.update(
-        num_blocks=blocks.num_blocks,
+        num_blocks=blocks.num_pool_blocks,
         num_host_blocks=blocks.num_host_blocks,
         map=run_length(states),
         refs=run_length(refs),
@@ -106,4 +147,12 @@ def encode_replica(snap: ReplicaSnapshot) -> dict[str, Any]:
         tables={seq_id: id_runs(ids) for seq_id, ids in blocks.tables()},
         swapped_tables={seq_id: id_runs(ids) for seq_id, ids in blocks.swapped_tables()},
     )
+    if blocks.null_block_id is not None or blocks.num_groups > 1:
+        out["counts"]["reserved"] = states.count(RESERVED)
+        out["groups"] = encode_groups(blocks, states)
+        # Every group's tables (group 0's are `tables`), for hovering a group's map.
+        out["group_tables"] = [
+            {seq_id: id_runs(ids) for seq_id, ids in blocks.group_tables(gi)}
+            for gi in range(blocks.num_groups)
+        ]
     return out

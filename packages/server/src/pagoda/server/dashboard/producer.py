@@ -134,7 +134,7 @@ class FrameProducer:
             "type": "frame",
             "t": wall,
             "model": self.llm.served_model_name,
-            "replicas": [encode_replica(r) for r in snapshot.replicas],
+            "replicas": [*(encode_replica(r) for r in snapshot.replicas), *snapshot.encoded],
             "stats": {
                 "running": stats.num_running,
                 "waiting": stats.num_waiting,

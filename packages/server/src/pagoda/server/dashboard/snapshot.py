@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from pagoda.blockalloc import BlockManager, BlockMapSnapshot
 from pagoda.scheduler import QueueView
@@ -31,11 +32,22 @@ class EngineSnapshot:
     """Everything one frame is made of, taken at `time` (time.monotonic())."""
 
     time: float
-    replicas: tuple[ReplicaSnapshot, ...]  # empty: this engine offers no block map (engine-core processes)
+    replicas: tuple[ReplicaSnapshot, ...]  # an in-process engine's own map (empty for engine-core processes)
     stats: EngineStats
     # (time, seconds) samples as recorded (the series keeps the last LATENCY_WINDOW_S of them, off this thread)
     ttft: tuple[tuple[float, float], ...]
     itl: tuple[tuple[float, float], ...]
+    # Replicas encoded elsewhere (engine-core processes: each core encodes its own), as frame replica objects.
+    encoded: tuple[dict[str, Any], ...] = ()
+
+
+@runtime_checkable
+class BlockMapSource(Protocol):
+    """An engine client whose replicas encode their own block maps (`CoreClient`)."""
+
+    def block_maps(self) -> tuple[dict[str, Any], ...]:
+        """The replicas' latest maps as frame replica objects; asks them for the next (engine thread)."""
+        ...
 
 
 def replica_snapshot(engine: object, index: int = 0) -> ReplicaSnapshot | None:
@@ -65,4 +77,5 @@ def take_snapshot(engine: EngineClient, metrics: ServerMetrics) -> EngineSnapsho
         stats=own.stats if own is not None else engine.get_stats(),
         ttft=metrics.ttft_window.copy(),
         itl=metrics.itl_window.copy(),
+        encoded=engine.block_maps() if own is None and isinstance(engine, BlockMapSource) else (),
     )

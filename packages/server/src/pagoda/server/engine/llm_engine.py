@@ -134,6 +134,7 @@ class LLMEngine:
             config.cache_config.kv_events_config,
             self.kv_manager,
             medium="GPU" if parts.device.type == "cuda" else "CPU",
+            data_parallel_rank=config.parallel_config.data_parallel_rank,
         )
         self.spec_log = AcceptanceLog()
 

@@ -61,11 +61,13 @@ def build_router(
     cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
     balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
     balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+    use_kv_events: bool = False,
 ) -> Router:
     """The router `--routing-policy` names, for `num_replicas` replicas with KV blocks of `block_size` tokens.
 
     The keyword arguments tune cache_aware only: `max_blocks_per_replica` bounds each replica's prefix index (pass
-    a replica's KV capacity in blocks; None: DEFAULT_MAX_BLOCKS_PER_REPLICA), the thresholds are SGLang's.
+    a replica's KV capacity in blocks; None: DEFAULT_MAX_BLOCKS_PER_REPLICA), the thresholds are SGLang's;
+    `use_kv_events` indexes what the replicas' KV cache events report instead (`CacheAwareRouter.apply_events`).
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
@@ -83,5 +85,6 @@ def build_router(
             max_blocks_per_replica=(
                 DEFAULT_MAX_BLOCKS_PER_REPLICA if max_blocks_per_replica is None else max_blocks_per_replica
             ),
+            use_kv_events=use_kv_events,
         )
     raise ValueError(f"unknown routing policy {policy!r}")

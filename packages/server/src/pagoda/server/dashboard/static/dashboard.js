@@ -2,7 +2,10 @@
 // its queues, and the time series. No library, no build step. DOM nodes are reused or replaced, never piled up.
 "use strict";
 (function () {
-  const STATES = ["free", "cached", "owned", "shared", "swapped"];
+  // Block states as the frames number them; "reserved" is the null block and "other" a block of another KV
+  // cache group (only in a group's map).
+  const STATES = ["free", "cached", "owned", "shared", "swapped", "reserved", "other"];
+  const COUNTED = 5; // the states of the legend line and of decodedCounts
   const css = getComputedStyle(document.documentElement);
   const COLORS = STATES.map((s) => css.getPropertyValue("--" + s).trim());
   const MAX_ROWS = 12; // queue rows shown per queue; the rest is counted
@@ -48,31 +51,29 @@
     const queues = el("div");
     root.append(title, map, host, counts, queues);
     document.getElementById("replicas").append(root);
-    v = { root, title, map, host, counts, queues, states: new Uint8Array(0), refs: new Uint32Array(0),
-          hostStates: new Uint8Array(0), frame: null, cell: 8, cols: 1 };
+    const groups = el("div", "groups");
+    root.insertBefore(groups, host);
+    v = { root, title, map, host, counts, queues, groups, states: new Uint8Array(0), refs: new Uint32Array(0),
+          hostStates: new Uint8Array(0), frame: null, cell: 8, cols: 1, groupViews: [] };
     map.addEventListener("mousemove", (ev) => hover(v, ev));
     map.addEventListener("mouseleave", () => { document.getElementById("tip").hidden = true; });
     views.set(index, v);
     return v;
   }
 
-  function drawMap(v, r) {
-    const n = r.num_blocks;
-    if (v.states.length !== n) { v.states = new Uint8Array(n); v.refs = new Uint32Array(n); }
-    decodeRuns(r.map, v.states);
-    decodeRuns(r.refs, v.refs);
-    const width = Math.max(200, v.map.clientWidth || v.root.clientWidth - 24);
-    // Cells as large as fit ~320 px of height, between 2 and 14 px.
-    const cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt((width * 320) / Math.max(1, n)))));
+  function paint(canvas, states, n, height) {
+    // Draws `states` (one cell per block) into `canvas`, cells as large as fit `height` px; returns the grid.
+    const width = Math.max(200, canvas.clientWidth || canvas.parentElement.clientWidth - 24);
+    const cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt((width * height) / Math.max(1, n)))));
     const cols = Math.max(1, Math.floor(width / cell));
     const rows = Math.ceil(n / cols);
     const dpr = window.devicePixelRatio || 1;
-    if (v.map.width !== Math.round(width * dpr) || v.map.height !== Math.round(rows * cell * dpr)) {
-      v.map.width = Math.round(width * dpr);
-      v.map.height = Math.round(rows * cell * dpr);
-      v.map.style.height = rows * cell + "px";
+    if (canvas.width !== Math.round(width * dpr) || canvas.height !== Math.round(rows * cell * dpr)) {
+      canvas.width = Math.round(width * dpr);
+      canvas.height = Math.round(rows * cell * dpr);
+      canvas.style.height = rows * cell + "px";
     }
-    const ctx = v.map.getContext("2d");
+    const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.clearRect(0, 0, width, rows * cell);
     const gap = cell >= 5 ? 1 : 0;
@@ -80,10 +81,59 @@
     for (let s = 0; s < STATES.length; s++) {
       ctx.fillStyle = COLORS[s];
       for (let i = 0; i < n; i++) {
-        if (v.states[i] === s) ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, cell - gap, cell - gap);
+        if (states[i] === s) ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, cell - gap, cell - gap);
       }
     }
-    v.cell = cell; v.cols = cols;
+    return { cell, cols, width };
+  }
+
+  function groupView(v, g) {
+    // The canvas of KV cache group `g` of replica view `v` (created once, reused).
+    while (v.groupViews.length <= g) {
+      const gv = { index: v.groupViews.length, label: el("div", "group-label"), map: el("canvas", "map"),
+                   states: new Uint8Array(0), cell: 8, cols: 1 };
+      gv.map.addEventListener("mousemove", (ev) => hover(v, ev, gv));
+      gv.map.addEventListener("mouseleave", () => { document.getElementById("tip").hidden = true; });
+      v.groups.append(gv.label, gv.map);
+      v.groupViews.push(gv);
+    }
+    return v.groupViews[g];
+  }
+
+  function drawGroups(v, r) {
+    // One map per KV cache group: a sliding-window group holds only the blocks its window still sees.
+    const groups = r.groups || [];
+    v.map.hidden = groups.length > 0;
+    v.groups.hidden = groups.length === 0;
+    while (v.groupViews.length > groups.length) {
+      const gv = v.groupViews.pop();
+      gv.label.remove(); gv.map.remove();
+    }
+    const height = Math.max(60, Math.floor(320 / Math.max(1, groups.length)));
+    for (const g of groups) {
+      const gv = groupView(v, g.group);
+      if (gv.states.length !== r.num_blocks) gv.states = new Uint8Array(r.num_blocks);
+      decodeRuns(g.map, gv.states);
+      const kind = g.sliding_window == null ? "full attention" : "sliding window " + g.sliding_window + " tokens";
+      const c = g.counts;
+      gv.label.textContent = "KV group " + g.group + " (" + kind + "): " + c.owned + " owned · " + c.shared +
+        " shared · " + c.cached + " cached · " + c.other + " in other groups";
+      const grid = paint(gv.map, gv.states, r.num_blocks, height);
+      gv.cell = grid.cell; gv.cols = grid.cols;
+    }
+  }
+
+  function drawMap(v, r) {
+    const n = r.num_blocks;
+    if (v.states.length !== n) { v.states = new Uint8Array(n); v.refs = new Uint32Array(n); }
+    decodeRuns(r.map, v.states);
+    decodeRuns(r.refs, v.refs);
+    drawGroups(v, r);
+    const grid = r.groups && r.groups.length ? { cell: v.cell, cols: v.cols, width: Math.max(200, v.root.clientWidth - 24) }
+      : paint(v.map, v.states, n, 320);
+    const width = grid.width;
+    const dpr = window.devicePixelRatio || 1;
+    v.cell = grid.cell; v.cols = grid.cols;
     const hn = r.num_host_blocks || 0;
     v.host.hidden = hn === 0;
     if (hn) {
@@ -112,17 +162,21 @@
     return found;
   }
 
-  function hover(v, ev) {
+  function hover(v, ev, gv) {
+    // `gv`: a KV cache group's map (its own states and tables), else the replica's one map.
     const r = v.frame;
     const tip = document.getElementById("tip");
     if (!r || !r.map) { tip.hidden = true; return; }
-    const rect = v.map.getBoundingClientRect();
-    const col = Math.floor((ev.clientX - rect.left) / v.cell);
-    const row = Math.floor((ev.clientY - rect.top) / v.cell);
-    const i = row * v.cols + col;
-    if (col >= v.cols || i < 0 || i >= r.num_blocks) { tip.hidden = true; return; }
-    const who = owners(r, i, r.tables);
-    let text = "block " + i + ": " + STATES[v.states[i]] + ", ref count " + v.refs[i];
+    const grid = gv || v;
+    const rect = grid.map.getBoundingClientRect();
+    const col = Math.floor((ev.clientX - rect.left) / grid.cell);
+    const row = Math.floor((ev.clientY - rect.top) / grid.cell);
+    const i = row * grid.cols + col;
+    if (col >= grid.cols || i < 0 || i >= r.num_blocks) { tip.hidden = true; return; }
+    const tables = gv && r.group_tables ? r.group_tables[gv.index] : r.tables;
+    const who = owners(r, i, tables);
+    const states = gv ? gv.states : v.states;
+    let text = "block " + i + ": " + STATES[states[i]] + ", ref count " + v.refs[i];
     if (who.length) text += "\nheld by " + who.slice(0, 8).join(", ") + (who.length > 8 ? " +" + (who.length - 8) : "");
     tip.textContent = text;
     tip.hidden = false;
@@ -162,7 +216,7 @@
     v.title.textContent = "Replica " + r.replica + " — " + r.num_blocks + " blocks × " + r.block_size + " tokens";
     if (r.map) {
       drawMap(v, r);
-      v.counts.textContent = STATES.map((s) => s + " " + c[s]).join(" · ") +
+      v.counts.textContent = STATES.slice(0, COUNTED).map((s) => s + " " + c[s]).join(" · ") +
         " · usage " + (100 * r.kv_usage).toFixed(1) + "%";
     } else {
       v.counts.textContent = "this KV manager (contiguous) keeps no block map";
@@ -227,6 +281,13 @@
       v.counts.textContent = "this engine client does not report its block map";
     }
     for (const r of f.replicas) drawReplica(r);
+    // A replica missing from a frame that has others (an engine core restarting) keeps its view, marked stale.
+    const present = new Set(f.replicas.map((r) => r.replica));
+    if (present.size) {
+      for (const [index, v] of views) {
+        if (!present.has(index)) v.counts.textContent = "no map from this replica now (dead or restarting); last seen above";
+      }
+    }
     if (f.point) {
       state.points.push(f.point);
       if (state.points.length > MAX_POINTS) state.points.splice(0, state.points.length - MAX_POINTS);
@@ -238,9 +299,9 @@
   state.decodedCounts = function (index) {
     const v = views.get(index || 0);
     const out = {};
-    STATES.forEach((s) => { out[s] = 0; });
+    STATES.slice(0, COUNTED).forEach((s) => { out[s] = 0; });
     if (!v) return out;
-    for (let i = 0; i < v.states.length; i++) out[STATES[v.states[i]]] += 1;
+    for (let i = 0; i < v.states.length; i++) if (v.states[i] < COUNTED) out[STATES[v.states[i]]] += 1;
     for (let i = 0; i < v.hostStates.length; i++) if (v.hostStates[i]) out.swapped += 1;
     return out;
   };
