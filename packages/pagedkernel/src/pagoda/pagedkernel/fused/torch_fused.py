@@ -54,6 +54,7 @@ def act_and_mul(
     activation: str,  # "gelu_tanh" or "silu"
 ) -> Tensor:  # [rows, inner], x's dtype
     """act(gate) * up, each op in x's dtype (as Gemma's GeGLU and Llama's SwiGLU MLPs compute it)."""
-    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    gate, up = x.chunk(2, dim=-1)
     act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
-    return act * up
+    out: Tensor = act * up
+    return out
