@@ -195,6 +195,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--draft-model", default=None, help="the draft_model method's draft (HF folder or .gguf)"
     )
+    parser.add_argument(
+        "--workloads", nargs="+", default=None, choices=["repeat", "code_edit", "random"], help="default: all"
+    )
+    parser.add_argument(
+        "--quantization", default=None, help="the engine's --quantization (e.g. gguf for a .gguf --model)"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -218,7 +224,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def engine_args(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """The LLM keywords both methods share (and the tiny model's folder with --tiny)."""
     if not args.tiny:
-        return {"model": args.model}
+        return {
+            "model": args.model,
+            **({} if args.quantization is None else {"quantization": args.quantization}),
+        }
     from pagoda.server.testing import make_tiny_model
 
     folder = make_tiny_model("llama", scratch / "tiny-llama")
@@ -255,6 +264,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 spec = {**(spec or {}), "model": draft_model_path(args, Path(scratch))}
             llm = LLM(**shared, speculative_config=spec)
             prompts = workloads(llm.tokenizer, args.max_prompt_tokens, args.seed)
+            if args.workloads:
+                prompts = {name: ids for name, ids in prompts.items() if name in args.workloads}
             for name, prompt in prompts.items():
                 for concurrency in args.concurrency:
                     results.append(run(llm, method, name, prompt, concurrency, params))

@@ -33,8 +33,13 @@ def test_draft_model_method(tmp_path: Path) -> None:
     """--methods none draft_model with --tiny: a one-layer tiny draft (whose step costs what the tiny target's
     does, so the policy may draft nothing: no acceptance length is asserted)."""
     argv = ["--tiny", "--max-tokens", "6", "--max-prompt-tokens", "24", "--concurrency", "1"]
-    results = bench.main([*argv, "--methods", "none", "draft_model", "--num-speculative-tokens", "2"])
-    assert {(r.method, r.concurrency) for r in results} == {("none", 1), ("draft_model", 1)}
+    results = bench.main(
+        [*argv, "--methods", "none", "draft_model", "--num-speculative-tokens", "2", "--workloads", "repeat"]
+    )
+    assert {(r.method, r.workload, r.concurrency) for r in results} == {
+        ("none", "repeat", 1),
+        ("draft_model", "repeat", 1),
+    }
     assert all(r.output_tokens == 6 and r.tok_per_s > 0 for r in results)
 
 
