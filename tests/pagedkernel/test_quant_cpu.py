@@ -108,10 +108,12 @@ def test_tiles_cover_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(out, qmatmul(x, weight, backend="torch"), rtol=1e-5, atol=1e-5)
 
 
-def test_gemv_row_groups() -> None:
-    """The C kernel called with more rows than one group (16) computes each row as it would alone."""
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0])
+def test_gemv_row_groups(qtype: GGMLType) -> None:
+    """The C kernel called with more rows than one group (16) computes each row as it would alone (one row of
+    Q4_0 / Q5_0 / Q8_0 takes the register-only path: the same bits)."""
     g = torch.Generator().manual_seed(4)
-    weight = random_weight(GGMLType.Q4_K, (N, K), g)
+    weight = random_weight(qtype, (N, K), g)
     x = torch.randn(37, K, generator=g)
     lib = cpu_quant.kernels()
     together = nan_out(37, N)
@@ -208,6 +210,10 @@ def test_every_path_gives_the_same_bits(
         cpu_quant.gemv(x, weight, mine, other)
         cpu_quant.gemv(x, weight, theirs, native)
         assert torch.equal(mine, theirs), qtype.name
+        one_mine, one_theirs = nan_out(1, N), nan_out(1, N)  # one row: the register-only path where it applies
+        cpu_quant.gemv(x[:1], weight, one_mine, other)
+        cpu_quant.gemv(x[:1], weight, one_theirs, native)
+        assert torch.equal(one_mine, one_theirs) and torch.equal(one_mine, theirs[:1]), qtype.name
         assert torch.equal(cpu_quant.dequantize(weight, other), cpu_quant.dequantize(weight, native))
 
 

@@ -371,9 +371,8 @@ typedef struct {
   __m256i a, b; /* VNNI: w and -128 * each lane's sum of w; AVX2: |w| (unsigned, 128 for -128) and w */
   __m256 s;     /* the scale of each lane */
 } wprep;
-INLINE wprep prepare(const int8_t *w, float lo, float hi) {
+INLINE wprep prepare_v(__m256i wv, float lo, float hi) {
   wprep p;
-  __m256i wv = _mm256_loadu_si256((const __m256i *)w);
 #if PATH == 2
   /* x is stored as q + 128 (unsigned): sum (q + 128) w - 128 sum w = sum q w, exactly */
   __m256i bias = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), wv);
@@ -383,6 +382,9 @@ INLINE wprep prepare(const int8_t *w, float lo, float hi) {
 #endif
   p.s = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
   return p;
+}
+INLINE wprep prepare(const int8_t *w, float lo, float hi) {
+  return prepare_v(_mm256_loadu_si256((const __m256i *)w), lo, hi);
 }
 static inline facc acc_zero(void) { return _mm256_setzero_ps(); }
 INLINE facc acc_step(facc acc, const wprep *p, const int8_t *x, float dx) {
@@ -512,6 +514,51 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
   }
 }
 
+#if PATH >= 1
+/* The 32 weights of one Q4_0 / Q5_0 / Q8_0 block in a register, and its scale: the bytes `unpack` writes. */
+INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d) {
+  *d = f16(b);
+  if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)(b + (type == Q5_0 ? 6 : 2)));
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+  if (type == Q4_0) return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+  v = _mm256_or_si256(v, _mm256_and_si256(bit_bytes(u32le(b + 2)), _mm256_set1_epi8(0x10)));
+  return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+}
+
+/* matmul_columns for one row of x and a 32-element format without offsets, every block kept in registers
+ * (no unpack buffer, no prepared array): the same integer lanes and the same float steps in the same order, so
+ * the same y, bit for bit. A decode step's matmuls are all one row, and the tied LM head (Q8_0 in the default
+ * model's file) is most of the bytes a step reads. */
+INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
+                            const int8_t *xq, const float *xd, void *y, int y_bf16) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  const int64_t blocks = k / QK, row_bytes = blocks * bytes;
+  for (int64_t j = j0; j < j1; j++) {
+    const uint8_t *wrow = weight + j * row_bytes;
+    facc a = acc_zero();
+    for (int64_t b = 0; b < blocks; b++) {
+      float d;
+      const __m256i w = block32(type, wrow + b * bytes, &d);
+      const wprep p = prepare_v(w, d, d);
+      a = acc_step(a, &p, xq + b * QK, xd[b]);
+    }
+    float lanes[8], sum = 0.0f;
+    acc_store(a, lanes);
+    for (int l = 0; l < 8; l++) sum = sum + lanes[l];
+    const float value = sum + 0.0f; /* matmul_columns adds the (zero) offset sum: the same zero's sign */
+    if (y_bf16) {
+      uint32_t bits;
+      memcpy(&bits, &value, sizeof bits);
+      ((uint16_t *)y)[j] = bf16_bits(bits);
+    } else {
+      ((float *)y)[j] = value;
+    }
+  }
+}
+#endif
+
 #define COLUMNS_FOR(T)                                                                                           \
   static void columns_##T(const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq, const float *xd, \
                           const int32_t *xs, int64_t rows, void *y, int64_t y_stride, int y_bf16) {             \
@@ -574,6 +621,19 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
   if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
   /* Contiguous column ranges, one per chunk of 64 columns: each thread streams its own part of W. */
   const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
+#if PATH >= 1
+  if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+      int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+      if (type == Q8_0) one_row_columns(Q8_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
+      else if (type == Q5_0) one_row_columns(Q5_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
+      else one_row_columns(Q4_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+  }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t c = 0; c < chunks; c++) {
     int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
