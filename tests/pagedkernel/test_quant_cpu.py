@@ -210,7 +210,10 @@ def test_every_path_gives_the_same_bits(
         cpu_quant.gemv(x, weight, mine, other)
         cpu_quant.gemv(x, weight, theirs, native)
         assert torch.equal(mine, theirs), qtype.name
-        one_mine, one_theirs = nan_out(1, N), nan_out(1, N)  # one row: the register-only path where it applies
+        one_mine, one_theirs = (
+            nan_out(1, N),
+            nan_out(1, N),
+        )  # one row: the register-only path where it applies
         cpu_quant.gemv(x[:1], weight, one_mine, other)
         cpu_quant.gemv(x[:1], weight, one_theirs, native)
         assert torch.equal(one_mine, one_theirs) and torch.equal(one_mine, theirs[:1]), qtype.name
