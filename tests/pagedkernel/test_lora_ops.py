@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.pagedkernel.lora import add_lora, lora_expand, lora_shrink
+from pagoda.pagedkernel.lora import add_lora, lora_embedding_shrink, lora_expand, lora_shrink
 from pagoda.pagedkernel.lora.ops import LoRABackendName
-from pagoda.pagedkernel.lora.testing import make_case, reference_add, reference_shrink
+from pagoda.pagedkernel.lora.testing import (
+    make_case,
+    make_embedding_case,
+    reference_add,
+    reference_embedding_shrink,
+    reference_shrink,
+)
 
 BACKENDS: list[LoRABackendName] = ["torch", "cpu", "triton"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -86,3 +92,32 @@ def test_mismatched_shapes_are_refused() -> None:
     h = lora_shrink(case.x, case.a, case.slots, case.scales)
     with pytest.raises(ValueError, match="lora_expand"):
         lora_expand(h, case.b, case.slots, case.y, offset=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_embedding_shrink_matches_the_reference(backend: LoRABackendName, dtype: torch.dtype) -> None:
+    """An embedding adapter's h is its slot's A row of the token, scaled; rows without an adapter are 0 even when
+    the pool is NaN."""
+    case = make_embedding_case(90, 37, 6, 3, dtype=dtype, seed=6)
+    h = lora_embedding_shrink(case.ids, case.a, case.slots, case.scales, backend=backend)
+    assert h.dtype == torch.float32 and h.shape == (90, 6)
+    torch.testing.assert_close(h.double(), reference_embedding_shrink(case), rtol=1e-6, atol=1e-6)
+    assert bool((h[case.slots < 0] == 0).all())
+    none = torch.full_like(case.slots, -1)
+    poisoned = torch.full_like(case.a, float("nan"))
+    assert bool((lora_embedding_shrink(case.ids, poisoned, none, case.scales, backend=backend) == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_shrink_refuses_ids_and_slots_outside(backend: LoRABackendName) -> None:
+    """A token id beyond the table (for a row with an adapter) or a slot beyond the pool is an IndexError; the id
+    of a row without an adapter is never read."""
+    case = make_embedding_case(4, 10, 4, 2, seed=7)
+    slots = torch.tensor([0, 1, -1, 0])
+    with pytest.raises(IndexError, match="vocabulary"):
+        lora_embedding_shrink(torch.tensor([1, 2, 3, 10]), case.a, slots, case.scales, backend=backend)
+    with pytest.raises(IndexError, match="out of range"):
+        lora_embedding_shrink(case.ids, case.a, torch.tensor([0, 2, -1, 0]), case.scales, backend=backend)
+    h = lora_embedding_shrink(torch.tensor([1, 2, 99, 3]), case.a, slots, case.scales, backend=backend)
+    assert bool((h[2] == 0).all())

@@ -83,3 +83,24 @@ int pagoda_lora_expand(const float *h, const scalar_t *b, const int64_t *slots, 
   }
   return 0;
 }
+
+/* The embedding's shrink, a gather: h[t, r] = scales[s] * a[s, ids[t], r] (a is A transposed, [slots, vocab, rank]),
+ * 0 for rows without an adapter. Every slot and, for rows with an adapter, every id is checked first (status 1:
+ * a slot out of range, 2: an id out of range). rows x rank loads: never worth a thread team. */
+int pagoda_lora_embedding_shrink(const int64_t *ids, const scalar_t *a, const int64_t *slots, const float *scales,
+                                 int64_t rows, int64_t rank, int64_t vocab, int64_t num_slots, float *h) {
+  if (check_slots(slots, rows, num_slots)) return 1;
+  for (int64_t t = 0; t < rows; t++)
+    if (slots[t] >= 0 && (ids[t] < 0 || ids[t] >= vocab)) return 2;
+  for (int64_t t = 0; t < rows; t++) {
+    float *out = h + t * rank;
+    const int64_t s = slots[t];
+    if (s < 0) {
+      for (int64_t r = 0; r < rank; r++) out[r] = 0.0f;
+      continue;
+    }
+    const scalar_t *row = a + (s * vocab + ids[t]) * rank;
+    for (int64_t r = 0; r < rank; r++) out[r] = scales[s] * load1(row + r);
+  }
+  return 0;
+}

@@ -28,6 +28,7 @@ class LoRAKernels:
 
     shrink: Any  # ctypes: (x, x_stride, a, slots, scales, rows, rank, k, num_slots, h, threads) -> int
     expand: Any  # ctypes: (h, b, slots, rows, n, rank, num_slots, y, y_stride, offset, threads) -> int
+    embedding_shrink: Any  # ctypes: (ids, a, slots, scales, rows, rank, vocab, num_slots, h) -> int
 
 
 @functools.cache
@@ -51,7 +52,9 @@ def kernels(dtype: torch.dtype) -> LoRAKernels:
     shrink.argtypes, shrink.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64], ctypes.c_int
     expand = lib["pagoda_lora_expand"]
     expand.argtypes, expand.restype = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64], ctypes.c_int
-    return LoRAKernels(shrink, expand)
+    gather = lib["pagoda_lora_embedding_shrink"]
+    gather.argtypes, gather.restype = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr], ctypes.c_int
+    return LoRAKernels(shrink, expand, gather)
 
 
 @functools.cache
@@ -69,6 +72,8 @@ def _check(code: int, num_slots: int) -> None:
     """Turn the C kernel's status into an exception."""
     if code == 1:
         raise IndexError(f"a LoRA slot index is out of range (the pool has {num_slots} slots)")
+    if code == 2:
+        raise IndexError("a token id of a row with a LoRA adapter is outside the embedding's vocabulary")
     if code != 0:
         raise ValueError(f"the 'cpu' LoRA op refused its arguments (status {code})")
 
@@ -122,3 +127,27 @@ def lora_expand(
         torch.get_num_threads(),
     )
     _check(code, b.shape[0])
+
+
+def lora_embedding_shrink(
+    ids: Tensor,  # int64 [num_tokens], contiguous
+    a: Tensor,  # [num_slots, vocab, rank], contiguous (A transposed)
+    slots: Tensor,  # int64 [num_tokens], contiguous
+    scales: Tensor,  # float32 [num_slots], contiguous
+) -> Tensor:  # float32 [num_tokens, rank]
+    """See `torch_lora.lora_embedding_shrink`."""
+    lib = kernels(a.dtype)
+    h = torch.empty((ids.shape[0], a.shape[2]), dtype=torch.float32)
+    code = lib.embedding_shrink(
+        ids.data_ptr(),
+        a.data_ptr(),
+        slots.data_ptr(),
+        scales.data_ptr(),
+        ids.shape[0],
+        a.shape[2],
+        a.shape[1],
+        a.shape[0],
+        h.data_ptr(),
+    )
+    _check(code, a.shape[0])
+    return h

@@ -71,3 +71,25 @@ def expand_kernel(
         n_mask = n_offs < out_features
         yv = tl.load(y_at, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_at, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def embedding_shrink_kernel(
+    ids_ptr,
+    a_ptr,
+    slots_ptr,
+    scales_ptr,
+    h_ptr,
+    rank,
+    vocab,
+    BLOCK_R: tl.constexpr,
+):
+    """h[t] = scale[s] * a[s, ids[t]] (a gathered row of A transposed; h is zero-filled by the launcher)."""
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        r_offs = tl.arange(0, BLOCK_R)
+        token = tl.load(ids_ptr + t)
+        row = tl.load(a_ptr + (slot * vocab + token) * rank + r_offs, mask=r_offs < rank, other=0.0)
+        scale = tl.load(scales_ptr + slot)
+        tl.store(h_ptr + t * rank + r_offs, row.to(tl.float32) * scale, mask=r_offs < rank)

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 import torch
 from pagoda.pagedkernel.lora import LoRABackendName
 from pagoda.scheduler import ScheduledRequest
-from pagoda.server.lora.layers import LoRABatch, LoRAHook
+from pagoda.server.lora.layers import EmbeddingLoRAHook, HeadLoRAHook, LoRABatch, LoRAHook
 from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, load_adapter
 from pagoda.server.lora.request import LoRARequest
-from pagoda.server.lora.targets import find_targets
-from pagoda.server.models.base import CausalLM
-from pagoda.server.models.layers import Linear, MergedLinear
+from pagoda.server.lora.targets import EMBEDDING, LM_HEAD, find_targets
+from pagoda.server.models.base import CausalLM, DecoderLM
+from pagoda.server.models.layers import Embedding, Linear, MergedLinear
+from torch import Tensor
 
 
 class LoRAManager:
@@ -46,7 +47,7 @@ class LoRAManager:
         self.targets = find_targets(model)
         self.batch = LoRABatch()
         self.hooks: dict[str, LoRAHook] = {}
-        for module_name in dict.fromkeys(t.module for t in self.targets.values()):
+        for module_name in dict.fromkeys(t.module for t in self.targets.values() if t.kind == "linear"):
             module = model.get_submodule(module_name)
             assert isinstance(module, Linear)
             rows, cols = module.weight_shape()
@@ -63,9 +64,42 @@ class LoRAManager:
             )
             module.lora = hook
             self.hooks[module_name] = hook
+        if isinstance(model, DecoderLM):
+            self._hook_vocabulary(model, backend)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # registered, least recently used first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
         self.pins: defaultdict[int, int] = defaultdict(int)  # unfinished requests per adapter id
+
+    def _hook_vocabulary(self, model: DecoderLM, backend: LoRABackendName) -> None:
+        """The embedding's and the LM head's hooks (pools allocated when an adapter first targets them)."""
+        head = model.head()
+        embed = model.model.get_submodule("embed_tokens")
+        assert isinstance(embed, Embedding)
+        per, hidden = head.run.per, head.weight_shape()[1]
+        slots, rank, dtype, device = self.max_loras, self.max_lora_rank, self.dtype, self.device
+        embed_hook = EmbeddingLoRAHook(
+            self.batch,
+            per,
+            hidden,
+            num_slots=slots,
+            max_rank=rank,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+        )
+        head_hook = HeadLoRAHook(
+            self.batch,
+            hidden,
+            (per,),
+            num_slots=slots,
+            max_rank=rank,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+            lazy=True,
+        )
+        embed.lora, model.head_lora = embed_hook, head_hook
+        self.hooks[EMBEDDING], self.hooks[LM_HEAD] = embed_hook, head_hook
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter from disk (LoRAError naming the field); registers nothing."""
@@ -138,6 +172,7 @@ class LoRAManager:
         needed = {c.lora_id for c in scheduled if c.lora_id is not None}
         if not needed:
             self.batch.slots = None
+            self.batch.head_slots = None
             return
         slots = {lora_id: self._slot_of(lora_id, needed) for lora_id in sorted(needed)}
         rows: list[int] = []
@@ -145,6 +180,15 @@ class LoRAManager:
             slot = -1 if chunk.lora_id is None else slots[chunk.lora_id]
             rows.extend([slot] * chunk.num_tokens)
         self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def select_head_rows(
+        self,
+        logits_indices: Tensor
+        | None,  # int64 [num_logits_rows]: the token rows the LM head scores; None: none
+    ) -> None:
+        """The slots of the rows the LM head scores next (None after it: prompt-logprob slices run the base head)."""
+        slots = self.batch.slots
+        self.batch.head_slots = None if slots is None or logits_indices is None else slots[logits_indices]
 
     def requests_for(self, scheduled: Sequence[ScheduledRequest]) -> tuple[LoRARequest, ...]:
         """The adapters a step uses, for the tensor-parallel workers (which read one they do not hold)."""
@@ -166,3 +210,4 @@ class LoRAManager:
     def clear(self) -> None:
         """No adapter rows (after a step, so that other forwards, e.g. cost probes, run the base model)."""
         self.batch.slots = None
+        self.batch.head_slots = None
