@@ -18,6 +18,7 @@ import msgspec
 import zmq
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.deltas import DeltaEncoder
+from pagoda.server.core.lora_core import CoreLoRA
 from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
@@ -78,6 +79,7 @@ class EngineCore:
         self._deltas = DeltaEncoder()
         self._stop = False
         self.draining = False  # set by SIGTERM: refuse new requests, exit once the rest finished
+        self._lora = CoreLoRA(engine, self._send)  # runtime LoRA load / unload (core/lora_core.py)
 
     def run(self) -> None:
         """Announce readiness, then step and serve inputs until told to stop."""
@@ -91,6 +93,7 @@ class EngineCore:
                 logger.info("engine core drained; exiting")
                 return
             self._serve_inputs(block=not busy)
+            self._lora.poll()
             if self._stop or not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
@@ -118,6 +121,8 @@ class EngineCore:
                     self._deltas.forget(request_id)
             elif isinstance(message, Shutdown):
                 self._stop = True
+            else:
+                self._lora.handle(message)
         if accepted:
             self._send(Accepted(request_ids=accepted))
 
@@ -134,6 +139,10 @@ class EngineCore:
             self._send(Rejected(message.request_id, str(exc), getattr(exc, "param", None)))
             return False
         return True
+
+    def close(self) -> None:
+        """Stop the core's helper threads."""
+        self._lora.close()
 
     def _send(self, message: CoreOutput) -> None:
         self._outputs.send(self._encoder.encode(message), copy=False)
@@ -157,7 +166,10 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
                 core.draining = True
 
             signal.signal(signal.SIGTERM, drain)
-        core.run()
+        try:
+            core.run()
+        finally:
+            core.close()
     except BaseException as exc:
         logger.exception("the engine core failed")
         outputs.send(msgspec.msgpack.encode(Failed(f"{type(exc).__name__}: {exc}")))

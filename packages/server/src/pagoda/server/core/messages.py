@@ -11,6 +11,7 @@ instead of acting on it.
 from __future__ import annotations
 
 import msgspec
+from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
 from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
 from pagoda.server.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ class AbortRequests(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown
+CoreInput = AddRequest | AbortRequests | Shutdown | LoadLoRA | UnloadLoRA  # LoRA: core/lora_frames.py
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -101,7 +102,7 @@ class Rejected(msgspec.Struct, frozen=True, tag=True):
 
 
 # `Ready.info` is the core's `EngineInfo`, `Ready.stats` its stats before the first step.
-CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed
+CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed | LoRADone
 
 
 def input_decoder() -> FrameDecoder[CoreInput]:
