@@ -84,9 +84,20 @@ def lora_shrink(
     return triton_lora.lora_shrink(x, a, slots, scales)
 
 
+def expand_layout(b: Tensor) -> Tensor:  # [num_slots, out_features, rank]
+    """`b` itself when the kernels take its layout: contiguous (output-major) or a transposed view of a contiguous
+    [slots, rank, out] pool (rank-major, which the C kernel vectorizes over outputs); else a contiguous copy."""
+    slots, out, rank = b.shape
+    if b.stride(0) == out * rank and (
+        (b.stride(1) == rank and b.stride(2) == 1) or (b.stride(1) == 1 and b.stride(2) == out)
+    ):
+        return b
+    return b.contiguous()
+
+
 def lora_expand(
     h: Tensor,  # float32 [num_tokens, rank]
-    b: Tensor,  # [num_slots, out_features, rank], y's dtype
+    b: Tensor,  # [num_slots, out_features, rank], y's dtype (a transposed [slots, rank, out] pool is fastest)
     slots: Tensor,  # int64 [num_tokens]; negative: no adapter
     y: Tensor,  # [num_tokens, >= offset + out_features], updated in place
     *,
@@ -105,7 +116,7 @@ def lora_expand(
     if chosen == "torch" or y.stride(-1) != 1:
         torch_lora.lora_expand(h, b, slots, y, offset)
         return y
-    h, b, slots = h.contiguous(), b.contiguous(), slots.contiguous()
+    h, b, slots = h.contiguous(), expand_layout(b), slots.contiguous()
     if chosen == "cpu":
         cpu_lora.lora_expand(h, b, slots, y, offset)
         return y

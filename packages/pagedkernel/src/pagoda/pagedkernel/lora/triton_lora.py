@@ -53,7 +53,7 @@ def lora_shrink(
 
 def lora_expand(
     h: Tensor,  # float32 [num_tokens, rank], contiguous
-    b: Tensor,  # [num_slots, out_features, rank], contiguous
+    b: Tensor,  # [num_slots, out_features, rank], slots out * rank apart (any order of the other two)
     slots: Tensor,  # int64 [num_tokens]
     y: Tensor,  # [num_tokens, >= offset + out_features], rows contiguous
     offset: int,
@@ -73,6 +73,8 @@ def lora_expand(
             offset,
             n,
             rank,
+            b.stride(1),
+            b.stride(2),
             BLOCK_N=BLOCK_N,
             BLOCK_R=_pow2(rank),
         )

@@ -50,10 +50,13 @@ def expand_kernel(
     offset,
     out_features,
     rank,
+    b_stride_n,
+    b_stride_r,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """y[t, offset + n-tile] += h[t] @ b[s, n-tile]^T, summed in float32 and rounded once."""
+    """y[t, offset + n-tile] += h[t] @ b[s, n-tile]^T, summed in float32 and rounded once (B's strides within a
+    slot are given: output-major or rank-major)."""
     t = tl.program_id(0)
     n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + t)
@@ -62,7 +65,7 @@ def expand_kernel(
         ht = tl.load(h_ptr + t * rank + r_offs, mask=r_offs < rank, other=0.0)
         tile_mask = (n_offs[:, None] < out_features) & (r_offs[None, :] < rank)
         bt = tl.load(
-            b_ptr + slot * out_features * rank + n_offs[:, None] * rank + r_offs[None, :],
+            b_ptr + slot * out_features * rank + n_offs[:, None] * b_stride_n + r_offs[None, :] * b_stride_r,
             mask=tile_mask,
             other=0.0,
         ).to(tl.float32)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from pagoda.pagedkernel.lora import LoRABackendName, lora_embedding_shrink, lora_expand, lora_shrink
+from pagoda.pagedkernel.lora import LoRABackendName, lora_embedding_shrink, lora_expand
+from pagoda.pagedkernel.lora.fused import LoRALayer
 from pagoda.server.lora.peft_loader import LoRAWeights
 from torch import Tensor
 
@@ -51,7 +52,9 @@ class LoRAHook:
         self.offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.num_slots, self.max_rank, self.dtype, self.device = num_slots, max_rank, dtype, device
         self.a = torch.empty(0)  # [slots, shards * max_rank, in] once allocated
-        self.b: list[Tensor] = []  # per shard [slots, rows, max_rank] once allocated
+        self.b: list[Tensor] = []  # per shard [slots, max_rank, rows] once allocated
+        self.b_views: list[Tensor] = []
+        self.layer: LoRALayer | None = None  # bound to the pool once allocated
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=device)  # scales are folded into b
         self.used: list[set[int]] = [set() for _ in shard_sizes]  # slots that adapt each shard
         if not lazy:
@@ -63,7 +66,14 @@ class LoRAHook:
         self.a = torch.zeros(
             slots, len(self.shard_sizes) * rank, self.in_features, dtype=self.dtype, device=self.device
         )
-        self.b = [torch.zeros(slots, n, rank, dtype=self.dtype, device=self.device) for n in self.shard_sizes]
+        # B rank-major, [slots, rank, rows], handed to the op transposed: the CPU kernel's vectorized layout.
+        self.b = [torch.zeros(slots, rank, n, dtype=self.dtype, device=self.device) for n in self.shard_sizes]
+        self.b_views = [b.transpose(1, 2) for b in self.b]  # [slots, rows, rank]
+        self._bind()
+
+    def _bind(self) -> None:
+        """The fused op over the pool: one call per step for all shards."""
+        self.layer = LoRALayer(self.a, self.b, self.offsets, backend=self.backend)
 
     def load(self, slot: int, shards: dict[int, LoRAWeights]) -> None:
         """Put an adapter's factors of this module (by shard) into `slot`, zeroing the rest of the slot."""
@@ -80,7 +90,7 @@ class LoRAHook:
                 first, rank = index * self.max_rank, weights.a.shape[0]
                 self.a[slot, first : first + rank].copy_(weights.a)
                 # An LM head's B may have fewer rows than the pool: a tensor-parallel run padded past the vocab.
-                b[slot, : weights.b.shape[0], :rank].copy_(weights.b)
+                b[slot, :rank, : weights.b.shape[0]].copy_(weights.b.t())
                 self.used[index].add(slot)
 
     def _slots(self) -> Tensor | None:  # int64 [rows]
@@ -101,15 +111,9 @@ class LoRAHook:
             raise RuntimeError(
                 f"the LoRA slot mapping has {slots.shape[0]} rows, the layer input {x2.shape[0]}"
             )
-        y2 = y.view(-1, y.shape[-1])
-        if not any(self.used):
+        if not any(self.used) or self.layer is None:
             return y
-        h = lora_shrink(x2, self.a, slots, self.scales, backend=self.backend)  # [tokens, shards * max_rank]
-        rank = self.max_rank
-        for index, offset in enumerate(self.offsets):
-            if self.used[index]:
-                part = h[:, index * rank : (index + 1) * rank]
-                lora_expand(part, self.b[index], slots, y2, offset=offset, backend=self.backend)
+        self.layer.apply(x2, y.view(-1, y.shape[-1]), slots, [bool(u) for u in self.used])
         return y
 
 
@@ -134,7 +138,7 @@ class HeadLoRAHook(LoRAHook):
 
 class EmbeddingLoRAHook(LoRAHook):
     """The embedding's adapters (`Embedding.lora`): A transposed, [slots, vocab run, max_rank], is a lookup table
-    (`lora_embedding_shrink`), B [slots, dim, max_rank] expands h into the looked-up rows. Allocated lazily."""
+    (`lora_embedding_shrink`), B (rank-major like every pool's) expands h into the looked-up rows. Lazy."""
 
     def __init__(
         self,
@@ -165,6 +169,9 @@ class EmbeddingLoRAHook(LoRAHook):
         super()._allocate()
         self.a = self.a.transpose(1, 2).contiguous()
 
+    def _bind(self) -> None:
+        """Nothing: the embedding's shrink is a lookup (`__call__`), not the fused projection op."""
+
     def load(self, slot: int, shards: dict[int, LoRAWeights]) -> None:
         """Put an adapter's embedding factors into `slot` (zeros when it has none)."""
         if not self.b:
@@ -178,7 +185,7 @@ class EmbeddingLoRAHook(LoRAHook):
         if weights is not None:
             rank, vocab = weights.a.shape
             self.a[slot, :vocab, :rank].copy_(weights.a.t())
-            self.b[0][slot, :, :rank].copy_(weights.b)
+            self.b[0][slot, :rank].copy_(weights.b.t())
             self.used[0].add(slot)
 
     def __call__(
@@ -194,5 +201,5 @@ class EmbeddingLoRAHook(LoRAHook):
             raise RuntimeError(f"the LoRA slot mapping has {slots.shape[0]} rows, the embedding {x.shape[0]}")
         slots = slots.masked_fill(x < 0, -1)
         h = lora_embedding_shrink(x, self.a, slots, self.scales, backend=self.backend)  # [tokens, max_rank]
-        lora_expand(h, self.b[0], slots, y, backend=self.backend)
+        lora_expand(h, self.b_views[0], slots, y, backend=self.backend)
         return y
