@@ -87,7 +87,7 @@ def lora_shrink(
 def expand_layout(b: Tensor) -> Tensor:  # [num_slots, out_features, rank]
     """`b` itself when the kernels take its layout: contiguous (output-major) or a transposed view of a contiguous
     [slots, rank, out] pool (rank-major, which the C kernel vectorizes over outputs); else a contiguous copy."""
-    slots, out, rank = b.shape
+    _, out, rank = b.shape
     if b.stride(0) == out * rank and (
         (b.stride(1) == rank and b.stride(2) == 1) or (b.stride(1) == 1 and b.stride(2) == out)
     ):
