@@ -171,3 +171,26 @@ def test_fused_layer_matches_the_reference_per_shard(
     assert torch.equal(y[:, 24:32], y0[:, 24:32]) and torch.equal(y[slots < 0], y0[slots < 0])
     with pytest.raises(IndexError, match="out of range"):
         layer.apply(x, y, torch.full_like(slots, slots_n), [True, True, True])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_segments_equal_the_row_op(backend: LoRABackendName) -> None:
+    """Runs of one slot done as matmuls (`segments`, their rows -1 in `slots`) give the row op's result; the
+    other rows still get theirs."""
+    case = make_case(80, 40, 24, 4, 3, width=30, seed=10)
+    slots = case.slots.clone()
+    slots[10:50], slots[60:75] = 1, 2
+    layer = LoRALayer(case.a, [case.b.transpose(1, 2).contiguous()], [3], backend=backend)
+    want = case.y.clone()
+    layer.apply(case.x, want, slots, [True])
+    short = slots.clone()
+    short[10:50], short[60:75] = -1, -1
+    got = case.y.clone()
+    layer.apply(case.x, got, short, [True], [(10, 50, 1), (60, 75, 2)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.double(),
+        reference_add(LoRACase(case.x, case.a, case.b, slots, torch.ones(3), case.y), 3),
+        rtol=1e-4,
+        atol=1e-4,
+    )

@@ -13,6 +13,7 @@
  * depend on the thread count.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_dtype.h"
 
@@ -169,6 +170,49 @@ int pagoda_lora_embedding_shrink(const int64_t *ids, const scalar_t *a, const in
  * ([slots, rank, n_i], the pool's layout). `used[i]` == 0 skips shard i (no loaded slot adapts it). One call and
  * no h tensor instead of a shrink and an expand per shard: at decode sizes the calls, not the math, dominated.
  * Rows are split over threads when large enough; each row is computed whole by one thread. */
+/* pagoda_lora_apply on one thread, rows grouped by slot: each row of A and each tile of B is read once per slot
+ * (from L1 across that slot's rows) instead of once per row. Every output is summed in the same order as the
+ * row-at-a-time loop, so both give the same bits. Status 2: out of memory (the caller falls back). */
+static int apply_grouped(const scalar_t *x, int64_t x_stride, const scalar_t *a, const int64_t *slots, int64_t rows,
+                         int64_t in_features, int64_t rank, int64_t num_shards, const scalar_t *const *b,
+                         const int64_t *sizes, const int64_t *offsets, const int64_t *used, int64_t num_slots,
+                         scalar_t *y, int64_t y_stride) {
+  int64_t *order = malloc((size_t)(rows > 0 ? rows : 1) * sizeof *order);
+  float *h = malloc((size_t)(rows > 0 ? rows : 1) * (size_t)rank * sizeof *h);
+  if (order == NULL || h == NULL) {
+    free(order);
+    free(h);
+    return 2;
+  }
+  int64_t count = 0;
+  for (int64_t s = 0; s < num_slots; s++)
+    for (int64_t t = 0; t < rows; t++)
+      if (slots[t] == s) order[count++] = t;
+  for (int64_t g0 = 0; g0 < count;) {
+    const int64_t s = slots[order[g0]];
+    int64_t g1 = g0;
+    while (g1 < count && slots[order[g1]] == s) g1++;
+    const scalar_t *as = a + s * num_shards * rank * in_features;
+    for (int64_t i = 0; i < num_shards; i++) {
+      if (!used[i]) continue;
+      for (int64_t r = 0; r < rank; r++) {
+        const scalar_t *ar = as + (i * rank + r) * in_features;
+        for (int64_t g = g0; g < g1; g++) h[g * rank + r] = dot(x + order[g] * x_stride, ar, in_features);
+      }
+      const scalar_t *bs = b[i] + s * rank * sizes[i];
+      for (int64_t first = 0; first < sizes[i]; first += EXPAND_TILE) {
+        const int64_t last = first + EXPAND_TILE < sizes[i] ? first + EXPAND_TILE : sizes[i];
+        for (int64_t g = g0; g < g1; g++)
+          expand_rank_major(h + g * rank, bs, sizes[i], rank, first, last, y + order[g] * y_stride + offsets[i]);
+      }
+    }
+    g0 = g1;
+  }
+  free(order);
+  free(h);
+  return 0;
+}
+
 int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, const int64_t *slots, int64_t rows,
                       int64_t in_features, int64_t rank, int64_t num_shards, const scalar_t *const *b,
                       const int64_t *sizes, const int64_t *offsets, const int64_t *used, int64_t num_slots,
@@ -178,6 +222,11 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
   int64_t width = 0;
   for (int64_t i = 0; i < num_shards; i++) width += used[i] ? sizes[i] : 0;
   const int parallel = rows * rank * (num_shards * in_features + width) >= PARALLEL_MIN_WORK;
+  if (!parallel) {
+    const int status = apply_grouped(x, x_stride, a, slots, rows, in_features, rank, num_shards, b, sizes,
+                                     offsets, used, num_slots, y, y_stride);
+    if (status != 2) return status;  /* 2: no memory for its buffers; the row-at-a-time loop needs none */
+  }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
   for (int64_t t = 0; t < rows; t++) {
     const int64_t s = slots[t];

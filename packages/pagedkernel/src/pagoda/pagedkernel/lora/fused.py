@@ -56,8 +56,43 @@ class LoRALayer:
         y: Tensor,  # [num_tokens, width], updated in place
         slots: Tensor,  # int64 [num_tokens], contiguous; negative: no adapter
         used: Sequence[bool],  # per shard: whether any loaded slot adapts it (False: skipped)
+        # Runs of rows [first, end) of one slot (a prompt's chunk) done as matmuls; `slots` is -1 on them.
+        segments: Sequence[tuple[int, int, int]] = (),
     ) -> Tensor:  # y
         """y[t, offsets[i]:...] += (x[t] @ A[s, shard i]^T) @ B_i[s] for s = slots[t] and every used shard."""
+        for first, end, slot in segments:
+            self._segment(x[first:end], y[first:end], slot, used)
+        if segments and self._c is not None:  # the rest: short rows, by the C op whatever the batch's size
+            return self._apply(x, y, slots, used, max_rows=None)
+        return self._apply(x, y, slots, used, max_rows=CPU_MAX_ROWS)
+
+    def _segment(
+        self,
+        x: Tensor,  # [run, in_features]: rows of one slot
+        y: Tensor,  # [run, width]
+        slot: int,
+        used: Sequence[bool],
+    ) -> None:
+        """One slot's run of rows: a matmul for h, one per used shard into its columns (float32 sums)."""
+        h = x.float() @ self.a[slot].float().t()  # [run, shards * rank]
+        for i, (b, offset) in enumerate(zip(self.bs, self.offsets, strict=True)):
+            if used[i]:
+                part = h[:, i * self.rank : (i + 1) * self.rank]
+                cols = y[:, offset : offset + b.shape[2]]
+                if y.dtype == torch.float32:
+                    cols.addmm_(part, b[slot].float())
+                else:
+                    cols.copy_((cols.float() + part @ b[slot].float()).to(y.dtype))
+
+    def _apply(
+        self,
+        x: Tensor,  # [num_tokens, in_features]
+        y: Tensor,  # [num_tokens, width]
+        slots: Tensor,  # int64 [num_tokens]
+        used: Sequence[bool],
+        max_rows: int | None,  # the most rows the C op takes (None: any)
+    ) -> Tensor:  # y
+        """The rows by slot: the C op on the CPU, else a shrink and an expand per shard."""
         rows = x.shape[0]
         if x.dim() != 2 or x.shape[1] != self.a.shape[2] or y.shape[0] != rows or slots.shape != (rows,):
             raise ValueError(f"LoRALayer: x {tuple(x.shape)}, y {tuple(y.shape)}, slots {tuple(slots.shape)}")
@@ -66,7 +101,7 @@ class LoRALayer:
                 f"LoRALayer: slots must be int64 on {x.device}, got {slots.dtype} on {slots.device}"
             )
         fits = x.dtype == y.dtype == self.a.dtype and y.stride(1) == 1 and x.device.type == "cpu"
-        if self._c is not None and rows <= CPU_MAX_ROWS and fits:
+        if self._c is not None and (max_rows is None or rows <= max_rows) and fits:
             x = x if x.stride(1) == 1 else x.contiguous()
             slots = slots.contiguous()
             key = tuple(used)
