@@ -24,7 +24,6 @@ from pagoda.server.models.base import CausalLM, DecoderLM
 from pagoda.server.models.layers import Embedding, Linear, MergedLinear
 from torch import Tensor
 
-
 # A chunk of at least this many rows (a prompt's) is one matmul per adapted projection (`LoRABatch.segments`);
 # shorter ones (decodes) go through the row-gathering op. Only on the CPU: the GPU kernels batch both alike.
 LONG_SEGMENT = 16
