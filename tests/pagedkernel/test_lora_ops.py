@@ -174,9 +174,9 @@ def test_fused_layer_matches_the_reference_per_shard(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_layer_segments_equal_the_row_op(backend: LoRABackendName) -> None:
-    """Runs of one slot done as matmuls (`segments`, their rows -1 in `slots`) give the row op's result; the
-    other rows still get theirs."""
+def test_fused_layer_groups_equal_the_row_op(backend: LoRABackendName) -> None:
+    """Rows of a slot done as matmuls (`groups`, their rows -1 in `slots`) give the row op's result; the other
+    rows still get theirs."""
     case = make_case(80, 40, 24, 4, 3, width=30, seed=10)
     slots = case.slots.clone()
     slots[10:50], slots[60:75] = 1, 2
@@ -186,7 +186,8 @@ def test_fused_layer_segments_equal_the_row_op(backend: LoRABackendName) -> None
     short = slots.clone()
     short[10:50], short[60:75] = -1, -1
     got = case.y.clone()
-    layer.apply(case.x, got, short, [True], [(10, 50, 1), (60, 75, 2)])
+    groups = [(1, torch.arange(10, 50)), (2, torch.arange(60, 75))]
+    layer.apply(case.x, got, short, [True], groups)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
         got.double(),

@@ -56,33 +56,30 @@ class LoRALayer:
         y: Tensor,  # [num_tokens, width], updated in place
         slots: Tensor,  # int64 [num_tokens], contiguous; negative: no adapter
         used: Sequence[bool],  # per shard: whether any loaded slot adapts it (False: skipped)
-        # Runs of rows [first, end) of one slot (a prompt's chunk) done as matmuls; `slots` is -1 on them.
-        segments: Sequence[tuple[int, int, int]] = (),
+        # Rows of prompt chunks by slot (int64 indices), done as matmuls; `slots` is -1 on them.
+        groups: Sequence[tuple[int, Tensor]] = (),
     ) -> Tensor:  # y
         """y[t, offsets[i]:...] += (x[t] @ A[s, shard i]^T) @ B_i[s] for s = slots[t] and every used shard."""
-        for first, end, slot in segments:
-            self._segment(x[first:end], y[first:end], slot, used)
-        if segments and self._c is not None:  # the rest: short rows, by the C op whatever the batch's size
+        for slot, rows in groups:
+            self._group(x, y, slot, rows, used)
+        if groups and self._c is not None:  # the rest: short rows, by the C op whatever the batch's size
             return self._apply(x, y, slots, used, max_rows=None)
         return self._apply(x, y, slots, used, max_rows=CPU_MAX_ROWS)
 
-    def _segment(
+    def _group(
         self,
-        x: Tensor,  # [run, in_features]: rows of one slot
-        y: Tensor,  # [run, width]
+        x: Tensor,  # [num_tokens, in_features]
+        y: Tensor,  # [num_tokens, width]
         slot: int,
+        rows: Tensor,  # int64 [n]: the rows of one slot
         used: Sequence[bool],
     ) -> None:
-        """One slot's run of rows: a matmul for h, one per used shard into its columns (float32 sums)."""
-        h = x.float() @ self.a[slot].float().t()  # [run, shards * rank]
+        """One slot's rows: a matmul for h, one per used shard added into its columns (float32 sums)."""
+        h = x.index_select(0, rows).float() @ self.a[slot].float().t()  # [n, shards * rank]
         for i, (b, offset) in enumerate(zip(self.bs, self.offsets, strict=True)):
             if used[i]:
-                part = h[:, i * self.rank : (i + 1) * self.rank]
-                cols = y[:, offset : offset + b.shape[2]]
-                if y.dtype == torch.float32:
-                    cols.addmm_(part, b[slot].float())
-                else:
-                    cols.copy_((cols.float() + part @ b[slot].float()).to(y.dtype))
+                delta = h[:, i * self.rank : (i + 1) * self.rank] @ b[slot].float()  # [n, n_i]
+                y[:, offset : offset + b.shape[2]].index_add_(0, rows, delta.to(y.dtype))
 
     def _apply(
         self,

@@ -18,9 +18,9 @@ class LoRABatch:
     def __init__(self) -> None:
         self.slots: Tensor | None = None  # int64 [num_tokens]; negative: no adapter; None: no adapter at all
         self.head_slots: Tensor | None = None  # int64 [num_logits_rows]: the rows the LM head scores
-        # Long chunks (prompts) as (first row, end row, slot), each one matmul per projection; `short_slots` is
-        # `slots` with their rows at -1, for the row-gathering op (the same tensor when there is no long chunk).
-        self.segments: tuple[tuple[int, int, int], ...] = ()
+        # The rows of long chunks (prompts) by slot, (slot, int64 row indices): matmuls per projection;
+        # `short_slots` is `slots` with those rows at -1, for the row-gathering op (`slots` itself without any).
+        self.groups: tuple[tuple[int, Tensor], ...] = ()
         self.short_slots: Tensor | None = None
 
 
@@ -116,8 +116,8 @@ class LoRAHook:
         if not any(self.used) or self.layer is None:
             return y
         used = [bool(u) for u in self.used]
-        if self._slots() is self.batch.slots and self.batch.segments and self.batch.short_slots is not None:
-            self.layer.apply(x2, y.view(-1, y.shape[-1]), self.batch.short_slots, used, self.batch.segments)
+        if self._slots() is self.batch.slots and self.batch.groups and self.batch.short_slots is not None:
+            self.layer.apply(x2, y.view(-1, y.shape[-1]), self.batch.short_slots, used, self.batch.groups)
         else:
             self.layer.apply(x2, y.view(-1, y.shape[-1]), slots, used)
         return y

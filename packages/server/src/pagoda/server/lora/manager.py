@@ -24,9 +24,9 @@ from pagoda.server.models.base import CausalLM, DecoderLM
 from pagoda.server.models.layers import Embedding, Linear, MergedLinear
 from torch import Tensor
 
-# A chunk of at least this many rows (a prompt's) is one matmul per adapted projection (`LoRABatch.segments`);
+# The rows of chunks at least this long (prompts) are matmuls per slot and projection (`LoRABatch.groups`);
 # shorter ones (decodes) go through the row-gathering op. Only on the CPU: the GPU kernels batch both alike.
-LONG_SEGMENT = 16
+LONG_CHUNK = 16
 
 
 class LoRAManager:
@@ -180,19 +180,21 @@ class LoRAManager:
             return
         slots = {lora_id: self._slot_of(lora_id, needed) for lora_id in sorted(needed)}
         rows: list[int] = []
-        short: list[int] = []  # the rows of short chunks (decodes); long chunks' rows go to `segments`
-        segments: list[tuple[int, int, int]] = []
+        short: list[int] = []  # the rows of short chunks (decodes); long chunks' rows go to `groups`
+        grouped: defaultdict[int, list[int]] = defaultdict(list)
         for chunk in scheduled:
             slot = -1 if chunk.lora_id is None else slots[chunk.lora_id]
-            rows.extend([slot] * chunk.num_tokens)
-            if slot >= 0 and chunk.num_tokens >= LONG_SEGMENT and self.device.type == "cpu":
-                segments.append((len(short), len(short) + chunk.num_tokens, slot))
+            if slot >= 0 and chunk.num_tokens >= LONG_CHUNK and self.device.type == "cpu":
+                grouped[slot].extend(range(len(rows), len(rows) + chunk.num_tokens))
                 short.extend([-1] * chunk.num_tokens)
             else:
                 short.extend([slot] * chunk.num_tokens)
+            rows.extend([slot] * chunk.num_tokens)
         self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.batch.short_slots = torch.tensor(short, dtype=torch.int64) if segments else self.batch.slots
-        self.batch.segments = tuple(segments)
+        self.batch.short_slots = torch.tensor(short, dtype=torch.int64) if grouped else self.batch.slots
+        self.batch.groups = tuple(
+            (slot, torch.tensor(ids, dtype=torch.int64)) for slot, ids in grouped.items()
+        )
 
     def select_head_rows(
         self,
