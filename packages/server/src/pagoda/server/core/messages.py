@@ -2,7 +2,8 @@
 
 Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown` (the `CoreInput` union). Core -> front end: `Ready`
 once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for each added request,
-or `Failed` before it exits on an error (the `CoreOutput` union). `Ready`, `Shutdown` and `Failed` are the
+or `Failed` before it exits on an error (the `CoreOutput` union). Runtime LoRA updating adds `LoadLoRA` /
+`UnloadLoRA` and their `LoRADone` (core/lora_frames.py). `Ready`, `Shutdown` and `Failed` are the
 process stack's control frames (procs/control.py), shared with the tensor-parallel workers. Every decoder is
 typed: a frame that is not exactly one of these fails to decode, and the receiver drops it (`decode_or_none`)
 instead of acting on it.
