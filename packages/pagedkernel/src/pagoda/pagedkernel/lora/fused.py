@@ -56,8 +56,9 @@ class LoRALayer:
         y: Tensor,  # [num_tokens, width], updated in place
         slots: Tensor,  # int64 [num_tokens], contiguous; negative: no adapter
         used: Sequence[bool],  # per shard: whether any loaded slot adapts it (False: skipped)
-        # Rows of prompt chunks by slot (int64 indices), done as matmuls; `slots` is -1 on them.
-        groups: Sequence[tuple[int, Tensor]] = (),
+        # Rows of prompt chunks by slot (int64 indices, or a slice for one run), done as matmuls; `slots` is -1
+        # on them.
+        groups: Sequence[tuple[int, Tensor | slice]] = (),
     ) -> Tensor:  # y
         """y[t, offsets[i]:...] += (x[t] @ A[s, shard i]^T) @ B_i[s] for s = slots[t] and every used shard."""
         for slot, rows in groups:
@@ -71,15 +72,26 @@ class LoRALayer:
         x: Tensor,  # [num_tokens, in_features]
         y: Tensor,  # [num_tokens, width]
         slot: int,
-        rows: Tensor,  # int64 [n]: the rows of one slot
+        rows: Tensor | slice,  # int64 [n] row indices of one slot, or one contiguous run of them
         used: Sequence[bool],
     ) -> None:
-        """One slot's rows: a matmul for h, one per used shard added into its columns (float32 sums)."""
-        h = x.index_select(0, rows).float() @ self.a[slot].float().t()  # [n, shards * rank]
+        """One slot's rows: a matmul for h, one per used shard into a float32 delta of y's width, added to y once
+        (into a run of rows in place; else by one index_add_)."""
+        xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+        h = xs.float() @ self.a[slot].float().t()  # [n, shards * rank]
+        if isinstance(rows, slice) and y.dtype == torch.float32:
+            delta = y[rows]  # accumulate straight into y's rows (a view)
+        else:
+            delta = torch.zeros((h.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
         for i, (b, offset) in enumerate(zip(self.bs, self.offsets, strict=True)):
             if used[i]:
-                delta = h[:, i * self.rank : (i + 1) * self.rank] @ b[slot].float()  # [n, n_i]
-                y[:, offset : offset + b.shape[2]].index_add_(0, rows, delta.to(y.dtype))
+                part = h[:, i * self.rank : (i + 1) * self.rank]
+                delta[:, offset : offset + b.shape[2]].addmm_(part, b[slot].float())
+        if isinstance(rows, slice):
+            if y.dtype != torch.float32:
+                y[rows] = (y[rows].float() + delta).to(y.dtype)
+        else:
+            y.index_add_(0, rows, delta.to(y.dtype))
 
     def _apply(
         self,

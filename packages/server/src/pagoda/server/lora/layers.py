@@ -20,7 +20,7 @@ class LoRABatch:
         self.head_slots: Tensor | None = None  # int64 [num_logits_rows]: the rows the LM head scores
         # The rows of long chunks (prompts) by slot, (slot, int64 row indices): matmuls per projection;
         # `short_slots` is `slots` with those rows at -1, for the row-gathering op (`slots` itself without any).
-        self.groups: tuple[tuple[int, Tensor], ...] = ()
+        self.groups: tuple[tuple[int, Tensor | slice], ...] = ()
         self.short_slots: Tensor | None = None
 
 

@@ -29,6 +29,13 @@ from torch import Tensor
 LONG_CHUNK = 16
 
 
+def _rows(ids: list[int]) -> Tensor | slice:
+    """A slot's grouped rows: a slice when they are one run (no gather, no scatter), else int64 indices."""
+    if ids[-1] - ids[0] + 1 == len(ids):
+        return slice(ids[0], ids[-1] + 1)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 class LoRAManager:
     """Hooks every adaptable projection of `model` and serves adapters through `max_loras` slots."""
 
@@ -192,9 +199,7 @@ class LoRAManager:
             rows.extend([slot] * chunk.num_tokens)
         self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         self.batch.short_slots = torch.tensor(short, dtype=torch.int64) if grouped else self.batch.slots
-        self.batch.groups = tuple(
-            (slot, torch.tensor(ids, dtype=torch.int64)) for slot, ids in grouped.items()
-        )
+        self.batch.groups = tuple((slot, _rows(ids)) for slot, ids in grouped.items())
 
     def select_head_rows(
         self,
