@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagoda.pagedkernel.lora import add_lora, lora_expand, lora_shrink
+from pagoda.pagedkernel.lora import add_lora, lora_embedding_shrink, lora_expand, lora_shrink
+from pagoda.pagedkernel.lora.fused import LoRALayer
 from pagoda.pagedkernel.lora.ops import LoRABackendName
-from pagoda.pagedkernel.lora.testing import make_case, reference_add, reference_shrink
+from pagoda.pagedkernel.lora.testing import (
+    LoRACase,
+    make_case,
+    make_embedding_case,
+    reference_add,
+    reference_embedding_shrink,
+    reference_shrink,
+)
 
 BACKENDS: list[LoRABackendName] = ["torch", "cpu", "triton"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -86,3 +94,106 @@ def test_mismatched_shapes_are_refused() -> None:
     h = lora_shrink(case.x, case.a, case.slots, case.scales)
     with pytest.raises(ValueError, match="lora_expand"):
         lora_expand(h, case.b, case.slots, case.y, offset=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_embedding_shrink_matches_the_reference(backend: LoRABackendName, dtype: torch.dtype) -> None:
+    """An embedding adapter's h is its slot's A row of the token, scaled; rows without an adapter are 0 even when
+    the pool is NaN."""
+    case = make_embedding_case(90, 37, 6, 3, dtype=dtype, seed=6)
+    h = lora_embedding_shrink(case.ids, case.a, case.slots, case.scales, backend=backend)
+    assert h.dtype == torch.float32 and h.shape == (90, 6)
+    torch.testing.assert_close(h.double(), reference_embedding_shrink(case), rtol=1e-6, atol=1e-6)
+    assert bool((h[case.slots < 0] == 0).all())
+    none = torch.full_like(case.slots, -1)
+    poisoned = torch.full_like(case.a, float("nan"))
+    assert bool((lora_embedding_shrink(case.ids, poisoned, none, case.scales, backend=backend) == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_shrink_refuses_ids_and_slots_outside(backend: LoRABackendName) -> None:
+    """A token id beyond the table (for a row with an adapter) or a slot beyond the pool is an IndexError; the id
+    of a row without an adapter is never read."""
+    case = make_embedding_case(4, 10, 4, 2, seed=7)
+    slots = torch.tensor([0, 1, -1, 0])
+    with pytest.raises(IndexError, match="vocabulary"):
+        lora_embedding_shrink(torch.tensor([1, 2, 3, 10]), case.a, slots, case.scales, backend=backend)
+    with pytest.raises(IndexError, match="out of range"):
+        lora_embedding_shrink(case.ids, case.a, torch.tensor([0, 2, -1, 0]), case.scales, backend=backend)
+    h = lora_embedding_shrink(torch.tensor([1, 2, 99, 3]), case.a, slots, case.scales, backend=backend)
+    assert bool((h[2] == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("out_features", [90, 64, 7])
+def test_expand_of_a_rank_major_pool_matches_the_reference(
+    backend: LoRABackendName, dtype: torch.dtype, out_features: int
+) -> None:
+    """B stored rank-major ([slots, rank, out], passed transposed: the engine's pool) gives the same delta as the
+    output-major B, in a column slice of a wider output, outputs not a multiple of the vector width too."""
+    case = make_case(19, 40, out_features, 8, 3, dtype=dtype, width=out_features + 30, seed=8)
+    pool = case.b.transpose(1, 2).contiguous()  # [slots, rank, out]
+    h = lora_shrink(case.x, case.a, case.slots, case.scales, backend=backend)
+    y = case.y.clone()
+    lora_expand(h, pool.transpose(1, 2), case.slots, y, offset=13, backend=backend)
+    tol = TOLERANCE[dtype] * 10
+    torch.testing.assert_close(y.double(), reference_add(case, 13), rtol=tol, atol=tol)
+    assert torch.equal(y[:, :13], case.y[:, :13])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_tokens", [9, 70])  # the C call, and past CPU_MAX_ROWS the per-op path
+def test_fused_layer_matches_the_reference_per_shard(
+    backend: LoRABackendName, dtype: torch.dtype, num_tokens: int
+) -> None:
+    """A three-shard pool (a fused q/k/v) in one `LoRALayer.apply`: each used shard's columns get the reference
+    delta of its part of A and its B, an unused shard's columns (and rows without an adapter) are untouched."""
+    sizes, offsets, rank, slots_n = (24, 8, 8), (0, 24, 32), 4, 3
+    # One seed: the cases share x, slots and y; each shard's A is made its own (scaled by its index + 1).
+    cases = [make_case(num_tokens, 40, n, rank, slots_n, dtype=dtype, width=40, seed=9) for n in sizes]
+    cases = [
+        LoRACase(c.x, (c.a.float() * (i + 1)).to(dtype), c.b, c.slots, torch.ones(slots_n), c.y)
+        for i, c in enumerate(cases)
+    ]
+    x, slots, y0 = cases[0].x, cases[0].slots, cases[0].y
+    a = torch.cat([c.a for c in cases], dim=1).contiguous()  # every case shares x and slots (one seed)
+    layer = LoRALayer(a, [c.b.transpose(1, 2).contiguous() for c in cases], offsets, backend=backend)
+    y = y0.clone()
+    layer.apply(x, y, slots, [True, False, True])
+    want = y0.double().clone()
+    for index in (0, 2):
+        want += reference_add(cases[index], offsets[index]) - cases[index].y.double()
+    tol = TOLERANCE[dtype] * 10
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    assert torch.equal(y[:, 24:32], y0[:, 24:32]) and torch.equal(y[slots < 0], y0[slots < 0])
+    with pytest.raises(IndexError, match="out of range"):
+        layer.apply(x, y, torch.full_like(slots, slots_n), [True, True, True])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_layer_groups_equal_the_row_op(backend: LoRABackendName, dtype: torch.dtype) -> None:
+    """Rows of a slot done as matmuls (`groups`, their rows -1 in `slots`) give the row op's result; the other
+    rows still get theirs."""
+    case = make_case(80, 40, 24, 4, 3, dtype=dtype, width=30, seed=10)
+    slots = case.slots.clone()
+    slots[10:50], slots[60:75] = 1, 2
+    layer = LoRALayer(case.a, [case.b.transpose(1, 2).contiguous()], [3], backend=backend)
+    want = case.y.clone()
+    layer.apply(case.x, want, slots, [True])
+    short = slots.clone()
+    short[10:50], short[60:75] = -1, -1
+    got = case.y.clone()
+    groups: list[tuple[int, torch.Tensor | slice]] = [(1, torch.arange(10, 50)), (2, slice(60, 75))]
+    layer.apply(case.x, got, short, [True], groups)
+    tol = TOLERANCE[dtype] * 10
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        got.double(),
+        reference_add(LoRACase(case.x, case.a, case.b, slots, torch.ones(3), case.y), 3),
+        rtol=tol,
+        atol=tol,
+    )

@@ -158,6 +158,31 @@ def test_adapters_are_listed_and_served_by_model_name(
     assert got_base.json()["choices"][0]["text"] != got_a.json()["choices"][0]["text"]
 
 
+def test_responses_name_the_adapter(live: testing.LiveServer) -> None:
+    """A request for adapter `a` gets `"model": "a"` back (as vLLM does) from completions, chat, their streamed
+    chunks and responses; a request for the base model gets the base model's name."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.0}
+    text = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0.0}
+    with client(live) as c:
+        for model in ("a", MODEL):
+            got = {
+                "completion": c.post("/v1/completions", json={**text, "model": model}).json()["model"],
+                "chat": c.post("/v1/chat/completions", json={**chat, "model": model}).json()["model"],
+                "response": c.post(
+                    "/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 3}
+                ).json()["model"],
+            }
+            for path, body in (("/v1/completions", text), ("/v1/chat/completions", chat)):
+                with c.stream("POST", path, json={**body, "model": model, "stream": True}) as response:
+                    chunks = [
+                        json.loads(line[6:])
+                        for line in response.iter_lines()
+                        if line.startswith("data: ") and line != "data: [DONE]"
+                    ]
+                assert chunks and {chunk["model"] for chunk in chunks} == {model}, (path, chunks)
+            assert got == dict.fromkeys(got, model), got
+
+
 def test_the_endpoints_need_the_api_key(live: testing.LiveServer, adapters: Adapters) -> None:
     """Without the key, load and unload are 401s."""
     with httpx.Client(base_url=live.base_url, timeout=30) as c:
@@ -232,8 +257,9 @@ def test_runtime_load_and_unload_under_load(
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    choices = json.loads(line[6:])["choices"]
-                    text += "".join(choice["text"] for choice in choices)
+                    chunk = json.loads(line[6:])
+                    assert chunk["model"] == "b", chunk  # also the chunks after the unload
+                    text += "".join(choice["text"] for choice in chunk["choices"])
                     first_chunk.append(True)
         return text
 

@@ -27,7 +27,12 @@ class LoRAKernels:
     """The two entry points of one dtype's library (see the C file for their contracts)."""
 
     shrink: Any  # ctypes: (x, x_stride, a, slots, scales, rows, rank, k, num_slots, h, threads) -> int
-    expand: Any  # ctypes: (h, b, slots, rows, n, rank, num_slots, y, y_stride, offset, threads) -> int
+    # ctypes: (h, b, slots, rows, n, rank, num_slots, y, y_stride, offset, threads, b_stride_n, b_stride_r) -> int
+    expand: Any
+    embedding_shrink: Any  # ctypes: (ids, a, slots, scales, rows, rank, vocab, num_slots, h) -> int
+    # ctypes: (x, x_stride, a, slots, rows, in, rank, shards, b_ptrs, sizes, offsets, used, num_slots, y,
+    # y_stride, threads) -> int (fused.LoRALayer)
+    apply: Any
 
 
 @functools.cache
@@ -50,8 +55,14 @@ def kernels(dtype: torch.dtype) -> LoRAKernels:
     shrink = lib["pagoda_lora_shrink"]
     shrink.argtypes, shrink.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64], ctypes.c_int
     expand = lib["pagoda_lora_expand"]
-    expand.argtypes, expand.restype = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64], ctypes.c_int
-    return LoRAKernels(shrink, expand)
+    expand.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
+    expand.restype = ctypes.c_int
+    gather = lib["pagoda_lora_embedding_shrink"]
+    gather.argtypes, gather.restype = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr], ctypes.c_int
+    apply = lib["pagoda_lora_apply"]
+    apply.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64]
+    apply.restype = ctypes.c_int
+    return LoRAKernels(shrink, expand, gather, apply)
 
 
 @functools.cache
@@ -69,6 +80,10 @@ def _check(code: int, num_slots: int) -> None:
     """Turn the C kernel's status into an exception."""
     if code == 1:
         raise IndexError(f"a LoRA slot index is out of range (the pool has {num_slots} slots)")
+    if code == 3:
+        raise ValueError("the 'cpu' LoRA expand takes B output-major or rank-major (ops.expand_layout)")
+    if code == 2:
+        raise IndexError("a token id of a row with a LoRA adapter is outside the embedding's vocabulary")
     if code != 0:
         raise ValueError(f"the 'cpu' LoRA op refused its arguments (status {code})")
 
@@ -101,12 +116,12 @@ def lora_shrink(
 
 def lora_expand(
     h: Tensor,  # float32 [num_tokens, rank], contiguous
-    b: Tensor,  # [num_slots, out_features, rank], contiguous, y's dtype
+    b: Tensor,  # [num_slots, out_features, rank], y's dtype: contiguous, or a transposed [slots, rank, out] one
     slots: Tensor,  # int64 [num_tokens], contiguous
     y: Tensor,  # [num_tokens, >= offset + out_features], rows contiguous
     offset: int,
 ) -> None:
-    """See `torch_lora.lora_expand`."""
+    """See `torch_lora.lora_expand` (a rank-major B, `ops.expand_layout`, takes the vectorized path)."""
     lib = kernels(y.dtype)
     code = lib.expand(
         h.data_ptr(),
@@ -120,5 +135,31 @@ def lora_expand(
         y.stride(0),
         offset,
         torch.get_num_threads(),
+        b.stride(1),
+        b.stride(2),
     )
     _check(code, b.shape[0])
+
+
+def lora_embedding_shrink(
+    ids: Tensor,  # int64 [num_tokens], contiguous
+    a: Tensor,  # [num_slots, vocab, rank], contiguous (A transposed)
+    slots: Tensor,  # int64 [num_tokens], contiguous
+    scales: Tensor,  # float32 [num_slots], contiguous
+) -> Tensor:  # float32 [num_tokens, rank]
+    """See `torch_lora.lora_embedding_shrink`."""
+    lib = kernels(a.dtype)
+    h = torch.empty((ids.shape[0], a.shape[2]), dtype=torch.float32)
+    code = lib.embedding_shrink(
+        ids.data_ptr(),
+        a.data_ptr(),
+        slots.data_ptr(),
+        scales.data_ptr(),
+        ids.shape[0],
+        a.shape[2],
+        a.shape[1],
+        a.shape[0],
+        h.data_ptr(),
+    )
+    _check(code, a.shape[0])
+    return h

@@ -16,8 +16,11 @@ LORA_BACKENDS: tuple[LoRABackendName, ...] = ("auto", "torch", "cpu", "triton")
 CPU_MAX_ROWS = 64
 
 
-def _resolve(backend: LoRABackendName, x: Tensor) -> Literal["torch", "cpu", "triton"]:
-    """The backend that runs `x`'s batch (raises for a bad name or an unusable explicit backend)."""
+def _resolve(
+    backend: LoRABackendName, x: Tensor, *, gather: bool = False
+) -> Literal["torch", "cpu", "triton"]:
+    """The backend that runs `x`'s batch (raises for a bad name or an unusable explicit backend); a `gather`
+    (the embedding's lookup) has no product that BLAS would run faster, so `auto` keeps C at any row count."""
     if backend not in LORA_BACKENDS:
         raise ValueError(f"unknown LoRA backend {backend!r}; one of {', '.join(LORA_BACKENDS)}")
     on_cpu = x.device.type == "cpu"
@@ -35,7 +38,7 @@ def _resolve(backend: LoRABackendName, x: Tensor) -> Literal["torch", "cpu", "tr
     if backend == "torch":
         return "torch"
     if on_cpu:
-        fits = x.shape[0] <= CPU_MAX_ROWS and x.dtype in cpu_lora.DTYPES
+        fits = (gather or x.shape[0] <= CPU_MAX_ROWS) and x.dtype in cpu_lora.DTYPES
         return "cpu" if fits and cpu_lora.available(x.dtype) else "torch"
     try:
         import triton  # noqa: F401 (only whether it is installed)
@@ -81,9 +84,20 @@ def lora_shrink(
     return triton_lora.lora_shrink(x, a, slots, scales)
 
 
+def expand_layout(b: Tensor) -> Tensor:  # [num_slots, out_features, rank]
+    """`b` itself when the kernels take its layout: contiguous (output-major) or a transposed view of a contiguous
+    [slots, rank, out] pool (rank-major, which the C kernel vectorizes over outputs); else a contiguous copy."""
+    _, out, rank = b.shape
+    if b.stride(0) == out * rank and (
+        (b.stride(1) == rank and b.stride(2) == 1) or (b.stride(1) == 1 and b.stride(2) == out)
+    ):
+        return b
+    return b.contiguous()
+
+
 def lora_expand(
     h: Tensor,  # float32 [num_tokens, rank]
-    b: Tensor,  # [num_slots, out_features, rank], y's dtype
+    b: Tensor,  # [num_slots, out_features, rank], y's dtype (a transposed [slots, rank, out] pool is fastest)
     slots: Tensor,  # int64 [num_tokens]; negative: no adapter
     y: Tensor,  # [num_tokens, >= offset + out_features], updated in place
     *,
@@ -102,7 +116,7 @@ def lora_expand(
     if chosen == "torch" or y.stride(-1) != 1:
         torch_lora.lora_expand(h, b, slots, y, offset)
         return y
-    h, b, slots = h.contiguous(), b.contiguous(), slots.contiguous()
+    h, b, slots = h.contiguous(), expand_layout(b), slots.contiguous()
     if chosen == "cpu":
         cpu_lora.lora_expand(h, b, slots, y, offset)
         return y
@@ -110,6 +124,40 @@ def lora_expand(
 
     triton_lora.lora_expand(h, b, slots, y, offset)
     return y
+
+
+def lora_embedding_shrink(
+    ids: Tensor,  # int64 [num_tokens]
+    a: Tensor,  # [num_slots, vocab, rank]: each slot's A transposed (PEFT's lora_embedding_A.T)
+    slots: Tensor,  # int64 [num_tokens]; negative: no adapter
+    scales: Tensor,  # float32 [num_slots]
+    *,
+    backend: LoRABackendName = "auto",
+) -> Tensor:  # float32 [num_tokens, rank]
+    """h[t] = scales[s] * a[s, ids[t]] for s = slots[t], in float32 (an embedding adapter's A is a lookup table);
+    rows with a negative slot are 0. `lora_expand` then adds h @ B^T into the looked-up rows."""
+    if ids.dim() != 1 or ids.dtype != torch.int64 or a.dim() != 3 or ids.device != a.device:
+        raise ValueError(
+            f"lora_embedding_shrink: ids {ids.dtype} {tuple(ids.shape)} on {ids.device} do not match "
+            f"a {tuple(a.shape)} on {a.device}"
+        )
+    if scales.shape != (a.shape[0],):
+        raise ValueError(f"lora_embedding_shrink: scales must be [{a.shape[0]}], got {tuple(scales.shape)}")
+    _check_slots(slots, ids.shape[0], a.shape[0], ids.device)
+    if ids.device.type == "cpu" and ids.shape[0]:
+        used = ids[slots >= 0]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= a.shape[1]):
+            raise IndexError(f"a token id is outside the adapter's vocabulary of {a.shape[1]}")
+    chosen = _resolve(backend, a, gather=True)
+    if chosen == "torch":
+        return torch_lora.lora_embedding_shrink(ids, a, slots, scales)
+    ids, a, slots = ids.contiguous(), a.contiguous(), slots.contiguous()
+    scales = scales.to(torch.float32).contiguous()
+    if chosen == "cpu":
+        return cpu_lora.lora_embedding_shrink(ids, a, slots, scales)
+    from pagoda.pagedkernel.lora import triton_lora
+
+    return triton_lora.lora_embedding_shrink(ids, a, slots, scales)
 
 
 def add_lora(

@@ -63,3 +63,43 @@ def reference_add(case: LoRACase, offset: int) -> Tensor:  # float64 [num_tokens
         if slot >= 0:
             y[t, offset : offset + width] += case.b[slot].double() @ h[t]
     return y
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingCase:
+    """One embedding batch: token ids, a pool of transposed A tables, each row's slot (negative: none)."""
+
+    ids: Tensor  # int64 [num_tokens]
+    a: Tensor  # [num_slots, vocab, rank]
+    slots: Tensor  # int64 [num_tokens]
+    scales: Tensor  # float32 [num_slots]
+
+
+def make_embedding_case(
+    num_tokens: int,
+    vocab: int,
+    rank: int,
+    num_slots: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> EmbeddingCase:
+    """Random ids and tables, about a third of the rows without an adapter."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int64)
+    slots[torch.rand(num_tokens, generator=g) < 0.2] = -1
+    return EmbeddingCase(
+        ids=torch.randint(0, vocab, (num_tokens,), generator=g, dtype=torch.int64),
+        a=torch.randn(num_slots, vocab, rank, generator=g).to(dtype),
+        slots=slots,
+        scales=torch.rand(num_slots, generator=g) + 0.5,
+    )
+
+
+def reference_embedding_shrink(case: EmbeddingCase) -> Tensor:  # float64 [num_tokens, rank]
+    """Each adapter row's looked-up A row, scaled, in float64 (zeros for rows without an adapter)."""
+    h = torch.zeros(case.ids.shape[0], case.a.shape[2], dtype=torch.float64)
+    for t, (slot, token) in enumerate(zip(case.slots.tolist(), case.ids.tolist(), strict=True)):
+        if slot >= 0:
+            h[t] = case.scales[slot].double() * case.a[slot, token].double()
+    return h

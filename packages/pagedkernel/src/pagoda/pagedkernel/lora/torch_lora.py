@@ -37,3 +37,17 @@ def lora_expand(
     for slot, rows in slot_rows(slots):
         part = y[rows, offset : offset + width]
         y[rows, offset : offset + width] = (part.float() + h[rows] @ b[slot].float().t()).to(y.dtype)
+
+
+def lora_embedding_shrink(
+    ids: Tensor,  # int64 [num_tokens]
+    a: Tensor,  # [num_slots, vocab, rank]: each slot's A transposed, one row per token id
+    slots: Tensor,  # int64 [num_tokens]; negative: no adapter
+    scales: Tensor,  # float32 [num_slots]
+) -> Tensor:  # float32 [num_tokens, rank]
+    """h[t] = scales[s] * a[s, ids[t]] in float32 for s = slots[t] (the embedding's shrink is a lookup, PEFT's
+    `F.embedding(x, lora_embedding_A.T)`); rows without an adapter are 0."""
+    h = torch.zeros((ids.shape[0], a.shape[2]), dtype=torch.float32, device=ids.device)
+    for slot, rows in slot_rows(slots):
+        h[rows] = a[slot, ids[rows]].float() * scales[slot].float()
+    return h

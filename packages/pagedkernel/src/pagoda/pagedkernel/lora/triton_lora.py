@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pagoda.pagedkernel.lora.triton_lora_kernels import expand_kernel, shrink_kernel
+from pagoda.pagedkernel.lora.triton_lora_kernels import embedding_shrink_kernel, expand_kernel, shrink_kernel
 from torch import Tensor
 
 BLOCK_K = 64  # input features a shrink program reads at a time
@@ -53,7 +53,7 @@ def lora_shrink(
 
 def lora_expand(
     h: Tensor,  # float32 [num_tokens, rank], contiguous
-    b: Tensor,  # [num_slots, out_features, rank], contiguous
+    b: Tensor,  # [num_slots, out_features, rank], slots out * rank apart (any order of the other two)
     slots: Tensor,  # int64 [num_tokens]
     y: Tensor,  # [num_tokens, >= offset + out_features], rows contiguous
     offset: int,
@@ -73,6 +73,22 @@ def lora_expand(
             offset,
             n,
             rank,
+            b.stride(1),
+            b.stride(2),
             BLOCK_N=BLOCK_N,
             BLOCK_R=_pow2(rank),
         )
+
+
+def lora_embedding_shrink(
+    ids: Tensor,  # int64 [num_tokens], contiguous
+    a: Tensor,  # [num_slots, vocab, rank], contiguous
+    slots: Tensor,  # int64 [num_tokens]
+    scales: Tensor,  # float32 [num_slots]
+) -> Tensor:  # float32 [num_tokens, rank]
+    """See `torch_lora.lora_embedding_shrink`."""
+    rows, vocab, rank = ids.shape[0], a.shape[1], a.shape[2]
+    h = torch.zeros((rows, rank), dtype=torch.float32, device=ids.device)
+    if rows:
+        _launch(embedding_shrink_kernel, (rows,), ids, a, slots, scales, h, rank, vocab, BLOCK_R=_pow2(rank))
+    return h

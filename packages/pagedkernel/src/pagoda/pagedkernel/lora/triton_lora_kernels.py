@@ -50,10 +50,13 @@ def expand_kernel(
     offset,
     out_features,
     rank,
+    b_stride_n,
+    b_stride_r,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """y[t, offset + n-tile] += h[t] @ b[s, n-tile]^T, summed in float32 and rounded once."""
+    """y[t, offset + n-tile] += h[t] @ b[s, n-tile]^T, summed in float32 and rounded once (B's strides within a
+    slot are given: output-major or rank-major)."""
     t = tl.program_id(0)
     n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + t)
@@ -62,7 +65,7 @@ def expand_kernel(
         ht = tl.load(h_ptr + t * rank + r_offs, mask=r_offs < rank, other=0.0)
         tile_mask = (n_offs[:, None] < out_features) & (r_offs[None, :] < rank)
         bt = tl.load(
-            b_ptr + slot * out_features * rank + n_offs[:, None] * rank + r_offs[None, :],
+            b_ptr + slot * out_features * rank + n_offs[:, None] * b_stride_n + r_offs[None, :] * b_stride_r,
             mask=tile_mask,
             other=0.0,
         ).to(tl.float32)
@@ -71,3 +74,25 @@ def expand_kernel(
         n_mask = n_offs < out_features
         yv = tl.load(y_at, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_at, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def embedding_shrink_kernel(
+    ids_ptr,
+    a_ptr,
+    slots_ptr,
+    scales_ptr,
+    h_ptr,
+    rank,
+    vocab,
+    BLOCK_R: tl.constexpr,
+):
+    """h[t] = scale[s] * a[s, ids[t]] (a gathered row of A transposed; h is zero-filled by the launcher)."""
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        r_offs = tl.arange(0, BLOCK_R)
+        token = tl.load(ids_ptr + t)
+        row = tl.load(a_ptr + (slot * vocab + token) * rank + r_offs, mask=r_offs < rank, other=0.0)
+        scale = tl.load(scales_ptr + slot)
+        tl.store(h_ptr + t * rank + r_offs, row.to(tl.float32) * scale, mask=r_offs < rank)

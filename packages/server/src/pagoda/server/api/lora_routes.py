@@ -1,19 +1,23 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), and the adapters' /v1/models cards.
 
 Served only with `--enable-lora --allow-runtime-lora-updating` (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), behind
-the API key like every route but /health, and with the in-process engine. A load reads and checks the folder on a
-worker thread, then registers it on the engine thread between two steps; an unload takes the name away at once,
-while requests already running on the adapter finish on it. Every bad input is a 400 naming the field.
+the API key like every route but /health. A load reads and checks the folder on a worker thread, then registers it
+on the engine thread between two steps; with engine-core processes (`--engine-core process`, data-parallel
+replicas) every core does so and the call answers once all of them did (`CoreClient.load_lora`). An unload takes
+the name away at once, while requests already running on the adapter finish on it. Every bad input is a 400 naming
+the field.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 
 from pagoda.server.api.errors import bad_request
 from pagoda.server.api.protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.core import CoreClient
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine_client import EngineClient
 from pagoda.server.lora.request import LoRAError, LoRARequest
@@ -47,12 +51,17 @@ class LoRARoutes:
         self.served_model_name = served_model_name
         self.read_body = read_body
 
-    def _engine(self) -> LLMEngine:
-        """The in-process engine (a 400 otherwise: engine-core processes load adapters from --lora-modules)."""
+    def _engine(self) -> LLMEngine | CoreClient:
+        """The in-process engine or the engine cores (a 400 for another engine client)."""
         engine = self.llm.engine
-        if not isinstance(engine, LLMEngine):
-            raise bad_request("runtime LoRA updating needs the in-process engine (--engine-core inproc)")
+        if not isinstance(engine, LLMEngine | CoreClient):
+            raise bad_request("runtime LoRA updating needs the in-process engine or engine-core processes")
         return engine
+
+    async def _on_cores(self, call: Callable[[CoreClient], Future[tuple[int, ...]]]) -> None:
+        """Send a load or unload to every core (on the engine thread) and wait for all of them to answer."""
+        future = await self.llm.call_on_engine_thread(lambda e: call(_as_cores(e)))
+        await asyncio.wrap_future(future)
 
     async def load(self, request: Request) -> Response:
         """POST /v1/load_lora_adapter {lora_name, lora_path}."""
@@ -64,8 +73,13 @@ class LoRARoutes:
         engine = self._engine()
         lora = self.loras.new_request(name, body.lora_path)
         try:
-            adapter = await asyncio.to_thread(engine.load_lora, lora)  # the disk read, off the engine thread
-            await self.llm.call_on_engine_thread(lambda e: _as_engine(e).add_loaded_lora(adapter))
+            if isinstance(engine, CoreClient):
+                await self._on_cores(lambda cores: cores.load_lora(lora))
+            else:
+                adapter = await asyncio.to_thread(
+                    engine.load_lora, lora
+                )  # the disk read, off the engine thread
+                await self.llm.call_on_engine_thread(lambda e: _as_engine(e).add_loaded_lora(adapter))
         except LoRAError as exc:
             raise bad_request(str(exc), exc.param) from exc
         self.loras.add(lora)
@@ -78,15 +92,24 @@ class LoRARoutes:
         name = body.lora_name
         if self.loras.get(name) is None:
             raise bad_request(f"no LoRA adapter named {name!r} is loaded", "lora_name")
-        self._engine()
+        engine = self._engine()
         removed: LoRARequest | None = self.loras.remove(name)  # new requests cannot name it from now on
         try:
-            await self.llm.call_on_engine_thread(lambda e: _as_engine(e).remove_lora(name))
+            if isinstance(engine, CoreClient):
+                await self._on_cores(lambda cores: cores.unload_lora(name))
+            else:
+                await self.llm.call_on_engine_thread(lambda e: _as_engine(e).remove_lora(name))
         except LoRAError as exc:
             if removed is not None:
                 self.loras.add(removed)
             raise bad_request(str(exc), exc.param) from exc
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _as_cores(engine: EngineClient) -> CoreClient:
+    """The engine thread's engine as the CoreClient the handler checked it is."""
+    assert isinstance(engine, CoreClient)
+    return engine
 
 
 def _as_engine(engine: EngineClient) -> LLMEngine:

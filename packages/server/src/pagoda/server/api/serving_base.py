@@ -89,6 +89,11 @@ class ServingContext:
         if model is not None and model != self.served_model_name and self.lora_for(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter's name for a request `check_model` let name one (as vLLM
+        does; fixed at the request's start, so an adapter unloaded meanwhile is still named), else the base's."""
+        return self.served_model_name if model is None else model
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names, if any."""
         return None if self.loras is None else self.loras.get(model)

@@ -225,7 +225,7 @@ class ChatHandler:
             )
         response = ChatCompletionResponse(
             id=request_id,
-            model=ctx.served_model_name,
+            model=ctx.response_model(body.model),
             choices=choices,
             usage=_usage(len(prompt_ids), final),
             prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs),
@@ -242,7 +242,7 @@ class ChatHandler:
         include_usage: bool,
         choices: _Choices,
     ) -> AsyncGenerator[str]:
-        model = self.ctx.served_model_name
+        model = self.ctx.response_model(body.model)
         cursors = [choices.cursor() for _ in range(body.n)]
         final: RequestOutput | None = None
         continuous = (

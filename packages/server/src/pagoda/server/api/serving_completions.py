@@ -189,7 +189,10 @@ class CompletionsHandler:
             for o in final.outputs
         ]
         response = CompletionResponse(
-            id=request_id, model=ctx.served_model_name, choices=choices, usage=_usage(prompts, finals)
+            id=request_id,
+            model=ctx.response_model(body.model),
+            choices=choices,
+            usage=_usage(prompts, finals),
         )
         return JSONResponse(response.model_dump())
 
@@ -250,7 +253,7 @@ class CompletionsHandler:
         echo_only: bool,
     ) -> AsyncGenerator[str]:
         continuous_usage = body.stream_options is not None and body.stream_options.continuous_usage_stats
-        model = self.ctx.served_model_name
+        model = self.ctx.response_model(body.model)
         n = body.n
         cursors = [_ChoiceCursor() for _ in range(len(prompts) * n)]
         finals: dict[int, RequestOutput] = {}

@@ -91,7 +91,7 @@ class ResponsesHandler:
         check_tool_messages(chat.messages)
         prepared = await self._prepare(body, chat)
         response_id = f"resp_{uuid.uuid4().hex}"
-        base = _skeleton(body, response_id, ctx.served_model_name)
+        base = _skeleton(body, response_id, ctx.response_model(body.model))
         streams = await ctx.open_streams(
             response_id,
             [(prepared.prompt, prepared.prompt_ids)],

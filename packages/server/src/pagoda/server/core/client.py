@@ -17,6 +17,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +26,8 @@ import zmq
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.kv_subscriber import KVEventSubscriptions
+from pagoda.server.core.lora_calls import LoRACalls
+from pagoda.server.core.lora_frames import LoRADone, UnloadLoRA
 from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
@@ -46,6 +49,7 @@ from pagoda.server.engine_client import (
     RequestFailed,
 )
 from pagoda.server.kv_events.config import for_replica
+from pagoda.server.lora.request import LoRARequest
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
 from pagoda.server.procs.security import Authenticator, token_matches
@@ -171,6 +175,7 @@ class CoreClient:
             self.kv_events = KVEventSubscriptions(
                 self._context, config.cache_config.kv_events_config, num_replicas, router.apply_events
             )
+        self._loras = LoRACalls()  # runtime LoRA loads / unloads, sent to every core (core/lora_calls.py)
         try:
             for replica in self.replicas:
                 replica.start(
@@ -281,8 +286,8 @@ class CoreClient:
             replica.send(self._encoder, AbortRequests([request_id]))
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request is out, or a core is (re)starting: either needs `step` to run."""
-        return bool(self._owner) or not all(r.ready for r in self.replicas)
+        """True while a request or a LoRA call is out, or a core is (re)starting: each needs `step` to run."""
+        return bool(self._owner) or not all(r.ready for r in self.replicas) or self._loras.pending
 
     def step(self) -> list[EngineEvent]:
         """Wait up to _POLL_MS for frames; return the snapshots and events they carry."""
@@ -307,6 +312,31 @@ class CoreClient:
     def check_health(self) -> None:
         """Notice a replica that died while the server was idle (it is then restarted); never raises."""
         self._check_replicas(time.monotonic())
+
+    # --- runtime LoRA updating -------------------------------------------------------------------------------
+
+    def load_lora(self, request: LoRARequest) -> Future[tuple[int, ...]]:
+        """Send a load to every ready core (on the engine thread); its future: the replicas that serve it now, or
+        the first core's LoRAError. A core that starts later loads it too."""
+        ready = [r for r in self.replicas if r.ready]
+        frame, future = self._loras.load(request, [r.index for r in ready])
+        for replica in ready:
+            replica.send(self._encoder, frame)
+        return future
+
+    def unload_lora(self, lora_name: str) -> Future[tuple[int, ...]]:
+        """Send an unload to every ready core; its future as `load_lora`'s. In-flight requests on it finish on it."""
+        ready = [r for r in self.replicas if r.ready]
+        frame, future = self._loras.unload(lora_name, [r.index for r in ready])
+        for replica in ready:
+            replica.send(self._encoder, frame)
+        return future
+
+    def _roll_back(self, unloads: list[tuple[int, UnloadLoRA]]) -> None:
+        """Unload a load that some core refused from the cores that took it (their answers are not awaited)."""
+        for index, frame in unloads:
+            if self.replicas[index].ready:
+                self.replicas[index].send(self._encoder, frame)
 
     # --- ReplicaSet -----------------------------------------------------------------------------------------
 
@@ -396,11 +426,15 @@ class CoreClient:
                 return
             replica.ready = True
             replica.failures = 0
+            for load in self._loras.replay():  # adapters loaded at run time, before any request it is sent
+                replica.send(self._encoder, load)
             replica.full_since = None  # a wait before it connected is not a stall; flushing stamps a new one
             replica.flush(time.monotonic())
             replica.info = message.info
             replica.stats = message.stats
             logger.info("engine core %d ready (pid %d)", replica.index, message.pid)
+        elif isinstance(message, LoRADone):
+            self._roll_back(self._loras.answer(replica.index, message))
         elif isinstance(message, Failed):
             logger.error("engine core %d failed: %s", replica.index, message.message)
             replica.last_error = message.message
@@ -438,6 +472,7 @@ class CoreClient:
             return
         lost = replica.mark_dead(time.monotonic())
         self.router.reset_replica(replica.index)
+        self._roll_back(self._loras.replica_lost(replica.index))
         logger.error(
             "engine core %d died (%s): %d in-flight request(s) fail; restart in %.0f s",
             replica.index,

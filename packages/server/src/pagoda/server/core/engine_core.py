@@ -19,6 +19,7 @@ import zmq
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.block_maps import CoreBlockMaps
 from pagoda.server.core.deltas import DeltaEncoder
+from pagoda.server.core.lora_core import CoreLoRA
 from pagoda.server.core.messages import (
     AbortRequests,
     Accepted,
@@ -84,6 +85,7 @@ class EngineCore:
         self._views = CoreBlockMaps()
         self._stop = False
         self.draining = False  # set by SIGTERM: refuse new requests, exit once the rest finished
+        self._lora = CoreLoRA(engine, self._send)  # runtime LoRA load / unload (core/lora_core.py)
 
     def run(self) -> None:
         """Announce readiness, then step and serve inputs until told to stop."""
@@ -98,6 +100,7 @@ class EngineCore:
                     logger.info("engine core drained; exiting")
                     return
                 self._serve_inputs(block=not busy)
+                self._lora.poll()
                 if (view := self._views.take()) is not None:
                     self._send(BlockMap(view))
                 if self._stop or not engine.has_unfinished_requests():
@@ -131,6 +134,8 @@ class EngineCore:
                 self._views.request(self.engine)  # between two steps: the copies are consistent
             elif isinstance(message, Shutdown):
                 self._stop = True
+            else:
+                self._lora.handle(message)
         if accepted:
             self._send(Accepted(request_ids=accepted))
 
@@ -147,6 +152,10 @@ class EngineCore:
             self._send(Rejected(message.request_id, str(exc), getattr(exc, "param", None)))
             return False
         return True
+
+    def close(self) -> None:
+        """Stop the core's helper threads."""
+        self._lora.close()
 
     def _send(self, message: CoreOutput) -> None:
         self._outputs.send(self._encoder.encode(message), copy=False)
@@ -170,7 +179,10 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
                 core.draining = True
 
             signal.signal(signal.SIGTERM, drain)
-        core.run()
+        try:
+            core.run()
+        finally:
+            core.close()
     except BaseException as exc:
         logger.exception("the engine core failed")
         outputs.send(msgspec.msgpack.encode(Failed(f"{type(exc).__name__}: {exc}")))

@@ -3,7 +3,8 @@
 Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown`, `SnapshotRequest` (the `CoreInput` union). Core
 -> front end: `Ready` once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for
 each added request, `BlockMap` answering a `SnapshotRequest`, or `Failed` before it exits on an error (the
-`CoreOutput` union). `Ready`, `Shutdown` and `Failed` are the process stack's control frames (procs/control.py),
+`CoreOutput` union). Runtime LoRA updating adds `LoadLoRA` / `UnloadLoRA` and their `LoRADone`
+(core/lora_frames.py). `Ready`, `Shutdown` and `Failed` are the process stack's control frames (procs/control.py),
 shared with the tensor-parallel workers. Every decoder is typed: a frame that is not exactly one of these fails
 to decode, and the receiver drops it (`decode_or_none`) instead of acting on it.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
 from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
 from pagoda.server.sampling_params import SamplingParams
@@ -39,7 +41,9 @@ class SnapshotRequest(msgspec.Struct, frozen=True, tag=True):
     """Send the block map and queues once, between two steps (the dashboard; ignored while one is on its way)."""
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown | SnapshotRequest
+CoreInput = (
+    AddRequest | AbortRequests | Shutdown | SnapshotRequest | LoadLoRA | UnloadLoRA
+)  # LoRA: core/lora_frames.py
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -113,7 +117,7 @@ class BlockMap(msgspec.Struct, frozen=True, tag=True):
 
 
 # `Ready.info` is the core's `EngineInfo`, `Ready.stats` its stats before the first step.
-CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed | BlockMap
+CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed | BlockMap | LoRADone
 
 
 def input_decoder() -> FrameDecoder[CoreInput]:

@@ -163,7 +163,11 @@ class ModelRunner:
             offset += chunk.num_tokens
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, 0), prompt_hidden
+        if self.lora is not None:
+            self.lora.select_head_rows(batch.logits_indices)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.lora is not None:
+            self.lora.select_head_rows(None)
         # The count prepare() knew: reading it back from the device tensor would wait for the GPU every step.
         if logits.shape[0] == batch.num_rows:
             return logits, prompt_hidden

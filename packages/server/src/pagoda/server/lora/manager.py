@@ -16,12 +16,24 @@ from collections.abc import Sequence
 import torch
 from pagoda.pagedkernel.lora import LoRABackendName
 from pagoda.scheduler import ScheduledRequest
-from pagoda.server.lora.layers import LoRABatch, LoRAHook
+from pagoda.server.lora.layers import EmbeddingLoRAHook, HeadLoRAHook, LoRABatch, LoRAHook
 from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, load_adapter
 from pagoda.server.lora.request import LoRARequest
-from pagoda.server.lora.targets import find_targets
-from pagoda.server.models.base import CausalLM
-from pagoda.server.models.layers import Linear, MergedLinear
+from pagoda.server.lora.targets import EMBEDDING, LM_HEAD, find_targets
+from pagoda.server.models.base import CausalLM, DecoderLM
+from pagoda.server.models.layers import Embedding, Linear, MergedLinear
+from torch import Tensor
+
+# The rows of chunks at least this long (prompts) are matmuls per slot and projection (`LoRABatch.groups`);
+# shorter ones (decodes) go through the row-gathering op. Only on the CPU: the GPU kernels batch both alike.
+LONG_CHUNK = 16
+
+
+def _rows(ids: list[int]) -> Tensor | slice:
+    """A slot's grouped rows: a slice when they are one run (no gather, no scatter), else int64 indices."""
+    if ids[-1] - ids[0] + 1 == len(ids):
+        return slice(ids[0], ids[-1] + 1)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 class LoRAManager:
@@ -46,7 +58,7 @@ class LoRAManager:
         self.targets = find_targets(model)
         self.batch = LoRABatch()
         self.hooks: dict[str, LoRAHook] = {}
-        for module_name in dict.fromkeys(t.module for t in self.targets.values()):
+        for module_name in dict.fromkeys(t.module for t in self.targets.values() if t.kind == "linear"):
             module = model.get_submodule(module_name)
             assert isinstance(module, Linear)
             rows, cols = module.weight_shape()
@@ -63,9 +75,42 @@ class LoRAManager:
             )
             module.lora = hook
             self.hooks[module_name] = hook
+        if isinstance(model, DecoderLM):
+            self._hook_vocabulary(model, backend)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # registered, least recently used first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
         self.pins: defaultdict[int, int] = defaultdict(int)  # unfinished requests per adapter id
+
+    def _hook_vocabulary(self, model: DecoderLM, backend: LoRABackendName) -> None:
+        """The embedding's and the LM head's hooks (pools allocated when an adapter first targets them)."""
+        head = model.head()
+        embed = model.model.get_submodule("embed_tokens")
+        assert isinstance(embed, Embedding)
+        per, hidden = head.run.per, head.weight_shape()[1]
+        slots, rank, dtype, device = self.max_loras, self.max_lora_rank, self.dtype, self.device
+        embed_hook = EmbeddingLoRAHook(
+            self.batch,
+            per,
+            hidden,
+            num_slots=slots,
+            max_rank=rank,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+        )
+        head_hook = HeadLoRAHook(
+            self.batch,
+            hidden,
+            (per,),
+            num_slots=slots,
+            max_rank=rank,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+            lazy=True,
+        )
+        embed.lora, model.head_lora = embed_hook, head_hook
+        self.hooks[EMBEDDING], self.hooks[LM_HEAD] = embed_hook, head_hook
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter from disk (LoRAError naming the field); registers nothing."""
@@ -138,13 +183,32 @@ class LoRAManager:
         needed = {c.lora_id for c in scheduled if c.lora_id is not None}
         if not needed:
             self.batch.slots = None
+            self.batch.head_slots = None
             return
         slots = {lora_id: self._slot_of(lora_id, needed) for lora_id in sorted(needed)}
         rows: list[int] = []
+        short: list[int] = []  # the rows of short chunks (decodes); long chunks' rows go to `groups`
+        grouped: defaultdict[int, list[int]] = defaultdict(list)
         for chunk in scheduled:
             slot = -1 if chunk.lora_id is None else slots[chunk.lora_id]
+            if slot >= 0 and chunk.num_tokens >= LONG_CHUNK and self.device.type == "cpu":
+                grouped[slot].extend(range(len(rows), len(rows) + chunk.num_tokens))
+                short.extend([-1] * chunk.num_tokens)
+            else:
+                short.extend([slot] * chunk.num_tokens)
             rows.extend([slot] * chunk.num_tokens)
         self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.batch.short_slots = torch.tensor(short, dtype=torch.int64) if grouped else self.batch.slots
+        self.batch.groups = tuple((slot, _rows(ids)) for slot, ids in grouped.items())
+
+    def select_head_rows(
+        self,
+        logits_indices: Tensor
+        | None,  # int64 [num_logits_rows]: the token rows the LM head scores; None: none
+    ) -> None:
+        """The slots of the rows the LM head scores next (None after it: prompt-logprob slices run the base head)."""
+        slots = self.batch.slots
+        self.batch.head_slots = None if slots is None or logits_indices is None else slots[logits_indices]
 
     def requests_for(self, scheduled: Sequence[ScheduledRequest]) -> tuple[LoRARequest, ...]:
         """The adapters a step uses, for the tensor-parallel workers (which read one they do not hold)."""
@@ -166,3 +230,4 @@ class LoRAManager:
     def clear(self) -> None:
         """No adapter rows (after a step, so that other forwards, e.g. cost probes, run the base model)."""
         self.batch.slots = None
+        self.batch.head_slots = None

@@ -1,6 +1,7 @@
 """Reading a PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`) into per-target A and B.
 
-Each target's scale (lora_alpha / r, or / sqrt(r) with use_rslora; per module with rank_pattern / alpha_pattern)
+Targets are the decoder layers' projections, the embedding (PEFT's `lora_embedding_A` [r, vocab] / `_B`
+[dim, r]) and the LM head, tied or not (a LoRA on the logits only, as PEFT applies it). Each target's scale (lora_alpha / r, or / sqrt(r) with use_rslora; per module with rank_pattern / alpha_pattern)
 is folded into B, so the op runs with unit scales. TP: B keeps the rows of this rank's output shard, A the
 columns of its input shard, exactly as the base weights are split (`targets.Target`). Every error is a LoRAError
 naming the request field (`lora_path`) and saying what is wrong.
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 from pagoda.server.lora.request import LoRAError, LoRARequest
-from pagoda.server.lora.targets import Target
+from pagoda.server.lora.targets import EMBEDDING, LM_HEAD, Target
 from safetensors import safe_open
 from torch import Tensor
 
@@ -66,7 +67,15 @@ def _read_config(request: LoRARequest, folder: Path) -> dict[str, Any]:
     if config.get("use_dora"):
         raise _fail(request, "DoRA adapters (use_dora) are not supported")
     if config.get("modules_to_save"):
-        raise _fail(request, "modules_to_save (fully trained copies of base modules) are not supported")
+        modules = ", ".join(map(str, config["modules_to_save"]))
+        raise _fail(
+            request, f"modules_to_save ({modules}: fully trained copies of base modules) is not supported"
+        )
+    if config.get("trainable_token_indices"):
+        raise _fail(
+            request,
+            f"trainable_token_indices (new-token embeddings of {config['trainable_token_indices']}) is not supported",
+        )
     return config
 
 
@@ -79,16 +88,43 @@ def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _split_key(request: LoRARequest, key: str) -> tuple[str, str]:
-    """(checkpoint module name, "lora_A" or "lora_B") of a safetensors key."""
+# PEFT's factor names: a Linear's lora_A.weight / lora_B.weight, an Embedding's lora_embedding_A / _B parameters.
+_FACTORS = {
+    ".lora_A.weight": ("lora_A", False),
+    ".lora_B.weight": ("lora_B", False),
+    ".lora_embedding_A": ("lora_A", True),
+    ".lora_embedding_B": ("lora_B", True),
+}
+_BASE_COPY = ".base_layer.weight"  # PEFT saves the base embedding / LM head whenever an adapter targets one
+
+
+def _split_key(request: LoRARequest, key: str) -> tuple[str, str, bool] | None:
+    """(checkpoint module name, "lora_A" or "lora_B", whether an embedding's factor) of a safetensors key; None
+    for PEFT's saved copy of a base embedding or LM head (checked by `_check_base_copy`)."""
     name = key.removeprefix(_PREFIX)
-    for factor in ("lora_A", "lora_B"):
-        suffix = f".{factor}.weight"
+    for suffix, (factor, embedding) in _FACTORS.items():
         if name.endswith(suffix):
-            return name.removesuffix(suffix), factor
-    if ".lora_embedding_" in name or name.startswith("lm_head"):
-        raise _fail(request, f"adapters on the embeddings or the LM head are not supported ({key})")
-    raise _fail(request, f"unexpected tensor {key} (only lora_A / lora_B weights are supported)")
+            return name.removesuffix(suffix), factor, embedding
+    if name.endswith(_BASE_COPY) and name.removesuffix(_BASE_COPY) in (EMBEDDING, LM_HEAD):
+        return None
+    if "trainable_tokens" in name or "token_adapter" in name:
+        raise _fail(request, f"new-token embeddings ({key}, trainable tokens) are not supported")
+    raise _fail(request, f"unexpected tensor {key} (only LoRA factors are supported)")
+
+
+def _check_base_copy(request: LoRARequest, key: str, shape: tuple[int, ...], target: Target) -> None:
+    """PEFT's copy of the base embedding or LM head must be the base's shape: another vocabulary size means the
+    adapter was trained with new tokens (a resized embedding), which would need those rows served too."""
+    module = key.removeprefix(_PREFIX).removesuffix(_BASE_COPY)
+    vocab, hidden = (target.in_features, target.out_features)
+    if target.kind == "head":
+        vocab, hidden = hidden, vocab
+    if shape != (vocab, hidden):
+        raise _fail(
+            request,
+            f"{module}: its saved base weight is {list(shape)}, the model's [{vocab}, {hidden}] (an adapter "
+            "trained with new-token embeddings or a resized vocabulary is not supported)",
+        )
 
 
 def load_adapter(
@@ -105,13 +141,23 @@ def load_adapter(
     dtypes: set[torch.dtype] = set()
     with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
-            module, factor = _split_key(request, key)
+            split = _split_key(request, key)
+            if split is None:
+                base = key.removeprefix(_PREFIX).removesuffix(_BASE_COPY)
+                if base in targets:
+                    _check_base_copy(request, key, tuple(tensors.get_slice(key).get_shape()), targets[base])
+                continue
+            module, factor, embedding = split
             if module not in targets:
                 raise _fail(
                     request,
                     f"target module {module} is not a projection of this model (target_modules "
-                    f"{config.get('target_modules')}); adaptable: q/k/v/o_proj and gate/up/down_proj",
+                    f"{config.get('target_modules')}); adaptable: q/k/v/o_proj, gate/up/down_proj, "
+                    "embed_tokens and lm_head",
                 )
+            if embedding != (targets[module].kind == "embedding"):
+                what = "an Embedding's" if embedding else "a Linear's"
+                raise _fail(request, f"{key} is {what} factor, which {module} of this model is not")
             tensor = tensors.get_tensor(key)
             dtypes.add(tensor.dtype)
             pairs.setdefault(module, {})[factor] = tensor

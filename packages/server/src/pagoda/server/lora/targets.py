@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from pagoda.server.models.base import CausalLM
+from pagoda.server.models.base import CausalLM, DecoderLM
 from pagoda.server.models.layers import Linear, MergedLinear
 from pagoda.server.models.parallel_layers import ParallelLMHead, SlicedLoad, SourceSlice
+
+EMBEDDING = "model.embed_tokens"  # PEFT's names of the two vocabulary-sized targets
+LM_HEAD = "lm_head"
+TargetKind = Literal["linear", "embedding", "head"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +24,9 @@ class Target:
     out_features: int
     rows: SourceSlice | None  # the rows of B this rank holds (column parallel); None: all
     cols: SourceSlice | None  # the columns of A this rank holds (row parallel); None: all
+    # "embedding": PEFT's lora_embedding_A [r, vocab] / _B [dim, r], A's columns cut to this rank's vocabulary run;
+    # "head": the LM head's (also a tied one: the adapter applies to the logits only), B's rows cut to the run.
+    kind: TargetKind = "linear"
 
 
 def _slice(module: Linear, shard: int | None) -> SourceSlice | None:
@@ -29,7 +37,7 @@ def _slice(module: Linear, shard: int | None) -> SourceSlice | None:
 def find_targets(model: CausalLM) -> dict[str, Target]:
     """Every projection of the decoder layers an adapter may target, by checkpoint module name.
 
-    The LM head is left out: an adapter on it (or on the embeddings) is refused by the loader.
+    A decoder LM's embedding (`model.embed_tokens`) and LM head (`lm_head`, tied or not) are targets too.
     """
     fused = {(packed.module, packed.index): name for name, packed in model.packed_modules.items()}
     targets: dict[str, Target] = {}
@@ -52,4 +60,10 @@ def find_targets(model: CausalLM) -> dict[str, Target]:
             targets[name] = Target(name, 0, source.full, rows, None, source)
         else:
             targets[name] = Target(name, 0, cols, rows if source is None else source.full, source, None)
+    if isinstance(model, DecoderLM):
+        head = model.head()
+        vocab, hidden = head.run.num_embeddings, head.weight_shape()[1]
+        run = head.run.source()
+        targets[EMBEDDING] = Target(EMBEDDING, 0, vocab, hidden, None, run, "embedding")
+        targets[LM_HEAD] = Target(LM_HEAD, 0, hidden, vocab, run, None, "head")
     return targets

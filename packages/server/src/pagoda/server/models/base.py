@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
-from pagoda.server.models.layers import Linear, head_dim_of, linear, pack_weight, softcap
+from pagoda.server.models.layers import Linear, OutputHook, head_dim_of, linear, pack_weight, softcap
 from pagoda.server.models.parallel import ParallelGroup, head_shard
 from pagoda.server.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from torch import Tensor, nn
@@ -115,6 +115,8 @@ class DecoderLM(CausalLM):
     final_logit_softcapping: float | None = None
     # A packed copy of the tied embedding for the LM head (the lookups need the plain one), set by pack_weights.
     packed_head: Tensor | None = None
+    # Set with LoRA: adds each sampled row's LM-head adapter delta to its logits (this rank's run), before softcap.
+    head_lora: OutputHook | None = None
 
     def head(self) -> ParallelLMHead | VocabParallelEmbedding:
         """The LM head: `lm_head`, or the embedding when tied."""
@@ -132,6 +134,8 @@ class DecoderLM(CausalLM):
             logits = head.scores(hidden)
         else:
             logits = linear(hidden, head.weight if self.packed_head is None else self.packed_head)
+        if self.head_lora is not None:
+            logits = self.head_lora(hidden, logits)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits.float(), float(self.final_logit_softcapping))
         return gather_logits(self.group, logits, head.run.num_embeddings)

@@ -165,13 +165,17 @@ class MergedLinear(Linear):
 class Embedding(QuantizableWeight):
     """Token embedding table [num_embeddings, dim] (also the LM head when embeddings are tied)."""
 
+    # Set when LoRA is enabled: called with the (this rank's, negative outside its run) ids and the looked-up rows.
+    lora: OutputHook | None = None
+
     def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _empty_parameter(num_embeddings, dim, dtype=dtype, device=device)
 
     def forward(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, dim]
-        """The rows of `ids`."""
-        return self.lookup(ids)
+        """The rows of `ids` (plus each row's embedding adapter delta, with LoRA)."""
+        rows = self.lookup(ids)
+        return rows if self.lora is None else self.lora(ids, rows)
 
     def lookup(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] (valid rows) -> [num_tokens, dim]
         """Rows of the dense table, or only those rows dequantized from the quantized one."""

@@ -178,10 +178,12 @@ class VocabParallelEmbedding(Embedding, SlicedLoad):
     def forward(self, ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, dim]
         """Each rank looks up the ids in its run (zeros for the others); the all-reduce assembles the rows."""
         if self.group.size == 1:
-            return self.lookup(ids)
+            return super().forward(ids)
         local = ids - self.run.first
         outside = (local < 0) | (local >= self.run.num_real)
         rows = self.lookup(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0.0)
+        if self.lora is not None:  # each rank adds the delta of the ids in its run, before the all-reduce
+            rows = self.lora(local.masked_fill(outside, -1), rows)
         return self.group.all_reduce(rows)
 
     def quantized_rows(self) -> int:
