@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel import cbuild
 
 # The `PAGODA_DTYPE` value of each supported dtype, in every source (see cpu_attention.c, pagoda_common.cuh).
 DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -30,3 +32,26 @@ def read_source(name: str, directory: Path | None = None) -> str:
     folder = importlib.resources.files(__name__) if directory is None else directory
     text = folder.joinpath(name).read_text(encoding="utf-8")
     return _INCLUDE.sub(lambda match: read_source(match.group(1), directory), text)
+
+
+def build_for_dtype(
+    name: str,
+    dtype: torch.dtype,
+    flags: Sequence[str],
+    *,
+    owner: str,
+    instead: str,
+    libraries: Sequence[str] = (),
+) -> Path:
+    """Kernel file `name` compiled for the storage dtype `dtype` (-DPAGODA_DTYPE), with OpenMP where the compiler
+    has it, unless cached: `cbuild.build` with the options every per-dtype C kernel shares."""
+    return cbuild.build(
+        name,
+        read_source(name),
+        (*flags, f"-DPAGODA_DTYPE={DTYPE_IDS[dtype]}"),
+        variant=str(dtype).removeprefix("torch."),
+        owner=owner,
+        instead=instead,
+        alternatives=(("-fopenmp",), ()),
+        libraries=libraries,
+    )

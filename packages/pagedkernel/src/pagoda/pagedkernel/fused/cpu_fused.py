@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import cbuild, csrc
+from pagoda.pagedkernel import csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from torch import Tensor
 
@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 SOURCE_FILE = "cpu_fused.c"
 # No contraction into FMAs: every product and sum rounds where the torch specification rounds.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
-OPENMP_FLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -40,14 +39,8 @@ def kernels(dtype: torch.dtype) -> FusedKernels:
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
-    library = cbuild.build(
-        SOURCE_FILE,
-        csrc.read_source(SOURCE_FILE),
-        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}"),
-        variant=str(dtype).removeprefix("torch."),
-        owner="the 'cpu' fused ops",
-        instead="use backend='torch'",
-        alternatives=(OPENMP_FLAGS, ()),
+    library = csrc.build_for_dtype(
+        SOURCE_FILE, dtype, CFLAGS, owner="the 'cpu' fused ops", instead="use backend='torch'"
     )
     lib = ctypes.CDLL(str(library))
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int

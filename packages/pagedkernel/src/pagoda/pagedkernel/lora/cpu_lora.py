@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import cbuild, csrc
+from pagoda.pagedkernel import csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from torch import Tensor
 
@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "cpu_lora.c"
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
-OPENMP_FLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -41,14 +40,8 @@ def kernels(dtype: torch.dtype) -> LoRAKernels:
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
-    library = cbuild.build(
-        SOURCE_FILE,
-        csrc.read_source(SOURCE_FILE),
-        (*CFLAGS, f"-DPAGODA_DTYPE={csrc.DTYPE_IDS[dtype]}"),
-        variant=str(dtype).removeprefix("torch."),
-        owner="the 'cpu' LoRA ops",
-        instead="use backend='torch'",
-        alternatives=(OPENMP_FLAGS, ()),
+    library = csrc.build_for_dtype(
+        SOURCE_FILE, dtype, CFLAGS, owner="the 'cpu' LoRA ops", instead="use backend='torch'"
     )
     lib = ctypes.CDLL(str(library))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

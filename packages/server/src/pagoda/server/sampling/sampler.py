@@ -46,20 +46,11 @@ class Sampler:
         processed `logits`), in float32. Rows the op cannot sample are listed in `failed` (token 0)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
-        processed = apply_history(logits, rows)
-        params = [row.params for row in rows]
-        tensors = SamplingTensors.build(
-            temperature=[p.temperature for p in params],
-            keys=[row.rng_key() for row in rows],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            device=logits.device,
-        )
+        processed, tensors = _prepare(logits, rows)
         out = self.op(processed, tensors)
         token_ids = out.token_ids
         raw = logits if raw_logits is None else raw_logits
-        logprobs = compute_logprobs(raw, token_ids, [p.logprobs for p in params])
+        logprobs = compute_logprobs(raw, token_ids, [row.params.logprobs for row in rows])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, failed=out.failed_rows())
 
     def probabilities(
@@ -70,17 +61,25 @@ class Sampler:
         """The distribution each row's token is drawn from (history edits, temperature, min_p, top_k, top_p):
         softmax of the scaled logits over the kept tokens; a one-hot argmax for greedy rows. Verification of a
         draft model's drafts needs it (rejection sampling against the draft's q)."""
-        processed = apply_history(logits, rows)
-        params = [row.params for row in rows]
-        tensors = SamplingTensors.build(
-            temperature=[p.temperature for p in params],
-            keys=[row.rng_key() for row in rows],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            device=logits.device,
-        )
+        processed, tensors = _prepare(logits, rows)
         kept = self.op.kept_mask(processed, tensors)
         inverse = tensors.inverse_temperature()
         scaled = processed.float() * torch.where(inverse == 0, 1.0, inverse).unsqueeze(1)
         return torch.softmax(torch.where(kept, scaled, float("-inf")), dim=-1)
+
+
+def _prepare(
+    logits: Tensor,  # [num_rows, vocab]
+    rows: Sequence[SamplingRow],
+) -> tuple[Tensor, SamplingTensors]:  # the history-edited logits [num_rows, vocab], and the rows' parameters
+    """What both the sampling op and `Sampler.probabilities` start from."""
+    params = [row.params for row in rows]
+    tensors = SamplingTensors.build(
+        temperature=[p.temperature for p in params],
+        keys=[row.rng_key() for row in rows],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+        device=logits.device,
+    )
+    return apply_history(logits, rows), tensors
