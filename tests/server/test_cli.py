@@ -129,6 +129,19 @@ def test_refuses_to_start_when_one_request_cannot_fit(
     assert "max_model_len 4096" in err and longest is not None and int(longest.group(1)) < 4096, err
 
 
+def test_engine_core_process_refuses_a_max_model_len_the_pool_cannot_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same bad flag with the engine in its own process: the core's start-up failure is still exit 2 with
+    both numbers (not the exit 1 of a core that crashed)."""
+    model = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=4096)
+    flags = ["--max-model-len", "4096", "--kv-cache-gib", "0.0001", "--engine-core", "process"]
+    status = main(["serve", str(model), *flags])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "max_model_len 4096 does not fit" in err and "at most" in err and "--kv-cache-gib" in err
+
+
 def test_offline_llm_refuses_a_max_model_len_the_pool_cannot_hold(tmp_path: Path) -> None:
     """The offline LLM raises a ValueError naming both numbers (the CLI's exit-2 case)."""
     model = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=4096)

@@ -67,7 +67,7 @@ def serve(args: argparse.Namespace) -> int:
     bound_onednn_caches()
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
     from pagoda.server.chat import load_chat_template
-    from pagoda.server.core import CoreStartupError
+    from pagoda.server.core import CoreConfigError, CoreStartupError
     from pagoda.server.engine.executor import ExecutorError
     from pagoda.server.engine.kv_dtype import check_kv_cache_dtype
     from pagoda.server.engine.setup import MaxModelLenError
@@ -86,7 +86,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         client = start_engine(config)
-    except MaxModelLenError as exc:  # --max-model-len beyond what the KV pool holds: a bad flag
+    except (MaxModelLenError, CoreConfigError) as exc:  # e.g. --max-model-len beyond what the KV pool holds
         print(f"pagoda serve: cannot start: {exc}", file=sys.stderr)
         return 2
     except (ValueError, CoreStartupError, ExecutorError) as exc:  # EngineConfigError says what to change

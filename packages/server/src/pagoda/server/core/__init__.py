@@ -5,12 +5,13 @@ over ZeroMQ with msgspec frames; the launchers of `pagoda.server.procs` start co
 processes or Ray actors.
 """
 
-from pagoda.server.core.client import CoreClient, CoreStartupError
+from pagoda.server.core.client import CoreClient, CoreConfigError, CoreStartupError
 from pagoda.server.core.engine_core import CORE_PROGRAM, CoreSpec, EngineCore
 
 __all__ = [
     "CORE_PROGRAM",
     "CoreClient",
+    "CoreConfigError",
     "CoreSpec",
     "CoreStartupError",
     "EngineCore",

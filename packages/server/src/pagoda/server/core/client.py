@@ -74,6 +74,15 @@ class CoreStartupError(RuntimeError):
     """An engine core did not become ready (it failed, exited, or timed out)."""
 
 
+class CoreConfigError(CoreStartupError):
+    """An engine core refused a flag at start-up (e.g. a --max-model-len its KV pool cannot hold): the CLI exits 2."""
+
+
+# Exceptions a core raises at start-up that mean a bad flag, by class name (engine/setup.py's MaxModelLenError;
+# named, not imported: the front end does not load the engine's modules).
+CONFIG_ERRORS = frozenset({"MaxModelLenError"})
+
+
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """The replicas' stats as one engine's: counts and counters add up, KV usage is over all blocks."""
     blocks = sum(s.num_kv_blocks for s in stats)
@@ -207,7 +216,10 @@ class CoreClient:
                 assert replica.handle is not None
                 if replica.restart_at is not None or not replica.handle.is_alive():
                     reason = replica.last_error or f"{replica.handle.describe_exit()}; its log above says why"
-                    raise CoreStartupError(f"engine core {replica.index} failed to start: {reason}")
+                    failure = (
+                        CoreConfigError if replica.last_error_kind in CONFIG_ERRORS else CoreStartupError
+                    )
+                    raise failure(f"engine core {replica.index} failed to start: {reason}")
                 if now > replica.ready_deadline:
                     raise CoreStartupError(
                         f"engine core {replica.index} was not ready after {self._ready_timeout:.0f} s"
@@ -437,7 +449,7 @@ class CoreClient:
             self._roll_back(self._loras.answer(replica.index, message))
         elif isinstance(message, Failed):
             logger.error("engine core %d failed: %s", replica.index, message.message)
-            replica.last_error = message.message
+            replica.last_error, replica.last_error_kind = message.message, message.kind
             self._fail(replica, f"failed: {message.message}")
 
     def _check_replicas(self, now: float) -> None:

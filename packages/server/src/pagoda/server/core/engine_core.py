@@ -185,7 +185,7 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
             core.close()
     except BaseException as exc:
         logger.exception("the engine core failed")
-        outputs.send(msgspec.msgpack.encode(Failed(f"{type(exc).__name__}: {exc}")))
+        outputs.send(msgspec.msgpack.encode(Failed(f"{type(exc).__name__}: {exc}", kind=type(exc).__name__)))
         raise
     finally:
         # Give the last frames (Failed, the final outputs) a moment to leave, then drop what is left.

@@ -40,6 +40,7 @@ class Replica:
     generation: int = 0
     info: EngineInfo | None = None
     last_error: str | None = None  # what its last `Failed` frame said
+    last_error_kind: str | None = None  # and the exception class it named
     stats: EngineStats | None = None
     decoder: DeltaDecoder = field(default_factory=DeltaDecoder)
     requests: dict[str, int] = field(default_factory=dict)  # request id -> tokens it may still take (routing)

@@ -38,6 +38,7 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     """The child could not start, or its loop failed; it exits after sending this."""
 
     message: str
+    kind: str | None = None  # the class name of the exception it raised, when it raised one
 
 
 class FrameDecoder(Generic[M]):
