@@ -96,12 +96,18 @@ static inline uint32_t u32le(const uint8_t *p) {
 
 /* The weight unpackers below write the same bytes on every path: intrinsics with AVX2, plain loops without. */
 
+#if PATH >= 1
+/* The 32 nibbles of 16 bytes as bytes: element j < 16 is byte j's low nibble, element 16 + j its high nibble. */
+INLINE __m256i nibbles_v(const uint8_t *qs) {
+  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+#endif
+
 /* Element j < 16 is byte j's low nibble, element 16 + j its high nibble, minus bias. */
 INLINE void nibbles32(const uint8_t *qs, int8_t *w, int bias) {
 #if PATH >= 1
-  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
-  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(nibbles_v(qs), _mm256_set1_epi8((char)bias)));
 #else
   for (int j = 0; j < 16; j++) {
     w[j] = (int8_t)((qs[j] & 0x0F) - bias);
@@ -120,15 +126,19 @@ static inline __m256i bit_bytes(uint32_t h) {
 }
 #endif
 
+#if PATH >= 1
+/* Q5_0 / Q5_1's 5-bit values: the low nibbles plus bit j of the 32-bit word at qh as bit 4 of element j. */
+INLINE __m256i fives_v(const uint8_t *qh, const uint8_t *qs) {
+  return _mm256_or_si256(nibbles_v(qs), _mm256_and_si256(bit_bytes(u32le(qh)), _mm256_set1_epi8(0x10)));
+}
+#endif
+
 /* Q5_0 / Q5_1: the low nibbles plus bit j of the 32-bit word qh as bit 4 of element j, minus bias. */
 INLINE void fives32(const uint8_t *qh, const uint8_t *qs, int8_t *w, int bias) {
-  uint32_t h = u32le(qh);
 #if PATH >= 1
-  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)qs);
-  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-  v = _mm256_or_si256(v, _mm256_and_si256(bit_bytes(h), _mm256_set1_epi8(0x10)));
-  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+  _mm256_storeu_si256((__m256i *)w, _mm256_sub_epi8(fives_v(qh, qs), _mm256_set1_epi8((char)bias)));
 #else
+  uint32_t h = u32le(qh);
   for (int j = 0; j < 16; j++) {
     w[j] = (int8_t)(((qs[j] & 0x0F) | (((h >> j) & 1u) << 4)) - bias);
     w[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1u) << 4)) - bias);
@@ -460,6 +470,21 @@ static void quantize_row(const void *xrow, int x_bf16, int64_t k, int8_t *q, flo
   }
 }
 
+/* y[index] = the sum of acc's eight lanes (in lane order) plus off, as float32 or rounded to bfloat16. */
+INLINE void store_output(facc acc, float off, void *y, int64_t index, int y_bf16) {
+  float lanes[8], sum = 0.0f;
+  acc_store(acc, lanes);
+  for (int l = 0; l < 8; l++) sum = sum + lanes[l];
+  const float value = sum + off;
+  if (y_bf16) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    ((uint16_t *)y)[index] = bf16_bits(bits);
+  } else {
+    ((float *)y)[index] = value;
+  }
+}
+
 /* Columns j0..j1 of y for one weight type (a constant once inlined into the per-type functions below). W is
  * unpacked 256 elements at a time (one super-block, or eight 32-blocks) and prepared once; then each row runs
  * over those eight sub-blocks with its sums in registers. */
@@ -497,19 +522,7 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
           acc[r] = a, off[r] = o;
         }
       }
-      for (int64_t r = 0; r < nr; r++) {
-        float lanes[8], sum = 0.0f;
-        acc_store(acc[r], lanes);
-        for (int l = 0; l < 8; l++) sum = sum + lanes[l];
-        const float value = sum + off[r];
-        if (y_bf16) {
-          uint32_t bits;
-          memcpy(&bits, &value, sizeof bits);
-          ((uint16_t *)y)[(r0 + r) * y_stride + j] = bf16_bits(bits);
-        } else {
-          ((float *)y)[(r0 + r) * y_stride + j] = value;
-        }
-      }
+      for (int64_t r = 0; r < nr; r++) store_output(acc[r], off[r], y, (r0 + r) * y_stride + j, y_bf16);
     }
   }
 }
@@ -519,11 +532,8 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
 INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d) {
   *d = f16(b);
   if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-  const __m128i m4 = _mm_set1_epi8(0x0F), q = _mm_loadu_si128((const __m128i *)(b + (type == Q5_0 ? 6 : 2)));
-  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-  if (type == Q4_0) return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-  v = _mm256_or_si256(v, _mm256_and_si256(bit_bytes(u32le(b + 2)), _mm256_set1_epi8(0x10)));
-  return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+  if (type == Q4_0) return _mm256_sub_epi8(nibbles_v(b + 2), _mm256_set1_epi8(8));
+  return _mm256_sub_epi8(fives_v(b + 2, b + 6), _mm256_set1_epi8(16));
 }
 
 /* matmul_columns for one row of x and a 32-element format without offsets, every block kept in registers
@@ -544,17 +554,7 @@ INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j
       const wprep p = prepare_v(w, d, d);
       a = acc_step(a, &p, xq + b * QK, xd[b]);
     }
-    float lanes[8], sum = 0.0f;
-    acc_store(a, lanes);
-    for (int l = 0; l < 8; l++) sum = sum + lanes[l];
-    const float value = sum + 0.0f; /* matmul_columns adds the (zero) offset sum: the same zero's sign */
-    if (y_bf16) {
-      uint32_t bits;
-      memcpy(&bits, &value, sizeof bits);
-      ((uint16_t *)y)[j] = bf16_bits(bits);
-    } else {
-      ((float *)y)[j] = value;
-    }
+    store_output(a, 0.0f, y, j, y_bf16); /* an offset sum of zero, as matmul_columns adds: the same zero's sign */
   }
 }
 #endif

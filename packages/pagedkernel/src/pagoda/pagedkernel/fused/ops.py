@@ -104,8 +104,7 @@ def rotary(
     c, s = cos.reshape(half[0], half[2]), sin.reshape(half[0], half[2])
     if c.stride() != s.stride() or c.stride(-1) != 1:
         c, s = c.contiguous(), s.contiguous()
-    weight = None if norm_weight is None else norm_weight.contiguous()
-    return cpu_fused.norm_rotary(x, weight, eps, unit_offset, c, s)
+    return cpu_fused.norm_rotary(x, norm_weight, eps, unit_offset, c, s)
 
 
 def act_and_mul(

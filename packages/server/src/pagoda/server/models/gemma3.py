@@ -99,7 +99,6 @@ class Gemma3MLP(nn.Module):
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise NotImplementedError(f"hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
-        self.inner = inner // group.size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inner, inner], bias=False, dtype=dtype, device=device, group=group
         )

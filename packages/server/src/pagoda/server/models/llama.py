@@ -106,7 +106,6 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        self.inner = inner // group.size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inner, inner], bias=bias, dtype=dtype, device=device, group=group
         )
