@@ -45,6 +45,9 @@ CASES = [
     ),  # head_dim a multiple of 8 but not 16, a group the kernel is not specialised for
     Case(32, 4, 8, 7, None),  # a group of 8: decode rows fill a tile
     Case(16, 16, 16, None, None),  # a group above the tile: prefill tiles of one token
+    # AVX-512's 32-column loops with columns left over: for 8- and 16-column tails, over 8-row prefill tiles.
+    Case(96, 16, 2, None, None),
+    Case(80, 8, 1, 50, None),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Relative error against float64: float32 accumulates in a different order; half precision rounds q/K/V/out.
@@ -95,6 +98,22 @@ def test_decode_matches_reference(cpu: CpuBackend, case: Case, dtype: torch.dtyp
         relative_error(out, reference_attention(c, sliding_window=window, logit_softcap=softcap))
         < TOLERANCE[dtype]
     )
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("case", [CASES[5], CASES[6], CASES[9]], ids=str)
+def test_narrower_builds_agree_with_the_reference(case: Case, march: str) -> None:
+    """The kernel built for AVX2 (256-bit loops, no AVX-512 paths) and for any x86-64 (the generic vector code)
+    computes the reference's attention too, for one-token and longer queries, in bfloat16."""
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_backend.CFLAGS)
+    kernels = cpu_backend.load(cpu_backend.build(torch.bfloat16, cflags=flags))
+    bs = case.block_size
+    c = _case(case, [(1, 1), (bs + 1, 3), (300, 24), (130, 130)], torch.bfloat16, seed=2)
+    window, softcap = case.sliding_window, case.logit_softcap
+    args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
+    out = cpu_backend._attention(*args, window, softcap, None, kernels)
+    ref = reference_attention(c, sliding_window=window, logit_softcap=softcap)
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
 def test_result_does_not_depend_on_the_thread_count(cpu: CpuBackend) -> None:

@@ -12,7 +12,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, CausalLM, KVCacheSpec, build_model
-from pagoda.server.models.layers import Linear, linear, pack_weight
+from pagoda.server.models.layers import Linear, linear, pack_weight, packable_dtypes
 from pagoda.server.testing import (
     ARCHS,
     MODEL_VOCAB_SIZE,
@@ -102,23 +102,29 @@ def test_linear_matches_f_linear(dtype: torch.dtype) -> None:
             torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=tol, rtol=tol)
 
 
-def test_packed_weights_give_the_same_products() -> None:
-    """A Linear packed into oneDNN's layout (float32 on the CPU) frees the plain weight and computes the same
-    outputs up to float32 rounding (another kernel may sum in another order), for batches above and below the
-    packing hint; other dtypes are left alone."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_give_the_same_products(dtype: torch.dtype) -> None:
+    """A Linear packed into oneDNN's layout (float32, and bfloat16 where oneDNN runs it natively, on the CPU)
+    frees the plain weight and computes the same outputs (float32 up to rounding: another kernel may sum in another
+    order; bfloat16 bit for bit), for batches above and below the packing hint; other dtypes are left alone."""
+    if dtype not in packable_dtypes():
+        assert pack_weight(torch.randn(4, 4).to(dtype), 16) is None
+        pytest.skip(f"oneDNN does not run {dtype} natively on this CPU")
     gen = torch.Generator().manual_seed(0)
-    layer = Linear(32, 48, bias=True, dtype=torch.float32, device=CPU)
+    layer = Linear(32, 48, bias=True, dtype=dtype, device=CPU)
     layer.weight.data.copy_(torch.randn(48, 32, generator=gen))
     assert layer.bias is not None
     layer.bias.data.copy_(torch.randn(48, generator=gen))
-    inputs = [torch.randn(n, 32, generator=gen) for n in (1, 7, 300)] + [torch.randn(2, 5, 32, generator=gen)]
+    inputs = [torch.randn(n, 32, generator=gen).to(dtype) for n in (1, 7, 300)]
+    inputs.append(torch.randn(2, 5, 32, generator=gen).to(dtype))
     before = [layer(x) for x in inputs]
     assert layer.pack(16)
     assert layer.weight.is_mkldnn and layer.weight.shape == (48, 32)
+    tol = 1e-5 if dtype == torch.float32 else 0.0
     for x, want in zip(inputs, before, strict=True):
-        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), want, atol=tol, rtol=tol)
     assert not layer.pack(16)  # already packed
-    assert pack_weight(torch.randn(4, 4).to(torch.bfloat16), 16) is None
+    assert pack_weight(torch.randn(4, 4).to(torch.float16), 16) is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
+from unittest import mock
 
 import pytest
 import torch
@@ -132,6 +133,30 @@ def test_kv_freed_in_the_step_of_the_last_chunk(tiny_model_path: Callable[[str],
     assert len(finished) == 1 and finished[0].embedding is not None
     assert finished[0].outputs == ()
     assert engine.kv_manager.num_free_blocks() == engine.kv_manager.num_blocks
+
+
+def test_pooling_runner_never_runs_the_lm_head(tiny_model_path: Callable[[str], Path]) -> None:
+    """The pooling runner takes hidden states only: no step computes a logits row (the LM head is the largest
+    matmul of a step), its held rows come back zero wide, and a tied head gets no packed copy."""
+    llm = embed_llm(tiny_model_path("gemma3"), "LAST", prefix_caching=False)
+    model = llm.engine.executor.driver.model
+    assert not model.computes_logits
+    assert getattr(model, "packed_head", None) is None
+    widths: list[int] = []
+    execute = llm.engine.executor.execute
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        logits, hidden = execute(*args, **kwargs)
+        widths.append(logits.shape[1])
+        return logits, hidden
+
+    with (
+        mock.patch.object(llm.engine.executor, "execute", recording),
+        mock.patch.object(model, "compute_logits", side_effect=AssertionError("the LM head ran")),
+    ):
+        outputs = llm.embed(prompts_of(6, seed=3), use_tqdm=False)
+    assert all(o.outputs.embedding for o in outputs)
+    assert widths and set(widths) == {0}
 
 
 def test_preempted_mean_request_counts_no_position_twice() -> None:

@@ -77,6 +77,42 @@ static inline v8f loadf(const float *p) {
 static inline void storef(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 static inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+#if defined(__AVX512F__)
+/* AVX-512: the hot loops of qk_block / pv_block take 32 columns a step for up to eight rows (two 16-lane
+ * accumulators per row, sixteen of the 32 registers), so a prefill tile (8 rows) keeps its sums in registers at
+ * twice the 256-bit width. Measured on a Sapphire Rapids Xeon, bfloat16, a 1,812-token prefill of 11 sequences
+ * (Gemma 3 270M's 4 query heads over 1 KV head of 256): 7.4 -> 5.8 ms per layer; with the vectorised mask
+ * (attend_item) 5.5, and with hsum4x16's four-row reductions 4.6. */
+#define PAGODA_WIDE 1
+#include <immintrin.h>
+typedef float v16f __attribute__((vector_size(64)));
+static inline v16f loadf16(const float *p) {
+  v16f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void storef16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+/* Four 16-lane sums at once, as the lanes of one 128-bit vector: a hadd tree instead of four separate
+ * horizontal sums (those were a fifth of a prefill tile's time). */
+static inline __m128 hsum4x16(const v16f *w) {
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = (__m512)w[i];
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  }
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#ifdef PAGODA_KV_INT8
+static inline v16f loadc16(const cache_t *p) { /* sixteen int8 values as float32 (exact) */
+  return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+PAGODA_DEFINE_LOADV(loadc16, v16f, 16)
+#endif
+#endif
+
+
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* exp of eight softmax arguments (x - max <= 0; -inf gives 0): Cephes' expf, range reduction to
@@ -141,6 +177,33 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
     v8f acc[MAX_ROWS][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (v8f){0};
     int64_t d = 0;
+#ifdef PAGODA_WIDE
+    if (R <= 8 && D >= 32) {
+      v16f wide[MAX_ROWS][2];
+      for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = (v16f){0};
+      for (; d + 32 <= D; d += 32) {
+        const v16f k0 = loadc16(kr + d), k1 = loadc16(kr + d + 16);
+        for (int r = 0; r < R; ++r) {
+          wide[r][0] += loadf16(qf[r] + d) * k0;
+          wide[r][1] += loadf16(qf[r] + d + 16) * k1;
+        }
+      }
+      v16f w[MAX_ROWS];
+      for (int r = 0; r < R; ++r) w[r] = wide[r][0] + wide[r][1];
+      if (d == D && R % 4 == 0) { /* the common case (head_dim a multiple of 32): four rows per reduction */
+        for (int r = 0; r < R; r += 4) {
+          float sums[4];
+          _mm_storeu_ps(sums, hsum4x16(w + r));
+          for (int i = 0; i < 4; ++i) sc[r + i][j] = sums[i];
+        }
+        continue;
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = (v8f){w[r][0], w[r][1], w[r][2], w[r][3], w[r][4], w[r][5], w[r][6], w[r][7]};
+        acc[r][1] = (v8f){w[r][8], w[r][9], w[r][10], w[r][11], w[r][12], w[r][13], w[r][14], w[r][15]};
+      }
+    }
+#endif
     if (R <= 4) {
       for (; d + 16 <= D; d += 16) {
         const v8f k0 = loadc8(kr + d), k1 = loadc8(kr + d + 8);
@@ -165,6 +228,28 @@ static inline __attribute__((always_inline)) void pv_block(const int R, const in
                                                            const float *corr, const cache_t *vb, int64_t row,
                                                            int64_t n, float (*p)[MAX_BLOCK_SIZE]) {
   int64_t d = 0;
+#ifdef PAGODA_WIDE
+  if (R <= 8) {
+    for (; d + 32 <= D; d += 32) {
+      v16f a[MAX_ROWS][2];
+      for (int r = 0; r < R; ++r) {
+        a[r][0] = loadf16(acc[r] + d) * corr[r];
+        a[r][1] = loadf16(acc[r] + d + 16) * corr[r];
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const v16f v0 = loadc16(vb + j * row + d), v1 = loadc16(vb + j * row + d + 16);
+        for (int r = 0; r < R; ++r) {
+          a[r][0] += p[r][j] * v0;
+          a[r][1] += p[r][j] * v1;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        storef16(acc[r] + d, a[r][0]);
+        storef16(acc[r] + d + 16, a[r][1]);
+      }
+    }
+  }
+#endif
   if (R <= 4) {
     for (; d + 16 <= D; d += 16) {
       v8f a[MAX_ROWS][2];
@@ -253,13 +338,31 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
     for (int r = 0; r < R; ++r) {
       float mx = -INFINITY;
-      for (int64_t j = 0; j < n8; ++j) {
-        const int64_t key = t0 + j;
-        float x = sc[r][j];
-        if (p->softcap > 0.f) x = p->softcap * tanhf(x / p->softcap);
-        x = j < n && key >= lo[r] && key <= hi[r] ? x : -INFINITY;
-        sc[r][j] = x;
-        mx = x > mx ? x : mx;
+      if (p->softcap > 0.f) {
+        for (int64_t j = 0; j < n8; ++j) {
+          const int64_t key = t0 + j;
+          float x = p->softcap * tanhf(sc[r][j] / p->softcap);
+          x = j < n && key >= lo[r] && key <= hi[r] ? x : -INFINITY;
+          sc[r][j] = x;
+          mx = x > mx ? x : mx;
+        }
+      } else {
+        /* The same mask and maximum eight keys at a time: with one scalar pass per row and key, this loop cost
+         * as much as the dot products of a prefill tile. Key positions fit int32 (context lengths are int32). */
+        const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+        const v8i neg_inf = (v8i)((v8f){0} - INFINITY);
+        const v8i first = (v8i){0} + (int32_t)(lo[r] - t0), last = (v8i){0} + (int32_t)(hi[r] - t0);
+        const v8i count = (v8i){0} + (int32_t)n;
+        v8f vmx = (v8f)neg_inf;
+        for (int64_t j = 0; j < n8; j += 8) {
+          const v8i jj = iota + (int32_t)j;
+          const v8i ok = (jj < count) & (jj >= first) & (jj <= last);
+          const v8f x = (v8f)(((v8i)loadf(sc[r] + j) & ok) | (neg_inf & ~ok));
+          storef(sc[r] + j, x);
+          const v8i gt = x > vmx;
+          vmx = (v8f)(((v8i)x & gt) | ((v8i)vmx & ~gt));
+        }
+        for (int k = 0; k < 8; ++k) mx = vmx[k] > mx ? vmx[k] : mx;
       }
       if (mx == -INFINITY) { /* nothing visible to this row here */
         corr[r] = 1.f;

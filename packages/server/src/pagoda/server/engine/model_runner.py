@@ -163,6 +163,8 @@ class ModelRunner:
             offset += chunk.num_tokens
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, 0), prompt_hidden
+        if not self.model.computes_logits:  # the pooling runner: its held rows are never read
+            return hidden.new_empty(batch.num_rows, 0), prompt_hidden
         if self.lora is not None:
             self.lora.select_head_rows(batch.logits_indices)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -51,6 +51,9 @@ class CausalLM(nn.Module, ABC):
 
     # Checkpoint module name -> the fused module (sibling of the checkpoint one) and shard it fills.
     packed_modules: ClassVar[Mapping[str, PackedShard]] = MappingProxyType({})
+    # False under the pooling runner (set by the engine's setup on every rank): no step needs the LM head, so the
+    # runner hands back zero-width logits rows (a held pooling row is not read) instead of a 262k-wide product.
+    computes_logits: bool = True
 
     @abstractmethod
     def forward(
@@ -85,9 +88,11 @@ class CausalLM(nn.Module, ABC):
         """Checkpoint tensors that may be present but are not parameters here (e.g. stored rotary tables)."""
         return frozenset()
 
-    def pack_weights(self, batch_size: int) -> int:
-        """Pack every `Linear` weight for batches of about `batch_size` rows (see `pack_weight`: float32 on a CPU
-        with oneDNN; elsewhere nothing changes), after loading; the number of weights packed."""
+    def pack_weights(self, batch_size: int, *, head: bool = True) -> int:
+        """Pack every `Linear` weight for batches of about `batch_size` rows (see `pack_weight`: float32, and
+        bfloat16 where native, on a CPU with oneDNN; elsewhere nothing changes), after loading; the number of
+        weights packed. `head` False: a runner that computes no logits (pooling) needs no packed copy of a tied
+        LM head."""
         return sum(m.pack(batch_size) for m in self.modules() if isinstance(m, Linear))
 
 
@@ -144,11 +149,11 @@ class DecoderLM(CausalLM):
         """One K and one V cache per layer."""
         return self.spec
 
-    def pack_weights(self, batch_size: int) -> int:
-        """Also pack a copy of a tied LM head: the largest matmul of a step (the default model: 671 MB, 262k x 640,
-        worth keeping twice for a 7% faster LM head)."""
-        packed = super().pack_weights(batch_size)
-        if self.lm_head is None and self.head().quantized is None:
+    def pack_weights(self, batch_size: int, *, head: bool = True) -> int:
+        """Also pack a copy of a tied LM head (when `head`): the largest matmul of a step (the default model: 671
+        MB in float32, 262k x 640, worth keeping twice for a 7% faster LM head; bfloat16: 22% at one row)."""
+        packed = super().pack_weights(batch_size, head=head)
+        if head and self.lm_head is None and self.head().quantized is None:
             self.packed_head = pack_weight(self.head().weight, batch_size)
             packed += self.packed_head is not None
         return packed
