@@ -159,6 +159,33 @@ def test_pooling_runner_never_runs_the_lm_head(tiny_model_path: Callable[[str], 
     assert widths and set(widths) == {0}
 
 
+def test_tensor_parallel_pooling_equals_one_rank(tiny_model_path: Callable[[str], Path]) -> None:
+    """TP=2 embeds what TP=1 embeds: every rank skips the LM head alike (its vocabulary gather is a collective),
+    so the steps neither hang nor differ."""
+    model_dir = tiny_model_path("gemma3")
+    batch = prompts_of(6, seed=4)
+    want = [
+        o.outputs.embedding
+        for o in embed_llm(model_dir, "LAST", prefix_caching=False).embed(batch, use_tqdm=False)
+    ]
+    tp2 = LLM(
+        str(model_dir),
+        runner="pooling",
+        dtype="float32",
+        kernel_backend="torch",
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        kv_cache_gib=0.01,
+        tensor_parallel_size=2,
+    )
+    try:
+        got = [o.outputs.embedding for o in tp2.embed(batch, use_tqdm=False)]
+    finally:
+        tp2.engine.close()
+    assert_close(got, [torch.tensor(w, dtype=torch.float32) for w in want])
+
+
 def test_preempted_mean_request_counts_no_position_twice() -> None:
     """The pooler skips positions it already took (a recomputation after preemption re-sends them)."""
     pooler = Pooler(PoolingParams(pooling_type="MEAN", normalize=False), 6)
