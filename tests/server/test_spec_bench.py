@@ -61,3 +61,24 @@ def test_a_peer_server_runs_the_same_prompts(tiny_model_path: Callable[[str], Pa
     assert all(r.output_tokens == 5 * r.concurrency and r.tok_per_s > 0 for r in peer_rows)
     assert all(r.acceptance_length is None and r.acceptance_rate is None for r in peer_rows)
     assert "vs base" in bench.table(results) and "peer" in bench.table(results)
+
+
+copy_bound = load_tool("spec_copy_bound.py")
+
+
+def test_copy_bound_scores_the_copied_text() -> None:
+    """tools/spec_copy_bound.py on the tiny model: both copy workloads, probabilities in [0, 1] whose products are
+    the copy chances, and tokens per step between 1 and k + 1."""
+    bounds = copy_bound.main(["--tiny", "--max-prompt-tokens", "60", "--copy-tokens", "20"])
+    assert [b.workload for b in bounds] == ["repeat", "code_edit"]
+    for b in bounds:
+        assert b.num_tokens > 5 and 0.0 <= b.mean_p <= 1.0 and 0.0 <= b.argmax_fraction <= 1.0
+        assert abs(b.p_copy_first[1] - b.first_p[0]) < 1e-3 and b.p_copy_first[5] <= b.p_copy_first[1]
+        assert all(1.0 <= t <= k + 1 for k, t in b.tokens_per_step.items())
+
+
+def test_expected_tokens_per_step() -> None:
+    """1 + p1 + p1 p2 + ..., averaged over the starting positions."""
+    assert copy_bound.expected_tokens_per_step([1.0] * 10, 4) == 5.0
+    assert copy_bound.expected_tokens_per_step([0.0] * 10, 4) == 1.0
+    assert abs(copy_bound.expected_tokens_per_step([0.5] * 10, 2) - 1.75) < 1e-12
