@@ -182,6 +182,7 @@ typedef float v16f __attribute__((vector_size(64)));
 PAGODA_DEFINE_LOADV(loadv16, v16f, 16)
 
 #define APPLY_ROWS 4 /* rows sharing each load of A and B */
+#define PREFETCH_TILES 4 /* how many tiles ahead the expand prefetches B */
 /* Below this many multiply-adds the layer runs on one thread (an OpenMP region costs a few microseconds; a
  * decode batch's smallest projection is ~10 us of work, so two cores halve the larger ones). */
 #define APPLY_PARALLEL_MIN_WORK (1 << 17)
@@ -281,6 +282,9 @@ static inline __attribute__((always_inline)) void shrink_rows_bf16(const scalar_
     __m512 acc0[APPLY_ROWS], acc1[APPLY_ROWS];
     for (int g = 0; g < nr; g++) acc0[g] = acc1[g] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += 32) {
+      /* The next pair of A rows, one line per step: the rows of every slot stream in from memory each step. */
+      __builtin_prefetch(a1 + in_features + k);
+      __builtin_prefetch(a1 + 2 * in_features + k);
       const __m512bh va0 = (__m512bh)_mm512_loadu_si512(a0 + k), va1 = (__m512bh)_mm512_loadu_si512(a1 + k);
       for (int g = 0; g < nr; g++) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[g] + k);
@@ -329,11 +333,11 @@ static inline __attribute__((always_inline)) void expand_rows(const float *h, in
     for (int v = 0; v < EXPAND_TILE / 16; v++) acc[g][v] = (v16f){0};
   for (int64_t r = 0; r < rank; r++) {
     const scalar_t *row = bs + r * out_features + first;
-    /* The tile after next of this rank's row: B's rows are out_features apart, too many streams for the
+    /* PREFETCH_TILES tiles ahead in this rank's row: B's rows are out_features apart, too many streams for the
      * hardware prefetcher to follow from memory (a decode step reads every adapter's B once). */
-    if (first + 3 * EXPAND_TILE <= out_features) {
-      __builtin_prefetch(row + 2 * EXPAND_TILE);
-      __builtin_prefetch(row + 2 * EXPAND_TILE + 32);
+    if (first + (PREFETCH_TILES + 1) * EXPAND_TILE <= out_features) {
+      __builtin_prefetch(row + PREFETCH_TILES * EXPAND_TILE);
+      __builtin_prefetch(row + PREFETCH_TILES * EXPAND_TILE + 32);
     }
     v16f vb[EXPAND_TILE / 16];
     for (int v = 0; v < EXPAND_TILE / 16; v++) vb[v] = loadv16(row + 16 * v);
