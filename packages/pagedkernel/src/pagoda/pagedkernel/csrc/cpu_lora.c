@@ -215,9 +215,9 @@ static inline void add_store16(scalar_t *y, v16f acc) {
 #endif
 }
 
-/* h[g * h_stride + j] = xf[g] . a[j] for nr (<= APPLY_ROWS) float32 rows of xf and na rows of a (in_features
+/* h[g * h_stride + j] = xf[g] . a[j] for nr (<= APPLY_ROWS) float32 rows xf[g] and na rows of a (in_features
  * long): two rows of A at a time against every row, one sixteen-lane accumulator per pair, then the tail. */
-static inline __attribute__((always_inline)) void shrink_rows(const float *xf, const int nr, const scalar_t *a,
+static inline __attribute__((always_inline)) void shrink_rows(const float *const *xf, const int nr, const scalar_t *a,
                                                                int64_t na, int64_t in_features, float *h,
                                                                int64_t h_stride) {
   const int64_t full = in_features / 16 * 16;
@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) void shrink_rows(const float *xf, c
       const v16f va0 = loadv16(a0 + k), va1 = loadv16(a1 + k);
       for (int g = 0; g < nr; g++) {
         v16f xv;
-        memcpy(&xv, xf + g * in_features + k, sizeof xv);
+        memcpy(&xv, xf[g] + k, sizeof xv);
         acc0[g] += xv * va0;
         acc1[g] += xv * va1;
       }
@@ -238,8 +238,8 @@ static inline __attribute__((always_inline)) void shrink_rows(const float *xf, c
     for (int g = 0; g < nr; g++) {
       float s0 = hsum16(acc0[g]), s1 = hsum16(acc1[g]);
       for (int64_t k = full; k < in_features; k++) {
-        s0 += xf[g * in_features + k] * load1(a0 + k);
-        s1 += xf[g * in_features + k] * load1(a1 + k);
+        s0 += xf[g][k] * load1(a0 + k);
+        s1 += xf[g][k] * load1(a1 + k);
       }
       h[g * h_stride + j] = s0;
       h[g * h_stride + j + 1] = s1;
@@ -253,13 +253,13 @@ static inline __attribute__((always_inline)) void shrink_rows(const float *xf, c
       const v16f va0 = loadv16(a0 + k);
       for (int g = 0; g < nr; g++) {
         v16f xv;
-        memcpy(&xv, xf + g * in_features + k, sizeof xv);
+        memcpy(&xv, xf[g] + k, sizeof xv);
         acc0[g] += xv * va0;
       }
     }
     for (int g = 0; g < nr; g++) {
       float s0 = hsum16(acc0[g]);
-      for (int64_t k = full; k < in_features; k++) s0 += xf[g * in_features + k] * load1(a0 + k);
+      for (int64_t k = full; k < in_features; k++) s0 += xf[g][k] * load1(a0 + k);
       h[g * h_stride + j] = s0;
     }
   }
@@ -369,12 +369,10 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
   int64_t *order = malloc((size_t)count * sizeof *order);
   int64_t *start = calloc((size_t)num_slots + 1, sizeof *start);
   float *h = malloc((size_t)count * (size_t)hw * sizeof *h);
-  float *xf = malloc((size_t)(SHRINK_IN_BF16 ? 1 : count) * (size_t)in_features * sizeof *xf); /* x as float32 */
-  if (order == NULL || start == NULL || h == NULL || xf == NULL) {
+  if (order == NULL || start == NULL || h == NULL) {
     free(order);
     free(start);
     free(h);
-    free(xf);
     return 2;
   }
   for (int64_t t = 0; t < rows; t++)
@@ -386,7 +384,6 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
       free(order);
       free(start);
       free(h);
-      free(xf);
       return 2;
     }
     memcpy(next, start, (size_t)num_slots * sizeof *next);
@@ -399,6 +396,7 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
   int64_t blocks = 0;
   for (int64_t s = 0; s < num_slots; s++) blocks += (start[s + 1] - start[s] + APPLY_ROWS - 1) / APPLY_ROWS;
   const int parallel = num_threads > 1 && count * rank * (num_shards * in_features + width) >= APPLY_PARALLEL_MIN_WORK;
+  int failed = 0; /* a block's conversion buffer could not be allocated: no expand runs, y is left as it was */
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
 #pragma omp for schedule(dynamic, 1)
@@ -416,10 +414,24 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
       const int nr = (int)(end - first);
       const scalar_t *xr[APPLY_ROWS];
       for (int g = 0; g < nr; g++) xr[g] = x + order[first + g] * x_stride;
-      float *xb = SHRINK_IN_BF16 ? xf : xf + first * in_features; /* x converted once (unless read as bf16) */
-      if (!SHRINK_IN_BF16)
-        for (int g = 0; g < nr; g++)
-          for (int64_t k = 0; k < in_features; k++) xb[g * in_features + k] = load1(xr[g] + k);
+      /* x as float32 rows: float32 x itself; bfloat16 on AVX512-BF16 none (read as stored); else the block's
+       * rows converted once into a buffer of its own (bounded: a long prompt needs no copy of all of x). */
+      const float *xb[APPLY_ROWS];
+      float *converted = NULL;
+      if (PAGODA_DTYPE == PAGODA_FLOAT32) {
+        for (int g = 0; g < nr; g++) xb[g] = (const float *)(const void *)xr[g];
+      } else if (!SHRINK_IN_BF16) {
+        converted = malloc((size_t)nr * (size_t)in_features * sizeof *converted);
+        if (converted == NULL) {
+#pragma omp atomic write
+          failed = 1;
+          continue;
+        }
+        for (int g = 0; g < nr; g++) {
+          for (int64_t k = 0; k < in_features; k++) converted[g * in_features + k] = load1(xr[g] + k);
+          xb[g] = converted + g * in_features;
+        }
+      }
       const scalar_t *as = a + s * hw * in_features;
       for (int64_t i = 0; i < num_shards; i++) {
         if (!used[i]) continue;
@@ -441,11 +453,12 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
           default: shrink_rows(xb, APPLY_ROWS, ai, rank, in_features, hb, hw); break;
         }
       }
+      free(converted);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < num_slots * tiles; item++) {
       const int64_t s = item / tiles;
-      if (start[s + 1] == start[s]) continue;
+      if (failed || start[s + 1] == start[s]) continue; /* failed: read after the barrier that ends phase 1 */
       int64_t i = 0, tile = item % tiles;
       for (; i < num_shards; i++) { /* the tile's shard */
         if (!used[i]) continue;
@@ -479,6 +492,5 @@ int pagoda_lora_apply(const scalar_t *x, int64_t x_stride, const scalar_t *a, co
   free(order);
   free(start);
   free(h);
-  free(xf);
-  return 0;
+  return failed ? 2 : 0;
 }

@@ -141,6 +141,8 @@ class LoRALayer:
             )
             if code == 1:
                 raise IndexError(f"a LoRA slot index is out of range (the pool has {self.a.shape[0]} slots)")
+            if code == 2:
+                raise MemoryError("the 'cpu' LoRA layer could not allocate its buffers (y is unchanged)")
             if code != 0:
                 raise ValueError(f"the 'cpu' LoRA layer refused its arguments (status {code})")
             return y
