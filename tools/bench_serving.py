@@ -804,6 +804,18 @@ def peer_launched(command: str, timeout: float = 900.0) -> Iterator[Target]:
                 process.wait()
 
 
+def lora_twins(args: argparse.Namespace, found: list[Target]) -> list[Target]:
+    """Each peer followed, with --lora, by its LoRA run: the requests over its base model (the name its
+    /v1/models lists first) and the --lora adapters, which the peer's command must serve under those names."""
+    if not args.lora:
+        return found
+    return [
+        run
+        for peer in found
+        for run in (peer, replace(peer, label=f"{peer.label} lora", spread=(peer.model, *args.lora)))
+    ]
+
+
 def _peers(args: argparse.Namespace, stack: ExitStack) -> list[Target]:
     """--peer servers started (in the stack) and --peer-url servers found, labelled."""
     found = []
@@ -844,9 +856,9 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     served.append(
                         Target(url, args.model[0], f"{name} lora", endpoint=endpoint, spread=spread)
                     )
-        served += [  # peers on the first endpoint (the one every OpenAI-compatible server has first)
-            replace(peer, endpoint=args.endpoint[0]) for peer in _peers(args, stack)
-        ]
+        # Peers on the first endpoint (the one every OpenAI-compatible server has first).
+        peers = [replace(peer, endpoint=args.endpoint[0]) for peer in _peers(args, stack)]
+        served += lora_twins(args, peers)
         runs = [
             asyncio.run(run_rate(args, target, requests, rate))
             for requests, rate in zip(per_rate, args.request_rate, strict=True)

@@ -145,7 +145,7 @@ def test_expand_of_a_rank_major_pool_matches_the_reference(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_tokens", [9, 70])  # the C call, and past CPU_MAX_ROWS the per-op path
+@pytest.mark.parametrize("num_tokens", [9, 70])  # a decode batch and a prefill-sized one
 def test_fused_layer_matches_the_reference_per_shard(
     backend: LoRABackendName, dtype: torch.dtype, num_tokens: int
 ) -> None:

@@ -35,3 +35,15 @@ def test_lora_runs_each_server_on_the_base_then_spread_over_the_adapters() -> No
     assert {bench_serving.request_body(args, plain, r, i)["model"] for i, r in enumerate(requests)} == {
         "base"
     }
+
+
+def test_lora_runs_a_peer_on_its_base_then_spread_over_the_adapters() -> None:
+    """A --peer (or --peer-url) server gets its LoRA run too, over its own base model's name and the adapters."""
+    args = bench_serving.parse_args(["--serve", "pagoda=", "--lora", "a1", "a2", "--num-prompts", "6"])
+    peer = bench_serving.Target("http://p:2", "/models/base", "vllm")
+    plain, lora = bench_serving.lora_twins(args, [peer])
+    assert (plain, lora.label, lora.spread) == (peer, "vllm lora", ("/models/base", "a1", "a2"))
+    requests = bench_serving.make_requests(args, random.Random(0))
+    models = [bench_serving.request_body(args, lora, r, i)["model"] for i, r in enumerate(requests)]
+    assert models == ["/models/base", "a1", "a2"] * 2
+    assert bench_serving.lora_twins(bench_serving.parse_args(["--serve", "pagoda="]), [peer]) == [peer]

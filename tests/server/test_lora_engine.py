@@ -223,3 +223,20 @@ def test_one_slot_and_one_cached_adapter_still_serve_every_adapter(setups: dict[
     # generate read both adapters up front (the caller's thread); the evicted one was read again off the engine
     background = [name for name in readers if name.startswith("pagoda-lora-load")]
     assert background, readers
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "cpu"])
+def test_prompt_chunks_equal_peft_through_the_c_op_or_matmul_groups(
+    kernel_backend: str, setups: dict[str, Setup]
+) -> None:
+    """Prompt-length chunks of adapter rows go through the C layer op at any row count on the CPU (no per-slot
+    matmul groups), or, without it (the torch backend), through the matmul groups: PEFT's tokens either way."""
+    setup = setups["llama"]
+    llm = make_llm(setup.base, kernel_backend=kernel_backend)
+    assert llm.engine.lora is not None
+    assert llm.engine.lora.manager.group_long_chunks == (kernel_backend == "torch")
+    batch = prompts([20, 24, 18], seed=8)
+    loras = [setup.request("a"), setup.request("b"), setup.request("a")]
+    outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
+    for out, prompt, lora in zip(outs, batch, loras, strict=True):
+        assert list(out.outputs[0].token_ids) == setup.reference(lora.lora_name, prompt), lora.lora_name

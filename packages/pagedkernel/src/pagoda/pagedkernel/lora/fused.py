@@ -1,9 +1,10 @@
 """`LoRALayer`: a Linear's whole adapter pool bound once, applied in one call per step (`apply`).
 
 A hooked projection needs one shrink over all its shards and an expand per shard: at decode sizes the Python
-around five op calls cost more than their math. On the CPU (up to `ops.CPU_MAX_ROWS` rows) `apply` is one C call,
-`pagoda_lora_apply`, with the pool's pointers bound at construction; elsewhere (CUDA, Triton, prefill-sized
-batches) it is `lora_shrink` then `lora_expand` per shard. Scales are folded into B (the loader does so).
+around five op calls cost more than their math. On the CPU `apply` is one C call, `pagoda_lora_apply`, with the
+pool's pointers bound at construction, at any row count (it groups the rows by slot and blocks them, so prefill
+chunks run faster there than as per-slot float32 matmuls); elsewhere (CUDA, Triton, or the CPU without a
+compiler) it is `lora_shrink` then `lora_expand` per shard. Scales are folded into B (the loader does so).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 from pagoda.pagedkernel.lora import cpu_lora
-from pagoda.pagedkernel.lora.ops import CPU_MAX_ROWS, LoRABackendName, lora_expand, lora_shrink
+from pagoda.pagedkernel.lora.ops import LoRABackendName, lora_expand, lora_shrink
 from torch import Tensor
 
 
@@ -63,9 +64,12 @@ class LoRALayer:
         """y[t, offsets[i]:...] += (x[t] @ A[s, shard i]^T) @ B_i[s] for s = slots[t] and every used shard."""
         for slot, rows in groups:
             self._group(x, y, slot, rows, used)
-        if groups and self._c is not None:  # the rest: short rows, by the C op whatever the batch's size
-            return self._apply(x, y, slots, used, max_rows=None)
-        return self._apply(x, y, slots, used, max_rows=CPU_MAX_ROWS)
+        return self._apply(x, y, slots, used)
+
+    @property
+    def runs_in_c(self) -> bool:
+        """Whether `apply` runs the C op (the CPU with a compiler): then grouping long chunks gains nothing."""
+        return self._c is not None
 
     def _group(
         self,
@@ -99,9 +103,8 @@ class LoRALayer:
         y: Tensor,  # [num_tokens, width]
         slots: Tensor,  # int64 [num_tokens]
         used: Sequence[bool],
-        max_rows: int | None,  # the most rows the C op takes (None: any)
     ) -> Tensor:  # y
-        """The rows by slot: the C op on the CPU, else a shrink and an expand per shard."""
+        """The rows by slot: the C op on the CPU (any row count), else a shrink and an expand per shard."""
         rows = x.shape[0]
         if x.dim() != 2 or x.shape[1] != self.a.shape[2] or y.shape[0] != rows or slots.shape != (rows,):
             raise ValueError(f"LoRALayer: x {tuple(x.shape)}, y {tuple(y.shape)}, slots {tuple(slots.shape)}")
@@ -110,7 +113,7 @@ class LoRALayer:
                 f"LoRALayer: slots must be int64 on {x.device}, got {slots.dtype} on {slots.device}"
             )
         fits = x.dtype == y.dtype == self.a.dtype and y.stride(1) == 1 and x.device.type == "cpu"
-        if self._c is not None and (max_rows is None or rows <= max_rows) and fits:
+        if self._c is not None and fits:
             x = x if x.stride(1) == 1 else x.contiguous()
             slots = slots.contiguous()
             key = tuple(used)
@@ -138,6 +141,8 @@ class LoRALayer:
             )
             if code == 1:
                 raise IndexError(f"a LoRA slot index is out of range (the pool has {self.a.shape[0]} slots)")
+            if code == 2:
+                raise MemoryError("the 'cpu' LoRA layer could not allocate its buffers (y is unchanged)")
             if code != 0:
                 raise ValueError(f"the 'cpu' LoRA layer refused its arguments (status {code})")
             return y

@@ -25,7 +25,8 @@ from pagoda.server.models.layers import Embedding, Linear, MergedLinear
 from torch import Tensor
 
 # The rows of chunks at least this long (prompts) are matmuls per slot and projection (`LoRABatch.groups`);
-# shorter ones (decodes) go through the row-gathering op. Only on the CPU: the GPU kernels batch both alike.
+# shorter ones (decodes) go through the row-gathering op. Only on the CPU without the C op (`LoRALayer.runs_in_c`,
+# which groups and blocks the rows itself, faster than the matmuls): the GPU kernels batch both alike.
 LONG_CHUNK = 16
 
 
@@ -77,6 +78,10 @@ class LoRAManager:
             self.hooks[module_name] = hook
         if isinstance(model, DecoderLM):
             self._hook_vocabulary(model, backend)
+        # Whether long chunks become matmul groups: on the CPU when the projections' op is not the C one.
+        self.group_long_chunks = device.type == "cpu" and not all(
+            hook.layer is None or hook.layer.runs_in_c for hook in self.hooks.values()
+        )
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # registered, least recently used first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
         self.pins: defaultdict[int, int] = defaultdict(int)  # unfinished requests per adapter id
@@ -191,7 +196,7 @@ class LoRAManager:
         grouped: defaultdict[int, list[int]] = defaultdict(list)
         for chunk in scheduled:
             slot = -1 if chunk.lora_id is None else slots[chunk.lora_id]
-            if slot >= 0 and chunk.num_tokens >= LONG_CHUNK and self.device.type == "cpu":
+            if slot >= 0 and chunk.num_tokens >= LONG_CHUNK and self.group_long_chunks:
                 grouped[slot].extend(range(len(rows), len(rows) + chunk.num_tokens))
                 short.extend([-1] * chunk.num_tokens)
             else:
