@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -100,3 +102,74 @@ def test_explicit_dtype_and_cuda_skip_the_probe(monkeypatch: pytest.MonkeyPatch)
     assert setup.select_dtype(EngineConfig.from_flat(dtype="float32"), torch.device("cpu")) == torch.float32
     assert setup.select_dtype(EngineConfig.from_flat(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
     assert setup.select_dtype(EngineConfig(), torch.device("cuda")) == torch.bfloat16
+
+
+# In a fresh process: a thread runs a parallel torch op (its OpenMP team starts a worker), frees its team, then
+# runs another through run_releasing_openmp; prints the thread counts at each point, the release's result and the
+# wrapped call's value.
+_OPENMP_PROBE = """
+import os, threading, time, torch
+from pagoda.server.engine.host import release_openmp_threads, run_releasing_openmp
+
+torch.set_num_threads(2)
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+seen = {}
+
+def work():
+    x = torch.ones(1 << 24)
+    (x * 2).sum()
+    seen["team"] = tasks()
+    seen["released"] = release_openmp_threads()
+    time.sleep(0.2)
+    seen["after"] = tasks()
+    seen["value"] = run_releasing_openmp(lambda y: int((y * 3).sum().item()), x)
+    time.sleep(0.2)
+    seen["after_run"] = tasks()
+
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+print(seen["team"], seen["released"], seen["after"], seen["value"], seen["after_run"])
+"""
+
+
+def test_release_openmp_threads_frees_the_calling_threads_team() -> None:
+    """A thread's idle OpenMP team (what a server's main thread keeps after building the engine) ends its workers
+    when released; run_releasing_openmp returns the call's value and leaves no team behind either."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OPENMP_PROBE], capture_output=True, text=True, check=True, timeout=120
+    )
+    team, released, after, value, after_run = done.stdout.split()
+    if released == "False":
+        pytest.skip("this torch runs no libgomp with omp_pause_resource_all")
+    assert int(after) < int(team)
+    assert int(value) == 3 << 24
+    assert int(after_run) == int(after)
+
+
+def test_the_server_frees_the_builders_team_before_stepping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AsyncLLM.start releases the OpenMP team of the thread that built the engine (the event loop's), before the
+    engine thread exists."""
+    from api_fake_engine import FakeEngine
+    from pagoda.server import async_llm
+
+    calls: list[tuple[str, bool]] = []
+
+    def release() -> bool:
+        calls.append(
+            (threading.current_thread().name, "pagoda-engine" in {t.name for t in threading.enumerate()})
+        )
+        return True
+
+    monkeypatch.setattr(async_llm, "release_openmp_threads", release)
+    llm = async_llm.AsyncLLM(FakeEngine())
+
+    async def start_and_stop() -> None:
+        llm.start()
+        await asyncio.to_thread(llm.shutdown)
+
+    asyncio.run(start_and_stop())
+    assert calls == [(threading.current_thread().name, False)]

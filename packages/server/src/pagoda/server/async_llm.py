@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from pagoda.scheduler import RequestRejectedError
 from pagoda.server.config import ServingConfig
+from pagoda.server.engine.host import release_openmp_threads
 from pagoda.server.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -191,6 +192,9 @@ class AsyncLLM:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the streams."""
         self._loop = asyncio.get_running_loop()
+        # The engine was built on this thread, whose OpenMP team would idle beside the engine thread's and make
+        # libgomp put every worker to sleep between parallel regions (see release_openmp_threads).
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.engine import LLMEngine
+from pagoda.server.engine.host import run_releasing_openmp
 from pagoda.server.lora.peft_loader import LoRAAdapter
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,12 @@ class CoreLoRA:
         if isinstance(message, LoadLoRA):
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-core-lora")
-            self._queue.append((message.call_id, self._reader.submit(self.engine.load_lora, message.request)))
+            self._queue.append(
+                (
+                    message.call_id,
+                    self._reader.submit(run_releasing_openmp, self.engine.load_lora, message.request),
+                )
+            )
         elif isinstance(message, UnloadLoRA):
             self._queue.append((message.call_id, message.lora_name))
         else:

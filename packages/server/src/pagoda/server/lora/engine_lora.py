@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from pagoda.pagedkernel.lora import LoRABackendName
 from pagoda.server.config import EngineConfig
+from pagoda.server.engine.host import run_releasing_openmp
 from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.lora.peft_loader import LoRAAdapter
 from pagoda.server.lora.request import LoRAError, LoRARequest
@@ -85,7 +86,7 @@ class EngineLoRA:
             forward()
             return
         self._held[request_id] = _Held(
-            lora.lora_int_id, self._reader.submit(self.manager.load, lora), forward
+            lora.lora_int_id, self._reader.submit(run_releasing_openmp, self.manager.load, lora), forward
         )
 
     def admit_ready(self) -> list[str]:
