@@ -681,9 +681,11 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
     quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
                  xs + r * xblocks);
   if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
-  /* Chunks of 64 contiguous columns (43 KB of a Q8_0 LM head), handed out dynamically: a thread that the OS
-   * deschedules for a while (the server's event loop shares the two cores) holds up one chunk, not half of
-   * the matrix as a static split would. Each output is still computed whole by one thread. */
+  /* Chunks of 64 contiguous columns (43 KB of a Q8_0 LM head), handed out guided: each thread first takes long
+   * contiguous runs (what the prefetchers stream best: a dynamic schedule's interleaved chunks made the LM head
+   * 8 -> 12 ms), then ever smaller ones, so a thread the OS deschedules for a while (the server's event loop
+   * shares the two cores) holds up a small chunk, not half the matrix as a static split would. Each output is
+   * still computed whole by one thread. */
   const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
 #if PATH == 2
   if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
@@ -693,7 +695,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
       return 2;
     }
     prepare_x(xq, xblocks, xb);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic)
+#pragma omp parallel for num_threads(num_threads) schedule(guided)
     for (int64_t c = 0; c < chunks; c++) {
       int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
       if (type == Q8_0) one_row_columns_vnni(Q8_0, weight, j0, j1, k, xb, xd, y, (int)y_bf16);
@@ -705,7 +707,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
   }
 #elif PATH >= 1
   if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic)
+#pragma omp parallel for num_threads(num_threads) schedule(guided)
     for (int64_t c = 0; c < chunks; c++) {
       int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
       if (type == Q8_0) one_row_columns(Q8_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
@@ -716,7 +718,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
     return 0;
   }
 #endif
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic)
+#pragma omp parallel for num_threads(num_threads) schedule(guided)
   for (int64_t c = 0; c < chunks; c++) {
     int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
     columns(weight, j0, j1, k, xq, xd, xs, rows, y, y_stride, (int)y_bf16);
