@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 from pagoda.pagedkernel.quant import BLOCK_SIZES, GGMLType, QuantBackendName, QuantizedTensor, dequantize
+from pagoda.server.loader.huge_pages import huge_page_copies, release_file_pages
 from pagoda.server.loader.quantized_cache import byte_range, columns_of, quantized_types
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear, QuantizableWeight
@@ -212,14 +214,24 @@ def _install_quantized(
 ) -> None:
     """Hand each layer its blocks when every part of its weight came quantized; dequantize into the dense
     weight otherwise (a fused layer whose parts mix block formats with plain floats)."""
+    installs: list[tuple[QuantizableWeight, QuantizedWeight]] = []
     for param, parts in pending.items():
         owner = model.get_submodule(param.rpartition(".")[0])
         count = len(owner.shard_sizes) if isinstance(owner, MergedLinear) else 1
         if isinstance(owner, QuantizableWeight) and sorted(parts) == list(range(count)):
-            owner.set_quantized(QuantizedWeight.of([parts[i][1] for i in range(count)], backend))
+            installs.append((owner, QuantizedWeight.of([parts[i][1] for i in range(count)], backend)))
             continue
         for dest, quantized in parts.values():
             dest.copy_(dequantize(quantized, backend=backend))
+    # Every step reads these blocks whole: from one region of 2 MiB pages rather than the file mapping's 4 KiB ones.
+    sources = [part.data for _, weight in installs for part in weight.parts]
+    copies = huge_page_copies(sources)
+    if copies is not sources:  # the checkpoint's pages those copies read need not stay resident too
+        release_file_pages([quantized.data for parts in pending.values() for _, quantized in parts.values()])
+    remaining = iter(copies)
+    for owner, weight in installs:
+        blocks = tuple(dataclasses.replace(part, data=next(remaining)) for part in weight.parts)
+        owner.set_quantized(dataclasses.replace(weight, parts=blocks))
 
 
 @torch.no_grad()

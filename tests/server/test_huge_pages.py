@@ -1,0 +1,41 @@
+"""loader/huge_pages.py: the quantized blocks' copy into one huge-page region, and the release of the checkpoint's
+file pages the copy read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pagoda.server.loader.huge_pages import huge_page_copies, release_file_pages, transparent_huge_pages
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def test_copies_share_one_aligned_region_and_keep_the_values() -> None:
+    """Tensors of 2 MiB or more in all are copied (equal values, new memory, each on a cache line); a smaller set
+    comes back as it is."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8) for n in (3 << 20, 1001, 77)]
+    tensors.append(torch.randn(33, 65, generator=gen))
+    copies = huge_page_copies(tensors)
+    assert len(copies) == len(tensors)
+    for original, copy in zip(tensors, copies, strict=True):
+        assert torch.equal(copy, original) and copy.dtype == original.dtype
+        if transparent_huge_pages():
+            assert copy.data_ptr() != original.data_ptr() and copy.data_ptr() % 64 == 0
+    small = [torch.ones(10), torch.zeros(3)]
+    assert huge_page_copies(small) is small
+
+
+def test_release_drops_only_file_pages_and_the_values_read_back(tmp_path: Path) -> None:
+    """A tensor memory-mapped from a safetensors file gives up its pages (and reads the same values again, from
+    the file); heap tensors are never touched."""
+    values = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    save_file({"blocks": values}, str(tmp_path / "w.safetensors"))
+    handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt", device="cpu")
+    mapped = handle.get_tensor("blocks")
+    assert torch.equal(mapped, values)  # every page touched
+    heap = values.clone()
+    assert release_file_pages([heap]) == 0
+    assert release_file_pages([mapped]) > 0
+    assert torch.equal(mapped, values) and torch.equal(heap, values)
