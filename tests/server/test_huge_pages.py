@@ -33,7 +33,7 @@ def test_release_drops_only_file_pages_and_the_values_read_back(tmp_path: Path) 
     values = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     save_file({"blocks": values}, str(tmp_path / "w.safetensors"))
     handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt", device="cpu")
-    mapped = handle.get_tensor("blocks")
+    mapped: torch.Tensor = handle.get_tensor("blocks")  # type: ignore[no-untyped-call]
     assert torch.equal(mapped, values)  # every page touched
     heap = values.clone()
     assert release_file_pages([heap]) == 0
