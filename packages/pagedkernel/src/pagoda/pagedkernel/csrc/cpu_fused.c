@@ -28,24 +28,7 @@ PAGODA_DEFINE_LOADV(loadv16, v16f, 16)
 #define PARALLEL_MIN_WORK (1 << 16)
 
 /* Store 16 float32 lanes as scalar_t, rounding as store1 does (to nearest even; NaN stays NaN). */
-static inline void storev16(scalar_t *p, v16f x) {
-#if PAGODA_DTYPE == PAGODA_FLOAT32
-  memcpy(p, &x, sizeof x);
-#elif PAGODA_DTYPE == PAGODA_FLOAT16
-  typedef _Float16 v16h __attribute__((vector_size(32)));
-  const v16h h = __builtin_convertvector(x, v16h);
-  memcpy(p, &h, sizeof h);
-#else
-  typedef uint16_t v16s __attribute__((vector_size(32)));
-  v16u u;
-  memcpy(&u, &x, sizeof u);
-  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const v16u quiet = (u >> 16) | 0x40u;
-  const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
-  const v16s s = __builtin_convertvector((rounded & ~nan) | (quiet & nan), v16s);
-  memcpy(p, &s, sizeof s);
-#endif
-}
+PAGODA_DEFINE_STOREV(storev16, v16f, 16)
 
 /* x as stored in scalar_t and read back: the dtype's rounding (the identity for float32), in registers. */
 static inline v16f roundv16(v16f x) {

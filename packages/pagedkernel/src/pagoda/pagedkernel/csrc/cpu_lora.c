@@ -193,27 +193,10 @@ static inline float hsum16(v16f v) {
   return s;
 }
 
+PAGODA_DEFINE_STOREV(store16, v16f, 16)
+
 /* y[0..16) = round(y + acc): store1(load1(y) + acc) sixteen lanes at a time (the same rounding, bit for bit). */
-static inline void add_store16(scalar_t *y, v16f acc) {
-  const v16f sum = loadv16(y) + acc;
-#if PAGODA_DTYPE == PAGODA_FLOAT32
-  memcpy(y, &sum, sizeof sum);
-#elif PAGODA_DTYPE == PAGODA_FLOAT16
-  typedef _Float16 v16h __attribute__((vector_size(32)));
-  const v16h out = __builtin_convertvector(sum, v16h);
-  memcpy(y, &out, sizeof out);
-#else
-  typedef uint32_t v16u __attribute__((vector_size(64)));
-  typedef uint16_t v16s __attribute__((vector_size(32)));
-  v16u u;
-  memcpy(&u, &sum, sizeof u);
-  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const v16u quiet = (u >> 16) | 0x40u;
-  const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
-  const v16s out = __builtin_convertvector((rounded & ~nan) | (quiet & nan), v16s);
-  memcpy(y, &out, sizeof out);
-#endif
-}
+static inline void add_store16(scalar_t *y, v16f acc) { store16(y, loadv16(y) + acc); }
 
 /* h[g * h_stride + j] = xf[g] . a[j] for nr (<= APPLY_ROWS) float32 rows xf[g] and na rows of a (in_features
  * long): two rows of A at a time against every row, one sixteen-lane accumulator per pair, then the tail. */
