@@ -5,10 +5,14 @@ For each mode, after a warm-up: one request at a time (--prompt-len random token
 ignored; output tok/s over the whole request), then --batch requests at once (--prompt-len in, --output-len out:
 output tok/s), the weights' resident bytes (`resident_weight_bytes`, oneDNN's packed copies included) against the
 file's tensor bytes, and with --profile the top ops (self CPU time) of --profile-steps one-stream decode steps under
-torch's profiler. The machine may be shared: compare the ratios of one run.
+torch's profiler. With --perplexity-text, each mode's perplexity over that text by llama-perplexity's protocol
+(`testing.perplexity.llama_perplexity`: whole chunks of --perplexity-ctx tokens, the second half of each scored),
+and with --llama-perplexity BIN that tool's own on the same file and text, in the same run. The machine may be
+shared: compare the ratios of one run.
 
     python tools/bench_quant_e2e.py                       # the default model, gguf then none
     python tools/bench_quant_e2e.py --model x.gguf --batch 8 --output-len 16 --json out.json
+    python tools/bench_quant_e2e.py --perplexity-text tests/data/english.txt --llama-perplexity $BIN/llama-perplexity
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import json
 import os
 import platform
 import random
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +34,7 @@ import torch
 from pagoda.server.llm import LLM
 from pagoda.server.models.quantized import resident_weight_bytes
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing.perplexity import llama_perplexity
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,7 @@ class ModeResult:
     batch_tok_s: float
     resident_bytes: int
     profile: list[tuple[str, float]]  # (op, share of self CPU time)
+    perplexity: float | None = None  # over --perplexity-text, llama-perplexity's protocol
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -90,7 +98,11 @@ def run_mode(args: argparse.Namespace, model: Path, mode: str) -> ModeResult:
         str(model),
         quantization=mode,
         dtype=args.dtype,
-        max_model_len=args.prompt_len + max(args.output_len, args.single_output) + 8,
+        max_model_len=max(
+            args.prompt_len + max(args.output_len, args.single_output),
+            args.perplexity_ctx if args.perplexity_text is not None else 0,
+        )
+        + 8,
         max_num_seqs=max(args.batch, 1),
         cache_dir=args.cache_dir,
     )
@@ -102,9 +114,36 @@ def run_mode(args: argparse.Namespace, model: Path, mode: str) -> ModeResult:
         batch = output_tok_s(llm, prompts(args.batch, args.prompt_len, vocab, args.seed + 1), args.output_len)
         top = profile_steps(llm, single[0], args.profile_steps, args.top) if args.profile else []
         resident = resident_weight_bytes(llm.engine.runner.model)
+        ppl = None
+        if args.perplexity_text is not None:
+            tokenizer = llm.tokenizer
+            ids = tokenizer.encode(args.perplexity_text.read_text())
+            bos = tokenizer.bos_token_id if isinstance(tokenizer.bos_token_id, int) else None
+            ppl = llama_perplexity(llm, ids, args.perplexity_ctx, bos)
     finally:
         llm.engine.close()
-    return ModeResult(mode, sorted(rates)[len(rates) // 2], batch, resident, top)
+    return ModeResult(mode, sorted(rates)[len(rates) // 2], batch, resident, top, ppl)
+
+
+def peer_perplexity(binary: Path, model: Path, text: Path, n_ctx: int) -> float:
+    """llama.cpp's `llama-perplexity -m model -f text -c n_ctx` (its "Final estimate: PPL = ...")."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # its libllama / libggml sit beside it
+    command = [
+        str(binary),
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-c",
+        str(n_ctx),
+        "-t",
+        str(os.cpu_count() or 1),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if found is None:
+        raise RuntimeError(f"{binary.name} printed no final estimate")
+    return float(found.group(1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,6 +169,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="GGUF conversion cache (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--perplexity-text", type=Path, default=None, help="a text to score in each mode")
+    parser.add_argument(
+        "--perplexity-ctx", type=int, default=512, help="llama-perplexity's -c (chunk tokens)"
+    )
+    parser.add_argument(
+        "--llama-perplexity",
+        type=Path,
+        default=None,
+        help="llama.cpp's llama-perplexity, run on the same text",
+    )
     args = parser.parse_args(argv)
     model = args.model or default_gguf()
     file_bytes = gguf_tensor_bytes(model)
@@ -154,9 +203,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"    {r.mode} profile ({args.profile_steps} steps): {share * 100:5.1f}%  {key}", flush=True
             )
+    peer = None
+    if args.perplexity_text is not None:
+        if args.llama_perplexity is not None:
+            peer = peer_perplexity(args.llama_perplexity, model, args.perplexity_text, args.perplexity_ctx)
+        scored = [(r.mode, r.perplexity) for r in results if r.perplexity is not None]
+        print(
+            f"perplexity over {args.perplexity_text.name} (chunks of {args.perplexity_ctx}, second halves):"
+        )
+        for mode, value in scored:
+            against = "" if peer is None else f" ({value / peer:.3f}x llama-perplexity)"
+            print(f"    {mode}: {value:.4f}{against}")
+        if peer is not None:
+            print(f"    llama-perplexity: {peer:.4f}")
     print(f"(load average {os.getloadavg()[0]:.1f} at the end; shared machine: compare ratios)")
     if args.json:
-        args.json.write_text(json.dumps({"file_bytes": file_bytes, "results": [asdict(r) for r in results]}))
+        report = {"file_bytes": file_bytes, "results": [asdict(r) for r in results], "llama_perplexity": peer}
+        args.json.write_text(json.dumps(report))
     return 0
 
 

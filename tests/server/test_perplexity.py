@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from pagoda.server.llm import LLM
-from pagoda.server.testing.perplexity import perplexity
+from pagoda.server.testing.perplexity import llama_perplexity, perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "english.txt"
 
@@ -38,6 +38,32 @@ def test_perplexity_of_a_tiny_model_is_exp_of_the_mean_nll(tiny_model_path: Call
     assert perplexity(llm, ids, window=5) == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-6)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         perplexity(llm, ids, window=1)
+
+
+def test_llama_perplexity_protocol(tiny_model_path: Callable[[str], Path]) -> None:
+    """llama-perplexity's protocol: whole chunks only (the 3 tokens past them are dropped), each chunk's first
+    token replaced by BOS, only each chunk's second half scored; too few tokens are refused."""
+    import math
+
+    from pagoda.server.sampling_params import SamplingParams
+
+    llm = LLM(
+        str(tiny_model_path("llama")), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=32
+    )
+    ids = [9, 40, 41, 300, 12, 99, 5, 60, 61, 7, 70, 71, 72, 73, 74, 75, 76, 77, 78]  # 2 chunks of 8, 3 left
+    chunks = [[1, *ids[1:8]], [1, *ids[9:16]]]
+    out = llm.generate(chunks, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll = []
+    for o in out:
+        entries = o.prompt_logprobs or ()
+        for i in range(5, 8):  # positions n_ctx / 2 + 1 .. n_ctx - 1
+            entry = entries[i]
+            assert entry is not None
+            nll.append(-entry[o.prompt_token_ids[i]].logprob)
+    got = llama_perplexity(llm, ids, 8, bos_token_id=1)
+    assert got == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-6)
+    with pytest.raises(ValueError, match="at least n_ctx tokens"):
+        llama_perplexity(llm, ids[:7], 8, bos_token_id=1)
 
 
 @pytest.mark.slow

@@ -33,3 +33,35 @@ def perplexity(llm: LLM, token_ids: Sequence[int], *, window: int | None = None)
             total -= entry[token].logprob
             count += 1
     return math.exp(total / count)
+
+
+def llama_perplexity(llm: LLM, token_ids: Sequence[int], n_ctx: int, bos_token_id: int | None) -> float:
+    """Perplexity as llama.cpp's `llama-perplexity -c n_ctx` computes it, for a like-for-like comparison: the text
+    (tokenized with its BOS) cut into whole chunks of n_ctx tokens, each chunk's first token replaced by BOS, and
+    only the second half of each chunk scored (every scored token has at least n_ctx / 2 before it)."""
+    ids = list(token_ids)
+    if n_ctx < 4 or len(ids) < n_ctx:
+        raise ValueError(
+            f"llama_perplexity needs n_ctx >= 4 and at least n_ctx tokens, got {n_ctx} and {len(ids)}"
+        )
+    chunks = []
+    for start in range(0, len(ids) - n_ctx + 1, n_ctx):
+        chunk = ids[start : start + n_ctx]
+        if bos_token_id is not None:
+            chunk[0] = bos_token_id
+        chunks.append(chunk)
+    first = n_ctx // 2
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    total, count = 0.0, 0
+    for output in llm.generate(chunks, params, use_tqdm=False):
+        positions = output.prompt_logprobs
+        if positions is None:
+            raise RuntimeError("the engine returned no prompt logprobs")
+        # Position i's entry is log p(token i | tokens < i): llama.cpp scores tokens first + 1 .. n_ctx - 1.
+        for i in range(first + 1, n_ctx):
+            entry = positions[i]
+            if entry is None:
+                raise RuntimeError("a prompt position after the first has no logprob")
+            total -= entry[output.prompt_token_ids[i]].logprob
+            count += 1
+    return math.exp(total / count)
