@@ -10,6 +10,23 @@ from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
 
 
+def _mean_nll(llm: LLM, chunks: Sequence[Sequence[int]], first: int) -> float:
+    """Mean of -log p(token i | tokens < i) over the positions i >= `first` of every chunk (one prompt each)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    total, count = 0.0, 0
+    for output in llm.generate([list(c) for c in chunks], params, use_tqdm=False):
+        positions = output.prompt_logprobs
+        if positions is None:
+            raise RuntimeError("the engine returned no prompt logprobs")
+        for i in range(first, len(output.prompt_token_ids)):
+            entry = positions[i]
+            if entry is None:
+                raise RuntimeError("a prompt position after the first has no logprob")
+            total -= entry[output.prompt_token_ids[i]].logprob
+            count += 1
+    return total / count
+
+
 def perplexity(llm: LLM, token_ids: Sequence[int], *, window: int | None = None) -> float:
     """exp(-mean log p(token | the tokens before it in its window)) over `token_ids` after the first of each window.
 
@@ -21,18 +38,7 @@ def perplexity(llm: LLM, token_ids: Sequence[int], *, window: int | None = None)
     if size < 2 or len(ids) < 2:
         raise ValueError(f"perplexity needs at least 2 tokens a window, got {min(size, len(ids))}")
     chunks = [ids[i : i + size] for i in range(0, len(ids), size) if len(ids[i : i + size]) >= 2]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    total, count = 0.0, 0
-    for output in llm.generate(chunks, params, use_tqdm=False):
-        positions = output.prompt_logprobs
-        if positions is None:
-            raise RuntimeError("the engine returned no prompt logprobs")
-        for token, entry in zip(output.prompt_token_ids[1:], positions[1:], strict=True):
-            if entry is None:
-                raise RuntimeError("a prompt position after the first has no logprob")
-            total -= entry[token].logprob
-            count += 1
-    return math.exp(total / count)
+    return math.exp(_mean_nll(llm, chunks, 1))
 
 
 def llama_perplexity(llm: LLM, token_ids: Sequence[int], n_ctx: int, bos_token_id: int | None) -> float:
@@ -50,18 +56,5 @@ def llama_perplexity(llm: LLM, token_ids: Sequence[int], n_ctx: int, bos_token_i
         if bos_token_id is not None:
             chunk[0] = bos_token_id
         chunks.append(chunk)
-    first = n_ctx // 2
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    total, count = 0.0, 0
-    for output in llm.generate(chunks, params, use_tqdm=False):
-        positions = output.prompt_logprobs
-        if positions is None:
-            raise RuntimeError("the engine returned no prompt logprobs")
-        # Position i's entry is log p(token i | tokens < i): llama.cpp scores tokens first + 1 .. n_ctx - 1.
-        for i in range(first + 1, n_ctx):
-            entry = positions[i]
-            if entry is None:
-                raise RuntimeError("a prompt position after the first has no logprob")
-            total -= entry[output.prompt_token_ids[i]].logprob
-            count += 1
-    return math.exp(total / count)
+    # llama.cpp scores tokens n_ctx / 2 + 1 .. n_ctx - 1 of each chunk.
+    return math.exp(_mean_nll(llm, chunks, n_ctx // 2 + 1))
