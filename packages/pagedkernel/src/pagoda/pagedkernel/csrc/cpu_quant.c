@@ -600,8 +600,7 @@ INLINE void one_row_columns_vnni(const int64_t type, const uint8_t *weight, int6
     store_output(a0, 0.0f, y, j, y_bf16);
   }
 }
-#endif
-
+#else
 INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                             const int8_t *xq, const float *xd, void *y, int y_bf16) {
   int elems, bytes, has_offset;
@@ -619,6 +618,7 @@ INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j
     store_output(a, 0.0f, y, j, y_bf16); /* an offset sum of zero, as matmul_columns adds: the same zero's sign */
   }
 }
+#endif
 #endif
 
 #define COLUMNS_FOR(T)                                                                                           \
@@ -687,33 +687,30 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
    * shares the two cores) holds up a small chunk, not half the matrix as a static split would. Each output is
    * still computed whole by one thread. */
   const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
-#if PATH == 2
+#if PATH >= 1
   if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
+#if PATH == 2
     xblock *xb = aligned_alloc(32, sizeof(xblock) * (size_t)xblocks);
     if (!xb) {
       free(xq), free(xd), free(xs);
       return 2;
     }
     prepare_x(xq, xblocks, xb);
+#define ONE_ROW(T) one_row_columns_vnni(T, weight, j0, j1, k, xb, xd, y, (int)y_bf16)
+#else
+#define ONE_ROW(T) one_row_columns(T, weight, j0, j1, k, xq, xd, y, (int)y_bf16)
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(guided)
     for (int64_t c = 0; c < chunks; c++) {
       int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-      if (type == Q8_0) one_row_columns_vnni(Q8_0, weight, j0, j1, k, xb, xd, y, (int)y_bf16);
-      else if (type == Q5_0) one_row_columns_vnni(Q5_0, weight, j0, j1, k, xb, xd, y, (int)y_bf16);
-      else one_row_columns_vnni(Q4_0, weight, j0, j1, k, xb, xd, y, (int)y_bf16);
+      if (type == Q8_0) ONE_ROW(Q8_0); /* constant types: each call is specialised when inlined */
+      else if (type == Q5_0) ONE_ROW(Q5_0);
+      else ONE_ROW(Q4_0);
     }
-    free(xb), free(xq), free(xd), free(xs);
-    return 0;
-  }
-#elif PATH >= 1
-  if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
-#pragma omp parallel for num_threads(num_threads) schedule(guided)
-    for (int64_t c = 0; c < chunks; c++) {
-      int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-      if (type == Q8_0) one_row_columns(Q8_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
-      else if (type == Q5_0) one_row_columns(Q5_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
-      else one_row_columns(Q4_0, weight, j0, j1, k, xq, xd, y, (int)y_bf16);
-    }
+#undef ONE_ROW
+#if PATH == 2
+    free(xb);
+#endif
     free(xq), free(xd), free(xs);
     return 0;
   }
