@@ -121,8 +121,9 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
     # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
     # for 110 rows across hints of 32-2048).
     rows = min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
-    model.computes_logits = config.model_config.runner == "generate"  # pooling takes hidden states only
-    if packed := model.pack_weights(rows, head=model.computes_logits):
+    # Pooling takes hidden states only; set before packing, which then keeps no packed copy of a tied LM head.
+    model.computes_logits = config.model_config.runner == "generate"
+    if packed := model.pack_weights(rows):
         logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
     if device.type == "cuda" and not config.model_config.enforce_eager:
         # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.

@@ -28,10 +28,10 @@ def transparent_huge_pages() -> bool:
         return False
 
 
-def huge_page_copies(tensors: Sequence[Tensor]) -> list[Tensor]:
+def huge_page_copies(tensors: Sequence[Tensor]) -> list[Tensor] | None:
     """The (CPU, contiguous) `tensors` copied into one fresh anonymous region advised MADV_HUGEPAGE before its
-    first touch, 64-byte aligned each; the tensors themselves where that does not apply (not all on the CPU, under
-    2 MiB in all, no transparent huge pages).
+    first touch, 64-byte aligned each; None where that does not apply (not all on the CPU, under 2 MiB in all, no
+    transparent huge pages).
 
     Weights read whole every step (a quantized model's blocks: the default model's 178 MB Q8_0 LM head and 75 MB
     of layers) pay a TLB miss every 4 KiB page they stream: memory-mapped from the checkpoint file, or taken from
@@ -47,13 +47,13 @@ def huge_page_copies(tensors: Sequence[Tensor]) -> list[Tensor]:
         or not hasattr(mmap, "MADV_HUGEPAGE")
         or not transparent_huge_pages()
     ):
-        return tensors if isinstance(tensors, list) else list(tensors)
+        return None
     length = -(-offsets[-1] // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(region, dtype=torch.uint8)
     copies = []
-    for tensor, offset, nbytes in zip(tensors, offsets, sizes, strict=False):  # offsets has one more
+    for tensor, offset, nbytes in zip(tensors, offsets[:-1], sizes, strict=True):
         out = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
         copies.append(out)
@@ -61,7 +61,7 @@ def huge_page_copies(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _file_mappings() -> list[tuple[int, int]]:
-    """[start, end) of this process's private read-only-data mappings of files (the checkpoints safetensors maps)."""
+    """[start, end) of this process's private mappings of files (among them the checkpoints safetensors maps)."""
     ranges = []
     try:
         with open("/proc/self/maps") as maps:

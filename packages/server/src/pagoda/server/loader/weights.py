@@ -226,7 +226,9 @@ def _install_quantized(
     # Every step reads these blocks whole: from one region of 2 MiB pages rather than the file mapping's 4 KiB ones.
     sources = [part.data for _, weight in installs for part in weight.parts]
     copies = huge_page_copies(sources)
-    if copies is not sources:  # the checkpoint's pages those copies read need not stay resident too
+    if copies is None:
+        copies = sources
+    else:  # the checkpoint's pages those copies read need not stay resident too
         release_file_pages([quantized.data for parts in pending.values() for _, quantized in parts.values()])
     remaining = iter(copies)
     for owner, weight in installs:
