@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.cbuild import cpu_flags
 from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS, KernelPath
 from pagoda.pagedkernel.quant.formats import OWN_TYPES
@@ -27,17 +28,6 @@ ALL_TYPES = list(GGMLType)
 GGUF_TYPES = [t for t in GGMLType if t not in OWN_TYPES]  # the ones gguf's reference decodes too
 K = 768  # a multiple of every block (32 and 256)
 N = 77  # a multiple of nothing
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def nan_out(rows: int, n: int) -> torch.Tensor:

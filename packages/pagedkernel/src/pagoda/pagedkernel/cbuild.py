@@ -105,6 +105,17 @@ def cpu_signature() -> str:
     return f"{platform.machine()}|{flags}"
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (e.g. avx2, amx_bf16); empty where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def cpu_name() -> str:
     """The CPU's model name, as benchmark tables name their machine."""
     try:

@@ -17,6 +17,8 @@
  * so the three paths give bitwise the same y (tested). The path is chosen by the target's features at build
  * (-march=native picks the best this CPU has); pagoda_quant_path() says which one was compiled.
  *
+ * Many rows of bfloat16 x go to pagoda_quant_matmul_amx where the target has AMX (at the end of this file).
+ *
  * Columns of y are split over torch's OpenMP pool (the library links the libgomp torch has loaded); each output
  * is computed whole by one thread, so y does not depend on the thread count.
  */
@@ -303,6 +305,27 @@ INLINE void values_of(const int8_t *w, const float *scale, const float *offset, 
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* values_of rounded to bfloat16, sixteen lanes at a time: the same multiply and add, then the instruction's
+ * round to nearest even (its flush of float32 subnormals never applies: a nonzero value is at least a float16
+ * scale's subnormal, 2^-24, and a difference of two such products a multiple of 2^-48). */
+INLINE void values_bf16(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
+                        uint16_t *restrict out) {
+  for (int g = 0; g < elems / 16; g += 2) {
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * g))));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * g + 16))));
+    a = _mm512_mul_ps(_mm512_set1_ps(scale[g]), a);
+    b = _mm512_mul_ps(_mm512_set1_ps(scale[g + 1]), b);
+    if (has_offset) {
+      const __m512 o = _mm512_set1_ps(offset[g / 2]);
+      a = _mm512_add_ps(a, o);
+      b = _mm512_add_ps(b, o);
+    }
+    _mm512_storeu_si512(out + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+}
+#endif
+
 /* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below) into float32
  * dst, or into bfloat16 dst16 when dst is NULL. */
 INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst, uint16_t *dst16, int64_t i0,
@@ -316,11 +339,15 @@ INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst
     if (dst) {
       values_of(w, scale, offset, has_offset, elems, dst + i * elems);
     } else {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      values_bf16(w, scale, offset, has_offset, elems, dst16 + i * elems);
+#else
       float values[QK_K];
       values_of(w, scale, offset, has_offset, elems, values);
       const aliased_u32 *bits = (const aliased_u32 *)values;
       uint16_t *o16 = dst16 + i * elems;
       for (int j = 0; j < elems; j++) o16[j] = bf16_bits(bits[j]);
+#endif
     }
   }
 }
@@ -723,3 +750,223 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
   free(xq), free(xd), free(xs);
   return 0;
 }
+
+/* Many rows on AMX (built where the target has AMX-TILE and AMX-BF16): y = x @ W^T with bfloat16 x, W dequantized
+ * 32 rows at a time into a bfloat16 panel that stays in L1/L2 and fed to the tile unit, so each weight byte is
+ * read once per call and no dense copy of W exists. The weight panel is the A operand (16 rows of W by 32 k per
+ * tile, read straight from the panel); x is the B operand, laid out once per call as pairs of k (row kp, column m:
+ * x[m, 2kp], x[m, 2kp + 1]); each C tile is 16 columns of y by 16 rows of x. The products are exact in float32
+ * and summed in float32 by the tile unit (its order, not the reference's: the bfloat16 dense path's numerics). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define AMX_PANEL 32 /* rows of W per panel: two A tiles */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* 1 when the tile unit may be used by this process (Linux grants the tile data state on request), else 0. */
+int pagoda_quant_amx(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+/* r[i] = column i of the 16 x 16 row-major float matrix c (unpacks, then in-lane and cross-lane shuffles). */
+static inline void transpose16(const float *c, __m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+/* y[m0 + m, j0 + i] = lo[i, m] and y[m0 + m, j0 + 16 + i] = hi[i, m] for the valid rows and columns of two
+ * 16 x 16 float32 C tiles (columns of y by rows of x): transposed in registers and stored a row at a time, both
+ * halves together (one whole 64-byte line of a bfloat16 y), under a mask, rounded to bfloat16 as torch rounds. */
+static inline void store_tiles(const float *lo, const float *hi, int64_t rows, int64_t cols, void *y,
+                               int64_t y_stride, int y_bf16, int64_t m0, int64_t j0) {
+  __m512 a[16], b[16];
+  transpose16(lo, a);
+  if (cols > 16) transpose16(hi, b);
+  const __mmask16 mlo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1u);
+  const __mmask16 mhi = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
+  for (int64_t m = 0; m < rows; m++) {
+    if (y_bf16) {
+      uint16_t *out = (uint16_t *)y + (m0 + m) * y_stride + j0;
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(cols > 16 ? b[m] : a[m], a[m]);
+      _mm512_mask_storeu_epi16(out, (__mmask32)mlo | (__mmask32)mhi << 16, both);
+    } else {
+      float *out = (float *)y + (m0 + m) * y_stride + j0;
+      _mm512_mask_storeu_ps(out, mlo, a[m]);
+      if (mhi) _mm512_mask_storeu_ps(out + 16, mhi, b[m]);
+    }
+  }
+}
+
+/* Both operands are laid out tile by tile, so that every tile load reads 1 KB of consecutive lines (rows a power
+ * of two apart would share an L1 set). B: 16 rows of x a block, each block k / 2 pairs of 16 words (the pair of
+ * x[m, 2kp], x[m, 2kp + 1]); A: the panel's two halves of 16 rows of W, each k / 32 tiles of 16 rows x 32 values.
+ * Blocking, for the caches: the rows of x are taken in blocks whose B stays in L2 (AMX_B_BYTES); each block of rows
+ * runs over every panel (a panel is dequantized once per block of rows: once in all for a decode batch); and k is
+ * cut in runs of at most AMX_K_CHUNKS tiles, so that the run's A (16 KB) stays in L1 while the block's B streams
+ * past it, the C tiles parked between runs in a float32 buffer. */
+#ifndef AMX_B_BYTES
+#define AMX_B_BYTES (1 << 20)
+#endif
+#ifndef AMX_K_CHUNKS
+#define AMX_K_CHUNKS 8
+#endif
+
+/* Block mb (16 rows) of the tile-blocked B of x [rows, k] (bfloat16, x_stride), see above: each 16 x 16 square of
+ * pairs transposed in registers; the rows past `rows` are zero. */
+static void amx_b_block(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t mb, int64_t pairs, uint32_t *xt) {
+  uint32_t *dst = xt + mb * pairs * 16;
+  float square[256] __attribute__((aligned(64)));
+  for (int64_t kp0 = 0; kp0 < pairs; kp0 += 16) {
+    for (int64_t i = 0; i < 16; i++) {
+      const int64_t m = mb * 16 + i;
+      __m512 v = m < rows ? _mm512_loadu_ps((const float *)(x + m * x_stride + 2 * kp0)) : _mm512_setzero_ps();
+      _mm512_store_ps(square + 16 * i, v);
+    }
+    __m512 t[16];
+    transpose16(square, t);
+    for (int64_t j = 0; j < 16; j++) _mm512_storeu_ps((float *)(dst + (kp0 + j) * 16), t[j]);
+  }
+}
+
+/* y [rows, n] (y_stride elements a row; float32 or bfloat16 by y_bf16) = x [rows, k] (bfloat16, x_stride) @ W^T.
+ * 0 on success, 1 for an unknown type or k not a multiple of 32 and the block, 2 when memory cannot be had. */
+int pagoda_quant_matmul_amx(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const uint16_t *x,
+                            int64_t x_stride, int64_t rows, void *y, int64_t y_stride, int64_t y_bf16,
+                            int64_t num_threads) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  dequantize_fn deq = dequantize_for(type);
+  if (deq == NULL || k % elems != 0 || k % 32 != 0) return 1;
+  if (rows == 0 || n == 0) return 0;
+  const int64_t m_pad = (rows + 15) / 16 * 16, pairs = k / 2, chunks = k / 32, row_bytes = k / elems * bytes;
+  const int64_t runs = (chunks + AMX_K_CHUNKS - 1) / AMX_K_CHUNKS, run = (chunks + runs - 1) / runs;
+  int64_t block_rows = AMX_B_BYTES / (k * 2) / 32 * 32;
+  if (block_rows < 32) block_rows = 32;
+  if (block_rows > m_pad) block_rows = (m_pad + 31) / 32 * 32;
+  const int64_t panels = (n + AMX_PANEL - 1) / AMX_PANEL;
+  if (num_threads < 1 || panels < 4) num_threads = 1;
+  /* per thread: the blocked panel, one row of W dequantized whole, the parked C tiles of a block of rows */
+  const int64_t panel_elems = AMX_PANEL * k, acc_floats = runs > 1 ? block_rows * AMX_PANEL : 0;
+  const size_t acc_at = (sizeof(uint16_t) * (size_t)(panel_elems + k) + 63) / 64 * 64;
+  const size_t per_thread = acc_at + (sizeof(float) * (size_t)acc_floats + 63) / 64 * 64;
+  uint32_t *xt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(pairs * m_pad));
+  char *work = aligned_alloc(64, per_thread * (size_t)num_threads);
+  if (!xt || !work) {
+    free(xt), free(work);
+    return 2;
+  }
+  tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef _OPENMP
+    char *mine = work + per_thread * (size_t)omp_get_thread_num();
+#else
+    char *mine = work;
+#endif
+    uint16_t *panel = (uint16_t *)mine, *row = panel + panel_elems;
+    float *acc = (float *)(mine + acc_at);
+    float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t mb = 0; mb < m_pad / 16; mb++) amx_b_block(x, x_stride, rows, mb, pairs, xt);
+    _tile_loadconfig(&cfg);
+    for (int64_t mb0 = 0; mb0 < m_pad; mb0 += block_rows) {
+      const int64_t mb1 = mb0 + block_rows < m_pad ? mb0 + block_rows : m_pad;
+#pragma omp for schedule(guided)
+      for (int64_t p = 0; p < panels; p++) {
+        const int64_t j0 = p * AMX_PANEL, cols = n - j0 < AMX_PANEL ? n - j0 : AMX_PANEL;
+        for (int64_t r = 0; r < AMX_PANEL; r++) {
+          if (r < cols) deq(weight + (j0 + r) * row_bytes, NULL, row, 0, k / elems);
+          else memset(row, 0, sizeof(uint16_t) * (size_t)k);
+          uint16_t *dst = panel + (r / 16) * chunks * 512 + (r % 16) * 32;
+          for (int64_t ch = 0; ch < chunks; ch++) memcpy(dst + ch * 512, row + ch * 32, 64);
+        }
+        for (int64_t ch0 = 0; ch0 < chunks; ch0 += run) {
+          const int64_t ch1 = ch0 + run < chunks ? ch0 + run : chunks;
+          const int first = ch0 == 0, last = ch1 == chunks;
+          for (int64_t m0 = mb0; m0 < mb1; m0 += 32) {
+            const int two = m0 + 16 < mb1; /* a second block of 16 rows of x */
+            const uint32_t *b0 = xt + (m0 / 16) * pairs * 16, *b1 = b0 + pairs * 16;
+            float *parked = acc + (m0 - mb0) * AMX_PANEL; /* four tiles: (lo, hi) x (rows m0, m0 + 16) */
+            if (first) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              _tile_loadd(0, parked, 64);
+              _tile_loadd(1, parked + 256, 64);
+              _tile_loadd(2, parked + 512, 64);
+              _tile_loadd(3, parked + 768, 64);
+            }
+            for (int64_t ch = ch0; ch < ch1; ch++) {
+              _tile_loadd(4, panel + ch * 512, 64);
+              _tile_loadd(5, panel + (chunks + ch) * 512, 64);
+              _tile_loadd(6, b0 + ch * 256, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(2, 5, 6);
+              if (two) {
+                _tile_loadd(7, b1 + ch * 256, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+              }
+            }
+            if (!last) {
+              _tile_stored(0, parked, 64);
+              _tile_stored(1, parked + 256, 64);
+              _tile_stored(2, parked + 512, 64);
+              _tile_stored(3, parked + 768, 64);
+              continue;
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(2, c[2], 64);
+            const int64_t r0 = rows - m0 < 16 ? rows - m0 : 16;
+            if (r0 > 0) store_tiles(c[0], c[2], r0, cols, y, y_stride, (int)y_bf16, m0, j0);
+            if (two) {
+              _tile_stored(1, c[1], 64);
+              _tile_stored(3, c[3], 64);
+              const int64_t r1 = rows - m0 - 16 < 16 ? rows - m0 - 16 : 16;
+              if (r1 > 0) store_tiles(c[1], c[3], r1, cols, y, y_stride, (int)y_bf16, m0 + 16, j0);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+  free(work);
+  free(xt);
+  return 0;
+}
+#endif

@@ -1,10 +1,12 @@
 """The `cpu` backend of the quantized ops: csrc/cpu_quant.c, compiled at first use by `cbuild`, loaded with ctypes.
 
-`dequantize` is the C unpacking (bit-exact with the torch specification). `qmatmul` has two paths: up to
-`GEMV_MAX_ROWS` rows the C kernel streams each weight block once and multiplies int8 activations (VNNI, AVX2 or
-generic C, whichever the build targets); above, tiles of W are dequantized in C into a float32 buffer that stays in
-the caches and multiplied by torch's matmul (in bfloat16 for bfloat16 activations, else float32), so many rows
-cost what the dense matmul costs without the dense weights ever existing whole.
+`dequantize` is the C unpacking (bit-exact with the torch specification). `qmatmul` has three paths: few rows go
+to the C kernel that streams each weight block once and multiplies int8 activations (VNNI, AVX2 or generic C,
+whichever the build targets); from `AMX_MIN_ROWS` bfloat16 rows on, where the CPU has AMX, a C kernel dequantizes W
+32 rows at a time into a bfloat16 panel in cache and multiplies it on the tile unit (`amx`); elsewhere, above
+`GEMV_MAX_ROWS` rows, tiles of W are dequantized into a buffer and multiplied by torch's matmul (in bfloat16 for
+bfloat16 activations, else float32). The last two cost what the dense matmul costs without the dense weights ever
+existing whole.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 OPENMP_FLAGS = ("-fopenmp",)
 # above this many rows of x, dequantized tiles and torch's matmul beat the int8 dot products
 GEMV_MAX_ROWS = 16
+# from this many bfloat16 rows of x on, the AMX matmul beats the int8 dot products (it pays a dequantization of W
+# per call, which one pass of int8 products undercuts only for a few rows: measured on a Sapphire Rapids)
+AMX_MIN_ROWS = 6
 # float32 elements of W per dequantized tile (2 MB: stays in L2/L3 while it is multiplied)
 TILE_ELEMENTS = 1 << 19
 # up to this many elements (8 MB of float32) W is dequantized whole, for one matmul call
@@ -54,6 +59,9 @@ class QuantKernels:
     dequantize: Any  # ctypes function: (type, src, dst, bf16, num_blocks, num_threads) -> int
     # ctypes function: (type, w, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads) -> int
     matmul: Any
+    # ctypes function: (type, w, n, k, x_bf16, x_stride, rows, y, y_stride, y_bf16, num_threads) -> int, or None
+    # where the build has no AMX or the OS refuses this process the tile state
+    matmul_amx: Any | None = None
 
 
 def build(flags: tuple[str, ...] = CFLAGS) -> Path:
@@ -84,7 +92,22 @@ def load(library: Path) -> QuantKernels:
     deq.argtypes, deq.restype = [i64, ptr, ptr, i64, i64, i64], ctypes.c_int
     mm = lib["pagoda_quant_matmul"]
     mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64], ctypes.c_int
-    return QuantKernels(KernelPath(path()), deq, mm)
+    return QuantKernels(KernelPath(path()), deq, mm, _amx_matmul(lib))
+
+
+def _amx_matmul(lib: ctypes.CDLL) -> Any | None:
+    """The library's AMX matmul, declared, when it was built with AMX and the OS grants the tile state; else None."""
+    try:
+        grant, mm = lib["pagoda_quant_amx"], lib["pagoda_quant_matmul_amx"]
+    except AttributeError:  # built for a target without AMX
+        return None
+    grant.argtypes, grant.restype = [], ctypes.c_int
+    if not grant():
+        logger.info("the OS refused the AMX tile state: many-row quantized matmuls use dequantized tiles")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64], ctypes.c_int
+    return mm
 
 
 @functools.cache
@@ -175,6 +198,39 @@ def gemv(
         torch.get_num_threads(),
     )
     _check(code, "quantized matmul")
+
+
+def amx(
+    x: Tensor,  # bfloat16 [rows, K], rows contiguous
+    weight: QuantizedTensor,  # [N, K]
+    out: Tensor,  # float32 or bfloat16 [rows, N], rows contiguous
+    lib: QuantKernels,
+) -> None:
+    """out = x @ W^T on the AMX tile unit: W dequantized to bfloat16 32 rows at a time into a panel that stays in
+    cache (one pass over W for every row of x), products summed in float32; a bfloat16 out is rounded to nearest
+    even. Needs `lib.matmul_amx`."""
+    if lib.matmul_amx is None:
+        raise ValueError("this build of the quantized ops has no AMX matmul")
+    if x.dtype != torch.bfloat16 or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(
+            f"amx reads bfloat16 rows and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}"
+        )
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+    n, k = weight.shape
+    code = lib.matmul_amx(
+        int(weight.qtype),
+        data.data_ptr(),
+        n,
+        k,
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        out.data_ptr(),
+        out.stride(0),
+        int(out.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    _check(code, "AMX quantized matmul")
 
 
 def tiled(

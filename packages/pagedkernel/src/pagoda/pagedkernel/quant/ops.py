@@ -50,9 +50,10 @@ def qmatmul(
 ) -> Tensor:  # [rows, N] of x's dtype
     """y = x @ W^T for W stored in a GGUF block format, computed in float32.
 
-    On the `cpu` backend up to `cpu_quant.GEMV_MAX_ROWS` rows use int8 activations (see the README for the
-    error bound); more rows multiply the exact dequantized weights in float32 (in bfloat16, rounded to nearest
-    even, for bfloat16 x), and so does the `torch` backend, in float32.
+    On the `cpu` backend few rows use int8 activations (see the README for the error bound); more rows multiply
+    the exact dequantized weights in float32 (in bfloat16, rounded to nearest even, for bfloat16 x: on the AMX
+    tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one), and so does the `torch` backend, in
+    float32.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
@@ -74,6 +75,15 @@ def qmatmul(
         return out.copy_(y)
     lib = cpu_quant.kernels()
     y = out if out is not None else torch.empty((x.shape[0], n), dtype=x.dtype)
+    if (
+        x.shape[0] >= cpu_quant.AMX_MIN_ROWS
+        and lib.matmul_amx is not None
+        and x.dtype == torch.bfloat16
+        and x.stride(-1) == 1
+        and y.stride(-1) == 1
+    ):
+        cpu_quant.amx(x, weight, y, lib)
+        return y
     if x.shape[0] > cpu_quant.GEMV_MAX_ROWS:
         cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
