@@ -312,8 +312,11 @@ INLINE void values_of(const int8_t *w, const float *scale, const float *offset, 
 INLINE void values_bf16(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
                         uint16_t *restrict out) {
   for (int g = 0; g < elems / 16; g += 2) {
-    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * g))));
-    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * g + 16))));
+    /* one 32-byte load: the unpackers store 32 bytes at a time, and a narrower load of a wider store's upper
+     * half may not be forwarded from it (a stall per block) */
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
     a = _mm512_mul_ps(_mm512_set1_ps(scale[g]), a);
     b = _mm512_mul_ps(_mm512_set1_ps(scale[g + 1]), b);
     if (has_offset) {
@@ -364,6 +367,11 @@ INLINE void bf16_block(const int64_t type, const uint8_t *b, uint16_t *out, int6
     case Q5_1:
       lookup32(value_table(f16(b), f16(b + 2), 1, 0), fives_v(b + 4, b + 8), out);
       return;
+    case Q8_0: { /* straight from the block: no copy of its bytes first */
+      const float d = f16(b);
+      values_bf16((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, out);
+      return;
+    }
     case I4_G64:
     case I4_G128: {
       const __m512i table = value_table(f16(b), f16(b + 2), 1, 0);
@@ -972,6 +980,11 @@ int pagoda_quant_matmul_amx(int64_t type, const uint8_t *weight, int64_t n, int6
 #pragma omp for schedule(guided)
       for (int64_t p = 0; p < panels; p++) {
         const int64_t j0 = p * AMX_PANEL, cols = n - j0 < AMX_PANEL ? n - j0 : AMX_PANEL;
+        if (p + 1 < panels) { /* the next panel's blocks, most likely this thread's next: loaded while it computes */
+          const uint8_t *next = weight + (j0 + AMX_PANEL) * row_bytes;
+          const int64_t next_bytes = (n - j0 - AMX_PANEL < AMX_PANEL ? n - j0 - AMX_PANEL : AMX_PANEL) * row_bytes;
+          for (int64_t at = 0; at < next_bytes; at += 64) _mm_prefetch((const char *)(next + at), _MM_HINT_T1);
+        }
         for (int64_t r = 0; r < AMX_PANEL; r++) {
           uint16_t *dst = panel + (r / 16) * chunks * 512 + (r % 16) * 32;
           if (r < cols) deq(weight + (j0 + r) * row_bytes, NULL, dst, 512, 0, k / elems);
