@@ -224,8 +224,8 @@ def test_engine_greedy_tokens_equal_the_dequantized_engine(
     arch: str, gguf_files: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
     """`LLM(quantization="gguf")` gives the greedy tokens of `quantization="none"` on a
-    file that mixes every supported type (fused q/k/v of different types included); the default (None)
-    dequantizes, as `none` does, while the kept blocks are slower on large batches."""
+    file that mixes every supported type (fused q/k/v of different types included); the default (None) keeps
+    the blocks, as `gguf` does."""
     path = gguf_files(arch, "mix")
     prompts: list[Sequence[int]] = [PROMPT, PROMPT[:5], [1, 9, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -244,7 +244,7 @@ def test_engine_greedy_tokens_equal_the_dequantized_engine(
         )
         outputs[mode] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
         held[mode] = types_held(llm.engine.runner.model)
-    assert held == {"gguf": set(TYPES), None: set(), "none": set()}
+    assert held == {"gguf": set(TYPES), None: set(TYPES), "none": set()}
     assert outputs["gguf"] == outputs["none"]
     assert outputs[None] == outputs["none"]
     assert all(len(tokens) == 12 for tokens in outputs["gguf"])

@@ -101,8 +101,7 @@ def argument_table() -> list[Flag]:
             ("--quantization", "-q"),
             {
                 "choices": get_args(QuantizationName),
-                "help": "a .gguf's weights: gguf keeps its block formats (faster for one stream, slower for large "
-                "batches, for now), none dequantizes them (default); "
+                "help": "a .gguf's weights: gguf keeps its block formats (default), none dequantizes them; "
                 "int8 / int4: a safetensors model's weights quantized at load (Q8_0 blocks of 32; int4 groups "
                 "of --quantization-group-size)",
             },
