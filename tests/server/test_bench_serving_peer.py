@@ -8,8 +8,10 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tool_scripts import load_tool
@@ -43,11 +45,13 @@ def test_a_peer_that_exits_is_reported() -> None:
         pass
 
 
+@pytest.mark.parametrize("isolate", [False, True], ids=["alternating", "isolated"])
 def test_serve_and_a_started_peer_run_the_same_prompts_one_at_a_time(
-    tiny_model_path: Callable[[str], Path], tmp_path: Path
+    tiny_model_path: Callable[[str], Path], tmp_path: Path, isolate: bool
 ) -> None:
     """Pagoda by --serve and a second server by --peer (here Pagoda again, under another name): both complete
-    every request with one in flight, and the ratio table compares them."""
+    every request with one in flight, and the ratio table compares them (all up and alternating, or
+    --isolate: one up at a time)."""
     model = str(tiny_model_path("llama"))
     small = "--dtype float32 --kv-cache-gib 0.01 --block-size 4 --max-model-len 64"
     peer = f"{shlex.quote(sys.executable)} -m pagoda.server.cli serve {model} --port {{port}} {small} --served-model-name peer-model"
@@ -64,6 +68,7 @@ def test_serve_and_a_started_peer_run_the_same_prompts_one_at_a_time(
         "3",
     ]
     command += ["--input-len", "6", "--output-len", "4", "--ignore-eos", "--output-dir", str(tmp_path)]
+    command += ["--isolate"] if isolate else []
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"}
     )
@@ -74,3 +79,33 @@ def test_serve_and_a_started_peer_run_the_same_prompts_one_at_a_time(
     assert all(run["completed"] == 3 and run["failed"] == 0 for run in runs.values())
     assert report["config"]["max_concurrency"] == 1
     assert "Ratio to pagoda" in result.stdout
+
+
+def test_isolate_starts_each_server_after_the_last_one_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--isolate: each server is started, run at every rate and stopped before the next starts; without it all
+    are up first and the runs alternate between them at each rate."""
+    events: list[str] = []
+
+    def fake_group(kind: str) -> Callable[..., Any]:
+        @contextmanager
+        def group(args: Any, spec: str) -> Iterator[list[Any]]:
+            label = spec.split("=", 1)[0]
+            events.append(f"up {label}")
+            yield [bench_serving.Target(f"http://{label}", "m", label)]
+            events.append(f"down {label}")
+
+        return group
+
+    async def fake_run(args: Any, target: Any, requests: Any, rate: float) -> dict[str, Any]:
+        events.append(f"run {target.label} {rate:g}")
+        return {"target": target.label}
+
+    monkeypatch.setattr(bench_serving, "_served", fake_group("serve"))
+    monkeypatch.setattr(bench_serving, "_peer", fake_group("peer"))
+    monkeypatch.setattr(bench_serving, "run_rate", fake_run)
+    argv = ["--serve", "a=", "--peer", "b=cmd", "--request-rate", "1", "4", "--num-prompts", "2"]
+    bench_serving.run_all(bench_serving.parse_args([*argv, "--isolate"]))
+    assert events == ["up a", "run a 1", "run a 4", "down a", "up b", "run b 1", "run b 4", "down b"]
+    events.clear()
+    bench_serving.run_all(bench_serving.parse_args(argv))
+    assert events == ["up a", "up b", "run a 1", "run b 1", "run a 4", "run b 4", "down b", "down a"]
