@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,8 +33,11 @@ def test_bench_quant_quick(tmp_path: Path) -> None:
         ("b", "Q4_0", 20),
         ("b", "Q4_K", 20),
     ]
+    packed = torch._C._has_mkldnn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     for p in points:
         assert all(p[key] > 0 for key in ("qmatmul_ms", "qmatmul_bf16_ms", "deq_mm_ms", "bf16_ms", "f32_ms"))
+        assert (p["packed_ms"] > 0) if packed else p["packed_ms"] is None  # the engine's dense path
     lines = result.stdout.splitlines()
-    assert "threads" in lines[0] and "GB/s" in lines[0] and "vs bf16" in lines[1]
+    assert "threads" in lines[0] and "GB/s" in lines[0] and "AMX matmul" in lines[0]
+    assert "vs bf16" in lines[1] and "packed" in lines[1]
     assert len(lines) == 3 + len(points)
