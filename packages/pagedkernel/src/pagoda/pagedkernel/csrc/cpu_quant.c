@@ -931,15 +931,16 @@ static void amx_b_block(const uint16_t *x, int64_t x_stride, int64_t rows, int64
   }
 }
 
-/* y [rows, n] (y_stride elements a row; float32 or bfloat16 by y_bf16) = x [rows, k] (bfloat16, x_stride) @ W^T.
- * 0 on success, 1 for an unknown type or k not a multiple of 32 and the block, 2 when memory cannot be had. */
+/* y [rows, n] (y_stride elements a row; float32 or bfloat16 by y_bf16) = x [rows, k] (x_stride) @ W^T, the
+ * arguments of pagoda_quant_matmul; x must be bfloat16 (x_bf16 = 1). 0 on success, 1 for a float32 x, an unknown
+ * type or k not a multiple of 32 and the block, 2 when memory cannot be had. */
 int pagoda_quant_matmul_amx(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const uint16_t *x,
-                            int64_t x_stride, int64_t rows, void *y, int64_t y_stride, int64_t y_bf16,
-                            int64_t num_threads) {
+                            int64_t x_stride, int64_t x_bf16, int64_t rows, void *y, int64_t y_stride,
+                            int64_t y_bf16, int64_t num_threads) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   dequantize_fn deq = dequantize_for(type);
-  if (deq == NULL || k % elems != 0 || k % 32 != 0) return 1;
+  if (!x_bf16 || deq == NULL || k % elems != 0 || k % 32 != 0) return 1;
   if (rows == 0 || n == 0) return 0;
   const int64_t m_pad = (rows + 15) / 16 * 16, pairs = k / 2, chunks = k / 32, row_bytes = k / elems * bytes;
   const int64_t runs = (chunks + AMX_K_CHUNKS - 1) / AMX_K_CHUNKS, run = (chunks + runs - 1) / runs;

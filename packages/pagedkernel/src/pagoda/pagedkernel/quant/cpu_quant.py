@@ -59,8 +59,8 @@ class QuantKernels:
     dequantize: Any  # ctypes function: (type, src, dst, bf16, num_blocks, num_threads) -> int
     # ctypes function: (type, w, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads) -> int
     matmul: Any
-    # ctypes function: (type, w, n, k, x_bf16, x_stride, rows, y, y_stride, y_bf16, num_threads) -> int, or None
-    # where the build has no AMX or the OS refuses this process the tile state
+    # ctypes function of matmul's arguments (x bfloat16 only), or None where the build has no AMX or the OS
+    # refuses this process the tile state
     matmul_amx: Any | None = None
 
 
@@ -82,16 +82,20 @@ def build(flags: tuple[str, ...] = CFLAGS) -> Path:
     )
 
 
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# both matmuls' C signature: (type, w, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads)
+MATMUL_ARGTYPES = (_I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64)
+
+
 def load(library: Path) -> QuantKernels:
     """The entry points of a library that `build` made, with their C signatures declared."""
     lib = ctypes.CDLL(str(library))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
     path = lib["pagoda_quant_path"]
     path.argtypes, path.restype = [], ctypes.c_int
     deq = lib["pagoda_quant_dequantize"]
-    deq.argtypes, deq.restype = [i64, ptr, ptr, i64, i64, i64], ctypes.c_int
+    deq.argtypes, deq.restype = [_I64, _PTR, _PTR, _I64, _I64, _I64], ctypes.c_int
     mm = lib["pagoda_quant_matmul"]
-    mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64], ctypes.c_int
+    mm.argtypes, mm.restype = list(MATMUL_ARGTYPES), ctypes.c_int
     return QuantKernels(KernelPath(path()), deq, mm, _amx_matmul(lib))
 
 
@@ -105,8 +109,7 @@ def _amx_matmul(lib: ctypes.CDLL) -> Any | None:
     if not grant():
         logger.info("the OS refused the AMX tile state: many-row quantized matmuls use dequantized tiles")
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    mm.argtypes, mm.restype = [i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64], ctypes.c_int
+    mm.argtypes, mm.restype = list(MATMUL_ARGTYPES), ctypes.c_int
     return mm
 
 
@@ -171,19 +174,17 @@ def dequantize(weight: QuantizedTensor, lib: QuantKernels) -> Tensor:  # float32
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def gemv(
-    x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
+def _matmul(
+    run: Any,
+    x: Tensor,  # [rows, K], rows contiguous
     weight: QuantizedTensor,  # [N, K]
     out: Tensor,  # float32 or bfloat16 [rows, N], rows contiguous
-    lib: QuantKernels,
+    what: str,
 ) -> None:
-    """out = x @ W^T by the int8 dot-product kernel (one pass over W per 16 rows), computed in float32; a bfloat16
-    out is the float32 result rounded to nearest even."""
-    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"gemv reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
+    """Call one of the C matmuls (`pagoda_quant_matmul`'s arguments) on these tensors; raise on its status."""
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     n, k = weight.shape
-    code = lib.matmul(
+    code = run(
         int(weight.qtype),
         data.data_ptr(),
         n,
@@ -197,7 +198,20 @@ def gemv(
         int(out.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
-    _check(code, "quantized matmul")
+    _check(code, what)
+
+
+def gemv(
+    x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
+    weight: QuantizedTensor,  # [N, K]
+    out: Tensor,  # float32 or bfloat16 [rows, N], rows contiguous
+    lib: QuantKernels,
+) -> None:
+    """out = x @ W^T by the int8 dot-product kernel (one pass over W per 16 rows), computed in float32; a bfloat16
+    out is the float32 result rounded to nearest even."""
+    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"gemv reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
+    _matmul(lib.matmul, x, weight, out, "quantized matmul")
 
 
 def amx(
@@ -215,22 +229,7 @@ def amx(
         raise ValueError(
             f"amx reads bfloat16 rows and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}"
         )
-    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
-    n, k = weight.shape
-    code = lib.matmul_amx(
-        int(weight.qtype),
-        data.data_ptr(),
-        n,
-        k,
-        x.data_ptr(),
-        x.stride(0),
-        x.shape[0],
-        out.data_ptr(),
-        out.stride(0),
-        int(out.dtype == torch.bfloat16),
-        torch.get_num_threads(),
-    )
-    _check(code, "AMX quantized matmul")
+    _matmul(lib.matmul_amx, x, weight, out, "AMX quantized matmul")
 
 
 def tiled(
