@@ -105,26 +105,26 @@ def cpu_signature() -> str:
     return f"{platform.machine()}|{flags}"
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as /proc/cpuinfo names them (e.g. avx2, amx_bf16); empty where there is none."""
+def _cpuinfo_value(key: str) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with `key` ("flags", "model name"); None without one."""
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(key):
+                return line.split(":", 1)[1]
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (e.g. avx2, amx_bf16); empty where there is none."""
+    return frozenset((_cpuinfo_value("flags") or "").split())
 
 
 def cpu_name() -> str:
     """The CPU's model name, as benchmark tables name their machine."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    name = _cpuinfo_value("model name")
+    return name.strip() if name is not None else platform.processor() or platform.machine()
 
 
 def build(

@@ -306,6 +306,7 @@ INLINE void values_of(const int8_t *w, const float *scale, const float *offset, 
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_LOOKUPS 1 /* bfloat16 dequantization by the functions below (dequantize_blocks) */
 /* values_of rounded to bfloat16, sixteen lanes at a time: the same multiply and add, then the instruction's
  * round to nearest even (its flush of float32 subnormals never applies: a nonzero value is at least a float16
  * scale's subnormal, 2^-24, and a difference of two such products a multiple of 2^-48). */
@@ -327,10 +328,7 @@ INLINE void values_bf16(const int8_t *w, const float *scale, const float *offset
     _mm512_storeu_si512(out + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(b, a));
   }
 }
-#endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define BF16_LOOKUPS 1
 /* The 32 bfloat16 values scale * (j - bias) (+ offset), j = 0..31: what every element of a block of at most five
  * bits can be, computed as values_of computes each one (so a lookup in it is bit-exact). */
 INLINE __m512i value_table(float scale, float offset, int has_offset, int bias) {
