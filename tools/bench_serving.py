@@ -444,7 +444,6 @@ async def run_rate(
     args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
 ) -> dict[str, Any]:
     """Send every request to `target` with Poisson arrivals at `rate` requests/s; return the metrics."""
-    settle(args.settle)
     rng = random.Random(args.seed)
     results = [RequestResult() for _ in requests]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -908,12 +907,20 @@ def _peer_url(args: argparse.Namespace, spec: str) -> Iterator[list[Target]]:
     yield lora_twins(args, [Target(url, model, label, endpoint=args.endpoint[0])])
 
 
+def measure(
+    args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
+) -> dict[str, Any]:
+    """One run: wait (up to --settle) for idle CPUs, then `run_rate`."""
+    settle(args.settle)
+    return asyncio.run(run_rate(args, target, requests, rate))
+
+
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every target at every rate: the given servers, or each --serve configuration started in turn."""
     per_rate = requests_per_rate(args)
     if args.serve is None:
         return [
-            asyncio.run(run_rate(args, target, requests, rate))
+            measure(args, target, requests, rate)
             for target in targets(args)
             for requests, rate in zip(per_rate, args.request_rate, strict=True)
         ]
@@ -931,7 +938,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             with group() as found:
                 served += found
                 runs += [
-                    asyncio.run(run_rate(args, target, requests, rate))
+                    measure(args, target, requests, rate)
                     for target in found
                     for requests, rate in zip(per_rate, args.request_rate, strict=True)
                 ]
@@ -942,7 +949,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for group in groups:
                 served += stack.enter_context(group())
             runs = [
-                asyncio.run(run_rate(args, target, requests, rate))
+                measure(args, target, requests, rate)
                 for requests, rate in zip(per_rate, args.request_rate, strict=True)
                 for target in served
             ]

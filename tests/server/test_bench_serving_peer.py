@@ -86,24 +86,33 @@ def test_isolate_starts_each_server_after_the_last_one_stopped(monkeypatch: pyte
     are up first and the runs alternate between them at each rate."""
     events: list[str] = []
 
-    def fake_group(kind: str) -> Callable[..., Any]:
-        @contextmanager
-        def group(args: Any, spec: str) -> Iterator[list[Any]]:
-            label = spec.split("=", 1)[0]
-            events.append(f"up {label}")
-            yield [bench_serving.Target(f"http://{label}", "m", label)]
-            events.append(f"down {label}")
-
-        return group
+    @contextmanager
+    def group(args: Any, spec: str) -> Iterator[list[Any]]:
+        label = spec.split("=", 1)[0]
+        events.append(f"up {label}")
+        yield [bench_serving.Target(f"http://{label}", "m", label)]
+        events.append(f"down {label}")
 
     async def fake_run(args: Any, target: Any, requests: Any, rate: float) -> dict[str, Any]:
         events.append(f"run {target.label} {rate:g}")
         return {"target": target.label}
 
-    monkeypatch.setattr(bench_serving, "_served", fake_group("serve"))
-    monkeypatch.setattr(bench_serving, "_peer", fake_group("peer"))
+    monkeypatch.setattr(bench_serving, "_served", group)
+    monkeypatch.setattr(bench_serving, "_peer", group)
     monkeypatch.setattr(bench_serving, "run_rate", fake_run)
-    argv = ["--serve", "a=", "--peer", "b=cmd", "--request-rate", "1", "4", "--num-prompts", "2"]
+    argv = [
+        "--serve",
+        "a=",
+        "--peer",
+        "b=cmd",
+        "--request-rate",
+        "1",
+        "4",
+        "--num-prompts",
+        "2",
+        "--settle",
+        "0",
+    ]
     bench_serving.run_all(bench_serving.parse_args([*argv, "--isolate"]))
     assert events == ["up a", "run a 1", "run a 4", "down a", "up b", "run b 1", "run b 4", "down b"]
     events.clear()
