@@ -111,7 +111,7 @@ def test_amx_refuses_what_it_cannot_read() -> None:
     """float32 x, or a library without the AMX matmul, is a ValueError that says so."""
     lib = cpu_quant.kernels()
     weight = random_weight(GGMLType.Q8_0, (N, K), torch.Generator().manual_seed(4))
-    without = cpu_quant.QuantKernels(lib.path, lib.dequantize, lib.matmul, None)
+    without = cpu_quant.QuantKernels(lib.path, lib.dequantize, lib.matmul, lib.matmul_fma, None)
     with pytest.raises(ValueError, match="no AMX matmul"):
         cpu_quant.amx(torch.zeros(8, K, dtype=torch.bfloat16), weight, torch.empty(8, N), without)
     if lib.matmul_amx is not None:
@@ -121,7 +121,7 @@ def test_amx_refuses_what_it_cannot_read() -> None:
 
 def test_native_build_has_amx_where_the_cpu_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """-march=native builds the AMX matmul on a CPU with AMX-BF16; a build for a target without it has none
-    (and qmatmul then runs the dequantized tiles: the same values as the dense bfloat16 matmul)."""
+    (and qmatmul then runs the vector kernel)."""
     flags = cpu_flags()
     if {"amx_bf16", "amx_tile"} <= flags:
         assert cpu_quant.kernels().matmul_amx is not None

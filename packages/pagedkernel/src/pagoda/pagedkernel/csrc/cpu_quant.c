@@ -26,8 +26,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -395,6 +398,79 @@ INLINE void bf16_block(const int64_t type, const uint8_t *b, uint16_t *out, int6
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && PATH >= 1
+#define F32_LOOKUPS 1 /* float32 dequantization by f32_block (dequantize_blocks) */
+/* The float32 values scale * (j - bias) (+ offset) for j = 0..15 (lo) and 16..31 (hi), computed as values_of
+ * computes each element (so that a lookup in them is bit-exact). */
+INLINE void value_pair(float scale, float offset, int has_offset, int bias, __m512 *lo, __m512 *hi) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 l = _mm512_sub_ps(iota, _mm512_set1_ps((float)bias)), h = _mm512_add_ps(l, _mm512_set1_ps(16.0f));
+  *lo = _mm512_mul_ps(_mm512_set1_ps(scale), l);
+  *hi = _mm512_mul_ps(_mm512_set1_ps(scale), h);
+  if (has_offset) {
+    *lo = _mm512_add_ps(*lo, _mm512_set1_ps(offset));
+    *hi = _mm512_add_ps(*hi, _mm512_set1_ps(offset));
+  }
+}
+
+/* 32 unsigned codes (bytes < 32) looked up in the pair of tables (two permutes), stored as float32 at out. */
+INLINE void lookup32_f32(__m512 lo, __m512 hi, __m256i codes, float *out) {
+  const __m512i c0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes));
+  const __m512i c1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1));
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, c0, hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, c1, hi));
+}
+
+/* One block as float32 at out, elems contiguous values: bf16_block's lookups for the formats of at most five
+ * bits (no unpacking into bytes and no conversions), values_of for the others. */
+INLINE void f32_block(const int64_t type, const uint8_t *b, float *out) {
+  __m512 lo, hi;
+  switch (type) {
+    case Q4_0:
+      value_pair(f16(b), 0.0f, 0, 8, &lo, &hi);
+      lookup32_f32(lo, hi, nibbles_v(b + 2), out);
+      return;
+    case Q4_1:
+      value_pair(f16(b), f16(b + 2), 1, 0, &lo, &hi);
+      lookup32_f32(lo, hi, nibbles_v(b + 4), out);
+      return;
+    case Q5_0:
+      value_pair(f16(b), 0.0f, 0, 16, &lo, &hi);
+      lookup32_f32(lo, hi, fives_v(b + 2, b + 6), out);
+      return;
+    case Q5_1:
+      value_pair(f16(b), f16(b + 2), 1, 0, &lo, &hi);
+      lookup32_f32(lo, hi, fives_v(b + 4, b + 8), out);
+      return;
+    case Q8_0: {
+      const float d = f16(b);
+      values_of((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, out);
+      return;
+    }
+    case I4_G64:
+    case I4_G128:
+      value_pair(f16(b), f16(b + 2), 1, 0, &lo, &hi);
+      for (int s = 0; s < (type == I4_G64 ? 2 : 4); s++) lookup32_f32(lo, hi, nibbles_v(b + 4 + 16 * s), out + QK * s);
+      return;
+    default:
+      break;
+  }
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  int8_t w[QK_K];
+  float scale[QK_K / 16], offset[QK_K / QK];
+  unpack(type, b, w, scale, offset);
+  if (type == Q4_K || type == Q5_K) { /* unsigned codes, a scale and a minimum per 32 */
+    for (int s = 0; s < elems / QK; s++) {
+      value_pair(scale[2 * s], offset[s], 1, 0, &lo, &hi);
+      lookup32_f32(lo, hi, _mm256_loadu_si256((const __m256i *)(w + QK * s)), out + QK * s);
+    }
+    return;
+  }
+  values_of(w, scale, offset, has_offset, elems, out);
+}
+#endif
+
 /* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below) into float32
  * dst, or into bfloat16 dst16 when dst is NULL: element 32c + j of block run i0.. (c counting from block 0) at
  * dst16 + c * stride + j, so that stride 32 is a plain row and a larger one scatters its 32-element runs (the
@@ -407,6 +483,12 @@ INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst
 #ifdef BF16_LOOKUPS
     if (!dst) {
       bf16_block(type, src + i * bytes, dst16 + i * (elems / QK) * stride, stride);
+      continue;
+    }
+#endif
+#ifdef F32_LOOKUPS
+    if (dst) {
+      f32_block(type, src + i * bytes, dst + i * elems);
       continue;
     }
 #endif
@@ -823,6 +905,289 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
   return 0;
 }
 
+/* Many rows on the vector unit (every build): y = x @ W^T in float32, for float32 x (or bfloat16, widened
+ * exactly), W dequantized to float32 (bit-exact) FMA_PANEL rows at a time into a panel that stays in L2, so each
+ * weight byte is read once per group of rows and no dense copy of W exists. x is laid out once per call in blocks
+ * of FMA_MT rows, k-major ([k][FMA_MT]: two vector loads per k cover the block). Each micro tile, FMA_MT rows of x
+ * by FMA_NR columns of y, is summed over the whole of k in registers: per k, two loads of x and FMA_NR broadcasts
+ * of W feed 2 * FMA_NR fused multiply-adds (AVX-512: 32 x 12 in 24 accumulators; AVX2 with FMA: 16 x 6 in 12;
+ * generic C: 8 x 4 of 4-lane vectors, multiply then add). A tile's W (FMA_NR rows) stays in L1 while every block
+ * of the group streams past it from L2; the rows of x are taken in groups whose layout fits in L2 (FMA_X_BYTES),
+ * each group running over every panel. Summation is in k order, per output: y does not depend on the thread count;
+ * against the dense float32 matmul only the order (and, on the vector paths, the fused rounding) differs. */
+#if defined(__AVX512F__)
+#define FMA_VW 16
+#ifndef FMA_NR
+#define FMA_NR 12
+#define FMA_XV 2
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FMA_VW 8
+#define FMA_NR 6
+#define FMA_XV 2
+#else
+#define FMA_VW 4
+#define FMA_NR 4
+#define FMA_XV 2
+#endif
+#define FMA_MT (FMA_XV * FMA_VW) /* rows of x per block and micro tile */
+#define FMA_PANEL (4 * FMA_NR) /* rows of W per dequantized panel */
+#ifndef FMA_X_BYTES
+#define FMA_X_BYTES (1 << 20)
+#endif
+#ifndef FMA_KC
+#define FMA_KC 256 /* k per run: a tile's W (FMA_NR x FMA_KC floats) stays in L1 while x's blocks stream past */
+#endif
+
+typedef float fvec __attribute__((vector_size(4 * FMA_VW)));
+
+INLINE fvec fvec_fma(fvec a, fvec b, fvec c) {
+#if FMA_VW == 16
+  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif FMA_VW == 8
+  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+/* every lane = *p (a broadcast from memory: a load, not a shuffle competing with the multiply-adds' port) */
+INLINE fvec fvec_splat(const float *p) {
+#if FMA_VW == 16
+  return (fvec)_mm512_set1_ps(*p);
+#elif FMA_VW == 8
+  return (fvec)_mm256_set1_ps(*p);
+#else
+  return (fvec){*p, *p, *p, *p};
+#endif
+}
+
+/* Block mb of x's layout: rows mb * FMA_MT.. of x [rows, k] (float32, or bfloat16 by x_bf16; x_stride elements a
+ * row) as dst[kk * FMA_MT + m]; the rows past `rows` are zero. Written 16 values of k at a time for every row, so
+ * that the 16 lines being written stay in L1 (row by row, each store would touch a new line of the block). */
+static void fma_pack(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t mb, int64_t k, float *dst) {
+  for (int64_t k0 = 0; k0 < k; k0 += 16) {
+    const int64_t k1 = k0 + 16 < k ? k0 + 16 : k;
+    for (int64_t m = 0; m < FMA_MT; m++) {
+      const int64_t r = mb * FMA_MT + m;
+      if (r >= rows) {
+        for (int64_t kk = k0; kk < k1; kk++) dst[kk * FMA_MT + m] = 0.0f;
+      } else if (x_bf16) {
+        const uint16_t *src = (const uint16_t *)x + r * x_stride;
+        for (int64_t kk = k0; kk < k1; kk++) {
+          const uint32_t bits = (uint32_t)src[kk] << 16;
+          memcpy(dst + kk * FMA_MT + m, &bits, sizeof bits);
+        }
+      } else {
+        const float *src = (const float *)x + r * x_stride;
+        for (int64_t kk = k0; kk < k1; kk++) dst[kk * FMA_MT + m] = src[kk];
+      }
+    }
+  }
+}
+
+/* c[i * FMA_MT + m] (+)= sum over kk < kc of xp[kk * FMA_MT + m] * w[i * ldw + kk], for FMA_NR rows of W at w
+ * (ldw apart): the first run of k starts from zero, the others add to c. */
+INLINE void fma_tile(const float *restrict xp, const float *restrict w, int64_t kc, int64_t ldw, int first,
+                     float *restrict c) {
+  fvec acc[FMA_NR][FMA_XV];
+#pragma GCC unroll 16
+  for (int i = 0; i < FMA_NR; i++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < FMA_XV; v++) {
+      if (first) acc[i][v] = (fvec){0};
+      else memcpy(&acc[i][v], c + i * FMA_MT + v * FMA_VW, sizeof acc[i][v]);
+    }
+  }
+  for (int64_t kk = 0; kk < kc; kk++) {
+    fvec xv[FMA_XV];
+#pragma GCC unroll 4
+    for (int v = 0; v < FMA_XV; v++) memcpy(&xv[v], xp + kk * FMA_MT + v * FMA_VW, sizeof xv[v]);
+#pragma GCC unroll 16
+    for (int i = 0; i < FMA_NR; i++) {
+      const fvec b = fvec_splat(w + i * ldw + kk);
+#pragma GCC unroll 4
+      for (int v = 0; v < FMA_XV; v++) acc[i][v] = fvec_fma(xv[v], b, acc[i][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < FMA_NR; i++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < FMA_XV; v++) memcpy(c + i * FMA_MT + v * FMA_VW, &acc[i][v], sizeof acc[i][v]);
+  }
+}
+
+/* y[m0 + m, j0 + i] = c[i * FMA_MT + m] for the tile's valid rows and columns (bfloat16: rounded as torch). */
+static void fma_store(const float *c, int64_t rows, int64_t cols, void *y, int64_t y_stride, int y_bf16, int64_t m0,
+                      int64_t j0) {
+  for (int64_t m = 0; m < rows; m++) {
+    if (y_bf16) {
+      uint16_t *out = (uint16_t *)y + (m0 + m) * y_stride + j0;
+      for (int64_t i = 0; i < cols; i++) {
+        uint32_t bits;
+        memcpy(&bits, c + i * FMA_MT + m, sizeof bits);
+        out[i] = bf16_bits(bits);
+      }
+    } else {
+      float *out = (float *)y + (m0 + m) * y_stride + j0;
+      for (int64_t i = 0; i < cols; i++) out[i] = c[i * FMA_MT + m];
+    }
+  }
+}
+
+#ifdef BF16_LOOKUPS
+#define FMA_DP 1 /* pagoda_quant_matmul_dpbf16 is built */
+/* Block mb of x's pair layout for the bfloat16 dot products: dst[kp * FMA_MT + m] = the pair x[r, 2kp],
+ * x[r, 2kp + 1] of row r = mb * FMA_MT + m (bfloat16 x; zero past `rows`), 16 pairs at a time as fma_pack. */
+static void dp_pack(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t mb, int64_t pairs, uint32_t *dst) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    const int64_t p1 = p0 + 16 < pairs ? p0 + 16 : pairs;
+    for (int64_t m = 0; m < FMA_MT; m++) {
+      const int64_t r = mb * FMA_MT + m;
+      for (int64_t kp = p0; kp < p1; kp++) {
+        uint32_t pair = 0;
+        if (r < rows) memcpy(&pair, x + r * x_stride + 2 * kp, sizeof pair);
+        dst[kp * FMA_MT + m] = pair;
+      }
+    }
+  }
+}
+
+/* fma_tile with bfloat16 pairs: c (+)= sum over kp < kc of the pair products of xp[kp * FMA_MT + m] and the pair
+ * w[i * ldw + kp] of W's row i, by vdpbf16ps (two exact products a lane, summed in float32). */
+INLINE void dp_tile(const uint32_t *restrict xp, const uint32_t *restrict w, int64_t kc, int64_t ldw, int first,
+                    float *restrict c) {
+  __m512 acc[FMA_NR][FMA_XV];
+#pragma GCC unroll 16
+  for (int i = 0; i < FMA_NR; i++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < FMA_XV; v++)
+      acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * FMA_MT + v * FMA_VW);
+  }
+  for (int64_t kp = 0; kp < kc; kp++) {
+    __m512i xv[FMA_XV];
+#pragma GCC unroll 4
+    for (int v = 0; v < FMA_XV; v++) xv[v] = _mm512_loadu_si512(xp + kp * FMA_MT + v * FMA_VW);
+#pragma GCC unroll 16
+    for (int i = 0; i < FMA_NR; i++) {
+      const __m512i b = _mm512_set1_epi32((int)w[i * ldw + kp]);
+#pragma GCC unroll 4
+      for (int v = 0; v < FMA_XV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)xv[v], (__m512bh)b);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < FMA_NR; i++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < FMA_XV; v++) _mm512_storeu_ps(c + i * FMA_MT + v * FMA_VW, acc[i][v]);
+  }
+}
+#endif
+
+/* The driver of both vector-unit matmuls: dp = 0 multiplies in float32 (fma_pack, fma_tile: k slots of one
+ * float), dp = 1 in bfloat16 pairs (dp_pack, dp_tile: k / 2 slots of one pair). Every buffer counts 4-byte slots. */
+static int vector_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                         int64_t x_bf16, int64_t rows, void *y, int64_t y_stride, int64_t y_bf16,
+                         int64_t num_threads, int dp) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  dequantize_fn deq = dequantize_for(type);
+  if (deq == NULL || k % elems != 0 || (dp && (!x_bf16 || k % 2 != 0))) return 1;
+  if (rows == 0 || n == 0) return 0;
+  const int64_t slots = dp ? k / 2 : k; /* per row of x or W */
+  const int64_t blocks = (rows + FMA_MT - 1) / FMA_MT, row_bytes = k / elems * bytes;
+  const int64_t panels = (n + FMA_PANEL - 1) / FMA_PANEL;
+  int64_t group = FMA_X_BYTES / (slots * 4 * FMA_MT);
+  if (group < 1) group = 1;
+  if (group > blocks) group = blocks;
+  if (num_threads < 1 || panels < 2) num_threads = 1;
+  /* per thread: the panel, then the sums of a group's tiles between runs of k */
+  const size_t acc_at = (4 * (size_t)(FMA_PANEL * slots) + 63) / 64 * 64;
+  const size_t per_thread = acc_at + sizeof(float) * (size_t)(group * FMA_PANEL * FMA_MT);
+  uint32_t *xp = aligned_alloc(64, 4 * (size_t)(group * FMA_MT * slots)); /* one group's blocks */
+  char *work = aligned_alloc(64, per_thread * (size_t)num_threads);
+  if (!xp || !work) {
+    free(xp), free(work);
+    return 2;
+  }
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef _OPENMP
+    char *mine = work + per_thread * (size_t)omp_get_thread_num();
+#else
+    char *mine = work;
+#endif
+    uint32_t *panel = (uint32_t *)mine;
+    float *acc = (float *)(mine + acc_at);
+    for (int64_t g0 = 0; g0 < blocks; g0 += group) {
+      const int64_t g1 = g0 + group < blocks ? g0 + group : blocks;
+      /* laid out just before use, so that it is still in L2 (the loop below waits for every block) */
+#pragma omp for schedule(static)
+      for (int64_t mb = g0; mb < g1; mb++) {
+        uint32_t *dst = xp + (mb - g0) * slots * FMA_MT;
+#ifdef FMA_DP
+        if (dp) {
+          dp_pack((const uint16_t *)x, x_stride, rows, mb, slots, dst);
+          continue;
+        }
+#endif
+        fma_pack(x, x_stride, (int)x_bf16, rows, mb, k, (float *)dst);
+      }
+#pragma omp for schedule(guided)
+      for (int64_t p = 0; p < panels; p++) {
+        const int64_t j0 = p * FMA_PANEL, cols = n - j0 < FMA_PANEL ? n - j0 : FMA_PANEL;
+        for (int64_t r = 0; r < cols; r++) {
+          const uint8_t *src = weight + (j0 + r) * row_bytes;
+          if (dp) deq(src, NULL, (uint16_t *)(panel + r * slots), QK, 0, k / elems);
+          else deq(src, (float *)(panel + r * slots), NULL, QK, 0, k / elems);
+        }
+        /* a last tile's missing rows: zeros, so that its unused lanes stay finite */
+        memset(panel + cols * slots, 0, 4 * (size_t)(((cols + FMA_NR - 1) / FMA_NR * FMA_NR - cols) * slots));
+        for (int64_t k0 = 0; k0 < slots; k0 += FMA_KC) {
+          const int64_t kc = slots - k0 < FMA_KC ? slots - k0 : FMA_KC;
+          for (int64_t t0 = 0; t0 < cols; t0 += FMA_NR) {
+            for (int64_t mb = g0; mb < g1; mb++) {
+              float *c = acc + ((mb - g0) * FMA_PANEL + t0) * FMA_MT;
+              const uint32_t *xs = xp + ((mb - g0) * slots + k0) * FMA_MT, *ws = panel + t0 * slots + k0;
+#ifdef FMA_DP
+              if (dp) dp_tile(xs, ws, kc, slots, k0 == 0, c);
+              else
+#endif
+                fma_tile((const float *)xs, (const float *)ws, kc, slots, k0 == 0, c);
+              if (k0 + kc < slots) continue;
+              const int64_t tr = rows - mb * FMA_MT < FMA_MT ? rows - mb * FMA_MT : FMA_MT;
+              const int64_t tc = cols - t0 < FMA_NR ? cols - t0 : FMA_NR;
+              fma_store(c, tr, tc, y, y_stride, (int)y_bf16, mb * FMA_MT, j0 + t0);
+            }
+          }
+        }
+      }
+    }
+  }
+  free(work);
+  free(xp);
+  return 0;
+}
+
+/* y [rows, n] = x [rows, k] @ W^T on the vector unit in float32 (x float32, or bfloat16 widened exactly), the
+ * arguments of pagoda_quant_matmul. 0 on success, 1 for an unknown type or k not a multiple of the block, 2 when
+ * memory cannot be had. */
+int pagoda_quant_matmul_fma(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x,
+                            int64_t x_stride, int64_t x_bf16, int64_t rows, void *y, int64_t y_stride,
+                            int64_t y_bf16, int64_t num_threads) {
+  return vector_matmul(type, weight, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads, 0);
+}
+
+#ifdef FMA_DP
+/* The same with bfloat16 x and W dequantized to bfloat16 (rounded to nearest even), multiplied by AVX-512 BF16's
+ * pair dot products (the numerics of a dense bfloat16 matmul on such a CPU: products exact, sums in float32; the
+ * instruction flushes subnormals). 1 also for a float32 x. */
+int pagoda_quant_matmul_dpbf16(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x,
+                               int64_t x_stride, int64_t x_bf16, int64_t rows, void *y, int64_t y_stride,
+                               int64_t y_bf16, int64_t num_threads) {
+  return vector_matmul(type, weight, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads, 1);
+}
+#endif
+
 /* Many rows on AMX (built where the target has AMX-TILE and AMX-BF16): y = x @ W^T with bfloat16 x, W dequantized
  * 32 rows at a time into a bfloat16 panel that stays in L1/L2 and fed to the tile unit, so each weight byte is
  * read once per call and no dense copy of W exists. The weight panel is the A operand (16 rows of W by 32 k per
@@ -832,9 +1197,6 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define AMX_PANEL 32 /* rows of W per panel: two A tiles */
 #define ARCH_REQ_XCOMP_PERM 0x1023

@@ -1,12 +1,14 @@
 """The `cpu` backend of the quantized ops: csrc/cpu_quant.c, compiled at first use by `cbuild`, loaded with ctypes.
 
-`dequantize` is the C unpacking (bit-exact with the torch specification). `qmatmul` has three paths: few rows go
-to the C kernel that streams each weight block once and multiplies int8 activations (VNNI, AVX2 or generic C,
-whichever the build targets); from `AMX_MIN_ROWS` bfloat16 rows on, where the CPU has AMX, a C kernel dequantizes W
-32 rows at a time into a bfloat16 panel in cache and multiplies it on the tile unit (`amx`); elsewhere, above
-`GEMV_MAX_ROWS` rows, tiles of W are dequantized into a buffer and multiplied by torch's matmul (in bfloat16 for
-bfloat16 activations, else float32). The last two cost what the dense matmul costs without the dense weights ever
-existing whole.
+`dequantize` is the C unpacking (bit-exact with the torch specification). `qmatmul` has four paths: few rows go
+to the C kernel that streams each weight block once and multiplies int8 activations (`gemv`: VNNI, AVX2 or generic
+C, whichever the build targets); from `AMX_MIN_ROWS` bfloat16 rows on, where the CPU has AMX, a C kernel
+dequantizes W 32 rows at a time into a bfloat16 panel in cache and multiplies it on the tile unit (`amx`);
+elsewhere, above `GEMV_MAX_ROWS` rows, a C kernel dequantizes W a panel at a time into cache and multiplies it on
+the vector unit (`vector`: float32 fused multiply-adds, or AVX-512 BF16 pair dot products for bfloat16 x where the
+CPU has them), except for `VECTOR_MAX_ROWS` rows or more of a weight small enough to dequantize whole, which is
+dequantized and multiplied by torch's matmul (`tiled`: oneDNN's blocking wins there). None of them makes the dense
+weights exist whole in memory for longer than one call, and none for the large matrices at all.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ GEMV_MAX_ROWS = 16
 # from this many bfloat16 rows of x on, the AMX matmul beats the int8 dot products (it pays a dequantization of W
 # per call, which one pass of int8 products undercuts only for a few rows: measured on a Sapphire Rapids)
 AMX_MIN_ROWS = 6
+# from this many rows on, a weight of at most WHOLE_ELEMENTS is dequantized whole and multiplied by torch's matmul
+# rather than by the vector kernel (whose micro tiles reach ~85% of oneDNN's on such sizes, with the dequantization
+# on top: measured on a Sapphire Rapids in float32 and in AVX-512 BF16)
+VECTOR_MAX_ROWS = 512
 # float32 elements of W per dequantized tile (2 MB: stays in L2/L3 while it is multiplied)
 TILE_ELEMENTS = 1 << 19
 # up to this many elements (8 MB of float32) W is dequantized whole, for one matmul call
@@ -59,9 +65,14 @@ class QuantKernels:
     dequantize: Any  # ctypes function: (type, src, dst, bf16, num_blocks, num_threads) -> int
     # ctypes function: (type, w, n, k, x, x_stride, x_bf16, rows, y, y_stride, y_bf16, num_threads) -> int
     matmul: Any
+    # ctypes function of matmul's arguments: the vector unit's float32 many-row matmul (every build)
+    matmul_fma: Any
     # ctypes function of matmul's arguments (x bfloat16 only), or None where the build has no AMX or the OS
     # refuses this process the tile state
     matmul_amx: Any | None = None
+    # ctypes function of matmul's arguments (x bfloat16 only): the AVX-512 BF16 many-row matmul, or None where the
+    # build has no AVX-512 BF16
+    matmul_dpbf16: Any | None = None
 
 
 def build(flags: tuple[str, ...] = CFLAGS) -> Path:
@@ -94,9 +105,20 @@ def load(library: Path) -> QuantKernels:
     path.argtypes, path.restype = [], ctypes.c_int
     deq = lib["pagoda_quant_dequantize"]
     deq.argtypes, deq.restype = [_I64, _PTR, _PTR, _I64, _I64, _I64], ctypes.c_int
-    mm = lib["pagoda_quant_matmul"]
+    return QuantKernels(
+        KernelPath(path()),
+        deq,
+        _declared(lib["pagoda_quant_matmul"]),
+        _declared(lib["pagoda_quant_matmul_fma"]),
+        _amx_matmul(lib),
+        _declared(lib["pagoda_quant_matmul_dpbf16"]) if hasattr(lib, "pagoda_quant_matmul_dpbf16") else None,
+    )
+
+
+def _declared(mm: Any) -> Any:
+    """A C matmul with its signature declared (`MATMUL_ARGTYPES`, int status)."""
     mm.argtypes, mm.restype = list(MATMUL_ARGTYPES), ctypes.c_int
-    return QuantKernels(KernelPath(path()), deq, mm, _amx_matmul(lib))
+    return mm
 
 
 def _amx_matmul(lib: ctypes.CDLL) -> Any | None:
@@ -107,10 +129,9 @@ def _amx_matmul(lib: ctypes.CDLL) -> Any | None:
         return None
     grant.argtypes, grant.restype = [], ctypes.c_int
     if not grant():
-        logger.info("the OS refused the AMX tile state: many-row quantized matmuls use dequantized tiles")
+        logger.info("the OS refused the AMX tile state: many-row quantized matmuls use the vector unit")
         return None
-    mm.argtypes, mm.restype = list(MATMUL_ARGTYPES), ctypes.c_int
-    return mm
+    return _declared(mm)
 
 
 @functools.cache
@@ -230,6 +251,22 @@ def amx(
             f"amx reads bfloat16 rows and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}"
         )
     _matmul(lib.matmul_amx, x, weight, out, "AMX quantized matmul")
+
+
+def vector(
+    x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
+    weight: QuantizedTensor,  # [N, K]
+    out: Tensor,  # float32 or bfloat16 [rows, N], rows contiguous
+    lib: QuantKernels,
+) -> None:
+    """out = x @ W^T on the vector unit: W dequantized a panel at a time into cache (one pass over W per group of
+    rows that fits L2), multiplied in float32 (`matmul_fma`, x widened exactly), or for bfloat16 x in bfloat16
+    pairs where the build has AVX-512 BF16 (`matmul_dpbf16`: W rounded to bfloat16, the numerics of a dense
+    bfloat16 matmul); a bfloat16 out is rounded to nearest even."""
+    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"vector reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
+    pairs = x.dtype == torch.bfloat16 and lib.matmul_dpbf16 is not None
+    _matmul(lib.matmul_dpbf16 if pairs else lib.matmul_fma, x, weight, out, "vector quantized matmul")
 
 
 def tiled(

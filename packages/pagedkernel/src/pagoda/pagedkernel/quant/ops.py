@@ -52,8 +52,8 @@ def qmatmul(
 
     On the `cpu` backend few rows use int8 activations (see the README for the error bound); more rows multiply
     the exact dequantized weights in float32 (in bfloat16, rounded to nearest even, for bfloat16 x: on the AMX
-    tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one), and so does the `torch` backend, in
-    float32.
+    tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one, else by AVX-512 BF16 dot products where it
+    has those), and so does the `torch` backend, in float32.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
@@ -84,15 +84,17 @@ def qmatmul(
     ):
         cpu_quant.amx(x, weight, y, lib)
         return y
-    if x.shape[0] > cpu_quant.GEMV_MAX_ROWS:
+    rows = x.shape[0]
+    if rows >= cpu_quant.VECTOR_MAX_ROWS and n * k <= cpu_quant.WHOLE_ELEMENTS:
         cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
-    # float32 and bfloat16 rows go to the kernel as they are (it widens bfloat16 exactly and rounds a bfloat16
+    # float32 and bfloat16 rows go to the kernels as they are (they widen bfloat16 exactly and round a bfloat16
     # output as torch would): no conversion copies around the matmul.
+    run = cpu_quant.gemv if rows <= cpu_quant.GEMV_MAX_ROWS else cpu_quant.vector
     xin = x if x.dtype in cpu_quant.GEMV_DTYPES and x.stride(-1) == 1 else x.to(torch.float32).contiguous()
     if y.dtype in cpu_quant.GEMV_DTYPES and y.stride(-1) == 1:
-        cpu_quant.gemv(xin, weight, y, lib)
+        run(xin, weight, y, lib)
         return y
-    result = torch.empty((x.shape[0], n), dtype=torch.float32)
-    cpu_quant.gemv(xin, weight, result, lib)
+    result = torch.empty((rows, n), dtype=torch.float32)
+    run(xin, weight, result, lib)
     return y.copy_(result)

@@ -64,6 +64,19 @@ def int8_error_bound(
     return (dx / 2) @ wb.t() + 1e-4 * rounding
 
 
+def float32_error_bound(
+    x: Tensor,  # [rows, K]
+    w: Tensor,  # float [N, K], the weights the kernel multiplies (exact, or rounded to bfloat16 first)
+) -> Tensor:  # float64 [rows, N]
+    """The most any float32 evaluation of x @ w^T can be off, in any summation order and with or without fused
+    multiply-adds: gamma_K * sum |x| |w| (Higham's bound, gamma_K = K u / (1 - K u), u = 2^-24), plus the smallest
+    subnormal for products a bfloat16 dot product flushes to zero."""
+    k = x.shape[-1]
+    u = 2.0**-24
+    magnitudes = x.to(torch.float64).abs() @ w.to(torch.float64).abs().t()
+    return k * u / (1 - k * u) * magnitudes + k * 2.0**-126
+
+
 def assert_bit_exact(got: Tensor, expected: Tensor) -> None:
     """Same float32 bits everywhere, except that NaNs need only be NaN on both sides (payloads may differ)."""
     assert got.dtype == expected.dtype == torch.float32, (got.dtype, expected.dtype)
