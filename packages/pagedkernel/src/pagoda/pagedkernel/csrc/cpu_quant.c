@@ -413,6 +413,26 @@ INLINE void value_pair(float scale, float offset, int has_offset, int bias, __m5
   }
 }
 
+/* values_of sixteen lanes at a time, in explicit vectors (the compiler's own vectorisation of values_of keeps to
+ * 256-bit halves and branches per group): the same multiply and add per element. */
+INLINE void values_f32(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
+                       float *restrict out) {
+  for (int g = 0; g < elems / 16; g += 2) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    a = _mm512_mul_ps(_mm512_set1_ps(scale[g]), a);
+    b = _mm512_mul_ps(_mm512_set1_ps(scale[g + 1]), b);
+    if (has_offset) {
+      const __m512 o = _mm512_set1_ps(offset[g / 2]);
+      a = _mm512_add_ps(a, o);
+      b = _mm512_add_ps(b, o);
+    }
+    _mm512_storeu_ps(out + 16 * g, a);
+    _mm512_storeu_ps(out + 16 * g + 16, b);
+  }
+}
+
 /* 32 unsigned codes (bytes < 32) looked up in the pair of tables (two permutes), stored as float32 at out. */
 INLINE void lookup32_f32(__m512 lo, __m512 hi, __m256i codes, float *out) {
   const __m512i c0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes));
@@ -422,7 +442,7 @@ INLINE void lookup32_f32(__m512 lo, __m512 hi, __m256i codes, float *out) {
 }
 
 /* One block as float32 at out, elems contiguous values: bf16_block's lookups for the formats of at most five
- * bits (no unpacking into bytes and no conversions), values_of for the others. */
+ * bits (no unpacking into bytes and no conversions), values_f32 for the others. */
 INLINE void f32_block(const int64_t type, const uint8_t *b, float *out) {
   __m512 lo, hi;
   switch (type) {
@@ -444,7 +464,7 @@ INLINE void f32_block(const int64_t type, const uint8_t *b, float *out) {
       return;
     case Q8_0: {
       const float d = f16(b);
-      values_of((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, out);
+      values_f32((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, out);
       return;
     }
     case I4_G64:
@@ -467,7 +487,7 @@ INLINE void f32_block(const int64_t type, const uint8_t *b, float *out) {
     }
     return;
   }
-  values_of(w, scale, offset, has_offset, elems, out);
+  values_f32(w, scale, offset, has_offset, elems, out);
 }
 #endif
 
