@@ -4,15 +4,16 @@ For each shape (default: Gemma 3 270M's LM head, 262,144 x 640, and its layers: 
 640 x 2,048; N x K), each format whose block divides K (the K-quants need K % 256 == 0, which is why the model
 stores its 640-wide matrices as Q5_0 and Q8_0) and each batch size (rows of x, default 1, 4, 16, 64, 256), best
 of --repeats after a warm-up:
-- qmatmul: the cpu backend (int8 dot products up to 16 rows, dequantized tiles and torch's float32 matmul above),
-  in ms and in GB/s of weight bytes read (the quantized bytes over the time);
+- qmatmul: the cpu backend with float32 x (int8 dot products up to 16 rows; above, W dequantized a panel at a time
+  into cache and multiplied on the vector unit, or, from 512 rows of a weight small enough, dequantized whole and
+  multiplied by torch's matmul), in ms and in GB/s of weight bytes read (the quantized bytes over the time);
 - bf16 x: qmatmul with bfloat16 activations (the int8 kernel for few rows; from 6 rows the AMX kernel where the
-  CPU has one, else bfloat16 tiles above 16 rows);
+  CPU has one, else above 16 rows the vector kernel, in AVX-512 BF16 pairs where the CPU has those);
 - deq+mm: dequantize the whole weight (cpu backend), then torch.matmul in float32: what the tiles must beat;
 - bf16, f32: dense torch.matmul with the dequantized weight held in bfloat16 / float32, x in the same dtype;
-- packed: what the engine's dense path runs, oneDNN's linear on the bfloat16 weight packed once for this batch
-  size (`_reorder_linear_weight`, as `--quantization none` holds it; blank where torch has no oneDNN), and
-  `bf16 x` against it.
+- packed, packed f32: what the engine's dense path runs, oneDNN's linear on the bfloat16 / float32 weight packed
+  once for this batch size (`_reorder_linear_weight`, as `--quantization none` holds it; blank where torch has no
+  oneDNN), and `bf16 x` / `qmatmul` against it.
 A bandwidth probe (`sum` of a float32 tensor as large as the biggest dense weight) is printed in the header and
 each qmatmul's GB/s is shown as a share of it. The machine may be shared: compare ratios from one run, and
 prefer --threads 1 there (two OpenMP threads wait on each other whenever either is descheduled).
@@ -67,16 +68,17 @@ class Point:
     bf16_ms: float
     f32_ms: float
     packed_ms: float | None = None
+    packed_f32_ms: float | None = None
 
 
-def packed_linear(x16: Tensor, dense16: Tensor) -> Callable[[], object] | None:
-    """oneDNN's linear on `dense16` packed for x16's batch size (the engine's dense bfloat16 path); None where
+def packed_linear(x: Tensor, dense: Tensor) -> Callable[[], object] | None:
+    """oneDNN's linear on `dense` packed for x's batch size (the engine's dense path in that dtype); None where
     torch lacks those ops."""
     mkldnn = torch.ops.mkldnn
     if not (torch._C._has_mkldnn and hasattr(mkldnn, "_reorder_linear_weight")):
         return None
-    packed = mkldnn._reorder_linear_weight(dense16, x16.shape[0])
-    return functools.partial(mkldnn._linear_pointwise, x16, packed, None, "none", [], "")
+    packed = mkldnn._reorder_linear_weight(dense, x.shape[0])
+    return functools.partial(mkldnn._linear_pointwise, x, packed, None, "none", [], "")
 
 
 def best_ms(fn: Callable[[], object], repeats: int, budget_s: float = 2.0) -> float:
@@ -128,14 +130,17 @@ def measure(
         x16 = x.to(torch.bfloat16)
         bf16_ms = best_ms(functools.partial(torch.matmul, x16, dense16.t()), repeats)
         f32_ms = best_ms(functools.partial(torch.matmul, x, dense32.t()), repeats)
-        engine = packed_linear(x16, dense16)
+        engine, engine32 = packed_linear(x16, dense16), packed_linear(x, dense32)
         packed_ms = best_ms(engine, repeats) if engine is not None else None
+        packed_f32_ms = best_ms(engine32, repeats) if engine32 is not None else None
         for f in usable:
             w = weights[f]
             q_ms = best_ms(functools.partial(qmatmul, x, w, backend="cpu"), repeats)
             q16_ms = best_ms(functools.partial(qmatmul, x16, w, backend="cpu"), repeats)
             d_ms = best_ms(functools.partial(dequantize_then_matmul, x, w), repeats)
-            points.append(Point(name, n, k, f, r, w.nbytes, q_ms, q16_ms, d_ms, bf16_ms, f32_ms, packed_ms))
+            points.append(
+                Point(name, n, k, f, r, w.nbytes, q_ms, q16_ms, d_ms, bf16_ms, f32_ms, packed_ms, packed_f32_ms)
+            )
     return points
 
 
@@ -143,7 +148,8 @@ def format_table(points: Sequence[Point], probe: float) -> str:
     """One line per point: qmatmul's ms, GB/s and share of the probe, beside deq+mm and the dense matmuls."""
     header = (
         f"{'shape':18} {'format':6} {'rows':>4} {'qmatmul ms':>10} {'GB/s':>6} {'of probe':>8} {'bf16 x ms':>9} "
-        f"{'deq+mm ms':>9} {'bf16 ms':>8} {'f32 ms':>8} {'vs bf16':>7} {'vs f32':>7} {'packed':>8} {'bf16 x vs':>9}"
+        f"{'deq+mm ms':>9} {'bf16 ms':>8} {'f32 ms':>8} {'vs bf16':>7} {'vs f32':>7} {'packed':>8} {'bf16 x vs':>9} "
+        f"{'packed f32':>10} {'q vs':>7}"
     )
     lines = [header, "-" * len(header)]
     for p in points:
@@ -158,6 +164,11 @@ def format_table(points: Sequence[Point], probe: float) -> str:
                 f"{p.packed_ms:8.2f} {p.packed_ms / p.qmatmul_bf16_ms:8.2f}x"
                 if p.packed_ms is not None
                 else f"{'':8} {'':9}"
+            )
+            + (
+                f" {p.packed_f32_ms:10.2f} {p.packed_f32_ms / p.qmatmul_ms:6.2f}x"
+                if p.packed_f32_ms is not None
+                else ""
             )
         )
     return "\n".join(lines)
@@ -186,9 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         points.extend(measure(name, n, k, args.formats, args.rows, args.repeats))
     lib = cpu_quant.kernels()
     amx = "with" if lib.matmul_amx is not None else "without"
+    pairs = "with" if lib.matmul_dpbf16 is not None else "without"
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads, kernel path {lib.path.name} {amx} the AMX matmul, "
-        f"probe (float32 sum) {probe:.1f} GB/s, best of {args.repeats}"
+        f"{pairs} the AVX-512 BF16 one, probe (float32 sum) {probe:.1f} GB/s, best of {args.repeats}"
     )
     print(format_table(points, probe))
     if args.json:

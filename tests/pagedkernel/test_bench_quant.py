@@ -36,8 +36,9 @@ def test_bench_quant_quick(tmp_path: Path) -> None:
     packed = torch._C._has_mkldnn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     for p in points:
         assert all(p[key] > 0 for key in ("qmatmul_ms", "qmatmul_bf16_ms", "deq_mm_ms", "bf16_ms", "f32_ms"))
-        assert (p["packed_ms"] > 0) if packed else p["packed_ms"] is None  # the engine's dense path
+        for key in ("packed_ms", "packed_f32_ms"):  # the engine's dense paths
+            assert (p[key] > 0) if packed else p[key] is None
     lines = result.stdout.splitlines()
-    assert "threads" in lines[0] and "GB/s" in lines[0] and "AMX matmul" in lines[0]
-    assert "vs bf16" in lines[1] and "packed" in lines[1]
+    assert "threads" in lines[0] and "GB/s" in lines[0] and "AMX matmul" in lines[0] and "BF16 one" in lines[0]
+    assert "vs bf16" in lines[1] and "packed" in lines[1] and "packed f32" in lines[1]
     assert len(lines) == 3 + len(points)
