@@ -688,6 +688,24 @@ INLINE void store_output(facc acc, float off, void *y, int64_t index, int y_bf16
   }
 }
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
+/* Software prefetch for the weight streams of the matmuls above: a thread's columns are runs of a few KB (a chunk
+ * of the guided schedule), too short for the hardware prefetchers to ramp up, so a cold weight (every layer of a
+ * decode step: the model is larger than the caches) streamed at about half the rate a cached one does. Each
+ * column asks for the lines PREFETCH_AHEAD bytes past its own (prefetches never fault, past the end either);
+ * measured on a Sapphire Rapids, one row from DRAM: a 4,096 x 640 Q5_0 gate/up 180 -> 137 us, the 262,144 x 640
+ * Q8_0 LM head 12.5 -> 10.3 ms. */
+INLINE void prefetch_ahead(const uint8_t *p, int64_t len) {
+  for (int64_t at = 0; at < len; at += 64) __builtin_prefetch(p + PREFETCH_AHEAD + at, 0, 3);
+}
+
+/* The first PREFETCH_AHEAD bytes of a run, asked for at its start. */
+INLINE void prefetch_start(const uint8_t *p) {
+  for (int64_t at = 0; at < PREFETCH_AHEAD; at += 64) __builtin_prefetch(p + at, 0, 3);
+}
+
 /* Columns j0..j1 of y for one weight type (a constant once inlined into the per-type functions below). W is
  * unpacked 256 elements at a time (one super-block, or eight 32-blocks) and prepared once; then each row runs
  * over those eight sub-blocks with its sums in registers. */
@@ -698,8 +716,10 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t xblocks = k / QK, wblocks = k / elems, row_bytes = wblocks * bytes;
   const int64_t per_chunk = QK_K / elems; /* weight blocks unpacked together */
+  prefetch_start(weight + j0 * row_bytes);
   for (int64_t j = j0; j < j1; j++) {
     const uint8_t *wrow = weight + j * row_bytes;
+    prefetch_ahead(wrow, row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
       int64_t nr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
       facc acc[MAX_ROWS];
@@ -778,8 +798,10 @@ INLINE void one_row_columns_vnni(const int64_t type, const uint8_t *weight, int6
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t blocks = k / QK, row_bytes = blocks * bytes;
   int64_t j = j0;
+  prefetch_start(weight + j0 * row_bytes);
   for (; j + 2 <= j1; j += 2) {
     const uint8_t *w0 = weight + j * row_bytes, *w1 = w0 + row_bytes;
+    prefetch_ahead(w0, 2 * row_bytes);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
       float d0, d1;
