@@ -139,7 +139,9 @@ def measure(
             q16_ms = best_ms(functools.partial(qmatmul, x16, w, backend="cpu"), repeats)
             d_ms = best_ms(functools.partial(dequantize_then_matmul, x, w), repeats)
             points.append(
-                Point(name, n, k, f, r, w.nbytes, q_ms, q16_ms, d_ms, bf16_ms, f32_ms, packed_ms, packed_f32_ms)
+                Point(
+                    name, n, k, f, r, w.nbytes, q_ms, q16_ms, d_ms, bf16_ms, f32_ms, packed_ms, packed_f32_ms
+                )
             )
     return points
 

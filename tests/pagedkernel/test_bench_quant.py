@@ -39,6 +39,8 @@ def test_bench_quant_quick(tmp_path: Path) -> None:
         for key in ("packed_ms", "packed_f32_ms"):  # the engine's dense paths
             assert (p[key] > 0) if packed else p[key] is None
     lines = result.stdout.splitlines()
-    assert "threads" in lines[0] and "GB/s" in lines[0] and "AMX matmul" in lines[0] and "BF16 one" in lines[0]
+    assert (
+        "threads" in lines[0] and "GB/s" in lines[0] and "AMX matmul" in lines[0] and "BF16 one" in lines[0]
+    )
     assert "vs bf16" in lines[1] and "packed" in lines[1] and "packed f32" in lines[1]
     assert len(lines) == 3 + len(points)
