@@ -14,7 +14,7 @@ import pytest
 import torch
 from pagoda.pagedkernel.cbuild import cpu_flags
 from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
-from pagoda.pagedkernel.quant.testing import random_weight
+from pagoda.pagedkernel.quant.testing import outputs_on_threads, random_weight
 
 ALL_TYPES = list(GGMLType)
 K = 768  # 24 tiles of 32: the k runs of 8 tiles are three, and every block format divides it
@@ -72,16 +72,7 @@ def test_amx_many_rows_cross_the_row_blocks() -> None:
     g = torch.Generator().manual_seed(2)
     weight = random_weight(GGMLType.Q4_K, (300, K), g)
     x = torch.randn(700, K, generator=g).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.full((700, 300), float("nan"))
-        cpu_quant.amx(x, weight, one, lib)
-        torch.set_num_threads(2)
-        two = torch.full((700, 300), float("nan"))
-        cpu_quant.amx(x, weight, two, lib)
-    finally:
-        torch.set_num_threads(before)
+    one, two = outputs_on_threads(lambda out: cpu_quant.amx(x, weight, out, lib), (700, 300))
     assert torch.equal(one, two)
     torch.testing.assert_close(one, reference(x, weight), rtol=1e-5, atol=1e-4)
 

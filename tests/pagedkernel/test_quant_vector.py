@@ -15,14 +15,15 @@ import pytest
 import torch
 from pagoda.pagedkernel.cbuild import cpu_flags
 from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
-from pagoda.pagedkernel.quant.testing import float32_error_bound, random_weight
+from pagoda.pagedkernel.quant.testing import float32_error_bound, outputs_on_threads, random_weight
 
 ALL_TYPES = list(GGMLType)
 K = 768  # three runs of 256 k, and a multiple of every block
 N = 77  # not a multiple of any micro tile (12, 6, 4 columns) nor of a panel (48, 24, 16 rows of W)
-# -march targets and what each needs of this CPU: AVX-512 without BF16 (the 32 x 12 float32 tiles), AVX2 with FMA
-# (16 x 6), generic C (8 x 4 of plain multiplies and adds)
-TARGETS = {"x86-64-v4": "avx512bw", "x86-64-v3": "avx2", "x86-64": "sse2"}
+# -march targets and what each needs of this CPU: AVX-512 BF16 without AMX (a Zen 4's kernels: the pair dot
+# products), AVX-512 without BF16 (the 32 x 12 float32 tiles), AVX2 with FMA (16 x 6), generic C (8 x 4 of plain
+# multiplies and adds)
+TARGETS = {"cooperlake": "avx512_bf16", "x86-64-v4": "avx512bw", "x86-64-v3": "avx2", "x86-64": "sse2"}
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +99,12 @@ def test_native_build_has_the_pair_kernel_where_the_cpu_does(
     builds: dict[str, cpu_quant.QuantKernels],
 ) -> None:
     """-march=native builds the AVX-512 BF16 matmul on a CPU with AVX-512 BF16; x86-64-v4 (no BF16) has none,
-    and every build has the float32 one."""
+    cooperlake (BF16, no AMX) has it and no AMX matmul, and every build has the float32 one."""
     assert (builds["native"].matmul_dpbf16 is not None) == ("avx512_bf16" in cpu_flags())
     if "x86-64-v4" in builds:
         assert builds["x86-64-v4"].matmul_dpbf16 is None
+    if "cooperlake" in builds:
+        assert builds["cooperlake"].matmul_dpbf16 is not None and builds["cooperlake"].matmul_amx is None
     assert all(lib.matmul_fma is not None for lib in builds.values())
 
 
@@ -128,16 +131,7 @@ def test_groups_of_rows_and_threads(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(7)
     weight = random_weight(GGMLType.Q8_0, (300, K), g)
     x = torch.randn(700, K, generator=g).to(dtype)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.full((700, 300), float("nan"))
-        cpu_quant.vector(x, weight, one, lib)
-        torch.set_num_threads(2)
-        two = torch.full((700, 300), float("nan"))
-        cpu_quant.vector(x, weight, two, lib)
-    finally:
-        torch.set_num_threads(before)
+    one, two = outputs_on_threads(lambda out: cpu_quant.vector(x, weight, out, lib), (700, 300))
     assert torch.equal(one, two)
     assert_within_bound(one, x, multiplied(weight, x, lib))
 

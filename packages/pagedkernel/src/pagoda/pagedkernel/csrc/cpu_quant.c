@@ -308,7 +308,51 @@ INLINE void values_of(const int8_t *w, const float *scale, const float *offset, 
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && PATH >= 1
+#define F32_LOOKUPS 1 /* float32 dequantization by f32_block (dequantize_blocks); the helpers of both below */
+/* values_of for elements 16g..16g+31 (two groups of sixteen), as two vectors: the same multiply and add per
+ * element. One 32-byte load: the unpackers store 32 bytes at a time, and a narrower load of a wider store's upper
+ * half may not be forwarded from it (a stall per block). */
+INLINE void scaled_pair(const int8_t *w, const float *scale, const float *offset, int has_offset, int g, __m512 *a,
+                        __m512 *b) {
+  const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+  *a = _mm512_mul_ps(_mm512_set1_ps(scale[g]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+  *b = _mm512_mul_ps(_mm512_set1_ps(scale[g + 1]),
+                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+  if (has_offset) {
+    const __m512 o = _mm512_set1_ps(offset[g / 2]);
+    *a = _mm512_add_ps(*a, o);
+    *b = _mm512_add_ps(*b, o);
+  }
+}
+
+/* values_of sixteen lanes at a time, in explicit vectors (the compiler's own vectorisation of values_of keeps to
+ * 256-bit halves and branches per group). */
+INLINE void values_f32(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
+                       float *restrict out) {
+  for (int g = 0; g < elems / 16; g += 2) {
+    __m512 a, b;
+    scaled_pair(w, scale, offset, has_offset, g, &a, &b);
+    _mm512_storeu_ps(out + 16 * g, a);
+    _mm512_storeu_ps(out + 16 * g + 16, b);
+  }
+}
+
+/* The float32 values scale * (j - bias) (+ offset) for j = 0..15 (lo) and 16..31 (hi), computed as values_of
+ * computes each element (so that a lookup in them is bit-exact). */
+INLINE void value_pair(float scale, float offset, int has_offset, int bias, __m512 *lo, __m512 *hi) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 l = _mm512_sub_ps(iota, _mm512_set1_ps((float)bias)), h = _mm512_add_ps(l, _mm512_set1_ps(16.0f));
+  *lo = _mm512_mul_ps(_mm512_set1_ps(scale), l);
+  *hi = _mm512_mul_ps(_mm512_set1_ps(scale), h);
+  if (has_offset) {
+    *lo = _mm512_add_ps(*lo, _mm512_set1_ps(offset));
+    *hi = _mm512_add_ps(*hi, _mm512_set1_ps(offset));
+  }
+}
+#endif
+
+#if defined(F32_LOOKUPS) && defined(__AVX512BF16__)
 #define BF16_LOOKUPS 1 /* bfloat16 dequantization by the functions below (dequantize_blocks) */
 /* values_of rounded to bfloat16, sixteen lanes at a time: the same multiply and add, then the instruction's
  * round to nearest even (its flush of float32 subnormals never applies: a nonzero value is at least a float16
@@ -316,18 +360,8 @@ INLINE void values_of(const int8_t *w, const float *scale, const float *offset, 
 INLINE void values_bf16(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
                         uint16_t *restrict out) {
   for (int g = 0; g < elems / 16; g += 2) {
-    /* one 32-byte load: the unpackers store 32 bytes at a time, and a narrower load of a wider store's upper
-     * half may not be forwarded from it (a stall per block) */
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
-    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    a = _mm512_mul_ps(_mm512_set1_ps(scale[g]), a);
-    b = _mm512_mul_ps(_mm512_set1_ps(scale[g + 1]), b);
-    if (has_offset) {
-      const __m512 o = _mm512_set1_ps(offset[g / 2]);
-      a = _mm512_add_ps(a, o);
-      b = _mm512_add_ps(b, o);
-    }
+    __m512 a, b;
+    scaled_pair(w, scale, offset, has_offset, g, &a, &b);
     _mm512_storeu_si512(out + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(b, a));
   }
 }
@@ -335,15 +369,9 @@ INLINE void values_bf16(const int8_t *w, const float *scale, const float *offset
 /* The 32 bfloat16 values scale * (j - bias) (+ offset), j = 0..31: what every element of a block of at most five
  * bits can be, computed as values_of computes each one (so a lookup in it is bit-exact). */
 INLINE __m512i value_table(float scale, float offset, int has_offset, int bias) {
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 lo = _mm512_sub_ps(iota, _mm512_set1_ps((float)bias));
-  const __m512 hi = _mm512_add_ps(lo, _mm512_set1_ps(16.0f));
-  __m512 a = _mm512_mul_ps(_mm512_set1_ps(scale), lo), b = _mm512_mul_ps(_mm512_set1_ps(scale), hi);
-  if (has_offset) {
-    a = _mm512_add_ps(a, _mm512_set1_ps(offset));
-    b = _mm512_add_ps(b, _mm512_set1_ps(offset));
-  }
-  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  __m512 lo, hi;
+  value_pair(scale, offset, has_offset, bias, &lo, &hi);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 /* 32 elements of unsigned codes (bytes < 32) looked up in a value table, stored as bfloat16 at out. */
@@ -398,41 +426,7 @@ INLINE void bf16_block(const int64_t type, const uint8_t *b, uint16_t *out, int6
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && PATH >= 1
-#define F32_LOOKUPS 1 /* float32 dequantization by f32_block (dequantize_blocks) */
-/* The float32 values scale * (j - bias) (+ offset) for j = 0..15 (lo) and 16..31 (hi), computed as values_of
- * computes each element (so that a lookup in them is bit-exact). */
-INLINE void value_pair(float scale, float offset, int has_offset, int bias, __m512 *lo, __m512 *hi) {
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 l = _mm512_sub_ps(iota, _mm512_set1_ps((float)bias)), h = _mm512_add_ps(l, _mm512_set1_ps(16.0f));
-  *lo = _mm512_mul_ps(_mm512_set1_ps(scale), l);
-  *hi = _mm512_mul_ps(_mm512_set1_ps(scale), h);
-  if (has_offset) {
-    *lo = _mm512_add_ps(*lo, _mm512_set1_ps(offset));
-    *hi = _mm512_add_ps(*hi, _mm512_set1_ps(offset));
-  }
-}
-
-/* values_of sixteen lanes at a time, in explicit vectors (the compiler's own vectorisation of values_of keeps to
- * 256-bit halves and branches per group): the same multiply and add per element. */
-INLINE void values_f32(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
-                       float *restrict out) {
-  for (int g = 0; g < elems / 16; g += 2) {
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
-    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    a = _mm512_mul_ps(_mm512_set1_ps(scale[g]), a);
-    b = _mm512_mul_ps(_mm512_set1_ps(scale[g + 1]), b);
-    if (has_offset) {
-      const __m512 o = _mm512_set1_ps(offset[g / 2]);
-      a = _mm512_add_ps(a, o);
-      b = _mm512_add_ps(b, o);
-    }
-    _mm512_storeu_ps(out + 16 * g, a);
-    _mm512_storeu_ps(out + 16 * g + 16, b);
-  }
-}
-
+#ifdef F32_LOOKUPS
 /* 32 unsigned codes (bytes < 32) looked up in the pair of tables (two permutes), stored as float32 at out. */
 INLINE void lookup32_f32(__m512 lo, __m512 hi, __m256i codes, float *out) {
   const __m512i c0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes));

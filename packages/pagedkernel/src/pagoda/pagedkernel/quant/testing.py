@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
 from torch import Tensor
@@ -75,6 +77,24 @@ def float32_error_bound(
     u = 2.0**-24
     magnitudes = x.to(torch.float64).abs() @ w.to(torch.float64).abs().t()
     return k * u / (1 - k * u) * magnitudes + k * 2.0**-126
+
+
+def outputs_on_threads(
+    run: Callable[[Tensor], None], shape: tuple[int, int], counts: tuple[int, ...] = (1, 2)
+) -> list[Tensor]:  # float32 [*shape] per count
+    """run(out) into a NaN-filled float32 out once per torch thread count in `counts` (restored after): the kernels
+    compute each output whole on one thread, so the results should be equal bit for bit."""
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            out = torch.full(shape, float("nan"))
+            run(out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    return outs
 
 
 def assert_bit_exact(got: Tensor, expected: Tensor) -> None:
