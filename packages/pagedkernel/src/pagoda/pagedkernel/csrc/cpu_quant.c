@@ -309,7 +309,7 @@ INLINE void values_of(const int8_t *w, const float *scale, const float *offset, 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && PATH >= 1
-#define F32_LOOKUPS 1 /* float32 dequantization by f32_block (dequantize_blocks); the helpers of both below */
+#define F32_LOOKUPS 1 /* dequantization by block_values (dequantize_blocks): float32, and bfloat16 with BF16 */
 /* values_of for elements 16g..16g+31 (two groups of sixteen), as two vectors: the same multiply and add per
  * element. One 32-byte load: the unpackers store 32 bytes at a time, and a narrower load of a wider store's upper
  * half may not be forwarded from it (a stall per block). */
@@ -353,7 +353,7 @@ INLINE void value_pair(float scale, float offset, int has_offset, int bias, __m5
 #endif
 
 #if defined(F32_LOOKUPS) && defined(__AVX512BF16__)
-#define BF16_LOOKUPS 1 /* bfloat16 dequantization by the functions below (dequantize_blocks) */
+#define BF16_LOOKUPS 1 /* bfloat16 rounding in block_values, by the functions below */
 /* values_of rounded to bfloat16, sixteen lanes at a time: the same multiply and add, then the instruction's
  * round to nearest even (its flush of float32 subnormals never applies: a nonzero value is at least a float16
  * scale's subnormal, 2^-24, and a difference of two such products a multiple of 2^-48). */
@@ -366,64 +366,11 @@ INLINE void values_bf16(const int8_t *w, const float *scale, const float *offset
   }
 }
 
-/* The 32 bfloat16 values scale * (j - bias) (+ offset), j = 0..31: what every element of a block of at most five
- * bits can be, computed as values_of computes each one (so a lookup in it is bit-exact). */
-INLINE __m512i value_table(float scale, float offset, int has_offset, int bias) {
-  __m512 lo, hi;
-  value_pair(scale, offset, has_offset, bias, &lo, &hi);
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 /* 32 elements of unsigned codes (bytes < 32) looked up in a value table, stored as bfloat16 at out. */
 INLINE void lookup32(__m512i table, __m256i codes, uint16_t *out) {
   _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table));
 }
 
-/* One block as bfloat16, 32 elements at a time: elements 32s..32s+31 at out + s * stride. The formats of at most
- * five bits look their codes up in a table of the 32 values the block's scale gives (one permute per 32 elements
- * instead of a conversion, a multiply and an add per 16); Q8_0 and Q6_K are converted. */
-INLINE void bf16_block(const int64_t type, const uint8_t *b, uint16_t *out, int64_t stride) {
-  switch (type) {
-    case Q4_0:
-      lookup32(value_table(f16(b), 0.0f, 0, 8), nibbles_v(b + 2), out);
-      return;
-    case Q4_1:
-      lookup32(value_table(f16(b), f16(b + 2), 1, 0), nibbles_v(b + 4), out);
-      return;
-    case Q5_0:
-      lookup32(value_table(f16(b), 0.0f, 0, 16), fives_v(b + 2, b + 6), out);
-      return;
-    case Q5_1:
-      lookup32(value_table(f16(b), f16(b + 2), 1, 0), fives_v(b + 4, b + 8), out);
-      return;
-    case Q8_0: { /* straight from the block: no copy of its bytes first */
-      const float d = f16(b);
-      values_bf16((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, out);
-      return;
-    }
-    case I4_G64:
-    case I4_G128: {
-      const __m512i table = value_table(f16(b), f16(b + 2), 1, 0);
-      for (int s = 0; s < (type == I4_G64 ? 2 : 4); s++) lookup32(table, nibbles_v(b + 4 + 16 * s), out + s * stride);
-      return;
-    }
-    default:
-      break;
-  }
-  int elems, bytes, has_offset;
-  type_info(type, &elems, &bytes, &has_offset);
-  int8_t w[QK_K];
-  float scale[QK_K / 16], offset[QK_K / QK];
-  unpack(type, b, w, scale, offset);
-  for (int s = 0; s < elems / QK; s++) {
-    if (type == Q4_K || type == Q5_K) { /* unsigned codes, a scale and a minimum per 32 */
-      lookup32(value_table(scale[2 * s], offset[s], 1, 0), _mm256_loadu_si256((const __m256i *)(w + QK * s)),
-               out + s * stride);
-    } else {
-      values_bf16(w + QK * s, scale + 2 * s, offset + s, has_offset, QK, out + s * stride);
-    }
-  }
-}
 #endif
 
 #ifdef F32_LOOKUPS
@@ -435,36 +382,67 @@ INLINE void lookup32_f32(__m512 lo, __m512 hi, __m256i codes, float *out) {
   _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, c1, hi));
 }
 
-/* One block as float32 at out, elems contiguous values: bf16_block's lookups for the formats of at most five
- * bits (no unpacking into bytes and no conversions), values_f32 for the others. */
-INLINE void f32_block(const int64_t type, const uint8_t *b, float *out) {
+/* 32 codes looked up in a value pair (value_pair): float32 at out, or where out is NULL bfloat16 at out16 (the
+ * pair rounded to one 32-entry table, then one permute). */
+INLINE void lookup_codes(__m512 lo, __m512 hi, __m256i codes, float *out, uint16_t *out16) {
+  (void)out16; /* only read with BF16 */
+#ifdef BF16_LOOKUPS
+  if (!out) {
+    lookup32((__m512i)_mm512_cvtne2ps_pbh(hi, lo), codes, out16);
+    return;
+  }
+#endif
+  lookup32_f32(lo, hi, codes, out);
+}
+
+/* values_of as float32 at out, or where out is NULL rounded to bfloat16 at out16. */
+INLINE void values_to(const int8_t *w, const float *scale, const float *offset, int has_offset, int elems,
+                      float *out, uint16_t *out16) {
+  (void)out16; /* only read with BF16 */
+#ifdef BF16_LOOKUPS
+  if (!out) {
+    values_bf16(w, scale, offset, has_offset, elems, out16);
+    return;
+  }
+#endif
+  values_f32(w, scale, offset, has_offset, elems, out);
+}
+
+/* Where sub-block s (elements 32s..32s+31) of a block goes: float32 at out + 32s, or bfloat16 at out16 + s * stride. */
+#define CHUNK(s) out ? out + QK * (s) : NULL, out ? NULL : out16 + (s) * stride
+
+/* One block as float32 at out (elems contiguous values) or, where out is NULL, as bfloat16 at out16, 32 elements at
+ * a time (elements 32s.. at out16 + s * stride). The formats of at most five bits look their codes up in the 32
+ * values the block's scale gives (no unpacking into bytes, no conversion, multiply and add per 16 elements: a
+ * permute per 16 or 32); Q8_0 and Q6_K are converted in explicit vectors. */
+INLINE void block_values(const int64_t type, const uint8_t *b, float *out, uint16_t *out16, int64_t stride) {
   __m512 lo, hi;
   switch (type) {
     case Q4_0:
       value_pair(f16(b), 0.0f, 0, 8, &lo, &hi);
-      lookup32_f32(lo, hi, nibbles_v(b + 2), out);
+      lookup_codes(lo, hi, nibbles_v(b + 2), CHUNK(0));
       return;
     case Q4_1:
       value_pair(f16(b), f16(b + 2), 1, 0, &lo, &hi);
-      lookup32_f32(lo, hi, nibbles_v(b + 4), out);
+      lookup_codes(lo, hi, nibbles_v(b + 4), CHUNK(0));
       return;
     case Q5_0:
       value_pair(f16(b), 0.0f, 0, 16, &lo, &hi);
-      lookup32_f32(lo, hi, fives_v(b + 2, b + 6), out);
+      lookup_codes(lo, hi, fives_v(b + 2, b + 6), CHUNK(0));
       return;
     case Q5_1:
       value_pair(f16(b), f16(b + 2), 1, 0, &lo, &hi);
-      lookup32_f32(lo, hi, fives_v(b + 4, b + 8), out);
+      lookup_codes(lo, hi, fives_v(b + 4, b + 8), CHUNK(0));
       return;
-    case Q8_0: {
+    case Q8_0: { /* straight from the block: no copy of its bytes first */
       const float d = f16(b);
-      values_f32((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, out);
+      values_to((const int8_t *)(b + 2), (const float[2]){d, d}, NULL, 0, QK, CHUNK(0));
       return;
     }
     case I4_G64:
     case I4_G128:
       value_pair(f16(b), f16(b + 2), 1, 0, &lo, &hi);
-      for (int s = 0; s < (type == I4_G64 ? 2 : 4); s++) lookup32_f32(lo, hi, nibbles_v(b + 4 + 16 * s), out + QK * s);
+      for (int s = 0; s < (type == I4_G64 ? 2 : 4); s++) lookup_codes(lo, hi, nibbles_v(b + 4 + 16 * s), CHUNK(s));
       return;
     default:
       break;
@@ -474,15 +452,16 @@ INLINE void f32_block(const int64_t type, const uint8_t *b, float *out) {
   int8_t w[QK_K];
   float scale[QK_K / 16], offset[QK_K / QK];
   unpack(type, b, w, scale, offset);
-  if (type == Q4_K || type == Q5_K) { /* unsigned codes, a scale and a minimum per 32 */
-    for (int s = 0; s < elems / QK; s++) {
+  for (int s = 0; s < elems / QK; s++) {
+    if (type == Q4_K || type == Q5_K) { /* unsigned codes, a scale and a minimum per 32 */
       value_pair(scale[2 * s], offset[s], 1, 0, &lo, &hi);
-      lookup32_f32(lo, hi, _mm256_loadu_si256((const __m256i *)(w + QK * s)), out + QK * s);
+      lookup_codes(lo, hi, _mm256_loadu_si256((const __m256i *)(w + QK * s)), CHUNK(s));
+    } else {
+      values_to(w + QK * s, scale + 2 * s, offset + s, has_offset, QK, CHUNK(s));
     }
-    return;
   }
-  values_f32(w, scale, offset, has_offset, elems, out);
 }
+#undef CHUNK
 #endif
 
 /* Dequantize blocks i0..i1 of one type (a constant once inlined into the per-type functions below) into float32
@@ -494,15 +473,15 @@ INLINE void dequantize_blocks(const int64_t type, const uint8_t *src, float *dst
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   for (int64_t i = i0; i < i1; i++) {
-#ifdef BF16_LOOKUPS
-    if (!dst) {
-      bf16_block(type, src + i * bytes, dst16 + i * (elems / QK) * stride, stride);
-      continue;
-    }
-#endif
 #ifdef F32_LOOKUPS
-    if (dst) {
-      f32_block(type, src + i * bytes, dst + i * elems);
+#ifdef BF16_LOOKUPS
+    const int vectors = 1;
+#else
+    const int vectors = dst != NULL; /* no AVX-512 BF16 rounding: bfloat16 goes the generic way below */
+#endif
+    if (vectors) {
+      block_values(type, src + i * bytes, dst ? dst + i * elems : NULL, dst ? NULL : dst16 + i * (elems / QK) * stride,
+                   stride);
       continue;
     }
 #endif
