@@ -920,6 +920,16 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
   return 0;
 }
 
+/* This thread's slice of a work space cut into per_thread bytes a thread (inside a parallel region). */
+static inline char *thread_share(char *work, size_t per_thread) {
+#ifdef _OPENMP
+  return work + per_thread * (size_t)omp_get_thread_num();
+#else
+  (void)per_thread;
+  return work;
+#endif
+}
+
 /* Many rows on the vector unit (every build): y = x @ W^T in float32, for float32 x (or bfloat16, widened
  * exactly), W dequantized to float32 (bit-exact) FMA_PANEL rows at a time into a panel that stays in L2, so each
  * weight byte is read once per group of rows and no dense copy of W exists. x is laid out once per call in blocks
@@ -1126,11 +1136,7 @@ static int vector_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t
   }
 #pragma omp parallel num_threads(num_threads)
   {
-#ifdef _OPENMP
-    char *mine = work + per_thread * (size_t)omp_get_thread_num();
-#else
-    char *mine = work;
-#endif
+    char *mine = thread_share(work, per_thread);
     uint32_t *panel = (uint32_t *)mine;
     float *acc = (float *)(mine + acc_at);
     for (int64_t g0 = 0; g0 < blocks; g0 += group) {
@@ -1340,11 +1346,7 @@ int pagoda_quant_matmul_amx(int64_t type, const uint8_t *weight, int64_t n, int6
   for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
 #pragma omp parallel num_threads(num_threads)
   {
-#ifdef _OPENMP
-    char *mine = work + per_thread * (size_t)omp_get_thread_num();
-#else
-    char *mine = work;
-#endif
+    char *mine = thread_share(work, per_thread);
     uint16_t *panel = (uint16_t *)mine;
     float *acc = (float *)(mine + acc_at);
     float c[4][256] __attribute__((aligned(64)));
