@@ -942,19 +942,15 @@ static inline char *thread_share(char *work, size_t per_thread) {
  * against the dense float32 matmul only the order (and, on the vector paths, the fused rounding) differs. */
 #if defined(__AVX512F__)
 #define FMA_VW 16
-#ifndef FMA_NR
 #define FMA_NR 12
-#define FMA_XV 2
-#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FMA_VW 8
 #define FMA_NR 6
-#define FMA_XV 2
 #else
 #define FMA_VW 4
 #define FMA_NR 4
-#define FMA_XV 2
 #endif
+#define FMA_XV 2                 /* vectors of x per micro tile (3 x 8, 4 x 6 and 2 x 14 were slower) */
 #define FMA_MT (FMA_XV * FMA_VW) /* rows of x per block and micro tile */
 #define FMA_PANEL (4 * FMA_NR) /* rows of W per dequantized panel */
 #ifndef FMA_X_BYTES
