@@ -224,6 +224,12 @@ def _matmul(
     _check(code, what)
 
 
+def _check_rows(what: str, x: Tensor, out: Tensor) -> None:
+    """Refuse x or out that a float32-or-bfloat16 C matmul (gemv, vector) cannot read or write as rows."""
+    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"{what} reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
+
+
 def gemv(
     x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
     weight: QuantizedTensor,  # [N, K]
@@ -232,8 +238,7 @@ def gemv(
 ) -> None:
     """out = x @ W^T by the int8 dot-product kernel (one pass over W per 16 rows), computed in float32; a bfloat16
     out is the float32 result rounded to nearest even."""
-    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"gemv reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
+    _check_rows("gemv", x, out)
     _matmul(lib.matmul, x, weight, out, "quantized matmul")
 
 
@@ -265,8 +270,7 @@ def vector(
     rows that fits L2), multiplied in float32 (`matmul_fma`, x widened exactly), or for bfloat16 x in bfloat16
     pairs where the build has AVX-512 BF16 (`matmul_dpbf16`: W rounded to bfloat16, the numerics of a dense
     bfloat16 matmul); a bfloat16 out is rounded to nearest even."""
-    if x.dtype not in GEMV_DTYPES or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"vector reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
+    _check_rows("vector", x, out)
     pairs = x.dtype == torch.bfloat16 and lib.matmul_dpbf16 is not None
     _matmul(lib.matmul_dpbf16 if pairs else lib.matmul_fma, x, weight, out, "vector quantized matmul")
 
