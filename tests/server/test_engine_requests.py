@@ -4,7 +4,7 @@ the same step loop, the step sampler routes their rows, and the grammar gate hol
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,19 +20,21 @@ from pagoda.server.beam_search import BeamSearchParams
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.beams import BeamGroup
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.executor import Executor
+from pagoda.server.engine.grammar_gate import GrammarGate
 from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.engine.model_runner import ModelRunner, PromptHidden
-from pagoda.server.engine.request_factory import new_request
+from pagoda.server.engine.owners import RequestOwners
+from pagoda.server.engine.request_factory import NewRequest, new_request
 from pagoda.server.engine.requests import SchedulerParams
 from pagoda.server.engine.setup import EngineParts
 from pagoda.server.engine.step_sampler import StepSampler
 from pagoda.server.models.base import CausalLM
 from pagoda.server.outputs import RequestOutput
+from pagoda.server.request_contract import EngineRequest
 from pagoda.server.sampling import Sampler
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
-from pagoda.server.structured import GrammarBitmask, GrammarGate
+from pagoda.server.structured import GrammarBitmask, StructuredOutputManager
 from pagoda.server.testing import make_tiny_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -145,7 +147,7 @@ def test_a_plain_request_and_a_beam_group_run_through_one_step_loop(
     assert list(result.outputs[0].token_ids) == greedy_path(len(PROMPT), MAX_TOKENS)
     assert all(len(o.token_ids) == MAX_TOKENS for o in result.outputs)
     assert result.outputs[0].token_ids != result.outputs[1].token_ids
-    assert engine.get_num_unfinished_requests() == 0 and not engine._seq_owner
+    assert engine.get_num_unfinished_requests() == 0 and not engine.owners.seqs
     assert engine.kv_manager.stats().num_used_blocks == 0
     # Both requests' chunks were in the same steps: one loop drove them.
     executor = cast(FakeModel, engine.executor)
@@ -197,10 +199,10 @@ def test_the_step_sampler_hands_logprob_rows_over_and_draws_the_rest(
     group = new_request("b", None, PROMPT, beam_params, 0.0, tokenizer, eos, lambda _: 0)
     assert plain.grammar is None and group.grammar is None
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, watermark=0.0), BlockManager(32, 4))
-    owners: dict[str, EngineRequest] = {}
+    owners = RequestOwners()
     for new in (plain, group):
         scheduler.add_request(new.request)
-        owners.update(dict.fromkeys(new.owner.seq_ids, new.owner))
+        owners.own(new.owner, len(PROMPT))
     assert group.owner.seq_ids == ("b", "b:1")
     scheduled = scheduler.schedule()
     step_sampler = StepSampler(Sampler("torch", "cpu"), GrammarBitmask(VOCAB, eos))
@@ -218,40 +220,75 @@ def test_the_step_sampler_hands_logprob_rows_over_and_draws_the_rest(
         assert torch.allclose(held, torch.log_softmax(logits[index], dim=-1))
 
 
+class Compilations:
+    """A stand-in for the StructuredOutputManager: each compilation is the next of the given futures."""
+
+    def __init__(self, *grammars: Future[xgr.CompiledGrammar]) -> None:
+        self.grammars = list(grammars)
+
+    def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+        """The next future."""
+        return self.grammars.pop(0)
+
+
+def gate_of(*grammars: Future[xgr.CompiledGrammar]) -> GrammarGate:
+    """A gate whose compilations are `grammars`, in order."""
+    return GrammarGate(cast(StructuredOutputManager, Compilations(*grammars)))
+
+
+def held(gate: GrammarGate, request: Request, start: Callable[[xgr.CompiledGrammar], None]) -> None:
+    """Offer the gate a constrained request; it must hold it."""
+    owner = cast(EngineRequest, None)  # the gate never reads the owner
+    assert gate.hold(NewRequest(owner, request, (StructuredOutputsParams(regex="[a-z]+"), start)))
+
+
+def admit_ready(gate: GrammarGate, scheduler: Scheduler) -> list[str]:
+    """What the engine does at a step's start: the released requests go to the scheduler (this gate is the last
+    extension); the ids whose compilation failed."""
+    released = gate.release()
+    for new in released.ready:
+        scheduler.add_request(new.request)
+    return released.failed
+
+
 def test_the_gate_admits_a_request_once_its_grammar_is_ready() -> None:
     """A held request is unknown to the scheduler until its compilation completes; then its samples get the
-    grammar and the scheduler the request."""
+    grammar and the scheduler the request. An unconstrained request passes the gate."""
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, watermark=0.0), BlockManager(32, 4))
-    gate = GrammarGate()
     grammar: Future[xgr.CompiledGrammar] = Future()
+    gate = gate_of(grammar)
     started: list[xgr.CompiledGrammar] = []
     request = Request("g", list(PROMPT), _scheduler_params())
-    gate.hold(request, grammar, started.append)
-    assert gate.admit_ready(scheduler) == [] and len(gate) == 1
+    assert not gate.hold(
+        NewRequest(cast(EngineRequest, None), Request("p", list(PROMPT), _scheduler_params()), None)
+    )
+    held(gate, request, started.append)
+    assert admit_ready(gate, scheduler) == [] and len(gate) == 1 and gate.num_held() == 1
     assert scheduler.get_request("g") is None and not started
     assert gate.wait(0.01)  # a held grammar: the idle poll waits (here for nothing)
     compiled = cast(xgr.CompiledGrammar, object())
     grammar.set_result(compiled)
-    assert gate.admit_ready(scheduler) == []
+    assert admit_ready(gate, scheduler) == []
     assert started == [compiled] and scheduler.get_request("g") is not None and len(gate) == 0
     assert not gate.wait(10.0)  # nothing held: no wait at all
 
 
 def test_the_gate_reports_a_failed_compilation_and_cancels_on_abort(caplog: pytest.LogCaptureFixture) -> None:
-    """A compilation that raised is reported (logged) and the request no longer held; cancel stops the wait."""
+    """A compilation that raised is reported (logged) and the request no longer held; `done` (an abort) stops the
+    wait."""
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, watermark=0.0), BlockManager(32, 4))
-    gate = GrammarGate()
     failing: Future[xgr.CompiledGrammar] = Future()
     pending: Future[xgr.CompiledGrammar] = Future()
-    gate.hold(Request("bad", list(PROMPT), _scheduler_params()), failing, lambda _: None)
-    gate.hold(Request("slow", list(PROMPT), _scheduler_params()), pending, lambda _: None)
+    gate = gate_of(failing, pending)
+    held(gate, Request("bad", list(PROMPT), _scheduler_params()), lambda _: None)
+    held(gate, Request("slow", list(PROMPT), _scheduler_params()), lambda _: None)
     failing.set_exception(RuntimeError("no grammar"))
     with caplog.at_level(logging.ERROR):
-        assert gate.admit_ready(scheduler) == ["bad"]
+        assert admit_ready(gate, scheduler) == ["bad"]
     assert "request bad: its grammar could not be compiled or admitted" in caplog.text
     assert len(gate) == 1 and scheduler.get_request("bad") is None
-    gate.cancel("slow")
-    gate.cancel("unknown")  # ignored
+    gate.done("slow")
+    gate.done("unknown")  # ignored
     assert pending.cancelled() and len(gate) == 0
 
 

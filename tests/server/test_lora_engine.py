@@ -201,7 +201,7 @@ def test_one_slot_and_one_cached_adapter_still_serve_every_adapter(setups: dict[
     setup = setups["llama"]
     llm = make_llm(setup.base, max_loras=1, max_cpu_loras=1)
     recorder = Recorder(llm)
-    manager = llm.engine.runner.lora
+    manager = None if llm.engine.lora is None else llm.engine.lora.manager
     assert manager is not None
     readers: list[str] = []
     load = manager.load

@@ -113,7 +113,7 @@ def test_embedding_and_head_adapters_mixed_with_the_base_equal_peft(
         assert list(out.outputs[0].token_ids) == setup.reference(name, prompt), name
     for name in ("e", "h"):
         assert setup.reference(name, batch[0]) != setup.reference(None, batch[0]), f"{name} changes nothing"
-    manager = llm.engine.runner.lora
+    manager = None if llm.engine.lora is None else llm.engine.lora.manager
     assert (
         manager is not None
         and manager.hooks["lm_head"].used[0]

@@ -247,5 +247,5 @@ def test_aborted_pooling_request_leaves_no_owner(tiny_model_path: Callable[[str]
     engine.abort_request("a")
     (final,) = engine.step()
     assert final.finished and final.embedding is None
-    assert not engine.has_unfinished_requests() and not engine._seq_owner
+    assert not engine.has_unfinished_requests() and not engine.owners.seqs
     assert engine.kv_manager.num_free_blocks() == engine.kv_manager.num_blocks

@@ -10,9 +10,9 @@ from typing import Any, cast
 import pytest
 import torch
 from pagoda.scheduler import Scheduler
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.requests import RequestState
 from pagoda.server.llm import LLM
+from pagoda.server.request_contract import SamplesTokens
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.spec.request import SpeculativeRequest
 from pagoda.server.testing import make_tiny_model
@@ -72,7 +72,7 @@ def test_drafted_samples_follow_the_exact_distribution(model_dir: Path) -> None:
     def budget(scheduler: Scheduler, acceptance: float) -> int:
         return 1
 
-    def speculate(state: RequestState) -> EngineRequest:
+    def speculate(state: RequestState) -> SamplesTokens:
         return SpeculativeRequest(state, lambda: MostLikely(drafts), budget)
 
     llm.engine.speculate = speculate

@@ -15,10 +15,10 @@ from typing import Any, cast
 import pytest
 import torch
 from pagoda.scheduler import Scheduler
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.requests import RequestState
 from pagoda.server.llm import LLM
 from pagoda.server.outputs import RequestOutput
+from pagoda.server.request_contract import SamplesTokens
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.spec import parse_speculative_config
 from pagoda.server.spec.build import build_speculation
@@ -94,7 +94,7 @@ def draft_with(llm: LLM, proposer: Callable[[], Proposer], k: int) -> None:
     def budget(scheduler: Scheduler, acceptance: float) -> int:
         return k
 
-    def speculate(state: RequestState) -> EngineRequest:
+    def speculate(state: RequestState) -> SamplesTokens:
         return SpeculativeRequest(state, proposer, budget)
 
     llm.engine.speculate = speculate

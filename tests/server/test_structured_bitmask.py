@@ -110,7 +110,7 @@ def test_engine_aborts_the_request_whose_grammar_fails(tmp_path: Path) -> None:
     while len(engine.gate):  # let both grammars compile and the requests be admitted
         # The plain request is not held: while a cold compile takes long, it may finish right here.
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    broken = engine._requests["broken"]
+    broken = engine.owners.requests["broken"]
     assert isinstance(broken, RequestState)
     (sample,) = broken.samples.values()
     sample.matcher = xgr.GrammarMatcher(compiled())  # a grammar over another vocabulary: its fill raises

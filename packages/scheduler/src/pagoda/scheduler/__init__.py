@@ -1,6 +1,7 @@
 """pagoda.scheduler: continuous-batching scheduler (token budget, chunked prefill, prefix-cache-aware
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
+from pagoda.scheduler.admission import AdapterCap, AdmissionRule, build_rules
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig, SchedulingPolicyName
 from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -29,6 +30,8 @@ from pagoda.scheduler.scheduler import Scheduler
 from pagoda.scheduler.views import QueueEntry, QueueView
 
 __all__ = [
+    "AdapterCap",
+    "AdmissionRule",
     "ContiguousKVManager",
     "ContiguousStats",
     "FCFSPolicy",
@@ -56,6 +59,7 @@ __all__ = [
     "StaticBatchPolicy",
     "TrimmableKVBlockManager",
     "build_policy",
+    "build_rules",
     "choose_preemption",
     "sample_id",
 ]

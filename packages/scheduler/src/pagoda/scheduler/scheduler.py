@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pagoda.scheduler.admission import AdmissionRule, build_rules
 from pagoda.scheduler.config import SchedulerConfig
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.scheduler.policy import SchedulingPolicy, build_policy
@@ -56,9 +57,11 @@ class Scheduler:
         kv: KVBlockManager,
         policy: SchedulingPolicy | None = None,
         preemption_costs: PreemptionCostModel | None = None,
+        rules: Sequence[AdmissionRule] | None = None,
     ) -> None:
         """Schedule over the blocks of `kv`; `policy` defaults to `config.scheduling_policy`; `preemption_costs` prices swap against
-        recompute for `preemption_mode="auto"` (required there, unused otherwise)."""
+        recompute for `preemption_mode="auto"` (required there, unused otherwise); `rules` (admission rules)
+        default to those `config` asks for (`admission.build_rules`)."""
         if config.preemption_mode == "auto" and preemption_costs is None:
             raise ValueError('preemption_mode "auto" needs a preemption cost model')
         if config.max_model_len is None or config.max_num_batched_tokens is None:
@@ -70,6 +73,7 @@ class Scheduler:
         self.max_num_batched_tokens: int = config.max_num_batched_tokens  # the token budget of one step
         self.kv = kv
         self.policy: SchedulingPolicy = build_policy(config) if policy is None else policy
+        self.rules: tuple[AdmissionRule, ...] = build_rules(config) if rules is None else tuple(rules)
         self.preemption_costs = preemption_costs
         self.waiting: list[Request] = []  # new and recompute-preempted requests, in policy order
         self.running: list[Request] = []  # in admission order
@@ -487,7 +491,7 @@ class Scheduler:
             blocks = self.kv.blocks_for_tokens(self.kv.num_tokens(rid))
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
-            if not self._lora_fits(request):
+            if not self._fits_rules(request):
                 break
             if not self.kv.can_swap_in(rid):
                 break
@@ -545,15 +549,13 @@ class Scheduler:
         candidates = list(
             self.policy.admissible(self.waiting, self.num_running_seqs, self.config.max_num_seqs)
         )
-        # An adapter request the max_loras cap holds back keeps its place: later requests for the adapters
-        # already running are held behind it too (else a steady stream of them would keep its adapter out
-        # forever); requests for the base model still pass, they take no adapter slot.
-        loras_blocked = False
+        # A request an admission rule holds back keeps its place, and the requests that rule says wait behind
+        # it are held too (see `admission`); the others still pass.
+        held_by: list[AdmissionRule] = []
         for request in candidates:
             if step.budget == 0:
                 break
-            if request.lora_id is not None and (loras_blocked or not self._lora_fits(request)):
-                loras_blocked = True
+            if self.rules and not self._passes(request, held_by):
                 continue
             chunk = self._admission_chunk(request, step)
             if chunk is None:
@@ -574,13 +576,20 @@ class Scheduler:
             step.num_prefills += 1
             self._emit(request, num_new, allocation, step)
 
-    def _lora_fits(self, request: Request) -> bool:
-        """Whether `request`'s adapter fits under max_loras beside those of the running batch."""
-        cap = self.config.max_loras
-        if cap is None or request.lora_id is None:
-            return True
-        active = {r.lora_id for r in self.running if r.lora_id is not None}
-        return request.lora_id in active or len(active) < cap
+    def _fits_rules(self, request: Request) -> bool:
+        """Whether every admission rule lets `request` join the running batch now."""
+        return all(rule.fits(request, self.running) for rule in self.rules)
+
+    def _passes(self, request: Request, held_by: list[AdmissionRule]) -> bool:
+        """One admission pass's check of `request`: False if a rule that held an earlier request holds it behind
+        that one, or a rule does not fit it (that rule is then added to `held_by`)."""
+        if any(rule.holds_behind(request) for rule in held_by):
+            return False
+        for rule in self.rules:
+            if not rule.fits(request, self.running):
+                held_by.append(rule)
+                return False
+        return True
 
     def _emit(
         self,

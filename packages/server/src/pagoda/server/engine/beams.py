@@ -7,8 +7,9 @@ that step), a beam picked c times is forked c - 1 times (block tables shared by 
 on the next write into the shared last block), and each next beam gets its token appended. Beams of one group
 may be scheduled, preempted or recomputed at different steps: holding rows is what keeps the group in step.
 
-`BeamGroup` is beam search's `EngineRequest`: its `draw_spec` is None, so the engine hands it each beam's float32
-log-softmax row (as transformers scores them) and holds the sequence in the scheduler; `end_step` advances.
+`BeamGroup` is beam search's `EngineRequest`, one that takes log-probability rows (`TakesLogprobRows`): the
+engine hands it each beam's float32 log-softmax row (as transformers scores them) and holds the sequence in the
+scheduler; `end_step` advances.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ import itertools
 import time
 
 import torch
-from pagoda.scheduler import Request, Scheduler, sample_id
+from pagoda.scheduler import Scheduler, sample_id
 from pagoda.server.beam_search import BeamSearchParams, BeamSearchPolicy, finish_reason
-from pagoda.server.engine.engine_request import DrawSpec
 from pagoda.server.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagoda.server.sampling import TokenLogprobs
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
@@ -63,35 +62,10 @@ class BeamGroup:
         """The running beams."""
         return tuple(self.beams)
 
-    @property
-    def prompt_logprobs_k(self) -> None:
-        """A beam search scores no prompt tokens."""
-        return None
-
-    @property
-    def hidden_states_end(self) -> None:
-        """A beam search pools nothing."""
-        return None
-
-    def add_hidden_states(self, start: int, hidden: Tensor) -> None:  # [num_rows, hidden_size]
-        """Never called: `hidden_states_end` is None."""
-        raise TypeError(f"request {self.request_id} takes no hidden states")
-
-    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
-        """Never called: `prompt_logprobs_k` is None."""
-
     def mark_scheduled(self, num_computed_tokens: int, now: float) -> None:
         """Note the first step that schedules one of its beams."""
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
-
-    def draw_spec(self, seq_id: str) -> DrawSpec | None:
-        """None: the policy picks the tokens from the rows' log-probabilities."""
-        return None
-
-    def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
-        """Never called: `draw_spec` is None."""
-        raise TypeError(f"beam search {self.request_id} draws no tokens: it takes log-probability rows")
 
     def add_logprob_row(
         self,
@@ -100,9 +74,6 @@ class BeamGroup:
     ) -> None:
         """Hold beam `seq_id`'s next-token logprobs (a recomputed beam gives the same row again: it replaces it)."""
         self.rows[seq_id] = logprobs
-
-    def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
-        """Never called: the scheduler finishes no held sequence."""
 
     def end_step(self, scheduler: Scheduler) -> bool:
         """Advance once every running beam has its row; True when the search is over (its only snapshot)."""

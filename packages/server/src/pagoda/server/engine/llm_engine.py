@@ -1,20 +1,25 @@
 """The engine: one step is schedule -> execute -> sample -> update, plus the bookkeeping around it.
 
-The contract of a per-request feature. Every user request is an `EngineRequest` (`engine_request.py`): the engine
-keeps one owner map (scheduler sequence id -> its EngineRequest) beside the by-request-id map, and drives every
-request through the same calls each step: the rows it needs (`draw_spec`: drawn by the sampler, or handed over as
-float32 log-probabilities), what it got (`add_token` / `add_logprob_row`), finishing as the scheduler says, closing
-the step (`end_step`), its snapshot and its abort. Plain sampling is `RequestState`, beam search `BeamGroup`; a
-request whose grammar is compiling waits at `structured.GrammarGate`, an admission gate in front of the scheduler.
-`step()` does not know which features its requests use, and the next ones keep it so: speculative drafts are an
-EngineRequest whose rows cover its draft positions and whose `end_step` accepts them; a LoRA adapter is a small
-hook on the Protocol that the executor reads per chunk; a pooling request takes hidden states (as prompt logprobs
-do) and finishes after its prefill; a new wait before scheduling is a gate. None of them is a branch in `step()`.
+Two seams keep features out of `step()`:
+
+- **The request contract** (`pagoda.server.request_contract`). Every user request is an `EngineRequest`, and
+  takes its rows through one capability, resolved once when the engine registers it (`RequestOwners`): the
+  sampler draws them (`SamplesTokens`: plain requests; speculative ones, whose rows cover their draft
+  positions and whose `end_step` proposes the next drafts) or they are handed over as float32 log-probabilities
+  (`TakesLogprobRows`: beam search, pooling). Prompt logprobs and hidden states are optional capabilities too.
+- **The engine extensions** (`extension.EngineExtension`): per-engine features in a list that `step()` loops
+  over at fixed points: the gates at admission (`GrammarGate` while a grammar compiles, `EngineLoRA` while an
+  adapter is read), before execution, after the update (`speculation.Drafting`), and at a request's end.
+
+A new per-request feature is a request type or capability; a new per-engine feature is an extension; a new
+scheduling rule is a scheduler policy or admission rule (the LoRA cap is `pagoda.scheduler.AdapterCap`).
+None of them is a branch in `step()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,29 +33,36 @@ from pagoda.server.config import EngineConfig, resolved_scheduler_config
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.counters import TokenCounters
 from pagoda.server.engine.draft_setup import load_draft
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.executor import Executor, UniProcExecutor, build_executor
-from pagoda.server.engine.model_runner import ModelRunner
+from pagoda.server.engine.extension import EngineExtension
+from pagoda.server.engine.grammar_gate import GrammarGate
+from pagoda.server.engine.lora_extension import EngineLoRA, NoLoRA
+from pagoda.server.engine.owners import RequestOwners
 from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_lens
-from pagoda.server.engine.request_factory import new_request
+from pagoda.server.engine.request_factory import NewRequest, new_request
 from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
 from pagoda.server.engine.setup import EngineParts
-from pagoda.server.engine.speculation import AcceptanceLog, speculation_for
+from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.lora import LoRAError, LoRARequest
-from pagoda.server.lora.engine_lora import DEFAULT_MAX_LORAS, EngineLoRA, build_engine_lora
+from pagoda.server.lora.build import max_loras
 from pagoda.server.lora.peft_loader import LoRAAdapter
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.pooling.checks import Matryoshka, PoolingRules
+from pagoda.server.request_contract import EngineRequest
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.structured import GrammarBitmask, GrammarGate, StructuredOutputManager
+from pagoda.server.structured import GrammarBitmask, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # How long an empty step waits when requests are held back by the policy (static batching's timeout).
 _IDLE_WAIT_S = 0.001
+# How long an empty step waits for a gate (a grammar, an adapter) before returning to the caller's loop.
+_GATE_POLL_S = 0.01
 
 
 class LLMEngine:
@@ -64,9 +76,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
         # The model side: the whole model here, or tensor-parallel ranks whose rank 0 runs here (`executor.driver`).
-        self.executor = executor or UniProcExecutor(
-            ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
-        )
+        self.executor = executor or UniProcExecutor(parts.runner())
         self.runner = self.executor.driver
         self.num_kv_blocks = self.executor.num_blocks
         self.num_host_kv_blocks = self.executor.num_host_blocks
@@ -94,49 +104,50 @@ class LLMEngine:
             max_num_batched_tokens=parts.max_num_batched_tokens,
             kv_manager=config.cache_config.kv_manager,
         )
-        # LoRA: the per-step adapter cap is the scheduler's (vLLM's default 1); None without LoRA.
-        self.lora: EngineLoRA | None = build_engine_lora(config, parts.model, parts.dtype, parts.device)
-        if self.lora is not None:  # the runner's own default is None (a test's fake executor has no runner)
-            self.runner.lora = self.lora.manager
-        max_loras = scheduler_config.max_loras or DEFAULT_MAX_LORAS if self.lora is not None else None
-        scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras)
+        # LoRA: the per-step adapter cap is the scheduler's admission rule (vLLM's default 1); None without LoRA.
+        scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras(config))
         costs = None
         if scheduler_config.preemption_mode == "auto":
             costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, preemption_costs=costs)
         structured = config.structured_outputs_config
         # The op's backend follows the engine's kernel backend (cpu -> C, triton / cupy -> Triton, torch -> torch).
+        sampler = Sampler(parts.backend.name, parts.device)
+        # method draft_model: the draft model, its own runner and paged KV (None otherwise).
+        self.draft = (
+            load_draft(config, parts, scheduler_config.max_num_seqs, sampler.probabilities)
+            if self.scheduler.supports_drafts
+            else None
+        )
         self.step_sampler = StepSampler(
-            Sampler(parts.backend.name, parts.device),
+            sampler,
             GrammarBitmask(self.vocab_size, self.eos_token_ids, structured.grammar_fill_timeout),
+            # sampled drafts are verified against the draft's q
+            draft_probs=None if self.draft is None else self.draft.drafter.draft_probs,
         )
         self._unseeded_requests = 0  # numbers the unseeded requests, whose RNG seeds derive from config.seed
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
-        self.gate = GrammarGate()  # the admission gate: constrained requests whose grammar is compiling
-        # method draft_model: the draft model, its own runner and paged KV (None otherwise).
-        self.draft = (
-            load_draft(config, parts, scheduler_config.max_num_seqs, self.step_sampler.sampler.probabilities)
-            if self.scheduler.supports_drafts
-            else None
-        )
         self.speculate = speculation_for(config, self.scheduler, self.executor, self.draft)  # None: no drafts
-        if self.draft is not None:  # sampled drafts are verified against the draft's q
-            self.step_sampler.draft_probs = self.draft.drafter.draft_probs
-        self._requests: dict[str, EngineRequest] = {}  # unfinished user requests by id
-        self._seq_owner: dict[str, EngineRequest] = {}  # scheduler sequence id -> its user request
+        self.owners = RequestOwners()  # unfinished user requests, by id, by sequence, by capability
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
         self.counters = TokenCounters()
         self.last_schedule: SchedulerOutput | None = None  # the latest step's chunks (live views read them)
+        # The extensions, in admission order: an adapter is read before a grammar compiles (as the request's
+        # adapter pins first), then the scheduler gets the request.
+        self.lora: EngineLoRA | None = None if parts.lora is None else EngineLoRA.build(config, parts.lora)
+        self.gate = GrammarGate(self.structured)  # constrained requests whose grammar is compiling
+        # Drafting counts whatever drafts were verified (a request may be made speculative after start-up).
+        drafting = Drafting(self.counters, None if self.draft is None else self.draft.drafter)
+        self.extensions: list[EngineExtension] = [self.lora or NoLoRA(), self.gate, drafting]
         self.kv_events = start_kv_events(
             config.cache_config.kv_events_config,
             self.kv_manager,
             medium="GPU" if parts.device.type == "cuda" else "CPU",
             data_parallel_rank=config.parallel_config.data_parallel_rank,
         )
-        self.spec_log = AcceptanceLog()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -153,6 +164,8 @@ class LLMEngine:
         """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
         if self.kv_events is not None:
             self.kv_events.close()
+        for extension in self.extensions:
+            extension.close()
         self.executor.shutdown()
 
     def check_health(self) -> None:
@@ -174,13 +187,10 @@ class LLMEngine:
         """Queue a request (under `lora_request`'s adapter, if given); RequestRejectedError (with `param`) if it
         can never run."""
         ids = tuple(prompt_token_ids)
-        lora_request = lora_request or params.lora_request
-        if lora_request is not None and self.lora is None:
-            raise RequestRejectedError("LoRA adapters are served with enable_lora (--enable-lora)", "model")
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
         self.rules.check(ids, params)
         params = self.pooling_rules.admit(params)
-        if request_id in self._requests:
+        if request_id in self.owners.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         new = new_request(
@@ -192,27 +202,36 @@ class LLMEngine:
             self.tokenizer,
             self.eos_token_ids,
             self._request_seed,
-            lora_request,
+            lora_request or params.lora_request,
             self.speculate,
         )
+        try:
+            self._pass_on(new, 0)
+        except BaseException:
+            self._done(request_id)
+            raise
+        self.owners.own(new.owner, new.request.num_prompt_tokens)
 
-        def forward() -> None:
-            if new.grammar is None:
-                # The scheduler refuses what can never fit the KV pool or the batch, naming the field.
-                self.scheduler.add_request(new.request)
-            else:
-                constraint, start = new.grammar
-                self.gate.hold(new.request, self.structured.compile(constraint), start)
+    def _pass_on(self, new: NewRequest, first: int) -> None:
+        """Offer `new` to the extensions from index `first` on; the first that holds it keeps it, and a request
+        none holds goes to the scheduler (which refuses what can never fit the KV pool or the batch)."""
+        for extension in self.extensions[first:]:
+            if extension.hold(new):
+                return
+        self.scheduler.add_request(new.request)
 
-        if lora_request is None or self.lora is None:
-            forward()
-        else:  # an adapter not loaded yet is read off this thread; the request waits for it
-            try:
-                self.lora.admit(request_id, lora_request, forward)
-            except BaseException:
-                self.lora.finish(request_id)
-                raise
-        self._own(new.owner)
+    def _release_held(self) -> None:
+        """Pass on the requests the gates released; abort those whose wait failed."""
+        for index, extension in enumerate(self.extensions):
+            released = extension.release()
+            for request_id in released.failed:
+                self._abort(self.owners.requests[request_id])
+            for new in released.ready:
+                try:
+                    self._pass_on(new, index + 1)
+                except Exception:  # checked at admission: the engine's failure, not the request's
+                    logger.exception("request %s could not be admitted", new.request.request_id)
+                    self._abort(new.owner)
 
     def _request_seed(self, params: SamplingParams) -> int:
         """The request's own seed, or the next unseeded request's, derived from the engine's `--seed`."""
@@ -223,95 +242,86 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state, freeing its KV blocks now; unknown or finished ids are ignored."""
-        owner = self._requests.get(request_id)
+        owner = self.owners.requests.get(request_id)
         if owner is None:
             return
-        # A request held at the gate is unknown to the scheduler: its abort there is a no-op.
-        self.gate.cancel(request_id)
-        if self.lora is not None:
-            self.lora.cancel(request_id)
+        # A request held at a gate is unknown to the scheduler: its abort there is a no-op.
         self.scheduler.abort_request(request_id)
         self._abort(owner)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still waits, runs, or has an undelivered abort."""
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self.owners.requests) or bool(self._aborted)
 
     def get_num_unfinished_requests(self) -> int:
         """User requests not finished yet."""
-        return len(self._requests)
+        return len(self.owners.requests)
 
     # -------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; snapshots of the requests that progressed, finished or were aborted."""
-        for request_id in self.gate.admit_ready(self.scheduler):
-            self._abort(self._requests[request_id])
-        for request_id in self.lora.admit_ready() if self.lora is not None else ():
-            self._abort(self._requests[request_id])
+        self._release_held()
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         self.last_schedule = scheduled
         if scheduled.is_empty:
             self._idle(bool(outputs))
             return outputs
-        rows = self.step_sampler.plan(scheduled, self._seq_owner)  # its masks fill while the model runs
-        logits, prompt_hidden = self.executor.execute(scheduled, prompt_lens(scheduled, self._seq_owner))
-        add_prompt_logprobs(self.executor, self._seq_owner, prompt_hidden)
+        rows = self.step_sampler.plan(scheduled, self.owners)  # its masks fill while the model runs
+        for extension in self.extensions:
+            extension.before_execute(scheduled)
+        logits, prompt_hidden = self.executor.execute(scheduled, prompt_lens(scheduled, self.owners))
+        add_prompt_logprobs(self.executor, self.owners, prompt_hidden)
         sampled = self.step_sampler.sample(rows, logits)
         sampled.failures.abort_in(self.scheduler)  # their rows get no token: the update skips them
         outputs += self._update(scheduled, sampled)
         for owner in sampled.failures.requests.values():
             self._forget(owner, owner.seq_ids)
+            self._done(owner.request_id)
         return outputs + sampled.failures.finish()
 
     def _idle(self, reported: bool) -> None:
-        """Nothing ran: wait for a held grammar, or yield the core while the policy holds requests back."""
-        lora_wait = self.lora is not None and self.lora.wait()
-        if (
-            not self.gate.wait()
-            and not lora_wait
-            and not reported
-            and self.scheduler.has_unfinished_requests()
-        ):
+        """Nothing ran: wait for a held request, or yield the core while the policy holds requests back."""
+        waited = [extension.wait(_GATE_POLL_S) for extension in self.extensions]
+        if not any(waited) and not reported and self.scheduler.has_unfinished_requests():
             # A static batch still forming: a step loop would spin on this, so yield for a moment.
             time.sleep(_IDLE_WAIT_S)
 
     def _update(self, scheduled: SchedulerOutput, sampled: SampledStep) -> list[RequestOutput]:
         """Record the rows (finding stop strings), apply the scheduler's stop rules, close the step, snapshot."""
         now = time.monotonic()
+        owners = self.owners
         for chunk in scheduled.scheduled:
-            owner = self._seq_owner[chunk.request_id]
+            owner = owners.seqs[chunk.request_id]
             owner.mark_scheduled(chunk.start, now)
-            self.counters.count_chunk(chunk, len(owner.prompt_token_ids))
+            self.counters.count_chunk(chunk, owners.num_prompt_tokens[owner.request_id])
         progressed: dict[str, EngineRequest] = {}
         stopped: dict[str, str] = {}  # sequence id -> the stop string its new token completed
         tokens: dict[str, list[int]] = {}
-        ended: set[str] = set()  # a drafted run's sequences that a stop rule ends before its last token
+        ended: set[str] = set()  # sequences of a run of several tokens that a stop rule ends before its last
+        samplers = owners.samplers
         for seq_id, token, logprobs in sampled.drawn:
             if seq_id in ended:
                 continue
-            owner = self._seq_owner[seq_id]
-            stop = owner.add_token(seq_id, token, logprobs, now)
+            drawn = samplers[seq_id]
+            stop = drawn.add_token(seq_id, token, logprobs, now)
             run = tokens.setdefault(seq_id, [])
             run.append(token)
             if stop is not None:
                 stopped[seq_id] = stop
                 ended.add(seq_id)
-            elif sampled.verified and self.scheduler.tokens_before_stop(seq_id, run) is not None:
+            elif sampled.has_runs and self.scheduler.tokens_before_stop(seq_id, run) is not None:
                 ended.add(seq_id)  # EOS, a stop token or max_tokens inside an accepted run
-            progressed[owner.request_id] = owner
+            progressed[drawn.request_id] = drawn
         for seq_id in sampled.held:
-            owner = self._seq_owner[seq_id]
+            owner = owners.seqs[seq_id]
             progressed[owner.request_id] = owner
         self.counters.generation_tokens += sum(map(len, tokens.values())) + len(sampled.held)
-        if sampled.verified:
-            self.counters.count_drafts(sampled.verified)
-            self.spec_log.observe(self.counters, now)
         for request in self.scheduler.update_from_output(scheduled, tokens, stopped, sampled.held):
-            owner = self._seq_owner[request.request_id]
-            owner.finish_as_scheduled(request, stopped.get(request.request_id))
-            progressed[owner.request_id] = owner
+            drawn = samplers[request.request_id]  # only drawn sequences get tokens, so only they finish so
+            drawn.finish_as_scheduled(request, stopped.get(request.request_id))
+            progressed[drawn.request_id] = drawn
         outputs: list[RequestOutput] = []
         for owner in progressed.values():
             seq_ids = owner.seq_ids
@@ -319,17 +329,12 @@ class LLMEngine:
                 outputs.append(owner.snapshot())
             if owner.finished:
                 self._forget(owner, seq_ids)
+                self._done(owner.request_id)
             elif owner.seq_ids != seq_ids:  # its held sequences were rewritten (forked, pruned)
-                self._forget(owner, seq_ids)
-                self._own(owner)
-        if self.draft is not None:  # the queued sequences' drafts, in one batch
-            self.draft.drafter.draft(self.scheduler)
+                owners.reseat(owner, seq_ids)
+        for extension in self.extensions:
+            extension.after_update(self.scheduler, sampled, now)
         return outputs
-
-    def _own(self, owner: EngineRequest) -> None:
-        """Register a request and its current sequences."""
-        self._requests[owner.request_id] = owner
-        self._seq_owner.update(dict.fromkeys(owner.seq_ids, owner))
 
     def _abort(self, owner: EngineRequest) -> None:
         """Finish a request as aborted; its final snapshot (if it reports one) goes out with the next step."""
@@ -337,14 +342,16 @@ class LLMEngine:
         if snapshot is not None:
             self._aborted.append(snapshot)
         self._forget(owner, owner.seq_ids)
+        self._done(owner.request_id)
 
     def _forget(self, owner: EngineRequest, seq_ids: Sequence[str]) -> None:
         """Drop a request's bookkeeping under these sequence ids."""
-        self._requests.pop(owner.request_id, None)
-        if self.lora is not None and owner.finished:
-            self.lora.finish(owner.request_id)
-        for seq_id in seq_ids:
-            self._seq_owner.pop(seq_id, None)
+        self.owners.forget(owner, seq_ids)
+
+    def _done(self, request_id: str) -> None:
+        """A request has ended (finished, aborted, or refused at admission): every extension drops its part."""
+        for extension in self.extensions:
+            extension.done(request_id)
 
     # -------------------------------------------------------------------- LoRA
 
@@ -384,7 +391,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         return EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting + len(self.gate) + (len(self.lora) if self.lora is not None else 0),
+            num_waiting=s.num_waiting + sum(extension.num_held() for extension in self.extensions),
             num_swapped=s.num_swapped,
             kv_cache_usage=s.kv_usage,
             num_kv_blocks=self.num_kv_blocks,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.server.engine.kv_cache import KVCache
-from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.models.attention import Attention, AttentionMetadata
 from pagoda.server.models.base import CausalLM
 from torch import Tensor
@@ -36,6 +36,22 @@ class PromptHidden:
     hidden: Tensor  # [num_positions, hidden_size]: positions start, start + 1, ...
 
 
+class RunnerHook(Protocol):
+    """Model-side work around each forward pass that every tensor-parallel rank does (the LoRA slots)."""
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Before the forward pass: set up what the model's layers read for this step's chunks."""
+        ...
+
+    def select_head_rows(
+        self,
+        logits_indices: Tensor
+        | None,  # int64 [num_logits_rows]: the token rows the LM head scores; None: none
+    ) -> None:
+        """Around the LM head: the rows it scores next (None after it, for the prompt-logprob slices)."""
+        ...
+
+
 def prompt_rows(chunk: ScheduledRequest, end: int) -> range:
     """Positions of a chunk before `end` (prompt logprobs: prompt length - 1, as the last prompt position predicts
     the first output; pooling: the prompt length)."""
@@ -46,9 +62,15 @@ class ModelRunner:
     """Owns the model and its KV cache tensors; `execute` performs one scheduled step."""
 
     def __init__(
-        self, model: CausalLM, kv_cache: KVCache, backend: KernelBackend, device: torch.device
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        backend: KernelBackend,
+        device: torch.device,
+        hooks: Sequence[RunnerHook] = (),
     ) -> None:
         self.model = model
+        self.hooks = tuple(hooks)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -62,7 +84,6 @@ class ModelRunner:
                 )
             for layer, group in zip(layers, layout.layer_groups, strict=True):
                 layer.kv_cache_group = group
-        self.lora: LoRAManager | None = None  # set by the engine with enable_lora: slots each step's adapters
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> PreparedBatch:
         """Flatten the scheduled chunks into the model's varlen inputs and attention metadata."""
@@ -149,8 +170,8 @@ class ModelRunner:
         if not output.scheduled:
             return torch.empty(0, 0), {}
         batch = self.prepare(output.scheduled)
-        if self.lora is not None:
-            self.lora.prepare(output.scheduled)
+        for hook in self.hooks:
+            hook.prepare(output.scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
         prompt_hidden: dict[str, PromptHidden] = {}
         offset = 0
@@ -165,11 +186,11 @@ class ModelRunner:
             return torch.empty(0, 0), prompt_hidden
         if not self.model.computes_logits:  # the pooling runner: its held rows are never read
             return hidden.new_empty(batch.num_rows, 0), prompt_hidden
-        if self.lora is not None:
-            self.lora.select_head_rows(batch.logits_indices)
+        for hook in self.hooks:
+            hook.select_head_rows(batch.logits_indices)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if self.lora is not None:
-            self.lora.select_head_rows(None)
+        for hook in self.hooks:
+            hook.select_head_rows(None)
         # The count prepare() knew: reading it back from the device tensor would wait for the GPU every step.
         if logits.shape[0] == batch.num_rows:
             return logits, prompt_hidden

@@ -1,5 +1,5 @@
 """Prompt logprobs and pooling: which chunks want their prompt positions' hidden states; scoring them over the LM
-head, or handing them to the pooling request."""
+head (`ScoresPrompt`), or handing them to the request that takes them (`TakesHiddenStates`: pooling)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from collections.abc import Mapping
 
 import torch
 from pagoda.scheduler import SchedulerOutput
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.executor import Executor
 from pagoda.server.engine.model_runner import PromptHidden
+from pagoda.server.engine.owners import RequestOwners
+from pagoda.server.request_contract import ScoresPrompt
 from pagoda.server.sampling.logprobs import compute_logprobs
 
 # Prompt logprobs run the LM head over this many prompt positions at a time: [rows, vocab] float32 logits are
@@ -17,35 +18,37 @@ from pagoda.server.sampling.logprobs import compute_logprobs
 _PROMPT_LOGITS_SLICE = 256
 
 
-def prompt_lens(scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> dict[str, int]:
+def prompt_lens(scheduled: SchedulerOutput, owners: RequestOwners) -> dict[str, int]:
     """Chunk request id -> the end of the positions whose hidden states it wants: prompt length - 1 for prompt
     logprobs (the last position predicts the first output), `hidden_states_end` for a pooling request."""
     ends: dict[str, int] = {}
+    scorers, takers = owners.prompt_scorers, owners.hidden_takers
     for chunk in scheduled.scheduled:
-        owner = owners[chunk.request_id]
-        if owner.prompt_logprobs_k is not None:
-            ends[chunk.request_id] = len(owner.prompt_token_ids) - 1
-        elif (end := owner.hidden_states_end) is not None:
-            ends[chunk.request_id] = end
+        request_id = chunk.request_id
+        scorer = scorers.get(request_id)
+        if scorer is not None and scorer.prompt_logprobs_k is not None:
+            ends[request_id] = len(scorer.prompt_token_ids) - 1
+        elif (taker := takers.get(request_id)) is not None and (end := taker.hidden_states_end) is not None:
+            ends[request_id] = end
     return ends
 
 
 def add_prompt_logprobs(
-    executor: Executor, owners: Mapping[str, EngineRequest], prompt_hidden: Mapping[str, PromptHidden]
+    executor: Executor, owners: RequestOwners, prompt_hidden: Mapping[str, PromptHidden]
 ) -> None:
     """Score each chunk's prompt positions and hand the logprobs to its request; a request that asked for the
     hidden states themselves (pooling) takes them."""
     for request_id, rows in prompt_hidden.items():
-        owner = owners[request_id]
-        if owner.prompt_logprobs_k is None:
-            owner.add_hidden_states(rows.start, rows.hidden)
+        scorer = owners.prompt_scorers.get(request_id)
+        if scorer is not None and scorer.prompt_logprobs_k is not None:
+            score_prompt(executor, scorer, rows.start, rows.hidden)
         else:
-            score_prompt(executor, owner, rows.start, rows.hidden)
+            owners.hidden_takers[request_id].add_hidden_states(rows.start, rows.hidden)
 
 
 def score_prompt(
     executor: Executor,
-    owner: EngineRequest,
+    owner: ScoresPrompt,
     start: int,
     hidden: torch.Tensor,  # [num_positions, hidden_size]: positions start, start + 1, ...
 ) -> None:

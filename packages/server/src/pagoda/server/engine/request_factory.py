@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import xgrammar as xgr
 from pagoda.scheduler import Request
 from pagoda.server.engine.beams import BeamGroup
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.lora import LoRARequest
 from pagoda.server.lora.salt import lora_salt
 from pagoda.server.pooling.params import PoolingParams
 from pagoda.server.pooling.request import PoolingRequest
+from pagoda.server.request_contract import EngineRequest, SamplesTokens
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import StructuredOutputsParams
 from transformers import PreTrainedTokenizerBase
@@ -21,12 +21,14 @@ from transformers import PreTrainedTokenizerBase
 
 @dataclass(frozen=True, slots=True)
 class NewRequest:
-    """A request as the engine takes it in: its EngineRequest, its scheduler Request, and its grammar wait."""
+    """A request as the engine takes it in: its EngineRequest, its scheduler Request, and what the engine's gates
+    (`EngineExtension.hold`) read of it."""
 
     owner: EngineRequest
-    request: Request  # what the scheduler gets: at once, or once the grammar is compiled
-    # The constraint to compile, and what takes the compiled grammar; None: the scheduler gets it at once.
+    request: Request  # what the scheduler gets: at once, or once every gate has released it
+    # The constraint to compile, and what takes the compiled grammar; None: unconstrained.
     grammar: tuple[StructuredOutputsParams, Callable[[xgr.CompiledGrammar], None]] | None
+    lora: LoRARequest | None = None  # the adapter it runs under; None: the base model
 
 
 def new_request(
@@ -39,7 +41,7 @@ def new_request(
     eos_token_ids: frozenset[int],
     seed: Callable[[SamplingParams], int],  # the request's RNG seed (the engine numbers unseeded requests)
     lora: LoRARequest | None = None,  # the adapter it runs under
-    speculate: Callable[[RequestState], EngineRequest]
+    speculate: Callable[[RequestState], SamplesTokens]
     | None = None,  # drafts for plain rows (--speculative-config)
 ) -> NewRequest:
     """A pooling request for an embedding, a beam group for a beam search, else a plain request (SamplingParams
@@ -69,7 +71,7 @@ def new_request(
             cache_salt=lora_salt(params.cache_salt, lora),
             lora_id=None if lora is None else lora.lora_int_id,
         )
-        return NewRequest(group, request, None)
+        return NewRequest(group, request, None, lora)
     state = RequestState(
         request_id, prompt, ids, params, scheduler_params.stop_token_ids, tokenizer, arrival, seed(params)
     )
@@ -86,8 +88,9 @@ def new_request(
     )
     constraint = params.structured_outputs
     if constraint is None and speculate is not None and params.speculative:
-        return NewRequest(speculate(state), request, None)
-    return NewRequest(state, request, None if constraint is None else (constraint, state.start_grammar))
+        return NewRequest(speculate(state), request, None, lora)
+    grammar = None if constraint is None else (constraint, state.start_grammar)
+    return NewRequest(state, request, grammar, lora)
 
 
 def _pooling_request(

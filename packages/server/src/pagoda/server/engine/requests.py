@@ -1,6 +1,7 @@
 """The engine's per-request bookkeeping: what the scheduler does not track (text, RNG seed, logprobs, timings).
 
-`RequestState` is the plain request's `EngineRequest`: the sampler draws every row of its n samples.
+`RequestState` is the plain request: the sampler draws every row of its n samples (`SamplesTokens`), and it
+scores its prompt when asked to (`ScoresPrompt`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass, field
 
 import xgrammar as xgr
 from pagoda.scheduler import Request, Scheduler, sample_id
-from pagoda.server.engine.engine_request import DrawSpec
 from pagoda.server.outputs import (
     CompletionOutput,
     FinishReason,
@@ -20,10 +20,10 @@ from pagoda.server.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from pagoda.server.request_contract import DrawSpec
 from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLogprobs
 from pagoda.server.sampling.logits_processors import LogitsEdits, PreparedEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
-from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 
@@ -177,10 +177,6 @@ class RequestState:
         """Every row of a plain request is drawn by the sampler."""
         return DrawSpec(self.sampling_row(seq_id), self.logits_edits(seq_id), self.samples[seq_id].matcher)
 
-    def add_logprob_row(self, seq_id: str, logprobs: Tensor) -> None:  # float32 [vocab]
-        """Never called: `draw_spec` is never None."""
-        raise TypeError(f"request {self.request_id} draws its tokens: it takes no log-probability rows")
-
     def logits_edits(self, seq_id: str) -> LogitsEdits:
         """What the logits processors do to sample `seq_id`'s next-token logits."""
         return LogitsEdits(
@@ -201,15 +197,6 @@ class RequestState:
     def prompt_logprobs_k(self) -> int | None:
         """Top-k of the prompt logprobs still to compute (0: the prompt token's own only); None: none are."""
         return (self.params.prompt_logprobs or 0) if self.wants_prompt_logprobs else None
-
-    @property
-    def hidden_states_end(self) -> None:
-        """A sampling request pools nothing (its prompt logprobs are scored over the LM head instead)."""
-        return None
-
-    def add_hidden_states(self, start: int, hidden: Tensor) -> None:  # [num_rows, hidden_size]
-        """Never called: `hidden_states_end` is None."""
-        raise TypeError(f"request {self.request_id} takes no hidden states")
 
     def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
         """Record the logprobs of the prompt tokens after positions start, start + 1, ... (the logits at position

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pagoda.pagedkernel.sampling import SampleStatus
 from pagoda.scheduler import Scheduler
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.outputs import RequestOutput
+from pagoda.server.request_contract import EngineRequest
 
 logger = logging.getLogger(__name__)
 

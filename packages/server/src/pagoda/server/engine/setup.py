@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,11 @@ from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, ke
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
 from pagoda.server.engine.kv_dtype import check_kv_cache_dtype, storage_dtype
 from pagoda.server.engine.kv_groups import KVCacheLayout, plan_kv_cache_layout
+from pagoda.server.engine.model_runner import ModelRunner, RunnerHook
 from pagoda.server.loader import DEFAULT_MODEL_NAME, load_model, load_shard
 from pagoda.server.loader.quantize_at_load import load_qtype
+from pagoda.server.lora.build import build_manager
+from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.models.attention import Attention
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.parallel import ParallelGroup
@@ -56,6 +60,21 @@ class EngineParts:
     max_num_batched_tokens: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    lora: LoRAManager | None = None  # this rank's adapter slots (`with_lora`); None: LoRA is off
+
+    @property
+    def runner_hooks(self) -> tuple[RunnerHook, ...]:
+        """What the model runner calls around each forward pass (the adapter slots, with LoRA)."""
+        return () if self.lora is None else (self.lora,)
+
+    def runner(self) -> ModelRunner:
+        """The model runner over these parts' model and KV cache."""
+        return ModelRunner(self.model, self.kv_cache, self.backend, self.device, self.runner_hooks)
+
+
+def with_lora(config: EngineConfig, parts: EngineParts) -> EngineParts:
+    """`parts` with their model's adapter slots built, when `config` enables LoRA."""
+    return dataclasses.replace(parts, lora=build_manager(config, parts.model, parts.dtype, parts.device))
 
 
 def select_device(config: EngineConfig) -> torch.device:

@@ -1,4 +1,5 @@
-"""The engine's side of speculative decoding: whether its requests draft, and what wraps them."""
+"""The engine's side of speculative decoding: whether its requests draft, what wraps them, and the engine
+extension that counts the verified drafts and runs the draft model's batch after each step."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from pagoda.scheduler import Scheduler
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.counters import TokenCounters
 from pagoda.server.engine.draft_setup import LoadedDraft
-from pagoda.server.engine.engine_request import EngineRequest
 from pagoda.server.engine.executor.base import Executor
+from pagoda.server.engine.extension import Extension
 from pagoda.server.engine.preemption_costs import _best_seconds, _probe_step
 from pagoda.server.engine.requests import RequestState
+from pagoda.server.engine.step_sampler import SampledStep
+from pagoda.server.request_contract import SamplesTokens
 from pagoda.server.spec.build import build_speculation
+from pagoda.server.spec.draft_model import DraftModel
 from pagoda.server.spec.policy import DraftPolicy, StepCostModel
 
 logger = logging.getLogger("pagoda.engine")
@@ -37,7 +41,7 @@ def measure_step_costs(executor: Executor, max_num_batched_tokens: int, max_mode
 
 def speculation_for(
     config: EngineConfig, scheduler: Scheduler, executor: Executor, draft: LoadedDraft | None = None
-) -> Callable[[RequestState], EngineRequest] | None:
+) -> Callable[[RequestState], SamplesTokens] | None:
     """What makes a plain request speculative, with the back-off policy measured on `executor` now; None (no
     `speculative_config`, or an allocator without `trim`: the contiguous KV manager). `draft`: the draft model
     of method draft_model, whose measured step time the policy adds per draft."""
@@ -94,3 +98,21 @@ class AcceptanceLog:
                 100 * accepted / max(tokens, 1),
                 tokens,
             )
+
+
+class Drafting(Extension):
+    """After each step: count the verified drafts (vLLM's spec-decode metrics, a periodic acceptance log) and,
+    with a draft model, draft for every sequence the step queued at it, in one batch."""
+
+    def __init__(self, counters: TokenCounters, drafter: DraftModel | None = None) -> None:
+        self.counters = counters
+        self.drafter = drafter
+        self.log = AcceptanceLog()
+
+    def after_update(self, scheduler: Scheduler, sampled: SampledStep, now: float) -> None:
+        """Count the step's verified chunks; draft the queued sequences' next tokens."""
+        if sampled.verified:
+            self.counters.count_drafts(sampled.verified)
+            self.log.observe(self.counters, now)
+        if self.drafter is not None:
+            self.drafter.draft(scheduler)

@@ -1,9 +1,10 @@
 """One step's sampling: every row of the step goes to its request, drawn by the sampler or as log-probabilities.
 
-A row's request says which through its `draw_spec` (see `EngineRequest`): a spec is drawn (grammar mask, logits
-processors, the sampling op), None hands the request the row's float32 log-softmax and holds the sequence. A
-chunk with draft tokens has one row per drafted position, and its sequence gets the accepted run of tokens
-(`pagoda.server.spec.verify`).
+A row's request says which by its capability (`pagoda.server.request_contract`, resolved once in the engine's
+`RequestOwners`): a `SamplesTokens` request's row is drawn as its `draw_spec` says (grammar mask, logits
+processors, the sampling op); a `TakesLogprobRows` request is handed the row's float32 log-softmax and its
+sequence is held. A chunk with draft tokens has one row per drafted position, and its sequence gets the accepted
+run of tokens (`pagoda.server.spec.verify`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 from pagoda.scheduler import SchedulerOutput
-from pagoda.server.engine.engine_request import DrawSpec, EngineRequest
+from pagoda.server.engine.owners import RequestOwners
 from pagoda.server.engine.sample_failures import SampleFailures
+from pagoda.server.request_contract import DrawSpec, EngineRequest, TakesLogprobRows
 from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
@@ -32,8 +34,9 @@ class StepRows:
 
     seq_ids: tuple[str, ...]
     owners: tuple[EngineRequest, ...]
-    specs: tuple[DrawSpec | None, ...]
+    specs: tuple[DrawSpec | None, ...]  # None: the row is handed over (its request takes logprob rows)
     grammar: Future[FilledBitmask] | None  # masks of the drawn rows, in order (None: no constrained row)
+    row_takers: Mapping[str, TakesLogprobRows]  # the owners of the handed-over rows, by sequence id
     drafts: tuple[DraftGroup, ...] = ()  # the drafted chunks' rows (speculative decoding)
 
 
@@ -47,26 +50,39 @@ class SampledStep:
     # (drafts, accepted) of each drafted chunk whose request did not fail, for the spec-decode metrics.
     verified: tuple[tuple[int, int], ...] = ()
 
+    @property
+    def has_runs(self) -> bool:
+        """Whether a sequence may have drawn a run of several tokens (a stop rule may end it mid-run)."""
+        return bool(self.verified)
+
 
 class StepSampler:
     """Plans a step's rows before the forward pass (so grammar masks fill meanwhile), then samples them."""
 
-    def __init__(self, sampler: Sampler, grammar_bitmask: GrammarBitmask) -> None:
+    def __init__(
+        self, sampler: Sampler, grammar_bitmask: GrammarBitmask, draft_probs: DraftProbs | None = None
+    ) -> None:
+        """`draft_probs`: the draft model's q of a drafted chunk (method draft_model), so that sampled drafts are
+        verified by rejection sampling against it; None: drafts are point masses."""
         self.sampler = sampler
         self.grammar_bitmask = grammar_bitmask
-        self.draft_probs: DraftProbs | None = None  # set by the engine under the draft_model method
+        self.draft_probs = draft_probs
 
-    def plan(self, scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> StepRows:
+    def plan(self, scheduled: SchedulerOutput, owners: RequestOwners) -> StepRows:
         """Each row's owner and draw spec; the grammar masks depend only on tokens accepted so far: start them."""
         if scheduled.scheduled_spec_decode_tokens:
             return self._plan_drafted(scheduled, owners)
         seq_ids = tuple(seq_id for chunk in scheduled.scheduled for seq_id in chunk.sample_ids)
-        row_owners = tuple(owners[seq_id] for seq_id in seq_ids)
-        specs = tuple(owner.draw_spec(seq_id) for owner, seq_id in zip(row_owners, seq_ids, strict=True))
+        row_owners = tuple(owners.seqs[seq_id] for seq_id in seq_ids)
+        samplers = owners.samplers
+        specs = tuple(
+            None if (sampled := samplers.get(seq_id)) is None else sampled.draw_spec(seq_id)
+            for seq_id in seq_ids
+        )
         grammar = self.grammar_bitmask.start_fill([spec.matcher for spec in specs if spec is not None])
-        return StepRows(seq_ids, row_owners, specs, grammar)
+        return StepRows(seq_ids, row_owners, specs, grammar, owners.row_takers)
 
-    def _plan_drafted(self, scheduled: SchedulerOutput, owners: Mapping[str, EngineRequest]) -> StepRows:
+    def _plan_drafted(self, scheduled: SchedulerOutput, owners: RequestOwners) -> StepRows:
         """`plan` for a step with drafted chunks: k + 1 rows for each, one per position."""
         seq_ids: list[str] = []
         specs: list[DrawSpec | None] = []
@@ -74,7 +90,8 @@ class StepSampler:
         for chunk in scheduled.scheduled:
             drafts = chunk.spec_token_ids
             for seq_id in chunk.sample_ids:
-                spec = owners[seq_id].draw_spec(seq_id)
+                sampled = owners.samplers.get(seq_id)
+                spec = None if sampled is None else sampled.draw_spec(seq_id)
                 if not drafts:
                     seq_ids.append(seq_id)
                     specs.append(spec)
@@ -85,9 +102,9 @@ class StepSampler:
                 groups.append(DraftGroup(len(seq_ids), seq_id, drafts, probs))
                 seq_ids += [seq_id] * (len(drafts) + 1)
                 specs += draft_row_specs(spec, drafts)
-        row_owners = tuple(owners[seq_id] for seq_id in seq_ids)
+        row_owners = tuple(owners.seqs[seq_id] for seq_id in seq_ids)
         grammar = self.grammar_bitmask.start_fill([spec.matcher for spec in specs if spec is not None])
-        return StepRows(tuple(seq_ids), row_owners, tuple(specs), grammar, tuple(groups))
+        return StepRows(tuple(seq_ids), row_owners, tuple(specs), grammar, owners.row_takers, tuple(groups))
 
     def sample(
         self,
@@ -197,7 +214,8 @@ class StepSampler:
         index = torch.tensor(held_rows, dtype=torch.int64, device=logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1).cpu()
         for row, logprob in zip(held_rows, logprobs, strict=True):
-            rows.owners[row].add_logprob_row(rows.seq_ids[row], logprob)
+            seq_id = rows.seq_ids[row]
+            rows.row_takers[seq_id].add_logprob_row(seq_id, logprob)
         held = set(held_rows)
         others = [i for i in range(len(rows.seq_ids)) if i not in held]
         return logits.index_select(0, torch.tensor(others, dtype=torch.int64, device=logits.device))

@@ -1,6 +1,6 @@
 """The API's names of the served adapters: what `model` may name, what /v1/models lists (no torch here).
 
-Ids follow `build_engine_lora`'s numbering of `--lora-modules` (1, 2, ...); adapters loaded at run time take the
+Ids follow `EngineLoRA.build`'s numbering of `--lora-modules` (1, 2, ...); adapters loaded at run time take the
 next ids, never reused, so a prefix-cache block or an engine slot of an unloaded adapter never serves a new one.
 """
 

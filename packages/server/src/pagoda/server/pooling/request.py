@@ -1,21 +1,19 @@
 """`PoolingRequest`: an embedding request as the engine drives it, prefill only.
 
 Its prompt goes through the same scheduler and paged KV as any request (chunked prefill, batching, preemption).
-It takes the final hidden states of its prompt positions as a prompt-logprobs request does (`hidden_states_end`),
-a chunk at a time, into its `Pooler`. The last chunk's logits row is handed to it (`draw_spec` None: the
-scheduler appends nothing) and its `end_step` finishes the sequence, so its KV blocks are freed in that same step.
+It takes the final hidden states of its prompt positions (`TakesHiddenStates`), a chunk at a time, into its
+`Pooler`. The last chunk's logits row is handed to it (`TakesLogprobRows`: the scheduler appends nothing) and
+its `end_step` finishes the sequence, so its KV blocks are freed in that same step.
 """
 
 from __future__ import annotations
 
 import time
 
-from pagoda.scheduler import Request, RequestStatus, Scheduler
-from pagoda.server.engine.engine_request import DrawSpec
+from pagoda.scheduler import RequestStatus, Scheduler
 from pagoda.server.outputs import RequestMetrics, RequestOutput
 from pagoda.server.pooling.params import PoolingParams
 from pagoda.server.pooling.pooler import Pooler
-from pagoda.server.sampling import TokenLogprobs
 from torch import Tensor
 
 
@@ -46,14 +44,6 @@ class PoolingRequest:
         return (self.request_id,)
 
     @property
-    def prompt_logprobs_k(self) -> None:
-        """A pooling request scores no prompt tokens."""
-        return None
-
-    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
-        """Never called: `prompt_logprobs_k` is None."""
-
-    @property
     def hidden_states_end(self) -> int | None:
         """Every prompt position's hidden state comes back until the pooler has what it needs."""
         return None if self.pooler.done else len(self.prompt_token_ids)
@@ -72,20 +62,8 @@ class PoolingRequest:
             self.num_cached_tokens = num_computed_tokens
             self.metrics = RequestMetrics(self.metrics.arrival_time, first_scheduled_time=now)
 
-    def draw_spec(self, seq_id: str) -> DrawSpec | None:
-        """None: the last chunk's row is handed over and nothing is sampled (the scheduler holds the sequence)."""
-        return None
-
-    def add_token(self, seq_id: str, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str | None:
-        """Never called: `draw_spec` is None."""
-        raise TypeError(f"request {self.request_id} pools its prompt: it samples no tokens")
-
     def add_logprob_row(self, seq_id: str, logprobs: Tensor) -> None:  # float32 [vocab]
         """The prefill is complete: the row itself is not needed, the pooler has every position."""
-
-    def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
-        """The scheduler finished it (it never samples, so only an abort does): nothing to pool any more."""
-        self._finish()
 
     def end_step(self, scheduler: Scheduler) -> bool:
         """After the last chunk: finish the held sequence (its KV freed now) and pool; True once finished."""

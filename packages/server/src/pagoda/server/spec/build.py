@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pagoda.scheduler import Scheduler
+from pagoda.server.request_contract import SamplesTokens
 from pagoda.server.spec.config import SpeculativeConfig
 from pagoda.server.spec.draft_model import DraftModel
 from pagoda.server.spec.draft_request import DraftModelRequest
 from pagoda.server.spec.ngram import NgramProposer
 from pagoda.server.spec.policy import DraftPolicy
 from pagoda.server.spec.proposer import Proposer
-from pagoda.server.spec.request import SpeculativeRequest
+from pagoda.server.spec.request import DraftableRequest, SpeculativeRequest
 from pagoda.server.spec.suffix import SuffixIndex, SuffixProposer
-
-if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
-    from pagoda.server.engine.engine_request import EngineRequest
-    from pagoda.server.engine.requests import RequestState
 
 
 def build_speculation(
     config: SpeculativeConfig, policy: DraftPolicy | None = None, drafter: DraftModel | None = None
-) -> Callable[[RequestState], EngineRequest]:
+) -> Callable[[DraftableRequest], SamplesTokens]:
     """What makes a plain request speculative under `config` (each request gets its own proposer); `policy`
     backs off by batch size and acceptance (None: always `num_speculative_tokens` drafts); `drafter` is the
     engine's draft model (method draft_model: required)."""
@@ -46,12 +42,12 @@ def build_speculation(
             raise ValueError("method 'draft_model' drafts with the engine's draft model: none was given")
         model = drafter
 
-        def draft(state: RequestState) -> EngineRequest:
+        def draft(state: DraftableRequest) -> SamplesTokens:
             return DraftModelRequest(state, model, budget)
 
         return draft
 
-    def speculate(state: RequestState) -> EngineRequest:
+    def speculate(state: DraftableRequest) -> SamplesTokens:
         return SpeculativeRequest(state, proposer, budget)
 
     return speculate

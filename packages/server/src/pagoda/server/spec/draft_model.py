@@ -18,21 +18,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from pagoda.blockalloc import BlockManager
 from pagoda.pagedkernel.sampling import GREEDY_TEMPERATURE, rng_key
 from pagoda.pagedkernel.sampling.rng import uniforms
 from pagoda.scheduler import RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
+from pagoda.server.request_contract import DrawSpec
+from pagoda.server.sampling import SamplingRow
 from torch import Tensor
 
-if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
-    from pagoda.server.engine.engine_request import DrawSpec
-    from pagoda.server.sampling import SamplingRow
-
 # The distribution of each row's draw, as `Sampler.probabilities` gives it: float32 [rows, vocab].
-Probabilities = Callable[[Tensor, Sequence["SamplingRow"]], Tensor]
+Probabilities = Callable[[Tensor, Sequence[SamplingRow]], Tensor]
 
 # Salts the draft's own draws apart from the target's (whose keys are rng_key(seed, sample, position)).
 DRAFT_SEED_SALT = 0x5DEECE66D

@@ -7,16 +7,11 @@ its draft KV at once, as does an abort (preempted samples are freed by the next 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagoda.scheduler import Request, Scheduler
+from pagoda.server.outputs import RequestOutput
 from pagoda.server.spec.draft_model import DraftModel
 from pagoda.server.spec.proposer import Proposer
-from pagoda.server.spec.request import DraftBudget, SpeculativeRequest
-
-if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
-    from pagoda.server.engine.requests import RequestState
-    from pagoda.server.outputs import RequestOutput
+from pagoda.server.spec.request import DraftableRequest, DraftBudget, SpeculativeRequest
 
 
 def _no_proposer() -> Proposer:
@@ -27,7 +22,7 @@ def _no_proposer() -> Proposer:
 class DraftModelRequest(SpeculativeRequest):
     """A plain request drafted by the engine's draft model (see the module docstring)."""
 
-    def __init__(self, state: RequestState, drafter: DraftModel, budget: DraftBudget) -> None:
+    def __init__(self, state: DraftableRequest, drafter: DraftModel, budget: DraftBudget) -> None:
         """Wrap `state`; `drafter` drafts for all its samples."""
         super().__init__(state, _no_proposer, budget)
         self.drafter = drafter
@@ -49,7 +44,7 @@ class DraftModelRequest(SpeculativeRequest):
                 self.drafter.release(seq_id)
         return changed
 
-    def abort(self) -> RequestOutput:
+    def abort(self) -> RequestOutput | None:
         """Finish every sample as aborted and free their draft KV."""
         for seq_id in self.state.seq_ids:
             self.drafter.release(seq_id)

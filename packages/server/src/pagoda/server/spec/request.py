@@ -1,36 +1,39 @@
 """`SpeculativeRequest`: a plain request that drafts its next tokens (the EngineRequest of a speculative row).
 
-It is the plain request (`RequestState`) in every call but one: `end_step`, after the step's tokens are in,
-asks its proposer for drafts of each running sample and hands them to the scheduler, which computes them with
-the next decode. The step's rows for the drafted positions and the accepted run are the step sampler's
+It is the plain request it wraps (`DraftableRequest`: the engine's `RequestState`) in every call but one:
+`end_step`, after the step's tokens are in, asks its proposer for drafts of each running sample and hands them
+to the scheduler, which computes them with the next decode. The step's rows for the drafted positions and the accepted run are the step sampler's
 (`pagoda.server.spec.verify`); `step()` has no branch for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagoda.scheduler import Request, Scheduler
+from pagoda.server.outputs import RequestOutput
+from pagoda.server.request_contract import DrawSpec, SamplesTokens, ScoresPrompt
+from pagoda.server.sampling import TokenLogprobs
 from pagoda.server.spec.policy import AcceptanceEstimate
 from pagoda.server.spec.proposer import Proposer
-
-if TYPE_CHECKING:  # the engine imports this package: no import of the engine at run time
-    from pagoda.server.engine.engine_request import DrawSpec
-    from pagoda.server.engine.requests import RequestState
-    from pagoda.server.outputs import RequestOutput
-    from pagoda.server.sampling import TokenLogprobs
-    from torch import Tensor
 
 # How many drafts a sequence gets next, given the scheduler and its acceptance rate so far (the back-off
 # policy, `DraftPolicy`); 0: none.
 DraftBudget = Callable[[Scheduler, float], int]
 
 
+class DraftableRequest(SamplesTokens, ScoresPrompt, Protocol):
+    """What a speculative request wraps: a plain request, whose rows the sampler draws (the engine's
+    `RequestState`; grammar and beam rows are never drafted)."""
+
+
 class SpeculativeRequest:
     """A plain request whose running samples get drafts from their proposers after each step they progressed in."""
 
-    def __init__(self, state: RequestState, proposer: Callable[[], Proposer], budget: DraftBudget) -> None:
+    def __init__(
+        self, state: DraftableRequest, proposer: Callable[[], Proposer], budget: DraftBudget
+    ) -> None:
         """Wrap `state` (no grammar, no beams: those rows are never drafted); `proposer()` makes the proposer
         of each of its samples (a proposer may keep per-sequence state, as the suffix index cursor)."""
         self.state = state
@@ -70,15 +73,6 @@ class SpeculativeRequest:
         """Record prompt logprobs."""
         self.state.add_prompt_logprobs(start, logprobs)
 
-    @property
-    def hidden_states_end(self) -> int | None:
-        """A sampling request's: None (it pools nothing)."""
-        return self.state.hidden_states_end
-
-    def add_hidden_states(self, start: int, hidden: Tensor) -> None:  # [num_rows, hidden_size]
-        """Never called while `hidden_states_end` is None (the wrapped request's rule)."""
-        self.state.add_hidden_states(start, hidden)
-
     def mark_scheduled(self, num_computed_tokens: int, now: float) -> None:
         """Note a scheduled chunk."""
         self.state.mark_scheduled(num_computed_tokens, now)
@@ -91,10 +85,6 @@ class SpeculativeRequest:
         """Record one token of the accepted run; the stop string it completes, if any."""
         self._added[seq_id] = self._added.get(seq_id, 0) + 1
         return self.state.add_token(seq_id, token_id, logprobs, now)
-
-    def add_logprob_row(self, seq_id: str, logprobs: Tensor) -> None:  # float32 [vocab]
-        """Never called: every row is drawn."""
-        self.state.add_logprob_row(seq_id, logprobs)
 
     def finish_as_scheduled(self, request: Request, stop_string: str | None) -> None:
         """Finish the sample the scheduler finished."""
@@ -133,6 +123,6 @@ class SpeculativeRequest:
         """Its cumulative output now."""
         return self.state.snapshot()
 
-    def abort(self) -> RequestOutput:
+    def abort(self) -> RequestOutput | None:
         """Finish every sample as aborted."""
         return self.state.abort()

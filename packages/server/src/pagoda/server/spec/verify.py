@@ -23,14 +23,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from pagoda.pagedkernel.sampling.rng import mix64_int, uniforms
+from pagoda.server.request_contract import DrawSpec
 from torch import Tensor
-
-if TYPE_CHECKING:  # the engine imports this module: no import of the engine at run time
-    from pagoda.server.engine.engine_request import DrawSpec
 
 # Salts a row's key into the keys of its acceptance test and of its residual draw.
 _ACCEPT_SALT, _RESIDUAL_SALT = 0x2545F4914F6CDD1D, 0x7F4A7C159E3779B9

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.base import Executor, ExecutorError, UniProcExecutor
-from pagoda.server.engine.model_runner import ModelRunner
-from pagoda.server.engine.setup import EngineParts, build_parts
+from pagoda.server.engine.setup import EngineParts, build_parts, with_lora
 
 __all__ = ["Executor", "ExecutorError", "UniProcExecutor", "build_executor"]
 
@@ -13,8 +12,8 @@ __all__ = ["Executor", "ExecutorError", "UniProcExecutor", "build_executor"]
 def build_executor(config: EngineConfig) -> tuple[Executor, EngineParts]:
     """The executor `tensor_parallel_size` asks for, with the driver's parts (rank 0's shard under TP)."""
     if config.parallel_config.tensor_parallel_size == 1:
-        parts = build_parts(config)
-        return UniProcExecutor(ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)), parts
+        parts = with_lora(config, build_parts(config))
+        return UniProcExecutor(parts.runner()), parts
     from pagoda.server.engine.executor.distributed import DistributedExecutor
 
     return DistributedExecutor.launch(config)

@@ -41,8 +41,10 @@ from pagoda.server.engine.setup import (
     build_parts,
     dtype_name,
     select_placement,
+    with_lora,
 )
 from pagoda.server.loader import resolve_model_folder
+from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.models import TensorParallelError
 from pagoda.server.models.parallel import check_tensor_parallel
 from pagoda.server.procs import (
@@ -102,8 +104,11 @@ class DistributedExecutor(Executor):
         router: zmq.Socket[bytes],
         identities: list[bytes],
         restore_threads: int | None,
+        lora: LoRAManager | None = None,
     ) -> None:
+        """`lora`: the driver's adapter slots, whose step adapters every worker is told to hold (None: no LoRA)."""
         self.driver = driver
+        self.lora = lora
         self.num_blocks = driver.kv_cache.num_blocks
         self.num_host_blocks = driver.kv_cache.num_host_blocks
         self.group = group
@@ -165,7 +170,7 @@ class DistributedExecutor(Executor):
             if threads is not None:
                 torch.set_num_threads(threads)
             group = ProcessGroupCollectives(0, size)
-            parts = build_parts(config, group, placement)
+            parts = with_lora(config, build_parts(config, group, placement))
             identities = _wait_ready(router, workers, keys.peer)
             start = msgspec.msgpack.encode(Start(parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks))
             for identity in identities:
@@ -186,16 +191,24 @@ class DistributedExecutor(Executor):
             config.parallel_config.distributed_executor_backend,
             "" if threads is None else f", {threads} torch thread(s) per rank",
         )
-        driver = ModelRunner(parts.model, parts.kv_cache, parts.backend, parts.device)
         return cls(
-            driver, group, launcher, workers, context, authenticator, router, identities, restore
+            parts.runner(),
+            group,
+            launcher,
+            workers,
+            context,
+            authenticator,
+            router,
+            identities,
+            restore,
+            parts.lora,
         ), parts
 
     def execute(
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
         """Send the step to the workers, run rank 0's part; the logits are gathered here."""
-        lora = self.driver.lora
+        lora = self.lora
         self._send(Execute(output, () if lora is None else lora.requests_for(output.scheduled)))
         self.steps += 1
         try:

@@ -26,7 +26,8 @@ from pagoda.server.engine.executor.messages import (
 from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.setup import Placement, build_shard, kv_cache_shape, parse_dtype
-from pagoda.server.lora.engine_lora import build_manager
+from pagoda.server.lora.build import build_manager
+from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.procs import ChildSpec, Program, Shutdown
 from pagoda.server.procs.child import run_process
 from pagoda.server.procs.security import connect_securely
@@ -71,9 +72,9 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
             else make_file_store(spec.store_path, spec.world_size)
         )
         group.connect(store, placement.device, spec.store_host)
-        runner = ModelRunner(model, kv_cache, backend, placement.device)
-        runner.lora = build_manager(spec.config, model, placement.dtype, placement.device)
-        _serve(runner, group, socket, spec, parent_pid)
+        lora = build_manager(spec.config, model, placement.dtype, placement.device)
+        runner = ModelRunner(model, kv_cache, backend, placement.device, () if lora is None else (lora,))
+        _serve(runner, lora, group, socket, spec, parent_pid)
     finally:
         socket.close()
         context.term()
@@ -81,6 +82,7 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
 
 def _serve(
     runner: ModelRunner,
+    lora: LoRAManager | None,
     group: ProcessGroupCollectives,
     socket: zmq.Socket[bytes],
     spec: WorkerSpec,
@@ -93,8 +95,8 @@ def _serve(
         if command is None or isinstance(command, Shutdown):
             return
         if isinstance(command, Execute):
-            if runner.lora is not None:
-                runner.lora.ensure(command.loras)
+            if lora is not None:  # read (this rank's shard of) the step's adapters it does not hold yet
+                lora.ensure(command.loras)
             runner.execute(command.output, {})  # rank 0 gathers the logits; this rank's run is dropped
         elif isinstance(command, ComputeLogits):
             dtype = runner.kv_cache.shape.dtype
