@@ -180,16 +180,13 @@ def test_a_real_engine_publishes_its_prefix_cache(tmp_path: Path) -> None:
 def test_each_replica_gets_its_own_endpoint() -> None:
     from pagoda.server.kv_events.config import for_replica
 
-    text = json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "endpoint": "tcp://127.0.0.1:6001",
-            "replay_endpoint": "tcp://*:7001",
-        }
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:6001", replay_endpoint="tcp://*:7001"
     )
-    assert for_replica(text, 0) == text
-    second = json.loads(for_replica(text, 2) or "")
-    assert second["endpoint"] == "tcp://127.0.0.1:6003" and second["replay_endpoint"] == "tcp://*:7003"
+    assert for_replica(config, 0) == config
+    second = for_replica(config, 2)
+    assert second is not None
+    assert second.endpoint == "tcp://127.0.0.1:6003" and second.replay_endpoint == "tcp://*:7003"
     assert for_replica(None, 3) is None
-    off = json.dumps({"enable_kv_cache_events": False})
+    off = KVEventsConfig(enable_kv_cache_events=False)
     assert for_replica(off, 1) == off

@@ -18,6 +18,7 @@ import zmq
 from api_cases import MODEL
 from pagoda.server.cli import main
 from pagoda.server.cli_args import build_parser, serve_config
+from pagoda.server.kv_events.config import parse_kv_events_config
 from pagoda.server.kv_events.wire import BlockStored, KVEventBatch
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving, sync_client
@@ -149,7 +150,8 @@ def test_subscriptions_apply_their_replicas_batches_and_refuse_others(ipc_dir: P
     pubs = [context.socket(zmq.PUB) for _ in range(2)]
     pubs[0].bind(endpoint)
     pubs[1].bind(f"{endpoint}-1")
-    subs = KVEventSubscriptions(context, _events_config(endpoint), 2, lambda i, b: applied.append((i, b)))
+    events = parse_kv_events_config(_events_config(endpoint))
+    subs = KVEventSubscriptions(context, events, 2, lambda i, b: applied.append((i, b)))
     try:
         assert subs.endpoints == [endpoint, f"{endpoint}-1"]
         encode = msgspec.msgpack.encode

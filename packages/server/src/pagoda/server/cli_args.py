@@ -2,7 +2,8 @@
 
 Each flag's destination is a field name of the config tree (`pagoda.server.config`): its default comes from
 that field and `--help` lists it under that field's section. A new flag is one row here plus its field;
-TGI's aliases are rows that name the vLLM destination they set.
+TGI's aliases are rows that name the vLLM destination they set. The JSON sub-config flags (--speculative-config,
+--pooler-config, --kv-events-config) are parsed by their argparse types, once, into the typed configs the tree holds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pagoda.server.config import (
     ToolParserName,
 )
 from pagoda.server.config_tree import flat_names
+from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
 from pagoda.server.pooling.params import PoolerConfig, PoolerConfigError, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
 from pagoda.server.spec.config import SpeculativeConfig, parse_speculative_config
@@ -193,6 +195,7 @@ def argument_table() -> list[Flag]:
         Flag(
             ("--kv-events-config",),
             {
+                "type": _kv_events_config,
                 "metavar": "JSON",
                 "help": "vLLM's KV cache events: a JSON object of enable_kv_cache_events, publisher (zmq), endpoint "
                 "(tcp://127.0.0.1:5557), replay_endpoint, buffer_steps, hwm, max_queue_size, topic",
@@ -591,6 +594,14 @@ def _speculative_config(text: str) -> SpeculativeConfig:
     """--speculative-config's value; a bad one exits 2 with argparse's message naming the flag and the key."""
     try:
         return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """--kv-events-config's value; a bad one exits 2 with argparse's message naming the flag and the key."""
+    try:
+        return parse_kv_events_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -5,6 +5,10 @@ plus one section per consumer in front of it (the core client, `AsyncLLM`, the A
 Every leaf field has one flat name, the same as its CLI destination and its `LLM(**kwargs)` keyword;
 `build_config` distributes flat names to sections by their dataclass fields (`pagoda.server.config_tree`).
 vLLM's names where the meaning is the same.
+
+The JSON sub-configs (`speculative_config`, `pooler_config`, `kv_events_config`) are parsed once, where text or a
+dict enters: the CLI's flag types (`cli_args.py`) and `from_flat` (`LLM(**kwargs)`); the tree holds their typed
+configs (or None), which every consumer reads as they are.
 """
 
 from __future__ import annotations
@@ -12,17 +16,18 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
 from pagoda.server.config_tree import build_config
-from pagoda.server.kv_events.config import parse_kv_events_config
+from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 from pagoda.server.pooling.params import PoolerConfig, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
-from pagoda.server.spec.config import SpeculativeConfig
+from pagoda.server.spec.config import SpeculativeConfig, parse_speculative_config
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -39,6 +44,7 @@ __all__ = [
     "EngineFailureName",
     "HTTPLimits",
     "KVCacheDtypeName",
+    "KVEventsConfig",
     "KVManagerName",
     "KernelBackendName",
     "LoRAConfig",
@@ -57,6 +63,7 @@ __all__ = [
     "ServeConfig",
     "ServerConfig",
     "ServingConfig",
+    "SpeculativeConfig",
     "StructuredOutputsConfig",
     "ToolParserName",
     "resolved_scheduler_config",
@@ -100,6 +107,32 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, not {value!r}")
 
 
+def _typed(name: str, value: object, kind: type) -> None:
+    """ValueError naming the field when a JSON sub-config is neither None nor its typed config (text and dicts
+    are parsed at the boundary: the CLI's flag types and `from_flat`)."""
+    if value is not None and not isinstance(value, kind):
+        raise ValueError(
+            f"{name} must be a {kind.__name__} (from_flat parses JSON text or a dict), not {value!r}"
+        )
+
+
+# The JSON sub-configs by flat name: each one's parser, JSON text or a mapping (or the typed config, as is) ->
+# its typed config. `from_flat` runs it once, on what `LLM(**kwargs)` or a caller gives.
+_SUB_CONFIG_PARSERS: dict[str, Callable[[Any], object]] = {
+    "speculative_config": parse_speculative_config,
+    "pooler_config": parse_pooler_config,
+    "kv_events_config": parse_kv_events_config,
+}
+
+
+def _parsed_sub_configs(names: Mapping[str, object]) -> dict[str, object]:
+    """`names` with each JSON sub-config's text or dict parsed into its typed config (None stays None: off)."""
+    return {
+        name: value if value is None or name not in _SUB_CONFIG_PARSERS else _SUB_CONFIG_PARSERS[name](value)
+        for name, value in names.items()
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What model runs, how, and what one prompt may be; None means "derive from the model or the machine"."""
@@ -124,18 +157,14 @@ class ModelConfig:
     # /v1/embeddings (pagoda.server.pooling).
     runner: RunnerName = "generate"
     # --pooler-config (vLLM's): the pooling runner's pooling type and normalisation; None: LAST, normalised. A dict
-    # (LLM(pooler_config={...})) is taken as the flag's JSON object.
+    # (LLM(pooler_config={...})) is taken as the flag's JSON object, parsed by from_flat.
     pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1, max_input_tokens=self.max_input_tokens)
         _one_of("runner", self.runner, get_args(RunnerName))
-        given: object = self.pooler_config
-        if isinstance(given, dict):
-            object.__setattr__(self, "pooler_config", parse_pooler_config(json.dumps(given)))
-        elif given is not None and not isinstance(given, PoolerConfig):
-            raise ValueError(f"pooler_config must be a PoolerConfig or a dict, not {given!r}")
+        _typed("pooler_config", self.pooler_config, PoolerConfig)
         if self.quantization is not None:
             _one_of("quantization", self.quantization, get_args(QuantizationName))
         if self.quantization == "gguf" and not self.is_gguf():
@@ -187,11 +216,12 @@ class CacheConfig:
     kv_cache_dtype: KVCacheDtypeName = "auto"  # the KV cache's storage dtype
     # vLLM's flag: one full-attention group of every layer (today's layout) instead of KV cache groups.
     disable_hybrid_kv_cache_manager: bool = False
-    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (pagoda.server.kv_events)
+    # --kv-events-config (vLLM's JSON; pagoda.server.kv_events): KV cache events published; None: off.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
-        parse_kv_events_config(self.kv_events_config)
+        _typed("kv_events_config", self.kv_events_config, KVEventsConfig)
         _at_least(1, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -319,10 +349,15 @@ class EngineConfig:
     # --speculative-config (vLLM's JSON; pagoda.server.spec): drafts verified in one pass; None: off.
     speculative_config: SpeculativeConfig | None = None
 
+    def __post_init__(self) -> None:
+        """ValueError naming the field."""
+        _typed("speculative_config", self.speculative_config, SpeculativeConfig)
+
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:
-        """The config of flat field names (`max_num_seqs=8, block_size=4, ...`); TypeError naming an unknown one."""
-        return build_config(cls(), names)
+        """The config of flat field names (`max_num_seqs=8, block_size=4, ...`); TypeError naming an unknown one.
+        A JSON sub-config may be given as JSON text or a dict (parsed here, once) or as its typed config."""
+        return build_config(cls(), _parsed_sub_configs(names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,16 +569,17 @@ class ServeConfig:
     def __post_init__(self) -> None:
         """ValueError naming the fields of two sections that do not go together."""
         if self.core.routing_kv_events:
-            events = parse_kv_events_config(self.engine.cache_config.kv_events_config)
-            if not events.enable_kv_cache_events or events.publisher != "zmq":
+            events = self.engine.cache_config.kv_events_config
+            if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
                 raise ValueError(
                     "routing_kv_events needs kv_events_config with enable_kv_cache_events and the zmq publisher"
                 )
 
     @classmethod
     def from_flat(cls, **names: object) -> ServeConfig:
-        """The config of flat field names; TypeError naming an unknown one."""
-        return build_config(cls(), names)
+        """The config of flat field names; TypeError naming an unknown one. A JSON sub-config may be given as JSON
+        text or a dict (parsed here, once) or as its typed config (the CLI's flag types parse it)."""
+        return build_config(cls(), _parsed_sub_configs(names))
 
 
 def resolved_scheduler_config(

@@ -3,11 +3,15 @@
 A tree is a frozen dataclass whose fields are leaves or sections (fields whose default is itself a dataclass
 instance). Every leaf has one flat name, its field name, unique over the whole tree; `build_config` hands each
 flat name to the section that declares it, so a new field needs no code between its flag and its consumer.
+
+A JSON sub-config (vLLM's `--speculative-config`, `--pooler-config`, `--kv-events-config`) is a leaf holding its
+typed config; `json_object` is the first step of each one's parser, which runs once, where text or a dict enters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, TypeVar
 
@@ -57,3 +61,18 @@ def _rebuilt(node: T, flat: Mapping[str, object]) -> T:
     changes: dict[str, Any] = {name: _rebuilt(section, flat) for name, section in _sections(node)}
     changes.update({f.name: flat[f.name] for f in fields(node) if f.name not in changes and f.name in flat})  # type: ignore[arg-type]
     return replace(node, **changes) if changes else node  # type: ignore[type-var]
+
+
+def json_object(
+    value: object, name: str, *, example: str | None = None, error: Callable[[str], ValueError] = ValueError
+) -> dict[str, object]:
+    """The keys of a JSON sub-config given as a flag's JSON text or as a mapping (`LLM(name={...})`): `error`
+    saying that `name` is not valid JSON, or not a JSON object (`such as {example}`)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise error(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise error(f"{name} must be a JSON object" + ("" if example is None else f" such as {example}"))
+    return dict(value)

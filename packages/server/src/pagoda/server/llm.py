@@ -16,7 +16,6 @@ from pagoda.server.outputs import RequestOutput
 from pagoda.server.pooling import PoolingParams
 from pagoda.server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.spec.config import parse_speculative_config
 from tqdm.auto import tqdm
 
 Prompt = str | Sequence[int]
@@ -27,10 +26,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """Build the engine; keywords are the engine config's flat names (max_num_seqs, block_size, ...: the
-        `pagoda serve` flags with underscores), given to their sections by `EngineConfig.from_flat`;
-        `speculative_config` also takes vLLM's dict (or its JSON text)."""
-        if engine_args.get("speculative_config") is not None:
-            engine_args["speculative_config"] = parse_speculative_config(engine_args["speculative_config"])
+        `pagoda serve` flags with underscores), given to their sections by `EngineConfig.from_flat`, which parses
+        `speculative_config`, `pooler_config` and `kv_events_config` given as vLLM's dict (or its JSON text)."""
         self.engine = LLMEngine.from_config(EngineConfig.from_flat(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import msgspec
 import zmq
-from pagoda.server.kv_events.config import for_replica, parse_kv_events_config
+from pagoda.server.kv_events.config import KVEventsConfig, for_replica
 from pagoda.server.kv_events.wire import KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class KVEventSubscriptions:
     def __init__(
         self,
         context: zmq.Context[zmq.Socket[bytes]],
-        kv_events_config: str | None,
+        kv_events_config: KVEventsConfig | None,
         num_replicas: int,
         apply: Callable[[int, KVEventBatch], None],
     ) -> None:
@@ -48,7 +48,7 @@ class KVEventSubscriptions:
         self.num_batches = 0  # applied, for tests and logs
         self.num_refused = 0  # undecodable, or from another data-parallel rank than the endpoint's
         for index in range(num_replicas):
-            config = parse_kv_events_config(for_replica(kv_events_config, index))
+            config = for_replica(kv_events_config, index) or KVEventsConfig()
             socket = context.socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, config.topic.encode())

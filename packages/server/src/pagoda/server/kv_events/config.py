@@ -1,11 +1,13 @@
-"""`--kv-events-config`: vLLM's JSON object and its keys, validated into a frozen config."""
+"""`--kv-events-config`: vLLM's JSON object and its keys, parsed once into a frozen config (the config tree's)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
+
+from pagoda.server.config_tree import json_object
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # loopback unless an address is given (vLLM binds tcp://*:5557)
 
@@ -38,16 +40,14 @@ class KVEventsConfig:
                 )
 
 
-def parse_kv_events_config(text: str | None) -> KVEventsConfig:
-    """The config of `--kv-events-config` JSON (None or empty: events off); ValueError naming a bad key."""
-    if not text:
+def parse_kv_events_config(value: str | Mapping[str, object] | KVEventsConfig | None) -> KVEventsConfig:
+    """The config of `--kv-events-config` JSON, of a mapping (`LLM(kv_events_config={...})`) or a config as is
+    (None or empty text: events off); ValueError naming a bad key."""
+    if isinstance(value, KVEventsConfig):
+        return value
+    if value is None or value == "":
         return KVEventsConfig()
-    try:
-        data: Any = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"kv_events_config is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError("kv_events_config must be a JSON object")
+    data: dict[str, Any] = json_object(value, "kv_events_config")
     known = {f.name: f.type for f in fields(KVEventsConfig)}
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -62,10 +62,10 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig:
         "max_queue_size": (int,),
         "topic": (str,),
     }
-    for key, value in data.items():
-        ok = isinstance(value, expected[key]) and not (isinstance(value, bool) and bool not in expected[key])
+    for key, item in data.items():
+        ok = isinstance(item, expected[key]) and not (isinstance(item, bool) and bool not in expected[key])
         if not ok:
-            raise ValueError(f"kv_events_config.{key} has the wrong type: {value!r}")
+            raise ValueError(f"kv_events_config.{key} has the wrong type: {item!r}")
     return KVEventsConfig(**data)
 
 
@@ -78,14 +78,14 @@ def _offset_port(endpoint: str, offset: int) -> str:
     return f"{endpoint}-{offset}" if offset else endpoint
 
 
-def for_replica(text: str | None, index: int) -> str | None:
-    """Replica `index`'s `--kv-events-config`: its tcp ports offset by `index`, as vLLM offsets them by the
-    data-parallel rank, so that every engine core binds its own endpoint."""
-    config = parse_kv_events_config(text)
-    if not config.enable_kv_cache_events or index == 0:
-        return text
-    data = json.loads(text or "{}")
-    data["endpoint"] = _offset_port(config.endpoint, index)
-    if config.replay_endpoint is not None:
-        data["replay_endpoint"] = _offset_port(config.replay_endpoint, index)
-    return json.dumps(data)
+def for_replica(config: KVEventsConfig | None, index: int) -> KVEventsConfig | None:
+    """Replica `index`'s KV events config: its tcp ports offset by `index`, as vLLM offsets them by the
+    data-parallel rank, so that every engine core binds its own endpoint (None: events off, for every replica)."""
+    if config is None or not config.enable_kv_cache_events or index == 0:
+        return config
+    replay = config.replay_endpoint
+    return replace(
+        config,
+        endpoint=_offset_port(config.endpoint, index),
+        replay_endpoint=None if replay is None else _offset_port(replay, index),
+    )

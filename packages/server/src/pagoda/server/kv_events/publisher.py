@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 from pagoda.blockalloc import BlockHash, BlockManager
-from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
+from pagoda.server.kv_events.config import KVEventsConfig
 from pagoda.server.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -148,12 +148,11 @@ class KVEventPublisher:
 
 
 def start_kv_events(
-    text: str | None, kv: object, *, medium: str, data_parallel_rank: int | None = None
+    config: KVEventsConfig | None, kv: object, *, medium: str, data_parallel_rank: int | None = None
 ) -> KVEventPublisher | None:
-    """A publisher wired to `kv` when `--kv-events-config` enables events (None otherwise, or for a KV manager
-    without a prefix cache)."""
-    config = parse_kv_events_config(text)
-    if not config.enable_kv_cache_events:
+    """A publisher wired to `kv` when the config tree's `kv_events_config` enables events (None otherwise, or for
+    a KV manager without a prefix cache)."""
+    if config is None or not config.enable_kv_cache_events:
         return None
     if not isinstance(kv, BlockManager):
         logger.warning("KV cache events need the paged KV manager; none are published")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
+
+from pagoda.server.config_tree import json_object
 
 __all__ = [
     "PoolerConfig",
@@ -51,14 +53,14 @@ class PoolerConfig:
             )
 
 
-def parse_pooler_config(text: str) -> PoolerConfig:
-    """The PoolerConfig of --pooler-config's JSON object; PoolerConfigError naming the bad or unknown key."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise PoolerConfigError(f"pooler_config is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise PoolerConfigError('pooler_config must be a JSON object such as {"pooling_type": "MEAN"}')
+def parse_pooler_config(value: str | Mapping[str, object] | PoolerConfig) -> PoolerConfig:
+    """The PoolerConfig of --pooler-config's JSON object, of a mapping (`LLM(pooler_config={...})`) or a config as
+    is; PoolerConfigError naming the bad or unknown key (or saying the JSON is invalid)."""
+    if isinstance(value, PoolerConfig):
+        return value
+    data: dict[str, Any] = json_object(
+        value, "pooler_config", example='{"pooling_type": "MEAN"}', error=PoolerConfigError
+    )
     unknown = [key for key in data if key not in _POOLER_KEYS]
     if unknown:
         raise PoolerConfigError(

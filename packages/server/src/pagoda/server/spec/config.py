@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
+
+from pagoda.server.config_tree import json_object
 
 # ngram: prompt lookup over the request's own prompt and output; suffix: suffix decoding over it and the recent
 # sequences of other requests (both model-free drafts); draft_model: a smaller model of the same vocabulary.
@@ -87,17 +88,10 @@ def parse_speculative_config(value: str | Mapping[str, object] | SpeculativeConf
     ValueError naming the key (or saying the JSON is invalid)."""
     if isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError('speculative_config must be a JSON object such as {"method": "ngram"}')
-    unknown = sorted(set(map(str, value)) - set(_KEYS))
+    fields = json_object(value, "speculative_config", example='{"method": "ngram"}')
+    unknown = sorted(set(map(str, fields)) - set(_KEYS))
     if unknown:
         raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {list(_KEYS)}")
-    fields: dict[str, object] = dict(value)
     if "method" not in fields:
         raise ValueError("speculative_config key 'method' is required (e.g. \"ngram\")")
     # One of the two n-gram sizes alone keeps the other's default unless that would contradict it.
