@@ -1,13 +1,23 @@
-"""The max_loras cap: a step never runs more distinct adapters than the cap, base-model requests are never held
-for it, and a request for another adapter is not starved by a steady stream of requests for the running ones."""
+"""The max_loras cap (the `AdapterCap` admission rule): a step never runs more distinct adapters than the cap,
+base-model requests are never held for it, and a request for another adapter is not starved by a steady stream of
+requests for the running ones; other admission rules plug in the same way."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from pagoda.blockalloc import BlockManager
-from pagoda.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from pagoda.scheduler import (
+    AdapterCap,
+    AdmissionRule,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    build_rules,
+)
 from pagoda.scheduler.testing import SimSamplingParams, TokenCacheModel
 
 BS = 4
@@ -92,3 +102,58 @@ def test_max_loras_validation() -> None:
     """max_loras must be None or >= 1."""
     with pytest.raises(ValueError, match="max_loras"):
         SchedulerConfig(max_loras=0)
+
+
+def test_max_loras_builds_the_adapter_cap_and_none_builds_no_rule() -> None:
+    """`build_rules` makes the cap from the config; the scheduler takes it by default, or the rules it is given."""
+    (cap,) = build_rules(SchedulerConfig(max_loras=2))
+    assert isinstance(cap, AdapterCap) and cap.max_adapters == 2
+    assert build_rules(SchedulerConfig()) == ()
+    sched, _ = make(max_loras=3)
+    assert [type(r) for r in sched.rules] == [AdapterCap]
+    kv = BlockManager(64, BS)
+    assert Scheduler(SchedulerConfig(max_model_len=64, max_loras=3), kv, rules=()).rules == ()
+    with pytest.raises(ValueError, match="max_adapters"):
+        AdapterCap(0)
+
+
+def test_adapter_cap_fits_running_adapters_and_holds_only_adapter_requests_behind() -> None:
+    """A running adapter always fits, a new one only under the cap; base requests always fit and never wait."""
+    cap = AdapterCap(1)
+    running = [lora_req("r", 7)]
+    assert cap.fits(lora_req("same", 7), running) and not cap.fits(lora_req("other", 8), running)
+    assert cap.fits(lora_req("base", None), running) and cap.fits(lora_req("first", 8), [])
+    assert cap.holds_behind(lora_req("a", 7)) and not cap.holds_behind(lora_req("b", None))
+
+
+class EvenOnly:
+    """A custom admission rule: requests whose id ends in an odd digit never run beside another request."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def fits(self, request: Request, running: Sequence[Request]) -> bool:
+        self.asked.append(request.request_id)
+        return not running or int(request.request_id[-1]) % 2 == 0
+
+    def holds_behind(self, request: Request) -> bool:
+        return False
+
+
+def test_a_custom_admission_rule_holds_requests_without_starving_the_rest() -> None:
+    """The scheduler asks every rule at admission: a held request keeps its place while the others pass."""
+    rule = EvenOnly()
+    rules: list[AdmissionRule] = [rule]
+    cfg = SchedulerConfig(max_model_len=64, watermark=0.0)
+    sched = Scheduler(cfg, BlockManager(256, BS), rules=rules)
+    model = TokenCacheModel(256, BS)
+    for rid in ("r0", "r1", "r2"):
+        sched.add_request(lora_req(rid, None, max_tokens=2))
+    first = step(sched, model)
+    assert [c.request_id for c in first.scheduled] == ["r0", "r2"]  # r1 held, r2 passed it
+    assert "r1" in rule.asked and [r.request_id for r in sched.waiting] == ["r1"]
+    for _ in range(10):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched, model)
+    assert not sched.has_unfinished_requests()  # r1 ran once the batch drained

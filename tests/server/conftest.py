@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.loader import CACHE_DIR_ENV
-from pagoda.server.testing import make_tiny_model
+from pagoda.server.testing import make_tiny_model, make_tiny_tokenizer
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
-from transformers import PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +44,12 @@ def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
     """A tiny Llama written as an F32 GGUF by gguf's writer, and the Hugging Face model it was written from."""
     return write_tiny_gguf("llama", tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", lambda name: "F32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    """The tiny test tokenizer (the fake-model engine tests'; a module may define its own `tokenizer`)."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tiny_tokenizer(path)
+    loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
+    return loaded

@@ -35,8 +35,7 @@ from pagoda.server.request_contract import EngineRequest
 from pagoda.server.sampling import Sampler
 from pagoda.server.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.server.structured import GrammarBitmask, StructuredOutputManager
-from pagoda.server.testing import make_tiny_tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 VOCAB = 400  # the fake model's logits width, padded past the tiny tokenizer's 384 tokens
 PROMPT = (5, 17, 42, 9, 100)
@@ -79,15 +78,6 @@ class FakeModel(Executor):
 
     def shutdown(self) -> None:
         """Nothing to stop."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
-    """The tiny test tokenizer."""
-    path = tmp_path_factory.mktemp("tokenizer")
-    make_tiny_tokenizer(path)
-    loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
-    return loaded
 
 
 def make_engine(tokenizer: PreTrainedTokenizerBase) -> LLMEngine:

@@ -61,8 +61,8 @@ logger = logging.getLogger(__name__)
 
 # How long an empty step waits when requests are held back by the policy (static batching's timeout).
 _IDLE_WAIT_S = 0.001
-# How long an empty step waits for a gate (a grammar, an adapter) before returning to the caller's loop.
-_GATE_POLL_S = 0.01
+# How long an empty step waits for a held request (a grammar, an adapter) before returning to the caller's loop.
+_HOLD_POLL_S = 0.01
 
 
 class LLMEngine:
@@ -283,7 +283,7 @@ class LLMEngine:
 
     def _idle(self, reported: bool) -> None:
         """Nothing ran: wait for a held request, or yield the core while the policy holds requests back."""
-        waited = [extension.wait(_GATE_POLL_S) for extension in self.extensions]
+        waited = [extension.wait(_HOLD_POLL_S) for extension in self.extensions]
         if not any(waited) and not reported and self.scheduler.has_unfinished_requests():
             # A static batch still forming: a step loop would spin on this, so yield for a moment.
             time.sleep(_IDLE_WAIT_S)

@@ -10,21 +10,15 @@ from __future__ import annotations
 from pagoda.scheduler import Request, Scheduler
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.spec.draft_model import DraftModel
-from pagoda.server.spec.proposer import Proposer
-from pagoda.server.spec.request import DraftableRequest, DraftBudget, SpeculativeRequest
+from pagoda.server.spec.request import DraftableRequest, DraftBudget, DraftingRequest
 
 
-def _no_proposer() -> Proposer:
-    """Never called: a draft-model request's `propose` queues at the draft model, no per-sequence proposer."""
-    raise AssertionError("a draft-model request has no per-sequence proposer")
-
-
-class DraftModelRequest(SpeculativeRequest):
+class DraftModelRequest(DraftingRequest):
     """A plain request drafted by the engine's draft model (see the module docstring)."""
 
     def __init__(self, state: DraftableRequest, drafter: DraftModel, budget: DraftBudget) -> None:
         """Wrap `state`; `drafter` drafts for all its samples."""
-        super().__init__(state, _no_proposer, budget)
+        super().__init__(state, budget)
         self.drafter = drafter
 
     def propose(self, scheduler: Scheduler, seq_id: str, request: Request, k: int) -> None:

@@ -1,13 +1,16 @@
-"""`SpeculativeRequest`: a plain request that drafts its next tokens (the EngineRequest of a speculative row).
+"""Speculative requests: a plain request that drafts its next tokens (the EngineRequest of a speculative row).
 
-It is the plain request it wraps (`DraftableRequest`: the engine's `RequestState`) in every call but one:
-`end_step`, after the step's tokens are in, asks its proposer for drafts of each running sample and hands them
-to the scheduler, which computes them with the next decode. The step's rows for the drafted positions and the accepted run are the step sampler's
-(`pagoda.server.spec.verify`); `step()` has no branch for it.
+`DraftingRequest` is the plain request it wraps (`DraftableRequest`: the engine's `RequestState`) in every call
+but one: `end_step`, after the step's tokens are in, gets drafts for each running sample (`propose`) and hands
+them to the scheduler, which computes them with the next decode. `SpeculativeRequest` proposes with a per-sample
+`Proposer` (n-gram, suffix); `draft_request.DraftModelRequest` queues its samples at the engine's draft model. The
+step's rows for the drafted positions and the accepted run are the step sampler's (`pagoda.server.spec.verify`);
+`step()` has no branch for them.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
 
@@ -28,17 +31,13 @@ class DraftableRequest(SamplesTokens, ScoresPrompt, Protocol):
     `RequestState`; grammar and beam rows are never drafted)."""
 
 
-class SpeculativeRequest:
-    """A plain request whose running samples get drafts from their proposers after each step they progressed in."""
+class DraftingRequest(ABC):
+    """A plain request whose running samples get drafts after each step they progressed in (`propose`: where
+    the drafts come from)."""
 
-    def __init__(
-        self, state: DraftableRequest, proposer: Callable[[], Proposer], budget: DraftBudget
-    ) -> None:
-        """Wrap `state` (no grammar, no beams: those rows are never drafted); `proposer()` makes the proposer
-        of each of its samples (a proposer may keep per-sequence state, as the suffix index cursor)."""
+    def __init__(self, state: DraftableRequest, budget: DraftBudget) -> None:
+        """Wrap `state` (no grammar, no beams: those rows are never drafted); `budget` caps each step's drafts."""
         self.state = state
-        self.make_proposer = proposer
-        self.proposers: dict[str, Proposer] = {}
         self.budget = budget
         self.acceptance = AcceptanceEstimate()  # over all its samples: they share one text
         self._proposed: dict[str, int] = {}  # sequence id -> drafts proposed for its next step
@@ -106,14 +105,9 @@ class SpeculativeRequest:
             self.propose(scheduler, seq_id, request, k)
         return changed
 
+    @abstractmethod
     def propose(self, scheduler: Scheduler, seq_id: str, request: Request, k: int) -> None:
-        """Give running sample `seq_id` up to `k` drafts (its proposer's), for the scheduler's next step."""
-        proposer = self.proposers.get(seq_id)
-        if proposer is None:
-            proposer = self.proposers[seq_id] = self.make_proposer()
-        drafts = proposer.propose(request.all_token_ids, k) if k else ()
-        scheduler.set_draft_token_ids(seq_id, drafts)
-        self.note_proposed(seq_id, len(drafts))
+        """Give running sample `seq_id` up to `k` drafts for the scheduler's next step (`note_proposed` them)."""
 
     def note_proposed(self, seq_id: str, num_drafts: int) -> None:
         """Record how many drafts `seq_id` got for its next step (its acceptance is measured against them)."""
@@ -126,3 +120,25 @@ class SpeculativeRequest:
     def abort(self) -> RequestOutput | None:
         """Finish every sample as aborted."""
         return self.state.abort()
+
+
+class SpeculativeRequest(DraftingRequest):
+    """A plain request whose running samples get drafts from their proposers (n-gram, suffix)."""
+
+    def __init__(
+        self, state: DraftableRequest, proposer: Callable[[], Proposer], budget: DraftBudget
+    ) -> None:
+        """Wrap `state`; `proposer()` makes the proposer of each of its samples (a proposer may keep
+        per-sequence state, as the suffix index cursor)."""
+        super().__init__(state, budget)
+        self.make_proposer = proposer
+        self.proposers: dict[str, Proposer] = {}
+
+    def propose(self, scheduler: Scheduler, seq_id: str, request: Request, k: int) -> None:
+        """Give running sample `seq_id` up to `k` drafts (its proposer's), for the scheduler's next step."""
+        proposer = self.proposers.get(seq_id)
+        if proposer is None:
+            proposer = self.proposers[seq_id] = self.make_proposer()
+        drafts = proposer.propose(request.all_token_ids, k) if k else ()
+        scheduler.set_draft_token_ids(seq_id, drafts)
+        self.note_proposed(seq_id, len(drafts))
