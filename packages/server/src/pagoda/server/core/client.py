@@ -2,8 +2,9 @@
 
 It satisfies `EngineClient`, so `AsyncLLM` drives it on its engine thread exactly as it drives an in-process
 `LLMEngine`: `add_request` routes and sends a frame, `step` waits briefly for frames from every core and turns
-them into snapshots and events. A core that dies fails its in-flight requests at once (`ReplicaDeadError`), is
-forgotten by the router, and is restarted with a backoff while the others keep serving.
+them into the request events of client_stream.py (`Accepted` and `Rejected` frames become `RequestAccepted` and
+`RequestFailed`). A core that dies fails its in-flight requests at once (`ReplicaDeadError`), is forgotten by the
+router, and is restarted with a backoff while the others keep serving.
 
 Sends never block that one thread: each core's input takes at most `send_hwm` frames (ZeroMQ's high-water mark),
 the rest wait in the replica's backlog, and no new request is routed to a full core while another has room. A
@@ -24,6 +25,13 @@ from typing import Any
 import msgspec
 import zmq
 from pagoda.scheduler import RequestRejectedError
+from pagoda.server.client_stream import (
+    EngineDeadError,
+    ReplicaDeadError,
+    RequestAccepted,
+    RequestEvent,
+    RequestFailed,
+)
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.kv_subscriber import KVEventSubscriptions
 from pagoda.server.core.lora_calls import LoRACalls
@@ -40,14 +48,7 @@ from pagoda.server.core.messages import (
     output_decoder,
 )
 from pagoda.server.core.replica import ACCEPT_TIMEOUT_S, Replica
-from pagoda.server.engine_client import (
-    EngineDeadError,
-    EngineEvent,
-    ReplicaDeadError,
-    ReplicaStatus,
-    RequestAccepted,
-    RequestFailed,
-)
+from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.outputs import EngineStats
@@ -174,7 +175,7 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = output_decoder()
         self._owner: dict[str, Replica] = {}  # request id -> the replica serving it
-        self._events: list[EngineEvent] = []
+        self._events: list[RequestEvent] = []
         self._next_liveness = 0.0
         self.replicas = [Replica(i) for i in range(num_replicas)]
         self.kv_events: KVEventSubscriptions | None = None
@@ -301,7 +302,7 @@ class CoreClient:
         """True while a request or a LoRA call is out, or a core is (re)starting: each needs `step` to run."""
         return bool(self._owner) or not all(r.ready for r in self.replicas) or self._loras.pending
 
-    def step(self) -> list[EngineEvent]:
+    def step(self) -> list[RequestEvent]:
         """Wait up to _POLL_MS for frames; return the snapshots and events they carry."""
         self._poll(_POLL_MS)
         now = time.monotonic()
