@@ -254,8 +254,7 @@ class AsyncLLM:
         those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
         RequestRejectedError (a 400, naming `width_param` or `prompt`), not a 429 to retry.
         """
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop has stopped")
+        self._check_alive()
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
         num_prompts = num_seqs // n
@@ -320,11 +319,7 @@ class AsyncLLM:
         # Counted as pending from here on, synchronously with the check above: no other request interleaves.
         handles = [RequestStream(self, stream) for stream in streams]
         try:
-            with self._lock:
-                if self._dead is not None:
-                    raise EngineDeadError("the engine loop has stopped")
-                for stream in streams:
-                    self._commands.put(_Add(stream, params))
+            self._submit(*(_Add(stream, params) for stream in streams))
             answers = [await stream.box.get() for stream in streams]
             failures = [answer for answer in answers if isinstance(answer, RequestFailed)]
             for handle, answer in zip(handles, answers, strict=True):
@@ -342,10 +337,7 @@ class AsyncLLM:
         """Run `fn(engine)` on the engine thread between two steps and return its result (EngineDeadError if
         the engine is dead): cheap reads of engine state that only that thread may touch, LoRA registration."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError("the engine loop has stopped")
-            self._commands.put(_Call(fn, future))
+        self._submit(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
     async def generate(
@@ -380,6 +372,17 @@ class AsyncLLM:
         self._num_active -= 1
         if self._num_active == 0:
             self._idle.set()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop has stopped")
+
+    def _submit(self, *commands: _Command) -> None:
+        """Queue commands for the engine thread, or raise EngineDeadError: after death nobody reads the queue."""
+        with self._lock:
+            self._check_alive()
+            for command in commands:
+                self._commands.put(command)
 
     def _put(self, command: _Command) -> None:
         # After death nobody reads the queue; dropping the command is then correct.
