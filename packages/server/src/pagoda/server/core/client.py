@@ -430,9 +430,7 @@ class CoreClient:
             replica.pending.pop(message.request_id, None)
             replica.requests.pop(message.request_id, None)
             replica.decoder.forget(message.request_id)
-            self._owner.pop(message.request_id, None)
-            error = RequestRejectedError(message.message, message.param or "prompt")
-            self._events.append(RequestFailed(message.request_id, error))
+            self._fail(message.request_id, RequestRejectedError(message.message, message.param or "prompt"))
         elif isinstance(message, Ready):
             if replica.ready or replica.keys is None or not token_matches(message.token, replica.keys.peer):
                 logger.warning("engine core %d: refused a Ready without this start's token", replica.index)
@@ -451,7 +449,7 @@ class CoreClient:
         elif isinstance(message, Failed):
             logger.error("engine core %d failed: %s", replica.index, message.message)
             replica.last_error, replica.last_error_kind = message.message, message.kind
-            self._fail(replica, f"failed: {message.message}")
+            self._die(replica, f"failed: {message.message}")
 
     def _check_replicas(self, now: float) -> None:
         for replica in self.replicas:
@@ -471,16 +469,21 @@ class CoreClient:
             handle = replica.handle
             assert handle is not None
             if not handle.is_alive():
-                self._fail(replica, handle.describe_exit())
+                self._die(replica, handle.describe_exit())
             elif replica.stalled(now, self._stall_timeout):
-                self._fail(replica, f"sick: its input stayed full for more than {self._stall_timeout:g} s")
+                self._die(replica, f"sick: its input stayed full for more than {self._stall_timeout:g} s")
             elif not replica.ready and now > replica.ready_deadline:
-                self._fail(replica, f"not ready after {self._ready_timeout:.0f} s")
+                self._die(replica, f"not ready after {self._ready_timeout:.0f} s")
             elif (late := replica.overdue(now)) is not None:
-                self._fail(replica, f"request {late!r} not accepted within {ACCEPT_TIMEOUT_S:.0f} s")
+                self._die(replica, f"request {late!r} not accepted within {ACCEPT_TIMEOUT_S:.0f} s")
 
-    def _fail(self, replica: Replica, reason: str) -> None:
-        """Fail the replica's requests now, make the router forget it, schedule its restart."""
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End a request without a finished output: `RequestFailed` out of the next `step`."""
+        self._owner.pop(request_id, None)
+        self._events.append(RequestFailed(request_id, error))
+
+    def _die(self, replica: Replica, reason: str) -> None:
+        """The replica died: fail its requests now, make the router forget it, schedule its restart."""
         if replica.restart_at is not None:
             return
         lost = replica.mark_dead(time.monotonic())
@@ -495,8 +498,7 @@ class CoreClient:
         )
         error = ReplicaDeadError(f"engine replica {replica.index} died ({reason})")
         for request_id in lost:
-            self._owner.pop(request_id, None)
-            self._events.append(RequestFailed(request_id, error))
+            self._fail(request_id, error)
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell every core to stop, wait up to `timeout` seconds, kill what is left, release the sockets."""
