@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 from api_fake_engine import FakeEngine
-from pagoda.server.async_llm import AsyncLLM, EngineDrainingError, EngineOverloadedError
+from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.client_stream import EngineDrainingError, EngineOverloadedError
 from pagoda.server.config import ServingConfig
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams

@@ -26,7 +26,8 @@ from pagoda.server.api.errors import (
 )
 from pagoda.server.api.serving_base import to_api_error
 from pagoda.server.cli import main
-from pagoda.server.engine_client import EngineClient, EngineDeadError, ReplicaDeadError
+from pagoda.server.client_stream import EngineDeadError, ReplicaDeadError
+from pagoda.server.engine_client import EngineClient
 from pagoda.server.testing import LiveServer as BaseLiveServer
 from pagoda.server.testing import make_tiny_model
 from test_api_live import ROOT, TEST_FLAGS, serving

@@ -189,18 +189,20 @@ def sse_data(response: bytes) -> list[str]:
 def test_output_box_keeps_order_and_only_the_latest_snapshot() -> None:
     """The acceptance, then the newest of several unread snapshots, then the error, in that order; the stall
     clock runs from the first unread snapshot and stops when one is read."""
+    from pagoda.server.client_stream import RequestAccepted, RequestFailed
     from pagoda.server.output_box import OutputBox
 
     async def scenario() -> None:
         box = OutputBox(asyncio.get_running_loop())
         snapshots = [_snapshot(i) for i in range(5)]
-        box.put(None)
+        accepted = RequestAccepted("r")
+        box.put(accepted)
         for i, snap in enumerate(snapshots):
             box.put(snap, now=10.0 + i)
         assert len(box) == 2 and box.unread_for(20.0) == 10.0
-        error = RuntimeError("boom")
+        error = RequestFailed("r", RuntimeError("boom"))
         box.put(error)
-        assert await box.get() is None
+        assert await box.get() is accepted
         assert await box.get() is snapshots[-1]
         assert box.unread_for(20.0) == 0.0
         assert await box.get() is error

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from api_cases import MODEL
 from pagoda.server.async_llm import AsyncLLM
+from pagoda.server.client_stream import ReplicaDeadError, RequestFailed
 from pagoda.server.config import EngineConfig, ServingConfig
 from pagoda.server.core import CoreClient
 from pagoda.server.core import client as core_client
@@ -25,7 +26,6 @@ from pagoda.server.core.messages import AddRequest, Outputs
 from pagoda.server.core.replica import Replica
 from pagoda.server.engine.executor.distributed import _wait_ready
 from pagoda.server.engine.executor.messages import WorkerReady
-from pagoda.server.engine_client import ReplicaDeadError, RequestFailed
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Failed, ProcessLauncher
 from pagoda.server.procs.security import (

@@ -2,13 +2,14 @@
 
 The event loop never runs a model step. Commands (add, abort, stop) go to the engine thread through a
 thread-safe queue and are applied between steps, so an abort frees its KV blocks before the next step. Each
-request's snapshots come back through its own `OutputBox`, which keeps only the latest (they are cumulative), so a
-slow reader costs one snapshot; a reader that leaves a snapshot unread past `stream_stall_timeout` is aborted.
+request's events (client_stream.py: `RequestAccepted`, outputs, `RequestFailed`) come back through its own
+`OutputBox`, which keeps only the latest output (they are cumulative), so a slow reader costs one snapshot; a
+reader that leaves a snapshot unread past `stream_stall_timeout` is aborted.
 
 A step that raises is handled by `--on-engine-failure`: "restart" fails the in-flight requests with a 503 to
 retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" and "none" (and an engine given no
-`rebuild`) fail them for good and leave the engine dead; with "exit", or when a rebuild fails, the server then
-stops with a non-zero status (`wait_fatal`), for a supervisor to restart the process.
+`rebuild`) fail them for good (`EngineDeadError`) and leave the engine dead; with "exit", or when a rebuild
+fails, the server then stops with a non-zero status (`wait_fatal`), for a supervisor to restart the process.
 """
 
 from __future__ import annotations
@@ -25,19 +26,20 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.config import ServingConfig
-from pagoda.server.engine.host import release_openmp_threads
-from pagoda.server.engine_client import (
-    EngineClient,
+from pagoda.server.client_stream import (
     EngineDeadError,
-    EngineEvent,
-    ReplicaDeadError,
-    ReplicaSet,
+    EngineDrainingError,
+    EngineOverloadedError,
+    EngineRestartedError,
     RequestAccepted,
+    RequestEvent,
     RequestFailed,
 )
+from pagoda.server.config import ServingConfig
+from pagoda.server.engine.host import release_openmp_threads
+from pagoda.server.engine_client import EngineClient, ReplicaSet
 from pagoda.server.metrics import ServerMetrics
-from pagoda.server.output_box import BoxItem, OutputBox
+from pagoda.server.output_box import OutputBox
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -47,18 +49,6 @@ logger = logging.getLogger(__name__)
 
 # How often the engine thread checks the engine's health while no request runs (seconds).
 _IDLE_HEALTH_CHECK_S = 0.5
-
-
-class EngineDrainingError(RuntimeError):
-    """The server is shutting down and admits no new request."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many sequences are waiting; retry later."""
-
-
-class EngineRestartedError(ReplicaDeadError):
-    """The in-process engine's step raised: the request is lost, the engine is rebuilt and a retry is served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +219,7 @@ class AsyncLLM:
 
     @property
     def num_buffered_outputs(self) -> int:
-        """Items (snapshots, acceptances, errors) waiting unread in the open streams: at most 3 per stream."""
+        """Events (acceptances, snapshots, failures) waiting unread in the open streams: at most 3 per stream."""
         return sum(len(stream.box) for stream in self._open.values())
 
     async def drain(self, timeout: float) -> None:
@@ -264,8 +254,7 @@ class AsyncLLM:
         those in flight within --max-concurrent-requests. One that exceeds a limit alone can never fit:
         RequestRejectedError (a 400, naming `width_param` or `prompt`), not a 429 to retry.
         """
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop has stopped")
+        self._check_alive()
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
         num_prompts = num_seqs // n
@@ -330,18 +319,14 @@ class AsyncLLM:
         # Counted as pending from here on, synchronously with the check above: no other request interleaves.
         handles = [RequestStream(self, stream) for stream in streams]
         try:
-            with self._lock:
-                if self._dead is not None:
-                    raise EngineDeadError("the engine loop has stopped")
-                for stream in streams:
-                    self._commands.put(_Add(stream, params))
-            accepted = [await stream.box.get() for stream in streams]
-            failure = next((a for a in accepted if isinstance(a, Exception)), None)
-            for handle, item in zip(handles, accepted, strict=True):
-                if isinstance(item, Exception):
+            self._submit(*(_Add(stream, params) for stream in streams))
+            answers = [await stream.box.get() for stream in streams]
+            failures = [answer for answer in answers if isinstance(answer, RequestFailed)]
+            for handle, answer in zip(handles, answers, strict=True):
+                if isinstance(answer, RequestFailed):
                     handle.finished = True  # never entered the engine
-            if failure is not None:
-                raise failure
+            if failures:
+                raise failures[0].error
         except BaseException:
             for handle in handles:
                 handle.close()
@@ -352,10 +337,7 @@ class AsyncLLM:
         """Run `fn(engine)` on the engine thread between two steps and return its result (EngineDeadError if
         the engine is dead): cheap reads of engine state that only that thread may touch, LoRA registration."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._dead is not None:
-                raise EngineDeadError("the engine loop has stopped")
-            self._commands.put(_Call(fn, future))
+        self._submit(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
     async def generate(
@@ -391,6 +373,17 @@ class AsyncLLM:
         if self._num_active == 0:
             self._idle.set()
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop has stopped")
+
+    def _submit(self, *commands: _Command) -> None:
+        """Queue commands for the engine thread, or raise EngineDeadError: after death nobody reads the queue."""
+        with self._lock:
+            self._check_alive()
+            for command in commands:
+                self._commands.put(command)
+
     def _put(self, command: _Command) -> None:
         # After death nobody reads the queue; dropping the command is then correct.
         with self._lock:
@@ -419,10 +412,7 @@ class AsyncLLM:
                 logger.critical("--on-engine-failure exit: the server stops with a non-zero status")
                 self._set_fatal()
             return False
-        lost = EngineRestartedError("the engine failed and is being rebuilt")
-        for stream in self._streams.values():
-            self._push(stream, lost)
-        self._streams.clear()
+        self._fail_all(EngineRestartedError("the engine failed and is being rebuilt"))
         logger.error("every in-flight request fails (503, retry); rebuilding the engine from its config")
         with contextlib.suppress(Exception):  # a broken engine may fail to close; its replacement matters
             self.engine.close()
@@ -456,8 +446,8 @@ class AsyncLLM:
             before = self._stats
             outputs = engine.step()
             now = time.monotonic()
-            for output in outputs:
-                self._dispatch_event(output, now)
+            for event in outputs:
+                self._dispatch_event(event, now)
             self._stats = engine.get_stats()
             num_tokens = (self._stats.prompt_tokens + self._stats.generation_tokens) - (
                 before.prompt_tokens + before.generation_tokens
@@ -519,11 +509,11 @@ class AsyncLLM:
                 arrival_time=stream.arrival,
             )
         except Exception as exc:  # a rejection (or any failure) of this request fails it alone
-            self._push(stream, exc)
+            self._fail(stream, exc)
             return
         self._streams[stream.request_id] = stream
         if not self._deferred_acceptance:
-            self._push(stream, None)  # accepted
+            stream.box.put(RequestAccepted(stream.request_id))
 
     def _abort(self, request_id: str, *, notify: bool) -> None:
         stream = self._streams.pop(request_id, None)
@@ -535,21 +525,18 @@ class AsyncLLM:
             if sample.finish_reason == "abort":
                 self.metrics.observe_finished("abort")
         if notify:
-            self._push(stream, snapshot)
+            stream.box.put(snapshot)
 
-    def _dispatch_event(self, event: EngineEvent, now: float) -> None:
+    def _dispatch_event(self, event: RequestEvent, now: float) -> None:
         if isinstance(event, RequestOutput):
             self._dispatch(event, now)
             return
         stream = self._streams.get(event.request_id)
         if stream is None:  # aborted meanwhile
             return
-        if isinstance(event, RequestAccepted):
-            self._push(stream, None)
-            return
         if isinstance(event, RequestFailed):
             del self._streams[event.request_id]
-            self._push(stream, event.error)
+        stream.box.put(event)  # a deferred acceptance, or a failure
 
     def _dispatch(self, output: RequestOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -570,9 +557,9 @@ class AsyncLLM:
             logger.exception("request %s failed", output.request_id)
             self._streams.pop(output.request_id, None)
             self.engine.abort_request(output.request_id)
-            self._push(stream, exc)
+            self._fail(stream, exc)
             return
-        self._push(stream, output)
+        stream.box.put(output)
 
     def _abort_stalled(self, stream: _Stream, timeout: float) -> None:
         """Abort a request whose reader left a snapshot unread past `timeout`: its KV is freed now, and the reader
@@ -599,23 +586,27 @@ class AsyncLLM:
         stream.num_tokens = num_tokens
         stream.last_token_time = now
 
-    def _push(self, stream: _Stream, item: BoxItem) -> None:
-        stream.box.put(item)
+    def _fail(self, stream: _Stream, error: Exception) -> None:
+        stream.box.put(RequestFailed(stream.request_id, error))
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every request in the engine with `error` (the engine died or is being rebuilt)."""
+        for stream in self._streams.values():
+            self._fail(stream, error)
+        self._streams.clear()
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
             self._dead = exc
         error = EngineDeadError(f"the engine loop failed: {type(exc).__name__}")
-        for stream in self._streams.values():
-            self._push(stream, error)
-        self._streams.clear()
+        self._fail_all(error)
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                self._push(command.stream, error)
+                self._fail(command.stream, error)
             elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(error)
 
@@ -633,18 +624,18 @@ class RequestStream:
         llm._admit(stream)
 
     async def __aiter__(self) -> AsyncGenerator[RequestOutput]:
-        """Yield snapshots until the request finishes; raise the request's error if it fails.
+        """Yield snapshots until the request finishes; raise the error of its `RequestFailed` if it fails.
 
         Leaving early (break, cancellation, an error) closes the stream, which aborts the request.
         """
         try:
             while not self.finished:
                 item = await self._stream.box.get()
-                if item is None:
+                if isinstance(item, RequestAccepted):
                     continue
-                if isinstance(item, Exception):
+                if isinstance(item, RequestFailed):
                     self.finished = True  # a failed request is already out of the engine
-                    raise item
+                    raise item.error
                 if self._pending and (item.finished or any(o.token_ids for o in item.outputs)):
                     self._pending = False
                     self._llm._first_token(self._stream.num_seqs)

@@ -11,37 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from pagoda.server.outputs import EngineStats, RequestOutput
+from pagoda.server.client_stream import RequestEvent
+from pagoda.server.outputs import EngineStats
 
 if TYPE_CHECKING:  # transformers takes seconds to import; `pagoda --help` and /metrics need none of it
     from pagoda.server.sampling_params import SamplingParams
     from transformers import PreTrainedTokenizerBase
-
-
-class EngineDeadError(RuntimeError):
-    """The engine (loop, or every replica) failed; no request can be served any more."""
-
-
-class ReplicaDeadError(EngineDeadError):
-    """The data-parallel replica serving a request died; the request is lost, the other replicas still serve."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestAccepted:
-    """A deferred acceptance: the engine (a remote core) queued the request."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFailed:
-    """The request ended without a finished snapshot: rejected by a remote core, or its replica died."""
-
-    request_id: str
-    error: Exception
-
-
-EngineEvent = RequestOutput | RequestAccepted | RequestFailed
 
 
 class EngineClient(Protocol):
@@ -50,8 +25,8 @@ class EngineClient(Protocol):
     `add_request` raises a ValueError with a `param` attribute (RequestRejectedError) when the request can
     never run; `abort_request` frees the request's KV blocks at once and ignores unknown ids. An engine whose
     `defers_acceptance` attribute is true (a remote core) answers each add later with a `RequestAccepted` or a
-    `RequestFailed` event out of `step`. Errors: `EngineDeadError` (and `ReplicaDeadError`) below. The owner
-    calls `close` once when done.
+    `RequestFailed` event out of `step`. Its events and errors are client_stream.py's. The owner calls `close`
+    once when done.
     """
 
     @property
@@ -100,8 +75,9 @@ class EngineClient(Protocol):
         """Stop a request and free its blocks."""
         ...
 
-    def step(self) -> Sequence[EngineEvent]:
-        """Run one scheduling step; return a snapshot of every request that progressed or finished."""
+    def step(self) -> Sequence[RequestEvent]:
+        """Run one scheduling step; return a snapshot of every request that progressed or finished (and, from an
+        engine that defers acceptance, its acceptances and failures)."""
         ...
 
     def has_unfinished_requests(self) -> bool:

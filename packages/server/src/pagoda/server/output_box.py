@@ -13,17 +13,16 @@ import threading
 import time
 from collections import deque
 
+from pagoda.server.client_stream import RequestEvent
 from pagoda.server.outputs import RequestOutput
-
-# None: the engine accepted the request. A snapshot, or an exception that ends the request.
-BoxItem = RequestOutput | Exception | None
 
 
 class OutputBox:
-    """Thread-safe channel of one request: its acceptance, its latest snapshot, a terminal error, in order.
+    """Thread-safe channel of one request's events (client_stream.py): its acceptance, its latest snapshot, its
+    failure, in order.
 
-    The engine thread calls `put`; one coroutine on `loop` calls `get`. At most three items wait (acceptance,
-    one snapshot, an error). `unread_for` says how long the snapshot waiting now has waited unread.
+    The engine thread calls `put`; one coroutine on `loop` calls `get`. At most three events wait (acceptance,
+    one snapshot, a failure). `unread_for` says how long the snapshot waiting now has waited unread.
     """
 
     __slots__ = ("_event", "_items", "_lock", "_loop", "_unread_since", "_wake_pending")
@@ -32,12 +31,12 @@ class OutputBox:
         """A box whose consumer runs on `loop`."""
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: deque[BoxItem] = deque()
+        self._items: deque[RequestEvent] = deque()
         self._event = asyncio.Event()  # set and cleared on the loop only
         self._wake_pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._unread_since: float | None = None  # when the waiting snapshot (or the one it replaced) arrived
 
-    def put(self, item: BoxItem, now: float | None = None) -> None:
+    def put(self, item: RequestEvent, now: float | None = None) -> None:
         """Hand `item` to the consumer (any thread); a snapshot replaces a snapshot still unread."""
         with self._lock:
             items = self._items
@@ -59,8 +58,8 @@ class OutputBox:
             self._wake_pending = False
         self._event.set()
 
-    async def get(self) -> BoxItem:
-        """The next item, waiting for one (the consumer's side, on the box's loop)."""
+    async def get(self) -> RequestEvent:
+        """The next event, waiting for one (the consumer's side, on the box's loop)."""
         while True:
             with self._lock:
                 if self._items:
@@ -77,6 +76,6 @@ class OutputBox:
             return 0.0 if self._unread_since is None else now - self._unread_since
 
     def __len__(self) -> int:
-        """Items waiting (at most 3)."""
+        """Events waiting (at most 3)."""
         with self._lock:
             return len(self._items)

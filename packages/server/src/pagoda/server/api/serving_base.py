@@ -27,17 +27,16 @@ from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import GrammarCheck, check_constraint, requested_constraint
 from pagoda.server.api.structured_fields import StructuredFields
 from pagoda.server.api.tool_parsers import ToolCallParser
-from pagoda.server.async_llm import (
-    AsyncLLM,
+from pagoda.server.async_llm import AsyncLLM, PromptRequest, RequestStream
+from pagoda.server.client_stream import (
+    EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
     EngineRestartedError,
-    PromptRequest,
-    RequestStream,
+    ReplicaDeadError,
 )
 from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
-from pagoda.server.engine_client import EngineDeadError, ReplicaDeadError
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.lora.served import ServedLoRAs
 from pagoda.server.outputs import PositionLogprobs, RequestOutput

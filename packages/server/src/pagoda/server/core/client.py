@@ -2,8 +2,9 @@
 
 It satisfies `EngineClient`, so `AsyncLLM` drives it on its engine thread exactly as it drives an in-process
 `LLMEngine`: `add_request` routes and sends a frame, `step` waits briefly for frames from every core and turns
-them into snapshots and events. A core that dies fails its in-flight requests at once (`ReplicaDeadError`), is
-forgotten by the router, and is restarted with a backoff while the others keep serving.
+them into the request events of client_stream.py (`Accepted` and `Rejected` frames become `RequestAccepted` and
+`RequestFailed`). A core that dies fails its in-flight requests at once (`ReplicaDeadError`), is forgotten by the
+router, and is restarted with a backoff while the others keep serving.
 
 Sends never block that one thread: each core's input takes at most `send_hwm` frames (ZeroMQ's high-water mark),
 the rest wait in the replica's backlog, and no new request is routed to a full core while another has room. A
@@ -24,6 +25,13 @@ from typing import Any
 import msgspec
 import zmq
 from pagoda.scheduler import RequestRejectedError
+from pagoda.server.client_stream import (
+    EngineDeadError,
+    ReplicaDeadError,
+    RequestAccepted,
+    RequestEvent,
+    RequestFailed,
+)
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.kv_subscriber import KVEventSubscriptions
 from pagoda.server.core.lora_calls import LoRACalls
@@ -40,14 +48,7 @@ from pagoda.server.core.messages import (
     output_decoder,
 )
 from pagoda.server.core.replica import ACCEPT_TIMEOUT_S, Replica
-from pagoda.server.engine_client import (
-    EngineDeadError,
-    EngineEvent,
-    ReplicaDeadError,
-    ReplicaStatus,
-    RequestAccepted,
-    RequestFailed,
-)
+from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.outputs import EngineStats
@@ -174,7 +175,7 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = output_decoder()
         self._owner: dict[str, Replica] = {}  # request id -> the replica serving it
-        self._events: list[EngineEvent] = []
+        self._events: list[RequestEvent] = []
         self._next_liveness = 0.0
         self.replicas = [Replica(i) for i in range(num_replicas)]
         self.kv_events: KVEventSubscriptions | None = None
@@ -301,7 +302,7 @@ class CoreClient:
         """True while a request or a LoRA call is out, or a core is (re)starting: each needs `step` to run."""
         return bool(self._owner) or not all(r.ready for r in self.replicas) or self._loras.pending
 
-    def step(self) -> list[EngineEvent]:
+    def step(self) -> list[RequestEvent]:
         """Wait up to _POLL_MS for frames; return the snapshots and events they carry."""
         self._poll(_POLL_MS)
         now = time.monotonic()
@@ -429,9 +430,7 @@ class CoreClient:
             replica.pending.pop(message.request_id, None)
             replica.requests.pop(message.request_id, None)
             replica.decoder.forget(message.request_id)
-            self._owner.pop(message.request_id, None)
-            error = RequestRejectedError(message.message, message.param or "prompt")
-            self._events.append(RequestFailed(message.request_id, error))
+            self._fail(message.request_id, RequestRejectedError(message.message, message.param or "prompt"))
         elif isinstance(message, Ready):
             if replica.ready or replica.keys is None or not token_matches(message.token, replica.keys.peer):
                 logger.warning("engine core %d: refused a Ready without this start's token", replica.index)
@@ -450,7 +449,7 @@ class CoreClient:
         elif isinstance(message, Failed):
             logger.error("engine core %d failed: %s", replica.index, message.message)
             replica.last_error, replica.last_error_kind = message.message, message.kind
-            self._fail(replica, f"failed: {message.message}")
+            self._die(replica, f"failed: {message.message}")
 
     def _check_replicas(self, now: float) -> None:
         for replica in self.replicas:
@@ -470,16 +469,21 @@ class CoreClient:
             handle = replica.handle
             assert handle is not None
             if not handle.is_alive():
-                self._fail(replica, handle.describe_exit())
+                self._die(replica, handle.describe_exit())
             elif replica.stalled(now, self._stall_timeout):
-                self._fail(replica, f"sick: its input stayed full for more than {self._stall_timeout:g} s")
+                self._die(replica, f"sick: its input stayed full for more than {self._stall_timeout:g} s")
             elif not replica.ready and now > replica.ready_deadline:
-                self._fail(replica, f"not ready after {self._ready_timeout:.0f} s")
+                self._die(replica, f"not ready after {self._ready_timeout:.0f} s")
             elif (late := replica.overdue(now)) is not None:
-                self._fail(replica, f"request {late!r} not accepted within {ACCEPT_TIMEOUT_S:.0f} s")
+                self._die(replica, f"request {late!r} not accepted within {ACCEPT_TIMEOUT_S:.0f} s")
 
-    def _fail(self, replica: Replica, reason: str) -> None:
-        """Fail the replica's requests now, make the router forget it, schedule its restart."""
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End a request without a finished output: `RequestFailed` out of the next `step`."""
+        self._owner.pop(request_id, None)
+        self._events.append(RequestFailed(request_id, error))
+
+    def _die(self, replica: Replica, reason: str) -> None:
+        """The replica died: fail its requests now, make the router forget it, schedule its restart."""
         if replica.restart_at is not None:
             return
         lost = replica.mark_dead(time.monotonic())
@@ -494,8 +498,7 @@ class CoreClient:
         )
         error = ReplicaDeadError(f"engine replica {replica.index} died ({reason})")
         for request_id in lost:
-            self._owner.pop(request_id, None)
-            self._events.append(RequestFailed(request_id, error))
+            self._fail(request_id, error)
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell every core to stop, wait up to `timeout` seconds, kill what is left, release the sockets."""
