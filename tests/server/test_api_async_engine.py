@@ -13,6 +13,7 @@ from api_fake_engine import FakeEngine
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.client_stream import EngineDrainingError, EngineOverloadedError
 from pagoda.server.config import ServingConfig
+from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 
@@ -27,9 +28,14 @@ class CorruptingEngine(FakeEngine):
         return [dataclasses.replace(o, outputs=broken) if o.request_id == "bad" else o for o in outputs]
 
 
-def run(engine: FakeEngine, body: Callable[[AsyncLLM], Awaitable[None]], **kwargs: Any) -> AsyncLLM:
-    """Start an AsyncLLM over `engine`, run `body`, shut it down."""
-    llm = AsyncLLM(engine, ServingConfig(served_model_name="test-model", **kwargs))
+def run(
+    engine: EngineClient,
+    body: Callable[[AsyncLLM], Awaitable[None]],
+    rebuild: Callable[[], EngineClient] | None = None,
+    **kwargs: Any,
+) -> AsyncLLM:
+    """Start an AsyncLLM over `engine` (`rebuild`: what replaces it after a death), run `body`, shut it down."""
+    llm = AsyncLLM(engine, ServingConfig(served_model_name="test-model", **kwargs), rebuild=rebuild)
 
     async def main() -> None:
         llm.start()

@@ -5,7 +5,7 @@ the engine is in-process or answers later as an engine core does (`defers_accept
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 from api_fake_engine import FAIL_STEP_MARKER, FakeEngine
@@ -21,10 +21,9 @@ from pagoda.server.client_stream import (
     RequestEvent,
     RequestFailed,
 )
-from pagoda.server.config import ServingConfig
-from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
+from test_api_async_engine import run
 from transformers import PreTrainedTokenizerBase
 
 pytestmark = pytest.mark.timeout(60)  # a lost event would leave its reader waiting forever
@@ -98,25 +97,6 @@ class DeferringEngine:
 
     def close(self) -> None:
         """Holds nothing."""
-
-
-def run(
-    engine: EngineClient,
-    body: Callable[[AsyncLLM], Awaitable[None]],
-    rebuild: Callable[[], EngineClient] | None = None,
-) -> AsyncLLM:
-    """Start an AsyncLLM over `engine`, run `body`, shut it down."""
-    llm = AsyncLLM(engine, ServingConfig(served_model_name="test-model"), rebuild=rebuild)
-
-    async def main() -> None:
-        llm.start()
-        try:
-            await body(llm)
-        finally:
-            await asyncio.to_thread(llm.shutdown)
-
-    asyncio.run(main())
-    return llm
 
 
 async def drain_stream(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:

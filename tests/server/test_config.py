@@ -130,19 +130,8 @@ def test_llm_keywords_and_the_cli_build_equal_configs(
     flags: list[str], kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`LLM(**kwargs)` reaches the engine with the config `pagoda serve` builds from the same settings."""
-    seen: list[EngineConfig] = []
-
-    class _Engine:
-        tokenizer = None
-
-    def from_config(config: EngineConfig) -> Any:
-        seen.append(config)
-        return _Engine()
-
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(from_config))
-    LLM(**kwargs)
     from_cli = engine_config(build_parser().parse_args(["serve", *flags]))
-    assert seen == [from_cli] == [EngineConfig.from_flat(**kwargs)]
+    assert [llm_config(monkeypatch, **kwargs)] == [from_cli] == [EngineConfig.from_flat(**kwargs)]
 
 
 def test_an_unknown_keyword_is_an_error_naming_it() -> None:
@@ -243,3 +232,20 @@ def test_the_engine_passes_the_filled_scheduler_section_and_close_stops_the_exec
 def test_serve_closes_any_engine_client_without_asking_its_type() -> None:
     """`cli.serve` releases the engine through EngineClient.close, with no isinstance on the client."""
     assert "isinstance" not in inspect.getsource(cli)
+
+
+def llm_config(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> EngineConfig:
+    """The config `LLM(**kwargs)` hands the engine (no model is loaded)."""
+    seen: list[EngineConfig] = []
+
+    class _Engine:
+        tokenizer = None
+
+    def from_config(config: EngineConfig) -> Any:
+        seen.append(config)
+        return _Engine()
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(from_config))
+    LLM(**kwargs)
+    (config,) = seen
+    return config

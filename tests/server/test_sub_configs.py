@@ -20,12 +20,11 @@ from pagoda.server.config import (
     ServeConfig,
     SpeculativeConfig,
 )
-from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.executor.messages import WorkerSpec
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.config import for_replica
-from pagoda.server.llm import LLM
 from pagoda.server.procs.security import PeerKeys
+from test_config import llm_config
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 POOLER = {"pooling_type": "mean", "normalize": False}
@@ -58,23 +57,6 @@ def _sub_configs(config: EngineConfig) -> tuple[object, object, object]:
     )
 
 
-def _llm_config(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> EngineConfig:
-    """The config `LLM(**kwargs)` hands the engine (no model is loaded)."""
-    seen: list[EngineConfig] = []
-
-    class _Engine:
-        tokenizer = None
-
-    def from_config(config: EngineConfig) -> Any:
-        seen.append(config)
-        return _Engine()
-
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(from_config))
-    LLM("m", **kwargs)
-    (config,) = seen
-    return config
-
-
 def test_the_cli_puts_the_typed_configs_in_the_tree() -> None:
     """The flags' JSON becomes the typed configs at parse time: argparse's namespace already holds them."""
     args = build_parser().parse_args(["serve", "m", *FLAGS])
@@ -93,7 +75,7 @@ def test_llm_keywords_give_the_same_typed_tree_as_the_flags(
         values = {name: json.dumps(value) for name, value in values.items()}
     elif given == "typed":
         values = dict(zip(values, TYPED, strict=True))
-    config = _llm_config(monkeypatch, **values)
+    config = llm_config(monkeypatch, model="m", **values)
     assert _sub_configs(config) == TYPED
     assert config == engine_config(build_parser().parse_args(["serve", "m", *FLAGS]))
     assert config == EngineConfig.from_flat(model="m", **values)
@@ -147,7 +129,7 @@ def test_llm_refuses_a_bad_sub_config_naming_the_key(
     name: str, value: object, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.raises(ValueError, match=key) as info:
-        _llm_config(monkeypatch, **{name: value})
+        llm_config(monkeypatch, model="m", **{name: value})
     assert name in str(info.value)
 
 

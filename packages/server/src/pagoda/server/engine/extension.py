@@ -23,8 +23,10 @@ supply) sits behind the scheduler's allocator Protocol. Model-side work that eve
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagoda.scheduler import Scheduler, SchedulerOutput
 from pagoda.server.engine.request_factory import NewRequest
@@ -106,3 +108,12 @@ class Extension:
 
     def close(self) -> None:
         """No thread to stop."""
+
+
+def wait_for_any(futures: Collection[Future[Any]], timeout: float) -> bool:
+    """A gate's `wait`: block up to `timeout` s until one of its holds' futures completes; False at once (no
+    wait) when it holds none."""
+    if not futures:
+        return False
+    wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+    return True

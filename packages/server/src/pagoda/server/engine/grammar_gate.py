@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import xgrammar as xgr
-from pagoda.server.engine.extension import Extension, Released
+from pagoda.server.engine.extension import Extension, Released, wait_for_any
 from pagoda.server.engine.request_factory import NewRequest
 from pagoda.server.structured import StructuredOutputManager
 
@@ -60,11 +60,10 @@ class GrammarGate(Extension):
             if not held.grammar.done():
                 continue
             del self._held[request_id]
+            # The constraint was checked when the request came: a failure here is the engine's.
             try:
                 held.start(held.grammar.result())
-            except (
-                Exception
-            ):  # the constraint was checked when the request came: this is the engine's failure
+            except Exception:
                 logger.exception("request %s: its grammar could not be compiled or admitted", request_id)
                 released.failed.append(request_id)
             else:
@@ -80,7 +79,4 @@ class GrammarGate(Extension):
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for a held grammar to complete (an idle step's poll, instead of a spin);
         False at once when none is held."""
-        if not self._held:
-            return False
-        wait([held.grammar for held in self._held.values()], timeout=timeout, return_when=FIRST_COMPLETED)
-        return True
+        return wait_for_any([held.grammar for held in self._held.values()], timeout)

@@ -11,12 +11,12 @@ its gate (`NoLoRA`).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.admission import RequestRejectedError
-from pagoda.server.engine.extension import Extension, Released
+from pagoda.server.engine.extension import Extension, Released, wait_for_any
 from pagoda.server.engine.host import run_releasing_openmp
 from pagoda.server.engine.request_factory import NewRequest
 from pagoda.server.lora.manager import LoRAManager
@@ -143,10 +143,7 @@ class EngineLoRA(Extension):
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` for a held adapter (an idle step's poll); False at once when none is held."""
-        if not self._held:
-            return False
-        wait([held.adapter for held in self._held.values()], timeout=timeout, return_when=FIRST_COMPLETED)
-        return True
+        return wait_for_any([held.adapter for held in self._held.values()], timeout)
 
     def close(self) -> None:
         """Stop the reader thread."""
