@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from pagoda.scheduler import SchedulerOutput
+from pagoda.server.beam_search import BeamSearchParams
 from pagoda.server.llm import LLM
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.sampling_params import SamplingParams
@@ -171,6 +172,33 @@ def test_lora_request_without_enable_lora_is_refused(setups: dict[str, Setup]) -
     with pytest.raises(LoRAError) as info:
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=setups["llama"].request("a"))
     assert info.value.param == "model"
+
+
+def test_every_way_a_request_ends_unpins_its_adapter(setups: dict[str, Setup]) -> None:
+    """Finished, aborted mid-run (a plain request and a beam search, which reports no snapshot of its own) or
+    refused by the scheduler after its adapter was pinned: the adapter's pin goes with the request."""
+    setup = setups["llama"]
+    llm = make_llm(setup.base, max_loras=2)
+    engine = llm.engine
+    lora = engine.lora
+    assert lora is not None
+    adapter = setup.request("a")
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=adapter)
+    beams = SamplingParams.for_beam_search(BeamSearchParams(2, 8, ignore_eos=True), n=1)
+    engine.add_request(
+        "plain", [5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True), lora_request=adapter
+    )
+    engine.add_request("beams", [5, 6, 7, 9], beams, lora_request=adapter)
+    assert lora.manager.pins[adapter.lora_int_id] == 2
+    engine.step()
+    engine.abort_request("plain")
+    engine.abort_request("beams")
+    engine.step()
+    too_many = SamplingParams(n=engine.scheduler.config.max_num_seqs + 1, max_tokens=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("refused", [5, 6, 7], too_many, lora_request=adapter)
+    assert not engine.has_unfinished_requests()
+    assert dict(lora.manager.pins) == {}
 
 
 @pytest.mark.timeout(300)
