@@ -9,6 +9,7 @@ bounded instead (see `INT8_LOGIT_BOUND`).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -16,7 +17,7 @@ from typing import Any, cast
 import pytest
 import torch
 from pagoda.pagedkernel import KernelBackend
-from pagoda.pagedkernel.quant import GGMLType, QuantBackendName, cpu_quant, dequantize
+from pagoda.pagedkernel.quant import GGMLType, QuantBackendName, cpu_quant, dequantize, torch_quant
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS
 from pagoda.pagedkernel.quant.formats import OWN_TYPES
 from pagoda.pagedkernel.quant.testing import (
@@ -261,6 +262,57 @@ def test_engine_greedy_tokens_equal_the_dequantized_engine(
     assert outputs["gguf"] == outputs["none"]
     assert outputs[None] == outputs["none"]
     assert all(len(tokens) == 12 for tokens in outputs["gguf"])
+
+
+def test_engine_on_auto_runs_the_quantized_ops_in_c(
+    gguf_files: Callable[[str, str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default kernel backend (`auto`) on a CPU with a compiler runs an engine's quantized layers on the C
+    kernels, as it runs attention on the cpu backend (test_engine's `backend.name == "cpu"`): `auto` falls back to
+    torch with only a warning, so without this a kernel that stopped loading would leave every test green. A
+    prefill (20 rows) and decode steps (1-3 rows) on a file of every type: the C wrappers ran, torch_quant never.
+    Skipped only without a C compiler (a kernel that fails to compile fails it)."""
+    c_kernel_or_skip(cpu_quant.kernels)
+    cpu_quant.available.cache_clear()  # decided afresh for this engine, not by an earlier test's answer
+    ran: Counter[str] = Counter()
+
+    def spy(module: object, name: str) -> None:
+        real = getattr(module, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            ran[f"{getattr(module, '__name__', '?').rsplit('.', 1)[-1]}.{name}"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    for name in ("gemv", "vector", "tiled", "amx", "dequantize"):
+        spy(cpu_quant, name)
+    for name in ("qmatmul", "dequantize"):
+        spy(torch_quant, name)
+    llm = LLM(
+        str(gguf_files("llama", "mix")),
+        quantization="gguf",
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=64,
+        cache_dir=str(tmp_path),
+    )
+    assert llm.engine.runner.backend.name == "cpu"
+    weights = [
+        module.quantized
+        for module in llm.engine.runner.model.modules()
+        if isinstance(module, QuantizableWeight) and module.quantized is not None
+    ]
+    assert weights and all(weight.backend == "auto" for weight in weights)
+    ran.clear()  # what loading did is not the question: the steps' ops are
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([PROMPT, PROMPT[:5], [1, 9, 9]], params, use_tqdm=False)
+    assert all(len(out.outputs[0].token_ids) == 6 for out in outputs)
+    in_c = sum(count for name, count in ran.items() if name.startswith("cpu_quant."))
+    in_torch = {name: count for name, count in ran.items() if name.startswith("torch_quant.")}
+    assert in_c > 0 and not in_torch, dict(ran)
+    assert ran["cpu_quant.gemv"] > 0  # the decode steps' few rows
+    assert ran["cpu_quant.amx"] + ran["cpu_quant.vector"] + ran["cpu_quant.tiled"] > 0  # the prefill's many
 
 
 def test_unsupported_type_is_dequantized_with_a_warning_naming_it(
