@@ -8,10 +8,21 @@ ones check the C kernels' shared header: inlined by `csrc.read_source`, so the t
 from __future__ import annotations
 
 import ctypes
+import logging
+import pickle
+import unittest
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pagoda.pagedkernel import BackendUnavailableError, cbuild, csrc
+import torch
+from pagoda.pagedkernel import BackendUnavailableError, cbuild, cpu_backend, csrc, get_backend
+from pagoda.pagedkernel.cpu_backend import CpuBackend
+from pagoda.pagedkernel.fused import cpu_fused
+from pagoda.pagedkernel.lora import cpu_lora
+from pagoda.pagedkernel.quant import cpu_quant
+from pagoda.pagedkernel.sampling import sampler, token_bitmask
+from pagoda.pagedkernel.testing import c_kernel_or_skip
 
 SOURCE = "int pagoda_answer(void) { return ANSWER; }\n"
 
@@ -73,6 +84,76 @@ def test_no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         BackendUnavailableError, match=r"the answer kernel compiles a C kernel.*use the Python"
     ):
         _build(("-DANSWER=1",))
+
+
+# Every C kernel's load as its tests reach it (through the cache-less function under a functools.cache), and the
+# runtime's check that answers False (`auto` then runs torch) instead of raising.
+KERNEL_LOADS: dict[str, tuple[Callable[[], object], Callable[[], bool]]] = {
+    "attention": (lambda: get_backend("cpu", "cpu"), lambda: CpuBackend().available()),
+    "attention-int8": (
+        lambda: cpu_backend.build(torch.bfloat16, int8_cache=True),
+        lambda: CpuBackend().available(),
+    ),
+    "quant": (cpu_quant.kernels.__wrapped__, cpu_quant.available.__wrapped__),
+    "lora": (
+        lambda: cpu_lora.kernels.__wrapped__(torch.float32),
+        lambda: cpu_lora.available.__wrapped__(torch.float32),
+    ),
+    "fused": (
+        lambda: cpu_fused.kernels.__wrapped__(torch.float32),
+        lambda: cpu_fused.available.__wrapped__(torch.float32),
+    ),
+    "sampling": (lambda: sampler.get_sampler("cpu", "cpu"), sampler._cpu_available),
+    "token-bitmask": (token_bitmask.build, lambda: token_bitmask._entry.__wrapped__() is not None),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_LOADS)
+def test_a_failing_compiler_fails_the_kernel_tests_and_no_compiler_skips_them(
+    kernel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compiler that runs and exits 1 is a CompileError carrying its stderr, which `c_kernel_or_skip` (what the
+    kernel tests call) lets through: the test fails, it does not skip. No compiler at all is the one skip, with
+    the reason. At run time either one still makes `auto` fall back to torch (the check answers False)."""
+    load, runtime_check = KERNEL_LOADS[kernel]
+    script = tmp_path / "fakecc"
+    script.write_text("#!/bin/sh\necho 'fakecc: error: this kernel does not compile' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv(
+        "PAGODA_KERNEL_CACHE", str(tmp_path / "cache")
+    )  # empty and private: nothing cached is reused
+    monkeypatch.setenv("CC", str(script))
+    error = _raised(load)
+    assert isinstance(error, cbuild.CompileError), repr(error)
+    assert "fakecc: error: this kernel does not compile" in str(error)
+    assert error.returncode == 1 and "this kernel does not compile" in error.stderr
+    assert error.command[0] == str(script)
+    with caplog.at_level(logging.WARNING):
+        assert not runtime_check()
+    assert "this kernel does not compile" in caplog.text
+    monkeypatch.setenv("CC", "no-such-compiler")
+    skip = _raised(load)
+    assert isinstance(skip, unittest.SkipTest) and "found no C compiler" in str(skip), repr(skip)
+    assert not runtime_check()
+
+
+def _raised(load: Callable[[], object]) -> BaseException:
+    """What c_kernel_or_skip(load) raised, a skip included (pytest.raises would let a skip end the test as
+    skipped, so a helper that skips on a failing compiler would pass it quietly)."""
+    try:
+        c_kernel_or_skip(load)
+    except BaseException as exc:  # the skip too: it is what is looked at
+        return exc
+    pytest.fail("the C kernel loaded without a working compiler")
+
+
+def test_the_compile_error_survives_pickling() -> None:
+    """A CompileError keeps its fields across processes (an engine core's start-up error travels to the server)."""
+    error = cbuild.CompileError("it failed", ["cc", "x.c"], 3, "x.c:1: error")
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is cbuild.CompileError and str(again) == "it failed"
+    assert (again.command, again.returncode, again.stderr) == (("cc", "x.c"), 3, "x.c:1: error")
+    assert isinstance(again, BackendUnavailableError)
 
 
 def test_editing_an_included_header_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,14 +10,17 @@ import pytest
 import torch
 from pagoda.pagedkernel.lora import cpu_lora
 from pagoda.pagedkernel.lora.fused import LoRALayer
-from pagoda.pagedkernel.lora.testing import LoRACase, make_case, reference_add
+from pagoda.pagedkernel.lora.testing import LoRACase, add_error_bound, make_case, reference_add
+from pagoda.pagedkernel.testing import c_kernel_or_skip
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-pytestmark = pytest.mark.skipif(
-    not cpu_lora.available(torch.float32), reason="no C compiler for the 'cpu' LoRA op"
-)
+
+@pytest.fixture(autouse=True)
+def _c_kernel() -> None:
+    """Skip where this machine has no C compiler; a C kernel that fails to compile fails every test, with gcc's
+    output (never a skip)."""
+    c_kernel_or_skip(lambda: cpu_lora.kernels(torch.float32))
 
 
 @pytest.fixture
@@ -34,6 +37,15 @@ def _layer(case: LoRACase) -> LoRALayer:
     layer = LoRALayer(case.a, [case.b.transpose(1, 2).contiguous()], [0], backend="cpu")
     assert layer.runs_in_c
     return layer
+
+
+def assert_within_bound(y: torch.Tensor, case: LoRACase) -> None:
+    """y (after the add) is reference_add's float64 result of the same stored inputs within `add_error_bound`:
+    one rounding to y's dtype (bfloat16: 2^-8 = 0.39% of each output, float16 2^-11, float32 2^-24) plus float32
+    accumulation; rows without an adapter exactly as they were."""
+    error = (y.double() - reference_add(case, 0)).abs()
+    bound = add_error_bound(case, 0)
+    assert bool((error <= bound).all()), f"{float((error / bound)[bound > 0].max()):.3f} x the bound"
 
 
 def _scaled(case: LoRACase) -> LoRACase:
@@ -57,8 +69,7 @@ def test_every_block_size_matches_the_reference(
     case = LoRACase(case.x, case.a, case.b, slots, case.scales, case.y)
     y = case.y.clone()
     _layer(case).apply(case.x, y, slots, [True])
-    tol = TOLERANCE[dtype] * 10
-    torch.testing.assert_close(y.double(), reference_add(case, 0), rtol=tol, atol=tol)
+    assert_within_bound(y, case)
     assert torch.equal(y[slots < 0], case.y[slots < 0])
 
 
@@ -88,8 +99,7 @@ def test_threads_give_the_same_bits(dtype: torch.dtype, two_threads: None) -> No
     single = case.y.clone()
     layer.apply(case.x, single, case.slots, [True])
     assert torch.equal(threaded, single)
-    tol = TOLERANCE[dtype] * 10
-    torch.testing.assert_close(single.double(), reference_add(case, 0), rtol=tol, atol=tol)
+    assert_within_bound(single, case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, get_backend
+from pagoda.pagedkernel.cbuild import CompileError
 from pagoda.pagedkernel.testing import PagedCase, make_case, reference_attention, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -15,9 +16,12 @@ WINDOW = 20
 
 
 def backend_or_skip(name: str) -> KernelBackend:
-    """The named backend on this machine's device, or a skip naming why it cannot run here."""
+    """The named backend on this machine's device, or a skip naming why it cannot run here (no library, no
+    device, no C compiler); a C kernel that fails to compile is a failure, with the compiler's output."""
     try:
         return get_backend(name, DEVICE)
+    except CompileError:
+        raise
     except BackendUnavailableError as err:
         pytest.skip(str(err))
 

@@ -9,6 +9,10 @@ library is written to a temporary file and renamed, so concurrent processes neve
 Loading a library runs its code, so the cache is private: its folders are created 0700, and a folder or library
 that another user owns, that others may write, or that is a symlink is never used (`check_private`); the build
 then goes into a fresh private folder instead, with a warning naming the refused path.
+
+Two errors, both `BackendUnavailableError` (so `auto` falls back to torch on either, with a warning): no compiler
+on this machine (`CompilerNotFoundError`), and a compiler that refused the source (`CompileError`, carrying its
+exit status and stderr). Tests skip on the first only: a kernel that stops compiling fails them, with gcc's words.
 """
 
 from __future__ import annotations
@@ -32,6 +36,26 @@ logger = logging.getLogger(__name__)
 SHARED_FLAGS = ("-fPIC", "-shared")
 # Mode bits that let someone other than the owner replace a file (group or others may write).
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class CompilerNotFoundError(BackendUnavailableError):
+    """This machine has no C compiler ($CC, else `cc` or `gcc` on PATH): the C kernels cannot be built here."""
+
+
+class CompileError(BackendUnavailableError):
+    """The compiler ran and failed on every alternative: `returncode` and `stderr` are the last attempt's."""
+
+    def __init__(
+        self, message: str, command: Sequence[str] = (), returncode: int = 1, stderr: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.command = tuple(command)
+        self.returncode = returncode
+        self.stderr = stderr
+
+    def __reduce__(self) -> tuple[type[CompileError], tuple[str, tuple[str, ...], int, str]]:
+        """Pickled with its fields (the default would rebuild it from the message alone)."""
+        return type(self), (str(self.args[0]), self.command, self.returncode, self.stderr)
 
 
 class UnsafeCacheError(OSError):
@@ -142,13 +166,13 @@ def build(
 
     `variant` names this build in the library's file name (e.g. "float32"). `alternatives` are extra flags tried
     in order until one compiles (e.g. OpenMP, then nothing; none: just `flags`); `libraries` (e.g. "-lm") follow the source on the
-    command line. Raises BackendUnavailableError, worded with `owner` (who builds: "the 'cpu' kernel backend")
-    and `instead` (what to do without it: "use kernel_backend='torch'"), when there is no compiler or every
-    alternative fails (with the compiler's output of the last).
+    command line. Raises CompilerNotFoundError when there is no compiler, and CompileError (with the compiler's
+    output of the last alternative) when every alternative fails, both worded with `owner` (who builds: "the
+    'cpu' kernel backend") and `instead` (what to do without it: "use kernel_backend='torch'").
     """
     compiler = find_compiler()
     if compiler is None:
-        raise BackendUnavailableError(
+        raise CompilerNotFoundError(
             f"{owner} compiles a C kernel at first use and found no C compiler; install gcc (or set CC), "
             f"or {instead}"
         )
@@ -201,9 +225,12 @@ def _compile(
             if done.returncode == 0:
                 break
         else:
-            raise BackendUnavailableError(
+            raise CompileError(
                 f"compiling {owner}'s {file} for {variant} failed ({compiler} exit {done.returncode}):\n"
-                f"{done.stderr.strip()}\n{instead} instead"
+                f"{done.stderr.strip()}\n{instead} instead",
+                command=command,
+                returncode=done.returncode,
+                stderr=done.stderr,
             )
         lib.chmod(0o700)  # whatever the umask: a group-writable library would be refused at the next load
         os.replace(lib, target)  # atomic: a concurrent process sees no file or a whole one

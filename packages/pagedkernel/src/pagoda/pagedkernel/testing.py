@@ -1,15 +1,31 @@
-"""Test helpers for every backend: random paged-attention inputs and a dense float64 reference."""
+"""Test helpers for every backend: random paged-attention inputs and a dense float64 reference, and the one rule
+for a test that needs a C kernel (`c_kernel_or_skip`)."""
 
 from __future__ import annotations
 
 import math
+import unittest
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from pagoda.pagedkernel import kv_quant
+from pagoda.pagedkernel.cbuild import CompilerNotFoundError
 from torch import Tensor
+
+T = TypeVar("T")
+
+
+def c_kernel_or_skip(load: Callable[[], T]) -> T:
+    """load() (a C kernel's build and load, e.g. `cpu_quant.kernels`), or a skip naming why where this machine has
+    no C compiler at all. A compiler that fails (`cbuild.CompileError`) is not a skip: it propagates, and the test
+    fails with the compiler's stderr. (unittest.SkipTest is what pytest reports as a skip, without importing
+    pytest into the package.)"""
+    try:
+        return load()
+    except CompilerNotFoundError as exc:
+        raise unittest.SkipTest(str(exc)) from exc
 
 
 class AttentionConfig(NamedTuple):

@@ -1,7 +1,9 @@
-"""Random quantized weights for tests and benchmarks, and the error bound of the int8-activation matmul."""
+"""Random quantized weights for tests and benchmarks, the error bound of the int8-activation matmul, and the
+worst-case and typical errors of a float32 one."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -77,6 +79,37 @@ def float32_error_bound(
     u = 2.0**-24
     magnitudes = x.to(torch.float64).abs() @ w.to(torch.float64).abs().t()
     return k * u / (1 - k * u) * magnitudes + k * 2.0**-126
+
+
+def float32_typical_error(
+    got: Tensor,  # [rows, N]
+    x: Tensor,  # [rows, K]
+    w: Tensor,  # float [N, K], the weights the kernel multiplies
+    reference: Tensor | None = None,  # [rows, N]; default the exact (float64) x @ w^T
+) -> float:
+    """The typical error of a float32 evaluation of x @ w^T, in units of its expected size u sqrt(K) (u = 2^-24):
+    RMS over the outputs of (got - reference), over u sqrt(K) times the RMS over the outputs of ||x_r * w_j||_2
+    (the 2-norm of each output's K products). At most 1 for one float32 evaluation against the exact product,
+    2 for two evaluations (e.g. the kernel against torch's float32 matmul), for the inputs the tests draw.
+
+    Why: each of the <= 2K roundings of a dot product (K products, unless fused into an FMA, and K - 1 sums)
+    adds delta_j s_j, with s_j the value rounded and |delta_j| <= u. In the standard probabilistic model (Higham and
+    Mary, 2019) the delta_j are independent with mean zero, so E[err^2] <= u^2 sum_j E[s_j^2]. x has zero mean and
+    independent elements (or w does: random weights), so the products are uncorrelated with mean zero, and any
+    partial sum over a set S of them (a summation order is fixed whatever the values) has
+    E[s_S^2] = sum over S of E[p_i^2]. Each product is in at most K of the rounded values (itself and the sums that
+    contain it, in the worst order: one long sequential sum), so sum_j E[s_j^2] <= K E[||p||^2], and
+    RMS(err) <= u sqrt(K) RMS(||p||). (Averaged over outputs the measured RMS is ~0.3 of it: blocked and lane-wise
+    sums hold shorter partial sums than the sequential worst case.) The worst case, `float32_error_bound`, is
+    ~sqrt(K) ||p||_1 / ||p||_2 ~ K times larger: it cannot see a kernel that is wrong in the 5th digit everywhere,
+    which this does.
+    """
+    k = x.shape[-1]
+    xd, wd = x.to(torch.float64), w.to(torch.float64)
+    want = xd @ wd.t() if reference is None else reference.to(torch.float64)
+    error_rms = float((got.to(torch.float64) - want).pow(2).mean().sqrt())
+    products_rms = float(((xd * xd) @ (wd * wd).t()).mean().sqrt())  # mean over outputs of ||p||^2, rooted
+    return error_rms / (2.0**-24 * math.sqrt(k) * products_rms)
 
 
 def outputs_on_threads(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "cpu_token_bitmask.c"
 ENTRY = "pagoda_apply_token_bitmask"
@@ -57,7 +60,8 @@ def _entry() -> Callable[..., int] | None:
     """The C entry point, built (or found in the cache) and loaded once per process; None where it cannot be."""
     try:
         return load(build())
-    except (BackendUnavailableError, OSError):
+    except (BackendUnavailableError, OSError) as exc:
+        logger.warning("the token bitmask falls back to torch: %s", exc)
         return None
 
 
