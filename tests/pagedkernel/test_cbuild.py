@@ -88,19 +88,26 @@ def test_no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # Every C kernel's load as its tests reach it (through the cache-less function under a functools.cache), and the
 # runtime's check that answers False (`auto` then runs torch) instead of raising.
+# The loaders without their per-process caches (the test's compiler must be asked every time).
+UNCACHED_KERNELS = {
+    cpu_quant: cpu_quant.kernels.__wrapped__,
+    cpu_lora: cpu_lora.kernels.__wrapped__,
+    cpu_fused: cpu_fused.kernels.__wrapped__,
+}
+
 KERNEL_LOADS: dict[str, tuple[Callable[[], object], Callable[[], bool]]] = {
     "attention": (lambda: get_backend("cpu", "cpu"), lambda: CpuBackend().available()),
     "attention-int8": (
         lambda: cpu_backend.build(torch.bfloat16, int8_cache=True),
         lambda: CpuBackend().available(),
     ),
-    "quant": (cpu_quant.kernels.__wrapped__, cpu_quant.available.__wrapped__),
+    "quant": (UNCACHED_KERNELS[cpu_quant], cpu_quant.available.__wrapped__),
     "lora": (
-        lambda: cpu_lora.kernels.__wrapped__(torch.float32),
+        lambda: UNCACHED_KERNELS[cpu_lora](torch.float32),
         lambda: cpu_lora.available.__wrapped__(torch.float32),
     ),
     "fused": (
-        lambda: cpu_fused.kernels.__wrapped__(torch.float32),
+        lambda: UNCACHED_KERNELS[cpu_fused](torch.float32),
         lambda: cpu_fused.available.__wrapped__(torch.float32),
     ),
     "sampling": (lambda: sampler.get_sampler("cpu", "cpu"), sampler._cpu_available),
@@ -116,6 +123,10 @@ def test_a_failing_compiler_fails_the_kernel_tests_and_no_compiler_skips_them(
     kernel tests call) lets through: the test fails, it does not skip. No compiler at all is the one skip, with
     the reason. At run time either one still makes `auto` fall back to torch (the check answers False)."""
     load, runtime_check = KERNEL_LOADS[kernel]
+    # Each `available` asks its module's `kernels`, cached per process: an earlier test may have loaded the real
+    # library already, so the check would answer from that cache. Ask the uncached loader here.
+    for module, uncached in UNCACHED_KERNELS.items():
+        monkeypatch.setattr(module, "kernels", uncached)
     script = tmp_path / "fakecc"
     script.write_text("#!/bin/sh\necho 'fakecc: error: this kernel does not compile' >&2\nexit 1\n")
     script.chmod(0o755)
