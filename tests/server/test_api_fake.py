@@ -325,7 +325,7 @@ def test_api_key_protects_every_route_but_health() -> None:
         )
         assert openapi_paths == {path for _, path in ROUTES} | {"/health"}
         for method, path in ROUTES:
-            wrong = (
+            wrong: tuple[dict[str, str], ...] = (
                 {},
                 _bearer("wrong"),
                 _bearer("sekre"),

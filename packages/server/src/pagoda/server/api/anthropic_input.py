@@ -360,6 +360,11 @@ def translate(body: PromptFields) -> Translated:
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,
+            "seed": body.seed,
+            "min_p": body.min_p,
+            "repetition_penalty": body.repetition_penalty,
+            "ignore_eos": body.ignore_eos or None,
+            "priority": body.priority or None,
         }
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -185,6 +185,12 @@ class MessagesRequest(PromptFields):
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier: accepted
     inference_geo: JsonValue = None
     diagnostics: JsonValue = None
+    # vLLM's sampling extras, as on /v1/responses (Anthropic defines none of them).
+    seed: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    priority: Int64 = 0
 
 
 # --- responses -------------------------------------------------------------------------------------------
