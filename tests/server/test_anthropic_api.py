@@ -16,7 +16,9 @@ import pytest
 from api_cases import MODEL
 from api_fake_engine import FAIL_STEP_MARKER, LETTERS, FakeEngine, _Req, _Seq, serve_in_thread
 from pagoda.server.api import AppSettings
-from pagoda.server.api.anthropic_errors import error_body
+from pagoda.server.api.anthropic_errors import error_body, error_response
+from pagoda.server.api.anthropic_input import translate
+from pagoda.server.api.anthropic_protocol import MessagesRequest
 from pagoda.server.api.errors import APIError
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving
@@ -60,8 +62,9 @@ def post(
     live: LiveServer, body: dict[str, Any], path: str = "/v1/messages", **headers: str
 ) -> httpx.Response:
     """A raw POST with the key in x-api-key (Anthropic's header) unless `headers` say otherwise."""
-    sent = headers or {"x-api-key": KEY}
-    return httpx.post(live.base_url + path, json=body, headers=sent, timeout=120)
+    sent = {"content-type": "application/json", **(headers or {"x-api-key": KEY})}
+    content = json.dumps(body).encode()  # ASCII escapes: a lone surrogate goes out as `\ud800`
+    return httpx.post(live.base_url + path, content=content, headers=sent, timeout=120)
 
 
 def assert_anthropic_error(response: httpx.Response, status: int, error_type: str, *named: str) -> str:
@@ -383,6 +386,19 @@ BAD_BODIES: list[tuple[dict[str, Any], tuple[str, ...]]] = [
         ("messages.0.content.0.type", "video"),
     ),
     ({**BASE, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, ("messages.0.content.0.text",)),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": ["text"]}]}]},
+        ("messages.0.content.0.type",),
+    ),
+    (
+        {
+            **BASE,
+            "messages": [
+                {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
+            ],
+        },
+        ("messages.0.content.0.type", "user message"),
+    ),
     ({**BASE, "messages": [{"role": "user", "content": [IMAGE]}]}, ("messages.0.content.0", "image")),
     ({**BASE, "messages": [{"role": "user", "content": []}]}, ("messages.0.content",)),
     ({**BASE, "messages": []}, ("messages",)),
@@ -417,6 +433,7 @@ BAD_BODIES: list[tuple[dict[str, Any], tuple[str, ...]]] = [
     ({**BASE, "speed": "fast"}, ("speed",)),
     ({**BASE, "max_tokens": 4096}, ("max_tokens", "max_model_len")),
     ({**BASE, "unknown_field": 1}, ("unknown_field",)),
+    ({**BASE, "messages": [{"role": "user", "content": "\ud800"}]}, ("messages.0.content", "surrogate")),
 ]
 
 
@@ -459,6 +476,67 @@ def test_other_errors_take_anthropics_shape(live: LiveServer, client: anthropic.
     assert_serves(client)
 
 
+def test_translation_into_chat_messages() -> None:
+    """The one translation: the system prompt leads, consecutive turns of a role are combined, a tool_use is a
+    call of its assistant message, each tool_result a tool message in order (an error result marked), thinking
+    left out, sampling fields and tool_choice mapped onto chat's."""
+    body = MessagesRequest.model_validate(
+        {
+            "model": MODEL,
+            "max_tokens": 8,
+            "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "messages": [
+                {"role": "user", "content": "one"},
+                {"role": "user", "content": [{"type": "text", "text": "two"}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": ""},
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}},
+                        {"type": "tool_use", "id": "toolu_2", "name": "f", "input": {"x": 2}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "r1"},
+                        {"type": "tool_result", "tool_use_id": "toolu_2", "content": "bad", "is_error": True},
+                        {"type": "text", "text": "so?"},
+                    ],
+                },
+            ],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "stop_sequences": ["END"],
+            "temperature": 0.5,
+            "top_k": 4,
+        }
+    )
+    chat = translate(body).chat
+    got = [
+        (m.role, m.content if isinstance(m.content, str | None) else [p.text for p in m.content])
+        for m in chat.messages
+    ]
+    assert got == [
+        ("system", "a\nb"),
+        ("user", ["one", "two"]),
+        ("assistant", "calling"),
+        ("tool", "r1"),
+        ("tool", "Error: bad"),
+        ("user", "so?"),
+    ]
+    calls = chat.messages[2].tool_calls or []
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("toolu_1", "f", {"x": 1}),
+        ("toolu_2", "f", {"x": 2}),
+    ]
+    assert [m.tool_call_id for m in chat.messages[3:5]] == ["toolu_1", "toolu_2"]
+    assert (chat.tool_choice, chat.parallel_tool_calls, chat.stop) == ("required", False, ["END"])
+    assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.5, 4, None)
+    assert chat.tools is not None and chat.tools[0].function.parameters == {"type": "object"}
+
+
 @pytest.mark.parametrize(
     ("status", "sent", "error_type"),
     [
@@ -480,8 +558,6 @@ def test_error_types_by_status(status: int, sent: int, error_type: str) -> None:
     assert body.model_dump() == {"type": "error", "error": {"type": error_type, "message": "went wrong"}}
     named = error_body(APIError(status, "too many", param="stop")).error.message
     assert named == "stop_sequences: too many"
-    from pagoda.server.api.anthropic_errors import error_response
-
     assert error_response(APIError(status, "x")).status_code == sent
 
 

@@ -128,7 +128,7 @@ def _block(raw: dict[str, JsonValue], where: str, role: str) -> BaseModel:
         return _validate(allowed[kind], raw, where, "messages")
     if kind == "image":
         raise bad_request(f"{where}.type: {IMAGES_NOT_SERVED}", "messages")
-    known = any(kind in blocks for blocks in _ROLE_BLOCKS.values())
+    known = isinstance(kind, str) and any(kind in blocks for blocks in _ROLE_BLOCKS.values())
     if known or kind in UNSERVED_BLOCKS:
         raise bad_request(f"{where}.type: a {kind!r} block is not served in a {role} message", "messages")
     names = ", ".join(allowed)

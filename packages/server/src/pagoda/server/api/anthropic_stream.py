@@ -110,7 +110,8 @@ async def keepalive(source: AsyncGenerator[T], interval: float) -> AsyncGenerato
     try:
         while True:
             try:
-                got = await asyncio.wait_for(queue.get(), interval)
+                async with asyncio.timeout(interval):  # a timer, not wait_for's task per item
+                    got = await queue.get()
             except TimeoutError:
                 yield None
                 continue
