@@ -324,10 +324,10 @@ def test_tool_result_round_trip(live: LiveServer, client: anthropic.Anthropic) -
             client.messages.count_tokens(model=MODEL, messages=other, tools=TOOLS).input_tokens
             > counted.input_tokens
         )
-    sent_back = {
-        "role": "assistant",
-        "content": [block.model_dump(exclude_unset=True) for block in first.content],
-    }
+    # As a client may send it back by hand: every field of the client's blocks, nulls included.
+    sent_back = {"role": "assistant", "content": [block.model_dump() for block in first.content]}
+    dumped: Any = [*TURNS, sent_back, turns[-1]]
+    assert post(live, {"model": MODEL, "max_tokens": 1, "messages": dumped}).status_code == 200
     orphan = [*TURNS, sent_back, {"role": "user", "content": [{**result, "tool_use_id": "toolu_nobody"}]}]
     response = post(live, {"model": MODEL, "max_tokens": 4, "messages": orphan})
     assert_anthropic_error(

@@ -53,6 +53,12 @@ class TextBlock(_Model):
     citations: Annotated[list[JsonValue], Field(max_length=0)] | None = None  # none are served
 
 
+class DirectCaller(_Model):
+    """`caller` of a tool use the model made itself (the only caller here)."""
+
+    type: Literal["direct"]
+
+
 class ToolUseBlock(_Model):
     """A `tool_use` block of an earlier assistant turn, sent back before its result."""
 
@@ -61,6 +67,9 @@ class ToolUseBlock(_Model):
     name: str
     input: dict[str, JsonValue]
     cache_control: CacheControl | None = None
+    # What the official client's ToolUseBlock.model_dump() sends back besides: null, or the direct caller.
+    caller: DirectCaller | None = None
+    toolset_name: None = None
 
 
 class ToolResultBlock(_Model):
