@@ -27,7 +27,8 @@ Requests carry no temperature unless --temperature is given, so the server's def
 API), as in vLLM's serving benchmark: that is what real clients send. --temperature 0 benchmarks greedy.
 
 --endpoint picks the API the requests stream from (/v1/completions by default, /v1/chat/completions with the
-prompt as one user message, /v1/responses with it as `input`); several endpoints run every server on each, so
+prompt as one user message, /v1/responses with it as `input`, /v1/messages, Anthropic's, with it as one user
+message); several endpoints run every server on each, so
 that one run measures, say, the Responses API's streaming overhead over chat completions on the same server:
 
     python tools/bench_serving.py --serve "pagoda=" --endpoint /v1/chat/completions /v1/responses --ignore-eos
@@ -285,6 +286,8 @@ def request_body(
     body: dict[str, Any] = {"model": model, "stream": True}
     if target.endpoint == "/v1/responses":
         body.update(input=request.prompt, max_output_tokens=request.max_tokens)
+    elif target.endpoint == "/v1/messages":  # Anthropic's Messages API: usage comes in message_delta
+        body.update(messages=[{"role": "user", "content": request.prompt}], max_tokens=request.max_tokens)
     else:
         if target.endpoint == "/v1/chat/completions":
             body["messages"] = [{"role": "user", "content": request.prompt}]
@@ -301,6 +304,9 @@ def request_body(
             body["text"] = {
                 "format": {"type": "json_schema", "name": schema["name"], "schema": schema["schema"]}
             }
+        elif target.endpoint == "/v1/messages":
+            schema = target.response_format["json_schema"]
+            body["output_config"] = {"format": {"type": "json_schema", "schema": schema["schema"]}}
         else:
             body["response_format"] = target.response_format
     return body
@@ -316,6 +322,16 @@ def read_event(endpoint: str, event: dict[str, Any], result: RequestResult) -> b
         if kind in ("response.completed", "response.incomplete") and usage:
             result.prompt_tokens, result.output_tokens = usage["input_tokens"], usage["output_tokens"]
         return kind == "response.output_text.delta" and bool(event.get("delta"))
+    if endpoint == "/v1/messages":
+        kind = event.get("type")
+        if kind == "error":
+            result.error = str((event.get("error") or {}).get("message"))
+        if kind == "message_delta":
+            usage = event["usage"]
+            result.prompt_tokens = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+            result.output_tokens = usage["output_tokens"]
+        delta = event.get("delta") or {}
+        return kind == "content_block_delta" and delta.get("type") == "text_delta" and bool(delta.get("text"))
     if event.get("usage"):
         result.prompt_tokens = event["usage"]["prompt_tokens"]
         result.output_tokens = event["usage"]["completion_tokens"]
@@ -694,7 +710,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=ENDPOINTS,
         default=["/v1/completions"],
         help="the API the streamed requests go to; several: each server is run on each, compared in one table "
-        "(e.g. /v1/chat/completions /v1/responses for the Responses API's streaming overhead)",
+        "(e.g. /v1/chat/completions /v1/responses for the Responses API's streaming overhead; /v1/messages: "
+        "Anthropic's Messages API)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
@@ -736,7 +753,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 def targets(args: argparse.Namespace) -> list[Target]:

@@ -304,6 +304,8 @@ ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/responses"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
@@ -313,7 +315,8 @@ ROUTES = [
 
 
 def test_api_key_protects_every_route_but_health() -> None:
-    """With an API key every route answers 401 without the right bearer token; /health stays open."""
+    """With an API key every route answers 401 without the right bearer token or x-api-key; /health stays
+    open."""
     from pagoda.server.api import AppSettings
 
     with serve_in_thread(FakeEngine(), settings=AppSettings(api_key="sekret")) as running:
@@ -322,13 +325,25 @@ def test_api_key_protects_every_route_but_health() -> None:
         )
         assert openapi_paths == {path for _, path in ROUTES} | {"/health"}
         for method, path in ROUTES:
-            for headers in ({}, _bearer("wrong"), _bearer("sekre"), {"authorization": "Basic sekret"}):
+            wrong: tuple[dict[str, str], ...] = (
+                {},
+                _bearer("wrong"),
+                _bearer("sekre"),
+                {"authorization": "Basic sekret"},
+                {"x-api-key": "x"},
+            )
+            for headers in wrong:
                 response = httpx.request(method, running.base_url + path, headers=headers)
                 assert response.status_code == 401, (method, path, headers)
-                assert response.json()["error"]["type"] == "AuthenticationError"
-            # With the key the request gets past the check (a body-less POST is then a 400).
-            allowed = httpx.request(method, running.base_url + path, headers=_bearer("sekret"))
-            assert allowed.status_code in {200, 400}, (method, path)
+                error = response.json()["error"]
+                # The Anthropic routes answer in Anthropic's shape (tests/server/test_anthropic_api.py).
+                anthropic = path.startswith("/v1/messages")
+                assert error["type"] == ("authentication_error" if anthropic else "AuthenticationError")
+            # With the key (Bearer, or Anthropic's x-api-key) the request gets past the check (a body-less POST
+            # is then a 400).
+            for headers in (_bearer("sekret"), {"x-api-key": "sekret"}):
+                allowed = httpx.request(method, running.base_url + path, headers=headers)
+                assert allowed.status_code in {200, 400}, (method, path)
         assert httpx.get(f"{running.base_url}/health").status_code == 200
         keyed = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="sekret", max_retries=0)
         assert_good_request(keyed)

@@ -1,5 +1,5 @@
-"""tools/bench_serving.py --endpoint (issue 26): completions, chat completions and responses streams are timed
-alike against a fake server; several endpoints become one column each."""
+"""tools/bench_serving.py --endpoint (issues 26, 42): completions, chat completions, responses and Anthropic
+messages streams are timed alike against a fake server; several endpoints become one column each."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
+from pagoda.server.api.anthropic_errors import error_response, is_anthropic_path
+from pagoda.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from pagoda.server.api.cache_scope import key_digest, set_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.input_checks import first_lone_surrogate, max_prompt_chars
@@ -38,6 +40,7 @@ from pagoda.server.api.serving_base import ClientDisconnectedError, ServingConte
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
 from pagoda.server.api.serving_embeddings import EmbeddingsHandler
+from pagoda.server.api.serving_messages import MessagesHandler
 from pagoda.server.api.serving_responses import ResponsesHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
@@ -81,7 +84,8 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 class APIKeyMiddleware:
-    """401 for every route but /health unless the request carries `Authorization: Bearer <one of the keys>`.
+    """401 for every route but /health unless the request carries `Authorization: Bearer <one of the keys>` or
+    `x-api-key: <one of the keys>` (Anthropic's header).
 
     With `isolate`, the matched key's digest is left in the request's state: its requests' prefix-cache salt
     (api/cache_scope.py), so that no key can see, through `cached_tokens`, what another key's prompts cached.
@@ -93,15 +97,19 @@ class APIKeyMiddleware:
         self._isolate = isolate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Check the bearer token, then pass the request on."""
+        """Check the bearer token (or x-api-key), then pass the request on."""
         if scope["type"] == "http" and scope["path"] != "/health":
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
             digest = self._match(token.strip().encode()) if scheme.lower() == "bearer" else None
             if is_dashboard_path(
                 scope["path"]
             ):  # a browser: the key may come once in the URL, then as a cookie
                 await self._dashboard(scope, receive, send, token.strip() if digest is not None else None)
                 return
+            api_key = headers.get("x-api-key")
+            if digest is None and api_key is not None:  # Anthropic's clients send the key here
+                digest = self._match(api_key.strip().encode())
             if digest is None:
                 await _unauthorized(scope, receive, send)
                 return
@@ -141,7 +149,12 @@ class APIKeyMiddleware:
 async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:
     """The 401 of a missing or wrong key."""
     error = APIError(401, "Missing or invalid API key.", headers={"WWW-Authenticate": "Bearer"})
-    await error.to_response()(scope, receive, send)
+    await _error_response(scope["path"], error)(scope, receive, send)
+
+
+def _error_response(path: str, error: APIError) -> Response:
+    """The error's response: Anthropic's shape on the Anthropic routes, OpenAI's elsewhere."""
+    return error_response(error) if is_anthropic_path(path) else error.to_response()
 
 
 # Bodies over this many bytes are parsed and validated on a worker thread: a few MB of JSON takes the parser
@@ -281,6 +294,7 @@ class _Routes:
         self.responses_store = ResponseStore(settings.max_stored_responses)
         self.responses_handler = ResponsesHandler(self.ctx, self.responses_store)
         self.embeddings_handler = EmbeddingsHandler(self.ctx)
+        self.messages_handler = MessagesHandler(self.ctx)
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
@@ -317,6 +331,16 @@ class _Routes:
     async def cancel_response(self, request: Request) -> Response:
         """POST /v1/responses/{response_id}/cancel."""
         return await self.responses_handler.cancel(request.path_params["response_id"], request)
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic's Messages API)."""
+        body = await self._body(request, MessagesRequest)
+        return await self.messages_handler.create(body, request)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens."""
+        body = await self._body(request, CountTokensRequest)
+        return await self.messages_handler.count_tokens(body, request)
 
     async def embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings (the pooling runner)."""
@@ -398,20 +422,20 @@ class _Routes:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.to_response()
+    return _error_response(request.url.path, exc)
 
 
 async def _rejected(request: Request, exc: Exception) -> Response:
     # A request rule a handler checked before the engine saw the request: the same 400 as the engine's.
     error = to_api_error(exc)
     assert isinstance(error, APIError)
-    return error.to_response()
+    return _error_response(request.url.path, error)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     headers = dict(exc.headers or {})
-    return APIError(exc.status_code, str(exc.detail), headers=headers).to_response()
+    return _error_response(request.url.path, APIError(exc.status_code, str(exc.detail), headers=headers))
 
 
 async def _client_left(request: Request, exc: Exception) -> Response:
@@ -422,7 +446,7 @@ async def _client_left(request: Request, exc: Exception) -> Response:
 async def _internal_error(request: Request, exc: Exception) -> Response:
     # The traceback goes to the server log only; the client gets an OpenAI-shaped 500.
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return APIError(500, "Internal server error.").to_response()
+    return _error_response(request.url.path, APIError(500, "Internal server error."))
 
 
 def build_app(
@@ -478,6 +502,8 @@ def build_app(
             Route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", routes.cancel_response, methods=["POST"]),
             Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
+            Route("/v1/messages", routes.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pagoda.server.api.anthropic_protocol import (
+    CountTokensRequest,
+    ErrorBody,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
 from pagoda.server.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -68,6 +75,25 @@ def _post(
     }
 
 
+def _anthropic_post(summary: str, request: type[BaseModel], response: type[BaseModel]) -> dict[str, Any]:
+    """An Anthropic route: its errors are `ErrorBody`s, and a 503 is Anthropic's 529 (overloaded)."""
+    operation = _post(summary, request, response)
+    responses = operation["post"]["responses"]
+    for code in ("400", "401", "404", "413"):
+        responses[code]["content"] = _json(ErrorBody)
+    if request is MessagesRequest:  # `stream: true`: Anthropic's named events
+        responses["200"]["content"]["text/event-stream"] = {
+            "schema": {
+                "type": "string",
+                "description": "Server-sent events: message_start, content_block_*, "
+                "message_delta, message_stop, ping, error",
+            }
+        }
+        responses["429"] = {"description": _ERRORS["429"], "content": _json(ErrorBody)}
+        responses["529"] = {"description": _ERRORS["503"], "content": _json(ErrorBody)}
+    return operation
+
+
 def _get(summary: str, content: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     responses.update(extra or {})
@@ -75,7 +101,7 @@ def _get(summary: str, content: dict[str, Any], extra: dict[str, Any] | None = N
 
 
 def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
-    """The OpenAPI document; `secured` adds the bearer scheme to every route but /health."""
+    """The OpenAPI document; `secured` adds the bearer and x-api-key schemes to every route but /health."""
     models: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
         (CompletionRequest, "validation"),
         (ChatCompletionRequest, "validation"),
@@ -93,6 +119,11 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         (ErrorResponse, "serialization"),
         (ResponsesRequest, "validation"),
         (ResponseObject, "serialization"),
+        (MessagesRequest, "validation"),
+        (CountTokensRequest, "validation"),
+        (MessageResponse, "serialization"),
+        (TokenCount, "serialization"),
+        (ErrorBody, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=_REF)
     paths: dict[str, Any] = {
@@ -103,6 +134,12 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
             "Create a chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk
         ),
         "/v1/responses": _post("Create a response", ResponsesRequest, ResponseObject, ResponseObject),
+        "/v1/messages": _anthropic_post(
+            "Create a message (Anthropic's Messages API)", MessagesRequest, MessageResponse
+        ),
+        "/v1/messages/count_tokens": _anthropic_post(
+            "Count a message's input tokens (Anthropic's API)", CountTokensRequest, TokenCount
+        ),
         "/v1/embeddings": _post(
             "Create embeddings (the pooling runner)", EmbeddingRequest, EmbeddingResponse
         ),
@@ -133,9 +170,12 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         "components": {"schemas": schema.get("$defs", {})},
     }
     if secured:
-        document["components"]["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+        document["components"]["securitySchemes"] = {
+            "bearerAuth": {"type": "http", "scheme": "bearer"},
+            "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"},  # Anthropic's header
+        }
         for path, item in paths.items():
             if path != "/health":
                 for operation in item.values():
-                    operation["security"] = [{"bearerAuth": []}]
+                    operation["security"] = [{"bearerAuth": []}, {"apiKeyHeader": []}]
     return document
