@@ -8,8 +8,10 @@ from pagoda.server.pooling.params import (
     PoolerConfig,
     PoolerConfigError,
     PoolingParams,
+    PoolingTask,
     PoolingType,
     RunnerName,
+    SupportedTask,
     parse_pooler_config,
 )
 
@@ -17,7 +19,9 @@ __all__ = [
     "PoolerConfig",
     "PoolerConfigError",
     "PoolingParams",
+    "PoolingTask",
     "PoolingType",
     "RunnerName",
+    "SupportedTask",
     "parse_pooler_config",
 ]
