@@ -21,6 +21,14 @@ from pagoda.server.api.protocol import (
     TokenizeResponse,
 )
 from pagoda.server.api.responses_protocol import ResponseObject, ResponsesRequest
+from pagoda.server.api.score_protocol import (
+    RERANK_PATHS,
+    SCORE_PATHS,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
@@ -93,6 +101,10 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         (ErrorResponse, "serialization"),
         (ResponsesRequest, "validation"),
         (ResponseObject, "serialization"),
+        (ScoreRequest, "validation"),
+        (ScoreResponse, "serialization"),
+        (RerankRequest, "validation"),
+        (RerankResponse, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=_REF)
     paths: dict[str, Any] = {
@@ -106,6 +118,14 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         "/v1/embeddings": _post(
             "Create embeddings (the pooling runner)", EmbeddingRequest, EmbeddingResponse
         ),
+        **{
+            path: _post("Score text pairs (the pooling runner)", ScoreRequest, ScoreResponse)
+            for path in SCORE_PATHS
+        },
+        **{
+            path: _post("Rank documents against a query (the pooling runner)", RerankRequest, RerankResponse)
+            for path in RERANK_PATHS
+        },
         "/tokenize": _post("Tokenize a prompt or chat messages", TokenizeRequest, TokenizeResponse),
         "/detokenize": _post("Turn token ids into text", DetokenizeRequest, DetokenizeResponse),
         "/v1/models": _get("List the served model", _json(ModelList), _errors("401")),
