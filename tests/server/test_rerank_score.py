@@ -25,7 +25,7 @@ import pytest
 import torch
 from api_cases import MAX_MODEL_LEN, MODEL
 from api_fake_engine import FakeEngine, serve_in_thread
-from pagoda.server.cli import main
+from pagoda.server.cli import build_parser, engine_config, main
 from pagoda.server.engine import RequestRejectedError
 from pagoda.server.engine.setup import EngineConfigError
 from pagoda.server.llm import LLM
@@ -197,10 +197,12 @@ def test_cross_encoder_refuses_embeddings_and_the_generate_runner(classifiers: d
 
 def test_cli_names_the_runner(classifiers: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """`pagoda serve` of a cross-encoder without --runner pooling exits 2 saying which runner to start, before
-    any weight loads."""
+    any weight loads; vLLM's older `--task score` selects the pooling runner."""
     for flags in ([], ["--runner", "generate"]):
         assert main(["serve", str(classifiers["llama"]), *flags]) == 2
         assert "--runner pooling" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", str(classifiers["llama"]), "--task", "score"])
+    assert engine_config(args).model_config.runner == "pooling"
 
 
 def test_two_labels_are_refused(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The pooling runner (`--runner pooling`): prompts pooled into embedding vectors over the same engine.
+"""The pooling runner (`--runner pooling`): prompts pooled into embedding vectors, or scored by a cross-encoder's
+head (`classifier`; `scoring` pairs texts up for /score and /rerank), over the same engine.
 
 `params` (the pooler config and per-request params) is light and imported by `SamplingParams`; `request`
 (`PoolingRequest`, an `EngineRequest`) and `pooler` are imported where the engine makes requests.
