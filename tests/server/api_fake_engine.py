@@ -19,6 +19,7 @@ from pagoda.server.config import HTTPLimits, ServingConfig
 from pagoda.server.engine import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from pagoda.server.pooling import SupportedTask
 from pagoda.server.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -92,6 +93,7 @@ class FakeEngine:
         self.vocab_size = len(self.tokenizer)
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.supported_tasks: tuple[SupportedTask, ...] = ("generate",)
         self.max_num_seqs = max_num_seqs
         self.step_seconds = step_seconds
         self.requests: dict[str, _Req] = {}

@@ -44,6 +44,7 @@ class DeferringEngine:
         self.vocab_size = fake.vocab_size
         self.num_kv_blocks = fake.num_kv_blocks
         self.block_size = fake.block_size
+        self.supported_tasks = fake.supported_tasks
         self.to_reject: set[str] = set()
         self.errors: list[Exception] = []  # every error this engine reported, in order
         self.aborted: list[str] = []  # every id `abort_request` was called with

@@ -177,12 +177,41 @@ def test_completion_and_chat_on_the_pooling_runner_say_which_runner(client: open
     assert len(client.embeddings.create(model=MODEL, input="still serving").data) == 1
 
 
+def test_score_and_rerank_are_cosines_of_embeddings(live: LiveServer, model_dir: Path) -> None:
+    """Issue 42: on an embedding model /score and /rerank score a pair by the cosine of its two texts' vectors
+    (each distinct text embedded once: usage counts the query once), equal to transformers' pooled vectors'
+    within 1e-4 (cosine >= 0.99999 above bounds each vector's direction to that)."""
+    text_ids = tokens(model_dir, TEXTS)
+    vectors = reference(model_dir, text_ids)
+    want = [float(torch.dot(vectors[0], v)) for v in vectors]  # unit vectors: the dot is the cosine
+    response = httpx.post(
+        f"{live.base_url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}, timeout=60
+    ).json()
+    assert [d["index"] for d in response["data"]] == [0, 1, 2]
+    assert [d["score"] for d in response["data"]] == pytest.approx(want, abs=1e-4)
+    assert response["usage"]["prompt_tokens"] == sum(map(len, text_ids))
+    ranked = httpx.post(
+        f"{live.base_url}/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1}, timeout=60
+    ).json()
+    best = 1 + max(range(2), key=lambda i: want[1 + i])
+    assert [(r["index"], r["document"]["text"]) for r in ranked["results"]] == [(best - 1, TEXTS[best])]
+    assert ranked["results"][0]["relevance_score"] == pytest.approx(want[best], abs=1e-4)
+
+
 def test_embeddings_on_the_generate_runner_say_which_runner(model_dir: Path) -> None:
-    """An embeddings request to the generate runner (the default) is a 400 telling to start --runner pooling."""
+    """An embeddings request to the generate runner (the default) is a 400 telling to start --runner pooling, and
+    so are /score and /rerank (issue 42)."""
     with serving(model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as server:
         client = sync_client(server)
         with pytest.raises(openai.BadRequestError, match="--runner pooling") as info:
             client.embeddings.create(model=MODEL, input="hi")
         assert info.value.body["param"] == "input"  # type: ignore[index]
+        for path, body in (
+            ("/score", {"text_1": "a", "text_2": "b"}),
+            ("/rerank", {"query": "q", "documents": ["a"]}),
+        ):
+            response = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+            assert response.status_code == 400, response.text
+            assert "--runner pooling" in response.json()["error"]["message"]
         result = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert len(result.choices) == 1

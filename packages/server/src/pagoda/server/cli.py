@@ -62,6 +62,15 @@ def _check_draft_model(config: ServeConfig) -> None:
         raise ValueError(f"--speculative-config: {exc}") from None
 
 
+def _check_runner(config: ServeConfig) -> None:
+    """ValueError (exit 2) naming --runner when a sequence-classification model is not served by the pooling
+    runner, found from its config.json before any weight loads."""
+    from pagoda.server.pooling.classifier import check_model_folder
+
+    model = config.engine.model_config
+    check_model_folder(model.model, model.runner)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     bound_onednn_caches()
@@ -76,6 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         config = serve_config(args)
         _check_quantization(config)
         _check_draft_model(config)
+        _check_runner(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start
         check_kv_cache_dtype(config.engine)
         if config.app.chat_template is not None:  # a file path or the template's text, read once here

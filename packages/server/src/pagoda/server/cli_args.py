@@ -70,7 +70,12 @@ class _Given(argparse.Action):
 
 
 # --task's values (vLLM's older flag) -> the --runner they select.
-_TASK_RUNNERS: dict[str, RunnerName] = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+_TASK_RUNNERS: dict[str, RunnerName] = {
+    "generate": "generate",
+    "embed": "pooling",
+    "embedding": "pooling",
+    "score": "pooling",  # issue 42: /score and /rerank
+}
 
 
 def task_runner(text: str) -> RunnerName:
@@ -122,12 +127,17 @@ def argument_table() -> list[Flag]:
             {
                 "choices": get_args(RunnerName),
                 **given,
-                "help": "generate: completions and chat; pooling: /v1/embeddings (prompts pooled into vectors)",
+                "help": "generate: completions and chat; pooling: /v1/embeddings (prompts pooled into vectors), "
+                "/score and /rerank (a cross-encoder, or cosines of embeddings)",
             },
         ),
         Flag(
             ("--task",),
-            {"type": task_runner, "metavar": "{generate,embed}", "help": "vLLM's older name of --runner"},
+            {
+                "type": task_runner,
+                "metavar": "{generate,embed,score}",
+                "help": "vLLM's older name of --runner",
+            },
             "runner",
         ),
         Flag(

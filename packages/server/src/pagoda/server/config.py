@@ -154,7 +154,7 @@ class ModelConfig:
     # int4's weights per float16 scale and minimum: 32, 64 or 128; None: 128.
     quantization_group_size: int | None = None
     # --runner (vLLM's; --task embed is its older alias): generate serves completions and chat, pooling serves
-    # /v1/embeddings (pagoda.server.pooling).
+    # /v1/embeddings, /score and /rerank (pagoda.server.pooling).
     runner: RunnerName = "generate"
     # --pooler-config (vLLM's): the pooling runner's pooling type and normalisation; None: LAST, normalised. A dict
     # (LLM(pooler_config={...})) is taken as the flag's JSON object, parsed by from_flat.

@@ -15,6 +15,7 @@ from pagoda.server.client_stream import RequestEvent
 from pagoda.server.outputs import EngineStats
 
 if TYPE_CHECKING:  # transformers takes seconds to import; `pagoda --help` and /metrics need none of it
+    from pagoda.server.pooling import SupportedTask
     from pagoda.server.sampling_params import SamplingParams
     from transformers import PreTrainedTokenizerBase
 
@@ -52,6 +53,11 @@ class EngineClient(Protocol):
     @property
     def num_kv_blocks(self) -> int:
         """KV-cache blocks on the device."""
+        ...
+
+    @property
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """What the engine serves (vLLM's name): generate; embed and score (cosine); or score (a cross-encoder)."""
         ...
 
     @property

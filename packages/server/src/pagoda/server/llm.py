@@ -1,5 +1,5 @@
 """The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(messages)` and, on the pooling runner,
-`LLM(model, runner="pooling").embed(prompts)`."""
+`LLM(model, runner="pooling").embed(prompts)`, `.score(text_1, text_2)` and `.rerank(query, documents)`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from pagoda.server.engine import LLMEngine
 from pagoda.server.lora import LoRARequest
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.pooling import PoolingParams
-from pagoda.server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from pagoda.server.pooling.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RerankOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagoda.server.pooling.scoring import cosine, pair_up, ranking
 from pagoda.server.sampling_params import SamplingParams
 from tqdm.auto import tqdm
 
@@ -93,6 +100,71 @@ class LLM:
                 )
             )
         return results
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Score text pairs (vLLM's call; `LLM(runner="pooling")`): a string pairs with each item of a list, lists
+        of equal length item by item (`pooling.scoring.pair_up`; ScoreInputError naming the argument otherwise).
+        A sequence-classification model scores each pair as one prompt, `tokenizer(text_1, text_2)`, through its
+        head (sigmoid, or the raw logit of a regression head or with `use_activation=False`); an embedding model
+        gives the cosine of the two texts' embeddings. One output per pair, in order."""
+        return self._score_pairs(pair_up(text_1, text_2), use_activation, use_tqdm)
+
+    def _score_pairs(
+        self, pairs: list[tuple[str, str]], use_activation: bool, use_tqdm: bool
+    ) -> list[ScoringRequestOutput]:
+        """The scores of `pairs` (see `score`)."""
+        if "embed" in self.engine.supported_tasks:
+            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+            embedded = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm), strict=True))
+            scored = []
+            for first, second in pairs:
+                a, b = embedded[first], embedded[second]
+                scored.append(
+                    ScoringRequestOutput(
+                        f"{a.request_id}+{b.request_id}",
+                        a.prompt_token_ids + b.prompt_token_ids,
+                        ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)),
+                        a.num_cached_tokens + b.num_cached_tokens,
+                    )
+                )
+            return scored
+        pooling = PoolingParams(task="score", use_activation=use_activation)
+        params = SamplingParams(temperature=0.0, max_tokens=1, pooling=pooling)
+        prompts = [list(self.tokenizer(first, second)["input_ids"]) for first, second in pairs]
+        results: list[ScoringRequestOutput] = []
+        for output in self.generate(prompts, params, use_tqdm=use_tqdm):
+            assert output.embedding is not None, "a finished score request carries its score"
+            results.append(
+                ScoringRequestOutput(
+                    output.request_id,
+                    output.prompt_token_ids,
+                    ScoringOutput(output.embedding[0]),
+                    output.num_cached_tokens,
+                )
+            )
+        return results
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        use_activation: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RerankOutput]:
+        """The documents by their `score` against the query, highest first (ties in document order), the first
+        `top_n` (None or 0: all): what POST /rerank answers."""
+        pairs = pair_up(query, documents, ("query", "documents"))
+        scores = [out.outputs.score for out in self._score_pairs(pairs, use_activation, use_tqdm)]
+        return [RerankOutput(i, documents[i], scores[i]) for i in ranking(scores, top_n)]
 
     def _loras(
         self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int

@@ -36,12 +36,14 @@ from pagoda.server.api.protocol import (
 from pagoda.server.api.reasoning import make_reasoning_parser
 from pagoda.server.api.response_store import ResponseStore, set_caller
 from pagoda.server.api.responses_protocol import ResponsesRequest
+from pagoda.server.api.score_protocol import RERANK_PATHS, SCORE_PATHS, RerankRequest, ScoreRequest
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
 from pagoda.server.api.serving_chat import ChatHandler, render_messages
 from pagoda.server.api.serving_completions import CompletionsHandler
 from pagoda.server.api.serving_embeddings import EmbeddingsHandler
 from pagoda.server.api.serving_messages import MessagesHandler
 from pagoda.server.api.serving_responses import ResponsesHandler
+from pagoda.server.api.serving_score import ScoreHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
 from pagoda.server.api.tool_parsers import make_tool_parser
@@ -295,6 +297,7 @@ class _Routes:
         self.responses_handler = ResponsesHandler(self.ctx, self.responses_store)
         self.embeddings_handler = EmbeddingsHandler(self.ctx)
         self.messages_handler = MessagesHandler(self.ctx)
+        self.score_handler = ScoreHandler(self.ctx, engine.supported_tasks)
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
@@ -346,6 +349,16 @@ class _Routes:
         """POST /v1/embeddings (the pooling runner)."""
         body = await self._body(request, EmbeddingRequest)
         return await self.embeddings_handler.create(body, request)
+
+    async def score(self, request: Request) -> Response:
+        """POST /score (and /v1/score): the pooling runner's pair scores."""
+        body = await self._body(request, ScoreRequest)
+        return await self.score_handler.score(body, request)
+
+    async def rerank(self, request: Request) -> Response:
+        """POST /rerank (and /v1/rerank, /v2/rerank): documents ranked against a query."""
+        body = await self._body(request, RerankRequest)
+        return await self.score_handler.rerank(body, request)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
@@ -504,6 +517,8 @@ def build_app(
             Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
             Route("/v1/messages", routes.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
+            *[Route(path, routes.score, methods=["POST"]) for path in SCORE_PATHS],
+            *[Route(path, routes.rerank, methods=["POST"]) for path in RERANK_PATHS],
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

@@ -28,6 +28,14 @@ from pagoda.server.api.protocol import (
     TokenizeResponse,
 )
 from pagoda.server.api.responses_protocol import ResponseObject, ResponsesRequest
+from pagoda.server.api.score_protocol import (
+    RERANK_PATHS,
+    SCORE_PATHS,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
@@ -124,6 +132,10 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         (MessageResponse, "serialization"),
         (TokenCount, "serialization"),
         (ErrorBody, "serialization"),
+        (ScoreRequest, "validation"),
+        (ScoreResponse, "serialization"),
+        (RerankRequest, "validation"),
+        (RerankResponse, "serialization"),
     ]
     _, schema = models_json_schema(models, ref_template=_REF)
     paths: dict[str, Any] = {
@@ -143,6 +155,14 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         "/v1/embeddings": _post(
             "Create embeddings (the pooling runner)", EmbeddingRequest, EmbeddingResponse
         ),
+        **{
+            path: _post("Score text pairs (the pooling runner)", ScoreRequest, ScoreResponse)
+            for path in SCORE_PATHS
+        },
+        **{
+            path: _post("Rank documents against a query (the pooling runner)", RerankRequest, RerankResponse)
+            for path in RERANK_PATHS
+        },
         "/tokenize": _post("Tokenize a prompt or chat messages", TokenizeRequest, TokenizeResponse),
         "/detokenize": _post("Turn token ids into text", DetokenizeRequest, DetokenizeResponse),
         "/v1/models": _get("List the served model", _json(ModelList), _errors("401")),

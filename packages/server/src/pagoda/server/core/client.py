@@ -52,6 +52,7 @@ from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.outputs import EngineStats
+from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
 from pagoda.server.procs.security import Authenticator, token_matches
 from pagoda.server.routing import CacheAwareRouter, ReplicaLoad, Router
@@ -247,6 +248,11 @@ class CoreClient:
     def num_kv_blocks(self) -> int:
         """KV-cache blocks of one replica."""
         return self._info.num_kv_blocks
+
+    @property
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """What the replicas serve (each loads the same model with the same runner)."""
+        return self._info.supported_tasks
 
     @property
     def block_size(self) -> int:

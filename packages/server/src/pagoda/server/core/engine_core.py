@@ -66,6 +66,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         vocab_size=engine.vocab_size,
         num_kv_blocks=engine.num_kv_blocks,
         block_size=engine.block_size,
+        supported_tasks=engine.supported_tasks,
     )
 
 

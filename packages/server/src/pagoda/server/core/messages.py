@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
+from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
 from pagoda.server.sampling_params import SamplingParams
 
@@ -55,6 +56,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     num_kv_blocks: int
     block_size: int
+    supported_tasks: tuple[SupportedTask, ...] = (
+        "generate",
+    )  # what the front end may send (generate, embed, score)
 
 
 class SampleDelta(msgspec.Struct, frozen=True):

@@ -50,7 +50,9 @@ from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
 from pagoda.server.lora.peft_loader import LoRAAdapter
 from pagoda.server.outputs import EngineStats, RequestOutput
+from pagoda.server.pooling import SupportedTask
 from pagoda.server.pooling.checks import Matryoshka, PoolingRules
+from pagoda.server.pooling.classifier import ScoreHead
 from pagoda.server.request_contract import EngineRequest
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
@@ -86,9 +88,14 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         model_config = config.model_config
         self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, model_config.max_input_tokens)
-        # generate or pooling: which requests this engine serves, and how the pooling runner pools.
+        # generate or pooling: which requests this engine serves, and how the pooling runner pools (and scores,
+        # with a sequence-classification model's head).
+        classifier = self.runner.model.classifier()
         self.pooling_rules = PoolingRules(
-            model_config.runner, model_config.pooler_config, Matryoshka.of_model(parts.model_path)
+            model_config.runner,
+            model_config.pooler_config,
+            Matryoshka.of_model(parts.model_path),
+            None if classifier is None else ScoreHead.of_model(parts.model_path, classifier),
         )
         self.kv_manager: KVBlockManager = build_kv_manager(
             config,
@@ -160,6 +167,11 @@ class LLMEngine:
             executor.shutdown()
             raise
 
+    @property
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """What this engine serves (vLLM's name): generate, embed, score."""
+        return self.pooling_rules.supported_tasks
+
     def close(self) -> None:
         """Stop the executor's workers (tensor parallelism); the engine serves no step afterwards."""
         if self.kv_events is not None:
@@ -204,6 +216,7 @@ class LLMEngine:
             self._request_seed,
             lora_request or params.lora_request,
             self.speculate,
+            self.pooling_rules.score_head,
         )
         try:
             self._pass_on(new, 0)

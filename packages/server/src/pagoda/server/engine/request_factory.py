@@ -11,6 +11,7 @@ from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.lora import LoRARequest
 from pagoda.server.lora.salt import lora_salt
+from pagoda.server.pooling.classifier import ScoreHead
 from pagoda.server.pooling.params import PoolingParams
 from pagoda.server.pooling.request import PoolingRequest
 from pagoda.server.request_contract import EngineRequest, SamplesTokens
@@ -43,13 +44,16 @@ def new_request(
     lora: LoRARequest | None = None,  # the adapter it runs under
     speculate: Callable[[RequestState], SamplesTokens]
     | None = None,  # drafts for plain rows (--speculative-config)
+    score_head: ScoreHead
+    | None = None,  # a sequence-classification model's head (the pooling runner's scores)
 ) -> NewRequest:
-    """A pooling request for an embedding, a beam group for a beam search, else a plain request (SamplingParams
-    refuses grammars with beams), speculative under `speculate` unless constrained (grammar rows are never
-    drafted) or opted out."""
+    """A pooling request for an embedding or a score, a beam group for a beam search, else a plain request
+    (SamplingParams refuses grammars with beams), speculative under `speculate` unless constrained (grammar rows
+    are never drafted) or opted out."""
     ids = prompt_token_ids
     if params.pooling is not None:
-        return _pooling_request(request_id, prompt, ids, params, params.pooling, arrival)
+        head = score_head if params.pooling.task == "score" else None
+        return _pooling_request(request_id, prompt, ids, params, params.pooling, arrival, head)
     scheduler_params = SchedulerParams.from_params(params, eos_token_ids)
     if params.beam_search is not None:
         group = BeamGroup(
@@ -100,14 +104,17 @@ def _pooling_request(
     params: SamplingParams,
     pooling: PoolingParams,
     arrival: float,
+    head: ScoreHead | None,
 ) -> NewRequest:
     """A prefill-only request: the scheduler runs its prompt and one held row (max_tokens 1, nothing sampled)."""
-    owner = PoolingRequest(request_id, prompt, ids, pooling, arrival)
+    owner = PoolingRequest(request_id, prompt, ids, pooling, arrival, head)
     scheduler_params = SchedulerParams(
         max_tokens=1, min_tokens=0, n=1, stop_token_ids=(), priority=params.priority
     )
     # LAST reads only the last position, which admission always computes: a prefix-cache hit before it is exact.
-    # MEAN and CLS read positions a hit would skip: a private salt keeps the cache from skipping any.
-    salt = f"pooling:{request_id}" if pooling.needs_every_position else params.cache_salt
+    # MEAN and CLS read positions a hit would skip, and so may a cross-encoder's LAST when trailing pad tokens
+    # put its row earlier: a private salt keeps the cache from skipping any.
+    private = pooling.needs_every_position or owner.pooler.last_position != len(ids) - 1
+    salt = f"pooling:{request_id}" if private else params.cache_salt
     request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
     return NewRequest(owner, request, None)

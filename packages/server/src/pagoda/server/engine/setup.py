@@ -140,8 +140,14 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
     # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
     # for 110 rows across hints of 32-2048).
     rows = min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
+    runner = config.model_config.runner
+    if model.classifier() is not None and runner != "pooling":  # no LM head to generate with
+        raise EngineConfigError(
+            "the model is a sequence-classification model (a cross-encoder, no LM head): serve it "
+            f"with --runner pooling, which answers /score and /rerank, not --runner {runner}"
+        )
     # Pooling takes hidden states only; set before packing, which then keeps no packed copy of a tied LM head.
-    model.computes_logits = config.model_config.runner == "generate"
+    model.computes_logits = runner == "generate"
     if packed := model.pack_weights(rows):
         logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
     if device.type == "cuda" and not config.model_config.enforce_eager:

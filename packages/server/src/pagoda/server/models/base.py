@@ -84,6 +84,11 @@ class CausalLM(nn.Module, ABC):
         """Checkpoint names that load into another name's parameter (a tied `lm_head.weight` is the embedding)."""
         return {}
 
+    def classifier(self) -> Linear | None:
+        """A sequence-classification model's head (`score`: hidden_size -> num_labels, whole on every rank), which
+        the pooling runner applies to the pooled row; None for a language model."""
+        return None
+
     def ignored_weights(self) -> frozenset[str]:
         """Checkpoint tensors that may be present but are not parameters here (e.g. stored rotary tables)."""
         return frozenset()

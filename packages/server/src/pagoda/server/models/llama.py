@@ -8,12 +8,13 @@ projection, Qwen3 normalises each query/key head (RMSNorm over head_dim) before 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
-from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagoda.server.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
 from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -175,6 +176,8 @@ class LlamaForCausalLM(DecoderLM):
     """Llama, Mistral, Qwen2 and Qwen3 causal LMs (see the module docstring for what differs)."""
 
     model: LlamaModel
+    # False for the sequence-classification models, whose checkpoints hold a `score` head instead.
+    has_lm_head: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -189,9 +192,9 @@ class LlamaForCausalLM(DecoderLM):
         self.group = group or SingleRank()
         self.model = LlamaModel(config, dtype=dtype, device=device, group=self.group)
         self.spec = sharded_kv_spec(config, int(config.num_hidden_layers), self.group)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = self.has_lm_head and bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: ParallelLMHead | None = None
-        if not self.tie_word_embeddings:
+        if self.has_lm_head and not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
 
@@ -215,3 +218,35 @@ class LlamaForCausalLM(DecoderLM):
         return frozenset(
             f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(len(self.model.layers))
         )
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """Llama, Qwen2 and Qwen3 `*ForSequenceClassification` (cross-encoders, rerankers): the same decoder with a
+    `score` head of `num_labels` outputs (no bias) in place of the LM head, as transformers'
+    `GenericForSequenceClassification`; served by the pooling runner only, which applies the head to the pooled
+    row (`classifier`)."""
+
+    has_lm_head = False
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ParallelGroup | None = None,
+    ) -> None:
+        super().__init__(config, dtype=dtype, device=device, group=group)
+        hidden = int(config.get_text_config().hidden_size)
+        # Whole on every rank (a few rows): the driver applies it to a pooled row, which every rank holds whole.
+        labels = config.num_labels or 2  # transformers' default when a config names no labels
+        self.score = Linear(hidden, labels, bias=False, dtype=dtype, device=device)
+        self.computes_logits = False
+
+    def classifier(self) -> Linear:
+        """The `score` head."""
+        return self.score
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Never called: the model has no LM head (the pooling runner computes no logits)."""
+        raise RuntimeError("a sequence-classification model has no LM head; it serves --runner pooling only")

@@ -7,7 +7,7 @@ from types import MappingProxyType
 import torch
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
-from pagoda.server.models.llama import LlamaForCausalLM
+from pagoda.server.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
 from transformers import PretrainedConfig
 
@@ -19,6 +19,10 @@ ARCHITECTURES: MappingProxyType[str, tuple[str, type[CausalLM]]] = MappingProxyT
         "Qwen2ForCausalLM": ("qwen2", LlamaForCausalLM),
         "Qwen3ForCausalLM": ("qwen3", LlamaForCausalLM),
         "Gemma3ForCausalLM": ("gemma3_text", Gemma3ForCausalLM),
+        # Cross-encoders (the pooling runner's /score and /rerank): the decoder with a `score` head.
+        "LlamaForSequenceClassification": ("llama", LlamaForSequenceClassification),
+        "Qwen2ForSequenceClassification": ("qwen2", LlamaForSequenceClassification),
+        "Qwen3ForSequenceClassification": ("qwen3", LlamaForSequenceClassification),
     }
 )
 
@@ -37,7 +41,9 @@ def model_class(hf_config: PretrainedConfig) -> type[CausalLM]:
     for arch in hf_config.architectures or []:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch][1]
-    by_type = {model_type: cls for model_type, cls in ARCHITECTURES.values()}
+    by_type: dict[str, type[CausalLM]] = {}
+    for model_type, cls in ARCHITECTURES.values():  # a config without architectures is a causal LM's
+        by_type.setdefault(model_type, cls)
     if not hf_config.architectures and hf_config.model_type in by_type:
         return by_type[hf_config.model_type]
     raise UnsupportedArchitectureError(

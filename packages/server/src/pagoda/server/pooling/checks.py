@@ -1,4 +1,5 @@
-"""The engine's pooling rules: which runner serves which request, and the Matryoshka widths a model declares."""
+"""The engine's pooling rules: which runner and model serve which request, and the Matryoshka widths a model
+declares."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.pooling.params import PoolerConfig, RunnerName
+from pagoda.server.pooling.classifier import ScoreHead
+from pagoda.server.pooling.params import PoolerConfig, RunnerName, SupportedTask
 from pagoda.server.sampling_params import SamplingParams
 
 
@@ -46,15 +48,35 @@ class Matryoshka:
             )
 
 
+def runner_message(runner: RunnerName, wanted: str) -> str:
+    """Why a generate runner does not serve `wanted` (embeddings, scores), and the runner to start."""
+    return (
+        f"this server runs the {runner} runner, which serves completions and chat; {wanted} need a server "
+        "started with --runner pooling (or --task embed)"
+    )
+
+
 class PoolingRules:
     """The engine's admission rules of its runner: which requests it serves, and its pooler config."""
 
     def __init__(
-        self, runner: RunnerName, pooler: PoolerConfig | None, matryoshka: Matryoshka | None
+        self,
+        runner: RunnerName,
+        pooler: PoolerConfig | None,
+        matryoshka: Matryoshka | None,
+        score_head: ScoreHead | None = None,  # a sequence-classification model's (pooling runner only)
     ) -> None:
         self.runner = runner
         self.pooler = pooler or PoolerConfig()
         self.matryoshka = matryoshka
+        self.score_head = score_head
+
+    @property
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """What this engine serves: generate; or a cross-encoder's scores; or embeddings and their cosines."""
+        if self.runner == "generate":
+            return ("generate",)
+        return ("score",) if self.score_head is not None else ("embed", "score")
 
     def admit(self, params: SamplingParams) -> SamplingParams:
         """`params` with the runner's pooling filled in; RequestRejectedError saying which runner to start when
@@ -62,18 +84,32 @@ class PoolingRules:
         pooling = params.pooling
         if self.runner == "generate" and pooling is not None:
             raise RequestRejectedError(
-                "this server runs the generate runner, which serves completions and chat; embeddings need a "
-                "server started with --runner pooling (or --task embed)",
-                "input",
+                runner_message("generate", "embeddings" if pooling.task == "embed" else "scores"),
+                "input" if pooling.task == "embed" else "model",
             )
         if self.runner == "pooling" and pooling is None:
+            served = (
+                "/score and /rerank" if self.score_head is not None else "/v1/embeddings, /score and /rerank"
+            )
             raise RequestRejectedError(
-                "this server runs the pooling runner (--runner pooling), which serves /v1/embeddings only; "
+                f"this server runs the pooling runner (--runner pooling), which serves {served} only; "
                 "completions and chat need a server started with --runner generate (the default)",
                 "model",
             )
         if pooling is None:
             return params
+        if pooling.task == "embed" and self.score_head is not None:
+            raise RequestRejectedError(
+                "this model is a sequence-classification model (a cross-encoder): it serves /score and /rerank, "
+                "not embeddings",
+                "input",
+            )
+        if pooling.task == "score" and self.score_head is None:
+            raise RequestRejectedError(
+                "a score request runs a sequence-classification model's head, and this model has none (an "
+                "embedding model scores by the cosine of two embeddings)",
+                "model",
+            )
         if pooling.dimensions is not None:
             if self.matryoshka is None:
                 raise RequestRejectedError(

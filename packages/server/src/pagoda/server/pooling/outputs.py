@@ -1,4 +1,5 @@
-"""What `LLM.embed` returns (vLLM's EmbeddingRequestOutput shape: `output.outputs.embedding`)."""
+"""What `LLM.embed`, `LLM.score` and `LLM.rerank` return (vLLM's shapes: `output.outputs.embedding`,
+`output.outputs.score`)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,30 @@ class EmbeddingRequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: EmbeddingOutput
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringOutput:
+    """One pair's score."""
+
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringRequestOutput:
+    """One pair of `LLM.score` (vLLM's shape: `output.outputs.score`): the token ids the engine ran for it (the
+    pair's prompt, or both texts' for a cosine), its score and how many of those tokens the prefix cache served."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: ScoringOutput
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RerankOutput:
+    """One document of `LLM.rerank`: its index among the documents, its text and its score."""
+
+    index: int
+    document: str
+    score: float

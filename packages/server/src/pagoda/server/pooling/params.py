@@ -12,8 +12,10 @@ __all__ = [
     "PoolerConfig",
     "PoolerConfigError",
     "PoolingParams",
+    "PoolingTask",
     "PoolingType",
     "RunnerName",
+    "SupportedTask",
     "parse_pooler_config",
 ]
 
@@ -22,6 +24,12 @@ RunnerName = Literal["generate", "pooling"]
 # LAST: the last position's hidden state (vLLM's default for decoder LMs, whose last position has seen every
 # token); MEAN: the mean over every position; CLS: the first position's.
 PoolingType = Literal["LAST", "MEAN", "CLS"]
+# What a pooling request computes (vLLM's task names): `embed`, the pooled vector; `score`, a sequence-classification
+# model's score of its prompt (a pair encoded as one, for /score and /rerank): its head on the pooled row.
+PoolingTask = Literal["embed", "score"]
+# What an engine serves (vLLM's `supported_tasks`): `generate` (completions, chat), `embed` (/v1/embeddings) and
+# `score` (/score, /rerank: a cross-encoder's head, or the cosine of two embeddings where `embed` is served too).
+SupportedTask = Literal["generate", "embed", "score"]
 _POOLER_KEYS = ("pooling_type", "normalize")
 
 
@@ -74,7 +82,7 @@ def parse_pooler_config(value: str | Mapping[str, object] | PoolerConfig) -> Poo
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
-    """One pooling request: its Matryoshka width, and the pooling its runner's --pooler-config sets.
+    """One pooling request: its task, its Matryoshka width, and the pooling its runner's --pooler-config sets.
 
     `pooling_type` and `normalize` left None are the engine's (its --pooler-config); the engine fills them at
     admission, so the API front end needs no copy of the engine's config.
@@ -83,6 +91,10 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first `dimensions` values (before normalising); None: all
     pooling_type: PoolingType | None = None
     normalize: bool | None = None
+    task: PoolingTask = "embed"
+    # `score` only (vLLM's use_activation): the head's activation (sigmoid, or none for a regression head) on its
+    # logit; False: the raw logit.
+    use_activation: bool = True
 
     def resolved(self, config: PoolerConfig) -> PoolingParams:
         """These params with the runner's pooling type and normalisation where they are None."""
@@ -90,6 +102,8 @@ class PoolingParams:
             self.dimensions,
             config.pooling_type if self.pooling_type is None else self.pooling_type,
             config.normalize if self.normalize is None else self.normalize,
+            self.task,
+            self.use_activation,
         )
 
     @property

@@ -15,10 +15,12 @@ class Pooler:
     mean never counts a position twice.
     """
 
-    def __init__(self, params: PoolingParams, num_positions: int) -> None:
-        """`params` as resolved by the engine (its --pooler-config filled in)."""
+    def __init__(self, params: PoolingParams, num_positions: int, last_position: int | None = None) -> None:
+        """`params` as resolved by the engine (its --pooler-config filled in); LAST reads `last_position` (by
+        default the prompt's last: a cross-encoder's is its last non-pad token, as transformers reads)."""
         self.params = params
         self.num_positions = num_positions
+        self.last_position = num_positions - 1 if last_position is None else last_position
         self._next = 0  # the next position a MEAN or CLS pooler takes (it needs every one, in order)
         self._sum: Tensor | None = None  # float32 [hidden_size]: MEAN's sum so far
         self._row: Tensor | None = None  # float32 [hidden_size]: LAST's or CLS's row
@@ -39,8 +41,8 @@ class Pooler:
         kind = self.params.kind
         end = start + hidden.shape[0]
         if kind == "LAST":
-            if end == self.num_positions:
-                self._row = hidden[-1].float().clone()
+            if start <= self.last_position < end:
+                self._row = hidden[self.last_position - start].float().clone()
             return
         if start > self._next or end <= self._next:
             return  # nothing new (MEAN and CLS requests skip the prefix cache: no gap can open)
@@ -54,13 +56,16 @@ class Pooler:
         self._next = end
 
     def result(self) -> Tensor:  # float32 [dimensions or hidden_size]
-        """The pooled vector, cut to the Matryoshka width and L2-normalised as the params say."""
+        """The pooled vector, cut to the Matryoshka width and L2-normalised as the params say (a `score` task's
+        row as pooled: its head reads it)."""
         if self.params.kind == "MEAN":
             assert self._sum is not None, "a MEAN pooler got no rows"
             vector = self._sum / self.num_positions
         else:
             assert self._row is not None, "the pooled row never came"
             vector = self._row
+        if self.params.task == "score":
+            return vector
         if self.params.dimensions is not None:
             vector = vector[: self.params.dimensions]
         if self.params.normalize is not False:  # None (unresolved) is the default: normalised

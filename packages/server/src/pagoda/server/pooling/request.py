@@ -1,9 +1,10 @@
-"""`PoolingRequest`: an embedding request as the engine drives it, prefill only.
+"""`PoolingRequest`: an embedding or score request as the engine drives it, prefill only.
 
 Its prompt goes through the same scheduler and paged KV as any request (chunked prefill, batching, preemption).
 It takes the final hidden states of its prompt positions (`TakesHiddenStates`), a chunk at a time, into its
 `Pooler`. The last chunk's logits row is handed to it (`TakesLogprobRows`: the scheduler appends nothing) and
-its `end_step` finishes the sequence, so its KV blocks are freed in that same step.
+its `end_step` finishes the sequence, so its KV blocks are freed in that same step. A `score` request's pooled
+row then goes through the model's classification head (`ScoreHead`): its output is the score.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 from pagoda.scheduler import RequestStatus, Scheduler
 from pagoda.server.outputs import RequestMetrics, RequestOutput
+from pagoda.server.pooling.classifier import ScoreHead
 from pagoda.server.pooling.params import PoolingParams
 from pagoda.server.pooling.pooler import Pooler
 from torch import Tensor
@@ -27,11 +29,14 @@ class PoolingRequest:
         prompt_token_ids: tuple[int, ...],
         params: PoolingParams,
         arrival_time: float,
+        head: ScoreHead | None = None,  # a `score` task's: the model's classification head
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.pooler = Pooler(params, len(prompt_token_ids))
+        self.head = head
+        last = None if head is None else head.pool_position(prompt_token_ids)
+        self.pooler = Pooler(params, len(prompt_token_ids), last)
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.embedding: tuple[float, ...] | None = None
@@ -69,7 +74,10 @@ class PoolingRequest:
         """After the last chunk: finish the held sequence (its KV freed now) and pool; True once finished."""
         if not self.finished and self.pooler.done:
             scheduler.finish_sequence(self.request_id, RequestStatus.FINISHED_STOPPED)
-            self.embedding = tuple(self.pooler.result().tolist())
+            pooled = self.pooler.result()
+            if self.head is not None:  # a cross-encoder's score: its head on the pooled row
+                pooled = self.head(pooled, self.pooler.params.use_activation)
+            self.embedding = tuple(pooled.tolist())
             self._finish()
         return self.finished
 

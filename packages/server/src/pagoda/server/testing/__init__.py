@@ -8,11 +8,18 @@ server's output, when it exits first or times out), and `free_port`. `dense_copy
 model folder whose weights stay in GGUF block formats, for transformers to load as the reference. `tiny_lora`
 (needs `peft`): tiny random PEFT adapters (`make_tiny_lora`) and their transformers + PEFT reference.
 `tiny_draft`: `make_tiny_draft`, a tiny model's copy with a noisy LM head, as its speculative draft model.
+`tiny_classifier`: tiny random cross-encoders (`make_tiny_classifier`, `*ForSequenceClassification` of the Llama,
+Qwen2 and Qwen3 configs) and their transformers reference (`make_tiny_hf_classifier`).
 """
 
 from pagoda.server.testing.dense_copy import dense_copy
 from pagoda.server.testing.paged_kv import PagedKV, Step
 from pagoda.server.testing.serve import LiveServer, ServerStartError, free_port, serve_command
+from pagoda.server.testing.tiny_classifier import (
+    CLASSIFIER_ARCHS,
+    make_tiny_classifier,
+    make_tiny_hf_classifier,
+)
 from pagoda.server.testing.tiny_draft import make_tiny_draft
 from pagoda.server.testing.tiny_models import (
     ARCHS,
@@ -33,6 +40,7 @@ __all__ = [
     "ARCHS",
     "BOS",
     "CHAT_TEMPLATE",
+    "CLASSIFIER_ARCHS",
     "EOS",
     "MODEL_VOCAB_SIZE",
     "PAD",
@@ -44,7 +52,9 @@ __all__ = [
     "Step",
     "dense_copy",
     "free_port",
+    "make_tiny_classifier",
     "make_tiny_draft",
+    "make_tiny_hf_classifier",
     "make_tiny_hf_model",
     "make_tiny_model",
     "make_tiny_tokenizer",
