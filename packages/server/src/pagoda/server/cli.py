@@ -44,6 +44,20 @@ def _check_quantization(config: ServeConfig) -> None:
         check_folder_quantizable(model.model, model.quantization, model.quantization_group_size)
 
 
+def _check_packaged_model(config: ServeConfig) -> None:
+    """ValueError (exit 2) with the install command when a packaged model's package is missing, before any load."""
+    from pagoda.server.loader.default import PackagedModelMissingError, check_installed
+    from pagoda.server.packaged import packaged_model
+
+    model = packaged_model(config.engine.model_config.model)
+    if model is None:
+        return
+    try:
+        check_installed(model)
+    except PackagedModelMissingError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _check_draft_model(config: ServeConfig) -> None:
     """ValueError (exit 2) naming the key 'model' for a draft model of another vocabulary than the target's,
     found from configs and tokenizers before any weight loads."""
@@ -75,6 +89,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = serve_config(args)
         _check_quantization(config)
+        _check_packaged_model(config)
         _check_draft_model(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start
         check_kv_cache_dtype(config.engine)

@@ -34,6 +34,7 @@ from pagoda.server.config import (
 )
 from pagoda.server.config_tree import flat_names
 from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
+from pagoda.server.packaged import model_help
 from pagoda.server.pooling.params import PoolerConfig, PoolerConfigError, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
 from pagoda.server.spec.config import SpeculativeConfig, parse_speculative_config
@@ -93,7 +94,7 @@ def argument_table() -> list[Flag]:
     """Every `pagoda serve` flag (vLLM's names where the meaning is the same; TGI's as aliases)."""
     given: dict[str, Any] = {"action": _Given}
     return [
-        Flag(("model",), {"nargs": "?", "help": "HF model folder or .gguf file (default: Gemma 3 270M)"}),
+        Flag(("model",), {"nargs": "?", "help": model_help()}),
         # model
         Flag(("--tokenizer",), {"help": "folder of the tokenizer's files (default: the model's own)"}),
         Flag(("--enforce-eager",), {"action": "store_true", "help": "CUDA: skip torch.compile"}),
