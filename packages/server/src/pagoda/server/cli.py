@@ -1,4 +1,5 @@
-"""Command-line entry point: `pagoda serve [MODEL] [OPTIONS]` starts the OpenAI-compatible server."""
+"""Command-line entry point: `pagoda serve [MODEL] [OPTIONS]` starts the OpenAI-compatible server; `pagoda chat`,
+and `pagoda complete` (pagoda.server.client) are vLLM's commands of the same names."""
 
 from __future__ import annotations
 
@@ -159,10 +160,12 @@ def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `pagoda` command line; returns the exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(args, "log_level", "warning")  # only `serve` has --log-level
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
-    return 2  # argparse rejects unknown commands before this
+    status: int = args.run(args)  # chat, complete: set by their parsers
+    return status
 
 
 if __name__ == "__main__":

@@ -643,7 +643,8 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `pagoda` argument parser: one argument group per config section, defaults from the config."""
+    """The `pagoda` argument parser: `serve` (one argument group per config section, defaults from the config),
+    `chat` and `complete`."""
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -663,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         default = None if flag.alias_of else reduce(getattr, path, defaults)
         groups[path[:-1]].add_argument(*flag.options, default=default, **flag.kwargs)
+    from pagoda.server.client.args import add_client_commands
+
+    add_client_commands(commands)
     return parser
 
 
