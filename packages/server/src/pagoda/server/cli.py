@@ -1,5 +1,6 @@
 """Command-line entry point: `pagoda serve [MODEL] [OPTIONS]` starts the OpenAI-compatible server; `pagoda chat`,
-and `pagoda complete` (pagoda.server.client) are vLLM's commands of the same names."""
+`pagoda complete` (pagoda.server.client) and `pagoda bench serve | throughput | latency` (pagoda.server.bench) are
+vLLM's commands of the same names."""
 
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
-    status: int = args.run(args)  # chat, complete: set by their parsers
+    status: int = args.run(args)  # chat, complete, bench: set by their parsers
     return status
 
 

@@ -644,7 +644,7 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The `pagoda` argument parser: `serve` (one argument group per config section, defaults from the config),
-    `chat` and `complete`."""
+    `chat`, `complete` and `bench serve | throughput | latency`."""
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -664,9 +664,12 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         default = None if flag.alias_of else reduce(getattr, path, defaults)
         groups[path[:-1]].add_argument(*flag.options, default=default, **flag.kwargs)
+    # The clients and benchmarks (imported here: their flag tables import this module).
+    from pagoda.server.bench.args import add_bench_commands
     from pagoda.server.client.args import add_client_commands
 
     add_client_commands(commands)
+    add_bench_commands(commands)
     return parser
 
 
