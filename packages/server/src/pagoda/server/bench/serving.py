@@ -89,6 +89,12 @@ from tqdm import tqdm
 
 # --serve's model: Gemma 3 270M, the benchmark model against llama.cpp (not the default chat model).
 BENCH_MODEL = "gemma3-270m"
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+)  # the request fields of the flags of those names
 
 _WORDS = [
     "the",
@@ -295,12 +301,7 @@ def request_body(
         else:
             body["prompt"] = request.prompt
         body.update(max_tokens=request.max_tokens, stream_options={"include_usage": True})
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-    ):  # sent only when given: else the server's defaults
+    for name in _SAMPLING_FIELDS:  # sent only when given: else the server's defaults apply
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     if args.ignore_eos:
