@@ -1,6 +1,6 @@
 """Embedding throughput: Pagoda's pooling runner against vLLM-cpu's (`--runner pooling`), same inputs, same run.
 
-    .venv/bin/python tools/bench_embed.py                                   # default model, Pagoda only
+    .venv/bin/python tools/bench_embed.py                                   # Gemma 3 270M, Pagoda only
     V=$(../shared/peers/vllm_cpu.sh); .venv/bin/python tools/bench_embed.py --vllm $V --json out/embed.json
     .venv/bin/python tools/bench_embed.py --tiny llama --num-inputs 16      # a tiny random model, seconds
 
@@ -150,7 +150,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", help="HF folder or .gguf (default: Gemma 3 270M)")
+    parser.add_argument(
+        "--model", default="gemma3-270m", help="HF folder, .gguf or packaged short name (the benchmark model)"
+    )
     parser.add_argument(
         "--tiny", help="a tiny random model of this architecture instead (pagoda.server.testing)"
     )

@@ -1,7 +1,7 @@
 """KV capacity with and without KV cache groups (the hybrid KV cache manager), and with int8 KV: long prompts at a
 fixed KV size.
 
-    .venv/bin/python tools/bench_kv_capacity.py                    # default model, simulator only: table + PNG
+    .venv/bin/python tools/bench_kv_capacity.py                    # Gemma 3 270M, simulator only: table + PNG
     .venv/bin/python tools/bench_kv_capacity.py --engine --kv-cache-gib 0.05 --prompt-len 1024 --num-prompts 8
 
 For hybrid off (one block table for every layer), on (one group per attention type, sliding-window groups
@@ -200,7 +200,7 @@ def plot(rows: Sequence[Row], costs: Sequence[tuple[int, list[float]]], path: Pa
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments, measure, print the tables, write the PNG."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
+    parser.add_argument("--model", default="gemma3-270m", help="a model folder, .gguf or packaged short name")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--prompt-len", type=int, default=6144)
     parser.add_argument("--max-tokens", type=int, default=64)

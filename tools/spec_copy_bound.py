@@ -1,6 +1,6 @@
 """How much can drafts taken from the prompt gain when sampling? The model's own probability of repeating the text.
 
-    python tools/spec_copy_bound.py                     # default model, bench_spec's repeat and code_edit prompts
+    python tools/spec_copy_bound.py                     # Gemma 3 270M, bench_spec's repeat and code_edit prompts
     python tools/spec_copy_bound.py --tiny              # a tiny random model (smoke)
 
 An exact rejection sampler accepts a model-free draft (ngram, suffix: a point mass) with probability p(draft), the
@@ -103,7 +103,7 @@ def table(bounds: Sequence[CopyBound]) -> str:
 def main(argv: Sequence[str] | None = None) -> list[CopyBound]:
     """Score the copy workloads; print the table."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: Gemma 3 270M)")
+    parser.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf or packaged short name")
     parser.add_argument("--tiny", action="store_true", help="a tiny random-weight llama (smoke runs)")
     parser.add_argument("--quantization", default=None, help="the engine's --quantization")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="as bench_spec.py's")

@@ -8,9 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tool_scripts import load_tool
-
-bench_serving = load_tool("bench_serving.py")
+from pagoda.server.bench import serving as bench_serving
 
 
 def test_random_lengths_stay_in_the_range() -> None:

@@ -8,9 +8,7 @@ import asyncio
 import httpx
 import pytest
 from api_fake_engine import FakeEngine, serve_in_thread
-from tool_scripts import load_tool
-
-bench_serving = load_tool("bench_serving.py")
+from pagoda.server.bench import serving as bench_serving
 
 
 def test_every_endpoint_streams_and_counts_tokens() -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import random
 
-from tool_scripts import load_tool
-
-bench_serving = load_tool("bench_serving.py")
+from pagoda.server.bench import serving as bench_serving
 
 
 def test_lora_runs_each_server_on_the_base_then_spread_over_the_adapters() -> None:

@@ -616,10 +616,11 @@ def test_static_batch_waits_for_its_timeout_and_admits_nobody_until_it_drains(
 
 
 @pytest.mark.slow
-def test_default_model_generates_coherent_text(tmp_path: Path) -> None:
+def test_gemma3_270m_generates_coherent_text(tmp_path: Path) -> None:
     """The real Gemma 3 270M (a base model) continues a fixed prompt sensibly, exactly as transformers does
     (on a float32 copy of the converted cache, whose weights stay in their GGUF block formats)."""
-    llm = LLM(max_model_len=256, kv_cache_gib=0.25, dtype="float32")
+    llm = LLM("gemma3-270m", max_model_len=256, kv_cache_gib=0.25, dtype="float32")
+    assert llm.engine.model_name == "gemma3-270m"  # the short name is the served name (/v1/models)
     prompt = "The capital of France is"
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert "France" in out.text and out.text.strip()[0].isalpha()

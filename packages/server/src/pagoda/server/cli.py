@@ -1,4 +1,6 @@
-"""Command-line entry point: `pagoda serve [MODEL] [OPTIONS]` starts the OpenAI-compatible server."""
+"""Command-line entry point: `pagoda serve [MODEL] [OPTIONS]` starts the OpenAI-compatible server; `pagoda chat`,
+`pagoda complete` (pagoda.server.client) and `pagoda bench serve | throughput | latency` (pagoda.server.bench) are
+vLLM's commands of the same names."""
 
 from __future__ import annotations
 
@@ -44,6 +46,20 @@ def _check_quantization(config: ServeConfig) -> None:
         check_folder_quantizable(model.model, model.quantization, model.quantization_group_size)
 
 
+def _check_packaged_model(config: ServeConfig) -> None:
+    """ValueError (exit 2) with the install command when a packaged model's package is missing, before any load."""
+    from pagoda.server.loader.default import PackagedModelMissingError, check_installed
+    from pagoda.server.packaged import packaged_model
+
+    model = packaged_model(config.engine.model_config.model)
+    if model is None:
+        return
+    try:
+        check_installed(model)
+    except PackagedModelMissingError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _check_draft_model(config: ServeConfig) -> None:
     """ValueError (exit 2) naming the key 'model' for a draft model of another vocabulary than the target's,
     found from configs and tokenizers before any weight loads."""
@@ -84,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = serve_config(args)
         _check_quantization(config)
+        _check_packaged_model(config)
         _check_draft_model(config)
         _check_runner(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start
@@ -154,10 +171,12 @@ def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `pagoda` command line; returns the exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(args, "log_level", "warning")  # only `serve` has --log-level
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
-    return 2  # argparse rejects unknown commands before this
+    status: int = args.run(args)  # chat, complete, bench: set by their parsers
+    return status
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pagoda.server.config import (
 )
 from pagoda.server.config_tree import flat_names
 from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
+from pagoda.server.packaged import model_help
 from pagoda.server.pooling.params import PoolerConfig, PoolerConfigError, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
 from pagoda.server.spec.config import SpeculativeConfig, parse_speculative_config
@@ -98,7 +99,7 @@ def argument_table() -> list[Flag]:
     """Every `pagoda serve` flag (vLLM's names where the meaning is the same; TGI's as aliases)."""
     given: dict[str, Any] = {"action": _Given}
     return [
-        Flag(("model",), {"nargs": "?", "help": "HF model folder or .gguf file (default: Gemma 3 270M)"}),
+        Flag(("model",), {"nargs": "?", "help": model_help()}),
         # model
         Flag(("--tokenizer",), {"help": "folder of the tokenizer's files (default: the model's own)"}),
         Flag(("--enforce-eager",), {"action": "store_true", "help": "CUDA: skip torch.compile"}),
@@ -652,7 +653,8 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `pagoda` argument parser: one argument group per config section, defaults from the config."""
+    """The `pagoda` argument parser: `serve` (one argument group per config section, defaults from the config),
+    `chat`, `complete` and `bench serve | throughput | latency`."""
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -672,6 +674,12 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         default = None if flag.alias_of else reduce(getattr, path, defaults)
         groups[path[:-1]].add_argument(*flag.options, default=default, **flag.kwargs)
+    # The clients and benchmarks (imported here: their flag tables import this module).
+    from pagoda.server.bench.args import add_bench_commands
+    from pagoda.server.client.args import add_client_commands
+
+    add_client_commands(commands)
+    add_bench_commands(commands)
     return parser
 
 

@@ -25,6 +25,7 @@ from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyNa
 from pagoda.server.config_tree import build_config
 from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
+from pagoda.server.packaged import packaged_model
 from pagoda.server.pooling.params import PoolerConfig, RunnerName, parse_pooler_config
 from pagoda.server.routing import RoutingPolicyName
 from pagoda.server.spec.config import SpeculativeConfig, parse_speculative_config
@@ -137,7 +138,8 @@ def _parsed_sub_configs(names: Mapping[str, object]) -> dict[str, object]:
 class ModelConfig:
     """What model runs, how, and what one prompt may be; None means "derive from the model or the machine"."""
 
-    model: str | None = None  # HF folder or .gguf path; None: the default Gemma 3 270M
+    # HF folder, .gguf path or a packaged model's short name; None: the default (pagoda.server.packaged)
+    model: str | None = None
     tokenizer: str | None = None  # a folder with the tokenizer's files; None: the model's own
     dtype: DTypeName = "auto"
     device: str | None = None  # "cuda" when available, else "cpu"
@@ -169,7 +171,7 @@ class ModelConfig:
             _one_of("quantization", self.quantization, get_args(QuantizationName))
         if self.quantization == "gguf" and not self.is_gguf():
             raise ValueError(
-                f"quantization 'gguf' needs a .gguf model (or the default model), not {self.model!r}; "
+                f"quantization 'gguf' needs a .gguf model (or a packaged model), not {self.model!r}; "
                 "a safetensors folder loads with quantization none, int8 or int4"
             )
         if self.quantization in ("int8", "int4") and self.is_gguf():
@@ -191,8 +193,8 @@ class ModelConfig:
         _one_of("kernel_backend", self.kernel_backend, get_args(KernelBackendName))
 
     def is_gguf(self) -> bool:
-        """Whether the model is a .gguf file (the default model is one)."""
-        return self.model is None or self.model.endswith(".gguf")
+        """Whether the model is a .gguf file (every packaged model, the default among them, is one)."""
+        return packaged_model(self.model) is not None or str(self.model).endswith(".gguf")
 
     def keeps_quantized(self) -> bool:
         """Whether a .gguf's block formats stay quantized in the layers (`quantization` gguf, the default for one)."""

@@ -29,7 +29,8 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Generate for a batch of prompts at once, continuously batched; `model=None` is Gemma 3 270M."""
+    """Generate for a batch of prompts at once, continuously batched; `model=None` is the default model
+    (`pagoda serve`'s: SmolLM2-135M-Instruct), a short name such as "gemma3-270m" a packaged one."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """Build the engine; keywords are the engine config's flat names (max_num_seqs, block_size, ...: the

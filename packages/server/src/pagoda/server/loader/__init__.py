@@ -1,4 +1,5 @@
-"""Load a model for the engine: a Hugging Face safetensors folder, a .gguf file, or the default Gemma 3 270M."""
+"""Load a model for the engine: a Hugging Face safetensors folder, a .gguf file, or a packaged model by short name
+(`pagoda.server.packaged`; None is the default one)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ from pathlib import Path
 
 import torch
 from pagoda.pagedkernel.quant import GGMLType, QuantBackendName
-from pagoda.server.loader.default import DEFAULT_MODEL_NAME, default_model_folder
+from pagoda.server.loader.default import DEFAULT_MODEL_NAME, PackagedModelMissingError, packaged_model_folder
 from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
 from pagoda.server.loader.quantize_at_load import quantize_weights
 from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
 from pagoda.server.models import CausalLM, ParallelGroup, build_model
+from pagoda.server.packaged import packaged_model
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
     "CACHE_DIR_ENV",
     "DEFAULT_MODEL_NAME",
     "LoadedModel",
+    "PackagedModelMissingError",
     "WeightLoadError",
     "cache_folder",
     "convert_gguf",
@@ -40,17 +43,18 @@ class LoadedModel:
 
 
 def resolve_model_folder(model: str | None, cache_dir: Path | None = None) -> Path:
-    """The safetensors model folder for `model`: None = the default model, a folder, or a .gguf file (converted)."""
-    if model is None:
-        return default_model_folder(cache_dir)
+    """The safetensors model folder for `model`: None = the default model, a packaged model's short name (looked
+    up first), a folder, or a .gguf file (converted)."""
+    if model is None or packaged_model(model) is not None:
+        return packaged_model_folder(model, cache_dir)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
-        f"{model!r} is neither a model folder (config.json + safetensors) nor a .gguf file "
-        "(Pagoda loads local files only and never downloads from a hub)"
+        f"{model!r} is neither a model folder (config.json + safetensors), a .gguf file nor a packaged model's "
+        "short name (Pagoda loads local files only and never downloads from a hub)"
     )
 
 
