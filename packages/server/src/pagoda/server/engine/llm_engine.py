@@ -90,7 +90,7 @@ class LLMEngine:
         self.rules = AdmissionRules(parts.max_model_len, parts.vocab_size, model_config.max_input_tokens)
         # generate or pooling: which requests this engine serves, and how the pooling runner pools (and scores,
         # with a sequence-classification model's head).
-        classifier = self.runner.model.classifier()
+        classifier = self.runner.model.classifier() if model_config.runner == "pooling" else None
         self.pooling_rules = PoolingRules(
             model_config.runner,
             model_config.pooler_config,

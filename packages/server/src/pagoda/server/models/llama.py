@@ -248,5 +248,6 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
         return self.score
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Never called: the model has no LM head (the pooling runner computes no logits)."""
+        """A RuntimeError: the model has no LM head (the pooling runner, the only one that serves it, computes no
+        logits)."""
         raise RuntimeError("a sequence-classification model has no LM head; it serves --runner pooling only")
