@@ -135,16 +135,22 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
+def pack_rows(config: EngineConfig) -> int:
+    """The batch hint weights are packed for: the decode batch, what the packed layout is tuned for (the hint
+    matters little: measured 106-118 GFLOP/s for 110 rows across hints of 32-2048)."""
+    return min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
+
+
+def prepare_model(
+    model: CausalLM, config: EngineConfig, device: torch.device, *, compile_forward: bool = True
+) -> None:
     """Pack the weights for the decode batch (CPU) or compile the forward (CUDA), once loaded."""
-    # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
-    # for 110 rows across hints of 32-2048).
-    rows = min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
+    rows = pack_rows(config)
     # Pooling takes hidden states only; set before packing, which then keeps no packed copy of a tied LM head.
     model.computes_logits = config.model_config.runner == "generate"
     if packed := model.pack_weights(rows):
         logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
-    if device.type == "cuda" and not config.model_config.enforce_eager:
+    if compile_forward and device.type == "cuda" and not config.model_config.enforce_eager:
         # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.
         model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
 
@@ -232,6 +238,26 @@ def build_shard(
     log_resident_weights(model)
     prepare_model(model, config, placement.device)
     return model, backend
+
+
+def reload_model(
+    config: EngineConfig, folder: Path, placement: Placement, *, quantize: bool = True
+) -> CausalLM:
+    """A fresh copy of a model from its checkpoint folder, loaded and packed as at start-up (sleep mode's wake
+    reads released weights back this way; the copy's tensors move into the sleeping model's). `quantize`: the
+    target model's --quantization int8 / int4 applies (a draft model is never quantized at load)."""
+    model_config = config.model_config
+    quantization = model_config.quantization if quantize else None
+    model, _ = load_shard(
+        folder,
+        dtype=placement.dtype,
+        device=placement.device,
+        keep_quantized=model_config.keeps_quantized(),
+        quant_backend=quant_backend(config),
+        quantize_to=load_qtype(quantization, model_config.quantization_group_size),
+    )
+    prepare_model(model, config, placement.device, compile_forward=False)
+    return model
 
 
 def _kv_bytes(config: EngineConfig, device: torch.device) -> float:
