@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pagoda.server.api.cache_scope import key_digest, set_scope
 from pagoda.server.api.errors import APIError, bad_request
@@ -41,6 +41,7 @@ from pagoda.server.api.serving_embeddings import EmbeddingsHandler
 from pagoda.server.api.serving_responses import ResponsesHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
+from pagoda.server.api.sleep_routes import SleepRoutes
 from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
@@ -385,7 +386,9 @@ class _Routes:
             return JSONResponse(
                 HealthResponse(status="draining", **counts).model_dump(exclude_none=True), status_code=503
             )
-        return JSONResponse(HealthResponse(status="ok", **counts).model_dump(exclude_none=True))
+        # Asleep is alive (vLLM answers 200 too): a liveness probe must not restart a sleeping server.
+        state: Literal["ok", "sleeping"] = "sleeping" if self.llm.is_sleeping else "ok"
+        return JSONResponse(HealthResponse(status=state, **counts).model_dump(exclude_none=True))
 
     async def metrics(self, request: Request) -> Response:
         """GET /metrics: Prometheus text format."""
@@ -439,6 +442,7 @@ def build_app(
             Route("/v1/load_lora_adapter", lora_routes.load, methods=["POST"]),
             Route("/v1/unload_lora_adapter", lora_routes.unload, methods=["POST"]),
         ]
+    sleep = SleepRoutes(llm)
     dashboard = FrameProducer(llm)
     llm.metrics.registry.register(
         _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
@@ -484,6 +488,9 @@ def build_app(
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/openapi.json", routes.openapi_json, methods=["GET"]),
+            Route("/sleep", sleep.sleep, methods=["POST"]),
+            Route("/wake_up", sleep.wake_up, methods=["POST"]),
+            Route("/is_sleeping", sleep.is_sleeping, methods=["GET"]),
             *extra,
             *dashboard_routes(dashboard),
         ],

@@ -13,6 +13,7 @@ from pagoda.server.api.cache_scope import combine
 from pagoda.server.api.errors import (
     ENGINE_DEAD_MESSAGE,
     ENGINE_RESTARTED_MESSAGE,
+    ENGINE_SLEEPING_MESSAGE,
     REPLICA_FAILED_MESSAGE,
     APIError,
     bad_request,
@@ -33,6 +34,7 @@ from pagoda.server.client_stream import (
     EngineDrainingError,
     EngineOverloadedError,
     EngineRestartedError,
+    EngineSleepingError,
     ReplicaDeadError,
 )
 from pagoda.server.config import RequestLimits
@@ -299,6 +301,8 @@ def to_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EngineDrainingError):
         return APIError(503, "The server is shutting down.")
+    if isinstance(exc, EngineSleepingError):  # sleep mode without --wake-on-request: retry once it woke
+        return APIError(503, ENGINE_SLEEPING_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     # 503 texts are stable: what failed inside (an exception's text, a core's traceback) is in the server log only.
     if isinstance(exc, EngineRestartedError):  # rebuilt from its config: a retry is served
         return APIError(503, ENGINE_RESTARTED_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -308,8 +312,8 @@ def to_api_error(exc: Exception) -> Exception:
         return APIError(503, ENGINE_DEAD_MESSAGE)
     if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
         return bad_request(str(exc), exc.param)
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+    if isinstance(exc, ValueError):  # SleepModeError, among others, names its field
+        return bad_request(str(exc), getattr(exc, "param", None))
     return exc
 
 
