@@ -70,7 +70,9 @@ class ServingContext:
     """
 
     llm: AsyncLLM
-    tokenizer: PreTrainedTokenizerBase  # a copy: the engine thread detokenizes with its own
+    tokenizer: (
+        PreTrainedTokenizerBase  # the engine's: encoded and rendered here, decoded by the engine thread
+    )
     served_model_name: str
     rules: AdmissionRules
     chat_template: str | None
