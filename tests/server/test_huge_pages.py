@@ -9,7 +9,7 @@ import torch
 from pagoda.pagedkernel.quant import GGMLType
 from pagoda.pagedkernel.quant.quantize import quantize
 from pagoda.server.loader.huge_pages import huge_page_copies, release_file_pages, transparent_huge_pages
-from pagoda.server.models.quantized import QuantizedWeight, run_bytes, runs_of
+from pagoda.server.models.quantized import QuantizedWeight, run_bytes, run_copies, runs_of
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -46,7 +46,7 @@ def test_release_drops_only_file_pages_and_the_values_read_back(tmp_path: Path) 
 
 
 def test_runs_placed_in_a_region_equal_the_concatenated_weight() -> None:
-    """A fused weight's parts copied straight into region memory (the loader's one copy) give the same runs,
+    """A fused weight's parts copied straight into region memory (the loader's one batched copy) give the same runs,
     bytes and products as the concatenating `QuantizedWeight.of`: q and k of one block type merge, v of another
     stays its own run."""
     gen = torch.Generator().manual_seed(2)
@@ -56,6 +56,8 @@ def test_runs_placed_in_a_region_equal_the_concatenated_weight() -> None:
     runs = runs_of([q, k, v])
     assert [len(run) for run in runs] == [2, 1]
     memory = [torch.empty(run_bytes(run), dtype=torch.uint8) for run in runs]
+    pairs = [pair for run, place in zip(runs, memory, strict=True) for pair in run_copies(run, place)]
+    torch._foreach_copy_([dest for dest, _ in pairs], [source for _, source in pairs])
     placed = QuantizedWeight.placed(runs, memory)
     assert (
         [part.shape for part in placed.parts]

@@ -8,7 +8,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, TypeVar
@@ -248,6 +248,7 @@ class _Routes:
         tokenizer = engine.tokenizer
         self.llm = llm
         self.settings = settings
+        self.prompt_chars: Future[int | None] = Future()  # ServingContext.max_prompt_chars, computed at start
         # Bounded: a burst of long prompts queues here instead of taking every core from the engine thread.
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenizer")
         # The in-process engine's grammar manager: the API's compile fills the cache the engine then reads.
@@ -265,7 +266,7 @@ class _Routes:
             chat_template=settings.chat_template or resolve_chat_template(tokenizer),
             executor=self.executor,
             limits=settings.limits,
-            max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
+            max_prompt_chars=self.prompt_chars,
             reasoning_parser=None
             if settings.reasoning_parser is None
             else make_reasoning_parser(settings.reasoning_parser),
@@ -289,6 +290,21 @@ class _Routes:
             version=_package_version(),
             secured=bool(settings.api_keys()),
         )
+
+    def start_background(self) -> None:
+        """Work the first requests need not wait for, on the tokenizer threads once the server is up: the prompt
+        text bound (a shortcut that rejects an overlong prompt before tokenizing it; the token count is checked
+        after tokenizing anyway)."""
+        tokenizer, max_model_len = self.ctx.tokenizer, self.ctx.rules.max_model_len
+
+        def bound() -> None:
+            try:
+                self.prompt_chars.set_result(max_prompt_chars(tokenizer, max_model_len))
+            except Exception:
+                logger.exception("no prompt length bound: reading the vocabulary failed")
+                self.prompt_chars.set_result(None)
+
+        self.executor.submit(bound)
 
     async def _body(self, request: Request, model: type[M]) -> M:
         """The request's JSON body as `model` (a large one parsed on the tokenizer threads)."""
@@ -453,6 +469,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         llm.start()
+        routes.start_background()
         try:
             yield
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -78,7 +78,9 @@ class ServingContext:
     chat_template: str | None
     executor: Executor
     limits: RequestLimits
-    max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
+    # Longer prompt texts surely exceed max_model_len (None: no sound bound); computed on the tokenizer threads
+    # once the server is up (it reads the whole vocabulary: 0.4 s for Gemma 3), so not done for the first moment.
+    max_prompt_chars: Future[int | None]
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
     tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
     grammars: GrammarCheck | None = None  # length, parse and compile-time checks (None: parse only)
@@ -122,7 +124,7 @@ class ServingContext:
 
     def check_prompt_chars(self, text: str, param: str) -> None:
         """Reject, before tokenizing, a prompt text too long to fit max_model_len whatever its tokens."""
-        bound = self.max_prompt_chars
+        bound = self.max_prompt_chars.result() if self.max_prompt_chars.done() else None
         if bound is not None and len(text) > bound:
             raise RequestRejectedError(
                 f"the prompt has {len(text)} characters, so more tokens than max_model_len "

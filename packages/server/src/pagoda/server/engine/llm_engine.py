@@ -58,6 +58,7 @@ from pagoda.server.pooling.checks import Matryoshka, PoolingRules
 from pagoda.server.request_contract import EngineRequest
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.startup import log_phase
 from pagoda.server.structured import GrammarBitmask, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
 
@@ -163,7 +164,10 @@ class LLMEngine:
         tensor_parallel_size > 1 the model is split over that many ranks (see `pagoda.server.engine.executor`)."""
         executor, parts = build_executor(config)
         try:
-            return cls(config, parts, executor)
+            start = time.perf_counter()
+            engine = cls(config, parts, executor)
+            log_phase("engine", start)
+            return engine
         except BaseException:
             executor.shutdown()
             raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from pagoda.server.loader.quantized_cache import byte_range, columns_of, quantiz
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear, QuantizableWeight
 from pagoda.server.models.parallel_layers import SlicedLoad, SourceSlice
-from pagoda.server.models.quantized import QuantizedWeight, run_bytes, runs_of
+from pagoda.server.models.quantized import QuantizedWeight, run_bytes, run_copies, runs_of
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -211,9 +211,11 @@ def _install_quantized(
     model: CausalLM,
     pending: dict[str, dict[int, tuple[Tensor, QuantizedTensor]]],
     backend: QuantBackendName,
+    before_copies: Callable[[], None] | None = None,
 ) -> None:
     """Hand each layer its blocks when every part of its weight came quantized; dequantize into the dense
-    weight otherwise (a fused layer whose parts mix block formats with plain floats)."""
+    weight otherwise (a fused layer whose parts mix block formats with plain floats). `before_copies` is called
+    once every file read is planned, right before the bulk copy (see `load_safetensors`)."""
     # Each layer's parts in runs of one block type (a fused q/k/v of one type is one run: one matmul).
     installs: list[tuple[QuantizableWeight, list[list[QuantizedTensor]]]] = []
     for param, parts in pending.items():
@@ -229,6 +231,13 @@ def _install_quantized(
     runs = [run for _, weight_runs in installs for run in weight_runs]
     on_cpu = all(part.data.device.type == "cpu" for run in runs for part in run)
     region = huge_page_region([run_bytes(run) for run in runs]) if on_cpu else None
+    if before_copies is not None:
+        before_copies()
+    if region is not None:
+        pairs = [pair for run, memory in zip(runs, region, strict=True) for pair in run_copies(run, memory)]
+        # One call for every copy: it runs without the GIL throughout (page faults of the huge pages included),
+        # beside what other threads do meanwhile (the tokenizer's loading).
+        torch._foreach_copy_([dest for dest, _ in pairs], [source for _, source in pairs])
     places: Iterator[Tensor | None] = iter(region) if region is not None else itertools.repeat(None)
     for owner, weight_runs in installs:
         memory = [next(places) for _ in weight_runs]
@@ -244,8 +253,13 @@ def load_safetensors(
     *,
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
+    before_copies: Callable[[], None] | None = None,
 ) -> None:
     """Fill every parameter of `model` from `files`, casting to the parameter dtype and device.
+
+    `before_copies` is called once the Python-side work is done and only the bulk copy of the quantized blocks
+    is left (a C call that holds no GIL): the loader starts the tokenizer's thread there, so that neither waits
+    for the other's hold on the GIL.
 
     Block-format weights (a converted GGUF's, see `quantized_cache`) stay quantized in their layers with
     `keep_quantized`, multiplied by the `quant_backend` ops; without it they are dequantized into the dense
@@ -308,7 +322,7 @@ def load_safetensors(
                 else:
                     dest.copy_(tensor)
                 loaded.add(target)
-    _install_quantized(model, pending, quant_backend)
+    _install_quantized(model, pending, quant_backend, before_copies)
     if unexpected:
         raise WeightLoadError(f"checkpoint tensors with no matching parameter: {_names(unexpected)}")
     missing = expected - loaded

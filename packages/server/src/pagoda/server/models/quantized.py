@@ -32,12 +32,13 @@ class QuantizedWeight:
     def placed(
         cls,
         runs: Sequence[Sequence[QuantizedTensor]],
-        # Per run, the uint8 memory its merged bytes go to (run_bytes of it); None: a new tensor.
+        # Per run, the uint8 memory that holds its parts' bytes in order (`run_copies` put them there); None:
+        # the run's parts are concatenated into a new tensor (a run of one part is kept as it is).
         memory: Sequence[Tensor | None],
         backend: QuantBackendName = "auto",
     ) -> QuantizedWeight:
-        """The weight of `runs_of`'s runs, each run's parts copied into one tensor: `memory`'s (the loader's
-        region of huge pages: one copy from the checkpoint, no concatenation first), or a new one."""
+        """The weight of `runs_of`'s runs, each run one tensor: `memory`'s (the loader's region of huge pages,
+        filled straight from the checkpoint, no concatenation first), or a new one."""
         merged: list[QuantizedTensor] = []
         for run, place in zip(runs, memory, strict=True):
             first = run[0]
@@ -49,10 +50,6 @@ class QuantizedWeight:
                 data = torch.cat([part.data.reshape(part.rows, -1) for part in run])
             else:
                 data = place.view(rows, -1)
-                start = 0
-                for part in run:
-                    data[start : start + part.rows].copy_(part.data.reshape(part.rows, -1))
-                    start += part.rows
             merged.append(QuantizedTensor(data, first.qtype, (rows, first.shape[1])))
         return cls(tuple(merged), backend)
 
@@ -114,6 +111,18 @@ def runs_of(parts: Sequence[QuantizedTensor]) -> list[list[QuantizedTensor]]:
 def run_bytes(run: Sequence[QuantizedTensor]) -> int:
     """Bytes of a run's blocks."""
     return sum(part.data.numel() * part.data.element_size() for part in run)
+
+
+def run_copies(run: Sequence[QuantizedTensor], memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(destination, source) flat uint8 views that put a run's parts, in order, into `memory` (run_bytes of
+    uint8): one batched copy (`torch._foreach_copy_`) can then move every run at once."""
+    pairs: list[tuple[Tensor, Tensor]] = []
+    start = 0
+    for part in run:
+        source = part.data.reshape(-1).view(torch.uint8)
+        pairs.append((memory[start : start + source.numel()], source))
+        start += source.numel()
+    return pairs
 
 
 def placeholder(dtype: torch.dtype, device: torch.device) -> nn.Parameter:
