@@ -51,6 +51,11 @@ MB = 2**20
 # ------------------------------------------------------------------------------------------------ the engine
 
 
+def _asleep(engine: LLMEngine) -> bool:
+    """engine.is_sleeping, read afresh (a call, so that mypy does not carry an earlier assert's narrowing)."""
+    return engine.is_sleeping
+
+
 def _greedy(llm: LLM) -> list[tuple[int, ...]]:
     return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -68,13 +73,44 @@ def test_engine_sleeps_and_wakes_with_the_same_greedy_tokens(
     weights = resident_weight_bytes(engine.runner.model)
     assert weights > 0
     llm.sleep(level)
-    assert engine.is_sleeping
+    assert _asleep(engine)
     assert resident_weight_bytes(engine.runner.model) == 0
     assert engine.runner.kv_cache.device_caches == [] and engine.runner.kv_cache.layer_caches == []
     llm.wake_up()
-    assert not engine.is_sleeping
+    assert not _asleep(engine)
     assert resident_weight_bytes(engine.runner.model) == weights
     assert _greedy(llm) == before
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kv_manager": "contiguous"},
+        {"preemption_mode": "swap", "swap_space_gib": 0.01},
+        {"kv_cache_dtype": "int8"},
+        {"speculative_config": "draft"},
+    ],
+    ids=["contiguous", "host-swap-tier", "int8-kv", "draft-model"],
+)
+def test_engine_sleep_covers_every_pool_and_the_draft_model(
+    tiny_model_path: Any, extra: dict[str, Any]
+) -> None:
+    """A level-2 sleep and wake keep the greedy tokens with a contiguous pool, a host swap tier (freed too), an
+    int8 KV pool (its scales too) and a draft model (its weights and pool sleep with the target's)."""
+    path = str(tiny_model_path("llama"))
+    if extra.get("speculative_config") == "draft":
+        extra = {"speculative_config": {"method": "draft_model", "model": path, "num_speculative_tokens": 2}}
+    llm = LLM(path, enable_sleep_mode=True, dtype="float32", kv_cache_gib=0.01, **extra)
+    sleeping = llm.engine.sleeping
+    assert sleeping is not None
+    before = _greedy(llm)
+    llm.sleep(2)
+    for runner in sleeping.runners:
+        assert runner.kv_cache.device_caches == [] and runner.kv_cache.host_caches == []
+        assert resident_weight_bytes(runner.weights.model) == 0
+    llm.wake_up()
+    assert _greedy(llm) == before
+    assert len(sleeping.runners) == (2 if "speculative_config" in extra else 1)
 
 
 def test_engine_offload_round_trips_packed_and_quantized_weights(tmp_path: Path) -> None:
@@ -121,9 +157,9 @@ def test_engine_refuses_what_it_cannot_do(tiny_model_path: Any) -> None:
     with pytest.raises(EngineSleepingError):
         engine.add_request("late", [5, 6, 7], GREEDY)
     engine.wake_up(["weights"])  # a partial wake: the KV pool still sleeps
-    assert engine.is_sleeping
+    assert _asleep(engine)
     engine.wake_up(["kv_cache"])
-    assert not engine.is_sleeping
+    assert not _asleep(engine)
     engine.add_request("late", [5, 6, 7], GREEDY)
 
 
@@ -184,7 +220,7 @@ class Sleepy:
         self.url = server.base_url
         self.rss_before_traffic = _rss_mb(server.process.pid)
 
-    def complete(self, prompt: list[int] | str, **fields: Any) -> httpx.Response:
+    def complete(self, prompt: str | list[int] | list[list[int]], **fields: Any) -> httpx.Response:
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **fields}
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
 
