@@ -400,17 +400,19 @@ class AsyncLLM:
         chosen = check_level(level)
         if self._asleep:
             return
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Sleep(chosen, future))
         self._asleep = set(_SLEEP_TAGS)
         self.sleep_level = chosen
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        try:
-            self._submit(_Sleep(chosen, future))
-            await asyncio.wrap_future(future)
-        except BaseException:
-            self._asleep.clear()  # the engine did not sleep (dead, or the sleep failed): it serves on
+        # The state follows the engine's answer even when the caller leaves meanwhile (the sleep goes on).
+        await asyncio.shield(self._on_engine_answer(future, self._slept))
+
+    def _slept(self, failure: BaseException | None) -> None:
+        if failure is not None:  # the engine did not sleep (it died, or the sleep failed): it serves on
+            self._asleep.clear()
             self.sleep_level = None
-            raise
-        logger.info("the engine sleeps (level %d)", chosen)
+        else:
+            logger.info("the engine sleeps (level %d)", self.sleep_level or 0)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake what `tags` name ("weights", "kv_cache"; None: all); requests are admitted again once nothing
@@ -420,11 +422,28 @@ class AsyncLLM:
         chosen = check_tags(tags)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Wake(chosen, future))
-        await asyncio.wrap_future(future)
-        self._asleep.difference_update(chosen)
+        await asyncio.shield(self._on_engine_answer(future, lambda failure: self._woke(chosen, failure)))
+
+    def _woke(self, tags: Sequence[str], failure: BaseException | None) -> None:
+        if failure is not None:  # a failed reload: what did not wake still sleeps
+            return
+        self._asleep.difference_update(tags)
         if not self._asleep:
             self.sleep_level = None
             logger.info("the engine is awake")
+
+    def _on_engine_answer(
+        self, future: concurrent.futures.Future[None], then: Callable[[BaseException | None], None]
+    ) -> asyncio.Future[None]:
+        """The engine thread's answer to a sleep or wake as an asyncio future, `then(its failure or None)` run on
+        the event loop once it completes, whether or not anyone still awaits it."""
+        waiting = asyncio.wrap_future(future)
+
+        def done(answer: asyncio.Future[None]) -> None:
+            then(asyncio.CancelledError() if answer.cancelled() else answer.exception())
+
+        waiting.add_done_callback(done)
+        return waiting
 
     def _forget_sleep(self) -> None:
         """The engine was rebuilt awake: nothing sleeps any more."""
