@@ -316,7 +316,12 @@ ROUTES = [
     ("POST", "/detokenize"),
     ("GET", "/metrics"),
     ("GET", "/openapi.json"),
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"),
 ]
+# Sleep mode's routes, which answer 404 (naming the flag) on a server without --enable-sleep-mode.
+SLEEP_PATHS = {"/sleep", "/wake_up", "/is_sleeping"}
 
 
 def test_api_key_protects_every_route_but_health() -> None:
@@ -345,10 +350,10 @@ def test_api_key_protects_every_route_but_health() -> None:
                 anthropic = path.startswith("/v1/messages")
                 assert error["type"] == ("authentication_error" if anthropic else "AuthenticationError")
             # With the key (Bearer, or Anthropic's x-api-key) the request gets past the check (a body-less POST
-            # is then a 400).
+            # is then a 400; the sleep routes are 404s without --enable-sleep-mode).
             for headers in (_bearer("sekret"), {"x-api-key": "sekret"}):
                 allowed = httpx.request(method, running.base_url + path, headers=headers)
-                assert allowed.status_code in {200, 400}, (method, path)
+                assert allowed.status_code in ({404} if path in SLEEP_PATHS else {200, 400}), (method, path)
         assert httpx.get(f"{running.base_url}/health").status_code == 200
         keyed = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="sekret", max_retries=0)
         assert_good_request(keyed)

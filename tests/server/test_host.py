@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_auto_dtype_on_cpu_follows_the_measured_speedup(
     monkeypatch: pytest.MonkeyPatch, speedup: float, expected: torch.dtype
 ) -> None:
     """auto picks bfloat16 on a CPU whose bfloat16 matmul is fast enough, float32 otherwise."""
-    monkeypatch.setattr(setup, "bfloat16_speedup", lambda: speedup)
+    monkeypatch.setattr(setup, "cached_bfloat16_speedup", lambda: speedup)
     assert setup.select_dtype(EngineConfig(), torch.device("cpu")) == expected
 
 
@@ -98,10 +99,37 @@ def test_explicit_dtype_and_cuda_skip_the_probe(monkeypatch: pytest.MonkeyPatch)
     def probe() -> float:
         raise AssertionError("the probe ran")
 
-    monkeypatch.setattr(setup, "bfloat16_speedup", probe)
+    monkeypatch.setattr(setup, "cached_bfloat16_speedup", probe)
     assert setup.select_dtype(EngineConfig.from_flat(dtype="float32"), torch.device("cpu")) == torch.float32
     assert setup.select_dtype(EngineConfig.from_flat(dtype="bfloat16"), torch.device("cpu")) == torch.bfloat16
     assert setup.select_dtype(EngineConfig(), torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.mark.parametrize(("speedup", "kept"), [(8.0, True), (0.5, True), (2.0, False), (1.0, False)])
+def test_a_decisive_speedup_is_kept_for_the_next_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, speedup: float, kept: bool
+) -> None:
+    """A speedup at least twice above or below the 1.5x threshold is measured once and read back at the next
+    start; one closer to it (a probe disturbed by a busy machine) is measured again every time; a damaged file is
+    measured again."""
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path / "cache"))
+    probes: list[float] = []
+
+    def probe() -> float:
+        probes.append(speedup)
+        return speedup
+
+    monkeypatch.setattr(host, "bfloat16_speedup", probe)
+    assert host.cached_bfloat16_speedup() == speedup
+    assert host.cached_bfloat16_speedup() == speedup
+    assert len(probes) == (1 if kept else 2)
+    files = list((tmp_path / "cache").glob("bfloat16-speedup-*.json"))
+    assert len(files) == (1 if kept else 0)
+    if kept:
+        assert (tmp_path / "cache").stat().st_mode & 0o077 == 0  # the kernels' private folder
+        files[0].write_text("{not json", encoding="utf-8")
+        assert host.cached_bfloat16_speedup() == speedup
+        assert len(probes) == 2
 
 
 # In a fresh process: a thread runs a parallel torch op (its OpenMP team starts a worker), frees its team, then

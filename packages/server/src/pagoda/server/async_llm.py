@@ -6,6 +6,10 @@ request's events (client_stream.py: `RequestAccepted`, outputs, `RequestFailed`)
 `OutputBox`, which keeps only the latest output (they are cumulative), so a slow reader costs one snapshot; a
 reader that leaves a snapshot unread past `stream_stall_timeout` is aborted.
 
+Sleep mode (engine/sleep.py): `sleep` stops admitting requests at once (a 503 with Retry-After, or with
+--wake-on-request a wake), lets the engine finish the ones in flight, then puts it to sleep between two steps on the
+engine thread; `wake_up` wakes it there too. With --sleep-idle-seconds an idle engine sleeps on its own.
+
 A step that raises is handled by `--on-engine-failure`: "restart" fails the in-flight requests with a 503 to
 retry (`EngineRestartedError`) and rebuilds the engine from its config; "exit" and "none" (and an engine given no
 `rebuild`) fail them for good (`EngineDeadError`) and leave the engine dead; with "exit", or when a rebuild
@@ -31,13 +35,15 @@ from pagoda.server.client_stream import (
     EngineDrainingError,
     EngineOverloadedError,
     EngineRestartedError,
+    EngineSleepingError,
     RequestAccepted,
     RequestEvent,
     RequestFailed,
 )
 from pagoda.server.config import ServingConfig
 from pagoda.server.engine.host import release_openmp_threads
-from pagoda.server.engine_client import EngineClient, ReplicaSet
+from pagoda.server.engine.sleep import SleepModeError, check_level, check_tags
+from pagoda.server.engine_client import EngineClient, ReplicaSet, SupportsSleep
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.output_box import OutputBox
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -106,7 +112,26 @@ class _Call:
     future: concurrent.futures.Future[Any]
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop | _Call
+@dataclass(frozen=True, slots=True)
+class _Sleep:
+    """Put the engine to sleep once it has no unfinished request (sleep mode)."""
+
+    level: int
+    future: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Wake:
+    """Wake what `tags` name (sleep mode); a sleep still waiting for the engine to be idle is called off."""
+
+    tags: tuple[str, ...] | None
+    future: concurrent.futures.Future[None]
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop | _Call | _Sleep | _Wake
+
+# What sleeps and wakes (engine/sleep.py's tags): all of it after a sleep, until a wake names each.
+_SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
 
 def _aborted_snapshot(stream: _Stream) -> RequestOutput:
@@ -176,6 +201,17 @@ class AsyncLLM:
         self._num_active = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Sleep mode. Event-loop side: what is asleep (or going to sleep), the wake a request started, when the
+        # last request came or went; engine-thread side: the sleeps waiting for the engine to be idle.
+        self.sleep_mode = isinstance(engine, SupportsSleep) and engine.enable_sleep_mode
+        self.wake_on_request = config.wake_on_request
+        self.sleep_idle_seconds = config.sleep_idle_seconds
+        self.sleep_level: int | None = None  # the level of the last sleep while anything is asleep
+        self._asleep: set[str] = set()
+        self._waking: asyncio.Future[None] | None = None
+        self._last_request = time.monotonic()
+        self._idle_sleeper: asyncio.Task[None] | None = None
+        self._pending_sleeps: list[_Sleep] = []  # engine thread only
 
     # --- life cycle (event loop side) ------------------------------------------------------------------
 
@@ -187,6 +223,8 @@ class AsyncLLM:
         release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
+        if self.sleep_mode and self.sleep_idle_seconds is not None:
+            self._idle_sleeper = asyncio.ensure_future(self._sleep_when_idle(self.sleep_idle_seconds))
 
     @property
     def is_alive(self) -> bool:
@@ -240,6 +278,8 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (aborting whatever is left) and wait for it."""
         self._draining = True
+        if self._idle_sleeper is not None:
+            self._idle_sleeper.cancel()
         self._put(_Stop())
         if self._thread is not None:
             self._thread.join(timeout)
@@ -300,7 +340,12 @@ class AsyncLLM:
         `check_admission`), or the engine's ValueError (with `param`) when it rejects a prompt; then none of the
         prompts stays in the engine. Close the streams (or exhaust them) when done.
         """
+        while self._asleep:
+            if not self.wake_on_request:
+                raise EngineSleepingError("the engine is sleeping")
+            await self._wake_for_request()
         width = params.num_sequences
+        # From here to the submission nothing awaits: no sleep can come between the check and the add.
         self.check_admission(len(prompts) * width, width, "n" if width == params.n else "best_of")
         now = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -340,6 +385,100 @@ class AsyncLLM:
         self._submit(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    # --- sleep mode (event loop side) -------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps, is going to sleep, or is partly awake (GET /is_sleeping)."""
+        return bool(self._asleep)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Stop admitting requests, let those in flight finish, then put the engine to sleep (engine/sleep.py);
+        SleepModeError naming the field when sleep mode is off or the level is bad. Sleeping again does nothing."""
+        if not self.sleep_mode:
+            raise SleepModeError("sleep mode is off: start the server with --enable-sleep-mode", "model")
+        chosen = check_level(level)
+        if self._asleep:
+            return
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Sleep(chosen, future))
+        self._asleep = set(_SLEEP_TAGS)
+        self.sleep_level = chosen
+        # The state follows the engine's answer even when the caller leaves meanwhile (the sleep goes on).
+        await asyncio.shield(self._on_engine_answer(future, self._slept))
+
+    def _slept(self, failure: BaseException | None) -> None:
+        if failure is not None:  # the engine did not sleep (it died, or the sleep failed): it serves on
+            self._asleep.clear()
+            self.sleep_level = None
+        else:
+            logger.info("the engine sleeps (level %d)", self.sleep_level or 0)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what `tags` name ("weights", "kv_cache"; None: all); requests are admitted again once nothing
+        sleeps. SleepModeError naming the field when sleep mode is off or a tag is unknown."""
+        if not self.sleep_mode:
+            raise SleepModeError("sleep mode is off: start the server with --enable-sleep-mode", "model")
+        chosen = check_tags(tags)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Wake(chosen, future))
+        await asyncio.shield(self._on_engine_answer(future, lambda failure: self._woke(chosen, failure)))
+
+    def _woke(self, tags: Sequence[str], failure: BaseException | None) -> None:
+        if failure is not None:  # a failed reload: what did not wake still sleeps
+            return
+        self._asleep.difference_update(tags)
+        if not self._asleep:
+            self.sleep_level = None
+            logger.info("the engine is awake")
+
+    def _on_engine_answer(
+        self, future: concurrent.futures.Future[None], then: Callable[[BaseException | None], None]
+    ) -> asyncio.Future[None]:
+        """The engine thread's answer to a sleep or wake as an asyncio future, `then(its failure or None)` run on
+        the event loop once it completes, whether or not anyone still awaits it."""
+        waiting = asyncio.wrap_future(future)
+
+        def done(answer: asyncio.Future[None]) -> None:
+            then(asyncio.CancelledError() if answer.cancelled() else answer.exception())
+
+        waiting.add_done_callback(done)
+        return waiting
+
+    def _forget_sleep(self) -> None:
+        """The engine was rebuilt awake: nothing sleeps any more."""
+        self._asleep.clear()
+        self.sleep_level = None
+
+    async def _wake_for_request(self) -> None:
+        """--wake-on-request: wake the engine for a request (requests arriving meanwhile wait for the same wake)."""
+        if self._waking is None:
+            self._waking = asyncio.ensure_future(self.wake_up())
+            self._waking.add_done_callback(self._woken)
+        await asyncio.shield(self._waking)
+
+    def _woken(self, wake: asyncio.Future[None]) -> None:
+        self._waking = None
+        if not wake.cancelled() and wake.exception() is not None:
+            logger.error("waking the engine for a request failed: %s", wake.exception())
+
+    async def _sleep_when_idle(self, seconds: float) -> None:
+        """--sleep-idle-seconds: sleep (level 1) once no request came or went for `seconds`."""
+        interval = min(seconds / 4, 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            if self._asleep or self._draining or self._num_active or self._dead is not None:
+                continue
+            idle = time.monotonic() - self._last_request
+            if idle < seconds:
+                continue
+            logger.info("no request for %.1f s (--sleep-idle-seconds %g): sleeping", idle, seconds)
+            try:
+                await self.sleep(1)
+            except Exception:
+                logger.exception("sleeping the idle engine failed")
+                self._last_request = time.monotonic()  # try again after another idle period, not at once
+
     async def generate(
         self,
         request_id: str,
@@ -357,6 +496,7 @@ class AsyncLLM:
             handle.close()
 
     def _admit(self, stream: _Stream) -> None:
+        self._last_request = time.monotonic()
         self._num_pending_seqs += stream.num_seqs
         self._num_active += 1
         self._open[stream.request_id] = stream
@@ -370,6 +510,7 @@ class AsyncLLM:
             self._put(_Abort(request_id, notify=False))
         self._open.pop(request_id, None)
         self._num_active -= 1
+        self._last_request = time.monotonic()
         if self._num_active == 0:
             self._idle.set()
 
@@ -426,6 +567,9 @@ class AsyncLLM:
             return False
         self.engine_restarts += 1
         self._stats = self.engine.get_stats()
+        if self._loop is not None:  # a rebuilt engine is awake
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._forget_sleep)
         logger.info("the engine was rebuilt (restart %d)", self.engine_restarts)
         return True
 
@@ -438,6 +582,8 @@ class AsyncLLM:
         """Apply commands and step the engine until told to stop; a step's exception propagates."""
         while True:
             engine = self.engine
+            if self._pending_sleeps and not engine.has_unfinished_requests():
+                self._start_sleep(engine)
             if not self._apply_commands(block=not engine.has_unfinished_requests()):
                 return
             self._stats = engine.get_stats()
@@ -476,6 +622,10 @@ class AsyncLLM:
                 self._abort(command.request_id, notify=command.notify)
             elif isinstance(command, _Call):
                 self._call(command)
+            elif isinstance(command, _Sleep):
+                self._pending_sleeps.append(command)  # applied once the engine is idle (_serve_steps)
+            elif isinstance(command, _Wake):
+                self._wake(command)
             elif isinstance(command, _AbortAll):
                 for request_id in list(self._streams):
                     self._abort(request_id, notify=True)
@@ -497,6 +647,32 @@ class AsyncLLM:
             Exception
         ) as exc:  # the caller's error (a bad adapter, a failing view), never the engine loop's
             command.future.set_exception(exc)
+
+    def _start_sleep(self, engine: EngineClient) -> None:
+        """Put the idle engine to sleep for every waiting sleep call (an engine-core client answers later)."""
+        calls, self._pending_sleeps = self._pending_sleeps, []
+        try:
+            assert isinstance(engine, SupportsSleep)
+            _settle_all(engine.sleep(calls[-1].level), [call.future for call in calls])
+        except Exception as exc:  # the caller's failure (a bad state), never the engine loop's
+            for call in calls:
+                if call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(exc)
+
+    def _wake(self, command: _Wake) -> None:
+        """Wake the engine; sleeps still waiting for it to be idle are called off (they return as if done)."""
+        calls, self._pending_sleeps = self._pending_sleeps, []
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_result(None)
+        try:
+            engine = self.engine
+            assert isinstance(engine, SupportsSleep)
+            _settle_all(engine.wake_up(command.tags), [command.future])
+        except Exception as exc:  # a failed reload: the engine stays asleep, the caller hears why
+            logger.exception("waking the engine failed")
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(exc)
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -607,8 +783,35 @@ class AsyncLLM:
                 break
             if isinstance(command, _Add):
                 self._fail(command.stream, error)
-            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            elif (
+                isinstance(command, _Call | _Sleep | _Wake) and command.future.set_running_or_notify_cancel()
+            ):
                 command.future.set_exception(error)
+        for call in self._pending_sleeps:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(error)
+        self._pending_sleeps = []
+
+
+def _settle_all(
+    result: concurrent.futures.Future[Any] | None, futures: Sequence[concurrent.futures.Future[None]]
+) -> None:
+    """Complete `futures` as `result` completes (None: done already; a future: an engine core's answer)."""
+
+    def settle(done: concurrent.futures.Future[Any] | None) -> None:
+        error = None if done is None else done.exception()
+        for future in futures:
+            if not future.set_running_or_notify_cancel():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    if result is None:
+        settle(None)
+    else:
+        result.add_done_callback(settle)
 
 
 class RequestStream:

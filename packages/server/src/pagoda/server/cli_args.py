@@ -151,6 +151,14 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--enable-sleep-mode",),
+            {
+                "action": "store_true",
+                "help": "serve POST /sleep?level=1|2 (free the KV pool and the weights' memory), POST /wake_up and "
+                "GET /is_sleeping",
+            },
+        ),
+        Flag(
             ("--max-input-tokens",),
             {
                 "type": int,
@@ -395,6 +403,22 @@ def argument_table() -> list[Flag]:
                 "type": float,
                 "help": "seconds a reader may leave a snapshot of its response unread before the request is "
                 "aborted (its KV freed)",
+            },
+        ),
+        Flag(
+            ("--wake-on-request",),
+            {
+                "action": "store_true",
+                "help": "sleep mode: a request to a sleeping engine wakes it (instead of a 503 with Retry-After)",
+            },
+        ),
+        Flag(
+            ("--sleep-idle-seconds",),
+            {
+                "type": float,
+                "metavar": "N",
+                "help": "sleep (level 1) after N seconds without a request; the next request wakes the engine "
+                "(llama.cpp's flag; implies --enable-sleep-mode and --wake-on-request)",
             },
         ),
         # app

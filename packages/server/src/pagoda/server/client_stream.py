@@ -5,7 +5,8 @@ each request's events to the coroutine waiting on it, and `CoreClient` (core/cli
 data-parallel engine cores over ZeroMQ that `AsyncLLM` drives like an in-process `LLMEngine`.
 
 - Admission: `AsyncLLM` checks its limits before a request reaches the engine. A refusal raises at once:
-  `EngineOverloadedError` (429, retry), `EngineDrainingError` (503, shutting down), `EngineDeadError`, or
+  `EngineOverloadedError` (429, retry), `EngineDrainingError` (503, shutting down), `EngineSleepingError` (503,
+  retry: sleep mode, without --wake-on-request), `EngineDeadError`, or
   `RequestRejectedError` (pagoda.scheduler: a 400 naming the field at fault, when the request can never fit).
 - Acceptance: the engine queued the request. That is `RequestAccepted`, right away from an in-process engine,
   or out of a later `step` from one that `defers_acceptance` (a core answers with its `Accepted` frame).
@@ -51,6 +52,10 @@ class EngineDrainingError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many sequences are waiting; retry later."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode) and the server does not wake it for requests; retry once it woke."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,6 +161,9 @@ class ModelConfig:
     # --pooler-config (vLLM's): the pooling runner's pooling type and normalisation; None: LAST, normalised. A dict
     # (LLM(pooler_config={...})) is taken as the flag's JSON object, parsed by from_flat.
     pooler_config: PoolerConfig | None = None
+    # --enable-sleep-mode (vLLM's; pagoda.server.engine.sleep): the engine may sleep (free its KV pool and weights'
+    # memory) and wake; the server's /sleep, /wake_up and /is_sleeping answer 404 without it.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -354,6 +357,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _typed("speculative_config", self.speculative_config, SpeculativeConfig)
+        if self.model_config.enable_sleep_mode and self.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_sleep_mode is not served with tensor_parallel_size > 1 (the workers' shards do not sleep); "
+                "use one rank per engine, or data-parallel engine cores"
+            )
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:
@@ -415,6 +423,11 @@ class ServingConfig:
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
     on_engine_failure: EngineFailureName = "restart"  # an in-process engine whose step raised
     stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT  # None: never abort a slow reader
+    # Sleep mode (needs enable_sleep_mode): a request to a sleeping engine wakes it instead of getting a 503.
+    wake_on_request: bool = False
+    # llama.cpp's --sleep-idle-seconds: sleep (level 1) after this many seconds without a request; implies
+    # enable_sleep_mode and wake_on_request (the next request wakes the engine, as llama.cpp reloads its model).
+    sleep_idle_seconds: float | None = None  # None: never
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -423,6 +436,8 @@ class ServingConfig:
             max_waiting_requests=self.max_waiting_requests,
             max_concurrent_requests=self.max_concurrent_requests,
         )
+        if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:
+            raise ValueError(f"sleep_idle_seconds must be > 0, got {self.sleep_idle_seconds}")
         _one_of("on_engine_failure", self.on_engine_failure, get_args(EngineFailureName))
         if _PROMETHEUS_NAME.fullmatch(self.metrics_prefix) is None:
             raise ValueError(
@@ -570,6 +585,16 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         """ValueError naming the fields of two sections that do not go together."""
+        serving, model = self.serving, self.engine.model_config
+        if serving.sleep_idle_seconds is not None and not (
+            model.enable_sleep_mode and serving.wake_on_request
+        ):
+            # llama.cpp's flag alone: the idle engine sleeps and the next request wakes it.
+            engine = replace(self.engine, model_config=replace(model, enable_sleep_mode=True))
+            object.__setattr__(self, "engine", engine)
+            object.__setattr__(self, "serving", replace(serving, wake_on_request=True))
+        elif serving.wake_on_request and not model.enable_sleep_mode:
+            raise ValueError("wake_on_request needs enable_sleep_mode")
         if self.core.routing_kv_events:
             events = self.engine.cache_config.kv_events_config
             if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":

@@ -8,8 +8,9 @@ data-parallel replicas, over ZeroMQ).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagoda.server.client_stream import RequestEvent
 from pagoda.server.outputs import EngineStats
@@ -100,6 +101,25 @@ class EngineClient(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds outside this process: tensor-parallel workers, engine cores."""
+        ...
+
+
+@runtime_checkable
+class SupportsSleep(Protocol):
+    """An engine with sleep mode (engine/sleep.py): the in-process `LLMEngine` sleeps and wakes at once (None); a
+    `CoreClient` sends the call to every core and returns a future that completes once all of them answered."""
+
+    @property
+    def enable_sleep_mode(self) -> bool:
+        """Whether the engine may sleep."""
+        ...
+
+    def sleep(self, level: int) -> Future[Any] | None:
+        """Sleep at `level` (1 or 2); the engine has no unfinished request."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> Future[Any] | None:
+        """Wake what `tags` name (None: everything)."""
         ...
 
 

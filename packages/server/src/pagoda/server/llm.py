@@ -40,6 +40,15 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's offline sleep (with `enable_sleep_mode=True`): free the KV pool and release the weights' memory
+        (see `LLMEngine.sleep`); `wake_up` brings them back."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what `tags` name ("weights", "kv_cache"; None: both) after `sleep`."""
+        self.engine.wake_up(tags)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

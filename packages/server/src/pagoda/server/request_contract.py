@@ -21,14 +21,16 @@ the engine, so that `spec/`, `pooling/` and the engine's request types import it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import xgrammar as xgr
 from pagoda.scheduler import Request, Scheduler
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling import SamplingRow, TokenLogprobs
 from pagoda.server.sampling.logits_processors import LogitsEdits
 from torch import Tensor
+
+if TYPE_CHECKING:  # xgrammar takes ~0.4 s to import: loaded at the first constrained request, not at start
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True, slots=True)

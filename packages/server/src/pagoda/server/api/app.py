@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import hmac
 import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pagoda.server.api.anthropic_errors import error_response, is_anthropic_path
 from pagoda.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -46,6 +45,7 @@ from pagoda.server.api.serving_responses import ResponsesHandler
 from pagoda.server.api.serving_score import ScoreHandler
 from pagoda.server.api.serving_structured import GrammarCheck
 from pagoda.server.api.serving_tools import check_tool_messages, template_tools
+from pagoda.server.api.sleep_routes import SleepRoutes
 from pagoda.server.api.tool_parsers import make_tool_parser
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.chat import resolve_chat_template
@@ -257,9 +257,13 @@ class _Routes:
     def __init__(self, llm: AsyncLLM, settings: AppSettings, lora: LoRAConfig | None = None) -> None:
         engine = llm.engine
         self.loras = None if lora is None or not lora.enable_lora else ServedLoRAs(lora)
-        tokenizer = copy.deepcopy(engine.tokenizer)
+        # The engine's own tokenizer, shared: the API's threads only encode and render, the engine thread only
+        # decodes, and neither changes its settings (truncation, padding: the Rust tokenizer's only mutations), so
+        # concurrent calls never conflict. A deep copy cost 2-4 s of every start for Gemma 3's 262k vocabulary.
+        tokenizer = engine.tokenizer
         self.llm = llm
         self.settings = settings
+        self.prompt_chars: Future[int | None] = Future()  # ServingContext.max_prompt_chars, computed at start
         # Bounded: a burst of long prompts queues here instead of taking every core from the engine thread.
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagoda-tokenizer")
         # The in-process engine's grammar manager: the API's compile fills the cache the engine then reads.
@@ -277,7 +281,7 @@ class _Routes:
             chat_template=settings.chat_template or resolve_chat_template(tokenizer),
             executor=self.executor,
             limits=settings.limits,
-            max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
+            max_prompt_chars=self.prompt_chars,
             reasoning_parser=None
             if settings.reasoning_parser is None
             else make_reasoning_parser(settings.reasoning_parser),
@@ -303,6 +307,21 @@ class _Routes:
             version=_package_version(),
             secured=bool(settings.api_keys()),
         )
+
+    def start_background(self) -> None:
+        """Work the first requests need not wait for, on the tokenizer threads once the server is up: the prompt
+        text bound (a shortcut that rejects an overlong prompt before tokenizing it; the token count is checked
+        after tokenizing anyway)."""
+        tokenizer, max_model_len = self.ctx.tokenizer, self.ctx.rules.max_model_len
+
+        def bound() -> None:
+            try:
+                self.prompt_chars.set_result(max_prompt_chars(tokenizer, max_model_len))
+            except Exception:
+                logger.exception("no prompt length bound: reading the vocabulary failed")
+                self.prompt_chars.set_result(None)
+
+        self.executor.submit(bound)
 
     async def _body(self, request: Request, model: type[M]) -> M:
         """The request's JSON body as `model` (a large one parsed on the tokenizer threads)."""
@@ -422,7 +441,9 @@ class _Routes:
             return JSONResponse(
                 HealthResponse(status="draining", **counts).model_dump(exclude_none=True), status_code=503
             )
-        return JSONResponse(HealthResponse(status="ok", **counts).model_dump(exclude_none=True))
+        # Asleep is alive (vLLM answers 200 too): a liveness probe must not restart a sleeping server.
+        state: Literal["ok", "sleeping"] = "sleeping" if self.llm.is_sleeping else "ok"
+        return JSONResponse(HealthResponse(status=state, **counts).model_dump(exclude_none=True))
 
     async def metrics(self, request: Request) -> Response:
         """GET /metrics: Prometheus text format."""
@@ -476,6 +497,7 @@ def build_app(
             Route("/v1/load_lora_adapter", lora_routes.load, methods=["POST"]),
             Route("/v1/unload_lora_adapter", lora_routes.unload, methods=["POST"]),
         ]
+    sleep = SleepRoutes(llm)
     dashboard = FrameProducer(llm)
     llm.metrics.registry.register(
         _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
@@ -484,6 +506,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         llm.start()
+        routes.start_background()
         try:
             yield
         finally:
@@ -525,6 +548,9 @@ def build_app(
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/openapi.json", routes.openapi_json, methods=["GET"]),
+            Route("/sleep", sleep.sleep, methods=["POST"]),
+            Route("/wake_up", sleep.wake_up, methods=["POST"]),
+            Route("/is_sleeping", sleep.is_sleeping, methods=["GET"]),
             *extra,
             *dashboard_routes(dashboard),
         ],

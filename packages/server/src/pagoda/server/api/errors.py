@@ -62,3 +62,7 @@ ENGINE_RESTARTED_MESSAGE = (
 )
 REPLICA_FAILED_MESSAGE = "The engine replica serving this request failed. Retry the request."
 ENGINE_DEAD_MESSAGE = "The engine has stopped; the server cannot serve requests."
+ENGINE_SLEEPING_MESSAGE = (
+    "The engine is sleeping (sleep mode): retry once it woke (POST /wake_up), or start the server with "
+    "--wake-on-request."
+)

@@ -108,6 +108,39 @@ def _get(summary: str, content: dict[str, Any], extra: dict[str, Any] | None = N
     return {"get": {"summary": summary, "responses": responses}}
 
 
+def _sleep_paths() -> dict[str, Any]:
+    """Sleep mode's three routes (vLLM's): 404 without --enable-sleep-mode."""
+    off = {"description": "Sleep mode is off (--enable-sleep-mode).", "content": _json(ErrorResponse)}
+    empty = {"200": {"description": "Done (an empty body)."}, **_errors("400", "401"), "404": off}
+    level = {"name": "level", "in": "query", "schema": {"type": "integer", "enum": [1, 2], "default": 1}}
+    tags = {
+        "name": "tags",
+        "in": "query",
+        "schema": {"type": "array", "items": {"type": "string", "enum": ["weights", "kv_cache"]}},
+        "description": "What to wake (repeat it); none: everything.",
+    }
+    state = {
+        "type": "object",
+        "properties": {"is_sleeping": {"type": "boolean"}},
+        "required": ["is_sleeping"],
+    }
+    return {
+        "/sleep": {
+            "post": {
+                "summary": "Free the KV pool and the weights' memory (once requests in flight finished)",
+                "parameters": [level],
+                "responses": empty,
+            }
+        },
+        "/wake_up": {"post": {"summary": "Wake the engine", "parameters": [tags], "responses": empty}},
+        "/is_sleeping": _get(
+            "Whether the engine sleeps",
+            {"application/json": {"schema": state}},
+            {**_errors("401"), "404": off},
+        ),
+    }
+
+
 def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
     """The OpenAPI document; `secured` adds the bearer and x-api-key schemes to every route but /health."""
     models: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
@@ -182,6 +215,7 @@ def build_openapi(*, title: str, version: str, secured: bool) -> dict[str, Any]:
         "/openapi.json": _get(
             "This document", {"application/json": {"schema": {"type": "object"}}}, _errors("401")
         ),
+        **_sleep_paths(),
     }
     document: dict[str, Any] = {
         "openapi": "3.1.0",

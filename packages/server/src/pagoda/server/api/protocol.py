@@ -374,7 +374,7 @@ class DetokenizeResponse(BaseModel):
 class HealthResponse(BaseModel):
     """Response of GET /health."""
 
-    status: Literal["ok", "dead", "draining"]
+    status: Literal["ok", "sleeping", "dead", "draining"]
     # Data-parallel serving: replicas started, and those serving now (ok while at least one is).
     replicas: int | None = None
     replicas_alive: int | None = None

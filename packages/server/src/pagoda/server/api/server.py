@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from types import FrameType
 
 import uvicorn
 from pagoda.server.api.http_protocol import HTTPConfig
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.config import ServerConfig
+from pagoda.server.startup import log_phase
 from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)
@@ -37,12 +39,14 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
         self._fatal_task: asyncio.Task[None] | None = None
         self.exit_status = 0  # what `run_server` returns: non-zero once the engine failed for good
+        self._created = time.perf_counter()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """Remember the event loop so the signal handler can schedule the drain on it; watch for a fatal engine."""
         self._loop = asyncio.get_running_loop()
         self._fatal_task = asyncio.ensure_future(self._exit_on_fatal())
         await super().startup(sockets)
+        log_phase("HTTP server listening", self._created)
 
     async def _exit_on_fatal(self) -> None:
         # --on-engine-failure exit: the engine died for good, so the process ends non-zero for its supervisor.

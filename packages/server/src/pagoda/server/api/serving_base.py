@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -13,6 +13,7 @@ from pagoda.server.api.cache_scope import combine
 from pagoda.server.api.errors import (
     ENGINE_DEAD_MESSAGE,
     ENGINE_RESTARTED_MESSAGE,
+    ENGINE_SLEEPING_MESSAGE,
     REPLICA_FAILED_MESSAGE,
     APIError,
     bad_request,
@@ -33,6 +34,7 @@ from pagoda.server.client_stream import (
     EngineDrainingError,
     EngineOverloadedError,
     EngineRestartedError,
+    EngineSleepingError,
     ReplicaDeadError,
 )
 from pagoda.server.config import RequestLimits
@@ -68,13 +70,17 @@ class ServingContext:
     """
 
     llm: AsyncLLM
-    tokenizer: PreTrainedTokenizerBase  # a copy: the engine thread detokenizes with its own
+    tokenizer: (
+        PreTrainedTokenizerBase  # the engine's: encoded and rendered here, decoded by the engine thread
+    )
     served_model_name: str
     rules: AdmissionRules
     chat_template: str | None
     executor: Executor
     limits: RequestLimits
-    max_prompt_chars: int | None  # longer prompt texts surely exceed max_model_len (None: no sound bound)
+    # Longer prompt texts surely exceed max_model_len (None: no sound bound); computed on the tokenizer threads
+    # once the server is up (it reads the whole vocabulary: 0.4 s for Gemma 3), so not done for the first moment.
+    max_prompt_chars: Future[int | None]
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser (stateless; streams keep their own)
     tool_parser: ToolCallParser | None = None  # --enable-auto-tool-choice --tool-call-parser (stateless)
     grammars: GrammarCheck | None = None  # length, parse and compile-time checks (None: parse only)
@@ -118,7 +124,7 @@ class ServingContext:
 
     def check_prompt_chars(self, text: str, param: str) -> None:
         """Reject, before tokenizing, a prompt text too long to fit max_model_len whatever its tokens."""
-        bound = self.max_prompt_chars
+        bound = self.max_prompt_chars.result() if self.max_prompt_chars.done() else None
         if bound is not None and len(text) > bound:
             raise RequestRejectedError(
                 f"the prompt has {len(text)} characters, so more tokens than max_model_len "
@@ -299,6 +305,8 @@ def to_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EngineDrainingError):
         return APIError(503, "The server is shutting down.")
+    if isinstance(exc, EngineSleepingError):  # sleep mode without --wake-on-request: retry once it woke
+        return APIError(503, ENGINE_SLEEPING_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     # 503 texts are stable: what failed inside (an exception's text, a core's traceback) is in the server log only.
     if isinstance(exc, EngineRestartedError):  # rebuilt from its config: a retry is served
         return APIError(503, ENGINE_RESTARTED_MESSAGE, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -308,8 +316,8 @@ def to_api_error(exc: Exception) -> Exception:
         return APIError(503, ENGINE_DEAD_MESSAGE)
     if isinstance(exc, RequestRejectedError):  # the engine names the field at fault
         return bad_request(str(exc), exc.param)
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+    if isinstance(exc, ValueError):  # SleepModeError, among others, names its field
+        return bad_request(str(exc), getattr(exc, "param", None))
     return exc
 
 

@@ -48,6 +48,8 @@ from pagoda.server.core.messages import (
     output_decoder,
 )
 from pagoda.server.core.replica import ACCEPT_TIMEOUT_S, Replica
+from pagoda.server.core.sleep_calls import SleepCalls
+from pagoda.server.core.sleep_frames import SleepDone
 from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
@@ -187,6 +189,8 @@ class CoreClient:
                 self._context, config.cache_config.kv_events_config, num_replicas, router.apply_events
             )
         self._loras = LoRACalls()  # runtime LoRA loads / unloads, sent to every core (core/lora_calls.py)
+        self._sleep = SleepCalls()  # sleep mode's sleeps and wakes, sent to every core (core/sleep_calls.py)
+        self.enable_sleep_mode = config.model_config.enable_sleep_mode
         try:
             for replica in self.replicas:
                 replica.start(
@@ -306,7 +310,12 @@ class CoreClient:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request or a LoRA call is out, or a core is (re)starting: each needs `step` to run."""
-        return bool(self._owner) or not all(r.ready for r in self.replicas) or self._loras.pending
+        return (
+            bool(self._owner)
+            or not all(r.ready for r in self.replicas)
+            or self._loras.pending
+            or self._sleep.pending
+        )
 
     def step(self) -> list[RequestEvent]:
         """Wait up to _POLL_MS for frames; return the snapshots and events they carry."""
@@ -347,6 +356,27 @@ class CoreClient:
         """Send an unload to every ready core; its future as `load_lora`'s. In-flight requests on it finish on it."""
         ready = [r for r in self.replicas if r.ready]
         frame, future = self._loras.unload(lora_name, [r.index for r in ready])
+        for replica in ready:
+            replica.send(self._encoder, frame)
+        return future
+
+    # --- sleep mode ------------------------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> Future[None]:
+        """Send a sleep to every ready core (on the engine thread, with no request in flight); its future
+        completes once all of them sleep. The router forgets what each replica cached (the pools are freed)."""
+        ready = [r for r in self.replicas if r.ready]
+        frame, future = self._sleep.sleep(level, [r.index for r in ready])
+        for replica in self.replicas:
+            self.router.reset_replica(replica.index)
+        for replica in ready:
+            replica.send(self._encoder, frame)
+        return future
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> Future[None]:
+        """Send a wake to every ready core; its future completes once all of them woke what `tags` name."""
+        ready = [r for r in self.replicas if r.ready]
+        frame, future = self._sleep.wake(None if tags is None else list(tags), [r.index for r in ready])
         for replica in ready:
             replica.send(self._encoder, frame)
         return future
@@ -445,6 +475,8 @@ class CoreClient:
             replica.failures = 0
             for load in self._loras.replay():  # adapters loaded at run time, before any request it is sent
                 replica.send(self._encoder, load)
+            for call in self._sleep.replay():  # the others sleep: so does a core that (re)started meanwhile
+                replica.send(self._encoder, call)
             replica.full_since = None  # a wait before it connected is not a stall; flushing stamps a new one
             replica.flush(time.monotonic())
             replica.info = message.info
@@ -452,6 +484,8 @@ class CoreClient:
             logger.info("engine core %d ready (pid %d)", replica.index, message.pid)
         elif isinstance(message, LoRADone):
             self._roll_back(self._loras.answer(replica.index, message))
+        elif isinstance(message, SleepDone):
+            self._sleep.answer(replica.index, message)
         elif isinstance(message, Failed):
             logger.error("engine core %d failed: %s", replica.index, message.message)
             replica.last_error, replica.last_error_kind = message.message, message.kind
@@ -495,6 +529,7 @@ class CoreClient:
         lost = replica.mark_dead(time.monotonic())
         self.router.reset_replica(replica.index)
         self._roll_back(self._loras.replica_lost(replica.index))
+        self._sleep.replica_lost(replica.index)
         logger.error(
             "engine core %d died (%s): %d in-flight request(s) fail; restart in %.0f s",
             replica.index,

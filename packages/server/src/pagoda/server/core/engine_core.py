@@ -16,6 +16,7 @@ from types import FrameType
 
 import msgspec
 import zmq
+from pagoda.server.client_stream import EngineSleepingError
 from pagoda.server.config import EngineConfig
 from pagoda.server.core.block_maps import CoreBlockMaps
 from pagoda.server.core.deltas import DeltaEncoder
@@ -32,6 +33,7 @@ from pagoda.server.core.messages import (
     SnapshotRequest,
     input_decoder,
 )
+from pagoda.server.core.sleep_core import CoreSleep
 from pagoda.server.engine import LLMEngine
 from pagoda.server.loader import resolve_tokenizer_folder
 from pagoda.server.procs import ChildSpec, Failed, Program, Ready, Shutdown
@@ -87,6 +89,7 @@ class EngineCore:
         self._stop = False
         self.draining = False  # set by SIGTERM: refuse new requests, exit once the rest finished
         self._lora = CoreLoRA(engine, self._send)  # runtime LoRA load / unload (core/lora_core.py)
+        self._sleep = CoreSleep(engine, self._send)  # sleep mode (core/sleep_core.py)
 
     def run(self) -> None:
         """Announce readiness, then step and serve inputs until told to stop."""
@@ -102,6 +105,7 @@ class EngineCore:
                     return
                 self._serve_inputs(block=not busy)
                 self._lora.poll()
+                self._sleep.poll()
                 if (view := self._views.take()) is not None:
                     self._send(BlockMap(view))
                 if self._stop or not engine.has_unfinished_requests():
@@ -135,7 +139,7 @@ class EngineCore:
                 self._views.request(self.engine)  # between two steps: the copies are consistent
             elif isinstance(message, Shutdown):
                 self._stop = True
-            else:
+            elif not self._sleep.handle(message):
                 self._lora.handle(message)
         if accepted:
             self._send(Accepted(request_ids=accepted))
@@ -151,6 +155,11 @@ class EngineCore:
             )
         except ValueError as exc:  # RequestRejectedError and the grammar's errors carry `param`
             self._send(Rejected(message.request_id, str(exc), getattr(exc, "param", None)))
+            return False
+        except (
+            EngineSleepingError
+        ) as exc:  # the front end routes nothing to a sleeping core; refused, not fatal
+            self._send(Rejected(message.request_id, str(exc), None))
             return False
         return True
 

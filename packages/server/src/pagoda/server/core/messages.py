@@ -4,7 +4,8 @@ Front end -> core: `AddRequest`, `AbortRequests`, `Shutdown`, `SnapshotRequest` 
 -> front end: `Ready` once the model is loaded, then `Outputs` after each step and `Accepted` / `Rejected` for
 each added request, `BlockMap` answering a `SnapshotRequest`, or `Failed` before it exits on an error (the
 `CoreOutput` union). Runtime LoRA updating adds `LoadLoRA` / `UnloadLoRA` and their `LoRADone`
-(core/lora_frames.py). `Ready`, `Shutdown` and `Failed` are the process stack's control frames (procs/control.py),
+(core/lora_frames.py), sleep mode `SleepEngine` / `WakeEngine` and their `SleepDone` (core/sleep_frames.py).
+`Ready`, `Shutdown` and `Failed` are the process stack's control frames (procs/control.py),
 shared with the tensor-parallel workers. Every decoder is typed: a frame that is not exactly one of these fails
 to decode, and the receiver drops it (`decode_or_none`) instead of acting on it.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import msgspec
 from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
+from pagoda.server.core.sleep_frames import SleepDone, SleepEngine, WakeEngine
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
@@ -42,9 +44,10 @@ class SnapshotRequest(msgspec.Struct, frozen=True, tag=True):
     """Send the block map and queues once, between two steps (the dashboard; ignored while one is on its way)."""
 
 
+# LoRA: core/lora_frames.py; sleep mode: core/sleep_frames.py
 CoreInput = (
-    AddRequest | AbortRequests | Shutdown | SnapshotRequest | LoadLoRA | UnloadLoRA
-)  # LoRA: core/lora_frames.py
+    AddRequest | AbortRequests | Shutdown | SnapshotRequest | LoadLoRA | UnloadLoRA | SleepEngine | WakeEngine
+)
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -121,7 +124,7 @@ class BlockMap(msgspec.Struct, frozen=True, tag=True):
 
 
 # `Ready.info` is the core's `EngineInfo`, `Ready.stats` its stats before the first step.
-CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed | BlockMap | LoRADone
+CoreOutput = Ready[EngineInfo] | Outputs | Accepted | Rejected | Failed | BlockMap | LoRADone | SleepDone
 
 
 def input_decoder() -> FrameDecoder[CoreInput]:

@@ -11,11 +11,14 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
 from pagoda.server.engine.extension import Extension, Released, wait_for_any
 from pagoda.server.engine.request_factory import NewRequest
 from pagoda.server.structured import StructuredOutputManager
+
+if TYPE_CHECKING:  # xgrammar takes ~0.4 s to import: loaded at the first constrained request, not at start
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 

@@ -3,13 +3,19 @@ teams of the threads that ran torch."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import torch
+from pagoda.pagedkernel.cbuild import UnsafeCacheError, cache_dir, cpu_signature, private_dir
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -20,6 +26,7 @@ BFLOAT16_MIN_SPEEDUP = 1.5
 _PROBE_SHAPE = (256, 1024, 1024)  # a decode batch through a small model's projection: where AMX's gain shows
 _SCREEN_SHAPE = (64, 256, 256)  # 18 ms in bfloat16 on AVX2
 _SCREEN_SLOWER = 0.25  # a screening speedup below this is a CPU without bfloat16 units, not kernel overhead
+_DECISIVE_FACTOR = 2.0  # a speedup this many times off the threshold decides the dtype beyond doubt (cached)
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -40,6 +47,43 @@ def matmul_speedup(m: int, k: int, n: int, rounds: int = 5) -> float:
             times.append(time.perf_counter() - start)
         best[dtype] = min(times)
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
+
+
+def cached_bfloat16_speedup() -> float:
+    """`bfloat16_speedup`, kept for later starts when it decides the dtype beyond doubt (at least
+    _DECISIVE_FACTOR times above or below BFLOAT16_MIN_SPEEDUP): this CPU measured 5-30x, a probe disturbed by
+    other work on the machine 1.5x, which is measured again at the next start instead of kept.
+
+    The probe took 0.2-0.35 s of every start. Kept beside the compiled kernels (pagedkernel's private cache
+    folder), under a name that hashes what the measure depends on: the CPU's model and flags, torch's version and
+    its thread count; a file that cannot be read or parsed is measured again.
+    """
+    path = _speedup_cache_path()
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))["speedup"] if path is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        cached = None
+    if isinstance(cached, int | float) and not isinstance(cached, bool) and cached > 0:
+        return float(cached)
+    speedup = bfloat16_speedup()
+    decisive = not 1 / _DECISIVE_FACTOR < speedup / BFLOAT16_MIN_SPEEDUP < _DECISIVE_FACTOR
+    if path is not None and decisive:
+        with contextlib.suppress(OSError, UnsafeCacheError):
+            private_dir(path.parent)
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps({"speedup": speedup}), encoding="utf-8")
+            os.replace(temporary, path)  # atomic: a concurrent start reads no file or a whole one
+    return speedup
+
+
+def _speedup_cache_path() -> Path | None:
+    """Where this machine's measured speedup is kept (None: no cache folder can be named)."""
+    try:
+        folder = cache_dir()
+    except RuntimeError:  # no home directory
+        return None
+    key = f"{cpu_signature()}|{torch.__version__}|{torch.get_num_threads()}"
+    return folder / f"bfloat16-speedup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def bfloat16_speedup(rounds: int = 5) -> float:

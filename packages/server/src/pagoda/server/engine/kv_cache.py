@@ -125,18 +125,42 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.backend = backend
+        self._device = device
+        self.device_caches: list[LayerKVCache] = []
+        self.host_caches: list[LayerKVCache] = []
+        self.layer_caches: list[LayerKVCache] = []
+        self.reallocate()
+
+    def reallocate(self) -> None:
+        """Allocate the tensors (at start, and at a wake from sleep): untouched, so that their pages become
+        resident only as blocks are written."""
+        if self.device_caches:
+            return
+        device = self._device
         self.device_caches = allocate_caches(
-            shape,
-            num_blocks,
+            self.shape,
+            self.num_blocks,
             lambda blocks, size, heads, dim, dtype: torch.empty(
                 (blocks, size, heads, dim), dtype=dtype, device=device
             ),
         )
         # pagedkernel's host allocator pins the tier when CUDA is present, so that swaps copy asynchronously.
-        self.host_caches = allocate_caches(shape, num_host_blocks, allocate_host_cache)
+        self.host_caches = allocate_caches(self.shape, self.num_host_blocks, allocate_host_cache)
         # Per model layer (the pairs repeat with KV cache groups: a block id is owned by one group at a time).
-        self.layer_caches = [self.device_caches[s] for s in shape.layer_slots()]
-        self._device = device
+        self.layer_caches = [self.device_caches[s] for s in self.shape.layer_slots()]
+
+    def release(self) -> int:
+        """Drop every tensor of both tiers (sleep mode: nothing may run until `reallocate`); the bytes dropped.
+        Their memory returns to the allocator once no step holds them (the process hands it to the system with
+        `engine.sleep.return_freed_memory`)."""
+        dropped = sum(
+            t.numel() * t.element_size()
+            for layer in (*self.device_caches, *self.host_caches)
+            for t in (layer.k, layer.v, layer.k_scale, layer.v_scale)
+            if t is not None
+        )
+        self.device_caches, self.host_caches, self.layer_caches = [], [], []
+        return dropped
 
     def _pairs(self, pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:
         # [num_pairs, 2] (src, dst) block ids

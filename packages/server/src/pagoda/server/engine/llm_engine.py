@@ -24,11 +24,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
     KVBlockManager,
     Scheduler,
     SchedulerOutput,
 )
+from pagoda.server.client_stream import EngineSleepingError
 from pagoda.server.config import EngineConfig, resolved_scheduler_config
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.engine.counters import TokenCounters
@@ -43,6 +45,8 @@ from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_len
 from pagoda.server.engine.request_factory import NewRequest, new_request
 from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
 from pagoda.server.engine.setup import EngineParts
+from pagoda.server.engine.sleep import EngineSleep, SleepModeError, check_level, check_tags
+from pagoda.server.engine.sleep_setup import engine_sleep
 from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.kv_events import start_kv_events
@@ -56,6 +60,7 @@ from pagoda.server.pooling.classifier import ScoreHead
 from pagoda.server.request_contract import EngineRequest
 from pagoda.server.sampling import Sampler, unseeded_seed
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.startup import log_phase
 from pagoda.server.structured import GrammarBitmask, StructuredOutputManager
 from transformers import PreTrainedTokenizerBase
 
@@ -155,6 +160,10 @@ class LLMEngine:
             medium="GPU" if parts.device.type == "cuda" else "CPU",
             data_parallel_rank=config.parallel_config.data_parallel_rank,
         )
+        # Sleep mode: the KV pools and weights of the target (and draft) runner; None without enable_sleep_mode.
+        self.sleeping: EngineSleep | None = (
+            engine_sleep(config, parts, self.runner, self.draft) if model_config.enable_sleep_mode else None
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -162,7 +171,10 @@ class LLMEngine:
         tensor_parallel_size > 1 the model is split over that many ranks (see `pagoda.server.engine.executor`)."""
         executor, parts = build_executor(config)
         try:
-            return cls(config, parts, executor)
+            start = time.perf_counter()
+            engine = cls(config, parts, executor)
+            log_phase("engine", start)
+            return engine
         except BaseException:
             executor.shutdown()
             raise
@@ -198,6 +210,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request (under `lora_request`'s adapter, if given); RequestRejectedError (with `param`) if it
         can never run."""
+        if self.is_sleeping:
+            raise EngineSleepingError("the engine is sleeping: wake_up() first")
         ids = tuple(prompt_token_ids)
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
         self.rules.check(ids, params)
@@ -396,6 +410,51 @@ class LLMEngine:
         if self.lora is None:
             raise LoRAError("LoRA adapters are served with enable_lora (--enable-lora)", "model")
         return self.lora
+
+    # ------------------------------------------------------------------- sleep
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (or a partial wake left part of it asleep)."""
+        return self.sleeping is not None and self.sleeping.is_sleeping
+
+    @property
+    def enable_sleep_mode(self) -> bool:
+        """Whether the engine may sleep (`enable_sleep_mode`)."""
+        return self.sleeping is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool and release the weights' memory (level 1 offloads them to host memory on CUDA; level
+        2, and level 1 on the CPU, read them back from the checkpoint at wake); SleepModeError naming the field
+        when sleep mode is off, a request is unfinished or the level is bad. The prefix cache is reset: nothing
+        cached before the sleep is served after the wake."""
+        sleeping = self._sleep_side()
+        chosen = check_level(level)
+        if sleeping.is_sleeping:
+            sleeping.sleep(chosen)  # logs that it sleeps already
+            return
+        if self.has_unfinished_requests():
+            raise SleepModeError(
+                f"{self.get_num_unfinished_requests()} request(s) are unfinished: the engine sleeps once idle",
+                "level",
+            )
+        # The pool's contents are lost: its hashes go first (and KV cache events say AllBlocksCleared).
+        if isinstance(self.kv_manager, BlockManager) and not self.kv_manager.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: KV blocks are still in use")
+        self.last_schedule = None
+        sleeping.sleep(chosen)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what `tags` name ("weights", "kv_cache"; None: both): the weights come back (from host memory or
+        the checkpoint), the KV pool is allocated again; SleepModeError naming the field (`tags`, or `model` when
+        sleep mode is off). Waking an awake engine does nothing."""
+        self._sleep_side().wake_up(check_tags(tags))
+
+    def _sleep_side(self) -> EngineSleep:
+        """The sleep state, or SleepModeError when sleep mode is off."""
+        if self.sleeping is None:
+            raise SleepModeError("sleep mode is off: enable_sleep_mode (--enable-sleep-mode)", "model")
+        return self.sleeping
 
     # ------------------------------------------------------------------- stats
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
 from pagoda.scheduler import Request, Scheduler, sample_id
 from pagoda.server.outputs import (
     CompletionOutput,
@@ -25,6 +25,9 @@ from pagoda.server.sampling import IncrementalDetokenizer, SamplingRow, TokenLog
 from pagoda.server.sampling.logits_processors import LogitsEdits, PreparedEdits, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # xgrammar takes ~0.4 s to import: loaded at the first constrained request, not at start
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,8 @@ class RequestState:
 
     def start_grammar(self, compiled: xgr.CompiledGrammar) -> None:
         """Give every sample its own matcher of the compiled grammar (n > 1 samples diverge)."""
+        import xgrammar as xgr  # loaded by the grammar's compile already
+
         for sample in self.samples.values():
             sample.matcher = xgr.GrammarMatcher(compiled)
 

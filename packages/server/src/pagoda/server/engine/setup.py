@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.quant import QuantBackendName
 from pagoda.server.config import EngineConfig
-from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, bfloat16_speedup, keep_freed_memory
+from pagoda.server.engine.host import BFLOAT16_MIN_SPEEDUP, cached_bfloat16_speedup, keep_freed_memory
 from pagoda.server.engine.kv_cache import KVCache, KVCacheShape
 from pagoda.server.engine.kv_dtype import check_kv_cache_dtype, storage_dtype
 from pagoda.server.engine.kv_groups import KVCacheLayout, plan_kv_cache_layout
@@ -25,6 +26,7 @@ from pagoda.server.models.attention import Attention
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.parallel import ParallelGroup
 from pagoda.server.models.quantized import resident_weight_bytes
+from pagoda.server.startup import log_phase
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger("pagoda.engine")
@@ -94,7 +96,7 @@ def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
         return _DTYPES[config.model_config.dtype]
     if device.type != "cpu":
         return torch.bfloat16
-    speedup = bfloat16_speedup()
+    speedup = cached_bfloat16_speedup()
     dtype = torch.bfloat16 if speedup >= BFLOAT16_MIN_SPEEDUP else torch.float32
     logger.info("dtype auto: bfloat16 matmul measured %.2gx float32 on this CPU -> %s", speedup, dtype)
     return dtype
@@ -135,11 +137,17 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
+def pack_rows(config: EngineConfig) -> int:
+    """The batch hint weights are packed for: the decode batch, what the packed layout is tuned for (the hint
+    matters little: measured 106-118 GFLOP/s for 110 rows across hints of 32-2048)."""
+    return min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
+
+
+def prepare_model(
+    model: CausalLM, config: EngineConfig, device: torch.device, *, compile_forward: bool = True
+) -> None:
     """Pack the weights for the decode batch (CPU) or compile the forward (CUDA), once loaded."""
-    # The decode batch is what the packed layout is tuned for; the hint matters little (measured 106-118 GFLOP/s
-    # for 110 rows across hints of 32-2048).
-    rows = min(config.scheduler_config.max_num_seqs, _PACK_BATCH)
+    rows = pack_rows(config)
     runner = config.model_config.runner
     if model.classifier() is not None and runner != "pooling":  # no LM head to generate with
         raise EngineConfigError(
@@ -150,7 +158,7 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
     model.computes_logits = runner == "generate"
     if packed := model.pack_weights(rows):
         logger.info("oneDNN: %d weight matrices packed once for batches of ~%d rows", packed, rows)
-    if device.type == "cuda" and not config.model_config.enforce_eager:
+    if compile_forward and device.type == "cuda" and not config.model_config.enforce_eager:
         # Fuses the elementwise work around the kernels; the paged kernels themselves stay opaque calls.
         model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
 
@@ -240,6 +248,26 @@ def build_shard(
     return model, backend
 
 
+def reload_model(
+    config: EngineConfig, folder: Path, placement: Placement, *, quantize: bool = True
+) -> CausalLM:
+    """A fresh copy of a model from its checkpoint folder, loaded and packed as at start-up (sleep mode's wake
+    reads released weights back this way; the copy's tensors move into the sleeping model's). `quantize`: the
+    target model's --quantization int8 / int4 applies (a draft model is never quantized at load)."""
+    model_config = config.model_config
+    quantization = model_config.quantization if quantize else None
+    model, _ = load_shard(
+        folder,
+        dtype=placement.dtype,
+        device=placement.device,
+        keep_quantized=model_config.keeps_quantized(),
+        quant_backend=quant_backend(config),
+        quantize_to=load_qtype(quantization, model_config.quantization_group_size),
+    )
+    prepare_model(model, config, placement.device, compile_forward=False)
+    return model
+
+
 def _kv_bytes(config: EngineConfig, device: torch.device) -> float:
     """Bytes the KV cache may take: a fixed size on the CPU, what is left under the utilization on CUDA."""
     if device.type != "cuda":
@@ -254,7 +282,9 @@ def build_parts(
     """Load the model (this rank's shard with a `group`) and size the KV cache; EngineConfigError when a
     max_model_len request cannot fit. `placement` is decided here unless given (a tensor-parallel driver decides
     it before its workers start)."""
+    start = time.perf_counter()
     placement = placement or select_placement(config)
+    start = log_phase("device and dtype", start)
     device, dtype = placement.device, placement.dtype
     if device.type == "cpu" and keep_freed_memory():
         logger.info("glibc malloc: freed large blocks are kept for reuse (no per-step page faults)")
@@ -262,6 +292,7 @@ def build_parts(
     check_kv_cache_dtype(config, device)
     backend = get_backend(model_config.kernel_backend, device)
     prepare_kernels(backend, dtype, config)
+    start = log_phase("kernels", start)
     loaded = load_model(
         model_config.model,
         dtype=dtype,
@@ -273,8 +304,10 @@ def build_parts(
         quant_backend=quant_backend(config),
         quantize_to=load_qtype(model_config.quantization, model_config.quantization_group_size),
     )
+    start = time.perf_counter()
     log_resident_weights(loaded.model)
     prepare_model(loaded.model, config, device)
+    start = log_phase("packed weights", start)
     text_config = loaded.hf_config.get_text_config()
     model_limit = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
     if scheduler.max_model_len is not None and scheduler.max_model_len > model_limit:
@@ -321,6 +354,7 @@ def build_parts(
         shape.blocks_in(cache.swap_space_gib * 2**30) if scheduler.preemption_mode != "recompute" else 0
     )
     kv_cache = KVCache(shape, num_blocks, num_host_blocks, device, backend)
+    log_phase("KV pool", start)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s, %.0f B/token); host tier %d blocks",
         num_blocks,

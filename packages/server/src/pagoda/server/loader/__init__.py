@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from pagoda.server.loader.quantize_at_load import quantize_weights
 from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
 from pagoda.server.models import CausalLM, ParallelGroup, build_model
 from pagoda.server.packaged import packaged_model
+from pagoda.server.startup import log_phase
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
@@ -69,6 +73,14 @@ def resolve_tokenizer_folder(tokenizer: str) -> Path:
     )
 
 
+def _load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a folder (its own start-up phase in the log)."""
+    start = time.perf_counter()
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder)
+    log_phase("tokenizer", start)
+    return tokenizer
+
+
 def load_shard(
     folder: Path,
     *,
@@ -78,14 +90,21 @@ def load_shard(
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
     quantize_to: GGMLType | None = None,
+    hf_config: PretrainedConfig | None = None,
+    before_copies: Callable[[], None] | None = None,
 ) -> tuple[CausalLM, PretrainedConfig]:
     """The model of a safetensors folder, this rank's shard only (each tensor read slice by slice), and its config;
     a converted GGUF's block-format weights stay quantized with `keep_quantized` (see `load_safetensors`), and
-    `quantize_to` quantizes the dense ones at load into that block format (`quantize_weights`)."""
-    hf_config = AutoConfig.from_pretrained(folder)
+    `quantize_to` quantizes the dense ones at load into that block format (`quantize_weights`). `hf_config`: the
+    folder's config when the caller read it already; `before_copies`: see `load_safetensors`."""
+    hf_config = hf_config or AutoConfig.from_pretrained(folder)
     built = build_model(hf_config, dtype, device, group)
     load_safetensors(
-        built, safetensors_files(folder), keep_quantized=keep_quantized, quant_backend=quant_backend
+        built,
+        safetensors_files(folder),
+        keep_quantized=keep_quantized,
+        quant_backend=quant_backend,
+        before_copies=before_copies,
     )
     if quantize_to is not None:
         quantize_weights(built, quantize_to, quant_backend)
@@ -114,14 +133,33 @@ def load_model(
     # Resolved first: a wrong tokenizer path fails before seconds of weight loading, not after.
     tokenizer_folder = None if tokenizer is None else resolve_tokenizer_folder(tokenizer)
     folder = resolve_model_folder(model, cache_dir)
-    built, hf_config = load_shard(
-        folder,
-        dtype=dtype,
-        device=device,
-        group=group,
-        keep_quantized=keep_quantized,
-        quant_backend=quant_backend,
-        quantize_to=quantize_to,
-    )
-    loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder or folder)
+    # The config first, on this thread: the tokenizer's thread then finds transformers' modules imported.
+    hf_config = AutoConfig.from_pretrained(folder)
+    # The tokenizer is read while the weights are copied: its 1-1.5 s (Gemma 3's 262k vocabulary; JSON parsing and
+    # Rust that hold the GIL throughout) beside the weights' bulk copy, which holds none. It starts once the
+    # weights' own Python work is done (`before_copies`), which would otherwise wait for the GIL behind it.
+    tokenizer_future: Future[PreTrainedTokenizerBase] | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenizer-load") as pool:
+
+        def start_tokenizer() -> None:
+            nonlocal tokenizer_future
+            if tokenizer_future is None:
+                tokenizer_future = pool.submit(_load_tokenizer, tokenizer_folder or folder)
+
+        start = time.perf_counter()
+        built, hf_config = load_shard(
+            folder,
+            dtype=dtype,
+            device=device,
+            group=group,
+            keep_quantized=keep_quantized,
+            quant_backend=quant_backend,
+            quantize_to=quantize_to,
+            hf_config=hf_config,
+            before_copies=start_tokenizer,
+        )
+        log_phase("weights", start)
+        start_tokenizer()  # a model without quantized blocks had no bulk copy
+        assert tokenizer_future is not None
+        loaded_tokenizer = tokenizer_future.result()
     return LoadedModel(model=built, hf_config=hf_config, tokenizer=loaded_tokenizer, model_path=folder)

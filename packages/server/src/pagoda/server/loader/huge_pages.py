@@ -31,7 +31,23 @@ def transparent_huge_pages() -> bool:
 def huge_page_copies(tensors: Sequence[Tensor]) -> list[Tensor] | None:
     """The (CPU, contiguous) `tensors` copied into one fresh anonymous region advised MADV_HUGEPAGE before its
     first touch, 64-byte aligned each; None where that does not apply (not all on the CPU, under 2 MiB in all, no
-    transparent huge pages).
+    transparent huge pages). See `huge_page_region`."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    region = huge_page_region([t.numel() * t.element_size() for t in tensors])
+    if region is None:
+        return None
+    copies = []
+    for tensor, memory in zip(tensors, region, strict=True):
+        out = memory.view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        copies.append(out)
+    return copies
+
+
+def huge_page_region(sizes: Sequence[int]) -> list[Tensor] | None:
+    """Fresh uint8 memory of each size, in one anonymous region advised MADV_HUGEPAGE before its first touch,
+    64-byte aligned each; None where that does not apply (under 2 MiB in all, no transparent huge pages).
 
     Weights read whole every step (a quantized model's blocks: the default model's 178 MB Q8_0 LM head and 75 MB
     of layers) pay a TLB miss every 4 KiB page they stream: memory-mapped from the checkpoint file, or taken from
@@ -39,25 +55,14 @@ def huge_page_copies(tensors: Sequence[Tensor]) -> list[Tensor] | None:
     12.2 ms from the file mapping, 7.7 ms from 2 MiB pages. One region serves the small weights too (a layer's
     1-2 MB would not fill a page of its own). The copies keep the region alive; it is freed with the last of them.
     """
-    sizes = [t.numel() * t.element_size() for t in tensors]
     offsets = list(itertools.accumulate((-(-n // _ALIGN) * _ALIGN for n in sizes), initial=0))
-    if (
-        any(t.device.type != "cpu" for t in tensors)
-        or offsets[-1] < _HUGE_PAGE_BYTES
-        or not hasattr(mmap, "MADV_HUGEPAGE")
-        or not transparent_huge_pages()
-    ):
+    if offsets[-1] < _HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE") or not transparent_huge_pages():
         return None
     length = -(-offsets[-1] // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(region, dtype=torch.uint8)
-    copies = []
-    for tensor, offset, nbytes in zip(tensors, offsets[:-1], sizes, strict=True):
-        out = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        out.copy_(tensor)
-        copies.append(out)
-    return copies
+    return [arena[offset : offset + nbytes] for offset, nbytes in zip(offsets[:-1], sizes, strict=True)]
 
 
 def _file_mappings() -> list[tuple[int, int]]:

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pagoda.pagedkernel.quant import BLOCK_SIZES, GGMLType, QuantBackendName, QuantizedTensor, dequantize
-from pagoda.server.loader.huge_pages import huge_page_copies, release_file_pages
+from pagoda.server.loader.huge_pages import huge_page_region, release_file_pages
 from pagoda.server.loader.quantized_cache import byte_range, columns_of, quantized_types
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear, QuantizableWeight
 from pagoda.server.models.parallel_layers import SlicedLoad, SourceSlice
-from pagoda.server.models.quantized import QuantizedWeight
+from pagoda.server.models.quantized import QuantizedWeight, run_bytes, run_copies, runs_of
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -211,29 +211,39 @@ def _install_quantized(
     model: CausalLM,
     pending: dict[str, dict[int, tuple[Tensor, QuantizedTensor]]],
     backend: QuantBackendName,
+    before_copies: Callable[[], None] | None = None,
 ) -> None:
     """Hand each layer its blocks when every part of its weight came quantized; dequantize into the dense
-    weight otherwise (a fused layer whose parts mix block formats with plain floats)."""
-    installs: list[tuple[QuantizableWeight, QuantizedWeight]] = []
+    weight otherwise (a fused layer whose parts mix block formats with plain floats). `before_copies` is called
+    once every file read is planned, right before the bulk copy (see `load_safetensors`)."""
+    # Each layer's parts in runs of one block type (a fused q/k/v of one type is one run: one matmul).
+    installs: list[tuple[QuantizableWeight, list[list[QuantizedTensor]]]] = []
     for param, parts in pending.items():
         owner = model.get_submodule(param.rpartition(".")[0])
         count = len(owner.shard_sizes) if isinstance(owner, MergedLinear) else 1
         if isinstance(owner, QuantizableWeight) and sorted(parts) == list(range(count)):
-            installs.append((owner, QuantizedWeight.of([parts[i][1] for i in range(count)], backend)))
+            installs.append((owner, runs_of([parts[i][1] for i in range(count)])))
             continue
         for dest, quantized in parts.values():
             dest.copy_(dequantize(quantized, backend=backend))
-    # Every step reads these blocks whole: from one region of 2 MiB pages rather than the file mapping's 4 KiB ones.
-    sources = [part.data for _, weight in installs for part in weight.parts]
-    copies = huge_page_copies(sources)
-    if copies is None:
-        copies = sources
-    else:  # the checkpoint's pages those copies read need not stay resident too
+    # Every step reads these blocks whole: from one region of 2 MiB pages rather than the file mapping's 4 KiB ones,
+    # each run copied there straight from the checkpoint (merged in place: no concatenation first).
+    runs = [run for _, weight_runs in installs for run in weight_runs]
+    on_cpu = all(part.data.device.type == "cpu" for run in runs for part in run)
+    region = huge_page_region([run_bytes(run) for run in runs]) if on_cpu else None
+    if before_copies is not None:
+        before_copies()
+    if region is not None:
+        pairs = [pair for run, memory in zip(runs, region, strict=True) for pair in run_copies(run, memory)]
+        # One call for every copy: it runs without the GIL throughout (page faults of the huge pages included),
+        # beside what other threads do meanwhile (the tokenizer's loading).
+        torch._foreach_copy_([dest for dest, _ in pairs], [source for _, source in pairs])
+    places: Iterator[Tensor | None] = iter(region) if region is not None else itertools.repeat(None)
+    for owner, weight_runs in installs:
+        memory = [next(places) for _ in weight_runs]
+        owner.set_quantized(QuantizedWeight.placed(weight_runs, memory, backend))
+    if region is not None:  # the checkpoint's pages the copies read need not stay resident too
         release_file_pages([quantized.data for parts in pending.values() for _, quantized in parts.values()])
-    remaining = iter(copies)
-    for owner, weight in installs:
-        blocks = tuple(dataclasses.replace(part, data=next(remaining)) for part in weight.parts)
-        owner.set_quantized(dataclasses.replace(weight, parts=blocks))
 
 
 @torch.no_grad()
@@ -243,8 +253,13 @@ def load_safetensors(
     *,
     keep_quantized: bool = True,
     quant_backend: QuantBackendName = "auto",
+    before_copies: Callable[[], None] | None = None,
 ) -> None:
     """Fill every parameter of `model` from `files`, casting to the parameter dtype and device.
+
+    `before_copies` is called once the Python-side work is done and only the bulk copy of the quantized blocks
+    is left (a C call that holds no GIL): the loader starts the tokenizer's thread there, so that neither waits
+    for the other's hold on the GIL.
 
     Block-format weights (a converted GGUF's, see `quantized_cache`) stay quantized in their layers with
     `keep_quantized`, multiplied by the `quant_backend` ops; without it they are dequantized into the dense
@@ -307,7 +322,7 @@ def load_safetensors(
                 else:
                     dest.copy_(tensor)
                 loaded.add(target)
-    _install_quantized(model, pending, quant_backend)
+    _install_quantized(model, pending, quant_backend, before_copies)
     if unexpected:
         raise WeightLoadError(f"checkpoint tensors with no matching parameter: {_names(unexpected)}")
     missing = expected - loaded

@@ -25,18 +25,32 @@ class QuantizedWeight:
     @classmethod
     def of(cls, parts: Sequence[QuantizedTensor], backend: QuantBackendName = "auto") -> QuantizedWeight:
         """Runs of rows merged where neighbours share a block type (one matmul for q/k/v of one type)."""
+        runs = runs_of(parts)
+        return cls.placed(runs, [None] * len(runs), backend)
+
+    @classmethod
+    def placed(
+        cls,
+        runs: Sequence[Sequence[QuantizedTensor]],
+        # Per run, the uint8 memory that holds its parts' bytes in order (`run_copies` put them there); None:
+        # the run's parts are concatenated into a new tensor (a run of one part is kept as it is).
+        memory: Sequence[Tensor | None],
+        backend: QuantBackendName = "auto",
+    ) -> QuantizedWeight:
+        """The weight of `runs_of`'s runs, each run one tensor: `memory`'s (the loader's region of huge pages,
+        filled straight from the checkpoint, no concatenation first), or a new one."""
         merged: list[QuantizedTensor] = []
-        for part in parts:
-            if len(part.shape) != 2:
-                raise ValueError(f"a quantized weight is 2-D [N, K], got shape {part.shape}")
-            last = merged[-1] if merged else None
-            if last is not None and last.qtype == part.qtype and last.shape[1] == part.shape[1]:
-                data = torch.cat((last.data.reshape(last.rows, -1), part.data.reshape(part.rows, -1)))
-                merged[-1] = QuantizedTensor(data, part.qtype, (last.shape[0] + part.shape[0], part.shape[1]))
+        for run, place in zip(runs, memory, strict=True):
+            first = run[0]
+            rows = sum(part.shape[0] for part in run)
+            if len(run) == 1 and place is None:
+                merged.append(first)
+                continue
+            if place is None:
+                data = torch.cat([part.data.reshape(part.rows, -1) for part in run])
             else:
-                merged.append(part)
-        if not merged:
-            raise ValueError("a quantized weight needs at least one part")
+                data = place.view(rows, -1)
+            merged.append(QuantizedTensor(data, first.qtype, (rows, first.shape[1])))
         return cls(tuple(merged), backend)
 
     @property
@@ -75,6 +89,40 @@ class QuantizedWeight:
     def dense(self) -> Tensor:  # float32 [N, K]
         """The exact float32 values (for a layer that cannot keep the blocks)."""
         return torch.cat([dequantize(p, backend=self.backend) for p in self.parts])
+
+
+def runs_of(parts: Sequence[QuantizedTensor]) -> list[list[QuantizedTensor]]:
+    """A weight's parts (2-D, in row order) grouped into runs that share a block type and width: each run becomes
+    one QuantizedTensor (one matmul). ValueError for no part or one that is not 2-D."""
+    runs: list[list[QuantizedTensor]] = []
+    for part in parts:
+        if len(part.shape) != 2:
+            raise ValueError(f"a quantized weight is 2-D [N, K], got shape {part.shape}")
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.qtype == part.qtype and last.shape[1] == part.shape[1]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    if not runs:
+        raise ValueError("a quantized weight needs at least one part")
+    return runs
+
+
+def run_bytes(run: Sequence[QuantizedTensor]) -> int:
+    """Bytes of a run's blocks."""
+    return sum(part.data.numel() * part.data.element_size() for part in run)
+
+
+def run_copies(run: Sequence[QuantizedTensor], memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(destination, source) flat uint8 views that put a run's parts, in order, into `memory` (run_bytes of
+    uint8): one batched copy (`torch._foreach_copy_`) can then move every run at once."""
+    pairs: list[tuple[Tensor, Tensor]] = []
+    start = 0
+    for part in run:
+        source = part.data.reshape(-1).view(torch.uint8)
+        pairs.append((memory[start : start + source.numel()], source))
+        start += source.numel()
+    return pairs
 
 
 def placeholder(dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -7,10 +7,14 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
+import torch
 from pagoda.pagedkernel.sampling.token_bitmask import apply_token_bitmask_
 from torch import Tensor
+
+if TYPE_CHECKING:  # xgrammar takes ~0.4 s to import: loaded at the first constrained request, not at start
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +22,11 @@ logger = logging.getLogger(__name__)
 # others keep filling the rest of the step.
 _FILL_THREADS = 2
 DEFAULT_FILL_TIMEOUT = 1.0  # seconds (the engine's --grammar-fill-timeout)
+
+
+def allocate_token_bitmask(num_rows: int, vocab_size: int) -> Tensor:  # int32 [num_rows, ceil(vocab / 32)]
+    """xgrammar's bitmask buffer (every token allowed: all bits set), allocated without importing xgrammar."""
+    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +76,9 @@ class GrammarBitmask:
     ) -> None:
         self.vocab_size = vocab_size
         self.fill_timeout = fill_timeout
-        self._bitmask: Tensor = xgr.allocate_token_bitmask(0, vocab_size)  # int32 [rows, ceil(vocab / 32)]
+        self._bitmask: Tensor = allocate_token_bitmask(0, vocab_size)  # int32 [rows, ceil(vocab / 32)]
         # What a finished grammar allows (xgrammar refuses to fill a terminated matcher): the model's eos ids.
-        self._stop_row = xgr.allocate_token_bitmask(1, vocab_size)[0].zero_()  # int32 [ceil(vocab / 32)]
+        self._stop_row = allocate_token_bitmask(1, vocab_size)[0].zero_()  # int32 [ceil(vocab / 32)]
         for token in sorted(stop_token_ids):
             if token < vocab_size:
                 bit = 1 << (token % 32)
@@ -144,12 +153,12 @@ class GrammarBitmask:
                 self.fill_timeout,
             )
         # The late fills still write into this buffer: later steps get a new one.
-        self._bitmask = xgr.allocate_token_bitmask(self._bitmask.shape[0], self.vocab_size)
+        self._bitmask = allocate_token_bitmask(self._bitmask.shape[0], self.vocab_size)
         return step.filled(late)
 
     def _buffer(self, num_rows: int) -> Tensor:  # int32 [num_rows, ceil(vocab / 32)]
         if self._bitmask.shape[0] < num_rows:
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+            self._bitmask = allocate_token_bitmask(num_rows, self.vocab_size)
         return self._bitmask[:num_rows]
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
 from pagoda.server.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from pagoda.server.structured.params import StructuredOutputsParams, json_schema_grammar, parse_grammar
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # xgrammar takes ~0.4 s to import: loaded at the first constrained request, not at start
+    import xgrammar as xgr
 
 # Compiling reads the whole vocabulary per grammar; two threads keep one slow schema from delaying the rest
 # without taking every core of a small machine from the engine.
@@ -84,6 +87,8 @@ class StructuredOutputManager:
         return compiler.compile_builtin_json_grammar()
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr  # at the first compile, not at start (see the imports)
+
         with self._compiler_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import xgrammar as xgr
+if TYPE_CHECKING:  # xgrammar takes ~0.4 s to import: loaded at the first constrained request, not at start
+    import xgrammar as xgr
+
 
 GrammarKind = Literal["json", "regex", "choice", "grammar", "json_object"]
 
@@ -88,6 +90,8 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 def parse_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """Parse the constraint without compiling it against a vocabulary (well under a millisecond for usual
     schemas); GrammarError naming the field when it is invalid."""
+    import xgrammar as xgr  # at the first constraint, not at start (see the imports)
+
     kind, text = params.source()
     try:
         if kind == "json":
@@ -112,6 +116,8 @@ def json_schema_grammar(schema: str, *, compact: bool = False) -> str:
     xgrammar 0.2 lets a length-bounded string (maxLength) hold raw control characters, which JSON forbids (and
     pydantic rejects): its character class is narrowed to the one its unbounded strings already use.
     """
+    import xgrammar as xgr  # at the first constraint, not at start (see the imports)
+
     grammar = str(xgr.Grammar.from_json_schema(schema, **(COMPACT_JSON_OPTIONS if compact else JSON_OPTIONS)))
     return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
