@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 
 from pagoda.server.api.anthropic_errors import error_event
 from pagoda.server.api.anthropic_input import (
@@ -27,7 +26,6 @@ from pagoda.server.api.anthropic_protocol import (
 from pagoda.server.api.anthropic_stream import PING, PING_SECONDS, BlockWriter, event, keepalive
 from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
-from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_base import (
     EventStreamResponse,
     ServingContext,
@@ -37,25 +35,13 @@ from pagoda.server.api.serving_base import (
     until_disconnect,
 )
 from pagoda.server.api.serving_chat import _Choices, _deltas, assistant_message, render_messages
-from pagoda.server.api.serving_tools import ToolPlan, check_tool_messages, plan_tools
+from pagoda.server.api.serving_tools import PreparedChat, ToolPlan, check_tool_messages, plan_tools
 from pagoda.server.async_llm import RequestStream
 from pagoda.server.outputs import CompletionOutput, RequestOutput
-from pagoda.server.sampling_params import SamplingParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 ABORTED_MESSAGE = "The server aborted this request before it finished. Retry the request."
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A request ready for the engine: its prompt, sampling parameters and how its output is split."""
-
-    prompt: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    plan: ToolPlan
-    reasoning: ReasoningParser | None
 
 
 def usage(num_prompt_tokens: int, final: RequestOutput, output: CompletionOutput) -> Usage:
@@ -158,7 +144,7 @@ class MessagesHandler:
         self.ctx.rules.check_token_ids(prompt_ids, "messages")
         return prompt_ids
 
-    async def _prepare(self, translated: Translated, max_tokens: int) -> _Prepared:
+    async def _prepare(self, translated: Translated, max_tokens: int) -> PreparedChat:
         """The chat handler's checks and parameters, with the errors naming Anthropic's fields."""
         ctx = self.ctx
         chat = translated.chat
@@ -171,10 +157,10 @@ class MessagesHandler:
             await ctx.check_grammar(plan.constraint, {plan.constraint.kind: "tools"})
         # Output forced to a schema holds no thinking block to split off; `thinking: disabled` splits none.
         split = plan.constraint is None and translated.split_thinking
-        return _Prepared(prompt, prompt_ids, params, plan, ctx.reasoning_parser if split else None)
+        return PreparedChat(prompt, prompt_ids, params, plan, ctx.reasoning_parser if split else None)
 
     async def _stream(
-        self, message_id: str, model: str, prepared: _Prepared, streams: Sequence[RequestStream]
+        self, message_id: str, model: str, prepared: PreparedChat, streams: Sequence[RequestStream]
     ) -> AsyncGenerator[str]:
         """Anthropic's event sequence: message_start, ping, each block's start / deltas / stop, message_delta
         (stop reason, final usage), message_stop; pings while nothing else is sent; `error` if it fails."""

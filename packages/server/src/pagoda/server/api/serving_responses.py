@@ -10,13 +10,11 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import ChatCompletionRequest
-from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.response_store import ResponseStore, StoredResponse, request_caller
 from pagoda.server.api.responses_input import chat_request, input_messages, output_items, output_messages
 from pagoda.server.api.responses_protocol import (
@@ -37,23 +35,11 @@ from pagoda.server.api.serving_base import (
     until_disconnect,
 )
 from pagoda.server.api.serving_chat import _Choices, _deltas, assistant_message, render_messages
-from pagoda.server.api.serving_tools import ToolPlan, check_tool_messages, plan_tools
+from pagoda.server.api.serving_tools import PreparedChat, check_tool_messages, plan_tools
 from pagoda.server.async_llm import RequestStream
 from pagoda.server.outputs import RequestOutput
-from pagoda.server.sampling_params import SamplingParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A request ready for the engine: its prompt, sampling parameters and how its output is split."""
-
-    prompt: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    plan: ToolPlan
-    reasoning: ReasoningParser | None
 
 
 class ResponsesHandler:
@@ -161,7 +147,7 @@ class ResponsesHandler:
             turns = conversation + output_messages(done["output"])
             self.store.put(caller, done["id"], StoredResponse(done, turns))
 
-    async def _prepare(self, body: ResponsesRequest, chat: ChatCompletionRequest) -> _Prepared:
+    async def _prepare(self, body: ResponsesRequest, chat: ChatCompletionRequest) -> PreparedChat:
         """The chat handler's checks and parameters, with the errors naming the Responses fields."""
         ctx = self.ctx
         plan = await ctx.run(lambda: plan_tools(chat, ctx.tool_parser, compact_json=ctx.compact_json))
@@ -181,14 +167,14 @@ class ResponsesHandler:
             await ctx.check_grammar(plan.constraint, {plan.constraint.kind: "tools"})
         # Output forced to a schema holds no reasoning block to split off.
         reasoning = ctx.reasoning_parser if plan.constraint is None else None
-        return _Prepared(prompt, prompt_ids, params, plan, reasoning)
+        return PreparedChat(prompt, prompt_ids, params, plan, reasoning)
 
     async def _finish(
         self,
         base: ResponseObject,
         final: RequestOutput,
         items: list[dict[str, Any]],
-        prepared: _Prepared,
+        prepared: PreparedChat,
     ) -> dict[str, Any]:
         """The finished response object: its output, status and usage."""
         output = final.outputs[0]
@@ -223,7 +209,7 @@ class ResponsesHandler:
         entry: StoredResponse,
         base: ResponseObject,
         streams: Sequence[RequestStream],
-        prepared: _Prepared,
+        prepared: PreparedChat,
         conversation: list[dict[str, Any]],
     ) -> None:
         """Run a background response to its end, updating its stored entry (cancelled: `cancelled`)."""
@@ -251,7 +237,7 @@ class ResponsesHandler:
         self,
         base: ResponseObject,
         streams: Sequence[RequestStream],
-        prepared: _Prepared,
+        prepared: PreparedChat,
         caller: str | None,
         conversation: list[dict[str, Any]],
     ) -> AsyncGenerator[str]:

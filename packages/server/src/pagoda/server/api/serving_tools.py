@@ -11,6 +11,7 @@ from typing import Any
 
 from pagoda.server.api.errors import bad_request
 from pagoda.server.api.protocol import ChatCompletionRequest, ChatMessage, FinishReasonField
+from pagoda.server.api.reasoning import ReasoningParser
 from pagoda.server.api.serving_structured import requested_constraint
 from pagoda.server.api.tool_fields import ChatTool, NamedToolChoice, ToolCall
 from pagoda.server.api.tool_parsers import (
@@ -153,3 +154,15 @@ def template_tool_fields(message: ChatMessage) -> dict[str, Any]:
             calls.append({"id": call.id, "type": call.type, "function": function})
         fields["tool_calls"] = calls
     return fields
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat-shaped request ready for the engine (Responses, Anthropic Messages): its prompt, sampling parameters,
+    tool plan and the reasoning parser that splits its output (None: nothing is split off)."""
+
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    reasoning: ReasoningParser | None

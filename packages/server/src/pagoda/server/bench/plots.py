@@ -36,13 +36,7 @@ def plot_throughput(finish_s: Sequence[float], latency_s: Sequence[float], title
     done.set(title="Completed requests", xlabel="seconds since the start", ylabel="requests")
     spread.hist(latency_s, bins=min(50, max(5, len(latency_s) // 4)), color="tab:green")
     spread.set(title="Request latency (queued + computed)", xlabel="seconds", ylabel="requests")
-    for axis in (done, spread):
-        axis.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, (done, spread), title, path)
 
 
 def plot_latency(latencies_s: Sequence[float], title: str, path: Path) -> bool:
@@ -55,7 +49,12 @@ def plot_latency(latencies_s: Sequence[float], title: str, path: Path) -> bool:
     order.set(title="Latency per iteration", xlabel="iteration", ylabel="seconds")
     spread.hist(latencies_s, bins=min(30, max(5, len(latencies_s) // 2)), color="tab:green")
     spread.set(title="Latency distribution", xlabel="seconds", ylabel="iterations")
-    for axis in (order, spread):
+    return _save(plt, fig, (order, spread), title, path)
+
+
+def _save(plt: Any, fig: Any, axes: Sequence[Any], title: str, path: Path) -> bool:
+    """Grid the axes, title the figure, write it to `path` and close it; True."""
+    for axis in axes:
         axis.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
