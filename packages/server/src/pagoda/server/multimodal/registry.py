@@ -1,0 +1,22 @@
+"""Which `MultiModalProcessor` a model folder gets, by the architecture its config names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from pagoda.server.multimodal.processor import MultiModalProcessor
+from transformers import PretrainedConfig
+
+# Hugging Face architecture name -> the processor built from the model folder.
+PROCESSORS: Mapping[str, Callable[[Path], MultiModalProcessor]] = MappingProxyType({})
+
+
+def processor_for(model_path: Path, config: PretrainedConfig) -> MultiModalProcessor | None:
+    """The folder's multimodal processor; None for a text-only model."""
+    for arch in config.architectures or []:
+        build = PROCESSORS.get(arch)
+        if build is not None:
+            return build(model_path)
+    return None
