@@ -18,6 +18,7 @@ from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.config import HTTPLimits, ServingConfig
 from pagoda.server.engine import RequestRejectedError
 from pagoda.server.engine_client import EngineClient
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.sampling_params import SamplingParams
@@ -115,6 +116,7 @@ class FakeEngine:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Queue a request (raises RequestRejectedError for a prompt with REJECT_MARKER or over max_model_len)."""
         if prompt is not None and REJECT_MARKER in prompt:

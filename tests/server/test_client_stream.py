@@ -21,6 +21,7 @@ from pagoda.server.client_stream import (
     RequestEvent,
     RequestFailed,
 )
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from test_api_async_engine import run
@@ -58,6 +59,7 @@ class DeferringEngine:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Queue the request; its answer comes out of the next step."""
         if request_id in self.to_reject:

@@ -24,6 +24,7 @@ from pagoda.server.api.protocol import (
 from pagoda.server.config import RequestLimits
 from pagoda.server.engine import requests as engine_requests
 from pagoda.server.engine.requests import RequestState
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.sampling.logits_processors import LogitsEdits, apply_logits_processors, tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ class RecordingEngine(FakeEngine):
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Record, then queue as the fake does."""
         self.params.append(params)

@@ -14,6 +14,7 @@ import openai
 import pytest
 from api_fake_engine import LETTERS, FakeEngine, _Req, _Seq, serve_in_thread
 from pagoda.server.api import AppSettings
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.sampling_params import SamplingParams
 
 MODEL = "test-model"
@@ -46,6 +47,7 @@ class ScriptEngine(FakeEngine):
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Record the prompt, then queue as the fake does."""
         self.prompts.append(prompt or "")

@@ -45,6 +45,7 @@ from pagoda.server.engine.host import release_openmp_threads
 from pagoda.server.engine.sleep import SleepModeError, check_level, check_tags
 from pagoda.server.engine_client import EngineClient, ReplicaSet, SupportsSleep
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.output_box import OutputBox
 from pagoda.server.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.server.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class PromptRequest:
     request_id: str
     prompt_token_ids: Sequence[int]
     prompt: str | None = None
+    multi_modal: MultiModalInputs | None = None  # the prompt's images (a vision-language model)
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class _Stream:
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
+    multi_modal: MultiModalInputs | None
     n: int  # samples it reports
     num_seqs: int  # sequences it holds in the engine: n, or the beam width of a beam search
     arrival: float  # time.monotonic() when the server accepted it
@@ -326,9 +329,12 @@ class AsyncLLM:
         params: SamplingParams,
         *,
         prompt: str | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> RequestStream:
         """Admit one request and wait until the engine accepted it (at most one step); returns its stream."""
-        (stream,) = await self.add_requests([PromptRequest(request_id, prompt_token_ids, prompt)], params)
+        (stream,) = await self.add_requests(
+            [PromptRequest(request_id, prompt_token_ids, prompt, multi_modal)], params
+        )
         return stream
 
     async def add_requests(
@@ -354,6 +360,7 @@ class AsyncLLM:
                 request_id=p.request_id,
                 prompt=p.prompt,
                 prompt_token_ids=tuple(p.prompt_token_ids),
+                multi_modal=p.multi_modal,
                 n=params.n,
                 num_seqs=width,
                 arrival=now,
@@ -486,9 +493,12 @@ class AsyncLLM:
         params: SamplingParams,
         *,
         prompt: str | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> AsyncGenerator[RequestOutput]:
         """Yield cumulative snapshots of one request until it finishes; aborts it if the consumer leaves."""
-        handle = await self.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        handle = await self.add_request(
+            request_id, prompt_token_ids, params, prompt=prompt, multi_modal=multi_modal
+        )
         try:
             async for output in handle:
                 yield output
@@ -683,6 +693,7 @@ class AsyncLLM:
                 command.params,
                 prompt=stream.prompt,
                 arrival_time=stream.arrival,
+                multi_modal=stream.multi_modal,
             )
         except Exception as exc:  # a rejection (or any failure) of this request fails it alone
             self._fail(stream, exc)

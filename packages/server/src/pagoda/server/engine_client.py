@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagoda.server.client_stream import RequestEvent
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import EngineStats
 
 if TYPE_CHECKING:  # transformers takes seconds to import; `pagoda --help` and /metrics need none of it
@@ -74,6 +75,7 @@ class EngineClient(Protocol):
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Queue a request."""
         ...

@@ -53,6 +53,7 @@ from pagoda.server.core.sleep_frames import SleepDone
 from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import EngineStats
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
@@ -273,6 +274,7 @@ class CoreClient:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Route the request and send it; its acceptance comes back out of `step`."""
         if request_id in self._owner:

@@ -53,6 +53,7 @@ from pagoda.server.kv_events import start_kv_events
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
 from pagoda.server.lora.peft_loader import LoRAAdapter
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.pooling.checks import Matryoshka, PoolingRules
@@ -207,6 +208,7 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Queue a request (under `lora_request`'s adapter, if given); RequestRejectedError (with `param`) if it
         can never run."""
