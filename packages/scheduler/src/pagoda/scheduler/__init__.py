@@ -1,7 +1,7 @@
 """pagoda.scheduler: continuous-batching scheduler (token budget, chunked prefill, prefix-cache-aware
 admission, preemption by recompute or swap, parallel sampling) over Protocols it declares; stdlib only."""
 
-from pagoda.scheduler.admission import AdapterCap, AdmissionRule, build_rules
+from pagoda.scheduler.admission import AdapterCap, AdmissionRule, EncoderBudget, build_rules
 from pagoda.scheduler.config import PreemptionMode, SchedulerConfig, SchedulingPolicyName
 from pagoda.scheduler.contiguous import ContiguousKVManager, ContiguousStats
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -25,7 +25,7 @@ from pagoda.scheduler.protocols import (
     SlotAllocationLike,
     TrimmableKVBlockManager,
 )
-from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus, sample_id
+from pagoda.scheduler.request import EncoderSpan, Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.scheduler.views import QueueEntry, QueueView
 
@@ -34,6 +34,8 @@ __all__ = [
     "AdmissionRule",
     "ContiguousKVManager",
     "ContiguousStats",
+    "EncoderBudget",
+    "EncoderSpan",
     "FCFSPolicy",
     "KVBlockManager",
     "KVCacheStatsLike",

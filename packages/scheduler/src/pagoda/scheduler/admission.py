@@ -51,6 +51,45 @@ class AdapterCap:
         return request.lora_id is not None
 
 
+def pending_encoder_tokens(request: Request) -> int:
+    """Positions of `request`'s encoder spans not computed before its latest chunk: the encoder rows it still
+    needs kept (a chunk scheduled in this step reads them when the step runs)."""
+    done = min(request.num_computed_tokens, request.chunk_start)
+    return sum(min(span.length, span.end - done) for span in request.encoder_spans if span.end > done)
+
+
+class EncoderBudget:
+    """The encoder cache's budget (vLLM's encoder cache size): the running requests' images not yet prefilled
+    hold at most `max_tokens` encoder rows, so that their embeddings fit the cache until their chunks ran.
+
+    A request without images always fits; a request with images fits when no running request still needs
+    encoder rows, even beyond the budget (an image larger than the cache still runs, alone).
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+
+    def fits(self, request: Request, running: Sequence[Request]) -> bool:
+        """Whether `request`'s unprefilled images fit beside those of `running`."""
+        needed = pending_encoder_tokens(request)
+        if not needed:
+            return True
+        held = sum(pending_encoder_tokens(r) for r in running)
+        return held == 0 or held + needed <= self.max_tokens
+
+    def holds_behind(self, request: Request) -> bool:
+        """Requests with images wait behind a held one; text requests pass."""
+        return bool(request.encoder_spans)
+
+
 def build_rules(config: SchedulerConfig) -> tuple[AdmissionRule, ...]:
-    """The rules `config` asks for: an adapter cap under `max_loras`."""
-    return () if config.max_loras is None else (AdapterCap(config.max_loras),)
+    """The rules `config` asks for: an adapter cap under `max_loras`, an encoder budget under
+    `encoder_cache_tokens`."""
+    rules: list[AdmissionRule] = []
+    if config.max_loras is not None:
+        rules.append(AdapterCap(config.max_loras))
+    if config.encoder_cache_tokens is not None:
+        rules.append(EncoderBudget(config.encoder_cache_tokens))
+    return tuple(rules)

@@ -43,6 +43,9 @@ class SchedulerConfig:
     static_batch_timeout_s: float = 0.0
     # Distinct LoRA adapters the running batch may use at once (vLLM's --max-loras); None: no cap.
     max_loras: int | None = None
+    # Encoder output rows (image tokens) that the running requests' unprefilled images may hold at once (the
+    # encoder cache's budget, `EncoderBudget`); None: no cap.
+    encoder_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field on an impossible configuration."""
@@ -55,6 +58,7 @@ class SchedulerConfig:
             "max_num_partial_prefills",
             "max_batch_prefill_tokens",
             "max_loras",
+            "encoder_cache_tokens",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

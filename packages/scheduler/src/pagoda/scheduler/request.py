@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pagoda.scheduler.protocols import SamplingParamsLike
 
@@ -23,6 +24,26 @@ class RequestRejectedError(ValueError):
 def sample_id(request_id: str, index: int) -> str:
     """The sequence id of sample `index` of a request: the request's own id for 0, else f"{request_id}:{index}"."""
     return request_id if index == 0 else f"{request_id}:{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderSpan:
+    """Prompt positions whose inputs an encoder computes (an image's placeholder tokens).
+
+    The allocator hashes `content_key` at these positions in place of the token ids (`Request.block_key_ids`),
+    so the prefix cache hits on the same content and never on other content behind the same placeholder ids.
+    An `atomic` span is attended in both directions: no prefill chunk may end inside it.
+    """
+
+    offset: int  # first position
+    length: int  # positions
+    content_key: int  # a digest of the content, negative (no token id equals it)
+    atomic: bool = False
+
+    @property
+    def end(self) -> int:
+        """One past its last position."""
+        return self.offset + self.length
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,8 +85,11 @@ class Request:
 
     __slots__ = (
         "_all_token_ids",
+        "_block_keys",
         "arrival_time",
         "cache_salt",
+        "chunk_start",
+        "encoder_spans",
         "lora_id",
         "num_children_to_fork",
         "num_computed_tokens",
@@ -91,8 +115,10 @@ class Request:
         lora_id: int | None = None,
         parent_id: str | None = None,
         sample_index: int = 0,
+        encoder_spans: Sequence[EncoderSpan] = (),
     ) -> None:
-        """A fresh WAITING request; `arrival_time` is on the clock the policies use."""
+        """A fresh WAITING request; `arrival_time` is on the clock the policies use; `encoder_spans` (in prompt
+        order, disjoint, inside the prompt) mark its images."""
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -103,6 +129,9 @@ class Request:
         self.sample_index = sample_index
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # num_computed_tokens before its latest scheduled chunk: what the step running now still computes
+        # starts here (the encoder budget counts an image as needed until the step computing it has run).
+        self.chunk_start = 0
         self.num_preemptions = 0
         self.stop_token_id: int | None = None  # the stop token that finished the request
         # Draft tokens proposed for the positions after the last token (speculative decoding): the next decode
@@ -112,6 +141,16 @@ class Request:
         self.num_children_to_fork = sampling_params.n - 1 if parent_id is None else 0
         # prompt + outputs kept as one list: the allocator hashes it and the chunk is sliced from it every step.
         self._all_token_ids = list(self.prompt_token_ids)
+        self.encoder_spans: tuple[EncoderSpan, ...] = tuple(encoder_spans)
+        # What the allocator hashes: the token ids with each span's content key at its positions (None: the
+        # token ids themselves, for a request without spans).
+        self._block_keys: list[int] | None = None
+        if self.encoder_spans:
+            self._block_keys = list(self.prompt_token_ids)
+            for span in self.encoder_spans:
+                if span.offset < 0 or span.length < 1 or span.end > len(self._block_keys):
+                    raise RequestRejectedError(f"request {request_id!r}: span {span} is outside its prompt")
+                self._block_keys[span.offset : span.end] = [span.content_key] * span.length
 
     def __repr__(self) -> str:
         """Short form for test failures and logs."""
@@ -124,6 +163,12 @@ class Request:
     def all_token_ids(self) -> Sequence[int]:
         """Prompt then output token ids (read-only view)."""
         return self._all_token_ids
+
+    @property
+    def block_key_ids(self) -> Sequence[int]:
+        """What the prefix cache hashes: `all_token_ids`, with each encoder span's content key at its
+        positions (read-only view)."""
+        return self._all_token_ids if self._block_keys is None else self._block_keys
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -187,10 +232,15 @@ class Request:
             lora_id=self.lora_id,
             parent_id=parent_id,
             sample_index=sample_index,
+            encoder_spans=self.encoder_spans,
         )
         child._all_token_ids = list(self._all_token_ids)
+        if self._block_keys is not None:
+            child._block_keys = list(self._block_keys)
         return child
 
     def append_output_token(self, token_id: int) -> None:
         """Record a sampled token (its KV is computed in a later step)."""
         self._all_token_ids.append(token_id)
+        if self._block_keys is not None:
+            self._block_keys.append(token_id)

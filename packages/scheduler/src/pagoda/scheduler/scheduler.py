@@ -203,6 +203,13 @@ class Scheduler:
                 f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})",
                 "max_tokens" if prompt_fits else "prompt",
             )
+        for span in request.encoder_spans:
+            if span.atomic and span.length > chunk:
+                raise RequestRejectedError(
+                    f"request {rid!r} has an image of {span.length} tokens, more than one step computes "
+                    f"(max_num_batched_tokens {chunk}): it can never be prefilled",
+                    "messages",
+                )
         if sp.n > self.config.max_num_seqs:
             raise RequestRejectedError(
                 f"request {rid!r}: n={sp.n} exceeds max_num_seqs ({self.config.max_num_seqs})", "n"
@@ -338,7 +345,7 @@ class Scheduler:
         if parent.status is RUNNING:
             self.kv.fork(parent_id, child_id)
             child.status = RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_computed_tokens = child.chunk_start = parent.num_computed_tokens
             self.running.append(child)
         else:
             child.status = RequestStatus.PREEMPTED
@@ -365,7 +372,10 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if threshold is not None and num_new > threshold:
             num_new = threshold
-        return min(num_new, budget)
+        num_new = min(num_new, budget)
+        if request.encoder_spans:
+            return _whole_spans(request, num_computed, num_new, budget)
+        return num_new
 
     def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
         """The draft tokens a decode of `request` computes this step: what budget and stop rules leave room for."""
@@ -411,7 +421,7 @@ class Scheduler:
         while True:
             # The token list excludes the drafts: their blocks are never hashed into the prefix cache.
             allocation = self.kv.allocate_slots(
-                request.request_id, request.all_token_ids, num_new + len(spec), salt=request.cache_salt
+                request.request_id, request.block_key_ids, num_new + len(spec), salt=request.cache_salt
             )
             if allocation is not None:
                 self._emit(request, num_new + len(spec), allocation, step, spec)
@@ -510,7 +520,7 @@ class Scheduler:
             num_new = self._chunk_len(request, request.num_computed_tokens, step)
             if num_new:
                 allocation = self.kv.allocate_slots(
-                    rid, request.all_token_ids, num_new, salt=request.cache_salt
+                    rid, request.block_key_ids, num_new, salt=request.cache_salt
                 )
                 if allocation is not None:
                     self._emit(request, num_new, allocation, step)
@@ -529,7 +539,7 @@ class Scheduler:
         if cfg.enable_prefix_caching:
             # At least one token is always computed: its logits are needed.
             num_cached = kv.get_num_cached_tokens(
-                request.all_token_ids, salt=request.cache_salt, max_tokens=request.num_tokens - 1
+                request.block_key_ids, salt=request.cache_salt, max_tokens=request.num_tokens - 1
             )
         num_new = self._chunk_len(request, num_cached, step)
         if num_new == 0:
@@ -563,7 +573,7 @@ class Scheduler:
             num_cached, num_new = chunk
             allocation = kv.allocate_slots(
                 request.request_id,
-                request.all_token_ids,
+                request.block_key_ids,
                 num_new,
                 num_computed_tokens=num_cached,
                 salt=request.cache_salt,
@@ -602,7 +612,7 @@ class Scheduler:
         """Record `request`'s chunk (its `spec` drafts last) in the step and advance its computed tokens."""
         # Hot path (once per request per step): plain locals, no work for what is empty.
         rid = request.request_id
-        start = request.num_computed_tokens
+        start = request.chunk_start = request.num_computed_tokens
         end = start + num_new
         tokens = request.all_token_ids
         if end < len(tokens):
@@ -680,7 +690,7 @@ class Scheduler:
             self.kv.fork(pid, child_id)
             child = parent.copy_as(child_id, parent_id=pid, sample_index=index)
             child.status = RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_computed_tokens = child.chunk_start = parent.num_computed_tokens
             self._reserved_ids.discard(child_id)
             self._add_child(child)
             self.running.append(child)
@@ -775,3 +785,16 @@ class Scheduler:
             if r.parent_id is not None:
                 index.setdefault(r.parent_id, []).append(r.request_id)
         assert {g: list(c) for g, c in self._children.items()} == index, "the children index is stale"
+
+
+def _whole_spans(request: Request, num_computed: int, num_new: int, budget: int) -> int:
+    """A chunk length from `num_computed` that does not end inside an atomic span: cut back to the span's start,
+    or, for a chunk starting at or in the span, stretched to its end when the budget allows (else 0: not now)."""
+    end = num_computed + num_new
+    for span in request.encoder_spans:
+        if not span.atomic or not span.offset < end < span.end:
+            continue
+        if span.offset > num_computed:
+            return span.offset - num_computed
+        return span.end - num_computed if span.end - num_computed <= budget else 0
+    return num_new
