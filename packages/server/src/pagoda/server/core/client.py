@@ -54,6 +54,7 @@ from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.multimodal import MultiModalInputs
+from pagoda.server.multimodal.wire import WireMultiModal
 from pagoda.server.outputs import EngineStats
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
@@ -302,7 +303,8 @@ class CoreClient:
         replica.decoder.add(request_id, prompt, ids)
         self._owner[request_id] = replica
         replica.pending[request_id] = time.monotonic() + ACCEPT_TIMEOUT_S
-        replica.send(self._encoder, AddRequest(request_id, ids, params, prompt))
+        wire = None if multi_modal is None else WireMultiModal.of(multi_modal)
+        replica.send(self._encoder, AddRequest(request_id, ids, params, prompt, wire))
 
     def abort_request(self, request_id: str) -> None:
         """Abort the request in its core; its final snapshot comes out of a later `step`."""

@@ -150,8 +150,13 @@ class EngineCore:
             self._send(Rejected(message.request_id, "the engine core is shutting down", None))
             return False
         try:
+            multi_modal = None if message.multi_modal is None else message.multi_modal.inputs()
             self.engine.add_request(
-                message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                prompt=message.prompt,
+                multi_modal=multi_modal,
             )
         except ValueError as exc:  # RequestRejectedError and the grammar's errors carry `param`
             self._send(Rejected(message.request_id, str(exc), getattr(exc, "param", None)))

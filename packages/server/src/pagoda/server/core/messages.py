@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.core.sleep_frames import SleepDone, SleepEngine, WakeEngine
+from pagoda.server.multimodal.wire import WireMultiModal
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs.control import Failed, FrameDecoder, Ready, Shutdown
@@ -32,6 +33,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    multi_modal: WireMultiModal | None = None  # the prompt's images (a vision-language model)
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
+    EncoderSpan,
     KVBlockManager,
     Scheduler,
     SchedulerOutput,
@@ -38,13 +39,14 @@ from pagoda.server.engine.draft_setup import load_draft
 from pagoda.server.engine.executor import Executor, UniProcExecutor, build_executor
 from pagoda.server.engine.extension import EngineExtension
 from pagoda.server.engine.grammar_gate import GrammarGate
+from pagoda.server.engine.images import ImageEncoder, encoder_spans
 from pagoda.server.engine.lora_extension import EngineLoRA, NoLoRA
 from pagoda.server.engine.owners import RequestOwners
 from pagoda.server.engine.preemption_costs import measure_preemption_costs
 from pagoda.server.engine.prompt_logprobs import add_prompt_logprobs, prompt_lens
 from pagoda.server.engine.request_factory import NewRequest, new_request
 from pagoda.server.engine.scheduling import build_kv_manager, kv_cache_groups
-from pagoda.server.engine.setup import EngineParts
+from pagoda.server.engine.setup import EngineConfigError, EngineParts
 from pagoda.server.engine.sleep import EngineSleep, SleepModeError, check_level, check_tags
 from pagoda.server.engine.sleep_setup import engine_sleep
 from pagoda.server.engine.speculation import Drafting, speculation_for
@@ -53,6 +55,7 @@ from pagoda.server.kv_events import start_kv_events
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
 from pagoda.server.lora.peft_loader import LoRAAdapter
+from pagoda.server.models.vision import VisionLanguageModel
 from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.pooling import SupportedTask
@@ -119,6 +122,20 @@ class LLMEngine:
         )
         # LoRA: the per-step adapter cap is the scheduler's admission rule (vLLM's default 1); None without LoRA.
         scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras(config))
+        # A vision-language model: its image encoder and cache (an extension, fed to the runner), whose budget
+        # is the scheduler's admission rule (vLLM's default encoder cache size: a step's tokens).
+        model = self.runner.model
+        self.images: ImageEncoder | None = None
+        if isinstance(model, VisionLanguageModel):
+            if config.parallel_config.tensor_parallel_size > 1:
+                raise EngineConfigError(
+                    "vision-language models run with tensor_parallel_size 1 only (for now)"
+                )
+            self.images = ImageEncoder(model, parts.device)
+            self.runner.images = self.images
+            scheduler_config = dataclasses.replace(
+                scheduler_config, encoder_cache_tokens=scheduler_config.max_num_batched_tokens
+            )
         costs = None
         if scheduler_config.preemption_mode == "auto":
             costs = measure_preemption_costs(self.executor, parts.max_num_batched_tokens, parts.max_model_len)
@@ -155,6 +172,8 @@ class LLMEngine:
         # Drafting counts whatever drafts were verified (a request may be made speculative after start-up).
         drafting = Drafting(self.counters, None if self.draft is None else self.draft.drafter)
         self.extensions: list[EngineExtension] = [self.lora or NoLoRA(), self.gate, drafting]
+        if self.images is not None:
+            self.extensions.append(self.images)
         self.kv_events = start_kv_events(
             config.cache_config.kv_events_config,
             self.kv_manager,
@@ -210,8 +229,8 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         multi_modal: MultiModalInputs | None = None,
     ) -> None:
-        """Queue a request (under `lora_request`'s adapter, if given); RequestRejectedError (with `param`) if it
-        can never run."""
+        """Queue a request (under `lora_request`'s adapter, if given; with `multi_modal`'s images in its prompt);
+        RequestRejectedError (with `param`) if it can never run."""
         if self.is_sleeping:
             raise EngineSleepingError("the engine is sleeping: wake_up() first")
         ids = tuple(prompt_token_ids)
@@ -220,6 +239,11 @@ class LLMEngine:
         params = self.pooling_rules.admit(params)
         if request_id in self.owners.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
+        spans: tuple[EncoderSpan, ...] = ()
+        if multi_modal is not None:
+            if self.images is None:
+                raise RequestRejectedError(f"the model {self.model_name!r} does not take images", "messages")
+            spans = tuple(encoder_spans(multi_modal, len(ids), self.images.model.bidirectional_images))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         new = new_request(
             request_id,
@@ -233,6 +257,8 @@ class LLMEngine:
             lora_request or params.lora_request,
             self.speculate,
             self.pooling_rules.score_head,
+            multi_modal,
+            spans,
         )
         try:
             self._pass_on(new, 0)

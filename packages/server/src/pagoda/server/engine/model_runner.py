@@ -13,6 +13,8 @@ from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.models.attention import Attention, AttentionMetadata
 from pagoda.server.models.base import CausalLM
+from pagoda.server.models.image_attention import bidirectional_metadata
+from pagoda.server.models.vision import StepImages
 from torch import Tensor
 
 
@@ -34,6 +36,28 @@ class PromptHidden:
 
     start: int  # position of the first row
     hidden: Tensor  # [num_positions, hidden_size]: positions start, start + 1, ...
+
+
+class ImageSource(Protocol):
+    """Where a vision-language model's runner gets the step's encoder rows (`engine.images.ImageEncoder`)."""
+
+    def step_images(self, scheduled: Sequence[ScheduledRequest]) -> ImageStepLike | None:
+        """The step's images; None when none of its chunks has any."""
+        ...
+
+
+class ImageStepLike(Protocol):
+    """One step's images: the model's `StepImages`, and the images the runner makes bidirectional."""
+
+    @property
+    def images(self) -> StepImages:
+        """The encoder rows (and M-RoPE positions) the model takes."""
+        ...
+
+    @property
+    def bidirectional(self) -> tuple[tuple[int, int, int], ...]:
+        """(chunk index, first query row in the chunk, length) of each image attended in both directions."""
+        ...
 
 
 class RunnerHook(Protocol):
@@ -71,6 +95,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.hooks = tuple(hooks)
+        self.images: ImageSource | None = None  # a vision-language model's encoder rows (set by the engine)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -172,7 +197,15 @@ class ModelRunner:
         batch = self.prepare(output.scheduled)
         for hook in self.hooks:
             hook.prepare(output.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
+        step = None if self.images is None else self.images.step_images(output.scheduled)
+        if step is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
+        else:
+            attn = batch.attn
+            if step.bidirectional:
+                attn = bidirectional_metadata(attn, step.bidirectional)
+            caches = self.kv_cache.layer_caches
+            hidden = self.model(batch.input_ids, batch.positions, caches, attn, images=step.images)
         prompt_hidden: dict[str, PromptHidden] = {}
         offset = 0
         for chunk in output.scheduled:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagoda.scheduler import Request
+from pagoda.scheduler import EncoderSpan, Request
 from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.requests import RequestState, SchedulerParams
 from pagoda.server.lora import LoRARequest
 from pagoda.server.lora.salt import lora_salt
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.pooling.classifier import ScoreHead
 from pagoda.server.pooling.params import PoolingParams
 from pagoda.server.pooling.request import PoolingRequest
@@ -33,6 +35,7 @@ class NewRequest:
     # The constraint to compile, and what takes the compiled grammar; None: unconstrained.
     grammar: tuple[StructuredOutputsParams, Callable[[xgr.CompiledGrammar], None]] | None
     lora: LoRARequest | None = None  # the adapter it runs under; None: the base model
+    multi_modal: MultiModalInputs | None = None  # its images (the image encoder takes them); None: text only
 
 
 def new_request(
@@ -49,6 +52,10 @@ def new_request(
     | None = None,  # drafts for plain rows (--speculative-config)
     score_head: ScoreHead
     | None = None,  # a sequence-classification model's head (the pooling runner's scores)
+    multi_modal: MultiModalInputs | None = None,  # the prompt's images
+    encoder_spans: Sequence[
+        EncoderSpan
+    ] = (),  # their placeholder spans, as the scheduler keys and chunks them
 ) -> NewRequest:
     """A pooling request for an embedding or a score, a beam group for a beam search, else a plain request
     (SamplingParams refuses grammars with beams), speculative under `speculate` unless constrained (grammar rows
@@ -56,7 +63,10 @@ def new_request(
     ids = prompt_token_ids
     if params.pooling is not None:
         head = score_head if params.pooling.task == "score" else None
-        return _pooling_request(request_id, prompt, ids, params, params.pooling, arrival, head)
+        pooled = _pooling_request(
+            request_id, prompt, ids, params, params.pooling, arrival, head, encoder_spans
+        )
+        return dataclasses.replace(pooled, multi_modal=multi_modal)
     scheduler_params = SchedulerParams.from_params(params, eos_token_ids)
     if params.beam_search is not None:
         group = BeamGroup(
@@ -77,8 +87,9 @@ def new_request(
             arrival_time=arrival,
             cache_salt=lora_salt(params.cache_salt, lora),
             lora_id=None if lora is None else lora.lora_int_id,
+            encoder_spans=encoder_spans,
         )
-        return NewRequest(group, request, None, lora)
+        return NewRequest(group, request, None, lora, multi_modal)
     state = RequestState(
         request_id, prompt, ids, params, scheduler_params.stop_token_ids, tokenizer, arrival, seed(params)
     )
@@ -92,12 +103,13 @@ def new_request(
         arrival_time=arrival,
         cache_salt=lora_salt(salt, lora),
         lora_id=None if lora is None else lora.lora_int_id,
+        encoder_spans=encoder_spans,
     )
     constraint = params.structured_outputs
     if constraint is None and speculate is not None and params.speculative:
-        return NewRequest(speculate(state), request, None, lora)
+        return NewRequest(speculate(state), request, None, lora, multi_modal)
     grammar = None if constraint is None else (constraint, state.start_grammar)
-    return NewRequest(state, request, grammar, lora)
+    return NewRequest(state, request, grammar, lora, multi_modal)
 
 
 def _pooling_request(
@@ -108,6 +120,7 @@ def _pooling_request(
     pooling: PoolingParams,
     arrival: float,
     head: ScoreHead | None,
+    encoder_spans: Sequence[EncoderSpan],
 ) -> NewRequest:
     """A prefill-only request: the scheduler runs its prompt and one held row (max_tokens 1, nothing sampled)."""
     owner = PoolingRequest(request_id, prompt, ids, pooling, arrival, head)
@@ -119,5 +132,7 @@ def _pooling_request(
     # put its row earlier: a private salt keeps the cache from skipping any.
     private = pooling.needs_every_position or owner.pooler.last_position != len(ids) - 1
     salt = f"pooling:{request_id}" if private else params.cache_salt
-    request = Request(request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt)
+    request = Request(
+        request_id, ids, scheduler_params, arrival_time=arrival, cache_salt=salt, encoder_spans=encoder_spans
+    )
     return NewRequest(owner, request, None)
