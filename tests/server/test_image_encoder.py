@@ -20,6 +20,7 @@ from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import KVCacheSpec
 from pagoda.server.models.vision import StepImages, VisionLanguageModel
 from pagoda.server.multimodal import ImageItem, MultiModalInputs, content_key
+from pagoda.server.multimodal.inputs import block_keys
 from pagoda.server.multimodal.wire import WireMultiModal, WireTensor
 from PIL import Image
 from torch import Tensor
@@ -250,3 +251,14 @@ def test_a_preempted_request_encodes_again() -> None:
     request.status = request.status.PREEMPTED
     encoder.after_update(sched, empty_step(), 0.0)
     assert encoder.num_cached_tokens == 0
+
+
+def test_router_keys_match_the_schedulers() -> None:
+    """The keys a router matches a prompt by are the block keys its scheduler request hashes."""
+    inputs = MultiModalInputs((image(1, 2, 1.0), image(5, 1, 2.0)))
+    ids = [3, IMAGE, IMAGE, 4, 5, IMAGE, 6]
+    request = Request(
+        "r", ids, SimSamplingParams(max_tokens=1), encoder_spans=encoder_spans(inputs, 7, False)
+    )
+    assert block_keys(ids, inputs) == list(request.block_key_ids) == [3, -2, -2, 4, 5, -3, 6]
+    assert block_keys(ids, None) == ids

@@ -54,6 +54,7 @@ from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.multimodal import MultiModalInputs
+from pagoda.server.multimodal.inputs import block_keys
 from pagoda.server.multimodal.wire import WireMultiModal
 from pagoda.server.outputs import EngineStats
 from pagoda.server.pooling import SupportedTask
@@ -298,7 +299,8 @@ class CoreClient:
         ids = list(prompt_token_ids)
         if self.kv_events is not None:  # the router decides on every batch the cores published so far
             self.kv_events.drain_all()
-        replica = self.replicas[self.router.route(ids, loads, salt=params.cache_salt)]
+        keys = ids if multi_modal is None else block_keys(ids, multi_modal)  # an image routes by content
+        replica = self.replicas[self.router.route(keys, loads, salt=params.cache_salt)]
         replica.requests[request_id] = len(ids) + params.max_tokens * params.n
         replica.decoder.add(request_id, prompt, ids)
         self._owner[request_id] = replica

@@ -10,7 +10,7 @@ there the image's tokens live in the paged KV cache like text. The prefix cache 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -62,6 +62,16 @@ class MultiModalInputs:
     def num_image_tokens(self) -> int:
         """Placeholder tokens of all its images."""
         return sum(item.length for item in self.images)
+
+
+def block_keys(token_ids: Sequence[int], multi_modal: MultiModalInputs | None) -> list[int]:
+    """What the prefix cache hashes for a prompt (the scheduler's `Request.block_key_ids`): its token ids, with
+    each image's content key at the image's placeholder positions (a router matches these against the blocks
+    the cores publish)."""
+    keys = list(token_ids)
+    for item in () if multi_modal is None else multi_modal.images:
+        keys[item.offset : item.end] = [item.content_key] * item.length
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
