@@ -7,11 +7,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import build_model
@@ -22,8 +22,9 @@ from pagoda.server.multimodal.processors.qwen2_vl import IMAGE_MARKER, IMAGE_PAD
 from pagoda.server.multimodal.registry import processor_for
 from pagoda.server.testing.paged_kv import PagedKV
 from pagoda.server.testing.tiny_qwen_vl import QWEN_VL_ARCHS, make_tiny_qwen_vl
+from PIL import Image
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedModel
 
 CPU = torch.device("cpu")
@@ -50,10 +51,12 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = make_tiny_qwen_vl(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
     ours = load_model(str(path), dtype=torch.float32, device=CPU).model
     assert isinstance(ours, Qwen2VLForConditionalGeneration)
-    reference = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    reference = AutoModelForImageTextToText.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    )
     processor = processor_for(path, AutoConfig.from_pretrained(path))
     assert isinstance(processor, Qwen2VLPromptProcessor)
-    return Pair(ours, reference.eval(), processor, path)
+    return Pair(ours, nn.Module.eval(reference), processor, path)
 
 
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
@@ -69,8 +72,9 @@ SMALL, WIDE = (56, 56), (112, 84)
 def chat_prompt(pair: Pair, parts: Sequence[str | None]) -> str:
     """The chat template's prompt of one user turn: a text part per string, an image part per None."""
     content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    messages: Any = [{"role": "user", "content": content}]
     prompt = pair.processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        messages, tokenize=False, add_generation_prompt=True
     )
     assert isinstance(prompt, str)
     return prompt
@@ -132,7 +136,9 @@ def test_vision_tower_matches_hf(pair: Pair) -> None:
     got = pair.ours.encode_images(prompt.multi_modal.images)
     inputs = hf_inputs(pair, prompt)
     with torch.no_grad():
-        want = pair.reference.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+        want = pair.reference.model.get_image_features(
+            inputs["pixel_values"], inputs["image_grid_thw"]
+        ).pooler_output
     assert [g.shape for g in got] == [w.shape for w in want] == [(12, 64), (4, 64)]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=ATOL)
@@ -190,7 +196,13 @@ def test_greedy_decoding_matches_hf_generate(pair: Pair, torch_backend: KernelBa
     got: list[int] = []
     with torch.inference_mode():
         step = kv.step([(0, ids)])
-        hidden = pair.ours(step.input_ids, step.positions, kv.kv_caches, step.attn, step_images(pair.ours, prompt, 0, len(ids)))
+        hidden = pair.ours(
+            step.input_ids,
+            step.positions,
+            kv.kv_caches,
+            step.attn,
+            step_images(pair.ours, prompt, 0, len(ids)),
+        )
         got.append(int(pair.ours.compute_logits(hidden[step.last_rows]).argmax(-1)))
         while len(got) < new_tokens:
             step = kv.step([(0, [got[-1]])])
@@ -202,7 +214,9 @@ def test_greedy_decoding_matches_hf_generate(pair: Pair, torch_backend: KernelBa
             hidden = pair.ours(step.input_ids, step.positions, kv.kv_caches, step.attn, images)
             got.append(int(pair.ours.compute_logits(hidden).argmax(-1)))
     with torch.no_grad():
-        out = pair.reference.generate(**hf_inputs(pair, prompt), max_new_tokens=new_tokens, do_sample=False)
+        out = cast(Any, pair.reference).generate(
+            **hf_inputs(pair, prompt), max_new_tokens=new_tokens, do_sample=False
+        )
     assert got == out[0, len(ids) :].tolist()
 
 
@@ -215,18 +229,22 @@ def test_text_only_forward_without_images_is_plain_rope(pair: Pair, torch_backen
         kv = PagedKV(pair.ours.kv_cache_spec(), torch_backend, block_size=4)
         step = kv.step([(0, ids)])
         with torch.inference_mode():
-            logits.append(pair.ours.compute_logits(pair.ours(step.input_ids, step.positions, kv.kv_caches, step.attn, images)))
+            logits.append(
+                pair.ours.compute_logits(
+                    pair.ours(step.input_ids, step.positions, kv.kv_caches, step.attn, images)
+                )
+            )
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
 def test_processor_errors(pair: Pair) -> None:
     """Markers and images that disagree in number raise ValueError naming both counts."""
     image = noise_image(*SMALL, seed=0)
-    with pytest.raises(ValueError, match="1 image marker.*2 image"):
+    with pytest.raises(ValueError, match=r"1 image marker.*2 image"):
         pair.processor.process(f"a {IMAGE_MARKER} b", [image, image])
-    with pytest.raises(ValueError, match="2 image marker.*1 image"):
+    with pytest.raises(ValueError, match=r"2 image marker.*1 image"):
         pair.processor.process(f"a {IMAGE_MARKER} b {IMAGE_MARKER}", [image])
-    with pytest.raises(ValueError, match="0 image marker.*1 image"):
+    with pytest.raises(ValueError, match=r"0 image marker.*1 image"):
         pair.processor.process("no marker here", [image])
 
 
@@ -248,8 +266,13 @@ def test_loads_transformers_5_module_names(pair: Pair, tmp_path: Path) -> None:
     into the same parameters."""
     weights = load_file(str(pair.path / "model.safetensors"))
     renamed = {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else
-         "model.visual." + k[len("visual.") :] if k.startswith("visual.") else k): v
+        (
+            "model.language_model." + k[len("model.") :]
+            if k.startswith("model.")
+            else "model.visual." + k[len("visual.") :]
+            if k.startswith("visual.")
+            else k
+        ): v
         for k, v in weights.items()
     }
     assert any(k.startswith("model.language_model.layers.") for k in renamed)
@@ -268,5 +291,3 @@ def test_build_registers_both_architectures(pair: Pair) -> None:
     model = build_model(config, torch.float32, CPU)
     assert type(model) is type(pair.ours) and model.uses_mrope
     assert json.loads((pair.path / "config.json").read_text())["architectures"][0] == type(model).__name__
-
-

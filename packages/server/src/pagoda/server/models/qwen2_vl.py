@@ -51,7 +51,11 @@ class Qwen2VLAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window=sliding_window
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -198,7 +202,9 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel, DecoderLM):
         for item in images:
             t, h, w = (int(v) for v in item.tensors["image_grid_thw"].reshape(3).tolist())
             if t * h * w // self.visual.merge**2 != item.length:
-                raise ValueError(f"image grid {(t, h, w)} makes {t * h * w // self.visual.merge**2} tokens, not {item.length}")
+                raise ValueError(
+                    f"image grid {(t, h, w)} makes {t * h * w // self.visual.merge**2} tokens, not {item.length}"
+                )
             grids.append((t, h, w))
         patches = torch.cat([item.tensors["pixel_values"] for item in images]).to(device)
         embeds = self.visual(patches, grids).to(self.model.norm.weight.dtype)

@@ -82,7 +82,9 @@ class LayerNorm(nn.Module):
 class PatchProjection(nn.Module):
     """The checkpoint's Conv3d weight [embed, C, T, P, P] (named `proj.weight`), applied as one linear map."""
 
-    def __init__(self, embed: int, patch_dims: tuple[int, int, int, int], *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, embed: int, patch_dims: tuple[int, int, int, int], *, dtype: torch.dtype, device: torch.device
+    ):
         super().__init__()
         self.weight = _empty_parameter(embed, *patch_dims, dtype=dtype, device=device)
 
@@ -143,7 +145,9 @@ class VisionAttention(nn.Module):
         k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
         outs = [
             F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
-            for qs, ks, vs in zip(q.split(list(segments)), k.split(list(segments)), v.split(list(segments)), strict=True)
+            for qs, ks, vs in zip(
+                q.split(list(segments)), k.split(list(segments)), v.split(list(segments)), strict=True
+            )
         ]
         out: Tensor = self.proj(torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1))
         return out
@@ -257,7 +261,9 @@ class QwenVisionTransformer(nn.Module):
             self.window = int(config.window_size) // self.merge // int(config.patch_size)
             self.full_blocks = frozenset(int(i) for i in config.fullatt_block_indexes)
         self.patch_embed = PatchEmbed(config, dim, dtype=dtype, device=device)
-        self.blocks = nn.ModuleList(VisionBlock(config, dtype=dtype, device=device) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(config, dtype=dtype, device=device) for _ in range(config.depth)
+        )
         self.merger = PatchMerger(config, dim, out_dim, dtype=dtype, device=device)
         head_dim = dim // int(config.num_heads)
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))

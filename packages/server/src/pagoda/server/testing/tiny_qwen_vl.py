@@ -16,6 +16,7 @@ from pagoda.server.testing.tiny_models import MODEL_VOCAB_SIZE, make_tiny_tokeni
 from tokenizers import Tokenizer, processors
 from torch import nn
 from transformers import (
+    PretrainedConfig,
     PreTrainedModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -60,7 +61,11 @@ def _write_tokenizer(path: Path) -> dict[str, int]:
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # Qwen adds no BOS/EOS
     tokenizer.save(str(path / "tokenizer.json"))
-    ids = {token: int(tokenizer.token_to_id(token)) for token in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        found = tokenizer.token_to_id(token)
+        assert found is not None, token
+        ids[token] = int(found)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
@@ -128,9 +133,13 @@ def make_tiny_hf_qwen_vl(arch: str, token_ids: dict[str, int]) -> PreTrainedMode
     config = tiny_qwen_vl_config(arch, token_ids)
     config._attn_implementation = "eager"
     for sub in (config.text_config, config.vision_config):
+        assert isinstance(sub, PretrainedConfig)
         sub._attn_implementation = "eager"
-    cls = Qwen2VLForConditionalGeneration if arch == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
-    hf_model = cls(config)
+    hf_model: PreTrainedModel
+    if isinstance(config, Qwen2_5_VLConfig):
+        hf_model = Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        hf_model = Qwen2VLForConditionalGeneration(config)
     with torch.no_grad():
         for param in hf_model.parameters():
             if param.dim() == 1:  # norm weights start at 1 and biases at 0: perturb them so they are tested

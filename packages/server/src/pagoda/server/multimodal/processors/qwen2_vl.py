@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from PIL import Image
 from pagoda.server.multimodal.inputs import ImageItem, MultiModalInputs, ProcessedPrompt, content_key
+from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -88,7 +88,9 @@ class Qwen2VLPromptProcessor:
         token_ids = [int(i) for i in encoding["input_ids"]]
         offsets: list[tuple[int, int]] = encoding["offset_mapping"]
         items: list[ImageItem] = []
-        for image, image_tensors, count, (start, end) in zip(images, tensors, counts, char_spans, strict=True):
+        for image, image_tensors, count, (start, end) in zip(
+            images, tensors, counts, char_spans, strict=True
+        ):
             rows = [i for i, (a, b) in enumerate(offsets) if start <= a and b <= end and b > a]
             if len(rows) != count or rows != list(range(rows[0], rows[0] + count)):
                 raise ValueError(f"the tokenizer did not keep {IMAGE_PAD!r} as one token per image patch")
