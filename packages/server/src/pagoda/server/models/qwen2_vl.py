@@ -223,7 +223,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel, DecoderLM):
         mrope: Tensor | None = None
         if images is not None:
             if images.rows.numel():
-                x = x.index_copy(0, images.rows.to(x.device), images.embeds.to(x.dtype))
+                x = x.index_copy(0, images.rows.to(x.device), images.embeds.to(x.device, x.dtype))
             mrope = images.mrope_positions
         cos, sin = self.model.rotary_emb(positions, mrope, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
