@@ -9,6 +9,7 @@ from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
+from pagoda.server.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from transformers import PretrainedConfig
 
 # Hugging Face architecture name -> (model_type, implementation).
@@ -19,6 +20,9 @@ ARCHITECTURES: MappingProxyType[str, tuple[str, type[CausalLM]]] = MappingProxyT
         "Qwen2ForCausalLM": ("qwen2", LlamaForCausalLM),
         "Qwen3ForCausalLM": ("qwen3", LlamaForCausalLM),
         "Gemma3ForCausalLM": ("gemma3_text", Gemma3ForCausalLM),
+        # Vision-language models (multimodal/registry.py names their processors).
+        "Qwen2VLForConditionalGeneration": ("qwen2_vl", Qwen2VLForConditionalGeneration),
+        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", Qwen2_5_VLForConditionalGeneration),
         # Cross-encoders (the pooling runner's /score and /rerank): the decoder with a `score` head.
         "LlamaForSequenceClassification": ("llama", LlamaForSequenceClassification),
         "Qwen2ForSequenceClassification": ("qwen2", LlamaForSequenceClassification),

@@ -7,10 +7,16 @@ from pathlib import Path
 from types import MappingProxyType
 
 from pagoda.server.multimodal.processor import MultiModalProcessor
+from pagoda.server.multimodal.processors.qwen2_vl import Qwen2VLPromptProcessor
 from transformers import PretrainedConfig
 
 # Hugging Face architecture name -> the processor built from the model folder.
-PROCESSORS: Mapping[str, Callable[[Path], MultiModalProcessor]] = MappingProxyType({})
+PROCESSORS: Mapping[str, Callable[[Path], MultiModalProcessor]] = MappingProxyType(
+    {
+        "Qwen2VLForConditionalGeneration": Qwen2VLPromptProcessor.from_folder,
+        "Qwen2_5_VLForConditionalGeneration": Qwen2VLPromptProcessor.from_folder,
+    }
+)
 
 
 def processor_for(model_path: Path, config: PretrainedConfig) -> MultiModalProcessor | None:

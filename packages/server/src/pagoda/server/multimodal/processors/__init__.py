@@ -1,0 +1,1 @@
+"""Each architecture's `MultiModalProcessor`."""
