@@ -76,8 +76,26 @@ def _write_tokenizer(path: Path) -> dict[str, int]:
     return ids
 
 
-def tiny_qwen_vl_config(arch: str, token_ids: dict[str, int]) -> Qwen2VLConfig | Qwen2_5_VLConfig:
-    """The transformers config of a tiny `arch` model whose special tokens have `token_ids`."""
+# The benchmark's "small" model: head_dim 64 (vLLM's CPU attention needs 64 or more), 256 tokens for a 448 px
+# image (as Qwen2-VL-2B gives), about 40M parameters.
+SMALL_TEXT: dict[str, int] = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+SMALL_MROPE = [8, 12, 12]
+SMALL_VISION: dict[str, int] = {"depth": 8, "num_heads": 4}
+SMALL_MAX_PIXELS = 448 * 448
+
+
+def tiny_qwen_vl_config(
+    arch: str, token_ids: dict[str, int], *, small: bool = False
+) -> Qwen2VLConfig | Qwen2_5_VLConfig:
+    """The transformers config of a tiny (or the benchmark's small) `arch` model whose special tokens have
+    `token_ids`."""
     text: dict[str, Any] = {
         "vocab_size": MODEL_VOCAB_SIZE,
         "hidden_size": 64,
@@ -101,6 +119,10 @@ def tiny_qwen_vl_config(arch: str, token_ids: dict[str, int]) -> Qwen2VLConfig |
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "in_channels": 3,
     }
+    if small:
+        text.update(SMALL_TEXT)
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": SMALL_MROPE}
+        vision.update(SMALL_VISION)
     common: dict[str, Any] = {
         "text_config": text,
         "image_token_id": token_ids["<|image_pad|>"],
@@ -111,6 +133,8 @@ def tiny_qwen_vl_config(arch: str, token_ids: dict[str, int]) -> Qwen2VLConfig |
     }
     if arch == "qwen2_vl":
         vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        if small:
+            vision.update(embed_dim=256, hidden_size=SMALL_TEXT["hidden_size"], mlp_ratio=4)
         return Qwen2VLConfig(vision_config=vision, **common)
     if arch == "qwen2_5_vl":
         # window_size 56 px = 2 x 2 merged tokens per window: an image over 56 px a side spans several windows;
@@ -123,14 +147,23 @@ def tiny_qwen_vl_config(arch: str, token_ids: dict[str, int]) -> Qwen2VLConfig |
             fullatt_block_indexes=[1],
             hidden_act="silu",
         )
+        if small:
+            vision.update(
+                hidden_size=256,
+                intermediate_size=1024,
+                out_hidden_size=SMALL_TEXT["hidden_size"],
+                fullatt_block_indexes=[3, 7],
+                window_size=112,
+            )
         return Qwen2_5_VLConfig(vision_config=vision, **common)
     raise ValueError(f"unknown tiny arch {arch!r}; choose one of {QWEN_VL_ARCHS}")
 
 
-def make_tiny_hf_qwen_vl(arch: str, token_ids: dict[str, int]) -> PreTrainedModel:
-    """A tiny random transformers model (fixed seed, float32, eager attention), every weight non-trivial."""
+def make_tiny_hf_qwen_vl(arch: str, token_ids: dict[str, int], *, small: bool = False) -> PreTrainedModel:
+    """A tiny (or the benchmark's small) random transformers model (fixed seed, float32, eager attention), every
+    weight non-trivial."""
     torch.manual_seed(0)
-    config = tiny_qwen_vl_config(arch, token_ids)
+    config = tiny_qwen_vl_config(arch, token_ids, small=small)
     config._attn_implementation = "eager"
     for sub in (config.text_config, config.vision_config):
         assert isinstance(sub, PretrainedConfig)
@@ -149,7 +182,7 @@ def make_tiny_hf_qwen_vl(arch: str, token_ids: dict[str, int]) -> PreTrainedMode
     return nn.Module.eval(hf_model)
 
 
-def _write_preprocessor_config(path: Path) -> None:
+def _write_preprocessor_config(path: Path, max_pixels: int = MAX_PIXELS) -> None:
     """The PIL image processor's settings, as the hub's preprocessor_config.json holds them."""
     config = {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -161,7 +194,7 @@ def _write_preprocessor_config(path: Path) -> None:
         "image_std": [0.26862954, 0.26130258, 0.27577711],
         "rescale_factor": 1 / 255,
         "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
+        "max_pixels": max_pixels,
         "patch_size": PATCH_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "merge_size": MERGE_SIZE,
@@ -169,12 +202,12 @@ def _write_preprocessor_config(path: Path) -> None:
     (path / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
 
 
-def make_tiny_qwen_vl(arch: str, path: Path) -> Path:
-    """Write a tiny `arch` ("qwen2_vl" or "qwen2_5_vl") model folder to `path`."""
+def make_tiny_qwen_vl(arch: str, path: Path, *, small: bool = False) -> Path:
+    """Write a tiny (or, `small`, the benchmark's) `arch` ("qwen2_vl" or "qwen2_5_vl") model folder to `path`."""
     if arch not in QWEN_VL_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {QWEN_VL_ARCHS}")
     path.mkdir(parents=True, exist_ok=True)
     token_ids = _write_tokenizer(path)
-    make_tiny_hf_qwen_vl(arch, token_ids).save_pretrained(path)
-    _write_preprocessor_config(path)
+    make_tiny_hf_qwen_vl(arch, token_ids, small=small).save_pretrained(path)
+    _write_preprocessor_config(path, SMALL_MAX_PIXELS if small else MAX_PIXELS)
     return path
