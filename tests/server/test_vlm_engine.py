@@ -124,12 +124,19 @@ def test_one_image_two_images_and_text_match_transformers(model: Model) -> None:
     assert prompts[0].multi_modal.num_image_tokens > 0
 
 
-def test_eight_concurrent_images_under_preemption_and_chunked_prefill(model: Model) -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_eight_concurrent_images_under_preemption_and_chunked_prefill(model: Model, mode: str) -> None:
     """Eight prompts with different images, a pool too small for all of them and 16-token steps: every output
-    still equals transformers', and the engine did preempt and split prefills."""
+    still equals transformers', and the engine did preempt (by `mode`) and split prefills."""
     prompts = [model.prompt(["Look:", picture(10 + i), "What is it?"]) for i in range(8)]
     llm = make_llm(
-        model, num_kv_blocks=20, max_model_len=80, max_num_batched_tokens=16, enable_chunked_prefill=True
+        model,
+        num_kv_blocks=20,
+        max_model_len=80,
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=True,
+        preemption_mode=mode,
+        swap_space_gib=0.01,
     )
     assert (
         max(len(p.token_ids) for p in prompts) + MAX_TOKENS
@@ -141,6 +148,28 @@ def test_eight_concurrent_images_under_preemption_and_chunked_prefill(model: Mod
     assert tokens(outputs) == [model.greedy(p) for p in prompts]
     assert engine.get_stats().num_preemptions > 0
     assert engine.images is not None and engine.images.num_cached_tokens == 0  # every image's rows dropped
+
+
+def test_parallel_samples_fork_an_image_prompt(model: Model) -> None:
+    """n=3 greedy samples of an image prompt fork its blocks (copy-on-write) and all equal transformers'."""
+    prompt = model.prompt(["Describe", picture(3), "please."])
+    engine = make_llm(model).engine
+    engine.add_request(
+        "n",
+        prompt.token_ids,
+        SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        multi_modal=prompt.multi_modal,
+    )
+    final = [o for o in _drain(engine) if o.finished]
+    assert [list(s.token_ids) for s in final[-1].outputs] == [model.greedy(prompt)] * 3
+
+
+def _drain(engine: LLMEngine) -> list[RequestOutput]:
+    """Step until idle; every snapshot."""
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
 
 
 def test_prefix_cache_hits_the_same_image_only(model: Model) -> None:

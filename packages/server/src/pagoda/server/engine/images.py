@@ -97,10 +97,10 @@ class ImageEncoder(Extension):
         """Encode, in one batch, the images this step's chunks reach that are not cached."""
         missing: dict[int, ImageItem] = {}
         for chunk in scheduled.scheduled:
-            inputs = self.inputs.get(chunk.request_id)
-            if inputs is None:
+            request_id = self._owner_of(chunk.request_id)
+            if request_id is None:
                 continue
-            for index, item in enumerate(inputs.images):
+            for index, item in enumerate(self.inputs[request_id].images):
                 if item.offset < chunk.seq_len and item.end > chunk.start:
                     self.users.setdefault(item.content_key, set()).add((chunk.request_id, index))
                     if item.content_key not in self.embeds:
@@ -124,9 +124,10 @@ class ImageEncoder(Extension):
         batch: preempted by recompute, it encodes them again)."""
         for key, users in list(self.users.items()):
             for user in list(users):
-                request_id, index = user
-                request = scheduler.get_request(request_id)
-                inputs = self.inputs.get(request_id)
+                seq_id, index = user
+                request = scheduler.get_request(seq_id)
+                owner = self._owner_of(seq_id)
+                inputs = None if owner is None else self.inputs[owner]
                 if (
                     request is None
                     or inputs is None
@@ -140,17 +141,24 @@ class ImageEncoder(Extension):
 
     def done(self, request_id: str) -> None:
         """Forget a request's images (their embeddings go once no other request needs them)."""
-        inputs = self.inputs.pop(request_id, None)
-        if inputs is None:
+        if self.inputs.pop(request_id, None) is None:
             return
-        for index, item in enumerate(inputs.images):
-            users = self.users.get(item.content_key)
-            if users is None:
-                continue
-            users.discard((request_id, index))
+        for key, users in list(self.users.items()):
+            # Its samples and beams too: their sequence ids extend the request id.
+            users.difference_update([u for u in users if u[0] == request_id or u[0].startswith(request_id + ":")])
             if not users:
-                del self.users[item.content_key]
-                self.embeds.pop(item.content_key, None)
+                del self.users[key]
+                self.embeds.pop(key, None)
+
+    def _owner_of(self, seq_id: str) -> str | None:
+        """The request with images that sequence `seq_id` belongs to: itself, or the request whose id it extends
+        (a sample "id:1" of n, a beam "id:beam3"); None for a request without images."""
+        while True:
+            if seq_id in self.inputs:
+                return seq_id
+            seq_id, sep, _ = seq_id.rpartition(":")
+            if not sep:
+                return None
 
     # ------------------------------------------------------------------ the runner's side
 
@@ -162,7 +170,8 @@ class ImageEncoder(Extension):
     def step_images(self, scheduled: Sequence[ScheduledRequest]) -> ImageStep | None:
         """The step's encoder rows (and M-RoPE positions, and bidirectional spans); None when no chunk of the
         step belongs to a request with images (or M-RoPE positions)."""
-        if not any(chunk.request_id in self.inputs for chunk in scheduled):
+        owners = [self._owner_of(chunk.request_id) for chunk in scheduled]
+        if not any(owners):
             return None
         rows: list[int] = []
         pieces: list[Tensor] = []
@@ -170,8 +179,8 @@ class ImageEncoder(Extension):
         uses_mrope = self.model.uses_mrope
         mrope: list[Tensor] = []
         offset = 0
-        for index, chunk in enumerate(scheduled):
-            inputs = self.inputs.get(chunk.request_id)
+        for index, (chunk, owner) in enumerate(zip(scheduled, owners, strict=True)):
+            inputs = None if owner is None else self.inputs[owner]
             if uses_mrope:
                 mrope.append(_mrope_positions(chunk, inputs))
             if inputs is not None:
