@@ -4,13 +4,27 @@ attention on the paged kernels."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from pagoda.pagedkernel import KernelBackend
+from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, AttentionMetadata, LayerKVCache
+from pagoda.server.models.conditional import ConditionalGeneration
 from pagoda.server.models.image_attention import bidirectional_metadata
+from pagoda.server.models.vision import StepImages
+from pagoda.server.multimodal.inputs import ProcessedPrompt
+from pagoda.server.multimodal.processor import MultiModalProcessor
+from pagoda.server.multimodal.registry import processor_for
+from pagoda.server.testing.paged_kv import PagedKV
+from pagoda.server.testing.tiny_vlm import VLM_ARCHS, make_tiny_vlm
 from torch import Tensor
+from transformers import AutoConfig, PreTrainedModel
+from transformers import Gemma3ForConditionalGeneration as HFGemma3
+from transformers import LlavaForConditionalGeneration as HFLlava
 
 CPU = torch.device("cpu")
 
@@ -111,3 +125,146 @@ def test_bidirectional_metadata_refuses_a_span_past_the_chunk(torch_backend: Ker
     )
     with pytest.raises(ValueError, match="not a disjoint part"):
         bidirectional_metadata(attn, [(0, 2, 3)])
+
+
+# ---- the models against transformers -------------------------------------------------------------------------
+
+# float32 through a few tiny layers: the two implementations order their sums differently (oneDNN vs MKL
+# matmuls, SDPA vs eager attention), each rounding ~1e-7 relative on O(1-10) activations; 1e-4 on O(1) logits
+# leaves a wide margin yet fails on any real difference (a wrong scale, mask or row moves logits by > 1e-2).
+LOGITS_ATOL = 1e-4
+# Image features: O(1-6) values after the projector, ~1e-6 apart in float32 (measured); 1e-5 bounds it.
+FEATURES_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`vlm_path(arch)`: the tiny `arch` folder, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_tiny_vlm(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return built[arch]
+
+    return get
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    """A random RGB picture."""
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")
+
+
+def _load(arch: str, path: Path) -> tuple[ConditionalGeneration, PreTrainedModel, MultiModalProcessor]:
+    """Our model, the transformers reference (eager attention) and our processor, from one folder."""
+    ours = load_model(str(path), dtype=torch.float32, device=CPU).model
+    assert isinstance(ours, ConditionalGeneration)
+    hf_class = HFLlava if arch == "llava" else HFGemma3
+    reference = hf_class.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    processor = processor_for(path, AutoConfig.from_pretrained(path))
+    assert processor is not None
+    return ours, reference, processor
+
+
+def _prompts(marker: str) -> list[tuple[str, list[Image.Image]]]:
+    """A one-image and a two-image prompt (images of different sizes: the processor resizes them)."""
+    return [
+        (f"<|user|>Hello world! {marker} What is in the picture?<|assistant|>", [_image(40, 30, 1)]),
+        (
+            f"<|user|>{marker}The quick brown fox and {marker} the lazy dog: which one?<|assistant|>",
+            [_image(64, 64, 2), _image(20, 50, 3)],
+        ),
+    ]
+
+
+def _hf_inputs(reference: PreTrainedModel, prompt: ProcessedPrompt) -> dict[str, Tensor]:
+    """transformers' inputs for one processed prompt (Gemma 3's token_type_ids mark the soft tokens)."""
+    ids = torch.tensor([prompt.token_ids])
+    pixels = torch.cat([item.tensors["pixel_values"] for item in prompt.multi_modal.images])
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    if isinstance(reference, HFGemma3):
+        inputs["token_type_ids"] = (ids == reference.config.image_token_id).long()
+    return inputs
+
+
+def _step_images(
+    model: ConditionalGeneration, prompts: list[ProcessedPrompt], starts: list[int]
+) -> StepImages:
+    """The encoder rows of a step holding each prompt whole from row `starts[i]`."""
+    rows = [
+        torch.arange(start + item.offset, start + item.end)
+        for prompt, start in zip(prompts, starts, strict=True)
+        for item in prompt.multi_modal.images
+    ]
+    items = [item for prompt in prompts for item in prompt.multi_modal.images]
+    return StepImages(torch.cat(rows), torch.cat(model.encode_images(items)))
+
+
+def _prefill(
+    model: ConditionalGeneration, kv: PagedKV, prompts: list[ProcessedPrompt], seq_ids: list[int]
+) -> Tensor:  # [total prompt tokens, vocab]: every row's logits
+    """All prompts in one paged step, images merged (bidirectional for Gemma 3)."""
+    step = kv.step([(seq, list(p.token_ids)) for seq, p in zip(seq_ids, prompts, strict=True)])
+    starts = step.attn.query_start_loc.tolist()
+    attn = step.attn
+    if model.bidirectional_images:
+        spans = [
+            (i, item.offset, item.length) for i, p in enumerate(prompts) for item in p.multi_modal.images
+        ]
+        attn = bidirectional_metadata(attn, spans)
+    images = _step_images(model, prompts, starts[:-1])
+    with torch.inference_mode():
+        hidden = model(step.input_ids, step.positions, kv.kv_caches, attn, images)
+        return model.compute_logits(hidden).float()
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_encode_images_matches_hf_image_features(arch: str, vlm_path: Callable[[str], Path]) -> None:
+    """The vision tower and projector give transformers' `get_image_features` rows for each image."""
+    model, reference, processor = _load(arch, vlm_path(arch))
+    prompt = processor.process(*_prompts(processor.image_marker)[1])
+    items = prompt.multi_modal.images
+    got = model.encode_images(items)
+    with torch.no_grad():
+        pixels = torch.cat([item.tensors["pixel_values"] for item in items])
+        want = reference.get_image_features(pixel_values=pixels).pooler_output
+    assert [tuple(rows.shape) for rows in got] == [(item.length, 64) for item in items]
+    for rows, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(rows, expected, atol=FEATURES_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_prefill_logits_match_hf(
+    arch: str, vlm_path: Callable[[str], Path], torch_backend: KernelBackend
+) -> None:
+    """A one-image and a two-image prompt in one paged step (4-token blocks): every row's logits are HF's."""
+    model, reference, processor = _load(arch, vlm_path(arch))
+    prompts = [processor.process(text, images) for text, images in _prompts(processor.image_marker)]
+    kv = PagedKV(model.kv_cache_spec(), torch_backend, num_blocks=96, block_size=4)
+    got = _prefill(model, kv, prompts, [0, 1])
+    offset = 0
+    for prompt in prompts:
+        with torch.no_grad():
+            want = reference(**_hf_inputs(reference, prompt)).logits[0].float()
+        torch.testing.assert_close(
+            got[offset : offset + len(prompt.token_ids)], want, atol=LOGITS_ATOL, rtol=0
+        )
+        offset += len(prompt.token_ids)
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_greedy_decode_matches_hf_generate(
+    arch: str, vlm_path: Callable[[str], Path], torch_backend: KernelBackend
+) -> None:
+    """The two-image prompt in one step, then one token per step through the paged cache: HF's greedy tokens."""
+    model, reference, processor = _load(arch, vlm_path(arch))
+    prompt = processor.process(*_prompts(processor.image_marker)[1])
+    kv = PagedKV(model.kv_cache_spec(), torch_backend, num_blocks=64, block_size=4)
+    tokens = [int(_prefill(model, kv, [prompt], [0])[-1].argmax())]
+    for _ in range(4):
+        tokens.append(int(kv.run(model, [(0, tokens[-1:])])[0].argmax()))
+    with torch.no_grad():
+        out = reference.generate(**_hf_inputs(reference, prompt), max_new_tokens=5, do_sample=False)
+    assert tokens == out[0, len(prompt.token_ids) :].tolist()

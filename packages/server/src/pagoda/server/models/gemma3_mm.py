@@ -69,6 +69,9 @@ class Gemma3ForConditionalGeneration(ConditionalGeneration):
         self.vision_tower = SiglipVisionTower(config.vision_config, dtype=dtype, device=device)
         self.multi_modal_projector = Gemma3MultiModalProjector(config, dtype=dtype, device=device)
         self.language_model = Gemma3ForCausalLM(config.text_config, dtype=dtype, device=device, group=group)
+        # transformers' Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3's VLM checkpoints set
+        # no final_logit_softcapping anyway): neither does this model, whatever the text config says.
+        self.language_model.final_logit_softcapping = None
 
     def embed(self, input_ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, hidden]
         """The decoder's token embeddings, scaled by sqrt(hidden_size) (image rows then go in unscaled)."""

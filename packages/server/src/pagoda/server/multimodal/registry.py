@@ -7,10 +7,17 @@ from pathlib import Path
 from types import MappingProxyType
 
 from pagoda.server.multimodal.processor import MultiModalProcessor
+from pagoda.server.multimodal.processors.gemma3 import Gemma3Processor
+from pagoda.server.multimodal.processors.llava import LlavaProcessor
 from transformers import PretrainedConfig
 
 # Hugging Face architecture name -> the processor built from the model folder.
-PROCESSORS: Mapping[str, Callable[[Path], MultiModalProcessor]] = MappingProxyType({})
+PROCESSORS: Mapping[str, Callable[[Path], MultiModalProcessor]] = MappingProxyType(
+    {
+        "LlavaForConditionalGeneration": LlavaProcessor,
+        "Gemma3ForConditionalGeneration": Gemma3Processor,
+    }
+)
 
 
 def processor_for(model_path: Path, config: PretrainedConfig) -> MultiModalProcessor | None:

@@ -95,6 +95,7 @@ def tiny_vlm_config(arch: str) -> LlavaConfig | Gemma3Config:
             image_size=GEMMA3_IMAGE_SIZE,
             hidden_act="gelu_pytorch_tanh",
             layer_norm_eps=1e-6,
+            vision_use_head=False,  # as Gemma 3's: it reads the patch states
         )
         return Gemma3Config(
             vision_config=vision,
