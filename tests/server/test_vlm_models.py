@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from pagoda.pagedkernel import KernelBackend
 from pagoda.server.loader import load_model
 from pagoda.server.models import Attention, AttentionMetadata, LayerKVCache
@@ -21,7 +20,8 @@ from pagoda.server.multimodal.processor import MultiModalProcessor
 from pagoda.server.multimodal.registry import processor_for
 from pagoda.server.testing.paged_kv import PagedKV
 from pagoda.server.testing.tiny_vlm import VLM_ARCHS, make_tiny_vlm
-from torch import Tensor
+from PIL import Image
+from torch import Tensor, nn
 from transformers import AutoConfig, PreTrainedModel
 from transformers import Gemma3ForConditionalGeneration as HFGemma3
 from transformers import LlavaForConditionalGeneration as HFLlava
@@ -64,7 +64,12 @@ def test_bidirectional_metadata_matches_dense_masked_attention(torch_backend: Ke
     free = list(range(num_blocks))
     random.Random(1).shuffle(free)
     tables: list[list[int]] = []
-    keys, values, queries, slots, starts, lens, spans = [], [], [], [], [0], [], []
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    queries: list[Tensor] = []
+    slots: list[int] = []
+    starts, lens = [0], []
+    spans: list[tuple[int, int, int]] = []
     for index, (cached, q_len, images) in enumerate(seqs):
         total = cached + q_len
         table = [free.pop() for _ in range(-(-total // block))]
@@ -162,7 +167,9 @@ def _load(arch: str, path: Path) -> tuple[ConditionalGeneration, PreTrainedModel
     ours = load_model(str(path), dtype=torch.float32, device=CPU).model
     assert isinstance(ours, ConditionalGeneration)
     hf_class = HFLlava if arch == "llava" else HFGemma3
-    reference = hf_class.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    reference = nn.Module.eval(
+        hf_class.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    )
     processor = processor_for(path, AutoConfig.from_pretrained(path))
     assert processor is not None
     return ours, reference, processor
@@ -229,7 +236,7 @@ def test_encode_images_matches_hf_image_features(arch: str, vlm_path: Callable[[
     got = model.encode_images(items)
     with torch.no_grad():
         pixels = torch.cat([item.tensors["pixel_values"] for item in items])
-        want = reference.get_image_features(pixel_values=pixels).pooler_output
+        want = reference.get_image_features(pixel_values=pixels).pooler_output  # type: ignore[operator]
     assert [tuple(rows.shape) for rows in got] == [(item.length, 64) for item in items]
     for rows, expected in zip(got, want, strict=True):
         torch.testing.assert_close(rows, expected, atol=FEATURES_ATOL, rtol=0)
@@ -266,5 +273,5 @@ def test_greedy_decode_matches_hf_generate(
     for _ in range(4):
         tokens.append(int(kv.run(model, [(0, tokens[-1:])])[0].argmax()))
     with torch.no_grad():
-        out = reference.generate(**_hf_inputs(reference, prompt), max_new_tokens=5, do_sample=False)
+        out = reference.generate(**_hf_inputs(reference, prompt), max_new_tokens=5, do_sample=False)  # type: ignore[operator]
     assert tokens == out[0, len(prompt.token_ids) :].tolist()

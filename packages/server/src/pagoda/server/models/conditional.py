@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import FUSED_QKV_GATE_UP, KVCacheSpec
+from pagoda.server.models.gemma3 import Gemma3ForCausalLM
+from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.models.vision import StepImages, VisionLanguageModel
 from pagoda.server.multimodal.inputs import ImageItem
-from torch import Tensor, nn
+from torch import Tensor
 
 # (checkpoint prefix, parameter prefix), the first match wins.
 _RENAMES = (
@@ -34,7 +36,7 @@ class ConditionalGeneration(VisionLanguageModel):
     the LM head; subclasses embed the tokens and images (`embed`) and encode images."""
 
     packed_modules = FUSED_QKV_GATE_UP
-    language_model: nn.Module  # a DecoderLM with `forward_embeds`
+    language_model: LlamaForCausalLM | Gemma3ForCausalLM
     dtype: torch.dtype  # the model's
     device: torch.device
 

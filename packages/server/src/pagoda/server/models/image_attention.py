@@ -8,6 +8,7 @@ last token therefore attends to the whole image (and everything before it) with 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -64,7 +65,7 @@ def bidirectional_metadata(
         if cursor < q_len or q_len == 0:
             add(seq, q_len - cursor, context_lens[seq])
     index = torch.tensor(seq_of, dtype=torch.int64, device=attn.block_tables.device)
-    q_lens = [b - a for a, b in zip(new_starts, new_starts[1:], strict=False)]
+    q_lens = [b - a for a, b in itertools.pairwise(new_starts)]
     return dataclasses.replace(
         attn,
         block_tables=attn.block_tables.index_select(0, index),

@@ -70,43 +70,45 @@ def _chat_template(marker: str) -> str:
     )
 
 
-def tiny_vlm_config(arch: str) -> LlavaConfig | Gemma3Config:
-    """The transformers config of the tiny `arch` model (one of VLM_ARCHS)."""
-    if arch == "llava":
-        text = tiny_config("llama")  # hidden 64, 4 heads: head_dim 16
-        vision = CLIPVisionConfig(
-            **_vision_common(), image_size=LLAVA_IMAGE_SIZE, hidden_act="quick_gelu", layer_norm_eps=1e-5
-        )
-        return LlavaConfig(
-            vision_config=vision,
-            text_config=text,
-            image_token_id=_token_id("llava", "<image>"),
-            projector_hidden_act="gelu",
-            vision_feature_layer=-2,
-            vision_feature_select_strategy="default",
-            image_seq_length=(LLAVA_IMAGE_SIZE // PATCH_SIZE) ** 2,
-            tie_word_embeddings=False,
-        )
-    if arch == "gemma3_vl":
-        # A window wider than the test prompts: bidirectional images are exact there (see image_attention).
-        text = tiny_config("gemma3", sliding_window=512)
-        vision = SiglipVisionConfig(
-            **_vision_common(),
-            image_size=GEMMA3_IMAGE_SIZE,
-            hidden_act="gelu_pytorch_tanh",
-            layer_norm_eps=1e-6,
-            vision_use_head=False,  # as Gemma 3's: it reads the patch states
-        )
-        return Gemma3Config(
-            vision_config=vision,
-            text_config=text,
-            mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
-            boi_token_index=_token_id("gemma3_vl", "<start_of_image>"),
-            eoi_token_index=_token_id("gemma3_vl", "<end_of_image>"),
-            image_token_index=_token_id("gemma3_vl", "<image_soft_token>"),
-            tie_word_embeddings=True,
-        )
-    raise ValueError(f"unknown tiny VLM arch {arch!r}; choose one of {VLM_ARCHS}")
+def tiny_llava_config() -> LlavaConfig:
+    """The tiny Llava: CLIP (quick_gelu, features of the second-to-last layer, CLS dropped), tiny Llama."""
+    text = tiny_config("llama")  # hidden 64, 4 heads: head_dim 16
+    vision = CLIPVisionConfig(
+        **_vision_common(), image_size=LLAVA_IMAGE_SIZE, hidden_act="quick_gelu", layer_norm_eps=1e-5
+    )
+    fields: dict[str, Any] = {
+        "vision_config": vision,
+        "text_config": text,
+        "image_token_id": _token_id("llava", "<image>"),
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "image_seq_length": (LLAVA_IMAGE_SIZE // PATCH_SIZE) ** 2,
+        "tie_word_embeddings": False,
+    }
+    return LlavaConfig(**fields)
+
+
+def tiny_gemma3_vl_config() -> Gemma3Config:
+    """The tiny Gemma 3 VLM: SigLIP (no pooling head), 8 x 8 patches pooled to 16 tokens, tiny Gemma 3 text."""
+    # A window wider than the test prompts: bidirectional images are exact there (see image_attention).
+    text = tiny_config("gemma3", sliding_window=512)
+    gemma_vision = SiglipVisionConfig(
+        **_vision_common(),
+        image_size=GEMMA3_IMAGE_SIZE,
+        hidden_act="gelu_pytorch_tanh",
+        layer_norm_eps=1e-6,
+        vision_use_head=False,  # as Gemma 3's: it reads the patch states
+    )
+    return Gemma3Config(
+        vision_config=gemma_vision,
+        text_config=text,
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=_token_id("gemma3_vl", "<start_of_image>"),
+        eoi_token_index=_token_id("gemma3_vl", "<end_of_image>"),
+        image_token_index=_token_id("gemma3_vl", "<image_soft_token>"),
+        tie_word_embeddings=True,
+    )
 
 
 def _token_id(arch: str, token: str) -> int:
@@ -118,13 +120,14 @@ def make_tiny_hf_vlm(arch: str) -> PreTrainedModel:
     """The tiny random transformers model of `arch` (fixed seed, float32, eager attention), every weight
     non-trivial."""
     torch.manual_seed(0)
-    config = tiny_vlm_config(arch)
-    config._attn_implementation = "eager"
-    for sub in (config.text_config, config.vision_config):
-        sub._attn_implementation = "eager"
-    model: PreTrainedModel = (
-        LlavaForConditionalGeneration(config) if arch == "llava" else Gemma3ForConditionalGeneration(config)
-    )
+    model: PreTrainedModel
+    if arch == "llava":
+        model = LlavaForConditionalGeneration(tiny_llava_config())
+    elif arch == "gemma3_vl":
+        model = Gemma3ForConditionalGeneration(tiny_gemma3_vl_config())
+    else:
+        raise ValueError(f"unknown tiny VLM arch {arch!r}; choose one of {VLM_ARCHS}")
+    model.set_attn_implementation("eager")
     with torch.no_grad():
         # Norms start at 1 (Gemma's 1 + w at 0), biases and the Gemma 3 projection at 0: perturb them.
         for name, param in model.named_parameters():
@@ -168,7 +171,7 @@ def _processor(arch: str, path: Path) -> ProcessorMixin:
         image_processor = CLIPImageProcessorPil(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
-        return LlavaProcessor(
+        llava: ProcessorMixin = LlavaProcessor(  # type: ignore[no-untyped-call]
             image_processor=image_processor,
             tokenizer=tokenizer,
             patch_size=PATCH_SIZE,
@@ -176,6 +179,7 @@ def _processor(arch: str, path: Path) -> ProcessorMixin:
             num_additional_image_tokens=1,  # CLIP's CLS token, which the "default" strategy drops
             chat_template=template,
         )
+        return llava
     size = GEMMA3_IMAGE_SIZE
     gemma_images = Gemma3ImageProcessorPil(size={"height": size, "width": size})
     return Gemma3Processor(

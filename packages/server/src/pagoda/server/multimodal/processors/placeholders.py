@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from pagoda.server.multimodal.inputs import ImageItem, MultiModalInputs, ProcessedPrompt, content_key
+from PIL import Image
 from transformers import AutoProcessor
 
 
@@ -34,7 +34,7 @@ class PlaceholderProcessor:
 
     def __init__(self, folder: Path) -> None:
         # Offline: the folder holds the processor, image processor and tokenizer configs.
-        self.processor: Any = AutoProcessor.from_pretrained(folder)
+        self.processor: Any = AutoProcessor.from_pretrained(folder)  # type: ignore[no-untyped-call]
         tokenizer = self.processor.tokenizer
         self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.placeholder_token))
 
