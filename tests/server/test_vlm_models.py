@@ -4,25 +4,31 @@ attention on the paged kernels."""
 from __future__ import annotations
 
 import random
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from pagoda.pagedkernel import KernelBackend
-from pagoda.server.loader import load_model
+from pagoda.server.loader import WeightLoadError, load_model
 from pagoda.server.models import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.conditional import ConditionalGeneration
+from pagoda.server.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagoda.server.models.image_attention import bidirectional_metadata
-from pagoda.server.models.vision import StepImages
-from pagoda.server.multimodal.inputs import ProcessedPrompt
+from pagoda.server.models.llava import LlavaForConditionalGeneration
+from pagoda.server.models.registry import build_model, model_class
+from pagoda.server.models.vision import StepImages, VisionLanguageModel
+from pagoda.server.multimodal.inputs import ProcessedPrompt, content_key
 from pagoda.server.multimodal.processor import MultiModalProcessor
 from pagoda.server.multimodal.registry import processor_for
 from pagoda.server.testing.paged_kv import PagedKV
-from pagoda.server.testing.tiny_vlm import VLM_ARCHS, make_tiny_vlm
+from pagoda.server.testing.tiny_vlm import IMAGE_MARKERS, VLM_ARCHS, make_tiny_vlm
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers import Gemma3ForConditionalGeneration as HFGemma3
 from transformers import LlavaForConditionalGeneration as HFLlava
 
@@ -265,13 +271,193 @@ def test_prefill_logits_match_hf(
 def test_greedy_decode_matches_hf_generate(
     arch: str, vlm_path: Callable[[str], Path], torch_backend: KernelBackend
 ) -> None:
-    """The two-image prompt in one step, then one token per step through the paged cache: HF's greedy tokens."""
+    """The two-image prompt in one step, then one token per step through the paged cache: HF's greedy tokens, and
+    every step's logits equal to HF's over the whole sequence (the tiny model repeats tokens: the logits are the
+    sharper check)."""
     model, reference, processor = _load(arch, vlm_path(arch))
     prompt = processor.process(*_prompts(processor.image_marker)[1])
     kv = PagedKV(model.kv_cache_spec(), torch_backend, num_blocks=64, block_size=4)
-    tokens = [int(_prefill(model, kv, [prompt], [0])[-1].argmax())]
+    steps = [_prefill(model, kv, [prompt], [0])[-1]]
+    tokens = [int(steps[-1].argmax())]
     for _ in range(4):
-        tokens.append(int(kv.run(model, [(0, tokens[-1:])])[0].argmax()))
+        steps.append(kv.run(model, [(0, tokens[-1:])])[0].float())
+        tokens.append(int(steps[-1].argmax()))
+    inputs = _hf_inputs(reference, prompt)
     with torch.no_grad():
-        out = reference.generate(**_hf_inputs(reference, prompt), max_new_tokens=5, do_sample=False)  # type: ignore[operator]
-    assert tokens == out[0, len(prompt.token_ids) :].tolist()
+        out = reference.generate(**inputs, max_new_tokens=5, do_sample=False)  # type: ignore[operator]
+        assert tokens == out[0, len(prompt.token_ids) :].tolist()
+        ids = torch.cat([inputs["input_ids"], torch.tensor([tokens[:-1]])], dim=1)
+        whole = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if "token_type_ids" in inputs:
+            whole["token_type_ids"] = (ids == reference.config.image_token_id).long()
+        want = reference(**whole).logits[0, len(prompt.token_ids) - 1 :].float()
+    torch.testing.assert_close(torch.stack(steps), want, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_gemma3_images_need_the_bidirectional_metadata(
+    vlm_path: Callable[[str], Path], torch_backend: KernelBackend
+) -> None:
+    """Causal-only attention over Gemma 3's image rows is not transformers' (the bidirectional test can fail)."""
+    model, reference, processor = _load("gemma3_vl", vlm_path("gemma3_vl"))
+    prompt = processor.process(*_prompts(processor.image_marker)[0])
+    kv = PagedKV(model.kv_cache_spec(), torch_backend, num_blocks=64, block_size=4)
+    step = kv.step([(0, list(prompt.token_ids))])
+    with torch.inference_mode():
+        hidden = model(
+            step.input_ids, step.positions, kv.kv_caches, step.attn, _step_images(model, [prompt], [0])
+        )
+        causal = model.compute_logits(hidden)
+        want = reference(**_hf_inputs(reference, prompt)).logits[0]
+    image = prompt.multi_modal.images[0]
+    assert not torch.allclose(causal[image.offset : image.end], want[image.offset : image.end], atol=1e-2)
+    # Text before the image sees no image: identical either way.
+    torch.testing.assert_close(causal[: image.offset], want[: image.offset], atol=LOGITS_ATOL, rtol=0)
+
+
+# ---- weight loading --------------------------------------------------------------------------------------------
+
+# The transformers 5 in-memory layout and the hub's CLIP / SigLIP `vision_model.` prefix, for the saved names.
+_HUB_LAYOUT = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("vision_tower.", "model.vision_tower.vision_model."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_loads_the_transformers_5_layout(arch: str, vlm_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """A checkpoint named `model.language_model.*`, `lm_head.*`, `model.vision_tower.vision_model.*` and
+    `model.multi_modal_projector.*` loads into the same parameters as the saved layout."""
+    source = vlm_path(arch)
+    shutil.copytree(source, tmp_path / "model")
+    tensors = load_file(str(source / "model.safetensors"))
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in _HUB_LAYOUT:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = tensor
+    assert set(renamed) != set(tensors)
+    save_file(renamed, str(tmp_path / "model" / "model.safetensors"))
+    want = dict(load_model(str(source), dtype=torch.float32, device=CPU).model.named_parameters())
+    got = dict(load_model(str(tmp_path / "model"), dtype=torch.float32, device=CPU).model.named_parameters())
+    assert got.keys() == want.keys()
+    for name, param in got.items():
+        torch.testing.assert_close(param, want[name], atol=0, rtol=0, msg=name)
+
+
+def test_unknown_checkpoint_tensor_is_refused(vlm_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """A stray tensor in a VLM checkpoint still fails the strict load (renaming hides nothing)."""
+    source = vlm_path("llava")
+    shutil.copytree(source, tmp_path / "model")
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["model.vision_tower.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "model" / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=re.escape("model.vision_tower.extra.weight")):
+        load_model(str(tmp_path / "model"), dtype=torch.float32, device=CPU)
+
+
+def test_registry_builds_the_vlm_classes(vlm_path: Callable[[str], Path]) -> None:
+    """Both architectures resolve to their classes, with the text config's KV cache."""
+    for arch, cls in (
+        ("llava", LlavaForConditionalGeneration),
+        ("gemma3_vl", Gemma3ForConditionalGeneration),
+    ):
+        config = AutoConfig.from_pretrained(vlm_path(arch))
+        assert model_class(config) is cls
+        model = build_model(config, torch.float32, CPU)
+        text = config.get_text_config()
+        assert model.kv_cache_spec().num_layers == text.num_hidden_layers
+        assert isinstance(model, VisionLanguageModel)
+        assert model.bidirectional_images == (arch == "gemma3_vl")
+
+
+# ---- processors ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_processor_spans_and_tensors(arch: str, vlm_path: Callable[[str], Path]) -> None:
+    """Each image's span is exactly its placeholder run (Gemma 3: soft tokens between boi and eoi), its tensors are
+    its own slice of the processor's, and its content key tells the pictures apart."""
+    path = vlm_path(arch)
+    processor = processor_for(path, AutoConfig.from_pretrained(path))
+    assert processor is not None and processor.image_marker == IMAGE_MARKERS[arch]
+    text, images = _prompts(processor.image_marker)[1]
+    prompt = processor.process(text, images)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    placeholder = "<image>" if arch == "llava" else "<image_soft_token>"
+    placeholder_id = tokenizer.convert_tokens_to_ids(placeholder)
+    items = prompt.multi_modal.images
+    assert len(items) == 2 and [item.length for item in items] == [16, 16]
+    ids = prompt.token_ids
+    for item in items:
+        assert set(ids[item.offset : item.end]) == {placeholder_id}
+        assert ids[item.offset - 1] != placeholder_id and ids[item.end] != placeholder_id
+        if arch == "gemma3_vl":
+            assert tokenizer.convert_ids_to_tokens([ids[item.offset - 1], ids[item.end]]) == [
+                "<start_of_image>",
+                "<end_of_image>",
+            ]
+    assert ids.count(placeholder_id) == 32
+    assert items[0].content_key != items[1].content_key
+    assert items[0].content_key == content_key(images[0])
+    size = 28 if arch == "llava" else 56
+    whole = processor.process(text, images)
+    assert all(item.tensors["pixel_values"].shape == (1, 3, size, size) for item in items)
+    assert not torch.equal(items[0].tensors["pixel_values"], items[1].tensors["pixel_values"])
+    assert torch.equal(whole.multi_modal.images[1].tensors["pixel_values"], items[1].tensors["pixel_values"])
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_processor_refuses_markers_and_images_that_disagree(
+    arch: str, vlm_path: Callable[[str], Path]
+) -> None:
+    """More markers than images, or images without markers, are a ValueError naming the count."""
+    path = vlm_path(arch)
+    processor = processor_for(path, AutoConfig.from_pretrained(path))
+    assert processor is not None
+    marker = processor.image_marker
+    with pytest.raises(ValueError, match="2 image marker"):
+        processor.process(f"a {marker} b {marker}", [_image(30, 30, 4)])
+    with pytest.raises(ValueError, match="0 image marker"):
+        processor.process("no marker here", [_image(30, 30, 4)])
+    text_only = processor.process("Hello world!", [])
+    assert text_only.multi_modal.images == () and text_only.token_ids
+
+
+def test_llava_marker_written_as_text_counts_as_an_image(vlm_path: Callable[[str], Path]) -> None:
+    """Llava's placeholder is its marker: a literal "<image>" without an image is refused, not a crash."""
+    path = vlm_path("llava")
+    processor = processor_for(path, AutoConfig.from_pretrained(path))
+    assert processor is not None
+    with pytest.raises(ValueError, match="1 image marker"):
+        processor.process("what does <image> mean in HTML?", [])
+
+
+def test_gemma3_placeholder_written_as_text_is_refused(vlm_path: Callable[[str], Path]) -> None:
+    """Gemma 3's `<image_soft_token>` typed into the prompt is a clear ValueError, with or without images."""
+    path = vlm_path("gemma3_vl")
+    processor = processor_for(path, AutoConfig.from_pretrained(path))
+    assert processor is not None
+    with pytest.raises(ValueError, match="placeholder"):
+        processor.process("a <image_soft_token> b", [])
+    with pytest.raises(ValueError, match="placeholder"):
+        processor.process("a <image_soft_token> b <start_of_image> c", [_image(30, 30, 5)])
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_chat_template_writes_the_marker(arch: str, vlm_path: Callable[[str], Path]) -> None:
+    """Image parts become the marker, text parts their text, plain string content itself."""
+    tokenizer = AutoTokenizer.from_pretrained(vlm_path(arch))
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": "?"}],
+        },
+        {"role": "assistant", "content": "A fox."},
+    ]
+    # transformers annotates messages as str-valued dicts; content parts are the documented multimodal form.
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)  # type: ignore[arg-type]
+    assert rendered == f"<|user|>Look: {IMAGE_MARKERS[arch]}?</s><|assistant|>A fox.</s>"
