@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from pagoda.pagedkernel import KernelBackend
+from pagoda.server.llm import LLM
 from pagoda.server.loader import WeightLoadError, load_model
 from pagoda.server.models import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.conditional import ConditionalGeneration
@@ -23,6 +24,7 @@ from pagoda.server.models.vision import StepImages, VisionLanguageModel
 from pagoda.server.multimodal.inputs import ProcessedPrompt, content_key
 from pagoda.server.multimodal.processor import MultiModalProcessor
 from pagoda.server.multimodal.registry import processor_for
+from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing.paged_kv import PagedKV
 from pagoda.server.testing.tiny_vlm import IMAGE_MARKERS, VLM_ARCHS, make_tiny_vlm
 from PIL import Image
@@ -461,3 +463,21 @@ def test_chat_template_writes_the_marker(arch: str, vlm_path: Callable[[str], Pa
     # transformers annotates messages as str-valued dicts; content parts are the documented multimodal form.
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)  # type: ignore[arg-type]
     assert rendered == f"<|user|>Look: {IMAGE_MARKERS[arch]}?</s><|assistant|>A fox.</s>"
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_engine_serves_a_text_prompt_like_hf(arch: str, vlm_path: Callable[[str], Path]) -> None:
+    """The whole engine (setup reads the nested text config) serves a VLM folder's text-only prompts: greedy
+    tokens equal to transformers'."""
+    path = vlm_path(arch)
+    llm = LLM(
+        str(path), block_size=4, num_kv_blocks=64, max_model_len=128, dtype="float32", kernel_backend="torch"
+    )
+    prompt = "Hello world! The quick"
+    got = list(llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0))[0].outputs[0].token_ids)
+    ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt")["input_ids"]
+    hf_class = HFLlava if arch == "llava" else HFGemma3
+    reference = hf_class.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=5, do_sample=False)
+    assert got == want[0, ids.shape[1] :].tolist()
