@@ -481,3 +481,27 @@ def test_engine_serves_a_text_prompt_like_hf(arch: str, vlm_path: Callable[[str]
     with torch.no_grad():
         want = reference.generate(ids, max_new_tokens=5, do_sample=False)
     assert got == want[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(("layers", "strategy"), [([-3, -1], "full"), (-1, "default"), ([1, -2], "default")])
+def test_llava_feature_layers_and_strategies(
+    layers: int | list[int], strategy: str, tmp_path: Path, torch_backend: KernelBackend
+) -> None:
+    """Several feature layers (concatenated), the class token kept ("full"), every layer built (-1): the
+    features and the prompt's logits are transformers'."""
+    path = make_tiny_vlm(
+        "llava", tmp_path / "llava", vision_feature_layer=layers, vision_feature_select_strategy=strategy
+    )
+    model, reference, processor = _load("llava", path)
+    prompt = processor.process(*_prompts(processor.image_marker)[1])
+    assert [item.length for item in prompt.multi_modal.images] == [17 if strategy == "full" else 16] * 2
+    pixels = torch.cat([item.tensors["pixel_values"] for item in prompt.multi_modal.images])
+    with torch.no_grad():
+        want = reference.get_image_features(pixel_values=pixels).pooler_output  # type: ignore[operator]
+    for rows, expected in zip(model.encode_images(prompt.multi_modal.images), want, strict=True):
+        torch.testing.assert_close(rows, expected, atol=FEATURES_ATOL, rtol=0)
+    kv = PagedKV(model.kv_cache_spec(), torch_backend, num_blocks=64, block_size=4)
+    got = _prefill(model, kv, [prompt], [0])
+    with torch.no_grad():
+        logits = reference(**_hf_inputs(reference, prompt)).logits[0].float()
+    torch.testing.assert_close(got, logits, atol=LOGITS_ATOL, rtol=0)

@@ -70,7 +70,7 @@ def _chat_template(marker: str) -> str:
     )
 
 
-def tiny_llava_config() -> LlavaConfig:
+def tiny_llava_config(**overrides: Any) -> LlavaConfig:
     """The tiny Llava: CLIP (quick_gelu, features of the second-to-last layer, CLS dropped), tiny Llama."""
     text = tiny_config("llama")  # hidden 64, 4 heads: head_dim 16
     vision = CLIPVisionConfig(
@@ -86,7 +86,7 @@ def tiny_llava_config() -> LlavaConfig:
         "image_seq_length": (LLAVA_IMAGE_SIZE // PATCH_SIZE) ** 2,
         "tie_word_embeddings": False,
     }
-    return LlavaConfig(**fields)
+    return LlavaConfig(**{**fields, **overrides})
 
 
 def tiny_gemma3_vl_config() -> Gemma3Config:
@@ -116,13 +116,13 @@ def _token_id(arch: str, token: str) -> int:
     return VOCAB_SIZE + _SPECIAL_TOKENS[arch].index(token)
 
 
-def make_tiny_hf_vlm(arch: str) -> PreTrainedModel:
+def make_tiny_hf_vlm(arch: str, **overrides: Any) -> PreTrainedModel:
     """The tiny random transformers model of `arch` (fixed seed, float32, eager attention), every weight
-    non-trivial."""
+    non-trivial; `overrides` replace top-level fields of the Llava config (e.g. vision_feature_layer)."""
     torch.manual_seed(0)
     model: PreTrainedModel
     if arch == "llava":
-        model = LlavaForConditionalGeneration(tiny_llava_config())
+        model = LlavaForConditionalGeneration(tiny_llava_config(**overrides))
     elif arch == "gemma3_vl":
         model = Gemma3ForConditionalGeneration(tiny_gemma3_vl_config())
     else:
@@ -162,7 +162,7 @@ def _write_tokenizer(arch: str, path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _processor(arch: str, path: Path) -> ProcessorMixin:
+def _processor(arch: str, path: Path, strategy: str) -> ProcessorMixin:
     """The transformers processor of the tiny `arch` model, over the tokenizer saved in `path`."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     template = _chat_template(IMAGE_MARKERS[arch])
@@ -175,7 +175,7 @@ def _processor(arch: str, path: Path) -> ProcessorMixin:
             image_processor=image_processor,
             tokenizer=tokenizer,
             patch_size=PATCH_SIZE,
-            vision_feature_select_strategy="default",
+            vision_feature_select_strategy=strategy,
             num_additional_image_tokens=1,  # CLIP's CLS token, which the "default" strategy drops
             chat_template=template,
         )
@@ -190,10 +190,12 @@ def _processor(arch: str, path: Path) -> ProcessorMixin:
     )
 
 
-def make_tiny_vlm(arch: str, path: Path) -> Path:
-    """Write the tiny `arch` model folder (config, safetensors, tokenizer, processor configs) to `path`."""
+def make_tiny_vlm(arch: str, path: Path, **overrides: Any) -> Path:
+    """Write the tiny `arch` model folder (config, safetensors, tokenizer, processor configs) to `path`;
+    `overrides`: see `make_tiny_hf_vlm`."""
     path.mkdir(parents=True, exist_ok=True)
-    make_tiny_hf_vlm(arch).save_pretrained(path)
+    make_tiny_hf_vlm(arch, **overrides).save_pretrained(path)
     _write_tokenizer(arch, path)
-    _processor(arch, path).save_pretrained(path)
+    strategy = str(overrides.get("vision_feature_select_strategy", "default"))
+    _processor(arch, path, strategy).save_pretrained(path)
     return path
