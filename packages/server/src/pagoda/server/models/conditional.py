@@ -9,6 +9,7 @@ other layouts onto it: transformers 5's `model.language_model.*`, `lm_head.*`, `
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -40,9 +41,9 @@ class ConditionalGeneration(VisionLanguageModel):
     dtype: torch.dtype  # the model's
     device: torch.device
 
+    @abstractmethod
     def embed(self, input_ids: Tensor) -> Tensor:  # int64 [num_tokens] -> [num_tokens, hidden]
         """The text decoder's input embeddings of the tokens."""
-        raise NotImplementedError
 
     def forward(
         self,
@@ -90,9 +91,9 @@ class ConditionalGeneration(VisionLanguageModel):
         packed: int = self.language_model.pack_weights(batch_size)
         return packed
 
+    @abstractmethod
     def encode_pixels(self, pixels: Tensor) -> Tensor:  # [images, 3, H, W] -> [images, tokens, hidden]
         """The projected image features of a batch of same-sized images."""
-        raise NotImplementedError
 
     @torch.inference_mode()
     def encode_images(

@@ -85,8 +85,8 @@ class Gemma3ForConditionalGeneration(ConditionalGeneration):
         return out
 
     def ignored_weights(self) -> frozenset[str]:
-        """SigLIP's attention-pooling head (unused: Gemma 3 reads the patch states)."""
-        return frozenset(
+        """SigLIP's attention-pooling head (unused: Gemma 3 reads the patch states) and stored position ids."""
+        return frozenset({"vision_tower.embeddings.position_ids"}) | frozenset(
             f"vision_tower.head.{name}"
             for name in (
                 "probe",

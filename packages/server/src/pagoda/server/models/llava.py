@@ -95,9 +95,15 @@ class LlavaForConditionalGeneration(ConditionalGeneration):
         return out
 
     def ignored_weights(self) -> frozenset[str]:
-        """The CLIP layers past the last feature layer, its post-layernorm (Llava reads hidden states), and the
-        decoder's stored rotary tables."""
+        """The CLIP layers past the last feature layer, its post-layernorm (Llava reads hidden states) and stored
+        position ids, and the decoder's stored rotary tables."""
         vision = self.config.vision_config
         text = frozenset(f"language_model.{name}" for name in self.language_model.ignored_weights())
-        post = frozenset({"vision_tower.post_layernorm.weight", "vision_tower.post_layernorm.bias"})
+        post = frozenset(
+            {
+                "vision_tower.post_layernorm.weight",
+                "vision_tower.post_layernorm.bias",
+                "vision_tower.embeddings.position_ids",  # a buffer older CLIP checkpoints stored
+            }
+        )
         return unused_layer_weights(vision, self.num_vision_layers, "vision_tower.") | post | text
