@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagoda.pagedkernel import KernelBackend
+from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.llm import LLM
 from pagoda.server.loader import WeightLoadError, load_model
 from pagoda.server.models import Attention, AttentionMetadata, LayerKVCache
@@ -61,8 +61,11 @@ def _dense_reference(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_bidirectional_metadata_matches_dense_masked_attention(torch_backend: KernelBackend) -> None:
-    """Two sequences (one with cached context, one with two images, one without images) in one paged step."""
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_bidirectional_metadata_matches_dense_masked_attention(backend_name: str) -> None:
+    """Three sequences (cached context and one image, two images, no image) in one paged step, on the reference
+    kernels and the CPU's C kernels."""
+    backend = get_backend(backend_name, "cpu")
     heads, kv_heads, d, block, num_blocks = 4, 2, 8, 4, 32
     gen = torch.Generator().manual_seed(0)
     # (tokens already cached, chunk length, images as (offset in chunk, length))
@@ -102,7 +105,7 @@ def test_bidirectional_metadata_matches_dense_masked_attention(torch_backend: Ke
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         max_query_len=max(q for _, q, _ in seqs),
         is_decode=False,
-        backend=torch_backend,
+        backend=backend,
     )
     bidi = bidirectional_metadata(attn, spans)
     layer = Attention(heads, kv_heads, d, d**-0.5)
@@ -318,25 +321,31 @@ def test_gemma3_images_need_the_bidirectional_metadata(
 
 # ---- weight loading --------------------------------------------------------------------------------------------
 
-# The transformers 5 in-memory layout and the hub's CLIP / SigLIP `vision_model.` prefix, for the saved names.
-_HUB_LAYOUT = (
-    ("language_model.model.", "model.language_model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("vision_tower.", "model.vision_tower.vision_model."),
-    ("multi_modal_projector.", "model.multi_modal_projector."),
-)
+# The saved names -> another layout's: transformers 5's in-memory one (with the hub's CLIP / SigLIP
+# `vision_model.` prefix), and the older hub one (`language_model.model.*` with `vision_tower.vision_model.*`).
+_LAYOUTS = {
+    "transformers5": (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.vision_tower.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ),
+    "hub_v4": (("vision_tower.", "vision_tower.vision_model."),),
+}
 
 
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
 @pytest.mark.parametrize("arch", VLM_ARCHS)
-def test_loads_the_transformers_5_layout(arch: str, vlm_path: Callable[[str], Path], tmp_path: Path) -> None:
-    """A checkpoint named `model.language_model.*`, `lm_head.*`, `model.vision_tower.vision_model.*` and
-    `model.multi_modal_projector.*` loads into the same parameters as the saved layout."""
+def test_loads_the_hub_layouts(
+    arch: str, layout: str, vlm_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A checkpoint in another layout's names loads into the same parameters as the saved layout."""
     source = vlm_path(arch)
     shutil.copytree(source, tmp_path / "model")
     tensors = load_file(str(source / "model.safetensors"))
     renamed = {}
     for name, tensor in tensors.items():
-        for old, new in _HUB_LAYOUT:
+        for old, new in _LAYOUTS[layout]:
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
