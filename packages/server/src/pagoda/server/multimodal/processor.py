@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pagoda.server.multimodal.inputs import ProcessedPrompt
 from PIL import Image
+from pagoda.server.multimodal.inputs import ProcessedPrompt
 
 
 class MultiModalProcessor(Protocol):
