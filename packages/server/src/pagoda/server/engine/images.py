@@ -145,7 +145,9 @@ class ImageEncoder(Extension):
             return
         for key, users in list(self.users.items()):
             # Its samples and beams too: their sequence ids extend the request id.
-            users.difference_update([u for u in users if u[0] == request_id or u[0].startswith(request_id + ":")])
+            users.difference_update(
+                [u for u in users if u[0] == request_id or u[0].startswith(request_id + ":")]
+            )
             if not users:
                 del self.users[key]
                 self.embeds.pop(key, None)

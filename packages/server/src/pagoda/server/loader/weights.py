@@ -280,9 +280,10 @@ def load_safetensors(
             qtypes = quantized_types(checkpoint.metadata())
             for name in checkpoint.names():
                 progress.update(1)
-                target = _resolve(model, params, name)
+                renamed = model.checkpoint_name(name)
+                target = _resolve(model, params, renamed)
                 if target is None:
-                    if name not in ignored:
+                    if renamed not in ignored:
                         unexpected.append(name)
                     continue
                 dest, source = _destination(model, params, target)

@@ -84,6 +84,11 @@ class CausalLM(nn.Module, ABC):
         """Checkpoint names that load into another name's parameter (a tied `lm_head.weight` is the embedding)."""
         return {}
 
+    def checkpoint_name(self, name: str) -> str:
+        """The name a checkpoint tensor loads as, before aliases (a vision-language model maps the layouts its
+        checkpoints come in onto its own); `name` itself by default."""
+        return name
+
     def classifier(self) -> Linear | None:
         """A sequence-classification model's head (`score`: hidden_size -> num_labels, whole on every rank), which
         the pooling runner applies to the pooled row; None for a language model."""

@@ -210,7 +210,18 @@ class Gemma3ForCausalLM(DecoderLM):
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states of the step's tokens."""
-        x: Tensor = self.model.embed_tokens(input_ids) * self.model.embed_scale
+        return self.forward_embeds(
+            self.model.embed_tokens(input_ids) * self.model.embed_scale, positions, kv_caches, attn
+        )
+
+    def forward_embeds(
+        self,
+        x: Tensor,  # [num_tokens, hidden]: the tokens' input embeddings, already scaled by embed_scale
+        positions: Tensor,  # int64 [num_tokens]
+        kv_caches: Sequence[LayerKVCache],  # one per layer
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """Final hidden states from the input embeddings (a vision-language model's, images merged in unscaled)."""
         rope = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary_emb.items()}
         for layer, layer_type, kv_cache in zip(self.model.layers, self.layer_types, kv_caches, strict=True):
             cos, sin = rope[layer_type]

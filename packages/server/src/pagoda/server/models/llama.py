@@ -206,7 +206,16 @@ class LlamaForCausalLM(DecoderLM):
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states of the step's tokens."""
-        x: Tensor = self.model.embed_tokens(input_ids)
+        return self.forward_embeds(self.model.embed_tokens(input_ids), positions, kv_caches, attn)
+
+    def forward_embeds(
+        self,
+        x: Tensor,  # [num_tokens, hidden]: the tokens' input embeddings
+        positions: Tensor,  # int64 [num_tokens]
+        kv_caches: Sequence[LayerKVCache],  # one per layer
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """Final hidden states from the input embeddings (a vision-language model's, images merged in)."""
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)

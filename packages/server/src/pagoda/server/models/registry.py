@@ -7,7 +7,9 @@ from types import MappingProxyType
 import torch
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
+from pagoda.server.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagoda.server.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
+from pagoda.server.models.llava import LlavaForConditionalGeneration
 from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
 from pagoda.server.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from transformers import PretrainedConfig
@@ -20,9 +22,12 @@ ARCHITECTURES: MappingProxyType[str, tuple[str, type[CausalLM]]] = MappingProxyT
         "Qwen2ForCausalLM": ("qwen2", LlamaForCausalLM),
         "Qwen3ForCausalLM": ("qwen3", LlamaForCausalLM),
         "Gemma3ForCausalLM": ("gemma3_text", Gemma3ForCausalLM),
-        # Vision-language models (multimodal/registry.py names their processors).
+        # Vision-language models: a vision tower and projector before the text decoder (multimodal/registry.py
+        # names their processors).
         "Qwen2VLForConditionalGeneration": ("qwen2_vl", Qwen2VLForConditionalGeneration),
         "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", Qwen2_5_VLForConditionalGeneration),
+        "LlavaForConditionalGeneration": ("llava", LlavaForConditionalGeneration),
+        "Gemma3ForConditionalGeneration": ("gemma3", Gemma3ForConditionalGeneration),
         # Cross-encoders (the pooling runner's /score and /rerank): the decoder with a `score` head.
         "LlamaForSequenceClassification": ("llama", LlamaForSequenceClassification),
         "Qwen2ForSequenceClassification": ("qwen2", LlamaForSequenceClassification),

@@ -7,6 +7,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from pagoda.server.multimodal.processor import MultiModalProcessor
+from pagoda.server.multimodal.processors.gemma3 import Gemma3Processor
+from pagoda.server.multimodal.processors.llava import LlavaProcessor
 from pagoda.server.multimodal.processors.qwen2_vl import Qwen2VLPromptProcessor
 from transformers import PretrainedConfig
 
@@ -15,6 +17,8 @@ PROCESSORS: Mapping[str, Callable[[Path], MultiModalProcessor]] = MappingProxyTy
     {
         "Qwen2VLForConditionalGeneration": Qwen2VLPromptProcessor.from_folder,
         "Qwen2_5_VLForConditionalGeneration": Qwen2VLPromptProcessor.from_folder,
+        "LlavaForConditionalGeneration": LlavaProcessor,
+        "Gemma3ForConditionalGeneration": Gemma3Processor,
     }
 )
 

@@ -9,7 +9,9 @@ model folder whose weights stay in GGUF block formats, for transformers to load 
 (needs `peft`): tiny random PEFT adapters (`make_tiny_lora`) and their transformers + PEFT reference.
 `tiny_draft`: `make_tiny_draft`, a tiny model's copy with a noisy LM head, as its speculative draft model.
 `tiny_classifier`: tiny random cross-encoders (`make_tiny_classifier`, `*ForSequenceClassification` of the Llama,
-Qwen2 and Qwen3 configs) and their transformers reference (`make_tiny_hf_classifier`).
+Qwen2 and Qwen3 configs) and their transformers reference (`make_tiny_hf_classifier`). `tiny_vlm`: tiny random
+vision-language models (`make_tiny_vlm`: Llava and Gemma 3 folders with processor configs) and their transformers
+reference (`make_tiny_hf_vlm`).
 """
 
 from pagoda.server.testing.dense_copy import dense_copy

@@ -1,1 +1,1 @@
-"""Each architecture's `MultiModalProcessor`."""
+"""The `MultiModalProcessor` of each supported vision-language architecture, over its folder's own processor."""
