@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from pagoda.server.engine import LLMEngine
+from pagoda.server.engine.setup import MaxModelLenError
 from pagoda.server.llm import LLM
 from pagoda.server.multimodal import ProcessedPrompt
 from pagoda.server.multimodal.processor import MultiModalProcessor
@@ -20,14 +21,17 @@ from pagoda.server.multimodal.registry import processor_for
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing.tiny_qwen_vl import make_tiny_qwen_vl
+from pagoda.server.testing.tiny_vlm import make_tiny_vlm
 from PIL import Image
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedModel
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Architecture -> its tiny folder's maker.
 MAKERS: dict[str, Callable[[str, Path], Path]] = {
+    "llava": make_tiny_vlm,
+    "gemma3_vl": make_tiny_vlm,
     "qwen2_vl": make_tiny_qwen_vl,
     "qwen2_5_vl": make_tiny_qwen_vl,
 }
@@ -42,12 +46,12 @@ class Model:
     path: Path
     processor: MultiModalProcessor
     reference: PreTrainedModel
+    tokenizer: Any  # the folder's tokenizer and chat template
 
     def prompt(self, parts: Sequence[str | Image.Image]) -> ProcessedPrompt:
         """One user turn of text parts and images, through the chat template and the processor."""
         content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
-        tokenizer = cast(Any, self.processor).tokenizer
-        text = tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
         return self.processor.process(text, [p for p in parts if isinstance(p, Image.Image)])
@@ -59,12 +63,16 @@ class Model:
         config = cast(Any, self.reference.config)
         if config.model_type.startswith("qwen2"):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()
+        if config.model_type == "gemma3":  # marks the image soft tokens, attended both ways
+            inputs["token_type_ids"] = (ids == config.image_token_id).long()
         items = prompt.multi_modal.images
         for name in items[0].tensors if items else ():
             inputs[name] = torch.cat([item.tensors[name] for item in items])
         with torch.no_grad():
             out = cast(Any, self.reference).generate(
-                **inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+                # No stop token: an EOS is drawn like any other token, as the engine's ignore_eos does
+                # (min_new_tokens would instead mask EOS out and pick the runner-up).
+                **inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=[], pad_token_id=0
             )
         return cast(list[int], out[0, ids.shape[1] :].tolist())
 
@@ -77,7 +85,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     processor = processor_for(path, AutoConfig.from_pretrained(path))
     assert processor is not None
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    return Model(arch, path, processor, nn.Module.eval(reference))
+    return Model(arch, path, processor, nn.Module.eval(reference), AutoTokenizer.from_pretrained(path))
 
 
 def picture(seed: int, size: tuple[int, int] = SIZES[0]) -> Image.Image:
@@ -93,10 +101,12 @@ def make_llm(model: Model, **kwargs: Any) -> LLM:
     return LLM(str(model.path), **args)
 
 
-def run(engine: LLMEngine, prompts: Sequence[ProcessedPrompt]) -> list[RequestOutput]:
+def run(
+    engine: LLMEngine, prompts: Sequence[ProcessedPrompt], params: SamplingParams = GREEDY
+) -> list[RequestOutput]:
     """Add every prompt, step until done; the final outputs in prompt order."""
     for index, prompt in enumerate(prompts):
-        engine.add_request(str(index), prompt.token_ids, GREEDY, multi_modal=prompt.multi_modal)
+        engine.add_request(str(index), prompt.token_ids, params, multi_modal=prompt.multi_modal)
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -129,23 +139,22 @@ def test_eight_concurrent_images_under_preemption_and_chunked_prefill(model: Mod
     """Eight prompts with different images, a pool too small for all of them and 16-token steps: every output
     still equals transformers', and the engine did preempt (by `mode`) and split prefills."""
     prompts = [model.prompt(["Look:", picture(10 + i), "What is it?"]) for i in range(8)]
-    llm = make_llm(
-        model,
-        num_kv_blocks=20,
-        max_model_len=80,
-        max_num_batched_tokens=16,
-        enable_chunked_prefill=True,
-        preemption_mode=mode,
-        swap_space_gib=0.01,
-    )
-    assert (
-        max(len(p.token_ids) for p in prompts) + MAX_TOKENS
-        <= 20 * 4
-        < 2 * min(len(p.token_ids) for p in prompts)
-    )
+    # A pool of one and a half of the longest sequences (KV cache groups share it: Gemma 3's sliding layers take
+    # blocks of their own): eight sequences cannot all fit, so the batch preempts.
+    long = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+    max_len = -(-(max(len(p.token_ids) for p in prompts) + 3 * MAX_TOKENS) // 4) * 4
+    flags: dict[str, Any] = {
+        "max_model_len": max_len,
+        "max_num_batched_tokens": 32,
+        "enable_chunked_prefill": True,
+        "preemption_mode": mode,
+        "swap_space_gib": 0.01,
+    }
+    smallest = next(n for n in range(max_len // 4, 8 * max_len) if _fits(model, n, flags))
+    llm = make_llm(model, num_kv_blocks=smallest * 3 // 2, **flags)
     engine = llm.engine
-    outputs = run(engine, prompts)
-    assert tokens(outputs) == [model.greedy(p) for p in prompts]
+    outputs = run(engine, prompts, long)
+    assert tokens(outputs) == [model.greedy(p, 3 * MAX_TOKENS) for p in prompts]
     assert engine.get_stats().num_preemptions > 0
     assert engine.images is not None and engine.images.num_cached_tokens == 0  # every image's rows dropped
 
@@ -162,6 +171,15 @@ def test_parallel_samples_fork_an_image_prompt(model: Model) -> None:
     )
     final = [o for o in _drain(engine) if o.finished]
     assert [list(s.token_ids) for s in final[-1].outputs] == [model.greedy(prompt)] * 3
+
+
+def _fits(model: Model, num_blocks: int, flags: dict[str, Any]) -> bool:
+    """Whether a pool of `num_blocks` holds one sequence of the flags' max_model_len."""
+    try:
+        make_llm(model, num_kv_blocks=num_blocks, **flags)
+    except MaxModelLenError:
+        return False
+    return True
 
 
 def _drain(engine: LLMEngine) -> list[RequestOutput]:
