@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from media_support import Route, data_url, image_bytes, media_server, png_header_only
+from pagoda.server.config import ModalityLimits, MultiModalConfig
 from pagoda.server.multimodal.media import (
     MediaError,
     MediaPolicy,
@@ -285,3 +286,17 @@ def test_image_objects_offline() -> None:
 def test_decode_image_refuses_empty_bytes() -> None:
     with pytest.raises(MediaError, match="not a PNG"):
         decode_image(b"", MediaPolicy(), FIELD)
+
+
+def test_policy_from_config(tmp_path: Path) -> None:
+    config = MultiModalConfig(
+        limit_mm_per_prompt=ModalityLimits(image=2),
+        allowed_media_domains=("A.org",),
+        allowed_local_media_path=str(tmp_path),
+        max_image_bytes=10,
+        media_fetch_timeout=1.5,
+        max_image_pixels=100,
+    )
+    assert MediaPolicy.from_config(config) == MediaPolicy(("a.org",), tmp_path, 10, 1.5, 100, 2)
+    with pytest.raises(ValueError, match="is not a folder"):
+        MediaPolicy.from_config(MultiModalConfig(allowed_local_media_path=str(tmp_path / "none")))

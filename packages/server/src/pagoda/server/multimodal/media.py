@@ -19,15 +19,16 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import httpx
+from pagoda.server.config import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_PROMPT,
+    DEFAULT_MEDIA_FETCH_TIMEOUT,
+    PIL_MAX_IMAGE_PIXELS,
+    MultiModalConfig,
+)
 from PIL import Image, UnidentifiedImageError
 
-# PIL warns above Image.MAX_IMAGE_PIXELS and refuses above twice that; a cap at most PIL's own keeps every image
-# this policy admits clear of both, without touching PIL's global setting.
-PIL_MAX_IMAGE_PIXELS = 89_478_485
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # OpenAI's per-image limit
-DEFAULT_FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
-DEFAULT_MAX_IMAGES_PER_PROMPT = 8
 MAX_REDIRECTS = 3
 
 # Leading bytes of each format, to name what was sent; only the first three are decoded.
@@ -59,7 +60,7 @@ class MediaPolicy:
     allowed_media_domains: tuple[str, ...] = ()  # exact host names http(s) images may be fetched from
     allowed_local_media_path: Path | None = None  # file:// images only under this folder (None: none)
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # encoded size of one image
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # a whole http(s) fetch, redirects included
+    fetch_timeout_s: float = DEFAULT_MEDIA_FETCH_TIMEOUT  # a whole http(s) fetch, redirects included
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width x height, checked from the header
     max_images_per_prompt: int = DEFAULT_MAX_IMAGES_PER_PROMPT  # --limit-mm-per-prompt's "image"
 
@@ -74,9 +75,26 @@ class MediaPolicy:
             )
         if self.max_images_per_prompt < 0:
             raise ValueError("max_images_per_prompt must not be negative")
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
+            raise ValueError(
+                f"allowed_local_media_path {str(self.allowed_local_media_path)!r} is not a folder"
+            )
         # Host names compare lowercase (DNS is case-insensitive).
         object.__setattr__(
             self, "allowed_media_domains", tuple(d.strip().lower() for d in self.allowed_media_domains)
+        )
+
+    @classmethod
+    def from_config(cls, config: MultiModalConfig) -> MediaPolicy:
+        """The policy of the config's image section (ValueError when its folder does not exist here)."""
+        folder = config.allowed_local_media_path
+        return cls(
+            allowed_media_domains=config.allowed_media_domains,
+            allowed_local_media_path=None if folder is None else Path(folder),
+            max_image_bytes=config.max_image_bytes,
+            fetch_timeout_s=config.media_fetch_timeout,
+            max_image_pixels=config.max_image_pixels,
+            max_images_per_prompt=config.max_images_per_prompt,
         )
 
     def check_count(self, params: Sequence[str]) -> None:
