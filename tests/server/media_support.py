@@ -10,12 +10,14 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from pagoda.server.multimodal import ImageItem, MultiModalInputs, ProcessedPrompt, content_key
 from PIL import Image
+from transformers import PreTrainedTokenizerBase
 
 
 def image_bytes(
@@ -99,3 +101,32 @@ def media_server() -> Iterator[MediaServer]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+MARKER = "(image)"
+IMAGE_TOKENS = 5  # placeholder tokens the fake processor gives every image
+
+
+@dataclass
+class FakeProcessor:
+    """A MultiModalProcessor: each marker becomes IMAGE_TOKENS `placeholder` ids; records every call."""
+
+    tokenizer: PreTrainedTokenizerBase
+    placeholder: int
+    image_marker: str = MARKER
+    calls: list[tuple[str, list[Image.Image]]] = field(default_factory=list)
+
+    def process(self, prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
+        """Token ids with each image's span; ValueError when markers and images disagree in number."""
+        self.calls.append((prompt, list(images)))
+        pieces = prompt.split(self.image_marker)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"{len(pieces) - 1} image markers but {len(images)} images")
+        ids: list[int] = []
+        items: list[ImageItem] = []
+        for i, piece in enumerate(pieces):
+            ids += self.tokenizer.encode(piece, add_special_tokens=False)
+            if i < len(images):
+                items.append(ImageItem(len(ids), IMAGE_TOKENS, content_key(images[i])))
+                ids += [self.placeholder] * IMAGE_TOKENS
+        return ProcessedPrompt(tuple(ids), MultiModalInputs(tuple(items)))

@@ -5,24 +5,21 @@ refusal is an OpenAI-shaped 400 naming the field, and the server keeps serving a
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from api_fake_engine import FakeEngine, RunningServer, serve_in_thread
-from media_support import Route, data_url, image_bytes, media_server
+from media_support import IMAGE_TOKENS, MARKER, FakeProcessor, Route, data_url, image_bytes, media_server
 from pagoda.server.api.images import ImageFront
 from pagoda.server.engine import RequestRejectedError
-from pagoda.server.multimodal import ImageItem, MultiModalInputs, ProcessedPrompt, content_key
+from pagoda.server.multimodal import MultiModalInputs, ProcessedPrompt, content_key
 from pagoda.server.multimodal.media import MediaPolicy
 from pagoda.server.sampling_params import SamplingParams
 from PIL import Image
-from transformers import PreTrainedTokenizerBase
 
-MARKER = "(image)"
-IMAGE_TOKENS = 5  # placeholder tokens the fake processor gives every image
 # A content-list template (as vision models' are): an image part becomes the marker, text parts their text.
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
@@ -33,31 +30,6 @@ TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
-
-
-@dataclass
-class FakeProcessor:
-    """Expands each marker into IMAGE_TOKENS placeholder ids ('?') and records every call."""
-
-    tokenizer: PreTrainedTokenizerBase
-    image_marker: str = MARKER
-    calls: list[tuple[str, list[Image.Image]]] = field(default_factory=list)
-
-    def process(self, prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
-        """Token ids with each image's span; ValueError when markers and images disagree in number."""
-        self.calls.append((prompt, list(images)))
-        pieces = prompt.split(self.image_marker)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"{len(pieces) - 1} image markers but {len(images)} images")
-        placeholder = self.tokenizer.get_vocab()["?"]
-        ids: list[int] = []
-        items: list[ImageItem] = []
-        for i, piece in enumerate(pieces):
-            ids += self.tokenizer.encode(piece, add_special_tokens=False)
-            if i < len(images):
-                items.append(ImageItem(len(ids), IMAGE_TOKENS, content_key(images[i])))
-                ids += [placeholder] * IMAGE_TOKENS
-        return ProcessedPrompt(tuple(ids), MultiModalInputs(tuple(items)))
 
 
 class RecordingEngine(FakeEngine):
@@ -110,7 +82,7 @@ class Served:
 def serve(processor: bool, policy: MediaPolicy | None = None) -> Iterator[Served]:
     """The server, with the fake processor or as a text-only model."""
     engine = RecordingEngine()
-    fake = FakeProcessor(engine.tokenizer) if processor else None
+    fake = FakeProcessor(engine.tokenizer, engine.tokenizer.get_vocab()["?"]) if processor else None
     images = ImageFront(fake, policy or MediaPolicy(max_images_per_prompt=2))
     with serve_in_thread(engine, images=images) as running:
         yield Served(running, engine, fake)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagoda.server.config import MultiModalConfig
+from pagoda.server.multimodal.folder import model_processor
 from pagoda.server.multimodal.media import MediaPolicy
 from pagoda.server.multimodal.processor import MultiModalProcessor
-from pagoda.server.multimodal.registry import processor_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,17 +18,6 @@ class ImageFront:
 
     processor: MultiModalProcessor | None = None
     policy: MediaPolicy = field(default_factory=MediaPolicy)
-
-
-def model_processor(folder: str | Path) -> MultiModalProcessor | None:
-    """The multimodal processor of a Hugging Face model folder, by its config's architecture; None for a text-only
-    model, or for a model that is no such folder (a GGUF file, a packaged model)."""
-    path = Path(folder)
-    if not (path / "config.json").is_file():
-        return None
-    from transformers import AutoConfig  # seconds to import: only once a folder is known
-
-    return processor_for(path, AutoConfig.from_pretrained(path))
 
 
 def image_front(folder: str | Path, config: MultiModalConfig) -> ImageFront:
