@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from pagoda.server.api import AppSettings, build_app
 from pagoda.server.api.http_protocol import HTTPConfig
+from pagoda.server.api.images import ImageFront
 from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.config import HTTPLimits, ServingConfig
 from pagoda.server.engine import RequestRejectedError
@@ -280,9 +281,10 @@ def serve_in_thread(
     limits: HTTPLimits | None = None,
     rebuild: Callable[[], EngineClient] | None = None,
     stream_stall_timeout: float | None = 30.0,
+    images: ImageFront | None = None,
 ) -> Iterator[RunningServer]:
     """Run the app over `engine` with uvicorn in a background thread until the block exits (`rebuild`: what
-    --on-engine-failure restart replaces a failed engine with)."""
+    --on-engine-failure restart replaces a failed engine with; `images`: the image processor and media policy)."""
     client: EngineClient = engine  # mypy proves the fake satisfies the Protocol
     llm = AsyncLLM(
         client,
@@ -294,7 +296,7 @@ def serve_in_thread(
         ),
         rebuild=rebuild,
     )
-    app = build_app(llm, settings)
+    app = build_app(llm, settings, images=images)
     port = free_port()
     config = HTTPConfig(
         app, limits or HTTPLimits(), host="127.0.0.1", port=port, log_level="warning", lifespan="on"

@@ -165,7 +165,11 @@ def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
     start = time.perf_counter()
     # Engine cores restart on their own (CoreClient); only an in-process engine is rebuilt here.
     llm = AsyncLLM(client, config.serving, rebuild=rebuild if config.core.in_process else None)
-    app = build_app(llm, config.app, config.engine.lora_config)
+    from pagoda.server.api.images import image_front
+
+    # The model folder's processor (None: a text-only model) and the image flags' policy.
+    images = image_front(client.tokenizer.name_or_path, config.engine.multimodal_config)
+    app = build_app(llm, config.app, config.engine.lora_config, images)
     start = log_phase("API app", start)
     # Everything loaded so far (model, tokenizer, libraries) lives until exit: move it out of the collector's
     # sight, so that full collections while serving, and the one at exit, do not walk it again and again. No full

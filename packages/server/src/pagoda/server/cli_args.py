@@ -13,11 +13,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
+from pathlib import Path
 from typing import Any, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulingPolicyName
 from pagoda.server.config import (
+    DEFAULT_MAX_IMAGES_PER_PROMPT,
     INT4_GROUP_SIZES,
+    PIL_MAX_IMAGE_PIXELS,
     DistributedExecutorBackendName,
     DTypeName,
     EngineConfig,
@@ -27,10 +30,12 @@ from pagoda.server.config import (
     KVCacheDtypeName,
     KVManagerName,
     LogLevelName,
+    ModalityLimits,
     QuantizationName,
     ReasoningParserName,
     ServeConfig,
     ToolParserName,
+    parse_limit_mm_per_prompt,
 )
 from pagoda.server.config_tree import flat_names
 from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
@@ -622,7 +627,66 @@ def argument_table() -> list[Flag]:
                 '"num_speculative_tokens": 4}; None: off',
             },
         ),
+        # images (issue 38)
+        Flag(
+            ("--limit-mm-per-prompt",),
+            {
+                "type": _limit_mm_per_prompt,
+                "metavar": "JSON",
+                "help": f'vLLM\'s JSON: images one prompt may carry, {{"image": 4}} (default: '
+                f"{DEFAULT_MAX_IMAGES_PER_PROMPT}; 0 refuses images)",
+            },
+        ),
+        Flag(
+            ("--allowed-media-domains",),
+            {
+                "nargs": "+",
+                "metavar": "HOST",
+                "help": "hosts http(s) image URLs may name, exactly (default: none; every other URL is a 400 "
+                "and no connection is made)",
+            },
+        ),
+        Flag(
+            ("--allowed-local-media-path",),
+            {
+                "type": _existing_dir,
+                "metavar": "DIR",
+                "help": "file:// image URLs are read only under this folder, symlinks resolved (default: "
+                "file:// is refused)",
+            },
+        ),
+        Flag(("--max-image-bytes",), {"type": int, "help": "400 for a larger encoded image"}),
+        Flag(
+            ("--media-fetch-timeout",),
+            {
+                "type": float,
+                "help": "seconds a whole http(s) image fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
+            },
+        ),
+        Flag(
+            ("--max-image-pixels",),
+            {
+                "type": int,
+                "help": f"400 for an image of more pixels (width x height, read from its header before it is "
+                f"decoded); at most {PIL_MAX_IMAGE_PIXELS}, PIL's own guard",
+            },
+        ),
     ]
+
+
+def _limit_mm_per_prompt(text: str) -> ModalityLimits:
+    """--limit-mm-per-prompt's value; bad JSON, an unknown modality or a negative count exits 2 naming it."""
+    try:
+        return parse_limit_mm_per_prompt(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _existing_dir(text: str) -> str:
+    """A folder that exists; argparse's error (exit 2) otherwise."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing folder")
+    return text
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -658,6 +722,10 @@ _SECTIONS = {
     ("server", "limits"): ("HTTP limits", "what one HTTP request may take before the app sees it"),
     ("engine", "lora_config"): ("LoRA", "multi-LoRA serving: adapters, their rank and how many stay loaded"),
     ("engine",): ("speculative decoding", "drafted tokens verified in one forward pass (pagoda.server.spec)"),
+    ("engine", "multimodal_config"): (
+        "images",
+        "images per prompt, where image URLs may point, and how large an image may be",
+    ),
     ("engine", "structured_outputs_config"): (
         "structured outputs",
         "the engine's compiled-grammar cache and per-row mask deadline",

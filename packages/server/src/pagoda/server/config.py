@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
-from pagoda.server.config_tree import build_config
+from pagoda.server.config_tree import build_config, json_object
 from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
 from pagoda.server.packaged import packaged_model
@@ -51,7 +51,9 @@ __all__ = [
     "LoRAConfig",
     "LoRAModulePath",
     "LogLevelName",
+    "ModalityLimits",
     "ModelConfig",
+    "MultiModalConfig",
     "ParallelConfig",
     "PoolerConfig",
     "PreemptionMode",
@@ -117,12 +119,85 @@ def _typed(name: str, value: object, kind: type) -> None:
         )
 
 
+# Images (issue 38). PIL warns above its MAX_IMAGE_PIXELS and refuses above twice that: --max-image-pixels stays
+# at most PIL's, so that every image it admits clears PIL's own guard (which is left as it is: global state).
+PIL_MAX_IMAGE_PIXELS = 89_478_485
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # 16.8 MP: a 12 MP photo fits; vision encoders resize far below it
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # OpenAI's per-image limit
+DEFAULT_MEDIA_FETCH_TIMEOUT = 5.0  # seconds; vLLM's VLLM_IMAGE_FETCH_TIMEOUT
+DEFAULT_MAX_IMAGES_PER_PROMPT = 8
+MODALITIES = ("image",)  # what --limit-mm-per-prompt may name
+
+
+@dataclass(frozen=True, slots=True)
+class ModalityLimits:
+    """--limit-mm-per-prompt (vLLM's JSON, `{"image": 4}`): items of each modality one prompt may carry."""
+
+    image: int = DEFAULT_MAX_IMAGES_PER_PROMPT
+
+    def __post_init__(self) -> None:
+        """ValueError naming the modality."""
+        if isinstance(self.image, bool) or not isinstance(self.image, int) or self.image < 0:
+            raise ValueError(f"limit_mm_per_prompt: image must be a count >= 0, got {self.image!r}")
+
+
+def parse_limit_mm_per_prompt(value: object) -> ModalityLimits:
+    """--limit-mm-per-prompt's JSON text or dict (or a ModalityLimits, as is); ValueError naming the flag and
+    the modality."""
+    if isinstance(value, ModalityLimits):
+        return value
+    keys = json_object(value, "limit_mm_per_prompt", example='{"image": 4}')
+    unknown = sorted(set(keys) - set(MODALITIES))
+    if unknown:
+        raise ValueError(
+            f"limit_mm_per_prompt: unknown modality {unknown[0]!r} (served: {', '.join(MODALITIES)})"
+        )
+    return ModalityLimits(**keys)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalConfig:
+    """Images: how many one prompt may carry, where they may come from and how large they may be (the API's and
+    `LLM`'s media policy, pagoda.server.multimodal.media)."""
+
+    limit_mm_per_prompt: ModalityLimits | None = None  # None: DEFAULT_MAX_IMAGES_PER_PROMPT images
+    # Exact host names http(s) image URLs may name; none: http(s) image URLs are refused without a connection.
+    allowed_media_domains: tuple[str, ...] = ()
+    # file:// image URLs only under this folder (symlinks resolved); None: file:// refused.
+    allowed_local_media_path: str | None = None
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image's encoded size (data:, http(s), file)
+    media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT  # seconds for a whole http(s) fetch
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width x height, from the header, before decoding
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field (the folder's existence is checked where images are loaded: an engine
+        core on another machine never reads it)."""
+        _typed("limit_mm_per_prompt", self.limit_mm_per_prompt, ModalityLimits)
+        domains: Any = self.allowed_media_domains  # a CLI list, or one name
+        given: tuple[object, ...] = (domains,) if isinstance(domains, str) else tuple(domains)
+        if any(not isinstance(d, str) or not d.strip() or "/" in d for d in given):
+            raise ValueError(f"allowed_media_domains must be host names, got {list(given)!r}")
+        object.__setattr__(self, "allowed_media_domains", tuple(str(d).strip().lower() for d in given))
+        _at_least(1, max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels)
+        if self.max_image_pixels > PIL_MAX_IMAGE_PIXELS:
+            raise ValueError(f"max_image_pixels must be <= {PIL_MAX_IMAGE_PIXELS} (PIL's own guard)")
+        if not self.media_fetch_timeout > 0:
+            raise ValueError(f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout}")
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        """Images one prompt may carry."""
+        limits = self.limit_mm_per_prompt
+        return DEFAULT_MAX_IMAGES_PER_PROMPT if limits is None else limits.image
+
+
 # The JSON sub-configs by flat name: each one's parser, JSON text or a mapping (or the typed config, as is) ->
 # its typed config. `from_flat` runs it once, on what `LLM(**kwargs)` or a caller gives.
 _SUB_CONFIG_PARSERS: dict[str, Callable[[Any], object]] = {
     "speculative_config": parse_speculative_config,
     "pooler_config": parse_pooler_config,
     "kv_events_config": parse_kv_events_config,
+    "limit_mm_per_prompt": parse_limit_mm_per_prompt,
 }
 
 
@@ -351,6 +426,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)  # images (issue 38)
     # --speculative-config (vLLM's JSON; pagoda.server.spec): drafts verified in one pass; None: off.
     speculative_config: SpeculativeConfig | None = None
 

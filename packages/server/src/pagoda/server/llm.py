@@ -12,6 +12,11 @@ from pagoda.server.chat import Message, check_template_kwargs, render_chat, reso
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine import LLMEngine
 from pagoda.server.lora import LoRARequest
+from pagoda.server.multimodal.folder import model_processor
+from pagoda.server.multimodal.inputs import ProcessedPrompt
+from pagoda.server.multimodal.media import MediaPolicy
+from pagoda.server.multimodal.offline import chat_images, check_marker, dict_prompt_images, process_images
+from pagoda.server.multimodal.processor import MultiModalProcessor
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.pooling import PoolingParams
 from pagoda.server.pooling.outputs import (
@@ -25,7 +30,9 @@ from pagoda.server.pooling.scoring import cosine, pair_up, ranking
 from pagoda.server.sampling_params import SamplingParams
 from tqdm.auto import tqdm
 
-Prompt = str | Sequence[int]
+# Text, token ids, vLLM's dict with images ({"prompt": text, "multi_modal_data": {"image": images}}), or a prompt
+# the model's processor already expanded.
+Prompt = str | Sequence[int] | Mapping[str, Any] | ProcessedPrompt
 
 
 class LLM:
@@ -36,8 +43,13 @@ class LLM:
         """Build the engine; keywords are the engine config's flat names (max_num_seqs, block_size, ...: the
         `pagoda serve` flags with underscores), given to their sections by `EngineConfig.from_flat`, which parses
         `speculative_config`, `pooler_config` and `kv_events_config` given as vLLM's dict (or its JSON text)."""
-        self.engine = LLMEngine.from_config(EngineConfig.from_flat(model=model, **engine_args))
+        config = EngineConfig.from_flat(model=model, **engine_args)
+        # The image policy first: a bad allowed_local_media_path is refused before the model loads.
+        self.media_policy = MediaPolicy.from_config(config.multimodal_config)
+        self.engine = LLMEngine.from_config(config)
         self.tokenizer = self.engine.tokenizer
+        # The model folder's image processor; None: a text-only model.
+        self.mm_processor: MultiModalProcessor | None = model_processor(self.engine.model_path)
         self._ids = itertools.count()
 
     def sleep(self, level: int = 1) -> None:
@@ -71,9 +83,15 @@ class LLM:
         for index, (prompt, sp, lora) in enumerate(zip(batch, params_list, loras, strict=True)):
             request_id = f"offline-{next(self._ids)}"
             self.engine.rules.check_constraint(sp)  # the front end's parse: the engine only compiles
-            if isinstance(prompt, str):
-                token_ids = self.tokenizer.encode(prompt)
-                self.engine.add_request(request_id, token_ids, sp, prompt=prompt, lora_request=lora)
+            if isinstance(prompt, ProcessedPrompt):
+                self.engine.add_request(
+                    request_id, list(prompt.token_ids), sp, lora_request=lora, multi_modal=prompt.multi_modal
+                )
+            elif isinstance(prompt, Mapping):
+                text, images = dict_prompt_images(prompt, index)
+                self._add_text(request_id, text, images, sp, lora, f"prompts[{index}].prompt")
+            elif isinstance(prompt, str):
+                self._add_text(request_id, prompt, [], sp, lora, f"prompts[{index}]")
             else:
                 self.engine.add_request(request_id, list(prompt), sp, lora_request=lora)
             order[request_id] = index
@@ -86,6 +104,32 @@ class LLM:
                         bar.update(1)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def _add_text(
+        self,
+        request_id: str,
+        text: str,
+        images: Sequence[tuple[object, str]],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        name: str,
+    ) -> None:
+        """Queue a text prompt, with its images expanded by the model's processor (MediaError naming the argument
+        of a refused image)."""
+        if not images:
+            check_marker(text, self.mm_processor, name)
+            token_ids = self.tokenizer.encode(text)
+            self.engine.add_request(request_id, token_ids, params, prompt=text, lora_request=lora)
+            return
+        processed = process_images(text, images, self.mm_processor, self.media_policy)
+        self.engine.add_request(
+            request_id,
+            list(processed.token_ids),
+            params,
+            prompt=text,
+            lora_request=lora,
+            multi_modal=processed.multi_modal,
+        )
 
     def embed(
         self,
@@ -232,22 +276,25 @@ class LLM:
         if chat_template_kwargs:
             check_template_kwargs(self.tokenizer, chat_template_kwargs)
         prompts: list[Prompt] = []
-        for conversation in conversations:
+        for index, conversation in enumerate(conversations):
+            # Image parts (image_url, image_pil) become the template's {"type": "image"}.
+            messages, images = chat_images(cast(Sequence[Message], conversation), index)
             text = render_chat(
-                self.tokenizer,
-                template,
-                cast(Sequence[Message], conversation),
-                template_kwargs=chat_template_kwargs,
-                tools=tools,
+                self.tokenizer, template, messages, template_kwargs=chat_template_kwargs, tools=tools
             )
-            # The template wrote the special tokens (BOS) itself.
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            if images:
+                prompts.append(process_images(text, images, self.mm_processor, self.media_policy))
+            else:
+                check_marker(text, self.mm_processor, f"messages[{index}]")
+                # The template wrote the special tokens (BOS) itself.
+                prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A single prompt (text or one token-id list) as a batch of one; a batch as a list."""
-    if isinstance(prompts, str):
+    """A single prompt (text, one token-id list, a dict or a processed prompt) as a batch of one; a batch as a
+    list."""
+    if isinstance(prompts, str | Mapping | ProcessedPrompt):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # type: ignore[list-item]

@@ -16,7 +16,9 @@ from typing import Any, Literal, TypeVar
 from pagoda.server.api.anthropic_errors import error_response, is_anthropic_path
 from pagoda.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from pagoda.server.api.cache_scope import key_digest, set_scope
+from pagoda.server.api.chat_prompt import chat_prompt
 from pagoda.server.api.errors import APIError, bad_request
+from pagoda.server.api.images import ImageFront
 from pagoda.server.api.input_checks import first_lone_surrogate, max_prompt_chars
 from pagoda.server.api.lora_routes import LoRARoutes, lora_cards
 from pagoda.server.api.openapi import build_openapi
@@ -37,7 +39,7 @@ from pagoda.server.api.response_store import ResponseStore, set_caller
 from pagoda.server.api.responses_protocol import ResponsesRequest
 from pagoda.server.api.score_protocol import RERANK_PATHS, SCORE_PATHS, RerankRequest, ScoreRequest
 from pagoda.server.api.serving_base import ClientDisconnectedError, ServingContext, to_api_error
-from pagoda.server.api.serving_chat import ChatHandler, render_messages
+from pagoda.server.api.serving_chat import ChatHandler
 from pagoda.server.api.serving_completions import CompletionsHandler
 from pagoda.server.api.serving_embeddings import EmbeddingsHandler
 from pagoda.server.api.serving_messages import MessagesHandler
@@ -254,7 +256,13 @@ def _package_version() -> str:
 class _Routes:
     """The route handlers, bound to one app's engine and settings."""
 
-    def __init__(self, llm: AsyncLLM, settings: AppSettings, lora: LoRAConfig | None = None) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        settings: AppSettings,
+        lora: LoRAConfig | None = None,
+        images: ImageFront | None = None,
+    ) -> None:
         engine = llm.engine
         self.loras = None if lora is None or not lora.enable_lora else ServedLoRAs(lora)
         # The engine's own tokenizer, shared: the API's threads only encode and render, the engine thread only
@@ -293,6 +301,7 @@ class _Routes:
             ),
             compact_json=settings.disable_any_whitespace,
             loras=self.loras,
+            images=images or ImageFront(),
         )
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
@@ -396,15 +405,14 @@ class _Routes:
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             check_tool_messages(body.messages)
-            text = await render_messages(
+            # Image parts count as the tokens the model's processor gives them (their images are loaded).
+            rendered = await chat_prompt(
                 ctx,
                 body.messages,
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
             )
-            # The bound completions and chat apply: a text this long surely exceeds max_model_len.
-            ctx.check_prompt_chars(text, "messages")
-            (tokens,) = await ctx.encode([text], add_special_tokens=False)
+            tokens = rendered.token_ids
         else:
             ctx.check_prompt_chars(body.prompt or "", "prompt")
             (tokens,) = await ctx.encode([body.prompt or ""], add_special_tokens=body.add_special_tokens)
@@ -484,12 +492,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    llm: AsyncLLM, settings: AppSettings | None = None, lora: LoRAConfig | None = None
+    llm: AsyncLLM,
+    settings: AppSettings | None = None,
+    lora: LoRAConfig | None = None,
+    images: ImageFront | None = None,
 ) -> Starlette:
-    """The ASGI app serving `llm` (and the LoRA adapters of `lora`); its lifespan starts the engine thread and
-    stops it at shutdown."""
+    """The ASGI app serving `llm` (and the LoRA adapters of `lora`; `images`: the model's image processor and the
+    media policy, None: no images); its lifespan starts the engine thread and stops it at shutdown."""
     settings = settings or AppSettings()
-    routes = _Routes(llm, settings, lora)
+    routes = _Routes(llm, settings, lora, images)
     extra: list[Route] = []
     if routes.loras is not None and routes.loras.allow_runtime_updating:
         lora_routes = LoRARoutes(llm, routes.loras, routes.ctx.served_model_name, routes._body)

@@ -136,11 +136,33 @@ class TextContentPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    """Where an image part's image is: a data: URL, or an http(s):// or file:// URL the server allows."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sizes the image
+
+
+class ImageContentPart(_Model):
+    """An image part of a user message (the bare URL string some clients send for `image_url` is taken too)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        """The image's URL, whichever form it came in."""
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Model):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
     tool_call_id: str | None = None  # tool messages: the call this result answers

@@ -15,9 +15,12 @@ from pagoda.server.api.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
+    InputImage,
     InputItem,
+    InputText,
     MessageItem,
     NamedFunctionChoice,
+    OutputText,
     ResponsesRequest,
 )
 from pydantic import JsonValue, ValidationError
@@ -46,6 +49,16 @@ def input_items(raw: list[dict[str, JsonValue]]) -> list[InputItem]:
     return items
 
 
+def _chat_part(part: InputText | InputImage | OutputText) -> dict[str, Any]:
+    """A message item's content part as chat's: text, or an image_url part; a 400 on `input` for an image given
+    by file_id (there is no file store)."""
+    if isinstance(part, InputImage):
+        if part.image_url is None:
+            raise bad_request("input_image needs image_url (a data: URL); file_id is not served", "input")
+        return {"type": "image_url", "image_url": {"url": part.image_url}}
+    return {"type": "text", "text": part.text}
+
+
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as chat messages (instructions left out): consecutive function calls become one
     assistant message with several tool calls, a call's output a tool message, reasoning items are dropped."""
@@ -56,7 +69,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             content: Any = item.content
             if not isinstance(content, str):
-                content = [{"type": "text", "text": part.text} for part in content]
+                content = [_chat_part(part) for part in content]
             messages.append({"role": item.role, "content": content})
         elif isinstance(item, FunctionCallItem):
             call = {

@@ -40,6 +40,15 @@ class InputText(_Model):
     text: str
 
 
+class InputImage(_Model):
+    """An `input_image` part of a user message: a data: URL (or an http(s):// or file:// URL the server allows)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None  # not served (no file store): a 400
+    detail: Literal["auto", "low", "high"] | None = None  # accepted and ignored
+
+
 class OutputText(_Model):
     """An `output_text` part: an earlier assistant message sent back as input."""
 
@@ -54,7 +63,7 @@ class MessageItem(_Model):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
+    content: str | list[Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pagoda.server.api.cache_scope import combine
@@ -18,6 +18,7 @@ from pagoda.server.api.errors import (
     APIError,
     bad_request,
 )
+from pagoda.server.api.images import ImageFront
 from pagoda.server.api.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES,
     PromptLogprob,
@@ -41,6 +42,7 @@ from pagoda.server.config import RequestLimits
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.lora.served import ServedLoRAs
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import PositionLogprobs, RequestOutput
 from pagoda.server.sampling.logits_processors import tokenize_bad_words
 from pagoda.server.sampling_params import SamplingParams, SamplingParamsError
@@ -88,6 +90,7 @@ class ServingContext:
     # named tool calls) has no whitespace runs outside strings.
     compact_json: bool = True
     loras: ServedLoRAs | None = None  # the LoRA adapters `model` may name (None: LoRA is off)
+    images: ImageFront = field(default_factory=ImageFront)  # the model's image processor and the media policy
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model or a served LoRA adapter."""
@@ -275,17 +278,21 @@ class ServingContext:
         params: SamplingParams,
         *,
         cache_scope: str | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> list[RequestStream]:
         """Submit the prompts as one admission (one engine request each); map admission failures to HTTP errors.
 
         All prompts are submitted before any acceptance is awaited, so the engine takes them in one step.
         `cache_scope` (the API key's digest) is folded into the request's cache salt (api/cache_scope.py).
+        `multi_modal`: the images of a single prompt (a chat request's).
         """
+        if multi_modal is not None and len(prompts) != 1:
+            raise ValueError("multi_modal goes with exactly one prompt")
         salt = combine(cache_scope, params.cache_salt)
         if salt != params.cache_salt:
             params = dataclasses.replace(params, cache_salt=salt)
         requests = [
-            PromptRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, text)
+            PromptRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, text, multi_modal)
             for i, (text, ids) in enumerate(prompts)
         ]
         try:

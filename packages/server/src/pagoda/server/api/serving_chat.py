@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
 
 from pagoda.server.api.cache_scope import request_scope
+from pagoda.server.api.chat_prompt import chat_prompt
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.legacy_functions import map_legacy_functions
 from pagoda.server.api.protocol import (
@@ -18,7 +18,6 @@ from pagoda.server.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     PromptTokensDetails,
@@ -39,57 +38,13 @@ from pagoda.server.api.serving_base import (
     until_disconnect,
 )
 from pagoda.server.api.serving_completions import token_label
-from pagoda.server.api.serving_tools import ToolPlan, check_tool_messages, plan_tools, template_tool_fields
+from pagoda.server.api.serving_tools import ToolPlan, check_tool_messages, plan_tools
 from pagoda.server.api.tool_fields import DeltaToolCall
 from pagoda.server.api.tool_parsers import ToolCallStream
 from pagoda.server.api.unserved import check_fields
-from pagoda.server.chat import ChatTemplateError, check_template_kwargs, render_chat
 from pagoda.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pydantic import JsonValue
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-
-def message_text(message: ChatMessage) -> str:
-    """A message's content as one string (text parts joined by newlines)."""
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "\n".join(part.text for part in message.content)
-
-
-async def render_messages(
-    ctx: ServingContext,
-    messages: list[ChatMessage],
-    *,
-    add_generation_prompt: bool,
-    template_kwargs: Mapping[str, JsonValue] | None = None,
-    tools: list[dict[str, Any]] | None = None,
-) -> str:
-    """The prompt text of a request's messages and tools (rendered off the event loop); a 400 on `messages` when
-    they cannot be rendered, on `chat_template_kwargs` when a key would change the call rather than the template."""
-    conversation = [{"role": m.role, "content": message_text(m), **template_tool_fields(m)} for m in messages]
-    if template_kwargs:
-        try:
-            check_template_kwargs(ctx.tokenizer, template_kwargs)
-        except ValueError as exc:
-            raise bad_request(str(exc), "chat_template_kwargs") from exc
-
-    def render() -> str:
-        return render_chat(
-            ctx.tokenizer,
-            ctx.chat_template,
-            conversation,
-            add_generation_prompt=add_generation_prompt,
-            template_kwargs=template_kwargs,
-            tools=tools,
-        )
-
-    try:
-        return await ctx.run(render)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from exc
 
 
 def chat_logprobs(
@@ -166,16 +121,14 @@ class ChatHandler:
         plan = await legacy.named_errors(
             ctx.run(lambda: plan_tools(legacy.body, ctx.tool_parser, compact_json=ctx.compact_json))
         )
-        prompt = await render_messages(
+        rendered = await chat_prompt(
             ctx,
             body.messages,
             add_generation_prompt=body.add_generation_prompt,
             template_kwargs=body.chat_template_kwargs,
             tools=plan.tools,
         )
-        ctx.check_prompt_chars(prompt, "messages")
-        # The template writes the special tokens (BOS) itself.
-        (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
+        prompt, prompt_ids = rendered.text, rendered.token_ids
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = ctx.rules.max_tokens(prompt_ids, requested, "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else None
@@ -188,7 +141,11 @@ class ChatHandler:
         reasoning_parser = ctx.reasoning_parser if plan.constraint is None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await ctx.open_streams(
-            request_id, [(prompt, prompt_ids)], params, cache_scope=request_scope(request)
+            request_id,
+            [(prompt, prompt_ids)],
+            params,
+            cache_scope=request_scope(request),
+            multi_modal=rendered.multi_modal,
         )
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

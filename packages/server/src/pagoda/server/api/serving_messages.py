@@ -25,6 +25,7 @@ from pagoda.server.api.anthropic_protocol import (
 )
 from pagoda.server.api.anthropic_stream import PING, PING_SECONDS, BlockWriter, event, keepalive
 from pagoda.server.api.cache_scope import request_scope
+from pagoda.server.api.chat_prompt import render_messages
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.serving_base import (
     EventStreamResponse,
@@ -34,7 +35,7 @@ from pagoda.server.api.serving_base import (
     to_api_error,
     until_disconnect,
 )
-from pagoda.server.api.serving_chat import _Choices, _deltas, assistant_message, render_messages
+from pagoda.server.api.serving_chat import _Choices, _deltas, assistant_message
 from pagoda.server.api.serving_tools import PreparedChat, ToolPlan, check_tool_messages, plan_tools
 from pagoda.server.async_llm import RequestStream
 from pagoda.server.outputs import CompletionOutput, RequestOutput

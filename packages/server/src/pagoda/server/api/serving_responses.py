@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any
 
 from pagoda.server.api.cache_scope import request_scope
+from pagoda.server.api.chat_prompt import chat_prompt
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import ChatCompletionRequest
 from pagoda.server.api.response_store import ResponseStore, StoredResponse, request_caller
@@ -34,12 +35,17 @@ from pagoda.server.api.serving_base import (
     to_api_error,
     until_disconnect,
 )
-from pagoda.server.api.serving_chat import _Choices, _deltas, assistant_message, render_messages
+from pagoda.server.api.serving_chat import _Choices, _deltas, assistant_message
 from pagoda.server.api.serving_tools import PreparedChat, check_tool_messages, plan_tools
 from pagoda.server.async_llm import RequestStream
 from pagoda.server.outputs import RequestOutput
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+
+def _input(message: int, part: int) -> str:
+    """The Responses field of every image part."""
+    return "input"
 
 
 class ResponsesHandler:
@@ -83,6 +89,7 @@ class ResponsesHandler:
             [(prepared.prompt, prepared.prompt_ids)],
             prepared.params,
             cache_scope=request_scope(request),
+            multi_modal=prepared.multi_modal,
         )
         if body.stream:
             return EventStreamResponse(self._stream(base, streams, prepared, caller, conversation))
@@ -151,9 +158,16 @@ class ResponsesHandler:
         """The chat handler's checks and parameters, with the errors naming the Responses fields."""
         ctx = self.ctx
         plan = await ctx.run(lambda: plan_tools(chat, ctx.tool_parser, compact_json=ctx.compact_json))
-        prompt = await render_messages(ctx, chat.messages, add_generation_prompt=True, tools=plan.tools)
-        ctx.check_prompt_chars(prompt, "input")
-        (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
+        # Image parts are named as `input` (a Responses item's messages may merge or lead with instructions).
+        rendered = await chat_prompt(
+            ctx,
+            chat.messages,
+            add_generation_prompt=True,
+            tools=plan.tools,
+            param="input",
+            image_param=_input,
+        )
+        prompt, prompt_ids = rendered.text, rendered.token_ids
         max_tokens = ctx.rules.max_tokens(prompt_ids, body.max_output_tokens, "input")
         params = ctx.sampling_params(chat, max_tokens=max_tokens, logprobs=None)
         try:
@@ -167,7 +181,7 @@ class ResponsesHandler:
             await ctx.check_grammar(plan.constraint, {plan.constraint.kind: "tools"})
         # Output forced to a schema holds no reasoning block to split off.
         reasoning = ctx.reasoning_parser if plan.constraint is None else None
-        return PreparedChat(prompt, prompt_ids, params, plan, reasoning)
+        return PreparedChat(prompt, prompt_ids, params, plan, reasoning, rendered.multi_modal)
 
     async def _finish(
         self,

@@ -23,6 +23,7 @@ from pagoda.server.api.tool_parsers import (
     required_schema,
     tool_calls,
 )
+from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import GrammarError, StructuredOutputsParams, parse_grammar
 
@@ -166,3 +167,4 @@ class PreparedChat:
     params: SamplingParams
     plan: ToolPlan
     reasoning: ReasoningParser | None
+    multi_modal: MultiModalInputs | None = None  # the prompt's images
