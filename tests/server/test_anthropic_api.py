@@ -515,7 +515,10 @@ def test_translation_into_chat_messages() -> None:
     )
     chat = translate(body).chat
     got = [
-        (m.role, m.content if isinstance(m.content, str | None) else [p.text for p in m.content])
+        (
+            m.role,
+            m.content if isinstance(m.content, str | None) else [getattr(p, "text", None) for p in m.content],
+        )
         for m in chat.messages
     ]
     assert got == [

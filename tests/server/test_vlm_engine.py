@@ -72,7 +72,11 @@ class Model:
             out = cast(Any, self.reference).generate(
                 # No stop token: an EOS is drawn like any other token, as the engine's ignore_eos does
                 # (min_new_tokens would instead mask EOS out and pick the runner-up).
-                **inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=[], pad_token_id=0
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=[],
+                pad_token_id=0,
             )
         return cast(list[int], out[0, ids.shape[1] :].tolist())
 
