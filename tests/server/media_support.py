@@ -116,7 +116,9 @@ class FakeProcessor:
     image_marker: str = MARKER
     calls: list[tuple[str, list[Image.Image]]] = field(default_factory=list)
 
-    def process(self, prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
+    def process(
+        self, prompt: str, images: Sequence[Image.Image], *, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         """Token ids with each image's span; ValueError when markers and images disagree in number."""
         self.calls.append((prompt, list(images)))
         pieces = prompt.split(self.image_marker)

@@ -289,7 +289,9 @@ def test_processor_refusal_is_a_400(vision: Served, monkeypatch: pytest.MonkeyPa
     """A template that wrote no marker for an image: the processor's ValueError is a 400, not a 500."""
     assert vision.processor is not None
 
-    def refuse(prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
+    def refuse(
+        prompt: str, images: Sequence[Image.Image], *, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         raise ValueError("0 image markers but 1 images")
 
     monkeypatch.setattr(vision.processor, "process", refuse)

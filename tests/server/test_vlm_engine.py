@@ -54,7 +54,9 @@ class Model:
         text = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
-        return self.processor.process(text, [p for p in parts if isinstance(p, Image.Image)])
+        # As the server does: the rendered template writes the special tokens itself.
+        images = [p for p in parts if isinstance(p, Image.Image)]
+        return self.processor.process(text, images, add_special_tokens=False)
 
     def greedy(self, prompt: ProcessedPrompt, max_tokens: int = MAX_TOKENS) -> list[int]:
         """transformers' greedy tokens for the prompt alone."""
@@ -224,3 +226,16 @@ def test_a_text_only_model_refuses_images(tmp_path: Path) -> None:
         llm.engine.add_request("x", [5, 6, 7, 8], GREEDY, multi_modal=images)
     assert info.value.param == "messages"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_special_tokens_follow_the_caller(model: Model) -> None:
+    """A raw prompt gets the tokenizer's special tokens (BOS) and a rendered chat template does not (it writes
+    its own): the image spans move with them."""
+    text = f"Look: {model.processor.image_marker} now."
+    raw = model.processor.process(text, [picture(0)])
+    chat = model.processor.process(text, [picture(0)], add_special_tokens=False)
+    bos = model.tokenizer("x")["input_ids"][:1] if model.tokenizer.bos_token_id is not None else []
+    extra = len(raw.token_ids) - len(chat.token_ids)
+    assert extra == len([t for t in bos if t == model.tokenizer.bos_token_id])
+    assert raw.token_ids[extra:] == chat.token_ids
+    assert raw.multi_modal.images[0].offset == chat.multi_modal.images[0].offset + extra

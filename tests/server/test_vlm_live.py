@@ -57,7 +57,8 @@ def reference_tokens(folder: Path, parts: list[str | Image.Image]) -> tuple[list
     messages: Any = [{"role": "user", "content": content}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert isinstance(text, str)
-    prompt = processor.process(text, [p for p in parts if isinstance(p, Image.Image)])
+    images = [p for p in parts if isinstance(p, Image.Image)]
+    prompt = processor.process(text, images, add_special_tokens=False)  # the template writes BOS itself
     model = cast(Any, AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)).eval()
     ids = torch.tensor([prompt.token_ids])
     item = prompt.multi_modal.images[0]
@@ -157,3 +158,13 @@ def test_a_bad_image_is_a_400_and_the_server_keeps_serving(client: openai.OpenAI
         max_tokens=2,
     )
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_placeholder_written_as_text_is_text(client: openai.OpenAI) -> None:
+    """The image pad token typed into a text message (no image part) is served as text, never a crash."""
+    done = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "what is <|image_pad|> here?"}],
+        max_tokens=2,
+    )
+    assert done.choices[0].finish_reason in ("length", "stop")

@@ -283,7 +283,11 @@ class LLM:
                 self.tokenizer, template, messages, template_kwargs=chat_template_kwargs, tools=tools
             )
             if images:
-                prompts.append(process_images(text, images, self.mm_processor, self.media_policy))
+                prompts.append(
+                    process_images(
+                        text, images, self.mm_processor, self.media_policy, add_special_tokens=False
+                    )
+                )
             else:
                 check_marker(text, self.mm_processor, f"messages[{index}]")
                 # The template wrote the special tokens (BOS) itself.

@@ -194,7 +194,8 @@ async def chat_prompt(
     except MediaError as exc:
         raise bad_request(str(exc), exc.param) from exc
     try:
-        processed = await ctx.run(lambda: processor.process(text, loaded))
+        # The template writes the special tokens (BOS) itself, as for text.
+        processed = await ctx.run(lambda: processor.process(text, loaded, add_special_tokens=False))
     except ValueError as exc:  # its markers and the images disagree in number (a template that wrote none)
         raise bad_request(f"the prompt's images cannot be placed: {exc}", param) from exc
     return ChatPrompt(text, list(processed.token_ids), processed.multi_modal)

@@ -87,6 +87,8 @@ def process_images(
     images: Sequence[tuple[object, str]],
     processor: MultiModalProcessor | None,
     policy: MediaPolicy,
+    *,
+    add_special_tokens: bool = True,  # False for a rendered chat template, which writes BOS itself
 ) -> ProcessedPrompt:
     """The processed prompt of a text and its images, loaded under `policy`; MediaError naming the argument of a
     refused image, or the first image when the model takes none."""
@@ -94,4 +96,4 @@ def process_images(
         raise MediaError("the model does not take images (it is a text-only model)", images[0][1])
     policy.check_count([name for _, name in images])
     loaded: list[Image.Image] = [image_from_object(image, policy, name) for image, name in images]
-    return processor.process(text, loaded)
+    return processor.process(text, loaded, add_special_tokens=add_special_tokens)

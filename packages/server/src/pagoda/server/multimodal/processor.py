@@ -22,7 +22,10 @@ class MultiModalProcessor(Protocol):
     # image goes (Llava "<image>", Gemma 3 "<start_of_image>", Qwen2-VL "<|vision_start|><|image_pad|><|vision_end|>").
     image_marker: str
 
-    def process(self, prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
-        """Token ids and images of `prompt`; ValueError (naming what is wrong) when its markers and `images`
-        disagree in number."""
+    def process(
+        self, prompt: str, images: Sequence[Image.Image], *, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
+        """Token ids and images of `prompt` (with the tokenizer's special tokens, BOS, unless the prompt is a
+        rendered chat template that writes them itself); ValueError (naming what is wrong) when its markers and
+        `images` disagree in number."""
         ...

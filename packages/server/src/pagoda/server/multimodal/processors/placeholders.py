@@ -42,7 +42,9 @@ class PlaceholderProcessor:
         """How many placeholder tokens one image of these pixels takes."""
         raise NotImplementedError
 
-    def process(self, prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
+    def process(
+        self, prompt: str, images: Sequence[Image.Image], *, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         """Token ids and images of `prompt`; ValueError when its markers and `images` disagree, or when the prompt
         writes the placeholder token as text."""
         markers = prompt.count(self.image_marker)
@@ -52,7 +54,7 @@ class PlaceholderProcessor:
                 "given: write one marker per image (a literal marker in the text counts as one)"
             )
         if not images:
-            ids = self.processor.tokenizer(prompt)["input_ids"]
+            ids = self.processor.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
             token_ids = tuple(int(token) for token in ids)
             if self.placeholder_id in token_ids:
                 raise ValueError(
@@ -60,7 +62,9 @@ class PlaceholderProcessor:
                 )
             return ProcessedPrompt(token_ids, MultiModalInputs(()))
         rgb = [image.convert("RGB") for image in images]
-        out = self.processor(text=[prompt], images=rgb, return_tensors="pt")
+        out = self.processor(
+            text=[prompt], images=rgb, return_tensors="pt", add_special_tokens=add_special_tokens
+        )
         token_ids = tuple(int(token) for token in out["input_ids"][0].tolist())
         pixels: torch.Tensor = out["pixel_values"]
         if pixels.shape[0] != len(images):

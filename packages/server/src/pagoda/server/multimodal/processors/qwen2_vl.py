@@ -66,7 +66,9 @@ class Qwen2VLPromptProcessor:
         tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
         return cls(image_processor, tokenizer)
 
-    def process(self, prompt: str, images: Sequence[Image.Image]) -> ProcessedPrompt:
+    def process(
+        self, prompt: str, images: Sequence[Image.Image], *, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         """Token ids of `prompt` with each marker's pad expanded to its image's tokens, the images' spans and
         tensors, and the M-RoPE positions; ValueError when markers and images differ in number."""
         pieces = prompt.split(IMAGE_MARKER)
@@ -84,7 +86,7 @@ class Qwen2VLPromptProcessor:
             text += "<|vision_start|>"
             char_spans.append((len(text), len(text) + count * len(IMAGE_PAD)))
             text += IMAGE_PAD * count + "<|vision_end|>" + piece
-        encoding = self.tokenizer(text, return_offsets_mapping=True)
+        encoding = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
         token_ids = [int(i) for i in encoding["input_ids"]]
         offsets: list[tuple[int, int]] = encoding["offset_mapping"]
         items: list[ImageItem] = []
