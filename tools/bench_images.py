@@ -2,7 +2,7 @@
 completions with `image_url` data URLs, streamed).
 
 Writes a random-weight VLM folder of realistic shape (`--arch`, the "small" size of `pagoda.server.testing`:
-head_dim 64, 256 tokens per 448 px image), starts `pagoda serve` on it (and each `--peer` command on the same
+head_dim 64, 256 tokens per image; Llava's CLIP resizes to 224 px, Qwen2-VL takes 448 px), starts `pagoda serve` on it (and each `--peer` command on the same
 folder), and measures, for each server:
 
 - **one stream**: requests one after another, each with a new image: TTFT and images/s;
@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -41,7 +42,9 @@ from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.server.testing import free_port
 from pagoda.server.testing.serve import LiveServer
 from pagoda.server.testing.tiny_qwen_vl import make_tiny_qwen_vl
+from pagoda.server.testing.tiny_vlm import make_tiny_vlm
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 QUESTION = "Describe this picture in one sentence."
@@ -155,17 +158,22 @@ def encoder_split(folder: Path, count: int) -> tuple[float, float]:
     from pagoda.server.llm import LLM
     from pagoda.server.multimodal.registry import processor_for
     from pagoda.server.sampling_params import SamplingParams
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     processor = processor_for(folder, AutoConfig.from_pretrained(folder))
     assert processor is not None
     llm = LLM(str(folder), max_model_len=2048)
     engine = llm.engine
     assert engine.images is not None
-    text = f"<|im_start|>user\n{processor.image_marker}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    content: Any = [{"type": "image"}, {"type": "text", "text": QUESTION}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(text, str)
     total = 0.0
     for index in range(count + 1):
-        prompt = processor.process(text, [picture(10_000 + index)])
+        prompt = processor.process(text, [picture(10_000 + index)], add_special_tokens=False)
         before = engine.images.encode_seconds
         start = time.perf_counter()
         engine.add_request(
@@ -191,7 +199,7 @@ def table(results: list[Result], split: tuple[float, float], count: int, args: a
     """The results as one Markdown table, the machine named."""
     load = os.getloadavg()
     lines = [
-        f"{args.arch} small (random weights, {IMAGE_SIZE} px images), {args.max_tokens} output tokens; "
+        f"{args.arch} small (random weights, {IMAGE_SIZE} px PNGs sent), {args.max_tokens} output tokens; "
         f"{cpu_name()}, {os.cpu_count()} CPUs, load {load[0]:.2f}",
         "",
         "| server | temp | 1 stream TTFT ms (median) | 1 stream images/s | 8 concurrent TTFT ms (median / p90) "
@@ -248,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"])
+    parser.add_argument("--arch", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl"])
     parser.add_argument("--requests", type=int, default=16, help="requests per scenario")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=4, help="cache miss / hit pairs")
@@ -262,6 +270,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--requests, --concurrency, --repeats and --max-tokens must be >= 1")
     args.temperature_list = [float(t) for t in args.temperatures.split(",")]
     return args
+
+
+def make_model(arch: str, path: Path) -> Path:
+    """The small random-weight model folder of `arch`. Llava's is saved in the hub's layout
+    (`vision_tower.vision_model.*`, as llava-hf checkpoints are), which vLLM loads and transformers 5 no longer
+    writes."""
+    if arch != "llava":
+        return make_tiny_qwen_vl(arch, path, small=True)
+    make_tiny_vlm("llava", path, small=True)
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    prefix = "vision_tower."
+    renamed = {
+        (f"{prefix}vision_model.{name[len(prefix) :]}" if name.startswith(prefix) else name): tensor
+        for name, tensor in tensors.items()
+    }
+    save_file(renamed, weights, metadata={"format": "pt"})
+    return path
 
 
 def wait_healthy(base_url: str, process: subprocess.Popen[bytes], timeout: float = 600) -> None:
@@ -284,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-images-") as scratch:
-        folder = make_tiny_qwen_vl(args.arch, Path(scratch) / args.arch, small=True)
+        folder = make_model(args.arch, Path(scratch) / args.arch)
         seeds = iter(range(1_000_000))
 
         def run_all(label: str, base_url: str) -> None:

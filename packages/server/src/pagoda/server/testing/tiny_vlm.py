@@ -70,12 +70,41 @@ def _chat_template(marker: str) -> str:
     )
 
 
-def tiny_llava_config(**overrides: Any) -> LlavaConfig:
-    """The tiny Llava: CLIP (quick_gelu, features of the second-to-last layer, CLS dropped), tiny Llama."""
-    text = tiny_config("llama")  # hidden 64, 4 heads: head_dim 16
+# The benchmark's "small" Llava: a 224 px CLIP of 14 px patches (256 image tokens, as LLaVA-1.5 at 336 px has
+# 576) before a Llama of head_dim 64 (vLLM's CPU attention needs 64 or more); about 40M parameters.
+SMALL_LLAVA_IMAGE_SIZE = 224
+SMALL_LLAVA_VISION: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "patch_size": 14,
+    "num_channels": 3,
+}
+SMALL_LLAVA_TEXT: dict[str, Any] = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
+}
+
+
+def tiny_llava_config(*, small: bool = False, **overrides: Any) -> LlavaConfig:
+    """The tiny (or the benchmark's small) Llava: CLIP (quick_gelu, features of the second-to-last layer, CLS
+    dropped), tiny Llama."""
+    text = tiny_config(
+        "llama", **(SMALL_LLAVA_TEXT if small else {})
+    )  # tiny: hidden 64, 4 heads, head_dim 16
     vision = CLIPVisionConfig(
-        **_vision_common(), image_size=LLAVA_IMAGE_SIZE, hidden_act="quick_gelu", layer_norm_eps=1e-5
+        **(SMALL_LLAVA_VISION if small else _vision_common()),
+        image_size=SMALL_LLAVA_IMAGE_SIZE if small else LLAVA_IMAGE_SIZE,
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
     )
+    patches = (SMALL_LLAVA_IMAGE_SIZE // 14) ** 2 if small else (LLAVA_IMAGE_SIZE // PATCH_SIZE) ** 2
     fields: dict[str, Any] = {
         "vision_config": vision,
         "text_config": text,
@@ -83,7 +112,7 @@ def tiny_llava_config(**overrides: Any) -> LlavaConfig:
         "projector_hidden_act": "gelu",
         "vision_feature_layer": -2,
         "vision_feature_select_strategy": "default",
-        "image_seq_length": (LLAVA_IMAGE_SIZE // PATCH_SIZE) ** 2,
+        "image_seq_length": patches,
         "tie_word_embeddings": False,
     }
     return LlavaConfig(**{**fields, **overrides})
@@ -116,13 +145,14 @@ def _token_id(arch: str, token: str) -> int:
     return VOCAB_SIZE + _SPECIAL_TOKENS[arch].index(token)
 
 
-def make_tiny_hf_vlm(arch: str, **overrides: Any) -> PreTrainedModel:
-    """The tiny random transformers model of `arch` (fixed seed, float32, eager attention), every weight
-    non-trivial; `overrides` replace top-level fields of the Llava config (e.g. vision_feature_layer)."""
+def make_tiny_hf_vlm(arch: str, *, small: bool = False, **overrides: Any) -> PreTrainedModel:
+    """The tiny (or, `small`, the benchmark's Llava) random transformers model of `arch` (fixed seed, float32,
+    eager attention), every weight non-trivial; `overrides` replace top-level fields of the Llava config (e.g.
+    vision_feature_layer)."""
     torch.manual_seed(0)
     model: PreTrainedModel
     if arch == "llava":
-        model = LlavaForConditionalGeneration(tiny_llava_config(**overrides))
+        model = LlavaForConditionalGeneration(tiny_llava_config(small=small, **overrides))
     elif arch == "gemma3_vl":
         model = Gemma3ForConditionalGeneration(tiny_gemma3_vl_config())
     else:
@@ -162,19 +192,19 @@ def _write_tokenizer(arch: str, path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _processor(arch: str, path: Path, strategy: str) -> ProcessorMixin:
-    """The transformers processor of the tiny `arch` model, over the tokenizer saved in `path`."""
+def _processor(arch: str, path: Path, strategy: str, small: bool = False) -> ProcessorMixin:
+    """The transformers processor of the tiny (or small) `arch` model, over the tokenizer saved in `path`."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     template = _chat_template(IMAGE_MARKERS[arch])
     if arch == "llava":
-        size = LLAVA_IMAGE_SIZE
+        size = SMALL_LLAVA_IMAGE_SIZE if small else LLAVA_IMAGE_SIZE
         image_processor = CLIPImageProcessorPil(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
         llava: ProcessorMixin = LlavaProcessor(  # type: ignore[no-untyped-call]
             image_processor=image_processor,
             tokenizer=tokenizer,
-            patch_size=PATCH_SIZE,
+            patch_size=14 if small else PATCH_SIZE,
             vision_feature_select_strategy=strategy,
             num_additional_image_tokens=1,  # CLIP's CLS token, which the "default" strategy drops
             chat_template=template,
@@ -190,12 +220,14 @@ def _processor(arch: str, path: Path, strategy: str) -> ProcessorMixin:
     )
 
 
-def make_tiny_vlm(arch: str, path: Path, **overrides: Any) -> Path:
-    """Write the tiny `arch` model folder (config, safetensors, tokenizer, processor configs) to `path`;
-    `overrides`: see `make_tiny_hf_vlm`."""
+def make_tiny_vlm(arch: str, path: Path, *, small: bool = False, **overrides: Any) -> Path:
+    """Write the tiny (or, `small`, the benchmark's Llava) `arch` model folder (config, safetensors, tokenizer,
+    processor configs) to `path`; `overrides`: see `make_tiny_hf_vlm`."""
+    if small and arch != "llava":
+        raise ValueError("the small size exists for llava only")
     path.mkdir(parents=True, exist_ok=True)
-    make_tiny_hf_vlm(arch, **overrides).save_pretrained(path)
+    make_tiny_hf_vlm(arch, small=small, **overrides).save_pretrained(path)
     _write_tokenizer(arch, path)
     strategy = str(overrides.get("vision_feature_select_strategy", "default"))
-    _processor(arch, path, strategy).save_pretrained(path)
+    _processor(arch, path, strategy, small).save_pretrained(path)
     return path
