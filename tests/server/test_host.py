@@ -105,13 +105,15 @@ def test_explicit_dtype_and_cuda_skip_the_probe(monkeypatch: pytest.MonkeyPatch)
     assert setup.select_dtype(EngineConfig(), torch.device("cuda")) == torch.bfloat16
 
 
-@pytest.mark.parametrize(("speedup", "kept"), [(8.0, True), (0.5, True), (2.0, False), (1.0, False)])
+@pytest.mark.parametrize(
+    ("speedup", "kept"), [(8.0, True), (3.0, True), (2.0, False), (1.0, False), (0.5, False), (0.006, False)]
+)
 def test_a_decisive_speedup_is_kept_for_the_next_start(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, speedup: float, kept: bool
 ) -> None:
-    """A speedup at least twice above or below the 1.5x threshold is measured once and read back at the next
-    start; one closer to it (a probe disturbed by a busy machine) is measured again every time; a damaged file is
-    measured again."""
+    """A speedup at least twice the 1.5x threshold is measured once and read back at the next start; one below
+    that (a probe disturbed by a busy machine, or a CPU without bfloat16 units, which pays only the small
+    screening shape) is measured again every time; a damaged file is measured again."""
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path / "cache"))
     probes: list[float] = []
 

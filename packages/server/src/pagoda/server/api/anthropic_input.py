@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from pagoda.server.api.anthropic_protocol import (
     CustomTool,
+    ImageBlock,
     Message,
     MessagesRequest,
     PromptFields,
@@ -33,7 +34,9 @@ from pydantic_core import from_json
 
 M = TypeVar("M", bound=BaseModel)
 
-IMAGES_NOT_SERVED = "image blocks are not served yet: this server takes text only"
+IMAGES_IN_TOOL_RESULTS = (
+    "an image in a tool result is not served: send it as an image block of the user message"
+)
 # Block types Anthropic defines that this server does not take (server tools, documents, search results).
 UNSERVED_BLOCKS = (
     "document",
@@ -52,7 +55,7 @@ UNSERVED_BLOCKS = (
 )
 # The blocks each role may send.
 _ROLE_BLOCKS: dict[str, dict[str, type[BaseModel]]] = {
-    "user": {"text": TextBlock, "tool_result": ToolResultBlock},
+    "user": {"text": TextBlock, "image": ImageBlock, "tool_result": ToolResultBlock},
     "assistant": {
         "text": TextBlock,
         "tool_use": ToolUseBlock,
@@ -126,8 +129,6 @@ def _block(raw: dict[str, JsonValue], where: str, role: str) -> BaseModel:
     allowed = _ROLE_BLOCKS[role]
     if isinstance(kind, str) and kind in allowed:
         return _validate(allowed[kind], raw, where, "messages")
-    if kind == "image":
-        raise bad_request(f"{where}.type: {IMAGES_NOT_SERVED}", "messages")
     known = isinstance(kind, str) and any(kind in blocks for blocks in _ROLE_BLOCKS.values())
     if known or kind in UNSERVED_BLOCKS:
         raise bad_request(f"{where}.type: a {kind!r} block is not served in a {role} message", "messages")
@@ -167,7 +168,7 @@ def _tool_result_text(block: ToolResultBlock, where: str) -> str:
             at = f"{where}.content.{k}"
             kind = raw.get("type")
             if kind == "image":
-                raise bad_request(f"{at}.type: {IMAGES_NOT_SERVED}", "messages")
+                raise bad_request(f"{at}.type: {IMAGES_IN_TOOL_RESULTS}", "messages")
             if kind != "text":
                 raise bad_request(f"{at}.type: a tool result holds text blocks, not {kind!r}", "messages")
             parts.append(_validate(TextBlock, raw, at, "messages").text)
@@ -209,7 +210,7 @@ def chat_messages(body: PromptFields) -> list[dict[str, Any]]:
             messages.append(_assistant_message(blocks))
             called = {block.id for _, block in blocks if isinstance(block, ToolUseBlock)}
             continue
-        texts: list[str] = []
+        texts: list[str | ImageBlock] = []
         for where, block in blocks:
             if isinstance(block, ToolResultBlock):
                 if block.tool_use_id not in called:
@@ -225,17 +226,25 @@ def chat_messages(body: PromptFields) -> list[dict[str, Any]]:
                 messages.append({"role": "tool", "content": content, "tool_call_id": block.tool_use_id})
             elif isinstance(block, TextBlock):
                 texts.append(block.text)
+            elif isinstance(block, ImageBlock):
+                texts.append(block)
         if texts:
             messages.append({"role": role, "content": _text_content(texts)})
         called = set()
     return messages
 
 
-def _text_content(texts: list[str]) -> str | list[dict[str, str]]:
-    """Chat content of some text blocks: one string, or text parts (the template joins them by newlines)."""
-    if len(texts) == 1:
+def _text_content(texts: Sequence[str | ImageBlock]) -> str | list[dict[str, Any]]:
+    """Chat content of some text (and image) blocks: one string, or text parts (the template joins them by
+    newlines) and `image_url` parts in their order."""
+    if len(texts) == 1 and isinstance(texts[0], str):
         return texts[0]
-    return [{"type": "text", "text": text} for text in texts]
+    return [
+        {"type": "text", "text": t}
+        if isinstance(t, str)
+        else {"type": "image_url", "image_url": {"url": t.url}}
+        for t in texts
+    ]
 
 
 def _assistant_message(blocks: list[tuple[str, BaseModel]]) -> dict[str, Any]:

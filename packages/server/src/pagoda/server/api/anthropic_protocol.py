@@ -53,6 +53,37 @@ class TextBlock(_Model):
     citations: Annotated[list[JsonValue], Field(max_length=0)] | None = None  # none are served
 
 
+class Base64ImageSource(_Model):
+    """An image's bytes in the request (`source.type` base64)."""
+
+    type: Literal["base64"]
+    media_type: Literal["image/png", "image/jpeg", "image/webp", "image/gif"]
+    data: str
+
+
+class URLImageSource(_Model):
+    """An image by URL (`source.type` url): fetched under the server's media policy."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Model):
+    """An `image` block of a user message (a vision-language model's input)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    @property
+    def url(self) -> str:
+        """The image as a URL the media loader takes (a data URL for base64 bytes)."""
+        source = self.source
+        if isinstance(source, Base64ImageSource):
+            return f"data:{source.media_type};base64,{source.data}"
+        return source.url
+
+
 class DirectCaller(_Model):
     """`caller` of a tool use the model made itself (the only caller here)."""
 

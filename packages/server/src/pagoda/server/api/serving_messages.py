@@ -25,7 +25,7 @@ from pagoda.server.api.anthropic_protocol import (
 )
 from pagoda.server.api.anthropic_stream import PING, PING_SECONDS, BlockWriter, event, keepalive
 from pagoda.server.api.cache_scope import request_scope
-from pagoda.server.api.chat_prompt import render_messages
+from pagoda.server.api.chat_prompt import ChatPrompt, chat_prompt
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.serving_base import (
     EventStreamResponse,
@@ -75,6 +75,7 @@ class MessagesHandler:
             [(prepared.prompt, prepared.prompt_ids)],
             prepared.params,
             cache_scope=request_scope(request),
+            multi_modal=prepared.multi_modal,
         )
         if body.stream:
             return EventStreamResponse(self._stream(message_id, model, prepared, streams))
@@ -123,25 +124,22 @@ class MessagesHandler:
                 ) from exc
             raise
 
-    async def _render(self, translated: Translated, plan: ToolPlan) -> tuple[str, list[int]]:
-        """The prompt text and ids (rendered and tokenized off the event loop)."""
-        ctx = self.ctx
+    async def _render(self, translated: Translated, plan: ToolPlan) -> ChatPrompt:
+        """The prompt text and ids (rendered and tokenized off the event loop), with its images loaded and
+        processed (Anthropic's errors name no field beyond `messages`)."""
         chat = translated.chat
-        prompt = await render_messages(
-            ctx,
+        return await chat_prompt(
+            self.ctx,
             chat.messages,
             add_generation_prompt=True,
             template_kwargs=chat.chat_template_kwargs,
             tools=plan.tools,
+            image_param=lambda message, part: "messages",
         )
-        ctx.check_prompt_chars(prompt, "messages")
-        # The template writes the special tokens (BOS) itself.
-        (prompt_ids,) = await ctx.encode([prompt], add_special_tokens=False)
-        return prompt, prompt_ids
 
     async def _prompt_ids(self, translated: Translated) -> list[int]:
         """The prompt's token ids alone (count_tokens)."""
-        _, prompt_ids = await self._render(translated, await self._plan(translated))
+        prompt_ids = (await self._render(translated, await self._plan(translated))).token_ids
         self.ctx.rules.check_token_ids(prompt_ids, "messages")
         return prompt_ids
 
@@ -150,7 +148,8 @@ class MessagesHandler:
         ctx = self.ctx
         chat = translated.chat
         plan = await self._plan(translated)
-        prompt, prompt_ids = await self._render(translated, plan)
+        rendered = await self._render(translated, plan)
+        prompt, prompt_ids = rendered.text, rendered.token_ids
         limit = ctx.rules.max_tokens(prompt_ids, max_tokens, "messages")
         params = ctx.sampling_params(chat, max_tokens=limit, logprobs=None)
         params = plan.adjust(await ctx.with_structured_outputs(chat, params))
@@ -158,7 +157,8 @@ class MessagesHandler:
             await ctx.check_grammar(plan.constraint, {plan.constraint.kind: "tools"})
         # Output forced to a schema holds no thinking block to split off; `thinking: disabled` splits none.
         split = plan.constraint is None and translated.split_thinking
-        return PreparedChat(prompt, prompt_ids, params, plan, ctx.reasoning_parser if split else None)
+        reasoning = ctx.reasoning_parser if split else None
+        return PreparedChat(prompt, prompt_ids, params, plan, reasoning, rendered.multi_modal)
 
     async def _stream(
         self, message_id: str, model: str, prepared: PreparedChat, streams: Sequence[RequestStream]

@@ -50,9 +50,9 @@ def matmul_speedup(m: int, k: int, n: int, rounds: int = 5) -> float:
 
 
 def cached_bfloat16_speedup() -> float:
-    """`bfloat16_speedup`, kept for later starts when it decides the dtype beyond doubt (at least
-    _DECISIVE_FACTOR times above or below BFLOAT16_MIN_SPEEDUP): this CPU measured 5-30x, a probe disturbed by
-    other work on the machine 1.5x, which is measured again at the next start instead of kept.
+    """`bfloat16_speedup`, kept for later starts when it decides for bfloat16 beyond doubt (at least
+    _DECISIVE_FACTOR times BFLOAT16_MIN_SPEEDUP): this CPU measured 5-30x, a probe disturbed by other work on the
+    machine 1.5x or even 0.006x, which is measured again at the next start instead of kept.
 
     The probe took 0.2-0.35 s of every start. Kept beside the compiled kernels (pagedkernel's private cache
     folder), under a name that hashes what the measure depends on: the CPU's model and flags, torch's version and
@@ -66,7 +66,10 @@ def cached_bfloat16_speedup() -> float:
     if isinstance(cached, int | float) and not isinstance(cached, bool) and cached > 0:
         return float(cached)
     speedup = bfloat16_speedup()
-    decisive = not 1 / _DECISIVE_FACTOR < speedup / BFLOAT16_MIN_SPEEDUP < _DECISIVE_FACTOR
+    # Only a win is kept: a probe starved by other work on 2 busy cores measured 0.006x on an AMX machine once,
+    # and kept, that ran every later start in float32 (5x slower). A CPU without bfloat16 units pays only the
+    # screening shape (18 ms) at each start to be measured again.
+    decisive = speedup / BFLOAT16_MIN_SPEEDUP >= _DECISIVE_FACTOR
     if path is not None and decisive:
         with contextlib.suppress(OSError, UnsafeCacheError):
             private_dir(path.parent)
