@@ -399,7 +399,7 @@ BAD_BODIES: list[tuple[dict[str, Any], tuple[str, ...]]] = [
         },
         ("messages.0.content.0.type", "user message"),
     ),
-    ({**BASE, "messages": [{"role": "user", "content": [IMAGE]}]}, ("messages.0.content.0", "image")),
+    ({**BASE, "messages": [{"role": "user", "content": [IMAGE]}]}, ("messages", "does not take images")),
     ({**BASE, "messages": [{"role": "user", "content": []}]}, ("messages.0.content",)),
     ({**BASE, "messages": []}, ("messages",)),
     (

@@ -343,3 +343,61 @@ def test_tokenize_counts_image_tokens(vision: Served) -> None:
     response = httpx.post(f"{vision.running.base_url}/tokenize", json=body, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["tokens"].count(vision.engine.tokenizer.convert_tokens_to_ids("?")) == IMAGE_TOKENS
+
+
+def test_anthropic_client_image_blocks_reach_the_processor(vision: Served) -> None:
+    """The official anthropic client's image blocks (base64 source) beside text reach the processor in order, and
+    the request carries the images; an image in a tool result is refused in Anthropic's error shape."""
+    import anthropic
+
+    assert vision.processor is not None
+    client = anthropic.Anthropic(base_url=vision.running.base_url, api_key="unused")
+    before = len(vision.processor.calls)
+    red = RED.removeprefix("data:image/png;base64,")
+    message = client.messages.create(
+        model="test-model",
+        max_tokens=3,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": red}},
+                ],
+            }
+        ],
+    )
+    assert message.usage.input_tokens > 0
+    prompt, images = vision.processor.calls[before]
+    assert prompt.count(MARKER) == 1 and prompt.index("what is") < prompt.index(MARKER)
+    assert [im.getpixel((0, 0)) for im in images] == [(255, 0, 0)]
+    _, multi_modal = vision.last()
+    assert multi_modal is not None and len(multi_modal.images) == 1
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            model="test-model",
+            max_tokens=3,
+            messages=[
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [
+                                {
+                                    "type": "image",
+                                    "source": {"type": "base64", "media_type": "image/png", "data": red},
+                                }
+                            ],
+                        }
+                    ],
+                },
+            ],
+        )
+    assert "tool result" in str(info.value)
