@@ -239,3 +239,32 @@ def test_special_tokens_follow_the_caller(model: Model) -> None:
     assert extra == len([t for t in bos if t == model.tokenizer.bos_token_id])
     assert raw.token_ids[extra:] == chat.token_ids
     assert raw.multi_modal.images[0].offset == chat.multi_modal.images[0].offset + extra
+
+
+def test_offline_generate_and_chat_take_images(model: Model) -> None:
+    """`LLM.generate` with vLLM's multi_modal_data (a PIL image) and `LLM.chat` with an image_url data URL give
+    transformers' greedy tokens."""
+    import base64
+    import io
+
+    image = picture(7)
+    llm = make_llm(model)
+    text = f"Look: {model.processor.image_marker} What is it?"
+    (generated,) = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False
+    )
+    assert list(generated.outputs[0].token_ids) == model.greedy(model.processor.process(text, [image]))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Describe"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
+    ]
+    (chatted,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert list(chatted.outputs[0].token_ids) == model.greedy(model.prompt(["Describe", image]))

@@ -40,8 +40,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(folder: Path) -> Iterator[openai.OpenAI]:
-    """The openai client of a live server on the tiny VLM (float32, 4-token blocks)."""
-    server = LiveServer(folder, ["--dtype", "float32", "--max-model-len", "256", "--block-size", "4"])
+    """The openai client of a live server on the tiny VLM (float32, 4-token blocks), its engine in an engine-core
+    process: the images cross the front end's wire to it."""
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "4", "--engine-core", "process"]
+    server = LiveServer(folder, flags)
     try:
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
     finally:
