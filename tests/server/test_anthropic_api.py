@@ -709,3 +709,13 @@ def test_an_engine_failure_is_an_anthropic_error() -> None:
         assert events[-1][1]["error"]["type"] == "overloaded_error"
         response = httpx.post(f"{running.base_url}/v1/messages", json=body, timeout=30)
         assert_anthropic_error(response, 529, "overloaded_error")
+
+
+def test_the_anthropic_client_lists_the_models(client: anthropic.Anthropic, chat: openai.OpenAI) -> None:
+    """`client.models.list()` gets Anthropic's page (type, id, display_name, created_at; has_more, first and last
+    ids) while the OpenAI client still gets OpenAI's list, both naming the served model."""
+    page = client.models.list()
+    assert [(m.type, m.id, m.display_name) for m in page.data] == [("model", MODEL, MODEL)]
+    assert page.data[0].created_at.year >= 2026
+    assert (page.has_more, page.first_id, page.last_id) == (False, MODEL, MODEL)
+    assert [m.id for m in chat.models.list().data] == [MODEL]

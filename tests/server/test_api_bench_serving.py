@@ -256,3 +256,43 @@ def test_settle_waits_for_idle_cpus_and_no_longer_than_asked(monkeypatch: pytest
     monkeypatch.setattr(bench_serving, "cpu_busy_fraction", busy)
     assert 0.1 <= bench_serving.settle(0.1) < 1.0
     assert bench_serving.settle(0.0) < 0.05
+
+
+def test_burstiness_shapes_the_gaps_and_one_is_poisson() -> None:
+    """vLLM's --burstiness: gamma gaps with mean 1 / rate and coefficient of variation 1 / sqrt(shape); shape 1
+    draws exactly the exponential gaps seeded runs drew before."""
+    rate, n = 4.0, 20_000
+    poisson = [bench_serving.arrival_gap(random.Random(3), rate) for _ in range(1)]
+    assert poisson == [random.Random(3).expovariate(rate)]
+    for shape in (0.5, 1.0, 4.0):
+        rng = random.Random(7)
+        gaps = [bench_serving.arrival_gap(rng, rate, shape) for _ in range(n)]
+        mean = sum(gaps) / n
+        sd = (sum((g - mean) ** 2 for g in gaps) / n) ** 0.5
+        # The sample mean's standard error is (1 / rate) / sqrt(shape * n): 5 of them (and 5% on the CV).
+        assert abs(mean - 1 / rate) < 5 * (1 / rate) / (shape * n) ** 0.5
+        assert abs(sd / mean - shape**-0.5) < 0.05 * shape**-0.5
+
+
+def test_goodput_counts_the_requests_meeting_every_objective() -> None:
+    """Of four requests over 2 s, two meet ttft <= 100 ms and tpot <= 20 ms: goodput 1 req/s; without
+    objectives there is none."""
+
+    def result(ttft: float, latency: float, tokens: int = 11) -> bench_serving.RequestResult:
+        return bench_serving.RequestResult(
+            success=True, prompt_tokens=4, output_tokens=tokens, ttft=ttft, latency=latency
+        )
+
+    results = [
+        result(0.05, 0.05 + 10 * 0.015),  # meets both
+        result(0.09, 0.09 + 10 * 0.019),  # meets both, just within
+        result(0.20, 0.20 + 10 * 0.010),  # ttft missed
+        result(0.05, 0.05 + 10 * 0.030),  # tpot missed
+        bench_serving.RequestResult(error="HTTP 500"),
+    ]
+    summary = bench_serving.summarize(results, 2.0, float("inf"), {"ttft": 100.0, "tpot": 20.0})
+    assert summary["request_goodput"] == pytest.approx(1.0)
+    assert bench_serving.summarize(results, 2.0, float("inf"))["request_goodput"] is None
+    # End-to-end 0.2, 0.28, 0.3 and 0.35 s: three within 310 ms.
+    e2el = bench_serving.summarize(results, 2.0, float("inf"), {"e2el": 310.0})
+    assert e2el["request_goodput"] == pytest.approx(1.5)

@@ -47,7 +47,7 @@ def test_bench_serve_prints_vllm_results_and_saves_json_and_png(server: LiveServ
             "--num-prompts", str(num_prompts), "--random-input-len", "8", "--random-output-len", str(output_len),
             "--ignore-eos", "--temperature", "0", "--max-concurrency", "2", "--save-result", "--save-detailed",
             "--result-dir", str(tmp_path), "--result-filename", "run.json", "--metric-percentiles", "50,99.9",
-            "--metadata", "machine=ci",
+            "--metadata", "machine=ci", "--goodput", "e2el:600000", "--burstiness", "0.5",
         ],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -58,6 +58,8 @@ def test_bench_serve_prints_vllm_results_and_saves_json_and_png(server: LiveServ
     assert f"{num_prompts}/{num_prompts}" in done.stderr  # tqdm's bar, at its end
     result = json.loads((tmp_path / "run.json").read_text())
     assert result["model_id"] == MODEL and result["backend"] == "vllm" and result["machine"] == "ci"
+    assert "Request goodput (req/s):" in done.stdout
+    assert result["burstiness"] == 0.5 and result["request_goodput"] > 0
     assert (result["completed"], result["failed"]) == (num_prompts, 0)
     assert result["total_output_tokens"] == num_prompts * output_len
     assert result["output_lens"] == [output_len] * num_prompts
@@ -173,6 +175,10 @@ def test_bench_throughput_and_latency_on_a_tiny_model(tiny_model: Path, tmp_path
         (["bench", "latency", "--num-iters", "0"], "--num-iters"),
         (["bench", "latency", "--batch-size", "x"], "--batch-size"),
         (["bench", "nothing"], "nothing"),
+        (["bench", "serve", "--burstiness", "0"], "--burstiness"),
+        (["bench", "serve", "--goodput", "ttft"], "--goodput"),
+        (["bench", "serve", "--goodput", "itl:50"], "--goodput"),
+        (["bench", "serve", "--goodput", "tpot:-1"], "--goodput"),
     ],
 )
 def test_bad_bench_flags_exit_2_naming_the_flag(

@@ -8,6 +8,7 @@ rather than every alternative of a union.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pagoda.server.api.protocol import MAX_STOP_STRINGS, Int64, StopString
@@ -279,3 +280,30 @@ class ErrorBody(BaseModel):
 
     type: Literal["error"] = "error"
     error: ErrorDetail
+
+
+class ModelInfo(BaseModel):
+    """One model as Anthropic's `GET /v1/models` lists it."""
+
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+
+
+class ModelPage(BaseModel):
+    """Anthropic's `GET /v1/models` page (all served models on one page)."""
+
+    data: list[ModelInfo]
+    has_more: bool = False
+    first_id: str | None
+    last_id: str | None
+
+    @classmethod
+    def of(cls, models: list[tuple[str, int]]) -> ModelPage:
+        """The page of (id, created unix seconds) pairs, in order."""
+        data = [
+            ModelInfo(id=name, display_name=name, created_at=datetime.fromtimestamp(created, UTC).isoformat())
+            for name, created in models
+        ]
+        return cls(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None)

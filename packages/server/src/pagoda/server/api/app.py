@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, TypeVar
 
 from pagoda.server.api.anthropic_errors import error_response, is_anthropic_path
-from pagoda.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
+from pagoda.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest, ModelPage
 from pagoda.server.api.cache_scope import key_digest, set_scope
 from pagoda.server.api.chat_prompt import chat_prompt
 from pagoda.server.api.errors import APIError, bad_request
@@ -389,12 +389,15 @@ class _Routes:
         return await self.score_handler.rerank(body, request)
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models."""
+        """GET /v1/models (Anthropic's shape to a request with an `anthropic-version` header)."""
         card = ModelCard(
             id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.rules.max_model_len
         )
         adapters = lora_cards(self.loras, self.ctx.served_model_name, self.ctx.rules.max_model_len)
-        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
+        cards = [card, *adapters]
+        if "anthropic-version" in request.headers:  # Anthropic's clients: their page shape
+            return JSONResponse(ModelPage.of([(c.id, c.created) for c in cards]).model_dump())
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: a prompt, or chat messages through the chat template."""

@@ -54,6 +54,35 @@ def request_rate(text: str) -> float:
     return value
 
 
+def burstiness(text: str) -> float:
+    """vLLM's --burstiness: the gamma shape of the arrival gaps, > 0 (1: Poisson; lower: burstier)."""
+    value = float(text)
+    if not (value > 0.0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def goodput_slo(text: str) -> tuple[str, float]:
+    """One of vLLM's --goodput service-level objectives, "METRIC:MILLISECONDS" (ttft, tpot or e2el)."""
+    name, sep, value = text.partition(":")
+    if not sep or name not in GOODPUT_METRICS:
+        raise argparse.ArgumentTypeError(
+            f"must be METRIC:MS with METRIC one of {', '.join(GOODPUT_METRICS)}, got {text!r}"
+        )
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{name}'s objective must be a number of milliseconds, got {value!r}"
+        ) from None
+    if not (ms > 0.0 and math.isfinite(ms)):
+        raise argparse.ArgumentTypeError(f"{name}'s objective must be > 0 ms, got {value!r}")
+    return name, ms
+
+
 def temperature(text: str) -> float:
     """A sampling temperature in [0, 2], as the API takes."""
     value = float(text)
@@ -89,6 +118,25 @@ def metric_names(text: str) -> tuple[str, ...]:
             f"unknown metric(s) {', '.join(unknown)}; use {','.join(PERCENTILE_METRICS)}"
         )
     return names
+
+
+def add_arrival_flags(group: Any) -> None:  # an argparse parser or argument group
+    """vLLM's --burstiness and --goodput, shared by `pagoda bench serve` and tools/bench_serving.py."""
+    group.add_argument(
+        "--burstiness",
+        type=burstiness,
+        default=1.0,
+        help="gamma shape of the arrival gaps at --request-rate (1: Poisson; below 1 burstier, above steadier)",
+    )
+    group.add_argument(
+        "--goodput",
+        type=goodput_slo,
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="service-level objectives (ttft, tpot, e2el in ms, e.g. ttft:500 tpot:50): also report the "
+        "requests per second that met all of them",
+    )
 
 
 def add_bench_commands(commands: Any) -> None:  # argparse's private _SubParsersAction
@@ -179,6 +227,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("load and sampling")
     load.add_argument("--request-rate", type=request_rate, default=math.inf, help="Poisson arrivals, req/s")
     load.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    add_arrival_flags(load)
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--ignore-eos", action="store_true", help="every reply runs to its max_tokens")
     load.add_argument(

@@ -93,6 +93,9 @@ def tool_argv(
     for flag in ("max_concurrency", "temperature", "top_p", "top_k", "min_p"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    argv += ["--burstiness", str(args.burstiness)]
+    if args.goodput:
+        argv += ["--goodput", *(f"{name}:{ms:g}" for name, ms in args.goodput)]
     if args.ignore_eos:
         argv.append("--ignore-eos")
     if args.disable_tqdm:
@@ -172,6 +175,8 @@ def result_block(run: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(row("Total input tokens:", run["total_input_tokens"]))
     lines.append(row("Total generated tokens:", run["total_output_tokens"]))
     lines.append(row("Request throughput (req/s):", f"{run['request_throughput']:.2f}"))
+    if run.get("request_goodput") is not None:
+        lines.append(row("Request goodput (req/s):", f"{run['request_goodput']:.2f}"))
     lines.append(row("Output token throughput (tok/s):", f"{run['output_throughput']:.2f}"))
     lines.append(row("Total Token throughput (tok/s):", f"{run['total_token_throughput']:.2f}"))
     if run.get("prefix_cache_hit_rate") is not None:
@@ -201,7 +206,8 @@ def save_result(run: dict[str, Any], args: argparse.Namespace, model: str) -> Pa
         "tokenizer_id": None,  # token counts come from the server's usage reports
         "num_prompts": args.num_prompts,
         "request_rate": rate,
-        "burstiness": 1.0,  # Poisson arrivals
+        "burstiness": args.burstiness,
+        "request_goodput": run.get("request_goodput"),
         "max_concurrency": args.max_concurrency,
         "duration": run["duration_s"],
         "completed": run["completed"],

@@ -78,7 +78,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pagoda.server.bench.args import add_arrival_flags
 from tqdm import tqdm
 
 # --serve's model: Gemma 3 270M, the benchmark model against llama.cpp (not the default chat model).
@@ -470,7 +471,8 @@ def settle(max_wait: float, window: float = 0.5, busy: float = 0.1) -> float:
 async def run_rate(
     args: argparse.Namespace, target: Target, requests: list[BenchRequest], rate: float
 ) -> dict[str, Any]:
-    """Send every request to `target` with Poisson arrivals at `rate` requests/s; return the metrics."""
+    """Send every request to `target` at `rate` requests/s (Poisson arrivals, or gamma gaps of shape
+    --burstiness, as vLLM's); return the metrics."""
     rng = random.Random(args.seed)
     results = [RequestResult() for _ in requests]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -492,13 +494,13 @@ async def run_rate(
             for index, (request, result) in enumerate(zip(requests, results, strict=True)):
                 tasks.append(asyncio.ensure_future(one(request, result, index)))
                 if not math.isinf(rate):
-                    await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
+                    await asyncio.sleep(arrival_gap(rng, rate, args.burstiness))
             await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
         counters_after = await prefix_cache_counters(client, target.base_url)
     return {
         "target": target.label,
-        **summarize(results, duration, rate),
+        **summarize(results, duration, rate, dict(args.goodput or ())),
         **prefix_cache_summary(counters_before, counters_after),
     }
 
@@ -513,8 +515,28 @@ def _stats(name: str, values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(results: list[RequestResult], duration: float, rate: float) -> dict[str, Any]:
-    """vLLM's serving metrics of one run."""
+def arrival_gap(rng: random.Random, rate: float, burstiness: float = 1.0) -> float:
+    """Seconds to the next request: gamma-distributed with mean 1 / rate and shape `burstiness` (vLLM's; shape
+    1 is the exponential gap of a Poisson process, drawn as before so seeded runs repeat)."""
+    if burstiness == 1.0:
+        return rng.expovariate(rate)
+    return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def met_slos(result: RequestResult, slos: Mapping[str, float]) -> bool:
+    """Whether a successful request met every objective (ms): ttft, tpot (a one-token reply has none), e2el."""
+    if not result.success:
+        return False
+    tpot = (result.latency - result.ttft) / (result.output_tokens - 1) if result.output_tokens > 1 else 0.0
+    measured = {"ttft": result.ttft, "tpot": tpot, "e2el": result.latency}
+    return all(measured[name] * 1000.0 <= ms for name, ms in slos.items())
+
+
+def summarize(
+    results: list[RequestResult], duration: float, rate: float, goodput: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """vLLM's serving metrics of one run (with `goodput`'s objectives, in ms: the requests per second that met
+    all of them)."""
     done = [r for r in results if r.success]
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)
@@ -528,6 +550,9 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
         "total_input_tokens": prompt,
         "total_output_tokens": output,
         "request_throughput": len(done) / duration if duration else 0.0,
+        "request_goodput": (sum(met_slos(r, goodput) for r in done) / duration if duration else 0.0)
+        if goodput
+        else None,
         "output_throughput": output / duration if duration else 0.0,
         "total_token_throughput": (prompt + output) / duration if duration else 0.0,
         **_stats("ttft", [r.ttft for r in done]),
@@ -730,6 +755,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(e.g. /v1/chat/completions /v1/responses for the Responses API's streaming overhead; /v1/messages: "
         "Anthropic's Messages API)",
     )
+    add_arrival_flags(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
