@@ -39,6 +39,9 @@ def layer_sliding_windows(config: PretrainedConfig) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
 
 
+_QKV_BIAS_TYPES = frozenset({"qwen2", "qwen2_vl_text", "qwen2_5_vl_text"})
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, optional per-head q/k norm, rope, paged attention and the output projection."""
 
@@ -53,7 +56,8 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        # Qwen2's (and Qwen2-VL's text decoder's) q/k/v projections carry biases.
+        qkv_bias = config.model_type in _QKV_BIAS_TYPES or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj, self.o_proj = attention_projections(
             config, qkv_bias=qkv_bias, o_bias=o_bias, dtype=dtype, device=device, group=group
@@ -214,9 +218,12 @@ class LlamaForCausalLM(DecoderLM):
         positions: Tensor,  # int64 [num_tokens]
         kv_caches: Sequence[LayerKVCache],  # one per layer
         attn: AttentionMetadata,
+        rope: tuple[Tensor, Tensor]
+        | None = None,  # cos, sin [num_tokens, 1, head_dim // 2]; None: from positions
     ) -> Tensor:  # [num_tokens, hidden]
-        """Final hidden states from the input embeddings (a vision-language model's, images merged in)."""
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        """Final hidden states from the input embeddings (a vision-language model's, images merged in; its own
+        rotary angles where its positions are not 1-D, as Qwen2-VL's M-RoPE)."""
+        cos, sin = self.model.rotary_emb(positions, x.dtype) if rope is None else rope
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
