@@ -240,6 +240,7 @@ def llm_config(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> EngineConfig:
 
     class _Engine:
         tokenizer = None
+        model_path = Path("/no-such-model")  # no config.json: a text-only model, no image processor
 
     def from_config(config: EngineConfig) -> Any:
         seen.append(config)

@@ -124,7 +124,8 @@ class LLMEngine:
         scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras(config))
         # A vision-language model: its image encoder and cache (an extension, fed to the runner), whose budget
         # is the scheduler's admission rule (vLLM's default encoder cache size: a step's tokens).
-        model = self.runner.model
+        # (An executor without a driver rank, as the engine's tests use, has no model here.)
+        model = getattr(self.runner, "model", None)
         self.images: ImageEncoder | None = None
         if isinstance(model, VisionLanguageModel):
             if config.parallel_config.tensor_parallel_size > 1:
