@@ -12,9 +12,9 @@ import zmq
 from pagoda.server.core.deltas import DeltaDecoder
 from pagoda.server.core.engine_core import CORE_PROGRAM, CoreSpec
 from pagoda.server.core.messages import CoreInput, EngineInfo
+from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Handle, Launcher, bind
-from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.procs.security import Authenticator, LaunchKeys, serve_securely
 
 # Restart backoff: the first restart after this many seconds, doubling up to the cap while restarts keep failing.
