@@ -171,7 +171,7 @@ def test_a_forged_publisher_cannot_feed_the_router(model: Path, ipc_dir: Path) -
     forger.bind(endpoint)
     hashes = hash_blocks(PREFIX, 16, 0, 16, ROOT_BLOCK_HASH, salt_bytes(None))
     forged = msgspec.msgpack.encode(
-        KVEventBatch(0.0, [BlockStored(hashes, None, PREFIX, 16, None, "CPU")], 0)
+        KVEventBatch(0.0, [BlockStored(list[bytes](hashes), None, PREFIX, 16, None, "CPU")], 0)
     )
     stop = threading.Event()
 
