@@ -14,6 +14,7 @@ import zmq
 from pagoda.blockalloc import BlockManager
 from pagoda.server.kv_events import KVEventPublisher, KVEventsConfig, parse_kv_events_config
 from pagoda.server.kv_events.config import DEFAULT_ENDPOINT
+from pagoda.server.kv_events.keys import load_server_key, subscribe_securely
 from pagoda.server.testing import make_tiny_model
 
 
@@ -53,8 +54,13 @@ class VllmKVEventBatch(VllmEventBatch):
 DECODER = msgspec.msgpack.Decoder(VllmKVEventBatch)
 
 
-def _subscriber(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+def _subscriber(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, certificate: Path | None
+) -> zmq.Socket[bytes]:
+    """A consumer with its own key pair, keyed to the publisher's logged certificate."""
+    assert certificate is not None
     sub = ctx.socket(zmq.SUB)
+    subscribe_securely(sub, load_server_key(certificate))
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(endpoint)
@@ -87,7 +93,7 @@ def test_stored_and_removed_events_carry_the_prefix_cache_hashes() -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         assert publisher.endpoint is not None and publisher.endpoint.startswith("tcp://127.0.0.1:")
-        sub = _subscriber(ctx, publisher.endpoint)
+        sub = _subscriber(ctx, publisher.endpoint, publisher.certificate)
         prompt = list(range(1, 11))  # two full blocks
         assert kv.allocate_slots("a", prompt, len(prompt)) is not None
         batches = _receive(sub, lambda e: isinstance(e, BlockStored))
@@ -105,9 +111,10 @@ def test_stored_and_removed_events_carry_the_prefix_cache_hashes() -> None:
         assert removed == cached
 
         # Replay: every buffered batch from sequence number 1, then the end marker.
-        assert publisher.replay_endpoint is not None
+        assert publisher.replay_endpoint is not None and publisher.certificate is not None
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        subscribe_securely(dealer, load_server_key(publisher.certificate))
         dealer.connect(publisher.replay_endpoint)
         dealer.send((1).to_bytes(8, "big"))
         replayed: list[VllmKVEventBatch] = []
@@ -165,7 +172,7 @@ def test_a_real_engine_publishes_its_prefix_cache(tmp_path: Path) -> None:
     try:
         publisher = llm.engine.kv_events
         assert publisher is not None and publisher.endpoint is not None
-        sub = _subscriber(ctx, publisher.endpoint)
+        sub = _subscriber(ctx, publisher.endpoint, publisher.certificate)
         llm.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], SamplingParams(max_tokens=2, temperature=0.0))
         batches = _receive(sub, lambda e: isinstance(e, BlockStored))
         hashes = [h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes]

@@ -113,3 +113,19 @@ def test_events_router_follows_clears_and_refuses_events_without_the_flag() -> N
     assert router.indexed_blocks(0) == 0
     with pytest.raises(ValueError, match="use_kv_events"):
         CacheAwareRouter(2, BLOCK).apply_events(0, KVEventBatch(0.0, []))
+
+
+def test_the_event_index_is_bounded_oldest_first() -> None:
+    """However many hashes a publisher reports stored, a replica's index keeps the newest `capacity`."""
+    from pagoda.server.routing.event_index import EventIndex
+
+    index = EventIndex(4)
+    hashes: list[bytes] = [bytes([i]) * 32 for i in range(10)]
+    index.apply(KVEventBatch(0.0, [BlockStored(hashes[:6], None, [], 16, None, "CPU")]))
+    index.apply(KVEventBatch(1.0, [BlockStored([hashes[2]], None, [], 16, None, "CPU")]))  # re-stored: newest
+    index.apply(KVEventBatch(2.0, [BlockStored(hashes[6:7], None, [], 16, None, "CPU")]))
+    assert len(index) == 4
+    assert [index.match([BlockHash(h)]) for h in hashes[:7]] == [0, 0, 1, 0, 1, 1, 1]
+    router = CacheAwareRouter(1, BLOCK, max_blocks_per_replica=3, use_kv_events=True)
+    router.apply_events(0, KVEventBatch(0.0, [BlockStored(hashes, None, [], 16, None, "CPU")]))
+    assert router.indexed_blocks(0) == 3

@@ -19,10 +19,12 @@ from api_cases import MODEL
 from pagoda.server.cli import main
 from pagoda.server.cli_args import build_parser, serve_config
 from pagoda.server.kv_events.config import parse_kv_events_config
+from pagoda.server.kv_events.keys import KVEventsKeys, load_server_key, publish_securely
 from pagoda.server.kv_events.wire import BlockStored, KVEventBatch
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving, sync_client
 from test_engine_core import CORE_FLAGS, READY_S, engine_metric, metric_value
+from test_kv_events_security import certificate_of, subscriber
 
 PREFIX = [10 + i for i in range(256)]  # 16 full blocks of 16 tokens
 
@@ -92,19 +94,16 @@ def test_the_router_follows_the_replicas_events(ipc_dir: Path, tmp_path: Path) -
     endpoint = f"ipc://{ipc_dir}/kv"
     flags = (*CORE_FLAGS, "--data-parallel-size", "2", "--routing-kv-events")
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    subs = []
-    for replica_endpoint in (
-        endpoint,
-        f"{endpoint}-1",
-    ):  # replica 1's endpoint: the suffix -1 (as vLLM's offset)
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(replica_endpoint)
-        subs.append(sub)
+    subs: list[zmq.Socket[bytes]] = []
     try:
         with serving(
             Path(model), *flags, "--kv-events-config", _events_config(endpoint), ready_timeout=READY_S
         ) as live:
+            # One key for every replica, read from the certificate the front end logged.
+            key = load_server_key(certificate_of(live))
+            # Replica 1's endpoint: the suffix -1 (as vLLM's offset).
+            subs = [subscriber(context, e, key) for e in (endpoint, f"{endpoint}-1")]
+            time.sleep(0.5)  # PUB/SUB: subscriptions reach the publishers asynchronously
             client = sync_client(live)
             first = client.completions.create(
                 model=MODEL, prompt=[*PREFIX, 300, 301], max_tokens=2, temperature=0
@@ -147,11 +146,14 @@ def test_subscriptions_apply_their_replicas_batches_and_refuse_others(ipc_dir: P
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     applied: list[tuple[int, KVEventBatch]] = []
     endpoint = f"ipc://{ipc_dir}/unit"
+    keys = KVEventsKeys.new()
     pubs = [context.socket(zmq.PUB) for _ in range(2)]
+    for pub in pubs:
+        publish_securely(pub, keys)
     pubs[0].bind(endpoint)
     pubs[1].bind(f"{endpoint}-1")
     events = parse_kv_events_config(_events_config(endpoint))
-    subs = KVEventSubscriptions(context, events, 2, lambda i, b: applied.append((i, b)))
+    subs = KVEventSubscriptions(context, events, 2, lambda i, b: applied.append((i, b)), keys.public)
     try:
         assert subs.endpoints == [endpoint, f"{endpoint}-1"]
         encode = msgspec.msgpack.encode

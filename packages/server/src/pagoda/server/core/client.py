@@ -52,6 +52,7 @@ from pagoda.server.core.sleep_calls import SleepCalls
 from pagoda.server.core.sleep_frames import SleepDone
 from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
+from pagoda.server.kv_events.keys import publishing_keys, remove_certificate, write_certificate
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.multimodal.inputs import block_keys
@@ -183,13 +184,20 @@ class CoreClient:
         self._owner: dict[str, Replica] = {}  # request id -> the replica serving it
         self._events: list[RequestEvent] = []
         self._next_liveness = 0.0
-        self.replicas = [Replica(i) for i in range(num_replicas)]
+        # One KV events key pair for every core and restart: consumers (and the router) keep one public key.
+        events_config = config.cache_config.kv_events_config
+        self.kv_events_keys = publishing_keys(events_config)
+        keys = self.kv_events_keys
+        self.kv_events_certificate = None if keys is None else write_certificate(keys)
+        self.replicas = [Replica(i, kv_events_keys=self.kv_events_keys) for i in range(num_replicas)]
         self.kv_events: KVEventSubscriptions | None = None
         if routing_kv_events:
             if not isinstance(router, CacheAwareRouter):
                 raise ValueError("routing_kv_events needs the cache_aware routing policy")
+            if self.kv_events_keys is None:
+                raise ValueError("routing_kv_events needs kv_events_config with the zmq publisher")
             self.kv_events = KVEventSubscriptions(
-                self._context, config.cache_config.kv_events_config, num_replicas, router.apply_events
+                self._context, events_config, num_replicas, router.apply_events, self.kv_events_keys.public
             )
         self._loras = LoRACalls()  # runtime LoRA loads / unloads, sent to every core (core/lora_calls.py)
         self._sleep = SleepCalls()  # sleep mode's sleeps and wakes, sent to every core (core/sleep_calls.py)
@@ -560,6 +568,8 @@ class CoreClient:
             replica.inputs = replica.outputs = None
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv_events_certificate is not None:
+            remove_certificate(self.kv_events_certificate)
         self._authenticator.stop()
         self._context.term()
         self._launcher.close()

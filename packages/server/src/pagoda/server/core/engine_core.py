@@ -35,6 +35,7 @@ from pagoda.server.core.messages import (
 )
 from pagoda.server.core.sleep_core import CoreSleep
 from pagoda.server.engine import LLMEngine
+from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.loader import resolve_tokenizer_folder
 from pagoda.server.procs import ChildSpec, Failed, Program, Ready, Shutdown
 from pagoda.server.procs.security import PeerKeys, connect_securely
@@ -55,6 +56,7 @@ class CoreSpec:
     input_address: str
     output_address: str
     keys: PeerKeys  # the sockets' CURVE keys and the token its `Ready` carries (procs/security.py)
+    kv_events_keys: KVEventsKeys | None = None  # its KV events publisher's CURVE keys (kv_events/keys.py)
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -187,7 +189,12 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
     outputs.connect(spec.output_address)
     try:
         config = msgspec.msgpack.decode(spec.config_frame, type=EngineConfig)
-        core = EngineCore(LLMEngine.from_config(config), inputs, outputs, spec.keys.token)
+        core = EngineCore(
+            LLMEngine.from_config(config, kv_events_keys=spec.kv_events_keys),
+            inputs,
+            outputs,
+            spec.keys.token,
+        )
         if handle_signals:
 
             def drain(sig: int, frame: FrameType | None) -> None:

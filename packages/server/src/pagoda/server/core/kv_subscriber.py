@@ -10,6 +10,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 from pagoda.server.kv_events.config import KVEventsConfig, for_replica
+from pagoda.server.kv_events.keys import subscribe_securely
 from pagoda.server.kv_events.wire import KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,12 @@ class KVEventSubscriptions:
         kv_events_config: KVEventsConfig | None,
         num_replicas: int,
         apply: Callable[[int, KVEventBatch], None],
+        server_public: str | bytes,
     ) -> None:
-        """Connect now, before the cores bind: ZeroMQ reconnects, and no early batch is missed for lack of it."""
+        """Connect now, before the cores bind: ZeroMQ reconnects, and no early batch is missed for lack of it.
+
+        Every socket is a CURVE client pinned to the cores' public key `server_public`: a process that binds an
+        endpoint first (or in a core's place) cannot complete the handshake, so its batches never arrive."""
         self._apply = apply
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.sockets: list[zmq.Socket[bytes]] = []
@@ -51,6 +56,7 @@ class KVEventSubscriptions:
             config = for_replica(kv_events_config, index) or KVEventsConfig()
             socket = context.socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
+            subscribe_securely(socket, server_public)
             socket.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
             address = connect_address(config.endpoint)
             socket.connect(address)

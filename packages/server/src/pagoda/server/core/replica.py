@@ -12,6 +12,7 @@ import zmq
 from pagoda.server.core.deltas import DeltaDecoder
 from pagoda.server.core.engine_core import CORE_PROGRAM, CoreSpec
 from pagoda.server.core.messages import CoreInput, EngineInfo
+from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.outputs import EngineStats
 from pagoda.server.procs import Handle, Launcher, bind
 from pagoda.server.procs.security import Authenticator, LaunchKeys, serve_securely
@@ -49,6 +50,7 @@ class Replica:
     full_since: float | None = None
     pending: dict[str, float] = field(default_factory=dict)  # request id -> when its Accepted is overdue
     keys: LaunchKeys | None = None  # this start's CURVE keys and token (procs/security.py)
+    kv_events_keys: KVEventsKeys | None = None  # every start's KV events publisher keys (kv_events/keys.py)
     # The dashboard: the core's last `BlockMap` (a frame's replica object) and when the next one was asked for.
     block_map: dict[str, Any] | None = None
     map_asked_at: float | None = None
@@ -81,7 +83,7 @@ class Replica:
         name = f"core{self.index}-{self.generation}"
         input_address = bind(self.inputs, launcher.address(f"{name}-input"))
         output_address = bind(self.outputs, launcher.address(f"{name}-output"))
-        spec = CoreSpec(config_frame, input_address, output_address, self.keys.peer)
+        spec = CoreSpec(config_frame, input_address, output_address, self.keys.peer, self.kv_events_keys)
         self.handle = launcher.launch(CORE_PROGRAM, spec, index=self.index, name=f"engine core {self.index}")
         self.ready = False
         self.restart_at = None

@@ -52,6 +52,7 @@ from pagoda.server.engine.sleep_setup import engine_sleep
 from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.kv_events import start_kv_events
+from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
 from pagoda.server.lora.peft_loader import LoRAAdapter
@@ -79,7 +80,14 @@ _HOLD_POLL_S = 0.01
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache; drive it with add_request / step."""
 
-    def __init__(self, config: EngineConfig, parts: EngineParts, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        parts: EngineParts,
+        executor: Executor | None = None,
+        *,
+        kv_events_keys: KVEventsKeys | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = parts.tokenizer
         self.model_name = parts.model_name
@@ -180,6 +188,7 @@ class LLMEngine:
             self.kv_manager,
             medium="GPU" if parts.device.type == "cuda" else "CPU",
             data_parallel_rank=config.parallel_config.data_parallel_rank,
+            keys=kv_events_keys,  # an engine core's, from its spec; None: the publisher makes its own
         )
         # Sleep mode: the KV pools and weights of the target (and draft) runner; None without enable_sleep_mode.
         self.sleeping: EngineSleep | None = (
@@ -187,13 +196,13 @@ class LLMEngine:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, *, kv_events_keys: KVEventsKeys | None = None) -> LLMEngine:
         """Load the model, size the KV cache and build the engine (EngineConfigError if it cannot serve); with
         tensor_parallel_size > 1 the model is split over that many ranks (see `pagoda.server.engine.executor`)."""
         executor, parts = build_executor(config)
         try:
             start = time.perf_counter()
-            engine = cls(config, parts, executor)
+            engine = cls(config, parts, executor, kv_events_keys=kv_events_keys)
             log_phase("engine", start)
             return engine
         except BaseException:

@@ -14,11 +14,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 import zmq
 from pagoda.blockalloc import BlockHash, BlockManager
 from pagoda.server.kv_events.config import KVEventsConfig
+from pagoda.server.kv_events.keys import KVEventsKeys, publish_securely, remove_certificate, write_certificate
 from pagoda.server.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -31,8 +33,17 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 class KVEventPublisher:
     """Publishes a BlockManager's prefix-cache events (it is that manager's `KVEventSink`)."""
 
-    def __init__(self, config: KVEventsConfig, *, medium: str, data_parallel_rank: int | None = None) -> None:
-        """Bind the sockets (`config.endpoint`, `config.replay_endpoint`) and start the publishing thread."""
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        *,
+        medium: str,
+        data_parallel_rank: int | None = None,
+        keys: KVEventsKeys | None = None,
+    ) -> None:
+        """Bind the sockets (`config.endpoint`, `config.replay_endpoint`) as CURVE servers with `keys` and start
+        the publishing thread. Without `keys` (a publisher of its own, not an engine core's) it makes a key pair
+        and writes the public certificate (`certificate`, logged at INFO; removed by `close`)."""
         self.config = config
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
@@ -47,15 +58,21 @@ class KVEventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self.endpoint: str | None = None  # what the PUB socket really bound (a `*` port resolved)
         self.replay_endpoint: str | None = None
+        self.certificate: Path | None = None  # the public key's file, when this publisher made the keys
         if config.publisher == "zmq":
+            if keys is None:
+                keys = KVEventsKeys.new()
+                self.certificate = write_certificate(keys)
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            publish_securely(self._pub, keys)
             self._pub.bind(config.endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                publish_securely(self._replay, keys)
                 self._replay.bind(config.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="pagoda-kv-events", daemon=True)
@@ -145,19 +162,26 @@ class KVEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        if self.certificate is not None:
+            remove_certificate(self.certificate)
 
 
 def start_kv_events(
-    config: KVEventsConfig | None, kv: object, *, medium: str, data_parallel_rank: int | None = None
+    config: KVEventsConfig | None,
+    kv: object,
+    *,
+    medium: str,
+    data_parallel_rank: int | None = None,
+    keys: KVEventsKeys | None = None,
 ) -> KVEventPublisher | None:
     """A publisher wired to `kv` when the config tree's `kv_events_config` enables events (None otherwise, or for
-    a KV manager without a prefix cache)."""
+    a KV manager without a prefix cache); `keys`: an engine core's (its front end wrote the certificate)."""
     if config is None or not config.enable_kv_cache_events:
         return None
     if not isinstance(kv, BlockManager):
         logger.warning("KV cache events need the paged KV manager; none are published")
         return None
-    publisher = KVEventPublisher(config, medium=medium, data_parallel_rank=data_parallel_rank)
+    publisher = KVEventPublisher(config, medium=medium, data_parallel_rank=data_parallel_rank, keys=keys)
     kv.set_event_sink(publisher)
     logger.info("publishing KV cache events on %s", publisher.endpoint)
     return publisher

@@ -85,7 +85,7 @@ class CacheAwareRouter:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self._events: list[EventIndex] | None = (
-            [EventIndex() for _ in range(num_replicas)] if use_kv_events else None
+            [EventIndex(max_blocks_per_replica) for _ in range(num_replicas)] if use_kv_events else None
         )
         self._indexes: list[_PrefixIndex] | list[EventIndex] = (
             self._events

@@ -3,6 +3,7 @@ hashes its prefix cache holds, where the router's own index only guesses from wh
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Container, Sequence
 
 from pagoda.blockalloc.hashing import BlockHash
@@ -19,13 +20,16 @@ def leading_held(hashes: Sequence[BlockHash], held: Container[bytes]) -> int:
 
 
 class EventIndex:
-    """The block hashes one replica reported stored and not yet removed."""
+    """The block hashes one replica reported stored and not yet removed, at most `capacity` of them."""
 
-    __slots__ = ("_hashes",)
+    __slots__ = ("_capacity", "_hashes")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
         """Empty: nothing reported yet."""
-        self._hashes: set[bytes] = set()
+        self._capacity = capacity
+        # Insertion-ordered (an ordered set): past the capacity the oldest reported hashes go first, so
+        # a publisher that never reports removals (or a bug) cannot grow the router's memory without bound.
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         """Hashes held."""
@@ -35,9 +39,14 @@ class EventIndex:
         """Apply one batch of the replica's events, in order."""
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._hashes.update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    self._hashes[block_hash] = None
+                    self._hashes.move_to_end(block_hash)  # re-stored: now the newest
+                while len(self._hashes) > self._capacity:
+                    self._hashes.popitem(last=False)
             elif isinstance(event, BlockRemoved):
-                self._hashes.difference_update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    self._hashes.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
                 self._hashes.clear()
 
