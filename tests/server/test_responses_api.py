@@ -230,8 +230,8 @@ def test_store_retrieve_delete_and_store_false() -> None:
 
 
 def test_store_is_isolated_per_api_key_and_bounded() -> None:
-    """A key cannot read, continue, cancel or delete another key's response; the least recently used response
-    goes first beyond --max-stored-responses."""
+    """A key cannot read, continue, cancel or delete another key's response; beyond --max-stored-responses the
+    key's own least recently used response goes first, another key's never."""
     settings = AppSettings(api_key=("key-a", "key-b"), max_stored_responses=2)
     with serve_in_thread(ScriptEngine("abc"), settings=settings) as running:
         a, b = _client(running.base_url, "key-a"), _client(running.base_url, "key-b")
@@ -247,10 +247,12 @@ def test_store_is_isolated_per_api_key_and_bounded() -> None:
         assert a.responses.retrieve(mine.id).id == mine.id
         second = a.responses.create(model=MODEL, input="q")
         a.responses.retrieve(mine.id)  # now the most recently used
-        third = b.responses.create(model=MODEL, input="q")  # the bound counts every key's responses
+        third = b.responses.create(model=MODEL, input="q")  # b's own quota: a's responses stay
+        assert a.responses.retrieve(second.id).id == second.id
+        fourth = a.responses.create(model=MODEL, input="q")  # a's third: a's least recently used goes
         with pytest.raises(openai.NotFoundError):
-            a.responses.retrieve(second.id)
-        assert a.responses.retrieve(mine.id).id == mine.id
+            a.responses.retrieve(mine.id)
+        assert a.responses.retrieve(fourth.id).id == fourth.id
         assert b.responses.retrieve(third.id).id == third.id
 
 
