@@ -256,6 +256,40 @@ def test_store_is_isolated_per_api_key_and_bounded() -> None:
         assert b.responses.retrieve(third.id).id == third.id
 
 
+def test_storing_off_refuses_background_and_keeps_nothing() -> None:
+    """--max-stored-responses 0: a background response is a 400 naming background (it could not be read back);
+    a stored-by-default one is answered and kept nowhere; streamed ones release their place."""
+    with serve_in_thread(ScriptEngine("abc"), settings=AppSettings(max_stored_responses=0)) as running:
+        client = _client(running.base_url)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=MODEL, input="q", background=True)
+        assert info.value.body["param"] == "background"  # type: ignore[index]
+        done = client.responses.create(model=MODEL, input="q")
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(done.id)
+    with serve_in_thread(ScriptEngine("abc"), settings=AppSettings(max_stored_responses=1)) as running:
+        client = _client(running.base_url)
+        for _ in range(3):  # each streamed response's place is its own until it is stored, then the LRU's
+            with client.responses.stream(model=MODEL, input="q") as stream:
+                final = stream.get_final_response()
+        assert client.responses.retrieve(final.id).output_text == "abc"
+    engine = ScriptEngine("x" * 4000, step_seconds=0.01)
+    with serve_in_thread(engine, settings=AppSettings(max_stored_responses=1)) as running:
+        body = {"model": MODEL, "input": "q", "stream": True}
+        with httpx.stream("POST", f"{running.base_url}/v1/responses", json=body, timeout=60) as response:
+            next(response.iter_lines())  # the client leaves mid-stream: its held place is given back
+        deadline = time.monotonic() + 30
+        while True:
+            again = httpx.post(
+                f"{running.base_url}/v1/responses", json={**body, "stream": False, "background": True}
+            )
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 200, again.text
+        httpx.post(f"{running.base_url}/v1/responses/{again.json()['id']}/cancel")
+
+
 def test_background_response_is_cancelled() -> None:
     """background: answered queued at once; cancel stops the engine request and the response ends cancelled;
     a finished response cannot be cancelled (a 400 naming response_id)."""
