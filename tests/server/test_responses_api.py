@@ -230,8 +230,8 @@ def test_store_retrieve_delete_and_store_false() -> None:
 
 
 def test_store_is_isolated_per_api_key_and_bounded() -> None:
-    """A key cannot read, continue, cancel or delete another key's response; the least recently used response
-    goes first beyond --max-stored-responses."""
+    """A key cannot read, continue, cancel or delete another key's response; beyond --max-stored-responses the
+    key's own least recently used response goes first, another key's never."""
     settings = AppSettings(api_key=("key-a", "key-b"), max_stored_responses=2)
     with serve_in_thread(ScriptEngine("abc"), settings=settings) as running:
         a, b = _client(running.base_url, "key-a"), _client(running.base_url, "key-b")
@@ -247,11 +247,47 @@ def test_store_is_isolated_per_api_key_and_bounded() -> None:
         assert a.responses.retrieve(mine.id).id == mine.id
         second = a.responses.create(model=MODEL, input="q")
         a.responses.retrieve(mine.id)  # now the most recently used
-        third = b.responses.create(model=MODEL, input="q")  # the bound counts every key's responses
+        third = b.responses.create(model=MODEL, input="q")  # b's own quota: a's responses stay
+        assert a.responses.retrieve(second.id).id == second.id
+        fourth = a.responses.create(model=MODEL, input="q")  # a's third: a's least recently used goes
         with pytest.raises(openai.NotFoundError):
-            a.responses.retrieve(second.id)
-        assert a.responses.retrieve(mine.id).id == mine.id
+            a.responses.retrieve(mine.id)
+        assert a.responses.retrieve(fourth.id).id == fourth.id
         assert b.responses.retrieve(third.id).id == third.id
+
+
+def test_storing_off_refuses_background_and_keeps_nothing() -> None:
+    """--max-stored-responses 0: a background response is a 400 naming background (it could not be read back);
+    a stored-by-default one is answered and kept nowhere; streamed ones release their place."""
+    with serve_in_thread(ScriptEngine("abc"), settings=AppSettings(max_stored_responses=0)) as running:
+        client = _client(running.base_url)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=MODEL, input="q", background=True)
+        assert info.value.body["param"] == "background"  # type: ignore[index]
+        done = client.responses.create(model=MODEL, input="q")
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(done.id)
+    with serve_in_thread(ScriptEngine("abc"), settings=AppSettings(max_stored_responses=1)) as running:
+        client = _client(running.base_url)
+        for _ in range(3):  # each streamed response's place is its own until it is stored, then the LRU's
+            with client.responses.stream(model=MODEL, input="q") as stream:
+                final = stream.get_final_response()
+        assert client.responses.retrieve(final.id).output_text == "abc"
+    engine = ScriptEngine("x" * 4000, step_seconds=0.01)
+    with serve_in_thread(engine, settings=AppSettings(max_stored_responses=1)) as running:
+        body = {"model": MODEL, "input": "q", "stream": True}
+        with httpx.stream("POST", f"{running.base_url}/v1/responses", json=body, timeout=60) as response:
+            next(response.iter_lines())  # the client leaves mid-stream: its held place is given back
+        deadline = time.monotonic() + 30
+        while True:
+            again = httpx.post(
+                f"{running.base_url}/v1/responses", json={**body, "stream": False, "background": True}
+            )
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 200, again.text
+        httpx.post(f"{running.base_url}/v1/responses/{again.json()['id']}/cancel")
 
 
 def test_background_response_is_cancelled() -> None:

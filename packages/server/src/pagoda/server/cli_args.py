@@ -484,8 +484,16 @@ def argument_table() -> list[Flag]:
             ("--max-stored-responses",),
             {
                 "type": int,
-                "help": "stored /v1/responses kept in memory for previous_response_id and GET, over all API keys "
-                "(least recently used dropped first; 0: store nothing)",
+                "help": "stored /v1/responses kept in memory for previous_response_id and GET, per API key "
+                "(its least recently used finished one dropped first; never one in progress: a new one is then "
+                "a 429; 0: store nothing)",
+            },
+        ),
+        Flag(
+            ("--max-stored-response-bytes",),
+            {
+                "type": int,
+                "help": "bytes (as JSON) of the stored /v1/responses one API key may keep (default 64 MiB)",
             },
         ),
         Flag(

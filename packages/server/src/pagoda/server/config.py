@@ -566,8 +566,10 @@ class AppSettings:
     max_grammar_chars: int = 128 * 1024
     # Seconds the API waits for a constraint to compile before answering 400 (the compile runs on, dropped).
     grammar_compile_timeout: float = 10.0
-    # --max-stored-responses: /v1/responses kept for previous_response_id and GET (all keys; LRU beyond it).
+    # --max-stored-responses: /v1/responses kept for previous_response_id and GET, per API key (LRU beyond it).
     max_stored_responses: int = 1024
+    # --max-stored-response-bytes: the bytes (as JSON) of the responses one API key may keep stored.
+    max_stored_response_bytes: int = 64 * 1024 * 1024
     # --[no-]disable-any-whitespace: grammar-forced JSON (response_format json_schema, required and named tool
     # calls) has no whitespace runs outside strings; off restores free (bounded) whitespace.
     disable_any_whitespace: bool = True
@@ -576,6 +578,7 @@ class AppSettings:
         """ValueError naming the field."""
         _at_least(1, max_body_bytes=self.max_body_bytes, max_grammar_chars=self.max_grammar_chars)
         _at_least(0, max_stored_responses=self.max_stored_responses)
+        _at_least(1, max_stored_response_bytes=self.max_stored_response_bytes)
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         given: object = self.api_key

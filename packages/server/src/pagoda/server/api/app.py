@@ -306,7 +306,9 @@ class _Routes:
         self.root = engine.model_name
         self.completions_handler = CompletionsHandler(self.ctx)
         self.chat_handler = ChatHandler(self.ctx)
-        self.responses_store = ResponseStore(settings.max_stored_responses)
+        self.responses_store = ResponseStore(
+            settings.max_stored_responses, settings.max_stored_response_bytes
+        )
         self.responses_handler = ResponsesHandler(self.ctx, self.responses_store)
         self.embeddings_handler = EmbeddingsHandler(self.ctx)
         self.messages_handler = MessagesHandler(self.ctx)

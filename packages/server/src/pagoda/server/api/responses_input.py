@@ -139,6 +139,7 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
     if body.instructions is not None:
         messages.insert(0, {"role": "system", "content": body.instructions})
     fields: dict[str, Any] = {
+        "model": body.model,  # a LoRA adapter's name picks the adapter (ctx.sampling_params reads it)
         "messages": messages,
         "tools": chat_tools(body.tools),
         "tool_choice": _tool_choice(body),

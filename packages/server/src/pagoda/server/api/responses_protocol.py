@@ -7,10 +7,18 @@ import time
 from typing import Annotated, Any, Literal
 
 from pagoda.server.api.protocol import Int64
+from pagoda.server.api.response_store import json_bytes
 from pagoda.server.api.tool_fields import FUNCTION_NAME, MAX_TOOLS
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 MAX_INPUT_ITEMS = 4096  # input items per request: each becomes a message of the rendered conversation
+# Bounds on what a stored response echoes back (OpenAI's for metadata; the rest keep a stored response small).
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_USER_CHARS = 10_000  # `user` and `safety_identifier`
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
+MAX_TOOLS_BYTES = 512 * 1024  # the tool definitions as compact JSON
 # OpenAI's built-in tools: Pagoda runs none of them, and says so (a 400 naming the type) instead of ignoring them.
 BUILT_IN_TOOLS = (
     "web_search",
@@ -176,10 +184,19 @@ class ResponsesRequest(_Model):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+            ],
+            Field(max_length=MAX_METADATA_KEYS),
+        ]
+        | None
+    ) = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    safety_identifier: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None
     include: Annotated[list[str], Field(max_length=0)] | None = None
@@ -191,6 +208,18 @@ class ResponsesRequest(_Model):
     ignore_eos: bool = False
     priority: Int64 = 0
     n: Literal[1] = 1  # one output per response
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_bytes(cls, tools: list[dict[str, JsonValue]] | None) -> list[dict[str, JsonValue]] | None:
+        """The definitions are echoed by every stored response: at most MAX_TOOLS_BYTES of JSON."""
+        if tools is not None:
+            size = json_bytes(tools)
+            if size > MAX_TOOLS_BYTES:
+                raise ValueError(
+                    f"the tool definitions take {size} bytes as JSON, more than {MAX_TOOLS_BYTES}"
+                )
+        return tools
 
 
 def _now() -> int:

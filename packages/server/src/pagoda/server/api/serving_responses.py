@@ -7,8 +7,9 @@ tool plan, structured-output check, reasoning parser and sampling parameters as 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -16,7 +17,7 @@ from pagoda.server.api.cache_scope import request_scope
 from pagoda.server.api.chat_prompt import chat_prompt
 from pagoda.server.api.errors import APIError, bad_request
 from pagoda.server.api.protocol import ChatCompletionRequest
-from pagoda.server.api.response_store import ResponseStore, StoredResponse, request_caller
+from pagoda.server.api.response_store import ResponseStore, StoredResponse, StoreFull, request_caller
 from pagoda.server.api.responses_input import chat_request, input_messages, output_items, output_messages
 from pagoda.server.api.responses_protocol import (
     IncompleteDetails,
@@ -28,6 +29,7 @@ from pagoda.server.api.responses_protocol import (
 )
 from pagoda.server.api.responses_stream import EventWriter, ItemBuilder
 from pagoda.server.api.serving_base import (
+    RETRY_AFTER_SECONDS,
     EventStreamResponse,
     ServingContext,
     final_outputs,
@@ -41,6 +43,7 @@ from pagoda.server.async_llm import RequestStream
 from pagoda.server.outputs import RequestOutput
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 
 def _input(message: int, part: int) -> str:
@@ -63,6 +66,11 @@ class ResponsesHandler:
             raise bad_request("background responses must be stored: set store to true", "background")
         if body.background and body.stream:
             raise bad_request("streaming a background response is not supported", "stream")
+        if body.background and not self.store.enabled:
+            raise bad_request(
+                "background responses are off: this server stores none (--max-stored-responses 0)",
+                "background",
+            )
         if not body.input:
             raise bad_request("input must not be empty", "input")
         caller = request_caller(request)
@@ -84,29 +92,41 @@ class ResponsesHandler:
         prepared = await self._prepare(body, chat)
         response_id = f"resp_{uuid.uuid4().hex}"
         base = _skeleton(body, response_id, ctx.response_model(body.model))
-        streams = await ctx.open_streams(
-            response_id,
-            [(prepared.prompt, prepared.prompt_ids)],
-            prepared.params,
-            cache_scope=request_scope(request),
-            multi_modal=prepared.multi_modal,
-        )
-        if body.stream:
-            return EventStreamResponse(self._stream(base, streams, prepared, caller, conversation))
-        if body.background:
-            queued = _with(base, status="queued").model_dump()
-            entry = StoredResponse(queued, conversation)
-            entry.task = asyncio.ensure_future(self._background(entry, base, streams, prepared, conversation))
-            self.store.put(caller, response_id, entry)
-            return JSONResponse(queued)
+        entry = self._reserve(body, caller, base, conversation)
+        release = functools.partial(self.store.release, caller, response_id)
         try:
-            (final,) = await until_disconnect(request, final_outputs(streams))
+            streams = await ctx.open_streams(
+                response_id,
+                [(prepared.prompt, prepared.prompt_ids)],
+                prepared.params,
+                cache_scope=request_scope(request),
+                multi_modal=prepared.multi_modal,
+            )
+        except BaseException:
+            release()
+            raise
+        if body.stream:
+            return _ReleasingStream(
+                self._stream(base, streams, prepared, caller, conversation, entry), release
+            )
+        if entry is not None and body.background:
+            entry.task = asyncio.ensure_future(self._background(entry, caller, base, streams, prepared))
+            entry.pending = False  # now seen (queued), and still busy while its task runs
+            return JSONResponse(entry.response)
+        try:
+            try:
+                (final,) = await until_disconnect(request, final_outputs(streams))
+            finally:
+                for stream in streams:
+                    stream.close()
+            message = assistant_message(final.outputs[0].text, prepared.reasoning, prepared.plan)
+            done = await self._finish(base, final, output_items(message), prepared)
+            if entry is not None:
+                self.store.put(
+                    caller, response_id, StoredResponse(done, conversation + output_messages(done["output"]))
+                )
         finally:
-            for stream in streams:
-                stream.close()
-        message = assistant_message(final.outputs[0].text, prepared.reasoning, prepared.plan)
-        done = await self._finish(base, final, output_items(message), prepared)
-        self._keep(body, caller, done, conversation)
+            release()  # a no-op once stored
         return JSONResponse(done)
 
     async def retrieve(self, response_id: str, request: Request) -> Response:
@@ -143,16 +163,32 @@ class ResponsesHandler:
             raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id")
         return entry
 
-    def _keep(
+    def _reserve(
         self,
         body: ResponsesRequest,
         caller: str | None,
-        done: dict[str, Any],
+        base: ResponseObject,
         conversation: list[dict[str, Any]],
-    ) -> None:
-        if body.store:
-            turns = conversation + output_messages(done["output"])
-            self.store.put(caller, done["id"], StoredResponse(done, turns))
+    ) -> StoredResponse | None:
+        """Hold the stored response's place in the caller's quota before it starts (None: not stored).
+
+        A quota full of the caller's own responses still in progress is a 429 (retry once one ends: OpenAI's
+        status for a quota that frees up, and the one its clients retry), naming `background` or `store`; one that
+        could never fit is a 400. Nothing running, and nothing of another key's, is dropped to make room.
+        """
+        if not (body.store and self.store.enabled):
+            return None
+        entry = StoredResponse(_with(base, status="queued").model_dump(), conversation, pending=True)
+        param = "background" if body.background else "store"
+        try:
+            self.store.reserve(caller, base.id, entry)
+        except StoreFull as exc:
+            hint = "" if body.background else "; or set store to false"
+            if exc.transient:
+                headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+                raise APIError(429, f"{exc}{hint}", param=param, headers=headers) from exc
+            raise bad_request(f"{exc}{hint}", param) from exc
+        return entry
 
     async def _prepare(self, body: ResponsesRequest, chat: ChatCompletionRequest) -> PreparedChat:
         """The chat handler's checks and parameters, with the errors naming the Responses fields."""
@@ -221,13 +257,14 @@ class ResponsesHandler:
     async def _background(
         self,
         entry: StoredResponse,
+        caller: str | None,
         base: ResponseObject,
         streams: Sequence[RequestStream],
         prepared: PreparedChat,
-        conversation: list[dict[str, Any]],
     ) -> None:
         """Run a background response to its end, updating its stored entry (cancelled: `cancelled`)."""
         entry.response = _with(base, status="in_progress").model_dump()
+        conversation = entry.conversation
         try:
             (final,) = await final_outputs(streams)
             message = assistant_message(final.outputs[0].text, prepared.reasoning, prepared.plan)
@@ -244,6 +281,7 @@ class ResponsesHandler:
             entry.response = failed.model_dump()
         finally:
             entry.task = None
+            self.store.settle(caller, base.id)  # counted at its final size; the caller's quota restored
             for stream in streams:
                 stream.close()
 
@@ -254,6 +292,7 @@ class ResponsesHandler:
         prepared: PreparedChat,
         caller: str | None,
         conversation: list[dict[str, Any]],
+        entry: StoredResponse | None,
     ) -> AsyncGenerator[str]:
         """The official event sequence: created, in_progress, each item's added / deltas / done, completed."""
         writer = EventWriter()
@@ -285,11 +324,27 @@ class ResponsesHandler:
             yield writer.emit("error", code="500", message="the engine returned no output", param=None)
             return
         done = await self._finish(base, final, builder.items, prepared)
-        if base.store:
+        if entry is not None:
             turns = conversation + output_messages(done["output"])
             self.store.put(caller, done["id"], StoredResponse(done, turns))
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
         yield writer.emit(kind.get(done["status"], "response.failed"), response=done)
+
+
+class _ReleasingStream(EventStreamResponse):
+    """The event stream of a response to be stored: its held place is given back however the stream ends (a
+    generator never started, when the client left at once, runs no `finally` of its own)."""
+
+    def __init__(self, events: AsyncGenerator[str], release: Callable[[], None]) -> None:
+        super().__init__(events)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the stream, then release the place (a no-op once stored)."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _with(base: ResponseObject, **changes: Any) -> ResponseObject:
