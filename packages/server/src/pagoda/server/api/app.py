@@ -62,6 +62,7 @@ from pagoda.server.dashboard.auth import (
 )
 from pagoda.server.dashboard.producer import FrameProducer
 from pagoda.server.dashboard.routes import dashboard_routes
+from pagoda.server.dashboard.tenants import CALLER
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.lora.served import ServedLoRAs
@@ -135,6 +136,7 @@ class APIKeyMiddleware:
         digest, admin = match
         set_caller(scope, digest)  # stored responses are the key's own, whatever the cache sharing
         set_admin(scope, admin)
+        CALLER.set(digest)  # the dashboard shows this key its own requests (dashboard/tenants.py)
         if self._isolate:
             set_scope(scope, digest)
 
@@ -532,7 +534,7 @@ def build_app(
             Route("/v1/unload_lora_adapter", lora_routes.unload, methods=["POST"]),
         ]
     sleep = SleepRoutes(llm)
-    dashboard = FrameProducer(llm)
+    dashboard = FrameProducer(llm, owners=routes.ctx.owners)
     llm.metrics.registry.register(
         _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
     )
