@@ -49,7 +49,9 @@ def test_each_key_sees_its_own_requests_and_the_admin_all(live: LiveServer) -> N
         in_background(lambda: _complete(live, ALICE, "alice " * 30)),
         in_background(lambda: _complete(live, BOB, "bob " * 30)),
     ]
-    admin = wait_for_frame(live.base_url, auth(ADMIN), lambda f: len(f["replicas"][0]["queues"]["running"]) == 2)
+    admin = wait_for_frame(
+        live.base_url, auth(ADMIN), lambda f: len(f["replicas"][0]["queues"]["running"]) == 2
+    )
     assert len(admin["replicas"][0]["tables"]) == 2
     views = {}
     for key in (ALICE, BOB):

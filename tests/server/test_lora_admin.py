@@ -43,7 +43,9 @@ class Folders:
         config = json.loads((self.good / "adapter_config.json").read_text())
         config["alpha_pattern"] = {"q_proj": "lots"}
         (folder / "adapter_config.json").write_text(json.dumps(config))
-        (folder / "adapter_model.safetensors").write_bytes((self.good / "adapter_model.safetensors").read_bytes())
+        (folder / "adapter_model.safetensors").write_bytes(
+            (self.good / "adapter_model.safetensors").read_bytes()
+        )
         return folder
 
     def huge(self, gib: int = 1) -> Path:
@@ -95,7 +97,9 @@ def live(folders: Folders) -> Iterator[testing.LiveServer]:
         assert server.stop() == 0
 
 
-def call(live: testing.LiveServer, key: str, path: str, body: dict[str, object] | None = None) -> httpx.Response:
+def call(
+    live: testing.LiveServer, key: str, path: str, body: dict[str, object] | None = None
+) -> httpx.Response:
     """GET (no body) or POST `path` with `key`."""
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=live.base_url, headers=headers, timeout=120) as c:

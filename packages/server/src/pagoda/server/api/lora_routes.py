@@ -2,8 +2,8 @@
 
 Served only with `--enable-lora --allow-runtime-lora-updating` (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), behind
 the API key like every route but /health, and only for an admin key (`--admin-api-key`; 403 for another key,
-checked before the body or any folder is read): what the admin loads, every key may use. A load reads and checks the folder on a worker thread, then registers it
-on the engine thread between two steps; with engine-core processes (`--engine-core process`, data-parallel
+checked before the body or any folder is read): what the admin loads, every key may use. A load reads and checks
+the folder on a worker thread, then registers it on the engine thread between two steps; with engine-core processes (`--engine-core process`, data-parallel
 replicas) every core does so and the call answers once all of them did (`CoreClient.load_lora`). An unload takes
 the name away at once, while requests already running on the adapter finish on it. Every bad input is a 400 naming
 the field.
