@@ -72,7 +72,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
 def live(adapters: Adapters) -> Iterator[testing.LiveServer]:
     """The server with adapter `a` from the start and runtime updating on, behind an API key."""
     flags = [
-        "--kv-cache-gib", "0.05", "--dtype", "float32", "--api-key", KEY,
+        "--kv-cache-gib", "0.05", "--dtype", "float32", "--admin-api-key", KEY,
         "--enable-lora", "--lora-modules", f"a={adapters.a}", "--max-loras", "2", "--max-lora-rank", "16",
         "--allow-runtime-lora-updating",
     ]  # fmt: skip
@@ -195,7 +195,7 @@ def test_the_endpoints_need_the_api_key(live: testing.LiveServer, adapters: Adap
 @pytest.mark.parametrize(
     ("case", "param", "words"),
     [
-        ("missing", "lora_path", "no such folder"),
+        ("missing", "lora_path", "not a readable PEFT adapter folder"),
         ("rank", "lora_path", "--max-lora-rank"),
         ("targets", "lora_path", "fc_in"),
         ("dtype", "lora_path", "dtype"),

@@ -75,7 +75,7 @@ def test_loads_and_unloads_reach_every_core(folders: dict[str, Path]) -> None:
         assert _wait(client, client.load_lora(LoRARequest("b", 1, str(folders["b"])))) == (0, 1)
         with pytest.raises(LoRAError) as info:
             _wait(client, client.load_lora(LoRARequest("bad", 2, str(folders["base"] / "missing"))))
-        assert info.value.param == "lora_path" and "no such folder" in str(info.value)
+        assert info.value.param == "lora_path" and "not a readable PEFT adapter folder" in str(info.value)
         handle = client.replicas[1].handle
         assert handle is not None
         handle.kill()
@@ -95,7 +95,7 @@ def test_loads_and_unloads_reach_every_core(folders: dict[str, Path]) -> None:
 def live(folders: dict[str, Path]) -> Iterator[testing.LiveServer]:
     """Two engine-core replicas, round robin (so both serve), adapter a from the start, runtime updating on."""
     flags = [
-        "--kv-cache-gib", "0.05", "--dtype", "float32", "--api-key", KEY, "--data-parallel-size", "2",
+        "--kv-cache-gib", "0.05", "--dtype", "float32", "--admin-api-key", KEY, "--data-parallel-size", "2",
         "--routing-policy", "round_robin", "--enable-lora", "--lora-modules", f"a={folders['a']}",
         "--max-loras", "2", "--allow-runtime-lora-updating",
     ]  # fmt: skip

@@ -436,6 +436,14 @@ def argument_table() -> list[Flag]:
         ),
         Flag(("--api-key-file",), {"help": "file of accepted API keys, one per line (beside --api-key)"}),
         Flag(
+            ("--admin-api-key",),
+            {
+                "action": "append",
+                "help": "an admin key (repeatable; accepted like --api-key): only it loads and unloads LoRA "
+                "adapters at run time, sees their folders in /v1/models and every tenant's dashboard rows",
+            },
+        ),
+        Flag(
             ("--isolate-prefix-cache-per-key",),
             {
                 "action": argparse.BooleanOptionalAction,

@@ -553,6 +553,9 @@ class AppSettings:
     # --api-key: one key, or several (the flag repeated); each caller presents one of them (or of api_key_file).
     api_key: str | tuple[str, ...] | None = None
     api_key_file: str | None = None  # --api-key-file: one key per line (blank lines and `#` comments skipped)
+    # --admin-api-key (repeatable): keys accepted everywhere, and the only ones that may load or unload LoRA
+    # adapters at run time, see adapters' folders in /v1/models and every tenant's requests on the dashboard.
+    admin_api_key: str | tuple[str, ...] | None = None
     # --[no-]isolate-prefix-cache-per-key: a key's requests share cached prefixes only with that key's.
     isolate_prefix_cache_per_key: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-request-body-bytes: 413 for larger bodies
@@ -581,10 +584,12 @@ class AppSettings:
         _at_least(1, max_stored_response_bytes=self.max_stored_response_bytes)
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
-        given: object = self.api_key
-        if isinstance(given, list):  # argparse's `append` gives a list; the section stays hashable
-            object.__setattr__(self, "api_key", tuple(given))
+        for name in ("api_key", "admin_api_key"):
+            given: object = getattr(self, name)
+            if isinstance(given, list):  # argparse's `append` gives a list; the section stays hashable
+                object.__setattr__(self, name, tuple(given))
         self.api_keys()  # ValueError naming api_key or api_key_file
+        self.admin_api_keys()  # ValueError naming admin_api_key
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")
 
@@ -605,6 +610,15 @@ class AppSettings:
         if not from_file:
             raise ValueError(f"api_key_file {self.api_key_file!r} holds no key")
         return tuple(key.strip() for key in given) + from_file
+
+    def admin_api_keys(self) -> tuple[str, ...]:
+        """The admin keys (each also accepted wherever an API key is); empty when there is none."""
+        given = (
+            (self.admin_api_key,) if isinstance(self.admin_api_key, str) else tuple(self.admin_api_key or ())
+        )
+        if any(not key.strip() for key in given):
+            raise ValueError("admin_api_key must not be empty")
+        return tuple(key.strip() for key in given)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, TypeVar
 
+from pagoda.server.api.admin import is_admin, set_admin
 from pagoda.server.api.anthropic_errors import error_response, is_anthropic_path
 from pagoda.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest, ModelPage
 from pagoda.server.api.cache_scope import key_digest, set_scope
@@ -61,6 +62,7 @@ from pagoda.server.dashboard.auth import (
 )
 from pagoda.server.dashboard.producer import FrameProducer
 from pagoda.server.dashboard.routes import dashboard_routes
+from pagoda.server.dashboard.tenants import CALLER
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.lora.served import ServedLoRAs
@@ -95,9 +97,18 @@ class APIKeyMiddleware:
     (api/cache_scope.py), so that no key can see, through `cached_tokens`, what another key's prompts cached.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], isolate: bool = True) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: tuple[str, ...],
+        isolate: bool = True,
+        admin_keys: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
-        self._keys = [(key.encode(), key_digest(key.encode())) for key in api_keys]
+        # (key, digest, admin): an admin key is accepted everywhere a key is, and marked (api/admin.py).
+        self._keys = [(key.encode(), key_digest(key.encode()), key in admin_keys) for key in api_keys] + [
+            (key.encode(), key_digest(key.encode()), True) for key in admin_keys if key not in api_keys
+        ]
         self._isolate = isolate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,22 +116,29 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] != "/health":
             headers = Headers(scope=scope)
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            digest = self._match(token.strip().encode()) if scheme.lower() == "bearer" else None
+            match = self._match(token.strip().encode()) if scheme.lower() == "bearer" else None
             if is_dashboard_path(
                 scope["path"]
             ):  # a browser: the key may come once in the URL, then as a cookie
-                await self._dashboard(scope, receive, send, token.strip() if digest is not None else None)
+                await self._dashboard(scope, receive, send, token.strip() if match is not None else None)
                 return
             api_key = headers.get("x-api-key")
-            if digest is None and api_key is not None:  # Anthropic's clients send the key here
-                digest = self._match(api_key.strip().encode())
-            if digest is None:
+            if match is None and api_key is not None:  # Anthropic's clients send the key here
+                match = self._match(api_key.strip().encode())
+            if match is None:
                 await _unauthorized(scope, receive, send)
                 return
-            set_caller(scope, digest)  # stored responses are the key's own, whatever the cache sharing
-            if self._isolate:
-                set_scope(scope, digest)
+            self._mark(scope, match)
         await self.app(scope, receive, send)
+
+    def _mark(self, scope: Scope, match: tuple[str, bool]) -> None:
+        """Leave the key's digest (caller, cache scope) and whether it is an admin key in the request's state."""
+        digest, admin = match
+        set_caller(scope, digest)  # stored responses are the key's own, whatever the cache sharing
+        set_admin(scope, admin)
+        CALLER.set(digest)  # the dashboard shows this key its own requests (dashboard/tenants.py)
+        if self._isolate:
+            set_scope(scope, digest)
 
     async def _dashboard(self, scope: Scope, receive: Receive, send: Send, bearer: str | None) -> None:
         """`?api_key=` -> cookie + redirect to the clean URL; else the Bearer header or the cookie."""
@@ -132,21 +150,26 @@ class APIKeyMiddleware:
                 await clean_redirect(scope, query_key)(scope, receive, send)
             return
         if bearer is not None:
+            match = self._match(bearer.encode())
+            assert match is not None  # the caller matched it
+            self._mark(scope, match)  # the stream shows this key's own requests (all of them to an admin)
             await self.app(scope, receive, with_cookie(send, bearer))
             return
         cookie = cookie_key(scope)
-        if cookie is None or self._match(cookie.encode()) is None:
+        match = None if cookie is None else self._match(cookie.encode())
+        if match is None:
             await _unauthorized(scope, receive, send)
             return
+        self._mark(scope, match)
         await self.app(scope, receive, send)
 
-    def _match(self, token: bytes) -> str | None:
-        """The digest of the key `token` is, or None; every key is compared (compare_digest, no early exit), so
-        the time taken tells neither how much of a key matched nor which key did."""
-        found: str | None = None
-        for key, digest in self._keys:
+    def _match(self, token: bytes) -> tuple[str, bool] | None:
+        """The digest of the key `token` is and whether it is an admin key, or None; every key is compared
+        (compare_digest, no early exit), so the time taken tells neither how much of a key matched nor which."""
+        found: tuple[str, bool] | None = None
+        for key, digest, admin in self._keys:
             if hmac.compare_digest(token, key):
-                found = digest
+                found = (digest, admin)
         return found
 
 
@@ -316,7 +339,7 @@ class _Routes:
         self.openapi = build_openapi(
             title="Pagoda OpenAI-compatible API",
             version=_package_version(),
-            secured=bool(settings.api_keys()),
+            secured=bool(settings.api_keys() or settings.admin_api_keys()),
         )
 
     def start_background(self) -> None:
@@ -392,10 +415,12 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models (Anthropic's shape to a request with an `anthropic-version` header)."""
+        # Folders are the admin's to see: another key gets the served names where the paths would be.
+        admin, name = is_admin(request), self.ctx.served_model_name
         card = ModelCard(
-            id=self.ctx.served_model_name, root=self.root, max_model_len=self.ctx.rules.max_model_len
+            id=name, root=self.root if admin else name, max_model_len=self.ctx.rules.max_model_len
         )
-        adapters = lora_cards(self.loras, self.ctx.served_model_name, self.ctx.rules.max_model_len)
+        adapters = lora_cards(self.loras, name, self.ctx.rules.max_model_len, show_paths=admin)
         cards = [card, *adapters]
         if "anthropic-version" in request.headers:  # Anthropic's clients: their page shape
             return JSONResponse(ModelPage.of([(c.id, c.created) for c in cards]).model_dump())
@@ -514,7 +539,7 @@ def build_app(
             Route("/v1/unload_lora_adapter", lora_routes.unload, methods=["POST"]),
         ]
     sleep = SleepRoutes(llm)
-    dashboard = FrameProducer(llm)
+    dashboard = FrameProducer(llm, owners=routes.ctx.owners)
     llm.metrics.registry.register(
         _GrammarCacheCollector(routes.grammars, llm.metrics.prefix, llm.served_model_name)
     )
@@ -533,10 +558,15 @@ def build_app(
             routes.grammars.shutdown()
 
     middleware: list[Middleware] = []
-    api_keys = settings.api_keys()
-    if api_keys:
+    api_keys, admin_keys = settings.api_keys(), settings.admin_api_keys()
+    if api_keys or admin_keys:
         middleware.append(
-            Middleware(APIKeyMiddleware, api_keys=api_keys, isolate=settings.isolate_prefix_cache_per_key)
+            Middleware(
+                APIKeyMiddleware,
+                api_keys=api_keys,
+                isolate=settings.isolate_prefix_cache_per_key,
+                admin_keys=admin_keys,
+            )
         )
     handlers: dict[Any, Any] = {
         APIError: _api_error,

@@ -1,8 +1,9 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), and the adapters' /v1/models cards.
 
 Served only with `--enable-lora --allow-runtime-lora-updating` (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), behind
-the API key like every route but /health. A load reads and checks the folder on a worker thread, then registers it
-on the engine thread between two steps; with engine-core processes (`--engine-core process`, data-parallel
+the API key like every route but /health, and only for an admin key (`--admin-api-key`; 403 for another key,
+checked before the body or any folder is read): what the admin loads, every key may use. A load reads and checks
+the folder on a worker thread, then registers it on the engine thread between two steps; with engine-core processes (`--engine-core process`, data-parallel
 replicas) every core does so and the call answers once all of them did (`CoreClient.load_lora`). An unload takes
 the name away at once, while requests already running on the adapter finish on it. Every bad input is a 400 naming
 the field.
@@ -14,6 +15,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 
+from pagoda.server.api.admin import require_admin
 from pagoda.server.api.errors import bad_request
 from pagoda.server.api.protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
 from pagoda.server.async_llm import AsyncLLM
@@ -30,12 +32,17 @@ ReadBody = Callable[
 ]
 
 
-def lora_cards(loras: ServedLoRAs | None, base: str, max_model_len: int) -> list[ModelCard]:
-    """One /v1/models card per served adapter, `parent` naming the base model."""
+def lora_cards(
+    loras: ServedLoRAs | None, base: str, max_model_len: int, *, show_paths: bool = True
+) -> list[ModelCard]:
+    """One /v1/models card per served adapter, `parent` naming the base model; `root` is its folder when
+    `show_paths` (the admin), else its name (no server path for other keys)."""
     if loras is None:
         return []
     return [
-        ModelCard(id=name, root=request.lora_path, parent=base, max_model_len=max_model_len)
+        ModelCard(
+            id=name, root=request.lora_path if show_paths else name, parent=base, max_model_len=max_model_len
+        )
         for name, request in loras.by_name.items()
     ]
 
@@ -64,7 +71,8 @@ class LoRARoutes:
         await asyncio.wrap_future(future)
 
     async def load(self, request: Request) -> Response:
-        """POST /v1/load_lora_adapter {lora_name, lora_path}."""
+        """POST /v1/load_lora_adapter {lora_name, lora_path} (an admin key's: 403 for another)."""
+        require_admin(request, "Loading a LoRA adapter")
         body = await self.read_body(request, LoadLoRAAdapterRequest)
         assert isinstance(body, LoadLoRAAdapterRequest)
         name = body.lora_name
@@ -86,7 +94,8 @@ class LoRARoutes:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: Request) -> Response:
-        """POST /v1/unload_lora_adapter {lora_name}."""
+        """POST /v1/unload_lora_adapter {lora_name} (an admin key's: 403 for another)."""
+        require_admin(request, "Unloading a LoRA adapter")
         body = await self.read_body(request, UnloadLoRAAdapterRequest)
         assert isinstance(body, UnloadLoRAAdapterRequest)
         name = body.lora_name

@@ -39,6 +39,7 @@ from pagoda.server.client_stream import (
     ReplicaDeadError,
 )
 from pagoda.server.config import RequestLimits
+from pagoda.server.dashboard.tenants import RequestOwners
 from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.lora.served import ServedLoRAs
@@ -91,6 +92,9 @@ class ServingContext:
     compact_json: bool = True
     loras: ServedLoRAs | None = None  # the LoRA adapters `model` may name (None: LoRA is off)
     images: ImageFront = field(default_factory=ImageFront)  # the model's image processor and the media policy
+    owners: RequestOwners = field(
+        default_factory=RequestOwners
+    )  # which key submitted each request (dashboard)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model or a served LoRA adapter."""
@@ -296,12 +300,14 @@ class ServingContext:
             for i, (text, ids) in enumerate(prompts)
         ]
         try:
-            return await self.llm.add_requests(requests, params)
+            streams = await self.llm.add_requests(requests, params)
         except Exception as exc:
             error = to_api_error(exc)
             if error is exc:
                 raise
             raise error from exc
+        self.owners.add(r.request_id for r in requests)
+        return streams
 
 
 def to_api_error(exc: Exception) -> Exception:

@@ -13,13 +13,17 @@ from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.engine import LLMEngine
 from pagoda.server.engine.host import run_releasing_openmp
 from pagoda.server.lora.peft_loader import LoRAAdapter
+from pagoda.server.lora.request import LoRAError
 
 logger = logging.getLogger(__name__)
 
 
 def _failure(call_id: int, exc: BaseException) -> LoRADone:
-    """The answer of a call that raised: a LoRAError names its field, anything else names the folder."""
-    return LoRADone(call_id, str(exc) or type(exc).__name__, getattr(exc, "param", None) or "lora_path")
+    """The answer of a call that raised: a LoRAError's text and field; anything else (a bug: the loader raises
+    LoRAError only) one fixed text, its detail in this core's log only."""
+    if isinstance(exc, LoRAError):
+        return LoRADone(call_id, str(exc), exc.param)
+    return LoRADone(call_id, "the LoRA adapter could not be loaded (see the server log)", "lora_path")
 
 
 class CoreLoRA:
@@ -63,7 +67,7 @@ class CoreLoRA:
                 else:
                     self.engine.remove_lora(call)
             except Exception as exc:  # a LoRAError names its field; another failure is the folder's
-                logger.info("LoRA call %d refused: %s", call_id, exc)
+                logger.info("LoRA call %d refused: %s", call_id, exc, exc_info=not isinstance(exc, LoRAError))
                 self._send(_failure(call_id, exc))
             else:
                 self._send(LoRADone(call_id))

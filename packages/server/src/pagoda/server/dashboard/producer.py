@@ -15,6 +15,7 @@ from pagoda.server.async_llm import AsyncLLM
 from pagoda.server.dashboard.encoder import encode_replica
 from pagoda.server.dashboard.series import SeriesPoint, SeriesRecorder
 from pagoda.server.dashboard.snapshot import EngineSnapshot, take_snapshot
+from pagoda.server.dashboard.tenants import RequestOwners, frame_seq_ids, own_view
 from pagoda.server.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -27,9 +28,11 @@ SNAPSHOT_TIMEOUT_S = 5.0  # a wedged engine thread must not wedge the producer
 class Subscription:
     """One viewer's bounded queue of encoded frames; None ends the stream."""
 
-    def __init__(self, size: int = QUEUE_FRAMES) -> None:
-        """An empty queue of `size` frames."""
+    def __init__(self, size: int = QUEUE_FRAMES, caller: str | None = None) -> None:
+        """An empty queue of `size` frames; `caller`: the viewer's key digest (its own requests only), None for
+        the whole frame (the admin key, or a server without keys)."""
         self.queue: asyncio.Queue[str | None] = asyncio.Queue(size)
+        self.caller = caller
         self.dropped = 0  # frames dropped because this viewer had not read the previous ones
 
     def offer(self, item: str | None) -> None:
@@ -47,9 +50,20 @@ class Subscription:
 class FrameProducer:
     """Snapshots the engine (on its thread), encodes off the loop and fans frames out to subscribers."""
 
-    def __init__(self, llm: AsyncLLM, *, max_fps: float = MAX_FPS, queue_frames: int = QUEUE_FRAMES) -> None:
-        """A producer for `llm`; it runs only while somebody watches."""
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        max_fps: float = MAX_FPS,
+        queue_frames: int = QUEUE_FRAMES,
+        owners: RequestOwners | None = None,
+    ) -> None:
+        """A producer for `llm`; it runs only while somebody watches. `owners`: which key made each request."""
         self.llm = llm
+        self.owners = owners or RequestOwners()
+        self.last_frame: dict[
+            str, Any
+        ] = {}  # the latest frame before encoding (each key's view is cut from it)
         self.interval = 1.0 / max_fps
         self.queue_frames = queue_frames
         self.series = SeriesRecorder()
@@ -60,9 +74,9 @@ class FrameProducer:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
-    def subscribe(self) -> Subscription:
-        """A new viewer; starts the producer if it was idle."""
-        sub = Subscription(self.queue_frames)
+    def subscribe(self, caller: str | None = None) -> Subscription:
+        """A new viewer (`caller`: see `Subscription`); starts the producer if it was idle."""
+        sub = Subscription(self.queue_frames, caller)
         if self._closed:
             sub.offer(None)
             return sub
@@ -100,13 +114,26 @@ class FrameProducer:
                 except Exception:  # a dead engine or a failing frame: the viewers keep their last one
                     logger.debug("dashboard frame failed", exc_info=True)
                 else:
-                    for sub in self.subscribers:
-                        sub.offer(data)
+                    self.fan_out(data)
                 await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - start)))
         finally:
             if self.llm.is_draining:
                 for sub in self.subscribers:
                     sub.offer(None)
+
+    def fan_out(self, data: str) -> None:
+        """Offer each viewer the frame: all of it, or its key's own view (cut once per key)."""
+        frame = self.last_frame
+        self.owners.keep_only(frame_seq_ids(frame))
+        views: dict[str, str] = {}
+        for sub in self.subscribers:
+            if sub.caller is None:
+                sub.offer(data)
+                continue
+            if sub.caller not in views:
+                view = own_view(frame, self.owners.owned_by(sub.caller))
+                views[sub.caller] = json.dumps(view, separators=(",", ":"))
+            sub.offer(views[sub.caller])
 
     async def produce(self) -> str:
         """One encoded frame: snapshot on the engine thread, encode on a worker thread."""
@@ -122,13 +149,18 @@ class FrameProducer:
         # The history is only touched on the loop; the percentiles' sort is a few ms at most.
         point = self.series.observe(snapshot, wall)
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(self.encode, snapshot, wall, point)
+        self.last_frame = await asyncio.to_thread(self.frame, snapshot, wall, point)
+        data = await asyncio.to_thread(json.dumps, self.last_frame, separators=(",", ":"))
         self.encode_seconds += time.perf_counter() - t0
         self.frames_produced += 1
         return data
 
     def encode(self, snapshot: EngineSnapshot, wall: float, point: SeriesPoint | None) -> str:
         """The JSON frame of `snapshot`, with the new series point when one is due."""
+        return json.dumps(self.frame(snapshot, wall, point), separators=(",", ":"))
+
+    def frame(self, snapshot: EngineSnapshot, wall: float, point: SeriesPoint | None) -> dict[str, Any]:
+        """The frame of `snapshot` (JSON-ready), with the new series point when one is due."""
         stats = snapshot.stats
         frame: dict[str, Any] = {
             "type": "frame",
@@ -149,4 +181,4 @@ class FrameProducer:
             },
             "point": None if point is None else point.to_json(),
         }
-        return json.dumps(frame, separators=(",", ":"))
+        return frame

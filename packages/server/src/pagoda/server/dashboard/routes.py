@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from importlib.resources import files
 
+from pagoda.server.api.admin import is_admin
+from pagoda.server.api.response_store import request_caller
 from pagoda.server.dashboard.producer import FrameProducer
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -26,9 +28,10 @@ def _static(name: str) -> Response:
     return Response(body, media_type=_STATIC[name], headers={"Cache-Control": "no-cache"})
 
 
-async def sse_stream(producer: FrameProducer) -> AsyncIterator[str]:
-    """The history, then every frame the producer hands this viewer, until it closes or the viewer leaves."""
-    sub = producer.subscribe()
+async def sse_stream(producer: FrameProducer, caller: str | None = None) -> AsyncIterator[str]:
+    """The history, then every frame the producer hands this viewer (`caller`: a key's digest, its own requests
+    only; None: all of them), until it closes or the viewer leaves."""
+    sub = producer.subscribe(caller)
     try:
         yield f"event: history\ndata: {producer.history()}\n\n"
         while True:
@@ -58,7 +61,10 @@ def dashboard_routes(producer: FrameProducer) -> list[Route]:
 
     async def events(request: Request) -> Response:
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        return StreamingResponse(sse_stream(producer), media_type="text/event-stream", headers=headers)
+        # The admin key (or a server without keys) sees every tenant's requests; another key its own.
+        caller = None if is_admin(request) else request_caller(request) or ""
+        stream = sse_stream(producer, caller)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     return [
         Route("/dashboard", page, methods=["GET"]),

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from pagoda.pagedkernel.lora import LoRABackendName
 from pagoda.scheduler import ScheduledRequest
 from pagoda.server.lora.layers import EmbeddingLoRAHook, HeadLoRAHook, LoRABatch, LoRAHook
-from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, load_adapter
+from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, fingerprint, load_adapter
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.lora.targets import EMBEDDING, LM_HEAD, find_targets
 from pagoda.server.models.base import CausalLM, DecoderLM
@@ -118,11 +119,27 @@ class LoRAManager:
         self.hooks[EMBEDDING], self.hooks[LM_HEAD] = embed_hook, head_hook
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and check an adapter from disk (LoRAError naming the field); registers nothing."""
+        """Read and check an adapter from disk (LoRAError naming the field); registers nothing. A folder already
+        registered under another name, unchanged since, is not read again: its weights are shared."""
+        source = fingerprint(request.lora_path)
+        twin = self._twin(source)
+        if twin is not None:
+            return replace(twin, request=request)
         return load_adapter(request, self.targets, max_rank=self.max_lora_rank, dtype=self.dtype)
 
+    def _twin(self, source: tuple[int, ...] | None) -> LoRAAdapter | None:
+        """A registered adapter read from the same files (any thread: a copy of the values is iterated)."""
+        if source is None:
+            return None
+        return next((a for a in tuple(self.adapters.values()) if a.source == source), None)
+
     def add(self, adapter: LoRAAdapter) -> None:
-        """Register a loaded adapter (replacing one of the same id), evicting unpinned ones beyond max_cpu_loras."""
+        """Register a loaded adapter (replacing one of the same id), evicting unpinned ones beyond max_cpu_loras.
+
+        One folder under many names holds one copy of its weights: two reads of it that raced share here."""
+        twin = self._twin(adapter.source)
+        if twin is not None and twin.weights is not adapter.weights:
+            adapter = replace(adapter, weights=twin.weights, rank=twin.rank)
         lora_id = adapter.request.lora_int_id
         self._drop_slot(lora_id)
         self.adapters[lora_id] = adapter

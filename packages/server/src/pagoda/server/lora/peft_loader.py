@@ -43,6 +43,18 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int  # the largest rank of its targets
     weights: Mapping[str, LoRAWeights]
+    # The folder's files as read (`fingerprint`): adapters with equal ones share `weights` (LoRAManager).
+    source: tuple[int, ...] | None = None
+
+
+def fingerprint(path: str) -> tuple[int, ...] | None:
+    """(device, inode, size, mtime) of a folder's two files: equal for one folder under two names or spellings,
+    different once a file is rewritten; None when they cannot be read (the load then fails as usual)."""
+    try:
+        stats = [(Path(path) / name).stat() for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    except OSError:
+        return None
+    return tuple(n for st in stats for n in (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
 def _fail(request: LoRARequest, what: str) -> LoRAError:
@@ -50,16 +62,23 @@ def _fail(request: LoRARequest, what: str) -> LoRAError:
     return LoRAError(f"LoRA adapter {request.lora_name!r} at {request.lora_path}: {what}", "lora_path")
 
 
+# One text for a folder that is missing, not a folder, unreadable or without the two files: which of these it
+# is would tell a caller what exists on the server's disk.
+UNREADABLE = f"not a readable PEFT adapter folder (one holding {CONFIG_FILE} and {WEIGHTS_FILE})"
+
+
 def _read_config(request: LoRARequest, folder: Path) -> dict[str, Any]:
     """adapter_config.json, checked for what the loader supports."""
-    if not folder.is_dir():
-        raise _fail(request, "no such folder")
-    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise _fail(request, f"a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise _fail(request, f"{CONFIG_FILE} is not readable JSON ({exc})") from exc
+        text = (folder / CONFIG_FILE).read_text(encoding="utf-8")
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise OSError(WEIGHTS_FILE)
+    except OSError as exc:
+        raise _fail(request, UNREADABLE) from exc
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise _fail(request, f"{CONFIG_FILE} is not valid JSON") from exc
     if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise _fail(request, f"{CONFIG_FILE} is not a LoRA adapter's (peft_type must be LORA)")
     if config.get("fan_in_fan_out"):
@@ -76,7 +95,25 @@ def _read_config(request: LoRARequest, folder: Path) -> dict[str, Any]:
             request,
             f"trainable_token_indices (new-token embeddings of {config['trainable_token_indices']}) is not supported",
         )
+    _check_scales(request, config)
     return config
+
+
+def _is_number(value: object) -> bool:
+    """A finite JSON number (not a bool, a string or null)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_scales(request: LoRARequest, config: Mapping[str, Any]) -> None:
+    """lora_alpha a number and alpha_pattern an object of numbers (else `_scale` could not compute)."""
+    if not _is_number(config.get("lora_alpha", 8)):
+        raise _fail(request, f"{CONFIG_FILE}: lora_alpha must be a number")
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise _fail(request, f"{CONFIG_FILE}: alpha_pattern must be an object of module name -> number")
+    for pattern, value in patterns.items():
+        if not _is_number(value):
+            raise _fail(request, f"{CONFIG_FILE}: alpha_pattern[{pattern!r}] must be a number")
 
 
 def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
@@ -127,6 +164,10 @@ def _check_base_copy(request: LoRARequest, key: str, shape: tuple[int, ...], tar
         )
 
 
+# safetensors' dtype names of the factor dtypes served (a header's, read before any data).
+_HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def load_adapter(
     request: LoRARequest,
     targets: Mapping[str, Target],
@@ -134,75 +175,115 @@ def load_adapter(
     max_rank: int,
     dtype: torch.dtype,
 ) -> LoRAAdapter:
-    """Read and check `request`'s folder; this rank's factors of every target it adapts."""
+    """Read and check `request`'s folder; this rank's factors of every target it adapts.
+
+    Every name, dtype and shape in the safetensors header is checked against the base model before any tensor
+    is read, so a header declaring a huge tensor is refused without allocating it. Any failure is a LoRAError.
+    """
     folder = Path(request.lora_path)
+    source = fingerprint(request.lora_path)
     config = _read_config(request, folder)
-    pairs: dict[str, dict[str, Tensor]] = {}
-    dtypes: set[torch.dtype] = set()
-    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as tensors:
-        for key in tensors.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
-            split = _split_key(request, key)
-            if split is None:
-                base = key.removeprefix(_PREFIX).removesuffix(_BASE_COPY)
-                if base in targets:
-                    _check_base_copy(request, key, tuple(tensors.get_slice(key).get_shape()), targets[base])
-                continue
-            module, factor, embedding = split
-            if module not in targets:
-                raise _fail(
-                    request,
-                    f"target module {module} is not a projection of this model (target_modules "
-                    f"{config.get('target_modules')}); adaptable: q/k/v/o_proj, gate/up/down_proj, "
-                    "embed_tokens and lm_head",
-                )
-            if embedding != (targets[module].kind == "embedding"):
-                what = "an Embedding's" if embedding else "a Linear's"
-                raise _fail(request, f"{key} is {what} factor, which {module} of this model is not")
-            tensor = tensors.get_tensor(key)
-            dtypes.add(tensor.dtype)
-            pairs.setdefault(module, {})[factor] = tensor
-    if not pairs:
+    try:
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as tensors:
+            shapes = _check_header(request, config, tensors, targets, max_rank)
+            read = {
+                module: {factor: tensors.get_tensor(key) for factor, key in keys.items()}
+                for module, keys in shapes.items()
+            }
+    except LoRAError:
+        raise
+    except Exception as exc:  # a corrupt header, a truncated file: safetensors' own errors
+        raise _fail(request, f"{WEIGHTS_FILE} is not a valid safetensors file") from exc
+    weights = {
+        module: _shard(config, module, factors, targets[module], dtype) for module, factors in read.items()
+    }
+    rank = max(int(w.a.shape[0]) for w in weights.values())
+    return LoRAAdapter(request, rank, weights, source)
+
+
+def _check_header(
+    request: LoRARequest,
+    config: Mapping[str, Any],
+    tensors: Any,
+    targets: Mapping[str, Target],
+    max_rank: int,
+) -> dict[str, dict[str, str]]:
+    """Module -> {"lora_A": key, "lora_B": key} of the file, its header (names, dtypes, shapes) checked against
+    the base projections; no tensor data is read."""
+    keys: dict[str, dict[str, str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: set[str] = set()
+    for key in tensors.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
+        split = _split_key(request, key)
+        if split is None:
+            base = key.removeprefix(_PREFIX).removesuffix(_BASE_COPY)
+            if base in targets:
+                _check_base_copy(request, key, tuple(tensors.get_slice(key).get_shape()), targets[base])
+            continue
+        module, factor, embedding = split
+        if module not in targets:
+            raise _fail(
+                request,
+                f"target module {module} is not a projection of this model (target_modules "
+                f"{config.get('target_modules')}); adaptable: q/k/v/o_proj, gate/up/down_proj, "
+                "embed_tokens and lm_head",
+            )
+        if embedding != (targets[module].kind == "embedding"):
+            what = "an Embedding's" if embedding else "a Linear's"
+            raise _fail(request, f"{key} is {what} factor, which {module} of this model is not")
+        header = tensors.get_slice(key)
+        dtypes.add(str(header.get_dtype()))
+        shapes[key] = tuple(int(n) for n in header.get_shape())
+        keys.setdefault(module, {})[factor] = key
+    if not keys:
         raise _fail(request, f"{WEIGHTS_FILE} holds no lora_A / lora_B weights")
-    bad = sorted(str(d) for d in dtypes if d not in _FLOAT_DTYPES)
-    if bad or len(dtypes) > 1:
+    if len(dtypes) > 1 or not dtypes <= set(_HEADER_DTYPES):
         raise _fail(
             request,
-            f"dtype mismatch: its tensors are {', '.join(sorted(map(str, dtypes)))}; one of float32, "
-            f"bfloat16 or float16 throughout is served (converted to the model's {dtype})",
+            f"dtype mismatch: its tensors are {', '.join(sorted(dtypes))}; one of F32, BF16 or F16 "
+            "throughout is served (converted to the model's dtype)",
         )
-    weights: dict[str, LoRAWeights] = {}
-    rank = 0
-    for module, factors in pairs.items():
+    for module, factors in keys.items():
         if set(factors) != {"lora_A", "lora_B"}:
             raise _fail(request, f"{module} has only {', '.join(factors)}")
-        weights[module] = _shard(request, config, module, factors, targets[module], max_rank, dtype)
-        rank = max(rank, int(weights[module].a.shape[0]))
-    return LoRAAdapter(request, rank, weights)
+        _check_shapes(
+            request, module, shapes[factors["lora_A"]], shapes[factors["lora_B"]], targets[module], max_rank
+        )
+    return keys
+
+
+def _check_shapes(
+    request: LoRARequest,
+    module: str,
+    a: tuple[int, ...],
+    b: tuple[int, ...],
+    target: Target,
+    max_rank: int,
+) -> None:
+    """A [rank, in] and B [out, rank] as the header declares them, against the base projection and the cap."""
+    if len(a) != 2 or len(b) != 2 or b[1] != a[0]:
+        raise _fail(request, f"{module}: lora_A {a} and lora_B {b} do not pair")
+    rank = a[0]
+    if rank > max_rank:
+        raise _fail(request, f"rank {rank} of {module} is above --max-lora-rank {max_rank}")
+    if rank < 1 or a[1] != target.in_features or b[0] != target.out_features:
+        raise _fail(
+            request,
+            f"{module}: lora_A {a} / lora_B {b} do not fit the base projection "
+            f"[{target.out_features}, {target.in_features}] (another base model?)",
+        )
 
 
 def _shard(
-    request: LoRARequest,
     config: Mapping[str, Any],
     module: str,
     factors: Mapping[str, Tensor],
     target: Target,
-    max_rank: int,
     dtype: torch.dtype,
 ) -> LoRAWeights:
-    """One target's A and B checked against the base projection, scaled and cut to this rank's shard."""
+    """One target's A and B (shapes checked by `_check_shapes`), scaled and cut to this rank's shard."""
     a, b = factors["lora_A"], factors["lora_B"]  # [r, in], [out, r]
-    rank = int(a.shape[0])
-    if rank > max_rank:
-        raise _fail(request, f"rank {rank} of {module} is above --max-lora-rank {max_rank}")
-    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
-        raise _fail(request, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not pair")
-    if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
-        raise _fail(
-            request,
-            f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base projection "
-            f"[{target.out_features}, {target.in_features}] (another base model?)",
-        )
-    b = b.float() * _scale(config, module, rank)
+    b = b.float() * _scale(config, module, int(a.shape[0]))
     if target.rows is not None:
         b = b[target.rows.start : target.rows.start + target.rows.length]
     if target.cols is not None:
