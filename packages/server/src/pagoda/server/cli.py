@@ -80,6 +80,16 @@ def _check_draft_model(config: ServeConfig) -> None:
         raise ValueError(f"--speculative-config: {exc}") from None
 
 
+def _check_gguf(config: ServeConfig) -> None:
+    """ValueError (exit 2) for a malformed .gguf file or a GGUF cache another user could write (issue 43)."""
+    from pathlib import Path
+
+    from pagoda.server.loader.gguf import check_gguf_model
+
+    model = config.engine.model_config
+    check_gguf_model(model.model, None if model.cache_dir is None else Path(model.cache_dir))
+
+
 def _check_runner(config: ServeConfig) -> None:
     """ValueError (exit 2) naming --runner when a sequence-classification model is not served by the pooling
     runner, found from its config.json before any weight loads."""
@@ -108,6 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         config = serve_config(args)
         _check_quantization(config)
         _check_packaged_model(config)
+        _check_gguf(config)
         _check_draft_model(config)
         _check_runner(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start

@@ -6,6 +6,7 @@ import time
 from typing import Annotated, Literal
 
 from pagoda.server.api.structured_fields import StructuredFields
+from pagoda.server.api.template_kwargs import TemplateKwargs
 from pagoda.server.api.tool_fields import DeltaToolCall, ToolCall, ToolChoice, Tools
 from pagoda.server.sampling_params import MAX_LOGPROBS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
@@ -188,7 +189,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     verbosity: JsonValue = None
     web_search_options: JsonValue = None
     chat_template: JsonValue = None  # a 400 (vLLM serves it only behind --trust-request-chat-template)
-    chat_template_kwargs: dict[str, JsonValue] | None = None  # served: extra variables of the template
+    chat_template_kwargs: TemplateKwargs | None = None  # served: extra variables of the template (bounded)
     continue_final_message: bool = False
     echo: bool = False  # vLLM's chat echo (the last message): a 400 unless false
 

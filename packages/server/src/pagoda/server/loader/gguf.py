@@ -2,6 +2,12 @@
 
 The cache keeps each weight in the block format the file stores it in (uint8 rows, see `quantized_cache`) where
 the quantized ops support that format, and float32 elsewhere.
+
+A cached folder is loaded as the model (weights, tokenizer, chat template), and its name is predictable, so the
+cache follows the kernel cache's rules (`pagoda.pagedkernel.cbuild`): the root and each folder are 0700, and a
+root or a cached folder (or a file in it) that is a symlink, owned by another user or writable by others is never
+used: `UntrustedCacheError` names it and says what to do. A file is only converted once its header passed
+`check_gguf_file` (a crafted file is a `GGUFFileError`, before transformers reads it).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from pagoda.pagedkernel.cbuild import UnsafeCacheError, check_private, make_dirs_private
+from pagoda.server.loader.gguf_check import check_gguf_file
 from pagoda.server.loader.quantized_cache import quantized_state
 from pagoda.server.loader.weights import SAFETENSORS_SINGLE
 from safetensors.torch import save_file
@@ -51,6 +59,41 @@ def cache_folder(gguf_path: Path, cache_root: Path) -> Path:
     return cache_root / f"{gguf_path.stem}-{key}"
 
 
+class UntrustedCacheError(ValueError):
+    """The GGUF cache root or a cached folder is not private to this user (the message says what to fix)."""
+
+
+def trusted_root(root: Path) -> Path:
+    """`root` created 0700 if missing; UntrustedCacheError unless it is this user's and writable by no one else."""
+    try:
+        make_dirs_private(root)
+        check_private(root, kind="dir")
+    except UnsafeCacheError as exc:
+        raise UntrustedCacheError(
+            f"the GGUF cache {root} is not private ({exc}): another user could plant a model there; "
+            f"run `chmod 700 {root}` if it is yours, or point ${CACHE_DIR_ENV} at a folder of your own"
+        ) from None
+    return root
+
+
+def cached_conversion(gguf_path: Path, cache_root: Path) -> Path | None:
+    """The converted folder of `gguf_path` if the cache holds a trusted one, None when it holds none;
+    UntrustedCacheError when the root, the folder or a file in it is not this user's alone."""
+    target = cache_folder(gguf_path, trusted_root(cache_root))
+    if not (target.exists() or target.is_symlink()):
+        return None
+    try:
+        check_private(target, kind="dir")
+        for path in target.iterdir():
+            check_private(path, kind="file")
+    except UnsafeCacheError as exc:
+        raise UntrustedCacheError(
+            f"the cached conversion {target} is not private ({exc}), so it is not loaded: another user may "
+            f"have planted it; delete the folder {target} to convert {gguf_path.name} again"
+        ) from None
+    return target if is_converted(target) else None
+
+
 def is_converted(folder: Path) -> bool:
     """Whether a conversion is complete there (a folder only gets its final name once fully written)."""
     return (folder / "config.json").is_file() and (folder / SAFETENSORS_SINGLE).is_file()
@@ -60,15 +103,15 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
     """The safetensors model folder for `gguf_path`, converting it on the first call.
 
     The conversion writes into a temporary folder next to the cache folder and renames it into place, so an
-    interrupted conversion is never taken for a complete one.
+    interrupted conversion is never taken for a complete one. GGUFFileError for a malformed file,
+    UntrustedCacheError for a cache that is not this user's alone (see the module).
     """
     root = default_cache_root() if cache_root is None else cache_root
+    hit = cached_conversion(gguf_path, root)  # the root is private from here on
+    if hit is not None:
+        return hit
     target = cache_folder(gguf_path, root)
-    if is_converted(target):
-        return target
-    root.mkdir(
-        mode=0o700, parents=True, exist_ok=True
-    )  # the cache's folders are private (mkdir obeys the umask)
+    check_gguf_file(gguf_path)  # a crafted header fails here, before transformers sizes anything by it
     _remove_stale_scratch(target)
     logger.info(
         "converting %s to %s once (dequantizing takes a while; later loads read the cache)", gguf_path, target
@@ -173,3 +216,19 @@ def _eos_token_ids(
     if str(config.model_type).startswith("gemma") and end_of_turn is not None and end_of_turn not in ids:
         ids.append(end_of_turn)
     return ids
+
+
+def check_gguf_model(model: str | None, cache_root: Path | None = None) -> None:
+    """What `pagoda serve` checks before starting (a ValueError is exit 2): the cache root is private, and a
+    .gguf model's cached folder is trusted or, on a cache miss, its header is well-formed (see the module)."""
+    from pagoda.server.packaged import packaged_model
+
+    root = default_cache_root() if cache_root is None else cache_root
+    if (
+        model is None or packaged_model(model) is not None
+    ):  # checksummed files: only the cache's trust matters
+        trusted_root(root)
+        return
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf" and cached_conversion(path, root) is None:
+        check_gguf_file(path)
