@@ -221,3 +221,15 @@ def test_the_auto_sampler_over_a_damaged_cache(tmp_path: Path, monkeypatch: pyte
 
 def _refuse(*args: object) -> Path:
     raise cbuild.CompileError("cc is gone", ["cc"], 127, "")
+
+
+def test_check_whole_refuses_every_cut(warm: dict[str, Path], tmp_path: Path) -> None:
+    """Each whole library passes `check_whole`; cut anywhere past its first bytes (within its headers, its code,
+    its section table) it is refused before dlopen could map it."""
+    for library in warm.values():
+        cbuild.check_whole(library)
+        data, cut = library.read_bytes(), tmp_path / library.name
+        for size in (10, 64, 100, len(data) // 3, len(data) // 2, len(data) - 200):
+            cut.write_bytes(data[:size])
+            with pytest.raises(OSError, match="truncated"):
+                cbuild.check_whole(cut)

@@ -68,7 +68,7 @@ class CompileError(BackendUnavailableError):
 
 
 class DamagedLibraryError(BackendUnavailableError):
-    """A cached library failed to load, and so did (or could) not the one compiled afresh in its place."""
+    """A cached library failed to load, and the one compiled afresh in its place failed too (to compile or load)."""
 
 
 class UnsafeCacheError(OSError):
@@ -234,6 +234,16 @@ def check_whole(library: Path) -> None:
         return
     if len(data) < 64 or data[4] not in _ELF_HEADER or data[5] not in (1, 2):
         raise OSError(f"{library} is truncated or damaged ({len(data)} bytes, no whole ELF header)")
+    try:
+        needed = _elf_end(data)
+    except struct.error as exc:  # a program header table cut off mid-entry
+        raise OSError(f"{library} is truncated or damaged ({exc})") from exc
+    if len(data) < needed:
+        raise OSError(f"{library} is truncated ({len(data)} of at least {needed} bytes)")
+
+
+def _elf_end(data: bytes) -> int:
+    """The end of the furthest byte an ELF file's headers point at (header tables, loaded segments)."""
     order = "<" if data[5] == 1 else ">"
     offsets, at, counts, counts_at = _ELF_HEADER[data[4]]
     phoff, shoff = struct.unpack_from(order + offsets, data, at)
@@ -248,8 +258,7 @@ def check_whole(library: Path) -> None:
             (offset,) = struct.unpack_from(order + word, data, header + offset_at)
             (filesz,) = struct.unpack_from(order + word, data, header + filesz_at)
             needed = max(needed, offset + filesz)
-    if len(data) < needed:
-        raise OSError(f"{library} is truncated ({len(data)} of at least {needed} bytes)")
+    return int(needed)
 
 
 def load_or_rebuild(build: Callable[[], Path], load: Callable[[Path], T], *, owner: str) -> T:
