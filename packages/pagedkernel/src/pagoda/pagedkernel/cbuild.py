@@ -13,6 +13,11 @@ then goes into a fresh private folder instead, with a warning naming the refused
 Two errors, both `BackendUnavailableError` (so `auto` falls back to torch on either, with a warning): no compiler
 on this machine (`CompilerNotFoundError`), and a compiler that refused the source (`CompileError`, carrying its
 exit status and stderr). Tests skip on the first only: a kernel that stops compiling fails them, with gcc's words.
+
+A cached library can be damaged (a truncated file, a full disk, a crash mid-copy): every C library loads through
+`load_or_rebuild`, the one rule for that case: load it; else delete it and compile it once more; else raise
+`DamagedLibraryError` (a `BackendUnavailableError`, so the caller's torch path runs, with a warning) — a damaged
+cache never fails a request.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ import os
 import platform
 import shutil
 import stat
+import struct
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from pagoda.pagedkernel.backend import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # What every shared library needs, whatever the caller's flags.
 SHARED_FLAGS = ("-fPIC", "-shared")
@@ -56,6 +65,10 @@ class CompileError(BackendUnavailableError):
     def __reduce__(self) -> tuple[type[CompileError], tuple[str, tuple[str, ...], int, str]]:
         """Pickled with its fields (the default would rebuild it from the message alone)."""
         return type(self), (str(self.args[0]), self.command, self.returncode, self.stderr)
+
+
+class DamagedLibraryError(BackendUnavailableError):
+    """A cached library failed to load, and the one compiled afresh in its place failed too (to compile or load)."""
 
 
 class UnsafeCacheError(OSError):
@@ -200,6 +213,77 @@ def build(
 def discard(library: Path) -> None:
     """Delete a cached library that failed to load, so that the next `build` compiles it again."""
     library.unlink(missing_ok=True)
+
+
+# ELF header fields by class (1: 32-bit, 2: 64-bit): program and section header table offsets, then the sizes and
+# counts of their entries; and a program header's (p_offset, p_filesz) positions.
+_ELF_HEADER = {1: ("I I", 28, "H H H H", 42), 2: ("Q Q", 32, "H H H H", 54)}
+_ELF_SEGMENT = {1: ("I", 4, "I", 16), 2: ("Q", 8, "Q", 32)}
+_PT_LOAD = 1
+
+
+def check_whole(library: Path) -> None:
+    """OSError unless the ELF file `library` holds every byte its headers point at (its segments, its header tables).
+
+    dlopen maps a truncated library without complaint when its headers survive, and the process dies of SIGBUS
+    at the first touch of a missing page: a truncated file must never reach it. A file that is not ELF at all is
+    left to the loader, which refuses it.
+    """
+    data = library.read_bytes()
+    if data[:4] != b"\x7fELF":
+        return
+    if len(data) < 64 or data[4] not in _ELF_HEADER or data[5] not in (1, 2):
+        raise OSError(f"{library} is truncated or damaged ({len(data)} bytes, no whole ELF header)")
+    try:
+        needed = _elf_end(data)
+    except struct.error as exc:  # a program header table cut off mid-entry
+        raise OSError(f"{library} is truncated or damaged ({exc})") from exc
+    if len(data) < needed:
+        raise OSError(f"{library} is truncated ({len(data)} of at least {needed} bytes)")
+
+
+def _elf_end(data: bytes) -> int:
+    """The end of the furthest byte an ELF file's headers point at (header tables, loaded segments)."""
+    order = "<" if data[5] == 1 else ">"
+    offsets, at, counts, counts_at = _ELF_HEADER[data[4]]
+    phoff, shoff = struct.unpack_from(order + offsets, data, at)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + counts, data, counts_at)
+    needed = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if phoff + phentsize * phnum <= len(data):
+        word, offset_at, _, filesz_at = _ELF_SEGMENT[data[4]]
+        for index in range(phnum):
+            header = phoff + index * phentsize
+            if struct.unpack_from(order + "I", data, header)[0] != _PT_LOAD:
+                continue
+            (offset,) = struct.unpack_from(order + word, data, header + offset_at)
+            (filesz,) = struct.unpack_from(order + word, data, header + filesz_at)
+            needed = max(needed, offset + filesz)
+    return int(needed)
+
+
+def load_or_rebuild(build: Callable[[], Path], load: Callable[[Path], T], *, owner: str) -> T:
+    """`load(build())`; a library that fails to load (OSError: a damaged file) is deleted, built and loaded once more.
+
+    The first `build`'s errors propagate as they are (no compiler: `CompilerNotFoundError`, a kernel that does not
+    compile: `CompileError`, which tests must see). When the rebuilt library fails to load too, or the rebuild
+    itself fails, `DamagedLibraryError` (a BackendUnavailableError, chained to the cause) says so, naming the
+    library and `owner` (who loads it: "the 'cpu' fused ops"): the caller runs its torch path instead.
+    """
+    library = build()
+    try:
+        check_whole(library)
+        return load(library)
+    except OSError as exc:
+        logger.warning("%s: the cached %s failed to load (%s); compiling it again", owner, library, exc)
+    discard(library)
+    try:
+        library = build()
+        check_whole(library)
+        return load(library)
+    except (BackendUnavailableError, OSError) as exc:
+        raise DamagedLibraryError(
+            f"{owner}: {library} failed to load and compiling it again did not mend it ({exc})"
+        ) from exc
 
 
 def _compile(

@@ -14,8 +14,9 @@ from the cache's, head_dim not a multiple of 8 or above 512, block_size above 25
 KV head) runs through the torch backend. `reshape_and_cache` is a C loop of one memcpy per row (torch's
 index_copy_ took ~0.3 ms per layer for a decode batch); block copies and swaps are the torch backend's.
 
-A cached library that fails to load (a damaged file) is deleted and compiled once more; if that one fails to
-load too, that dtype runs on the torch backend's kernels, with a warning naming the library. The engine builds
+A cached library that fails to load (a damaged file) is deleted and compiled once more (`cbuild.load_or_rebuild`);
+if that one fails to load too, or cannot be compiled, that dtype runs on the torch backend's kernels, with a
+warning naming the library. The engine builds
 every dtype it uses at start-up (`prepare`), so no first forward waits for the compiler.
 """
 
@@ -99,23 +100,16 @@ def load(library: Path, *, int8_cache: bool = False) -> CpuKernels:
 
 
 def _load_or_rebuild(dtype: torch.dtype, int8_cache: bool = False) -> CpuKernels | None:
-    """Load the library for `dtype`; one that fails to load is deleted and built again once, then None (torch)."""
-    library = build(dtype, int8_cache=int8_cache)
+    """Load the library for `dtype` by `cbuild.load_or_rebuild`'s rule; None (the torch kernels, with a warning)
+    when it is damaged and compiling it again did not mend it."""
     try:
-        return load(library, int8_cache=True) if int8_cache else load(library)
-    except OSError as exc:
-        logger.warning("the 'cpu' kernel %s failed to load (%s); building it again", library, exc)
-    cbuild.discard(library)
-    library = build(dtype, int8_cache=int8_cache)
-    try:
-        return load(library, int8_cache=True) if int8_cache else load(library)
-    except OSError as exc:
-        logger.warning(
-            "the rebuilt 'cpu' kernel %s failed to load too (%s): %s attention runs on the torch kernels",
-            library,
-            exc,
-            dtype,
+        return cbuild.load_or_rebuild(
+            lambda: build(dtype, int8_cache=int8_cache),
+            (lambda library: load(library, int8_cache=True)) if int8_cache else load,
+            owner="the 'cpu' kernel backend",
         )
+    except cbuild.DamagedLibraryError as exc:
+        logger.warning("%s: %s attention runs on the torch kernels", exc, dtype)
         return None
 
 

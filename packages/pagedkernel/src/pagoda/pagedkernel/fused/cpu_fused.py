@@ -7,10 +7,11 @@ import ctypes
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from pagoda.pagedkernel import csrc
+from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from torch import Tensor
 
@@ -33,15 +34,26 @@ class FusedKernels:
     act_and_mul: Any  # ctypes: (x, rows, x_stride, inner, kind, y, threads) -> int
 
 
+OWNER = "the 'cpu' fused ops"
+
+
+def build(dtype: torch.dtype) -> Path:
+    """The library for `dtype`, compiled unless cached (BackendUnavailableError without a working compiler)."""
+    return csrc.build_for_dtype(SOURCE_FILE, dtype, CFLAGS, owner=OWNER, instead="use backend='torch'")
+
+
 @functools.cache
 def kernels(dtype: torch.dtype) -> FusedKernels:
-    """This CPU's library for `dtype`, built or found in the cache and loaded once per process.
+    """This CPU's library for `dtype`, built or found in the cache and loaded once per process (a damaged one is
+    compiled again: `cbuild.load_or_rebuild`).
 
     Raises BackendUnavailableError (with the compiler's output) when there is no compiler or it fails.
     """
-    library = csrc.build_for_dtype(
-        SOURCE_FILE, dtype, CFLAGS, owner="the 'cpu' fused ops", instead="use backend='torch'"
-    )
+    return cbuild.load_or_rebuild(lambda: build(dtype), load, owner=OWNER)
+
+
+def load(library: Path) -> FusedKernels:
+    """The entry points of a library that `build` made, with their C signatures declared."""
     lib = ctypes.CDLL(str(library))
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     norm_rotary = lib["pagoda_norm_rotary"]

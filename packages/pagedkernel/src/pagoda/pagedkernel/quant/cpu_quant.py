@@ -138,8 +138,9 @@ def _amx_matmul(lib: ctypes.CDLL) -> Any | None:
 
 @functools.cache
 def kernels() -> QuantKernels:
-    """This CPU's library (-march=native), built or found in the cache and loaded once per process."""
-    return load(build())
+    """This CPU's library (-march=native), built or found in the cache and loaded once per process (a damaged one is
+    compiled again: `cbuild.load_or_rebuild`)."""
+    return cbuild.load_or_rebuild(build, load, owner="the 'cpu' quantized ops")
 
 
 @functools.cache

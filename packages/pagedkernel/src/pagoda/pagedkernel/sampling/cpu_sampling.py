@@ -4,13 +4,15 @@ The C kernel computes bitwise the tokens of the torch specification (torch_sampl
 (see the C file): temperature, min_p, top_k and top_p thresholds found by selection over the few elements that
 can reach them, then a Gumbel-max draw that hashes only the elements that can still win. Rows and vocabulary
 slices run on torch's OpenMP pool (the library links the libgomp.so.1 torch has loaded, as the attention kernel
-does); a compiler without OpenMP builds a single-threaded library with the same results.
+does); a compiler without OpenMP builds a single-threaded library with the same results. A library that will not
+load, even compiled afresh (`cbuild.load_or_rebuild`), leaves its dtype to the torch specification, with a warning.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,10 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.sampling import torch_sampling
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "cpu_sampling.c"
 ENTRY = "pagoda_sample"
@@ -56,18 +61,19 @@ def load(library: Path) -> Callable[..., int]:
 
 
 @functools.cache
-def _entry(dtype: torch.dtype) -> Callable[..., int]:
-    """The entry point for `dtype`, built (or found in the cache) and loaded once per process."""
-    return load(build(dtype))
+def _entry(dtype: torch.dtype) -> Callable[..., int] | None:
+    """The entry point for `dtype`, built (or found in the cache) and loaded once per process (a damaged one is
+    compiled again: `cbuild.load_or_rebuild`); None, with a warning, where it cannot be (torch samples instead)."""
+    try:
+        return cbuild.load_or_rebuild(lambda: build(dtype), load, owner="the 'cpu' sampling backend")
+    except (BackendUnavailableError, OSError) as exc:
+        logger.warning("%s logits are sampled by torch: %s", dtype, exc)
+        return None
 
 
 def available() -> bool:
     """Whether the float32 library compiles and loads here."""
-    try:
-        _entry(torch.float32)
-    except (BackendUnavailableError, OSError):
-        return False
-    return True
+    return _entry(torch.float32) is not None
 
 
 def run(
@@ -97,7 +103,10 @@ def run(
     tokens = torch.empty(rows, dtype=torch.int64)
     status = torch.empty(rows, dtype=torch.int32)
     mask = torch.empty((rows, vocab), dtype=torch.uint8) if with_mask else None
-    code = (entry or _entry(logits.dtype))(
+    entry = entry or _entry(logits.dtype)
+    if entry is None:  # the library would not load: the specification gives the same tokens, bit for bit
+        return torch_sampling.run(logits, inv_temperature, top_k, top_p, min_p, keys, with_mask=with_mask)
+    code = entry(
         logits.data_ptr(),
         rows,
         vocab,

@@ -146,4 +146,5 @@ def _cpu_available() -> bool:
     except (BackendUnavailableError, OSError) as exc:
         logger.warning("the 'cpu' sampler is unavailable, sampling runs through torch: %s", exc)
         return False
-    return True
+    # loaded (or compiled again, when the cached library is damaged) now: no first step waits for it
+    return cpu_sampling.available()

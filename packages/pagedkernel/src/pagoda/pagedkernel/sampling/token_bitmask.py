@@ -57,9 +57,10 @@ def load(library: Path) -> Callable[..., int]:
 
 @functools.cache
 def _entry() -> Callable[..., int] | None:
-    """The C entry point, built (or found in the cache) and loaded once per process; None where it cannot be."""
+    """The C entry point, built (or found in the cache) and loaded once per process (a damaged one is compiled
+    again: `cbuild.load_or_rebuild`); None where it cannot be."""
     try:
-        return load(build())
+        return cbuild.load_or_rebuild(build, load, owner="the CPU token bitmask")
     except (BackendUnavailableError, OSError) as exc:
         logger.warning("the token bitmask falls back to torch: %s", exc)
         return None
