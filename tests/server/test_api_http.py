@@ -7,6 +7,7 @@ HTTP client and has no way to pause between the bytes of one request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -169,3 +170,32 @@ def test_keep_alive_connection_serves_two_requests(server: RunningServer) -> Non
             response = client.post("/v1/completions", content=GOOD_BODY, headers=JSON)
             assert response.status_code == 200
             time.sleep(TIMEOUT / 4)
+
+
+def test_a_client_gone_before_the_fin_is_one_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The FIN of an error response to a client that reset the connection meanwhile (asyncio's write_eof raises
+    ENOTCONN): no traceback, one debug line, the transport closed (issue 43, finding 15)."""
+    import errno
+    import logging
+
+    from pagoda.server.api.http_protocol import write_eof_quietly
+
+    class GoneTransport(asyncio.WriteTransport):
+        closed = False
+
+        def write_eof(self) -> None:
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+        def close(self) -> None:
+            self.closed = True
+
+    class OpenTransport(GoneTransport):
+        def write_eof(self) -> None:
+            pass
+
+    gone, open_ = GoneTransport(), OpenTransport()
+    with caplog.at_level(logging.DEBUG, logger="pagoda.server.api.http_protocol"):
+        assert not write_eof_quietly(gone)
+        assert write_eof_quietly(open_)
+    assert gone.closed and not open_.closed
+    assert [(r.levelno, "not connected" in r.getMessage()) for r in caplog.records] == [(logging.DEBUG, True)]

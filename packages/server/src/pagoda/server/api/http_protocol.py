@@ -7,6 +7,7 @@ and waits forever for a slow head or a stalled body. This subclass bounds all th
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import h11
@@ -16,11 +17,29 @@ from pagoda.server.config import HTTPLimits
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from uvicorn.server import ServerState
 
+logger = logging.getLogger(__name__)
+
 # After an error response, how long the request's remaining bytes are read and dropped before the close: closing
 # with unread bytes makes the kernel send a reset, which can destroy the response before the client reads it.
 _LINGER_SECONDS = 2.0
 # Longest protocol-error message echoed to the client (h11's messages may quote the offending bytes).
 _MAX_MESSAGE_CHARS = 200
+
+
+def write_eof_quietly(transport: asyncio.WriteTransport) -> bool:
+    """Send FIN; False (the transport closed, one debug line) when the client has gone already.
+
+    asyncio's write_eof shuts the socket down directly, and a peer that reset the connection a moment before
+    makes that an OSError (ENOTCONN, "Transport endpoint is not connected"), which would reach the event loop's
+    handler as a traceback: a closed transport is an ordinary event (issue 43, finding 15).
+    """
+    try:
+        transport.write_eof()
+    except OSError as exc:
+        logger.debug("the client closed the connection before the error response ended: %s", exc)
+        transport.close()
+        return False
+    return True
 
 
 class HTTPConfig(uvicorn.Config):
@@ -237,6 +256,7 @@ class LimitedH11Protocol(H11Protocol):
             return
         # Lingering close: send FIN, drop what still arrives, close when the client does or the linger ends.
         self._lingering = True
-        self.transport.write_eof()
+        if not write_eof_quietly(self.transport):
+            return
         self.flow.resume_reading()
         self.loop.call_later(_LINGER_SECONDS, self.transport.close)
