@@ -30,6 +30,9 @@ ADMIN = "sk-soak-admin"
 LORA_RANK = 8
 # A small per-key store: it fills during the warm-up, so a flat RSS afterwards means evictions free what they drop.
 MAX_STORED = 64
+# Batches the replay buffer keeps: the default 10,000 (about 100 s of this load, ~1 KB each) would still be
+# filling when a minute's soak ends, and its filling read as growth; 1,000 fill during the warm-up.
+REPLAY_BATCHES = 1000
 CHAIN = 4  # responses per previous_response_id chain (the context stays short)
 FRAMES = 3  # SSE messages a dashboard viewer reads before leaving (the history, then frames)
 KV_WAIT_S = (
@@ -75,6 +78,7 @@ class Target:
 def serve_flags(endpoint: str, replay_endpoint: str) -> list[str]:
     """`pagoda serve` flags: two tenant keys, the admin key, runtime LoRA, KV events with replay, INFO logs."""
     events = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay_endpoint}
+    events["buffer_steps"] = REPLAY_BATCHES
     return [
         "--log-level", "info", "--api-key", TENANTS[0], "--api-key", TENANTS[1], "--admin-api-key", ADMIN,
         "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--allow-runtime-lora-updating",
