@@ -19,6 +19,14 @@ RSS must level off once the cache reaches `--grammar-cache-bytes`.
 past its --stream-stall-timeout, so the RSS should stay flat):
 
     python tools/soak.py --slow-reader --concurrency 4 --max-tokens 3000 --duration 60
+
+`--surfaces` runs issue #43's surfaces at once for `--duration` seconds (tools/soak_surfaces.py: two tenant keys'
+stored /v1/responses, the admin key's runtime LoRA load/unload under rotating names with the tenants' requests on
+them, dashboard viewers, keyed KV event subscribers), prints the RSS every `--sample-seconds`, then its growth
+from the first sample after `--warmup-seconds` to the last, the operations per surface and the errors (exit 1 on
+any error, or a surface that did nothing):
+
+    python tools/soak.py --surfaces --duration 60
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from typing import Any
 
 import httpx
 import psutil
-from pagoda.server.testing import LiveServer, make_tiny_model
+import soak_surfaces
+from pagoda.server.testing import LiveServer, free_port, make_tiny_model
+from pagoda.server.testing.tiny_lora import make_tiny_lora
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,13 +94,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--slow-reader", action="store_true", help="never-reading streamed clients; RSS over time"
     )
-    parser.add_argument("--duration", type=float, default=60.0, help="--slow-reader: seconds to watch")
     parser.add_argument(
-        "--sample-seconds", type=float, default=1.0, help="--slow-reader: RSS sampling period"
+        "--surfaces", action="store_true", help="issue #43's surfaces at once for --duration seconds"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="--slow-reader, --surfaces: seconds to run"
+    )
+    parser.add_argument(
+        "--sample-seconds", type=float, default=1.0, help="--slow-reader, --surfaces: RSS sampling period"
+    )
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=10.0, help="--surfaces: seconds before the growth is measured"
     )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.every < 1 or args.concurrency < 1:
         parser.error("--requests, --every and --concurrency must be >= 1")
+    if args.surfaces and (args.slow_reader or args.default_model):
+        parser.error("--surfaces runs on a model folder: not with --slow-reader or --default-model")
     return args
 
 
@@ -107,15 +127,18 @@ def model_source(args: argparse.Namespace) -> Iterator[list[str]]:
         yield [str(make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=1024))]
 
 
-def running_server(model_args: list[str], args: argparse.Namespace) -> LiveServer:
-    """A `pagoda serve` subprocess on --port, healthy; its output goes to this terminal. Stop it with SIGTERM."""
+def running_server(
+    model_args: list[str], args: argparse.Namespace, flags: list[str] | None = None, capture_log: bool = False
+) -> LiveServer:
+    """A `pagoda serve` subprocess on --port with `flags` and --serve-arg, healthy; its output goes to this
+    terminal unless `capture_log` (then `log_tail()` reads it). Stop it with SIGTERM."""
     return LiveServer(
         model_args[0] if model_args else None,
-        args.serve_arg,
+        [*(flags or []), *args.serve_arg],
         served_model_name=MODEL_NAME,
         port=args.port,
         ready_timeout=600,
-        capture_log=False,
+        capture_log=capture_log,
         cwd=ROOT,
     )
 
@@ -229,25 +252,74 @@ def never_reading_client(port: int, max_tokens: int) -> socket.socket:
     return sock
 
 
+TIME_HEADER = f"{'seconds':>9} {'RSS MB':>9} {'delta MB':>9}"
+
+
+def sample_now(server: psutil.Process, start: float, samples: list[tuple[float, int]]) -> None:
+    """Append (seconds since `start`, RSS) to `samples` and print its row (and the change since the last)."""
+    elapsed = time.monotonic() - start
+    samples.append((elapsed, server.memory_info().rss))
+    previous = samples[-2][1] if len(samples) > 1 else None
+    delta = "" if previous is None else f"{(samples[-1][1] - previous) / 2**20:+9.1f}"
+    print(f"{elapsed:>9.1f} {samples[-1][1] / 2**20:>9.1f} {delta:>9}", flush=True)
+
+
 def slow_readers(args: argparse.Namespace, server: psutil.Process) -> list[tuple[float, int]]:
     """Open the never-reading clients; (seconds, RSS) every --sample-seconds for --duration seconds."""
     clients = [never_reading_client(args.port, args.max_tokens) for _ in range(args.concurrency)]
     try:
         start = time.monotonic()
         samples: list[tuple[float, int]] = []
-        print(f"{'seconds':>9} {'RSS MB':>9} {'delta MB':>9}", flush=True)
+        print(TIME_HEADER, flush=True)
         while True:
-            elapsed = time.monotonic() - start
-            samples.append((elapsed, server.memory_info().rss))
-            previous = samples[-2][1] if len(samples) > 1 else None
-            delta = "" if previous is None else f"{(samples[-1][1] - previous) / 2**20:+9.1f}"
-            print(f"{elapsed:>9.1f} {samples[-1][1] / 2**20:>9.1f} {delta:>9}", flush=True)
-            if elapsed >= args.duration:
+            sample_now(server, start, samples)
+            if samples[-1][0] >= args.duration:
                 return samples
             time.sleep(args.sample_seconds)
     finally:
         for client in clients:
             client.close()
+
+
+async def surfaces_soak(
+    args: argparse.Namespace, target: soak_surfaces.Target, server: psutil.Process
+) -> tuple[list[tuple[float, int]], soak_surfaces.Tally]:
+    """Exercise the surfaces for --duration seconds while sampling the RSS every --sample-seconds."""
+    tally = soak_surfaces.Tally()
+    start = time.monotonic()
+    load = asyncio.create_task(soak_surfaces.exercise(target, tally, start + args.duration))
+    samples: list[tuple[float, int]] = []
+    print(TIME_HEADER, flush=True)
+    while not load.done():
+        sample_now(server, start, samples)
+        await asyncio.wait({load}, timeout=args.sample_seconds)
+    await load
+    sample_now(server, start, samples)  # after the last operation
+    return samples, tally
+
+
+def run_surfaces(args: argparse.Namespace) -> int:
+    """--surfaces: the server with keys, runtime LoRA and keyed KV events; the soak; the summary. 1 on errors."""
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    with model_source(args) as model_args, tempfile.TemporaryDirectory(prefix="soak-lora-") as tmp:
+        adapter = make_tiny_lora(Path(model_args[0]), Path(tmp) / "lora", rank=soak_surfaces.LORA_RANK)
+        flags = soak_surfaces.serve_flags(endpoint, replay)
+        with running_server(model_args, args, flags, capture_log=True) as server:
+            certificate = soak_surfaces.certificate_in(server.log_tail(100_000))
+            if certificate is None:
+                print("the server logged no KV events certificate", file=sys.stderr)
+                return 1
+            target = soak_surfaces.Target(server.base_url, MODEL_NAME, adapter, endpoint, replay, certificate)
+            samples, tally = asyncio.run(surfaces_soak(args, target, psutil.Process(server.process.pid)))
+    after = [sample for sample in samples if sample[0] >= args.warmup_seconds] or samples[-1:]
+    first, last = after[0], samples[-1]
+    print(
+        f"surfaces: RSS {first[1] / 2**20:.1f} MB at {first[0]:.0f} s, {last[1] / 2**20:.1f} MB at "
+        f"{last[0]:.0f} s: growth {(last[1] - first[1]) / 2**20:+.1f} MB"
+    )
+    print("operations: " + " ".join(f"{name}={count}" for name, count in tally.ops.items()))
+    print(f"errors: {len(tally.errors)}", *tally.errors[:20], sep="\n")
+    return 1 if tally.errors or 0 in tally.ops.values() else 0
 
 
 def growth_per_1000(samples: list[Sample], warmup: int) -> float | None:
@@ -277,6 +349,8 @@ def table(samples: list[Sample]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the soak and print the RSS table and the growth after warm-up."""
     args = parse_args(argv)
+    if args.surfaces:
+        return run_surfaces(args)
     if args.slow_reader:
         with model_source(args) as model_args, running_server(model_args, args) as server:
             watched = slow_readers(args, psutil.Process(server.process.pid))

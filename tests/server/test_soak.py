@@ -107,3 +107,20 @@ def test_slow_reader_mode_reports_rss_over_time(capsys: pytest.CaptureFixture[st
     assert len(rows) >= 3 and float(rows[-1][0]) >= 3
     assert all(float(row[1]) > 10 for row in rows)
     assert lines[-1].startswith("slow readers: RSS peak")
+
+
+def test_surfaces_mode_exercises_every_surface_without_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """--surfaces for a few seconds on a tiny model: stored responses, runtime LoRA, dashboard viewers and keyed
+    KV-event subscribers all did operations, none failed, and it printed RSS rows and the growth line."""
+    argv = ["--surfaces", "--duration", "4", "--sample-seconds", "1", "--warmup-seconds", "1"]
+    argv += ["--port", str(free_port()), "--serve-arg=--kv-cache-gib", "--serve-arg=0.05"]
+    assert soak.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    operations = next(line for line in lines if line.startswith("operations: "))
+    counts = dict(item.split("=") for item in operations.removeprefix("operations: ").split())
+    assert set(counts) == {"responses", "lora", "dashboard", "kv_events"}
+    assert all(int(count) > 0 for count in counts.values()), counts
+    assert "errors: 0" in lines
+    rows = [line.split() for line in lines if line.split() and line.split()[0].replace(".", "").isdigit()]
+    assert len(rows) >= 4 and all(float(row[1]) > 10 for row in rows)
+    assert any(line.startswith("surfaces: RSS ") and "growth" in line for line in lines)
