@@ -6,6 +6,7 @@ kernel tests (`c_kernel_or_skip`), never turns into a skip."""
 from __future__ import annotations
 
 import logging
+import os
 import unittest
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -107,8 +108,13 @@ def library(
 
 
 def _truncate(path: Path, size: int) -> None:
-    """Cut the file to `size` bytes (a half library keeps its ELF headers: dlopen alone would map it, then SIGBUS)."""
-    path.write_bytes(path.read_bytes()[:size])
+    """Replace the file by its first `size` bytes (a half library keeps its ELF headers: dlopen alone would map it,
+    then SIGBUS). A new file renamed over the path, never the same file cut in place: a library this process has
+    loaded keeps its mapping of the old file, which truncating would turn into a SIGBUS at the next touch (at the
+    latest when the process exits and runs the library's finalizers)."""
+    damaged = path.with_name(path.name + ".damaged")
+    damaged.write_bytes(path.read_bytes()[:size])
+    os.replace(damaged, path)
 
 
 def test_a_truncated_library_is_rebuilt_and_loads(library: Library, caplog: pytest.LogCaptureFixture) -> None:
