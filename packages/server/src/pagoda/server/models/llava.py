@@ -18,7 +18,6 @@ from pagoda.server.models.parallel import ParallelGroup
 from pagoda.server.models.vit import ClipVisionTower, unused_layer_weights
 from torch import Tensor, nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 _STRATEGIES = ("default", "full")
 
@@ -41,6 +40,9 @@ class LlavaMultiModalProjector(nn.Module):
         text = int(config.text_config.hidden_size)
         bias = bool(getattr(config, "multimodal_projector_bias", True))
         self.linear_1 = Linear(vision, text, bias=bias, dtype=dtype, device=device)
+        # Imported here: transformers.activations takes 0.6 s, which a text model's start must not pay.
+        from transformers.activations import ACT2FN
+
         self.act: Any = ACT2FN[config.projector_hidden_act]
         self.linear_2 = Linear(text, text, bias=bias, dtype=dtype, device=device)
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from pagoda.server.models.layers import Linear
 from torch import Tensor, nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 
 class VisionAttention(nn.Module):
@@ -47,6 +46,9 @@ class VisionMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         hidden, inner = int(config.hidden_size), int(config.intermediate_size)
+        # Imported here: transformers.activations takes 0.6 s, which a text model's start must not pay.
+        from transformers.activations import ACT2FN
+
         self.act: Any = ACT2FN[config.hidden_act]  # transformers' own, for the same numerics
         self.fc1 = Linear(hidden, inner, bias=True, dtype=dtype, device=device)
         self.fc2 = Linear(inner, hidden, bias=True, dtype=dtype, device=device)

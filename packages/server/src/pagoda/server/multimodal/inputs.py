@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from PIL import Image
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: the front end's import path stays free of torch and PIL until used
+    from PIL import Image
+    from torch import Tensor
 
 # Content keys are negative 63-bit integers: no token id (never negative) hashes like an image.
 _KEY_BITS = 62

@@ -9,10 +9,11 @@ tokenizer, where AutoProcessor would need torchvision) decides how many tokens a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from pagoda.server.multimodal.inputs import ProcessedPrompt
-from PIL import Image
+if TYPE_CHECKING:
+    from pagoda.server.multimodal.inputs import ProcessedPrompt
+    from PIL import Image
 
 
 class MultiModalProcessor(Protocol):
