@@ -17,7 +17,7 @@ from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import FUSED_QKV_GATE_UP, KVCacheSpec
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
-from pagoda.server.models.vision import StepImages, VisionLanguageModel
+from pagoda.server.models.vision import StepImages, VisionLanguageModel, embed_with_images
 from pagoda.server.multimodal.inputs import ImageItem
 from torch import Tensor
 
@@ -54,12 +54,7 @@ class ConditionalGeneration(VisionLanguageModel):
         images: StepImages | None = None,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states; the rows `images.rows` take the encoder's embeddings instead of the tokens'."""
-        if images is None or images.rows.numel() == 0:
-            x = self.embed(input_ids)
-        else:
-            # Placeholder ids may lie past the text vocabulary (Gemma 3's): look up id 0 there, as transformers does.
-            x = self.embed(input_ids.index_fill(0, images.rows, 0))
-            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
+        x = embed_with_images(self.embed, input_ids, images)
         out: Tensor = self.language_model.forward_embeds(x, positions, kv_caches, attn)
         return out
 

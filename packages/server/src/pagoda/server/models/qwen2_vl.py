@@ -19,7 +19,7 @@ from pagoda.server.models.layers import RotaryEmbedding
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.models.parallel import ParallelGroup
 from pagoda.server.models.qwen2_vl_vision import QwenVisionTransformer
-from pagoda.server.models.vision import StepImages, VisionLanguageModel
+from pagoda.server.models.vision import StepImages, VisionLanguageModel, embed_with_images
 from pagoda.server.multimodal.inputs import ImageItem
 from torch import Tensor
 from transformers import PretrainedConfig
@@ -108,12 +108,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
         images: StepImages | None = None,
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states; image rows take the encoder's embeddings, and M-RoPE positions where given."""
-        x: Tensor = self.model.embed_tokens(input_ids)
-        mrope: Tensor | None = None
-        if images is not None:
-            if images.rows.numel():
-                x = x.index_copy(0, images.rows.to(x.device), images.embeds.to(x.device, x.dtype))
-            mrope = images.mrope_positions
+        x = embed_with_images(self.model.embed_tokens, input_ids, images)
+        mrope = None if images is None else images.mrope_positions
         rope = self.model.rotary_emb(positions, x.dtype, mrope)
         return self.forward_embeds(x, positions, kv_caches, attn, rope)
 

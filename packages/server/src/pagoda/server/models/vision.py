@@ -4,7 +4,7 @@ takes the step's encoder rows in place of placeholder embeddings."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,6 +22,20 @@ class StepImages:
     embeds: Tensor  # [num_image_rows, hidden_size], in the model's dtype
     # int64 [3, num_tokens]: every token's (temporal, height, width) position (M-RoPE models); None otherwise.
     mrope_positions: Tensor | None = None
+
+
+def embed_with_images(
+    embed: Callable[[Tensor], Tensor],  # int64 [num_tokens] -> [num_tokens, hidden_size]
+    input_ids: Tensor,  # int64 [num_tokens]
+    images: StepImages | None,
+) -> Tensor:  # [num_tokens, hidden_size]
+    """The step's input embeddings: `embed` of the tokens, with the encoder's rows at `images.rows`. Placeholder ids
+    may lie past the text vocabulary (Gemma 3's): those rows look up id 0, as transformers does, then are replaced."""
+    if images is None or images.rows.numel() == 0:
+        return embed(input_ids)
+    rows = images.rows.to(input_ids.device)
+    x = embed(input_ids.index_fill(0, rows, 0))
+    return x.index_copy(0, rows, images.embeds.to(x.device, x.dtype))
 
 
 class VisionLanguageModel(CausalLM):
