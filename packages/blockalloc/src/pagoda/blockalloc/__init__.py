@@ -10,6 +10,7 @@ from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId
 from pagoda.blockalloc.snapshot import BlockMapSnapshot
+from pagoda.blockalloc.tiers import KVTierIndex, TierWork
 
 __all__ = [
     "FULL_ATTENTION",
@@ -22,7 +23,9 @@ __all__ = [
     "KVCacheGroupSpec",
     "KVCacheStats",
     "KVEventSink",
+    "KVTierIndex",
     "SeqId",
     "SlotAllocation",
+    "TierWork",
     "hash_block_tokens",
 ]

@@ -15,6 +15,7 @@ from pagoda.blockalloc.outputs import KVCacheStats, SlotAllocation
 from pagoda.blockalloc.pool import BlockPool
 from pagoda.blockalloc.sequence import SeqId, SequenceBlocks
 from pagoda.blockalloc.snapshot import BlockMapSnapshot, take_snapshot
+from pagoda.blockalloc.tiers import KVTierIndex, TierWork
 
 _NO_SLOTS = SlotAllocation((), (), 0)
 _BLOCK_ID = attrgetter("block_id")
@@ -40,6 +41,8 @@ class BlockManager:
         "prefix_cache_queries",
         "seqs",
         "swapped",
+        "tier",
+        "tier_work",
     )
 
     def __init__(
@@ -85,6 +88,25 @@ class BlockManager:
         # A scheduler looks a prompt up and then allocates it: the allocation reuses the lookup's hashes.
         self.chain_cache = LastChainCache(block_size)
         self.events: KVEventSink | None = None  # set_event_sink
+        self.tier: KVTierIndex | None = None  # set_tier
+        self.tier_work = TierWork()  # this step's loads and saves, drained by take_tier_work
+
+    def set_tier(self, tier: KVTierIndex | None) -> None:
+        """Count the blocks `tier` holds as prefix hits, and record the loads and saves they imply (None: no tier).
+
+        Needs prefix caching (a tier is found by the same keys): ValueError otherwise.
+        """
+        if tier is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "a KV tier needs prefix caching: its blocks are found by their prefix-cache keys"
+            )
+        self.tier = tier
+        self.tier_work = TierWork()
+
+    def take_tier_work(self) -> TierWork:
+        """The loads and saves recorded since the last call (empty without a tier); the caller performs them."""
+        work, self.tier_work = self.tier_work, TierWork()
+        return work
 
     def set_event_sink(self, sink: KVEventSink | None) -> None:
         """Tell `sink` every hash that enters or leaves the device prefix cache (None: stop telling)."""
@@ -166,8 +188,9 @@ class BlockManager:
         if len(self.groups) > 1 or self.null_block is not None:
             return self._num_hit_blocks(hashes) * self.block_size
         num_hits = 0
+        tier = self.tier
         for block_hash in hashes:
-            if block_hash not in cache_map:
+            if block_hash not in cache_map and (tier is None or not tier.contains(block_hash)):
                 break
             num_hits += 1
         return num_hits * self.block_size
@@ -520,12 +543,12 @@ class BlockManager:
     def _num_hit_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """Blocks of the longest prefix every group can serve: a full group needs every block, a sliding group
         only those its window sees from the hit point (vLLM's hybrid semantics); shrinks until all agree."""
-        cache_map = self.pool.cached_block_hash_to_block
+        held = self._held
         hit = len(hashes)
         for gi, spec in enumerate(self.groups):
             if spec.sliding_window is None:
                 n = 0
-                while n < hit and group_key(hashes[n], gi) in cache_map:
+                while n < hit and held(group_key(hashes[n], gi)):
                     n += 1
                 hit = n
         changed = True
@@ -538,15 +561,21 @@ class BlockManager:
                     hit = best
         return hit
 
+    def _held(self, key: BlockHash) -> bool:
+        """Whether the device prefix cache or the tier holds the block of `key`."""
+        return key in self.pool.cached_block_hash_to_block or (
+            self.tier is not None and self.tier.contains(key)
+        )
+
     def _sliding_hit(
         self, group: int, spec: KVCacheGroupSpec, hashes: Sequence[BlockHash], limit: int
     ) -> int:
         """The largest hit of at most `limit` blocks whose window blocks `group` holds in the cache."""
-        cache_map = self.pool.cached_block_hash_to_block
+        held = self._held
         # run[i]: cached blocks of this group ending just before block i, consecutively.
         run = [0] * (limit + 1)
         for i in range(limit):
-            run[i + 1] = run[i] + 1 if group_key(hashes[i], group) in cache_map else 0
+            run[i + 1] = run[i] + 1 if held(group_key(hashes[i], group)) else 0
         bs = self.block_size
         for hit in range(limit, 0, -1):
             if run[hit] >= hit - spec.first_needed_block(hit * bs, bs):
@@ -589,36 +618,58 @@ class BlockManager:
         cache_map = self.pool.cached_block_hash_to_block
         # Per group: the blocks before its window stay null; the cached blocks inside it are shared.
         firsts = [g.first_needed_block(num_computed_tokens, bs) for g in self.groups]
-        group_hits: list[list[KVCacheBlock]] = []
+        tier = self.tier
+        # Per group, per cached position: the device block holding it, or None where the tier supplies it.
+        group_hits: list[list[KVCacheBlock | None]] = []
+        loads: list[BlockHash] = []
         for gi, first in enumerate(firsts):
-            hit_blocks: list[KVCacheBlock] = []
+            hit_blocks: list[KVCacheBlock | None] = []
             for i in range(first, num_cached_blocks):
-                block = cache_map.get(group_key(hashes[i], gi))
+                key = group_key(hashes[i], gi)
+                block = cache_map.get(key)
                 if block is None:
-                    raise ValueError(
-                        f"sequence {seq_id!r}: only {i * bs} of {num_computed_tokens} computed tokens are cached"
-                    )
+                    if tier is None or not tier.contains(key):
+                        raise ValueError(
+                            f"sequence {seq_id!r}: only {i * bs} of {num_computed_tokens} computed tokens are cached"
+                        )
+                    loads.append(key)
                 hit_blocks.append(block)
             group_hits.append(hit_blocks)
         num_new_blocks = -(-end // bs) - num_cached_blocks
-        num_revived = sum(1 for hits in group_hits for b in hits if b.ref_cnt == 0)
+        num_revived = sum(1 for hits in group_hits for b in hits if b is not None and b.ref_cnt == 0)
         pool = self.pool
-        if num_new_blocks * len(self.groups) + num_revived > pool.free_block_queue.num_free_blocks:
+        needed = num_new_blocks * len(self.groups) + num_revived + len(loads)
+        if needed > pool.free_block_queue.num_free_blocks:
+            return None
+        # Pinned now, so no other user of a shared tier evicts them before the worker copies them in.
+        if loads and not (tier is not None and tier.acquire(loads)):
             return None
         # Revive hits before popping new blocks, or the pops could evict the very blocks being hit.
         for gi, hits in enumerate(group_hits):
-            self.num_used_per_group[gi] += pool.touch(hits)
+            self.num_used_per_group[gi] += pool.touch(b for b in hits if b is not None)
         tables: list[list[KVCacheBlock]] = []
+        load_blocks = iter(pool.get_new_blocks(len(loads)))
         for gi, (first, hits) in enumerate(zip(firsts, group_hits, strict=True)):
             null_prefix: list[KVCacheBlock] = [self.null_block] * first if self.null_block is not None else []
-            tables.append([*null_prefix, *hits, *pool.get_new_blocks(num_new_blocks)])
+            cached = [next(load_blocks) if b is None else b for b in hits]
+            self.num_used_per_group[gi] += sum(1 for b in hits if b is None)
+            tables.append([*null_prefix, *cached, *pool.get_new_blocks(num_new_blocks)])
             self.num_used_per_group[gi] += num_new_blocks
         self.seqs[seq_id] = seq = SequenceBlocks(tables, end, hashes, salt_b, firsts)
+        if loads:
+            load_ids = [
+                table[i].block_id
+                for gi, (first, table) in enumerate(zip(firsts, tables, strict=True))
+                for i, b in enumerate(group_hits[gi], start=first)
+                if b is None
+            ]
+            self.tier_work.loads += zip(loads, load_ids, strict=True)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed_tokens
-            for gi, table in enumerate(tables):
-                self._register(table, hashes, num_cached_blocks, gi, token_ids)
+            for gi, (first, table) in enumerate(zip(firsts, tables, strict=True)):
+                # From the window's first block: blocks loaded from the tier are registered like computed ones.
+                self._register(table, hashes, first if loads else num_cached_blocks, gi, token_ids)
         if num_new_tokens == 0:
             return SlotAllocation((), (), num_computed_tokens, self._per_group([()] * len(tables)))
         group_slots = [self._slots(table, num_computed_tokens, end) for table in seq.tables]
@@ -643,6 +694,8 @@ class BlockManager:
                 cache_map[block_hash] = block
                 block.block_hash = block_hash
                 stored.append(i)
+        if stored and self.tier is not None:
+            self.tier_work.saves += ((group_key(hashes[i], group), blocks[i].block_id) for i in stored)
         if stored and group == 0 and self.events is not None:
             self._emit_stored(hashes, stored, token_ids)
 
