@@ -29,6 +29,7 @@ from pagoda.server.config import (
     KernelBackendName,
     KVCacheDtypeName,
     KVManagerName,
+    KVOffloadingBackendName,
     LogLevelName,
     ModalityLimits,
     QuantizationName,
@@ -183,6 +184,30 @@ def argument_table() -> list[Flag]:
             {"type": float, "help": "CUDA: fraction of GPU memory the engine may use"},
         ),
         Flag(("--kv-cache-gib",), {"type": float, "help": "CPU: KV-cache size in GiB"}),
+        Flag(
+            ("--kv-offloading-size",),
+            {
+                "type": float,
+                "metavar": "GIB",
+                "help": "a host KV tier of this many GiB: computed prefix blocks are kept there and loaded back "
+                "on a hit beyond the KV pool (CPU: shared memory, shared by every replica on the host)",
+            },
+        ),
+        Flag(
+            ("--kv-offloading-backend",),
+            {"choices": get_args(KVOffloadingBackendName), "help": "the KV tiers' connector (vLLM's flag)"},
+        ),
+        Flag(
+            ("--kv-offloading-disk-path",),
+            {
+                "metavar": "DIR",
+                "help": "a disk KV tier in this folder (created 0700), kept across restarts",
+            },
+        ),
+        Flag(
+            ("--kv-offloading-disk-size",),
+            {"type": float, "metavar": "GIB", "help": "the disk tier's bound in GiB (everything under DIR)"},
+        ),
         Flag(
             ("--swap-space",),
             {

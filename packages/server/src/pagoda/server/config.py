@@ -79,6 +79,7 @@ DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["gguf", "none", "int8", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128)
 # contiguous: every sequence reserves max_model_len worth of blocks at admission (the pre-paging baseline).
+KVOffloadingBackendName = Literal["native"]
 KVManagerName = Literal["paged", "contiguous"]
 # --kv-cache-dtype (vLLM's names): auto = the model's dtype; int8 with a scale per block and KV head; fp8 = e4m3
 # (CUDA only). The same names as pagoda.pagedkernel.kv_quant.KVCacheDtypeName (this module does not import torch).
@@ -298,6 +299,15 @@ class CacheConfig:
     disable_hybrid_kv_cache_manager: bool = False
     # --kv-events-config (vLLM's JSON; pagoda.server.kv_events): KV cache events published; None: off.
     kv_events_config: KVEventsConfig | None = None
+    # KV tiers (pagoda.server.kv_tiers): a host tier of this many GiB, shared by the replicas on a host; None: off.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: KVOffloadingBackendName = "native"
+    # A disk tier under this folder, bounded by kv_offloading_disk_size GiB; None: off.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float | None = None
+    # The host tier's shared-memory file, chosen by the server so that it outlives an engine core; None: the
+    # engine makes a private one (and removes it at close). Not a flag.
+    kv_offloading_shm: str | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
@@ -310,6 +320,26 @@ class CacheConfig:
         _at_least(0, swap_space_gib=self.swap_space_gib)
         _one_of("kv_manager", self.kv_manager, get_args(KVManagerName))
         _one_of("kv_cache_dtype", self.kv_cache_dtype, get_args(KVCacheDtypeName))
+        _one_of("kv_offloading_backend", self.kv_offloading_backend, get_args(KVOffloadingBackendName))
+        for name, size in (
+            ("kv_offloading_size", self.kv_offloading_size),
+            ("kv_offloading_disk_size", self.kv_offloading_disk_size),
+        ):
+            if size is not None and not 0 < size < float("inf"):
+                raise ValueError(f"{name} must be a positive number of GiB, got {size}")
+        if (self.kv_offloading_disk_path is None) != (self.kv_offloading_disk_size is None):
+            raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together")
+        if (self.kv_offloading_size is not None or self.kv_offloading_disk_path is not None) and (
+            self.kv_manager != "paged"
+        ):
+            raise ValueError(
+                "kv_offloading_size needs kv_manager paged: tiers are found by prefix-cache keys"
+            )
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        """Whether a host or disk KV tier is configured."""
+        return self.kv_offloading_size is not None or self.kv_offloading_disk_path is not None
 
 
 @dataclass(frozen=True, slots=True)

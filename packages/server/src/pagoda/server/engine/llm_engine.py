@@ -53,6 +53,7 @@ from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.keys import KVEventsKeys
+from pagoda.server.kv_tiers.setup import kv_tiers_for
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
 from pagoda.server.lora.peft_loader import LoRAAdapter
@@ -183,6 +184,11 @@ class LLMEngine:
         self.extensions: list[EngineExtension] = [self.lora or NoLoRA(), self.gate, drafting]
         if self.images is not None:
             self.extensions.append(self.images)
+        # KV tiers: blocks beyond the pool come back from host memory or disk (an extension and the allocator's
+        # tier index; pagoda.server.kv_tiers).
+        self.kv_tiers = kv_tiers_for(config, self.executor, self.draft, self.kv_manager, parts.model_path)
+        if self.kv_tiers is not None:
+            self.extensions.append(self.kv_tiers)
         self.kv_events = start_kv_events(
             config.cache_config.kv_events_config,
             self.kv_manager,

@@ -1,0 +1,170 @@
+"""`TieredOffload`: the KV connector of the host and disk tiers (vLLM's native offloading, SGLang's HiCache).
+
+Write-through: every block a step computes is copied to the host tier after the step (a few microseconds per
+block: a block is ~300 KB on the default model, against the milliseconds its tokens took to compute), so a
+block the device pool evicts later is already there, and a prefix one replica computed is at once a hit for
+the others. With a disk tier each newly stored block is also queued for the disk, written by the disk store's
+own thread; a request whose prefix is on disk only is held at admission while its blocks are read into the
+host tier (`prefetch`), then loads from the host tier like any other hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+from pagoda.blockalloc import BlockHash
+from pagoda.server.kv_tiers.blocks import BlockRows
+from pagoda.server.kv_tiers.connector import KVTierStats
+from pagoda.server.kv_tiers.host import SharedHostStore
+
+logger = logging.getLogger(__name__)
+
+
+class DiskStore(Protocol):
+    """The disk tier as the connector uses it (`pagoda.server.kv_tiers.disk.DiskKVStore`)."""
+
+    def contains(self, key: bytes) -> bool:
+        """Whether a block file of `key` exists."""
+        ...
+
+    def put(self, key: bytes, payload: bytes | bytearray | memoryview) -> bool:
+        """Queue an asynchronous write; False when dropped."""
+        ...
+
+    def get(self, key: bytes) -> bytes | None:
+        """The verified payload of `key`, or None."""
+        ...
+
+    def close(self) -> None:
+        """Drain the queue and stop the writer."""
+        ...
+
+
+class TieredOffload:
+    """The host tier (shared memory), optionally backed by a disk tier: a `KVConnector`."""
+
+    def __init__(self, rows: BlockRows, host: SharedHostStore, disk: DiskStore | None = None) -> None:
+        """Move blocks of `rows`' cache through `host` (and `disk`)."""
+        if host.slot_bytes != rows.slot_bytes:
+            raise ValueError(f"host tier slots of {host.slot_bytes} bytes for blocks of {rows.slot_bytes}")
+        self.rows = rows
+        self.host = host
+        self.disk = disk
+        # [num_slots, slot_bytes] uint8 over the shared file: the slots as one tensor
+        self.slots = torch.frombuffer(
+            host.data, dtype=torch.uint8, offset=host.data_offset, count=host.num_slots * host.slot_bytes
+        ).view(host.num_slots, host.slot_bytes)
+        self._pinned: dict[BlockHash, int] = {}  # acquired, not loaded yet: key -> slot
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read") if disk is not None else None
+        self.host_hits = self.host_in = self.host_out = 0
+        self.disk_hits = self.disk_out = 0
+
+    # ------------------------------------------------------------ scheduler side
+
+    def contains(self, key: BlockHash) -> bool:
+        """Whether the host tier holds `key`."""
+        return self.host.contains(key)
+
+    def acquire(self, keys: Sequence[BlockHash]) -> bool:
+        """Pin the host slots of `keys` until `start_load`."""
+        slots = self.host.acquire(keys)
+        if slots is None:
+            return False
+        self._pinned.update(zip(keys, slots, strict=True))
+        return True
+
+    def prefetch(self, keys: Sequence[BlockHash]) -> Future[None] | None:
+        """Read the keys only the disk holds into the host tier, on the reader thread; None without any."""
+        if self.disk is None or self._reader is None:
+            return None
+        wanted = [k for k in keys if not self.host.contains(k) and self.disk.contains(k)]
+        return self._reader.submit(self._promote, wanted) if wanted else None
+
+    def _promote(self, keys: Sequence[BlockHash]) -> None:
+        """Disk -> host, block by block; a bad or vanished file is a miss (recomputed), never an error."""
+        assert self.disk is not None
+        for key in keys:
+            payload = self.disk.get(key)
+            if payload is None or len(payload) != self.host.slot_bytes:
+                continue
+            reserved = self.host.reserve(key)
+            if reserved is None:
+                continue
+            slot, _ = reserved
+            self.host.slot(slot)[:] = payload
+            self.host.commit(slot)
+            self.disk_hits += 1
+            self.disk_out += len(payload)
+
+    def request_finished(self, request_id: str) -> None:
+        """Nothing: blocks were saved as they were computed."""
+
+    # --------------------------------------------------------------- worker side
+
+    def start_load(self, loads: Sequence[tuple[BlockHash, int]]) -> None:
+        """Host slots -> device blocks, then unpin."""
+        if not loads:
+            return
+        slots = [self._pinned.pop(key) for key, _ in loads]
+        try:
+            self.rows.from_rows(self.slots, slots, [block for _, block in loads])
+        finally:
+            self.host.release(slots)
+        self.host_hits += len(loads)
+        self.host_out += len(loads) * self.host.slot_bytes
+
+    def wait_for_load(self) -> None:
+        """The copies are synchronous on the CPU; on CUDA the uploads were queued on the current stream."""
+
+    def save(self, saves: Sequence[tuple[BlockHash, int]]) -> None:
+        """Device blocks -> free (or least recently used) host slots; each newly stored block also to the disk."""
+        reserved: list[tuple[BlockHash, int, int]] = []
+        for key, block in saves:
+            got = self.host.reserve(key)
+            if got is not None:
+                reserved.append((key, block, got[0]))
+        if not reserved:
+            return
+        try:
+            self.rows.to_rows([b for _, b, _ in reserved], self.slots, [s for _, _, s in reserved])
+        except BaseException:
+            for _, _, slot in reserved:
+                self.host.abandon(slot)
+            raise
+        for key, _, slot in reserved:
+            self.host.commit(slot)
+            if self.disk is not None:
+                self.disk.put(key, self.host.slot(slot))
+        self.host_in += len(reserved) * self.host.slot_bytes
+
+    def wait_for_save(self) -> None:
+        """Saves copy synchronously."""
+
+    def stats(self) -> tuple[KVTierStats, ...]:
+        """The host tier's counters and occupancy (the disk store reports its own)."""
+        host = self.host.stats()
+        return (
+            KVTierStats(
+                "host",
+                self.host_hits,
+                self.host_in,
+                self.host_out,
+                host.num_used * host.slot_bytes,
+                host.num_slots * host.slot_bytes,
+            ),
+        )
+
+    def close(self) -> None:
+        """Stop the reader, drain the disk's writes, leave the shared file."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()
+        if self._pinned:
+            self.host.release(list(self._pinned.values()))
+            self._pinned.clear()
+        self.host.close()

@@ -1,0 +1,186 @@
+"""The host KV tier in the engine (issue 39): a pool too small for the working set evicts prefixes, the tier gives
+them back, and greedy tokens still equal transformers' float32 `generate` on every tiny architecture; the tier is
+shared by two engines on one file and outlives an engine; salts never share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from pagoda.server.engine import EngineConfigError
+from pagoda.server.kv_tiers.extension import KVTierExtension
+from pagoda.server.kv_tiers.offload import TieredOffload
+from pagoda.server.llm import LLM
+from pagoda.server.outputs import RequestOutput
+from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing import ARCHS, make_tiny_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+BS = 4
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def prompts_of(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids clear of the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every tiny architecture."""
+    root = tmp_path_factory.mktemp("tier-models")
+    return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+def reference(model_dir: Path, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """transformers' float32 greedy generations, one prompt at a time."""
+    model = cast(PreTrainedModel, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    out = []
+    for prompt in prompts:
+        ids = cast(Any, model).generate(
+            torch.tensor([list(prompt)]),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def make_llm(model_dir: Path, num_blocks: int, **kwargs: Any) -> LLM:
+    """float32, blocks of 4, a pool of `num_blocks` and a host tier of 8 MiB."""
+    args: dict[str, Any] = {
+        "block_size": BS,
+        "num_kv_blocks": num_blocks,
+        "max_model_len": 64,
+        "dtype": "float32",
+        "kv_offloading_size": 8 / 1024,
+    }
+    args.update(kwargs)
+    return LLM(str(model_dir), **args)
+
+
+def connector(llm: LLM) -> TieredOffload:
+    """The engine's tier connector."""
+    tiers = llm.engine.kv_tiers
+    assert isinstance(tiers, KVTierExtension) and isinstance(tiers.connector, TieredOffload)
+    return tiers.connector
+
+
+def tokens(outputs: Sequence[RequestOutput]) -> list[list[int]]:
+    """The generated ids of each output."""
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_evicted_prefixes_come_back_from_the_host_tier(arch: str, model_dirs: dict[str, Path]) -> None:
+    """Four 40-token prompts through a pool that holds about one: the second round hits the tier for every
+    prompt's whole prefix, and every token equals the reference in both rounds."""
+    prompts = prompts_of((41, 37, 43, 40), seed=1)
+    expected = reference(model_dirs[arch], prompts)
+    llm = make_llm(model_dirs[arch], num_blocks=20)
+    try:
+        first = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        assert tokens(first) == expected
+        hits_before = connector(llm).host_hits
+        second = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        assert tokens(second) == expected
+        # Each prompt's full blocks (its last token is always computed) came back from somewhere.
+        for out, prompt in zip(second, prompts, strict=True):
+            assert out.num_cached_tokens == (len(prompt) - 1) // BS * BS
+        assert connector(llm).host_hits > hits_before
+        stats = connector(llm).stats()[0]
+        assert stats.tier == "host" and stats.bytes_out > 0 and 0 < stats.used_bytes <= stats.capacity_bytes
+    finally:
+        llm.engine.close()
+
+
+def test_preemption_with_the_tier_keeps_tokens(model_dirs: dict[str, Path]) -> None:
+    """Six concurrent requests on a pool that cannot hold them, twice: preemption by recompute reloads from the
+    tier and tokens equal the reference."""
+    prompts = prompts_of((30, 33, 29, 35, 31, 34), seed=2)
+    expected = reference(model_dirs["llama"], prompts)
+    llm = make_llm(model_dirs["llama"], num_blocks=40, preemption_mode="recompute")
+    try:
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert connector(llm).host_hits > 0
+    finally:
+        llm.engine.close()
+
+
+def test_two_engines_share_one_host_tier_and_it_outlives_them(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Engine A computes a prompt; engine B on the same shared file gets its prefix as a hit; after both closed
+    (neither owns the file), engine C still does."""
+    shm = tmp_path / "tier"
+    prompt = prompts_of((45,), seed=3)[0]
+    expected = reference(model_dirs["qwen2"], [prompt])
+    a = make_llm(model_dirs["qwen2"], num_blocks=64, kv_offloading_shm=str(shm))
+    b = make_llm(model_dirs["qwen2"], num_blocks=64, kv_offloading_shm=str(shm))
+    try:
+        assert tokens(a.generate([prompt], GREEDY, use_tqdm=False)) == expected
+        out = b.generate([prompt], GREEDY, use_tqdm=False)
+        assert tokens(out) == expected and out[0].num_cached_tokens == 44
+    finally:
+        a.engine.close()
+        b.engine.close()
+    assert shm.exists()
+    c = make_llm(model_dirs["qwen2"], num_blocks=64, kv_offloading_shm=str(shm))
+    try:
+        out = c.generate([prompt], GREEDY, use_tqdm=False)
+        assert tokens(out) == expected and out[0].num_cached_tokens == 44
+    finally:
+        c.engine.close()
+
+
+def test_salts_never_share_tier_blocks(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A prefix saved under one cache_salt is no hit under another, nor without one, in a second engine."""
+    shm = tmp_path / "tier"
+    prompt = prompts_of((41,), seed=4)[0]
+    a = make_llm(model_dirs["llama"], num_blocks=64, kv_offloading_shm=str(shm))
+    b = make_llm(model_dirs["llama"], num_blocks=64, kv_offloading_shm=str(shm))
+    salted = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="tenant-a")
+    try:
+        a.generate([prompt], salted, use_tqdm=False)
+        other = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="tenant-b")
+        assert b.generate([prompt], other, use_tqdm=False)[0].num_cached_tokens == 0
+        plain = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        assert b.generate([prompt], plain, use_tqdm=False)[0].num_cached_tokens == 0
+        assert b.generate([prompt], salted, use_tqdm=False)[0].num_cached_tokens == 40
+    finally:
+        a.engine.close()
+        b.engine.close()
+
+
+def test_another_models_tier_is_refused(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A shared file made for another model's blocks is never read: the engine refuses to start on it."""
+    shm = tmp_path / "tier"
+    a = make_llm(model_dirs["llama"], num_blocks=64, kv_offloading_shm=str(shm))
+    try:
+        with pytest.raises(ValueError, match="another model"):
+            make_llm(model_dirs["qwen3"], num_blocks=64, kv_offloading_shm=str(shm))
+    finally:
+        a.engine.close()
+
+
+def test_the_private_tier_is_removed_at_close(model_dirs: dict[str, Path]) -> None:
+    """Without a named file the engine makes its own and removes it when it closes."""
+    llm = make_llm(model_dirs["llama"], num_blocks=64)
+    path = connector(llm).host.path
+    assert path.exists()
+    llm.engine.close()
+    assert not path.exists()
+
+
+def test_tiers_refuse_what_they_cannot_serve(model_dirs: dict[str, Path]) -> None:
+    """The contiguous manager has no prefix keys: refused naming the flag."""
+    with pytest.raises((ValueError, EngineConfigError), match="kv_offloading_size"):
+        make_llm(model_dirs["llama"], num_blocks=64, kv_manager="contiguous")
