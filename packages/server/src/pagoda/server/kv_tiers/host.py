@@ -14,6 +14,7 @@ process that died leaves its bits and half-written slots to the next process tha
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -274,9 +275,9 @@ class SharedHostStore:
                 if state == EMPTY:
                     victim = slot
                     break
-                if (state == VALID and not pins) or (state == WRITING and not _alive(writer)):
-                    if victim is None or tick < victim_tick:
-                        victim, victim_tick = slot, tick
+                evictable = (state == VALID and not pins) or (state == WRITING and not _alive(writer))
+                if evictable and (victim is None or tick < victim_tick):
+                    victim, victim_tick = slot, tick
             if victim is None:
                 return None
             old, n, state, _, _, _ = self._meta(victim)
@@ -303,10 +304,9 @@ class SharedHostStore:
             with self._locked():
                 struct.pack_into("<Q", self._buf, _PROCS_AT + 8 * self._proc_index, 0)
         self._buf.release()
-        try:
+        # A tensor may still view the slots: the mapping then goes with the last view.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:  # a tensor still views the slots: the mapping goes with the last view
-            pass
         os.close(self._fd)
         if self.owner:
             self.path.unlink(missing_ok=True)
