@@ -104,10 +104,8 @@ def serve(args: argparse.Namespace) -> int:
     bound_onednn_caches()
     # Imported here so that `pagoda --help` stays fast (the engine imports torch and transformers).
     from pagoda.server.chat import load_chat_template
-    from pagoda.server.core import CoreConfigError, CoreStartupError
-    from pagoda.server.engine.executor import ExecutorError
     from pagoda.server.engine.kv_dtype import check_kv_cache_dtype
-    from pagoda.server.engine.setup import MaxModelLenError
+    from pagoda.server.kv_tiers.setup import check_kv_tier_flags, with_shared_host_tier
     from pagoda.server.startup import log_phase, process_age
 
     # The HTTP side's modules now too (_serve_engine uses them): the phase below then counts every import.
@@ -123,12 +121,29 @@ def serve(args: argparse.Namespace) -> int:
         _check_runner(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start
         check_kv_cache_dtype(config.engine)
+        check_kv_tier_flags(config.engine.cache_config)
         if config.app.chat_template is not None:  # a file path or the template's text, read once here
             app = replace(config.app, chat_template=load_chat_template(config.app.chat_template))
             config = replace(config, app=app)
     except ValueError as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
+    # The host KV tier's shared file is the server's: it outlives engine cores (and their restarts), not the server.
+    engine_config, tier_file = with_shared_host_tier(config.engine)
+    config = replace(config, engine=engine_config)
+    try:
+        return _start_and_serve(config)
+    finally:
+        if tier_file is not None:
+            tier_file.unlink(missing_ok=True)
+
+
+def _start_and_serve(config: ServeConfig) -> int:
+    """Start the engine (cores) and serve; the exit status."""
+    from pagoda.server.core import CoreConfigError, CoreStartupError
+    from pagoda.server.engine.executor import ExecutorError
+    from pagoda.server.engine.setup import MaxModelLenError
+
     try:
         client = start_engine(config)
     except (MaxModelLenError, CoreConfigError) as exc:  # e.g. --max-model-len beyond what the KV pool holds

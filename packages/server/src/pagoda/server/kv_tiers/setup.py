@@ -48,6 +48,16 @@ def check_host_tier_size(cache: CacheConfig) -> None:
         )
 
 
+def check_kv_tier_flags(cache: CacheConfig) -> None:
+    """ValueError naming the flag for a host tier larger than memory or a disk folder or size the disk tier
+    refuses (the CLI exits 2 before anything loads)."""
+    check_host_tier_size(cache)
+    if cache.kv_offloading_disk_path is not None and cache.kv_offloading_disk_size is not None:
+        from pagoda.server.kv_tiers.disk import check_disk_tier
+
+        check_disk_tier(cache.kv_offloading_disk_path, cache.kv_offloading_disk_size)
+
+
 def model_files_identity(model_path: Path) -> str:
     """The model's files as names, sizes and modification times: a changed model never reads old KV blocks."""
     files = [model_path] if model_path.is_file() else sorted(p for p in model_path.iterdir() if p.is_file())
