@@ -184,3 +184,21 @@ def test_tiers_refuse_what_they_cannot_serve(model_dirs: dict[str, Path]) -> Non
     """The contiguous manager has no prefix keys: refused naming the flag."""
     with pytest.raises((ValueError, EngineConfigError), match="kv_offloading_size"):
         make_llm(model_dirs["llama"], num_blocks=64, kv_manager="contiguous")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_host_tier_on_cuda(arch: str, model_dirs: dict[str, Path]) -> None:
+    """On CUDA the tier's copies go through pinned staging on a side stream: the second round still hits the
+    tier and keeps the tokens of the first (float32, eager)."""
+    prompts = prompts_of((41, 37, 43, 40), seed=1)
+    llm = make_llm(model_dirs[arch], num_blocks=20, device="cuda", enforce_eager=True)
+    try:
+        first = tokens([llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts])
+        hits = connector(llm).host_hits
+        second = tokens([llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts])
+        assert second == first and connector(llm).host_hits > hits
+        assert connector(llm).rows.stream is not None
+    finally:
+        llm.engine.close()

@@ -4,7 +4,8 @@ scales, over the `layers_per_group` tensor pairs) laid end to end, the unit a ti
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from pagoda.server.engine.kv_cache import KVCache
@@ -23,6 +24,11 @@ class BlockRows:
             self.spans.append((offset, nbytes))
             offset += nbytes
         self.slot_bytes = offset
+        device = self._tensors()[0].device
+        # CUDA: copies run on a side stream through pinned staging, so uploads overlap the host's work and the
+        # current stream waits only where it reads the blocks (`wait`); the CPU copies in place.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._pending_save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every cache tensor indexed by block first, in a fixed order."""
@@ -34,20 +40,43 @@ class BlockRows:
         ]
 
     def to_rows(self, block_ids: Sequence[int], rows: torch.Tensor, row_ids: Sequence[int]) -> None:
-        """Copy device blocks `block_ids` into `rows[row_ids]` (rows: uint8 [num_rows, slot_bytes], host)."""
+        """Copy device blocks `block_ids` into `rows[row_ids]` (rows: uint8 [num_rows, slot_bytes], host); on CUDA
+        the copy is started on the side stream and lands in `rows` at `finish_save`."""
         if not block_ids:
             return
         tensors = self._tensors()
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=tensors[0].device)
+        device = tensors[0].device
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
         targets = torch.tensor(row_ids, dtype=torch.int64)
         n = len(block_ids)
-        for tensor, (offset, nbytes) in zip(tensors, self.spans, strict=True):
-            # [n, ...] gathered contiguous, then its bytes: [n, nbytes]
-            data = tensor.index_select(0, blocks).reshape(n, -1).view(torch.uint8).to("cpu")
-            rows[targets, offset : offset + nbytes] = data
+        if self.stream is None:
+            for tensor, (offset, nbytes) in zip(tensors, self.spans, strict=True):
+                # [n, ...] gathered contiguous, then its bytes: [n, nbytes]
+                rows[targets, offset : offset + nbytes] = (
+                    tensor.index_select(0, blocks).reshape(n, -1).view(torch.uint8)
+                )
+            return
+        self.finish_save()
+        staging = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=True)  # [n, slot_bytes]
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # the step wrote the blocks
+        with torch.cuda.stream(self.stream):
+            for tensor, (offset, nbytes) in zip(tensors, self.spans, strict=True):
+                data = tensor.index_select(0, blocks).reshape(n, -1).view(torch.uint8)
+                staging[:, offset : offset + nbytes].copy_(data, non_blocking=True)
+        self._pending_save = (rows, targets, staging)
+
+    def finish_save(self) -> None:
+        """CUDA: wait for the side stream's device-to-host copies, then place them in their rows."""
+        if self._pending_save is None or self.stream is None:
+            return
+        rows, targets, staging = self._pending_save
+        self._pending_save = None
+        self.stream.synchronize()
+        rows[targets] = staging
 
     def from_rows(self, rows: torch.Tensor, row_ids: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy `rows[row_ids]` into device blocks `block_ids`."""
+        """Copy `rows[row_ids]` into device blocks `block_ids` (on CUDA: started on the side stream, read after
+        `wait`)."""
         if not block_ids:
             return
         tensors = self._tensors()
@@ -55,10 +84,26 @@ class BlockRows:
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
         sources = torch.tensor(row_ids, dtype=torch.int64)
         n = len(block_ids)
-        for tensor, (offset, nbytes) in zip(tensors, self.spans, strict=True):
-            data = rows[sources, offset : offset + nbytes]  # [n, nbytes] uint8, a copy
-            values = data.view(tensor.dtype).view(n, *tensor.shape[1:]).to(device, non_blocking=True)
-            tensor.index_copy_(0, blocks, values)
+        gathered = rows[sources]  # [n, slot_bytes] uint8, a copy out of the shared slots
+        if self.stream is not None:
+            gathered = gathered.pin_memory()
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # earlier steps' reads of these blocks
+        with torch.cuda.stream(self.stream) if self.stream is not None else _no_stream():
+            for tensor, (offset, nbytes) in zip(tensors, self.spans, strict=True):
+                data = gathered[:, offset : offset + nbytes].contiguous()  # [n, nbytes]
+                values = data.view(tensor.dtype).view(n, *tensor.shape[1:]).to(device, non_blocking=True)
+                tensor.index_copy_(0, blocks, values)
+
+    def wait_for_load(self) -> None:
+        """CUDA: the current stream waits for the side stream's uploads (the CPU copied in place)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+@contextmanager
+def _no_stream() -> Iterator[None]:
+    """No stream to switch to (the CPU)."""
+    yield
 
 
 def kv_identity(model: str, kv_cache: KVCache, extra: Sequence[str] = ()) -> bytes:

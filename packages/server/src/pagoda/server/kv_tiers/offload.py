@@ -118,7 +118,8 @@ class TieredOffload:
         self.host_out += len(loads) * self.host.slot_bytes
 
     def wait_for_load(self) -> None:
-        """The copies are synchronous on the CPU; on CUDA the uploads were queued on the current stream."""
+        """CUDA: the current stream waits for the uploads (the CPU copied synchronously)."""
+        self.rows.wait_for_load()
 
     def save(self, saves: Sequence[tuple[BlockHash, int]]) -> None:
         """Device blocks -> free (or least recently used) host slots; each newly stored block also to the disk."""
@@ -131,6 +132,7 @@ class TieredOffload:
             return
         try:
             self.rows.to_rows([b for _, b, _ in reserved], self.slots, [s for _, _, s in reserved])
+            self.rows.finish_save()  # the slots hold their bytes before they become hits
         except BaseException:
             for _, _, slot in reserved:
                 self.host.abandon(slot)
@@ -142,7 +144,7 @@ class TieredOffload:
         self.host_in += len(reserved) * self.host.slot_bytes
 
     def wait_for_save(self) -> None:
-        """Saves copy synchronously."""
+        """Saves finish within `save` (a slot becomes a hit only once whole)."""
 
     def stats(self) -> tuple[KVTierStats, ...]:
         """The host tier's counters and occupancy (the disk store reports its own)."""
