@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagoda.blockalloc import FULL_ATTENTION, BlockHash, BlockManager, KVCacheGroupSpec, KVTierIndex
 from pagoda.blockalloc.groups import group_key
+from pagoda.blockalloc.hashing import salt_bytes
 
 BS = 4
 
@@ -209,3 +210,22 @@ def test_group_keys_differ_per_group() -> None:
     tier: KVTierIndex = DictTier()
     key = BlockHash(bytes(32))
     assert group_key(key, 1) != key and not tier.contains(group_key(key, 1))
+
+
+def test_a_key_gone_between_lookup_and_allocation_is_no_error() -> None:
+    """Another user of a shared tier evicted a block after the lookup: the allocation returns None, changing
+    nothing, and the next lookup finds the shorter prefix."""
+    kv, device = setup(8)
+    prompt = list(range(17))
+    run(kv, device, "a", prompt)
+    kv.free("a")
+    run(kv, device, "b", list(range(900, 932)))
+    kv.free("b")
+    cached = kv.get_num_cached_tokens(prompt, max_tokens=16)
+    assert cached == 16
+    hashes = list(kv.chain_cache.hashes_for(prompt, 4, salt_bytes(None)))
+    del device.tier.blocks[hashes[2]]
+    assert kv.allocate_slots("c", prompt, 1, num_computed_tokens=cached) is None
+    assert not kv.has_seq("c") and not kv.take_tier_work()
+    assert kv.get_num_cached_tokens(prompt, max_tokens=16) == 8
+    kv.check_invariants()

@@ -628,10 +628,11 @@ class BlockManager:
                 key = group_key(hashes[i], gi)
                 block = cache_map.get(key)
                 if block is None:
-                    if tier is None or not tier.contains(key):
+                    if tier is None:
                         raise ValueError(
                             f"sequence {seq_id!r}: only {i * bs} of {num_computed_tokens} computed tokens are cached"
                         )
+                    # Gone from a shared tier since the lookup: `acquire` fails and nothing changes.
                     loads.append(key)
                 hit_blocks.append(block)
             group_hits.append(hit_blocks)
