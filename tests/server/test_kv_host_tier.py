@@ -126,12 +126,14 @@ def test_a_dead_processs_pins_and_half_writes_are_reclaimed(tmp_path: Path) -> N
     try:
         for i in range(WAYS - 1):
             put(s, key(i), i)
-        child = multiprocessing.get_context("fork").Process(target=_pin_and_die, args=(str(path), key(0), key(50)))
+        child = multiprocessing.get_context("fork").Process(
+            target=_pin_and_die, args=(str(path), key(0), key(5000))
+        )
         child.start()
         child.join(30)
         assert child.exitcode == 0
         # The dead writer's slot is reusable at once; its pin is cleared by the next process that attaches.
-        assert not s.contains(key(50))
+        assert not s.contains(key(5000))
         other = store(path, owner=False)
         try:
             for i in range(100, 100 + WAYS):
@@ -187,6 +189,19 @@ def test_two_processes_writing_at_once_leave_every_slot_whole(tmp_path: Path) ->
             if data is not None:
                 found += 1
                 assert data == bytes([i % 256]) * SLOT
-        assert found == s.stats().num_used == 8 * WAYS
+        assert found == s.stats().num_used > 7 * WAYS  # 600 keys over 8 sets of 64: nearly every slot
+    finally:
+        s.close()
+
+
+def test_half_full_it_loses_no_block(tmp_path: Path) -> None:
+    """At half load every set has room (64 ways): a lost block would cut its prefix chain, and recomputing it
+    would evict the next chain's block (16 ways lost ~0.3% of blocks and a replay kept 0.64 of its hits)."""
+    s = store(tmp_path / "t", sets=16)
+    try:
+        keys = [key(i) for i in range(8 * WAYS)]
+        for k in keys:
+            assert put(s, k, 1) is None
+        assert all(s.contains(k) for k in keys)
     finally:
         s.close()

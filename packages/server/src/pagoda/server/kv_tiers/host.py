@@ -1,12 +1,16 @@
 """The host tier's store: KV blocks in one shared-memory file, shared by every engine core (replica) on the host.
 
 The file is a set-associative cache, as a CPU cache is: a block's key picks its set (the key is a sha256
-digest, so sets fill evenly), and the set's `WAYS` slots are searched and evicted least-recently-used first. No
+digest, so sets fill evenly), and the set's `WAYS` slots are searched (by an 8-byte tag per slot, found with one
+C-speed search of the set's tags) and evicted least-recently-used first. 64 ways keep a set from overflowing
+while the tier is not full (16 ways lost ~0.3% of the blocks at half load: each loss cuts a prefix chain, and
+recomputing it evicted the next chain's block, a cascade that left 0.64 of a replayed trace's hits). No
 index lives outside the file, so a block one replica saved is a hit for every other, and the file outlives an
 engine core's restart (the server, which chose its name, removes it at exit).
 
 Layout: a 4 KiB header (magic, geometry, the KV identity, the LRU clock, the table of attached processes), then
-64 bytes of metadata per slot (key, state, last use, pin mask, writer pid), then the slots' bytes. Every
+64 bytes of metadata per slot (key, state, last use, pin mask, writer pid), 8 bytes of tag per slot (zero when
+empty), then the slots' bytes. Every
 mutation holds `flock` on the file (between processes) and a thread lock (between threads of one process:
 flock does not exclude them). A slot is pinned by a bit per attached process while a load copies it, and a
 process that died leaves its bits and half-written slots to the next process that attaches.
@@ -29,8 +33,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PGKVHOST"
-VERSION = 1
-WAYS = 16
+VERSION = 2
+WAYS = 64
+TAG_BYTES = 8
 HEADER_BYTES = 4096
 META_BYTES = 64
 MAX_PROCS = 64
@@ -85,6 +90,7 @@ class SharedHostStore:
         self._size = os.fstat(fd).st_size
         self._map = mmap.mmap(fd, self._size)
         self._buf = memoryview(self._map)
+        self._tags_at = HEADER_BYTES + META_BYTES * self.num_slots
         self._data_at = _data_offset(self.num_slots)
         self._thread_lock = threading.Lock()
         self._proc_index: int | None = None
@@ -188,8 +194,10 @@ class SharedHostStore:
         return key, n, state, tick, pins, writer
 
     def _set_meta(self, slot: int, key: bytes, state: int, tick: int, pins: int, writer: int) -> None:
-        """Write `slot`'s metadata (under the lock)."""
+        """Write `slot`'s metadata and tag (under the lock)."""
         _META.pack_into(self._buf, HEADER_BYTES + META_BYTES * slot, key, len(key), state, tick, pins, writer)
+        at = self._tags_at + TAG_BYTES * slot
+        self._buf[at : at + TAG_BYTES] = _tag(key) if state != EMPTY else bytes(TAG_BYTES)
 
     def _tick(self) -> int:
         """The next value of the shared LRU clock (under the lock)."""
@@ -199,15 +207,23 @@ class SharedHostStore:
 
     def _set_of(self, key: bytes) -> range:
         """The slots of `key`'s set."""
-        first = int.from_bytes(key[:8], "little") % self.num_sets * WAYS
+        first = int.from_bytes(_tag(key), "little") % self.num_sets * WAYS
         return range(first, first + WAYS)
 
     def _find(self, key: bytes, states: tuple[int, ...] = (VALID,)) -> int | None:
         """The slot holding `key` in one of `states`, or None."""
-        for slot in self._set_of(key):
-            k, n, state, _, _, _ = self._meta(slot)
-            if state in states and n == len(key) and k[:n] == key:
-                return slot
+        ways = self._set_of(key)
+        start = self._tags_at + TAG_BYTES * ways.start
+        tags = self._buf[start : start + TAG_BYTES * WAYS].tobytes()
+        tag = _tag(key)
+        at = tags.find(tag)
+        while at >= 0:
+            if at % TAG_BYTES == 0:
+                slot = ways.start + at // TAG_BYTES
+                k, n, state, _, _, _ = self._meta(slot)
+                if state in states and n == len(key) and k[:n] == key:
+                    return slot
+            at = tags.find(tag, at + 1)
         return None
 
     # ------------------------------------------------------------------ queries
@@ -312,7 +328,17 @@ class SharedHostStore:
             self.path.unlink(missing_ok=True)
 
 
+def _tag(key: bytes) -> bytes:
+    """A key's 8-byte tag: its digest's first bytes, mixed with a group suffix so groups spread over sets."""
+    head = key[:TAG_BYTES]
+    if len(key) <= 32:
+        return head
+    return (
+        int.from_bytes(head, "little") ^ (int.from_bytes(key[32:], "little") * 0x9E3779B97F4A7C15)
+    ).to_bytes(16, "little")[:TAG_BYTES]
+
+
 def _data_offset(num_slots: int) -> int:
-    """Where the slots' bytes start: after the header and the metadata, page-aligned."""
-    meta_end = HEADER_BYTES + META_BYTES * num_slots
+    """Where the slots' bytes start: after the header, the metadata and the tags, page-aligned."""
+    meta_end = HEADER_BYTES + (META_BYTES + TAG_BYTES) * num_slots
     return -(-meta_end // mmap.PAGESIZE) * mmap.PAGESIZE
