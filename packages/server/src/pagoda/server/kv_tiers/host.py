@@ -36,6 +36,7 @@ MAGIC = b"PGKVHOST"
 VERSION = 2
 WAYS = 64
 TAG_BYTES = 8
+_EMPTY_TAG = bytes(TAG_BYTES)
 HEADER_BYTES = 4096
 META_BYTES = 64
 MAX_PROCS = 64
@@ -280,31 +281,55 @@ class SharedHostStore:
     def reserve(self, key: bytes) -> tuple[int, bytes | None] | None:
         """A slot to write `key` into, and the key it evicted (None: it was empty); None when `key` is stored or
         being written already, or every slot of its set is pinned or being written."""
+        return self.reserve_many([key])[0]
+
+    def reserve_many(self, keys: Sequence[bytes]) -> list[tuple[int, bytes | None] | None]:
+        """`reserve` for each key, under one lock."""
         me = os.getpid()
+        out: list[tuple[int, bytes | None] | None] = []
         with self._locked():
-            if self._find(key, (VALID, WRITING)) is not None:
-                return None
-            victim: int | None = None
-            victim_tick = 0
-            for slot in self._set_of(key):
-                _, _, state, tick, pins, writer = self._meta(slot)
-                if state == EMPTY:
-                    victim = slot
-                    break
-                evictable = (state == VALID and not pins) or (state == WRITING and not _alive(writer))
-                if evictable and (victim is None or tick < victim_tick):
-                    victim, victim_tick = slot, tick
-            if victim is None:
-                return None
-            old, n, state, _, _, _ = self._meta(victim)
-            self._set_meta(victim, key, WRITING, self._tick(), 0, me)
-        return victim, (old[:n] if state == VALID else None)
+            for key in keys:
+                if self._find(key, (VALID, WRITING)) is not None:
+                    out.append(None)
+                    continue
+                victim = self._victim(key)
+                if victim is None:
+                    out.append(None)
+                    continue
+                old, n, state, _, _, _ = self._meta(victim)
+                self._set_meta(victim, key, WRITING, self._tick(), 0, me)
+                out.append((victim, old[:n] if state == VALID else None))
+        return out
+
+    def _victim(self, key: bytes) -> int | None:
+        """An empty slot of `key`'s set (found by its zero tag), else its least recently used evictable one."""
+        ways = self._set_of(key)
+        start = self._tags_at + TAG_BYTES * ways.start
+        tags = self._buf[start : start + TAG_BYTES * WAYS].tobytes()
+        at = tags.find(_EMPTY_TAG)
+        while at >= 0:
+            if at % TAG_BYTES == 0 and self._meta(ways.start + at // TAG_BYTES)[2] == EMPTY:
+                return ways.start + at // TAG_BYTES
+            at = tags.find(_EMPTY_TAG, at + 1)
+        victim: int | None = None
+        victim_tick = 0
+        for slot in ways:
+            _, _, state, tick, pins, writer = self._meta(slot)
+            evictable = (state == VALID and not pins) or (state == WRITING and not _alive(writer))
+            if evictable and (victim is None or tick < victim_tick):
+                victim, victim_tick = slot, tick
+        return victim
 
     def commit(self, slot: int) -> None:
         """`slot`'s bytes are written: it becomes a hit."""
+        self.commit_many([slot])
+
+    def commit_many(self, slots: Sequence[int]) -> None:
+        """`commit` for each slot, under one lock."""
         with self._locked():
-            key, n, _, _, pins, _ = self._meta(slot)
-            self._set_meta(slot, key[:n], VALID, self._tick(), pins, 0)
+            for slot in slots:
+                key, n, _, _, pins, _ = self._meta(slot)
+                self._set_meta(slot, key[:n], VALID, self._tick(), pins, 0)
 
     def abandon(self, slot: int) -> None:
         """A reserved slot was not written: empty it."""

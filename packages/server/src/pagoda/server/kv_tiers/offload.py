@@ -124,8 +124,7 @@ class TieredOffload:
     def save(self, saves: Sequence[tuple[BlockHash, int]]) -> None:
         """Device blocks -> free (or least recently used) host slots; each newly stored block also to the disk."""
         reserved: list[tuple[BlockHash, int, int]] = []
-        for key, block in saves:
-            got = self.host.reserve(key)
+        for (key, block), got in zip(saves, self.host.reserve_many([k for k, _ in saves]), strict=True):
             if got is not None:
                 reserved.append((key, block, got[0]))
         if not reserved:
@@ -137,8 +136,8 @@ class TieredOffload:
             for _, _, slot in reserved:
                 self.host.abandon(slot)
             raise
+        self.host.commit_many([slot for _, _, slot in reserved])
         for key, _, slot in reserved:
-            self.host.commit(slot)
             if self.disk is not None:
                 self.disk.put(key, self.host.slot(slot))
         self.host_in += len(reserved) * self.host.slot_bytes
