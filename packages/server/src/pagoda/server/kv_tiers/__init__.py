@@ -1,0 +1,1 @@
+"""KV cache tiers below the GPU (issue #39): the disk tier (`disk`)."""
