@@ -202,3 +202,97 @@ def test_the_host_tier_on_cuda(arch: str, model_dirs: dict[str, Path]) -> None:
         assert connector(llm).rows.stream is not None
     finally:
         llm.engine.close()
+
+
+def disk_llm(model_dir: Path, folder: Path, **kwargs: Any) -> LLM:
+    """An engine with a private host tier and a disk tier in `folder` (64 MiB)."""
+    return make_llm(
+        model_dir,
+        num_blocks=20,
+        kv_offloading_disk_path=str(folder),
+        kv_offloading_disk_size=1 / 16,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_a_restart_serves_prefixes_from_the_disk_tier(
+    arch: str, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Engine A computes the prompts and closes (its queued writes finish); engine B, with a new and empty host
+    tier on the same folder, reads every prompt's prefix from disk: full hits, the reference's tokens."""
+    prompts = prompts_of((41, 37, 43), seed=5)
+    expected = reference(model_dirs[arch], prompts)
+    folder = tmp_path / "kv"
+    a = disk_llm(model_dirs[arch], folder)
+    try:
+        assert tokens([a.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]) == expected
+    finally:
+        a.engine.close()
+    assert any(folder.rglob("*")), "the disk tier wrote nothing"
+    b = disk_llm(model_dirs[arch], folder)
+    try:
+        second = [b.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        assert tokens(second) == expected
+        assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // BS * BS for p in prompts]
+        assert connector(b).disk_hits > 0
+    finally:
+        b.engine.close()
+
+
+def test_corrupt_block_files_are_recomputed_never_served(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Every block file with one byte flipped: the next engine finds no hit and still answers the reference."""
+    prompt = prompts_of((41,), seed=6)[0]
+    expected = reference(model_dirs["llama"], [prompt])
+    folder = tmp_path / "kv"
+    a = disk_llm(model_dirs["llama"], folder)
+    a.generate([prompt], GREEDY, use_tqdm=False)
+    a.engine.close()
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    assert files
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    b = disk_llm(model_dirs["llama"], folder)
+    try:
+        out = b.generate([prompt], GREEDY, use_tqdm=False)
+        assert tokens(out) == expected and out[0].num_cached_tokens == 0
+    finally:
+        b.engine.close()
+
+
+def test_salts_stay_apart_across_a_restart(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A prefix written to disk under one salt is no hit under another after a restart, and a hit under its own."""
+    prompt = prompts_of((41,), seed=7)[0]
+    folder = tmp_path / "kv"
+
+    def salted(salt: str | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt=salt)
+
+    a = disk_llm(model_dirs["llama"], folder)
+    a.generate([prompt], salted("tenant-a"), use_tqdm=False)
+    a.engine.close()
+    b = disk_llm(model_dirs["llama"], folder)
+    try:
+        assert b.generate([prompt], salted("tenant-b"), use_tqdm=False)[0].num_cached_tokens == 0
+        assert b.generate([prompt], salted(None), use_tqdm=False)[0].num_cached_tokens == 0
+        assert b.generate([prompt], salted("tenant-a"), use_tqdm=False)[0].num_cached_tokens == 40
+    finally:
+        b.engine.close()
+
+
+def test_another_models_disk_blocks_are_misses(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The same folder under another model: its files carry another identity and are never read as hits."""
+    prompt = prompts_of((41,), seed=8)[0]
+    folder = tmp_path / "kv"
+    a = disk_llm(model_dirs["llama"], folder)
+    a.generate([prompt], GREEDY, use_tqdm=False)
+    a.engine.close()
+    b = disk_llm(model_dirs["qwen2"], folder)
+    try:
+        out = b.generate([prompt], GREEDY, use_tqdm=False)
+        assert out[0].num_cached_tokens == 0
+        assert tokens(out) == reference(model_dirs["qwen2"], [prompt])
+    finally:
+        b.engine.close()

@@ -87,10 +87,19 @@ def test_dp2_replicas_share_the_host_tier_and_it_outlives_a_restart(model_dir: P
         (["--kv-offloading-size", "-1"], "kv_offloading_size"),
         (["--kv-offloading-size", "100000"], "--kv-offloading-size"),
         (["--kv-offloading-disk-path", "/tmp"], "kv_offloading_disk_size"),
+        (
+            ["--kv-offloading-disk-path", "/etc/hostname", "--kv-offloading-disk-size", "1"],
+            "--kv-offloading-disk-path",
+        ),
+        (
+            ["--kv-offloading-disk-path", "/tmp/pagoda-kv-t", "--kv-offloading-disk-size", "1e9"],
+            "--kv-offloading-disk-size",
+        ),
     ],
 )
 def test_bad_tier_flags_exit_2_naming_the_flag(flags: list[str], name: str, model_dir: Path) -> None:
-    """A negative or absurd size, or a disk path without its size: exit 2 before anything loads."""
+    """A negative or absurd size, a disk path without its size, a disk path that is a file: exit 2 before
+    anything loads."""
     done = subprocess.run(
         [sys.executable, "-m", "pagoda.server.cli", "serve", str(model_dir), *flags],
         capture_output=True,
