@@ -68,6 +68,12 @@ def test_page_loads_with_the_key_and_without_it_shows_nothing(browser: Browser, 
     assert browser.evaluate("document.cookie") == ""  # HttpOnly: scripts never see the key
     assert browser.evaluate("document.getElementById('status').textContent") == "live"
     assert browser.evaluate("document.querySelectorAll('canvas.map').length") == 1
+    # No KV tier on this server: no tier panel, no tier charts.
+    assert browser.evaluate("document.getElementById('tiers').hidden")
+    assert (
+        browser.evaluate("[...document.querySelectorAll('#series .chart')].filter((c) => !c.hidden).length")
+        == 7
+    )
 
 
 def test_map_shows_used_blocks_while_requests_run_and_none_after(browser: Browser, live: LiveServer) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 from pagoda.server.dashboard.latency import LatencyWindow
 from pagoda.server.engine_client import ReplicaSet, ReplicaStatus
+from pagoda.server.kv_tiers.connector import KVTierStats
 from pagoda.server.outputs import EngineStats, FinishReason, RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -113,6 +114,7 @@ class _EngineStatsCollector(Collector):
             for position, accepted in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*values, str(position)], float(accepted))
         yield per_pos
+        yield from self._tiers(labels, engines)
         if not engines:
             return
         stats = engines[0][1]
@@ -130,6 +132,36 @@ class _EngineStatsCollector(Collector):
         )
         config.add_metric(list(info.values()), 1.0)
         yield config
+
+    def _tiers(self, labels: list[str], engines: list[tuple[list[str], EngineStats]]) -> Iterable[Metric]:
+        """Per KV tier (label `tier`: host, disk): blocks served, bytes in and out, occupancy and capacity. With
+        replicas the counters are each replica's own; occupancy is the tier's, which replicas on a host share."""
+        tier_labels = [*labels, "tier"]
+        counters: list[tuple[str, str, Callable[[KVTierStats], int]]] = [
+            ("kv_tier_hits", "KV blocks a tier served (host: to the device pool).", lambda t: t.hits),
+            ("kv_tier_bytes_in", "Bytes written into a KV tier.", lambda t: t.bytes_in),
+            ("kv_tier_bytes_out", "Bytes read out of a KV tier.", lambda t: t.bytes_out),
+        ]
+        for name, doc, count in counters:
+            counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=tier_labels)
+            for values, stats in engines:
+                for tier in stats.kv_tiers:
+                    counter.add_metric([*values, tier.tier], float(count(tier)))
+            yield counter
+        gauges: list[tuple[str, str, Callable[[KVTierStats], int]]] = [
+            (
+                "kv_tier_used_bytes",
+                "Bytes of KV blocks a tier holds (shared by the replicas on a host).",
+                lambda t: t.used_bytes,
+            ),
+            ("kv_tier_capacity_bytes", "A KV tier's size.", lambda t: t.capacity_bytes),
+        ]
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=tier_labels)
+            for values, stats in engines:
+                for tier in stats.kv_tiers:
+                    gauge.add_metric([*values, tier.tier], float(value(tier)))
+            yield gauge
 
     def _replica_families(self, status: list[ReplicaStatus]) -> Iterable[Metric]:
         """Each replica's liveness and restarts, and the router's counters."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagoda.server.kv_tiers.connector import KVTierStats
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -102,3 +104,5 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # KV tiers (pagoda.server.kv_tiers), host then disk: this engine's hits and bytes, the tier's occupancy.
+    kv_tiers: tuple[KVTierStats, ...] = ()

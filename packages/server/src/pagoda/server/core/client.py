@@ -53,6 +53,7 @@ from pagoda.server.core.sleep_frames import SleepDone
 from pagoda.server.engine_client import ReplicaStatus
 from pagoda.server.kv_events.config import for_replica
 from pagoda.server.kv_events.keys import publishing_keys, remove_certificate, write_certificate
+from pagoda.server.kv_tiers.connector import KVTierStats
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.multimodal.inputs import block_keys
@@ -92,7 +93,8 @@ CONFIG_ERRORS = frozenset({"MaxModelLenError"})
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The replicas' stats as one engine's: counts and counters add up, KV usage is over all blocks."""
+    """The replicas' stats as one engine's: counts and counters add up, KV usage is over all blocks, a shared KV
+    tier's occupancy is counted once."""
     blocks = sum(s.num_kv_blocks for s in stats)
     used = sum(s.kv_cache_usage * s.num_kv_blocks for s in stats)
     first = stats[0]
@@ -122,7 +124,30 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
                 ),
             )
         ),
+        kv_tiers=sum_tier_stats(stats),
     )
+
+
+def sum_tier_stats(stats: Sequence[EngineStats]) -> tuple[KVTierStats, ...]:
+    """The replicas' KV tiers by name, in first-seen order: hits and bytes add up (each replica counts its own),
+    occupancy and capacity are the largest one's (the replicas on a host share one tier: never summed)."""
+    merged: dict[str, KVTierStats] = {}
+    for replica in stats:
+        for tier in replica.kv_tiers:
+            seen = merged.get(tier.tier)
+            merged[tier.tier] = (
+                tier
+                if seen is None
+                else KVTierStats(
+                    tier.tier,
+                    seen.hits + tier.hits,
+                    seen.bytes_in + tier.bytes_in,
+                    seen.bytes_out + tier.bytes_out,
+                    max(seen.used_bytes, tier.used_bytes),
+                    max(seen.capacity_bytes, tier.capacity_bytes),
+                )
+            )
+    return tuple(merged.values())
 
 
 def _group_usage(stats: Sequence[EngineStats], blocks: int) -> tuple[float, ...]:

@@ -178,6 +178,18 @@ class FrameProducer:
                 if stats.prefix_cache_queries
                 else None,
                 "generation_tokens": stats.generation_tokens,
+                # host then disk: this server's hits and bytes (all replicas), the tier's occupancy
+                "kv_tiers": [
+                    {
+                        "tier": t.tier,
+                        "hits": t.hits,
+                        "bytes_in": t.bytes_in,
+                        "bytes_out": t.bytes_out,
+                        "used_bytes": t.used_bytes,
+                        "capacity_bytes": t.capacity_bytes,
+                    }
+                    for t in stats.kv_tiers
+                ],
             },
             "point": None if point is None else point.to_json(),
         }

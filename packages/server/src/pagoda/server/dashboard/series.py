@@ -8,6 +8,8 @@ from typing import Any
 
 from pagoda.server.dashboard.latency import percentile, since_time
 from pagoda.server.dashboard.snapshot import LATENCY_WINDOW_S, EngineSnapshot
+from pagoda.server.kv_tiers.connector import KVTierStats
+from pagoda.server.outputs import EngineStats
 
 HISTORY_POINTS = 300  # five minutes at one point per second
 
@@ -28,6 +30,11 @@ class SeriesPoint:
     ttft_p99: float | None
     itl_p50: float | None
     itl_p99: float | None
+    # KV tiers (None without that tier): the fraction of the tier's bytes in use, blocks it served per second.
+    host_tier_usage: float | None = None
+    host_tier_hits: float | None = None
+    disk_tier_usage: float | None = None
+    disk_tier_hits: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -71,6 +78,32 @@ class SeriesRecorder:
             ttft_p99=percentile(ttft, 99),
             itl_p50=percentile(itl, 50),
             itl_p99=percentile(itl, 99),
+            host_tier_usage=tier_usage(now, "host"),
+            host_tier_hits=tier_hit_rate(now, before, "host", dt),
+            disk_tier_usage=tier_usage(now, "disk"),
+            disk_tier_hits=tier_hit_rate(now, before, "disk", dt),
         )
         self.points.append(point)
         return point
+
+
+def tier_of(stats: EngineStats, name: str) -> KVTierStats | None:
+    """The KV tier called `name` in `stats`, or None."""
+    return next((t for t in stats.kv_tiers if t.tier == name), None)
+
+
+def tier_usage(stats: EngineStats, name: str) -> float | None:
+    """The fraction of tier `name`'s capacity in use (None without the tier)."""
+    tier = tier_of(stats, name)
+    if tier is None:
+        return None
+    return tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
+
+
+def tier_hit_rate(now: EngineStats, before: EngineStats, name: str, dt: float) -> float | None:
+    """Blocks tier `name` served per second between two snapshots (None without the tier)."""
+    tier = tier_of(now, name)
+    if tier is None:
+        return None
+    last = tier_of(before, name)
+    return max(0, tier.hits - (0 if last is None else last.hits)) / dt

@@ -53,6 +53,7 @@ from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.keys import KVEventsKeys
+from pagoda.server.kv_events.wire import HOST_TIER_MEDIUM
 from pagoda.server.kv_tiers.setup import kv_tiers_for
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
@@ -196,6 +197,9 @@ class LLMEngine:
             data_parallel_rank=config.parallel_config.data_parallel_rank,
             keys=kv_events_keys,  # an engine core's, from its spec; None: the publisher makes its own
         )
+        if self.kv_events is not None and self.kv_tiers is not None:
+            # The host tier's stores and evictions go out in the same batches, under the tier's medium.
+            self.kv_tiers.publish_events(self.kv_events.medium_sink(HOST_TIER_MEDIUM))
         # Sleep mode: the KV pools and weights of the target (and draft) runner; None without enable_sleep_mode.
         self.sleeping: EngineSleep | None = (
             engine_sleep(config, parts, self.runner, self.draft) if model_config.enable_sleep_mode else None
@@ -526,4 +530,5 @@ class LLMEngine:
             spec_decode_num_accepted_tokens_per_pos=tuple(
                 self.counters.spec_decode_num_accepted_tokens_per_pos
             ),
+            kv_tiers=() if self.kv_tiers is None else self.kv_tiers.connector.stats(),
         )

@@ -106,6 +106,10 @@ class KVEventPublisher:
         """Queue an AllBlocksCleared."""
         self._put(AllBlocksCleared())
 
+    def medium_sink(self, medium: str) -> MediumSink:
+        """A sink whose events this publisher sends under `medium` (a KV tier's stores and evictions)."""
+        return MediumSink(self, medium)
+
     # --- the publisher thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -164,6 +168,34 @@ class KVEventPublisher:
         self._ctx.term()
         if self.certificate is not None:
             remove_certificate(self.certificate)
+
+
+class MediumSink:
+    """A `KVEventSink` for another medium of the same publisher (the host KV tier's blocks, in the same batches)."""
+
+    def __init__(self, publisher: KVEventPublisher, medium: str) -> None:
+        """Events of `medium` through `publisher` (callable from any thread: the queue is a deque)."""
+        self.publisher = publisher
+        self.medium = medium
+
+    def blocks_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """Queue a BlockStored of this medium."""
+        self.publisher._put(
+            BlockStored(list(block_hashes), parent_hash, list(token_ids), block_size, None, self.medium)
+        )
+
+    def blocks_removed(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Queue a BlockRemoved of this medium."""
+        self.publisher._put(BlockRemoved(list(block_hashes), self.medium))
+
+    def all_cleared(self) -> None:
+        """Nothing: AllBlocksCleared names no medium, and a tier is not cleared with the device cache."""
 
 
 def start_kv_events(

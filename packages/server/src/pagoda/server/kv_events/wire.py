@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import msgspec
 
+# The medium of the host KV tier's events (pagoda.server.kv_tiers). vLLM's offloading connector says "CPU", but a
+# Pagoda engine on the CPU already names its device pool "CPU": the shared tier needs a name of its own, which a
+# router reads as "held for every replica on the host" (routing/event_index.py).
+HOST_TIER_MEDIUM = "CPU_TIER"
+TIER_MEDIA = frozenset({HOST_TIER_MEDIUM})
+
 
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     """Base of the events: the tag is the class name."""
@@ -18,7 +24,7 @@ class BlockStored(_Event):
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None  # "GPU" for the device tier (vLLM's name), "CPU" on a CPU engine
+    medium: str | None  # "GPU" for the device tier (vLLM's name), "CPU" on a CPU engine, HOST_TIER_MEDIUM
 
 
 class BlockRemoved(_Event):

@@ -18,6 +18,10 @@ vLLM's `KVConnectorBase_V1` is the model; the names map as follows. The connecto
 - `request_finished(request_id)`: a request ended (a connector that moves a finished request's blocks elsewhere,
   as prefill/decode disaggregation does, starts that here).
 
+Observability: `stats()` (per tier: hits, bytes in and out, occupancy; `EngineStats.kv_tiers`, /metrics, the
+dashboard) and `set_event_sink` (the tier's stores and evictions as KV cache events, vLLM's
+`take_events`, for cache-aware routers).
+
 Keys are `group_key`s of chained content hashes: digests stable across processes and restarts, salted per API
 key and `cache_salt`, so nothing crosses tenants. A connector plugs into the engine through the extension seam
 (`KVTierExtension`), never as a branch in `step()`.
@@ -30,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagoda.blockalloc import BlockHash
+from pagoda.blockalloc import BlockHash, KVEventSink
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,10 @@ class KVConnector(Protocol):
 
     def stats(self) -> tuple[KVTierStats, ...]:
         """Per tier: hits, bytes in and out, occupancy."""
+        ...
+
+    def set_event_sink(self, sink: KVEventSink | None) -> None:
+        """Tell `sink` (KV cache events under the tier's medium) the blocks the tier stores and evicts."""
         ...
 
     def close(self) -> None:

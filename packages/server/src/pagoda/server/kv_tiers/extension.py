@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pagoda.blockalloc import BlockHash, BlockManager
+from pagoda.blockalloc import BlockHash, BlockManager, KVEventSink
 from pagoda.blockalloc.groups import group_key
 from pagoda.blockalloc.hashing import ROOT_BLOCK_HASH, hash_blocks, salt_bytes
 from pagoda.scheduler import Scheduler, SchedulerOutput
@@ -100,6 +100,10 @@ class KVTierExtension(Extension):
         """Forget a held request; tell the connector."""
         self._held.pop(request_id, None)
         self.connector.request_finished(request_id)
+
+    def publish_events(self, sink: KVEventSink | None) -> None:
+        """Send the tier's stores and evictions to `sink` (the engine's KV events publisher, the tier's medium)."""
+        self.connector.set_event_sink(sink)
 
     def close(self) -> None:
         """Close the connector (queued disk writes finish)."""

@@ -8,9 +8,9 @@ recomputing it evicted the next chain's block, a cascade that left 0.64 of a rep
 index lives outside the file, so a block one replica saved is a hit for every other, and the file outlives an
 engine core's restart (the server, which chose its name, removes it at exit).
 
-Layout: a 4 KiB header (magic, geometry, the KV identity, the LRU clock, the table of attached processes), then
-64 bytes of metadata per slot (key, state, last use, pin mask, writer pid), 8 bytes of tag per slot (zero when
-empty), then the slots' bytes. Every
+Layout: a 4 KiB header (magic, geometry, the KV identity, the LRU clock, the count of stored blocks, the table of
+attached processes), then 64 bytes of metadata per slot (key, state, last use, pin mask, writer pid), 8 bytes of
+tag per slot (zero when empty), then the slots' bytes. Every
 mutation holds `flock` on the file (between processes) and a thread lock (between threads of one process:
 flock does not exclude them). A slot is pinned by a bit per attached process while a load copies it, and a
 process that died leaves its bits and half-written slots to the next process that attaches.
@@ -33,7 +33,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PGKVHOST"
-VERSION = 2
+VERSION = 3  # 2: the header counts the stored blocks; 3: 64 ways found by tags
 WAYS = 64
 TAG_BYTES = 8
 _EMPTY_TAG = bytes(TAG_BYTES)
@@ -42,6 +42,7 @@ META_BYTES = 64
 MAX_PROCS = 64
 _HEADER = struct.Struct("<8sIIQQ32s")  # magic, version, ways, num_sets, slot_bytes, identity
 _CLOCK_AT = 256  # u64: the LRU clock
+_USED_AT = 264  # u64: slots in state VALID (kept under the lock: occupancy without a scan)
 _PROCS_AT = 512  # MAX_PROCS x u64: pids of attached processes (0: free)
 _META = struct.Struct("<34sBB4xQQQ")  # key, key length, state, last use, pin mask, writer pid
 EMPTY, WRITING, VALID = 0, 1, 2
@@ -181,11 +182,15 @@ class SharedHostStore:
             self._proc_index = free
             # A new process in a dead one's row: that row's old pins must not keep slots forever.
             stale = dead_bits | (1 << free)
+            used = 0
             for slot in range(self.num_slots):
                 key, n, state, tick, pins, writer = self._meta(slot)
+                used += state == VALID
                 if pins & stale or (state == WRITING and not _alive(writer)):
                     new_state = EMPTY if state == WRITING else state
                     self._set_meta(slot, key[:n], new_state, tick, pins & ~stale, 0)
+            # The scan also recounts the stored blocks (a process killed mid-update cannot skew them for long).
+            struct.pack_into("<Q", self._buf, _USED_AT, used)
 
     # ----------------------------------------------------------------- metadata
 
@@ -205,6 +210,14 @@ class SharedHostStore:
         clock = int(struct.unpack_from("<Q", self._buf, _CLOCK_AT)[0]) + 1
         struct.pack_into("<Q", self._buf, _CLOCK_AT, clock)
         return clock
+
+    def _used(self) -> int:
+        """The count of VALID slots in the header."""
+        return int(struct.unpack_from("<Q", self._buf, _USED_AT)[0])
+
+    def _add_used(self, delta: int) -> None:
+        """Move the count of VALID slots (under the lock)."""
+        struct.pack_into("<Q", self._buf, _USED_AT, max(0, self._used() + delta))
 
     def _set_of(self, key: bytes) -> range:
         """The slots of `key`'s set."""
@@ -234,9 +247,12 @@ class SharedHostStore:
         return self._find(key) is not None
 
     def stats(self) -> HostTierStats:
-        """Slots and how many hold a block (a scan of the metadata: for metrics, not every step)."""
-        used = sum(1 for slot in range(self.num_slots) if self._meta(slot)[2] == VALID)
-        return HostTierStats(self.num_slots, used, self.slot_bytes)
+        """Slots and how many hold a block: the header's count (O(1), read without the lock: a metric)."""
+        return HostTierStats(self.num_slots, self._used(), self.slot_bytes)
+
+    def scan_used(self) -> int:
+        """Slots holding a block, counted from the metadata (O(slots): a check of `stats`, not for metrics)."""
+        return sum(1 for slot in range(self.num_slots) if self._meta(slot)[2] == VALID)
 
     @property
     def data(self) -> mmap.mmap:
@@ -298,6 +314,8 @@ class SharedHostStore:
                     continue
                 old, n, state, _, _, _ = self._meta(victim)
                 self._set_meta(victim, key, WRITING, self._tick(), 0, me)
+                if state == VALID:
+                    self._add_used(-1)
                 out.append((victim, old[:n] if state == VALID else None))
         return out
 
@@ -328,12 +346,16 @@ class SharedHostStore:
         """`commit` for each slot, under one lock."""
         with self._locked():
             for slot in slots:
-                key, n, _, _, pins, _ = self._meta(slot)
+                key, n, state, _, pins, _ = self._meta(slot)
                 self._set_meta(slot, key[:n], VALID, self._tick(), pins, 0)
+                if state != VALID:
+                    self._add_used(1)
 
     def abandon(self, slot: int) -> None:
         """A reserved slot was not written: empty it."""
         with self._locked():
+            if self._meta(slot)[2] == VALID:
+                self._add_used(-1)
             self._set_meta(slot, b"", EMPTY, 0, 0, 0)
 
     def close(self) -> None:

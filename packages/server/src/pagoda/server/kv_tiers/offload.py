@@ -6,6 +6,10 @@ block the device pool evicts later is already there, and a prefix one replica co
 the others. With a disk tier each newly stored block is also queued for the disk, written by the disk store's
 own thread; a request whose prefix is on disk only is held at admission while its blocks are read into the
 host tier (`prefetch`), then loads from the host tier like any other hit.
+
+With an event sink (`set_event_sink`: the engine's KV events publisher under the tier's medium) every group-0
+block the host tier stores is a `BlockStored`, and every group-0 block a store evicts a `BlockRemoved`, so a
+cache-aware router knows what the shared tier holds for every replica on the host.
 """
 
 from __future__ import annotations
@@ -16,12 +20,42 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
-from pagoda.blockalloc import BlockHash
+from pagoda.blockalloc import BlockHash, KVEventSink
+from pagoda.blockalloc.groups import is_first_group_key
 from pagoda.server.kv_tiers.blocks import BlockRows
 from pagoda.server.kv_tiers.connector import KVTierStats
 from pagoda.server.kv_tiers.host import SharedHostStore
 
 logger = logging.getLogger(__name__)
+
+
+class DiskStats(Protocol):
+    """The disk tier's counters as the connector reports them (`pagoda.server.kv_tiers.disk.DiskTierStats`)."""
+
+    @property
+    def hits(self) -> int:
+        """Blocks read back (served to the host tier)."""
+        ...
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read out of the tier."""
+        ...
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written into the tier."""
+        ...
+
+    @property
+    def occupancy_bytes(self) -> int:
+        """Bytes the tier's block files hold now."""
+        ...
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The tier's size limit."""
+        ...
 
 
 class DiskStore(Protocol):
@@ -37,6 +71,10 @@ class DiskStore(Protocol):
 
     def get(self, key: bytes) -> bytes | None:
         """The verified payload of `key`, or None."""
+        ...
+
+    def stats(self) -> DiskStats:
+        """The disk tier's counters and occupancy."""
         ...
 
     def close(self) -> None:
@@ -62,6 +100,24 @@ class TieredOffload:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read") if disk is not None else None
         self.host_hits = self.host_in = self.host_out = 0
         self.disk_hits = self.disk_out = 0
+        self.block_size = rows.kv_cache.shape.block_size
+        self._events: KVEventSink | None = None
+
+    def set_event_sink(self, sink: KVEventSink | None) -> None:
+        """Tell `sink` every group-0 block the host tier stores or evicts (None: stop telling)."""
+        self._events = sink
+
+    def _stored(self, keys: Sequence[BlockHash], evicted: Sequence[bytes | None]) -> None:
+        """Publish one store's evictions, then its new blocks (group 0's keys: the content hashes)."""
+        if self._events is None:
+            return
+        removed = [BlockHash(k) for k in evicted if k is not None and is_first_group_key(BlockHash(k))]
+        if removed:
+            self._events.blocks_removed(removed)
+        stored = [k for k in keys if is_first_group_key(k)]
+        if stored:
+            # A tier's blocks are known by hash only: no parent or tokens (routers match hashes).
+            self._events.blocks_stored(stored, None, [], self.block_size)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -94,9 +150,10 @@ class TieredOffload:
             reserved = self.host.reserve(key)
             if reserved is None:
                 continue
-            slot, _ = reserved
+            slot, evicted = reserved
             self.host.slot(slot)[:] = payload
             self.host.commit(slot)
+            self._stored([key], [evicted])
             self.disk_hits += 1
             self.disk_out += len(payload)
 
@@ -124,9 +181,11 @@ class TieredOffload:
     def save(self, saves: Sequence[tuple[BlockHash, int]]) -> None:
         """Device blocks -> free (or least recently used) host slots; each newly stored block also to the disk."""
         reserved: list[tuple[BlockHash, int, int]] = []
+        evicted: list[bytes | None] = []
         for (key, block), got in zip(saves, self.host.reserve_many([k for k, _ in saves]), strict=True):
             if got is not None:
                 reserved.append((key, block, got[0]))
+                evicted.append(got[1])
         if not reserved:
             return
         try:
@@ -140,15 +199,16 @@ class TieredOffload:
         for key, _, slot in reserved:
             if self.disk is not None:
                 self.disk.put(key, self.host.slot(slot))
+        self._stored([key for key, _, _ in reserved], evicted)
         self.host_in += len(reserved) * self.host.slot_bytes
 
     def wait_for_save(self) -> None:
         """Saves finish within `save` (a slot becomes a hit only once whole)."""
 
     def stats(self) -> tuple[KVTierStats, ...]:
-        """The host tier's counters and occupancy (the disk store reports its own)."""
+        """The host tier's counters (this engine's) and occupancy (every replica's blocks), then the disk's."""
         host = self.host.stats()
-        return (
+        tiers = [
             KVTierStats(
                 "host",
                 self.host_hits,
@@ -156,8 +216,21 @@ class TieredOffload:
                 self.host_out,
                 host.num_used * host.slot_bytes,
                 host.num_slots * host.slot_bytes,
-            ),
-        )
+            )
+        ]
+        if self.disk is not None:
+            disk = self.disk.stats()
+            tiers.append(
+                KVTierStats(
+                    "disk",
+                    disk.hits,
+                    disk.bytes_written,
+                    disk.bytes_read,
+                    disk.occupancy_bytes,
+                    disk.capacity_bytes,
+                )
+            )
+        return tuple(tiers)
 
     def close(self) -> None:
         """Stop the reader, drain the disk's writes, leave the shared file."""

@@ -4,6 +4,12 @@ unless the replicas are imbalanced or no replica holds enough of it; then it goe
 The front end cannot see the replicas' caches, so it keeps an approximate index of its own: for each replica, the
 chained hashes of the full KV blocks of the prompts it routed there (the same chain the engine's prefix cache
 computes, `pagoda.blockalloc.hashing`), bounded per replica and evicted least recently used first.
+
+With KV events it also follows the host KV tier (pagoda.server.kv_tiers), which every replica on the host shares:
+a prompt's match on a replica is its device blocks, then the unbroken run the tier holds after them, the tier's
+blocks weighing `TIER_HIT_WEIGHT` each (a copy from host memory, not a recompute, but not free either). So the
+replica holding a prefix on its device still wins, and a prefix only the tier holds is a hit on every replica
+(routed by load among them), never a miss.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ DEFAULT_BALANCE_REL_THRESHOLD = 1.5
 # Index entries per replica when the front end does not pass the replica's KV capacity: 1M tokens of 16-token blocks
 # (about 100 bytes an entry, so a few MB a replica).
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 65536
+# Entries of the tier index: a 64 GiB host tier of 256 KiB blocks (about 100 bytes an entry: ~26 MB at most).
+DEFAULT_MAX_TIER_BLOCKS = 262144
+# What a block only the host tier holds is worth against one on the replica's device (1).
+TIER_HIT_WEIGHT = 0.5
 
 
 class _PrefixIndex:
@@ -71,9 +81,11 @@ class CacheAwareRouter:
         balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
         use_kv_events: bool = False,
+        max_tier_blocks: int = DEFAULT_MAX_TIER_BLOCKS,
     ) -> None:
         """An empty index per replica; thresholds as in SGLang's router (see the module constants). With
-        `use_kv_events` each replica's index is what its KV cache events report (`apply_events`), not a guess."""
+        `use_kv_events` each replica's index is what its KV cache events report (`apply_events`), not a guess, and
+        the host KV tier's events (any replica's) fill one shared tier index of at most `max_tier_blocks`."""
         if num_replicas < 1 or block_size < 1 or max_blocks_per_replica < 1:
             raise ValueError("num_replicas, block_size and max_blocks_per_replica must be at least 1")
         if not 0.0 <= cache_threshold <= 1.0:
@@ -87,6 +99,7 @@ class CacheAwareRouter:
         self._events: list[EventIndex] | None = (
             [EventIndex(max_blocks_per_replica) for _ in range(num_replicas)] if use_kv_events else None
         )
+        self._tier = EventIndex(max_tier_blocks, tier=True) if use_kv_events else None
         self._indexes: list[_PrefixIndex] | list[EventIndex] = (
             self._events
             if self._events is not None
@@ -94,16 +107,33 @@ class CacheAwareRouter:
         )
         self.hits = 0
         self.misses = 0
+        self.tier_hits = 0  # hits that needed the tier's blocks (a subset of `hits`)
 
     def apply_events(self, replica: int, batch: KVEventBatch) -> None:
         """Feed one batch of `replica`'s KV cache events (only with `use_kv_events`)."""
         if self._events is None:
             raise ValueError("this router was built without use_kv_events")
         self._events[replica].apply(batch)
+        assert self._tier is not None
+        self._tier.apply(batch)
 
     def indexed_blocks(self, replica: int) -> int:
         """How many block hashes the index holds for `replica` (for tests and debugging)."""
         return len(self._indexes[replica])
+
+    def tier_blocks(self) -> int:
+        """How many block hashes the tier index holds (0 without KV events)."""
+        return 0 if self._tier is None else len(self._tier)
+
+    def _matches(self, hashes: Sequence[BlockHash], live: Sequence[int]) -> dict[int, tuple[float, int, int]]:
+        """Per live replica: (score, blocks covered, blocks on its device). Covered: its device's leading blocks,
+        then the tier's unbroken run after them."""
+        out: dict[int, tuple[float, int, int]] = {}
+        for i in live:
+            device = self._indexes[i].match(hashes)
+            tier = 0 if self._tier is None else self._tier.run_from(hashes, device)
+            out[i] = (device + TIER_HIT_WEIGHT * tier, device + tier, device)
+        return out
 
     def route(
         self, prompt_token_ids: Sequence[int], loads: Sequence[ReplicaLoad], *, salt: str | None = None
@@ -122,11 +152,13 @@ class CacheAwareRouter:
         )
         chosen, by_prefix = least_loaded(loads, live), False
         if hashes and not self._imbalanced([loads[i].num_tokens for i in live]):
-            matched = {i: self._indexes[i].match(hashes) for i in live}
-            # Longest match first; among equal matches the less loaded replica.
-            best = min(live, key=lambda i: (-matched[i], *loads[i].load, i))
-            if matched[best] and matched[best] >= self.cache_threshold * num_blocks:
+            matched = self._matches(hashes, live)
+            # Best match first (device blocks count fully, tier blocks less); among equals the less loaded replica.
+            best = min(live, key=lambda i: (-matched[i][0], *loads[i].load, i))
+            _, covered, device = matched[best]
+            if covered and covered >= self.cache_threshold * num_blocks:
                 chosen, by_prefix = best, True
+                self.tier_hits += covered > device
             else:
                 # A new prefix goes where the index is smallest (SGLang: the smallest tree), so that distinct
                 # prefixes spread over the replicas even when requests arrive one at a time and loads tie.

@@ -1,5 +1,9 @@
 """A replica's prefix index fed by its KV cache events (pagoda.server.kv_events, vLLM's format): exactly the
-hashes its prefix cache holds, where the router's own index only guesses from what it routed there."""
+hashes its prefix cache holds, where the router's own index only guesses from what it routed there.
+
+Events of a KV tier's medium (`TIER_MEDIA`: the host tier that every replica on a host shares) feed no replica's
+index but the router's one tier index (`EventIndex(..., tier=True)`), whatever replica published them: a block one
+replica stored there is a hit for all of them."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 
 from pagoda.blockalloc.hashing import BlockHash
-from pagoda.server.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagoda.server.kv_events.wire import TIER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 def leading_held(hashes: Sequence[BlockHash], held: Container[bytes]) -> int:
@@ -19,14 +23,23 @@ def leading_held(hashes: Sequence[BlockHash], held: Container[bytes]) -> int:
     return len(hashes)
 
 
+def held_run(hashes: Sequence[BlockHash], start: int, held: Container[bytes]) -> int:
+    """How many consecutive hashes from `start` `held` contains (a tier evicts by set, not by chain: it may hold a
+    block whose parent it lost, so only an unbroken run counts)."""
+    return leading_held(hashes[start:], held) if start < len(hashes) else 0
+
+
 class EventIndex:
-    """The block hashes one replica reported stored and not yet removed, at most `capacity` of them."""
+    """The block hashes one replica (or, with `tier`, a KV tier) reported stored and not yet removed, at most
+    `capacity` of them."""
 
-    __slots__ = ("_capacity", "_hashes")
+    __slots__ = ("_capacity", "_hashes", "tier")
 
-    def __init__(self, capacity: int) -> None:
-        """Empty: nothing reported yet."""
+    def __init__(self, capacity: int, *, tier: bool = False) -> None:
+        """Empty: nothing reported yet. A `tier` index follows only the events of a tier's medium (`TIER_MEDIA`),
+        a replica's only the others."""
         self._capacity = capacity
+        self.tier = tier
         # Insertion-ordered (an ordered set): past the capacity the oldest reported hashes go first, so
         # a publisher that never reports removals (or a bug) cannot grow the router's memory without bound.
         self._hashes: OrderedDict[bytes, None] = OrderedDict()
@@ -38,6 +51,8 @@ class EventIndex:
     def apply(self, batch: KVEventBatch) -> None:
         """Apply one batch of the replica's events, in order."""
         for event in batch.events:
+            if isinstance(event, BlockStored | BlockRemoved) and (event.medium in TIER_MEDIA) != self.tier:
+                continue
             if isinstance(event, BlockStored):
                 for block_hash in event.block_hashes:
                     self._hashes[block_hash] = None
@@ -47,12 +62,16 @@ class EventIndex:
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
                     self._hashes.pop(block_hash, None)
-            elif isinstance(event, AllBlocksCleared):
-                self._hashes.clear()
+            elif isinstance(event, AllBlocksCleared) and not self.tier:
+                self._hashes.clear()  # a replica's device cache; a tier outlives it
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the chain the replica's cache holds."""
         return leading_held(hashes, self._hashes)
+
+    def run_from(self, hashes: Sequence[BlockHash], start: int) -> int:
+        """How many consecutive blocks of the chain from `start` this index holds."""
+        return held_run(hashes, start, self._hashes)
 
     def record(self, hashes: Sequence[BlockHash]) -> None:
         """Nothing: only the replica's events say what it caches."""

@@ -18,8 +18,12 @@
     ["Preemptions per second", [["preemptions", 1, "#e6550d"]], ""],
     ["TTFT p50 / p99", [["ttft_p50", 1000, "#3182bd"], ["ttft_p99", 1000, "#e6550d"]], " ms"],
     ["ITL p50 / p99", [["itl_p50", 1000, "#3182bd"], ["itl_p99", 1000, "#e6550d"]], " ms"],
+    // KV tiers (host, disk): shown once a point carries them
+    ["KV tier usage host / disk", [["host_tier_usage", 100, "#756bb1"], ["disk_tier_usage", 100, "#636363"]], "%"],
+    ["KV tier hits/s host / disk", [["host_tier_hits", 1, "#756bb1"], ["disk_tier_hits", 1, "#636363"]], ""],
   ];
   const views = new Map(); // replica index -> its DOM and decoded arrays
+  const tierRows = new Map(); // tier name -> its row's DOM
   const state = { frames: 0, points: [], last: null };
   window.pagodaDashboard = state; // read by the browser tests
 
@@ -235,12 +239,46 @@
     const canvas = el("canvas");
     box.append(head, canvas);
     document.getElementById("series").append(box);
-    return { lines, unit, canvas, value };
+    const tiers = lines[0][0].includes("_tier_");
+    box.hidden = tiers; // until a point carries a tier
+    return { lines, unit, canvas, value, box, tiers };
   });
+
+  function bytes(n) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+  }
+
+  function drawTiers(tiers) {
+    // One row per KV tier: occupancy bar, used / capacity, blocks served, bytes in and out (rows reused).
+    const panel = document.getElementById("tiers");
+    panel.hidden = !tiers.length;
+    for (const t of tiers) {
+      let row = tierRows.get(t.tier);
+      if (!row) {
+        row = { root: el("div", "tier"), head: el("div"), bar: el("div", "bar"), fill: el("span"), io: el("div") };
+        row.bar.append(row.fill);
+        row.root.append(row.head, row.bar, row.io);
+        row.root.dataset.tier = t.tier;
+        document.getElementById("tier-rows").append(row.root);
+        tierRows.set(t.tier, row);
+      }
+      const usage = t.capacity_bytes ? t.used_bytes / t.capacity_bytes : 0;
+      row.head.replaceChildren(el("span", "name", t.tier + " tier"),
+        document.createTextNode(" " + bytes(t.used_bytes) + " / " + bytes(t.capacity_bytes) + " (" + (100 * usage).toFixed(1) + "%)"));
+      row.fill.style.width = 100 * usage + "%";
+      row.io.textContent = t.hits + " blocks served · " + bytes(t.bytes_in) + " in · " + bytes(t.bytes_out) + " out";
+    }
+  }
 
   function drawCharts() {
     const pts = state.points;
+    const anyTier = pts.some((p) => p.host_tier_usage != null || p.disk_tier_usage != null);
     for (const ch of charts) {
+      ch.box.hidden = ch.tiers && !anyTier;
+      if (ch.box.hidden) continue;
       const w = Math.max(100, ch.canvas.clientWidth), h = 70;
       const dpr = window.devicePixelRatio || 1;
       if (ch.canvas.width !== Math.round(w * dpr)) { ch.canvas.width = Math.round(w * dpr); ch.canvas.height = Math.round(h * dpr); }
@@ -281,6 +319,7 @@
       v.counts.textContent = "this engine client does not report its block map";
     }
     for (const r of f.replicas) drawReplica(r);
+    drawTiers((f.stats && f.stats.kv_tiers) || []);
     // A replica missing from a frame that has others (an engine core restarting) keeps its view, marked stale.
     const present = new Set(f.replicas.map((r) => r.replica));
     if (present.size) {
