@@ -572,6 +572,30 @@ def test_occupancy_is_du_without_rescans(store_dir: Path) -> None:
     store.close()
 
 
+def test_names_that_are_not_blocks_are_counted_and_kept(store_dir: Path) -> None:
+    """Upper-case hex, a block name in the wrong folder, another length, a folder inside a fan-out folder:
+    not blocks (never served or deleted), but their bytes count against the cap."""
+    key = key_of(1, folder=0xAB)
+    (store_dir / "ab").mkdir()
+    (store_dir / "cd").mkdir()
+    strays = [
+        store_dir / "ab" / (key.hex()[:2] + key.hex()[2:].upper() + ".kv"),
+        store_dir / "cd" / (key.hex() + ".kv"),
+        store_dir / "ab" / (key.hex()[:-2] + ".kv"),
+        store_dir / "ab" / (key.hex() + ".bak"),
+    ]
+    for path in strays:
+        path.write_bytes(b"x" * 5000)
+    (store_dir / "ab" / "sub").mkdir()
+    (store_dir / "ab" / "sub" / "f").write_bytes(b"y" * 9000)
+    store = DiskKVStore(store_dir, 64 << 20, IDENTITY, SMALL)
+    assert store.stats().num_blocks == 0 and not store.contains(key)
+    assert store.stats().occupancy_bytes == usage(store_dir)[0]
+    assert store.get(key) is None
+    assert all(path.exists() for path in strays)
+    store.close()
+
+
 # ---- check_disk_tier -------------------------------------------------------------------------------------------
 
 

@@ -43,12 +43,16 @@ FORMAT_VERSION = 1
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 KEY_LENGTHS = (32, 34)  # a sha256 chain hash, or that hash + a 2-byte KV cache group index
+_NAME_LENGTHS = frozenset(2 * n for n in KEY_LENGTHS)
 _HEAD = struct.Struct("<4sHHHHQ")  # magic, version, identity length, key length, reserved, payload length
 _CRC = struct.Struct("<I")
 # A temp file this old is abandoned whoever wrote it: a block's write takes milliseconds.
 _STALE_TMP_S = 60.0
 _GIB = 1 << 30
 _FOLDERS = 256  # fan-out folders, by a key's first byte
+# At most this many folders relisted per block written (~30 us each): a tier of under ~1000 blocks relists all
+# of DIR once per 16 blocks written rather than once per 1/64 of its capacity.
+_MAX_RELISTS_PER_WRITE = 16
 
 
 class DiskTierError(ValueError):
@@ -207,7 +211,8 @@ class DiskKVStore:
         """Scan DIR (a restart serves what it holds; crash leftovers are removed), evict down to the capacity and
         start the writer thread. `rescan_bytes`: the writer relists all of DIR once per this many bytes it
         writes (one fan-out folder at a time), to see what other processes sharing DIR wrote or removed: the
-        most they can push DIR past the cap before this store sees it (default: 1/64 of the capacity)."""
+        most they can push DIR past the cap before this store sees it (default: 1/64 of the capacity; at least
+        16 blocks' worth, as one block written relists at most 16 folders)."""
         if capacity_bytes <= 0 or block_bytes <= 0 or max_queued_writes <= 0:
             raise ValueError("capacity_bytes, block_bytes and max_queued_writes must be > 0")
         if not 0 < len(identity) < 1 << 16:
@@ -557,7 +562,7 @@ class DiskKVStore:
             self._set(self._folder_size, key_hex[:2], size)
             self._bytes_written += len(payload)
             self._since_rescan += _allocated(st)
-            steps = min(self._since_rescan // self._rescan_step, _FOLDERS)
+            steps = min(self._since_rescan // self._rescan_step, _MAX_RELISTS_PER_WRITE)
             self._since_rescan %= self._rescan_step
         for _ in range(steps):
             self._rescan_next()
@@ -643,17 +648,24 @@ class DiskKVStore:
 
 
 def _is_hex(text: str) -> bool:
-    """Whether `text` is lowercase hex digits."""
-    return all(c in "0123456789abcdef" for c in text)
+    """Whether `text` is lowercase hex digits, an even number of them (bytes.hex's own spelling)."""
+    try:
+        return bytes.fromhex(text).hex() == text
+    except ValueError:
+        return False
 
 
 def _block_key(name: str, folder: str) -> bytes | None:
     """The key of a block file's name in its fan-out folder, or None for any other name."""
-    stem = name[: -len(SUFFIX)]
     if (
         not name.endswith(SUFFIX)
-        or len(stem) not in (2 * n for n in KEY_LENGTHS)
-        or not stem.startswith(folder)
+        or not name.startswith(folder)
+        or len(name) - len(SUFFIX) not in _NAME_LENGTHS
     ):
         return None
-    return bytes.fromhex(stem) if _is_hex(stem) else None
+    stem = name[: -len(SUFFIX)]
+    try:
+        key = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    return key if key.hex() == stem else None  # fromhex also takes upper case and spaces
