@@ -519,10 +519,81 @@ def test_two_stores_share_a_folder(store_dir: Path, tmp_path: Path) -> None:
     assert usage(store_dir)[0] <= capacity
     kept = [i for i in range(1, 9) if block_file(store_dir, key_of(i, folder=9)).exists()]
     assert len(kept) == 6 and kept[-3:] == [6, 7, 8]
-    for i in range(1, 9):  # whatever the other evicted is a miss, never an error
-        assert a.get(key_of(i, folder=9)) == (payload_of(i) if i in kept else None)
+    # a's next write relists the folder: what b evicted leaves a's books, what b wrote enters them.
+    assert a.put(key_of(9, folder=9), payload_of(9))
+    a.flush()
+    files = sorted(store_dir.rglob("*.kv"))
+    assert a.stats().num_blocks == len(files) == 6
+    assert a.stats().occupancy_bytes == usage(store_dir)[0] <= capacity
+    kept = [i for i in range(1, 10) if block_file(store_dir, key_of(i, folder=9)).exists()]
+    assert kept[-4:] == [6, 7, 8, 9]
+    for i in range(1, 10):  # whatever the other evicted is a miss, never an error
+        assert b.get(key_of(i, folder=9)) == (payload_of(i) if i in kept else None)
     a.close()
     b.close()
+
+
+def test_a_removed_folder_is_made_again(opened: DiskKVStore, store_dir: Path) -> None:
+    """A fan-out folder removed under the store (an operator's rm, another replica) is recreated by the next
+    write there, and the blocks that were in it are misses."""
+    assert opened.put(key_of(1, folder=6), payload_of(1))
+    opened.flush()
+    shutil.rmtree(store_dir / "06")
+    assert opened.get(key_of(1, folder=6)) is None
+    assert opened.put(key_of(2, folder=6), payload_of(2))
+    opened.flush()
+    assert opened.get(key_of(2, folder=6)) == payload_of(2)
+    assert opened.stats().dropped_writes == 0 and opened.stats().num_blocks == 1
+
+
+def test_rescan_forgets_files_removed_by_another_process(store_dir: Path) -> None:
+    """Files another replica evicted leave this store's books at its next relisting (not only when it would
+    evict them itself), so it does not under-fill the tier."""
+    store = DiskKVStore(store_dir, 64 << 20, IDENTITY, SMALL, rescan_bytes=1)
+    for i in range(4):
+        assert store.put(key_of(i, folder=8), payload_of(i))
+    store.flush()
+    for i in (1, 2):  # another replica's eviction
+        block_file(store_dir, key_of(i, folder=8)).unlink()
+    assert store.put(key_of(4, folder=8), payload_of(4))
+    store.flush()
+    assert store.stats().num_blocks == 3
+    assert store.stats().occupancy_bytes == usage(store_dir)[0]
+    store.close()
+
+
+def test_occupancy_is_du_without_rescans(store_dir: Path) -> None:
+    """The books match `du` write by write, new fan-out folders included, with no relisting to correct them."""
+    store = DiskKVStore(store_dir, 64 << 20, IDENTITY, SMALL, rescan_bytes=1 << 50)
+    for i in range(12):
+        assert store.put(key_of(i), payload_of(i))
+        store.flush()
+        assert store.stats().occupancy_bytes == usage(store_dir)[0]
+    store.close()
+
+
+def test_names_that_are_not_blocks_are_counted_and_kept(store_dir: Path) -> None:
+    """Upper-case hex, a block name in the wrong folder, another length, a folder inside a fan-out folder:
+    not blocks (never served or deleted), but their bytes count against the cap."""
+    key = key_of(1, folder=0xAB)
+    (store_dir / "ab").mkdir()
+    (store_dir / "cd").mkdir()
+    strays = [
+        store_dir / "ab" / (key.hex()[:2] + key.hex()[2:].upper() + ".kv"),
+        store_dir / "cd" / (key.hex() + ".kv"),
+        store_dir / "ab" / (key.hex()[:-2] + ".kv"),
+        store_dir / "ab" / (key.hex() + ".bak"),
+    ]
+    for path in strays:
+        path.write_bytes(b"x" * 5000)
+    (store_dir / "ab" / "sub").mkdir()
+    (store_dir / "ab" / "sub" / "f").write_bytes(b"y" * 9000)
+    store = DiskKVStore(store_dir, 64 << 20, IDENTITY, SMALL)
+    assert store.stats().num_blocks == 0 and not store.contains(key)
+    assert store.stats().occupancy_bytes == usage(store_dir)[0]
+    assert store.get(key) is None
+    assert all(path.exists() for path in strays)
+    store.close()
 
 
 # ---- check_disk_tier -------------------------------------------------------------------------------------------
@@ -673,5 +744,6 @@ def test_matches_an_lru_model(ops: list[tuple[str, int]], room: int) -> None:
                 assert on_disk == set(model)
                 assert usage(path)[0] <= capacity
                 assert store.stats().occupancy_bytes == usage(path)[0]
+                assert sum(map(len, store._folder_keys.values())) == store.stats().num_blocks
         finally:
             store.close()

@@ -43,11 +43,16 @@ FORMAT_VERSION = 1
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 KEY_LENGTHS = (32, 34)  # a sha256 chain hash, or that hash + a 2-byte KV cache group index
+_NAME_LENGTHS = frozenset(2 * n for n in KEY_LENGTHS)
 _HEAD = struct.Struct("<4sHHHHQ")  # magic, version, identity length, key length, reserved, payload length
 _CRC = struct.Struct("<I")
 # A temp file this old is abandoned whoever wrote it: a block's write takes milliseconds.
 _STALE_TMP_S = 60.0
 _GIB = 1 << 30
+_FOLDERS = 256  # fan-out folders, by a key's first byte
+# At most this many folders relisted per block written (~30 us each): a tier of under ~1000 blocks relists all
+# of DIR once per 16 blocks written rather than once per 1/64 of its capacity.
+_MAX_RELISTS_PER_WRITE = 16
 
 
 class DiskTierError(ValueError):
@@ -204,8 +209,10 @@ class DiskKVStore:
         rescan_bytes: int | None = None,
     ) -> None:
         """Scan DIR (a restart serves what it holds; crash leftovers are removed), evict down to the capacity and
-        start the writer thread. `rescan_bytes`: after this many bytes written, the writer rescans DIR to see
-        the files other processes sharing it wrote or removed (default: 1/64 of the capacity)."""
+        start the writer thread. `rescan_bytes`: the writer relists all of DIR once per this many bytes it
+        writes (one fan-out folder at a time), to see what other processes sharing DIR wrote or removed: the
+        most they can push DIR past the cap before this store sees it (default: 1/64 of the capacity; at least
+        16 blocks' worth, as one block written relists at most 16 folders)."""
         if capacity_bytes <= 0 or block_bytes <= 0 or max_queued_writes <= 0:
             raise ValueError("capacity_bytes, block_bytes and max_queued_writes must be > 0")
         if not 0 < len(identity) < 1 << 16:
@@ -215,14 +222,20 @@ class DiskKVStore:
         self.identity = bytes(identity)
         self.block_bytes = block_bytes
         self._max_queued = max_queued_writes
-        self._rescan_bytes = rescan_bytes if rescan_bytes is not None else max(capacity_bytes // 64, 1)
+        every = rescan_bytes if rescan_bytes is not None else capacity_bytes // 64
+        self._rescan_step = max(every // _FOLDERS, 1)  # bytes written per fan-out folder relisted
         self._frsize = os.statvfs(self.path).f_frsize or 4096
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a write done, a put queued, or close
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._folder_keys: dict[str, set[bytes]] = {}  # a fan-out folder's name -> the indexed keys in it
         self._used = 0  # the block files' bytes (sum over the index)
-        self._overhead = 0  # folders, temp files, files that are not blocks
-        self._folders: dict[str, int] = {}  # a fan-out folder's name -> its own allocated size
+        # Bytes under DIR that are not block files: a folder's own size ("" is DIR), and what else it holds (temp
+        # files, files that are not ours); `_overhead` is the sum of both tables.
+        self._folder_size: dict[str, int] = {}
+        self._other: dict[str, int] = {}
+        self._overhead = 0
+        self._cycle: deque[str] = deque()  # the fan-out folders still to relist in this round of rescans
         self._pending: dict[bytes, bytes] = {}  # put, not yet on disk (get serves these)
         self._queue: deque[bytes] = deque()
         self._last_ns = 0
@@ -231,12 +244,12 @@ class DiskKVStore:
         self._hits = self._misses = self._bytes_read = self._bytes_written = self._dropped = 0
         self._disabled = False
         self._closing = False
-        found, self._overhead = self._scan(known=frozenset(), remove_stale=True)
-        for access_ns, key, nbytes in sorted(
-            (e.access_ns, k, e.nbytes) for k, e in found.items() if e is not None
-        ):
-            self._index[key] = _Entry(nbytes, access_ns)
-            self._used += nbytes
+        found: list[tuple[int, bytes, int]] = []
+        for name in self._scan_root(remove_stale=True):
+            entries = self._scan_folder(name, frozenset(), remove_stale=True)
+            found += ((e.access_ns, k, e.nbytes) for k, e in entries.items() if e is not None)
+        for access_ns, key, nbytes in sorted(found):  # the files' mtimes are the LRU order
+            self._index_add(key, _Entry(nbytes, access_ns))
         self._evict_for(0)
         self._thread = threading.Thread(target=self._run, name="pagoda-kv-disk-writer", daemon=True)
         self._thread.start()
@@ -291,7 +304,7 @@ class DiskKVStore:
                     os.unlink(name)
             with self._lock:
                 self._misses += 1
-                self._forget(key)
+                self._index_pop(key)
             return None
         with self._lock:
             self._hits += 1
@@ -299,8 +312,7 @@ class DiskKVStore:
             now = self._tick()
             entry = self._index.get(key)
             if entry is None:  # another process wrote it: now this one accounts for it
-                self._index[key] = _Entry(nbytes, now)
-                self._used += nbytes
+                self._index_add(key, _Entry(nbytes, now))
             else:
                 entry.access_ns = now
                 self._index.move_to_end(key)
@@ -394,48 +406,65 @@ class DiskKVStore:
             return None, 0, "corrupt (checksum mismatch)"
         return payload, _allocated(st), None
 
-    def _scan(self, known: frozenset[bytes], *, remove_stale: bool) -> tuple[dict[bytes, _Entry | None], int]:
-        """The block files under DIR (None for a key in `known`: not stat'ed again) and the bytes of everything
-        else; temp files a crash left are removed when `remove_stale`."""
-        found: dict[bytes, _Entry | None] = {}
-        overhead = _allocated(os.stat(self.path))
-        folders: dict[str, int] = {}
+    def _scan_root(self, *, remove_stale: bool) -> list[str]:
+        """Account for DIR itself and what it holds besides the fan-out folders (removing temp files a crash left
+        when `remove_stale`); the fan-out folders' names."""
+        folders: list[str] = []
+        other = 0
         for top in self._entries(self.path):
-            if len(top.name) == 2 and top.is_dir(follow_symlinks=False) and _is_hex(top.name):
+            if len(top.name) == 2 and _is_hex(top.name) and top.is_dir(follow_symlinks=False):
+                folders.append(top.name)
+                continue
+            try:  # not ours: counted (the cap bounds everything under DIR), never deleted
+                st = top.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if remove_stale and top.name.startswith(TMP_PREFIX) and _stale_tmp(top.name, st.st_mtime_ns):
                 with contextlib.suppress(OSError):
-                    folders[top.name] = _allocated(top.stat(follow_symlinks=False))
-                for entry in self._entries(top.path):
-                    key = _block_key(entry.name, top.name)
-                    if key is not None and key in known:
-                        found[key] = None
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue  # removed meanwhile
-                    if key is not None and stat.S_ISREG(st.st_mode):
-                        found[key] = _Entry(_allocated(st), st.st_mtime_ns)
-                    elif (
-                        remove_stale
-                        and entry.name.startswith(TMP_PREFIX)
-                        and _stale_tmp(entry.name, st.st_mtime_ns)
-                    ):
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry.path)
-                    else:
-                        overhead += _allocated(st)
-            else:  # not ours: counted (the cap bounds everything under DIR), never deleted
-                try:
-                    st = top.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if remove_stale and top.name.startswith(TMP_PREFIX) and _stale_tmp(top.name, st.st_mtime_ns):
-                    with contextlib.suppress(OSError):
-                        os.unlink(top.path)
-                else:
-                    overhead += _du(Path(top.path)) if stat.S_ISDIR(st.st_mode) else _allocated(st)
-        self._folders = folders
-        return found, overhead + sum(folders.values())
+                    os.unlink(top.path)
+            else:
+                other += _du(Path(top.path)) if stat.S_ISDIR(st.st_mode) else _allocated(st)
+        with contextlib.suppress(OSError):
+            size = _allocated(os.stat(self.path))
+            with self._lock:
+                self._set(self._folder_size, "", size)
+                self._set(self._other, "", other)
+        return sorted(folders)
+
+    def _scan_folder(
+        self, name: str, known: frozenset[bytes], *, remove_stale: bool
+    ) -> dict[bytes, _Entry | None]:
+        """The block files of a fan-out folder (None for a key in `known`: not stat'ed again); accounts for the
+        folder's own size and its other files (removing temp files a crash left when `remove_stale`)."""
+        folder = os.path.join(self.path, name)
+        found: dict[bytes, _Entry | None] = {}
+        other = 0
+        for entry in self._entries(folder):
+            key = _block_key(entry.name, name)
+            if key is not None and key in known:
+                found[key] = None
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed meanwhile
+            if key is not None and stat.S_ISREG(st.st_mode):
+                found[key] = _Entry(_allocated(st), st.st_mtime_ns)
+            elif (
+                remove_stale and entry.name.startswith(TMP_PREFIX) and _stale_tmp(entry.name, st.st_mtime_ns)
+            ):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+            else:  # a temp file of a live writer, or not ours
+                other += _du(Path(entry.path)) if stat.S_ISDIR(st.st_mode) else _allocated(st)
+        try:
+            size = _allocated(os.stat(folder))
+        except OSError:  # gone
+            size = 0
+        with self._lock:
+            self._set(self._folder_size, name, size)
+            self._set(self._other, name, other)
+        return found
 
     @staticmethod
     def _entries(folder: str | Path) -> Iterator[os.DirEntry[str]]:
@@ -488,17 +517,22 @@ class DiskKVStore:
             self._adopt(key, _allocated(st), _now_ns())
             return
         folder = os.path.join(self.path, key_hex[:2])
-        if key_hex[:2] not in self._folders:
+        if key_hex[:2] not in self._folder_size:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(folder, 0o700)
-            self._folders[key_hex[:2]] = 0
         self._evict_for(estimate)
         with self._lock:
             self._tmp_seq += 1
             tmp = os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{self._tmp_seq}")
             now = self._tick()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:  # someone removed the folder: make it again
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder, 0o700)
+                fd = os.open(tmp, flags, 0o600)
             try:
                 _write_all(fd, header, payload)
                 st = os.fstat(fd)
@@ -520,32 +554,43 @@ class DiskKVStore:
             self._disable(exc)
             return
         self._adopt(key, _allocated(st), now)
+        try:  # a folder grows as it gets entries
+            size = _allocated(os.stat(folder))
+        except OSError:
+            size = 0
         with self._lock:
+            self._set(self._folder_size, key_hex[:2], size)
             self._bytes_written += len(payload)
             self._since_rescan += _allocated(st)
-            rescan = self._since_rescan >= self._rescan_bytes
-        with contextlib.suppress(OSError):  # a folder grows as it gets entries
-            size = _allocated(os.stat(folder))
-            with self._lock:
-                self._overhead += size - self._folders.get(key_hex[:2], 0)
-                self._folders[key_hex[:2]] = size
-        if rescan:
-            self._rescan()
+            steps = min(self._since_rescan // self._rescan_step, _MAX_RELISTS_PER_WRITE)
+            self._since_rescan %= self._rescan_step
+        for _ in range(steps):
+            self._rescan_next()
 
     def _adopt(self, key: bytes, nbytes: int, access_ns: int) -> None:
         """Account for a block file now in DIR, as the most recently used."""
         with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry.nbytes
-            self._index[key] = _Entry(nbytes, access_ns)
-            self._used += nbytes
+            self._index_add(key, _Entry(nbytes, access_ns))
 
-    def _forget(self, key: bytes) -> None:
-        """Drop a key from the index (its file is gone). Call with the lock held."""
+    def _index_add(self, key: bytes, entry: _Entry) -> None:
+        """Index a block file as the most recently used (replacing its entry). Lock held."""
+        self._index_pop(key)
+        self._index[key] = entry
+        self._folder_keys.setdefault(key.hex()[:2], set()).add(key)
+        self._used += entry.nbytes
+
+    def _index_pop(self, key: bytes) -> _Entry | None:
+        """Drop a key from the index (its file is gone, or going). Lock held."""
         entry = self._index.pop(key, None)
         if entry is not None:
             self._used -= entry.nbytes
+            self._folder_keys[key.hex()[:2]].discard(key)
+        return entry
+
+    def _set(self, table: dict[str, int], name: str, nbytes: int) -> None:
+        """Set a folder's entry in one of the overhead tables, keeping their sum. Lock held."""
+        self._overhead += nbytes - table.get(name, 0)
+        table[name] = nbytes
 
     def _evict_for(self, nbytes: int) -> None:
         """Delete least recently used block files until `nbytes` more fit under the capacity."""
@@ -553,32 +598,32 @@ class DiskKVStore:
             with self._lock:
                 if not self._index or self._used + self._overhead + nbytes <= self.capacity_bytes:
                     return
-                key, entry = self._index.popitem(last=False)
-                self._used -= entry.nbytes
+                key = next(iter(self._index))
+                self._index_pop(key)
             with contextlib.suppress(FileNotFoundError):  # another process evicted it first
                 os.unlink(self._file(key.hex()))
 
-    def _rescan(self) -> None:
-        """Resync the index with DIR: files other processes sharing it wrote (taken as the most recent) or
-        removed; then evict down to the capacity."""
+    def _rescan_next(self) -> None:
+        """Relist the next fan-out folder (DIR itself at the start of each round) to see the block files other
+        processes sharing DIR wrote (taken as the most recently used) or removed; evict down to the capacity.
+        One folder at a time keeps each pass short (the engine's thread waits on the GIL meanwhile)."""
+        if not self._cycle:
+            self._cycle.extend(self._scan_root(remove_stale=False))
+            if not self._cycle:
+                return
+        name = self._cycle.popleft()
         with self._lock:
-            self._since_rescan = 0
-            known = frozenset(self._index)
+            known = frozenset(self._folder_keys.get(name, ()))
             started = self._tick()
-        found, overhead = self._scan(known, remove_stale=False)
+        found = self._scan_folder(name, known, remove_stale=False)
         with self._lock:
-            index: OrderedDict[bytes, _Entry] = OrderedDict()
-            for key, entry in self._index.items():
-                if key in found or entry.access_ns >= started:
-                    index[key] = entry
-            fresh = sorted(
-                ((key, entry) for key, entry in found.items() if entry is not None and key not in index),
-                key=lambda item: item[1].access_ns,
-            )
-            index.update(fresh)
-            self._index = index
-            self._used = sum(entry.nbytes for entry in index.values())
-            self._overhead = overhead
+            for key in known - found.keys():
+                entry = self._index.get(key)
+                if entry is not None and entry.access_ns < started:  # not (re)written since the listing began
+                    self._index_pop(key)
+            for key, new in found.items():
+                if new is not None and key not in self._index:
+                    self._index_add(key, new)
         self._evict_for(0)
 
     def _disable(self, exc: OSError) -> None:
@@ -603,17 +648,24 @@ class DiskKVStore:
 
 
 def _is_hex(text: str) -> bool:
-    """Whether `text` is lowercase hex digits."""
-    return all(c in "0123456789abcdef" for c in text)
+    """Whether `text` is lowercase hex digits, an even number of them (bytes.hex's own spelling)."""
+    try:
+        return bytes.fromhex(text).hex() == text
+    except ValueError:
+        return False
 
 
 def _block_key(name: str, folder: str) -> bytes | None:
     """The key of a block file's name in its fan-out folder, or None for any other name."""
-    stem = name[: -len(SUFFIX)]
     if (
         not name.endswith(SUFFIX)
-        or len(stem) not in (2 * n for n in KEY_LENGTHS)
-        or not stem.startswith(folder)
+        or not name.startswith(folder)
+        or len(name) - len(SUFFIX) not in _NAME_LENGTHS
     ):
         return None
-    return bytes.fromhex(stem) if _is_hex(stem) else None
+    stem = name[: -len(SUFFIX)]
+    try:
+        key = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    return key if key.hex() == stem else None  # fromhex also takes upper case and spaces
