@@ -137,7 +137,14 @@ class TieredOffload:
         """Read the keys only the disk holds into the host tier, on the reader thread; None without any."""
         if self.disk is None or self._reader is None:
             return None
-        wanted = [k for k in keys if not self.host.contains(k) and self.disk.contains(k)]
+        wanted: list[BlockHash] = []
+        for key in keys:
+            if self.host.contains(key):
+                continue
+            if self.disk.contains(key):
+                wanted.append(key)
+            elif is_first_group_key(key):
+                break  # group 0's chain ends here: nothing after it can be a hit (and a lookup may cost a stat)
         return self._reader.submit(self._promote, wanted) if wanted else None
 
     def _promote(self, keys: Sequence[BlockHash]) -> None:
