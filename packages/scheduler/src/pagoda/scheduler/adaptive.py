@@ -1,0 +1,235 @@
+"""`adaptive`: a scheduling policy that chooses each step's shape from a cost model of the step and the SLOs.
+
+Every step the scheduler asks its `StepPlanner` (this policy) for a `StepShape`: the token budget, the prefill
+chunk cap and the running batch's seats, all at most the configured ceilings. After the step the engine reports
+the step's measured wall time (`Scheduler.record_step`), which the policy feeds to its `StepTimeModel`.
+
+The choice, per step (times from the cost model):
+
+1. **TPOT**: every decoding stream may take a step of at most `allowance = first_token + tpot * n - now`
+   (n outputs so far: after the step its mean gap is still within its target), capped at 3 x its target so that
+   banked slack is spent gradually. The step's time limit is the least allowance; the prefill tokens that fit
+   beside the decodes in it are `room`.
+2. **TTFT**: for the prompts in queue order (running prefills, then waiting), the k-th must finish its
+   remaining tokens (with those before it) by its deadline: prefill rate `need_k` per step. Prompts whose
+   deadline no rate can meet any more are lost: they stop driving the budget and queue behind the others.
+3. `need <= room`: the step computes `room` prefill tokens (throughput within every stream's TPOT). Otherwise
+   both cannot hold: it keeps whichever side fewer sequences would miss (ties keep TPOT), takes `need` or
+   `room` accordingly and counts the sacrifice (`sacrificed["ttft" | "tpot"]`, steps).
+4. **Seats**: new sequences join while a decode-only step of the batch stays within the tightest TPOT target,
+   with room for a minimal prefill.
+
+Without a TPOT target a stream's target is the TPOT the `latency` profile would give on this machine: the
+modelled time of a step of min(batch, its seats) decodes and one of its prefill chunks. Prompts always advance by
+at least `min_prefill` tokens a step, so no prompt starves; a request waiting `max(10 s, 4 x TTFT)` goes first
+whatever its deadline. Queue order is (priority class when `scheduling_policy` is "priority", deadline).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from pagoda.scheduler.config import SchedulerConfig
+from pagoda.scheduler.cost_model import StepSample, StepTimeModel
+from pagoda.scheduler.profiles import PRESETS, ProfilePreset
+from pagoda.scheduler.request import Request
+from pagoda.scheduler.slo import SLOName, SLOTracker
+
+# Waiting this long (or 4 x its TTFT target, if longer) puts a request first in the queue: no starvation.
+_AGING_S = 10.0
+# The cap on a stream's banked slack, in multiples of its TPOT target.
+_MAX_ALLOWANCE = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step may do: tokens in all, tokens of one prefill chunk, sequences in the running batch."""
+
+    token_budget: int
+    chunk_size: int
+    max_num_seqs: int
+
+
+@runtime_checkable
+class StepPlanner(Protocol):
+    """A policy that shapes each step and learns from the measured ones (the scheduler calls these)."""
+
+    slo: SLOTracker
+
+    def plan_step(
+        self, running: Sequence[Request], waiting: Sequence[Request], config: SchedulerConfig
+    ) -> StepShape:
+        """The shape of the next step, within `config`'s ceilings."""
+        ...
+
+    def observe_step(self, sample: StepSample, running: Sequence[Request]) -> None:
+        """A step ran: its shape and wall time; `running` after its update."""
+        ...
+
+    def request_finished(self, request: Request, *, aborted: bool) -> None:
+        """A sequence finished (or was aborted)."""
+        ...
+
+
+class AdaptivePolicy:
+    """The `adaptive` profile: a `SchedulingPolicy` and a `StepPlanner` (module docstring)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        latency: ProfilePreset = PRESETS["latency"],
+        model: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        min_prefill: int = 32,
+    ) -> None:
+        """`latency`: the latency profile's knobs (scaled to the pool) whose TPOT is the default target;
+        `clock`: the clock of `Request.arrival_time`."""
+        self.model = model or StepTimeModel()
+        self.clock = clock
+        self.latency = latency
+        self.min_prefill = min_prefill
+        self.by_priority = config.scheduling_policy == "priority"
+        self.slo = SLOTracker(config.slo_ttft_ms, config.slo_tpot_ms)
+        self.last_shape: StepShape | None = None
+        self.sacrificed: dict[SLOName, int] = {"ttft": 0, "tpot": 0}
+
+    # ------------------------------------------------------------ queue order
+
+    def _deadline(self, request: Request) -> float:
+        """When its first token is due (arrival + TTFT target; far off without one)."""
+        ttft = self.slo.targets(request)[0]
+        return request.arrival_time + (ttft if ttft is not None else 3600.0)
+
+    def _key(self, request: Request) -> tuple[int, float, float, int]:
+        return (
+            request.priority if self.by_priority else 0,
+            self._deadline(request),
+            request.arrival_time,
+            request.sample_index,
+        )
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """Insert by (class, deadline, arrival): a preempted request keeps its deadline, so it returns early."""
+        bisect.insort_right(queue, request, key=self._key)
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """Aged requests, then those whose TTFT can still be met, then the lost ones; each group in queue order."""
+        now = self.clock()
+        aged, live, lost = [], [], []
+        for request in waiting:
+            ttft = self.slo.targets(request)[0]
+            waited = now - request.arrival_time
+            if waited >= max(_AGING_S, 4 * (ttft or 0.0)):
+                aged.append(request)
+            elif ttft is not None and waited > ttft and not request.num_output_tokens:
+                lost.append(request)
+            else:
+                live.append(request)
+        return [*aged, *live, *lost] if lost or aged else waiting
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The least urgent class, then the latest deadline (ties: the latest admitted)."""
+        if not candidates:
+            raise ValueError("no preemption candidates")
+        return max(reversed(candidates), key=self._key)
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """Under the priority order, the least urgent running request of a later class (vLLM's rule)."""
+        if not self.by_priority or not running:
+            return None
+        victim = max(reversed(running), key=self._key)
+        return victim if victim.priority > request.priority else None
+
+    # --------------------------------------------------------------- planning
+
+    def _tpot_target(self, decodes: int, context_per_row: float) -> float:
+        """The default TPOT: the latency profile's modelled step (its seats of decodes and one chunk)."""
+        rows = min(max(decodes, 1), self.latency.max_num_seqs)
+        chunk = self.latency.long_prefill_token_threshold or self.latency.max_num_batched_tokens
+        chunk = min(chunk, max(self.latency.max_num_batched_tokens - rows, 0))
+        return self.model.predict(rows, chunk, int(rows * context_per_row) + chunk)
+
+    def plan_step(
+        self, running: Sequence[Request], waiting: Sequence[Request], config: SchedulerConfig
+    ) -> StepShape:
+        """The next step's budget, chunk and seats (module docstring)."""
+        assert config.max_num_batched_tokens is not None
+        ceiling = config.max_num_batched_tokens
+        now = self.clock()
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        num_rows = len(decodes) + sum(len(r.spec_token_ids) for r in decodes)
+        context = sum(r.num_tokens for r in decodes)
+        per_row = context / len(decodes) if decodes else 0.0
+        default_tpot = self._tpot_target(len(decodes), per_row)
+        # 1. TPOT: the step's time limit from each stream's allowance.
+        allowances: list[float] = []
+        tightest = default_tpot
+        for request in decodes:
+            tpot = self.slo.targets(request)[1] or default_tpot
+            tightest = min(tightest, tpot)
+            first = self.slo.first_token_time.get(request.request_id)
+            allowance = tpot if first is None else first + tpot * request.num_output_tokens - now
+            allowances.append(min(max(allowance, 0.0), _MAX_ALLOWANCE * tpot))
+        limit = min(allowances, default=math.inf)
+        room = ceiling if math.isinf(limit) else self.model.prefill_room(limit, num_rows, context)
+        # 2. TTFT: the prefill rate each prompt's deadline needs, with the prompts before it.
+        a, b, c, d = self.model.coefficients
+        fixed = a + b * num_rows + d * context / 1000.0
+        wants: list[int] = []
+        total = 0
+        pending = [*prefills, *waiting]
+        for request in pending:
+            total += request.num_tokens - request.num_computed_tokens
+            ttft = self.slo.targets(request)[0]
+            if ttft is None or request.num_output_tokens:
+                continue
+            slack = request.arrival_time + ttft - now - fixed - total * c
+            if slack > 0:  # else lost: no rate meets it any more
+                wants.append(math.ceil(total * fixed / slack))
+        need = max(wants, default=0)
+        # 3. Both, or the side fewer sequences miss (a step without decodes has no TPOT to keep).
+        prefill = room
+        if need > room and decodes:
+            step_s = self.model.predict(num_rows, need, context + need)
+            missed_tpot = sum(step_s > allowance for allowance in allowances)
+            missed_ttft = sum(rate > room for rate in wants)
+            if missed_tpot < missed_ttft:
+                prefill = need
+                self.sacrificed["tpot"] += 1
+            else:
+                self.sacrificed["ttft"] += 1
+        if pending:
+            prefill = max(prefill, self.min_prefill)
+        budget = max(1, min(ceiling, num_rows + prefill))
+        chunk = max(1, min(budget, max(prefill, self.min_prefill)))
+        # 4. Seats: a decode-only step of the batch within the tightest target, leaving a minimal prefill.
+        per_seat = b + d * max(per_row, 1.0) / 1000.0
+        spare = tightest - a - c * self.min_prefill
+        seats = int(spare / per_seat) if per_seat > 0 else config.max_num_seqs
+        # A request waiting past the aging bound gets a seat whatever the target: nobody starves.
+        aged = any(
+            now - r.arrival_time >= max(_AGING_S, 4 * (self.slo.targets(r)[0] or 0.0)) for r in waiting
+        )
+        seats = max(1, min(config.max_num_seqs, max(seats, len(running) + 1 if aged else 0)))
+        if not config.enable_chunked_prefill or any(r.encoder_spans for r in pending):
+            budget, chunk = ceiling, ceiling  # a whole prompt (or an atomic image) must fit one step
+        self.last_shape = StepShape(budget, chunk, seats)
+        return self.last_shape
+
+    def observe_step(self, sample: StepSample, running: Sequence[Request]) -> None:
+        """Feed the cost model; note the first tokens this step produced."""
+        self.model.observe(sample)
+        self.slo.first_tokens(running, self.clock())
+
+    def request_finished(self, request: Request, *, aborted: bool) -> None:
+        """Count its SLOs (not for an abort) and forget it."""
+        self.slo.finished(request, self.clock(), aborted=aborted)
