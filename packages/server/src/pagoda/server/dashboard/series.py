@@ -8,6 +8,7 @@ from typing import Any
 
 from pagoda.server.dashboard.latency import percentile, since_time
 from pagoda.server.dashboard.snapshot import LATENCY_WINDOW_S, EngineSnapshot
+from pagoda.server.outputs import EngineStats
 
 HISTORY_POINTS = 300  # five minutes at one point per second
 
@@ -28,10 +29,29 @@ class SeriesPoint:
     ttft_p99: float | None
     itl_p50: float | None
     itl_p99: float | None
+    token_budget: int = 0  # the scheduler's latest step budget (the adaptive profile's choice)
+    chunk_size: int = 0  # its prefill chunk cap
+    ttft_attainment: float | None = (
+        None  # share of the sequences finished in the interval that met their TTFT
+    )
+    tpot_attainment: float | None = None  # ... their TPOT (None: none finished with that objective)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return asdict(self)
+
+
+def _attainment(before: EngineStats, now: EngineStats, column: int) -> float | None:
+    """Met over had, summed over priority classes, between two snapshots: column 1 TTFT, 3 TPOT."""
+
+    def sums(stats: EngineStats) -> tuple[int, int]:
+        return (
+            sum(row[column] for row in stats.slo_attainment),
+            sum(row[column + 1] for row in stats.slo_attainment),
+        )
+
+    (met0, had0), (met1, had1) = sums(before), sums(now)
+    return (met1 - met0) / (had1 - had0) if had1 > had0 else None
 
 
 class SeriesRecorder:
@@ -71,6 +91,10 @@ class SeriesRecorder:
             ttft_p99=percentile(ttft, 99),
             itl_p50=percentile(itl, 50),
             itl_p99=percentile(itl, 99),
+            token_budget=now.token_budget,
+            chunk_size=now.chunk_size,
+            ttft_attainment=_attainment(before, now, 1),
+            tpot_attainment=_attainment(before, now, 3),
         )
         self.points.append(point)
         return point

@@ -18,6 +18,8 @@
     ["Preemptions per second", [["preemptions", 1, "#e6550d"]], ""],
     ["TTFT p50 / p99", [["ttft_p50", 1000, "#3182bd"], ["ttft_p99", 1000, "#e6550d"]], " ms"],
     ["ITL p50 / p99", [["itl_p50", 1000, "#3182bd"], ["itl_p99", 1000, "#e6550d"]], " ms"],
+    ["Step budget / chunk (tokens)", [["token_budget", 1, "#3182bd"], ["chunk_size", 1, "#e6550d"]], ""],
+    ["SLO attainment TTFT / TPOT", [["ttft_attainment", 100, "#3182bd"], ["tpot_attainment", 100, "#e6550d"]], "%"],
   ];
   const views = new Map(); // replica index -> its DOM and decoded arrays
   const state = { frames: 0, points: [], last: null };
