@@ -79,31 +79,25 @@ def req(rid: str, prompt_len: int, max_tokens: int, at: float, **slo: float) -> 
 
 
 def test_without_slos_streams_keep_the_latency_profiles_tpot() -> None:
-    """No objectives: every stream's mean gap stays within the latency profile's modelled step while long
-    prompts join (banked slack lets a larger chunk run, never past the target on average)."""
+    """No objectives: every stream's mean gap (TPOT, at its end) stays within the latency profile's modelled
+    step while long prompts join (slack banked or still to bank lets larger chunks run)."""
     clock = Clock()
     sched, policy, model = make(clock)
     for i in range(4):
-        sched.add_request(req(f"d{i}", 8, 400, 0.0))
+        sched.add_request(req(f"d{i}", 8, 60, 0.0))
     for _ in range(5):
         run_step(sched, model, clock)
     target = policy._tpot_target(4, 20.0)
     for k in range(3):
         sched.add_request(req(f"long{k}", 480, 2, clock.now))
     chunks = []
-    for _ in range(40):
+    first = {f"d{i}": policy.slo.first_token_time[f"d{i}"] for i in range(4)}
+    while sched.has_unfinished_requests():
         out = run_step(sched, model, clock)
-        chunks += [
-            c.num_tokens for c in out.scheduled if c.request_id.startswith("long") and c.num_tokens > 1
-        ]
-        for i in range(4):
-            stream = sched.get_request(f"d{i}")
-            assert stream is not None
-            first = policy.slo.first_token_time[stream.request_id]
-            gaps = stream.num_output_tokens - 1
-            assert (clock.now - first) / gaps <= target * 1.01
-    assert len(chunks) > 3  # some prompt ran in chunks
-    assert not any(sched.get_request(f"long{k}") for k in range(3))
+        chunks += [c.num_tokens for c in out.scheduled if c.request_id.startswith("long") and c.num_tokens > 1]
+        for rid in [r for r in first if sched.get_request(r) is None]:
+            assert (clock.now - first.pop(rid)) / 59 <= target  # finished: its mean gap over 59 gaps
+    assert not first and len(chunks) > 3  # every stream checked; some prompt ran in chunks
 
 
 def test_when_both_cannot_hold_the_sacrifice_is_counted() -> None:

@@ -7,8 +7,9 @@ the step's measured wall time (`Scheduler.record_step`), which the policy feeds 
 The choice, per step (times from the cost model):
 
 1. **TPOT**: every decoding stream may take a step of at most `allowance = first_token + tpot * n - now`
-   (n outputs so far: after the step its mean gap is still within its target), capped at 3 x its target so that
-   banked slack is spent gradually. The step's time limit is the least allowance; the prefill tokens that fit
+   (n outputs so far: after the step its mean gap is still within its target), plus the slack its next (up to 8)
+   decode-only steps will bank if they are shorter than its target (TPOT is a mean over the stream), capped at
+   3 x its target so that slack is spent gradually. The step's time limit is the least allowance; the prefill tokens that fit
    beside the decodes in it are `room`.
 2. **TTFT**: for the prompts in queue order (running prefills, then waiting), the k-th must finish its
    remaining tokens (with those before it) by its deadline: prefill rate `need_k` per step. Prompts whose
@@ -44,6 +45,9 @@ from pagoda.scheduler.slo import SLOName, SLOTracker
 _AGING_S = 10.0
 # The cap on a stream's banked slack, in multiples of its TPOT target.
 _MAX_ALLOWANCE = 3.0
+# A stream may borrow the slack its next this-many decode-only steps will bank (each shorter than its target):
+# its mean gap, what TPOT measures, recovers by its end.
+_BORROW_STEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +177,14 @@ class AdaptivePolicy:
         # 1. TPOT: the step's time limit from each stream's allowance.
         allowances: list[float] = []
         tightest = default_tpot
+        decode_step = self.model.predict(num_rows, 0, context)
         for request in decodes:
             tpot = self.slo.targets(request)[1] or default_tpot
             tightest = min(tightest, tpot)
             first = self.slo.first_token_time.get(request.request_id)
             allowance = tpot if first is None else first + tpot * request.num_output_tokens - now
+            ahead = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            allowance += max(0.0, tpot - decode_step) * min(max(ahead, 0), _BORROW_STEPS)
             allowances.append(min(max(allowance, 0.0), _MAX_ALLOWANCE * tpot))
         limit = min(allowances, default=math.inf)
         room = ceiling if math.isinf(limit) else self.model.prefill_room(limit, num_rows, context)
