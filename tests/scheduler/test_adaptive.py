@@ -94,7 +94,9 @@ def test_without_slos_streams_keep_the_latency_profiles_tpot() -> None:
     first = {f"d{i}": policy.slo.first_token_time[f"d{i}"] for i in range(4)}
     while sched.has_unfinished_requests():
         out = run_step(sched, model, clock)
-        chunks += [c.num_tokens for c in out.scheduled if c.request_id.startswith("long") and c.num_tokens > 1]
+        chunks += [
+            c.num_tokens for c in out.scheduled if c.request_id.startswith("long") and c.num_tokens > 1
+        ]
         for rid in [r for r in first if sched.get_request(r) is None]:
             assert (clock.now - first.pop(rid)) / 59 <= target  # finished: its mean gap over 59 gaps
     assert not first and len(chunks) > 3  # every stream checked; some prompt ran in chunks

@@ -18,7 +18,11 @@ The choice, per step (times from the cost model):
    both cannot hold: it keeps whichever side fewer sequences would miss (ties keep TPOT), takes `need` or
    `room` accordingly and counts the sacrifice (`sacrificed["ttft" | "tpot"]`, steps).
 4. **Seats**: new sequences join while a decode-only step of the batch stays within the tightest TPOT target,
-   with room for a minimal prefill.
+   with room for a minimal prefill; past it, only when more waiting prompts can still meet their TTFT than
+   running streams their TPOT.
+
+A stream whose TPOT is lost already (its allowance is below a decode-only step) and a prompt whose TTFT is lost
+stop weighing in these counts: keeping one lost objective never costs one that can still be met.
 
 Without a TPOT target a stream's target is the TPOT the `latency` profile would give on this machine: the
 modelled time of a step of min(batch, its seats) decodes and one of its prefill chunks. Prompts always advance by
@@ -174,19 +178,26 @@ class AdaptivePolicy:
         context = sum(r.num_tokens for r in decodes)
         per_row = context / len(decodes) if decodes else 0.0
         default_tpot = self._tpot_target(len(decodes), per_row)
-        # 1. TPOT: the step's time limit from each stream's allowance.
-        allowances: list[float] = []
-        tightest = default_tpot
+        # 1. TPOT: the step's time limit from each stream's allowance. A stream that cannot make its target
+        # any more (its allowance is below even a decode-only step) is lost: it limits the step to its target
+        # (so that the others still can) but never counts as a stream a longer step would make miss.
+        allowances: list[float] = []  # of the streams that can still meet their TPOT
+        limit = math.inf
+        tightest = math.inf
         decode_step = self.model.predict(num_rows, 0, context)
         for request in decodes:
             tpot = self.slo.targets(request)[1] or default_tpot
-            tightest = min(tightest, tpot)
             first = self.slo.first_token_time.get(request.request_id)
             allowance = tpot if first is None else first + tpot * request.num_output_tokens - now
             ahead = request.sampling_params.max_tokens - request.num_output_tokens - 1
             allowance += max(0.0, tpot - decode_step) * min(max(ahead, 0), _BORROW_STEPS)
-            allowances.append(min(max(allowance, 0.0), _MAX_ALLOWANCE * tpot))
-        limit = min(allowances, default=math.inf)
+            allowance = min(allowance, _MAX_ALLOWANCE * tpot)
+            if allowance < decode_step:
+                limit = min(limit, tpot)
+            else:
+                allowances.append(allowance)
+                limit = min(limit, allowance)
+                tightest = min(tightest, tpot)
         room = ceiling if math.isinf(limit) else self.model.prefill_room(limit, num_rows, context)
         # 2. TTFT: the prefill rate each prompt's deadline needs, with the prompts before it.
         a, b, c, d = self.model.coefficients
@@ -211,22 +222,27 @@ class AdaptivePolicy:
             missed_ttft = sum(rate > room for rate in wants)
             if missed_tpot < missed_ttft:
                 prefill = need
-                self.sacrificed["tpot"] += 1
+                self.sacrificed["tpot"] += missed_tpot > 0
             else:
                 self.sacrificed["ttft"] += 1
         if pending:
             prefill = max(prefill, self.min_prefill)
         budget = max(1, min(ceiling, num_rows + prefill))
         chunk = max(1, min(budget, max(prefill, self.min_prefill)))
-        # 4. Seats: a decode-only step of the batch within the tightest target, leaving a minimal prefill.
-        per_seat = b + d * max(per_row, 1.0) / 1000.0
-        spare = tightest - a - c * self.min_prefill
-        seats = int(spare / per_seat) if per_seat > 0 else config.max_num_seqs
-        # A request waiting past the aging bound gets a seat whatever the target: nobody starves.
-        aged = any(
-            now - r.arrival_time >= max(_AGING_S, 4 * (self.slo.targets(r)[0] or 0.0)) for r in waiting
-        )
-        seats = max(1, min(config.max_num_seqs, max(seats, len(running) + 1 if aged else 0)))
+        # 4. Seats: new sequences join while a decode-only step of the batch and a minimal prefill stay within
+        # the tightest live target; past it, only when the prompts that can still meet their TTFT outnumber the
+        # streams that can still meet their TPOT (the same count as in 3), or one has waited past the aging bound.
+        seats = config.max_num_seqs
+        if decode_step + c * self.min_prefill > tightest:
+            live_waiting = sum(
+                1 for r in waiting if (ttft := self.slo.targets(r)[0]) is None or now - r.arrival_time < ttft
+            )
+            aged = any(
+                now - r.arrival_time >= max(_AGING_S, 4 * (self.slo.targets(r)[0] or 0.0)) for r in waiting
+            )
+            if live_waiting <= len(allowances) and not aged:
+                seats = len(running)
+        seats = max(1, min(config.max_num_seqs, seats))
         if not config.enable_chunked_prefill or any(r.encoder_spans for r in pending):
             budget, chunk = ceiling, ceiling  # a whole prompt (or an atomic image) must fit one step
         self.last_shape = StepShape(budget, chunk, seats)
