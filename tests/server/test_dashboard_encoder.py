@@ -177,7 +177,9 @@ def test_series_points_carry_the_step_shape_and_slo_attainment_over_the_interval
     )
     recorder = SeriesRecorder(period=1.0)
     recorder.observe(EngineSnapshot(100.0, (), stats, (), ()), wall=1.0)
-    later = replace(stats, slo_attainment=((0, 4, 6, 2, 2), (1, 1, 2, 0, 0)), token_budget=512, chunk_size=480)
+    later = replace(
+        stats, slo_attainment=((0, 4, 6, 2, 2), (1, 1, 2, 0, 0)), token_budget=512, chunk_size=480
+    )
     point = recorder.observe(EngineSnapshot(101.0, (), later, (), ()), wall=2.0)
     assert point is not None
     assert (point.token_budget, point.chunk_size) == (512, 480)
