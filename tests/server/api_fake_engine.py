@@ -103,6 +103,7 @@ class FakeEngine:
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.num_steps = 0
+        self.last_params: SamplingParams | None = None  # the latest request's
         self._finished_aborts: list[RequestOutput] = []
         vocab = self.tokenizer.get_vocab()
         self._letter_ids = [vocab[c] for c in LETTERS]
@@ -124,6 +125,7 @@ class FakeEngine:
             raise RequestRejectedError("rejected by the fake engine", "prompt")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestRejectedError("too long", "max_tokens")
+        self.last_params = params
         seqs = [_Seq(index=i) for i in range(params.n)]
         self.requests[request_id] = _Req(
             request_id, prompt, tuple(prompt_token_ids), params, arrival_time or time.monotonic(), seqs
@@ -191,6 +193,12 @@ class FakeEngine:
             num_preemptions=0,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            # A fixed step shape and SLO counts, so that /metrics shows their families.
+            token_budget=64,
+            chunk_size=32,
+            max_num_seqs=self.max_num_seqs,
+            slo_attainment=((0, 3, 4, 2, 4), (1, 1, 1, 1, 1)),
+            slo_sacrificed=(5, 2),
         )
 
     # The fake model ------------------------------------------------------------------------------------

@@ -607,3 +607,29 @@ def _loop_of(running: RunningServer) -> asyncio.AbstractEventLoop:
     loop = running.llm._loop
     assert loop is not None
     return loop
+
+
+def test_a_requests_slo_reaches_the_engine_and_metrics_show_the_step_shape_and_attainment(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    """The body's "slo" becomes SamplingParams.slo; /metrics has the step-shape gauges and SLO counters."""
+    from pagoda.scheduler import RequestSLO
+
+    client.completions.create(
+        model=MODEL, prompt="ok", max_tokens=2, extra_body={"slo": {"ttft_ms": 500, "tpot_ms": 40.5}}
+    )
+    assert server.engine.last_params is not None
+    assert server.engine.last_params.slo == RequestSLO(ttft_ms=500.0, tpot_ms=40.5)
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"slo": {"tpot_ms": 9}},
+    )
+    assert server.engine.last_params.slo == RequestSLO(tpot_ms=9.0)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert metric(text, "pagoda:scheduler_token_budget") == 64.0
+    assert metric(text, "pagoda:scheduler_chunk_size") == 32.0
+    assert 'pagoda:slo_met_total{model_name="test-model",priority="0",slo="ttft"} 3.0' in text
+    assert 'pagoda:slo_requests_total{model_name="test-model",priority="0",slo="tpot"} 4.0' in text
+    assert 'pagoda:slo_sacrificed_total{model_name="test-model",slo="ttft"} 5.0' in text

@@ -162,3 +162,26 @@ def test_series_points_are_interval_rates_and_windowed_percentiles() -> None:
     assert quiet is not None and quiet.output_tps == 0.0 and quiet.prefix_hit_rate is None
     assert quiet.ttft_p50 is None
     assert list(recorder.points) == [point, quiet]
+
+
+def test_series_points_carry_the_step_shape_and_slo_attainment_over_the_interval() -> None:
+    """The budget and chunk of the latest step, and the share of the sequences finished in the interval that
+    met each objective (None when none finished with one)."""
+    from dataclasses import replace
+
+    from pagoda.server.dashboard.series import SeriesRecorder
+    from pagoda.server.dashboard.snapshot import EngineSnapshot
+
+    stats = replace(
+        _stats(BlockManager(num_blocks=4, block_size=4)), slo_attainment=((0, 1, 2, 2, 2),), token_budget=96
+    )
+    recorder = SeriesRecorder(period=1.0)
+    recorder.observe(EngineSnapshot(100.0, (), stats, (), ()), wall=1.0)
+    later = replace(
+        stats, slo_attainment=((0, 4, 6, 2, 2), (1, 1, 2, 0, 0)), token_budget=512, chunk_size=480
+    )
+    point = recorder.observe(EngineSnapshot(101.0, (), later, (), ()), wall=2.0)
+    assert point is not None
+    assert (point.token_budget, point.chunk_size) == (512, 480)
+    assert point.ttft_attainment == 4 / 6  # (3 + 1) met of (4 + 2) finished in the interval
+    assert point.tpot_attainment is None  # nobody with a TPOT objective finished in it

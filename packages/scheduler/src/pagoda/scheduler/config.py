@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from pagoda.scheduler.slo import SLOTargets, parse_slo_targets, target_for
+
 # The one spelling of the mode in the workspace: embedders (the server's config and CLI) import it. "auto"
 # chooses per victim by a `PreemptionCostModel` (preemption.py); the other two force one mechanism.
 PreemptionMode = Literal["recompute", "swap", "auto"]
 # fcfs: arrival order; priority: lower `priority` first; static: traditional batching, a batch forms and runs
 # to completion before the next is admitted (policy.py).
 SchedulingPolicyName = Literal["fcfs", "priority", "static"]
+# The design document's hand-tuned scenes as presets scaled to the KV pool, or `adaptive`, which chooses each
+# step's shape from a cost model and the SLOs (profiles.py, adaptive.py); None: the knobs as set.
+SchedulingProfileName = Literal["throughput", "latency", "balanced", "adaptive"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +51,23 @@ class SchedulerConfig:
     # Encoder output rows (image tokens) that the running requests' unprefilled images may hold at once (the
     # encoder cache's budget, `EncoderBudget`); None: no cap.
     encoder_cache_tokens: int | None = None
+    # A profile's presets replace the budget, seats, chunk and prefix caching once the KV pool is known
+    # (`profiles.apply_profile`); "adaptive" also makes `build_policy` return an `AdaptivePolicy`.
+    scheduling_profile: SchedulingProfileName | None = None
+    # Objectives (ms) per priority class, `((priority or None, ms), ...)` (`slo.parse_slo_targets` reads
+    # "500" or "2000,0:300" too): what `adaptive` schedules for and counts attainment of. Empty: none.
+    slo_ttft_ms: SLOTargets = ()
+    slo_tpot_ms: SLOTargets = ()
 
     def __post_init__(self) -> None:
         """ValueError naming the field on an impossible configuration."""
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):  # a flag's text or a number, stored canonical
+            object.__setattr__(self, name, parse_slo_targets(getattr(self, name), name))
+        if self.scheduling_profile is not None and self.scheduling_profile not in get_args(
+            SchedulingProfileName
+        ):
+            profiles = " or ".join(map(repr, get_args(SchedulingProfileName)))
+            raise ValueError(f"scheduling_profile must be {profiles}, not {self.scheduling_profile!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         for name in (
@@ -80,3 +99,7 @@ class SchedulerConfig:
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
         if self.max_batch_prefill_tokens is not None and self.max_batch_prefill_tokens < max_len:
             raise ValueError("without chunked prefill max_batch_prefill_tokens must be >= max_model_len")
+
+    def slo_ms(self, name: str, priority: int) -> float | None:
+        """The TTFT ("ttft") or TPOT ("tpot") target of a priority class in ms; None without one."""
+        return target_for(self.slo_ttft_ms if name == "ttft" else self.slo_tpot_ms, priority)

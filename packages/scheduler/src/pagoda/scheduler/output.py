@@ -73,6 +73,14 @@ class SchedulerStats:
     kv_usage_per_group: tuple[
         float, ...
     ] = ()  # used / total device blocks held by each KV cache group (>1 group)
+    # The latest step's shape: its token budget, prefill chunk cap and seats (the config's without a planner).
+    token_budget: int = 0
+    chunk_size: int = 0
+    seats: int = 0
+    # Finished sequences per priority class: (priority, ttft_met, ttft_total, tpot_met, tpot_total).
+    slo_attainment: tuple[tuple[int, int, int, int, int], ...] = ()
+    # Steps in which `adaptive` could not keep both objectives: (TTFT given up, TPOT given up).
+    slo_sacrificed: tuple[int, int] = (0, 0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from pagoda.scheduler.adaptive import AdaptivePolicy
 from pagoda.scheduler.config import SchedulerConfig
+from pagoda.scheduler.profiles import PRESETS, scaled_preset
 from pagoda.scheduler.request import Request
 
 
@@ -183,8 +185,13 @@ class StaticBatchPolicy:
         return None
 
 
-def build_policy(config: SchedulerConfig) -> SchedulingPolicy:
-    """The policy `config.scheduling_policy` names (static: batches formed after `static_batch_timeout_s`)."""
+def build_policy(config: SchedulerConfig, *, pool: tuple[int, int] | None = None) -> SchedulingPolicy:
+    """The policy `config.scheduling_policy` names (static: batches formed after `static_batch_timeout_s`), or
+    the `adaptive` profile's `AdaptivePolicy` (its default TPOT from the latency preset scaled to `pool`, the
+    KV pool's (num_blocks, block_size); unscaled without it)."""
+    if config.scheduling_profile == "adaptive":
+        latency = PRESETS["latency"] if pool is None else scaled_preset("latency", *pool)
+        return AdaptivePolicy(config, latency=latency)
     if config.scheduling_policy == "priority":
         return PriorityPolicy()
     if config.scheduling_policy == "static":

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagoda.scheduler.protocols import SamplingParamsLike
+from pagoda.scheduler.slo import RequestSLO
 
 
 class RequestRejectedError(ValueError):
@@ -99,6 +100,7 @@ class Request:
         "request_id",
         "sample_index",
         "sampling_params",
+        "slo",
         "spec_token_ids",
         "status",
         "stop_token_id",
@@ -116,6 +118,7 @@ class Request:
         parent_id: str | None = None,
         sample_index: int = 0,
         encoder_spans: Sequence[EncoderSpan] = (),
+        slo: RequestSLO | None = None,
     ) -> None:
         """A fresh WAITING request; `arrival_time` is on the clock the policies use; `encoder_spans` (in prompt
         order, disjoint, inside the prompt) mark its images."""
@@ -142,6 +145,7 @@ class Request:
         # prompt + outputs kept as one list: the allocator hashes it and the chunk is sliced from it every step.
         self._all_token_ids = list(self.prompt_token_ids)
         self.encoder_spans: tuple[EncoderSpan, ...] = tuple(encoder_spans)
+        self.slo = slo  # its own TTFT / TPOT objectives (None: its priority class's, `SchedulerConfig.slo_*`)
         # What the allocator hashes: the token ids with each span's content key at its positions (None: the
         # token ids themselves, for a request without spans).
         self._block_keys: list[int] | None = None
@@ -233,6 +237,7 @@ class Request:
             parent_id=parent_id,
             sample_index=sample_index,
             encoder_spans=self.encoder_spans,
+            slo=self.slo,
         )
         child._all_token_ids = list(self._all_token_ids)
         if self._block_keys is not None:

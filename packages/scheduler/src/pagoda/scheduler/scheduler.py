@@ -8,16 +8,20 @@ recompute preemption resets it to 0 — one mechanism (vLLM v1's model).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pagoda.scheduler.adaptive import StepPlanner, StepShape
 from pagoda.scheduler.admission import AdmissionRule, build_rules
 from pagoda.scheduler.config import SchedulerConfig
+from pagoda.scheduler.cost_model import StepSample
 from pagoda.scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.scheduler.policy import SchedulingPolicy, build_policy
 from pagoda.scheduler.preemption import PreemptionChoice, PreemptionCostModel, choose_preemption
 from pagoda.scheduler.protocols import KVBlockManager, SlotAllocationLike
 from pagoda.scheduler.request import Request, RequestRejectedError, RequestStatus
+from pagoda.scheduler.slo import SLOTracker
 from pagoda.scheduler.views import QueueView, queue_view
 
 RUNNING = RequestStatus.RUNNING
@@ -32,6 +36,8 @@ class _Step:
         int | None
     )  # prefill tokens left (max_batch_prefill_tokens); None: only `budget` caps them
     num_prefills: int  # requests mid-prefill, those scheduled this step included (max_num_partial_prefills)
+    max_num_seqs: int  # seats of the running batch in this step (the config's, or fewer by the planner)
+    chunk_cap: int | None  # one request's prefill chunk (long_prefill_token_threshold, or the planner's)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -72,7 +78,21 @@ class Scheduler:
         self.max_model_len: int = config.max_model_len
         self.max_num_batched_tokens: int = config.max_num_batched_tokens  # the token budget of one step
         self.kv = kv
-        self.policy: SchedulingPolicy = build_policy(config) if policy is None else policy
+        self.policy: SchedulingPolicy = (
+            build_policy(config, pool=(kv.num_blocks, kv.block_size)) if policy is None else policy
+        )
+        # A policy that shapes each step (`adaptive`) also tracks the SLOs; else a tracker of their own when the
+        # config sets objectives (attainment is reported under every policy), on the engines' clock.
+        self._planner: StepPlanner | None = self.policy if isinstance(self.policy, StepPlanner) else None
+        self._clock: Callable[[], float] = getattr(self.policy, "clock", time.monotonic)
+        self.slo: SLOTracker | None = (
+            self._planner.slo
+            if self._planner is not None
+            else SLOTracker(config.slo_ttft_ms, config.slo_tpot_ms)
+            if config.slo_ttft_ms or config.slo_tpot_ms
+            else None
+        )
+        self.last_shape: StepShape | None = None  # the planner's shape of the latest step
         self.rules: tuple[AdmissionRule, ...] = build_rules(config) if rules is None else tuple(rules)
         self.preemption_costs = preemption_costs
         self.waiting: list[Request] = []  # new and recompute-preempted requests, in policy order
@@ -155,7 +175,16 @@ class Scheduler:
         """Queue lengths, preemptions, and the allocator's usage and prefix-cache counters."""
         kv = self.kv.stats()
         per_group = tuple(n / kv.num_blocks if kv.num_blocks else 0.0 for n in kv.num_used_blocks_per_group)
+        shape = self.last_shape
+        sacrificed = getattr(self._planner, "sacrificed", {})
         return SchedulerStats(
+            token_budget=self.max_num_batched_tokens if shape is None else shape.token_budget,
+            chunk_size=self.config.long_prefill_token_threshold or self.max_num_batched_tokens
+            if shape is None
+            else shape.chunk_size,
+            seats=self.config.max_num_seqs if shape is None else shape.max_num_seqs,
+            slo_attainment=() if self.slo is None else self.slo.attainment(),
+            slo_sacrificed=(sacrificed.get("ttft", 0), sacrificed.get("tpot", 0)),
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
@@ -236,7 +265,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (allocating its slots and advancing `num_computed_tokens` of scheduled requests)."""
         cfg = self.config
-        step = _Step(self.max_num_batched_tokens, cfg.max_batch_prefill_tokens, 0)
+        if self._planner is not None:
+            shape = self.last_shape = self._planner.plan_step(self.running, self.waiting, cfg)
+            # The planner chooses below the configured ceilings, never above them.
+            budget = max(1, min(shape.token_budget, self.max_num_batched_tokens))
+            seats = max(1, min(shape.max_num_seqs, cfg.max_num_seqs))
+            chunk: int | None = max(1, shape.chunk_size)
+        else:
+            budget, seats, chunk = (
+                self.max_num_batched_tokens,
+                cfg.max_num_seqs,
+                cfg.long_prefill_token_threshold,
+            )
+        step = _Step(budget, cfg.max_batch_prefill_tokens, 0, seats, chunk)
         self._preempt_for_waiting(step)
         # Decodes first so a long prefill never stalls token generation, then continuing prefill chunks.
         decodes: list[Request] = []
@@ -267,7 +308,7 @@ class Scheduler:
             blocks_to_copy=tuple(step.copies),
             preempted_request_ids=tuple(step.preempted),
             finished_request_ids=tuple(self._finished_ids),
-            num_batched_tokens=self.max_num_batched_tokens - step.budget,
+            num_batched_tokens=budget - step.budget,
             scheduled_spec_decode_tokens=step.spec,
         )
         self._finished_ids = []
@@ -327,6 +368,29 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def record_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The engine's report of a step it ran (after `update_from_output`): its measured wall time. A planning
+        policy fits its cost model on it (with the step's shape: decode rows, prefill tokens, context read);
+        the SLO tracker notes the first tokens it produced."""
+        if self._planner is None and self.slo is None:
+            return
+        rows = prefill = context = 0
+        for chunk in output.scheduled:
+            if chunk.num_tokens <= 1 + len(chunk.spec_token_ids) and chunk.num_samples:
+                rows += chunk.num_tokens
+            else:
+                prefill += chunk.num_tokens
+            context += chunk.seq_len
+        if self._planner is not None:
+            self._planner.observe_step(StepSample(rows, prefill, context, seconds), self.running)
+        elif self.slo is not None:
+            self.slo.first_tokens(self.running, self._clock())
+
+    @property
+    def wants_step_timing(self) -> bool:
+        """Whether `record_step` does anything (a planning policy or SLO targets): the engine times steps then."""
+        return self._planner is not None or self.slo is not None
+
     # ------------------------------------------------- held sequences (beam search)
 
     def fork_sequence(self, parent_id: str, child_id: str) -> None:
@@ -369,7 +433,7 @@ class Scheduler:
             budget = min(budget, step.prefill_budget)
         if not self.config.enable_chunked_prefill:
             return num_new if num_new <= budget else 0
-        threshold = self.config.long_prefill_token_threshold
+        threshold = step.chunk_cap
         if threshold is not None and num_new > threshold:
             num_new = threshold
         num_new = min(num_new, budget)
@@ -499,7 +563,7 @@ class Scheduler:
             request = self.swapped[0]
             rid = request.request_id
             blocks = self.kv.blocks_for_tokens(self.kv.num_tokens(rid))
-            if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
+            if self.num_running_seqs + request.num_seqs > step.max_num_seqs:
                 break
             if not self._fits_rules(request):
                 break
@@ -533,7 +597,7 @@ class Scheduler:
     def _admission_chunk(self, request: Request, step: _Step) -> tuple[int, int] | None:
         """(cached tokens, chunk length) of waiting `request` if seats, budgets and free blocks admit it now."""
         cfg, kv = self.config, self.kv
-        if self.num_running_seqs + request.num_seqs > cfg.max_num_seqs or not self._may_start_prefill(step):
+        if self.num_running_seqs + request.num_seqs > step.max_num_seqs or not self._may_start_prefill(step):
             return None
         num_cached = 0
         if cfg.enable_prefix_caching:
@@ -724,6 +788,10 @@ class Scheduler:
         request.num_children_to_fork = 0
         request.status = status
         del self._requests[rid]
+        if self._planner is not None:
+            self._planner.request_finished(request, aborted=status is RequestStatus.FINISHED_ABORTED)
+        elif self.slo is not None:
+            self.slo.finished(request, self._clock(), aborted=status is RequestStatus.FINISHED_ABORTED)
         if request.parent_id is not None:
             siblings = self._children[request.parent_id]
             del siblings[rid]

@@ -16,7 +16,7 @@ from functools import reduce
 from pathlib import Path
 from typing import Any, get_args
 
-from pagoda.scheduler import PreemptionMode, SchedulingPolicyName
+from pagoda.scheduler import PreemptionMode, SchedulingPolicyName, SchedulingProfileName
 from pagoda.server.config import (
     DEFAULT_MAX_IMAGES_PER_PROMPT,
     INT4_GROUP_SIZES,
@@ -312,6 +312,34 @@ def argument_table() -> list[Flag]:
                 "choices": get_args(SchedulingPolicyName),
                 "help": "fcfs: continuous batching in arrival order; priority: lower `priority` first; static: a "
                 "batch of up to --max-num-seqs runs to completion and nobody joins it",
+            },
+        ),
+        Flag(
+            ("--scheduling-profile",),
+            {
+                "choices": get_args(SchedulingProfileName),
+                "help": "presets of --max-num-batched-tokens, --max-num-seqs, the prefill chunk and prefix caching, "
+                "scaled to the KV pool: throughput (16384, 512), latency (512, 32, chunk 256), balanced (8192, 128); "
+                "adaptive: each step chooses its budget, chunk and batch from a cost model fitted on the steps it "
+                "runs, to keep --slo-tpot-ms for running streams and --slo-ttft-ms for waiting prompts",
+            },
+        ),
+        Flag(
+            ("--slo-ttft-ms",),
+            {
+                "type": str,
+                "metavar": "MS[,PRIORITY:MS...]",
+                "help": "time-to-first-token objective in ms, per priority class after the default (e.g. 2000,0:300); "
+                'a request\'s body may set its own ("slo": {"ttft_ms": ...})',
+            },
+        ),
+        Flag(
+            ("--slo-tpot-ms",),
+            {
+                "type": str,
+                "metavar": "MS[,PRIORITY:MS...]",
+                "help": "time-per-output-token objective in ms (as --slo-ttft-ms); adaptive without one keeps the TPOT "
+                "the latency profile would give",
             },
         ),
         Flag(

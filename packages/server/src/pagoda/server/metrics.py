@@ -115,6 +115,7 @@ class _EngineStatsCollector(Collector):
                 per_pos.add_metric([*values, str(position)], float(accepted))
         yield per_pos
         yield from self._tiers(labels, engines)
+        yield from self._slo_families(labels, engines)
         if not engines:
             return
         stats = engines[0][1]
@@ -162,6 +163,47 @@ class _EngineStatsCollector(Collector):
                 for tier in stats.kv_tiers:
                     gauge.add_metric([*values, tier.tier], float(value(tier)))
             yield gauge
+
+    def _slo_families(
+        self, labels: list[str], engines: list[tuple[list[str], EngineStats]]
+    ) -> Iterable[Metric]:
+        """The scheduler's step shape (gauges: the adaptive profile moves them every step) and SLO attainment
+        per priority class (counters), with the steps in which adaptive gave one objective up."""
+        shape: list[tuple[str, str, Callable[[EngineStats], float]]] = [
+            ("scheduler_token_budget", "Token budget of the latest step.", lambda s: s.token_budget),
+            ("scheduler_chunk_size", "Prefill chunk cap of the latest step.", lambda s: s.chunk_size),
+            ("scheduler_max_num_seqs", "Running-batch seats of the latest step.", lambda s: s.max_num_seqs),
+        ]
+        for name, doc, value in shape:
+            gauge = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
+            for values, stats in engines:
+                gauge.add_metric(values, float(value(stats)))
+            yield gauge
+        met = CounterMetricFamily(
+            f"{self._prefix}:slo_met",
+            "Finished sequences that met their objective, by objective and priority class.",
+            labels=[*labels, "slo", "priority"],
+        )
+        total = CounterMetricFamily(
+            f"{self._prefix}:slo_requests",
+            "Finished sequences that had an objective, by objective and priority class.",
+            labels=[*labels, "slo", "priority"],
+        )
+        sacrificed = CounterMetricFamily(
+            f"{self._prefix}:slo_sacrificed",
+            "Steps in which the adaptive profile could not keep both objectives and gave this one up.",
+            labels=[*labels, "slo"],
+        )
+        for values, stats in engines:
+            for priority, ttft_met, ttft_total, tpot_met, tpot_total in stats.slo_attainment:
+                for slo, hit, count in (("ttft", ttft_met, ttft_total), ("tpot", tpot_met, tpot_total)):
+                    met.add_metric([*values, slo, str(priority)], float(hit))
+                    total.add_metric([*values, slo, str(priority)], float(count))
+            for slo, steps in zip(("ttft", "tpot"), stats.slo_sacrificed, strict=True):
+                sacrificed.add_metric([*values, slo], float(steps))
+        yield met
+        yield total
+        yield sacrificed
 
     def _replica_families(self, status: list[ReplicaStatus]) -> Iterable[Metric]:
         """Each replica's liveness and restarts, and the router's counters."""

@@ -106,3 +106,11 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # KV tiers (pagoda.server.kv_tiers), host then disk: this engine's hits and bytes, the tier's occupancy.
     kv_tiers: tuple[KVTierStats, ...] = ()
+    # The scheduler's latest step shape (the adaptive profile chooses it per step; else the configured limits).
+    token_budget: int = 0
+    chunk_size: int = 0
+    max_num_seqs: int = 0
+    # Finished sequences per priority class (with --slo-* or the adaptive profile): (priority, ttft_met,
+    # ttft_total, tpot_met, tpot_total); and steps in which adaptive gave up (ttft, tpot).
+    slo_attainment: tuple[tuple[int, int, int, int, int], ...] = ()
+    slo_sacrificed: tuple[int, int] = (0, 0)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagoda.scheduler import RequestSLO
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.structured.params import StructuredOutputsParams
 
@@ -47,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0: the sampled token's logprob only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    slo: RequestSLO | None = None  # its own TTFT / TPOT objectives (None: its class's, --slo-ttft-ms ...)
     speculative: bool = True  # False: never drafted, whatever --speculative-config says
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
     # Logits processing before the sampler (vLLM's names): a bias added to the listed ids' logits, the only ids

@@ -60,6 +60,14 @@ class StreamOptions(_Model):
     )
 
 
+class SLOFields(_Model):
+    """Pagoda extra `slo`: this request's own objectives in ms (the server's --slo-ttft-ms / --slo-tpot-ms for its
+    priority class where absent); the adaptive profile schedules for them."""
+
+    ttft_ms: Annotated[float, Field(gt=0)] | None = None
+    tpot_ms: Annotated[float, Field(gt=0)] | None = None
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by completions and chat (range checks live in SamplingParams)."""
 
@@ -87,6 +95,7 @@ class SamplingFields(_Body):
     bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM extra
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM extra
     priority: Int64 = 0  # vLLM extra: lower is served first under --scheduling-policy priority
+    slo: SLOFields | None = None  # Pagoda extra: {"ttft_ms": ..., "tpot_ms": ...}
     speculative: bool = True  # Pagoda extra: false opts this request out of --speculative-config's drafts
     # vLLM extra: only requests with the same salt (and, by default, the same API key) share cached prefixes.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None

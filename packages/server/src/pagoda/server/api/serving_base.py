@@ -9,6 +9,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from pagoda.scheduler import RequestSLO
 from pagoda.server.api.cache_scope import combine
 from pagoda.server.api.errors import (
     ENGINE_DEAD_MESSAGE,
@@ -208,6 +209,7 @@ class ServingContext:
                 logprobs=logprobs,
                 skip_special_tokens=body.skip_special_tokens,
                 priority=body.priority,
+                slo=None if body.slo is None else RequestSLO(body.slo.ttft_ms, body.slo.tpot_ms),
                 speculative=body.speculative,
                 logit_bias=logit_bias,
                 allowed_token_ids=allowed,

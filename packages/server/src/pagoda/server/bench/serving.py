@@ -756,6 +756,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Anthropic's Messages API)",
     )
     add_arrival_flags(parser)
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="send the seeded phased trace (chatty, long documents, mixed: bench.trace) at its own arrival "
+        "times instead of --request-rate, and report goodput per phase (--goodput, default ttft:2500 tpot:150)",
+    )
+    parser.add_argument("--phase-seconds", type=float, default=20.0, help="--trace: length of each phase")
+    parser.add_argument("--chat-rate", type=float, default=2.0, help="--trace: chatty requests/s")
+    parser.add_argument("--document-rate", type=float, default=0.25, help="--trace: long documents/s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -794,6 +803,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_prefixes < 1 or args.prefix_len < 1:
         parser.error("--num-prefixes and --prefix-len must be >= 1")
     args.base_url = [url.rstrip("/").removesuffix("/v1") for url in args.base_url]
+    if args.trace:
+        from pagoda.server.bench.trace import make_trace
+
+        if args.phase_seconds <= 0 or args.chat_rate <= 0 or args.document_rate <= 0:
+            parser.error("--phase-seconds, --chat-rate and --document-rate must be > 0")
+        args.goodput = args.goodput or [("ttft", 2500.0), ("tpot", 150.0)]
+        args.request_rate = [math.inf]  # the trace carries its own arrival times
+        args.trace_requests = make_trace(
+            args.seed, _WORDS, args.phase_seconds, args.chat_rate, args.document_rate
+        )
     return args
 
 
@@ -954,6 +973,10 @@ def measure(
 ) -> dict[str, Any]:
     """One run: wait (up to --settle) for idle CPUs, then `run_rate`."""
     settle(args.settle)
+    if getattr(args, "trace", False):
+        from pagoda.server.bench.trace import run_trace
+
+        return asyncio.run(run_trace(args, target, args.trace_requests, send, met_slos))
     return asyncio.run(run_rate(args, target, requests, rate))
 
 
@@ -1030,6 +1053,8 @@ def main(argv: list[str] | None = None, launch: Launcher | None = None) -> int:
     the plot."""
     args = parse_args(argv)
     runs = run_all(args, launch)
+    if args.trace:
+        return trace_main(args, runs)
     print(table(runs))
     if len({run.get("target") for run in runs}) > 1:
         print()
@@ -1046,6 +1071,24 @@ def main(argv: list[str] | None = None, launch: Launcher | None = None) -> int:
         document.update({k: v for k, v in runs[0].items() if k != "requests"})
     (out / "bench_serving.json").write_text(json.dumps(document, indent=2))
     plot(runs, out / "bench_serving.png")
+    print(f"wrote {out / 'bench_serving.json'} and {out / 'bench_serving.png'}")
+    return 0 if all(run["failed"] == 0 for run in runs) else 1
+
+
+def trace_main(args: argparse.Namespace, runs: list[dict[str, Any]]) -> int:
+    """--trace's report: the goodput table, bench_serving.json and the PNG of goodput and budget."""
+    from pagoda.server.bench.trace import plot_trace, trace_table
+
+    print(trace_table(runs))
+    for run in runs:
+        for error in run["errors"]:
+            print(f"error ({run['target']}): {error}", file=sys.stderr)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "trace_requests")}
+    config["request_rate"] = ["trace"]
+    (out / "bench_serving.json").write_text(json.dumps({"config": config, "runs": runs}, indent=2))
+    plot_trace(runs, args.phase_seconds, out / "bench_serving.png")
     print(f"wrote {out / 'bench_serving.json'} and {out / 'bench_serving.png'}")
     return 0 if all(run["failed"] == 0 for run in runs) else 1
 

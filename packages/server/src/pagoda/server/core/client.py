@@ -125,6 +125,11 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
             )
         ),
         kv_tiers=sum_tier_stats(stats),
+        token_budget=sum(s.token_budget for s in stats),
+        chunk_size=max(s.chunk_size for s in stats),
+        max_num_seqs=sum(s.max_num_seqs for s in stats),
+        slo_attainment=_sum_attainment(stats),
+        slo_sacrificed=(sum(s.slo_sacrificed[0] for s in stats), sum(s.slo_sacrificed[1] for s in stats)),
     )
 
 
@@ -148,6 +153,17 @@ def sum_tier_stats(stats: Sequence[EngineStats]) -> tuple[KVTierStats, ...]:
                 )
             )
     return tuple(merged.values())
+
+
+def _sum_attainment(stats: Sequence[EngineStats]) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The replicas' SLO counts added up per priority class."""
+    total: dict[int, list[int]] = {}
+    for s in stats:
+        for priority, *counts in s.slo_attainment:
+            row = total.setdefault(priority, [0, 0, 0, 0])
+            for i, count in enumerate(counts):
+                row[i] += count
+    return tuple((p, *c) for p, c in sorted(total.items()))  # type: ignore[misc]
 
 
 def _group_usage(stats: Sequence[EngineStats], blocks: int) -> tuple[float, ...]:

@@ -35,10 +35,29 @@ class SeriesPoint:
     host_tier_hits: float | None = None
     disk_tier_usage: float | None = None
     disk_tier_hits: float | None = None
+    token_budget: int = 0  # the scheduler's latest step budget (the adaptive profile's choice)
+    chunk_size: int = 0  # its prefill chunk cap
+    ttft_attainment: float | None = (
+        None  # share of the sequences finished in the interval that met their TTFT
+    )
+    tpot_attainment: float | None = None  # ... their TPOT (None: none finished with that objective)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return asdict(self)
+
+
+def _attainment(before: EngineStats, now: EngineStats, column: int) -> float | None:
+    """Met over had, summed over priority classes, between two snapshots: column 1 TTFT, 3 TPOT."""
+
+    def sums(stats: EngineStats) -> tuple[int, int]:
+        return (
+            sum(row[column] for row in stats.slo_attainment),
+            sum(row[column + 1] for row in stats.slo_attainment),
+        )
+
+    (met0, had0), (met1, had1) = sums(before), sums(now)
+    return (met1 - met0) / (had1 - had0) if had1 > had0 else None
 
 
 class SeriesRecorder:
@@ -82,6 +101,10 @@ class SeriesRecorder:
             host_tier_hits=tier_hit_rate(now, before, "host", dt),
             disk_tier_usage=tier_usage(now, "disk"),
             disk_tier_hits=tier_hit_rate(now, before, "disk", dt),
+            token_budget=now.token_budget,
+            chunk_size=now.chunk_size,
+            ttft_attainment=_attainment(before, now, 1),
+            tpot_attainment=_attainment(before, now, 3),
         )
         self.points.append(point)
         return point

@@ -30,6 +30,7 @@ from pagoda.scheduler import (
     KVBlockManager,
     Scheduler,
     SchedulerOutput,
+    apply_profile,
 )
 from pagoda.server.client_stream import EngineSleepingError
 from pagoda.server.config import EngineConfig, resolved_scheduler_config
@@ -51,6 +52,7 @@ from pagoda.server.engine.sleep import EngineSleep, SleepModeError, check_level,
 from pagoda.server.engine.sleep_setup import engine_sleep
 from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
+from pagoda.server.engine.step_timing import StepTimer
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.kv_events.wire import HOST_TIER_MEDIUM
@@ -130,6 +132,8 @@ class LLMEngine:
             max_num_batched_tokens=parts.max_num_batched_tokens,
             kv_manager=config.cache_config.kv_manager,
         )
+        # A scheduling profile's knobs, scaled to this pool (it never turns on prefix caching the allocator lacks).
+        scheduler_config = apply_profile(scheduler_config, self.num_kv_blocks, self.block_size)
         # LoRA: the per-step adapter cap is the scheduler's admission rule (vLLM's default 1); None without LoRA.
         scheduler_config = dataclasses.replace(scheduler_config, max_loras=max_loras(config))
         # A vision-language model: its image encoder and cache (an extension, fed to the runner), whose budget
@@ -183,6 +187,8 @@ class LLMEngine:
         # Drafting counts whatever drafts were verified (a request may be made speculative after start-up).
         drafting = Drafting(self.counters, None if self.draft is None else self.draft.drafter)
         self.extensions: list[EngineExtension] = [self.lora or NoLoRA(), self.gate, drafting]
+        if self.scheduler.wants_step_timing:  # the adaptive policy's cost model, the SLO tracker
+            self.extensions.append(StepTimer())
         if self.images is not None:
             self.extensions.append(self.images)
         # KV tiers: blocks beyond the pool come back from host memory or disk (an extension and the allocator's
@@ -531,4 +537,9 @@ class LLMEngine:
                 self.counters.spec_decode_num_accepted_tokens_per_pos
             ),
             kv_tiers=() if self.kv_tiers is None else self.kv_tiers.connector.stats(),
+            token_budget=s.token_budget,
+            chunk_size=s.chunk_size,
+            max_num_seqs=s.seats,
+            slo_attainment=s.slo_attainment,
+            slo_sacrificed=s.slo_sacrificed,
         )

@@ -104,6 +104,7 @@ def new_request(
         cache_salt=lora_salt(salt, lora),
         lora_id=None if lora is None else lora.lora_int_id,
         encoder_spans=encoder_spans,
+        slo=params.slo,
     )
     constraint = params.structured_outputs
     if constraint is None and speculate is not None and params.speculative:

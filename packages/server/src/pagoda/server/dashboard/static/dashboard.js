@@ -21,6 +21,8 @@
     // KV tiers (host, disk): shown once a point carries them
     ["KV tier usage host / disk", [["host_tier_usage", 100, "#756bb1"], ["disk_tier_usage", 100, "#636363"]], "%"],
     ["KV tier hits/s host / disk", [["host_tier_hits", 1, "#756bb1"], ["disk_tier_hits", 1, "#636363"]], ""],
+    ["Step budget / chunk (tokens)", [["token_budget", 1, "#3182bd"], ["chunk_size", 1, "#e6550d"]], ""],
+    ["SLO attainment TTFT / TPOT", [["ttft_attainment", 100, "#3182bd"], ["tpot_attainment", 100, "#e6550d"]], "%"],
   ];
   const views = new Map(); // replica index -> its DOM and decoded arrays
   const tierRows = new Map(); // tier name -> its row's DOM

@@ -1,0 +1,267 @@
+"""`adaptive`: a scheduling policy that chooses each step's shape from a cost model of the step and the SLOs.
+
+Every step the scheduler asks its `StepPlanner` (this policy) for a `StepShape`: the token budget, the prefill
+chunk cap and the running batch's seats, all at most the configured ceilings. After the step the engine reports
+the step's measured wall time (`Scheduler.record_step`), which the policy feeds to its `StepTimeModel`.
+
+The choice, per step (times from the cost model):
+
+1. **TPOT**: every decoding stream may take a step of at most `allowance = first_token + tpot * n - now`
+   (n outputs so far: after the step its mean gap is still within its target), plus the slack its next (up to 8)
+   decode-only steps will bank if they are shorter than its target (TPOT is a mean over the stream), capped at
+   3 x its target so that slack is spent gradually. The step's time limit is the least allowance; the prefill tokens that fit
+   beside the decodes in it are `room`.
+2. **TTFT**: for the prompts in queue order (running prefills, then waiting), the k-th must finish its
+   remaining tokens (with those before it) by its deadline: prefill rate `need_k` per step. Prompts whose
+   deadline no rate can meet any more are lost: they stop driving the budget and queue behind the others.
+3. `need <= room`: the step computes `room` prefill tokens (throughput within every stream's TPOT). Otherwise
+   both cannot hold: it keeps whichever side fewer sequences would miss (ties keep TPOT), takes `need` or
+   `room` accordingly and counts the sacrifice (`sacrificed["ttft" | "tpot"]`, steps).
+4. **Seats**: new sequences join while a decode-only step of the batch stays within the tightest TPOT target,
+   with room for a minimal prefill; past it, only when more waiting prompts can still meet their TTFT than
+   running streams their TPOT.
+
+A stream whose TPOT is lost already (its allowance is below a decode-only step) and a prompt whose TTFT is lost
+stop weighing in these counts: keeping one lost objective never costs one that can still be met.
+
+Without a TPOT target a stream's target is the TPOT the `latency` profile would give on this machine: the
+modelled time of a step of min(batch, its seats) decodes and one of its prefill chunks. Prompts always advance by
+at least `min_prefill` tokens a step (the latency chunk when no stream can still meet its TPOT), so no prompt
+starves; a request waiting `max(10 s, 4 x TTFT)` goes first
+whatever its deadline. Queue order is (priority class when `scheduling_policy` is "priority", deadline).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from pagoda.scheduler.config import SchedulerConfig
+from pagoda.scheduler.cost_model import StepSample, StepTimeModel
+from pagoda.scheduler.profiles import PRESETS, ProfilePreset
+from pagoda.scheduler.request import Request
+from pagoda.scheduler.slo import SLOName, SLOTracker
+
+# Waiting this long (or 4 x its TTFT target, if longer) puts a request first in the queue: no starvation.
+_AGING_S = 10.0
+# The cap on a stream's banked slack, in multiples of its TPOT target.
+_MAX_ALLOWANCE = 3.0
+# A stream may borrow the slack its next this-many decode-only steps will bank (each shorter than its target):
+# its mean gap, what TPOT measures, recovers by its end.
+_BORROW_STEPS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step may do: tokens in all, tokens of one prefill chunk, sequences in the running batch."""
+
+    token_budget: int
+    chunk_size: int
+    max_num_seqs: int
+
+
+@runtime_checkable
+class StepPlanner(Protocol):
+    """A policy that shapes each step and learns from the measured ones (the scheduler calls these)."""
+
+    slo: SLOTracker
+
+    def plan_step(
+        self, running: Sequence[Request], waiting: Sequence[Request], config: SchedulerConfig
+    ) -> StepShape:
+        """The shape of the next step, within `config`'s ceilings."""
+        ...
+
+    def observe_step(self, sample: StepSample, running: Sequence[Request]) -> None:
+        """A step ran: its shape and wall time; `running` after its update."""
+        ...
+
+    def request_finished(self, request: Request, *, aborted: bool) -> None:
+        """A sequence finished (or was aborted)."""
+        ...
+
+
+class AdaptivePolicy:
+    """The `adaptive` profile: a `SchedulingPolicy` and a `StepPlanner` (module docstring)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        latency: ProfilePreset = PRESETS["latency"],
+        model: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        min_prefill: int = 32,
+    ) -> None:
+        """`latency`: the latency profile's knobs (scaled to the pool) whose TPOT is the default target;
+        `clock`: the clock of `Request.arrival_time`."""
+        self.model = model or StepTimeModel()
+        self.clock = clock
+        self.latency = latency
+        self.min_prefill = min_prefill
+        self.by_priority = config.scheduling_policy == "priority"
+        self.slo = SLOTracker(config.slo_ttft_ms, config.slo_tpot_ms)
+        self.last_shape: StepShape | None = None
+        self.sacrificed: dict[SLOName, int] = {"ttft": 0, "tpot": 0}
+
+    # ------------------------------------------------------------ queue order
+
+    def _deadline(self, request: Request) -> float:
+        """When its first token is due (arrival + TTFT target; far off without one)."""
+        ttft = self.slo.targets(request)[0]
+        return request.arrival_time + (ttft if ttft is not None else 3600.0)
+
+    def _key(self, request: Request) -> tuple[int, float, float, int]:
+        return (
+            request.priority if self.by_priority else 0,
+            self._deadline(request),
+            request.arrival_time,
+            request.sample_index,
+        )
+
+    def enqueue(self, queue: list[Request], request: Request, *, preempted: bool) -> None:
+        """Insert by (class, deadline, arrival): a preempted request keeps its deadline, so it returns early."""
+        bisect.insort_right(queue, request, key=self._key)
+
+    def admissible(
+        self, waiting: Sequence[Request], num_running_seqs: int, max_num_seqs: int
+    ) -> Sequence[Request]:
+        """Aged requests, then those whose TTFT can still be met, then the lost ones; each group in queue order."""
+        now = self.clock()
+        aged, live, lost = [], [], []
+        for request in waiting:
+            ttft = self.slo.targets(request)[0]
+            waited = now - request.arrival_time
+            if waited >= max(_AGING_S, 4 * (ttft or 0.0)):
+                aged.append(request)
+            elif ttft is not None and waited > ttft and not request.num_output_tokens:
+                lost.append(request)
+            else:
+                live.append(request)
+        return [*aged, *live, *lost] if lost or aged else waiting
+
+    def select_victim(self, candidates: Sequence[Request]) -> Request:
+        """The least urgent class, then the latest deadline (ties: the latest admitted)."""
+        if not candidates:
+            raise ValueError("no preemption candidates")
+        return max(reversed(candidates), key=self._key)
+
+    def preempt_for(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """Under the priority order, the least urgent running request of a later class (vLLM's rule)."""
+        if not self.by_priority or not running:
+            return None
+        victim = max(reversed(running), key=self._key)
+        return victim if victim.priority > request.priority else None
+
+    # --------------------------------------------------------------- planning
+
+    def _latency_chunk(self) -> int:
+        """The latency profile's prefill chunk."""
+        return self.latency.long_prefill_token_threshold or self.latency.max_num_batched_tokens
+
+    def _tpot_target(self, decodes: int, context_per_row: float) -> float:
+        """The default TPOT: the latency profile's modelled step (its seats of decodes and one chunk)."""
+        rows = min(max(decodes, 1), self.latency.max_num_seqs)
+        chunk = self.latency.long_prefill_token_threshold or self.latency.max_num_batched_tokens
+        chunk = min(chunk, max(self.latency.max_num_batched_tokens - rows, 0))
+        return self.model.predict(rows, chunk, int(rows * context_per_row) + chunk)
+
+    def plan_step(
+        self, running: Sequence[Request], waiting: Sequence[Request], config: SchedulerConfig
+    ) -> StepShape:
+        """The next step's budget, chunk and seats (module docstring)."""
+        assert config.max_num_batched_tokens is not None
+        ceiling = config.max_num_batched_tokens
+        now = self.clock()
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        num_rows = len(decodes) + sum(len(r.spec_token_ids) for r in decodes)
+        context = sum(r.num_tokens for r in decodes)
+        per_row = context / len(decodes) if decodes else 0.0
+        default_tpot = self._tpot_target(len(decodes), per_row)
+        # 1. TPOT: the step's time limit from each stream's allowance. A stream that cannot make its target
+        # any more (its allowance is below even a decode-only step) is lost: it limits the step to its target
+        # (so that the others still can) but never counts as a stream a longer step would make miss.
+        allowances: list[float] = []  # of the streams that can still meet their TPOT
+        limit = math.inf
+        tightest = math.inf
+        decode_step = self.model.predict(num_rows, 0, context)
+        for request in decodes:
+            tpot = self.slo.targets(request)[1] or default_tpot
+            first = self.slo.first_token_time.get(request.request_id)
+            allowance = tpot if first is None else first + tpot * request.num_output_tokens - now
+            ahead = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            allowance += max(0.0, tpot - decode_step) * min(max(ahead, 0), _BORROW_STEPS)
+            allowance = min(allowance, _MAX_ALLOWANCE * tpot)
+            if allowance < decode_step:
+                limit = min(limit, tpot)
+            else:
+                allowances.append(allowance)
+                limit = min(limit, allowance)
+                tightest = min(tightest, tpot)
+        room = ceiling if math.isinf(limit) else self.model.prefill_room(limit, num_rows, context)
+        # 2. TTFT: the prefill rate each prompt's deadline needs, with the prompts before it.
+        a, b, c, d = self.model.coefficients
+        fixed = a + b * num_rows + d * context / 1000.0
+        wants: list[int] = []
+        total = 0
+        pending = [*prefills, *waiting]
+        for request in pending:
+            total += request.num_tokens - request.num_computed_tokens
+            ttft = self.slo.targets(request)[0]
+            if ttft is None or request.num_output_tokens:
+                continue
+            slack = request.arrival_time + ttft - now - fixed - total * c
+            if slack > 0:  # else lost: no rate meets it any more
+                wants.append(math.ceil(total * fixed / slack))
+        need = max(wants, default=0)
+        # 3. Both, or the side fewer sequences miss (a step without decodes has no TPOT to keep).
+        prefill = room
+        if need > room and decodes:
+            step_s = self.model.predict(num_rows, need, context + need)
+            missed_tpot = sum(step_s > allowance for allowance in allowances)
+            missed_ttft = sum(rate > room for rate in wants)
+            if missed_tpot < missed_ttft:
+                prefill = need
+                self.sacrificed["tpot"] += missed_tpot > 0
+            else:
+                self.sacrificed["ttft"] += 1
+        # Prompts always advance: by `min_prefill` while a stream can still meet its TPOT, else (no stream to
+        # keep, or all lost) by at least the latency profile's chunk, so that a lost long prompt does not crawl
+        # ahead of the prompts queued behind it.
+        floor = self.min_prefill if allowances else max(self.min_prefill, self._latency_chunk())
+        if pending:
+            prefill = max(prefill, floor)
+        budget = max(1, min(ceiling, num_rows + prefill))
+        chunk = max(1, min(budget, max(prefill, floor)))
+        # 4. Seats: new sequences join while a decode-only step of the batch and a minimal prefill stay within
+        # the tightest live target; past it, only when the prompts that can still meet their TTFT outnumber the
+        # streams that can still meet their TPOT (the same count as in 3), or one has waited past the aging bound.
+        seats = config.max_num_seqs
+        if decode_step + c * self.min_prefill > tightest:
+            live_waiting = sum(
+                1 for r in waiting if (ttft := self.slo.targets(r)[0]) is None or now - r.arrival_time < ttft
+            )
+            aged = any(
+                now - r.arrival_time >= max(_AGING_S, 4 * (self.slo.targets(r)[0] or 0.0)) for r in waiting
+            )
+            if live_waiting <= len(allowances) and not aged:
+                seats = len(running)
+        seats = max(1, min(config.max_num_seqs, seats))
+        if not config.enable_chunked_prefill or any(r.encoder_spans for r in pending):
+            budget, chunk = ceiling, ceiling  # a whole prompt (or an atomic image) must fit one step
+        self.last_shape = StepShape(budget, chunk, seats)
+        return self.last_shape
+
+    def observe_step(self, sample: StepSample, running: Sequence[Request]) -> None:
+        """Feed the cost model; note the first tokens this step produced."""
+        self.model.observe(sample)
+        self.slo.first_tokens(running, self.clock())
+
+    def request_finished(self, request: Request, *, aborted: bool) -> None:
+        """Count its SLOs (not for an abort) and forget it."""
+        self.slo.finished(request, self.clock(), aborted=aborted)

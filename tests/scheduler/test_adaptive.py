@@ -1,0 +1,309 @@
+"""The adaptive policy: per-step shapes from the cost model and the SLOs, SLO accounting, and random traces
+through the scheduler's state machine (invariants, limits, reference tokens, no starvation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pagoda.blockalloc import BlockManager
+from pagoda.scheduler import (
+    AdaptivePolicy,
+    Request,
+    RequestRejectedError,
+    RequestSLO,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepTimeModel,
+)
+from pagoda.scheduler.testing import SimSamplingParams, TokenCacheModel, reference_output, run_to_completion
+
+COSTS = (0.010, 0.001, 0.0002, 0.0)  # the "machine": a, b, c, d of its true step time
+
+
+class Clock:
+    """A settable clock shared by the policy and the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step_seconds(out: SchedulerOutput, costs: tuple[float, ...] = COSTS) -> float:
+    """What the fake machine takes for a step."""
+    a, b, c, d = costs
+    rows = sum(1 for ch in out.scheduled if ch.num_tokens == 1 and ch.num_samples)
+    prefill = sum(ch.num_tokens for ch in out.scheduled) - rows
+    context = sum(ch.seq_len for ch in out.scheduled)
+    return a + b * rows + c * prefill + d * context / 1000
+
+
+def make(
+    clock: Clock, num_blocks: int = 256, block_size: int = 4, **config: object
+) -> tuple[Scheduler, AdaptivePolicy, TokenCacheModel]:
+    """An adaptive scheduler whose cost model starts at the machine's truth."""
+    cfg = SchedulerConfig(
+        **{
+            "max_num_batched_tokens": 1024,
+            "max_model_len": 1024,
+            "max_num_seqs": 64,
+            "scheduling_profile": "adaptive",
+            **config,
+        }  # type: ignore[arg-type]
+    )
+    policy = AdaptivePolicy(cfg, model=StepTimeModel(prior=COSTS, prior_weight=1e6), clock=clock)
+    kv = BlockManager(num_blocks, block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+    return Scheduler(cfg, kv, policy), policy, TokenCacheModel(num_blocks, block_size)
+
+
+def run_step(sched: Scheduler, model: TokenCacheModel, clock: Clock) -> SchedulerOutput:
+    """schedule, execute, advance the clock by the machine's time, update, report the step."""
+    out = sched.schedule()
+    seconds = step_seconds(out)
+    clock.now += seconds
+    sched.update_from_output(out, model.execute(out))
+    sched.record_step(out, seconds)
+    return out
+
+
+def req(rid: str, prompt_len: int, max_tokens: int, at: float, **slo: float) -> Request:
+    """A request of `prompt_len` tokens arriving at `at`, with its own SLO fields if given."""
+    seed = sum(map(ord, rid))  # distinct prompts per id, the same in every process
+    prompt = [(seed * 7 + i * (seed % 5 + 1)) % 50 for i in range(prompt_len)]
+    own = RequestSLO(**slo) if slo else None
+    return Request(rid, prompt, SimSamplingParams(max_tokens=max_tokens), arrival_time=at, slo=own)
+
+
+def test_without_slos_streams_keep_the_latency_profiles_tpot() -> None:
+    """No objectives: every stream's mean gap (TPOT, at its end) stays within the latency profile's modelled
+    step while long prompts join (slack banked or still to bank lets larger chunks run)."""
+    clock = Clock()
+    sched, policy, model = make(clock)
+    for i in range(4):
+        sched.add_request(req(f"d{i}", 8, 60, 0.0))
+    for _ in range(5):
+        run_step(sched, model, clock)
+    target = policy._tpot_target(4, 20.0)
+    for k in range(3):
+        sched.add_request(req(f"long{k}", 480, 2, clock.now))
+    chunks = []
+    first = {f"d{i}": policy.slo.first_token_time[f"d{i}"] for i in range(4)}
+    while sched.has_unfinished_requests():
+        out = run_step(sched, model, clock)
+        chunks += [
+            c.num_tokens for c in out.scheduled if c.request_id.startswith("long") and c.num_tokens > 1
+        ]
+        for rid in [r for r in first if sched.get_request(r) is None]:
+            assert (clock.now - first.pop(rid)) / 59 <= target  # finished: its mean gap over 59 gaps
+    assert not first and len(chunks) > 3  # every stream checked; some prompt ran in chunks
+
+
+def test_when_both_cannot_hold_the_sacrifice_is_counted() -> None:
+    """A prompt whose TTFT needs a step longer than two streams' TPOT allows: one prompt against two streams,
+    so TTFT is given up (counted), and the step keeps to the streams' room."""
+    clock = Clock()
+    sched, policy, model = make(clock)
+    for i in range(2):
+        sched.add_request(req(f"d{i}", 8, 100, 0.0, tpot_ms=30))
+    for _ in range(3):
+        run_step(sched, model, clock)
+    sched.add_request(req("p", 700, 2, clock.now, ttft_ms=172))
+    out = run_step(sched, model, clock)
+    assert policy.sacrificed == {"ttft": 1, "tpot": 0}
+    assert sched.stats().slo_sacrificed == (1, 0)
+    assert step_seconds(out) <= 0.09  # within the streams' (capped) allowance
+
+
+def test_many_waiting_prompts_outweigh_one_stream() -> None:
+    """Two prompts that would miss TTFT against one stream that would miss TPOT: TPOT is given up and the
+    step computes more prefill than the stream's room."""
+    clock = Clock()
+    sched, policy, model = make(clock)
+    sched.add_request(req("d", 8, 100, 0.0, tpot_ms=30))
+    for _ in range(3):
+        run_step(sched, model, clock)
+    sched.add_request(req("p0", 150, 2, clock.now, ttft_ms=1000))
+    sched.add_request(req("p1", 150, 2, clock.now, ttft_ms=45))
+    sched.add_request(req("p2", 150, 2, clock.now, ttft_ms=78))
+    out = run_step(sched, model, clock)
+    assert policy.sacrificed == {"ttft": 0, "tpot": 1}
+    assert step_seconds(out) > 0.09
+
+
+def test_slo_attainment_is_counted_per_class() -> None:
+    """A finished request counts against its class's targets (or its own); an abort does not count."""
+    clock = Clock()
+    sched, _, model = make(clock, slo_ttft_ms="1000,1:1", slo_tpot_ms=1000)
+    sched.add_request(req("a", 8, 3, 0.0))
+    params = SimSamplingParams(max_tokens=3, priority=1)
+    sched.add_request(Request("b", [1, 2, 3], params, arrival_time=0.0))
+    sched.add_request(req("c", 8, 50, 0.0))
+    while sched.get_request("a") or sched.get_request("b"):
+        run_step(sched, model, clock)
+    sched.abort_request("c")
+    stats = sched.stats()
+    assert stats.slo_attainment == ((0, 1, 1, 1, 1), (1, 0, 1, 1, 1))
+
+
+def test_a_lost_request_is_not_starved_by_a_stream_of_newer_ones() -> None:
+    """One seat, a new short request every step with a tight TTFT: the one whose TTFT is already lost still
+    runs once it has waited the aging bound (10 s), though newer ones could still meet theirs."""
+    clock = Clock()
+    sched, _, model = make(clock, max_num_seqs=1)
+    sched.add_request(req("old", 8, 1000, 0.0, ttft_ms=100))
+    sched.add_request(req("lost", 8, 2, 0.0, ttft_ms=100))
+    admitted_at = None
+    for i in range(3000):
+        if i % 3 == 0:
+            sched.add_request(req(f"n{i}", 8, 2, clock.now, ttft_ms=100_000))
+        out = run_step(sched, model, clock)
+        if admitted_at is None and any(c.request_id == "lost" for c in out.scheduled):
+            admitted_at = clock.now
+        if sched.get_request("old") is None and admitted_at is not None:
+            break
+    assert admitted_at is not None and admitted_at < 12.0
+
+
+# ----------------------------------------------------------------- random traces
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a trace: when, its prompt and outputs, its SLO, its class, an abort."""
+
+    at: float
+    prompt: tuple[int, ...]
+    max_tokens: int
+    n: int
+    priority: int
+    slo: RequestSLO | None
+    abort_at: float | None
+
+
+MAX_LEN = 48
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> tuple[SchedulerConfig, int, int, tuple[float, ...], tuple[Arrival, ...]]:
+    """A small pool and limits, a machine's cost, and a trace of requests with mixed SLOs."""
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    largest = -(-(MAX_LEN - 1) // block_size)
+    num_blocks = draw(st.integers(largest, 3 * largest))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 64)),
+        max_model_len=MAX_LEN,
+        scheduling_profile="adaptive",
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        slo_ttft_ms=draw(st.sampled_from([None, "50", "200,0:20"])),
+        slo_tpot_ms=draw(st.sampled_from([None, "5", "30"])),
+        enable_prefix_caching=draw(st.booleans()),
+        watermark=draw(st.sampled_from([0.0, 0.1])),
+    )
+    costs = (draw(st.sampled_from([0.001, 0.02])), 0.001, draw(st.sampled_from([0.0001, 0.001])), 0.0005)
+    arrivals = []
+    for _ in range(draw(st.integers(1, 10))):
+        prompt = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=30)))
+        slo = draw(
+            st.none() | st.builds(RequestSLO, st.sampled_from([5.0, 100.0]), st.sampled_from([2.0, 50.0]))
+        )
+        arrivals.append(
+            Arrival(
+                at=draw(st.floats(0.0, 0.5)),
+                prompt=prompt,
+                max_tokens=draw(st.integers(1, MAX_LEN - len(prompt))),
+                n=draw(st.sampled_from([1, 1, 2])),
+                priority=draw(st.integers(0, 2)),
+                slo=slo,
+                abort_at=draw(st.none() | st.floats(0.0, 1.0)),
+            )
+        )
+    return config, block_size, num_blocks, costs, tuple(arrivals)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(traces())
+def test_random_traces_keep_limits_invariants_and_tokens_and_finish(
+    trace: tuple[SchedulerConfig, int, int, tuple[float, ...], tuple[Arrival, ...]],
+) -> None:
+    """Every step: the shape within the ceilings, chunks within the shape, seats within both, invariants of the
+    scheduler and the allocator, no admission in a step that preempted for blocks (FCFS order); at the end every
+    accepted request finished with its reference tokens (or was aborted) and every block is free."""
+    cfg, block_size, num_blocks, costs, arrivals = trace
+    clock = Clock()
+    policy = AdaptivePolicy(cfg, clock=clock)
+    kv = BlockManager(num_blocks, block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+    sched = Scheduler(cfg, kv, policy)
+    model = TokenCacheModel(num_blocks, block_size)
+    accepted: dict[str, Request] = {}
+    added: set[int] = set()
+    aborted: list[Request] = []
+    running_before: set[str] = set()
+
+    def before_step(_: int) -> None:
+        for i, a in enumerate(arrivals):
+            if i not in added and a.at <= clock.now:
+                added.add(i)
+                params = SimSamplingParams(max_tokens=a.max_tokens, n=a.n, priority=a.priority)
+                request = Request(f"r{i}", a.prompt, params, arrival_time=a.at, slo=a.slo)
+                try:
+                    sched.add_request(request)
+                except RequestRejectedError:
+                    assert (
+                        a.n > cfg.max_num_seqs
+                        or -(-(len(a.prompt) + a.max_tokens - 1) // block_size) > num_blocks
+                    )
+                else:
+                    accepted[request.request_id] = request
+            if a.abort_at is not None and i in added and a.abort_at <= clock.now:
+                aborted.extend(sched.abort_request(f"r{i}"))
+        running_before.clear()
+        running_before.update(r.request_id for r in sched.running)
+
+    def after_schedule(out: SchedulerOutput) -> None:
+        shape = sched.last_shape
+        assert shape is not None
+        assert cfg.max_num_batched_tokens is not None
+        assert out.num_batched_tokens == sum(c.num_tokens for c in out.scheduled)
+        assert out.num_batched_tokens <= min(shape.token_budget, cfg.max_num_batched_tokens)
+        assert sched.num_running_seqs <= cfg.max_num_seqs
+        for chunk in out.scheduled:
+            if chunk.request_id not in running_before and chunk.request_id in accepted:
+                assert sched.num_running_seqs <= max(shape.max_num_seqs, len(running_before)) + 2
+            if chunk.num_tokens > 1:
+                assert chunk.num_tokens <= shape.chunk_size
+        if out.preempted_request_ids and cfg.scheduling_policy == "fcfs":
+            admitted = [c.request_id for c in out.scheduled if c.request_id not in running_before]
+            assert not admitted, "admission in a preempting step"
+        sched.check_invariants()
+        kv.check_invariants()
+        seconds = step_seconds(out, costs)
+        clock.now += seconds
+
+    def pending() -> bool:
+        return len(added) < len(arrivals)
+
+    result = run_to_completion(
+        sched,
+        model,
+        max_steps=20_000,
+        before_step=before_step,
+        after_schedule=after_schedule,
+        pending=pending,
+    )
+    assert kv.num_free_blocks() == kv.num_blocks and kv.stats().num_used_blocks == 0
+    was_aborted = {r.request_id for r in aborted}
+    samples = {r.request_id: r for r in (*result.finished, *aborted)}
+    for rid, request in accepted.items():
+        for index in range(request.sampling_params.n):
+            sid = rid if index == 0 else f"{rid}:{index}"
+            if sid not in samples:
+                assert rid in was_aborted
+                continue
+            expected = reference_output(request.prompt_token_ids, request.sampling_params, MAX_LEN, index)
+            got = list(samples[sid].output_token_ids)
+            assert got == expected[: len(got)] if sid in was_aborted else got == expected, sid
