@@ -24,7 +24,6 @@ Hit rate = cached prompt tokens over prompt tokens (`num_cached_tokens`, what `u
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
 from tqdm import tqdm
@@ -69,18 +69,6 @@ class Result:
         """The q-quantile of TTFT, in ms."""
         values = sorted(self.ttft)
         return 1000 * values[min(len(values) - 1, int(q * len(values)))]
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the machine type."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def make_trace(args: argparse.Namespace) -> tuple[tuple[int, ...], list[Turn]]:

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagoda.server.kv_tiers.host import pid_alive
+
 logger = logging.getLogger(__name__)
 
 PATH_FLAG = "--kv-offloading-disk-path"
@@ -102,17 +104,6 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process of this id exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stale_tmp(name: str, mtime_ns: int) -> bool:
     """Whether a temp file was left by a crash: its writer is gone, or it is older than any write takes."""
     if _now_ns() - mtime_ns > _STALE_TMP_S * 1e9:
@@ -121,7 +112,7 @@ def _stale_tmp(name: str, mtime_ns: int) -> bool:
         pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
     except ValueError:
         return True
-    return pid != os.getpid() and not _pid_alive(pid)
+    return pid != os.getpid() and not pid_alive(pid)
 
 
 def _write_all(fd: int, header: bytes, payload: bytes) -> None:

@@ -67,8 +67,8 @@ def default_shm_dir() -> Path:
     return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists."""
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -170,7 +170,7 @@ class SharedHostStore:
             free: int | None = None
             for i in range(MAX_PROCS):
                 (pid,) = struct.unpack_from("<Q", self._buf, _PROCS_AT + 8 * i)
-                if pid and pid != me and not _alive(pid):
+                if pid and pid != me and not pid_alive(pid):
                     dead_bits |= 1 << i
                     struct.pack_into("<Q", self._buf, _PROCS_AT + 8 * i, 0)
                     pid = 0
@@ -186,7 +186,7 @@ class SharedHostStore:
             for slot in range(self.num_slots):
                 key, n, state, tick, pins, writer = self._meta(slot)
                 used += state == VALID
-                if pins & stale or (state == WRITING and not _alive(writer)):
+                if pins & stale or (state == WRITING and not pid_alive(writer)):
                     new_state = EMPTY if state == WRITING else state
                     self._set_meta(slot, key[:n], new_state, tick, pins & ~stale, 0)
             # The scan also recounts the stored blocks (a process killed mid-update cannot skew them for long).
@@ -333,7 +333,7 @@ class SharedHostStore:
         victim_tick = 0
         for slot in ways:
             _, _, state, tick, pins, writer = self._meta(slot)
-            evictable = (state == VALID and not pins) or (state == WRITING and not _alive(writer))
+            evictable = (state == VALID and not pins) or (state == WRITING and not pid_alive(writer))
             if evictable and (victim is None or tick < victim_tick):
                 victim, victim_tick = slot, tick
         return victim
