@@ -68,11 +68,12 @@ def test_page_loads_with_the_key_and_without_it_shows_nothing(browser: Browser, 
     assert browser.evaluate("document.cookie") == ""  # HttpOnly: scripts never see the key
     assert browser.evaluate("document.getElementById('status').textContent") == "live"
     assert browser.evaluate("document.querySelectorAll('canvas.map').length") == 1
-    # No KV tier on this server: no tier panel, no tier charts.
+    # No KV tier on this server: no tier panel, no tier charts (the 7 charts, and the step shape and SLO
+    # attainment of the scheduling profiles).
     assert browser.evaluate("document.getElementById('tiers').hidden")
     assert (
         browser.evaluate("[...document.querySelectorAll('#series .chart')].filter((c) => !c.hidden).length")
-        == 7
+        == 9
     )
 
 
