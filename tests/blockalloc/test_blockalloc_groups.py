@@ -153,6 +153,42 @@ def test_num_blocks_needed_counts_the_blocks_a_window_releases() -> None:
     assert kv.blocks_for_tokens(4096) == 1024 + -(-W // BS) + 1
 
 
+def test_release_behind_frees_what_a_prefill_chunk_passed() -> None:
+    """After a chunk computed positions 0..19, no later query sees keys before 13: the local blocks 0..2 go back
+    at once (cached ones stay prefix hits), not when the sequence next grows; the full group keeps everything."""
+    kv = manager(64)
+    tokens = list(range(500, 520))
+    assert kv.allocate_slots("a", tokens, 20) is not None
+    free = kv.num_free_blocks()
+    assert kv.release_behind("a", 20) == 3
+    full, local = kv.block_tables("a")
+    assert local[:3] == (0, 0, 0) and len(live(local)) == 2 and len(live(full)) == 5
+    assert kv.num_free_blocks() == free + 3
+    assert kv.release_behind("a", 20) == 0  # nothing more to give
+    kv.check_invariants()
+    assert kv.get_num_cached_tokens([*tokens, 1]) == 20  # the released blocks are still hits
+    # The next allocation sees what was released: only the new blocks.
+    assert kv.num_blocks_needed("a", 1) == 2
+    kv.free("a")
+    assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_release_behind_refuses_bad_calls_and_changes_nothing() -> None:
+    kv = manager(64, host=32)
+    assert kv.allocate_slots("a", list(range(12)), 12) is not None
+    before = (kv.block_tables("a"), kv.num_free_blocks())
+    for seq_id, position in (("nope", 4), ("a", 13), ("a", -1)):
+        with pytest.raises(ValueError, match=seq_id):
+            kv.release_behind(seq_id, position)
+    assert (kv.block_tables("a"), kv.num_free_blocks()) == before
+    assert kv.swap_out("a") is not None
+    with pytest.raises(ValueError, match="'a'"):
+        kv.release_behind("a", 12)
+    plain = BlockManager(16, BS)  # one full-attention group: nothing is ever behind a window
+    assert plain.allocate_slots("b", list(range(12)), 12) is not None
+    assert plain.release_behind("b", 12) == 0 and len(plain.block_table("b")) == 3
+
+
 def test_full_pool_allocation_is_atomic_with_groups() -> None:
     kv = manager(8)  # 7 usable
     assert kv.allocate_slots("a", list(range(12)), 12) is not None  # 3 + 3, one block left

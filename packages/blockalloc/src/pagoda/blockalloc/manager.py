@@ -307,6 +307,26 @@ class BlockManager:
         self._cache_full_blocks(seq, token_ids)
         return SlotAllocation(group_slots[0], tuple(copies), 0, self._per_group(group_slots))
 
+    def release_behind(self, seq_id: SeqId, position: int) -> int:
+        """Free the sliding-window blocks of device-resident `seq_id` that no query at `position` or later can
+        see, once a step has computed up to `position`; returns how many blocks went back to the pool.
+
+        `allocate_slots` releases them anyway when the sequence next grows, but a prefill chunk leaves a window
+        group holding chunk + window tokens until then, and the blocks are wanted now (by the decodes scheduled
+        before that chunk's sequence). Cached blocks stay prefix-cache hits in the free queue. ValueError (naming
+        the id) for an unknown or swapped sequence, or a position past its slots.
+        """
+        seq = self._device_seq(seq_id, "cannot release blocks")
+        if not 0 <= position <= seq.num_tokens:
+            raise ValueError(
+                f"sequence {seq_id!r}: position {position} is outside its {seq.num_tokens} slots"
+            )
+        before = self.pool.free_block_queue.num_free_blocks
+        for gi, spec in enumerate(self.groups):
+            if spec.sliding_window is not None:
+                self._release_outside_window(seq, gi, spec.first_needed_block(position, self.block_size))
+        return self.pool.free_block_queue.num_free_blocks - before
+
     def trim(self, seq_id: SeqId, num_tokens: int) -> None:
         """Keep the first `num_tokens` slots of device-resident `seq_id`, freeing the blocks past them.
 

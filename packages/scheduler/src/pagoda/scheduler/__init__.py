@@ -32,6 +32,7 @@ from pagoda.scheduler.protocols import (
     SamplingParamsLike,
     SlotAllocationLike,
     TrimmableKVBlockManager,
+    WindowedKVBlockManager,
 )
 from pagoda.scheduler.request import EncoderSpan, Request, RequestRejectedError, RequestStatus, sample_id
 from pagoda.scheduler.scheduler import Scheduler
@@ -82,6 +83,7 @@ __all__ = [
     "StepShape",
     "StepTimeModel",
     "TrimmableKVBlockManager",
+    "WindowedKVBlockManager",
     "apply_profile",
     "build_policy",
     "build_rules",

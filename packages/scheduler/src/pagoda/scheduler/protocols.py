@@ -233,3 +233,15 @@ class TrimmableKVBlockManager(KVBlockManager, Protocol):
     def trim(self, seq_id: str, num_tokens: int) -> None:
         """Keep the first `num_tokens` slots of device-resident `seq_id`, freeing the blocks past them."""
         ...
+
+
+class WindowedKVBlockManager(KVBlockManager, Protocol):
+    """A `KVBlockManager` with sliding-window groups that frees a window's stale blocks between steps (optional).
+
+    After each prefill chunk the scheduler calls `release_behind` with the chunk's end, so the blocks its window
+    left behind return to the pool before the next step's allocations instead of when that sequence next grows.
+    """
+
+    def release_behind(self, seq_id: str, position: int) -> int:
+        """Free the blocks of `seq_id` no query at `position` or later can see; returns how many were freed."""
+        ...

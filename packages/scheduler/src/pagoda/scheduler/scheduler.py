@@ -117,6 +117,9 @@ class Scheduler:
         # extension of `KVBlockManager`); without it drafts are never scheduled.
         trim = getattr(kv, "trim", None)
         self._trim: Callable[[str, int], None] | None = trim if callable(trim) else None
+        # A windowed allocator frees what a prefill chunk's window left behind as soon as the chunk ran.
+        release = getattr(kv, "release_behind", None) if kv.has_sliding_window else None
+        self._release_behind: Callable[[str, int], int] | None = release if callable(release) else None
 
     # ------------------------------------------------------------------ queries
 
@@ -222,11 +225,16 @@ class Scheduler:
             raise RequestRejectedError(f"request {rid!r} needs a prompt, max_tokens >= 1 and n >= 1")
         # The last sampled token is never fed back, so a sequence holds at most prompt + max_tokens - 1 slots.
         chunk = self.max_num_batched_tokens
-        blocks = self.kv.blocks_for_tokens(request.num_prompt_tokens + sp.max_tokens - 1, chunk_tokens=chunk)
+        # With chunked prefill a chunk shrinks to what is free, down to a block's worth: the peak that must fit.
+        peak_chunk = min(chunk, self._block_size) if self.config.enable_chunked_prefill else chunk
+        blocks = self.kv.blocks_for_tokens(
+            request.num_prompt_tokens + sp.max_tokens - 1, chunk_tokens=peak_chunk
+        )
         if blocks > self.kv.num_blocks:
             # The prompt is at fault when it alone overflows the pool, else the max_tokens added to it.
             prompt_fits = (
-                self.kv.blocks_for_tokens(request.num_prompt_tokens, chunk_tokens=chunk) <= self.kv.num_blocks
+                self.kv.blocks_for_tokens(request.num_prompt_tokens, chunk_tokens=peak_chunk)
+                <= self.kv.num_blocks
             )
             raise RequestRejectedError(
                 f"request {rid!r} needs {blocks} KV blocks, more than the whole pool ({self.kv.num_blocks})",
@@ -366,7 +374,20 @@ class Scheduler:
             if request is not None:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)
+        if self._release_behind is not None:
+            self._release_windows(output)
         return finished
+
+    def _release_windows(self, output: SchedulerOutput) -> None:
+        """Give back the window blocks each prefill chunk of `output` has passed (decodes release theirs as
+        they grow, a block at a time)."""
+        assert self._release_behind is not None
+        for chunk in output.scheduled:
+            if chunk.num_tokens <= 1 + len(chunk.spec_token_ids):
+                continue
+            request = self._requests.get(chunk.request_id)
+            if request is not None and request.status is RUNNING:
+                self._release_behind(chunk.request_id, chunk.start + chunk.num_tokens)
 
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The engine's report of a step it ran (after `update_from_output`): its measured wall time. A planning
@@ -493,6 +514,12 @@ class Scheduler:
             if spec:
                 spec = ()
                 continue
+            # A prefill chunk shrinks to the free blocks before it costs anyone their place: chunk boundaries
+            # never change tokens, and a sliding-window group releases its blocks as the chunks advance.
+            fitting = self._fitting_chunk(request, num_new, request.num_computed_tokens, 0)
+            if 0 < fitting < num_new:
+                num_new = fitting
+                continue
             # Requests already scheduled this step hold allocations the runner will use: never victims.
             scheduled = {chunk.request_id for chunk in step.scheduled}
             candidates = [r for r in self.running if r.request_id not in scheduled]
@@ -611,15 +638,72 @@ class Scheduler:
         # Leave a few blocks so running decodes do not preempt right away. Held sequences (beam search) compute
         # nothing until their engine extends them: with only those running, no decode needs the headroom, and the
         # exact allocation decides (else a beam waiting to be recomputed could wait forever on its parked siblings).
-        if any(r.num_computed_tokens < r.num_tokens for r in self.running):
-            needed = kv.num_blocks_needed(request.request_id, num_new, num_computed_tokens=num_cached)
-            if kv.num_free_blocks() - needed < self._watermark_blocks:
+        computing = any(r.num_computed_tokens < r.num_tokens for r in self.running)
+        reserve = self._watermark_blocks if computing else 0
+        # With sliding windows the first chunk is a poor guide (a window holds chunk + window while it runs,
+        # the window alone after): admit when the prompt's steady footprint fits, and let chunks shrink to the
+        # headroom, so a request is not admitted only to be preempted before its prefill ends.
+        if self._release_behind is not None and self.running:
+            steady = kv.blocks_for_tokens(request.num_tokens)
+            if kv.num_free_blocks() - reserve < steady:
+                return None
+        if computing:
+            num_new = self._fitting_chunk(request, num_new, num_cached, reserve)
+            if num_new == 0:
                 return None
         return num_cached, num_new
 
+    def _allocate_admitted(
+        self, request: Request, num_cached: int, num_new: int
+    ) -> tuple[SlotAllocationLike, int] | None:
+        """Allocate waiting `request`'s first chunk, shortened to the free blocks if it does not fit whole;
+        (allocation, chunk length), or None (nothing changed)."""
+        length = num_new
+        while length:
+            allocation = self.kv.allocate_slots(
+                request.request_id,
+                request.block_key_ids,
+                length,
+                num_computed_tokens=num_cached,
+                salt=request.cache_salt,
+            )
+            if allocation is not None:
+                return allocation, length
+            shorter = self._fitting_chunk(request, length, num_cached, 0)
+            length = shorter if shorter < length else 0
+        return None
+
+    def _fitting_chunk(self, request: Request, num_new: int, num_computed: int, reserve: int) -> int:
+        """The longest chunk of at most `num_new` tokens of `request` whose blocks fit in the free blocks less
+        `reserve`; 0 when not even a block's worth of tokens fits (a shorter chunk would crawl).
+
+        Only with chunked prefill, and never cutting an image: the chunk stays whole otherwise.
+        """
+        kv, rid = self.kv, request.request_id
+        free = kv.num_free_blocks() - reserve
+
+        def fits(n: int) -> bool:
+            return kv.num_blocks_needed(rid, n, num_computed_tokens=num_computed) <= free
+
+        if fits(num_new):
+            return num_new
+        shortest = min(num_new, self._block_size)
+        if (
+            not self.config.enable_chunked_prefill
+            or request.encoder_spans
+            or num_new <= 1
+            or not fits(shortest)
+        ):
+            return 0
+        # Blocks needed grow with the chunk's length: the longest that fits, by bisection.
+        lo, hi = shortest, num_new - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
     def _admit(self, step: _Step) -> None:
         """Admit waiting requests in policy order while budgets, seats and free blocks allow."""
-        kv = self.kv
         candidates = list(
             self.policy.admissible(self.waiting, self.num_running_seqs, self.config.max_num_seqs)
         )
@@ -635,15 +719,10 @@ class Scheduler:
             if chunk is None:
                 break
             num_cached, num_new = chunk
-            allocation = kv.allocate_slots(
-                request.request_id,
-                request.block_key_ids,
-                num_new,
-                num_computed_tokens=num_cached,
-                salt=request.cache_salt,
-            )
-            if allocation is None:
+            admitted = self._allocate_admitted(request, num_cached, num_new)
+            if admitted is None:
                 break
+            allocation, num_new = admitted
             self.waiting.remove(request)
             request.num_computed_tokens = num_cached
             self._add_running(request)

@@ -330,7 +330,9 @@ def build_parts(
     chunk = scheduler.max_num_batched_tokens or (
         DEFAULT_MAX_NUM_BATCHED_TOKENS if scheduler.enable_chunked_prefill else 1 << 30
     )
-    longest = longest_sequence(layout, usable_blocks, cache.block_size, chunk)
+    # A chunk shrinks to the free blocks (down to one block's tokens): one sequence alone needs only that peak.
+    peak_chunk = min(chunk, cache.block_size) if scheduler.enable_chunked_prefill else chunk
+    longest = longest_sequence(layout, usable_blocks, cache.block_size, peak_chunk)
     # The model's own context where the pool holds one such sequence (paged only: a contiguous reservation
     # takes max_model_len per sequence), else the capped default.
     own = cache.kv_manager == "paged" and longest >= model_limit
