@@ -7,7 +7,8 @@ fixed KV size.
 For hybrid off (one block table for every layer), on (one group per attention type, sliding-window groups
 keeping only their window) and on + int8 (the same groups, `--kv-cache-dtype int8`), at the same `--kv-cache-gib`:
   - the simulator's prediction: the real `Scheduler` and `BlockManager` (with the model's groups) run the
-    workload with a stand-in model, and report how many sequences decode at once;
+    workload with a stand-in model, and report how many sequences decode at once, beside the steady bound (the
+    pool over what one prefilled prompt holds: what a prefill peak costs shows as the gap);
   - with `--engine`, the real engine on the model: sequences decoding at once, output tokens/s over the
     makespan, and TPOT (the mean time of a step in which every running sequence decodes);
   - the KV cost of one sequence at each of `--lengths`, in bytes per token, from the model's layout.
@@ -89,6 +90,9 @@ class Row:
 
     setup: Setup
     num_blocks: int
+    # The pool over one prompt's blocks after its prefill (no chunk peak): a decoding sequence holds at least
+    # that, so no more than this many decode at once.
+    steady_bound: float
     predicted_at_once: int
     measured_at_once: int | None = None
     output_tok_s: float | None = None
@@ -217,25 +221,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = geo.layout(setup.hybrid)
         block_bytes = geo.block_bytes(layout, args.block_size, setup.kv_cache_dtype)
         num_blocks = int(args.kv_cache_gib * 2**30 // block_bytes)
-        row = Row(setup, num_blocks, simulate(layout, num_blocks, args))
+        steady = layout.blocks_for_tokens(args.prompt_len, args.block_size, 1)
+        row = Row(setup, num_blocks, num_blocks / steady, simulate(layout, num_blocks, args))
         if args.engine:
             most, tok_s, tpot = run_engine(args, setup)
-            row = Row(setup, num_blocks, row.predicted_at_once, most, tok_s, tpot)
+            row = Row(setup, num_blocks, row.steady_bound, row.predicted_at_once, most, tok_s, tpot)
         rows.append(row)
         print(f"{setup.name}: {layout.describe()}", file=sys.stderr)
     print(
         f"{args.num_prompts} prompts of {args.prompt_len} tokens + {args.max_tokens} out, "
         f"--kv-cache-gib {args.kv_cache_gib}, block size {args.block_size}"
     )
-    print("| configuration | blocks | at once (simulator) | at once (engine) | output tok/s | TPOT ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| configuration | blocks | steady bound | at once (simulator) | vs off | at once (engine) | output tok/s "
+        "| TPOT ms |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    off = rows[0].predicted_at_once
     for r in rows:
         print(
-            f"| {r.setup.name} | {r.num_blocks} | {r.predicted_at_once} | "
+            f"| {r.setup.name} | {r.num_blocks} | {r.steady_bound:.2f} | {r.predicted_at_once} | "
+            f"{r.predicted_at_once / max(off, 1):.1f}x | "
             f"{fmt(r.measured_at_once, 'd')} | {fmt(r.output_tok_s, '.1f')} | {fmt(r.tpot_ms, '.1f')} |"
         )
     costs = cost_table(geo, args.lengths, args.block_size)
