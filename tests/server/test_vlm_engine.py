@@ -145,8 +145,10 @@ def test_eight_concurrent_images_under_preemption_and_chunked_prefill(model: Mod
     """Eight prompts with different images, a pool too small for all of them and 16-token steps: every output
     still equals transformers', and the engine did preempt (by `mode`) and split prefills."""
     prompts = [model.prompt(["Look:", picture(10 + i), "What is it?"]) for i in range(8)]
-    # A pool of one and a half of the longest sequences (KV cache groups share it: Gemma 3's sliding layers take
-    # blocks of their own): eight sequences cannot all fit, so the batch preempts.
+    # A pool of three of the longest sequences (KV cache groups share it: Gemma 3's sliding layers take blocks of
+    # their own): eight sequences cannot all fit, and the ones admitted by their prompts' footprint outgrow it as
+    # they decode, so the batch preempts. (Smaller pools admit fewer at once, whose prefill chunks shrink to fit
+    # and whose windows give blocks back: with Gemma 3 at one and a half, nothing is ever preempted.)
     long = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
     max_len = -(-(max(len(p.token_ids) for p in prompts) + 3 * MAX_TOKENS) // 4) * 4
     flags: dict[str, Any] = {
@@ -157,7 +159,7 @@ def test_eight_concurrent_images_under_preemption_and_chunked_prefill(model: Mod
         "swap_space_gib": 0.01,
     }
     smallest = next(n for n in range(max_len // 4, 8 * max_len) if _fits(model, n, flags))
-    llm = make_llm(model, num_kv_blocks=smallest * 3 // 2, **flags)
+    llm = make_llm(model, num_kv_blocks=smallest * 3, **flags)
     engine = llm.engine
     outputs = run(engine, prompts, long)
     assert tokens(outputs) == [model.greedy(p, 3 * MAX_TOKENS) for p in prompts]
