@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 from pagoda.server.cli import build_parser, engine_config, main
+from pagoda.server.cli_args import parse_replica_cpus, serve_config
 from pagoda.server.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from pagoda.server.llm import LLM
 from pagoda.server.testing import make_tiny_model
@@ -356,3 +358,39 @@ def test_help_states_each_default_once(capsys: pytest.CaptureFixture[str]) -> No
     assert "(default: None)" not in text
     assert "(default: the model's own) (default" not in text
     assert "--enforce-eager CUDA: skip torch.compile (default: False)" in text
+
+
+def test_replica_cpus_parses_lists_and_ranges() -> None:
+    """`--replica-cpus`: one entry per engine core, ';' apart, each CPUs and ranges; it reaches the core config."""
+    assert parse_replica_cpus("0;1") == ((0,), (1,))
+    assert parse_replica_cpus("0-2;3, 5-6") == ((0, 1, 2), (3, 5, 6))
+    one = os.sched_getaffinity(0)
+    cpu = min(one)
+    args = build_parser().parse_args(["serve", "m", "--data-parallel-size", "2", "--replica-cpus", f"{cpu};{cpu}"])
+    assert serve_config(args).core.replica_cpus == ((cpu,), (cpu,))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--replica-cpus", "0;x"], "--replica-cpus"),  # not a number
+        (["--replica-cpus", "3-1"], "--replica-cpus"),  # a backwards range
+        (["--replica-cpus", "0,0"], "--replica-cpus"),  # a CPU twice
+        (["--data-parallel-size", "2", "--replica-cpus", "0"], "--replica-cpus"),  # one entry for two cores
+        (["--data-parallel-size", "2", "--replica-cpus", "0;"], "--replica-cpus"),  # an empty entry
+        (["--data-parallel-size", "2", "--replica-cpus", "0;4096"], "CPU 4096"),  # not this process's
+        (["--replica-cpus", "0"], "--replica-cpus"),  # no engine-core process to pin
+        (
+            ["--engine-core", "process", "--replica-cpus", "0", "--distributed-executor-backend", "ray"],
+            "--replica-cpus",
+        ),
+    ],
+)
+def test_bad_replica_cpus_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every bad `--replica-cpus` exits 2 naming the flag (or the CPU) before any model loads."""
+    try:
+        status = main(["serve", "unused-model", *flags])
+    except SystemExit as exc:  # argparse's own refusal of the value
+        status = exc.code  # type: ignore[assignment]
+    assert status == 2
+    assert message in capsys.readouterr().err

@@ -178,10 +178,21 @@ def inproc_greedy(model_dir: Path) -> list[list[str]]:
         return _greedy_all(live)
 
 
+def _replica_cpus() -> tuple[str, list[set[int]]]:
+    """dp2's `--replica-cpus` and the CPU sets it gives: core 0 every CPU of the first two, core 1 the second
+    (unlike the automatic split, one each), or both the one CPU there is."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    return ",".join(map(str, cpus)) + f";{cpus[-1]}", [set(cpus), {cpus[-1]}]
+
+
+REPLICA_CPUS, REPLICA_CPU_SETS = _replica_cpus()
+
+
 @pytest.fixture(scope="module")
 def dp2(model_dir: Path) -> Iterator[LiveServer]:
     """A server of two engine-core replicas, round robin (so both serve), with small KV pools."""
     flags = (*CORE_FLAGS, "--data-parallel-size", "2", "--routing-policy", "round_robin")
+    flags += ("--replica-cpus", REPLICA_CPUS)
     with serving(model_dir, *flags, ready_timeout=READY_S) as live:
         yield live
         cores = [psutil.Process(pid) for pid in _core_pids(live)]
@@ -338,9 +349,15 @@ def test_dp2_replica_killed_while_idle_is_noticed_and_restarted(dp2: LiveServer)
     assert wait_idle(dp2) == [[0, 0, 0], [0, 0, 0]]
     text = httpx.get(f"{dp2.base_url}/metrics").text
     restarts = sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1"))
-    os.kill(_core_pids(dp2)[1], signal.SIGKILL)
+    pids = _core_pids(dp2)
+    # --replica-cpus pinned each core to its list; the restarted core keeps the killed one's.
+    pinned = {pid: os.sched_getaffinity(pid) for pid in pids}
+    assert sorted(map(sorted, pinned.values())) == sorted(map(sorted, REPLICA_CPU_SETS))
+    os.kill(pids[1], signal.SIGKILL)
     wait_replicas_alive(dp2, 1, 30, "the replica that died while idle was not noticed")
     wait_replicas_alive(dp2, 2, 120, "the killed replica did not come back")
+    (new_pid,) = set(_core_pids(dp2)) - set(pids)
+    assert os.sched_getaffinity(new_pid) == pinned[pids[1]]
     text = httpx.get(f"{dp2.base_url}/metrics").text
     assert sum(engine_metric(text, "pagoda:engine_restarts_total", e) for e in ("0", "1")) == restarts + 1
     client = sync_client(dp2)

@@ -385,6 +385,15 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--replica-cpus",),
+            {
+                "type": parse_replica_cpus,
+                "help": "the CPUs of each engine core, ';' between cores in index order, each a list of CPUs and "
+                "ranges (\"0;1\", \"0-3;4-7\", \"0,2;1,3\"); each core's torch threads match its count and a "
+                "restarted core keeps its list (default: the first CPU left to the front end, the rest split)",
+            },
+        ),
+        Flag(
             ("--routing-policy",),
             {
                 "choices": get_args(RoutingPolicyName),
@@ -859,6 +868,26 @@ def resolve_tgi_aliases(args: argparse.Namespace) -> dict[str, Any]:
             )
         resolved[flag.alias_of] = value if value is not None else other
     return resolved
+
+
+def parse_replica_cpus(text: str) -> tuple[tuple[int, ...], ...]:
+    """`--replica-cpus`: "0;1" or "0-3;4-7" or "0,2;1,3" as one tuple of CPUs per engine core."""
+    cores: list[tuple[int, ...]] = []
+    for entry in text.split(";"):
+        cpus: list[int] = []
+        for part in filter(None, (p.strip() for p in entry.split(","))):
+            first, dash, last = part.partition("-")
+            try:
+                lo, hi = int(first), int(last if dash else first)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a CPU number or range (in {text!r})") from None
+            if lo < 0 or hi < lo:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a CPU number or range (in {text!r})")
+            cpus += range(lo, hi + 1)
+        if len(set(cpus)) != len(cpus):
+            raise argparse.ArgumentTypeError(f"{entry!r} names a CPU twice (in {text!r})")
+        cores.append(tuple(cpus))
+    return tuple(cores)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

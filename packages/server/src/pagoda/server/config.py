@@ -487,10 +487,14 @@ class CoreClientConfig:
     replica_send_hwm: int = 1000  # frames queued for one core before sends to it stop (ZeroMQ's SNDHWM)
     replica_stall_timeout: float = 30.0  # seconds a core may stay full before it is treated as sick
     routing_kv_events: bool = False  # the cache_aware router follows the cores' KV cache events (no guessing)
+    # Per engine core in index order, the CPUs its threads run on (None: the launcher's automatic split).
+    replica_cpus: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1, data_parallel_size=self.data_parallel_size, replica_send_hwm=self.replica_send_hwm)
+        if self.replica_cpus is not None:
+            self._check_replica_cpus(self.replica_cpus)
         if self.engine_ready_timeout <= 0:
             raise ValueError(f"engine_ready_timeout must be > 0, got {self.engine_ready_timeout}")
         if self.replica_stall_timeout <= 0:
@@ -507,6 +511,25 @@ class CoreClientConfig:
     def in_process(self) -> bool:
         """True when the engine runs in the server's own process (one replica, no core process)."""
         return self.engine_core == "inproc" and self.data_parallel_size == 1
+
+    def _check_replica_cpus(self, cpus: tuple[tuple[int, ...], ...]) -> None:
+        """One non-empty list per engine core, of CPUs this process may run on."""
+        if self.in_process:
+            raise ValueError("replica_cpus pins engine-core processes: set engine_core process or data_parallel_size")
+        if len(cpus) != self.data_parallel_size:
+            raise ValueError(
+                f"replica_cpus has {len(cpus)} entries for data_parallel_size {self.data_parallel_size} engine cores"
+            )
+        allowed = os.sched_getaffinity(0)
+        for index, entry in enumerate(cpus):
+            if not entry:
+                raise ValueError(f"replica_cpus entry {index} names no CPU")
+            outside = sorted(set(entry) - allowed)
+            if outside:
+                raise ValueError(
+                    f"replica_cpus entry {index} names CPU {outside[0]}, which this process cannot run on "
+                    f"(allowed: {','.join(map(str, sorted(allowed)))})"
+                )
 
 
 _PROMETHEUS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -723,6 +746,8 @@ class ServeConfig:
             object.__setattr__(self, "serving", replace(serving, wake_on_request=True))
         elif serving.wake_on_request and not model.enable_sleep_mode:
             raise ValueError("wake_on_request needs enable_sleep_mode")
+        if self.core.replica_cpus is not None and self.engine.parallel_config.distributed_executor_backend == "ray":
+            raise ValueError("replica_cpus pins local processes; Ray places its actors (distributed_executor_backend)")
         if self.core.routing_kv_events:
             events = self.engine.cache_config.kv_events_config
             if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":

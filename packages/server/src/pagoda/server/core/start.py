@@ -24,7 +24,7 @@ def start_core_client(
 
         launcher = RayLauncher(ray_num_cpus, _gpus_per_replica(config), log_level)
     else:
-        launcher = ProcessLauncher(core.data_parallel_size, log_level)
+        launcher = ProcessLauncher(core.data_parallel_size, log_level, cpus=core.replica_cpus)
     # The prefix index is bounded by a replica's KV capacity when the config fixes it (the engine's own pool
     # evicts beyond it); otherwise by the router's default, an upper bound for the KV sizes CPUs serve.
     cache = config.cache_config

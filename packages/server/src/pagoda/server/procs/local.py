@@ -87,13 +87,16 @@ class ProcessLauncher:
     Spawned, not forked: a fresh interpreter with no copy of the parent's torch threads or sockets, started with
     subprocess rather than multiprocessing so that a child (an engine core) can start children of its own (its
     tensor-parallel workers). Each child exits once this process is gone (its watchdog) and, when `pin`, runs on
-    cores of its own (`pinned_cpus`).
+    cores of its own: the `cpus` listed for its index (`--replica-cpus`), else `pinned_cpus`.
     """
 
-    def __init__(self, count: int, log_level: int, pin: bool = True) -> None:
+    def __init__(
+        self, count: int, log_level: int, pin: bool = True, cpus: tuple[tuple[int, ...], ...] | None = None
+    ) -> None:
         self._count = count
         self._log_level = log_level
         self._pin = pin
+        self._cpus = cpus  # per child index, its CPUs as the user listed them (None: `pinned_cpus`)
         self._folder: Path | None = None  # created by the first `address`
 
     def host(self) -> str:
@@ -108,7 +111,11 @@ class ProcessLauncher:
 
     def launch(self, program: Program[S], spec: S, *, index: int, name: str) -> Handle:
         """Start `python -m program.module` and write its `ChildSpec` to its stdin."""
-        cpus = pinned_cpus(index, self._count) if self._pin else None
+        # By index, so a restarted child runs where its predecessor did.
+        if self._cpus is not None:
+            cpus: tuple[int, ...] | None = self._cpus[index]
+        else:
+            cpus = pinned_cpus(index, self._count) if self._pin else None
         child = ChildSpec(spec, self._log_level, own_process=True, parent_pid=os.getpid(), cpus=cpus)
         process = subprocess.Popen([sys.executable, "-m", program.module], stdin=subprocess.PIPE)
         assert process.stdin is not None
