@@ -86,14 +86,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat-rate", type=float, default=2.0, help="chat requests/s in the chatty phase")
     parser.add_argument(
-        "--document-rate", type=float, default=0.25, help="documents/s in the documents phase (half when mixed)"
+        "--document-rate",
+        type=float,
+        default=0.25,
+        help="documents/s in the documents phase (half when mixed)",
     )
     parser.add_argument("--peer", choices=["vllm"], default=None, help="add vLLM-cpu's default configuration")
     parser.add_argument("--output-dir", default="out/bench-adaptive")
     parser.add_argument("--png", default=None, help="also copy the PNG here (e.g. packages/server/docs/...)")
     args = parser.parse_args()
     if min(args.slo_ttft_ms, args.slo_tpot_ms, args.phase_seconds, args.chat_rate, args.document_rate) <= 0:
-        parser.error("--slo-ttft-ms, --slo-tpot-ms, --phase-seconds, --chat-rate and --document-rate must be > 0")
+        parser.error(
+            "--slo-ttft-ms, --slo-tpot-ms, --phase-seconds, --chat-rate and --document-rate must be > 0"
+        )
     slo = f"--slo-ttft-ms {args.slo_ttft_ms:g} --slo-tpot-ms {args.slo_tpot_ms:g}"
     serve = [
         "default=",

@@ -241,11 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    off = rows[0].predicted_at_once
+    off_at_once = rows[0].predicted_at_once
     for r in rows:
         print(
             f"| {r.setup.name} | {r.num_blocks} | {r.steady_bound:.2f} | {r.predicted_at_once} | "
-            f"{r.predicted_at_once / max(off, 1):.1f}x | "
+            f"{r.predicted_at_once / max(off_at_once, 1):.1f}x | "
             f"{fmt(r.measured_at_once, 'd')} | {fmt(r.output_tok_s, '.1f')} | {fmt(r.tpot_ms, '.1f')} |"
         )
     costs = cost_table(geo, args.lengths, args.block_size)

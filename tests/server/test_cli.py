@@ -366,7 +366,9 @@ def test_replica_cpus_parses_lists_and_ranges() -> None:
     assert parse_replica_cpus("0-2;3, 5-6") == ((0, 1, 2), (3, 5, 6))
     one = os.sched_getaffinity(0)
     cpu = min(one)
-    args = build_parser().parse_args(["serve", "m", "--data-parallel-size", "2", "--replica-cpus", f"{cpu};{cpu}"])
+    args = build_parser().parse_args(
+        ["serve", "m", "--data-parallel-size", "2", "--replica-cpus", f"{cpu};{cpu}"]
+    )
     assert serve_config(args).core.replica_cpus == ((cpu,), (cpu,))
 
 

@@ -191,8 +191,15 @@ REPLICA_CPUS, REPLICA_CPU_SETS = _replica_cpus()
 @pytest.fixture(scope="module")
 def dp2(model_dir: Path) -> Iterator[LiveServer]:
     """A server of two engine-core replicas, round robin (so both serve), with small KV pools."""
-    flags = (*CORE_FLAGS, "--data-parallel-size", "2", "--routing-policy", "round_robin")
-    flags += ("--replica-cpus", REPLICA_CPUS)
+    flags = (
+        *CORE_FLAGS,
+        "--data-parallel-size",
+        "2",
+        "--routing-policy",
+        "round_robin",
+        "--replica-cpus",
+        REPLICA_CPUS,
+    )
     with serving(model_dir, *flags, ready_timeout=READY_S) as live:
         yield live
         cores = [psutil.Process(pid) for pid in _core_pids(live)]

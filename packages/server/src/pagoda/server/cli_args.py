@@ -389,7 +389,7 @@ def argument_table() -> list[Flag]:
             {
                 "type": parse_replica_cpus,
                 "help": "the CPUs of each engine core, ';' between cores in index order, each a list of CPUs and "
-                "ranges (\"0;1\", \"0-3;4-7\", \"0,2;1,3\"); each core's torch threads match its count and a "
+                'ranges ("0;1", "0-3;4-7", "0,2;1,3"); each core\'s torch threads match its count and a '
                 "restarted core keeps its list (default: the first CPU left to the front end, the rest split)",
             },
         ),
@@ -880,7 +880,9 @@ def parse_replica_cpus(text: str) -> tuple[tuple[int, ...], ...]:
             try:
                 lo, hi = int(first), int(last if dash else first)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{part!r} is not a CPU number or range (in {text!r})") from None
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} is not a CPU number or range (in {text!r})"
+                ) from None
             if lo < 0 or hi < lo:
                 raise argparse.ArgumentTypeError(f"{part!r} is not a CPU number or range (in {text!r})")
             cpus += range(lo, hi + 1)

@@ -515,7 +515,9 @@ class CoreClientConfig:
     def _check_replica_cpus(self, cpus: tuple[tuple[int, ...], ...]) -> None:
         """One non-empty list per engine core, of CPUs this process may run on."""
         if self.in_process:
-            raise ValueError("replica_cpus pins engine-core processes: set engine_core process or data_parallel_size")
+            raise ValueError(
+                "replica_cpus pins engine-core processes: set engine_core process or data_parallel_size"
+            )
         if len(cpus) != self.data_parallel_size:
             raise ValueError(
                 f"replica_cpus has {len(cpus)} entries for data_parallel_size {self.data_parallel_size} engine cores"
@@ -746,8 +748,13 @@ class ServeConfig:
             object.__setattr__(self, "serving", replace(serving, wake_on_request=True))
         elif serving.wake_on_request and not model.enable_sleep_mode:
             raise ValueError("wake_on_request needs enable_sleep_mode")
-        if self.core.replica_cpus is not None and self.engine.parallel_config.distributed_executor_backend == "ray":
-            raise ValueError("replica_cpus pins local processes; Ray places its actors (distributed_executor_backend)")
+        if (
+            self.core.replica_cpus is not None
+            and self.engine.parallel_config.distributed_executor_backend == "ray"
+        ):
+            raise ValueError(
+                "replica_cpus pins local processes; Ray places its actors (distributed_executor_backend)"
+            )
         if self.core.routing_kv_events:
             events = self.engine.cache_config.kv_events_config
             if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
