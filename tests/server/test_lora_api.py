@@ -8,18 +8,23 @@ import json
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import torch
 from pagoda.server import testing
+from pagoda.server.api.errors import APIError
+from pagoda.server.api.protocol import CompletionRequest
+from pagoda.server.api.serving_base import ServingContext
 from pagoda.server.cli import build_parser, engine_config, main
-from pagoda.server.config import LoRAModulePath
+from pagoda.server.config import LoRAConfig, LoRAModulePath, RequestLimits
+from pagoda.server.engine.admission import AdmissionRules
 from pagoda.server.llm import LLM
 from pagoda.server.lora import LoRARequest
+from pagoda.server.lora.served import ServedLoRAs
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import make_tiny_model
 from pagoda.server.testing.tiny_lora import make_tiny_lora
@@ -241,9 +246,9 @@ def test_runtime_load_and_unload_under_load(
     assert models(live)["b"] == MODEL
     max_tokens = 120
     want = offline.text(adapters.b, max_tokens)
-    first_chunk = []
+    started: set[int] = set()  # the streams that have had a chunk: the engine runs them on b
 
-    def stream_on_b() -> str:
+    def stream_on_b(index: int) -> str:
         body = {
             "model": "b",
             "prompt": PROMPT,
@@ -260,12 +265,13 @@ def test_runtime_load_and_unload_under_load(
                     chunk = json.loads(line[6:])
                     assert chunk["model"] == "b", chunk  # also the chunks after the unload
                     text += "".join(choice["text"] for choice in chunk["choices"])
-                    first_chunk.append(True)
+                    started.add(index)
         return text
 
     with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(stream_on_b) for _ in range(3)]
-        while not first_chunk and not any(s.done() for s in streams):
+        streams = [pool.submit(stream_on_b, i) for i in range(3)]
+        # Unloaded once all three run: a request still in the front end then gets a 404 (the next test).
+        while len(started) < 3 and not any(s.done() for s in streams):
             time.sleep(0.002)
         in_flight = not any(s.done() for s in streams)
         removed = unload(live, "b")
@@ -279,6 +285,36 @@ def test_runtime_load_and_unload_under_load(
     # Loaded again (a fresh id), it serves the same tokens.
     assert load(live, "b", adapters.b).status_code == 200
     assert complete(live, "b", max_tokens).json()["choices"][0]["text"] == want
+
+
+def test_an_adapter_unloaded_after_the_model_check_is_a_404_not_the_base_model() -> None:
+    """A request checks its `model` on arrival and reads its adapter again (awaits later) when its sampling
+    parameters are built: an unload in between is a 404 naming `model`, never a silent run on the base model."""
+    loras = ServedLoRAs(LoRAConfig(enable_lora=True, lora_modules=(LoRAModulePath("b", "/adapters/b"),)))
+    ctx = ServingContext(
+        llm=cast(Any, None),  # neither is reached by the model check or the sampling parameters
+        tokenizer=cast(Any, None),
+        served_model_name=MODEL,
+        rules=AdmissionRules(256, 512),
+        chat_template=None,
+        executor=cast(Any, None),
+        limits=RequestLimits(),
+        max_prompt_chars=Future(),
+        loras=loras,
+    )
+    body = CompletionRequest(model="b", prompt=PROMPT, max_tokens=4)
+    ctx.check_model(body.model)
+    assert ctx.sampling_params(body, max_tokens=4, logprobs=None).lora_request == loras.get("b")
+    assert (
+        ctx.sampling_params(
+            body.model_copy(update={"model": MODEL}), max_tokens=4, logprobs=None
+        ).lora_request
+        is None
+    )
+    loras.remove("b")
+    with pytest.raises(APIError) as refused:
+        ctx.sampling_params(body, max_tokens=4, logprobs=None)
+    assert (refused.value.status, refused.value.param) == (404, "model")
 
 
 def test_lora_flags_map_onto_the_config(adapters: Adapters) -> None:

@@ -99,17 +99,24 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is omitted or names the served model or a served LoRA adapter."""
-        if model is not None and model != self.served_model_name and self.lora_for(model) is None:
+        self.lora_for(model)
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 when it names neither.
+
+        Asked again when the sampling parameters are built: an adapter unloaded since `check_model` (an await
+        apart) is a 404 there, never a silent run on the base model."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = None if self.loras is None else self.loras.get(model)
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
+        return lora
 
     def response_model(self, model: str | None) -> str:
         """The `model` a response names: the adapter's name for a request `check_model` let name one (as vLLM
         does; fixed at the request's start, so an adapter unloaded meanwhile is still named), else the base's."""
         return self.served_model_name if model is None else model
-
-    def lora_for(self, model: str | None) -> LoRARequest | None:
-        """The LoRA adapter `model` names, if any."""
-        return None if self.loras is None else self.loras.get(model)
 
     def check_fan_out(self, num_prompts: int, n: int, best_of: int | None = None) -> None:
         """400 when a request has more prompts, or prompts x max(n, best_of) sequences (best_of is a beam search's
