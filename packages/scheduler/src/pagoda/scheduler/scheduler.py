@@ -213,9 +213,12 @@ class Scheduler:
             raise RequestRejectedError(
                 f"request id {rid!r} (or one of its sample ids) is already in use", "request_id"
             )
+        # Outputs are welcome on a request of one sample (one resumed from another engine's outputs: prefill/decode
+        # disaggregation); it is admitted like a request preempted by recompute. A group still to fork is fresh.
+        resumed_ok = not request.num_children_to_fork and request.num_output_tokens < sp.max_tokens
         if (
             request.status is not RequestStatus.WAITING
-            or request.num_output_tokens
+            or (request.num_output_tokens and not resumed_ok)
             or request.num_computed_tokens
         ):
             raise RequestRejectedError(f"request {rid!r} is not fresh")

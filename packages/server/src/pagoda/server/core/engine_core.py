@@ -159,6 +159,7 @@ class EngineCore:
                 message.params,
                 prompt=message.prompt,
                 multi_modal=multi_modal,
+                resume=message.resume,
             )
         except ValueError as exc:  # RequestRejectedError and the grammar's errors carry `param`
             self._send(Rejected(message.request_id, str(exc), getattr(exc, "param", None)))

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from pagoda.server.core.lora_frames import LoadLoRA, LoRADone, UnloadLoRA
 from pagoda.server.core.sleep_frames import SleepDone, SleepEngine, WakeEngine
+from pagoda.server.handoff import Resume
 from pagoda.server.multimodal.wire import WireMultiModal
 from pagoda.server.outputs import EngineStats, FinishReason, Logprob, RequestMetrics
 from pagoda.server.pooling import SupportedTask
@@ -34,6 +35,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     prompt: str | None = None
     multi_modal: WireMultiModal | None = None  # the prompt's images (a vision-language model)
+    resume: Resume | None = None  # its outputs so far, drawn by a prefill core (disaggregated serving)
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):

@@ -34,7 +34,7 @@ from pagoda.scheduler import (
 )
 from pagoda.server.client_stream import EngineSleepingError
 from pagoda.server.config import EngineConfig, resolved_scheduler_config
-from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError
+from pagoda.server.engine.admission import AdmissionRules, RequestRejectedError, check_resume
 from pagoda.server.engine.counters import TokenCounters
 from pagoda.server.engine.draft_setup import load_draft
 from pagoda.server.engine.executor import Executor, UniProcExecutor, build_executor
@@ -53,6 +53,7 @@ from pagoda.server.engine.sleep_setup import engine_sleep
 from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
 from pagoda.server.engine.step_timing import StepTimer
+from pagoda.server.handoff import Resume
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.kv_events.wire import HOST_TIER_MEDIUM
@@ -254,15 +255,19 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         multi_modal: MultiModalInputs | None = None,
+        resume: Resume | None = None,
     ) -> None:
-        """Queue a request (under `lora_request`'s adapter, if given; with `multi_modal`'s images in its prompt);
-        RequestRejectedError (with `param`) if it can never run."""
+        """Queue a request (under `lora_request`'s adapter, if given; with `multi_modal`'s images in its prompt;
+        going on from `resume`'s outputs, drawn by another engine); RequestRejectedError (with `param`) if it can
+        never run."""
         if self.is_sleeping:
             raise EngineSleepingError("the engine is sleeping: wake_up() first")
         ids = tuple(prompt_token_ids)
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
         self.rules.check(ids, params)
         params = self.pooling_rules.admit(params)
+        if resume is not None:
+            check_resume(params, resume)
         if request_id in self.owners.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         spans: tuple[EncoderSpan, ...] = ()
@@ -285,6 +290,7 @@ class LLMEngine:
             self.pooling_rules.score_head,
             multi_modal,
             spans,
+            resume,
         )
         try:
             self._pass_on(new, 0)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagoda.scheduler import EncoderSpan, Request
 from pagoda.server.engine.beams import BeamGroup
 from pagoda.server.engine.requests import RequestState, SchedulerParams
+from pagoda.server.handoff import Resume
 from pagoda.server.lora import LoRARequest
 from pagoda.server.lora.salt import lora_salt
 from pagoda.server.multimodal import MultiModalInputs
@@ -56,6 +57,7 @@ def new_request(
     encoder_spans: Sequence[
         EncoderSpan
     ] = (),  # their placeholder spans, as the scheduler keys and chunks them
+    resume: Resume | None = None,  # sample 0's outputs so far, drawn by another engine (a plain request's)
 ) -> NewRequest:
     """A pooling request for an embedding or a score, a beam group for a beam search, else a plain request
     (SamplingParams refuses grammars with beams), speculative under `speculate` unless constrained (grammar rows
@@ -91,7 +93,14 @@ def new_request(
         )
         return NewRequest(group, request, None, lora, multi_modal)
     state = RequestState(
-        request_id, prompt, ids, params, scheduler_params.stop_token_ids, tokenizer, arrival, seed(params)
+        request_id,
+        prompt,
+        ids,
+        params,
+        scheduler_params.stop_token_ids,
+        tokenizer,
+        arrival,
+        seed(params) if resume is None else resume.seed,
     )
     # Prompt logprobs need every prompt position computed: a private cache salt keeps the prefix cache from
     # skipping any (vLLM skips the cache for these requests too).
@@ -106,6 +115,10 @@ def new_request(
         encoder_spans=encoder_spans,
         slo=params.slo,
     )
+    if resume is not None:  # its sequence goes on from its outputs, as after a preemption by recompute
+        state.resume(resume)
+        for token_id in resume.output_token_ids:
+            request.append_output_token(token_id)
     constraint = params.structured_outputs
     if constraint is None and speculate is not None and params.speculative:
         return NewRequest(speculate(state), request, None, lora, multi_modal)

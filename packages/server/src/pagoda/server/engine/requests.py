@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.scheduler import Request, Scheduler, sample_id
+from pagoda.server.handoff import Resume
 from pagoda.server.outputs import (
     CompletionOutput,
     FinishReason,
@@ -159,6 +160,18 @@ class RequestState:
 
         for sample in self.samples.values():
             sample.matcher = xgr.GrammarMatcher(compiled)
+            for token_id in sample.token_ids:  # a resumed sample's outputs so far (`resume`)
+                sample.accept(token_id)
+
+    def resume(self, resume: Resume) -> None:
+        """Take on sample 0's outputs so far from another engine (prefill/decode disaggregation): they extend
+        its text, logprobs and grammar as if drawn here (their stop rules were checked where they were drawn)."""
+        sample = self.samples[self.request_id]
+        sample.token_ids.extend(resume.output_token_ids)
+        sample.detokenizer.add_tokens(resume.output_token_ids)
+        if sample.logprobs is not None and resume.logprobs is not None:
+            sample.logprobs.extend(resume.logprobs)
+            sample.cumulative_logprob = resume.cumulative_logprob
 
     def mark_scheduled(self, num_cached_tokens: int, now: float) -> None:
         """Note the first step that schedules the request; admission starts it at its prefix-cache hit."""
