@@ -6,7 +6,7 @@ blocks A computed; a resume that cannot be served is refused naming `resume`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +15,12 @@ import torch
 from pagoda.server.engine import RequestRejectedError
 from pagoda.server.handoff import Resume
 from pagoda.server.llm import LLM
+from pagoda.server.lora import LoRARequest
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import StructuredOutputsParams
 from pagoda.server.testing import ARCHS, make_tiny_model
+from pagoda.server.testing.tiny_lora import make_tiny_lora
 
 BS = 4
 MAX_TOKENS = 7
@@ -156,3 +158,68 @@ def test_a_resume_that_cannot_be_served_is_refused_naming_it(
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.engine.close()
+
+
+def run_all(
+    llm: LLM, requests: dict[str, tuple[Sequence[int], SamplingParams, Resume | None]]
+) -> dict[str, RequestOutput]:
+    """Several requests through `llm`'s engine at once, stepped to their ends; each one's last output."""
+    engine = llm.engine
+    for request_id, (prompt, params, resume) in requests.items():
+        engine.add_request(request_id, prompt, params, resume=resume)
+    last: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+    return last
+
+
+def test_chunked_prefill_there_and_preemption_here(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Engine A prefills in chunks of 4 tokens; engine B's pool is too small for its six resumed requests at once,
+    so it preempts and recomputes: every request still gets one engine's tokens."""
+    prompts = prompts_of((9, 14, 17, 21, 11, 16), seed=9)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    shm = tmp_path / "tier"
+    one = make_llm(model_dirs["llama"])
+    a = make_llm(model_dirs["llama"], shm, max_num_batched_tokens=4, enable_chunked_prefill=True)
+    b = make_llm(model_dirs["llama"], shm, num_kv_blocks=16)
+    try:
+        want = run_all(one, {f"r{i}": (p, params, None) for i, p in enumerate(prompts)})
+        firsts = run_all(
+            a, {f"r{i}": (p, dataclasses.replace(params, max_tokens=1), None) for i, p in enumerate(prompts)}
+        )
+        resumed = {
+            f"r{i}": (p, params, Resume(list(firsts[f"r{i}"].outputs[0].token_ids), 3))
+            for i, p in enumerate(prompts)
+        }
+        got = run_all(b, resumed)
+        assert b.engine.get_stats().num_preemptions > 0
+        for request_id, out in want.items():
+            assert got[request_id].outputs[0].token_ids == out.outputs[0].token_ids, request_id
+    finally:
+        for llm in (one, a, b):
+            llm.engine.close()
+
+
+def test_a_lora_request_hands_off_on_its_adapter(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A request under a LoRA adapter: A draws its first token under it, B goes on under it (its blocks are salted
+    by the adapter on both), and the tokens equal one engine's."""
+    adapter = make_tiny_lora(model_dirs["llama"], tmp_path / "adapter", rank=4, seed=5)
+    lora = LoRARequest("ad", 1, str(adapter))
+    shm = tmp_path / "tier"
+    one, a, b = (
+        make_llm(model_dirs["llama"], None if i == 0 else shm, enable_lora=True, max_loras=1)
+        for i in range(3)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, lora_request=lora)
+    prompt = prompts_of((13,), seed=2)[0]
+    try:
+        want = run(one, "l", prompt, params)
+        got = handed_off(a, b, "l", prompt, params)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.num_cached_tokens == 12
+        base = run(one, "base", prompt, dataclasses.replace(params, lora_request=None))
+        assert base.outputs[0].token_ids != want.outputs[0].token_ids
+    finally:
+        for llm in (one, a, b):
+            llm.engine.close()

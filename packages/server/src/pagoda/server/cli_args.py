@@ -385,6 +385,23 @@ def argument_table() -> list[Flag]:
             },
         ),
         Flag(
+            ("--prefill-replicas",),
+            {
+                "type": int,
+                "help": "disaggregated serving: this many engine cores compute prompts and first tokens, then hand "
+                "each request to a decode core (with --decode-replicas; the KV moves through the shared host "
+                "tier, 1 GiB unless --kv-offloading-size)",
+            },
+        ),
+        Flag(
+            ("--decode-replicas",),
+            {
+                "type": int,
+                "help": "disaggregated serving: this many engine cores continue the requests the prefill cores "
+                "hand over (with --prefill-replicas; cores are numbered prefill first)",
+            },
+        ),
+        Flag(
             ("--replica-cpus",),
             {
                 "type": parse_replica_cpus,

@@ -489,9 +489,14 @@ class CoreClientConfig:
     routing_kv_events: bool = False  # the cache_aware router follows the cores' KV cache events (no guessing)
     # Per engine core in index order, the CPUs its threads run on (None: the launcher's automatic split).
     replica_cpus: tuple[tuple[int, ...], ...] | None = None
+    # Prefill/decode disaggregation (core/disagg.py): this many cores prefill, then this many decode; they are
+    # the data_parallel_size cores (0 and 0: every core does both).
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
+        self._check_disaggregation()
         _at_least(1, data_parallel_size=self.data_parallel_size, replica_send_hwm=self.replica_send_hwm)
         if self.replica_cpus is not None:
             self._check_replica_cpus(self.replica_cpus)
@@ -506,6 +511,28 @@ class CoreClientConfig:
                 "routing_kv_events needs engine-core replicas (data_parallel_size or engine_core)"
             )
         _one_of("engine_core", self.engine_core, get_args(EngineCoreName))
+
+    def _check_disaggregation(self) -> None:
+        """Both counts or neither; data_parallel_size is their sum (set from them when left at 1)."""
+        prefill, decode = self.prefill_replicas, self.decode_replicas
+        if prefill < 0 or decode < 0:
+            raise ValueError(f"prefill_replicas and decode_replicas must be >= 0, got {prefill} and {decode}")
+        if not prefill and not decode:
+            return
+        if not prefill or not decode:
+            raise ValueError("prefill_replicas and decode_replicas go together: at least one core of each")
+        if self.data_parallel_size == 1:
+            object.__setattr__(self, "data_parallel_size", prefill + decode)
+        elif self.data_parallel_size != prefill + decode:
+            raise ValueError(
+                f"data_parallel_size {self.data_parallel_size} is not prefill_replicas + decode_replicas "
+                f"({prefill} + {decode}): leave it out"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode run on separate engine cores."""
+        return self.prefill_replicas > 0
 
     @property
     def in_process(self) -> bool:
@@ -539,6 +566,8 @@ _PROMETHEUS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # --max-sequences-per-request (so one always fits an idle server), 16 times the default --max-num-seqs. Waiting
 # sequences hold no KV but hold their prompts and state, and each wait costs the ones behind it.
 DEFAULT_MAX_WAITING_REQUESTS = 4096
+# The host tier a prefill core's blocks wait in for a decode core when --kv-offloading-size is not given.
+DEFAULT_HANDOFF_TIER_GIB = 1.0
 # A reader that leaves a snapshot of its stream unread this long (seconds) is aborted, freeing its KV.
 DEFAULT_STREAM_STALL_TIMEOUT = 30.0
 
@@ -755,12 +784,32 @@ class ServeConfig:
             raise ValueError(
                 "replica_cpus pins local processes; Ray places its actors (distributed_executor_backend)"
             )
+        if self.core.disaggregated:
+            self._check_disaggregation()
         if self.core.routing_kv_events:
             events = self.engine.cache_config.kv_events_config
             if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
                 raise ValueError(
                     "routing_kv_events needs kv_events_config with enable_kv_cache_events and the zmq publisher"
                 )
+
+    def _check_disaggregation(self) -> None:
+        """The KV moves through the host tier the cores of this host share: one host, prefix caching on, and a
+        host tier (DEFAULT_HANDOFF_TIER_GIB when --kv-offloading-size is not given)."""
+        engine = self.engine
+        if engine.parallel_config.distributed_executor_backend == "ray":
+            raise ValueError(
+                "prefill_replicas runs its cores on one machine (the KV moves through their shared-memory tier); "
+                "distributed_executor_backend ray is not supported with it yet"
+            )
+        if not engine.scheduler_config.enable_prefix_caching:
+            raise ValueError(
+                "prefill_replicas needs enable_prefix_caching: a decode core finds the prefill's blocks through it"
+            )
+        cache = engine.cache_config
+        if cache.kv_offloading_size is None:
+            cache = replace(cache, kv_offloading_size=DEFAULT_HANDOFF_TIER_GIB)
+            object.__setattr__(self, "engine", replace(engine, cache_config=cache))
 
     @classmethod
     def from_flat(cls, **names: object) -> ServeConfig:

@@ -132,6 +132,7 @@ class ReplicaStatus:
     alive: bool
     stats: EngineStats | None  # its last stats (None before its first Ready)
     restarts: int
+    role: str | None = None  # "prefill" or "decode" with disaggregated serving; None: a plain replica
 
 
 @runtime_checkable
@@ -144,4 +145,8 @@ class ReplicaSet(Protocol):
 
     def router_counts(self) -> tuple[int, int]:
         """The router's (hits, misses) counters."""
+        ...
+
+    def kv_transfer_counts(self) -> tuple[int, int, float] | None:
+        """Prefill-to-decode hand-offs: (transfers, KV bytes moved, seconds); None without disaggregation."""
         ...

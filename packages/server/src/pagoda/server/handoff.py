@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 from pagoda.server.outputs import PositionLogprobs
+from pagoda.server.sampling_params import SamplingParams
 
 
 class Resume(msgspec.Struct, frozen=True):
@@ -20,3 +21,13 @@ class Resume(msgspec.Struct, frozen=True):
     seed: int  # the request's own seed, or the one the front end gave an unseeded request
     logprobs: list[PositionLogprobs] | None = None  # per output position, when the request asks for logprobs
     cumulative_logprob: float | None = None
+
+
+def can_resume(params: SamplingParams) -> bool:
+    """Whether a request may move between engines mid-generation: one plain sample, no prompt scores."""
+    return (
+        params.n == 1
+        and params.beam_search is None
+        and params.pooling is None
+        and params.prompt_logprobs is None
+    )

@@ -220,6 +220,27 @@ class _EngineStatsCollector(Collector):
             restarts.add_metric([self._model_name, str(i)], float(replica.restarts))
         yield alive
         yield restarts
+        transfers = self._replicas.kv_transfer_counts()
+        if transfers is not None:
+            for name, doc, value in (
+                ("kv_transfer_total", "Requests handed from a prefill core to a decode core.", transfers[0]),
+                (
+                    "kv_transfer_bytes_total",
+                    "KV bytes the decode cores took over from the prefill cores (blocks x layers x 2 x KV heads "
+                    "x head_dim x block size x dtype size).",
+                    transfers[1],
+                ),
+                (
+                    "kv_transfer_seconds_total",
+                    "Seconds from a prefill core's first token to the decode core's next, summed over hand-offs.",
+                    transfers[2],
+                ),
+            ):
+                family = CounterMetricFamily(
+                    f"{self._prefix}:{name.removesuffix('_total')}", doc, labels=["model_name"]
+                )
+                family.add_metric([self._model_name], float(value))
+                yield family
         hits, misses = self._replicas.router_counts()
         for name, doc, count in (
             ("router_prefix_hits", "Requests routed to the replica holding their prefix.", hits),

@@ -465,11 +465,13 @@ class _Routes:
     async def health(self, request: Request) -> Response:
         """GET /health: 200 while the engine loop (and one replica at least) is alive, 503 once it died or
         shutdown began; with engine-core replicas, how many there are and how many serve."""
-        counts: dict[str, int] = {}
+        counts: dict[str, Any] = {}
         alive = self.llm.is_alive
         if self.llm.replicas is not None:
             status = self.llm.replicas.replica_status()
             counts = {"replicas": len(status), "replicas_alive": sum(r.alive for r in status)}
+            if any(r.role is not None for r in status):
+                counts["replica_roles"] = [r.role for r in status]
             alive = alive and counts["replicas_alive"] > 0
         if not alive:
             return JSONResponse(

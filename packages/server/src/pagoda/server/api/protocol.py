@@ -410,6 +410,7 @@ class HealthResponse(BaseModel):
     # Data-parallel serving: replicas started, and those serving now (ok while at least one is).
     replicas: int | None = None
     replicas_alive: int | None = None
+    replica_roles: list[str] | None = None  # disaggregated serving: each replica's role ("prefill", "decode")
 
 
 class ErrorInfo(BaseModel):

@@ -33,6 +33,7 @@ from pagoda.server.client_stream import (
     RequestFailed,
 )
 from pagoda.server.config import EngineConfig
+from pagoda.server.core.disagg import Disaggregation, HandOff, Role
 from pagoda.server.core.kv_subscriber import KVEventSubscriptions
 from pagoda.server.core.lora_calls import LoRACalls
 from pagoda.server.core.lora_frames import LoRADone, UnloadLoRA
@@ -58,7 +59,7 @@ from pagoda.server.lora.request import LoRARequest
 from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.multimodal.inputs import block_keys
 from pagoda.server.multimodal.wire import WireMultiModal
-from pagoda.server.outputs import EngineStats
+from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
 from pagoda.server.procs.security import Authenticator, token_matches
@@ -193,8 +194,12 @@ class CoreClient:
         send_hwm: int = DEFAULT_SEND_HWM,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         routing_kv_events: bool = False,
+        roles: tuple[Role, ...] | None = None,
     ) -> None:
         """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not).
+
+        With `roles` (one per core) the cores are disaggregated: prefill cores take new requests, decode cores
+        continue them (core/disagg.py).
 
         With `routing_kv_events` the router (a CacheAwareRouter built with use_kv_events) is fed every core's KV
         cache events, subscribed on each replica's `--kv-events-config` endpoint."""
@@ -240,6 +245,8 @@ class CoreClient:
             self.kv_events = KVEventSubscriptions(
                 self._context, events_config, num_replicas, router.apply_events, self.kv_events_keys.public
             )
+        self._split = None if roles is None else Disaggregation(roles, config.model_config.seed)
+        self._silent_accepts: set[str] = set()  # decode legs: their request was accepted by its prefill core
         self._loras = LoRACalls()  # runtime LoRA loads / unloads, sent to every core (core/lora_calls.py)
         self._sleep = SleepCalls()  # sleep mode's sleeps and wakes, sent to every core (core/sleep_calls.py)
         self.enable_sleep_mode = config.model_config.enable_sleep_mode
@@ -332,10 +339,12 @@ class CoreClient:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", "request_id")
         self._check_replicas(time.monotonic())  # cheap (waitpid): route nothing to a core known to be dead
         # A full core is skipped while another has room: its frames would only wait in the backlog.
-        roomy = any(r.ready and r.full_since is None for r in self.replicas)
+        split = self._split
+        entry = [r for r in self.replicas if split is None or split.serves(r.index, "prefill")]
+        roomy = any(r.ready and r.full_since is None for r in entry)
         loads = [
             ReplicaLoad(
-                alive=r.ready and (r.full_since is None or not roomy),
+                alive=r in entry and r.ready and (r.full_since is None or not roomy),
                 num_running=r.stats.num_running if r.stats else 0,
                 num_waiting=r.stats.num_waiting if r.stats else 0,
                 num_tokens=r.num_tokens,
@@ -350,16 +359,58 @@ class CoreClient:
             self.kv_events.drain_all()
         keys = ids if multi_modal is None else block_keys(ids, multi_modal)  # an image routes by content
         replica = self.replicas[self.router.route(keys, loads, salt=params.cache_salt)]
-        replica.requests[request_id] = len(ids) + params.max_tokens * params.n
-        replica.decoder.add(request_id, prompt, ids)
-        self._owner[request_id] = replica
-        replica.pending[request_id] = time.monotonic() + ACCEPT_TIMEOUT_S
         wire = None if multi_modal is None else WireMultiModal.of(multi_modal)
-        replica.send(self._encoder, AddRequest(request_id, ids, params, prompt, wire))
+        if split is not None:  # a request that moves on runs one token here
+            params = split.first_leg(request_id, prompt, ids, params, wire)
+        self._send_request(replica, AddRequest(request_id, ids, params, prompt, wire))
+
+    def _send_request(self, replica: Replica, frame: AddRequest) -> None:
+        """Send a request to `replica`, which owns it from now on."""
+        params, ids = frame.params, frame.prompt_token_ids
+        replica.requests[frame.request_id] = len(ids) + params.max_tokens * params.n
+        replica.decoder.add(frame.request_id, frame.prompt, ids)
+        self._owner[frame.request_id] = replica
+        replica.pending[frame.request_id] = time.monotonic() + ACCEPT_TIMEOUT_S
+        replica.send(self._encoder, frame)
+
+    def _hand_off(self, prefill: Replica, request_id: str, hand: HandOff) -> bool:
+        """Send a request's decode leg to the least loaded live decode core (one with room first); False, the
+        request failed (to be retried), when none is alive."""
+        assert self._split is not None
+        prefill.requests.pop(request_id, None)
+        decoders = [r for r in self.replicas if r.ready and self._split.serves(r.index, "decode")]
+        if not decoders:
+            self._fail(request_id, ReplicaDeadError("no decode engine core is alive (restarting)"))
+            return False
+        replica = min(decoders, key=lambda r: (r.full_since is not None, r.num_tokens))
+        self._silent_accepts.add(request_id)
+        frame = AddRequest(
+            request_id, hand.prompt_token_ids, hand.params, hand.prompt, hand.multi_modal, hand.resume
+        )
+        self._send_request(replica, frame)
+        return True
+
+    def _disaggregated(self, replica: Replica, output: RequestOutput) -> RequestOutput | None:
+        """A core's output as the client sees it: a finished prefill leg hands off (and streams on unfinished),
+        a decode leg carries its prefill leg's timings; None when the hand-off failed the request."""
+        split = self._split
+        assert split is not None
+        request_id = output.request_id
+        if split.is_handed_off(request_id):
+            return split.decode_output(output, self.block_size, self._info.kv_block_bytes)
+        if not output.finished:
+            return output
+        hand = split.after_prefill(output, self.max_model_len)
+        if hand is None:
+            return output
+        streamed = split.streamed_first(output)
+        return streamed if self._hand_off(replica, request_id, hand) else None
 
     def abort_request(self, request_id: str) -> None:
         """Abort the request in its core; its final snapshot comes out of a later `step`."""
         replica = self._owner.get(request_id)
+        if self._split is not None:
+            self._split.abort(request_id)  # a prefill leg that finished meanwhile is not handed off
         if replica is not None and replica.ready:
             replica.send(self._encoder, AbortRequests([request_id]))
 
@@ -446,11 +497,22 @@ class CoreClient:
 
     def replica_status(self) -> list[ReplicaStatus]:
         """Every replica's state, in index order."""
-        return [ReplicaStatus(r.ready, r.stats, r.restarts) for r in self.replicas]
+        roles = None if self._split is None else self._split.roles
+        return [
+            ReplicaStatus(r.ready, r.stats, r.restarts, None if roles is None else roles[r.index])
+            for r in self.replicas
+        ]
 
     def router_counts(self) -> tuple[int, int]:
         """The router's (hits, misses) counters."""
         return self.router.hits, self.router.misses
+
+    def kv_transfer_counts(self) -> tuple[int, int, float] | None:
+        """Prefill-to-decode hand-offs: (transfers, KV bytes moved, seconds); None without disaggregation."""
+        if self._split is None:
+            return None
+        counters = self._split.counters
+        return counters.transfers, counters.bytes, counters.seconds
 
     # --- the dashboard --------------------------------------------------------------------------------------
 
@@ -504,6 +566,8 @@ class CoreClient:
                 output = replica.decoder.decode(delta)
                 if output is None:
                     continue
+                if self._split is not None and (output := self._disaggregated(replica, output)) is None:
+                    continue
                 if output.finished:
                     replica.requests.pop(output.request_id, None)
                     self._owner.pop(output.request_id, None)
@@ -516,7 +580,9 @@ class CoreClient:
             answered = [request_id for request_id in message.request_ids if request_id in replica.pending]
             for request_id in answered:
                 del replica.pending[request_id]
-            self._events += [RequestAccepted(request_id) for request_id in answered]
+            silent = self._silent_accepts  # a decode leg's request was accepted once, by its prefill core
+            self._events += [RequestAccepted(r) for r in answered if r not in silent]
+            silent.difference_update(answered)
         elif isinstance(message, Rejected):
             replica.pending.pop(message.request_id, None)
             replica.requests.pop(message.request_id, None)
@@ -575,6 +641,9 @@ class CoreClient:
     def _fail(self, request_id: str, error: Exception) -> None:
         """End a request without a finished output: `RequestFailed` out of the next `step`."""
         self._owner.pop(request_id, None)
+        self._silent_accepts.discard(request_id)
+        if self._split is not None:
+            self._split.forget(request_id)
         self._events.append(RequestFailed(request_id, error))
 
     def _die(self, replica: Replica, reason: str) -> None:

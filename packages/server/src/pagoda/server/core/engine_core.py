@@ -71,6 +71,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         num_kv_blocks=engine.num_kv_blocks,
         block_size=engine.block_size,
         supported_tasks=engine.supported_tasks,
+        kv_block_bytes=engine.kv_block_bytes,
     )
 
 

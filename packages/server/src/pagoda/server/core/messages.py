@@ -66,6 +66,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     supported_tasks: tuple[SupportedTask, ...] = (
         "generate",
     )  # what the front end may send (generate, embed, score)
+    kv_block_bytes: int = 0  # one block position over every layer and KV group (the KV transfer metrics)
 
 
 class SampleDelta(msgspec.Struct, frozen=True):

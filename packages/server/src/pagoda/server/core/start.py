@@ -6,6 +6,7 @@ import logging
 
 from pagoda.server.config import CoreClientConfig, EngineConfig
 from pagoda.server.core.client import CoreClient
+from pagoda.server.core.disagg import roles_of
 from pagoda.server.procs import Launcher, ProcessLauncher
 from pagoda.server.routing import build_router
 
@@ -44,6 +45,7 @@ def start_core_client(
         send_hwm=core.replica_send_hwm,
         stall_timeout=core.replica_stall_timeout,
         routing_kv_events=core.routing_kv_events,
+        roles=roles_of(core.prefill_replicas, core.decode_replicas) if core.disaggregated else None,
     )
 
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagoda.scheduler import RequestRejectedError
-from pagoda.server.handoff import Resume
+from pagoda.server.handoff import Resume, can_resume
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.structured import GrammarError, parse_grammar
 
-__all__ = ["AdmissionRules", "RequestRejectedError", "can_resume", "check_resume"]
+__all__ = ["AdmissionRules", "RequestRejectedError", "check_resume"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +87,6 @@ class AdmissionRules:
             except GrammarError as exc:
                 field = "structured_outputs" if exc.kind is None else f"structured_outputs.{exc.kind}"
                 raise RequestRejectedError(str(exc), field) from exc
-
-
-def can_resume(params: SamplingParams) -> bool:
-    """Whether a request may move between engines mid-generation (`Resume`): one plain sample, no prompt scores."""
-    return (
-        params.n == 1
-        and params.beam_search is None
-        and params.pooling is None
-        and params.prompt_logprobs is None
-    )
 
 
 def check_resume(params: SamplingParams, resume: Resume) -> None:

@@ -119,12 +119,15 @@ class LLMEngine:
             Matryoshka.of_model(parts.model_path),
             None if classifier is None else ScoreHead.of_model(parts.model_path, classifier),
         )
+        groups = kv_cache_groups(parts.kv_cache.shape)
+        # One block position of a sequence over every layer of every group: what moving it between engines costs.
+        self.kv_block_bytes = parts.kv_cache.shape.bytes_per_block * len(groups)
         self.kv_manager: KVBlockManager = build_kv_manager(
             config,
             self.num_kv_blocks,
             self.num_host_kv_blocks,
             parts.max_model_len,
-            groups=kv_cache_groups(parts.kv_cache.shape),
+            groups=groups,
         )
         # The scheduler section itself, with the limits only the loaded model could tell.
         scheduler_config = resolved_scheduler_config(

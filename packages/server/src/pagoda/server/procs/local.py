@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 
 
+CHILD_INDEX_ENV = "PAGODA_CHILD_INDEX"
+
+
 def pinned_cpus(index: int, count: int) -> tuple[int, ...] | None:
     """The cores child `index` of `count` is pinned to (and runs as many torch threads on), or None (no pinning).
 
@@ -117,7 +120,9 @@ class ProcessLauncher:
         else:
             cpus = pinned_cpus(index, self._count) if self._pin else None
         child = ChildSpec(spec, self._log_level, own_process=True, parent_pid=os.getpid(), cpus=cpus)
-        process = subprocess.Popen([sys.executable, "-m", program.module], stdin=subprocess.PIPE)
+        # The index in its environment: `ps e` and process tools tell a set's children apart (same command line).
+        env = {**os.environ, CHILD_INDEX_ENV: str(index)}
+        process = subprocess.Popen([sys.executable, "-m", program.module], stdin=subprocess.PIPE, env=env)
         assert process.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # a child that died at once shows as exited
             process.stdin.write(encode_child(child))

@@ -24,6 +24,12 @@ def find_stop(text: str, new_start: int, stops: Sequence[str]) -> tuple[int, str
     return None if best is None else (best[1], best[2])
 
 
+def stop_holdback(params: SamplingParams) -> int:
+    """How many last characters an unfinished sample's text holds back: those a stop string may still use."""
+    longest = max((len(stop) for stop in params.stop), default=0)
+    return longest - 1 if longest and not params.include_stop_str_in_output else 0
+
+
 class IncrementalDetokenizer:
     """Decodes one sample's tokens as they arrive and watches for its stop strings.
 
@@ -45,8 +51,7 @@ class IncrementalDetokenizer:
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        longest = max((len(stop) for stop in params.stop), default=0)
-        self._holdback = longest - 1 if longest and not params.include_stop_str_in_output else 0
+        self._holdback = stop_holdback(params)
         self._text = ""
         self._num_tokens = 0
         self._matched: str | None = None
