@@ -161,7 +161,7 @@ def test_a_resume_that_cannot_be_served_is_refused_naming_it(
 
 
 def run_all(
-    llm: LLM, requests: dict[str, tuple[Sequence[int], SamplingParams, Resume | None]]
+    llm: LLM, requests: Mapping[str, tuple[Sequence[int], SamplingParams, Resume | None]]
 ) -> dict[str, RequestOutput]:
     """Several requests through `llm`'s engine at once, stepped to their ends; each one's last output."""
     engine = llm.engine
