@@ -18,6 +18,7 @@ import openai
 import psutil
 import pytest
 from api_cases import MODEL
+from dashboard_support import wait_for_frame
 from pagoda.server.cli import main
 from pagoda.server.llm import LLM
 from pagoda.server.procs.local import CHILD_INDEX_ENV
@@ -133,6 +134,13 @@ def test_stop_strings_and_requests_that_stay_on_the_prefill_core(pd: LiveServer,
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0.0)
     assert got.choices[0].text == one
     assert transfers(pd)[0] == before[0]
+
+
+def test_health_and_the_dashboard_name_each_cores_role(pd: LiveServer) -> None:
+    """/health lists the roles in core order; each dashboard replica map names its core's role."""
+    assert roles(pd) == ["prefill", "decode"]
+    frame = wait_for_frame(pd.base_url, {}, lambda f: len(f["replicas"]) == 2)
+    assert [(r["replica"], r["role"]) for r in frame["replicas"]] == [(0, "prefill"), (1, "decode")]
 
 
 def roles(live: LiveServer) -> list[str]:

@@ -574,6 +574,8 @@ class CoreClient:
                 self._events.append(output)
         elif isinstance(message, BlockMap):
             replica.block_map = {**message.replica, "replica": replica.index}
+            if self._split is not None:  # the dashboard names each core's role
+                replica.block_map["role"] = self._split.roles[replica.index]
             replica.map_asked_at = None
         elif isinstance(message, Accepted):
             # Only requests this core was sent and has not answered yet: a repeated or stray id is ignored.

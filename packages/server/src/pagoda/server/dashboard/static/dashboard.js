@@ -219,7 +219,8 @@
     const v = replicaView(r.replica);
     v.frame = r;
     const c = r.counts;
-    v.title.textContent = "Replica " + r.replica + " — " + r.num_blocks + " blocks × " + r.block_size + " tokens";
+    const role = r.role ? " (" + r.role + ")" : ""; // disaggregated serving: prefill or decode core
+    v.title.textContent = "Replica " + r.replica + role + " — " + r.num_blocks + " blocks × " + r.block_size + " tokens";
     if (r.map) {
       drawMap(v, r);
       v.counts.textContent = STATES.slice(0, COUNTED).map((s) => s + " " + c[s]).join(" · ") +
