@@ -4,6 +4,7 @@ docstring, `--help`, lists the options; `pagoda bench serve` runs the same bench
 
     python tools/bench_serving.py --base-url http://127.0.0.1:8000 --model NAME --request-rate 2 inf
     python tools/bench_serving.py --serve "pagoda=-q gguf" --single-stream
+    python tools/bench_serving.py --disagg     # colocated DP=2 against 1 prefill + 1 decode core (issue 40)
 """
 
 from __future__ import annotations
@@ -42,4 +43,9 @@ def launched(args: argparse.Namespace, flags: str) -> Iterator[str]:
 
 
 if __name__ == "__main__":
+    if "--disagg" in sys.argv[1:]:
+        from pagoda.pagedkernel.cbuild import cpu_name
+        from pagoda.server.bench.disagg import main as disagg_main
+
+        sys.exit(disagg_main(sys.argv[1:], launched, cpu_name()))
     sys.exit(main(launch=launched))
