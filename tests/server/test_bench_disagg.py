@@ -36,7 +36,7 @@ def test_summary_counts_gaps_ttft_and_throughput() -> None:
 
 def test_a_short_run_of_both_configurations(tmp_path: Path, capsys: object) -> None:
     """Both configurations against the fake server: the table names the CPU and both rows, the probes agree
-    (exit 0), and the PNG and JSON are written."""
+    (4 of 4), and the PNG and JSON are written."""
     launched: list[str] = []
 
     @contextmanager
@@ -53,8 +53,8 @@ def test_a_short_run_of_both_configurations(tmp_path: Path, capsys: object) -> N
     assert [f.split(" --replica-cpus")[0] for f in launched] == list(CONFIGS.values())
     printed = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "CPU: Test CPU" in printed and "| colocated" in printed and "| disaggregated" in printed
-    assert "identical probe tokens: yes" in printed
+    assert "identical probe texts: 4/4" in printed
     assert png.stat().st_size > 0
     saved = json.loads(out.read_text())
-    assert saved["identical"] and [r["label"] for r in saved["runs"]] == ["colocated", "disaggregated"]
+    assert saved["identical"] == 4 and [r["label"] for r in saved["runs"]] == ["colocated", "disaggregated"]
     assert all(r["chats"] > 0 and r["docs"] > 0 and r["failed"] == 0 for r in saved["runs"])
