@@ -217,9 +217,11 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for run in runs:
-        gaps = run["gaps"]
+        gaps = [(t, g) for t, g in run["gaps"] if g > 0]  # two chunks read at once have no gap to draw
         ax.scatter([t for t, _ in gaps], [g for _, g in gaps], s=3, alpha=0.5, label=run["label"])
-    ax.set(title=title, xlabel="seconds into the run", ylabel="chat inter-token latency (ms)", yscale="log")
+    logarithmic = any(g > 0 for run in runs for _, g in run["gaps"])
+    ax.set(title=title, xlabel="seconds into the run", ylabel="chat inter-token latency (ms)")
+    ax.set_yscale("log" if logarithmic else "linear")
     ax.grid(alpha=0.3)
     ax.legend(markerscale=4)
     fig.tight_layout()
