@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/simulate.py                     # the four systems on one trace, table + out/simulate.png
     .venv/bin/python tools/simulate.py --sweep-block-size  # fragmentation and prefix hits vs block size
+    .venv/bin/python tools/simulate.py --afd --afd-calibrate  # attention/FFN disaggregation vs colocated decode
 
 The real `Scheduler` and `BlockManager` decide every step; only the model is simulated, by a step-cost model
 of roughly OPT-13B on one A100-40GB (the vLLM paper's setting): a step takes a fixed overhead (reading the
@@ -20,6 +21,11 @@ Systems (same trace, same KV memory):
   (b) continuous batching, contiguous preallocation (Orca-style with max-length reservation)
   (c) continuous batching, paged KV (vLLM)
   (d) (c) plus prefix caching
+
+`--afd` instead prints a cost model (pagoda.server.bench.afd_model) of attention/FFN disaggregation against
+colocated decode: per-token step time, tokens/s per device and speed-up over batch x link bandwidth x context,
+and the break-even batch, for an H100-like device and (`--afd-calibrate`, pagoda.server.bench.afd_calibrate)
+this machine's CPU measured with torch, its gloo loopback as one more link.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
@@ -48,6 +55,9 @@ from pagoda.scheduler import (
 from pagoda.scheduler.testing import SimSamplingParams, kv_occupancy
 from tqdm import tqdm
 
+if TYPE_CHECKING:  # the AFD model is imported when --afd asks for it (torch only with --afd-calibrate)
+    from pagoda.server.bench.afd_model import AfdShape, Device, Link, ModelConfig
+
 PROMPT_LOGNORMAL = (4.58, 1.0)  # mean exp(4.58 + 0.5) ~ 161 tokens
 OUTPUT_LOGNORMAL = (5.50, 0.8)  # mean exp(5.50 + 0.32) ~ 338 tokens
 SYSTEMS = {
@@ -57,6 +67,8 @@ SYSTEMS = {
     "d": "paged + prefix cache",
 }
 SWEEP_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+# --afd: the stage that sets an AFD step's pace, as the table abbreviates it.
+SLOWEST = {"attention": "attn", "ffn": "ffn", "link": "link", "round trip": "trip"}
 
 
 @dataclass(frozen=True)
@@ -355,6 +367,180 @@ def save(fig: object, out: str) -> None:
     print(f"plot written to {out}")
 
 
+def _num(value: float) -> str:
+    """Three significant figures, k/M for thousands and millions, '-' for infinity."""
+    if not math.isfinite(value):
+        return "-"
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def afd_table(
+    cfg: ModelConfig,
+    dev: Device,
+    links: Sequence[Link],
+    contexts: Sequence[int],
+    batches: Sequence[int],
+    shape: AfdShape,
+) -> None:
+    """For each context: one row per batch, colocated then AFD over each link."""
+    from pagoda.server.bench import afd_model as afd
+
+    print(
+        f"\ndevice {dev.name}: weights {dev.weight_bw / 1e9:.4g} GB/s, KV {dev.kv_bw / 1e9:.4g} GB/s, "
+        f"{dev.flops / 1e12:.4g} TFLOP/s, {dev.overhead_s * 1e6:.3g} us per layer side, "
+        f"{dev.capacity_bytes / 2**30:.1f} GiB usable"
+    )
+    cell = 34
+    for context in contexts:
+        print(
+            f"context {context} (KV {afd.kv_bytes_per_seq(cfg, context) / 2**20:.4g} MiB per sequence): colocated "
+            "= step ms, replicas, tok/s per device; AFD = step ms, A+F, tok/s per device, speed-up, slowest stage"
+        )
+        print(f"{'batch':>6} | {'colocated':<22} | " + " | ".join(f"{link.name:<{cell}}" for link in links))
+        for batch in batches:
+            col = afd.colocated(cfg, dev, batch, context)
+            replicas = str(col.devices) if col.devices else "-"
+            rate = _num(col.tokens_per_device_s(batch)) if col.devices else "-"
+            row = f"{batch:>6} | {_num(col.step_s * 1e3):>7} {replicas:>4} {rate:>9} |"
+            for link in links:
+                plan = afd.disaggregated(cfg, dev, link, batch, context, shape)
+                x = afd.speedup(cfg, dev, link, batch, context, shape)
+                if not plan.devices:
+                    row += f" {'-':>7} {'-':>6} {'-':>7} {'-':>6} {'mem':<4} |"
+                    continue
+                ratio = "  only" if math.isinf(x) else f"{x:>5.2f}x"
+                row += (
+                    f" {_num(plan.step_s * 1e3):>7} {plan.attn_workers:>3}+{plan.ffn_workers:<2}"
+                    f" {_num(plan.tokens_per_device_s(batch)):>7} {ratio} {SLOWEST[plan.bottleneck]:<4} |"
+                )
+            print(row)
+
+
+def afd_break_even(
+    cfg: ModelConfig,
+    devices: Sequence[Device],
+    links: Sequence[Link],
+    contexts: Sequence[int],
+    largest: int,
+    shape: AfdShape,
+) -> None:
+    """Per device and context, each link's break-even batch and the best speed-up up to `largest`."""
+    from pagoda.server.bench import afd_model as afd
+
+    grid = afd.batch_grid(largest)
+    print(
+        f"\nbreak-even batch: the smallest of 1..{largest} (4 sizes per octave) at which AFD's tokens/s per device "
+        "reach colocated decode's ('-': none), and in brackets the best speed-up over those batches"
+    )
+    width = max(len(d.name) for d in devices)
+    print(f"{'device':<{width}} {'context':>7} | " + " | ".join(f"{link.name:<16}" for link in links))
+    for dev in devices:
+        for context in contexts:
+            cells = []
+            for link in links:
+                even = afd.break_even_batch(cfg, dev, link, context, grid, shape)
+                best = max(afd.speedup(cfg, dev, link, b, context, shape) for b in grid)
+                ratio = "only" if math.isinf(best) else f"{best:.2f}x"
+                cells.append(f"{even if even is not None else '-':>5} ({ratio})".ljust(16))
+            print(f"{dev.name:<{width}} {context:>7} | " + " | ".join(cells))
+
+
+def afd_report(args: argparse.Namespace) -> int:
+    """--afd: the model's tables for the GPU-like device and, with --afd-calibrate, this machine."""
+    from pagoda.server.bench import afd_model as afd
+
+    cfg = afd.MODELS[args.afd_model]
+    gpu = afd.Device(
+        args.afd_device_name,
+        args.afd_mem_bw_gbps * 1e9,
+        args.afd_mem_bw_gbps * 1e9,
+        args.afd_tflops * 1e12,
+        args.afd_overhead_us * 1e-6,
+        args.afd_mem_util * args.afd_mem_gib * 2**30,
+    )
+    latency = args.afd_link_latency_us * 1e-6
+    links = [afd.Link(f"{g:g} GB/s", g * 1e9, latency) for g in args.afd_link_gbps]
+    devices = [gpu]
+    window = (
+        f", sliding window {cfg.sliding_window} except every {cfg.global_every}th layer"
+        if cfg.sliding_window
+        else ""
+    )
+    print(
+        f"AFD vs colocated decode, cost model (run on {afd.cpu_name()}): {cfg.name}, hidden {cfg.hidden}, "
+        f"intermediate {cfg.intermediate}, {cfg.layers} layers, {cfg.heads} heads / {cfg.kv_heads} KV heads x "
+        f"{cfg.head_dim}, {cfg.dtype_bytes}-byte weights and KV{window}; decoder layers only"
+    )
+    if args.afd_calibrate:
+        from pagoda.server.bench import afd_calibrate
+
+        cal = afd_calibrate.calibrate(cfg, args.afd_threads, args.afd_mem_util)
+        print("\n".join(afd_calibrate.describe(cfg, cal)))
+        links.insert(0, cal.link)
+        devices.append(cal.device)
+    print(
+        "links: "
+        + "; ".join(
+            f"{link.name}: {link.bandwidth / 1e9:.3g} GB/s + {link.latency_s * 1e6:.3g} us" for link in links
+        )
+    )
+    shape = afd.AfdShape(
+        args.afd_attn_workers, args.afd_ffn_workers, args.afd_micro_batches, args.afd_max_ffn_workers
+    )
+    a = (
+        "chosen per row for the most tokens/s per device"
+        if shape.attn_workers is None
+        else shape.attn_workers
+    )
+    f = f"chosen, at most {shape.max_ffn_workers}" if shape.ffn_workers is None else shape.ffn_workers
+    print(
+        f"AFD: {shape.micro_batches} micro-batches, A attention workers {a}, F FFN workers {f}; colocated: as few "
+        "data-parallel replicas as hold the KV"
+    )
+    print(
+        "slowest stage: attn (attention worker), ffn (FFN worker), link (one transfer), trip (one micro-batch's "
+        "attention + FFN + both transfers: too few micro-batches to hide them); mem: the KV does not fit these "
+        "workers; 'only': colocated decode does not fit one device"
+    )
+    for dev in devices:
+        afd_table(cfg, dev, links, args.afd_contexts, args.afd_batches, shape)
+    afd_break_even(cfg, devices, links, args.afd_contexts, max(args.afd_batches), shape)
+    if args.afd_calibrate:
+        print(
+            f"\nthis machine as it is: its {os.cpu_count()} cores as 1 attention + 1 FFN worker over gloo loopback, "
+            "against colocated decode on one core"
+        )
+        pair = afd.AfdShape(1, 1, args.afd_micro_batches)
+        afd_table(cfg, devices[-1], links[:1], args.afd_contexts, args.afd_batches, pair)
+    return 0
+
+
+def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --afd flags (the model's constants default to an H100-like GPU and an 8B Llama-like model)."""
+    group = parser.add_argument_group("attention/FFN disaggregation cost model (--afd)")
+    group.add_argument("--afd", action="store_true", help="print the AFD vs colocated decode tables instead")
+    group.add_argument("--afd-model", default="llama-8b", choices=("llama-8b", "smollm2-135m", "gemma3-270m"))
+    group.add_argument("--afd-calibrate", action="store_true", help="measure this machine: a device and gloo")
+    group.add_argument("--afd-threads", type=int, default=1, help="torch threads while calibrating")
+    group.add_argument("--afd-batches", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    group.add_argument("--afd-contexts", type=int, nargs="+", default=[512, 4096, 32768])
+    group.add_argument("--afd-link-gbps", type=float, nargs="+", default=[25.0, 100.0, 400.0])
+    group.add_argument("--afd-link-latency-us", type=float, default=5.0)
+    group.add_argument("--afd-device-name", default="H100-like")
+    group.add_argument("--afd-mem-bw-gbps", type=float, default=3000.0, help="weights and KV, sustained")
+    group.add_argument("--afd-tflops", type=float, default=700.0, help="sustained dense FLOP/s, in TFLOP/s")
+    group.add_argument("--afd-overhead-us", type=float, default=4.0, help="fixed cost per layer side")
+    group.add_argument("--afd-mem-gib", type=float, default=80.0)
+    group.add_argument("--afd-mem-util", type=float, default=0.9, help="share of memory for weights and KV")
+    group.add_argument("--afd-attn-workers", type=int, help="A (default: the best per row)")
+    group.add_argument("--afd-ffn-workers", type=int, help="F (default: the best per row)")
+    group.add_argument("--afd-max-ffn-workers", type=int, default=8)
+    group.add_argument("--afd-micro-batches", type=int, default=2, help="2: ping-pong")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments and run the comparison or the block-size sweep."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -377,7 +563,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out",
         help="PNG plot path (default out/simulate.png, or out/simulate_sweep.png with --sweep-block-size)",
     )
+    add_afd_arguments(parser)
     args = parser.parse_args(argv)
+    if args.afd:
+        return afd_report(args)
     if args.kv_tokens < args.max_model_len:
         parser.error("--kv-tokens must hold at least one max_model_len sequence")
     if args.out is None:
