@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,3 +53,17 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBa
     make_tiny_tokenizer(path)
     loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
     return loaded
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A local Ray cluster of 2 CPUs for one test; RAY_ADDRESS points a server started meanwhile at it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        yield address
+    finally:
+        ray.shutdown()

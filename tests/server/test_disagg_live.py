@@ -66,6 +66,14 @@ def want(offline: LLM, prompt: list[int], params: SamplingParams) -> tuple[str, 
     return sample.text, sample.token_ids, sample.logprobs
 
 
+def labelled(exposition: str, name: str, **labels: str) -> float:
+    """The value of the series of `name` carrying every label given."""
+    for line in exposition.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
 def transfers(live: LiveServer) -> tuple[float, float]:
     """The /metrics counters (transfers, bytes)."""
     text = httpx.get(f"{live.base_url}/metrics").text
@@ -197,6 +205,53 @@ def test_a_decode_core_killed_mid_stream(pd: LiveServer) -> None:
     assert transfers(pd)[0] == before[0] + 1
 
 
+@pytest.mark.timeout(900)
+def test_blocks_pulled_over_tcp_give_one_engines_tokens(model_dir: Path, offline: LLM) -> None:
+    """`--kv-transfer tcp`: each core keeps a host tier of its own (as on two hosts) and the decode core pulls the
+    prompt's blocks from the prefill core's block server; greedy and seeded texts equal one engine's, and the decode
+    core's `peer` tier counts the bytes it pulled."""
+    flags = (*FLAGS, "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer", "tcp")
+    with serving(model_dir, *flags, ready_timeout=READY_S) as live:
+        client = sync_client(live)
+        for temperature in (0.0, 1.0):
+            for i, prompt in enumerate(PROMPTS):
+                params = SamplingParams(temperature=temperature, seed=i, max_tokens=10, ignore_eos=True)
+                text, _, _ = want(offline, prompt, params)
+                got = client.completions.create(
+                    model=MODEL,
+                    prompt=prompt,
+                    max_tokens=10,
+                    temperature=temperature,
+                    extra_body={"seed": i, **NO_EOS},
+                )
+                assert got.choices[0].text == text, (i, temperature)
+        exposition = httpx.get(f"{live.base_url}/metrics").text
+        pulled = labelled(exposition, "pagoda:kv_tier_bytes_in_total", engine="1", tier="peer")
+        served = labelled(exposition, "pagoda:kv_tier_bytes_out_total", engine="0", tier="peer")
+        assert pulled > 0 and pulled == served
+        assert transfers(live)[0] == 2 * len(PROMPTS)
+
+
+@pytest.mark.timeout(900)
+def test_ray_places_the_cores_and_the_blocks_move_over_tcp(
+    model_dir: Path, offline: LLM, ray_cluster: str
+) -> None:
+    """`--distributed-executor-backend ray --kv-transfer tcp`: Ray places the prefill and decode cores (a local
+    cluster here), the blocks move over TCP, and greedy texts equal one engine's."""
+    flags = (*FLAGS, "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer", "tcp",
+             "--distributed-executor-backend", "ray")  # fmt: skip
+    with serving(model_dir, *flags, ready_timeout=READY_S) as live:
+        client = sync_client(live)
+        for prompt in PROMPTS:
+            text, _, _ = want(offline, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+            got = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0.0, extra_body=NO_EOS
+            )
+            assert got.choices[0].text == text
+        exposition = httpx.get(f"{live.base_url}/metrics").text
+        assert labelled(exposition, "pagoda:kv_tier_bytes_in_total", engine="1", tier="peer") > 0
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -211,14 +266,20 @@ def test_a_decode_core_killed_mid_stream(pd: LiveServer) -> None:
         ),
         (
             ["--prefill-replicas", "1", "--decode-replicas", "1", "--distributed-executor-backend", "ray"],
-            "--distributed-executor-backend",
+            "--kv-transfer",
         ),
         (["--prefill-replicas", "-1", "--decode-replicas", "1"], "--prefill-replicas"),
+        (["--kv-transfer", "tcp"], "--prefill-replicas"),
+        (["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer", "udp"], "--kv-transfer"),
     ],
 )
 def test_bad_disaggregation_flags_exit_2(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each bad combination exits 2 naming the flag before any model loads."""
-    assert main(["serve", "unused-model", *flags]) == 2
+    try:
+        status = main(["serve", "unused-model", *flags])
+    except SystemExit as exc:  # argparse's own refusal of a value
+        status = exc.code  # type: ignore[assignment]
+    assert status == 2
     assert message in capsys.readouterr().err

@@ -374,20 +374,6 @@ def test_dp2_replica_killed_while_idle_is_noticed_and_restarted(dp2: LiveServer)
         )
 
 
-@pytest.fixture
-def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A local Ray cluster of 2 CPUs for one test; RAY_ADDRESS points the server at it."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        address = ray.get_runtime_context().gcs_address
-        monkeypatch.setenv("RAY_ADDRESS", address)
-        yield address
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.timeout(600)
 def test_ray_dp2_gives_inproc_greedy_tokens(
     model_dir: Path, inproc_greedy: list[list[str]], ray_cluster: str

@@ -129,8 +129,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
     # The host KV tier's shared file is the server's: it outlives engine cores (and their restarts), not the server.
-    engine_config, tier_file = with_shared_host_tier(config.engine)
-    config = replace(config, engine=engine_config)
+    # With --kv-transfer tcp each core keeps a tier of its own (as on separate hosts) and blocks move over TCP.
+    tier_file = None
+    if config.core.kv_transfer != "tcp":
+        engine_config, tier_file = with_shared_host_tier(config.engine)
+        config = replace(config, engine=engine_config)
     try:
         return _start_and_serve(config)
     finally:

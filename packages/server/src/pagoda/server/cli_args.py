@@ -30,6 +30,7 @@ from pagoda.server.config import (
     KVCacheDtypeName,
     KVManagerName,
     KVOffloadingBackendName,
+    KVTransferName,
     LogLevelName,
     ModalityLimits,
     QuantizationName,
@@ -391,6 +392,15 @@ def argument_table() -> list[Flag]:
                 "help": "disaggregated serving: this many engine cores compute prompts and first tokens, then hand "
                 "each request to a decode core (with --decode-replicas; the KV moves through the shared host "
                 "tier, 1 GiB unless --kv-offloading-size)",
+            },
+        ),
+        Flag(
+            ("--kv-transfer",),
+            {
+                "choices": get_args(KVTransferName),
+                "help": "how decode cores get the prefill cores' KV blocks: shm (the host tier the cores of one "
+                "machine share, the default) or tcp (pulled from the prefill core over CURVE-secured TCP: cores on "
+                "other hosts, e.g. placed by Ray)",
             },
         ),
         Flag(

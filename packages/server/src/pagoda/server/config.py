@@ -92,6 +92,7 @@ ToolParserName = Literal[
 # engine, and data-parallel engine-core replicas alike).
 DistributedExecutorBackendName = Literal["mp", "ray"]
 EngineCoreName = Literal["inproc", "process"]
+KVTransferName = Literal["shm", "tcp"]
 LogLevelName = Literal["debug", "info", "warning", "error"]
 # --on-engine-failure: what an in-process engine whose step raised does: rebuild itself, end the process, or (none)
 # stay dead answering 503, /health included, for a load balancer or liveness probe to act on.
@@ -493,10 +494,18 @@ class CoreClientConfig:
     # the data_parallel_size cores (0 and 0: every core does both).
     prefill_replicas: int = 0
     decode_replicas: int = 0
+    # How decode cores get a prefill core's blocks: the host tier the cores of one machine share ("shm"), or pulled
+    # over TCP from the prefill core's block server ("tcp": cores on other hosts, each with a tier of its own).
+    kv_transfer: KVTransferName = "shm"
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         self._check_disaggregation()
+        _one_of("kv_transfer", self.kv_transfer, get_args(KVTransferName))
+        if self.kv_transfer == "tcp" and not self.prefill_replicas:
+            raise ValueError(
+                "kv_transfer tcp moves blocks between prefill and decode cores: set prefill_replicas"
+            )
         _at_least(1, data_parallel_size=self.data_parallel_size, replica_send_hwm=self.replica_send_hwm)
         if self.replica_cpus is not None:
             self._check_replica_cpus(self.replica_cpus)
@@ -797,10 +806,10 @@ class ServeConfig:
         """The KV moves through the host tier the cores of this host share: one host, prefix caching on, and a
         host tier (DEFAULT_HANDOFF_TIER_GIB when --kv-offloading-size is not given)."""
         engine = self.engine
-        if engine.parallel_config.distributed_executor_backend == "ray":
+        if engine.parallel_config.distributed_executor_backend == "ray" and self.core.kv_transfer != "tcp":
             raise ValueError(
-                "prefill_replicas runs its cores on one machine (the KV moves through their shared-memory tier); "
-                "distributed_executor_backend ray is not supported with it yet"
+                "prefill_replicas with distributed_executor_backend ray needs kv_transfer tcp: Ray may place the "
+                "cores on other machines, where no shared-memory tier reaches"
             )
         if not engine.scheduler_config.enable_prefix_caching:
             raise ValueError(

@@ -21,6 +21,9 @@ class Resume(msgspec.Struct, frozen=True):
     seed: int  # the request's own seed, or the one the front end gave an unseeded request
     logprobs: list[PositionLogprobs] | None = None  # per output position, when the request asks for logprobs
     cumulative_logprob: float | None = None
+    # The prefill core's KV block server (`kv_tiers/peer.py`) when this engine cannot read its host tier (another
+    # host, `--kv-transfer tcp`); None: the blocks are in a tier this engine shares.
+    kv_source: str | None = None
 
 
 def can_resume(params: SamplingParams) -> bool:

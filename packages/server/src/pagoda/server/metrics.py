@@ -135,7 +135,7 @@ class _EngineStatsCollector(Collector):
         yield config
 
     def _tiers(self, labels: list[str], engines: list[tuple[list[str], EngineStats]]) -> Iterable[Metric]:
-        """Per KV tier (label `tier`: host, disk): blocks served, bytes in and out, occupancy and capacity. With
+        """Per KV tier (label `tier`: host, disk, peer: blocks pulled from other cores over TCP): blocks served, bytes in and out, occupancy and capacity. With
         replicas the counters are each replica's own; occupancy is the tier's, which replicas on a host share."""
         tier_labels = [*labels, "tier"]
         counters: list[tuple[str, str, Callable[[KVTierStats], int]]] = [

@@ -32,7 +32,7 @@ from pagoda.server.client_stream import (
     RequestEvent,
     RequestFailed,
 )
-from pagoda.server.config import EngineConfig
+from pagoda.server.config import EngineConfig, KVTransferName
 from pagoda.server.core.disagg import Disaggregation, HandOff, Role
 from pagoda.server.core.kv_subscriber import KVEventSubscriptions
 from pagoda.server.core.lora_calls import LoRACalls
@@ -62,7 +62,7 @@ from pagoda.server.multimodal.wire import WireMultiModal
 from pagoda.server.outputs import EngineStats, RequestOutput
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.procs import Failed, Launcher, Ready, Shutdown, stop_children
-from pagoda.server.procs.security import Authenticator, token_matches
+from pagoda.server.procs.security import Authenticator, LaunchKeys, token_matches
 from pagoda.server.routing import CacheAwareRouter, ReplicaLoad, Router
 from pagoda.server.sampling_params import SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -195,11 +195,13 @@ class CoreClient:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         routing_kv_events: bool = False,
         roles: tuple[Role, ...] | None = None,
+        kv_transfer: KVTransferName = "shm",
     ) -> None:
         """Start every core and wait for all of them to be ready (CoreStartupError with the reason if not).
 
         With `roles` (one per core) the cores are disaggregated: prefill cores take new requests, decode cores
-        continue them (core/disagg.py).
+        continue them (core/disagg.py), reading the prompt's blocks from the host tier they share ("shm") or pulling
+        them from the prefill core over TCP ("tcp": every core serves its blocks, kv_tiers/peer.py).
 
         With `routing_kv_events` the router (a CacheAwareRouter built with use_kv_events) is fed every core's KV
         cache events, subscribed on each replica's `--kv-events-config` endpoint."""
@@ -235,7 +237,12 @@ class CoreClient:
         self.kv_events_keys = publishing_keys(events_config)
         keys = self.kv_events_keys
         self.kv_events_certificate = None if keys is None else write_certificate(keys)
-        self.replicas = [Replica(i, kv_events_keys=self.kv_events_keys) for i in range(num_replicas)]
+        # One KV transfer key pair for every core and restart (the cores' block servers and their fetchers).
+        transfer_keys = LaunchKeys.new() if kv_transfer == "tcp" else None
+        self.replicas = [
+            Replica(i, kv_events_keys=self.kv_events_keys, kv_transfer_keys=transfer_keys)
+            for i in range(num_replicas)
+        ]
         self.kv_events: KVEventSubscriptions | None = None
         if routing_kv_events:
             if not isinstance(router, CacheAwareRouter):
@@ -400,7 +407,9 @@ class CoreClient:
             return split.decode_output(output, self.block_size, self._info.kv_block_bytes)
         if not output.finished:
             return output
-        hand = split.after_prefill(output, self.max_model_len)
+        hand = split.after_prefill(
+            output, self.max_model_len, None if replica.info is None else replica.info.kv_endpoint
+        )
         if hand is None:
             return output
         streamed = split.streamed_first(output)

@@ -102,9 +102,12 @@ class Disaggregation:
         self._requests[request_id] = _Request(prompt, prompt_token_ids, seeded, multi_modal)
         return dataclasses.replace(seeded, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
-    def after_prefill(self, output: RequestOutput, max_model_len: int) -> HandOff | None:
-        """The decode leg of a request whose prefill leg just finished at its length cap; None when it ends here
-        (a stop, an abort, a request that does not move, or one whose sequence is full)."""
+    def after_prefill(
+        self, output: RequestOutput, max_model_len: int, kv_source: str | None = None
+    ) -> HandOff | None:
+        """The decode leg of a request whose prefill leg just finished at its length cap (`kv_source`: the prefill
+        core's KV block server, when the decode cores pull over TCP); None when it ends here (a stop, an abort, a
+        request that does not move, or one whose sequence is full)."""
         request = self._requests.get(output.request_id)
         if request is None or request.first is not None:
             return None
@@ -118,6 +121,7 @@ class Disaggregation:
             request.params.seed or 0,
             None if sample.logprobs is None else list(sample.logprobs),
             sample.cumulative_logprob,
+            kv_source,
         )
         return HandOff(request.prompt, request.prompt_token_ids, request.params, request.multi_modal, resume)
 

@@ -36,9 +36,10 @@ from pagoda.server.core.messages import (
 from pagoda.server.core.sleep_core import CoreSleep
 from pagoda.server.engine import LLMEngine
 from pagoda.server.kv_events.keys import KVEventsKeys
+from pagoda.server.kv_tiers.peer import KVTransferSpec, local_address_towards
 from pagoda.server.loader import resolve_tokenizer_folder
 from pagoda.server.procs import ChildSpec, Failed, Program, Ready, Shutdown
-from pagoda.server.procs.security import PeerKeys, connect_securely
+from pagoda.server.procs.security import LaunchKeys, PeerKeys, connect_securely
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class CoreSpec:
     output_address: str
     keys: PeerKeys  # the sockets' CURVE keys and the token its `Ready` carries (procs/security.py)
     kv_events_keys: KVEventsKeys | None = None  # its KV events publisher's CURVE keys (kv_events/keys.py)
+    kv_transfer_keys: LaunchKeys | None = None  # the launch's KV block transfer keys (`--kv-transfer tcp`)
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -72,6 +74,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         block_size=engine.block_size,
         supported_tasks=engine.supported_tasks,
         kv_block_bytes=engine.kv_block_bytes,
+        kv_endpoint=engine.kv_endpoint,
     )
 
 
@@ -192,7 +195,13 @@ def serve_core(spec: CoreSpec, *, handle_signals: bool) -> None:
     try:
         config = msgspec.msgpack.decode(spec.config_frame, type=EngineConfig)
         core = EngineCore(
-            LLMEngine.from_config(config, kv_events_keys=spec.kv_events_keys),
+            LLMEngine.from_config(
+                config,
+                kv_events_keys=spec.kv_events_keys,
+                kv_transfer=None
+                if spec.kv_transfer_keys is None
+                else KVTransferSpec(spec.kv_transfer_keys, local_address_towards(spec.input_address)),
+            ),
             inputs,
             outputs,
             spec.keys.token,

@@ -67,6 +67,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
         "generate",
     )  # what the front end may send (generate, embed, score)
     kv_block_bytes: int = 0  # one block position over every layer and KV group (the KV transfer metrics)
+    kv_endpoint: str | None = None  # its KV block server (`--kv-transfer tcp`), where decode cores pull from
 
 
 class SampleDelta(msgspec.Struct, frozen=True):

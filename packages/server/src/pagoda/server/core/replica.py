@@ -51,6 +51,7 @@ class Replica:
     pending: dict[str, float] = field(default_factory=dict)  # request id -> when its Accepted is overdue
     keys: LaunchKeys | None = None  # this start's CURVE keys and token (procs/security.py)
     kv_events_keys: KVEventsKeys | None = None  # every start's KV events publisher keys (kv_events/keys.py)
+    kv_transfer_keys: LaunchKeys | None = None  # every start's KV block transfer keys (`--kv-transfer tcp`)
     # The dashboard: the core's last `BlockMap` (a frame's replica object) and when the next one was asked for.
     block_map: dict[str, Any] | None = None
     map_asked_at: float | None = None
@@ -83,7 +84,14 @@ class Replica:
         name = f"core{self.index}-{self.generation}"
         input_address = bind(self.inputs, launcher.address(f"{name}-input"))
         output_address = bind(self.outputs, launcher.address(f"{name}-output"))
-        spec = CoreSpec(config_frame, input_address, output_address, self.keys.peer, self.kv_events_keys)
+        spec = CoreSpec(
+            config_frame,
+            input_address,
+            output_address,
+            self.keys.peer,
+            self.kv_events_keys,
+            self.kv_transfer_keys,
+        )
         self.handle = launcher.launch(CORE_PROGRAM, spec, index=self.index, name=f"engine core {self.index}")
         self.ready = False
         self.restart_at = None

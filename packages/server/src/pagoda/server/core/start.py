@@ -46,6 +46,7 @@ def start_core_client(
         stall_timeout=core.replica_stall_timeout,
         routing_kv_events=core.routing_kv_events,
         roles=roles_of(core.prefill_replicas, core.decode_replicas) if core.disaggregated else None,
+        kv_transfer=core.kv_transfer,
     )
 
 

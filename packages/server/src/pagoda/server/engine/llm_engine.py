@@ -57,6 +57,8 @@ from pagoda.server.handoff import Resume
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.keys import KVEventsKeys
 from pagoda.server.kv_events.wire import HOST_TIER_MEDIUM
+from pagoda.server.kv_tiers.offload import TieredOffload
+from pagoda.server.kv_tiers.peer import KVTransferSpec
 from pagoda.server.kv_tiers.setup import kv_tiers_for
 from pagoda.server.lora import LoRAError, LoRARequest
 from pagoda.server.lora.build import max_loras
@@ -92,6 +94,7 @@ class LLMEngine:
         executor: Executor | None = None,
         *,
         kv_events_keys: KVEventsKeys | None = None,
+        kv_transfer: KVTransferSpec | None = None,
     ) -> None:
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = parts.tokenizer
@@ -197,7 +200,9 @@ class LLMEngine:
             self.extensions.append(self.images)
         # KV tiers: blocks beyond the pool come back from host memory or disk (an extension and the allocator's
         # tier index; pagoda.server.kv_tiers).
-        self.kv_tiers = kv_tiers_for(config, self.executor, self.draft, self.kv_manager, parts.model_path)
+        self.kv_tiers = kv_tiers_for(
+            config, self.executor, self.draft, self.kv_manager, parts.model_path, kv_transfer
+        )
         if self.kv_tiers is not None:
             self.extensions.append(self.kv_tiers)
         self.kv_events = start_kv_events(
@@ -216,18 +221,30 @@ class LLMEngine:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, kv_events_keys: KVEventsKeys | None = None) -> LLMEngine:
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        kv_events_keys: KVEventsKeys | None = None,
+        kv_transfer: KVTransferSpec | None = None,
+    ) -> LLMEngine:
         """Load the model, size the KV cache and build the engine (EngineConfigError if it cannot serve); with
         tensor_parallel_size > 1 the model is split over that many ranks (see `pagoda.server.engine.executor`)."""
         executor, parts = build_executor(config)
         try:
             start = time.perf_counter()
-            engine = cls(config, parts, executor, kv_events_keys=kv_events_keys)
+            engine = cls(config, parts, executor, kv_events_keys=kv_events_keys, kv_transfer=kv_transfer)
             log_phase("engine", start)
             return engine
         except BaseException:
             executor.shutdown()
             raise
+
+    @property
+    def kv_endpoint(self) -> str | None:
+        """Where other engines pull this engine's KV blocks over TCP (None: it serves none)."""
+        connector = None if self.kv_tiers is None else self.kv_tiers.connector
+        return connector.endpoint if isinstance(connector, TieredOffload) else None
 
     @property
     def supported_tasks(self) -> tuple[SupportedTask, ...]:

@@ -37,6 +37,9 @@ class NewRequest:
     grammar: tuple[StructuredOutputsParams, Callable[[xgr.CompiledGrammar], None]] | None
     lora: LoRARequest | None = None  # the adapter it runs under; None: the base model
     multi_modal: MultiModalInputs | None = None  # its images (the image encoder takes them); None: text only
+    kv_source: str | None = (
+        None  # where the tiers pull its prompt's blocks from (a resumed request's prefill core)
+    )
 
 
 def new_request(
@@ -123,7 +126,8 @@ def new_request(
     if constraint is None and speculate is not None and params.speculative:
         return NewRequest(speculate(state), request, None, lora, multi_modal)
     grammar = None if constraint is None else (constraint, state.start_grammar)
-    return NewRequest(state, request, grammar, lora, multi_modal)
+    source = None if resume is None else resume.kv_source
+    return NewRequest(state, request, grammar, lora, multi_modal, source)
 
 
 def _pooling_request(

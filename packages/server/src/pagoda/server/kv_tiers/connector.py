@@ -61,8 +61,9 @@ class KVConnector(Protocol):
         """Pin every key for the next `start_load`; False (pinning none) when one is gone."""
         ...
 
-    def prefetch(self, keys: Sequence[BlockHash]) -> Future[None] | None:
-        """Start making the blocks of `keys` (in prefix order) loadable; None when there is nothing to wait for."""
+    def prefetch(self, keys: Sequence[BlockHash], source: str | None = None) -> Future[None] | None:
+        """Start making the blocks of `keys` (in prefix order) loadable, from `source` (another engine's KV block
+        server) when given; None when there is nothing to wait for."""
         ...
 
     def request_finished(self, request_id: str) -> None:

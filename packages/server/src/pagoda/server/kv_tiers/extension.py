@@ -52,7 +52,7 @@ class KVTierExtension(Extension):
         """Hold `new` while the connector prefetches its prompt's blocks that no faster place holds."""
         cached: Callable[[BlockHash], bool] = self.kv.pool.cached_block_hash_to_block.__contains__
         keys = [k for k in self.prompt_keys(new) if not cached(k)]
-        future = self.connector.prefetch(keys) if keys else None
+        future = self.connector.prefetch(keys, new.kv_source) if keys else None
         if future is None:
             return False
         self._held[new.request.request_id] = (new, future)

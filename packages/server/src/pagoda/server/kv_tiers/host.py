@@ -269,6 +269,18 @@ class SharedHostStore:
         start = self._data_at + slot * self.slot_bytes
         return self._buf[start : start + self.slot_bytes]
 
+    def read(self, key: bytes) -> bytes | None:
+        """A copy of `key`'s block (a use: LRU refreshed), or None when it is not stored. Copied under the lock,
+        with no pin: a stored slot changes only once a writer evicts it, and choosing a victim takes the lock
+        (a pin is a bit per process, so another thread of this process must not set and clear it)."""
+        with self._locked():
+            slot = self._find(key)
+            if slot is None:
+                return None
+            stored, n, state, _, pins, writer = self._meta(slot)
+            self._set_meta(slot, stored[:n], state, self._tick(), pins, writer)
+            return bytes(self.slot(slot))
+
     # ---------------------------------------------------------------- mutations
 
     def acquire(self, keys: Sequence[bytes]) -> list[int] | None:

@@ -25,6 +25,7 @@ from pagoda.blockalloc.groups import is_first_group_key
 from pagoda.server.kv_tiers.blocks import BlockRows
 from pagoda.server.kv_tiers.connector import KVTierStats
 from pagoda.server.kv_tiers.host import SharedHostStore
+from pagoda.server.kv_tiers.peer import PeerTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,15 @@ class DiskStore(Protocol):
 class TieredOffload:
     """The host tier (shared memory), optionally backed by a disk tier: a `KVConnector`."""
 
-    def __init__(self, rows: BlockRows, host: SharedHostStore, disk: DiskStore | None = None) -> None:
-        """Move blocks of `rows`' cache through `host` (and `disk`)."""
+    def __init__(
+        self,
+        rows: BlockRows,
+        host: SharedHostStore,
+        disk: DiskStore | None = None,
+        peers: PeerTransfer | None = None,
+    ) -> None:
+        """Move blocks of `rows`' cache through `host` (and `disk`; with `peers`, to and from other engines'
+        host tiers over TCP: `kv_tiers/peer.py`)."""
         if host.slot_bytes != rows.slot_bytes:
             raise ValueError(f"host tier slots of {host.slot_bytes} bytes for blocks of {rows.slot_bytes}")
         self.rows = rows
@@ -97,9 +105,12 @@ class TieredOffload:
             host.data, dtype=torch.uint8, offset=host.data_offset, count=host.num_slots * host.slot_bytes
         ).view(host.num_slots, host.slot_bytes)
         self._pinned: dict[BlockHash, int] = {}  # acquired, not loaded yet: key -> slot
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read") if disk is not None else None
+        self.peers = peers
+        slow = disk is not None or peers is not None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read") if slow else None
         self.host_hits = self.host_in = self.host_out = 0
         self.disk_hits = self.disk_out = 0
+        self.peer_hits = self.peer_in = 0
         self.block_size = rows.kv_cache.shape.block_size
         self._events: KVEventSink | None = None
 
@@ -133,8 +144,12 @@ class TieredOffload:
         self._pinned.update(zip(keys, slots, strict=True))
         return True
 
-    def prefetch(self, keys: Sequence[BlockHash]) -> Future[None] | None:
-        """Read the keys only the disk holds into the host tier, on the reader thread; None without any."""
+    def prefetch(self, keys: Sequence[BlockHash], source: str | None = None) -> Future[None] | None:
+        """Read the keys only the disk holds (or, with `source`, another engine's KV block server) into the host
+        tier, on the reader thread; None without any."""
+        if source is not None and self.peers is not None and self._reader is not None:
+            missing = [key for key in keys if not self.host.contains(key)]
+            return self._reader.submit(self._pull, source, missing) if missing else None
         if self.disk is None or self._reader is None:
             return None
         wanted: list[BlockHash] = []
@@ -163,6 +178,23 @@ class TieredOffload:
             self._stored([key], [evicted])
             self.disk_hits += 1
             self.disk_out += len(payload)
+
+    def _pull(self, source: str, keys: Sequence[BlockHash]) -> None:
+        """Another engine's blocks -> this host tier; a block it lacks (or sends whole no more) is recomputed."""
+        assert self.peers is not None
+        payloads = self.peers.fetcher.fetch(source, keys)
+        for key, payload in zip(keys, payloads, strict=True):
+            if payload is None or len(payload) != self.host.slot_bytes:
+                continue
+            reserved = self.host.reserve(key)
+            if reserved is None:
+                continue
+            slot, evicted = reserved
+            self.host.slot(slot)[:] = payload
+            self.host.commit(slot)
+            self._stored([key], [evicted])
+            self.peer_hits += 1
+            self.peer_in += len(payload)
 
     def request_finished(self, request_id: str) -> None:
         """Nothing: blocks were saved as they were computed."""
@@ -237,7 +269,15 @@ class TieredOffload:
                     disk.capacity_bytes,
                 )
             )
+        if self.peers is not None:
+            server = self.peers.server
+            tiers.append(KVTierStats("peer", self.peer_hits, self.peer_in, server.bytes_served, 0, 0))
         return tuple(tiers)
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where other engines pull this engine's blocks (None without peers)."""
+        return None if self.peers is None else self.peers.server.endpoint
 
     def close(self) -> None:
         """Stop the reader, drain the disk's writes, leave the shared file."""
@@ -245,6 +285,8 @@ class TieredOffload:
             self._reader.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
+        if self.peers is not None:
+            self.peers.close()
         if self._pinned:
             self.host.release(list(self._pinned.values()))
             self._pinned.clear()

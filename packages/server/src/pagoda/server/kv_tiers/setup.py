@@ -18,6 +18,7 @@ from pagoda.server.kv_tiers.blocks import BlockRows, kv_identity
 from pagoda.server.kv_tiers.extension import KVTierExtension
 from pagoda.server.kv_tiers.host import SharedHostStore, default_shm_dir
 from pagoda.server.kv_tiers.offload import DiskStore, TieredOffload
+from pagoda.server.kv_tiers.peer import KVTransferSpec, PeerTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,14 @@ def model_files_identity(model_path: Path) -> str:
 
 
 def build_kv_tiers(
-    config: EngineConfig, kv_cache: KVCache, kv: BlockManager, model_path: Path
+    config: EngineConfig,
+    kv_cache: KVCache,
+    kv: BlockManager,
+    model_path: Path,
+    transfer: KVTransferSpec | None = None,
 ) -> KVTierExtension | None:
-    """The tiers' engine extension, connected to `kv`; None when no tier is configured."""
+    """The tiers' engine extension, connected to `kv` (and with `transfer`, serving and pulling blocks over TCP);
+    None when no tier is configured."""
     cache = config.cache_config
     if not cache.kv_tiers_enabled:
         return None
@@ -81,14 +87,19 @@ def build_kv_tiers(
     size_gib = cache.kv_offloading_size or DEFAULT_STAGING_GIB
     host = SharedHostStore.open(path, int(size_gib * GIB), rows.slot_bytes, identity, owner=owner)
     disk: DiskStore | None = None
+    peers: PeerTransfer | None = None
     try:
         if cache.kv_offloading_disk_path is not None and cache.kv_offloading_disk_size is not None:
             from pagoda.server.kv_tiers.disk import DiskKVStore, check_disk_tier
 
             folder = check_disk_tier(cache.kv_offloading_disk_path, cache.kv_offloading_disk_size)
             disk = DiskKVStore(folder, int(cache.kv_offloading_disk_size * GIB), identity, rows.slot_bytes)
-        connector = TieredOffload(rows, host, disk)
+        if transfer is not None:
+            peers = PeerTransfer.start(host, transfer.keys, transfer.bind_host)
+        connector = TieredOffload(rows, host, disk, peers)
     except BaseException:
+        if peers is not None:
+            peers.close()
         if disk is not None:
             disk.close()
         host.close()
@@ -107,7 +118,12 @@ def build_kv_tiers(
 
 
 def kv_tiers_for(
-    config: EngineConfig, executor: Executor, draft: object | None, kv: KVBlockManager, model_path: Path
+    config: EngineConfig,
+    executor: Executor,
+    draft: object | None,
+    kv: KVBlockManager,
+    model_path: Path,
+    transfer: KVTransferSpec | None = None,
 ) -> KVTierExtension | None:
     """The engine's KV tiers (None when none is configured); EngineConfigError for what they cannot serve yet."""
     if not config.cache_config.kv_tiers_enabled:
@@ -121,4 +137,4 @@ def kv_tiers_for(
     if not isinstance(kv, BlockManager):
         raise EngineConfigError("KV tiers need the paged KV manager")
     runner = executor.driver
-    return build_kv_tiers(config, runner.kv_cache, kv, model_path)
+    return build_kv_tiers(config, runner.kv_cache, kv, model_path, transfer)
