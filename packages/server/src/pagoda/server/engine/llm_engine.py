@@ -123,8 +123,7 @@ class LLMEngine:
             None if classifier is None else ScoreHead.of_model(parts.model_path, classifier),
         )
         groups = kv_cache_groups(parts.kv_cache.shape)
-        # One block position of a sequence over every layer of every group: what moving it between engines costs.
-        self.kv_block_bytes = parts.kv_cache.shape.bytes_per_block * len(groups)
+        self._kv_shape = parts.kv_cache.shape
         self.kv_manager: KVBlockManager = build_kv_manager(
             config,
             self.num_kv_blocks,
@@ -239,6 +238,12 @@ class LLMEngine:
         except BaseException:
             executor.shutdown()
             raise
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One block position of a sequence over every layer of every KV group: what moving it between engines
+        costs (the KV transfer metrics)."""
+        return self._kv_shape.bytes_per_block * len(kv_cache_groups(self._kv_shape))
 
     @property
     def kv_endpoint(self) -> str | None:
