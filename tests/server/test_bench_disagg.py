@@ -22,8 +22,8 @@ def test_percentile_is_the_nearest_rank() -> None:
 
 
 def test_summary_counts_gaps_ttft_and_throughput() -> None:
-    """Chat gaps are the differences of its chunk times (ms, stamped from the start); a failed request counts as
-    failed and adds no tokens; throughput is prompt + output tokens over the window."""
+    """Chat gaps are the differences of its chunk times (ms, stamped from the start), TPOT a request's mean gap; a
+    failed request counts as failed and adds no tokens; throughput is prompt + output tokens over the window."""
     chat = Stream("chat", 0.0, 10, chunks=[0.5, 0.6, 0.8], output_tokens=3, ok=True)
     doc = Stream("doc", 1.0, 100, chunks=[3.0], output_tokens=1, ok=True)
     lost = Stream("chat", 2.0, 10)
@@ -31,6 +31,7 @@ def test_summary_counts_gaps_ttft_and_throughput() -> None:
     assert [round(g, 6) for _, g in run["gaps"]] == [100.0, 200.0]
     assert (run["chats"], run["docs"], run["failed"]) == (1, 1, 1)
     assert run["chat_ttft_p50_ms"] == 500.0 and run["doc_ttft_p50_ms"] == 2000.0
+    assert round(run["tpot_p99_ms"], 6) == 150.0 and round(run["itl_max_ms"], 6) == 200.0
     assert run["throughput_tok_s"] == (10 + 3 + 100 + 1) / 4.0
 
 
