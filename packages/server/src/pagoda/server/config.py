@@ -464,11 +464,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _typed("speculative_config", self.speculative_config, SpeculativeConfig)
-        if self.model_config.enable_sleep_mode and self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_sleep_mode is not served with tensor_parallel_size > 1 (the workers' shards do not sleep); "
-                "use one rank per engine, or data-parallel engine cores"
-            )
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:

@@ -216,7 +216,7 @@ class LLMEngine:
             self.kv_tiers.publish_events(self.kv_events.medium_sink(HOST_TIER_MEDIUM))
         # Sleep mode: the KV pools and weights of the target (and draft) runner; None without enable_sleep_mode.
         self.sleeping: EngineSleep | None = (
-            engine_sleep(config, parts, self.runner, self.draft) if model_config.enable_sleep_mode else None
+            engine_sleep(config, parts, self.executor, self.draft) if model_config.enable_sleep_mode else None
         )
 
     @classmethod

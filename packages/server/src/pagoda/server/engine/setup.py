@@ -249,17 +249,24 @@ def build_shard(
 
 
 def reload_model(
-    config: EngineConfig, folder: Path, placement: Placement, *, quantize: bool = True
+    config: EngineConfig,
+    folder: Path,
+    placement: Placement,
+    *,
+    quantize: bool = True,
+    group: ParallelGroup | None = None,
 ) -> CausalLM:
     """A fresh copy of a model from its checkpoint folder, loaded and packed as at start-up (sleep mode's wake
     reads released weights back this way; the copy's tensors move into the sleeping model's). `quantize`: the
-    target model's --quantization int8 / int4 applies (a draft model is never quantized at load)."""
+    target model's --quantization int8 / int4 applies (a draft model is never quantized at load). `group`: a
+    tensor-parallel rank's group, for its shard (loading a shard runs no collective)."""
     model_config = config.model_config
     quantization = model_config.quantization if quantize else None
     model, _ = load_shard(
         folder,
         dtype=placement.dtype,
         device=placement.device,
+        group=group,
         keep_quantized=model_config.keeps_quantized(),
         quant_backend=quant_backend(config),
         quantize_to=load_qtype(quantization, model_config.quantization_group_size),

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 from pagoda.server.engine.kv_cache import KVCache
@@ -216,12 +216,31 @@ def return_freed_memory(device: torch.device) -> None:
         libc.malloc_trim(0)
 
 
+class SleepFollowers(Protocol):
+    """Other processes whose parts sleep and wake with the engine's (tensor-parallel workers: the executor):
+    told first, so that they work beside the engine's own process, then waited for."""
+
+    def send_sleep(self, level: SleepLevel) -> None:
+        """Tell every follower to sleep at `level`."""
+
+    def send_wake(self, tags: Sequence[WakeTag]) -> None:
+        """Tell every follower to wake what `tags` name."""
+
+    def wait_sleep_states(self) -> Sequence[object]:
+        """Wait until every follower has done what it was told; what each holds now (for logs and tests)."""
+
+
 class EngineSleep:
     """The sleep state of one engine's runners: what is asleep, and how to put it to sleep and wake it."""
 
-    def __init__(self, runners: Sequence[SleepingRunner], device: torch.device) -> None:
+    def __init__(
+        self, runners: Sequence[SleepingRunner], device: torch.device, followers: SleepFollowers | None = None
+    ) -> None:
+        """`followers`: the tensor-parallel workers, whose shards sleep and wake with the driver's."""
         self.runners = tuple(runners)
         self.device = device
+        self.followers = followers
+        self.follower_states: tuple[object, ...] = ()  # what each follower said it holds after the last call
         self.level: SleepLevel | None = None  # the level slept at; None while awake
         self.asleep: set[WakeTag] = set()  # what is still asleep ("weights", "kv_cache")
 
@@ -238,11 +257,15 @@ class EngineSleep:
             return
         start = time.perf_counter()
         offload = level == 1 and self.device.type == "cuda"
+        if self.followers is not None:
+            self.followers.send_sleep(level)
         freed = 0
         for runner in self.runners:
             freed += runner.kv_cache.release()
             freed += runner.weights.release(offload=offload)
         return_freed_memory(self.device)
+        if self.followers is not None:
+            self.follower_states = tuple(self.followers.wait_sleep_states())
         self.level, self.asleep = level, set(WAKE_TAGS)
         logger.info(
             "asleep (level %d): %.1f MiB of KV pool and weights released (%s) in %.2f s",
@@ -256,6 +279,8 @@ class EngineSleep:
         """Wake what `tags` name (weights first, as vLLM does to keep the device memory unfragmented)."""
         start = time.perf_counter()
         woken = [tag for tag in WAKE_TAGS if tag in tags and tag in self.asleep]
+        if self.followers is not None and woken:
+            self.followers.send_wake(woken)
         for tag in woken:
             for runner in self.runners:
                 if tag == "weights":
@@ -263,6 +288,8 @@ class EngineSleep:
                 else:
                     runner.kv_cache.reallocate()
             self.asleep.discard(tag)
+        if self.followers is not None and woken:
+            self.follower_states = tuple(self.followers.wait_sleep_states())
         if not self.asleep:
             self.level = None
         if woken:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.draft_setup import LoadedDraft
+from pagoda.server.engine.executor.base import Executor
 from pagoda.server.engine.model_runner import ModelRunner
 from pagoda.server.engine.setup import EngineParts, Placement, pack_rows, reload_model
 from pagoda.server.engine.sleep import EngineSleep, ModelWeights, SleepingRunner
@@ -14,15 +15,18 @@ from torch import nn
 
 
 def engine_sleep(
-    config: EngineConfig, parts: EngineParts, runner: ModelRunner, draft: LoadedDraft | None
+    config: EngineConfig, parts: EngineParts, executor: Executor, draft: LoadedDraft | None
 ) -> EngineSleep:
     """The sleep state of an engine's target runner and, with a draft model, of the draft's runner: each one's
-    weights read back at wake from the folder it was loaded from."""
+    weights read back at wake from the folder it was loaded from. Under tensor parallelism the driver's runner
+    holds rank 0's shard (read back as a shard) and the executor's workers sleep and wake with it."""
     placement = Placement(parts.device, parts.dtype)
     rows = pack_rows(config)
+    runner = executor.driver
+    group = executor.shard_group()
 
     def reload_target() -> nn.Module:
-        return reload_model(config, parts.model_path, placement)
+        return reload_model(config, parts.model_path, placement, group=group)
 
     runners = [SleepingRunner(runner.kv_cache, ModelWeights(runner.model, reload_target, rows))]
     spec = config.speculative_config
@@ -38,4 +42,4 @@ def engine_sleep(
         runners.append(
             SleepingRunner(draft_runner.kv_cache, ModelWeights(draft_runner.model, reload_draft, rows))
         )
-    return EngineSleep(runners, parts.device)
+    return EngineSleep(runners, parts.device, executor)

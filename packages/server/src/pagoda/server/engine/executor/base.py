@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.engine.model_runner import ModelRunner, PromptHidden
+from pagoda.server.models.parallel import ParallelGroup
 from torch import Tensor
 
 
@@ -44,6 +45,21 @@ class Executor(ABC):
 
     def check_health(self) -> None:  # noqa: B027 (a no-op where there are no workers, not an abstract method)
         """Raise ExecutorError if a worker has ended; cheap, so an idle engine can call it periodically."""
+
+    def shard_group(self) -> ParallelGroup | None:
+        """The driver's tensor-parallel group (its shard is read back with it at wake); None on one process."""
+        return None
+
+    # Sleep mode's followers (engine/sleep.py `SleepFollowers`): the workers' shards sleep with the driver's.
+    def send_sleep(self, level: int) -> None:  # noqa: B027 (no workers: nothing to tell)
+        """Tell every worker to sleep at `level`."""
+
+    def send_wake(self, tags: Sequence[str]) -> None:  # noqa: B027 (no workers: nothing to tell)
+        """Tell every worker to wake what `tags` name."""
+
+    def wait_sleep_states(self) -> Sequence[object]:
+        """Every worker's state once it has slept or woken (none without workers)."""
+        return ()
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,10 @@ from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
     Execute,
+    RankSleepState,
+    Sleep,
     Start,
+    WakeUp,
     WorkerReady,
     WorkerSpec,
 )
@@ -46,7 +49,7 @@ from pagoda.server.engine.setup import (
 from pagoda.server.loader import resolve_model_folder
 from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.models import TensorParallelError
-from pagoda.server.models.parallel import check_tensor_parallel
+from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
 from pagoda.server.procs import (
     FrameDecoder,
     Handle,
@@ -66,6 +69,7 @@ logger = logging.getLogger("pagoda.engine")
 _STARTUP_TIMEOUT_S = 900.0  # loading a large shard; a worker that dies meanwhile is noticed within a poll
 _POLL_MS = 200
 _STOP_TIMEOUT_S = 10.0
+_SLEEP_TIMEOUT_S = 900.0  # a wake reads the shard back from its checkpoint, as long as a start's load
 
 
 def _launcher(config: EngineConfig, use_gpus: bool, threads: int | None) -> Launcher:
@@ -234,6 +238,37 @@ class DistributedExecutor(Executor):
             raise self._failed
         if (failure := self.failure()) is not None:
             raise self._fail(None, failure)
+
+    def shard_group(self) -> ParallelGroup | None:
+        """Rank 0's group: sleep mode reads the driver's shard back with it."""
+        return self.group
+
+    def send_sleep(self, level: int) -> None:
+        """Every worker frees its KV pool and releases its shard's weights (answers come in `wait_sleep_states`)."""
+        self._send(Sleep(level))
+
+    def send_wake(self, tags: Sequence[str]) -> None:
+        """Every worker wakes what `tags` name (its shard read back from the checkpoint, its pool allocated)."""
+        self._send(WakeUp(tuple(tags)))
+
+    def wait_sleep_states(self) -> Sequence[RankSleepState]:
+        """Every worker's answer to the last Sleep / WakeUp, by rank; ExecutorError naming a worker that ended."""
+        decoder = msgspec.msgpack.Decoder(RankSleepState)
+        states: dict[int, RankSleepState] = {}
+        deadline = time.monotonic() + _SLEEP_TIMEOUT_S
+        while len(states) < len(self._identities):
+            if self._router.poll(_POLL_MS):
+                identity, payload = self._router.recv_multipart()[:2]
+                if identity in self._identities:
+                    state = decoder.decode(payload)
+                    states[state.rank] = state
+                continue
+            self.check_health()
+            if time.monotonic() > deadline:
+                raise self._fail(
+                    TimeoutError(f"no sleep-mode answer from {len(self._identities) - len(states)} rank(s)")
+                )
+        return [states[rank] for rank in sorted(states)]
 
     def failure(self) -> str | None:
         """The first worker that ended, with how it ended ("... rank 1 (pid 42) exited with -9 ..."), or None."""

@@ -1,7 +1,7 @@
 """What the driver tells its workers, as msgspec msgpack frames over ZeroMQ (never pickle over a socket).
 
 A worker announces itself with the process stack's `Ready` (procs/control.py; its `info` is the worker's rank),
-gets `Start`, then runs `Command`s until `Shutdown`.
+gets `Start`, then runs `Command`s until `Shutdown`; it answers only `Sleep` and `WakeUp` (a `RankSleepState`).
 """
 
 from __future__ import annotations
@@ -56,4 +56,25 @@ class ComputeLogits(msgspec.Struct, frozen=True, tag=True):
     hidden_size: int
 
 
-Command = Execute | ComputeLogits | Shutdown
+class Sleep(msgspec.Struct, frozen=True, tag=True):
+    """Sleep mode: free this rank's KV pool and release its shard's weights (read back from the checkpoint at
+    wake); the worker answers with its `RankSleepState`."""
+
+    level: int
+
+
+class WakeUp(msgspec.Struct, frozen=True, tag=True):
+    """Sleep mode: wake what `tags` name ("weights", "kv_cache"); the worker answers with its `RankSleepState`."""
+
+    tags: tuple[str, ...]
+
+
+class RankSleepState(msgspec.Struct, frozen=True):
+    """A worker's answer to Sleep / WakeUp: what it holds now."""
+
+    rank: int
+    weight_bytes: int  # resident weight bytes of its shard (0 while its weights sleep)
+    kv_tensors: int  # its KV pool's device tensors (0 while the pool sleeps)
+
+
+Command = Execute | ComputeLogits | Sleep | WakeUp | Shutdown

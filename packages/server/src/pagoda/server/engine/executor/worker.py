@@ -19,15 +19,27 @@ from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
     Execute,
+    RankSleepState,
+    Sleep,
     Start,
+    WakeUp,
     WorkerReady,
     WorkerSpec,
 )
 from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.engine.model_runner import ModelRunner
-from pagoda.server.engine.setup import Placement, build_shard, kv_cache_shape, parse_dtype
+from pagoda.server.engine.setup import (
+    Placement,
+    build_shard,
+    kv_cache_shape,
+    pack_rows,
+    parse_dtype,
+    reload_model,
+)
+from pagoda.server.engine.sleep import EngineSleep, ModelWeights, SleepingRunner, check_level, check_tags
 from pagoda.server.lora.build import build_manager
 from pagoda.server.lora.manager import LoRAManager
+from pagoda.server.models.quantized import resident_weight_bytes
 from pagoda.server.procs import ChildSpec, Program, Shutdown
 from pagoda.server.procs.child import run_process
 from pagoda.server.procs.security import connect_securely
@@ -74,15 +86,34 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
         group.connect(store, placement.device, spec.store_host)
         lora = build_manager(spec.config, model, placement.dtype, placement.device)
         runner = ModelRunner(model, kv_cache, backend, placement.device, () if lora is None else (lora,))
-        _serve(runner, lora, group, socket, spec, parent_pid)
+        sleeping = (
+            _shard_sleep(spec, runner, placement, group)
+            if spec.config.model_config.enable_sleep_mode
+            else None
+        )
+        _serve(runner, lora, sleeping, group, socket, spec, parent_pid)
     finally:
         socket.close()
         context.term()
 
 
+def _shard_sleep(
+    spec: WorkerSpec, runner: ModelRunner, placement: Placement, group: ProcessGroupCollectives
+) -> EngineSleep:
+    """Sleep mode's state of this rank: its KV pool and its shard, read back as a shard at wake."""
+    folder = Path(spec.model_folder)
+
+    def reload_shard() -> torch.nn.Module:
+        return reload_model(spec.config, folder, placement, group=group)
+
+    weights = ModelWeights(runner.model, reload_shard, pack_rows(spec.config))
+    return EngineSleep([SleepingRunner(runner.kv_cache, weights)], placement.device)
+
+
 def _serve(
     runner: ModelRunner,
     lora: LoRAManager | None,
+    sleeping: EngineSleep | None,
     group: ProcessGroupCollectives,
     socket: zmq.Socket[bytes],
     spec: WorkerSpec,
@@ -102,6 +133,15 @@ def _serve(
             dtype = runner.kv_cache.shape.dtype
             hidden = torch.empty(command.num_rows, command.hidden_size, dtype=dtype, device=runner.device)
             runner.compute_logits(group.broadcast(hidden))
+        elif isinstance(command, Sleep | WakeUp) and sleeping is not None:  # sent only with sleep mode on
+            if isinstance(command, Sleep):
+                sleeping.sleep(check_level(command.level))
+            else:
+                sleeping.wake_up(check_tags(command.tags))
+            state = RankSleepState(
+                spec.rank, resident_weight_bytes(runner.model), len(runner.kv_cache.device_caches)
+            )
+            socket.send(msgspec.msgpack.encode(state))
 
 
 def _receive(
