@@ -101,6 +101,10 @@ def _check_runner(config: ServeConfig) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
+    # No cyclic garbage collection until the start is done (`gc.freeze()` in _serve_engine): the imports and the
+    # loading make hundreds of thousands of long-lived objects, and the collections they trigger found nothing
+    # worth freeing while costing ~0.3 s of a 3 s start (measured: 2.99 s -> 2.69 s for the imports alone).
+    gc.disable()
     bound_onednn_caches()
     # Before anything imports transformers: its scan of its own model folders comes from a cache (~1.2 s).
     from pagoda.server.import_cache import install
@@ -209,6 +213,7 @@ def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
     # collection first: it took 0.1-0.45 s of every start to find ~750 cyclic objects (120 KB, no tensor) that
     # freezing now keeps.
     gc.freeze()
+    gc.enable()  # disabled since serve() began
     log_phase("gc freeze", start)
     try:
         return run_server(app, llm, config.server)
