@@ -45,6 +45,7 @@ METHODS = {
     "none": None,
     "ngram": {"method": "ngram"},
     "suffix": {"method": "suffix"},
+    "auto": {"method": "auto"},
     "draft_model": {"method": "draft_model"},  # its "model" is --draft-model
 }
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from pagoda.scheduler import Scheduler
 from pagoda.server.request_contract import SamplesTokens
+from pagoda.server.spec.auto import AutoProposer
 from pagoda.server.spec.config import SpeculativeConfig
 from pagoda.server.spec.draft_model import DraftModel
 from pagoda.server.spec.draft_request import DraftModelRequest
@@ -24,15 +25,24 @@ def build_speculation(
     engine's draft model (method draft_model: required)."""
     k = config.num_speculative_tokens
 
+    # From this batch size on no sequence drafts, whatever its acceptance: a saturated engine pays one comparison
+    # per request and step for speculation, not the policy's search.
+    saturated = None if policy is None else policy.first_batch_without_drafts()
+
     def budget(scheduler: Scheduler, acceptance: float) -> int:
         if policy is None:
             return k
-        return policy.num_drafts(len(scheduler.running), acceptance)
+        batch_size = len(scheduler.running)
+        if saturated is not None and batch_size >= saturated:
+            return 0
+        return policy.num_drafts(batch_size, acceptance)
 
-    # suffix: one index for the engine, so that a request drafts from the others' recent sequences too.
-    index = SuffixIndex() if config.method == "suffix" else None
+    # suffix, auto: one index for the engine, so that a request drafts from the others' recent sequences too.
+    index = SuffixIndex() if config.method in ("suffix", "auto") else None
 
     def proposer() -> Proposer:
+        if index is not None and config.method == "auto":
+            return AutoProposer(index, k, config.prompt_lookup_min, config.prompt_lookup_max)
         if index is not None:
             return SuffixProposer(index, k)
         return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)

@@ -10,8 +10,10 @@ from typing import Literal, get_args
 from pagoda.server.config_tree import json_object
 
 # ngram: prompt lookup over the request's own prompt and output; suffix: suffix decoding over it and the recent
-# sequences of other requests (both model-free drafts); draft_model: a smaller model of the same vocabulary.
-SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
+# sequences of other requests (both model-free drafts); auto: both, each sequence taking the longer draft, drafts
+# only where the measured step costs and acceptance say they pay (spec/auto.py); draft_model: a smaller model of
+# the same vocabulary.
+SpeculativeMethod = Literal["ngram", "suffix", "auto", "draft_model"]
 _DEFAULT_LOOKUP_MIN, _DEFAULT_LOOKUP_MAX = 2, 5
 _KEYS = (
     "method",

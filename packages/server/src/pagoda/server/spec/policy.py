@@ -52,14 +52,30 @@ class DraftPolicy:
                 best_k, best_rate = k, rate
         return best_k
 
+    def first_batch_without_drafts(self, largest: int = 1 << 16) -> int | None:
+        """The smallest batch size at which no sequence drafts, even one whose every draft is accepted (drafts
+        never grow with the batch); None if sequences still draft at `largest`."""
+        if self.num_drafts(largest, 1.0) > 0:
+            return None
+        low, high = 0, largest  # num_drafts(low) > 0 or low == 0; num_drafts(high) == 0
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.num_drafts(middle, 1.0) > 0:
+                low = middle
+            else:
+                high = middle
+        return high
+
 
 class AcceptanceEstimate:
     """A sequence's per-draft acceptance rate, decayed so that it follows the text (starts at `prior`)."""
 
-    __slots__ = ("accepted", "trials")
+    __slots__ = ("accepted", "prior", "trials", "weight")
 
     def __init__(self, prior: float = 0.5, weight: float = 2.0) -> None:
         """Start as if `weight` drafts had been tested with rate `prior`."""
+        self.prior = prior
+        self.weight = weight
         self.accepted = prior * weight
         self.trials = weight
 
@@ -73,3 +89,10 @@ class AcceptanceEstimate:
         tested = num_accepted + (1 if num_accepted < num_drafts else 0)
         self.accepted = self.accepted * decay + num_accepted
         self.trials = self.trials * decay + tested
+
+    def relax(self, keep: float = 0.95) -> None:
+        """A step without drafts: move the estimate a little back to the prior, so that a sequence whose drafts
+        failed (and that the policy stopped drafting for) probes again after a few dozen steps, in case its text
+        became repetitive since."""
+        self.accepted = self.accepted * keep + self.prior * self.weight * (1 - keep)
+        self.trials = self.trials * keep + self.weight * (1 - keep)

@@ -98,6 +98,8 @@ class DraftingRequest(ABC):
                 self.acceptance.update(proposed, min(num_added - 1, proposed))
         self._added.clear()
         k = self.budget(scheduler, self.acceptance.rate)
+        if k == 0:  # no drafts this step (acceptance too low, or a batch too large): probe again later
+            self.acceptance.relax()
         for seq_id in self.state.seq_ids:
             request = scheduler.get_request(seq_id)
             if request is None or request.num_tokens - request.num_computed_tokens != 1:
