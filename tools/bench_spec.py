@@ -65,13 +65,29 @@ class Result:
     acceptance_rate: float | None = None  # accepted / drafted tokens (None: no drafts)
 
 
-def workloads(tokenizer: Any, max_prompt_tokens: int, seed: int) -> dict[str, list[int]]:
-    """The three prompts as token ids, each cut to `max_prompt_tokens` (the instruction kept when it fits)."""
+# Tokens a chat template adds around one user message (SmolLM2's system and role lines take ~30).
+_TEMPLATE_TOKENS = 48
+
+
+def workloads(tokenizer: Any, max_prompt_tokens: int, seed: int, chat: bool = False) -> dict[str, list[int]]:
+    """The three prompts as token ids, each cut to `max_prompt_tokens` (the instruction kept when it fits); with
+    `chat`, the text and its instruction are one user message in the tokenizer's chat template (a chat model
+    asked as its users ask it)."""
 
     def encode(body: str, ask: str) -> list[int]:
         ids: list[int] = tokenizer.encode(body)
         tail: list[int] = tokenizer.encode(ask, add_special_tokens=False)
-        return (ids[: max(1, max_prompt_tokens - len(tail))] + tail)[:max_prompt_tokens]
+        if not chat:
+            return (ids[: max(1, max_prompt_tokens - len(tail))] + tail)[:max_prompt_tokens]
+        room = max(1, max_prompt_tokens - len(tail) - _TEMPLATE_TOKENS)
+        message = tokenizer.decode(ids[:room], skip_special_tokens=True) + ask
+        templated: list[int] = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        return templated
 
     rng = random.Random(seed)
     vocab = len(tokenizer)
@@ -208,6 +224,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat", action="store_true", help="each prompt as a user message in the model's chat template"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
         "--peer",
@@ -264,7 +283,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             if method == "draft_model":
                 spec = {**(spec or {}), "model": draft_model_path(args, Path(scratch))}
             llm = LLM(**shared, speculative_config=spec)
-            prompts = workloads(llm.tokenizer, args.max_prompt_tokens, args.seed)
+            prompts = workloads(llm.tokenizer, args.max_prompt_tokens, args.seed, args.chat)
             if args.workloads:
                 prompts = {name: ids for name, ids in prompts.items() if name in args.workloads}
             for name, prompt in prompts.items():

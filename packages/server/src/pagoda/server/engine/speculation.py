@@ -6,37 +6,78 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pagoda.scheduler import Scheduler
+from pagoda.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.counters import TokenCounters
 from pagoda.server.engine.draft_setup import LoadedDraft
 from pagoda.server.engine.executor.base import Executor
 from pagoda.server.engine.extension import Extension
-from pagoda.server.engine.preemption_costs import _best_seconds, _probe_step
+from pagoda.server.engine.preemption_costs import _best_seconds
 from pagoda.server.engine.requests import RequestState
 from pagoda.server.engine.step_sampler import SampledStep
 from pagoda.server.request_contract import SamplesTokens
 from pagoda.server.spec.build import build_speculation
 from pagoda.server.spec.draft_model import DraftModel
-from pagoda.server.spec.policy import DraftPolicy, StepCostModel
+from pagoda.server.spec.policy import DecodeCost, DraftPolicy, StepCostModel
 
 logger = logging.getLogger("pagoda.engine")
 
-# The large probe step: enough tokens to leave the weight-bound regime on a CPU, few enough for a fast start.
-_PROBE_TOKENS = 64
+# The probe batches: decode steps of these many sequences (up to max_num_seqs), each reading this much context,
+# plain and with this many drafts per sequence (~2.5 s at start on the default model: only with drafts on).
+_PROBE_BATCHES = (1, 2, 4, 8, 16, 32)
+_PROBE_CONTEXT = 256
+_PROBE_DRAFTS = 4
 
 
-def measure_step_costs(executor: Executor, max_num_batched_tokens: int, max_model_len: int) -> StepCostModel:
-    """Time a one-token step and a many-token step on the engine's model (before any request: the blocks it
-    writes hold nothing), as the back-off policy's cost model."""
+def _decode_probe(batch_size: int, drafts: int, block_size: int, num_blocks: int) -> SchedulerOutput:
+    """A decode step of `batch_size` sequences of `_PROBE_CONTEXT` tokens, each with `drafts` drafts (every
+    token with its logits row). They share the pool's first blocks: before any request, what they read and
+    write is garbage of the right shape."""
+    length = _PROBE_CONTEXT + drafts
+    blocks = tuple(range(min(-(-length // block_size), num_blocks)))
+    start = min(_PROBE_CONTEXT, len(blocks) * block_size - 1 - drafts)
+    chunks = tuple(
+        ScheduledRequest(
+            request_id=f"draft-probe-{i}",
+            token_ids=(0,) * (1 + drafts),
+            start=start,
+            num_tokens=1 + drafts,
+            block_table=blocks,
+            slots=tuple(range(start, start + 1 + drafts)),
+            num_samples=1,
+            sample_ids=(f"draft-probe-{i}",),
+            spec_token_ids=(0,) * drafts,
+        )
+        for i in range(batch_size)
+    )
+    return SchedulerOutput(chunks, (), (), (), (), (), batch_size * (1 + drafts))
+
+
+def measure_step_costs(
+    executor: Executor, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int = 64
+) -> StepCostModel:
+    """Time decode steps of 1 to 32 sequences, plain and with drafts, on the engine's model (before any request:
+    the blocks they write hold nothing), as the back-off policy's cost model."""
     block_size = executor.driver.kv_cache.shape.block_size
     device = executor.driver.device
-    many = min(_PROBE_TOKENS, max_num_batched_tokens, max_model_len, executor.num_blocks * block_size)
-    one_step, many_step = _probe_step(1, block_size), _probe_step(many, block_size)
-    executor.execute(many_step, {})  # warm-up
-    one = _best_seconds(lambda: executor.execute(one_step, {}), device, 3)
-    big = _best_seconds(lambda: executor.execute(many_step, {}), device, 2)
-    return StepCostModel(one_token_s=one, per_token_s=big / many)
+    drafts = max(1, min(_PROBE_DRAFTS, max_model_len - 2))
+    batches = [b for b in _PROBE_BATCHES if b <= max_num_seqs and b * (1 + drafts) <= max_num_batched_tokens]
+    batches = batches or [1]
+
+    def probe(batch_size: int, num_drafts: int) -> SchedulerOutput:
+        return _decode_probe(batch_size, num_drafts, block_size, executor.num_blocks)
+
+    def seconds(step: SchedulerOutput, rounds: int) -> float:
+        return _best_seconds(lambda: executor.execute(step, {}), device, rounds)
+
+    executor.execute(probe(batches[-1], drafts), {})  # warm-up
+    decodes = tuple(
+        DecodeCost(b, seconds(probe(b, 0), 3 if b == 1 else 2), drafts, seconds(probe(b, drafts), 2))
+        for b in batches
+    )
+    largest = decodes[-1]
+    per_token = largest.drafted_s / (largest.batch_size * (1 + drafts))
+    return StepCostModel(one_token_s=decodes[0].plain_s, per_token_s=per_token, decodes=decodes)
 
 
 def speculation_for(
@@ -53,13 +94,16 @@ def speculation_for(
             "speculative decoding is off: the %s KV manager cannot trim", config.cache_config.kv_manager
         )
         return None
-    costs = measure_step_costs(executor, scheduler.max_num_batched_tokens, scheduler.max_model_len)
+    costs = measure_step_costs(
+        executor, scheduler.max_num_batched_tokens, scheduler.max_model_len, scheduler.config.max_num_seqs
+    )
     logger.info(
-        "speculative decoding (%s, k=%d): a step costs %.3g ms for 1 token, %.3g ms per token when large",
+        "speculative decoding (%s, k=%d): a decode step costs %s (sequences: ms plain / ms per drafted token)",
         spec.method,
         spec.num_speculative_tokens,
-        costs.one_token_s * 1e3,
-        costs.per_token_s * 1e3,
+        ", ".join(
+            f"{d.batch_size}: {d.plain_s * 1e3:.3g} / {d.per_draft_s * 1e3:.2g}" for d in costs.decodes
+        ),
     )
     if draft is None:
         return build_speculation(spec, DraftPolicy(costs, spec.num_speculative_tokens))

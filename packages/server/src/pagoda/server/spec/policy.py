@@ -9,19 +9,64 @@ drafts that maximises the batch's expected tokens per second given the sequence'
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """A measured decode step of `batch_size` sequences: plain (one token each) and with `drafts` drafts each."""
+
+    batch_size: int
+    plain_s: float
+    drafts: int
+    drafted_s: float
+
+    @property
+    def per_draft_s(self) -> float:
+        """What one more drafted token costs in a batch of this size."""
+        return max(0.0, self.drafted_s - self.plain_s) / (self.drafts * self.batch_size)
+
+
+@dataclass(frozen=True, slots=True)
 class StepCostModel:
-    """Seconds of one step of n tokens: the one-token step's time, or n times the marginal token's time."""
+    """Seconds of a decode step of a batch with some drafted tokens: from measured decode steps (`decodes`,
+    interpolated between batch sizes), else the one-token step's time or n times the marginal token's time,
+    whichever is longer."""
 
     one_token_s: float  # a step of one decode token (the weights read once)
     per_token_s: float  # the marginal token of a large step (compute bound)
+    # Measured decode steps, batch sizes increasing. Small steps are not flat on a CPU, and a batch of n
+    # sequences costs more than one sequence of n tokens (attention per context, sampling per row): measured on
+    # a 2-core Zen 4, 5 tokens of one sequence cost 1.6-2.3x one token, and 32 decoding sequences 2.3x a
+    # 33-token prompt chunk. Empty: the two-number model.
+    decodes: tuple[DecodeCost, ...] = ()
 
-    def step_seconds(self, num_tokens: int) -> float:
-        """The modelled time of a step with `num_tokens` tokens."""
-        return max(self.one_token_s, self.per_token_s * num_tokens)
+    def step_seconds(self, batch_size: int, drafted_tokens: int = 0) -> float:
+        """The modelled time of a decode step of `batch_size` sequences carrying `drafted_tokens` drafts in all."""
+        if not self.decodes:
+            return max(self.one_token_s, self.per_token_s * (batch_size + drafted_tokens))
+        plain, per_draft = self._at(batch_size)
+        return plain + per_draft * drafted_tokens
+
+    def _at(self, batch_size: int) -> tuple[float, float]:
+        """(plain step seconds, seconds per drafted token) at `batch_size`: interpolated, or extrapolated along
+        the last two measurements' slope past the largest."""
+        points = self.decodes
+        if batch_size <= points[0].batch_size or len(points) == 1:
+            first = points[0]
+            extra = max(0, batch_size - first.batch_size) * self.per_token_s
+            return first.plain_s + extra, first.per_draft_s
+        for low, high in itertools.pairwise(points):
+            if batch_size <= high.batch_size:
+                t = (batch_size - low.batch_size) / (high.batch_size - low.batch_size)
+                return (
+                    low.plain_s + t * (high.plain_s - low.plain_s),
+                    low.per_draft_s + t * (high.per_draft_s - low.per_draft_s),
+                )
+        low, high = points[-2], points[-1]
+        slope = (high.plain_s - low.plain_s) / (high.batch_size - low.batch_size)
+        return high.plain_s + slope * (batch_size - high.batch_size), high.per_draft_s
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -43,10 +88,11 @@ class DraftPolicy:
     def num_drafts(self, batch_size: int, acceptance: float) -> int:
         """The k in 0..max_drafts maximising the batch's tokens per second, the other `batch_size - 1`
         sequences decoding one token each (0: drafting would slow the batch down)."""
-        others = max(batch_size, 1) - 1
-        best_k, best_rate = 0, (others + 1) / self.costs.step_seconds(others + 1)
+        batch = max(batch_size, 1)
+        others = batch - 1
+        best_k, best_rate = 0, batch / self.costs.step_seconds(batch)
         for k in range(1, self.max_drafts + 1):
-            seconds = self.costs.step_seconds(others + 1 + k) + k * self.draft_token_s
+            seconds = self.costs.step_seconds(batch, k) + k * self.draft_token_s
             rate = (others + expected_tokens(acceptance, k)) / seconds
             if rate > best_rate * 1.0001:  # ties keep fewer drafts
                 best_k, best_rate = k, rate
