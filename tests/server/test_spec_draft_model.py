@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 MAX_TOKENS = 14
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# A step cost that does not grow with the tokens (decode bound): the policy then always drafts all k.
+# A step cost that does not grow with the tokens (decode bound), and no margin: the policy always drafts all k.
 FLAT = StepCostModel(one_token_s=1.0, per_token_s=0.0)
 
 
@@ -63,7 +63,7 @@ def make_llm(target: Path, draft: Path | None, k: int = 3, **kwargs: Any) -> LLM
     engine = llm.engine
     assert engine.draft is not None and engine.speculate is not None
     # The policy measured at start could back off on a loaded machine: draft all k.
-    policy = DraftPolicy(FLAT, k, draft_token_s=0.0)
+    policy = DraftPolicy(FLAT, k, draft_token_s=0.0, margin=1.0)
     engine.speculate = build_speculation(parse_speculative_config(config), policy, engine.draft.drafter)
     return llm
 

@@ -155,7 +155,7 @@ def test_ngram_config_equals_non_speculative(arch: str, model_dirs: dict[str, Pa
     llm = make_llm(model_dirs[arch], speculative_config=config)
     assert llm.engine.speculate is not None  # built with the policy measured at start
     # A flat step cost (decode bound) makes the policy draft all 3 whatever this machine's load measured.
-    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3)
+    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3, margin=1.0)
     llm.engine.speculate = build_speculation(parse_speculative_config(config), flat)
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
     assert llm.engine.counters.spec_decode_num_drafts > 0
@@ -297,7 +297,7 @@ def test_opted_out_requests_never_draft(model_dirs: dict[str, Path]) -> None:
     prompt = [5, 6, 7, 8, 9] * 3 + [5, 6]
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = make_llm(model_dirs["llama"], speculative_config=config)
-    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3)
+    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3, margin=1.0)
     llm.engine.speculate = build_speculation(parse_speculative_config(config), flat)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculative=False)
     out = llm.generate([prompt], params, use_tqdm=False)
