@@ -29,13 +29,15 @@ _PROBE_CONTEXT = 256
 _PROBE_DRAFTS = 4
 
 
-def _decode_probe(batch_size: int, drafts: int, block_size: int, num_blocks: int) -> SchedulerOutput:
-    """A decode step of `batch_size` sequences of `_PROBE_CONTEXT` tokens, each with `drafts` drafts (every
-    token with its logits row). They share the pool's first blocks: before any request, what they read and
-    write is garbage of the right shape."""
-    length = _PROBE_CONTEXT + drafts
-    blocks = tuple(range(min(-(-length // block_size), num_blocks)))
-    start = min(_PROBE_CONTEXT, len(blocks) * block_size - 1 - drafts)
+def _decode_probe(
+    batch_size: int, drafts: int, block_size: int, num_blocks: int, max_model_len: int
+) -> SchedulerOutput:
+    """A decode step of `batch_size` sequences of `_PROBE_CONTEXT` tokens (fewer where the pool or
+    `max_model_len` hold fewer), each with `drafts` drafts (every token with its logits row). They share the
+    pool's first blocks: before any request, what they read and write is garbage of the right shape."""
+    length = min(_PROBE_CONTEXT + drafts, max_model_len, num_blocks * block_size)
+    blocks = tuple(range(-(-length // block_size)))
+    start = max(0, length - 1 - drafts)
     chunks = tuple(
         ScheduledRequest(
             request_id=f"draft-probe-{i}",
@@ -60,12 +62,12 @@ def measure_step_costs(
     the blocks they write hold nothing), as the back-off policy's cost model."""
     block_size = executor.driver.kv_cache.shape.block_size
     device = executor.driver.device
-    drafts = max(1, min(_PROBE_DRAFTS, max_model_len - 2))
+    drafts = max(1, min(_PROBE_DRAFTS, max_model_len - 2, executor.num_blocks * block_size - 2))
     batches = [b for b in _PROBE_BATCHES if b <= max_num_seqs and b * (1 + drafts) <= max_num_batched_tokens]
     batches = batches or [1]
 
     def probe(batch_size: int, num_drafts: int) -> SchedulerOutput:
-        return _decode_probe(batch_size, num_drafts, block_size, executor.num_blocks)
+        return _decode_probe(batch_size, num_drafts, block_size, executor.num_blocks, max_model_len)
 
     def seconds(step: SchedulerOutput, rounds: int) -> float:
         return _best_seconds(lambda: executor.execute(step, {}), device, rounds)
