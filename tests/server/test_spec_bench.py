@@ -20,7 +20,7 @@ def test_smoke_run_reports_every_method_workload_and_concurrency(tmp_path: Path)
     cells = {(r.method, r.workload, r.concurrency) for r in results}
     assert cells == {
         (m, w, c)
-        for m in ("none", "ngram", "suffix")
+        for m in ("none", "ngram", "suffix", "auto")
         for w in ("repeat", "code_edit", "random")
         for c in (1, 2)
     }
