@@ -28,6 +28,7 @@ from pagoda.server.procs import ProcessHandle
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import ARCHS, make_tiny_model
 from pagoda.server.testing.tiny_lora import make_tiny_lora
+from pagoda.server.testing.tiny_vlm import make_tiny_vlm
 from test_engine import GREEDY, PREEMPTING_PROMPT_LENS, PROMPT_LENS, StepSpy, make_llm, random_prompts, tokens
 
 AFD_ARGS: dict[str, Any] = {"attention_ffn_disaggregation": {"attention_workers": 1, "ffn_workers": 1}}
@@ -162,7 +163,7 @@ def test_afd_with_attention_adapters_equals_plain(
 @pytest.mark.timeout(300)
 def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], llms: LLMFactory) -> None:
     """SIGKILL of the FFN worker mid-run: the next step raises ExecutorError naming the rank within seconds (its
-    receives fail as its sockets close), and so does every later step; shutdown leaves no process."""
+    receives fail as its sockets close), and so does every later call of the executor; shutdown leaves no process."""
     afd = llms(make_llm, afd_models["llama"], **AFD_ARGS)
     engine = afd.engine
     for name, prompt in zip("ab", random_prompts((9, 5)), strict=True):
@@ -177,7 +178,7 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
             engine.step()
     assert time.monotonic() - started < 30
     with pytest.raises(ExecutorError, match="rank 1"):
-        engine.step()
+        engine.executor.compute_logits(torch.zeros(1, 64))
     engine.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -210,12 +211,10 @@ def test_tensor_parallel_with_afd_exits_2(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_unsupported_model_is_refused(tmp_path: Path) -> None:
-    """A model whose layers do not split here (a classifier on a Llama decoder) is refused naming the flag,
-    before its engine serves anything."""
-    from pagoda.server.testing import make_tiny_classifier
-
-    folder = make_tiny_classifier("llama", tmp_path / "cls")
-    with pytest.raises((EngineConfigError, ValueError), match=FLAG):
+    """A model whose layers do not split here (a vision-language model) is refused naming the flag, before its
+    engine serves anything."""
+    folder = make_tiny_vlm("llava", tmp_path / "vlm", small=True)
+    with pytest.raises(EngineConfigError, match=f"{FLAG} runs the Llama family and Gemma 3 text models"):
         make_llm(folder, **AFD_ARGS)
 
 

@@ -83,7 +83,8 @@ class AFDExecutor(DistributedExecutor):
             raise self._fail(exc) from exc
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
-        """The LM head is whole on the driver."""
+        """The LM head is whole on the driver (ExecutorError once the FFN worker has ended, as every call)."""
+        self.check_health()
         return self.driver.compute_logits(hidden)
 
     def shard_group(self) -> ParallelGroup | None:
