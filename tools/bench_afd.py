@@ -73,8 +73,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         folder = make_tiny_model("llama", Path(root) / "model", **shapes)
         plain = LLM(str(folder), **engine_args)
+        threads = torch.get_num_threads()
         want, plain_s = run(plain, prompts, params)
+        torch.set_num_threads(1)  # as each AFD rank runs
+        one, plain1_s = run(plain, prompts, params)
+        torch.set_num_threads(threads)
         plain.engine.close()
+        if one != want:
+            print("the plain engine's tokens differ between 1 and more threads")
+            return 1
         afd = LLM(
             str(folder),
             attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 1},
@@ -95,7 +102,7 @@ def main() -> int:
     forwards = stats.forwards - before_stats[0]
     per_layer = 1e3 / (forwards * layers)
     tokens = args.num_prompts * args.output_len
-    print(f"CPU: {cpu_name()}; torch threads: plain {torch.get_num_threads()}, AFD 1 per rank")
+    print(f"CPU: {cpu_name()}; torch threads: plain {threads} and 1, AFD 1 per rank")
     print(f"model: random Llama, hidden {hidden}, MLP {4 * hidden}, {layers} layers, float32")
     print(
         f"batch: {args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens each"
@@ -104,14 +111,15 @@ def main() -> int:
         "| engine | tokens/s | ms/forward | attention side ms/layer | FFN MLP ms/layer | exchange ms/layer |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| plain | {tokens / plain_s:.0f} | {1e3 * plain_s / forwards:.1f} | | | |")
+    print(f"| plain, {threads} threads | {tokens / plain_s:.0f} | {1e3 * plain_s / forwards:.1f} | | | |")
+    print(f"| plain, 1 thread | {tokens / plain1_s:.0f} | {1e3 * plain1_s / forwards:.1f} | | | |")
     print(
         f"| AFD 1+1 | {tokens / afd_s:.0f} | {1e3 * afd_s / forwards:.1f} "
         f"| {(stats.attention_seconds - before_stats[1]) * per_layer:.2f} "
         f"| {(after.mlp_seconds - before.mlp_seconds) * per_layer:.2f} "
         f"| {(stats.exchange_seconds - before_exchange) * per_layer:.2f} |"
     )
-    print(f"AFD / plain tokens/s: {plain_s / afd_s:.2f}x over {forwards} forwards")
+    print(f"AFD / plain tokens/s: {plain_s / afd_s:.2f}x ({threads} threads), {plain1_s / afd_s:.2f}x (1 thread)")
     return 0
 
 
