@@ -154,7 +154,7 @@ def test_afd_with_attention_adapters_equals_plain(
     want = tokens(plain.generate(batch, GREEDY, use_tqdm=False, lora_request=loras))
     afd = llms(make_llm, base, **lora_args, **AFD_ARGS)
     assert tokens(afd.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    assert want[0] != want[1] or want[0] != tokens(plain.generate(batch[:1], GREEDY, use_tqdm=False))[0]
+    assert want[0] != tokens(plain.generate(batch[:1], GREEDY, use_tqdm=False))[0]  # the adapter counts
     assert set(afd_executor(afd).afd.stats.by_micro_batches) == {1}
     with pytest.raises(LoRAError, match="down_proj is not a projection of this model"):
         afd.generate(batch[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
