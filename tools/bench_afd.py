@@ -91,9 +91,9 @@ def main() -> int:
         assert isinstance(executor, AFDExecutor)
         before_stats = (executor.afd.stats.forwards, executor.afd.stats.attention_seconds)
         before_exchange = executor.afd.stats.exchange_seconds
-        before = executor.ffn_counts()
+        (before,) = executor.ffn_counts()
         got, afd_s = run(afd, prompts, params)
-        after = executor.ffn_counts()
+        (after,) = executor.ffn_counts()
         stats = executor.afd.stats
         afd.engine.close()
     if got != want:
@@ -119,7 +119,9 @@ def main() -> int:
         f"| {(after.mlp_seconds - before.mlp_seconds) * per_layer:.2f} "
         f"| {(stats.exchange_seconds - before_exchange) * per_layer:.2f} |"
     )
-    print(f"AFD / plain tokens/s: {plain_s / afd_s:.2f}x ({threads} threads), {plain1_s / afd_s:.2f}x (1 thread)")
+    print(
+        f"AFD / plain tokens/s: {plain_s / afd_s:.2f}x ({threads} threads), {plain1_s / afd_s:.2f}x (1 thread)"
+    )
     return 0
 
 

@@ -67,7 +67,7 @@ def afd_executor(llm: LLM) -> AFDExecutor:
 
 
 def ffn_pid(llm: LLM) -> int:
-    """The FFN worker's process."""
+    """The (one) FFN worker's process."""
     (worker,) = afd_executor(llm).workers
     assert isinstance(worker, ProcessHandle)
     return worker.pid
@@ -94,11 +94,36 @@ def test_afd_greedy_equals_plain(arch: str, afd_models: dict[str, Path], llms: L
     assert stats.max_in_flight == 2
     # Five sequences decode together for 11 steps (the 12th token of each comes from the prompt's step).
     assert stats.by_micro_batches.get(2, 0) >= 11
-    counts = executor.ffn_counts()
+    (counts,) = executor.ffn_counts()
     assert counts.forwards == stats.forwards and counts.micro_batches == stats.micro_batches
     assert counts.micro_batches > counts.forwards
     assert stats.exchange_seconds > 0 and counts.mlp_seconds > 0
     assert afd.engine.kv_manager.stats().num_used_blocks == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_two_ffn_workers_equal_plain(arch: str, afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """Two FFN workers split every MLP (gate/up by rows, down by columns, all-reduced between them): the plain
+    engine's tokens; each worker ran every micro-batch of every forward."""
+    prompts = random_prompts(PROMPT_LENS)
+    want = greedy_tokens(llms(make_llm, afd_models[arch]), prompts)
+    afd = llms(
+        make_llm, afd_models[arch], attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 2}
+    )
+    assert greedy_tokens(afd, prompts) == want
+    executor = afd_executor(afd)
+    stats = executor.afd.stats
+    assert stats.max_in_flight == 2
+    counts = executor.ffn_counts()
+    assert [c.rank for c in counts] == [1, 2]
+    assert all(c.forwards == stats.forwards and c.micro_batches == stats.micro_batches for c in counts)
+
+
+def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
+    """Three FFN workers for four query heads: refused before any worker starts, naming the flag."""
+    with pytest.raises(EngineConfigError, match=f"{FLAG} ffn_workers 3: .*must divide"):
+        make_llm(afd_models["llama"], attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 3})
 
 
 @pytest.mark.timeout(300)
@@ -187,7 +212,7 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('{"attention_workers": 2, "ffn_workers": 1}', "only"),
+        ('{"attention_workers": 2, "ffn_workers": 1}', "attention_workers must be 1"),
         ('{"attention_workers": 1, "ffn_workers": 0}', "'ffn_workers' must be an integer >= 1"),
         ('{"attention_workers": 1, "ffn": 1}', "unknown key"),
         ("[1, 1]", "must be a JSON object"),

@@ -17,7 +17,7 @@ class AttentionFFNConfig:
     ranks that hold the MLP weights; activations cross between them every layer, two micro-batches in ping-pong."""
 
     attention_workers: int = 1  # the driver is the attention rank today
-    ffn_workers: int = 1  # one FFN process holds every layer's MLP
+    ffn_workers: int = 1  # FFN processes, each 1/F of every layer's MLP (tensor-parallel among themselves)
 
     def __post_init__(self) -> None:
         """ValueError naming the flag and the key: counts are integers >= 1, and only 1 and 1 run today."""
@@ -25,12 +25,11 @@ class AttentionFFNConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{FLAG} key {key!r} must be an integer >= 1, got {value!r}")
-        # Data-parallel attention over request shards (A > 1) and a tensor-parallel MLP (F > 1) are not built yet:
-        # refused rather than run as something else.
-        if (self.attention_workers, self.ffn_workers) != (1, 1):
+        # Data-parallel attention over request shards (A > 1) is not built yet: refused rather than run as A = 1.
+        if self.attention_workers != 1:
             raise ValueError(
-                f"{FLAG}: only {_EXAMPLE} runs today (one attention rank, the engine's process, and one FFN "
-                f"process), got attention_workers {self.attention_workers} and ffn_workers {self.ffn_workers}"
+                f"{FLAG}: attention_workers must be 1 today (the engine's process is the attention rank; "
+                f"data-parallel attention is not built), got {self.attention_workers}"
             )
 
 

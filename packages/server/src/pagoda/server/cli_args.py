@@ -376,8 +376,9 @@ def argument_table() -> list[Flag]:
                 "type": _attention_ffn_config,
                 "metavar": "JSON",
                 "help": 'attention/FFN disaggregation, {"attention_workers": 1, "ffn_workers": 1}: the engine\'s '
-                "process holds the KV cache and runs attention, an FFN process holds the MLP weights, activations "
-                "cross every layer with two micro-batches in ping-pong (Llama family and Gemma 3); None: off",
+                "process holds the KV cache and runs attention, F FFN processes hold the MLP weights (split "
+                "tensor-parallel when F > 1), activations cross every layer with two micro-batches in ping-pong "
+                "(Llama family and Gemma 3); attention_workers must be 1; None: off",
             },
         ),
         # engine cores

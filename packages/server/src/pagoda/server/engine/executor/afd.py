@@ -1,12 +1,14 @@
-"""Attention/FFN disaggregation: the engine's process (rank 0) holds the KV cache and runs attention, an FFN worker
-(rank 1) holds every layer's MLP; activations cross every layer over torch.distributed (gloo on the CPU, NCCL on
-CUDA), two micro-batches in ping-pong (engine/executor/afd_model.py).
+"""Attention/FFN disaggregation: the engine's process (rank 0) holds the KV cache and runs attention, FFN workers
+(ranks 1..F) hold every layer's MLP, split tensor-parallel among themselves when F > 1; activations cross every
+layer over torch.distributed (gloo on the CPU, NCCL on CUDA), two micro-batches in ping-pong
+(engine/executor/afd_model.py).
 
 The machinery is tensor parallelism's (distributed.py): the same worker program, launcher, CURVE-secured control
-socket and process group, with the worker in the "ffn" role. The driver keeps the scheduler, the sampler and the
-LM head; each forward it announces the micro-batch sizes to the FFN worker (`FFNForward`), then exchanges the
-MLP inputs and outputs with it point to point. A worker that dies fails the next exchange at once (its sockets
-close), a wedged one after the group's timeout: the engine gets an ExecutorError naming it, never a hang.
+socket and process group, with the workers in the "ffn" role. The driver keeps the scheduler, the sampler and the
+LM head; each forward it announces the micro-batch sizes to the FFN workers (`FFNForward`), then sends every FFN
+worker the MLP inputs and receives the (all-reduced) outputs from the first, point to point. A worker that dies
+fails the next exchange at once (its sockets close), a wedged one after the group's timeout: the engine gets an
+ExecutorError naming it, never a hang.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 
 import msgspec
 from pagoda.scheduler import SchedulerOutput
+from pagoda.server.afd_config import FLAG
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.afd_model import AFDForward, UnsupportedModelError, drop_mlps, split_model
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives
@@ -24,8 +27,10 @@ from pagoda.server.engine.executor.distributed import DistributedExecutor, model
 from pagoda.server.engine.executor.messages import FFNCounts, FFNForward, FFNReport
 from pagoda.server.engine.model_runner import PromptHidden
 from pagoda.server.engine.setup import EngineConfigError, EngineParts, Placement, build_parts, with_lora
-from pagoda.server.models.parallel import ParallelGroup
+from pagoda.server.models import TensorParallelError
+from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
 from torch import Tensor
+from transformers import AutoConfig
 
 logger = logging.getLogger("pagoda.engine")
 _REPORT_TIMEOUT_S = 30.0
@@ -43,13 +48,19 @@ class AFDExecutor(DistributedExecutor):
         afd = config.parallel_config.attention_ffn_disaggregation
         assert afd is not None
         size = afd.attention_workers + afd.ffn_workers
-        executor, parts = cls.start(config, model_folder(config), size, "ffn")
+        folder = model_folder(config)
+        try:  # the FFN ranks load tensor-parallel shards among themselves (then keep their MLPs)
+            check_tensor_parallel(AutoConfig.from_pretrained(folder).get_text_config(), afd.ffn_workers)
+        except TensorParallelError as exc:
+            raise EngineConfigError(f"{FLAG} ffn_workers {afd.ffn_workers}: {exc}") from exc
+        executor, parts = cls.start(config, folder, size, "ffn")
         executor.afd = AFDForward(
             parts.model, executor.group, executor.announce, ping_pong=parts.lora is None
         )
         executor.driver.forward = executor.afd
         logger.info(
-            "attention/FFN disaggregation: attention in this process, the MLPs on rank 1; %s",
+            "attention/FFN disaggregation: attention in this process, the MLPs on %d FFN rank(s); %s",
+            afd.ffn_workers,
             "two micro-batches in ping-pong" if parts.lora is None else "one micro-batch a step (LoRA)",
         )
         return executor, parts
@@ -91,16 +102,20 @@ class AFDExecutor(DistributedExecutor):
         """The driver's model is not sharded."""
         return None
 
-    def ffn_counts(self) -> FFNCounts:
-        """What the FFN worker has done so far (its forwards, micro-batches, time in MLPs and waiting)."""
+    def ffn_counts(self) -> list[FFNCounts]:
+        """What each FFN worker has done so far (its forwards, micro-batches, time in MLPs and waiting), by rank."""
         self._send(FFNReport())
         decoder = msgspec.msgpack.Decoder(FFNCounts)
+        counts: dict[int, FFNCounts] = {}
         deadline = time.monotonic() + _REPORT_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while len(counts) < len(self._identities):
             if self._router.poll(_POLL_MS):
                 identity, payload = self._router.recv_multipart()[:2]
                 if identity in self._identities:
-                    return decoder.decode(payload)
+                    answer = decoder.decode(payload)
+                    counts[answer.rank] = answer
                 continue
             self.check_health()
-        raise self._fail(TimeoutError("the FFN worker did not report its counts"))
+            if time.monotonic() > deadline:
+                raise self._fail(TimeoutError("an FFN worker did not report its counts"))
+        return [counts[rank] for rank in sorted(counts)]

@@ -27,7 +27,10 @@ from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from torch import Tensor, nn
 
-ATTENTION_RANK, FFN_RANK = 0, 1
+ATTENTION_RANK, FFN_RANK = (
+    0,
+    1,
+)  # FFN_RANK: the first FFN rank, which answers; ranks above it are FFN ranks too
 
 
 class SplitLayer(Protocol):
@@ -164,8 +167,8 @@ class _Pending:
     """A micro-batch whose MLP input is at the FFN rank: what its layer's `finish` waits for."""
 
     residual: Tensor  # [num_tokens, hidden]
-    sent: Tensor  # [num_tokens, hidden]: kept alive until the send completed
-    send: Work
+    sent: Tensor  # [num_tokens, hidden]: kept alive until the sends completed
+    sends: list[Work]  # one to each FFN rank
     out: Tensor  # [num_tokens, hidden]: the MLP output, once `recv` completed
     recv: Work
 
@@ -231,16 +234,17 @@ class AFDForward:
     def _exchange(self, residual: Tensor, normed: Tensor, tag: int, clock: _Clock) -> _Pending:
         """Send a micro-batch's MLP input and post the receive of its output (both asynchronous)."""
         clock.lap()
-        send = self.link.send(normed, FFN_RANK, tag)
+        sends = [self.link.send(normed, rank, tag) for rank in range(FFN_RANK, self.link.size)]
         out = torch.empty_like(normed)
         recv = self.link.recv(out, FFN_RANK, tag)
         clock.lap(exchange=True)
-        return _Pending(residual, normed, send, out, recv)
+        return _Pending(residual, normed, sends, out, recv)
 
     def _finish(self, layer: SplitLayer, pending: _Pending, clock: _Clock) -> Tensor:
         """Wait for a micro-batch's MLP output, then the layer's second half."""
         clock.lap()
-        self.link.wait(pending.send)
+        for send in pending.sends:
+            self.link.wait(send)
         self.link.wait(pending.recv)
         clock.lap(exchange=True)
         return layer.finish(pending.residual, pending.out)
@@ -283,8 +287,10 @@ def run_ffn_forward(
     device: torch.device,
     counters: FFNCounters,
 ) -> None:
-    """The FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input, run the
-    layer's MLP, send its output back (the attention rank's order, so every tag's messages pair up)."""
+    """An FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input, run the
+    layer's MLP (its shard, all-reduced over the FFN ranks), and on FFN rank 1 send the output back (the attention
+    rank's order, so every tag's messages pair up)."""
+    replies = link.rank == FFN_RANK
     inputs = [torch.empty(n, hidden_size, dtype=dtype, device=device) for n in num_tokens]
     sends: list[tuple[Work, Tensor]] = []
     with torch.inference_mode():
@@ -296,7 +302,8 @@ def run_ffn_forward(
                 out: Tensor = mlp(x).contiguous()
                 counters.mlp_seconds += time.perf_counter() - computed
                 counters.wait_seconds += computed - start
-                sends.append((link.send(out, ATTENTION_RANK, tag), out))
+                if replies:
+                    sends.append((link.send(out, ATTENTION_RANK, tag), out))
             # The outputs of the layer before were received once this layer's inputs arrived; free them.
             while len(sends) > len(inputs):
                 link.wait(sends.pop(0)[0])

@@ -65,11 +65,17 @@ class ProcessGroupCollectives:
         return self._size
 
     def connect(
-        self, store: Store, device: torch.device, host: str, timeout_s: float = COLLECTIVE_TIMEOUT_S
+        self,
+        store: Store,
+        device: torch.device,
+        host: str,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        prefix: str = "pagoda-tp",
     ) -> None:
         """Join the group (blocks until every rank has joined, at most `timeout_s`); gloo listens on `host` only
-        (loopback for local workers, the node's IP under Ray) rather than on the hostname's address."""
-        prefixed = PrefixStore("pagoda-tp", store)
+        (loopback for local workers, the node's IP under Ray) rather than on the hostname's address. `prefix`
+        keeps the keys of several groups over one store apart (AFD's FFN ranks form a group of their own)."""
+        prefixed = PrefixStore(prefix, store)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()

@@ -88,18 +88,20 @@ Command = Execute | ComputeLogits | Sleep | WakeUp | Shutdown
 
 class FFNForward(msgspec.Struct, frozen=True, tag=True):
     """Attention/FFN disaggregation: one forward pass is coming, as micro-batches of these many tokens; for every
-    layer, in order, the FFN rank receives each micro-batch's MLP input and sends back its MLP output."""
+    layer, in order, each FFN rank receives each micro-batch's MLP input, and FFN rank 1 sends back its MLP output
+    (all-reduced over the FFN ranks when there are several)."""
 
     num_tokens: tuple[int, ...]
 
 
 class FFNReport(msgspec.Struct, frozen=True, tag=True):
-    """Attention/FFN disaggregation: the FFN rank answers with its `FFNCounts`."""
+    """Attention/FFN disaggregation: every FFN rank answers with its `FFNCounts`."""
 
 
 class FFNCounts(msgspec.Struct, frozen=True):
-    """What the FFN rank has done so far."""
+    """What an FFN rank has done so far."""
 
+    rank: int
     forwards: int  # FFNForward commands run
     micro_batches: int  # micro-batches over all forwards (2 per forward when the driver ping-pongs)
     mlp_seconds: float  # wall time in the MLPs

@@ -112,10 +112,16 @@ def _run_ffn(
     socket: zmq.Socket[bytes],
     parent_pid: int | None,
 ) -> None:
-    """Attention/FFN disaggregation's FFN rank: load the whole model, keep every layer's MLP, report ready, join
-    the group, then run `FFNForward`s until Shutdown or the driver's end (no KV cache here)."""
-    # Loaded whole, unsplit (a group of one), then cut to the MLPs: the rest is freed with `model`.
-    model, _ = build_shard(spec.config, Path(spec.model_folder), placement, SingleRank())
+    """Attention/FFN disaggregation's FFN rank: load its shard of the model (the whole of it with one FFN rank),
+    keep every layer's MLP, report ready, join the group (and the FFN ranks' own group), then run `FFNForward`s
+    until Shutdown or the driver's end (no KV cache here)."""
+    # FFN ranks 1..F are ranks 0..F-1 of their own tensor-parallel group: the MLPs' row-parallel down projection
+    # all-reduces over it, and FFN rank 1 alone answers the driver.
+    ffn_size = spec.world_size - 1
+    ffn_group = ProcessGroupCollectives(spec.rank - 1, ffn_size)
+    shard_group = ffn_group if ffn_size > 1 else SingleRank()
+    # Loaded as a shard, then cut to the MLPs: the rest is freed with `model`.
+    model, _ = build_shard(spec.config, Path(spec.model_folder), placement, shard_group)
     _, layers, _ = split_model(model)
     mlps = keep_mlps(layers)
     hidden_size = int(model.get_parameter("model.norm.weight").shape[0])
@@ -129,6 +135,8 @@ def _run_ffn(
         else make_file_store(spec.store_path, spec.world_size)
     )
     group.connect(store, placement.device, spec.store_host)
+    if ffn_size > 1:
+        ffn_group.connect(store, placement.device, spec.store_host, prefix="pagoda-afd-ffn")
     decoder = msgspec.msgpack.Decoder(FFNCommand)
     counters = FFNCounters()
     while True:
@@ -139,9 +147,14 @@ def _run_ffn(
             run_ffn_forward(
                 mlps, group, command.num_tokens, hidden_size, placement.dtype, placement.device, counters
             )
+            continue
         else:
             counts = FFNCounts(
-                counters.forwards, counters.micro_batches, counters.mlp_seconds, counters.wait_seconds
+                spec.rank,
+                counters.forwards,
+                counters.micro_batches,
+                counters.mlp_seconds,
+                counters.wait_seconds,
             )
             socket.send(msgspec.msgpack.encode(counts))
 
