@@ -30,6 +30,9 @@ from pagoda.server.testing import ARCHS, make_tiny_model
 from pagoda.server.testing.tiny_lora import make_tiny_lora
 from pagoda.server.testing.tiny_vlm import make_tiny_vlm
 from test_engine import GREEDY, PREEMPTING_PROMPT_LENS, PROMPT_LENS, StepSpy, make_llm, random_prompts, tokens
+from test_spec_engine import GREEDY as SPEC_GREEDY
+from test_spec_engine import Oracle, assert_drafts_both_ways, draft_with, non_speculative, truths_of
+from test_spec_engine import make_llm as make_spec_llm
 
 AFD_ARGS: dict[str, Any] = {"attention_ffn_disaggregation": {"attention_workers": 1, "ffn_workers": 1}}
 FLAG = "--attention-ffn-disaggregation"
@@ -275,3 +278,20 @@ def test_micro_batches_cut_whole_sequences_of_about_equal_tokens() -> None:
     assert second.attn.group_block_tables[0].tolist() == [[14, 15], [16, 17]]
     single = dataclasses.replace(attn, query_start_loc=torch.tensor([0, 8], dtype=torch.int32))
     assert len(micro_batches(single, ping_pong=True)) == 1
+
+
+@pytest.mark.timeout(300)
+def test_afd_drafted_greedy_equals_plain(afd_models: dict[str, Path]) -> None:
+    """Speculative decoding under AFD: chunks of 1 + k drafted rows split into micro-batches like any others; the
+    plain engine's tokens, with drafts both accepted and rejected."""
+    model = afd_models["llama"]
+    prompts = random_prompts((5, 9, 17), seed=30)
+    expected = non_speculative(model, prompts, SPEC_GREEDY)
+    llm = make_spec_llm(model, speculative_config={"method": "ngram"}, **AFD_ARGS)
+    try:
+        draft_with(llm, lambda: Oracle(truths_of(prompts, expected), error_rate=0.3, seed=31), k=4)
+        assert greedy_tokens(llm, prompts, SPEC_GREEDY) == expected
+        assert_drafts_both_ways(llm)
+        assert afd_executor(llm).afd.stats.by_micro_batches.get(2, 0) > 0
+    finally:
+        llm.engine.close()
