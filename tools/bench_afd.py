@@ -2,7 +2,7 @@
 forward (attention side, MLP on the FFN worker, the exchange) from its counters.
 
     python tools/bench_afd.py                       # a random Llama of hidden 512, 8 layers, 8 x 32-token prompts
-    python tools/bench_afd.py --hidden-size 1024 --num-prompts 16 --output-len 64
+    python tools/bench_afd.py --hidden-size 1024 --num-prompts 16 --output-len 64 --ffn-workers 2
 
 The model is random (make_tiny_model with the given shapes), float32; both engines get the same prompts and must
 give the same greedy tokens (the script exits 1 otherwise). Each engine runs the batch once to warm up, then once
@@ -49,6 +49,7 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--ffn-workers", type=int, default=1, help="F: the MLPs split over this many workers")
     args = parser.parse_args()
     hidden, layers = args.hidden_size, args.num_layers
     shapes: dict[str, Any] = {
@@ -84,16 +85,16 @@ def main() -> int:
             return 1
         afd = LLM(
             str(folder),
-            attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 1},
+            attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": args.ffn_workers},
             **engine_args,
         )
         executor = afd.engine.executor
         assert isinstance(executor, AFDExecutor)
         before_stats = (executor.afd.stats.forwards, executor.afd.stats.attention_seconds)
         before_exchange = executor.afd.stats.exchange_seconds
-        (before,) = executor.ffn_counts()
+        before = executor.ffn_counts()[0]  # the first FFN worker's (each runs every micro-batch)
         got, afd_s = run(afd, prompts, params)
-        (after,) = executor.ffn_counts()
+        after = executor.ffn_counts()[0]
         stats = executor.afd.stats
         afd.engine.close()
     if got != want:
@@ -114,7 +115,7 @@ def main() -> int:
     print(f"| plain, {threads} threads | {tokens / plain_s:.0f} | {1e3 * plain_s / forwards:.1f} | | | |")
     print(f"| plain, 1 thread | {tokens / plain1_s:.0f} | {1e3 * plain1_s / forwards:.1f} | | | |")
     print(
-        f"| AFD 1+1 | {tokens / afd_s:.0f} | {1e3 * afd_s / forwards:.1f} "
+        f"| AFD 1+{args.ffn_workers} | {tokens / afd_s:.0f} | {1e3 * afd_s / forwards:.1f} "
         f"| {(stats.attention_seconds - before_stats[1]) * per_layer:.2f} "
         f"| {(after.mlp_seconds - before.mlp_seconds) * per_layer:.2f} "
         f"| {(stats.exchange_seconds - before_exchange) * per_layer:.2f} |"
