@@ -147,8 +147,7 @@ def _run_ffn(
             run_ffn_forward(
                 mlps, group, command.num_tokens, hidden_size, placement.dtype, placement.device, counters
             )
-            continue
-        else:
+        else:  # FFNReport
             counts = FFNCounts(
                 spec.rank,
                 counters.forwards,
