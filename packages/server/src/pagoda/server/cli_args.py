@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulingPolicyName, SchedulingProfileName
+from pagoda.server.afd_config import AttentionFFNConfig, parse_attention_ffn_config
 from pagoda.server.config import (
     DEFAULT_MAX_IMAGES_PER_PROMPT,
     INT4_GROUP_SIZES,
@@ -367,6 +368,17 @@ def argument_table() -> list[Flag]:
                 "choices": get_args(DistributedExecutorBackendName),
                 "help": "where the processes beyond the first run: mp: local processes; ray: Ray actors on the "
                 "cluster of RAY_ADDRESS (or `ray start --head`), tensor-parallel ranks in a placement group",
+            },
+        ),
+        Flag(
+            ("--attention-ffn-disaggregation",),
+            {
+                "type": _attention_ffn_config,
+                "metavar": "JSON",
+                "help": 'attention/FFN disaggregation, {"attention_workers": 1, "ffn_workers": 1}: the engine\'s '
+                "process holds the KV cache and runs attention, F FFN processes hold the MLP weights (split "
+                "tensor-parallel when F > 1), activations cross every layer with two micro-batches in ping-pong "
+                "(Llama family and Gemma 3); attention_workers must be 1; None: off",
             },
         ),
         # engine cores
@@ -803,6 +815,14 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _attention_ffn_config(text: str) -> AttentionFFNConfig | None:
+    """--attention-ffn-disaggregation's value; a bad one exits 2 with argparse's message naming the flag."""
+    try:
+        return parse_attention_ffn_config(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _kv_events_config(text: str) -> KVEventsConfig:
     """--kv-events-config's value; a bad one exits 2 with argparse's message naming the flag and the key."""
     try:
@@ -819,7 +839,10 @@ _SECTIONS = {
         "scheduler",
         "pagoda.scheduler.SchedulerConfig: batch limits, chunked prefill, prefix caching, preemption, policy",
     ),
-    ("engine", "parallel_config"): ("parallel", "tensor parallelism: the ranks one model is split over"),
+    ("engine", "parallel_config"): (
+        "parallel",
+        "tensor parallelism, or attention apart from the FFN: the ranks one model is split over",
+    ),
     ("core",): ("engine cores", "where the engine steps: in the server's process, or engine-core processes"),
     ("serving",): ("serving", "admission limits and names of the engine's asynchronous front (AsyncLLM)"),
     ("app",): ("API", "the OpenAI API app: key, body size, chat template, reasoning and tool-call parsers"),

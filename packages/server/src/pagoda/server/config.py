@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pagoda.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicyName
+from pagoda.server.afd_config import FLAG as AFD_FLAG
+from pagoda.server.afd_config import AttentionFFNConfig, parse_attention_ffn_config
 from pagoda.server.config_tree import build_config, json_object
 from pagoda.server.kv_events.config import KVEventsConfig, parse_kv_events_config
 from pagoda.server.metrics import DEFAULT_METRICS_PREFIX
@@ -200,6 +202,7 @@ _SUB_CONFIG_PARSERS: dict[str, Callable[[Any], object]] = {
     "pooler_config": parse_pooler_config,
     "kv_events_config": parse_kv_events_config,
     "limit_mm_per_prompt": parse_limit_mm_per_prompt,
+    "attention_ffn_disaggregation": parse_attention_ffn_config,
 }
 
 
@@ -350,10 +353,18 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks one model's layers are split over
     distributed_executor_backend: DistributedExecutorBackendName = "mp"
     data_parallel_rank: int | None = None  # an engine core's place among the replicas (set by CoreClient)
+    # --attention-ffn-disaggregation (engine/executor/afd.py): attention and MLP on separate ranks; None: off.
+    attention_ffn_disaggregation: AttentionFFNConfig | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _at_least(1, tensor_parallel_size=self.tensor_parallel_size)
+        _typed("attention_ffn_disaggregation", self.attention_ffn_disaggregation, AttentionFFNConfig)
+        if self.attention_ffn_disaggregation is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{AFD_FLAG} runs with tensor_parallel_size 1 (its ranks are the attention and FFN workers), "
+                f"got {self.tensor_parallel_size}"
+            )
         _one_of(
             "distributed_executor_backend",
             self.distributed_executor_backend,
@@ -464,6 +475,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _typed("speculative_config", self.speculative_config, SpeculativeConfig)
+        if self.parallel_config.attention_ffn_disaggregation is not None:
+            # The FFN rank's MLP weights would have to sleep and wake with the driver's: not built yet.
+            if self.model_config.enable_sleep_mode:
+                raise ValueError(f"{AFD_FLAG} does not run with enable_sleep_mode (yet)")
+            if self.model_config.runner == "pooling":
+                raise ValueError(f"{AFD_FLAG} runs the generate runner only, not --runner pooling")
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:

@@ -11,7 +11,7 @@ import torch
 from pagoda.pagedkernel import KernelBackend
 from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.server.engine.kv_cache import KVCache
-from pagoda.server.models.attention import Attention, AttentionMetadata
+from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.image_attention import bidirectional_metadata
 from pagoda.server.models.vision import StepImages
@@ -60,6 +60,21 @@ class ImageStepLike(Protocol):
         ...
 
 
+class StepForward(Protocol):
+    """The forward pass of a text step: the model itself, or attention/FFN disaggregation's layer-by-layer
+    exchange with its FFN rank (engine/executor/afd_model.py)."""
+
+    def __call__(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+        kv_caches: Sequence[LayerKVCache],  # one per layer
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden_size]
+        """The final hidden state of every token, writing the tokens' K/V into the caches."""
+        ...
+
+
 class RunnerHook(Protocol):
     """Model-side work around each forward pass that every tensor-parallel rank does (the LoRA slots)."""
 
@@ -96,6 +111,9 @@ class ModelRunner:
         self.model = model
         self.hooks = tuple(hooks)
         self.images: ImageSource | None = None  # a vision-language model's encoder rows (set by the engine)
+        self.forward: StepForward = (
+            model  # a text step's forward pass (replaced by attention/FFN disaggregation)
+        )
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -199,7 +217,7 @@ class ModelRunner:
             hook.prepare(output.scheduled)
         step = None if self.images is None else self.images.step_images(output.scheduled)
         if step is None:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
+            hidden = self.forward(batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn)
         else:
             attn = batch.attn
             if step.bidirectional:

@@ -141,11 +141,31 @@ class Gemma3DecoderLayer(nn.Module):
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
+        x, normed = self.attend(x, cos, sin, kv_cache, attn)
+        return self.finish(x, self.mlp(normed))
+
+    def attend(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: LayerKVCache,
+        attn: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:  # ([num_tokens, hidden] residual, [num_tokens, hidden] the MLP's input)
+        """The block up to its MLP: the residual and the MLP's normed input (attention/FFN disaggregation sends
+        the latter to the FFN rank)."""
         attn_out: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
         # x + post_attention_layernorm(attn_out), and pre_feedforward_layernorm of that, in one op.
-        x, normed = self.pre_feedforward_layernorm.add(attn_out, x, pre=self.post_attention_layernorm)
-        mlp_out: Tensor = self.mlp(normed)
-        out: Tensor = x + self.post_feedforward_layernorm(mlp_out)
+        residual, normed = self.pre_feedforward_layernorm.add(attn_out, x, pre=self.post_attention_layernorm)
+        return residual, normed
+
+    def finish(
+        self,
+        residual: Tensor,  # [num_tokens, hidden]
+        mlp_out: Tensor,  # [num_tokens, hidden]
+    ) -> Tensor:  # [num_tokens, hidden]
+        """The block's output: the residual plus the normed MLP output (the norm stays with the attention rank)."""
+        out: Tensor = residual + self.post_feedforward_layernorm(mlp_out)
         return out
 
 
@@ -228,3 +248,14 @@ class Gemma3ForCausalLM(DecoderLM):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
         return out
+
+    def layer_inputs(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:  # [num_tokens, hidden], each layer's cos and sin
+        """The first layer's input (scaled embeddings) and each layer's rotary angles, by its layer type
+        (attention/FFN disaggregation runs the layers one half at a time)."""
+        x = self.model.embed_tokens(input_ids) * self.model.embed_scale
+        rope = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary_emb.items()}
+        return x, [rope[kind] for kind in self.layer_types]

@@ -151,10 +151,30 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """One block over the step's tokens."""
+        x, normed = self.attend(x, cos, sin, kv_cache, attn)
+        return self.finish(x, self.mlp(normed))
+
+    def attend(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: LayerKVCache,
+        attn: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:  # ([num_tokens, hidden] residual, [num_tokens, hidden] the MLP's input)
+        """The block up to its MLP: x + attn(norm(x)) and its norm (attention/FFN disaggregation sends the norm to
+        the FFN rank)."""
         attn_out: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        x, normed = self.post_attention_layernorm.add(attn_out, x)  # x + attn_out and its norm, in one op
-        mlp_out: Tensor = self.mlp(normed)
-        return x + mlp_out
+        residual, normed = self.post_attention_layernorm.add(attn_out, x)  # the sum and its norm, in one op
+        return residual, normed
+
+    def finish(
+        self,
+        residual: Tensor,  # [num_tokens, hidden]
+        mlp_out: Tensor,  # [num_tokens, hidden]
+    ) -> Tensor:  # [num_tokens, hidden]
+        """The block's output from its residual and its MLP's output."""
+        return residual + mlp_out
 
 
 class LlamaModel(nn.Module):
@@ -228,6 +248,17 @@ class LlamaForCausalLM(DecoderLM):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
         return out
+
+    def layer_inputs(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:  # [num_tokens, hidden], each layer's cos and sin
+        """The first layer's input and each layer's rotary angles (attention/FFN disaggregation runs the layers one
+        half at a time: `LlamaDecoderLayer.attend`, the MLP elsewhere, `finish`)."""
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        return x, [rope] * len(self.model.layers)
 
     def ignored_weights(self) -> frozenset[str]:
         """Rotary tables some old checkpoints store (recomputed here)."""

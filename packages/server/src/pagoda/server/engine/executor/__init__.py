@@ -10,7 +10,12 @@ __all__ = ["Executor", "ExecutorError", "UniProcExecutor", "build_executor"]
 
 
 def build_executor(config: EngineConfig) -> tuple[Executor, EngineParts]:
-    """The executor `tensor_parallel_size` asks for, with the driver's parts (rank 0's shard under TP)."""
+    """The executor `tensor_parallel_size` (or `attention_ffn_disaggregation`) asks for, with the driver's parts
+    (rank 0's shard under TP)."""
+    if config.parallel_config.attention_ffn_disaggregation is not None:
+        from pagoda.server.engine.executor.afd import AFDExecutor
+
+        return AFDExecutor.launch(config)
     if config.parallel_config.tensor_parallel_size == 1:
         parts = with_lora(config, build_parts(config))
         return UniProcExecutor(parts.runner()), parts

@@ -23,16 +23,22 @@ from torch._C._distributed_c10d import (
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
-class _Work(Protocol):
-    def wait(self) -> object: ...
+class Work(Protocol):
+    """A started c10d operation (gloo's and NCCL's `Work`)."""
+
+    def wait(self) -> object:
+        """Block until it completed (raises if it failed or timed out)."""
+        ...
 
 
 class _Backend(Protocol):
     """The calls used here of a c10d backend (gloo, NCCL); torch's stubs leave them out."""
 
-    def allreduce(self, tensors: list[Tensor]) -> _Work: ...
-    def gather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: GatherOptions) -> _Work: ...
-    def broadcast(self, tensors: list[Tensor], opts: BroadcastOptions) -> _Work: ...
+    def allreduce(self, tensors: list[Tensor]) -> Work: ...
+    def gather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: GatherOptions) -> Work: ...
+    def broadcast(self, tensors: list[Tensor], opts: BroadcastOptions) -> Work: ...
+    def send(self, tensors: list[Tensor], dst: int, tag: int) -> Work: ...
+    def recv(self, tensors: list[Tensor], src: int, tag: int) -> Work: ...
 
 
 class ProcessGroupCollectives:
@@ -59,11 +65,17 @@ class ProcessGroupCollectives:
         return self._size
 
     def connect(
-        self, store: Store, device: torch.device, host: str, timeout_s: float = COLLECTIVE_TIMEOUT_S
+        self,
+        store: Store,
+        device: torch.device,
+        host: str,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        prefix: str = "pagoda-tp",
     ) -> None:
         """Join the group (blocks until every rank has joined, at most `timeout_s`); gloo listens on `host` only
-        (loopback for local workers, the node's IP under Ray) rather than on the hostname's address."""
-        prefixed = PrefixStore("pagoda-tp", store)
+        (loopback for local workers, the node's IP under Ray) rather than on the hostname's address. `prefix`
+        keeps the keys of several groups over one store apart (AFD's FFN ranks form a group of their own)."""
+        prefixed = PrefixStore(prefix, store)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -110,6 +122,27 @@ class ProcessGroupCollectives:
         self._group().broadcast([x], options).wait()
         self._count(start)
         return x
+
+    def send(self, x: Tensor, dst: int, tag: int) -> Work:
+        """Start sending `x` to rank `dst` (point to point, matched by `tag`); keep `x` until the work is waited."""
+        start = time.perf_counter()
+        work = self._group().send([x], dst, tag)
+        self._count(start)
+        return work
+
+    def recv(self, x: Tensor, src: int, tag: int) -> Work:
+        """Start receiving into `x` from rank `src` (matched by `tag`); `x` holds the data once the work is waited."""
+        start = time.perf_counter()
+        work = self._group().recv([x], src, tag)
+        self._count(start)
+        return work
+
+    def wait(self, work: Work) -> None:
+        """Wait for a send or a receive; counted as time in collectives (a receive's wait includes the peer's
+        compute)."""
+        start = time.perf_counter()
+        work.wait()
+        self.seconds += time.perf_counter() - start
 
     def _count(self, start: float) -> None:
         self.seconds += time.perf_counter() - start

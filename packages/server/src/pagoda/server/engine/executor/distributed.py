@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import msgspec
 import torch
@@ -28,11 +29,13 @@ from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
     Execute,
+    FFNCommand,
     RankSleepState,
     Sleep,
     Start,
     WakeUp,
     WorkerReady,
+    WorkerRole,
     WorkerSpec,
 )
 from pagoda.server.engine.executor.worker import WORKER_PROGRAM
@@ -72,13 +75,18 @@ _STOP_TIMEOUT_S = 10.0
 _SLEEP_TIMEOUT_S = 900.0  # a wake reads the shard back from its checkpoint, as long as a start's load
 
 
-def _launcher(config: EngineConfig, use_gpus: bool, threads: int | None) -> Launcher:
-    """The configured backend's launcher for ranks 1..N-1 (Ray is imported only when asked for).
+def model_folder(config: EngineConfig) -> Path:
+    """The model's folder, resolved once by the driver (its workers are told it)."""
+    cache_dir = config.model_config.cache_dir
+    return resolve_model_folder(config.model_config.model, None if cache_dir is None else Path(cache_dir))
+
+
+def _launcher(config: EngineConfig, workers: int, use_gpus: bool, threads: int | None) -> Launcher:
+    """The configured backend's launcher for `workers` ranks 1..N-1 (Ray is imported only when asked for).
 
     Ray: one bundle per worker in a PACK placement group, one GPU each on CUDA, else its torch threads' CPUs.
     mp: local processes, not pinned (each runs `threads` torch threads).
     """
-    workers = config.parallel_config.tensor_parallel_size - 1
     if config.parallel_config.distributed_executor_backend == "ray":
         from pagoda.server.procs.ray_launcher import RayLauncher
 
@@ -133,18 +141,30 @@ class DistributedExecutor(Executor):
     def launch(cls, config: EngineConfig) -> tuple[DistributedExecutor, EngineParts]:
         """Start the workers, load rank 0's shard beside them, agree on the KV size, form the process group."""
         size = config.parallel_config.tensor_parallel_size
-        placement = select_placement(config)
-        folder = resolve_model_folder(
-            config.model_config.model,
-            None if config.model_config.cache_dir is None else Path(config.model_config.cache_dir),
-        )
+        folder = model_folder(config)
         try:
             check_tensor_parallel(AutoConfig.from_pretrained(folder).get_text_config(), size)
         except TensorParallelError as exc:
             raise EngineConfigError(str(exc)) from exc
+        return cls.start(config, folder, size, "tensor_parallel")
+
+    @classmethod
+    def driver_parts(
+        cls, config: EngineConfig, group: ProcessGroupCollectives, placement: Placement
+    ) -> EngineParts:
+        """The driver's model and KV cache: rank 0's shard (loaded while the workers load theirs)."""
+        return with_lora(config, build_parts(config, group, placement))
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, folder: Path, size: int, role: WorkerRole
+    ) -> tuple[Self, EngineParts]:
+        """Launch ranks 1..size-1 in `role`, build the driver's parts beside them, agree on the KV size, form the
+        process group of `size` ranks."""
+        placement = select_placement(config)
         use_gpus = placement.device.type == "cuda"
         threads = None if use_gpus else threads_per_rank(size)
-        launcher = _launcher(config, use_gpus, threads)
+        launcher = _launcher(config, size - 1, use_gpus, threads)
         host = launcher.host()
         keys = LaunchKeys.new()
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -164,17 +184,17 @@ class DistributedExecutor(Executor):
         )
         port = store.port if isinstance(store, TCPStore) else 0
         endpoint = _Endpoint(address, host, port, store_path, keys.peer)
-        specs = _worker_specs(config, folder, placement, endpoint, threads)
+        specs = _worker_specs(config, folder, placement, endpoint, threads, size, role)
         restore = torch.get_num_threads() if threads is not None else None
         workers: list[Handle] = []
         try:
             for spec in specs:
-                name = f"tensor-parallel worker rank {spec.rank}"
+                name = f"{role.replace('_', '-')} worker rank {spec.rank}"
                 workers.append(launcher.launch(WORKER_PROGRAM, spec, index=spec.rank - 1, name=name))
             if threads is not None:
                 torch.set_num_threads(threads)
             group = ProcessGroupCollectives(0, size)
-            parts = with_lora(config, build_parts(config, group, placement))
+            parts = cls.driver_parts(config, group, placement)
             identities = _wait_ready(router, workers, keys.peer)
             start = msgspec.msgpack.encode(Start(parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks))
             for identity in identities:
@@ -189,7 +209,8 @@ class DistributedExecutor(Executor):
                 torch.set_num_threads(restore)
             raise
         logger.info(
-            "tensor parallel: %d ranks over %s (%s backend)%s",
+            "%s: %d ranks over %s (%s backend)%s",
+            role.replace("_", " "),
             size,
             "NCCL" if use_gpus else "gloo",
             config.parallel_config.distributed_executor_backend,
@@ -274,7 +295,7 @@ class DistributedExecutor(Executor):
         """The first worker that ended, with how it ended ("... rank 1 (pid 42) exited with -9 ..."), or None."""
         return _first_failure(self.workers)
 
-    def _send(self, command: Command) -> None:
+    def _send(self, command: Command | FFNCommand) -> None:
         """The same command to every worker, once all are known to run."""
         self.check_health()
         payload = msgspec.msgpack.encode(command)
@@ -324,9 +345,16 @@ class _Endpoint:
 
 
 def _worker_specs(
-    config: EngineConfig, folder: Path, placement: Placement, endpoint: _Endpoint, threads: int | None
+    config: EngineConfig,
+    folder: Path,
+    placement: Placement,
+    endpoint: _Endpoint,
+    threads: int | None,
+    size: int,
+    role: WorkerRole,
 ) -> list[WorkerSpec]:
-    """What ranks 1..N-1 are told: the same config, folder, dtype and addresses; each its own rank and device."""
+    """What ranks 1..size-1 are told: the same config, folder, dtype, addresses and role; each its own rank and
+    device."""
     local = config.parallel_config.distributed_executor_backend == "mp"
     return [
         WorkerSpec(
@@ -336,15 +364,16 @@ def _worker_specs(
             device=(f"cuda:{rank}" if local else "cuda:0") if placement.device.type == "cuda" else "cpu",
             dtype=dtype_name(placement.dtype),
             rank=rank,
-            world_size=config.parallel_config.tensor_parallel_size,
+            world_size=size,
             driver_address=endpoint.address,
             store_host=endpoint.host,
             store_port=endpoint.port,
             num_threads=threads,
             keys=endpoint.keys,
             store_path=endpoint.store_path,
+            role=role,
         )
-        for rank in range(1, config.parallel_config.tensor_parallel_size)
+        for rank in range(1, size)
     ]
 
 

@@ -6,12 +6,16 @@ gets `Start`, then runs `Command`s until `Shutdown`; it answers only `Sleep` and
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
 from pagoda.server.lora.request import LoRARequest
 from pagoda.server.procs.control import Ready, Shutdown
 from pagoda.server.procs.security import PeerKeys
+
+WorkerRole = Literal["tensor_parallel", "ffn"]
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -29,6 +33,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     num_threads: int | None  # torch threads of this rank on the CPU; None leaves torch's default
     keys: PeerKeys  # the driver socket's CURVE keys and the token `Ready` carries (procs/security.py)
     store_path: str | None = None  # local workers: a FileStore in the launcher's private folder, no TCP port
+    # "ffn": attention/FFN disaggregation's FFN rank (the whole MLP of every layer, no KV cache); else a shard.
+    role: WorkerRole = "tensor_parallel"
 
 
 # A worker's `Ready`: its `info` is its rank.
@@ -78,3 +84,28 @@ class RankSleepState(msgspec.Struct, frozen=True):
 
 
 Command = Execute | ComputeLogits | Sleep | WakeUp | Shutdown
+
+
+class FFNForward(msgspec.Struct, frozen=True, tag=True):
+    """Attention/FFN disaggregation: one forward pass is coming, as micro-batches of these many tokens; for every
+    layer, in order, each FFN rank receives each micro-batch's MLP input, and FFN rank 1 sends back its MLP output
+    (all-reduced over the FFN ranks when there are several)."""
+
+    num_tokens: tuple[int, ...]
+
+
+class FFNReport(msgspec.Struct, frozen=True, tag=True):
+    """Attention/FFN disaggregation: every FFN rank answers with its `FFNCounts`."""
+
+
+class FFNCounts(msgspec.Struct, frozen=True):
+    """What an FFN rank has done so far."""
+
+    rank: int
+    forwards: int  # FFNForward commands run
+    micro_batches: int  # micro-batches over all forwards (2 per forward when the driver ping-pongs)
+    mlp_seconds: float  # wall time in the MLPs
+    wait_seconds: float  # wall time waiting for the attention rank's activations and its receives
+
+
+FFNCommand = FFNForward | FFNReport | Shutdown

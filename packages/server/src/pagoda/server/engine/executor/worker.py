@@ -14,11 +14,15 @@ from typing import TypeVar
 import msgspec
 import torch
 import zmq
+from pagoda.server.engine.executor.afd_model import FFNCounters, keep_mlps, run_ffn_forward, split_model
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
     Command,
     ComputeLogits,
     Execute,
+    FFNCommand,
+    FFNCounts,
+    FFNForward,
     RankSleepState,
     Sleep,
     Start,
@@ -39,6 +43,7 @@ from pagoda.server.engine.setup import (
 from pagoda.server.engine.sleep import EngineSleep, ModelWeights, SleepingRunner, check_level, check_tags
 from pagoda.server.lora.build import build_manager
 from pagoda.server.lora.manager import LoRAManager
+from pagoda.server.models.parallel import SingleRank
 from pagoda.server.models.quantized import resident_weight_bytes
 from pagoda.server.procs import ChildSpec, Program, Shutdown
 from pagoda.server.procs.child import run_process
@@ -69,6 +74,9 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
                 placement.device
             )  # NCCL and the kernels launch on this rank's GPU, not GPU 0
         group = ProcessGroupCollectives(spec.rank, spec.world_size)
+        if spec.role == "ffn":
+            _run_ffn(spec, placement, group, socket, parent_pid)
+            return
         model, backend = build_shard(spec.config, Path(spec.model_folder), placement, group)
         socket.send(
             msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token))
@@ -95,6 +103,59 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
     finally:
         socket.close()
         context.term()
+
+
+def _run_ffn(
+    spec: WorkerSpec,
+    placement: Placement,
+    group: ProcessGroupCollectives,
+    socket: zmq.Socket[bytes],
+    parent_pid: int | None,
+) -> None:
+    """Attention/FFN disaggregation's FFN rank: load its shard of the model (the whole of it with one FFN rank),
+    keep every layer's MLP, report ready, join the group (and the FFN ranks' own group), then run `FFNForward`s
+    until Shutdown or the driver's end (no KV cache here)."""
+    # FFN ranks 1..F are ranks 0..F-1 of their own tensor-parallel group: the MLPs' row-parallel down projection
+    # all-reduces over it, and FFN rank 1 alone answers the driver.
+    ffn_size = spec.world_size - 1
+    ffn_group = ProcessGroupCollectives(spec.rank - 1, ffn_size)
+    shard_group = ffn_group if ffn_size > 1 else SingleRank()
+    # Loaded as a shard, then cut to the MLPs: the rest is freed with `model`.
+    model, _ = build_shard(spec.config, Path(spec.model_folder), placement, shard_group)
+    _, layers, _ = split_model(model)
+    mlps = keep_mlps(layers)
+    hidden_size = int(model.get_parameter("model.norm.weight").shape[0])
+    del model, layers
+    socket.send(msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token)))
+    if _receive(socket, msgspec.msgpack.Decoder(Start), parent_pid) is None:
+        return
+    store = (
+        make_store(spec.store_host, spec.store_port, spec.world_size, is_master=False)
+        if spec.store_path is None
+        else make_file_store(spec.store_path, spec.world_size)
+    )
+    group.connect(store, placement.device, spec.store_host)
+    if ffn_size > 1:
+        ffn_group.connect(store, placement.device, spec.store_host, prefix="pagoda-afd-ffn")
+    decoder = msgspec.msgpack.Decoder(FFNCommand)
+    counters = FFNCounters()
+    while True:
+        command = _receive(socket, decoder, parent_pid)
+        if command is None or isinstance(command, Shutdown):
+            return
+        if isinstance(command, FFNForward):
+            run_ffn_forward(
+                mlps, group, command.num_tokens, hidden_size, placement.dtype, placement.device, counters
+            )
+        else:  # FFNReport
+            counts = FFNCounts(
+                spec.rank,
+                counters.forwards,
+                counters.micro_batches,
+                counters.mlp_seconds,
+                counters.wait_seconds,
+            )
+            socket.send(msgspec.msgpack.encode(counts))
 
 
 def _shard_sleep(

@@ -1,0 +1,313 @@
+"""Attention/FFN disaggregation's model side: the attention rank's forward pass and the FFN rank's loop.
+
+Every decoder layer of the Llama family and Gemma 3 splits at its MLP: `attend` (norm, attention, residual add and
+the MLP's input norm) runs on the attention rank, which holds the KV cache; the MLP runs on the FFN rank, which
+holds every layer's MLP weights; `finish` (the residual add, Gemma's post-FFN norm) runs on the attention rank
+again. Per layer the attention rank sends the MLP input ([tokens, hidden]) and receives the MLP output.
+
+Ping-pong (MegaScale-Infer, Step-3's AFD): a batch of two or more sequences is cut into two micro-batches of
+about equal tokens; micro-batch 1's attention runs while the FFN rank computes micro-batch 0's MLP, and
+micro-batch 0's next attention while it computes micro-batch 1's. Every op is row-wise or per sequence, so
+the tokens are the plain engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import torch
+from pagoda.server.engine.executor.comm import ProcessGroupCollectives, Work
+from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
+from pagoda.server.models.base import CausalLM
+from pagoda.server.models.gemma3 import Gemma3ForCausalLM
+from pagoda.server.models.llama import LlamaForCausalLM
+from torch import Tensor, nn
+
+ATTENTION_RANK, FFN_RANK = (
+    0,
+    1,
+)  # FFN_RANK: the first FFN rank, which answers; ranks above it are FFN ranks too
+
+
+class SplitLayer(Protocol):
+    """A decoder layer run in two halves around its MLP."""
+
+    mlp: nn.Module
+
+    def attend(
+        self,
+        x: Tensor,  # [num_tokens, hidden]
+        cos: Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: LayerKVCache,
+        attn: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:  # ([num_tokens, hidden] residual, [num_tokens, hidden] the MLP's input)
+        """Up to the MLP."""
+        ...
+
+    def finish(
+        self,
+        residual: Tensor,  # [num_tokens, hidden]
+        mlp_out: Tensor,  # [num_tokens, hidden]
+    ) -> Tensor:  # [num_tokens, hidden]
+        """After the MLP."""
+        ...
+
+
+class SplitModel(Protocol):
+    """A decoder LM whose layers split around their MLPs (`LlamaForCausalLM`, `Gemma3ForCausalLM`)."""
+
+    def layer_inputs(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:  # [num_tokens, hidden], each layer's cos and sin
+        """The first layer's input and each layer's rotary angles."""
+        ...
+
+
+class UnsupportedModelError(ValueError):
+    """The model's layers do not split around their MLPs here (only the Llama family and Gemma 3 text do)."""
+
+
+def split_model(model: CausalLM) -> tuple[SplitModel, list[SplitLayer], nn.Module]:
+    """The model as attention/FFN disaggregation runs it: itself, its layers, its final norm; refuses others."""
+    # Exact types: a vision-language model or a classifier built on these decoders is not split (yet).
+    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
+        raise UnsupportedModelError(
+            f"--attention-ffn-disaggregation runs the Llama family and Gemma 3 text models, not "
+            f"{type(model).__name__}"
+        )
+    inner = model.get_submodule("model")
+    layers = cast(list[SplitLayer], list(cast(nn.ModuleList, inner.get_submodule("layers"))))
+    return cast(SplitModel, model), layers, inner.get_submodule("norm")
+
+
+class RemoteMLP(nn.Module):
+    """Where an attention rank's layer had its MLP: the weights live on the FFN rank only."""
+
+    def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden]
+        """Never called: the attention rank's forward sends the MLP input to the FFN rank instead."""
+        raise RuntimeError("this layer's MLP lives on the FFN rank (attention/FFN disaggregation)")
+
+
+def drop_mlps(layers: Sequence[SplitLayer]) -> None:
+    """Free the attention rank's MLP weights (before LoRA finds its targets: an adapter of an MLP projection is
+    then refused by name, never applied half way)."""
+    for layer in layers:
+        layer.mlp = RemoteMLP()
+
+
+def keep_mlps(layers: Sequence[SplitLayer]) -> nn.ModuleList:
+    """The FFN rank's part of a loaded model: every layer's MLP, in order (the rest is dropped with the model)."""
+    return nn.ModuleList(layer.mlp for layer in layers)
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch of a step: its token rows of the flat batch and its own attention metadata."""
+
+    start: int  # first token row
+    end: int  # one past its last token row
+    attn: AttentionMetadata
+
+
+def micro_batches(attn: AttentionMetadata, ping_pong: bool) -> list[MicroBatch]:
+    """The step as two micro-batches of whole sequences and about equal tokens (with `ping_pong` and two or more
+    sequences), else as one."""
+    starts = [int(n) for n in attn.query_start_loc.tolist()]  # host copy (a device sync on CUDA, once a step)
+    total, num_seqs = starts[-1], len(starts) - 1
+    if not ping_pong or num_seqs < 2:
+        return [MicroBatch(0, total, attn)]
+    cut = min(range(1, num_seqs), key=lambda k: abs(2 * starts[k] - total))
+    return [_sequences(attn, starts, 0, cut), _sequences(attn, starts, cut, num_seqs)]
+
+
+def _sequences(attn: AttentionMetadata, starts: list[int], first: int, last: int) -> MicroBatch:
+    """The metadata of sequences [first, last) of a step, as if they were a step of their own."""
+    begin, end = starts[first], starts[last]
+    return MicroBatch(
+        begin,
+        end,
+        dataclasses.replace(
+            attn,
+            slot_mapping=attn.slot_mapping[begin:end],
+            block_tables=attn.block_tables[first:last],
+            context_lens=attn.context_lens[first:last],
+            query_start_loc=attn.query_start_loc[first : last + 1] - begin,
+            max_query_len=max(
+                b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1], strict=True)
+            ),
+            group_slot_mappings=tuple(slots[begin:end] for slots in attn.group_slot_mappings),
+            group_block_tables=tuple(tables[first:last] for tables in attn.group_block_tables),
+        ),
+    )
+
+
+@dataclass
+class AFDStats:
+    """What the attention rank's forwards did (the tests read it; the README's table comes from it)."""
+
+    forwards: int = 0
+    micro_batches: int = 0
+    max_in_flight: int = 0  # most micro-batches at the FFN rank at once (2: the ping-pong overlapped)
+    attention_seconds: float = 0.0  # in embeddings, `attend`, `finish` and the final norm
+    exchange_seconds: float = 0.0  # starting sends and receives, and waiting for the MLP outputs
+    by_micro_batches: dict[int, int] = field(
+        default_factory=dict
+    )  # forwards by their number of micro-batches
+
+
+@dataclass
+class _Pending:
+    """A micro-batch whose MLP input is at the FFN rank: what its layer's `finish` waits for."""
+
+    residual: Tensor  # [num_tokens, hidden]
+    sent: Tensor  # [num_tokens, hidden]: kept alive until the sends completed
+    sends: list[Work]  # one to each FFN rank
+    out: Tensor  # [num_tokens, hidden]: the MLP output, once `recv` completed
+    recv: Work
+
+
+class AFDForward:
+    """The attention rank's `StepForward`: embeddings, then per layer and micro-batch `attend`, the MLP at the FFN
+    rank, `finish`; the final norm. `announce` tells the FFN rank the micro-batch sizes before the first send."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        link: ProcessGroupCollectives,
+        announce: Callable[[tuple[int, ...]], None],
+        *,
+        ping_pong: bool,
+    ) -> None:
+        """`ping_pong` False: one micro-batch a step (LoRA: its slots index the whole batch's rows)."""
+        self.model, self.layers, self.norm = split_model(model)
+        self.link = link
+        self.announce = announce
+        self.ping_pong = ping_pong
+        self.stats = AFDStats()
+
+    def __call__(
+        self,
+        input_ids: Tensor,  # int64 [num_tokens]
+        positions: Tensor,  # int64 [num_tokens]
+        kv_caches: Sequence[LayerKVCache],  # one per layer
+        attn: AttentionMetadata,
+    ) -> Tensor:  # [num_tokens, hidden]
+        """The final hidden states of the step's tokens, the MLPs computed by the FFN rank."""
+        parts = micro_batches(attn, self.ping_pong)
+        self.announce(tuple(part.end - part.start for part in parts))
+        clock = _Clock()
+        inputs = [
+            self.model.layer_inputs(input_ids[p.start : p.end], positions[p.start : p.end]) for p in parts
+        ]
+        xs = [x for x, _ in inputs]
+        pending: list[_Pending | None] = [None] * len(parts)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            for mb, part in enumerate(parts):
+                previous = pending[mb]
+                if previous is not None:  # the previous layer's MLP output of this micro-batch
+                    xs[mb] = self._finish(self.layers[index - 1], previous, clock)
+                cos, sin = inputs[mb][1][index]
+                residual, normed = layer.attend(xs[mb], cos, sin, kv_cache, part.attn)
+                pending[mb] = self._exchange(residual, normed.contiguous(), mb, clock)
+                in_flight = sum(p is not None for p in pending)
+                self.stats.max_in_flight = max(self.stats.max_in_flight, in_flight)
+        for mb, last in enumerate(pending):
+            assert last is not None
+            xs[mb] = self._finish(self.layers[-1], last, clock)
+        hidden: Tensor = self.norm(xs[0] if len(xs) == 1 else torch.cat(xs))
+        clock.lap()
+        stats = self.stats
+        stats.forwards += 1
+        stats.micro_batches += len(parts)
+        stats.by_micro_batches[len(parts)] = stats.by_micro_batches.get(len(parts), 0) + 1
+        stats.attention_seconds += clock.compute
+        stats.exchange_seconds += clock.exchange
+        return hidden
+
+    def _exchange(self, residual: Tensor, normed: Tensor, tag: int, clock: _Clock) -> _Pending:
+        """Send a micro-batch's MLP input and post the receive of its output (both asynchronous)."""
+        clock.lap()
+        sends = [self.link.send(normed, rank, tag) for rank in range(FFN_RANK, self.link.size)]
+        out = torch.empty_like(normed)
+        recv = self.link.recv(out, FFN_RANK, tag)
+        clock.lap(exchange=True)
+        return _Pending(residual, normed, sends, out, recv)
+
+    def _finish(self, layer: SplitLayer, pending: _Pending, clock: _Clock) -> Tensor:
+        """Wait for a micro-batch's MLP output, then the layer's second half."""
+        clock.lap()
+        for send in pending.sends:
+            self.link.wait(send)
+        self.link.wait(pending.recv)
+        clock.lap(exchange=True)
+        return layer.finish(pending.residual, pending.out)
+
+
+class _Clock:
+    """Splits a forward's wall time into compute on this rank and the exchange with the FFN rank."""
+
+    def __init__(self) -> None:
+        self.mark = time.perf_counter()
+        self.compute = 0.0
+        self.exchange = 0.0
+
+    def lap(self, *, exchange: bool = False) -> None:
+        """Charge the time since the last lap to the exchange or (by default) to compute."""
+        now = time.perf_counter()
+        if exchange:
+            self.exchange += now - self.mark
+        else:
+            self.compute += now - self.mark
+        self.mark = now
+
+
+@dataclass
+class FFNCounters:
+    """The FFN rank's own counts (answered to `FFNReport`)."""
+
+    forwards: int = 0
+    micro_batches: int = 0
+    mlp_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+def run_ffn_forward(
+    mlps: nn.ModuleList,
+    link: ProcessGroupCollectives,
+    num_tokens: Sequence[int],
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    counters: FFNCounters,
+) -> None:
+    """An FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input, run the
+    layer's MLP (its shard, all-reduced over the FFN ranks), and on FFN rank 1 send the output back (the attention
+    rank's order, so every tag's messages pair up)."""
+    replies = link.rank == FFN_RANK
+    inputs = [torch.empty(n, hidden_size, dtype=dtype, device=device) for n in num_tokens]
+    sends: list[tuple[Work, Tensor]] = []
+    with torch.inference_mode():
+        for mlp in mlps:
+            for tag, x in enumerate(inputs):
+                start = time.perf_counter()
+                link.wait(link.recv(x, ATTENTION_RANK, tag))
+                computed = time.perf_counter()
+                out: Tensor = mlp(x).contiguous()
+                counters.mlp_seconds += time.perf_counter() - computed
+                counters.wait_seconds += computed - start
+                if replies:
+                    sends.append((link.send(out, ATTENTION_RANK, tag), out))
+            # The outputs of the layer before were received once this layer's inputs arrived; free them.
+            while len(sends) > len(inputs):
+                link.wait(sends.pop(0)[0])
+    for work, _ in sends:
+        link.wait(work)
+    counters.forwards += 1
+    counters.micro_batches += len(num_tokens)

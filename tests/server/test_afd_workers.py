@@ -1,0 +1,297 @@
+"""Attention/FFN disaggregation on the CPU: the engine's process runs attention, one FFN worker (gloo, one torch
+thread each) runs every MLP, two micro-batches in ping-pong; greedy tokens equal the plain engine's, exactly.
+
+Every engine is shut down by the `llms` fixture's teardown, so no FFN worker outlives its test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pagoda.server.cli import main
+from pagoda.server.engine import EngineConfigError
+from pagoda.server.engine.executor import ExecutorError
+from pagoda.server.engine.executor.afd import AFDExecutor
+from pagoda.server.engine.executor.afd_model import micro_batches
+from pagoda.server.llm import LLM
+from pagoda.server.lora import LoRAError, LoRARequest
+from pagoda.server.models.attention import AttentionMetadata
+from pagoda.server.procs import ProcessHandle
+from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing import ARCHS, make_tiny_model
+from pagoda.server.testing.tiny_lora import make_tiny_lora
+from pagoda.server.testing.tiny_vlm import make_tiny_vlm
+from test_engine import GREEDY, PREEMPTING_PROMPT_LENS, PROMPT_LENS, StepSpy, make_llm, random_prompts, tokens
+from test_spec_engine import GREEDY as SPEC_GREEDY
+from test_spec_engine import Oracle, assert_drafts_both_ways, draft_with, non_speculative, truths_of
+from test_spec_engine import make_llm as make_spec_llm
+
+AFD_ARGS: dict[str, Any] = {"attention_ffn_disaggregation": {"attention_workers": 1, "ffn_workers": 1}}
+FLAG = "--attention-ffn-disaggregation"
+
+LLMFactory = Callable[..., LLM]
+
+
+@pytest.fixture(scope="module")
+def afd_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random-weight model folder per architecture (the Llama family and Gemma 3)."""
+    root = tmp_path_factory.mktemp("afd-models")
+    return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture
+def llms() -> Iterator[LLMFactory]:
+    """`llms(make, *args, **kwargs)`: an LLM built by `make`, shut down (workers stopped) after the test."""
+    built: list[LLM] = []
+
+    def build(make: Callable[..., LLM], *args: Any, **kwargs: Any) -> LLM:
+        llm = make(*args, **kwargs)
+        built.append(llm)
+        return llm
+
+    yield build
+    for llm in built:
+        llm.engine.close()
+
+
+def afd_executor(llm: LLM) -> AFDExecutor:
+    """The engine's AFD executor."""
+    executor = llm.engine.executor
+    assert isinstance(executor, AFDExecutor)
+    return executor
+
+
+def ffn_pid(llm: LLM) -> int:
+    """The (one) FFN worker's process."""
+    (worker,) = afd_executor(llm).workers
+    assert isinstance(worker, ProcessHandle)
+    return worker.pid
+
+
+def greedy_tokens(
+    llm: LLM, prompts: Sequence[Sequence[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
+    """Sample 0's tokens of every prompt."""
+    return tokens(llm.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_afd_greedy_equals_plain(arch: str, afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """A batch of prompts of different lengths: AFD gives the plain engine's tokens on every architecture; both
+    micro-batches were at the FFN worker at once, which ran two micro-batches per forward of the decode steps."""
+    prompts = random_prompts(PROMPT_LENS)
+    want = greedy_tokens(llms(make_llm, afd_models[arch]), prompts)
+    afd = llms(make_llm, afd_models[arch], **AFD_ARGS)
+    assert greedy_tokens(afd, prompts) == want
+    executor = afd_executor(afd)
+    stats = executor.afd.stats
+    assert stats.max_in_flight == 2
+    # Five sequences decode together for 11 steps (the 12th token of each comes from the prompt's step).
+    assert stats.by_micro_batches.get(2, 0) >= 11
+    (counts,) = executor.ffn_counts()
+    assert counts.forwards == stats.forwards and counts.micro_batches == stats.micro_batches
+    assert counts.micro_batches > counts.forwards
+    assert stats.exchange_seconds > 0 and counts.mlp_seconds > 0
+    assert afd.engine.kv_manager.stats().num_used_blocks == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_two_ffn_workers_equal_plain(arch: str, afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """Two FFN workers split every MLP (gate/up by rows, down by columns, all-reduced between them): the plain
+    engine's tokens; each worker ran every micro-batch of every forward."""
+    prompts = random_prompts(PROMPT_LENS)
+    want = greedy_tokens(llms(make_llm, afd_models[arch]), prompts)
+    afd = llms(
+        make_llm, afd_models[arch], attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 2}
+    )
+    assert greedy_tokens(afd, prompts) == want
+    executor = afd_executor(afd)
+    stats = executor.afd.stats
+    assert stats.max_in_flight == 2
+    counts = executor.ffn_counts()
+    assert [c.rank for c in counts] == [1, 2]
+    assert all(c.forwards == stats.forwards and c.micro_batches == stats.micro_batches for c in counts)
+
+
+def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
+    """Three FFN workers for four query heads: refused before any worker starts, naming the flag."""
+    with pytest.raises(EngineConfigError, match=f"{FLAG} ffn_workers 3: .*must divide"):
+        make_llm(afd_models["llama"], attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 3})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "recompute"), ("gemma3", "swap")])
+def test_afd_preemption_is_exact(arch: str, mode: str, afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """A pool too small for the batch preempts (recompute, or swap of the driver's KV blocks: the FFN worker
+    holds none)."""
+    prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
+    args: dict[str, Any] = {"num_kv_blocks": 24, "max_model_len": 40, "preemption_mode": mode}
+    want = greedy_tokens(llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args), prompts)
+    afd = llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args, **AFD_ARGS)
+    spy = StepSpy(afd)
+    assert greedy_tokens(afd, prompts) == want
+    assert spy.swaps + spy.recomputes > 0
+    assert (spy.swaps > 0) == (mode == "swap")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_afd_prefix_caching_and_chunked_prefill_are_exact(
+    arch: str, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """Prefix-cache hits and prefills split over steps (mixed with decodes: micro-batches of prefill chunks and
+    decode rows) keep the plain engine's tokens; Gemma 3's sliding-window groups split with the batch."""
+    shared = random_prompts((24,), seed=2)[0]
+    first = [shared + tail for tail in random_prompts((3, 5), seed=3)]
+    second = [shared + tail for tail in random_prompts((4, 7, 2), seed=4)]
+    args: dict[str, Any] = {"max_num_batched_tokens": 16}
+    one = llms(make_llm, afd_models[arch], **args)
+    afd = llms(make_llm, afd_models[arch], **args, **AFD_ARGS)
+    spy = StepSpy(afd)
+    for batch in (first, second):
+        assert greedy_tokens(afd, batch) == greedy_tokens(one, batch)
+    assert spy.num_split_prefills > 0
+    assert afd.engine.get_stats().prefix_cache_hits >= 3 * 24
+
+
+@pytest.mark.timeout(300)
+def test_afd_with_attention_adapters_equals_plain(
+    tmp_path: Path, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """Adapters on the attention projections (and the base) in one batch give the plain engine's tokens, one
+    micro-batch a step; an adapter of an MLP projection is refused by name, never applied half way."""
+    base = afd_models["llama"]
+    attention = make_tiny_lora(
+        base, tmp_path / "attn", rank=4, seed=1, target_modules=("q_proj", "v_proj", "o_proj")
+    )
+    mlp = make_tiny_lora(base, tmp_path / "mlp", rank=4, seed=2, target_modules=("down_proj",))
+    lora_args: dict[str, Any] = {"enable_lora": True, "max_loras": 2}
+    batch = random_prompts((9, 13, 7), seed=8)
+    loras = [LoRARequest("attn", 1, str(attention)), None, LoRARequest("attn", 1, str(attention))]
+    plain = llms(make_llm, base, **lora_args)
+    want = tokens(plain.generate(batch, GREEDY, use_tqdm=False, lora_request=loras))
+    afd = llms(make_llm, base, **lora_args, **AFD_ARGS)
+    assert tokens(afd.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)) == want
+    assert want[0] != tokens(plain.generate(batch[:1], GREEDY, use_tqdm=False))[0]  # the adapter counts
+    assert set(afd_executor(afd).afd.stats.by_micro_batches) == {1}
+    with pytest.raises(LoRAError, match="down_proj is not a projection of this model"):
+        afd.generate(batch[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
+
+
+@pytest.mark.timeout(300)
+def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """SIGKILL of the FFN worker mid-run: the next step raises ExecutorError naming the rank within seconds (its
+    receives fail as its sockets close), and so does every later call of the executor; shutdown leaves no process."""
+    afd = llms(make_llm, afd_models["llama"], **AFD_ARGS)
+    engine = afd.engine
+    for name, prompt in zip("ab", random_prompts((9, 5)), strict=True):
+        engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    engine.step()
+    pid = ffn_pid(afd)
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) exited with -9"):
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - started < 30
+    with pytest.raises(ExecutorError, match="rank 1"):
+        engine.executor.compute_logits(torch.zeros(1, 64))
+    engine.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"attention_workers": 2, "ffn_workers": 1}', "attention_workers must be 1"),
+        ('{"attention_workers": 1, "ffn_workers": 0}', "'ffn_workers' must be an integer >= 1"),
+        ('{"attention_workers": 1, "ffn": 1}', "unknown key"),
+        ("[1, 1]", "must be a JSON object"),
+        ("{", "not valid JSON"),
+    ],
+)
+def test_bad_flag_values_exit_2(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad JSON, bad counts, unknown keys and the shapes not built yet exit 2 naming the flag."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "unused-model", FLAG, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert FLAG in err and message in err
+
+
+def test_tensor_parallel_with_afd_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """AFD's ranks are its own: with --tensor-parallel-size 2 the config is refused, naming the flag."""
+    flags = [FLAG, '{"attention_workers": 1, "ffn_workers": 1}', "--tensor-parallel-size", "2"]
+    assert main(["serve", "unused-model", *flags]) == 2
+    assert FLAG in capsys.readouterr().err
+
+
+def test_unsupported_model_is_refused(tmp_path: Path) -> None:
+    """A model whose layers do not split here (a vision-language model) is refused naming the flag, before its
+    engine serves anything."""
+    folder = make_tiny_vlm("llava", tmp_path / "vlm", small=True)
+    with pytest.raises(EngineConfigError, match=f"{FLAG} runs the Llama family and Gemma 3 text models"):
+        make_llm(folder, **AFD_ARGS)
+
+
+def test_micro_batches_cut_whole_sequences_of_about_equal_tokens() -> None:
+    """Four sequences of 1, 1, 5 and 1 tokens: cutting after the second (2 vs 6 tokens) beats after the first
+    (1 vs 7) and the third (7 vs 1); every field holds its sequences' own rows, the token offsets rebased."""
+    starts = torch.tensor([0, 1, 2, 7, 8], dtype=torch.int32)
+    attn = AttentionMetadata(
+        slot_mapping=torch.arange(8),
+        block_tables=torch.arange(8, dtype=torch.int32).view(4, 2),
+        context_lens=torch.tensor([3, 4, 5, 6], dtype=torch.int32),
+        query_start_loc=starts,
+        max_query_len=5,
+        is_decode=False,
+        backend=None,  # type: ignore[arg-type]  # not read by the split
+        group_slot_mappings=(torch.arange(8) + 100,),
+        group_block_tables=(torch.arange(8, dtype=torch.int32).view(4, 2) + 10,),
+    )
+    (whole,) = micro_batches(attn, ping_pong=False)
+    assert (whole.start, whole.end) == (0, 8) and whole.attn is attn
+    first, second = micro_batches(attn, ping_pong=True)
+    assert (first.start, first.end, second.start, second.end) == (0, 2, 2, 8)
+    assert first.attn.query_start_loc.tolist() == [0, 1, 2] and second.attn.query_start_loc.tolist() == [
+        0,
+        5,
+        6,
+    ]
+    assert (first.attn.max_query_len, second.attn.max_query_len) == (1, 5)
+    assert second.attn.slot_mapping.tolist() == [2, 3, 4, 5, 6, 7]
+    assert second.attn.block_tables.tolist() == [[4, 5], [6, 7]]
+    assert second.attn.context_lens.tolist() == [5, 6]
+    assert second.attn.group_slot_mappings[0].tolist() == [102, 103, 104, 105, 106, 107]
+    assert second.attn.group_block_tables[0].tolist() == [[14, 15], [16, 17]]
+    single = dataclasses.replace(attn, query_start_loc=torch.tensor([0, 8], dtype=torch.int32))
+    assert len(micro_batches(single, ping_pong=True)) == 1
+
+
+@pytest.mark.timeout(300)
+def test_afd_drafted_greedy_equals_plain(afd_models: dict[str, Path]) -> None:
+    """Speculative decoding under AFD: chunks of 1 + k drafted rows split into micro-batches like any others; the
+    plain engine's tokens, with drafts both accepted and rejected."""
+    model = afd_models["llama"]
+    prompts = random_prompts((5, 9, 17), seed=30)
+    expected = non_speculative(model, prompts, SPEC_GREEDY)
+    llm = make_spec_llm(model, speculative_config={"method": "ngram"}, **AFD_ARGS)
+    try:
+        draft_with(llm, lambda: Oracle(truths_of(prompts, expected), error_rate=0.3, seed=31), k=4)
+        assert greedy_tokens(llm, prompts, SPEC_GREEDY) == expected
+        assert_drafts_both_ways(llm)
+        assert afd_executor(llm).afd.stats.by_micro_batches.get(2, 0) > 0
+    finally:
+        llm.engine.close()
