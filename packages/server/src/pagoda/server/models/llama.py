@@ -15,6 +15,7 @@ from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagoda.server.models.native_decode import NativeDecode
 from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -198,6 +199,9 @@ class LlamaForCausalLM(DecoderLM):
         self.spec = sharded_kv_spec(config, int(config.num_hidden_layers), self.group)
         self.tie_word_embeddings = self.has_lm_head and bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: ParallelLMHead | None = None
+        # Decode steps of a few rows run every layer as one native call where it supports the model and step
+        # (`native_decode.enabled = False`: always the modules below).
+        self.native_decode = NativeDecode()
         if self.has_lm_head and not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
@@ -224,6 +228,9 @@ class LlamaForCausalLM(DecoderLM):
         """Final hidden states from the input embeddings (a vision-language model's, images merged in; its own
         rotary angles where its positions are not 1-D, as Qwen2-VL's M-RoPE)."""
         cos, sin = self.model.rotary_emb(positions, x.dtype) if rope is None else rope
+        native = None if rope is not None else self.native_decode.run(self, x, cos, sin, kv_caches, attn)
+        if native is not None:
+            return self.model.norm(native)  # type: ignore[no-any-return]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
