@@ -93,20 +93,18 @@ static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_
 }
 
 /* Columns j0..j1 of one run of rows (a GGUF type) into y (rows y_stride apart), as pagoda_quant_matmul computes
- * them: the one-row register path for Q4_0 / Q5_0 / Q8_0 at one row, matmul_columns otherwise. */
+ * them: the one-row register path for its formats at one row, matmul_columns otherwise. */
 static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const qx_t *qx,
                          int64_t rows, scalar_t *y, int64_t y_stride) {
   const int y_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
 #if PATH >= 1
-  if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
+  if (rows == 1 && ONE_ROW_TYPE(type)) {
 #if PATH == 2
-#define ONE_ROW(T) one_row_columns_vnni(T, w, j0, j1, k, qx->xb, qx->d, y, y_bf16)
+#define ONE_ROW(T) one_row_columns_vnni(T, w, j0, j1, k, qx->xb, qx->d, qx->s, y, y_bf16)
 #else
-#define ONE_ROW(T) one_row_columns(T, w, j0, j1, k, qx->q, qx->d, y, y_bf16)
+#define ONE_ROW(T) one_row_columns(T, w, j0, j1, k, qx->q, qx->d, qx->s, y, y_bf16)
 #endif
-    if (type == Q8_0) ONE_ROW(Q8_0);
-    else if (type == Q5_0) ONE_ROW(Q5_0);
-    else ONE_ROW(Q4_0);
+    ONE_ROW_DISPATCH(type);
 #undef ONE_ROW
     return;
   }
