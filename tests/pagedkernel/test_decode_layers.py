@@ -54,11 +54,12 @@ class Case:
     """Two layers' weights and caches, and one decode step's rows."""
 
     layers: list[DecodeLayer]
+    shape: DecodeShape
     x: Tensor  # [rows, hidden]
-    cos: Tensor  # [rows, head_dim // 2]
+    cos: Tensor  # [ropes, rows, head_dim // 2]
     sin: Tensor
-    slots: Tensor  # int64 [rows]
-    tables: Tensor  # int32 [rows, MAX_BLOCKS]
+    slots: Tensor  # int64 [groups, rows]
+    tables: Tensor  # int32 [groups, rows, MAX_BLOCKS]
     lens: Tensor  # int32 [rows]
 
 
@@ -67,26 +68,64 @@ def weight(runs: Sequence[tuple[GGMLType, int]], k: int, gen: torch.Generator) -
     return [random_weight(qtype, (rows, k), gen, scale=0.02 / math.sqrt(k / 256)) for qtype, rows in runs]
 
 
-def make_case(rows: int, dtype: torch.dtype, seed: int, context_lens: Sequence[int]) -> Case:
-    """Random layers and caches: each sequence's earlier tokens written, everything else NaN."""
+def norm_weight(size: int, gen: torch.Generator, dtype: torch.dtype, gemma: bool) -> Tensor:
+    """A norm's weight: about 1 (Llama's w), or about 0 (Gemma's w of 1 + w)."""
+    return ((0.0 if gemma else 1.0) + 0.1 * torch.randn(size, generator=gen)).to(dtype)
+
+
+def make_case(
+    rows: int, dtype: torch.dtype, seed: int, context_lens: Sequence[int], gemma: bool = False
+) -> Case:
+    """Random layers and caches: each sequence's earlier tokens written, everything else NaN. `gemma`: Gemma 3's
+    layer (sandwich norms, q/k norms, GELU, (1 + w) norms, soft-capping), each layer in its own KV cache group
+    (its own block tables and slots) with its own rotary table, as Gemma's sliding and full layers are."""
     gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen)
-    tables = perm[: rows * MAX_BLOCKS].reshape(rows, MAX_BLOCKS).to(torch.int32)
+    groups = 2 if gemma else 1
+    tables = torch.stack(
+        [
+            torch.randperm(NUM_BLOCKS, generator=gen)[: rows * MAX_BLOCKS].reshape(rows, MAX_BLOCKS)
+            for _ in range(groups)
+        ]
+    ).to(torch.int32)
     lens = torch.tensor(list(context_lens)[:rows], dtype=torch.int32)
+    last = lens.long() - 1
+    slots = torch.stack(
+        [
+            torch.stack(
+                [
+                    tables[g, r, last[r] // BLOCK_SIZE].long() * BLOCK_SIZE + last[r] % BLOCK_SIZE
+                    for r in range(rows)
+                ]
+            )
+            for g in range(groups)
+        ]
+    )
     layers = []
     for index, formats in enumerate(FORMATS):
+        group = index % groups
         shape = (NUM_BLOCKS, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
         v_cache = torch.full(shape, float("nan"), dtype=dtype)
         for r in range(rows):
             for pos in range(int(lens[r]) - 1):  # the new token's slot stays NaN until the step writes it
-                block, offset = int(tables[r, pos // BLOCK_SIZE]), pos % BLOCK_SIZE
+                block, offset = int(tables[group, r, pos // BLOCK_SIZE]), pos % BLOCK_SIZE
                 k_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
                 v_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
+        extra: dict[str, Tensor] = {}
+        if gemma:
+            extra = {
+                name: norm_weight(size, gen, dtype, gemma)
+                for name, size in [
+                    ("attn_out_norm", SHAPE.hidden),
+                    ("mlp_out_norm", SHAPE.hidden),
+                    ("q_norm", SHAPE.head_dim),
+                    ("k_norm", SHAPE.head_dim),
+                ]
+            }
         layers.append(
             DecodeLayer(
-                input_norm=(1 + 0.1 * torch.randn(SHAPE.hidden, generator=gen)).to(dtype),
-                post_norm=(1 + 0.1 * torch.randn(SHAPE.hidden, generator=gen)).to(dtype),
+                input_norm=norm_weight(SHAPE.hidden, gen, dtype, gemma),
+                mlp_norm=norm_weight(SHAPE.hidden, gen, dtype, gemma),
                 qkv=weight(formats["qkv"], SHAPE.hidden, gen),
                 o=weight(formats["o"], Q, gen),
                 gate_up=weight(formats["gate_up"], SHAPE.hidden, gen),
@@ -94,19 +133,20 @@ def make_case(rows: int, dtype: torch.dtype, seed: int, context_lens: Sequence[i
                 k_cache=k_cache,
                 v_cache=v_cache,
                 sliding_window=None if index == 0 else 6,
+                rope=index if gemma else 0,
+                group=group,
+                **extra,
             )
         )
-    positions = (lens - 1).to(torch.float32)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim))
-    angles = positions[:, None] * inv_freq[None, :]
-    slots = torch.stack(
-        [
-            tables[r, (int(lens[r]) - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (int(lens[r]) - 1) % BLOCK_SIZE
-            for r in range(rows)
-        ]
-    )
+    positions = last.to(torch.float32)
+    tables_of_angles = []
+    for base in (10000.0, 1e6)[: 2 if gemma else 1]:  # Gemma's local and global rope bases
+        inv_freq = 1.0 / (base ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim))
+        tables_of_angles.append(positions[:, None] * inv_freq[None, :])
+    angles = torch.stack(tables_of_angles)
+    form = replace(SHAPE, unit_offset=True, activation="gelu_tanh", logit_softcap=20.0) if gemma else SHAPE
     x = torch.randn(rows, SHAPE.hidden, generator=gen).to(dtype)
-    return Case(layers, x, angles.cos().to(dtype), angles.sin().to(dtype), slots, tables, lens)
+    return Case(layers, form, x, angles.cos().to(dtype), angles.sin().to(dtype), slots, tables, lens)
 
 
 def matmul(x: Tensor, runs: Sequence[QuantizedTensor]) -> Tensor:
@@ -120,36 +160,61 @@ def matmul(x: Tensor, runs: Sequence[QuantizedTensor]) -> Tensor:
 
 
 def reference(case: Case) -> Tensor:
-    """The layers as the server's modules chain the ops (the caches are written as they go)."""
+    """The layers as the server's modules chain the ops (the caches are written as they go): LlamaDecoderLayer's
+    chain, or Gemma3DecoderLayer's when the case has (1 + w) norms."""
     backend = get_backend("cpu", torch.device("cpu"))
     x = case.x.clone()
-    rows, d = x.shape[0], SHAPE.head_dim
-    cos, sin = case.cos[:, None, :], case.sin[:, None, :]
+    rows, d, sh = x.shape[0], SHAPE.head_dim, case.shape
+    uo = sh.unit_offset
     for layer in case.layers:
-        h = fused.rms_norm(x, layer.input_norm, SHAPE.eps, unit_offset=False, backend="cpu")
+        cos, sin = case.cos[layer.rope][:, None, :], case.sin[layer.rope][:, None, :]
+        h = fused.rms_norm(x, layer.input_norm, sh.eps, unit_offset=uo, backend="cpu")
         q, k, v = torch.split(matmul(h, layer.qkv), [Q, KV, KV], dim=-1)
-        q = fused.rotary(q.view(rows, SHAPE.num_heads, d), cos, sin, backend="cpu")
-        k = fused.rotary(k.view(rows, SHAPE.num_kv_heads, d), cos, sin, backend="cpu")
+        q = fused.rotary(
+            q.view(rows, SHAPE.num_heads, d),
+            cos,
+            sin,
+            norm_weight=layer.q_norm,
+            eps=sh.eps,
+            unit_offset=uo,
+            backend="cpu",
+        )
+        k = fused.rotary(
+            k.view(rows, SHAPE.num_kv_heads, d),
+            cos,
+            sin,
+            norm_weight=layer.k_norm,
+            eps=sh.eps,
+            unit_offset=uo,
+            backend="cpu",
+        )
         v = v.view(rows, SHAPE.num_kv_heads, d)
-        backend.reshape_and_cache(k, v, layer.k_cache, layer.v_cache, case.slots)
+        backend.reshape_and_cache(k, v, layer.k_cache, layer.v_cache, case.slots[layer.group])
         att = backend.paged_decode_attention(
             q,
             layer.k_cache,
             layer.v_cache,
-            case.tables,
+            case.tables[layer.group],
             case.lens,
-            SHAPE.scale,
+            sh.scale,
             sliding_window=layer.sliding_window,
+            logit_softcap=sh.logit_softcap,
         )
         x, normed = fused.add_rms_norm(
             matmul(att.reshape(rows, Q), layer.o),
             x,
-            layer.post_norm,
-            SHAPE.eps,
-            unit_offset=False,
+            layer.mlp_norm,
+            sh.eps,
+            unit_offset=uo,
+            pre_weight=layer.attn_out_norm,
             backend="cpu",
         )
-        x = x + matmul(fused.act_and_mul(matmul(normed, layer.gate_up), "silu", backend="cpu"), layer.down)
+        mlp = matmul(
+            fused.act_and_mul(matmul(normed, layer.gate_up), sh.activation, backend="cpu"), layer.down
+        )
+        if layer.mlp_out_norm is not None:
+            mlp = fused.rms_norm(mlp, layer.mlp_out_norm, sh.eps, unit_offset=uo, backend="cpu")
+        x = x + mlp
     return x
 
 
@@ -158,7 +223,7 @@ def with_fresh_caches(case: Case) -> Case:
     layers = [
         replace(layer, k_cache=layer.k_cache.clone(), v_cache=layer.v_cache.clone()) for layer in case.layers
     ]
-    return Case(layers, case.x.clone(), case.cos, case.sin, case.slots, case.tables, case.lens)
+    return replace(case, layers=layers, x=case.x.clone())
 
 
 def native(
@@ -170,7 +235,7 @@ def native(
     prefetch: bool = True,
 ) -> Tensor:
     """The native call's output (and its cache writes, into the case's caches)."""
-    stack = DecodeStack(case.layers, SHAPE, dtype)
+    stack = DecodeStack(case.layers, case.shape, dtype)
     if kernels is not None:
         stack.lib = kernels
     x = case.x.clone()
@@ -189,13 +254,15 @@ def assert_same(got: Tensor, want: Tensor) -> None:
 LENS = (1, 4, 5, 9, 12, 30)
 
 
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype) -> None:
-    """Outputs and written K/V rows are bitwise the op-by-op chain's, for 1-4 rows, on 1 and 2 threads."""
+def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, gemma: bool) -> None:
+    """Outputs and written K/V rows are bitwise the op-by-op chain's, for 1-4 rows, on 1 and 2 threads, for
+    Llama's layer and Gemma 3's."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
     for seed, lens in enumerate([LENS[-rows:], LENS[:rows][::-1]]):
-        case = make_case(rows, dtype, seed, lens)
+        case = make_case(rows, dtype, seed, lens, gemma)
         ref_case = with_fresh_caches(case)
         want = reference(ref_case)
         assert not want.isnan().any()
@@ -211,12 +278,12 @@ def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype) -> N
 def test_negative_slot_is_not_written() -> None:
     """A row whose slot is negative (padding) writes no cache row, as reshape_and_cache skips it."""
     case = make_case(2, torch.float32, 3, (5, 9))
-    case.slots[1] = -1
+    case.slots[0, 1] = -1
     before = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in case.layers]
     native(case, torch.float32)
     for layer, (k, v) in zip(case.layers, before, strict=True):
         changed = (layer.k_cache.nan_to_num(7.0) != k.nan_to_num(7.0)).any(dim=(1, 2, 3)).nonzero().flatten()
-        assert changed.tolist() == [int(case.tables[0, 1])]  # only row 0's slot (its second block)
+        assert changed.tolist() == [int(case.tables[0, 0, 1])]  # only row 0's slot (its second block)
         assert torch.equal(layer.v_cache.isnan().sum(), v.isnan().sum() - KV)
 
 
@@ -237,7 +304,7 @@ def test_other_targets_build_and_equal_the_native_build(march: str, dtype: torch
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_decode.CFLAGS)
     c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
     other = cpu_decode.load(cpu_decode.build(dtype, flags))
-    case = make_case(3, dtype, 5, (1, 1, 1))
+    case = make_case(3, dtype, 5, (1, 1, 1), gemma=dtype == torch.bfloat16)
     want = native(with_fresh_caches(case), dtype)
     got = native(with_fresh_caches(case), dtype, kernels=other)
     assert_same(got, want)

@@ -1,5 +1,6 @@
-"""The engine's native decode layers (`pagoda.server.models.native_decode`): the same greedy tokens as the torch
-modules (and as transformers), proof that the native path ran, and the module path wherever it does not apply."""
+"""The engine's native decode layers (`pagoda.server.models.native_decode`), Llama and Gemma 3: the same greedy
+tokens as the torch modules (and as transformers), proof that the native path ran, and the module path wherever it
+does not apply."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from pagoda.pagedkernel.decode import cpu_decode
 from pagoda.pagedkernel.testing import c_kernel_or_skip
 from pagoda.server.llm import LLM
+from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import dense_copy
@@ -41,11 +43,17 @@ def cycling(types: Sequence[str]) -> Callable[[str], str]:
 
 
 @pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama GGUF whose matrices cycle through every format the native layers take."""
-    return write_tiny_gguf("llama", tmp_path_factory.mktemp("native") / "mixed.gguf", cycling(NATIVE_TYPES))[
-        0
-    ]
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`mixed_gguf(arch)`: a tiny GGUF of `arch` whose matrices cycle through every format the native layers take."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(f"native-{arch}")
+            made[arch] = write_tiny_gguf(arch, folder / "mixed.gguf", cycling(NATIVE_TYPES))[0]
+        return made[arch]
+
+    return get
 
 
 def engine(path: Path, cache: Path, dtype: str, **kw: Any) -> LLM:
@@ -65,19 +73,23 @@ def engine(path: Path, cache: Path, dtype: str, **kw: Any) -> LLM:
     )
 
 
-def model_of(llm: LLM) -> LlamaForCausalLM:
+def model_of(llm: LLM) -> LlamaForCausalLM | Gemma3ForCausalLM:
     """The engine's model."""
     model = llm.engine.runner.model
-    assert isinstance(model, LlamaForCausalLM)
+    assert isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))
     return model
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_greedy_tokens_equal_the_module_path(dtype: str, mixed_gguf: Path, tmp_path: Path) -> None:
+def test_native_greedy_tokens_equal_the_module_path(
+    arch: str, dtype: str, mixed_gguf: Callable[[str], Path], tmp_path: Path
+) -> None:
     """The same engine with the native layers on and off gives the same greedy tokens (1-3 rows a step), and the
-    native path ran every decode step while on (steps counted) and none while off."""
+    native path ran every decode step while on (steps counted) and none while off. Gemma 3's sliding and full
+    layers are two KV cache groups with their own block tables and rotary tables."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(getattr(torch, dtype)))
-    llm = engine(mixed_gguf, tmp_path, dtype)
+    llm = engine(mixed_gguf(arch), tmp_path, dtype)
     model = model_of(llm)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = {}
@@ -91,11 +103,12 @@ def test_native_greedy_tokens_equal_the_module_path(dtype: str, mixed_gguf: Path
     assert all(len(tokens) == 16 for tokens in outputs[True])
 
 
-def test_native_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_native_greedy_tokens_equal_transformers(arch: str, tmp_path: Path) -> None:
     """On a Q8_0 file the engine with the native layers gives transformers' greedy tokens on the dense copy of
-    the same weights (the int8 activations of the C GEMV move no argmax on this model)."""
+    the same weights (the int8 activations of the C GEMV move no argmax on these models)."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
-    path = write_tiny_gguf("llama", tmp_path / "q8.gguf", lambda name: "Q8_0")[0]
+    path = write_tiny_gguf(arch, tmp_path / "q8.gguf", lambda name: "Q8_0")[0]
     llm = engine(path, tmp_path / "cache", "float32")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -111,13 +124,15 @@ def test_native_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
         assert tokens == want
 
 
-def test_dense_weights_and_the_torch_backend_keep_the_module_path(mixed_gguf: Path, tmp_path: Path) -> None:
+def test_dense_weights_and_the_torch_backend_keep_the_module_path(
+    mixed_gguf: Callable[[str], Path], tmp_path: Path
+) -> None:
     """Dequantized weights (`quantization="none"`) and the torch attention backend are not the native layers'
     numerics: those engines never run them, and still decode."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for kw in ({"quantization": "none"}, {"kernel_backend": "torch"}):
         llm = LLM(
-            str(mixed_gguf),
+            str(mixed_gguf("llama")),
             dtype="float32",
             block_size=4,
             num_kv_blocks=64,

@@ -1,9 +1,10 @@
-/* A decode step's decoder layers (Llama family) in one native call: for a few rows (one query token per
- * sequence), every layer's RMSNorm, QKV GEMV, rotary, KV write, paged attention, output projection, add + norm,
- * gate/up GEMV, SiLU, down GEMV and residual add, on one thread team for the whole call.
+/* A decode step's decoder layers (Llama family, Gemma 3) in one native call: for a few rows (one query token per
+ * sequence), every layer's RMSNorm, QKV GEMV, (q/k norms and) rotary, KV write, paged attention, output
+ * projection, (norm,) add + norm, gate/up GEMV, SiLU or GELU, down GEMV, (norm and) residual add, on one thread
+ * team for the whole call.
  *
- * The specification is the server's torch layer (pagoda.server.models.llama.LlamaDecoderLayer) as it runs on the
- * CPU: this file includes the kernels that layer calls (cpu_fused.c's norm, rotary and activation, cpu_attention.c's
+ * The specification is the server's torch layers (pagoda.server.models.llama.LlamaDecoderLayer and
+ * gemma3.Gemma3DecoderLayer) as they run on the CPU: this file includes the kernels that layer calls (cpu_fused.c's norm, rotary and activation, cpu_attention.c's
  * attention item, cpu_quant.c's GEMV columns) and chains them with the same roundings, so its output is bitwise
  * that layer's (tested). What it removes is everything between the kernels: ~10 Python module calls, ~15 ctypes
  * entries and ~10 OpenMP parallel regions per layer, each microseconds at one row.
@@ -48,8 +49,13 @@ static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
 #define DECODE_MAX_ROWS 16 /* rows of one call: one pass of the GEMV columns (cpu_quant.c's MAX_ROWS) */
 #define MAX_PARTS 3        /* runs of rows of one weight (q, k, v of three GGUF types) */
 #define WEIGHT_FIELDS (1 + 3 * MAX_PARTS)
-enum { F_INPUT_NORM, F_POST_NORM, F_K_CACHE, F_V_CACHE, F_WINDOW, F_QKV, F_O = F_QKV + WEIGHT_FIELDS,
-       F_GATE_UP = F_O + WEIGHT_FIELDS, F_DOWN = F_GATE_UP + WEIGHT_FIELDS, LAYER_FIELDS = F_DOWN + WEIGHT_FIELDS };
+/* A layer's fields. Norm weights (0: none): INPUT before attention; ATTN_OUT of the attention output before the
+ * residual add (Gemma's post-attention norm); MLP of the residual before the MLP; MLP_OUT of the MLP output before
+ * its residual add (Gemma's post-feedforward norm); Q / K per head before rotary. ROPE: which cos / sin table;
+ * GROUP: which KV cache group's slots and block tables. */
+enum { F_INPUT_NORM, F_ATTN_OUT_NORM, F_MLP_NORM, F_MLP_OUT_NORM, F_Q_NORM, F_K_NORM, F_K_CACHE, F_V_CACHE, F_WINDOW,
+       F_ROPE, F_GROUP, F_QKV, F_O = F_QKV + WEIGHT_FIELDS, F_GATE_UP = F_O + WEIGHT_FIELDS,
+       F_DOWN = F_GATE_UP + WEIGHT_FIELDS, LAYER_FIELDS = F_DOWN + WEIGHT_FIELDS };
 enum { PHASES = 5 }; /* claim counters per layer: QKV, attention, O, gate/up, down */
 #define ACT_CHUNK 128 /* gate/up columns per claim at most (both halves' values stay on the stack) */
 
@@ -165,33 +171,37 @@ static void add_rows(const scalar_t *a, const scalar_t *b, scalar_t *y, int64_t 
   for (; i < n; i++) y[i] = store1(load1(a + i) + load1(b + i));
 }
 
-/* out[j] = round(round(silu(gate[j])) * up[j]) for n values, as pagoda_act_and_mul computes each lane. */
-static void silu_mul(const scalar_t *gate, const scalar_t *up, scalar_t *out, int64_t n) {
+/* out[j] = round(round(act(gate[j])) * up[j]) for n values, as pagoda_act_and_mul computes each lane (kind 0:
+ * GELU, tanh form; 1: SiLU). */
+static void act_mul(const scalar_t *gate, const scalar_t *up, scalar_t *out, int64_t n, int kind) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) storev16(out + i, roundv16(actv16(loadv16(gate + i), 1)) * loadv16(up + i));
+  for (; i + 16 <= n; i += 16) storev16(out + i, roundv16(actv16(loadv16(gate + i), kind)) * loadv16(up + i));
   if (i < n) {
     scalar_t g[16] = {0}, u[16] = {0}, o[16];
     memcpy(g, gate + i, (size_t)(n - i) * sizeof(scalar_t));
     memcpy(u, up + i, (size_t)(n - i) * sizeof(scalar_t));
-    storev16(o, roundv16(actv16(loadv16(g), 1)) * loadv16(u));
+    storev16(o, roundv16(actv16(loadv16(g), kind)) * loadv16(u));
     memcpy(out + i, o, (size_t)(n - i) * sizeof(scalar_t));
   }
 }
 
-/* Run `num_layers` Llama decoder layers over x ([rows, hidden], updated in place: the residual stream after the
- * last layer, before the final norm). Row r is sequence r's one new token: its K/V go to cache slot slots[r]
- * (negative: not written), it attends to context_lens[r] tokens through block_tables[r]; cos / sin are its
- * rotary angles ([rows, head_dim / 2], x's dtype). Returns 0, 1 for unsupported sizes, 2 when out of memory. */
+/* Run `num_layers` decoder layers over x ([rows, hidden], updated in place: the residual stream after the last
+ * layer, before the final norm). Row r is sequence r's one new token: in a layer of KV cache group g its K/V go to
+ * cache slot slots[g * rows + r] (negative: not written) and it attends to context_lens[r] tokens through
+ * block_tables[(g * rows + r) * max_blocks ..]; a layer of rope table t rotates by cos / sin[(t * rows + r) *
+ * head_dim / 2 ..] (x's dtype). unit_offset: Gemma's (1 + w) norms; act_kind: 0 GELU (tanh), 1 SiLU; softcap > 0:
+ * attention logit soft-capping. Returns 0, 1 for unsupported sizes, 2 when out of memory. */
 int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, int64_t rows, int64_t hidden,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inner,
-                         int64_t block_size, float eps, float scale, const scalar_t *cos, const scalar_t *sin,
-                         const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
-                         const int32_t *context_lens, int64_t num_threads, int64_t prefetch) {
+                         int64_t block_size, float eps, float scale, int64_t unit_offset, int64_t act_kind,
+                         float softcap, const scalar_t *cos, const scalar_t *sin, const int64_t *slots,
+                         const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
+                         int64_t num_threads, int64_t prefetch) {
   const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_n = q_size + 2 * kv_size;
   const int64_t G = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
   if (rows < 1 || rows > DECODE_MAX_ROWS || num_kv_heads < 1 || num_heads % num_kv_heads || G > 32 || D % 8 ||
       D > MAX_HEAD_DIM || block_size < 1 || block_size > MAX_BLOCK_SIZE || hidden % QK || q_size % QK ||
-      inner % QK)
+      inner % QK || (act_kind != 0 && act_kind != 1))
     return 1;
   if (num_threads < 1) num_threads = 1;
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
@@ -199,6 +209,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
   /* shared: the step's QKV, attention output, O output, activation and down output; and the claim counters,
    * each on its own cache line */
   const size_t shared = sizeof(scalar_t) * (size_t)(rows * (qkv_n + q_size + hidden + inner + hidden));
+  const int uo = (int)unit_offset;
   int64_t *counters = calloc((size_t)(num_layers * PHASES) * 8, sizeof(int64_t));
   scalar_t *buf = malloc(shared);
   int32_t *starts = malloc(sizeof(int32_t) * (size_t)(rows + 1));
@@ -238,18 +249,24 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     if (__atomic_load_n(&status, __ATOMIC_RELAXED) == 0) {
       memcpy(res, x, sizeof(scalar_t) * (size_t)(rows * hidden));
       const problem_t base = {qrow, NULL, NULL, NULL, NULL, att, block_tables, starts, context_lens, max_blocks,
-                              num_heads, num_kv_heads, D, block_size, 0, scale, 0.0f};
+                              num_heads, num_kv_heads, D, block_size, 0, scale, softcap > 0.0f ? softcap : 0.0f};
       for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *f = table + l * LAYER_FIELDS;
-        const scalar_t *in_norm = (const scalar_t *)(intptr_t)f[F_INPUT_NORM];
-        const scalar_t *post_norm = (const scalar_t *)(intptr_t)f[F_POST_NORM];
+#define NORM_AT(field) ((const scalar_t *)(intptr_t)f[field])
+        const scalar_t *in_norm = NORM_AT(F_INPUT_NORM), *attn_out_norm = NORM_AT(F_ATTN_OUT_NORM);
+        const scalar_t *mlp_norm = NORM_AT(F_MLP_NORM), *mlp_out_norm = NORM_AT(F_MLP_OUT_NORM);
+        const scalar_t *q_norm = NORM_AT(F_Q_NORM), *k_norm = NORM_AT(F_K_NORM);
+#undef NORM_AT
+        const int64_t group = f[F_GROUP], rope = f[F_ROPE];
+        const int64_t *gslots = slots + group * rows;
+        const scalar_t *gcos = cos + rope * rows * (D / 2), *gsin = sin + rope * rows * (D / 2);
         scalar_t *k_cache = (scalar_t *)(intptr_t)f[F_K_CACHE], *v_cache = (scalar_t *)(intptr_t)f[F_V_CACHE];
         const qweight_t wqkv = weight_at(f + F_QKV), wo = weight_at(f + F_O), wgu = weight_at(f + F_GATE_UP);
         const qweight_t wdown = weight_at(f + F_DOWN);
         int64_t *count = counters + l * PHASES * 8;
         int64_t j0, n;
         /* input norm and QKV */
-        for (int64_t r = 0; r < rows; r++) norm_row(res + r * hidden, in_norm, hidden, eps, 0, h + r * hidden);
+        for (int64_t r = 0; r < rows; r++) norm_row(res + r * hidden, in_norm, hidden, eps, uo, h + r * hidden);
         quantize_x(h, hidden, rows, hidden, &qx);
         while ((n = claim(count, qkv_n, nthreads, 16, 512, &j0)) > 0)
           weight_columns(&wqkv, j0, j0 + n, hidden, &qx, rows, qkv, qkv_n);
@@ -257,23 +274,27 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
         /* per (row, KV head): rotary of its query heads and key, the K/V write, attention */
         while (claim(count + 8, rows * num_kv_heads, nthreads, 1, 1, &j0) > 0) {
           const int64_t r = j0 / num_kv_heads, kh = j0 % num_kv_heads;
-          const scalar_t *c = cos + r * (D / 2), *s = sin + r * (D / 2);
+          const scalar_t *c = gcos + r * (D / 2), *s = gsin + r * (D / 2);
+          /* as pagoda_norm_rotary: the head's norm (or a copy), then the rotation */
           for (int64_t g = 0; g < G; g++) {
             const int64_t head = kh * G + g;
             scalar_t *qr = qrow + r * q_size + head * D;
-            memcpy(qr, qkv + r * qkv_n + head * D, sizeof(scalar_t) * (size_t)D);
+            if (q_norm) norm_row(qkv + r * qkv_n + head * D, q_norm, D, eps, uo, qr);
+            else memcpy(qr, qkv + r * qkv_n + head * D, sizeof(scalar_t) * (size_t)D);
             rotate_row(qr, c, s, D);
           }
           scalar_t key[MAX_HEAD_DIM];
-          memcpy(key, qkv + r * qkv_n + q_size + kh * D, sizeof(scalar_t) * (size_t)D);
+          if (k_norm) norm_row(qkv + r * qkv_n + q_size + kh * D, k_norm, D, eps, uo, key);
+          else memcpy(key, qkv + r * qkv_n + q_size + kh * D, sizeof(scalar_t) * (size_t)D);
           rotate_row(key, c, s, D);
-          if (slots[r] >= 0) {
-            const int64_t at = slots[r] * kv_size + kh * D;
+          if (gslots[r] >= 0) {
+            const int64_t at = gslots[r] * kv_size + kh * D;
             memcpy(k_cache + at, key, sizeof(scalar_t) * (size_t)D);
             memcpy(v_cache + at, qkv + r * qkv_n + q_size + kv_size + kh * D, sizeof(scalar_t) * (size_t)D);
           }
           problem_t p = base;
           p.k_cache = k_cache, p.v_cache = v_cache, p.window = f[F_WINDOW];
+          p.block_tables = block_tables + group * rows * max_blocks;
           const item_t it = {r, kh, 0, 1};
           decode_attend(&p, &it, G);
         }
@@ -284,9 +305,14 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
         while ((n = claim(count + 16, hidden, nthreads, 16, 512, &j0)) > 0)
           weight_columns(&wo, j0, j0 + n, q_size, &qx, rows, o, hidden);
         team_barrier();
-        for (int64_t r = 0; r < rows; r++) {
-          add_rows(res + r * hidden, o + r * hidden, res + r * hidden, hidden);
-          norm_row(res + r * hidden, post_norm, hidden, eps, 0, h + r * hidden);
+        for (int64_t r = 0; r < rows; r++) { /* as pagoda_add_norm, with Gemma's norm of the branch first */
+          const scalar_t *branch = o + r * hidden;
+          if (attn_out_norm) {
+            norm_row(branch, attn_out_norm, hidden, eps, uo, h + r * hidden);
+            branch = h + r * hidden;
+          }
+          add_rows(res + r * hidden, branch, res + r * hidden, hidden);
+          norm_row(res + r * hidden, mlp_norm, hidden, eps, uo, h + r * hidden);
         }
         /* gate and up columns j.. of both halves, then SiLU(gate) * up of those columns */
         quantize_x(h, hidden, rows, hidden, &qx);
@@ -294,7 +320,8 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
           scalar_t gate[DECODE_MAX_ROWS * ACT_CHUNK], up[DECODE_MAX_ROWS * ACT_CHUNK];
           weight_columns(&wgu, j0, j0 + n, hidden, &qx, rows, gate - j0, ACT_CHUNK);
           weight_columns(&wgu, inner + j0, inner + j0 + n, hidden, &qx, rows, up - inner - j0, ACT_CHUNK);
-          for (int64_t r = 0; r < rows; r++) silu_mul(gate + r * ACT_CHUNK, up + r * ACT_CHUNK, act + r * inner + j0, n);
+          for (int64_t r = 0; r < rows; r++)
+            act_mul(gate + r * ACT_CHUNK, up + r * ACT_CHUNK, act + r * inner + j0, n, (int)act_kind);
         }
         team_barrier();
         /* down projection and residual add */
@@ -306,7 +333,14 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
           prefetch_share(&next, hidden, thread, nthreads, 1 << 18);
         }
         team_barrier();
-        for (int64_t r = 0; r < rows; r++) add_rows(res + r * hidden, down + r * hidden, res + r * hidden, hidden);
+        for (int64_t r = 0; r < rows; r++) {
+          const scalar_t *branch = down + r * hidden;
+          if (mlp_out_norm) { /* x + norm(mlp(x)): the norm, rounded, then the add */
+            norm_row(branch, mlp_out_norm, hidden, eps, uo, h + r * hidden);
+            branch = h + r * hidden;
+          }
+          add_rows(res + r * hidden, branch, res + r * hidden, hidden);
+        }
       }
       if (thread == 0) memcpy(x, res, sizeof(scalar_t) * (size_t)(rows * hidden));
     }

@@ -1,4 +1,4 @@
-"""Native decode layers: a decode step's decoder layers (Llama family) as one C call on one thread team.
+"""Native decode layers: a decode step's decoder layers (Llama family, Gemma 3) as one C call on one thread team.
 
 `DecodeStack(layers, shape)` describes a model's layers once (quantized weights, norms, KV caches);
 `stack.run(x, cos, sin, slot_mapping, block_tables, context_lens)` runs every layer over a few decode rows in place.
@@ -7,6 +7,7 @@ says whether the library builds here; `supported_qtypes` the GGUF formats it mul
 """
 
 from pagoda.pagedkernel.decode.cpu_decode import (
+    ACTIVATIONS,
     DTYPES,
     MAX_ROWS,
     DecodeLayer,
@@ -18,6 +19,7 @@ from pagoda.pagedkernel.decode.cpu_decode import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "DTYPES",
     "MAX_ROWS",
     "DecodeLayer",

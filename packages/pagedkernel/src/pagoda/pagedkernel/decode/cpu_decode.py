@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
+from pagoda.pagedkernel.fused import ActivationName
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
 from torch import Tensor
 
@@ -67,28 +68,10 @@ def load(library: Path) -> DecodeKernels:
     lib = ctypes.CDLL(str(library))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     run = lib["pagoda_decode_layers"]
-    run.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        f32,
-        f32,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i64,
-    ]
-    run.argtypes += [i64]
+    # (table, layers, x, rows, hidden, heads, kv_heads, head_dim, inner, block_size, eps, scale, unit_offset,
+    #  act_kind, softcap, cos, sin, slots, block_tables, max_blocks, context_lens, threads, prefetch)
+    run.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, f32]
+    run.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, i64, i64]
     run.restype = ctypes.c_int
     fields, parts = lib["pagoda_decode_layer_fields"], lib["pagoda_decode_max_parts"]
     fields.restype = parts.restype = i64
@@ -126,9 +109,13 @@ def supports_weight(parts: Sequence[QuantizedTensor], max_parts: int = 3) -> boo
     return True
 
 
+# The activations the C file applies to the gate (its `act_kind` codes).
+ACTIVATIONS: dict[ActivationName, int] = {"gelu_tanh": 0, "silu": 1}
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeShape:
-    """The sizes every layer shares."""
+    """The sizes and forms every layer shares."""
 
     hidden: int
     num_heads: int
@@ -137,14 +124,22 @@ class DecodeShape:
     inner: int  # the MLP's intermediate size
     eps: float  # the RMSNorms'
     scale: float  # attention's q . k factor
+    unit_offset: bool = False  # Gemma's (1 + w) norms, else Llama's w * x_hat
+    activation: ActivationName = "silu"  # the gate's (a key of ACTIVATIONS)
+    logit_softcap: float | None = None  # attention's soft-capping, None: none
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeLayer:
-    """One Llama decoder layer's tensors: RMSNorm weights, quantized projections (runs of rows) and its KV cache."""
+    """One decoder layer's tensors: RMSNorm weights, quantized projections (runs of rows) and its KV cache.
+
+    Llama: x + o(attn(input_norm(x))), then x + down(act(gate_up(mlp_norm(x)))). Gemma 3 adds `attn_out_norm` on
+    the attention branch and `mlp_out_norm` on the MLP branch before their residual adds, and `q_norm` / `k_norm`
+    per head before rotary.
+    """
 
     input_norm: Tensor  # [hidden], the activations' dtype
-    post_norm: Tensor  # [hidden]
+    mlp_norm: Tensor  # [hidden]: the residual's norm before the MLP
     qkv: Sequence[QuantizedTensor]  # [q + 2 kv, hidden] in runs
     o: Sequence[QuantizedTensor]  # [hidden, q]
     gate_up: Sequence[QuantizedTensor]  # [2 inner, hidden]
@@ -152,6 +147,12 @@ class DecodeLayer:
     k_cache: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], the activations' dtype
     v_cache: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     sliding_window: int | None
+    attn_out_norm: Tensor | None = None  # [hidden]
+    mlp_out_norm: Tensor | None = None  # [hidden]
+    q_norm: Tensor | None = None  # [head_dim]
+    k_norm: Tensor | None = None  # [head_dim]
+    rope: int = 0  # which of the step's cos / sin tables
+    group: int = 0  # which KV cache group's slots and block tables
 
 
 class DecodeStack:
@@ -160,28 +161,35 @@ class DecodeStack:
     def __init__(self, layers: Sequence[DecodeLayer], shape: DecodeShape, dtype: torch.dtype) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"the native decode layers run in {DTYPES}, not {dtype}")
+        if shape.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {shape.activation!r}: one of {', '.join(ACTIVATIONS)}")
         self.lib = kernels(dtype)
         self.shape = shape
         self.dtype = dtype
         self.layers = tuple(layers)
         self.block_size = int(self.layers[0].k_cache.shape[1])
+        self.num_ropes = 1 + max(layer.rope for layer in self.layers)
+        self.num_groups = 1 + max(layer.group for layer in self.layers)
         self.table = torch.zeros((len(self.layers), self.lib.fields), dtype=torch.int64)
         for index, layer in enumerate(self.layers):
             self._describe(index, layer)
 
     def _describe(self, index: int, layer: DecodeLayer) -> None:
         """Row `index` of the table (see the F_* offsets of the C file)."""
-        for t in (layer.input_norm, layer.post_norm, layer.k_cache, layer.v_cache):
-            if t.dtype != self.dtype or not t.is_contiguous():
+        norms = (layer.input_norm, layer.attn_out_norm, layer.mlp_norm, layer.mlp_out_norm)
+        head_norms = (layer.q_norm, layer.k_norm)
+        for t in (*norms, *head_norms, layer.k_cache, layer.v_cache):
+            if t is not None and (t.dtype != self.dtype or not t.is_contiguous()):
                 raise ValueError(f"the native decode layers read contiguous {self.dtype} norms and caches")
         if int(layer.k_cache.shape[1]) != self.block_size:
             raise ValueError("every layer's KV cache must have one block size")
-        row: list[int] = [
-            layer.input_norm.data_ptr(),
-            layer.post_norm.data_ptr(),
+        row: list[int] = [0 if t is None else t.data_ptr() for t in (*norms, *head_norms)]
+        row += [
             layer.k_cache.data_ptr(),
             layer.v_cache.data_ptr(),
             layer.sliding_window or 0,
+            layer.rope,
+            layer.group,
         ]
         for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not supports_weight(weight, self.lib.max_parts):
@@ -198,10 +206,10 @@ class DecodeStack:
     def run(
         self,
         x: Tensor,  # [rows, hidden], contiguous: the residual stream, updated in place
-        cos: Tensor,  # [rows, head_dim // 2] (any view with rows `half` apart), x's dtype
-        sin: Tensor,  # [rows, head_dim // 2]
-        slot_mapping: Tensor,  # int64 [rows]: each row's cache slot (negative: not written)
-        block_tables: Tensor,  # int32 [rows, max_blocks], contiguous
+        cos: Tensor,  # [num_ropes, rows, head_dim // 2] (or [rows, head_dim // 2] for one), x's dtype
+        sin: Tensor,  # like cos
+        slot_mapping: Tensor,  # int64 [num_groups, rows] (or [rows]): each row's cache slot, negative: none
+        block_tables: Tensor,  # int32 [num_groups, rows, max_blocks] (or [rows, max_blocks])
         context_lens: Tensor,  # int32 [rows]: tokens of each sequence including this step's
         num_threads: int | None = None,  # None: torch's
         prefetch: bool = True,  # ask for the next weights while a phase ends
@@ -214,15 +222,17 @@ class DecodeStack:
                 f"run takes 1..{MAX_ROWS} contiguous {self.dtype} rows, got {x.dtype} {tuple(x.shape)}"
             )
         half = shape.head_dim // 2
-        if cos.dtype != x.dtype or cos.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        if cos.dtype != x.dtype or sin.dtype != x.dtype or not cos.is_contiguous() or not sin.is_contiguous():
             cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
-        if cos.numel() != rows * half or sin.numel() != rows * half:
-            raise ValueError(f"cos and sin must hold {rows} x {half} values")
+        if cos.numel() != self.num_ropes * rows * half or sin.numel() != cos.numel():
+            raise ValueError(f"cos and sin must hold {self.num_ropes} x {rows} x {half} values")
         slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-        tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
-        lens = context_lens if context_lens.is_contiguous() else context_lens.contiguous()
-        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.shape[0] < rows:
-            raise ValueError("block_tables and context_lens are int32, one row per sequence")
+        slots, tables, lens = slots.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+        if slots.numel() != self.num_groups * rows:
+            raise ValueError(f"slot_mapping must hold {self.num_groups} x {rows} slots")
+        groups_rows = tables.numel() // max(int(tables.shape[-1]), 1)
+        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or groups_rows != self.num_groups * rows:
+            raise ValueError("block_tables and context_lens are int32, one table per group and sequence")
         code = self.lib.run(
             self.table.data_ptr(),
             len(self.layers),
@@ -236,11 +246,14 @@ class DecodeStack:
             self.block_size,
             shape.eps,
             shape.scale,
+            int(shape.unit_offset),
+            ACTIVATIONS[shape.activation],
+            shape.logit_softcap or 0.0,
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
             tables.data_ptr(),
-            int(tables.shape[1]),
+            int(tables.shape[-1]),
             lens.data_ptr(),
             torch.get_num_threads() if num_threads is None else num_threads,
             int(prefetch),

@@ -8,14 +8,14 @@ projection, Qwen3 normalises each query/key head (RMSNorm over head_dim) before 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
-from pagoda.server.models.native_decode import NativeDecode
+from pagoda.server.models.native_decode import LayerView, ModelView, NativeDecode
 from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -228,13 +228,42 @@ class LlamaForCausalLM(DecoderLM):
         """Final hidden states from the input embeddings (a vision-language model's, images merged in; its own
         rotary angles where its positions are not 1-D, as Qwen2-VL's M-RoPE)."""
         cos, sin = self.model.rotary_emb(positions, x.dtype) if rope is None else rope
-        native = None if rope is not None else self.native_decode.run(self, x, cos, sin, kv_caches, attn)
+        native = None if rope is not None else self.native_decode.run(self, x, [(cos, sin)], kv_caches, attn)
         if native is not None:
             return self.model.norm(native)  # type: ignore[no-any-return]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
         return out
+
+    def native_view(self) -> ModelView:
+        """The layers' modules for the native decode layers (`NativeDecodable`): one rotary table, Llama's norms."""
+        layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
+        first = layers[0]
+        return ModelView(
+            layers=tuple(
+                LayerView(
+                    input_norm=layer.input_layernorm,
+                    mlp_norm=layer.post_attention_layernorm,
+                    qkv=layer.self_attn.qkv_proj,
+                    o=layer.self_attn.o_proj,
+                    gate_up=layer.mlp.gate_up_proj,
+                    down=layer.mlp.down_proj,
+                    attention=layer.self_attn.attn,
+                    q_norm=layer.self_attn.q_norm,
+                    k_norm=layer.self_attn.k_norm,
+                )
+                for layer in layers
+            ),
+            group=self.group,
+            unit_offset=False,
+            activation="silu",
+            head_dim=first.self_attn.head_dim,
+            num_heads=first.self_attn.num_heads,
+            num_kv_heads=first.self_attn.num_kv_heads,
+            inner=first.mlp.down_proj.weight_shape()[1],
+            hidden=int(first.input_layernorm.weight.shape[0]),
+        )
 
     def ignored_weights(self) -> frozenset[str]:
         """Rotary tables some old checkpoints store (recomputed here)."""
