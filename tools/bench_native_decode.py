@@ -1,4 +1,4 @@
-"""Decode step time of a Llama-family model with its native decode layers on and off (issue #44).
+"""Decode step time of a Llama-family or Gemma 3 model with its native decode layers on and off (issue #44).
 
 One engine, greedy, EOS ignored; the modes alternate round by round in one process (so a shared machine's load
 falls on both alike). Per mode: the median time of the model's forward (embedding, every decoder layer, final norm)
@@ -7,6 +7,7 @@ engine's own work included). The default model is the packaged default (SmolLM2-
 
     python tools/bench_native_decode.py                  # 1 row, 2 threads, 6 rounds of 64 steps
     python tools/bench_native_decode.py --rows 4 --threads 2 --rounds 8
+    python tools/bench_native_decode.py --model gemma3-270m
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.server.llm import LLM
+from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.sampling_params import SamplingParams
 
@@ -40,12 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_model_len=args.prompt_len + args.steps + 8, max_num_seqs=max(args.rows, 1))
     model = llm.engine.runner.model
-    if not isinstance(model, LlamaForCausalLM):
-        raise SystemExit(f"{type(model).__name__} has no native decode layers (Llama family only)")
+    if not isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):
+        raise SystemExit(f"{type(model).__name__} has no native decode layers (Llama family, Gemma 3)")
     forward_times: list[int] = []
     real_forward = type(model).forward
 
-    def timed(self: LlamaForCausalLM, *a: Any, **kw: Any) -> Any:
+    def timed(self: Any, *a: Any, **kw: Any) -> Any:
         started = time.perf_counter_ns()
         out = real_forward(self, *a, **kw)
         if a[0].shape[0] == args.rows:
