@@ -74,11 +74,17 @@ def norm_weight(size: int, gen: torch.Generator, dtype: torch.dtype, gemma: bool
 
 
 def make_case(
-    rows: int, dtype: torch.dtype, seed: int, context_lens: Sequence[int], gemma: bool = False
+    rows: int,
+    dtype: torch.dtype,
+    seed: int,
+    context_lens: Sequence[int],
+    gemma: bool = False,
+    qk_norms: bool = False,
 ) -> Case:
     """Random layers and caches: each sequence's earlier tokens written, everything else NaN. `gemma`: Gemma 3's
     layer (sandwich norms, q/k norms, GELU, (1 + w) norms, soft-capping), each layer in its own KV cache group
-    (its own block tables and slots) with its own rotary table, as Gemma's sliding and full layers are."""
+    (its own block tables and slots) with its own rotary table, as Gemma's sliding and full layers are. `qk_norms`:
+    Llama's layer with Qwen 3's per-head q/k norms."""
     gen = torch.Generator().manual_seed(seed)
     groups = 2 if gemma else 1
     tables = torch.stack(
@@ -112,6 +118,8 @@ def make_case(
                 k_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
                 v_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
         extra: dict[str, Tensor] = {}
+        if qk_norms:
+            extra = {name: norm_weight(SHAPE.head_dim, gen, dtype, gemma) for name in ("q_norm", "k_norm")}
         if gemma:
             extra = {
                 name: norm_weight(size, gen, dtype, gemma)
@@ -254,15 +262,15 @@ def assert_same(got: Tensor, want: Tensor) -> None:
 LENS = (1, 4, 5, 9, 12, 30)
 
 
-@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, gemma: bool) -> None:
+def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, arch: str) -> None:
     """Outputs and written K/V rows are bitwise the op-by-op chain's, for 1-4 rows, on 1 and 2 threads, for
-    Llama's layer and Gemma 3's."""
+    Llama's layer, Qwen 3's (q/k norms) and Gemma 3's."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
     for seed, lens in enumerate([LENS[-rows:], LENS[:rows][::-1]]):
-        case = make_case(rows, dtype, seed, lens, gemma)
+        case = make_case(rows, dtype, seed, lens, gemma=arch == "gemma3", qk_norms=arch == "qwen3")
         ref_case = with_fresh_caches(case)
         want = reference(ref_case)
         assert not want.isnan().any()
