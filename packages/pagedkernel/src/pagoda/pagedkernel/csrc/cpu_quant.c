@@ -724,18 +724,39 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
 }
 
 #if PATH >= 1
-/* The 32 weights of one Q4_0 / Q5_0 / Q8_0 block in a register, and its scale: the bytes `unpack` writes. */
-INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d) {
+/* The 32 weights of one Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 block in a register, its scale and (the last two) its
+ * minimum: the bytes and floats `unpack` writes. */
+INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d, float *m) {
   *d = f16(b);
   if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
   if (type == Q4_0) return _mm256_sub_epi8(nibbles_v(b + 2), _mm256_set1_epi8(8));
+  if (type == Q4_1) return *m = f16(b + 2), nibbles_v(b + 4);
+  if (type == Q5_1) return *m = f16(b + 2), fives_v(b + 4, b + 8);
   return _mm256_sub_epi8(fives_v(b + 2, b + 6), _mm256_set1_epi8(16));
 }
 
-/* matmul_columns for one row of x and a 32-element format without offsets, every block kept in registers
- * (no unpack buffer, no prepared array): the same integer lanes and the same float steps in the same order, so
- * the same y, bit for bit. A decode step's matmuls are all one row, and the tied LM head (Q8_0 in the default
- * model's file) is most of the bytes a step reads. */
+/* A one-row path's running sum of the minima's terms: matmul_columns' `o + offset * dx * qsum` for the formats
+ * with a minimum (in block order, as there), nothing for the others. */
+#define ONE_ROW_OFFSET(o, m, b) \
+  if (has_offset) o = o + m * xd[b] * (float)xs[b]
+
+/* The formats of the one-row register paths, and a call of ONE_ROW (defined by the caller) per format. */
+#define ONE_ROW_TYPE(t) ((t) == Q8_0 || (t) == Q5_0 || (t) == Q4_0 || (t) == Q4_1 || (t) == Q5_1)
+#define ONE_ROW_DISPATCH(t)              \
+  do {                                   \
+    if ((t) == Q8_0) ONE_ROW(Q8_0);      \
+    else if ((t) == Q5_0) ONE_ROW(Q5_0); \
+    else if ((t) == Q4_1) ONE_ROW(Q4_1); \
+    else if ((t) == Q5_1) ONE_ROW(Q5_1); \
+    else ONE_ROW(Q4_0);                  \
+  } while (0)
+
+/* matmul_columns for one row of x and a 32-element format (Q4_0, Q5_0, Q8_0, and Q4_1, Q5_1 with their minima's
+ * sums in the same order), every block kept in registers (no unpack buffer, no prepared array): the same integer
+ * lanes and the same float steps in the same order, so the same y, bit for bit. A decode step's matmuls are all
+ * one row, and the tied LM head (Q8_0 in the default model's file) is most of the bytes a step reads. The default
+ * model's layers are Q4_1: measured on a 2-core AMD EPYC (Zen 4) at one row, its 30 layers' GEMVs took ~9 ms
+ * through matmul_columns' unpacking (about 7 GB/s of weights), see the server README for the step. */
 #if PATH == 2
 /* One block of the row of x as the VNNI one-row path reads it: the signed q, and each lane's -128 times the sum
  * of its four q. Then vpdpbusd(bias, w + 128, q) is the lane's sum of q w exactly (w + 128 is w ^ 0x80 as an
@@ -766,7 +787,7 @@ INLINE __m256 one_row_step(__m256 acc, __m256i w, float d, const xblock *xb, flo
  * both). Measured on a Sapphire Rapids Xeon, the default model's Q8_0 LM head (262,144 x 640, 178 MB, two
  * threads): 12.5 -> 7.4 ms, 24 GB/s, about what two cores read there. */
 INLINE void one_row_columns_vnni(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
-                                 const xblock *xb, const float *xd, void *y, int y_bf16) {
+                                 const xblock *xb, const float *xd, const int32_t *xs, void *y, int y_bf16) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t blocks = k / QK, row_bytes = blocks * bytes;
@@ -776,42 +797,49 @@ INLINE void one_row_columns_vnni(const int64_t type, const uint8_t *weight, int6
     const uint8_t *w0 = weight + j * row_bytes, *w1 = w0 + row_bytes;
     prefetch_ahead(w0, 2 * row_bytes);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float o0 = 0.0f, o1 = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
-      float d0, d1;
-      const __m256i v0 = block32(type, w0 + b * bytes, &d0), v1 = block32(type, w1 + b * bytes, &d1);
+      float d0, d1, m0 = 0.0f, m1 = 0.0f;
+      const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0), v1 = block32(type, w1 + b * bytes, &d1, &m1);
       a0 = one_row_step(a0, v0, d0, xb + b, xd[b]);
       a1 = one_row_step(a1, v1, d1, xb + b, xd[b]);
+      ONE_ROW_OFFSET(o0, m0, b);
+      ONE_ROW_OFFSET(o1, m1, b);
     }
-    store_output(a0, 0.0f, y, j, y_bf16);
-    store_output(a1, 0.0f, y, j + 1, y_bf16);
+    store_output(a0, o0, y, j, y_bf16);
+    store_output(a1, o1, y, j + 1, y_bf16);
   }
   for (; j < j1; j++) {
     const uint8_t *w0 = weight + j * row_bytes;
     __m256 a0 = _mm256_setzero_ps();
+    float o0 = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
-      float d0;
-      const __m256i v0 = block32(type, w0 + b * bytes, &d0);
+      float d0, m0 = 0.0f;
+      const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0);
       a0 = one_row_step(a0, v0, d0, xb + b, xd[b]);
+      ONE_ROW_OFFSET(o0, m0, b);
     }
-    store_output(a0, 0.0f, y, j, y_bf16);
+    store_output(a0, o0, y, j, y_bf16);
   }
 }
 #else
 INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
-                            const int8_t *xq, const float *xd, void *y, int y_bf16) {
+                            const int8_t *xq, const float *xd, const int32_t *xs, void *y, int y_bf16) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t blocks = k / QK, row_bytes = blocks * bytes;
   for (int64_t j = j0; j < j1; j++) {
     const uint8_t *wrow = weight + j * row_bytes;
     facc a = acc_zero();
+    float o = 0.0f; /* without a minimum an offset sum of zero, as matmul_columns adds: the same zero's sign */
     for (int64_t b = 0; b < blocks; b++) {
-      float d;
-      const __m256i w = block32(type, wrow + b * bytes, &d);
+      float d, m = 0.0f;
+      const __m256i w = block32(type, wrow + b * bytes, &d, &m);
       const wprep p = prepare_v(w, d, d);
       a = acc_step(a, &p, xq + b * QK, xd[b]);
+      ONE_ROW_OFFSET(o, m, b);
     }
-    store_output(a, 0.0f, y, j, y_bf16); /* an offset sum of zero, as matmul_columns adds: the same zero's sign */
+    store_output(a, o, y, j, y_bf16);
   }
 }
 #endif
@@ -884,7 +912,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
    * still computed whole by one thread. */
   const int64_t chunk = 64, chunks = (n + chunk - 1) / chunk;
 #if PATH >= 1
-  if (rows == 1 && (type == Q8_0 || type == Q5_0 || type == Q4_0)) {
+  if (rows == 1 && ONE_ROW_TYPE(type)) {
 #if PATH == 2
     xblock *xb = aligned_alloc(32, sizeof(xblock) * (size_t)xblocks);
     if (!xb) {
@@ -892,16 +920,14 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
       return 2;
     }
     prepare_x(xq, xblocks, xb);
-#define ONE_ROW(T) one_row_columns_vnni(T, weight, j0, j1, k, xb, xd, y, (int)y_bf16)
+#define ONE_ROW(T) one_row_columns_vnni(T, weight, j0, j1, k, xb, xd, xs, y, (int)y_bf16)
 #else
-#define ONE_ROW(T) one_row_columns(T, weight, j0, j1, k, xq, xd, y, (int)y_bf16)
+#define ONE_ROW(T) one_row_columns(T, weight, j0, j1, k, xq, xd, xs, y, (int)y_bf16)
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(guided)
     for (int64_t c = 0; c < chunks; c++) {
       int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-      if (type == Q8_0) ONE_ROW(Q8_0); /* constant types: each call is specialised when inlined */
-      else if (type == Q5_0) ONE_ROW(Q5_0);
-      else ONE_ROW(Q4_0);
+      ONE_ROW_DISPATCH(type); /* constant types: each call is specialised when inlined */
     }
 #undef ONE_ROW
 #if PATH == 2

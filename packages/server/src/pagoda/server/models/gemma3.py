@@ -9,12 +9,14 @@ theta per layer type, tied embeddings, and optional attention / final logit soft
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagoda.server.models.native_decode import LayerView, ModelView, NativeDecode
 from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -218,6 +220,9 @@ class Gemma3ForCausalLM(DecoderLM):
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head: ParallelLMHead | None = None
+        # Decode steps of a few rows run every layer as one native call where it supports the model and step
+        # (`native_decode.enabled = False`: always the modules).
+        self.native_decode = NativeDecode()
         if not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
@@ -243,6 +248,10 @@ class Gemma3ForCausalLM(DecoderLM):
     ) -> Tensor:  # [num_tokens, hidden]
         """Final hidden states from the input embeddings (a vision-language model's, images merged in unscaled)."""
         rope = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary_emb.items()}
+        tables = [rope[kind] for kind in self._rope_kinds()]
+        native = self.native_decode.run(self, x, tables, kv_caches, attn)
+        if native is not None:
+            return self.model.norm(native)  # type: ignore[no-any-return]
         for layer, layer_type, kv_cache in zip(self.model.layers, self.layer_types, kv_caches, strict=True):
             cos, sin = rope[layer_type]
             x = layer(x, cos, sin, kv_cache, attn)
@@ -259,3 +268,41 @@ class Gemma3ForCausalLM(DecoderLM):
         x = self.model.embed_tokens(input_ids) * self.model.embed_scale
         rope = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary_emb.items()}
         return x, [rope[kind] for kind in self.layer_types]
+
+    def _rope_kinds(self) -> list[str]:
+        """The layer types in the order of the rotary tables the native layers index."""
+        return sorted(self.model.rotary_emb.keys())
+
+    def native_view(self) -> ModelView:
+        """The layers' modules for the native decode layers (`NativeDecodable`): sandwich and q/k norms, GELU,
+        one rotary table per layer type."""
+        layers = cast("list[Gemma3DecoderLayer]", list(self.model.layers))
+        kinds = self._rope_kinds()
+        first = layers[0]
+        return ModelView(
+            layers=tuple(
+                LayerView(
+                    input_norm=layer.input_layernorm,
+                    mlp_norm=layer.pre_feedforward_layernorm,
+                    qkv=layer.self_attn.qkv_proj,
+                    o=layer.self_attn.o_proj,
+                    gate_up=layer.mlp.gate_up_proj,
+                    down=layer.mlp.down_proj,
+                    attention=layer.self_attn.attn,
+                    attn_out_norm=layer.post_attention_layernorm,
+                    mlp_out_norm=layer.post_feedforward_layernorm,
+                    q_norm=layer.self_attn.q_norm,
+                    k_norm=layer.self_attn.k_norm,
+                    rope=kinds.index(layer.layer_type),
+                )
+                for layer in layers
+            ),
+            group=self.group,
+            unit_offset=True,
+            activation="gelu_tanh",
+            head_dim=first.self_attn.head_dim,
+            num_heads=first.self_attn.num_heads,
+            num_kv_heads=first.self_attn.num_kv_heads,
+            inner=first.mlp.down_proj.weight_shape()[1],
+            hidden=int(first.input_layernorm.weight.shape[0]),
+        )

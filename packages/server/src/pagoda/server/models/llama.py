@@ -8,13 +8,14 @@ projection, Qwen3 normalises each query/key head (RMSNorm over head_dim) before 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
 from pagoda.server.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagoda.server.models.native_decode import LayerView, ModelView, NativeDecode
 from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -218,6 +219,9 @@ class LlamaForCausalLM(DecoderLM):
         self.spec = sharded_kv_spec(config, int(config.num_hidden_layers), self.group)
         self.tie_word_embeddings = self.has_lm_head and bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: ParallelLMHead | None = None
+        # Decode steps of a few rows run every layer as one native call where it supports the model and step
+        # (`native_decode.enabled = False`: always the modules below).
+        self.native_decode = NativeDecode()
         if self.has_lm_head and not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
@@ -244,6 +248,9 @@ class LlamaForCausalLM(DecoderLM):
         """Final hidden states from the input embeddings (a vision-language model's, images merged in; its own
         rotary angles where its positions are not 1-D, as Qwen2-VL's M-RoPE)."""
         cos, sin = self.model.rotary_emb(positions, x.dtype) if rope is None else rope
+        native = None if rope is not None else self.native_decode.run(self, x, [(cos, sin)], kv_caches, attn)
+        if native is not None:
+            return self.model.norm(native)  # type: ignore[no-any-return]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)
@@ -259,6 +266,35 @@ class LlamaForCausalLM(DecoderLM):
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
         return x, [rope] * len(self.model.layers)
+
+    def native_view(self) -> ModelView:
+        """The layers' modules for the native decode layers (`NativeDecodable`): one rotary table, Llama's norms."""
+        layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
+        first = layers[0]
+        return ModelView(
+            layers=tuple(
+                LayerView(
+                    input_norm=layer.input_layernorm,
+                    mlp_norm=layer.post_attention_layernorm,
+                    qkv=layer.self_attn.qkv_proj,
+                    o=layer.self_attn.o_proj,
+                    gate_up=layer.mlp.gate_up_proj,
+                    down=layer.mlp.down_proj,
+                    attention=layer.self_attn.attn,
+                    q_norm=layer.self_attn.q_norm,
+                    k_norm=layer.self_attn.k_norm,
+                )
+                for layer in layers
+            ),
+            group=self.group,
+            unit_offset=False,
+            activation="silu",
+            head_dim=first.self_attn.head_dim,
+            num_heads=first.self_attn.num_heads,
+            num_kv_heads=first.self_attn.num_kv_heads,
+            inner=first.mlp.down_proj.weight_shape()[1],
+            hidden=int(first.input_layernorm.weight.shape[0]),
+        )
 
     def ignored_weights(self) -> frozenset[str]:
         """Rotary tables some old checkpoints store (recomputed here)."""

@@ -1,0 +1,354 @@
+/* A decode step's decoder layers (Llama family, Gemma 3) in one native call: for a few rows (one query token per
+ * sequence), every layer's RMSNorm, QKV GEMV, (q/k norms and) rotary, KV write, paged attention, output
+ * projection, (norm,) add + norm, gate/up GEMV, SiLU or GELU, down GEMV, (norm and) residual add, on one thread
+ * team for the whole call.
+ *
+ * The specification is the server's torch layers (pagoda.server.models.llama.LlamaDecoderLayer and
+ * gemma3.Gemma3DecoderLayer) as they run on the CPU: this file includes the kernels that layer calls (cpu_fused.c's norm, rotary and activation, cpu_attention.c's
+ * attention item, cpu_quant.c's GEMV columns) and chains them with the same roundings, so its output is bitwise
+ * that layer's (tested). What it removes is everything between the kernels: ~10 Python module calls, ~15 ctypes
+ * entries and ~10 OpenMP parallel regions per layer, each microseconds at one row.
+ *
+ * Threads: one OpenMP parallel region per call (torch's pool, as the other kernels use); between the phases that
+ * depend on each other a barrier, not a new region: per layer 5 barriers (after QKV, attention, O, gate/up + act,
+ * down). Columns of each GEMV are claimed from a shared counter in shrinking runs (`claim`: long contiguous runs
+ * first, as the GEMV's guided schedule, so a thread the OS deschedules holds up only a small run). Every output
+ * element is still computed whole by one thread, so the result does not depend on the thread count. The cheap
+ * row-wise steps (norms, int8 quantization of x, residual adds) run redundantly on every thread into its own
+ * buffers: cheaper than a barrier. A thread that is done with a phase first asks for (prefetches) a share of the
+ * weights the layer reads next (the output projection during attention, the next layer's QKV during the down
+ * projection), so their first bytes come from cache when the phase starts.
+ *
+ * Layers are described by a flat int64 table ([num_layers, LAYER_FIELDS], pointers as integers, see the F_*
+ * offsets); Python (pagoda.pagedkernel.decode) builds it once per model.
+ */
+#include "cpu_fused.c"
+
+/* The attention kernel is built without -ffp-contract=off (its library's flags): its dot products are compiled
+ * the same way here so that the scores round as they do there. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#include "cpu_attention.c"
+
+/* attend_item for one (sequence, KV head) decode item: its G query heads' rows, with G a constant where common. */
+static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
+  switch (rows) {
+    case 1: attend_item(1, p, it); break;
+    case 2: attend_item(2, p, it); break;
+    case 3: attend_item(3, p, it); break;
+    case 4: attend_item(4, p, it); break;
+    case 8: attend_item(8, p, it); break;
+    default: attend_item((int)rows, p, it); break;
+  }
+}
+#pragma GCC pop_options
+#undef MAX_ROWS
+
+#include "cpu_quant.c"
+
+#define DECODE_MAX_ROWS 16 /* rows of one call: one pass of the GEMV columns (cpu_quant.c's MAX_ROWS) */
+#define MAX_PARTS 3        /* runs of rows of one weight (q, k, v of three GGUF types) */
+#define WEIGHT_FIELDS (1 + 3 * MAX_PARTS)
+/* A layer's fields. Norm weights (0: none): INPUT before attention; ATTN_OUT of the attention output before the
+ * residual add (Gemma's post-attention norm); MLP of the residual before the MLP; MLP_OUT of the MLP output before
+ * its residual add (Gemma's post-feedforward norm); Q / K per head before rotary. ROPE: which cos / sin table;
+ * GROUP: which KV cache group's slots and block tables. */
+enum { F_INPUT_NORM, F_ATTN_OUT_NORM, F_MLP_NORM, F_MLP_OUT_NORM, F_Q_NORM, F_K_NORM, F_K_CACHE, F_V_CACHE, F_WINDOW,
+       F_ROPE, F_GROUP, F_QKV, F_O = F_QKV + WEIGHT_FIELDS, F_GATE_UP = F_O + WEIGHT_FIELDS,
+       F_DOWN = F_GATE_UP + WEIGHT_FIELDS, LAYER_FIELDS = F_DOWN + WEIGHT_FIELDS };
+enum { PHASES = 5 }; /* claim counters per layer: QKV, attention, O, gate/up, down */
+#define ACT_CHUNK 128 /* gate/up columns per claim at most (both halves' values stay on the stack) */
+
+int64_t pagoda_decode_layer_fields(void) { return LAYER_FIELDS; }
+int64_t pagoda_decode_max_parts(void) { return MAX_PARTS; }
+
+/* One weight of a layer: `parts` runs of rows (output columns), each of one GGUF type. */
+typedef struct {
+  int64_t parts, type[MAX_PARTS], rows[MAX_PARTS];
+  const uint8_t *data[MAX_PARTS];
+} qweight_t;
+
+static qweight_t weight_at(const int64_t *f) {
+  qweight_t w;
+  w.parts = f[0];
+  for (int64_t i = 0; i < MAX_PARTS; i++) {
+    w.type[i] = f[1 + 3 * i];
+    w.rows[i] = f[2 + 3 * i];
+    w.data[i] = (const uint8_t *)(intptr_t)f[3 + 3 * i];
+  }
+  return w;
+}
+
+/* Rows of x quantized for the GEMV (cpu_quant.c's quantize_row), one thread's copy. */
+typedef struct {
+  int8_t *q;
+  float *d;
+  int32_t *s;
+#if PATH == 2
+  xblock *xb; /* the one-row VNNI path's form of row 0 */
+#endif
+} qx_t;
+
+static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_t k, qx_t *qx) {
+  const int x_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
+  for (int64_t r = 0; r < rows; r++)
+    quantize_row(x + r * x_stride, x_bf16, k, qx->q + r * k, qx->d + r * (k / QK), qx->s + r * (k / QK));
+#if PATH == 2
+  if (rows == 1) prepare_x(qx->q, k / QK, qx->xb);
+#endif
+}
+
+/* Columns j0..j1 of one run of rows (a GGUF type) into y (rows y_stride apart), as pagoda_quant_matmul computes
+ * them: the one-row register path for its formats at one row, matmul_columns otherwise. */
+static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const qx_t *qx,
+                         int64_t rows, scalar_t *y, int64_t y_stride) {
+  const int y_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
+#if PATH >= 1
+  if (rows == 1 && ONE_ROW_TYPE(type)) {
+#if PATH == 2
+#define ONE_ROW(T) one_row_columns_vnni(T, w, j0, j1, k, qx->xb, qx->d, qx->s, y, y_bf16)
+#else
+#define ONE_ROW(T) one_row_columns(T, w, j0, j1, k, qx->q, qx->d, qx->s, y, y_bf16)
+#endif
+    ONE_ROW_DISPATCH(type);
+#undef ONE_ROW
+    return;
+  }
+#endif
+  columns_for(type)(w, j0, j1, k, qx->q, qx->d, qx->s, rows, y, y_stride, y_bf16);
+}
+
+/* Columns j0..j1 of x W^T for a weight of several runs: each run's share, at its own column offset. */
+static void weight_columns(const qweight_t *w, int64_t j0, int64_t j1, int64_t k, const qx_t *qx, int64_t rows,
+                           scalar_t *y, int64_t y_stride) {
+  int64_t start = 0;
+  for (int64_t p = 0; p < w->parts && start < j1; p++) {
+    const int64_t stop = start + w->rows[p];
+    const int64_t a = j0 > start ? j0 : start, b = j1 < stop ? j1 : stop;
+    if (a < b) part_columns(w->type[p], w->data[p], a - start, b - start, k, qx, rows, y + start, y_stride);
+    start = stop;
+  }
+}
+
+/* The first bytes of a thread's share (1 / nthreads) of a weight's blocks, asked for ahead of its use. */
+static void prefetch_share(const qweight_t *w, int64_t k, int64_t thread, int64_t nthreads, int64_t limit) {
+  for (int64_t p = 0; p < w->parts; p++) {
+    int elems, bytes, has_offset;
+    type_info(w->type[p], &elems, &bytes, &has_offset);
+    const int64_t total = w->rows[p] * (k / elems) * bytes;
+    int64_t lo = total * thread / nthreads, hi = total * (thread + 1) / nthreads;
+    if (hi - lo > limit) hi = lo + limit;
+    for (int64_t at = lo; at < hi; at += 64) __builtin_prefetch(w->data[p] + at, 0, 2);
+  }
+}
+
+/* A run of columns from a shared counter: about a (2 * nthreads)th of what is left, at least `least`, at most
+ * `most`; 0 when none is left. Long runs first (what the prefetchers stream best), short ones at the end. */
+static int64_t claim(int64_t *counter, int64_t n, int64_t nthreads, int64_t least, int64_t most, int64_t *j0) {
+  int64_t at = __atomic_load_n(counter, __ATOMIC_RELAXED);
+  for (;;) {
+    if (at >= n) return 0;
+    int64_t size = (n - at) / (2 * nthreads);
+    size = size < least ? least : size > most ? most : size;
+    if (size > n - at) size = n - at;
+    if (__atomic_compare_exchange_n(counter, &at, at + size, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+      *j0 = at;
+      return size;
+    }
+  }
+}
+
+static inline void team_barrier(void) {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+/* y = round(a + b), row by row (torch's add in the storage dtype, and add_norm's sum). */
+static void add_rows(const scalar_t *a, const scalar_t *b, scalar_t *y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) storev16(y + i, loadv16(a + i) + loadv16(b + i));
+  for (; i < n; i++) y[i] = store1(load1(a + i) + load1(b + i));
+}
+
+/* out[j] = round(round(act(gate[j])) * up[j]) for n values, as pagoda_act_and_mul computes each lane (kind 0:
+ * GELU, tanh form; 1: SiLU). */
+static void act_mul(const scalar_t *gate, const scalar_t *up, scalar_t *out, int64_t n, int kind) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) storev16(out + i, roundv16(actv16(loadv16(gate + i), kind)) * loadv16(up + i));
+  if (i < n) {
+    scalar_t g[16] = {0}, u[16] = {0}, o[16];
+    memcpy(g, gate + i, (size_t)(n - i) * sizeof(scalar_t));
+    memcpy(u, up + i, (size_t)(n - i) * sizeof(scalar_t));
+    storev16(o, roundv16(actv16(loadv16(g), kind)) * loadv16(u));
+    memcpy(out + i, o, (size_t)(n - i) * sizeof(scalar_t));
+  }
+}
+
+/* Run `num_layers` decoder layers over x ([rows, hidden], updated in place: the residual stream after the last
+ * layer, before the final norm). Row r is sequence r's one new token: in a layer of KV cache group g its K/V go to
+ * cache slot slots[g * rows + r] (negative: not written) and it attends to context_lens[r] tokens through
+ * block_tables[(g * rows + r) * max_blocks ..]; a layer of rope table t rotates by cos / sin[(t * rows + r) *
+ * head_dim / 2 ..] (x's dtype). unit_offset: Gemma's (1 + w) norms; act_kind: 0 GELU (tanh), 1 SiLU; softcap > 0:
+ * attention logit soft-capping. Returns 0, 1 for unsupported sizes, 2 when out of memory. */
+int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, int64_t rows, int64_t hidden,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inner,
+                         int64_t block_size, float eps, float scale, int64_t unit_offset, int64_t act_kind,
+                         float softcap, const scalar_t *cos, const scalar_t *sin, const int64_t *slots,
+                         const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
+                         int64_t num_threads, int64_t prefetch) {
+  const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_n = q_size + 2 * kv_size;
+  const int64_t G = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if (rows < 1 || rows > DECODE_MAX_ROWS || num_kv_heads < 1 || num_heads % num_kv_heads || G > 32 || D % 8 ||
+      D > MAX_HEAD_DIM || block_size < 1 || block_size > MAX_BLOCK_SIZE || hidden % QK || q_size % QK ||
+      inner % QK || (act_kind != 0 && act_kind != 1))
+    return 1;
+  if (num_threads < 1) num_threads = 1;
+  if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+  const int64_t widest = hidden > inner ? (hidden > q_size ? hidden : q_size) : (inner > q_size ? inner : q_size);
+  /* shared: the step's QKV, attention output, O output, activation and down output; and the claim counters,
+   * each on its own cache line */
+  const size_t shared = sizeof(scalar_t) * (size_t)(rows * (qkv_n + q_size + hidden + inner + hidden));
+  const int uo = (int)unit_offset;
+  int64_t *counters = calloc((size_t)(num_layers * PHASES) * 8, sizeof(int64_t));
+  scalar_t *buf = malloc(shared);
+  int32_t *starts = malloc(sizeof(int32_t) * (size_t)(rows + 1));
+  if (!counters || !buf || !starts) {
+    free(counters), free(buf), free(starts);
+    return 2;
+  }
+  for (int64_t r = 0; r <= rows; r++) starts[r] = (int32_t)r;
+  scalar_t *qkv = buf, *att = qkv + rows * qkv_n, *o = att + rows * q_size, *act = o + rows * hidden;
+  scalar_t *down = act + rows * inner;
+  int status = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads)
+#endif
+  {
+#ifdef _OPENMP
+    const int64_t thread = omp_get_thread_num(), nthreads = omp_get_num_threads();
+#else
+    const int64_t thread = 0, nthreads = 1;
+#endif
+    /* this thread's residual stream, normed rows, quantized x and attention query rows */
+    scalar_t *res = malloc(sizeof(scalar_t) * (size_t)(rows * hidden));
+    scalar_t *h = malloc(sizeof(scalar_t) * (size_t)(rows * widest));
+    scalar_t *qrow = malloc(sizeof(scalar_t) * (size_t)(rows * q_size));
+    qx_t qx;
+    qx.q = malloc((size_t)(rows * widest));
+    qx.d = malloc(sizeof(float) * (size_t)(rows * widest / QK));
+    qx.s = malloc(sizeof(int32_t) * (size_t)(rows * widest / QK));
+#if PATH == 2
+    qx.xb = aligned_alloc(32, sizeof(xblock) * (size_t)(widest / QK));
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.xb;
+#else
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s;
+#endif
+    if (!ok) __atomic_store_n(&status, 2, __ATOMIC_RELAXED);
+    team_barrier(); /* every thread knows whether all allocations succeeded */
+    if (__atomic_load_n(&status, __ATOMIC_RELAXED) == 0) {
+      memcpy(res, x, sizeof(scalar_t) * (size_t)(rows * hidden));
+      const problem_t base = {qrow, NULL, NULL, NULL, NULL, att, block_tables, starts, context_lens, max_blocks,
+                              num_heads, num_kv_heads, D, block_size, 0, scale, softcap > 0.0f ? softcap : 0.0f};
+      for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *f = table + l * LAYER_FIELDS;
+#define NORM_AT(field) ((const scalar_t *)(intptr_t)f[field])
+        const scalar_t *in_norm = NORM_AT(F_INPUT_NORM), *attn_out_norm = NORM_AT(F_ATTN_OUT_NORM);
+        const scalar_t *mlp_norm = NORM_AT(F_MLP_NORM), *mlp_out_norm = NORM_AT(F_MLP_OUT_NORM);
+        const scalar_t *q_norm = NORM_AT(F_Q_NORM), *k_norm = NORM_AT(F_K_NORM);
+#undef NORM_AT
+        const int64_t group = f[F_GROUP], rope = f[F_ROPE];
+        const int64_t *gslots = slots + group * rows;
+        const scalar_t *gcos = cos + rope * rows * (D / 2), *gsin = sin + rope * rows * (D / 2);
+        scalar_t *k_cache = (scalar_t *)(intptr_t)f[F_K_CACHE], *v_cache = (scalar_t *)(intptr_t)f[F_V_CACHE];
+        const qweight_t wqkv = weight_at(f + F_QKV), wo = weight_at(f + F_O), wgu = weight_at(f + F_GATE_UP);
+        const qweight_t wdown = weight_at(f + F_DOWN);
+        int64_t *count = counters + l * PHASES * 8;
+        int64_t j0, n;
+        /* input norm and QKV */
+        for (int64_t r = 0; r < rows; r++) norm_row(res + r * hidden, in_norm, hidden, eps, uo, h + r * hidden);
+        quantize_x(h, hidden, rows, hidden, &qx);
+        while ((n = claim(count, qkv_n, nthreads, 16, 512, &j0)) > 0)
+          weight_columns(&wqkv, j0, j0 + n, hidden, &qx, rows, qkv, qkv_n);
+        team_barrier();
+        /* per (row, KV head): rotary of its query heads and key, the K/V write, attention */
+        while (claim(count + 8, rows * num_kv_heads, nthreads, 1, 1, &j0) > 0) {
+          const int64_t r = j0 / num_kv_heads, kh = j0 % num_kv_heads;
+          const scalar_t *c = gcos + r * (D / 2), *s = gsin + r * (D / 2);
+          /* as pagoda_norm_rotary: the head's norm (or a copy), then the rotation */
+          for (int64_t g = 0; g < G; g++) {
+            const int64_t head = kh * G + g;
+            scalar_t *qr = qrow + r * q_size + head * D;
+            if (q_norm) norm_row(qkv + r * qkv_n + head * D, q_norm, D, eps, uo, qr);
+            else memcpy(qr, qkv + r * qkv_n + head * D, sizeof(scalar_t) * (size_t)D);
+            rotate_row(qr, c, s, D);
+          }
+          scalar_t key[MAX_HEAD_DIM];
+          if (k_norm) norm_row(qkv + r * qkv_n + q_size + kh * D, k_norm, D, eps, uo, key);
+          else memcpy(key, qkv + r * qkv_n + q_size + kh * D, sizeof(scalar_t) * (size_t)D);
+          rotate_row(key, c, s, D);
+          if (gslots[r] >= 0) {
+            const int64_t at = gslots[r] * kv_size + kh * D;
+            memcpy(k_cache + at, key, sizeof(scalar_t) * (size_t)D);
+            memcpy(v_cache + at, qkv + r * qkv_n + q_size + kv_size + kh * D, sizeof(scalar_t) * (size_t)D);
+          }
+          problem_t p = base;
+          p.k_cache = k_cache, p.v_cache = v_cache, p.window = f[F_WINDOW];
+          p.block_tables = block_tables + group * rows * max_blocks;
+          const item_t it = {r, kh, 0, 1};
+          decode_attend(&p, &it, G);
+        }
+        if (prefetch) prefetch_share(&wo, q_size, thread, nthreads, 1 << 18);
+        team_barrier();
+        /* output projection, residual add and post-attention norm */
+        quantize_x(att, q_size, rows, q_size, &qx);
+        while ((n = claim(count + 16, hidden, nthreads, 16, 512, &j0)) > 0)
+          weight_columns(&wo, j0, j0 + n, q_size, &qx, rows, o, hidden);
+        team_barrier();
+        for (int64_t r = 0; r < rows; r++) { /* as pagoda_add_norm, with Gemma's norm of the branch first */
+          const scalar_t *branch = o + r * hidden;
+          if (attn_out_norm) {
+            norm_row(branch, attn_out_norm, hidden, eps, uo, h + r * hidden);
+            branch = h + r * hidden;
+          }
+          add_rows(res + r * hidden, branch, res + r * hidden, hidden);
+          norm_row(res + r * hidden, mlp_norm, hidden, eps, uo, h + r * hidden);
+        }
+        /* gate and up columns j.. of both halves, then SiLU(gate) * up of those columns */
+        quantize_x(h, hidden, rows, hidden, &qx);
+        while ((n = claim(count + 24, inner, nthreads, 16, ACT_CHUNK, &j0)) > 0) {
+          scalar_t gate[DECODE_MAX_ROWS * ACT_CHUNK], up[DECODE_MAX_ROWS * ACT_CHUNK];
+          weight_columns(&wgu, j0, j0 + n, hidden, &qx, rows, gate - j0, ACT_CHUNK);
+          weight_columns(&wgu, inner + j0, inner + j0 + n, hidden, &qx, rows, up - inner - j0, ACT_CHUNK);
+          for (int64_t r = 0; r < rows; r++)
+            act_mul(gate + r * ACT_CHUNK, up + r * ACT_CHUNK, act + r * inner + j0, n, (int)act_kind);
+        }
+        team_barrier();
+        /* down projection and residual add */
+        quantize_x(act, inner, rows, inner, &qx);
+        while ((n = claim(count + 32, hidden, nthreads, 16, 512, &j0)) > 0)
+          weight_columns(&wdown, j0, j0 + n, inner, &qx, rows, down, hidden);
+        if (prefetch && l + 1 < num_layers) {
+          const qweight_t next = weight_at(table + (l + 1) * LAYER_FIELDS + F_QKV);
+          prefetch_share(&next, hidden, thread, nthreads, 1 << 18);
+        }
+        team_barrier();
+        for (int64_t r = 0; r < rows; r++) {
+          const scalar_t *branch = down + r * hidden;
+          if (mlp_out_norm) { /* x + norm(mlp(x)): the norm, rounded, then the add */
+            norm_row(branch, mlp_out_norm, hidden, eps, uo, h + r * hidden);
+            branch = h + r * hidden;
+          }
+          add_rows(res + r * hidden, branch, res + r * hidden, hidden);
+        }
+      }
+      if (thread == 0) memcpy(x, res, sizeof(scalar_t) * (size_t)(rows * hidden));
+    }
+    free(res), free(h), free(qrow), free(qx.q), free(qx.d), free(qx.s);
+#if PATH == 2
+    free(qx.xb);
+#endif
+  }
+  free(counters), free(buf), free(starts);
+  return status;
+}

@@ -1,0 +1,334 @@
+"""The native decode layers (csrc/cpu_decode.c) against the ops a Llama decoder layer calls one by one.
+
+The reference is the chain the server's `LlamaDecoderLayer` runs on the CPU: `fused.rms_norm`, `qmatmul` per run of
+rows, `fused.rotary`, the cpu backend's `reshape_and_cache` and `paged_decode_attention`, `fused.add_rms_norm`,
+`fused.act_and_mul` and the residual add. The C file calls the very same kernel code in the same order, with every
+rounding in the same place (float32 accumulation in the same lanes, the same dtype roundings), so the tolerance the
+arithmetic gives is zero: outputs and the written cache rows must be bitwise equal. Unused cache slots hold NaN
+(attention must never read them) and so does the slot each new token goes to (it must be written before it is
+read); context lengths cross block boundaries (block size 4); 1-4 rows, two layers, mixed GGUF formats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from pagoda.pagedkernel import csrc, fused, get_backend
+from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.decode import DecodeLayer, DecodeShape, DecodeStack, cpu_decode
+from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, qmatmul
+from pagoda.pagedkernel.quant.testing import random_weight
+from pagoda.pagedkernel.testing import c_kernel_or_skip
+from torch import Tensor
+
+SHAPE = DecodeShape(hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, inner=512, eps=1e-5, scale=64**-0.5)
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+MAX_BLOCKS = 8
+Q, KV = SHAPE.num_heads * SHAPE.head_dim, SHAPE.num_kv_heads * SHAPE.head_dim
+# Each layer's weights: runs of rows of several formats (q / k / v and gate / up of different types, as llama.cpp's
+# mixes are), covering the one-row register path (Q4_0, Q5_0, Q8_0) and the unpacking one (the rest).
+FORMATS = (
+    {
+        "qkv": [(GGMLType.Q8_0, Q), (GGMLType.Q4_K, KV), (GGMLType.Q5_0, KV)],
+        "o": [(GGMLType.Q4_1, SHAPE.hidden)],
+        "gate_up": [(GGMLType.Q4_0, SHAPE.inner), (GGMLType.Q6_K, SHAPE.inner)],
+        "down": [(GGMLType.Q5_1, SHAPE.hidden)],
+    },
+    {
+        "qkv": [(GGMLType.Q4_1, Q + 2 * KV)],
+        "o": [(GGMLType.Q8_0, SHAPE.hidden)],
+        "gate_up": [(GGMLType.Q5_K, 2 * SHAPE.inner)],
+        "down": [(GGMLType.Q4_0, SHAPE.hidden)],
+    },
+)
+
+
+@dataclass
+class Case:
+    """Two layers' weights and caches, and one decode step's rows."""
+
+    layers: list[DecodeLayer]
+    shape: DecodeShape
+    x: Tensor  # [rows, hidden]
+    cos: Tensor  # [ropes, rows, head_dim // 2]
+    sin: Tensor
+    slots: Tensor  # int64 [groups, rows]
+    tables: Tensor  # int32 [groups, rows, MAX_BLOCKS]
+    lens: Tensor  # int32 [rows]
+
+
+def weight(runs: Sequence[tuple[GGMLType, int]], k: int, gen: torch.Generator) -> list[QuantizedTensor]:
+    """Random blocks, run by run (scales sized so that activations stay of order one through the layers)."""
+    return [random_weight(qtype, (rows, k), gen, scale=0.02 / math.sqrt(k / 256)) for qtype, rows in runs]
+
+
+def norm_weight(size: int, gen: torch.Generator, dtype: torch.dtype, gemma: bool) -> Tensor:
+    """A norm's weight: about 1 (Llama's w), or about 0 (Gemma's w of 1 + w)."""
+    return ((0.0 if gemma else 1.0) + 0.1 * torch.randn(size, generator=gen)).to(dtype)
+
+
+def make_case(
+    rows: int,
+    dtype: torch.dtype,
+    seed: int,
+    context_lens: Sequence[int],
+    gemma: bool = False,
+    qk_norms: bool = False,
+) -> Case:
+    """Random layers and caches: each sequence's earlier tokens written, everything else NaN. `gemma`: Gemma 3's
+    layer (sandwich norms, q/k norms, GELU, (1 + w) norms, soft-capping), each layer in its own KV cache group
+    (its own block tables and slots) with its own rotary table, as Gemma's sliding and full layers are. `qk_norms`:
+    Llama's layer with Qwen 3's per-head q/k norms."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 2 if gemma else 1
+    tables = torch.stack(
+        [
+            torch.randperm(NUM_BLOCKS, generator=gen)[: rows * MAX_BLOCKS].reshape(rows, MAX_BLOCKS)
+            for _ in range(groups)
+        ]
+    ).to(torch.int32)
+    lens = torch.tensor(list(context_lens)[:rows], dtype=torch.int32)
+    last = lens.long() - 1
+    slots = torch.stack(
+        [
+            torch.stack(
+                [
+                    tables[g, r, last[r] // BLOCK_SIZE].long() * BLOCK_SIZE + last[r] % BLOCK_SIZE
+                    for r in range(rows)
+                ]
+            )
+            for g in range(groups)
+        ]
+    )
+    layers = []
+    for index, formats in enumerate(FORMATS):
+        group = index % groups
+        shape = (NUM_BLOCKS, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
+        k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        for r in range(rows):
+            for pos in range(int(lens[r]) - 1):  # the new token's slot stays NaN until the step writes it
+                block, offset = int(tables[group, r, pos // BLOCK_SIZE]), pos % BLOCK_SIZE
+                k_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
+                v_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
+        extra: dict[str, Tensor] = {}
+        if qk_norms:
+            extra = {name: norm_weight(SHAPE.head_dim, gen, dtype, gemma) for name in ("q_norm", "k_norm")}
+        if gemma:
+            extra = {
+                name: norm_weight(size, gen, dtype, gemma)
+                for name, size in [
+                    ("attn_out_norm", SHAPE.hidden),
+                    ("mlp_out_norm", SHAPE.hidden),
+                    ("q_norm", SHAPE.head_dim),
+                    ("k_norm", SHAPE.head_dim),
+                ]
+            }
+        layers.append(
+            DecodeLayer(
+                input_norm=norm_weight(SHAPE.hidden, gen, dtype, gemma),
+                mlp_norm=norm_weight(SHAPE.hidden, gen, dtype, gemma),
+                qkv=weight(formats["qkv"], SHAPE.hidden, gen),
+                o=weight(formats["o"], Q, gen),
+                gate_up=weight(formats["gate_up"], SHAPE.hidden, gen),
+                down=weight(formats["down"], SHAPE.inner, gen),
+                k_cache=k_cache,
+                v_cache=v_cache,
+                sliding_window=None if index == 0 else 6,
+                rope=index if gemma else 0,
+                group=group,
+                **extra,
+            )
+        )
+    positions = last.to(torch.float32)
+    tables_of_angles = []
+    for base in (10000.0, 1e6)[: 2 if gemma else 1]:  # Gemma's local and global rope bases
+        inv_freq = 1.0 / (base ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim))
+        tables_of_angles.append(positions[:, None] * inv_freq[None, :])
+    angles = torch.stack(tables_of_angles)
+    form = replace(SHAPE, unit_offset=True, activation="gelu_tanh", logit_softcap=20.0) if gemma else SHAPE
+    x = torch.randn(rows, SHAPE.hidden, generator=gen).to(dtype)
+    return Case(layers, form, x, angles.cos().to(dtype), angles.sin().to(dtype), slots, tables, lens)
+
+
+def matmul(x: Tensor, runs: Sequence[QuantizedTensor]) -> Tensor:
+    """x W^T with each run of rows writing its own columns (QuantizedWeight.matmul's way)."""
+    y = torch.empty((x.shape[0], sum(r.shape[0] for r in runs)), dtype=x.dtype)
+    start = 0
+    for run in runs:
+        qmatmul(x, run, backend="cpu", out=y[:, start : start + run.shape[0]])
+        start += run.shape[0]
+    return y
+
+
+def reference(case: Case) -> Tensor:
+    """The layers as the server's modules chain the ops (the caches are written as they go): LlamaDecoderLayer's
+    chain, or Gemma3DecoderLayer's when the case has (1 + w) norms."""
+    backend = get_backend("cpu", torch.device("cpu"))
+    x = case.x.clone()
+    rows, d, sh = x.shape[0], SHAPE.head_dim, case.shape
+    uo = sh.unit_offset
+    for layer in case.layers:
+        cos, sin = case.cos[layer.rope][:, None, :], case.sin[layer.rope][:, None, :]
+        h = fused.rms_norm(x, layer.input_norm, sh.eps, unit_offset=uo, backend="cpu")
+        q, k, v = torch.split(matmul(h, layer.qkv), [Q, KV, KV], dim=-1)
+        q = fused.rotary(
+            q.view(rows, SHAPE.num_heads, d),
+            cos,
+            sin,
+            norm_weight=layer.q_norm,
+            eps=sh.eps,
+            unit_offset=uo,
+            backend="cpu",
+        )
+        k = fused.rotary(
+            k.view(rows, SHAPE.num_kv_heads, d),
+            cos,
+            sin,
+            norm_weight=layer.k_norm,
+            eps=sh.eps,
+            unit_offset=uo,
+            backend="cpu",
+        )
+        v = v.view(rows, SHAPE.num_kv_heads, d)
+        backend.reshape_and_cache(k, v, layer.k_cache, layer.v_cache, case.slots[layer.group])
+        att = backend.paged_decode_attention(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            case.tables[layer.group],
+            case.lens,
+            sh.scale,
+            sliding_window=layer.sliding_window,
+            logit_softcap=sh.logit_softcap,
+        )
+        x, normed = fused.add_rms_norm(
+            matmul(att.reshape(rows, Q), layer.o),
+            x,
+            layer.mlp_norm,
+            sh.eps,
+            unit_offset=uo,
+            pre_weight=layer.attn_out_norm,
+            backend="cpu",
+        )
+        mlp = matmul(
+            fused.act_and_mul(matmul(normed, layer.gate_up), sh.activation, backend="cpu"), layer.down
+        )
+        if layer.mlp_out_norm is not None:
+            mlp = fused.rms_norm(mlp, layer.mlp_out_norm, sh.eps, unit_offset=uo, backend="cpu")
+        x = x + mlp
+    return x
+
+
+def with_fresh_caches(case: Case) -> Case:
+    """The same case over copies of its caches (each side writes its own)."""
+    layers = [
+        replace(layer, k_cache=layer.k_cache.clone(), v_cache=layer.v_cache.clone()) for layer in case.layers
+    ]
+    return replace(case, layers=layers, x=case.x.clone())
+
+
+def native(
+    case: Case,
+    dtype: torch.dtype,
+    kernels: cpu_decode.DecodeKernels | None = None,
+    *,
+    num_threads: int | None = None,
+    prefetch: bool = True,
+) -> Tensor:
+    """The native call's output (and its cache writes, into the case's caches)."""
+    stack = DecodeStack(case.layers, case.shape, dtype)
+    if kernels is not None:
+        stack.lib = kernels
+    x = case.x.clone()
+    stack.run(x, case.cos, case.sin, case.slots, case.tables, case.lens, num_threads, prefetch)
+    return x
+
+
+def assert_same(got: Tensor, want: Tensor) -> None:
+    """Bitwise equal, NaN where NaN."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (got - want).abs().max()
+
+
+# Context lengths: the first token of a sequence, ends and starts of blocks, past the sliding window.
+LENS = (1, 4, 5, 9, 12, 30)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, arch: str) -> None:
+    """Outputs and written K/V rows are bitwise the op-by-op chain's, for 1-4 rows, on 1 and 2 threads, for
+    Llama's layer, Qwen 3's (q/k norms) and Gemma 3's."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
+    for seed, lens in enumerate([LENS[-rows:], LENS[:rows][::-1]]):
+        case = make_case(rows, dtype, seed, lens, gemma=arch == "gemma3", qk_norms=arch == "qwen3")
+        ref_case = with_fresh_caches(case)
+        want = reference(ref_case)
+        assert not want.isnan().any()
+        for threads in (1, 2):
+            got_case = with_fresh_caches(case)
+            got = native(got_case, dtype, num_threads=threads, prefetch=threads == 2)
+            assert_same(got, want)
+            for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
+                assert_same(mine.k_cache, theirs.k_cache)  # the NaN slots left alone, the new rows written
+                assert_same(mine.v_cache, theirs.v_cache)
+
+
+def test_negative_slot_is_not_written() -> None:
+    """A row whose slot is negative (padding) writes no cache row, as reshape_and_cache skips it."""
+    case = make_case(2, torch.float32, 3, (5, 9))
+    case.slots[0, 1] = -1
+    before = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in case.layers]
+    native(case, torch.float32)
+    for layer, (k, v) in zip(case.layers, before, strict=True):
+        changed = (layer.k_cache.nan_to_num(7.0) != k.nan_to_num(7.0)).any(dim=(1, 2, 3)).nonzero().flatten()
+        assert changed.tolist() == [int(case.tables[0, 0, 1])]  # only row 0's slot (its second block)
+        assert torch.equal(layer.v_cache.isnan().sum(), v.isnan().sum() - KV)
+
+
+# Other -march targets: the same source built for AVX2 (x86-64-v3) and for no vector extension at all (x86-64).
+# Their attention sums in another order than this CPU's build, so a case whose attention is exact on every path
+# (each sequence's first token: one key, softmax weight exactly 1) isolates the GEMV, norm, rotary and activation
+# code, which rounds identically on every path: bitwise equal to the native build.
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_targets_build_and_equal_the_native_build(march: str, dtype: torch.dtype) -> None:
+    """A compile error fails here (never a skip: only a missing compiler skips)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 target flags")
+    if march == "x86-64-v3" and "avx2" not in cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_decode.CFLAGS)
+    c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
+    other = cpu_decode.load(cpu_decode.build(dtype, flags))
+    case = make_case(3, dtype, 5, (1, 1, 1), gemma=dtype == torch.bfloat16)
+    want = native(with_fresh_caches(case), dtype)
+    got = native(with_fresh_caches(case), dtype, kernels=other)
+    assert_same(got, want)
+
+
+def test_a_source_that_does_not_compile_raises_compile_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The build reports the compiler's failure as CompileError (which tests see as a failure, not a skip)."""
+    from pagoda.pagedkernel import cbuild
+
+    c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    real = csrc.read_source
+    monkeypatch.setattr(
+        csrc, "read_source", lambda name, directory=None: real(name, directory) + "\n#error broken\n"
+    )
+    with pytest.raises(cbuild.CompileError, match="broken"):
+        cpu_decode.build(torch.float32)
