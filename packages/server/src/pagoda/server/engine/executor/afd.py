@@ -14,10 +14,8 @@ ExecutorError naming it, never a hang.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 
-import msgspec
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.afd_config import FLAG
 from pagoda.server.config import EngineConfig
@@ -105,17 +103,4 @@ class AFDExecutor(DistributedExecutor):
     def ffn_counts(self) -> list[FFNCounts]:
         """What each FFN worker has done so far (its forwards, micro-batches, time in MLPs and waiting), by rank."""
         self._send(FFNReport())
-        decoder = msgspec.msgpack.Decoder(FFNCounts)
-        counts: dict[int, FFNCounts] = {}
-        deadline = time.monotonic() + _REPORT_TIMEOUT_S
-        while len(counts) < len(self._identities):
-            if self._router.poll(_POLL_MS):
-                identity, payload = self._router.recv_multipart()[:2]
-                if identity in self._identities:
-                    answer = decoder.decode(payload)
-                    counts[answer.rank] = answer
-                continue
-            self.check_health()
-            if time.monotonic() > deadline:
-                raise self._fail(TimeoutError("an FFN worker did not report its counts"))
-        return [counts[rank] for rank in sorted(counts)]
+        return self._gather_answers(FFNCounts, _REPORT_TIMEOUT_S, "no FFN counts")

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Protocol, Self, TypeVar
 
 import msgspec
 import torch
@@ -100,6 +100,18 @@ def threads_per_rank(size: int) -> int:
     """Torch threads of each CPU rank: the cores this process may use, shared evenly (1 on 2 cores for TP=2)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus // size)
+
+
+class _RankAnswer(Protocol):
+    """A worker's reply that names its rank."""
+
+    @property
+    def rank(self) -> int:
+        """The worker's rank."""
+        ...
+
+
+_Answer = TypeVar("_Answer", bound=_RankAnswer)
 
 
 class DistributedExecutor(Executor):
@@ -274,22 +286,26 @@ class DistributedExecutor(Executor):
 
     def wait_sleep_states(self) -> Sequence[RankSleepState]:
         """Every worker's answer to the last Sleep / WakeUp, by rank; ExecutorError naming a worker that ended."""
-        decoder = msgspec.msgpack.Decoder(RankSleepState)
-        states: dict[int, RankSleepState] = {}
-        deadline = time.monotonic() + _SLEEP_TIMEOUT_S
-        while len(states) < len(self._identities):
+        return self._gather_answers(RankSleepState, _SLEEP_TIMEOUT_S, "no sleep-mode answer")
+
+    def _gather_answers(self, kind: type[_Answer], timeout_s: float, missing: str) -> list[_Answer]:
+        """One `kind` answer from every worker, by rank: ExecutorError naming a worker that ended meanwhile, or
+        a TimeoutError (`missing`, with how many ranks are silent) once `timeout_s` passed."""
+        decoder = msgspec.msgpack.Decoder(kind)
+        answers: dict[int, _Answer] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < len(self._identities):
             if self._router.poll(_POLL_MS):
                 identity, payload = self._router.recv_multipart()[:2]
                 if identity in self._identities:
-                    state = decoder.decode(payload)
-                    states[state.rank] = state
+                    answer = decoder.decode(payload)
+                    answers[answer.rank] = answer
                 continue
             self.check_health()
             if time.monotonic() > deadline:
-                raise self._fail(
-                    TimeoutError(f"no sleep-mode answer from {len(self._identities) - len(states)} rank(s)")
-                )
-        return [states[rank] for rank in sorted(states)]
+                silent = len(self._identities) - len(answers)
+                raise self._fail(TimeoutError(f"{missing} from {silent} rank(s)"))
+        return [answers[rank] for rank in sorted(answers)]
 
     def failure(self) -> str | None:
         """The first worker that ended, with how it ended ("... rank 1 (pid 42) exited with -9 ..."), or None."""
