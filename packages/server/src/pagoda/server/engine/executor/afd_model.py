@@ -91,7 +91,7 @@ class RemoteMLP(nn.Module):
     """Where an attention rank's layer had its MLP: the weights live on the FFN rank only."""
 
     def forward(self, x: Tensor) -> Tensor:  # [num_tokens, hidden]
-        """Never called: the attention rank's forward sends the MLP input to the FFN rank instead."""
+        """Refuse: this rank holds no MLP weights; the split forward sends the MLP input to the FFN rank."""
         raise RuntimeError("this layer's MLP lives on the FFN rank (attention/FFN disaggregation)")
 
 
