@@ -64,6 +64,34 @@ def test_flags_reach_the_compiler_and_each_set_has_its_library(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
 
 
+WIDEST = """
+int pagoda_answer(void) {
+#if defined(__AVX512F__)
+  return 512;
+#elif defined(__AVX2__)
+  return 256;
+#else
+  return 128;
+#endif
+}
+"""
+
+
+@pytest.mark.skipif(not cbuild.cpu_flags() >= {"avx2"}, reason="the x86-64-v3 build runs on AVX2 CPUs only")
+def test_cpu_march_replaces_native(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGODA_CPU_MARCH rebuilds -march=native kernels for that target (their own library); unset: native again."""
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGODA_CPU_MARCH", "x86-64-v3")
+    v3 = _build(("-O2", "-march=native"), source=WIDEST)
+    assert _answer(v3) == 256
+    monkeypatch.setenv("PAGODA_CPU_MARCH", "x86-64")
+    assert _answer(_build(("-O2", "-march=native"), source=WIDEST)) == 128
+    monkeypatch.delenv("PAGODA_CPU_MARCH")
+    native = _build(("-O2", "-march=native"), source=WIDEST)
+    assert native != v3
+    assert _answer(native) == (512 if "avx512f" in cbuild.cpu_flags() else 256)
+
+
 def test_alternatives_are_tried_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failing first alternative falls back to the next; when all fail, the error names owner and fallback."""
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))

@@ -128,6 +128,15 @@ def cache_dir() -> Path:
     return Path(base) / "pagoda" / "cpu-kernels"
 
 
+def target_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """`flags` with `-march=native` replaced by `-march=$PAGODA_CPU_MARCH` when that is set (e.g. `x86-64-v3`: every
+    kernel built for AVX2 only, as for a fleet of older CPUs, or to measure an AVX2 machine's code on a newer one)."""
+    march = os.environ.get("PAGODA_CPU_MARCH", "").strip()
+    if not march:
+        return tuple(flags)
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in flags)
+
+
 def cpu_signature() -> str:
     """What -march=native depends on: the machine and its CPU flags (so a shared cache never serves another CPU)."""
     flags = ""
@@ -189,7 +198,7 @@ def build(
             f"{owner} compiles a C kernel at first use and found no C compiler; install gcc (or set CC), "
             f"or {instead}"
         )
-    flags = (*SHARED_FLAGS, *flags)
+    flags = (*SHARED_FLAGS, *target_flags(flags))
     attempts = [tuple(extra) for extra in alternatives] or [()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     parts = [source, *flags, *("|".join(extra) for extra in attempts), *libraries, version, cpu_signature()]
