@@ -6,11 +6,14 @@ rows, `fused.rotary`, the cpu backend's `reshape_and_cache` and `paged_decode_at
 rounding in the same place (float32 accumulation in the same lanes, the same dtype roundings), so the tolerance the
 arithmetic gives is zero: outputs and the written cache rows must be bitwise equal. Unused cache slots hold NaN
 (attention must never read them) and so does the slot each new token goes to (it must be written before it is
-read); context lengths cross block boundaries (block size 4); 1-4 rows, two layers, mixed GGUF formats.
+read); context lengths cross block boundaries (block size 4); 1-4 rows, two layers, mixed GGUF formats. Steps
+whose sequences bring several tokens each (a speculative step's token and drafts, up to the GEMV's 16 rows) are
+checked against the prefill attention op, which the module path calls for them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -51,7 +54,7 @@ FORMATS = (
 
 @dataclass
 class Case:
-    """Two layers' weights and caches, and one decode step's rows."""
+    """Two layers' weights and caches, and one step's rows (one per sequence unless `starts` says otherwise)."""
 
     layers: list[DecodeLayer]
     shape: DecodeShape
@@ -59,8 +62,9 @@ class Case:
     cos: Tensor  # [ropes, rows, head_dim // 2]
     sin: Tensor
     slots: Tensor  # int64 [groups, rows]
-    tables: Tensor  # int32 [groups, rows, MAX_BLOCKS]
-    lens: Tensor  # int32 [rows]
+    tables: Tensor  # int32 [groups, num_seqs, MAX_BLOCKS]
+    lens: Tensor  # int32 [num_seqs]
+    starts: Tensor | None = None  # int32 [num_seqs + 1]: sequence i's rows; None: one row per sequence
 
 
 def weight(runs: Sequence[tuple[GGMLType, int]], k: int, gen: torch.Generator) -> list[QuantizedTensor]:
@@ -80,28 +84,35 @@ def make_case(
     context_lens: Sequence[int],
     gemma: bool = False,
     qk_norms: bool = False,
+    q_lens: Sequence[int] | None = None,
 ) -> Case:
-    """Random layers and caches: each sequence's earlier tokens written, everything else NaN. `gemma`: Gemma 3's
+    """Random layers and caches: each sequence's earlier tokens written, everything else NaN. `q_lens`: the new
+    tokens of each of the `rows` sequences (default one each; the step then has sum(q_lens) rows). `gemma`: Gemma 3's
     layer (sandwich norms, q/k norms, GELU, (1 + w) norms, soft-capping), each layer in its own KV cache group
     (its own block tables and slots) with its own rotary table, as Gemma's sliding and full layers are. `qk_norms`:
     Llama's layer with Qwen 3's per-head q/k norms."""
     gen = torch.Generator().manual_seed(seed)
     groups = 2 if gemma else 1
+    num_seqs = rows
+    news = [1] * num_seqs if q_lens is None else list(q_lens)
     tables = torch.stack(
         [
-            torch.randperm(NUM_BLOCKS, generator=gen)[: rows * MAX_BLOCKS].reshape(rows, MAX_BLOCKS)
+            torch.randperm(NUM_BLOCKS, generator=gen)[: num_seqs * MAX_BLOCKS].reshape(num_seqs, MAX_BLOCKS)
             for _ in range(groups)
         ]
     ).to(torch.int32)
-    lens = torch.tensor(list(context_lens)[:rows], dtype=torch.int32)
-    last = lens.long() - 1
+    lens = torch.tensor(list(context_lens)[:num_seqs], dtype=torch.int32)
+    # each row's sequence and position: sequence s's new tokens are its last news[s] positions
+    row_seq = [s for s in range(num_seqs) for _ in range(news[s])]
+    row_pos = [int(lens[s]) - news[s] + t for s in range(num_seqs) for t in range(news[s])]
     slots = torch.stack(
         [
-            torch.stack(
+            torch.tensor(
                 [
-                    tables[g, r, last[r] // BLOCK_SIZE].long() * BLOCK_SIZE + last[r] % BLOCK_SIZE
-                    for r in range(rows)
-                ]
+                    int(tables[g, s, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
+                    for s, pos in zip(row_seq, row_pos, strict=True)
+                ],
+                dtype=torch.int64,
             )
             for g in range(groups)
         ]
@@ -112,8 +123,9 @@ def make_case(
         shape = (NUM_BLOCKS, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
         v_cache = torch.full(shape, float("nan"), dtype=dtype)
-        for r in range(rows):
-            for pos in range(int(lens[r]) - 1):  # the new token's slot stays NaN until the step writes it
+        for r in range(num_seqs):
+            # the new tokens' slots stay NaN until the step writes them
+            for pos in range(int(lens[r]) - news[r]):
                 block, offset = int(tables[group, r, pos // BLOCK_SIZE]), pos % BLOCK_SIZE
                 k_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
                 v_cache[block, offset] = torch.randn(shape[2:], generator=gen).to(dtype)
@@ -146,15 +158,16 @@ def make_case(
                 **extra,
             )
         )
-    positions = last.to(torch.float32)
+    positions = torch.tensor(row_pos, dtype=torch.float32)
     tables_of_angles = []
     for base in (10000.0, 1e6)[: 2 if gemma else 1]:  # Gemma's local and global rope bases
         inv_freq = 1.0 / (base ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim))
         tables_of_angles.append(positions[:, None] * inv_freq[None, :])
     angles = torch.stack(tables_of_angles)
     form = replace(SHAPE, unit_offset=True, activation="gelu_tanh", logit_softcap=20.0) if gemma else SHAPE
-    x = torch.randn(rows, SHAPE.hidden, generator=gen).to(dtype)
-    return Case(layers, form, x, angles.cos().to(dtype), angles.sin().to(dtype), slots, tables, lens)
+    x = torch.randn(len(row_pos), SHAPE.hidden, generator=gen).to(dtype)
+    starts = None if q_lens is None else torch.tensor([0, *itertools.accumulate(news)], dtype=torch.int32)
+    return Case(layers, form, x, angles.cos().to(dtype), angles.sin().to(dtype), slots, tables, lens, starts)
 
 
 def matmul(x: Tensor, runs: Sequence[QuantizedTensor]) -> Tensor:
@@ -198,11 +211,15 @@ def reference(case: Case) -> Tensor:
         )
         v = v.view(rows, SHAPE.num_kv_heads, d)
         backend.reshape_and_cache(k, v, layer.k_cache, layer.v_cache, case.slots[layer.group])
-        att = backend.paged_decode_attention(
+        starts = (
+            torch.arange(case.lens.numel() + 1, dtype=torch.int32) if case.starts is None else case.starts
+        )
+        att = backend.paged_prefill_attention(
             q,
             layer.k_cache,
             layer.v_cache,
             case.tables[layer.group],
+            starts,
             case.lens,
             sh.scale,
             sliding_window=layer.sliding_window,
@@ -247,7 +264,17 @@ def native(
     if kernels is not None:
         stack.lib = kernels
     x = case.x.clone()
-    stack.run(x, case.cos, case.sin, case.slots, case.tables, case.lens, num_threads, prefetch)
+    stack.run(
+        x,
+        case.cos,
+        case.sin,
+        case.slots,
+        case.tables,
+        case.lens,
+        num_threads,
+        prefetch,
+        query_start_loc=case.starts,
+    )
     return x
 
 
@@ -281,6 +308,45 @@ def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, arch
             for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
                 assert_same(mine.k_cache, theirs.k_cache)  # the NaN slots left alone, the new rows written
                 assert_same(mine.v_cache, theirs.v_cache)
+
+
+# A speculative step's shapes: one sequence's token and 4 drafts; several sequences with drafts beside plain
+# decode rows; the GEMV's most rows (16) in one call. Context lengths cross blocks and the sliding window (6).
+MULTI = [((5,), (12,)), ((3, 1, 5), (9, 4, 30)), ((1, 8, 2, 5), (5, 12, 2, 9))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_lens", "lens"), MULTI)
+def test_several_tokens_per_sequence_equal_the_ops_bitwise(
+    q_lens: tuple[int, ...], lens: tuple[int, ...], dtype: torch.dtype, arch: str
+) -> None:
+    """Sequences with several new tokens (attended causally among themselves, in the prefill kernel's items):
+    outputs and written K/V rows bitwise the op-by-op chain's, on 1 and 2 threads."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
+    case = make_case(
+        len(q_lens), dtype, 7, lens, gemma=arch == "gemma3", qk_norms=arch == "qwen3", q_lens=q_lens
+    )
+    assert case.x.shape[0] == sum(q_lens) <= cpu_decode.MAX_ROWS
+    ref_case = with_fresh_caches(case)
+    want = reference(ref_case)
+    assert not want.isnan().any()
+    for threads in (1, 2):
+        got_case = with_fresh_caches(case)
+        assert_same(native(got_case, dtype, num_threads=threads, prefetch=threads == 2), want)
+        for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
+            assert_same(mine.k_cache, theirs.k_cache)
+            assert_same(mine.v_cache, theirs.v_cache)
+
+
+def test_query_start_loc_must_cover_the_rows() -> None:
+    """Starts that do not end at the row count, or a sequence without a row, are refused before anything runs."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
+    case = make_case(2, torch.float32, 5, (9, 12), q_lens=(2, 3))
+    for starts in ([0, 2, 4], [0, 0, 5], [1, 2, 5]):
+        bad = replace(with_fresh_caches(case), starts=torch.tensor(starts, dtype=torch.int32))
+        with pytest.raises(ValueError, match="refused"):
+            native(bad, torch.float32)
 
 
 def test_negative_slot_is_not_written() -> None:

@@ -16,6 +16,9 @@ from pagoda.server.llm import LLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.spec.build import build_speculation
+from pagoda.server.spec.config import parse_speculative_config
+from pagoda.server.spec.policy import DraftPolicy, StepCostModel
 from pagoda.server.testing import dense_copy
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
 from transformers import AutoModelForCausalLM
@@ -101,6 +104,46 @@ def test_native_greedy_tokens_equal_the_module_path(
         assert (ran >= 15) if on else ran == 0, ran  # 15 decode steps at least (prefills stay on the modules)
     assert outputs[True] == outputs[False]
     assert all(len(tokens) == 16 for tokens in outputs[True])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_speculative_steps_run_natively_with_the_same_tokens(
+    arch: str, mixed_gguf: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With n-gram drafts a step carries a sequence's token and its drafts (several rows of one sequence): those
+    steps run natively too, and the greedy tokens equal the module path's (and plain decoding's)."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = engine(mixed_gguf(arch), tmp_path, "float32", speculative_config=spec)
+    model = model_of(llm)
+    native = model.native_decode
+    # (rows, the most new tokens of one sequence) of each step that ran natively
+    shapes: list[tuple[int, int]] = []
+    run = native.run
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        out = run(*args)
+        if out is not None:
+            shapes.append((int(args[1].shape[0]), int(args[4].max_query_len)))
+        return out
+
+    native.run = spy  # type: ignore[method-assign, assignment]
+    # A flat step cost makes the policy draft all 3 whatever this machine's load measured at start.
+    flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3, margin=1.0)
+    llm.engine.speculate = build_speculation(parse_speculative_config(spec), flat)
+    prompts = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 9, 9, 9, 9, 9], [5, 17, 80, 17, 80, 17]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for on in (True, False):
+        native.enabled = on
+        outputs[on] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[True] == outputs[False]
+    assert any(q > 1 for _, q in shapes), shapes  # drafted steps ran natively
+    assert llm.engine.counters.spec_decode_num_draft_tokens > 0
+    plain = engine(mixed_gguf(arch), tmp_path / "plain", "float32")
+    assert outputs[True] == [
+        out.outputs[0].token_ids for out in plain.generate(prompts, params, use_tqdm=False)
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -1,5 +1,5 @@
 /* A decode step's decoder layers (Llama family, Gemma 3) in one native call: for a few rows (one query token per
- * sequence), every layer's RMSNorm, QKV GEMV, (q/k norms and) rotary, KV write, paged attention, output
+ * sequence, or a few per sequence: a speculative step's token and its drafts), every layer's RMSNorm, QKV GEMV, (q/k norms and) rotary, KV write, paged attention, output
  * projection, (norm,) add + norm, gate/up GEMV, SiLU or GELU, down GEMV, (norm and) residual add, on one thread
  * team for the whole call.
  *
@@ -30,13 +30,15 @@
 #pragma GCC optimize("fp-contract=fast")
 #include "cpu_attention.c"
 
-/* attend_item for one (sequence, KV head) decode item: its G query heads' rows, with G a constant where common. */
+/* attend_item for one (sequence, KV head, tile of tokens) item: its rows (tokens x G query heads), a constant
+ * where common. */
 static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
   switch (rows) {
     case 1: attend_item(1, p, it); break;
     case 2: attend_item(2, p, it); break;
     case 3: attend_item(3, p, it); break;
     case 4: attend_item(4, p, it); break;
+    case 6: attend_item(6, p, it); break;
     case 8: attend_item(8, p, it); break;
     default: attend_item((int)rows, p, it); break;
   }
@@ -56,7 +58,7 @@ static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
 enum { F_INPUT_NORM, F_ATTN_OUT_NORM, F_MLP_NORM, F_MLP_OUT_NORM, F_Q_NORM, F_K_NORM, F_K_CACHE, F_V_CACHE, F_WINDOW,
        F_ROPE, F_GROUP, F_QKV, F_O = F_QKV + WEIGHT_FIELDS, F_GATE_UP = F_O + WEIGHT_FIELDS,
        F_DOWN = F_GATE_UP + WEIGHT_FIELDS, LAYER_FIELDS = F_DOWN + WEIGHT_FIELDS };
-enum { PHASES = 5 }; /* claim counters per layer: QKV, attention, O, gate/up, down */
+enum { PHASES = 6 }; /* claim counters per layer: QKV, attention, O, gate/up, down, rotary + K/V writes */
 #define ACT_CHUNK 128 /* gate/up columns per claim at most (both halves' values stay on the stack) */
 
 int64_t pagoda_decode_layer_fields(void) { return LAYER_FIELDS; }
@@ -185,41 +187,85 @@ static void act_mul(const scalar_t *gate, const scalar_t *up, scalar_t *out, int
   }
 }
 
+/* Token r's query heads of KV head kh normed (if q_norm) and rotated into qrow, and its key normed and rotated
+ * and, with its value, written to its cache slot (slot < 0: not written), as pagoda_norm_rotary and
+ * reshape_and_cache compute them. */
+static void rotate_and_write(const scalar_t *qkv_row, scalar_t *qrow_r, int64_t kh, int64_t G, int64_t D,
+                             int64_t q_size, int64_t kv_size, const scalar_t *q_norm, const scalar_t *k_norm,
+                             float eps, int uo, const scalar_t *c, const scalar_t *s, int64_t slot,
+                             scalar_t *k_cache, scalar_t *v_cache) {
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t head = kh * G + g;
+    scalar_t *qr = qrow_r + head * D;
+    if (q_norm) norm_row(qkv_row + head * D, q_norm, D, eps, uo, qr);
+    else memcpy(qr, qkv_row + head * D, sizeof(scalar_t) * (size_t)D);
+    rotate_row(qr, c, s, D);
+  }
+  scalar_t key[MAX_HEAD_DIM];
+  if (k_norm) norm_row(qkv_row + q_size + kh * D, k_norm, D, eps, uo, key);
+  else memcpy(key, qkv_row + q_size + kh * D, sizeof(scalar_t) * (size_t)D);
+  rotate_row(key, c, s, D);
+  if (slot >= 0) {
+    const int64_t at = slot * kv_size + kh * D;
+    memcpy(k_cache + at, key, sizeof(scalar_t) * (size_t)D);
+    memcpy(v_cache + at, qkv_row + q_size + kv_size + kh * D, sizeof(scalar_t) * (size_t)D);
+  }
+}
+
 /* Run `num_layers` decoder layers over x ([rows, hidden], updated in place: the residual stream after the last
- * layer, before the final norm). Row r is sequence r's one new token: in a layer of KV cache group g its K/V go to
- * cache slot slots[g * rows + r] (negative: not written) and it attends to context_lens[r] tokens through
- * block_tables[(g * rows + r) * max_blocks ..]; a layer of rope table t rotates by cos / sin[(t * rows + r) *
- * head_dim / 2 ..] (x's dtype). unit_offset: Gemma's (1 + w) norms; act_kind: 0 GELU (tanh), 1 SiLU; softcap > 0:
+ * layer, before the final norm). Sequence s's new tokens are rows query_start_loc[s] .. query_start_loc[s + 1]
+ * (num_seqs sequences; one row each in a plain decode step, the token and its drafts in a speculative one); in a
+ * layer of KV cache group g row r's K/V go to cache slot slots[g * rows + r] (negative: not written), and the
+ * sequence, context_lens[s] tokens long with its new ones, is read through block_tables[(g * num_seqs + s) *
+ * max_blocks ..]; a layer of rope table t rotates row r by cos / sin[(t * rows + r) * head_dim / 2 ..] (x's dtype).
+ * Attention runs in the items the prefill kernel cuts (tiles of max(1, TILE_ROWS / G) tokens), so every row's
+ * scores are computed as that kernel computes them. unit_offset: Gemma's (1 + w) norms; act_kind: 0 GELU (tanh), 1 SiLU; softcap > 0:
  * attention logit soft-capping. Returns 0, 1 for unsupported sizes, 2 when out of memory. */
 int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, int64_t rows, int64_t hidden,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inner,
                          int64_t block_size, float eps, float scale, int64_t unit_offset, int64_t act_kind,
                          float softcap, const scalar_t *cos, const scalar_t *sin, const int64_t *slots,
                          const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
-                         int64_t num_threads, int64_t prefetch) {
+                         const int32_t *query_start_loc, int64_t num_seqs, int64_t num_threads, int64_t prefetch) {
   const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_n = q_size + 2 * kv_size;
   const int64_t G = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
   if (rows < 1 || rows > DECODE_MAX_ROWS || num_kv_heads < 1 || num_heads % num_kv_heads || G > 32 || D % 8 ||
       D > MAX_HEAD_DIM || block_size < 1 || block_size > MAX_BLOCK_SIZE || hidden % QK || q_size % QK ||
-      inner % QK || (act_kind != 0 && act_kind != 1))
+      inner % QK || (act_kind != 0 && act_kind != 1) || num_seqs < 1 || num_seqs > rows ||
+      query_start_loc[0] != 0 || query_start_loc[num_seqs] != rows)
     return 1;
+  for (int64_t s = 0; s < num_seqs; s++)
+    if (query_start_loc[s + 1] <= query_start_loc[s]) return 1;
+  /* one token per sequence: each (row, KV head) item writes its key and attends at once; otherwise every key of
+   * the step is written first (a barrier), then the attention items run */
+  const int one_token = num_seqs == rows;
+  const int64_t tile = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
   if (num_threads < 1) num_threads = 1;
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
   const int64_t widest = hidden > inner ? (hidden > q_size ? hidden : q_size) : (inner > q_size ? inner : q_size);
-  /* shared: the step's QKV, attention output, O output, activation and down output; and the claim counters,
-   * each on its own cache line */
-  const size_t shared = sizeof(scalar_t) * (size_t)(rows * (qkv_n + q_size + hidden + inner + hidden));
+  /* shared: the step's QKV, attention output, O output, activation and down output, and (several tokens per
+   * sequence) the rotated query rows, which other threads' attention items read; and the claim counters, each on
+   * its own cache line */
+  const size_t shared = sizeof(scalar_t) * (size_t)(rows * (qkv_n + q_size + hidden + inner + hidden + q_size));
   const int uo = (int)unit_offset;
   int64_t *counters = calloc((size_t)(num_layers * PHASES) * 8, sizeof(int64_t));
   scalar_t *buf = malloc(shared);
-  int32_t *starts = malloc(sizeof(int32_t) * (size_t)(rows + 1));
-  if (!counters || !buf || !starts) {
-    free(counters), free(buf), free(starts);
+  /* the attention items: (sequence, KV head, first token, tokens), as pagoda_paged_attention cuts them */
+  int64_t num_items = 0;
+  for (int64_t s = 0; s < num_seqs; s++)
+    num_items += num_kv_heads * ((query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile);
+  item_t *items = malloc(sizeof(item_t) * (size_t)num_items);
+  if (!counters || !buf || !items) {
+    free(counters), free(buf), free(items);
     return 2;
   }
-  for (int64_t r = 0; r <= rows; r++) starts[r] = (int32_t)r;
+  for (int64_t s = 0, i = 0; s < num_seqs; s++) {
+    const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+    for (int64_t kh = 0; kh < num_kv_heads; kh++)
+      for (int64_t t = 0; t < q_len; t += tile) items[i++] = (item_t){s, kh, t, q_len - t < tile ? q_len - t : tile};
+  }
   scalar_t *qkv = buf, *att = qkv + rows * qkv_n, *o = att + rows * q_size, *act = o + rows * hidden;
-  scalar_t *down = act + rows * inner;
+  scalar_t *down = act + rows * inner, *qshared = down + rows * hidden;
   int status = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(num_threads)
@@ -248,7 +294,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     team_barrier(); /* every thread knows whether all allocations succeeded */
     if (__atomic_load_n(&status, __ATOMIC_RELAXED) == 0) {
       memcpy(res, x, sizeof(scalar_t) * (size_t)(rows * hidden));
-      const problem_t base = {qrow, NULL, NULL, NULL, NULL, att, block_tables, starts, context_lens, max_blocks,
+      const problem_t base = {qrow, NULL, NULL, NULL, NULL, att, block_tables, query_start_loc, context_lens, max_blocks,
                               num_heads, num_kv_heads, D, block_size, 0, scale, softcap > 0.0f ? softcap : 0.0f};
       for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *f = table + l * LAYER_FIELDS;
@@ -271,32 +317,26 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
         while ((n = claim(count, qkv_n, nthreads, 16, 512, &j0)) > 0)
           weight_columns(&wqkv, j0, j0 + n, hidden, &qx, rows, qkv, qkv_n);
         team_barrier();
-        /* per (row, KV head): rotary of its query heads and key, the K/V write, attention */
-        while (claim(count + 8, rows * num_kv_heads, nthreads, 1, 1, &j0) > 0) {
-          const int64_t r = j0 / num_kv_heads, kh = j0 % num_kv_heads;
-          const scalar_t *c = gcos + r * (D / 2), *s = gsin + r * (D / 2);
-          /* as pagoda_norm_rotary: the head's norm (or a copy), then the rotation */
-          for (int64_t g = 0; g < G; g++) {
-            const int64_t head = kh * G + g;
-            scalar_t *qr = qrow + r * q_size + head * D;
-            if (q_norm) norm_row(qkv + r * qkv_n + head * D, q_norm, D, eps, uo, qr);
-            else memcpy(qr, qkv + r * qkv_n + head * D, sizeof(scalar_t) * (size_t)D);
-            rotate_row(qr, c, s, D);
+        problem_t p = base;
+        p.k_cache = k_cache, p.v_cache = v_cache, p.window = f[F_WINDOW];
+        p.block_tables = block_tables + group * num_seqs * max_blocks;
+        if (one_token) { /* per (row, KV head): rotary of its query heads and key, the K/V write, attention */
+          while (claim(count + 8, rows * num_kv_heads, nthreads, 1, 1, &j0) > 0) {
+            const int64_t r = j0 / num_kv_heads, kh = j0 % num_kv_heads;
+            rotate_and_write(qkv + r * qkv_n, qrow + r * q_size, kh, G, D, q_size, kv_size, q_norm, k_norm, eps, uo,
+                             gcos + r * (D / 2), gsin + r * (D / 2), gslots[r], k_cache, v_cache);
+            decode_attend(&p, &items[j0], G);
           }
-          scalar_t key[MAX_HEAD_DIM];
-          if (k_norm) norm_row(qkv + r * qkv_n + q_size + kh * D, k_norm, D, eps, uo, key);
-          else memcpy(key, qkv + r * qkv_n + q_size + kh * D, sizeof(scalar_t) * (size_t)D);
-          rotate_row(key, c, s, D);
-          if (gslots[r] >= 0) {
-            const int64_t at = gslots[r] * kv_size + kh * D;
-            memcpy(k_cache + at, key, sizeof(scalar_t) * (size_t)D);
-            memcpy(v_cache + at, qkv + r * qkv_n + q_size + kv_size + kh * D, sizeof(scalar_t) * (size_t)D);
+        } else { /* every row's rotary and K/V write, then the attention items over them (any thread's rows) */
+          while (claim(count + 40, rows * num_kv_heads, nthreads, 1, 1, &j0) > 0) {
+            const int64_t r = j0 / num_kv_heads, kh = j0 % num_kv_heads;
+            rotate_and_write(qkv + r * qkv_n, qshared + r * q_size, kh, G, D, q_size, kv_size, q_norm, k_norm, eps,
+                             uo, gcos + r * (D / 2), gsin + r * (D / 2), gslots[r], k_cache, v_cache);
           }
-          problem_t p = base;
-          p.k_cache = k_cache, p.v_cache = v_cache, p.window = f[F_WINDOW];
-          p.block_tables = block_tables + group * rows * max_blocks;
-          const item_t it = {r, kh, 0, 1};
-          decode_attend(&p, &it, G);
+          team_barrier();
+          p.q = qshared;
+          while (claim(count + 8, num_items, nthreads, 1, 1, &j0) > 0)
+            decode_attend(&p, &items[j0], items[j0].num_tokens * G);
         }
         if (prefetch) prefetch_share(&wo, q_size, thread, nthreads, 1 << 18);
         team_barrier();
@@ -349,6 +389,6 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     free(qx.xb);
 #endif
   }
-  free(counters), free(buf), free(starts);
+  free(counters), free(buf), free(items);
   return status;
 }

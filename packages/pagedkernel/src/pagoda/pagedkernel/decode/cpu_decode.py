@@ -71,7 +71,7 @@ def load(library: Path) -> DecodeKernels:
     # (table, layers, x, rows, hidden, heads, kv_heads, head_dim, inner, block_size, eps, scale, unit_offset,
     #  act_kind, softcap, cos, sin, slots, block_tables, max_blocks, context_lens, threads, prefetch)
     run.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, f32]
-    run.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, i64, i64]
+    run.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64]
     run.restype = ctypes.c_int
     fields, parts = lib["pagoda_decode_layer_fields"], lib["pagoda_decode_max_parts"]
     fields.restype = parts.restype = i64
@@ -209,12 +209,14 @@ class DecodeStack:
         cos: Tensor,  # [num_ropes, rows, head_dim // 2] (or [rows, head_dim // 2] for one), x's dtype
         sin: Tensor,  # like cos
         slot_mapping: Tensor,  # int64 [num_groups, rows] (or [rows]): each row's cache slot, negative: none
-        block_tables: Tensor,  # int32 [num_groups, rows, max_blocks] (or [rows, max_blocks])
-        context_lens: Tensor,  # int32 [rows]: tokens of each sequence including this step's
+        block_tables: Tensor,  # int32 [num_groups, num_seqs, max_blocks] (or [num_seqs, max_blocks])
+        context_lens: Tensor,  # int32 [num_seqs]: tokens of each sequence including this step's
         num_threads: int | None = None,  # None: torch's
         prefetch: bool = True,  # ask for the next weights while a phase ends
+        query_start_loc: Tensor | None = None,  # int32 [num_seqs + 1]; None: one row per sequence
     ) -> None:
-        """Every layer over the step's rows (one new token per sequence); x holds the last layer's output."""
+        """Every layer over the step's rows (sequence i's new tokens are rows query_start_loc[i]:[i + 1]: one in a
+        decode step, a token and its drafts in a speculative one); x holds the last layer's output."""
         rows = int(x.shape[0])
         shape = self.shape
         if not 1 <= rows <= MAX_ROWS or x.dtype != self.dtype or not x.is_contiguous():
@@ -228,11 +230,23 @@ class DecodeStack:
             raise ValueError(f"cos and sin must hold {self.num_ropes} x {rows} x {half} values")
         slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
         slots, tables, lens = slots.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+        if query_start_loc is None:
+            query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
+        starts = query_start_loc.contiguous()
+        num_seqs = int(starts.numel()) - 1
+        if starts.dtype != torch.int32 or num_seqs < 1:
+            raise ValueError("query_start_loc is int32 [num_seqs + 1], at least one sequence")
         if slots.numel() != self.num_groups * rows:
             raise ValueError(f"slot_mapping must hold {self.num_groups} x {rows} slots")
-        groups_rows = tables.numel() // max(int(tables.shape[-1]), 1)
-        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or groups_rows != self.num_groups * rows:
+        groups_seqs = tables.numel() // max(int(tables.shape[-1]), 1)
+        if (
+            tables.dtype != torch.int32
+            or lens.dtype != torch.int32
+            or groups_seqs != self.num_groups * num_seqs
+        ):
             raise ValueError("block_tables and context_lens are int32, one table per group and sequence")
+        if lens.numel() != num_seqs:
+            raise ValueError(f"context_lens must hold {num_seqs} lengths, one per sequence")
         code = self.lib.run(
             self.table.data_ptr(),
             len(self.layers),
@@ -255,10 +269,14 @@ class DecodeStack:
             tables.data_ptr(),
             int(tables.shape[-1]),
             lens.data_ptr(),
+            starts.data_ptr(),
+            num_seqs,
             torch.get_num_threads() if num_threads is None else num_threads,
             int(prefetch),
         )
         if code == 2:
             raise MemoryError("the native decode layers could not allocate their work space")
         if code != 0:
-            raise ValueError(f"the native decode layers refused the shapes {shape} (status {code})")
+            raise ValueError(
+                f"the native decode layers refused the shapes {shape} or query_start_loc (status {code})"
+            )

@@ -4,8 +4,9 @@ native call (`pagoda.pagedkernel.decode`), bitwise what the torch modules comput
 `NativeDecode` is the model's policy object: `run(...)` either runs the layers natively and returns their output,
 or returns None and the model runs its modules. A model takes part by describing its layers once
 (`NativeDecodable.native_view`: which norms, projections, attention module and rotary table each layer uses).
-It says no for what the C layers do not do (checked once per model, then per step): prefill or mixed steps, more
-than `max_rows` rows, LoRA, tensor parallelism, images' own rotary angles, int8 or fp8 KV caches, dense
+A step's sequences may each bring several tokens (a speculative step's token and its drafts, a short prompt
+chunk): the C layers attend them in the prefill kernel's items. It says no for what the C layers do not do
+(checked once per model, then per step): more than `max_rows` rows, LoRA, tensor parallelism, images' own rotary angles, int8 or fp8 KV caches, dense
 (unquantized) or unsupported GGUF weights, biases, an attention backend other than `cpu`, and dtypes other than
 float32 and bfloat16.
 """
@@ -20,7 +21,7 @@ from typing import Protocol
 import torch
 from pagoda.pagedkernel import decode
 from pagoda.pagedkernel.fused import ActivationName
-from pagoda.pagedkernel.quant import QuantizedTensor
+from pagoda.pagedkernel.quant import QuantizedTensor, cpu_quant
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.layers import Linear, RMSNorm
 from pagoda.server.models.parallel import ParallelGroup
@@ -28,9 +29,15 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which a decode step runs natively: beyond a few rows the per-op overhead is a small share of the
-# step, and the many-row kernels (AMX, oneDNN) of the module path win.
-DEFAULT_MAX_ROWS = 4
+
+def default_max_rows() -> int:
+    """Rows up to which a step runs natively: every row count the GEMV kernels take in one pass (the module path
+    runs the same GEMV there, plus per-op overhead), except from the row count at which the module path multiplies
+    on the AMX tile unit instead, where the CPU has one (the native layers compute what the modules compute, bit for
+    bit)."""
+    if cpu_quant.kernels().matmul_amx is not None:
+        return min(decode.MAX_ROWS, cpu_quant.AMX_MIN_ROWS - 1)
+    return decode.MAX_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +92,10 @@ class NativeDecodable(Protocol):
 class NativeDecode:
     """Whether and how a model's decode steps run as one native call (see the module docstring)."""
 
-    def __init__(self, *, enabled: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+    def __init__(self, *, enabled: bool = True, max_rows: int | None = None) -> None:
         self.enabled = enabled
-        self.max_rows = min(max_rows, decode.MAX_ROWS)
+        # None: default_max_rows(), decided when the first step asks (it loads the GEMV library)
+        self.max_rows = None if max_rows is None else min(max_rows, decode.MAX_ROWS)
         # Steps that ran natively (tests and benchmarks read it).
         self.steps = 0
         self._view: ModelView | None = None
@@ -105,19 +113,24 @@ class NativeDecode:
     ) -> Tensor | None:  # [num_tokens, hidden]
         """The last decoder layer's output (every layer run natively), or None when this step or model is one the
         native layers do not run (nothing was written)."""
-        if not self.enabled or self._refused is not None or not attn.is_decode:
+        if not self.enabled or self._refused is not None or attn.backend.name != "cpu":
             return None
-        if x.shape[0] > self.max_rows or attn.backend.name != "cpu":
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
             return None
         if self._view is None:
             self._view = model.native_view()
         stack = self._stack_for(self._view, x.dtype, kv_caches)
         if stack is None:
             return None
+        if self.max_rows is None:  # after the stack: its kernels are built, so the GEMV library loads
+            self.max_rows = default_max_rows()
+        if x.shape[0] > self.max_rows:
+            return None
         rows = x.shape[0]
+        num_seqs = attn.query_start_loc.numel() - 1
         if attn.group_block_tables:
             slots = torch.stack(list(attn.group_slot_mappings))  # [groups, rows]
-            tables = _stacked_tables(attn.group_block_tables)  # [groups, rows, max_blocks]
+            tables = _stacked_tables(attn.group_block_tables)  # [groups, num_seqs, max_blocks]
         else:
             slots, tables = attn.slot_mapping[None], attn.block_tables[None]
         if tables.shape[0] < stack.num_groups:
@@ -127,7 +140,15 @@ class NativeDecode:
             cos, sin = ropes[0]
         else:
             cos, sin = torch.stack([c for c, _ in ropes]), torch.stack([s for _, s in ropes])
-        stack.run(out, cos, sin, slots[:, :rows], tables[:, :rows], attn.context_lens)
+        stack.run(
+            out,
+            cos,
+            sin,
+            slots[:, :rows],
+            tables[:, :num_seqs],
+            attn.context_lens[:num_seqs],
+            query_start_loc=attn.query_start_loc,
+        )
         self.steps += 1
         return out
 
