@@ -1,5 +1,6 @@
-"""Attention/FFN disaggregation on the CPU: the engine's process runs attention, one FFN worker (gloo, one torch
-thread each) runs every MLP, two micro-batches in ping-pong; greedy tokens equal the plain engine's, exactly.
+"""Attention/FFN disaggregation on the CPU: the engine's process runs attention (with A > 1 its shard of the heads,
+the other attention workers the rest), FFN workers (gloo, one torch thread each) run every MLP, two micro-batches
+in ping-pong; greedy tokens equal the plain engine's, exactly.
 
 Every engine is shut down by the `llms` fixture's teardown, so no FFN worker outlives its test.
 """
@@ -36,6 +37,12 @@ from test_spec_engine import make_llm as make_spec_llm
 
 AFD_ARGS: dict[str, Any] = {"attention_ffn_disaggregation": {"attention_workers": 1, "ffn_workers": 1}}
 FLAG = "--attention-ffn-disaggregation"
+
+
+def afd_args(attention: int, ffn: int) -> dict[str, Any]:
+    """The LLM keyword of A attention ranks and F FFN ranks."""
+    return {"attention_ffn_disaggregation": {"attention_workers": attention, "ffn_workers": ffn}}
+
 
 LLMFactory = Callable[..., LLM]
 
@@ -123,6 +130,40 @@ def test_two_ffn_workers_equal_plain(arch: str, afd_models: dict[str, Path], llm
     assert all(c.forwards == stats.forwards and c.micro_batches == stats.micro_batches for c in counts)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("arch", "ffn"), [("llama", 1), ("llama", 2), ("gemma3", 1), ("gemma3", 2), ("qwen3", 1)]
+)
+def test_two_attention_workers_equal_plain(
+    arch: str, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """Two attention ranks split every layer's heads and the KV cache (one of the two KV heads each, o_proj
+    all-reduced between them) and exchange the MLPs with F FFN ranks: the plain engine's tokens, ping-pong
+    included; every FFN worker ran every micro-batch."""
+    prompts = random_prompts(PROMPT_LENS)
+    plain = llms(make_llm, afd_models[arch])
+    want = greedy_tokens(plain, prompts)
+    afd = llms(make_llm, afd_models[arch], **afd_args(2, ffn))
+    assert greedy_tokens(afd, prompts) == want
+    executor = afd_executor(afd)
+    assert [w.describe().split(" worker")[0] for w in executor.workers] == ["afd-attention"] + ["ffn"] * ffn
+    whole = plain.engine.executor.driver.kv_cache.shape.num_kv_heads
+    assert executor.driver.kv_cache.shape.num_kv_heads * 2 == whole
+    stats = executor.afd.stats
+    assert stats.max_in_flight == 2
+    assert stats.by_micro_batches.get(2, 0) >= 11
+    counts = executor.ffn_counts()
+    assert [c.rank for c in counts] == list(range(2, 2 + ffn))
+    assert all(c.forwards == stats.forwards and c.micro_batches == stats.micro_batches for c in counts)
+    assert afd.engine.kv_manager.stats().num_used_blocks == 0
+
+
+def test_attention_workers_the_heads_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
+    """Three attention workers for four query heads: refused before any worker starts, naming the flag's key."""
+    with pytest.raises(EngineConfigError, match=f"{FLAG} attention_workers 3: .*must divide"):
+        make_llm(afd_models["llama"], **afd_args(3, 1))
+
+
 def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
     """Three FFN workers for four query heads: refused before any worker starts, naming the flag."""
     with pytest.raises(EngineConfigError, match=f"{FLAG} ffn_workers 3: .*must divide"):
@@ -130,14 +171,24 @@ def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("arch", "mode"), [("llama", "recompute"), ("gemma3", "swap")])
-def test_afd_preemption_is_exact(arch: str, mode: str, afd_models: dict[str, Path], llms: LLMFactory) -> None:
-    """A pool too small for the batch preempts (recompute, or swap of the driver's KV blocks: the FFN worker
-    holds none)."""
+@pytest.mark.parametrize(
+    ("arch", "mode", "attention", "ffn"),
+    [
+        ("llama", "recompute", 1, 1),
+        ("gemma3", "swap", 1, 1),
+        ("llama", "swap", 2, 1),
+        ("gemma3", "recompute", 2, 2),
+    ],
+)
+def test_afd_preemption_is_exact(
+    arch: str, mode: str, attention: int, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """A pool too small for the batch preempts (recompute, or swap of the attention ranks' KV blocks: the FFN
+    workers hold none; with two attention ranks each swaps its half of the heads)."""
     prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
     args: dict[str, Any] = {"num_kv_blocks": 24, "max_model_len": 40, "preemption_mode": mode}
     want = greedy_tokens(llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args), prompts)
-    afd = llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args, **AFD_ARGS)
+    afd = llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args, **afd_args(attention, ffn))
     spy = StepSpy(afd)
     assert greedy_tokens(afd, prompts) == want
     assert spy.swaps + spy.recomputes > 0
@@ -145,18 +196,22 @@ def test_afd_preemption_is_exact(arch: str, mode: str, afd_models: dict[str, Pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    ("arch", "attention", "ffn"),
+    [("qwen3", 1, 1), ("gemma3", 1, 1), ("llama", 2, 2), ("gemma3", 2, 1), ("qwen3", 2, 1)],
+)
 def test_afd_prefix_caching_and_chunked_prefill_are_exact(
-    arch: str, afd_models: dict[str, Path], llms: LLMFactory
+    arch: str, attention: int, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
 ) -> None:
     """Prefix-cache hits and prefills split over steps (mixed with decodes: micro-batches of prefill chunks and
-    decode rows) keep the plain engine's tokens; Gemma 3's sliding-window groups split with the batch."""
+    decode rows) keep the plain engine's tokens; Gemma 3's sliding-window groups split with the batch (and with
+    the heads, over two attention ranks)."""
     shared = random_prompts((24,), seed=2)[0]
     first = [shared + tail for tail in random_prompts((3, 5), seed=3)]
     second = [shared + tail for tail in random_prompts((4, 7, 2), seed=4)]
     args: dict[str, Any] = {"max_num_batched_tokens": 16}
     one = llms(make_llm, afd_models[arch], **args)
-    afd = llms(make_llm, afd_models[arch], **args, **AFD_ARGS)
+    afd = llms(make_llm, afd_models[arch], **args, **afd_args(attention, ffn))
     spy = StepSpy(afd)
     for batch in (first, second):
         assert greedy_tokens(afd, batch) == greedy_tokens(one, batch)
@@ -165,27 +220,28 @@ def test_afd_prefix_caching_and_chunked_prefill_are_exact(
 
 
 @pytest.mark.timeout(300)
-def test_afd_with_attention_adapters_equals_plain(
-    tmp_path: Path, afd_models: dict[str, Path], llms: LLMFactory
+@pytest.mark.parametrize(("attention", "ffn"), [(1, 1), (1, 2), (2, 2)])
+def test_afd_with_adapters_equals_plain(
+    attention: int, ffn: int, tmp_path: Path, afd_models: dict[str, Path], llms: LLMFactory
 ) -> None:
-    """Adapters on the attention projections (and the base) in one batch give the plain engine's tokens, one
-    micro-batch a step; an adapter of an MLP projection is refused by name, never applied half way."""
+    """Three adapters in one batch with the base model: two on all of q/k/v/o/gate/up/down, one on the MLP's
+    down_proj only. The attention ranks apply the attention parts, the FFN ranks (each its shard, with F = 2)
+    the MLP parts with the step's per-row adapters: the plain engine's tokens, one micro-batch a step."""
     base = afd_models["llama"]
-    attention = make_tiny_lora(
-        base, tmp_path / "attn", rank=4, seed=1, target_modules=("q_proj", "v_proj", "o_proj")
-    )
-    mlp = make_tiny_lora(base, tmp_path / "mlp", rank=4, seed=2, target_modules=("down_proj",))
-    lora_args: dict[str, Any] = {"enable_lora": True, "max_loras": 2}
-    batch = random_prompts((9, 13, 7), seed=8)
-    loras = [LoRARequest("attn", 1, str(attention)), None, LoRARequest("attn", 1, str(attention))]
+    every = [make_tiny_lora(base, tmp_path / f"all{i}", rank=4, seed=i) for i in (1, 2)]
+    down = make_tiny_lora(base, tmp_path / "down", rank=8, seed=3, target_modules=("down_proj",))
+    lora_args: dict[str, Any] = {"enable_lora": True, "max_loras": 3}
+    batch = random_prompts((9, 13, 7, 11, 6), seed=8)
+    requests = [LoRARequest("all1", 1, str(every[0])), LoRARequest("all2", 2, str(every[1]))]
+    loras = [requests[0], None, requests[1], LoRARequest("down", 3, str(down)), requests[0]]
     plain = llms(make_llm, base, **lora_args)
     want = tokens(plain.generate(batch, GREEDY, use_tqdm=False, lora_request=loras))
-    afd = llms(make_llm, base, **lora_args, **AFD_ARGS)
+    base_tokens = tokens(plain.generate(batch, GREEDY, use_tqdm=False))
+    # Every adapter counts: each adapted prompt's tokens differ from the base model's.
+    assert all(w != b for w, b, lora in zip(want, base_tokens, loras, strict=True) if lora is not None)
+    afd = llms(make_llm, base, **lora_args, **afd_args(attention, ffn))
     assert tokens(afd.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    assert want[0] != tokens(plain.generate(batch[:1], GREEDY, use_tqdm=False))[0]  # the adapter counts
     assert set(afd_executor(afd).afd.stats.by_micro_batches) == {1}
-    with pytest.raises(LoRAError, match="down_proj is not a projection of this model"):
-        afd.generate(batch[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
 
 
 @pytest.mark.timeout(300)
@@ -215,7 +271,8 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('{"attention_workers": 2, "ffn_workers": 1}', "attention_workers must be 1"),
+        ('{"attention_workers": 0, "ffn_workers": 1}', "'attention_workers' must be an integer >= 1"),
+        ('{"attention_workers": true, "ffn_workers": 1}', "'attention_workers' must be an integer >= 1"),
         ('{"attention_workers": 1, "ffn_workers": 0}', "'ffn_workers' must be an integer >= 1"),
         ('{"attention_workers": 1, "ffn": 1}', "unknown key"),
         ("[1, 1]", "must be a JSON object"),
@@ -223,7 +280,7 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
     ],
 )
 def test_bad_flag_values_exit_2(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Bad JSON, bad counts, unknown keys and the shapes not built yet exit 2 naming the flag."""
+    """Bad JSON, bad counts and unknown keys exit 2 naming the flag."""
     with pytest.raises(SystemExit) as info:
         main(["serve", "unused-model", FLAG, value])
     assert info.value.code == 2

@@ -11,12 +11,12 @@ slot for the hooks.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 from pagoda.pagedkernel.lora import LoRABackendName
-from pagoda.scheduler import ScheduledRequest
 from pagoda.server.lora.layers import EmbeddingLoRAHook, HeadLoRAHook, LoRABatch, LoRAHook
 from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, fingerprint, load_adapter
 from pagoda.server.lora.request import LoRARequest
@@ -29,6 +29,20 @@ from torch import Tensor
 # shorter ones (decodes) go through the row-gathering op. Only on the CPU without the C op (`LoRALayer.runs_in_c`,
 # which groups and blocks the rows itself, faster than the matmuls): the GPU kernels batch both alike.
 LONG_CHUNK = 16
+
+
+class AdapterChunk(Protocol):
+    """What `prepare` reads of a step's chunk: a `ScheduledRequest`, or an FFN rank's `AdapterRun`."""
+
+    @property
+    def lora_id(self) -> int | None:
+        """The chunk's adapter (None: the base model)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """The chunk's token rows."""
+        ...
 
 
 def _rows(ids: list[int]) -> Tensor | slice:
@@ -118,6 +132,11 @@ class LoRAManager:
         embed.lora, model.head_lora = embed_hook, head_hook
         self.hooks[EMBEDDING], self.hooks[LM_HEAD] = embed_hook, head_hook
 
+    def keep_hooks(self, applies: Callable[[str], bool]) -> None:
+        """Apply adapters only to the modules `applies` names (attention/FFN disaggregation: each rank to the
+        projections it runs). Every target stays, so an adapter is still checked and read whole."""
+        self.hooks = {name: hook for name, hook in self.hooks.items() if applies(name)}
+
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter from disk (LoRAError naming the field); registers nothing. A folder already
         registered under another name, unchanged since, is not read again: its weights are shared."""
@@ -200,7 +219,7 @@ class LoRAManager:
         self.adapters.move_to_end(lora_id)
         return slot
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+    def prepare(self, scheduled: Sequence[AdapterChunk]) -> None:
         """Slot the step's adapters and set every token row's slot (None when no chunk has an adapter)."""
         needed = {c.lora_id for c in scheduled if c.lora_id is not None}
         if not needed:
@@ -232,7 +251,7 @@ class LoRAManager:
         slots = self.batch.slots
         self.batch.head_slots = None if slots is None or logits_indices is None else slots[logits_indices]
 
-    def requests_for(self, scheduled: Sequence[ScheduledRequest]) -> tuple[LoRARequest, ...]:
+    def requests_for(self, scheduled: Sequence[AdapterChunk]) -> tuple[LoRARequest, ...]:
         """The adapters a step uses, for the tensor-parallel workers (which read one they do not hold)."""
         ids = sorted({c.lora_id for c in scheduled if c.lora_id is not None})
         return tuple(self.adapters[i].request for i in ids if i in self.adapters)

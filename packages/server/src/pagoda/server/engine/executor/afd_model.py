@@ -20,17 +20,47 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
+from pagoda.server.afd_config import AttentionFFNConfig
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, Work
+from pagoda.server.lora.manager import LoRAManager
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from torch import Tensor, nn
 
-ATTENTION_RANK, FFN_RANK = (
-    0,
-    1,
-)  # FFN_RANK: the first FFN rank, which answers; ranks above it are FFN ranks too
+
+@dataclass(frozen=True, slots=True)
+class AFDRanks:
+    """The ranks of an AFD world: 0..A-1 attention (0 is the driver), A..A+F-1 FFN."""
+
+    attention: int  # A: attention ranks, tensor-parallel among themselves
+    ffn: int  # F: FFN ranks, tensor-parallel among themselves
+
+    @property
+    def first_ffn(self) -> int:
+        """The FFN rank that sends the MLP outputs back (to every attention rank)."""
+        return self.attention
+
+    @property
+    def size(self) -> int:
+        """Every rank of the world."""
+        return self.attention + self.ffn
+
+    def ffn_ranks(self) -> range:
+        """The FFN ranks, in order: attention rank 0 sends each of them every MLP input."""
+        return range(self.attention, self.size)
+
+    @classmethod
+    def of(cls, config: AttentionFFNConfig) -> AFDRanks:
+        """The ranks `--attention-ffn-disaggregation` asks for."""
+        return cls(config.attention_workers, config.ffn_workers)
+
+
+# The store prefixes of the attention ranks' group (their shards' all-reduces, the logits' gather) and of the FFN
+# ranks' (the MLPs' down projection), beside the world's (the activations, point to point).
+ATTENTION_GROUP_PREFIX = "pagoda-afd-attention"
+FFN_GROUP_PREFIX = "pagoda-afd-ffn"
 
 
 class SplitLayer(Protocol):
@@ -95,9 +125,40 @@ class RemoteMLP(nn.Module):
         raise RuntimeError("this layer's MLP lives on the FFN rank (attention/FFN disaggregation)")
 
 
+def mlp_names(model: nn.Module, layers: Sequence[SplitLayer]) -> tuple[str, ...]:
+    """The module names of the layers' MLPs ("model.layers.0.mlp", ...): LoRA's hooks under them run on the FFN
+    ranks, the others on the attention ranks."""
+    mlps = {id(layer.mlp) for layer in layers}
+    return tuple(name for name, module in model.named_modules() if id(module) in mlps)
+
+
+def under(names: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a module name lies under one of `names`."""
+    prefixes = tuple(f"{name}." for name in names)
+    return lambda module: module.startswith(prefixes)
+
+
+def attention_side(model: CausalLM, lora: LoRAManager | None) -> None:
+    """An attention rank's model: its adapters apply outside the MLPs only (the FFN ranks apply the MLPs' parts),
+    and its MLP weights are freed. LoRA's targets were found with the MLPs there, so an adapter of an MLP
+    projection is checked and read whole."""
+    _, layers, _ = split_model(model)
+    if lora is not None:
+        in_mlp = under(mlp_names(model, layers))
+        lora.keep_hooks(lambda name: not in_mlp(name))
+    drop_mlps(layers)
+
+
+def ffn_side(model: CausalLM, lora: LoRAManager | None) -> nn.ModuleList:
+    """An FFN rank's part of its loaded shard: every layer's MLP, its adapters applied to the MLPs only."""
+    _, layers, _ = split_model(model)
+    if lora is not None:
+        lora.keep_hooks(under(mlp_names(model, layers)))
+    return keep_mlps(layers)
+
+
 def drop_mlps(layers: Sequence[SplitLayer]) -> None:
-    """Free the attention rank's MLP weights (before LoRA finds its targets: an adapter of an MLP projection is
-    then refused by name, never applied half way)."""
+    """Free the attention rank's MLP weights."""
     for layer in layers:
         layer.mlp = RemoteMLP()
 
@@ -164,30 +225,35 @@ class AFDStats:
 
 @dataclass
 class _Pending:
-    """A micro-batch whose MLP input is at the FFN rank: what its layer's `finish` waits for."""
+    """A micro-batch whose MLP input is at the FFN ranks: what its layer's `finish` waits for."""
 
     residual: Tensor  # [num_tokens, hidden]
     sent: Tensor  # [num_tokens, hidden]: kept alive until the sends completed
-    sends: list[Work]  # one to each FFN rank
+    sends: list[Work]  # one to each FFN rank (none on attention ranks other than 0)
     out: Tensor  # [num_tokens, hidden]: the MLP output, once `recv` completed
     recv: Work
 
 
 class AFDForward:
-    """The attention rank's `StepForward`: embeddings, then per layer and micro-batch `attend`, the MLP at the FFN
-    rank, `finish`; the final norm. `announce` tells the FFN rank the micro-batch sizes before the first send."""
+    """An attention rank's `StepForward`: embeddings, then per layer and micro-batch `attend`, the MLP at the FFN
+    ranks, `finish`; the final norm. Every attention rank runs it in lockstep (their shards' o_proj all-reduced
+    among them); rank 0 alone sends the MLP inputs (every attention rank holds the same ones) and, by `announce`,
+    tells the FFN ranks the micro-batch sizes first; the first FFN rank sends each attention rank the outputs."""
 
     def __init__(
         self,
         model: CausalLM,
         link: ProcessGroupCollectives,
-        announce: Callable[[tuple[int, ...]], None],
+        ranks: AFDRanks,
+        announce: Callable[[tuple[int, ...]], None] | None,
         *,
         ping_pong: bool,
     ) -> None:
-        """`ping_pong` False: one micro-batch a step (LoRA: its slots index the whole batch's rows)."""
+        """`link`: the world's group (attention and FFN ranks); `announce` on rank 0 only. `ping_pong` False: one
+        micro-batch a step (LoRA: its slots index the whole batch's rows)."""
         self.model, self.layers, self.norm = split_model(model)
         self.link = link
+        self.ranks = ranks
         self.announce = announce
         self.ping_pong = ping_pong
         self.stats = AFDStats()
@@ -201,7 +267,8 @@ class AFDForward:
     ) -> Tensor:  # [num_tokens, hidden]
         """The final hidden states of the step's tokens, the MLPs computed by the FFN rank."""
         parts = micro_batches(attn, self.ping_pong)
-        self.announce(tuple(part.end - part.start for part in parts))
+        if self.announce is not None:
+            self.announce(tuple(part.end - part.start for part in parts))
         clock = _Clock()
         inputs = [
             self.model.layer_inputs(input_ids[p.start : p.end], positions[p.start : p.end]) for p in parts
@@ -232,11 +299,12 @@ class AFDForward:
         return hidden
 
     def _exchange(self, residual: Tensor, normed: Tensor, tag: int, clock: _Clock) -> _Pending:
-        """Send a micro-batch's MLP input and post the receive of its output (both asynchronous)."""
+        """Send a micro-batch's MLP input (rank 0) and post the receive of its output (both asynchronous)."""
         clock.lap()
-        sends = [self.link.send(normed, rank, tag) for rank in range(FFN_RANK, self.link.size)]
+        ffn_ranks = self.ranks.ffn_ranks() if self.link.rank == 0 else range(0)
+        sends = [self.link.send(normed, rank, tag) for rank in ffn_ranks]
         out = torch.empty_like(normed)
-        recv = self.link.recv(out, FFN_RANK, tag)
+        recv = self.link.recv(out, self.ranks.first_ffn, tag)
         clock.lap(exchange=True)
         return _Pending(residual, normed, sends, out, recv)
 
@@ -281,33 +349,36 @@ class FFNCounters:
 def run_ffn_forward(
     mlps: nn.ModuleList,
     link: ProcessGroupCollectives,
+    ranks: AFDRanks,
     num_tokens: Sequence[int],
     hidden_size: int,
     dtype: torch.dtype,
     device: torch.device,
     counters: FFNCounters,
 ) -> None:
-    """An FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input, run the
-    layer's MLP (its shard, all-reduced over the FFN ranks), and on FFN rank 1 send the output back (the attention
-    rank's order, so every tag's messages pair up)."""
-    replies = link.rank == FFN_RANK
+    """An FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input from attention
+    rank 0, run the layer's MLP (its shard, all-reduced over the FFN ranks), and on the first FFN rank send the
+    output to every attention rank (the attention ranks' order, so every tag's messages pair up)."""
+    replies = link.rank == ranks.first_ffn
     inputs = [torch.empty(n, hidden_size, dtype=dtype, device=device) for n in num_tokens]
-    sends: list[tuple[Work, Tensor]] = []
+    sends: list[tuple[list[Work], Tensor]] = []  # per micro-batch sent: its sends, and the output they read
     with torch.inference_mode():
         for mlp in mlps:
             for tag, x in enumerate(inputs):
                 start = time.perf_counter()
-                link.wait(link.recv(x, ATTENTION_RANK, tag))
+                link.wait(link.recv(x, 0, tag))
                 computed = time.perf_counter()
                 out: Tensor = mlp(x).contiguous()
                 counters.mlp_seconds += time.perf_counter() - computed
                 counters.wait_seconds += computed - start
                 if replies:
-                    sends.append((link.send(out, ATTENTION_RANK, tag), out))
+                    sends.append(([link.send(out, rank, tag) for rank in range(ranks.attention)], out))
             # The outputs of the layer before were received once this layer's inputs arrived; free them.
             while len(sends) > len(inputs):
-                link.wait(sends.pop(0)[0])
-    for work, _ in sends:
-        link.wait(work)
+                for work in sends.pop(0)[0]:
+                    link.wait(work)
+    for works, _ in sends:
+        for work in works:
+            link.wait(work)
     counters.forwards += 1
     counters.micro_batches += len(num_tokens)

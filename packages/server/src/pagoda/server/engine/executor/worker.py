@@ -14,7 +14,16 @@ from typing import TypeVar
 import msgspec
 import torch
 import zmq
-from pagoda.server.engine.executor.afd_model import FFNCounters, keep_mlps, run_ffn_forward, split_model
+from pagoda.server.engine.executor.afd_model import (
+    ATTENTION_GROUP_PREFIX,
+    FFN_GROUP_PREFIX,
+    AFDForward,
+    AFDRanks,
+    FFNCounters,
+    attention_side,
+    ffn_side,
+    run_ffn_forward,
+)
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
     Command,
@@ -74,10 +83,15 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
                 placement.device
             )  # NCCL and the kernels launch on this rank's GPU, not GPU 0
         group = ProcessGroupCollectives(spec.rank, spec.world_size)
+        afd = spec.config.parallel_config.attention_ffn_disaggregation
+        ranks = None if afd is None else AFDRanks.of(afd)
         if spec.role == "ffn":
-            _run_ffn(spec, placement, group, socket, parent_pid)
+            assert ranks is not None
+            _run_ffn(spec, placement, group, ranks, socket, parent_pid)
             return
-        model, backend = build_shard(spec.config, Path(spec.model_folder), placement, group)
+        # An AFD attention rank is a shard of the attention ranks' own tensor-parallel group.
+        shard = group if ranks is None else ProcessGroupCollectives(spec.rank, ranks.attention)
+        model, backend = build_shard(spec.config, Path(spec.model_folder), placement, shard)
         socket.send(
             msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token))
         )
@@ -92,14 +106,19 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
             else make_file_store(spec.store_path, spec.world_size)
         )
         group.connect(store, placement.device, spec.store_host)
+        if shard is not group:
+            shard.connect(store, placement.device, spec.store_host, prefix=ATTENTION_GROUP_PREFIX)
         lora = build_manager(spec.config, model, placement.dtype, placement.device)
         runner = ModelRunner(model, kv_cache, backend, placement.device, () if lora is None else (lora,))
+        if ranks is not None:  # its layers exchange their MLPs with the FFN ranks; the driver announces them
+            attention_side(model, lora)
+            runner.forward = AFDForward(model, group, ranks, None, ping_pong=lora is None)
         sleeping = (
-            _shard_sleep(spec, runner, placement, group)
+            _shard_sleep(spec, runner, placement, shard)
             if spec.config.model_config.enable_sleep_mode
             else None
         )
-        _serve(runner, lora, sleeping, group, socket, spec, parent_pid)
+        _serve(runner, lora, sleeping, shard, socket, spec, parent_pid)
     finally:
         socket.close()
         context.term()
@@ -109,23 +128,23 @@ def _run_ffn(
     spec: WorkerSpec,
     placement: Placement,
     group: ProcessGroupCollectives,
+    ranks: AFDRanks,
     socket: zmq.Socket[bytes],
     parent_pid: int | None,
 ) -> None:
     """Attention/FFN disaggregation's FFN rank: load its shard of the model (the whole of it with one FFN rank),
-    keep every layer's MLP, report ready, join the group (and the FFN ranks' own group), then run `FFNForward`s
-    until Shutdown or the driver's end (no KV cache here)."""
-    # FFN ranks 1..F are ranks 0..F-1 of their own tensor-parallel group: the MLPs' row-parallel down projection
-    # all-reduces over it, and FFN rank 1 alone answers the driver.
-    ffn_size = spec.world_size - 1
-    ffn_group = ProcessGroupCollectives(spec.rank - 1, ffn_size)
-    shard_group = ffn_group if ffn_size > 1 else SingleRank()
+    keep every layer's MLP (and LoRA's hooks of their projections), report ready, join the group (and the FFN
+    ranks' own group), then run `FFNForward`s until Shutdown or the driver's end (no KV cache here)."""
+    # FFN ranks A..A+F-1 are ranks 0..F-1 of their own tensor-parallel group: the MLPs' row-parallel down
+    # projection all-reduces over it, and the first FFN rank alone answers the attention ranks.
+    ffn_group = ProcessGroupCollectives(spec.rank - ranks.first_ffn, ranks.ffn)
+    shard_group = ffn_group if ranks.ffn > 1 else SingleRank()
     # Loaded as a shard, then cut to the MLPs: the rest is freed with `model`.
     model, _ = build_shard(spec.config, Path(spec.model_folder), placement, shard_group)
-    _, layers, _ = split_model(model)
-    mlps = keep_mlps(layers)
+    lora = build_manager(spec.config, model, placement.dtype, placement.device)
+    mlps = ffn_side(model, lora)
     hidden_size = int(model.get_parameter("model.norm.weight").shape[0])
-    del model, layers
+    del model
     socket.send(msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token)))
     if _receive(socket, msgspec.msgpack.Decoder(Start), parent_pid) is None:
         return
@@ -135,8 +154,8 @@ def _run_ffn(
         else make_file_store(spec.store_path, spec.world_size)
     )
     group.connect(store, placement.device, spec.store_host)
-    if ffn_size > 1:
-        ffn_group.connect(store, placement.device, spec.store_host, prefix="pagoda-afd-ffn")
+    if ranks.ffn > 1:
+        ffn_group.connect(store, placement.device, spec.store_host, prefix=FFN_GROUP_PREFIX)
     decoder = msgspec.msgpack.Decoder(FFNCommand)
     counters = FFNCounters()
     while True:
@@ -144,9 +163,23 @@ def _run_ffn(
         if command is None or isinstance(command, Shutdown):
             return
         if isinstance(command, FFNForward):
-            run_ffn_forward(
-                mlps, group, command.num_tokens, hidden_size, placement.dtype, placement.device, counters
-            )
+            if lora is not None:  # every row's adapter slot for the MLP projections' hooks (one micro-batch)
+                lora.ensure(command.loras)
+                lora.prepare(command.adapters)
+            try:
+                run_ffn_forward(
+                    mlps,
+                    group,
+                    ranks,
+                    command.num_tokens,
+                    hidden_size,
+                    placement.dtype,
+                    placement.device,
+                    counters,
+                )
+            finally:
+                if lora is not None:
+                    lora.clear()
         else:  # FFNReport
             counts = FFNCounts(
                 spec.rank,
