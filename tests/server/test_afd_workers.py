@@ -23,7 +23,7 @@ from pagoda.server.engine.executor import ExecutorError
 from pagoda.server.engine.executor.afd import AFDExecutor
 from pagoda.server.engine.executor.afd_model import micro_batches
 from pagoda.server.llm import LLM
-from pagoda.server.lora import LoRAError, LoRARequest
+from pagoda.server.lora import LoRARequest
 from pagoda.server.models.attention import AttentionMetadata
 from pagoda.server.procs import ProcessHandle
 from pagoda.server.sampling_params import SamplingParams
