@@ -158,6 +158,26 @@ def test_two_attention_workers_equal_plain(
     assert afd.engine.kv_manager.stats().num_used_blocks == 0
 
 
+@pytest.mark.timeout(300)
+def test_two_attention_workers_logprobs_match_plain(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """Sampled and prompt logprobs over two attention ranks: the LM head's vocabulary runs gathered to the driver
+    (prompt logprobs through the executor's `compute_logits`), within float32 rounding of the plain engine's."""
+    prompts = random_prompts((10, 7))
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    want = llms(make_llm, afd_models["gemma3"]).generate(prompts, params, use_tqdm=False)
+    got = llms(make_llm, afd_models["gemma3"], **afd_args(2, 1)).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        pairs = [*zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
+        pairs += zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True)
+        assert len(pairs) == len(a.prompt_token_ids) - 1 + 4
+        for x, y in pairs:
+            assert x is not None and y is not None and set(x) == set(y)
+            for token, entry in x.items():
+                assert abs(entry.logprob - y[token].logprob) < 1e-4
+
+
 def test_attention_workers_the_heads_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
     """Three attention workers for four query heads: refused before any worker starts, naming the flag's key."""
     with pytest.raises(EngineConfigError, match=f"{FLAG} attention_workers 3: .*must divide"):
