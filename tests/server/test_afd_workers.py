@@ -288,6 +288,29 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
         os.kill(pid, 0)
 
 
+@pytest.mark.timeout(300)
+def test_killed_attention_worker_fails_the_engine_fast(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """SIGKILL of the second attention rank mid-run (A = 2): the driver's next collective with it fails, and the
+    step raises ExecutorError naming rank 1 within seconds; shutdown leaves no process (the FFN worker included)."""
+    afd = llms(make_llm, afd_models["llama"], **afd_args(2, 1))
+    engine = afd.engine
+    for name, prompt in zip("ab", random_prompts((9, 5)), strict=True):
+        engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    attention, ffn = afd_executor(afd).workers
+    assert isinstance(attention, ProcessHandle) and isinstance(ffn, ProcessHandle)
+    os.kill(attention.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) exited with -9"):
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - started < 30
+    engine.close()
+    for pid in (attention.pid, ffn.pid):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
