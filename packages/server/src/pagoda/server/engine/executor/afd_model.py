@@ -1,9 +1,11 @@
-"""Attention/FFN disaggregation's model side: the attention rank's forward pass and the FFN rank's loop.
+"""Attention/FFN disaggregation's model side: the attention ranks' forward pass and the FFN ranks' loop.
 
 Every decoder layer of the Llama family and Gemma 3 splits at its MLP: `attend` (norm, attention, residual add and
-the MLP's input norm) runs on the attention rank, which holds the KV cache; the MLP runs on the FFN rank, which
-holds every layer's MLP weights; `finish` (the residual add, Gemma's post-FFN norm) runs on the attention rank
-again. Per layer the attention rank sends the MLP input ([tokens, hidden]) and receives the MLP output.
+the MLP's input norm) runs on the attention ranks, which hold the KV cache (each its shard of the heads when there
+are several, o_proj all-reduced among them); the MLP runs on the FFN ranks, which hold every layer's MLP weights
+(each its shard when there are several); `finish` (the residual add, Gemma's post-FFN norm) runs on the attention
+ranks again. Per layer attention rank 0 sends the MLP input ([tokens, hidden]) and every attention rank receives
+the MLP output. LoRA's hooks split the same way (`attention_side`, `ffn_side`).
 
 Ping-pong (MegaScale-Infer, Step-3's AFD): a batch of two or more sequences is cut into two micro-batches of
 about equal tokens; micro-batch 1's attention runs while the FFN rank computes micro-batch 0's MLP, and

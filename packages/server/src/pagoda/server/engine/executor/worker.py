@@ -1,4 +1,6 @@
 """A tensor-parallel worker: one rank's shard of the model and of the KV cache, driven by the driver's commands.
+Attention/FFN disaggregation runs the same program: an attention worker is such a shard over the attention ranks,
+its MLPs exchanged with the FFN ranks; an FFN worker keeps its shard of every MLP and nothing else (`_run_ffn`).
 
 `WORKER_PROGRAM`: run as `python -m pagoda.server.engine.executor.worker` (its spec on stdin) by the mp executor's
 `ProcessLauncher`, or inside a Ray actor by `RayLauncher`.
