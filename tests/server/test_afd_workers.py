@@ -159,6 +159,16 @@ def test_two_attention_workers_equal_plain(
 
 
 @pytest.mark.timeout(300)
+def test_two_attention_workers_hold_twice_the_kv_blocks(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """The KV pool sized from memory (`kv_cache_gib` per rank): a block of half the KV heads takes half the bytes,
+    so two attention ranks hold twice the blocks of the plain engine (of A = 1) in the same memory each."""
+    sized: dict[str, Any] = {"num_kv_blocks": None, "kv_cache_gib": 0.01}
+    one = llms(make_llm, afd_models["llama"], **sized, **afd_args(1, 1)).engine.executor.num_blocks
+    two = llms(make_llm, afd_models["llama"], **sized, **afd_args(2, 1)).engine.executor.num_blocks
+    assert abs(two - 2 * one) <= 1
+
+
+@pytest.mark.timeout(300)
 def test_two_attention_workers_logprobs_match_plain(afd_models: dict[str, Path], llms: LLMFactory) -> None:
     """Sampled and prompt logprobs over two attention ranks: the LM head's vocabulary runs gathered to the driver
     (prompt logprobs through the executor's `compute_logits`), within float32 rounding of the plain engine's."""
