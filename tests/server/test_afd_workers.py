@@ -159,7 +159,9 @@ def test_two_attention_workers_equal_plain(
 
 
 @pytest.mark.timeout(300)
-def test_two_attention_workers_hold_twice_the_kv_blocks(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+def test_two_attention_workers_hold_twice_the_kv_blocks(
+    afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
     """The KV pool sized from memory (`kv_cache_gib` per rank): a block of half the KV heads takes half the bytes,
     so two attention ranks hold twice the blocks of the plain engine (of A = 1) in the same memory each."""
     sized: dict[str, Any] = {"num_kv_blocks": None, "kv_cache_gib": 0.01}
