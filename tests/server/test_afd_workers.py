@@ -258,7 +258,7 @@ def test_afd_with_adapters_equals_plain(
 ) -> None:
     """Three adapters in one batch with the base model: two on all of q/k/v/o/gate/up/down, one on the MLP's
     down_proj only. The attention ranks apply the attention parts, the FFN ranks (each its shard, with F = 2)
-    the MLP parts with the step's per-row adapters: the plain engine's tokens, one micro-batch a step."""
+    the MLP parts with the step's per-row adapters: the plain engine's tokens, two micro-batches in ping-pong."""
     base = afd_models["llama"]
     every = [make_tiny_lora(base, tmp_path / f"all{i}", rank=4, seed=i) for i in (1, 2)]
     down = make_tiny_lora(base, tmp_path / "down", rank=8, seed=3, target_modules=("down_proj",))
@@ -274,7 +274,10 @@ def test_afd_with_adapters_equals_plain(
     assert all(w != b for w, b, lora in zip(want, base_tokens, loras, strict=True) if lora is not None)
     afd = llms(make_llm, base, **lora_args, **afd_args(attention, ffn))
     assert tokens(afd.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    assert set(afd_executor(afd).afd.stats.by_micro_batches) == {1}
+    # Two micro-batches in ping-pong, each under its own rows' adapters, here and at the FFN workers.
+    executor = afd_executor(afd)
+    assert executor.afd.stats.by_micro_batches.get(2, 0) >= 11 and executor.afd.stats.max_in_flight == 2
+    assert all(c.micro_batches == executor.afd.stats.micro_batches for c in executor.ffn_counts())
 
 
 @pytest.mark.timeout(300)

@@ -16,9 +16,9 @@ wedged one after the group's timeout: the engine gets an ExecutorError naming it
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from pagoda.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.scheduler import SchedulerOutput
 from pagoda.server.afd_config import FLAG
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.afd_model import (
@@ -63,9 +63,6 @@ class AFDExecutor(DistributedExecutor):
 
     afd: AFDForward
     ranks: AFDRanks
-    _step: Sequence[
-        ScheduledRequest
-    ] = ()  # the chunks of the step being executed (their adapters, with LoRA)
 
     @classmethod
     def launch(cls, config: EngineConfig) -> tuple[DistributedExecutor, EngineParts]:
@@ -85,16 +82,14 @@ class AFDExecutor(DistributedExecutor):
         roles = attention + ffn
         executor, parts = cls.start(config, folder, roles)
         executor.ranks = ranks
-        executor.afd = AFDForward(
-            parts.model, executor.group, ranks, executor.announce, ping_pong=parts.lora is None
-        )
+        executor.afd = AFDForward(parts.model, executor.group, ranks, executor.announce, parts.lora)
         executor.driver.forward = executor.afd
+        executor.driver.hooks = (*executor.driver.hooks, executor.afd)  # after LoRA's: the step is slotted
         logger.info(
             "attention/FFN disaggregation: attention on %d rank(s) (this process first), the MLPs on %d FFN "
-            "rank(s); %s",
+            "rank(s); two micro-batches in ping-pong",
             ranks.attention,
             ranks.ffn,
-            "two micro-batches in ping-pong" if parts.lora is None else "one micro-batch a step (LoRA)",
         )
         return executor, parts
 
@@ -126,16 +121,12 @@ class AFDExecutor(DistributedExecutor):
         """The ranks of the attention workers (none with one attention rank)."""
         return range(1, self.ranks.attention)
 
-    def announce(self, num_tokens: tuple[int, ...]) -> None:
+    def announce(self, num_tokens: tuple[int, ...], adapters: tuple[tuple[AdapterRun, ...], ...]) -> None:
         """Tell the FFN workers a forward of micro-batches of these many tokens comes next (with LoRA: the step's
-        adapters and every chunk's, for their MLP projections' hooks)."""
-        lora, step = self.lora, self._step
-        if lora is None:
-            command = FFNForward(num_tokens)
-        else:
-            runs = tuple(AdapterRun(chunk.lora_id, chunk.num_tokens) for chunk in step)
-            command = FFNForward(num_tokens, lora.requests_for(step), runs)
-        self._send(command, self.ranks.ffn_ranks())
+        adapters and each micro-batch's chunks', for their MLP projections' hooks)."""
+        lora = self.lora
+        loras = () if lora is None else lora.requests_for([run for part in adapters for run in part])
+        self._send(FFNForward(num_tokens, loras, adapters), self.ranks.ffn_ranks())
 
     def execute(
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
@@ -148,13 +139,10 @@ class AFDExecutor(DistributedExecutor):
             loras = () if lora is None else lora.requests_for(output.scheduled)
             self._send(Execute(output, loras), self._attention_workers())
         self.steps += 1
-        self._step = output.scheduled
         try:
             return self.driver.execute(output, prompt_lens)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
-        finally:
-            self._step = ()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
         """The LM head: whole on the driver with one attention rank, else over the attention ranks' vocabulary

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
+from pagoda.scheduler import ScheduledRequest
 from pagoda.server.afd_config import AttentionFFNConfig
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, Work
-from pagoda.server.lora.manager import LoRAManager
+from pagoda.server.lora.manager import LoRAManager, LoRARows
+from pagoda.server.lora.request import AdapterRun
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
@@ -236,29 +238,60 @@ class _Pending:
     recv: Work
 
 
+# What attention rank 0 tells the FFN ranks before a forward: its micro-batches' token counts and (with LoRA) each
+# micro-batch's chunks as `AdapterRun`s.
+Announce = Callable[[tuple[int, ...], tuple[tuple[AdapterRun, ...], ...]], None]
+
+
 class AFDForward:
     """An attention rank's `StepForward`: embeddings, then per layer and micro-batch `attend`, the MLP at the FFN
     ranks, `finish`; the final norm. Every attention rank runs it in lockstep (their shards' o_proj all-reduced
     among them); rank 0 alone sends the MLP inputs (every attention rank holds the same ones) and, by `announce`,
-    tells the FFN ranks the micro-batch sizes first; the first FFN rank sends each attention rank the outputs."""
+    tells the FFN ranks the micro-batch sizes first; the first FFN rank sends each attention rank the outputs.
+
+    It is a runner hook too (`prepare`: the step's chunks), so that with LoRA each micro-batch's rows run under
+    their own adapter slots (`LoRAManager.rows_of`), here and at the FFN ranks."""
 
     def __init__(
         self,
         model: CausalLM,
         link: ProcessGroupCollectives,
         ranks: AFDRanks,
-        announce: Callable[[tuple[int, ...]], None] | None,
-        *,
-        ping_pong: bool,
+        announce: Announce | None,
+        lora: LoRAManager | None,
     ) -> None:
-        """`link`: the world's group (attention and FFN ranks); `announce` on rank 0 only. `ping_pong` False: one
-        micro-batch a step (LoRA: its slots index the whole batch's rows)."""
+        """`link`: the world's group (attention and FFN ranks); `announce` on rank 0 only; `lora`: this rank's
+        adapter slots (None: LoRA is off)."""
         self.model, self.layers, self.norm = split_model(model)
         self.link = link
         self.ranks = ranks
         self.announce = announce
-        self.ping_pong = ping_pong
+        self.lora = lora
+        self.chunks: Sequence[ScheduledRequest] = ()  # the step's, in row order (`prepare`)
         self.stats = AFDStats()
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Before the forward pass: remember the step's chunks (each micro-batch's adapters come from them)."""
+        self.chunks = scheduled
+
+    def select_head_rows(
+        self,
+        logits_indices: Tensor | None,  # int64 [num_logits_rows]; None: none
+    ) -> None:
+        """Nothing: the LM head's rows are LoRA's business."""
+
+    def _runs(self, parts: Sequence[MicroBatch]) -> tuple[tuple[AdapterRun, ...], ...]:
+        """Each micro-batch's chunks as (adapter, rows) runs; () without LoRA (the FFN ranks need none)."""
+        if self.lora is None:
+            return ()
+        runs: list[list[AdapterRun]] = [[] for _ in parts]
+        offset, part = 0, 0
+        for chunk in self.chunks:  # micro-batches are cut between sequences, so each chunk lies in one
+            while offset >= parts[part].end:
+                part += 1
+            runs[part].append(AdapterRun(chunk.lora_id, chunk.num_tokens))
+            offset += chunk.num_tokens
+        return tuple(tuple(r) for r in runs)
 
     def __call__(
         self,
@@ -268,13 +301,21 @@ class AFDForward:
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """The final hidden states of the step's tokens, the MLPs computed by the FFN rank."""
-        parts = micro_batches(attn, self.ping_pong)
+        parts = micro_batches(attn, ping_pong=True)
+        runs = self._runs(parts)
         if self.announce is not None:
-            self.announce(tuple(part.end - part.start for part in parts))
+            self.announce(tuple(part.end - part.start for part in parts), runs)
+        lora = self.lora
+        # With LoRA and two micro-batches, the hooks read each micro-batch's own slots, then the step's again.
+        whole = None if lora is None else lora.current()
+        rows: list[LoRARows | None] = []
+        if lora is not None and len(parts) > 1:
+            rows = [lora.rows_of(r) for r in runs]
         clock = _Clock()
-        inputs = [
-            self.model.layer_inputs(input_ids[p.start : p.end], positions[p.start : p.end]) for p in parts
-        ]
+        inputs = []
+        for mb, p in enumerate(parts):
+            self._use(rows, mb)
+            inputs.append(self.model.layer_inputs(input_ids[p.start : p.end], positions[p.start : p.end]))
         xs = [x for x, _ in inputs]
         pending: list[_Pending | None] = [None] * len(parts)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -283,6 +324,7 @@ class AFDForward:
                 if previous is not None:  # the previous layer's MLP output of this micro-batch
                     xs[mb] = self._finish(self.layers[index - 1], previous, clock)
                 cos, sin = inputs[mb][1][index]
+                self._use(rows, mb)
                 residual, normed = layer.attend(xs[mb], cos, sin, kv_cache, part.attn)
                 pending[mb] = self._exchange(residual, normed.contiguous(), mb, clock)
                 in_flight = sum(p is not None for p in pending)
@@ -290,6 +332,8 @@ class AFDForward:
         for mb, last in enumerate(pending):
             assert last is not None
             xs[mb] = self._finish(self.layers[-1], last, clock)
+        if rows and lora is not None:
+            lora.use(whole)
         hidden: Tensor = self.norm(xs[0] if len(xs) == 1 else torch.cat(xs))
         clock.lap()
         stats = self.stats
@@ -299,6 +343,11 @@ class AFDForward:
         stats.attention_seconds += clock.compute
         stats.exchange_seconds += clock.exchange
         return hidden
+
+    def _use(self, rows: Sequence[LoRARows | None], mb: int) -> None:
+        """Point the LoRA hooks at micro-batch `mb`'s rows (nothing when the step is one micro-batch)."""
+        if rows and self.lora is not None:
+            self.lora.use(rows[mb])
 
     def _exchange(self, residual: Tensor, normed: Tensor, tag: int, clock: _Clock) -> _Pending:
         """Send a micro-batch's MLP input (rank 0) and post the receive of its output (both asynchronous)."""
@@ -357,10 +406,12 @@ def run_ffn_forward(
     dtype: torch.dtype,
     device: torch.device,
     counters: FFNCounters,
+    select: Callable[[int], None] | None = None,
 ) -> None:
     """An FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input from attention
     rank 0, run the layer's MLP (its shard, all-reduced over the FFN ranks), and on the first FFN rank send the
-    output to every attention rank (the attention ranks' order, so every tag's messages pair up)."""
+    output to every attention rank (the attention ranks' order, so every tag's messages pair up). `select(tag)`
+    runs before each micro-batch's MLP (LoRA: point the hooks at its rows)."""
     replies = link.rank == ranks.first_ffn
     inputs = [torch.empty(n, hidden_size, dtype=dtype, device=device) for n in num_tokens]
     sends: list[tuple[list[Work], Tensor]] = []  # per micro-batch sent: its sends, and the output they read
@@ -370,6 +421,8 @@ def run_ffn_forward(
                 start = time.perf_counter()
                 link.wait(link.recv(x, 0, tag))
                 computed = time.perf_counter()
+                if select is not None:
+                    select(tag)
                 out: Tensor = mlp(x).contiguous()
                 counters.mlp_seconds += time.perf_counter() - computed
                 counters.wait_seconds += computed - start

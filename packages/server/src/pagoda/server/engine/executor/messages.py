@@ -93,10 +93,10 @@ class FFNForward(msgspec.Struct, frozen=True, tag=True):
     rank sends its MLP output (all-reduced over the FFN ranks when there are several) to every attention rank."""
 
     num_tokens: tuple[int, ...]
-    # With LoRA (one micro-batch then): the step's adapters (a rank reads one it does not hold) and its chunks'
-    # adapters in row order, from which each FFN rank sets every row's slot for its MLP projections' hooks.
+    # With LoRA: the step's adapters (a rank reads one it does not hold) and each micro-batch's chunks' adapters
+    # in row order, from which each FFN rank sets every row's slot for its MLP projections' hooks.
     loras: tuple[LoRARequest, ...] = ()
-    adapters: tuple[AdapterRun, ...] = ()
+    adapters: tuple[tuple[AdapterRun, ...], ...] = ()
 
 
 class FFNReport(msgspec.Struct, frozen=True, tag=True):

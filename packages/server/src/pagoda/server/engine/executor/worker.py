@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -114,7 +115,9 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
         runner = ModelRunner(model, kv_cache, backend, placement.device, () if lora is None else (lora,))
         if ranks is not None:  # its layers exchange their MLPs with the FFN ranks; the driver announces them
             attention_side(model, lora)
-            runner.forward = AFDForward(model, group, ranks, None, ping_pong=lora is None)
+            forward = AFDForward(model, group, ranks, None, lora)
+            runner.forward = forward
+            runner.hooks = (*runner.hooks, forward)  # after LoRA's: the step is slotted
         sleeping = (
             _shard_sleep(spec, runner, placement, shard)
             if spec.config.model_config.enable_sleep_mode
@@ -165,9 +168,7 @@ def _run_ffn(
         if command is None or isinstance(command, Shutdown):
             return
         if isinstance(command, FFNForward):
-            if lora is not None:  # every row's adapter slot for the MLP projections' hooks (one micro-batch)
-                lora.ensure(command.loras)
-                lora.prepare(command.adapters)
+            select = None if lora is None else _adapter_rows(lora, command)
             try:
                 run_ffn_forward(
                     mlps,
@@ -178,6 +179,7 @@ def _run_ffn(
                     placement.dtype,
                     placement.device,
                     counters,
+                    select,
                 )
             finally:
                 if lora is not None:
@@ -191,6 +193,15 @@ def _run_ffn(
                 counters.wait_seconds,
             )
             socket.send(msgspec.msgpack.encode(counts))
+
+
+def _adapter_rows(lora: LoRAManager, command: FFNForward) -> Callable[[int], None]:
+    """Slot the forward's adapters (reading any this rank does not hold); what points the MLP projections' hooks
+    at a micro-batch's rows."""
+    lora.ensure(command.loras)
+    lora.prepare([run for part in command.adapters for run in part])
+    rows = [lora.rows_of(part) for part in command.adapters]
+    return lambda tag: lora.use(rows[tag])
 
 
 def _shard_sleep(
