@@ -1,7 +1,8 @@
 """Attention/FFN disaggregation: attention ranks 0..A-1 hold the KV cache and run attention, split over the heads
 as tensor parallelism splits them (rank 0 is the engine's process, the driver); FFN ranks A..A+F-1 hold every
 layer's MLP, split tensor-parallel among themselves when F > 1; activations cross every layer over
-torch.distributed (gloo on the CPU, NCCL on CUDA), two micro-batches in ping-pong (engine/executor/afd_model.py).
+torch.distributed (gloo on the CPU, NCCL on CUDA), two micro-batches in ping-pong (engine/executor/afd_model.py,
+afd_ffn.py).
 
 The machinery is tensor parallelism's (distributed.py): the same worker program, launcher, CURVE-secured control
 socket and process group, with the workers in the "afd_attention" and "ffn" roles. The driver keeps the

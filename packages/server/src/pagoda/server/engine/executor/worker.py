@@ -17,15 +17,14 @@ from typing import TypeVar
 import msgspec
 import torch
 import zmq
+from pagoda.server.engine.executor.afd_ffn import FFNCounters, run_ffn_forward
 from pagoda.server.engine.executor.afd_model import (
     ATTENTION_GROUP_PREFIX,
     FFN_GROUP_PREFIX,
     AFDForward,
     AFDRanks,
-    FFNCounters,
     attention_side,
     ffn_side,
-    run_ffn_forward,
 )
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
