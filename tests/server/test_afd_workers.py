@@ -256,12 +256,13 @@ def test_afd_prefix_caching_and_chunked_prefill_are_exact(
 def test_afd_with_adapters_equals_plain(
     attention: int, ffn: int, tmp_path: Path, afd_models: dict[str, Path], llms: LLMFactory
 ) -> None:
-    """Three adapters in one batch with the base model: two on all of q/k/v/o/gate/up/down, one on the MLP's
-    down_proj only. The attention ranks apply the attention parts, the FFN ranks (each its shard, with F = 2)
+    """Three adapters in one batch with the base model: two on all of q/k/v/o/gate/up/down, one on the embedding,
+    the LM head and the MLP's down_proj only. The attention ranks apply the attention parts, the FFN ranks (each its shard, with F = 2)
     the MLP parts with the step's per-row adapters: the plain engine's tokens, two micro-batches in ping-pong."""
     base = afd_models["llama"]
     every = [make_tiny_lora(base, tmp_path / f"all{i}", rank=4, seed=i) for i in (1, 2)]
-    down = make_tiny_lora(base, tmp_path / "down", rank=8, seed=3, target_modules=("down_proj",))
+    vocab_down = ("embed_tokens", "lm_head", "down_proj")  # the vocabulary hooks and one MLP projection
+    down = make_tiny_lora(base, tmp_path / "down", rank=8, seed=3, target_modules=vocab_down)
     lora_args: dict[str, Any] = {"enable_lora": True, "max_loras": 3}
     # Two prompts of LONG_CHUNK or more: grouped rows per slot where the C LoRA op is absent.
     batch = random_prompts((9, 21, 7, 18, 6), seed=8)
