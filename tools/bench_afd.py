@@ -3,10 +3,12 @@ forward (attention side, MLP on the FFN worker, the exchange) from its counters.
 
     python tools/bench_afd.py                       # a random Llama of hidden 512, 8 layers, 8 x 32-token prompts
     python tools/bench_afd.py --hidden-size 1024 --num-prompts 16 --output-len 64 --ffn-workers 2
+    python tools/bench_afd.py --attention-workers 2  # the heads and the KV cache split over two attention ranks
 
 The model is random (make_tiny_model with the given shapes), float32; both engines get the same prompts and must
 give the same greedy tokens (the script exits 1 otherwise). Each engine runs the batch once to warm up, then once
-timed.
+timed. With A attention ranks the attention side's time is the driver's (rank 0's), its all-reduces with the other
+attention ranks included.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument(
+        "--attention-workers", type=int, default=1, help="A: the heads split over this many attention ranks"
+    )
     parser.add_argument("--ffn-workers", type=int, default=1, help="F: the MLPs split over this many workers")
     args = parser.parse_args()
     hidden, layers = args.hidden_size, args.num_layers
@@ -85,7 +90,10 @@ def main() -> int:
             return 1
         afd = LLM(
             str(folder),
-            attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": args.ffn_workers},
+            attention_ffn_disaggregation={
+                "attention_workers": args.attention_workers,
+                "ffn_workers": args.ffn_workers,
+            },
             **engine_args,
         )
         executor = afd.engine.executor
@@ -115,7 +123,7 @@ def main() -> int:
     print(f"| plain, {threads} threads | {tokens / plain_s:.0f} | {1e3 * plain_s / forwards:.1f} | | | |")
     print(f"| plain, 1 thread | {tokens / plain1_s:.0f} | {1e3 * plain1_s / forwards:.1f} | | | |")
     print(
-        f"| AFD 1+{args.ffn_workers} | {tokens / afd_s:.0f} | {1e3 * afd_s / forwards:.1f} "
+        f"| AFD {args.attention_workers}+{args.ffn_workers} | {tokens / afd_s:.0f} | {1e3 * afd_s / forwards:.1f} "
         f"| {(stats.attention_seconds - before_stats[1]) * per_layer:.2f} "
         f"| {(after.mlp_seconds - before.mlp_seconds) * per_layer:.2f} "
         f"| {(stats.exchange_seconds - before_exchange) * per_layer:.2f} |"

@@ -1,5 +1,6 @@
-"""Attention/FFN disaggregation on the CPU: the engine's process runs attention, one FFN worker (gloo, one torch
-thread each) runs every MLP, two micro-batches in ping-pong; greedy tokens equal the plain engine's, exactly.
+"""Attention/FFN disaggregation on the CPU: the engine's process runs attention (with A > 1 its shard of the heads,
+the other attention workers the rest), FFN workers (gloo, one torch thread each) run every MLP, two micro-batches
+in ping-pong; greedy tokens equal the plain engine's, exactly.
 
 Every engine is shut down by the `llms` fixture's teardown, so no FFN worker outlives its test.
 """
@@ -22,7 +23,7 @@ from pagoda.server.engine.executor import ExecutorError
 from pagoda.server.engine.executor.afd import AFDExecutor
 from pagoda.server.engine.executor.afd_model import micro_batches
 from pagoda.server.llm import LLM
-from pagoda.server.lora import LoRAError, LoRARequest
+from pagoda.server.lora import LoRARequest
 from pagoda.server.models.attention import AttentionMetadata
 from pagoda.server.procs import ProcessHandle
 from pagoda.server.sampling_params import SamplingParams
@@ -36,6 +37,12 @@ from test_spec_engine import make_llm as make_spec_llm
 
 AFD_ARGS: dict[str, Any] = {"attention_ffn_disaggregation": {"attention_workers": 1, "ffn_workers": 1}}
 FLAG = "--attention-ffn-disaggregation"
+
+
+def afd_args(attention: int, ffn: int) -> dict[str, Any]:
+    """The LLM keyword of A attention ranks and F FFN ranks."""
+    return {"attention_ffn_disaggregation": {"attention_workers": attention, "ffn_workers": ffn}}
+
 
 LLMFactory = Callable[..., LLM]
 
@@ -123,6 +130,72 @@ def test_two_ffn_workers_equal_plain(arch: str, afd_models: dict[str, Path], llm
     assert all(c.forwards == stats.forwards and c.micro_batches == stats.micro_batches for c in counts)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("arch", "ffn"), [("llama", 1), ("llama", 2), ("gemma3", 1), ("gemma3", 2), ("qwen3", 1)]
+)
+def test_two_attention_workers_equal_plain(
+    arch: str, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """Two attention ranks split every layer's heads and the KV cache (one of the two KV heads each, o_proj
+    all-reduced between them) and exchange the MLPs with F FFN ranks: the plain engine's tokens, ping-pong
+    included; every FFN worker ran every micro-batch."""
+    prompts = random_prompts(PROMPT_LENS)
+    plain = llms(make_llm, afd_models[arch])
+    want = greedy_tokens(plain, prompts)
+    afd = llms(make_llm, afd_models[arch], **afd_args(2, ffn))
+    assert greedy_tokens(afd, prompts) == want
+    executor = afd_executor(afd)
+    assert [w.describe().split(" worker")[0] for w in executor.workers] == ["afd-attention"] + ["ffn"] * ffn
+    whole = plain.engine.executor.driver.kv_cache.shape.num_kv_heads
+    assert executor.driver.kv_cache.shape.num_kv_heads * 2 == whole
+    stats = executor.afd.stats
+    assert stats.max_in_flight == 2
+    assert stats.by_micro_batches.get(2, 0) >= 11
+    counts = executor.ffn_counts()
+    assert [c.rank for c in counts] == list(range(2, 2 + ffn))
+    assert all(c.forwards == stats.forwards and c.micro_batches == stats.micro_batches for c in counts)
+    assert afd.engine.kv_manager.stats().num_used_blocks == 0
+
+
+@pytest.mark.timeout(300)
+def test_two_attention_workers_hold_twice_the_kv_blocks(
+    afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """The KV pool sized from memory (`kv_cache_gib` per rank): a block of half the KV heads takes half the bytes,
+    so two attention ranks hold twice the blocks of the plain engine (of A = 1) in the same memory each."""
+    sized: dict[str, Any] = {"num_kv_blocks": None, "kv_cache_gib": 0.01}
+    one = llms(make_llm, afd_models["llama"], **sized, **afd_args(1, 1)).engine.executor.num_blocks
+    two = llms(make_llm, afd_models["llama"], **sized, **afd_args(2, 1)).engine.executor.num_blocks
+    assert abs(two - 2 * one) <= 1
+
+
+@pytest.mark.timeout(300)
+def test_two_attention_workers_logprobs_match_plain(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """Sampled and prompt logprobs over two attention ranks: the LM head's vocabulary runs gathered to the driver
+    (prompt logprobs through the executor's `compute_logits`), within float32 rounding of the plain engine's."""
+    prompts = random_prompts((10, 7))
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    want = llms(make_llm, afd_models["gemma3"]).generate(prompts, params, use_tqdm=False)
+    got = llms(make_llm, afd_models["gemma3"], **afd_args(2, 1)).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        pairs = [*zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
+        pairs += zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True)
+        assert len(pairs) == len(a.prompt_token_ids) - 1 + 4
+        for x, y in pairs:
+            assert x is not None and y is not None and set(x) == set(y)
+            for token, entry in x.items():
+                assert abs(entry.logprob - y[token].logprob) < 1e-4
+
+
+def test_attention_workers_the_heads_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
+    """Three attention workers for four query heads: refused before any worker starts, naming the flag's key."""
+    with pytest.raises(EngineConfigError, match=f"{FLAG} attention_workers 3: .*must divide"):
+        make_llm(afd_models["llama"], **afd_args(3, 1))
+
+
 def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
     """Three FFN workers for four query heads: refused before any worker starts, naming the flag."""
     with pytest.raises(EngineConfigError, match=f"{FLAG} ffn_workers 3: .*must divide"):
@@ -130,14 +203,24 @@ def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("arch", "mode"), [("llama", "recompute"), ("gemma3", "swap")])
-def test_afd_preemption_is_exact(arch: str, mode: str, afd_models: dict[str, Path], llms: LLMFactory) -> None:
-    """A pool too small for the batch preempts (recompute, or swap of the driver's KV blocks: the FFN worker
-    holds none)."""
+@pytest.mark.parametrize(
+    ("arch", "mode", "attention", "ffn"),
+    [
+        ("llama", "recompute", 1, 1),
+        ("gemma3", "swap", 1, 1),
+        ("llama", "swap", 2, 1),
+        ("gemma3", "recompute", 2, 2),
+    ],
+)
+def test_afd_preemption_is_exact(
+    arch: str, mode: str, attention: int, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """A pool too small for the batch preempts (recompute, or swap of the attention ranks' KV blocks: the FFN
+    workers hold none; with two attention ranks each swaps its half of the heads)."""
     prompts = random_prompts(PREEMPTING_PROMPT_LENS, seed=1)
     args: dict[str, Any] = {"num_kv_blocks": 24, "max_model_len": 40, "preemption_mode": mode}
     want = greedy_tokens(llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args), prompts)
-    afd = llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args, **AFD_ARGS)
+    afd = llms(make_llm, afd_models[arch], swap_space_gib=0.01, **args, **afd_args(attention, ffn))
     spy = StepSpy(afd)
     assert greedy_tokens(afd, prompts) == want
     assert spy.swaps + spy.recomputes > 0
@@ -145,18 +228,22 @@ def test_afd_preemption_is_exact(arch: str, mode: str, afd_models: dict[str, Pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    ("arch", "attention", "ffn"),
+    [("qwen3", 1, 1), ("gemma3", 1, 1), ("llama", 2, 2), ("gemma3", 2, 1), ("qwen3", 2, 1)],
+)
 def test_afd_prefix_caching_and_chunked_prefill_are_exact(
-    arch: str, afd_models: dict[str, Path], llms: LLMFactory
+    arch: str, attention: int, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
 ) -> None:
     """Prefix-cache hits and prefills split over steps (mixed with decodes: micro-batches of prefill chunks and
-    decode rows) keep the plain engine's tokens; Gemma 3's sliding-window groups split with the batch."""
+    decode rows) keep the plain engine's tokens; Gemma 3's sliding-window groups split with the batch (and with
+    the heads, over two attention ranks)."""
     shared = random_prompts((24,), seed=2)[0]
     first = [shared + tail for tail in random_prompts((3, 5), seed=3)]
     second = [shared + tail for tail in random_prompts((4, 7, 2), seed=4)]
     args: dict[str, Any] = {"max_num_batched_tokens": 16}
     one = llms(make_llm, afd_models[arch], **args)
-    afd = llms(make_llm, afd_models[arch], **args, **AFD_ARGS)
+    afd = llms(make_llm, afd_models[arch], **args, **afd_args(attention, ffn))
     spy = StepSpy(afd)
     for batch in (first, second):
         assert greedy_tokens(afd, batch) == greedy_tokens(one, batch)
@@ -165,27 +252,33 @@ def test_afd_prefix_caching_and_chunked_prefill_are_exact(
 
 
 @pytest.mark.timeout(300)
-def test_afd_with_attention_adapters_equals_plain(
-    tmp_path: Path, afd_models: dict[str, Path], llms: LLMFactory
+@pytest.mark.parametrize(("attention", "ffn"), [(1, 1), (1, 2), (2, 2)])
+def test_afd_with_adapters_equals_plain(
+    attention: int, ffn: int, tmp_path: Path, afd_models: dict[str, Path], llms: LLMFactory
 ) -> None:
-    """Adapters on the attention projections (and the base) in one batch give the plain engine's tokens, one
-    micro-batch a step; an adapter of an MLP projection is refused by name, never applied half way."""
+    """Three adapters in one batch with the base model: two on all of q/k/v/o/gate/up/down, one on the embedding,
+    the LM head and the MLP's down_proj only. The attention ranks apply the attention parts, the FFN ranks (each its shard, with F = 2)
+    the MLP parts with the step's per-row adapters: the plain engine's tokens, two micro-batches in ping-pong."""
     base = afd_models["llama"]
-    attention = make_tiny_lora(
-        base, tmp_path / "attn", rank=4, seed=1, target_modules=("q_proj", "v_proj", "o_proj")
-    )
-    mlp = make_tiny_lora(base, tmp_path / "mlp", rank=4, seed=2, target_modules=("down_proj",))
-    lora_args: dict[str, Any] = {"enable_lora": True, "max_loras": 2}
-    batch = random_prompts((9, 13, 7), seed=8)
-    loras = [LoRARequest("attn", 1, str(attention)), None, LoRARequest("attn", 1, str(attention))]
+    every = [make_tiny_lora(base, tmp_path / f"all{i}", rank=4, seed=i) for i in (1, 2)]
+    vocab_down = ("embed_tokens", "lm_head", "down_proj")  # the vocabulary hooks and one MLP projection
+    down = make_tiny_lora(base, tmp_path / "down", rank=8, seed=3, target_modules=vocab_down)
+    lora_args: dict[str, Any] = {"enable_lora": True, "max_loras": 3}
+    # Two prompts of LONG_CHUNK or more: grouped rows per slot where the C LoRA op is absent.
+    batch = random_prompts((9, 21, 7, 18, 6), seed=8)
+    requests = [LoRARequest("all1", 1, str(every[0])), LoRARequest("all2", 2, str(every[1]))]
+    loras = [requests[0], None, requests[1], LoRARequest("down", 3, str(down)), requests[0]]
     plain = llms(make_llm, base, **lora_args)
     want = tokens(plain.generate(batch, GREEDY, use_tqdm=False, lora_request=loras))
-    afd = llms(make_llm, base, **lora_args, **AFD_ARGS)
+    base_tokens = tokens(plain.generate(batch, GREEDY, use_tqdm=False))
+    # Every adapter counts: each adapted prompt's tokens differ from the base model's.
+    assert all(w != b for w, b, lora in zip(want, base_tokens, loras, strict=True) if lora is not None)
+    afd = llms(make_llm, base, **lora_args, **afd_args(attention, ffn))
     assert tokens(afd.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    assert want[0] != tokens(plain.generate(batch[:1], GREEDY, use_tqdm=False))[0]  # the adapter counts
-    assert set(afd_executor(afd).afd.stats.by_micro_batches) == {1}
-    with pytest.raises(LoRAError, match="down_proj is not a projection of this model"):
-        afd.generate(batch[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
+    # Two micro-batches in ping-pong, each under its own rows' adapters, here and at the FFN workers.
+    executor = afd_executor(afd)
+    assert executor.afd.stats.by_micro_batches.get(2, 0) >= 11 and executor.afd.stats.max_in_flight == 2
+    assert all(c.micro_batches == executor.afd.stats.micro_batches for c in executor.ffn_counts())
 
 
 @pytest.mark.timeout(300)
@@ -212,10 +305,34 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
         os.kill(pid, 0)
 
 
+@pytest.mark.timeout(300)
+def test_killed_attention_worker_fails_the_engine_fast(afd_models: dict[str, Path], llms: LLMFactory) -> None:
+    """SIGKILL of the second attention rank mid-run (A = 2): the driver's next collective with it fails, and the
+    step raises ExecutorError naming rank 1 within seconds; shutdown leaves no process (the FFN worker included)."""
+    afd = llms(make_llm, afd_models["llama"], **afd_args(2, 1))
+    engine = afd.engine
+    for name, prompt in zip("ab", random_prompts((9, 5)), strict=True):
+        engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    attention, ffn = afd_executor(afd).workers
+    assert isinstance(attention, ProcessHandle) and isinstance(ffn, ProcessHandle)
+    os.kill(attention.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) exited with -9"):
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - started < 30
+    engine.close()
+    for pid in (attention.pid, ffn.pid):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('{"attention_workers": 2, "ffn_workers": 1}', "attention_workers must be 1"),
+        ('{"attention_workers": 0, "ffn_workers": 1}', "'attention_workers' must be an integer >= 1"),
+        ('{"attention_workers": true, "ffn_workers": 1}', "'attention_workers' must be an integer >= 1"),
         ('{"attention_workers": 1, "ffn_workers": 0}', "'ffn_workers' must be an integer >= 1"),
         ('{"attention_workers": 1, "ffn": 1}', "unknown key"),
         ("[1, 1]", "must be a JSON object"),
@@ -223,7 +340,7 @@ def test_killed_ffn_worker_fails_the_engine_fast(afd_models: dict[str, Path], ll
     ],
 )
 def test_bad_flag_values_exit_2(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Bad JSON, bad counts, unknown keys and the shapes not built yet exit 2 naming the flag."""
+    """Bad JSON, bad counts and unknown keys exit 2 naming the flag."""
     with pytest.raises(SystemExit) as info:
         main(["serve", "unused-model", FLAG, value])
     assert info.value.code == 2

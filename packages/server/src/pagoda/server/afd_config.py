@@ -16,21 +16,17 @@ class AttentionFFNConfig:
     """Attention/FFN disaggregation (engine/executor/afd.py): ranks that hold the KV cache and run attention, and
     ranks that hold the MLP weights; activations cross between them every layer, two micro-batches in ping-pong."""
 
-    attention_workers: int = 1  # the driver is the attention rank today
+    # Attention ranks (the engine's process first), each 1/A of every layer's heads and of the KV cache
+    # (tensor-parallel among themselves); whether the model's heads split A ways is checked at launch.
+    attention_workers: int = 1
     ffn_workers: int = 1  # FFN processes, each 1/F of every layer's MLP (tensor-parallel among themselves)
 
     def __post_init__(self) -> None:
-        """ValueError naming the flag and the key: counts are integers >= 1, and only 1 and 1 run today."""
+        """ValueError naming the flag and the key: counts are integers >= 1."""
         for key in ("attention_workers", "ffn_workers"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{FLAG} key {key!r} must be an integer >= 1, got {value!r}")
-        # Data-parallel attention over request shards (A > 1) is not built yet: refused rather than run as A = 1.
-        if self.attention_workers != 1:
-            raise ValueError(
-                f"{FLAG}: attention_workers must be 1 today (the engine's process is the attention rank; "
-                f"data-parallel attention is not built), got {self.attention_workers}"
-            )
 
 
 def parse_attention_ffn_config(

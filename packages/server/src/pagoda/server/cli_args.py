@@ -375,10 +375,11 @@ def argument_table() -> list[Flag]:
             {
                 "type": _attention_ffn_config,
                 "metavar": "JSON",
-                "help": 'attention/FFN disaggregation, {"attention_workers": 1, "ffn_workers": 1}: the engine\'s '
-                "process holds the KV cache and runs attention, F FFN processes hold the MLP weights (split "
+                "help": 'attention/FFN disaggregation, {"attention_workers": A, "ffn_workers": F}: A attention '
+                "ranks (the engine's process and A - 1 workers) hold the KV cache and run attention, split over "
+                "the heads as --tensor-parallel-size A splits them, F FFN processes hold the MLP weights (split "
                 "tensor-parallel when F > 1), activations cross every layer with two micro-batches in ping-pong "
-                "(Llama family and Gemma 3); attention_workers must be 1; None: off",
+                "(Llama family and Gemma 3; LoRA adapters on any projection); None: off",
             },
         ),
         # engine cores

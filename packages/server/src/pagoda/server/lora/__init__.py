@@ -6,6 +6,6 @@ names, loading off the engine thread) is the engine extension `pagoda.server.eng
 `peft_loader` reads PEFT folders; the batched op is `pagoda.pagedkernel.lora`.
 """
 
-from pagoda.server.lora.request import LoRAError, LoRARequest
+from pagoda.server.lora.request import AdapterRun, LoRAError, LoRARequest
 
-__all__ = ["LoRAError", "LoRARequest"]
+__all__ = ["AdapterRun", "LoRAError", "LoRARequest"]

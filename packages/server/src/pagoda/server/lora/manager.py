@@ -11,12 +11,12 @@ slot for the hooks.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from pagoda.pagedkernel.lora import LoRABackendName
-from pagoda.scheduler import ScheduledRequest
 from pagoda.server.lora.layers import EmbeddingLoRAHook, HeadLoRAHook, LoRABatch, LoRAHook
 from pagoda.server.lora.peft_loader import LoRAAdapter, LoRAWeights, fingerprint, load_adapter
 from pagoda.server.lora.request import LoRARequest
@@ -29,6 +29,31 @@ from torch import Tensor
 # shorter ones (decodes) go through the row-gathering op. Only on the CPU without the C op (`LoRALayer.runs_in_c`,
 # which groups and blocks the rows itself, faster than the matmuls): the GPU kernels batch both alike.
 LONG_CHUNK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARows:
+    """Every token row's slot of some chunks, as the hooks read it (`LoRABatch`'s fields)."""
+
+    slots: Tensor  # int64 [num_tokens]; negative: no adapter
+    short_slots: (
+        Tensor  # int64 [num_tokens]: `slots` with the grouped rows at -1 (`slots` itself without any)
+    )
+    groups: tuple[tuple[int, Tensor | slice], ...]  # the long chunks' rows by slot
+
+
+class AdapterChunk(Protocol):
+    """What `prepare` reads of a step's chunk: a `ScheduledRequest`, or an FFN rank's `AdapterRun`."""
+
+    @property
+    def lora_id(self) -> int | None:
+        """The chunk's adapter (None: the base model)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """The chunk's token rows."""
+        ...
 
 
 def _rows(ids: list[int]) -> Tensor | slice:
@@ -118,6 +143,11 @@ class LoRAManager:
         embed.lora, model.head_lora = embed_hook, head_hook
         self.hooks[EMBEDDING], self.hooks[LM_HEAD] = embed_hook, head_hook
 
+    def keep_hooks(self, applies: Callable[[str], bool]) -> None:
+        """Apply adapters only to the modules `applies` names (attention/FFN disaggregation: each rank to the
+        projections it runs). Every target stays, so an adapter is still checked and read whole."""
+        self.hooks = {name: hook for name, hook in self.hooks.items() if applies(name)}
+
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter from disk (LoRAError naming the field); registers nothing. A folder already
         registered under another name, unchanged since, is not read again: its weights are shared."""
@@ -200,28 +230,55 @@ class LoRAManager:
         self.adapters.move_to_end(lora_id)
         return slot
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+    def prepare(self, scheduled: Sequence[AdapterChunk]) -> None:
         """Slot the step's adapters and set every token row's slot (None when no chunk has an adapter)."""
         needed = {c.lora_id for c in scheduled if c.lora_id is not None}
-        if not needed:
-            self.batch.slots = None
-            self.batch.head_slots = None
-            return
-        slots = {lora_id: self._slot_of(lora_id, needed) for lora_id in sorted(needed)}
+        for lora_id in sorted(needed):
+            self._slot_of(lora_id, needed)
+        self.use(self.rows_of(scheduled))
+
+    def rows_of(self, chunks: Sequence[AdapterChunk]) -> LoRARows | None:
+        """The slot of every token row of `chunks`, whose adapters `prepare` has slotted (a part of its step:
+        attention/FFN disaggregation's micro-batches); None when no chunk has an adapter."""
+        if all(chunk.lora_id is None for chunk in chunks):
+            return None
         rows: list[int] = []
         short: list[int] = []  # the rows of short chunks (decodes); long chunks' rows go to `groups`
         grouped: defaultdict[int, list[int]] = defaultdict(list)
-        for chunk in scheduled:
-            slot = -1 if chunk.lora_id is None else slots[chunk.lora_id]
+        for chunk in chunks:
+            slot = -1 if chunk.lora_id is None else self.slot_ids.index(chunk.lora_id)
             if slot >= 0 and chunk.num_tokens >= LONG_CHUNK and self.group_long_chunks:
                 grouped[slot].extend(range(len(rows), len(rows) + chunk.num_tokens))
                 short.extend([-1] * chunk.num_tokens)
             else:
                 short.extend([slot] * chunk.num_tokens)
             rows.extend([slot] * chunk.num_tokens)
-        self.batch.slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.batch.short_slots = torch.tensor(short, dtype=torch.int64) if grouped else self.batch.slots
-        self.batch.groups = tuple((slot, _rows(ids)) for slot, ids in grouped.items())
+        slots = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return LoRARows(
+            slots,
+            torch.tensor(short, dtype=torch.int64) if grouped else slots,
+            tuple((slot, _rows(ids)) for slot, ids in grouped.items()),
+        )
+
+    def current(self) -> LoRARows | None:
+        """The rows the hooks read now (None: no adapter), to `use` again later."""
+        batch = self.batch
+        if batch.slots is None:
+            return None
+        short = batch.short_slots if batch.short_slots is not None else batch.slots
+        return LoRARows(batch.slots, short, batch.groups)
+
+    def use(self, rows: LoRARows | None) -> None:
+        """Point the hooks at these rows' slots (None: no adapter)."""
+        self.batch.head_slots = None
+        if rows is None:
+            self.batch.slots = None
+            return
+        self.batch.slots, self.batch.short_slots, self.batch.groups = (
+            rows.slots,
+            rows.short_slots,
+            rows.groups,
+        )
 
     def select_head_rows(
         self,
@@ -232,7 +289,7 @@ class LoRAManager:
         slots = self.batch.slots
         self.batch.head_slots = None if slots is None or logits_indices is None else slots[logits_indices]
 
-    def requests_for(self, scheduled: Sequence[ScheduledRequest]) -> tuple[LoRARequest, ...]:
+    def requests_for(self, scheduled: Sequence[AdapterChunk]) -> tuple[LoRARequest, ...]:
         """The adapters a step uses, for the tensor-parallel workers (which read one they do not hold)."""
         ids = sorted({c.lora_id for c in scheduled if c.lora_id is not None})
         return tuple(self.adapters[i].request for i in ids if i in self.adapters)

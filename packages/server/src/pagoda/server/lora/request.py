@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class LoRAError(ValueError):
@@ -30,3 +31,11 @@ class LoRARequest:
             raise LoRAError(f"lora_int_id must be >= 1, got {self.lora_int_id}", "lora_int_id")
         if not self.lora_path:
             raise LoRAError("lora_path must not be empty", "lora_path")
+
+
+class AdapterRun(NamedTuple):
+    """A step's chunk as LoRA sees it: its adapter and its number of token rows (what `LoRAManager.prepare` reads
+    of a `ScheduledRequest`; attention/FFN disaggregation sends these to the FFN ranks)."""
+
+    lora_id: int | None  # None: the base model
+    num_tokens: int

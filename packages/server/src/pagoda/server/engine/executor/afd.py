@@ -1,14 +1,17 @@
-"""Attention/FFN disaggregation: the engine's process (rank 0) holds the KV cache and runs attention, FFN workers
-(ranks 1..F) hold every layer's MLP, split tensor-parallel among themselves when F > 1; activations cross every
-layer over torch.distributed (gloo on the CPU, NCCL on CUDA), two micro-batches in ping-pong
-(engine/executor/afd_model.py).
+"""Attention/FFN disaggregation: attention ranks 0..A-1 hold the KV cache and run attention, split over the heads
+as tensor parallelism splits them (rank 0 is the engine's process, the driver); FFN ranks A..A+F-1 hold every
+layer's MLP, split tensor-parallel among themselves when F > 1; activations cross every layer over
+torch.distributed (gloo on the CPU, NCCL on CUDA), two micro-batches in ping-pong (engine/executor/afd_model.py,
+afd_ffn.py).
 
 The machinery is tensor parallelism's (distributed.py): the same worker program, launcher, CURVE-secured control
-socket and process group, with the workers in the "ffn" role. The driver keeps the scheduler, the sampler and the
-LM head; each forward it announces the micro-batch sizes to the FFN workers (`FFNForward`), then sends every FFN
-worker the MLP inputs and receives the (all-reduced) outputs from the first, point to point. A worker that dies
-fails the next exchange at once (its sockets close), a wedged one after the group's timeout: the engine gets an
-ExecutorError naming it, never a hang.
+socket and process group, with the workers in the "afd_attention" and "ffn" roles. The driver keeps the
+scheduler, the sampler, the embedding and the LM head (their vocabulary runs gathered from the attention ranks,
+as under tensor parallelism); each step it sends the attention workers the step (`Execute`) as tensor parallelism
+does, and each forward it announces the micro-batch sizes (and with LoRA every row's adapter) to the FFN workers
+(`FFNForward`), then sends every FFN worker the MLP inputs; the first FFN worker sends every attention rank the
+(all-reduced) outputs, point to point. A worker that dies fails the next exchange at once (its sockets close), a
+wedged one after the group's timeout: the engine gets an ExecutorError naming it, never a hang.
 """
 
 from __future__ import annotations
@@ -19,12 +22,27 @@ from collections.abc import Mapping
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.afd_config import FLAG
 from pagoda.server.config import EngineConfig
-from pagoda.server.engine.executor.afd_model import AFDForward, UnsupportedModelError, drop_mlps, split_model
+from pagoda.server.engine.executor.afd_model import (
+    ATTENTION_GROUP_PREFIX,
+    AFDForward,
+    AFDRanks,
+    UnsupportedModelError,
+    attention_side,
+    split_model,
+)
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives
 from pagoda.server.engine.executor.distributed import DistributedExecutor, model_folder
-from pagoda.server.engine.executor.messages import FFNCounts, FFNForward, FFNReport
+from pagoda.server.engine.executor.messages import (
+    ComputeLogits,
+    Execute,
+    FFNCounts,
+    FFNForward,
+    FFNReport,
+    WorkerRole,
+)
 from pagoda.server.engine.model_runner import PromptHidden
 from pagoda.server.engine.setup import EngineConfigError, EngineParts, Placement, build_parts, with_lora
+from pagoda.server.lora.request import AdapterRun
 from pagoda.server.models import TensorParallelError
 from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
 from torch import Tensor
@@ -32,59 +50,95 @@ from transformers import AutoConfig
 
 logger = logging.getLogger("pagoda.engine")
 _REPORT_TIMEOUT_S = 30.0
-_POLL_MS = 200
+
+
+def _ranks(config: EngineConfig) -> AFDRanks:
+    """The AFD ranks of an engine config that asks for them."""
+    afd = config.parallel_config.attention_ffn_disaggregation
+    assert afd is not None
+    return AFDRanks.of(afd)
 
 
 class AFDExecutor(DistributedExecutor):
-    """Rank 0 runs attention (and holds the KV cache), rank 1 the MLPs; see the module docstring."""
+    """Ranks 0..A-1 run attention (and hold the KV cache), ranks A..A+F-1 the MLPs; see the module docstring."""
 
     afd: AFDForward
+    ranks: AFDRanks
 
     @classmethod
     def launch(cls, config: EngineConfig) -> tuple[DistributedExecutor, EngineParts]:
-        """Start the FFN worker beside the driver's model (its MLPs dropped), install the split forward."""
-        afd = config.parallel_config.attention_ffn_disaggregation
-        assert afd is not None
-        size = afd.attention_workers + afd.ffn_workers
+        """Start the attention and FFN workers beside the driver's model (its MLPs dropped), install the split
+        forward."""
+        ranks = _ranks(config)
         folder = model_folder(config)
-        try:  # the FFN ranks load tensor-parallel shards among themselves (then keep their MLPs)
-            check_tensor_parallel(AutoConfig.from_pretrained(folder).get_text_config(), afd.ffn_workers)
-        except TensorParallelError as exc:
-            raise EngineConfigError(f"{FLAG} ffn_workers {afd.ffn_workers}: {exc}") from exc
-        executor, parts = cls.start(config, folder, size, "ffn")
-        executor.afd = AFDForward(
-            parts.model, executor.group, executor.announce, ping_pong=parts.lora is None
-        )
+        text = AutoConfig.from_pretrained(folder).get_text_config()
+        # Both sides load tensor-parallel shards among themselves (then keep their halves of every layer).
+        for key, count in (("attention_workers", ranks.attention), ("ffn_workers", ranks.ffn)):
+            try:
+                check_tensor_parallel(text, count)
+            except TensorParallelError as exc:
+                raise EngineConfigError(f"{FLAG} {key} {count}: {exc}") from exc
+        attention: list[WorkerRole] = ["afd_attention"] * (ranks.attention - 1)
+        ffn: list[WorkerRole] = ["ffn"] * ranks.ffn
+        roles = attention + ffn
+        executor, parts = cls.start(config, folder, roles)
+        executor.ranks = ranks
+        executor.afd = AFDForward(parts.model, executor.group, ranks, executor.announce, parts.lora)
         executor.driver.forward = executor.afd
+        executor.driver.hooks = (*executor.driver.hooks, executor.afd)  # after LoRA's: the step is slotted
         logger.info(
-            "attention/FFN disaggregation: attention in this process, the MLPs on %d FFN rank(s); %s",
-            afd.ffn_workers,
-            "two micro-batches in ping-pong" if parts.lora is None else "one micro-batch a step (LoRA)",
+            "attention/FFN disaggregation: attention on %d rank(s) (this process first), the MLPs on %d FFN "
+            "rank(s); two micro-batches in ping-pong",
+            ranks.attention,
+            ranks.ffn,
         )
         return executor, parts
 
     @classmethod
+    def shard_of(
+        cls, config: EngineConfig, world: ProcessGroupCollectives
+    ) -> tuple[ProcessGroupCollectives | None, str]:
+        """The attention ranks' group (None with one attention rank: the driver's model is whole)."""
+        ranks = _ranks(config)
+        if ranks.attention == 1:
+            return None, ""
+        return ProcessGroupCollectives(0, ranks.attention), ATTENTION_GROUP_PREFIX
+
+    @classmethod
     def driver_parts(
-        cls, config: EngineConfig, group: ProcessGroupCollectives, placement: Placement
+        cls, config: EngineConfig, group: ProcessGroupCollectives | None, placement: Placement
     ) -> EngineParts:
-        """The whole model loaded unsplit, its MLPs dropped (before LoRA looks for its targets), the KV cache."""
-        parts = build_parts(config, None, placement)
+        """Attention rank 0's shard (the whole model with one attention rank) with its LoRA slots, its MLPs then
+        dropped; the KV cache."""
+        parts = with_lora(config, build_parts(config, group, placement))
         try:
-            _, layers, _ = split_model(parts.model)
+            split_model(parts.model)
         except UnsupportedModelError as exc:
             raise EngineConfigError(str(exc)) from exc
-        drop_mlps(layers)
-        return with_lora(config, parts)
+        attention_side(parts.model, parts.lora)
+        return parts
 
-    def announce(self, num_tokens: tuple[int, ...]) -> None:
-        """Tell the FFN worker a forward of micro-batches of these many tokens comes next."""
-        self._send(FFNForward(num_tokens))
+    def _attention_workers(self) -> range:
+        """The ranks of the attention workers (none with one attention rank)."""
+        return range(1, self.ranks.attention)
+
+    def announce(self, num_tokens: tuple[int, ...], adapters: tuple[tuple[AdapterRun, ...], ...]) -> None:
+        """Tell the FFN workers a forward of micro-batches of these many tokens comes next (with LoRA: the step's
+        adapters and each micro-batch's chunks', for their MLP projections' hooks)."""
+        lora = self.lora
+        loras = () if lora is None else lora.requests_for([run for part in adapters for run in part])
+        self._send(FFNForward(num_tokens, loras, adapters), self.ranks.ffn_ranks())
 
     def execute(
         self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
-        """The driver's step; its forward (if the step has one) exchanges the MLPs with the FFN worker."""
+        """Send the step to the attention workers; the driver's step, whose forward (if the step has one)
+        exchanges the MLPs with the FFN workers."""
         self.check_health()
+        lora = self.lora
+        if self.ranks.attention > 1:
+            loras = () if lora is None else lora.requests_for(output.scheduled)
+            self._send(Execute(output, loras), self._attention_workers())
         self.steps += 1
         try:
             return self.driver.execute(output, prompt_lens)
@@ -92,15 +146,28 @@ class AFDExecutor(DistributedExecutor):
             raise self._fail(exc) from exc
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
-        """The LM head is whole on the driver (ExecutorError once the FFN worker has ended, as every call)."""
+        """The LM head: whole on the driver with one attention rank, else over the attention ranks' vocabulary
+        runs as under tensor parallelism (ExecutorError once a worker has ended, as every call)."""
         self.check_health()
-        return self.driver.compute_logits(hidden)
+        shard = self.shard
+        if shard is None:
+            return self.driver.compute_logits(hidden)
+        self._send(ComputeLogits(hidden.shape[0], hidden.shape[1]), self._attention_workers())
+        try:
+            return self.driver.compute_logits(shard.broadcast(hidden.contiguous()))
+        except RuntimeError as exc:
+            raise self._fail(exc) from exc
+
+    def collective_seconds(self) -> float:
+        """Wall time the driver spent in the activations' exchange and the attention ranks' collectives."""
+        return self.group.seconds + (0.0 if self.shard is None else self.shard.seconds)
 
     def shard_group(self) -> ParallelGroup | None:
-        """The driver's model is not sharded."""
-        return None
+        """The attention ranks' group (None with one attention rank: the driver's model is whole)."""
+        return self.shard
 
     def ffn_counts(self) -> list[FFNCounts]:
         """What each FFN worker has done so far (its forwards, micro-batches, time in MLPs and waiting), by rank."""
-        self._send(FFNReport())
-        return self._gather_answers(FFNCounts, _REPORT_TIMEOUT_S, "no FFN counts")
+        ranks = self.ranks.ffn_ranks()
+        self._send(FFNReport(), ranks)
+        return self._gather_answers(FFNCounts, _REPORT_TIMEOUT_S, "no FFN counts", ranks)

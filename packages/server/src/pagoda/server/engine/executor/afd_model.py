@@ -1,9 +1,11 @@
-"""Attention/FFN disaggregation's model side: the attention rank's forward pass and the FFN rank's loop.
+"""Attention/FFN disaggregation's model side: the attention ranks' forward pass and the FFN ranks' loop.
 
 Every decoder layer of the Llama family and Gemma 3 splits at its MLP: `attend` (norm, attention, residual add and
-the MLP's input norm) runs on the attention rank, which holds the KV cache; the MLP runs on the FFN rank, which
-holds every layer's MLP weights; `finish` (the residual add, Gemma's post-FFN norm) runs on the attention rank
-again. Per layer the attention rank sends the MLP input ([tokens, hidden]) and receives the MLP output.
+the MLP's input norm) runs on the attention ranks, which hold the KV cache (each its shard of the heads when there
+are several, o_proj all-reduced among them); the MLP runs on the FFN ranks, which hold every layer's MLP weights
+(each its shard when there are several); `finish` (the residual add, Gemma's post-FFN norm) runs on the attention
+ranks again. Per layer attention rank 0 sends the MLP input ([tokens, hidden]) and every attention rank receives
+the MLP output. LoRA's hooks split the same way (`attention_side`, `ffn_side`).
 
 Ping-pong (MegaScale-Infer, Step-3's AFD): a batch of two or more sequences is cut into two micro-batches of
 about equal tokens; micro-batch 1's attention runs while the FFN rank computes micro-batch 0's MLP, and
@@ -20,17 +22,49 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
+from pagoda.scheduler import ScheduledRequest
+from pagoda.server.afd_config import AttentionFFNConfig
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, Work
+from pagoda.server.lora.manager import LoRAManager, LoRARows
+from pagoda.server.lora.request import AdapterRun
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from torch import Tensor, nn
 
-ATTENTION_RANK, FFN_RANK = (
-    0,
-    1,
-)  # FFN_RANK: the first FFN rank, which answers; ranks above it are FFN ranks too
+
+@dataclass(frozen=True, slots=True)
+class AFDRanks:
+    """The ranks of an AFD world: 0..A-1 attention (0 is the driver), A..A+F-1 FFN."""
+
+    attention: int  # A: attention ranks, tensor-parallel among themselves
+    ffn: int  # F: FFN ranks, tensor-parallel among themselves
+
+    @property
+    def first_ffn(self) -> int:
+        """The FFN rank that sends the MLP outputs back (to every attention rank)."""
+        return self.attention
+
+    @property
+    def size(self) -> int:
+        """Every rank of the world."""
+        return self.attention + self.ffn
+
+    def ffn_ranks(self) -> range:
+        """The FFN ranks, in order: attention rank 0 sends each of them every MLP input."""
+        return range(self.attention, self.size)
+
+    @classmethod
+    def of(cls, config: AttentionFFNConfig) -> AFDRanks:
+        """The ranks `--attention-ffn-disaggregation` asks for."""
+        return cls(config.attention_workers, config.ffn_workers)
+
+
+# The store prefixes of the attention ranks' group (their shards' all-reduces, the logits' gather) and of the FFN
+# ranks' (the MLPs' down projection), beside the world's (the activations, point to point).
+ATTENTION_GROUP_PREFIX = "pagoda-afd-attention"
+FFN_GROUP_PREFIX = "pagoda-afd-ffn"
 
 
 class SplitLayer(Protocol):
@@ -95,9 +129,40 @@ class RemoteMLP(nn.Module):
         raise RuntimeError("this layer's MLP lives on the FFN rank (attention/FFN disaggregation)")
 
 
+def mlp_names(model: nn.Module, layers: Sequence[SplitLayer]) -> tuple[str, ...]:
+    """The module names of the layers' MLPs ("model.layers.0.mlp", ...): LoRA's hooks under them run on the FFN
+    ranks, the others on the attention ranks."""
+    mlps = {id(layer.mlp) for layer in layers}
+    return tuple(name for name, module in model.named_modules() if id(module) in mlps)
+
+
+def under(names: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a module name lies under one of `names`."""
+    prefixes = tuple(f"{name}." for name in names)
+    return lambda module: module.startswith(prefixes)
+
+
+def attention_side(model: CausalLM, lora: LoRAManager | None) -> None:
+    """An attention rank's model: its adapters apply outside the MLPs only (the FFN ranks apply the MLPs' parts),
+    and its MLP weights are freed. LoRA's targets were found with the MLPs there, so an adapter of an MLP
+    projection is checked and read whole."""
+    _, layers, _ = split_model(model)
+    if lora is not None:
+        in_mlp = under(mlp_names(model, layers))
+        lora.keep_hooks(lambda name: not in_mlp(name))
+    drop_mlps(layers)
+
+
+def ffn_side(model: CausalLM, lora: LoRAManager | None) -> nn.ModuleList:
+    """An FFN rank's part of its loaded shard: every layer's MLP, its adapters applied to the MLPs only."""
+    _, layers, _ = split_model(model)
+    if lora is not None:
+        lora.keep_hooks(under(mlp_names(model, layers)))
+    return keep_mlps(layers)
+
+
 def drop_mlps(layers: Sequence[SplitLayer]) -> None:
-    """Free the attention rank's MLP weights (before LoRA finds its targets: an adapter of an MLP projection is
-    then refused by name, never applied half way)."""
+    """Free the attention rank's MLP weights."""
     for layer in layers:
         layer.mlp = RemoteMLP()
 
@@ -164,33 +229,69 @@ class AFDStats:
 
 @dataclass
 class _Pending:
-    """A micro-batch whose MLP input is at the FFN rank: what its layer's `finish` waits for."""
+    """A micro-batch whose MLP input is at the FFN ranks: what its layer's `finish` waits for."""
 
     residual: Tensor  # [num_tokens, hidden]
     sent: Tensor  # [num_tokens, hidden]: kept alive until the sends completed
-    sends: list[Work]  # one to each FFN rank
+    sends: list[Work]  # one to each FFN rank (none on attention ranks other than 0)
     out: Tensor  # [num_tokens, hidden]: the MLP output, once `recv` completed
     recv: Work
 
 
+# What attention rank 0 tells the FFN ranks before a forward: its micro-batches' token counts and (with LoRA) each
+# micro-batch's chunks as `AdapterRun`s.
+Announce = Callable[[tuple[int, ...], tuple[tuple[AdapterRun, ...], ...]], None]
+
+
 class AFDForward:
-    """The attention rank's `StepForward`: embeddings, then per layer and micro-batch `attend`, the MLP at the FFN
-    rank, `finish`; the final norm. `announce` tells the FFN rank the micro-batch sizes before the first send."""
+    """An attention rank's `StepForward`: embeddings, then per layer and micro-batch `attend`, the MLP at the FFN
+    ranks, `finish`; the final norm. Every attention rank runs it in lockstep (their shards' o_proj all-reduced
+    among them); rank 0 alone sends the MLP inputs (every attention rank holds the same ones) and, by `announce`,
+    tells the FFN ranks the micro-batch sizes first; the first FFN rank sends each attention rank the outputs.
+
+    It is a runner hook too (`prepare`: the step's chunks), so that with LoRA each micro-batch's rows run under
+    their own adapter slots (`LoRAManager.rows_of`), here and at the FFN ranks."""
 
     def __init__(
         self,
         model: CausalLM,
         link: ProcessGroupCollectives,
-        announce: Callable[[tuple[int, ...]], None],
-        *,
-        ping_pong: bool,
+        ranks: AFDRanks,
+        announce: Announce | None,
+        lora: LoRAManager | None,
     ) -> None:
-        """`ping_pong` False: one micro-batch a step (LoRA: its slots index the whole batch's rows)."""
+        """`link`: the world's group (attention and FFN ranks); `announce` on rank 0 only; `lora`: this rank's
+        adapter slots (None: LoRA is off)."""
         self.model, self.layers, self.norm = split_model(model)
         self.link = link
+        self.ranks = ranks
         self.announce = announce
-        self.ping_pong = ping_pong
+        self.lora = lora
+        self.chunks: Sequence[ScheduledRequest] = ()  # the step's, in row order (`prepare`)
         self.stats = AFDStats()
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Before the forward pass: remember the step's chunks (each micro-batch's adapters come from them)."""
+        self.chunks = scheduled
+
+    def select_head_rows(
+        self,
+        logits_indices: Tensor | None,  # int64 [num_logits_rows]; None: none
+    ) -> None:
+        """Nothing: the LM head's rows are LoRA's business."""
+
+    def _runs(self, parts: Sequence[MicroBatch]) -> tuple[tuple[AdapterRun, ...], ...]:
+        """Each micro-batch's chunks as (adapter, rows) runs; () without LoRA (the FFN ranks need none)."""
+        if self.lora is None:
+            return ()
+        runs: list[list[AdapterRun]] = [[] for _ in parts]
+        offset, part = 0, 0
+        for chunk in self.chunks:  # micro-batches are cut between sequences, so each chunk lies in one
+            while offset >= parts[part].end:
+                part += 1
+            runs[part].append(AdapterRun(chunk.lora_id, chunk.num_tokens))
+            offset += chunk.num_tokens
+        return tuple(tuple(r) for r in runs)
 
     def __call__(
         self,
@@ -200,12 +301,21 @@ class AFDForward:
         attn: AttentionMetadata,
     ) -> Tensor:  # [num_tokens, hidden]
         """The final hidden states of the step's tokens, the MLPs computed by the FFN rank."""
-        parts = micro_batches(attn, self.ping_pong)
-        self.announce(tuple(part.end - part.start for part in parts))
+        parts = micro_batches(attn, ping_pong=True)
+        runs = self._runs(parts)
+        if self.announce is not None:
+            self.announce(tuple(part.end - part.start for part in parts), runs)
+        lora = self.lora
+        # With LoRA and two micro-batches, the hooks read each micro-batch's own slots, then the step's again.
+        whole = None if lora is None else lora.current()
+        rows: list[LoRARows | None] = []
+        if lora is not None and len(parts) > 1:
+            rows = [lora.rows_of(r) for r in runs]
         clock = _Clock()
-        inputs = [
-            self.model.layer_inputs(input_ids[p.start : p.end], positions[p.start : p.end]) for p in parts
-        ]
+        inputs = []
+        for mb, p in enumerate(parts):
+            self._use(rows, mb)
+            inputs.append(self.model.layer_inputs(input_ids[p.start : p.end], positions[p.start : p.end]))
         xs = [x for x, _ in inputs]
         pending: list[_Pending | None] = [None] * len(parts)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -214,6 +324,7 @@ class AFDForward:
                 if previous is not None:  # the previous layer's MLP output of this micro-batch
                     xs[mb] = self._finish(self.layers[index - 1], previous, clock)
                 cos, sin = inputs[mb][1][index]
+                self._use(rows, mb)
                 residual, normed = layer.attend(xs[mb], cos, sin, kv_cache, part.attn)
                 pending[mb] = self._exchange(residual, normed.contiguous(), mb, clock)
                 in_flight = sum(p is not None for p in pending)
@@ -221,6 +332,8 @@ class AFDForward:
         for mb, last in enumerate(pending):
             assert last is not None
             xs[mb] = self._finish(self.layers[-1], last, clock)
+        if rows and lora is not None:
+            lora.use(whole)
         hidden: Tensor = self.norm(xs[0] if len(xs) == 1 else torch.cat(xs))
         clock.lap()
         stats = self.stats
@@ -231,12 +344,18 @@ class AFDForward:
         stats.exchange_seconds += clock.exchange
         return hidden
 
+    def _use(self, rows: Sequence[LoRARows | None], mb: int) -> None:
+        """Point the LoRA hooks at micro-batch `mb`'s rows (nothing when the step is one micro-batch)."""
+        if rows and self.lora is not None:
+            self.lora.use(rows[mb])
+
     def _exchange(self, residual: Tensor, normed: Tensor, tag: int, clock: _Clock) -> _Pending:
-        """Send a micro-batch's MLP input and post the receive of its output (both asynchronous)."""
+        """Send a micro-batch's MLP input (rank 0) and post the receive of its output (both asynchronous)."""
         clock.lap()
-        sends = [self.link.send(normed, rank, tag) for rank in range(FFN_RANK, self.link.size)]
+        ffn_ranks = self.ranks.ffn_ranks() if self.link.rank == 0 else range(0)
+        sends = [self.link.send(normed, rank, tag) for rank in ffn_ranks]
         out = torch.empty_like(normed)
-        recv = self.link.recv(out, FFN_RANK, tag)
+        recv = self.link.recv(out, self.ranks.first_ffn, tag)
         clock.lap(exchange=True)
         return _Pending(residual, normed, sends, out, recv)
 
@@ -266,48 +385,3 @@ class _Clock:
         else:
             self.compute += now - self.mark
         self.mark = now
-
-
-@dataclass
-class FFNCounters:
-    """The FFN rank's own counts (answered to `FFNReport`)."""
-
-    forwards: int = 0
-    micro_batches: int = 0
-    mlp_seconds: float = 0.0
-    wait_seconds: float = 0.0
-
-
-def run_ffn_forward(
-    mlps: nn.ModuleList,
-    link: ProcessGroupCollectives,
-    num_tokens: Sequence[int],
-    hidden_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    counters: FFNCounters,
-) -> None:
-    """An FFN rank's part of one forward: per layer, per micro-batch in order, receive the MLP input, run the
-    layer's MLP (its shard, all-reduced over the FFN ranks), and on FFN rank 1 send the output back (the attention
-    rank's order, so every tag's messages pair up)."""
-    replies = link.rank == FFN_RANK
-    inputs = [torch.empty(n, hidden_size, dtype=dtype, device=device) for n in num_tokens]
-    sends: list[tuple[Work, Tensor]] = []
-    with torch.inference_mode():
-        for mlp in mlps:
-            for tag, x in enumerate(inputs):
-                start = time.perf_counter()
-                link.wait(link.recv(x, ATTENTION_RANK, tag))
-                computed = time.perf_counter()
-                out: Tensor = mlp(x).contiguous()
-                counters.mlp_seconds += time.perf_counter() - computed
-                counters.wait_seconds += computed - start
-                if replies:
-                    sends.append((link.send(out, ATTENTION_RANK, tag), out))
-            # The outputs of the layer before were received once this layer's inputs arrived; free them.
-            while len(sends) > len(inputs):
-                link.wait(sends.pop(0)[0])
-    for work, _ in sends:
-        link.wait(work)
-    counters.forwards += 1
-    counters.micro_batches += len(num_tokens)

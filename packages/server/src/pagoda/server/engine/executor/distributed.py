@@ -129,10 +129,13 @@ class DistributedExecutor(Executor):
         identities: list[bytes],
         restore_threads: int | None,
         lora: LoRAManager | None = None,
+        shard: ProcessGroupCollectives | None = None,
     ) -> None:
-        """`lora`: the driver's adapter slots, whose step adapters every worker is told to hold (None: no LoRA)."""
+        """`lora`: the driver's adapter slots, whose step adapters every worker is told to hold (None: no LoRA);
+        `shard`: the group the driver's model is sharded over when it is not `group` (AFD's attention ranks)."""
         self.driver = driver
         self.lora = lora
+        self.shard = shard
         self.num_blocks = driver.kv_cache.num_blocks
         self.num_host_blocks = driver.kv_cache.num_host_blocks
         self.group = group
@@ -158,21 +161,30 @@ class DistributedExecutor(Executor):
             check_tensor_parallel(AutoConfig.from_pretrained(folder).get_text_config(), size)
         except TensorParallelError as exc:
             raise EngineConfigError(str(exc)) from exc
-        return cls.start(config, folder, size, "tensor_parallel")
+        return cls.start(config, folder, ["tensor_parallel"] * (size - 1))
+
+    @classmethod
+    def shard_of(
+        cls, config: EngineConfig, world: ProcessGroupCollectives
+    ) -> tuple[ProcessGroupCollectives | None, str]:
+        """The group the driver's model is sharded over (None: unsplit) and its store prefix, when it is not the
+        world's: tensor parallelism shards over every rank."""
+        return world, ""
 
     @classmethod
     def driver_parts(
-        cls, config: EngineConfig, group: ProcessGroupCollectives, placement: Placement
+        cls, config: EngineConfig, group: ProcessGroupCollectives | None, placement: Placement
     ) -> EngineParts:
         """The driver's model and KV cache: rank 0's shard (loaded while the workers load theirs)."""
         return with_lora(config, build_parts(config, group, placement))
 
     @classmethod
     def start(
-        cls, config: EngineConfig, folder: Path, size: int, role: WorkerRole
+        cls, config: EngineConfig, folder: Path, roles: Sequence[WorkerRole]
     ) -> tuple[Self, EngineParts]:
-        """Launch ranks 1..size-1 in `role`, build the driver's parts beside them, agree on the KV size, form the
-        process group of `size` ranks."""
+        """Launch ranks 1..len(roles) in their roles, build the driver's parts beside them, agree on the KV size,
+        form the process group of every rank (and the driver's shard group, `shard_of`)."""
+        size = len(roles) + 1
         placement = select_placement(config)
         use_gpus = placement.device.type == "cuda"
         threads = None if use_gpus else threads_per_rank(size)
@@ -196,22 +208,25 @@ class DistributedExecutor(Executor):
         )
         port = store.port if isinstance(store, TCPStore) else 0
         endpoint = _Endpoint(address, host, port, store_path, keys.peer)
-        specs = _worker_specs(config, folder, placement, endpoint, threads, size, role)
+        specs = _worker_specs(config, folder, placement, endpoint, threads, roles)
         restore = torch.get_num_threads() if threads is not None else None
         workers: list[Handle] = []
         try:
             for spec in specs:
-                name = f"{role.replace('_', '-')} worker rank {spec.rank}"
+                name = f"{spec.role.replace('_', '-')} worker rank {spec.rank}"
                 workers.append(launcher.launch(WORKER_PROGRAM, spec, index=spec.rank - 1, name=name))
             if threads is not None:
                 torch.set_num_threads(threads)
             group = ProcessGroupCollectives(0, size)
-            parts = cls.driver_parts(config, group, placement)
+            shard, prefix = cls.shard_of(config, group)
+            parts = cls.driver_parts(config, shard, placement)
             identities = _wait_ready(router, workers, keys.peer)
             start = msgspec.msgpack.encode(Start(parts.kv_cache.num_blocks, parts.kv_cache.num_host_blocks))
             for identity in identities:
                 router.send_multipart([identity, start])
             group.connect(store, placement.device, host)
+            if shard is not None and shard is not group:
+                shard.connect(store, placement.device, host, prefix=prefix)
         except BaseException:
             _release(workers, launcher)
             router.close()
@@ -222,7 +237,7 @@ class DistributedExecutor(Executor):
             raise
         logger.info(
             "%s: %d ranks over %s (%s backend)%s",
-            role.replace("_", " "),
+            " and ".join(dict.fromkeys(role.replace("_", " ") for role in roles)),
             size,
             "NCCL" if use_gpus else "gloo",
             config.parallel_config.distributed_executor_backend,
@@ -239,6 +254,7 @@ class DistributedExecutor(Executor):
             identities,
             restore,
             parts.lora,
+            None if shard is group else shard,
         ), parts
 
     def execute(
@@ -288,22 +304,25 @@ class DistributedExecutor(Executor):
         """Every worker's answer to the last Sleep / WakeUp, by rank; ExecutorError naming a worker that ended."""
         return self._gather_answers(RankSleepState, _SLEEP_TIMEOUT_S, "no sleep-mode answer")
 
-    def _gather_answers(self, kind: type[_Answer], timeout_s: float, missing: str) -> list[_Answer]:
-        """One `kind` answer from every worker, by rank: ExecutorError naming a worker that ended meanwhile, or
-        a TimeoutError (`missing`, with how many ranks are silent) once `timeout_s` passed."""
+    def _gather_answers(
+        self, kind: type[_Answer], timeout_s: float, missing: str, ranks: Sequence[int] | None = None
+    ) -> list[_Answer]:
+        """One `kind` answer from every worker (or those of `ranks`), by rank: ExecutorError naming a worker that
+        ended meanwhile, or a TimeoutError (`missing`, with how many ranks are silent) once `timeout_s` passed."""
         decoder = msgspec.msgpack.Decoder(kind)
         answers: dict[int, _Answer] = {}
+        identities = self._identities_of(ranks)
         deadline = time.monotonic() + timeout_s
-        while len(answers) < len(self._identities):
+        while len(answers) < len(identities):
             if self._router.poll(_POLL_MS):
                 identity, payload = self._router.recv_multipart()[:2]
-                if identity in self._identities:
+                if identity in identities:
                     answer = decoder.decode(payload)
                     answers[answer.rank] = answer
                 continue
             self.check_health()
             if time.monotonic() > deadline:
-                silent = len(self._identities) - len(answers)
+                silent = len(identities) - len(answers)
                 raise self._fail(TimeoutError(f"{missing} from {silent} rank(s)"))
         return [answers[rank] for rank in sorted(answers)]
 
@@ -311,12 +330,16 @@ class DistributedExecutor(Executor):
         """The first worker that ended, with how it ended ("... rank 1 (pid 42) exited with -9 ..."), or None."""
         return _first_failure(self.workers)
 
-    def _send(self, command: Command | FFNCommand) -> None:
-        """The same command to every worker, once all are known to run."""
+    def _send(self, command: Command | FFNCommand, ranks: Sequence[int] | None = None) -> None:
+        """The same command to every worker (or those of `ranks`), once all are known to run."""
         self.check_health()
         payload = msgspec.msgpack.encode(command)
-        for identity in self._identities:
+        for identity in self._identities_of(ranks):
             self._router.send_multipart([identity, payload])
+
+    def _identities_of(self, ranks: Sequence[int] | None) -> list[bytes]:
+        """The control sockets of the workers of `ranks` (None: all)."""
+        return list(self._identities) if ranks is None else [self._identities[rank - 1] for rank in ranks]
 
     def _fail(self, exc: BaseException | None, failure: str | None = None) -> ExecutorError:
         """The error every later call raises too, naming the worker that ended when there is one."""
@@ -366,10 +389,9 @@ def _worker_specs(
     placement: Placement,
     endpoint: _Endpoint,
     threads: int | None,
-    size: int,
-    role: WorkerRole,
+    roles: Sequence[WorkerRole],
 ) -> list[WorkerSpec]:
-    """What ranks 1..size-1 are told: the same config, folder, dtype, addresses and role; each its own rank and
+    """What ranks 1..len(roles) are told: the same config, folder, dtype and addresses; each its own rank, role and
     device."""
     local = config.parallel_config.distributed_executor_backend == "mp"
     return [
@@ -380,7 +402,7 @@ def _worker_specs(
             device=(f"cuda:{rank}" if local else "cuda:0") if placement.device.type == "cuda" else "cpu",
             dtype=dtype_name(placement.dtype),
             rank=rank,
-            world_size=size,
+            world_size=len(roles) + 1,
             driver_address=endpoint.address,
             store_host=endpoint.host,
             store_port=endpoint.port,
@@ -389,7 +411,7 @@ def _worker_specs(
             store_path=endpoint.store_path,
             role=role,
         )
-        for rank in range(1, size)
+        for rank, role in enumerate(roles, start=1)
     ]
 
 

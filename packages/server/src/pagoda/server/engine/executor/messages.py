@@ -11,11 +11,12 @@ from typing import Literal
 import msgspec
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.config import EngineConfig
-from pagoda.server.lora.request import LoRARequest
+from pagoda.server.lora.request import AdapterRun, LoRARequest
 from pagoda.server.procs.control import Ready, Shutdown
 from pagoda.server.procs.security import PeerKeys
 
-WorkerRole = Literal["tensor_parallel", "ffn"]
+# "afd_attention": attention/FFN disaggregation's attention ranks 1..A-1 (a tensor-parallel shard without MLPs).
+WorkerRole = Literal["tensor_parallel", "afd_attention", "ffn"]
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -33,7 +34,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     num_threads: int | None  # torch threads of this rank on the CPU; None leaves torch's default
     keys: PeerKeys  # the driver socket's CURVE keys and the token `Ready` carries (procs/security.py)
     store_path: str | None = None  # local workers: a FileStore in the launcher's private folder, no TCP port
-    # "ffn": attention/FFN disaggregation's FFN rank (the whole MLP of every layer, no KV cache); else a shard.
+    # "ffn": attention/FFN disaggregation's FFN rank (its shard of every layer's MLP, no KV cache); else a shard.
     role: WorkerRole = "tensor_parallel"
 
 
@@ -88,10 +89,14 @@ Command = Execute | ComputeLogits | Sleep | WakeUp | Shutdown
 
 class FFNForward(msgspec.Struct, frozen=True, tag=True):
     """Attention/FFN disaggregation: one forward pass is coming, as micro-batches of these many tokens; for every
-    layer, in order, each FFN rank receives each micro-batch's MLP input, and FFN rank 1 sends back its MLP output
-    (all-reduced over the FFN ranks when there are several)."""
+    layer, in order, each FFN rank receives each micro-batch's MLP input from attention rank 0, and the first FFN
+    rank sends its MLP output (all-reduced over the FFN ranks when there are several) to every attention rank."""
 
     num_tokens: tuple[int, ...]
+    # With LoRA: the step's adapters (a rank reads one it does not hold) and each micro-batch's chunks' adapters
+    # in row order, from which each FFN rank sets every row's slot for its MLP projections' hooks.
+    loras: tuple[LoRARequest, ...] = ()
+    adapters: tuple[tuple[AdapterRun, ...], ...] = ()
 
 
 class FFNReport(msgspec.Struct, frozen=True, tag=True):

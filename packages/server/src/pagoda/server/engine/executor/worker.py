@@ -1,4 +1,6 @@
 """A tensor-parallel worker: one rank's shard of the model and of the KV cache, driven by the driver's commands.
+Attention/FFN disaggregation runs the same program: an attention worker is such a shard over the attention ranks,
+its MLPs exchanged with the FFN ranks; an FFN worker keeps its shard of every MLP and nothing else (`_run_ffn`).
 
 `WORKER_PROGRAM`: run as `python -m pagoda.server.engine.executor.worker` (its spec on stdin) by the mp executor's
 `ProcessLauncher`, or inside a Ray actor by `RayLauncher`.
@@ -8,13 +10,22 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 import torch
 import zmq
-from pagoda.server.engine.executor.afd_model import FFNCounters, keep_mlps, run_ffn_forward, split_model
+from pagoda.server.engine.executor.afd_ffn import FFNCounters, run_ffn_forward
+from pagoda.server.engine.executor.afd_model import (
+    ATTENTION_GROUP_PREFIX,
+    FFN_GROUP_PREFIX,
+    AFDForward,
+    AFDRanks,
+    attention_side,
+    ffn_side,
+)
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
     Command,
@@ -74,10 +85,15 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
                 placement.device
             )  # NCCL and the kernels launch on this rank's GPU, not GPU 0
         group = ProcessGroupCollectives(spec.rank, spec.world_size)
+        afd = spec.config.parallel_config.attention_ffn_disaggregation
+        ranks = None if afd is None else AFDRanks.of(afd)
         if spec.role == "ffn":
-            _run_ffn(spec, placement, group, socket, parent_pid)
+            assert ranks is not None
+            _run_ffn(spec, placement, group, ranks, socket, parent_pid)
             return
-        model, backend = build_shard(spec.config, Path(spec.model_folder), placement, group)
+        # An AFD attention rank is a shard of the attention ranks' own tensor-parallel group.
+        shard = group if ranks is None else ProcessGroupCollectives(spec.rank, ranks.attention)
+        model, backend = build_shard(spec.config, Path(spec.model_folder), placement, shard)
         socket.send(
             msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token))
         )
@@ -92,14 +108,21 @@ def run_worker(spec: WorkerSpec, parent_pid: int | None) -> None:
             else make_file_store(spec.store_path, spec.world_size)
         )
         group.connect(store, placement.device, spec.store_host)
+        if shard is not group:
+            shard.connect(store, placement.device, spec.store_host, prefix=ATTENTION_GROUP_PREFIX)
         lora = build_manager(spec.config, model, placement.dtype, placement.device)
         runner = ModelRunner(model, kv_cache, backend, placement.device, () if lora is None else (lora,))
+        if ranks is not None:  # its layers exchange their MLPs with the FFN ranks; the driver announces them
+            attention_side(model, lora)
+            forward = AFDForward(model, group, ranks, None, lora)
+            runner.forward = forward
+            runner.hooks = (*runner.hooks, forward)  # after LoRA's: the step is slotted
         sleeping = (
-            _shard_sleep(spec, runner, placement, group)
+            _shard_sleep(spec, runner, placement, shard)
             if spec.config.model_config.enable_sleep_mode
             else None
         )
-        _serve(runner, lora, sleeping, group, socket, spec, parent_pid)
+        _serve(runner, lora, sleeping, shard, socket, spec, parent_pid)
     finally:
         socket.close()
         context.term()
@@ -109,23 +132,23 @@ def _run_ffn(
     spec: WorkerSpec,
     placement: Placement,
     group: ProcessGroupCollectives,
+    ranks: AFDRanks,
     socket: zmq.Socket[bytes],
     parent_pid: int | None,
 ) -> None:
     """Attention/FFN disaggregation's FFN rank: load its shard of the model (the whole of it with one FFN rank),
-    keep every layer's MLP, report ready, join the group (and the FFN ranks' own group), then run `FFNForward`s
-    until Shutdown or the driver's end (no KV cache here)."""
-    # FFN ranks 1..F are ranks 0..F-1 of their own tensor-parallel group: the MLPs' row-parallel down projection
-    # all-reduces over it, and FFN rank 1 alone answers the driver.
-    ffn_size = spec.world_size - 1
-    ffn_group = ProcessGroupCollectives(spec.rank - 1, ffn_size)
-    shard_group = ffn_group if ffn_size > 1 else SingleRank()
+    keep every layer's MLP (and LoRA's hooks of their projections), report ready, join the group (and the FFN
+    ranks' own group), then run `FFNForward`s until Shutdown or the driver's end (no KV cache here)."""
+    # FFN ranks A..A+F-1 are ranks 0..F-1 of their own tensor-parallel group: the MLPs' row-parallel down
+    # projection all-reduces over it, and the first FFN rank alone answers the attention ranks.
+    ffn_group = ProcessGroupCollectives(spec.rank - ranks.first_ffn, ranks.ffn)
+    shard_group = ffn_group if ranks.ffn > 1 else SingleRank()
     # Loaded as a shard, then cut to the MLPs: the rest is freed with `model`.
     model, _ = build_shard(spec.config, Path(spec.model_folder), placement, shard_group)
-    _, layers, _ = split_model(model)
-    mlps = keep_mlps(layers)
+    lora = build_manager(spec.config, model, placement.dtype, placement.device)
+    mlps = ffn_side(model, lora)
     hidden_size = int(model.get_parameter("model.norm.weight").shape[0])
-    del model, layers
+    del model
     socket.send(msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token)))
     if _receive(socket, msgspec.msgpack.Decoder(Start), parent_pid) is None:
         return
@@ -135,8 +158,8 @@ def _run_ffn(
         else make_file_store(spec.store_path, spec.world_size)
     )
     group.connect(store, placement.device, spec.store_host)
-    if ffn_size > 1:
-        ffn_group.connect(store, placement.device, spec.store_host, prefix="pagoda-afd-ffn")
+    if ranks.ffn > 1:
+        ffn_group.connect(store, placement.device, spec.store_host, prefix=FFN_GROUP_PREFIX)
     decoder = msgspec.msgpack.Decoder(FFNCommand)
     counters = FFNCounters()
     while True:
@@ -144,9 +167,22 @@ def _run_ffn(
         if command is None or isinstance(command, Shutdown):
             return
         if isinstance(command, FFNForward):
-            run_ffn_forward(
-                mlps, group, command.num_tokens, hidden_size, placement.dtype, placement.device, counters
-            )
+            select = None if lora is None else _adapter_rows(lora, command)
+            try:
+                run_ffn_forward(
+                    mlps,
+                    group,
+                    ranks,
+                    command.num_tokens,
+                    hidden_size,
+                    placement.dtype,
+                    placement.device,
+                    counters,
+                    select,
+                )
+            finally:
+                if lora is not None:
+                    lora.clear()
         else:  # FFNReport
             counts = FFNCounts(
                 spec.rank,
@@ -156,6 +192,15 @@ def _run_ffn(
                 counters.wait_seconds,
             )
             socket.send(msgspec.msgpack.encode(counts))
+
+
+def _adapter_rows(lora: LoRAManager, command: FFNForward) -> Callable[[int], None]:
+    """Slot the forward's adapters (reading any this rank does not hold); what points the MLP projections' hooks
+    at a micro-batch's rows."""
+    lora.ensure(command.loras)
+    lora.prepare([run for part in command.adapters for run in part])
+    rows = [lora.rows_of(part) for part in command.adapters]
+    return lambda tag: lora.use(rows[tag])
 
 
 def _shard_sleep(
