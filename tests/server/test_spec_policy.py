@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from pagoda.server.spec.policy import AcceptanceEstimate, DraftPolicy, StepCostModel, expected_tokens
+from pagoda.server.spec.policy import (
+    AcceptanceEstimate,
+    DecodeCost,
+    DraftPolicy,
+    StepCostModel,
+    expected_tokens,
+)
 
 # One token costs 10 ms (weights read once); past 100 tokens a step is compute bound at 0.1 ms a token.
 CPU_LIKE = StepCostModel(one_token_s=0.010, per_token_s=0.0001)
@@ -43,3 +49,22 @@ def test_acceptance_estimate_follows_the_runs() -> None:
     for _ in range(20):
         estimate.update(4, 0)  # the first draft rejected: one tested, none accepted
     assert estimate.rate < 0.05
+
+
+def test_an_untested_sequence_is_sized_optimistically_once() -> None:
+    """Until one of its drafts is verified, a sequence's drafts are sized as if every draft were accepted: where
+    the measured costs say the prior (0.5) does not pay but good acceptance would, it still tries, and its
+    first verified run decides from then on."""
+    # A drafted token costs 5 ms beside a 9 ms step (the default model's native step, a loaded 2-core Zen 4).
+    costs = StepCostModel(one_token_s=0.009, per_token_s=0.0035, decodes=(DecodeCost(1, 0.009, 4, 0.029),))
+    policy = DraftPolicy(costs, 4)
+    estimate = AcceptanceEstimate(prior=0.5)
+    assert policy.num_drafts(1, estimate.rate) == 0  # the prior alone would never draft here
+    assert not estimate.tested and estimate.budget_rate == 1.0
+    assert policy.num_drafts(1, estimate.budget_rate) == 4
+    estimate.update(4, 0)  # its first draft rejected
+    assert estimate.tested and estimate.budget_rate == estimate.rate
+    assert policy.num_drafts(1, estimate.budget_rate) == 0
+    copying = AcceptanceEstimate(prior=0.5)
+    copying.update(4, 4)  # every draft accepted: it keeps drafting
+    assert policy.num_drafts(1, copying.budget_rate) > 0

@@ -124,7 +124,7 @@ class DraftPolicy:
 class AcceptanceEstimate:
     """A sequence's per-draft acceptance rate, decayed so that it follows the text (starts at `prior`)."""
 
-    __slots__ = ("accepted", "prior", "trials", "weight")
+    __slots__ = ("accepted", "prior", "tested", "trials", "weight")
 
     def __init__(self, prior: float = 0.5, weight: float = 2.0) -> None:
         """Start as if `weight` drafts had been tested with rate `prior`."""
@@ -132,17 +132,26 @@ class AcceptanceEstimate:
         self.weight = weight
         self.accepted = prior * weight
         self.trials = weight
+        self.tested = False  # whether any draft of this sequence was verified yet
 
     @property
     def rate(self) -> float:
         """Accepted over tested drafts."""
         return self.accepted / self.trials
 
+    @property
+    def budget_rate(self) -> float:
+        """The rate the policy sizes the next drafts by: optimistic (1.0) until a draft was verified, so that a
+        sequence tries drafting once wherever drafts can pay at all (a prior that the measured step costs say does
+        not pay would otherwise never let it learn that its text copies well), then the measured rate."""
+        return self.rate if self.tested else 1.0
+
     def update(self, num_drafts: int, num_accepted: int, decay: float = 0.8) -> None:
         """Record a verified run: drafts up to the first rejected one were tested."""
         tested = num_accepted + (1 if num_accepted < num_drafts else 0)
         self.accepted = self.accepted * decay + num_accepted
         self.trials = self.trials * decay + tested
+        self.tested = True
 
     def relax(self, keep: float = 0.99) -> None:
         """A step without drafts: move the estimate a little back to the prior, so that a sequence whose drafts

@@ -97,7 +97,7 @@ class DraftingRequest(ABC):
             if proposed and num_added:  # the scheduler may have cut the drafts: an estimate then
                 self.acceptance.update(proposed, min(num_added - 1, proposed))
         self._added.clear()
-        k = self.budget(scheduler, self.acceptance.rate)
+        k = self.budget(scheduler, self.acceptance.budget_rate)
         if k == 0:  # no drafts this step (acceptance too low, or a batch too large): probe again later
             self.acceptance.relax()
         for seq_id in self.state.seq_ids:
