@@ -60,7 +60,7 @@ def test_an_untested_sequence_is_sized_optimistically_once() -> None:
     policy = DraftPolicy(costs, 4)
     estimate = AcceptanceEstimate(prior=0.5)
     assert policy.num_drafts(1, estimate.rate) == 0  # the prior alone would never draft here
-    assert not estimate.tested and estimate.budget_rate == 1.0
+    assert estimate.budget_rate == 1.0  # untested
     assert policy.num_drafts(1, estimate.budget_rate) == 4
     estimate.update(4, 0)  # its first draft rejected
     assert estimate.tested and estimate.budget_rate == estimate.rate
