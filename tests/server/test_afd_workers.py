@@ -28,6 +28,7 @@ from pagoda.server.models.attention import AttentionMetadata
 from pagoda.server.procs import ProcessHandle
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import ARCHS, make_tiny_model
+from pagoda.server.testing.compare import assert_same_logprobs
 from pagoda.server.testing.tiny_lora import make_tiny_lora
 from pagoda.server.testing.tiny_vlm import make_tiny_vlm
 from test_engine import GREEDY, PREEMPTING_PROMPT_LENS, PROMPT_LENS, StepSpy, make_llm, random_prompts, tokens
@@ -178,16 +179,7 @@ def test_two_attention_workers_logprobs_match_plain(afd_models: dict[str, Path],
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     want = llms(make_llm, afd_models["gemma3"]).generate(prompts, params, use_tqdm=False)
     got = llms(make_llm, afd_models["gemma3"], **afd_args(2, 1)).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(want, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
-        pairs = [*zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
-        pairs += zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True)
-        assert len(pairs) == len(a.prompt_token_ids) - 1 + 4
-        for x, y in pairs:
-            assert x is not None and y is not None and set(x) == set(y)
-            for token, entry in x.items():
-                assert abs(entry.logprob - y[token].logprob) < 1e-4
+    assert_same_logprobs(want, got, max_tokens=4, tolerance=1e-4)
 
 
 def test_attention_workers_the_heads_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:

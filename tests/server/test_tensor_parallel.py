@@ -33,6 +33,7 @@ from pagoda.server.procs import ProcessHandle, ProcessLauncher
 from pagoda.server.procs.ray_launcher import RayLauncher
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import ARCHS, make_tiny_model, tiny_config
+from pagoda.server.testing.compare import assert_same_logprobs
 from test_api_live import greedy, metric, serving, sync_client
 from test_engine import (
     GREEDY,
@@ -151,16 +152,7 @@ def test_tp2_logprobs_and_prompt_logprobs_match_tp1(tp_models: dict[str, Path], 
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     want = llms(make_llm, tp_models["gemma3_kv1"]).generate(prompts, params, use_tqdm=False)
     got = llms(make_llm, tp_models["gemma3_kv1"], **TP_ARGS).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(want, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
-        pairs = [*zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
-        pairs += zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True)
-        assert len(pairs) == len(a.prompt_token_ids) - 1 + 4
-        for x, y in pairs:
-            assert x is not None and y is not None and set(x) == set(y)
-            for token, entry in x.items():
-                assert abs(entry.logprob - y[token].logprob) < 1e-4
+    assert_same_logprobs(want, got, max_tokens=4, tolerance=1e-4)
 
 
 def test_tp_size_the_heads_cannot_split_is_refused(tp_models: dict[str, Path], tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ model folder whose weights stay in GGUF block formats, for transformers to load 
 `tiny_classifier`: tiny random cross-encoders (`make_tiny_classifier`, `*ForSequenceClassification` of the Llama,
 Qwen2 and Qwen3 configs) and their transformers reference (`make_tiny_hf_classifier`). `tiny_vlm`: tiny random
 vision-language models (`make_tiny_vlm`: Llava and Gemma 3 folders with processor configs) and their transformers
-reference (`make_tiny_hf_vlm`).
+reference (`make_tiny_hf_vlm`). `compare`: `assert_same_logprobs`, two engines' tokens and logprobs side by side.
 """
 
 from pagoda.server.testing.dense_copy import dense_copy
