@@ -1,0 +1,167 @@
+/* The LM head and the draw of a few rows in one pass: logits = x @ W^T for a GGUF-quantized W [vocab, k], computed
+ * a chunk of vocabulary rows at a time into a buffer that stays in L1, and each chunk reduced at once, so the
+ * [rows, vocab] logits are never written out nor read back.
+ *
+ * The specification is the unfused pair: cpu_quant.c's GEMV (pagoda_quant_matmul, whose per-column code this file
+ * includes and calls on each chunk: every logit is bitwise the GEMV's, bfloat16 rounding included) followed by the
+ * sampling op (sampling/torch_sampling.py) on rows without min_p, top_k and top_p:
+ *   - greedy rows (inv_t 0): the argmax of the logits, the lowest index on ties;
+ *   - sampled rows: the argmax of x - log(-log u) over the tokens with x > -inf, x = logit * inv_t in float32 and
+ *     u the row key's uniform of each vocabulary index (cpu_gumbel.h: the same bits as rng.py / fmath.py), the
+ *     lowest index on ties. An element whose x is more than GUMBEL_SPAN (plus a rounding slack) below the best
+ *     score so far cannot win (-log(-log u) <= 24 ln 2), so it is skipped unhashed: the race is exact.
+ * Status per row as the op's: NONFINITE when some x is NaN or +inf, NO_TOKEN when every x is -inf (token 0).
+ *
+ * Threads: chunks are handed out guided on torch's OpenMP pool (as the GEMV's columns); each thread keeps its own
+ * best per row and the bests are merged at the end by (value, lowest index), an order-free rule, so the tokens do
+ * not depend on the thread count.
+ */
+#include "cpu_quant.c"
+#include "cpu_gumbel.h"
+
+#define HEAD_CHUNK 128 /* vocabulary rows per chunk: rows x 128 logits (at most 8 KB) stay in L1 */
+#define HEAD_MAX_ROWS MAX_ROWS /* one pass of the GEMV's columns */
+
+enum { HEAD_OK = 0, HEAD_NONFINITE = 1, HEAD_NO_TOKEN = 2 };
+
+/* One row's reduction so far: the best value (the logit for a greedy row, the Gumbel score for a sampled one) and
+ * its index, whether a NaN / +inf was seen and whether any x > -inf was. */
+typedef struct {
+  float best;
+  int64_t best_i;
+  int bad, any;
+} head_best_t;
+
+/* Whether (value, index) beats the current best: greater, or equal at a lower index. */
+static inline int head_beats(float v, int64_t i, const head_best_t *b) {
+  return b->best_i < 0 || v > b->best || (v == b->best && i < b->best_i);
+}
+
+/* Reduce logits y[0..len) (column j0 + i is vocabulary index j0 + i) of one row into its best. */
+static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, uint64_t key, head_best_t *b) {
+  const float factor = inv_t == 0.0f ? 1.0f : inv_t; /* x = logits * factor, as torch_sampling.scale */
+  int bad = 0, any = 0;
+  if (inv_t == 0.0f) {
+    float m = b->best;
+    int64_t arg = b->best_i;
+    for (int64_t i = 0; i < len; i++) {
+      const float x = y[i] * factor;
+      bad |= (x != x) | (x == INFINITY);
+      any |= x > -INFINITY;
+      /* chunks arrive in any order: strictly greater, or equal at a lower index than the best from elsewhere */
+      if (x > m || (x == m && (arg < 0 || j0 + i < arg))) m = x, arg = j0 + i;
+    }
+    b->best = m, b->best_i = arg;
+  } else {
+    for (int64_t i = 0; i < len; i++) {
+      const float x = y[i] * factor;
+      bad |= (x != x) | (x == INFINITY);
+      if (!(x > -INFINITY)) continue; /* -inf (and NaN: the row fails anyway) is never drawn */
+      any = 1;
+      /* the rounding slack of race_set in cpu_sampling.c: 2-ulp logs on scores up to ~1e6 */
+      const float slack = b->best_i >= 0 ? 1e-3f + fabsf(b->best) * 1e-5f : 0.0f;
+      if (b->best_i >= 0 && x < b->best - GUMBEL_SPAN - slack) continue;
+      const int64_t j = j0 + i;
+      const float s = gumbel_score(x, word_at(key, j));
+      if (b->best_i < 0 || s > b->best || (s == b->best && j < b->best_i)) b->best = s, b->best_i = j;
+    }
+  }
+  b->bad |= bad;
+  b->any |= any;
+}
+
+/* Columns j0..j1 of the logits of every row into buf ([rows, HEAD_CHUNK], float32 or bfloat16 bits): exactly the
+ * code pagoda_quant_matmul runs for those columns (its one-row register path where it takes it). */
+static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight, int64_t row_bytes, int64_t j0,
+                         int64_t j1, int64_t k, const int8_t *xq, const float *xd, const int32_t *xs,
+                         const void *xb_any, int64_t rows, void *buf, int y_bf16) {
+  const uint8_t *w = weight + j0 * row_bytes;
+#if PATH >= 1
+  if (rows == 1 && ONE_ROW_TYPE(type)) {
+    void *y = buf;
+    const int64_t len = j1 - j0;
+#if PATH == 2
+    const xblock *xb = (const xblock *)xb_any;
+#define ONE_ROW(T) one_row_columns_vnni(T, w, 0, len, k, xb, xd, xs, y, y_bf16)
+#else
+    (void)xb_any;
+#define ONE_ROW(T) one_row_columns(T, w, 0, len, k, xq, xd, xs, y, y_bf16)
+#endif
+    ONE_ROW_DISPATCH(type);
+#undef ONE_ROW
+    return;
+  }
+#endif
+  (void)xb_any;
+  columns(w, 0, j1 - j0, k, xq, xd, xs, rows, buf, HEAD_CHUNK, y_bf16);
+}
+
+/* tokens[r] and status[r] of each row r < rows: W [n, k] of `type`, x [rows, k] (rows x_stride elements apart,
+ * float32 or bfloat16), logits rounded to bfloat16 when y_bf16 (as the unfused GEMV writes them for a bfloat16
+ * model), inv_t[r] 0 for a greedy row, keys[r] the row's RNG key. 0 on success, 1 for an unknown type, k not a
+ * multiple of the block or more than HEAD_MAX_ROWS rows, 2 when the work space cannot be allocated. */
+int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                      int64_t x_bf16, int64_t rows, int64_t y_bf16, const float *inv_t, const int64_t *keys,
+                      int64_t *tokens, int32_t *status, int64_t num_threads) {
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  columns_fn columns = columns_for(type);
+  if (columns == NULL || k % elems != 0 || rows > HEAD_MAX_ROWS || rows < 0) return 1;
+  if (rows == 0) return 0;
+  const int64_t xblocks = k / QK, row_bytes = k / elems * bytes;
+  int8_t *xq = malloc((size_t)(rows * k));
+  float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
+  int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
+  void *xb = NULL;
+#if PATH == 2
+  xb = aligned_alloc(32, sizeof(xblock) * (size_t)xblocks);
+#endif
+  if (!xq || !xd || !xs || (PATH == 2 && !xb)) {
+    free(xq), free(xd), free(xs), free(xb);
+    return 2;
+  }
+  const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+  for (int64_t r = 0; r < rows; r++)
+    quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
+                 xs + r * xblocks);
+#if PATH == 2
+  prepare_x(xq, xblocks, (xblock *)xb);
+#endif
+  head_best_t best[HEAD_MAX_ROWS];
+  for (int64_t r = 0; r < rows; r++) best[r] = (head_best_t){-INFINITY, -1, 0, 0};
+  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
+  const int64_t chunks = (n + HEAD_CHUNK - 1) / HEAD_CHUNK;
+#pragma omp parallel num_threads(num_threads)
+  {
+    head_best_t mine[HEAD_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) mine[r] = (head_best_t){-INFINITY, -1, 0, 0};
+    float y[HEAD_MAX_ROWS * HEAD_CHUNK];
+    uint16_t y16[HEAD_MAX_ROWS * HEAD_CHUNK];
+#pragma omp for schedule(guided) nowait
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t j0 = c * HEAD_CHUNK, j1 = j0 + HEAD_CHUNK < n ? j0 + HEAD_CHUNK : n, len = j1 - j0;
+      head_columns(type, columns, weight, row_bytes, j0, j1, k, xq, xd, xs, xb, rows, y_bf16 ? (void *)y16 : y,
+                   (int)y_bf16);
+      for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * HEAD_CHUNK;
+        if (y_bf16)
+          for (int64_t i = 0; i < len; i++) yr[i] = as_float((uint32_t)y16[r * HEAD_CHUNK + i] << 16);
+        head_reduce(yr, len, j0, inv_t[r], (uint64_t)keys[r], &mine[r]);
+      }
+    }
+#pragma omp critical
+    for (int64_t r = 0; r < rows; r++) {
+      const head_best_t *m = &mine[r];
+      if (m->best_i >= 0 && head_beats(m->best, m->best_i, &best[r])) best[r].best = m->best, best[r].best_i = m->best_i;
+      best[r].bad |= m->bad;
+      best[r].any |= m->any;
+    }
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    const int st = best[r].bad ? HEAD_NONFINITE : best[r].any ? HEAD_OK : HEAD_NO_TOKEN;
+    status[r] = st;
+    tokens[r] = st == HEAD_OK ? best[r].best_i : 0;
+  }
+  free(xq), free(xd), free(xs), free(xb);
+  return 0;
+}
