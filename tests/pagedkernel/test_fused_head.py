@@ -1,0 +1,192 @@
+"""The LM head fused with the draw (`pagoda.pagedkernel.sampling.fused_head`): the tokens and statuses of the
+unfused pair (the C GEMV's logits, then the torch sampling specification) bit for bit, on every GGUF format the
+GEMV takes, 1-16 rows, vocabularies that are not a multiple of the chunk, ties across chunks, NaN / inf weights,
+any thread count and every GEMV path (VNNI, AVX2, generic C); and draws that fit the exact softmax (chi-square)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from pagoda.pagedkernel.quant.formats import GGMLType, QuantizedTensor
+from pagoda.pagedkernel.quant.ops import qmatmul
+from pagoda.pagedkernel.quant.testing import random_weight
+from pagoda.pagedkernel.sampling import fused_head as fh
+from pagoda.pagedkernel.sampling import rng_key, torch_sampling
+from pagoda.pagedkernel.sampling.testing import exact_probabilities
+from pagoda.pagedkernel.testing import c_kernel_or_skip
+from torch import Tensor
+
+QTYPES = sorted(fh.SUPPORTED_QTYPES)
+HEAD_CHUNK = 128  # cpu_fused_head.c's chunk: vocabularies below are not multiples of it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library() -> None:
+    """Build the library first: a compile error fails every test here (only a missing compiler skips)."""
+    c_kernel_or_skip(fh.kernels)
+
+
+def reference(
+    x: Tensor,  # [rows, K]
+    weight: QuantizedTensor,  # [vocab, K]
+    inv_t: Tensor,  # float32 [rows]
+    keys: Tensor,  # int64 [rows]
+) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]
+    """The unfused pair: the C GEMV's logits in x's dtype, then torch_sampling.run without truncation."""
+    logits = qmatmul(x, weight, backend="cpu")
+    rows = x.shape[0]
+    no_k, no_p, no_min = torch.zeros(rows, dtype=torch.int64), torch.ones(rows), torch.zeros(rows)
+    tokens, status, _ = torch_sampling.run(logits, inv_t, no_k, no_p, no_min, keys, with_mask=False)
+    return tokens, status
+
+
+def inputs(rows: int, k: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x [rows, K] (with a larger row scale, so that the Gumbel noise and the logits compete), greedy and sampled
+    rows at temperatures 0.5-2, and row keys."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g) * 8.0).to(dtype)
+    inv_t = torch.tensor([[0.0, 1.0, 2.0, 0.5][r % 4] for r in range(rows)], dtype=torch.float32)
+    keys = torch.tensor([rng_key(seed, r, 7) for r in range(rows)], dtype=torch.int64)
+    return x, inv_t, keys
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 16])
+def test_tokens_equal_the_unfused_pair(qtype: GGMLType, dtype: torch.dtype, rows: int) -> None:
+    """Greedy and sampled rows (temperatures 0.5-2) of a 1,000-token head (7 full chunks and a tail of 104)."""
+    vocab, k = 7 * HEAD_CHUNK + 104, 512
+    weight = random_weight(qtype, (vocab, k), torch.Generator().manual_seed(rows))
+    for seed in range(3):
+        x, inv_t, keys = inputs(rows, k, dtype, seed)
+        tokens, status = fh.fused_head(x, weight, dtype, inv_t, keys)
+        want_tokens, want_status = reference(x, weight, inv_t, keys)
+        assert status.tolist() == want_status.tolist() == [0] * rows
+        assert tokens.tolist() == want_tokens.tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 127, 129, 3 * HEAD_CHUNK - 1, 49_153])
+def test_vocabularies_of_any_size(vocab: int) -> None:
+    """One token to more than the parallel threshold, never a multiple of the chunk."""
+    weight = random_weight(GGMLType.Q8_0, (vocab, 64), torch.Generator().manual_seed(vocab))
+    x, inv_t, keys = inputs(4, 64, torch.float32, vocab)
+    tokens, status = fh.fused_head(x, weight, torch.float32, inv_t, keys)
+    assert (tokens.tolist(), status.tolist()) == tuple(t.tolist() for t in reference(x, weight, inv_t, keys))
+    assert all(0 <= t < vocab for t in tokens.tolist())
+
+
+def test_ties_across_chunks_take_the_lowest_index() -> None:
+    """The greedy row's maximum copied into rows of earlier and later chunks: the lowest index wins, as torch's
+    argmax; in bfloat16 logits many more values tie. The vocabulary is long enough that both threads take chunks
+    (their bests are merged by the lowest index too)."""
+    vocab, k = 400 * HEAD_CHUNK + 5, 256
+    weight = random_weight(GGMLType.Q4_1, (vocab, k), torch.Generator().manual_seed(3))
+    x, _, keys = inputs(2, k, torch.float32, 3)
+    inv_t = torch.zeros(2)
+    best = int(qmatmul(x[:1], weight, backend="cpu").argmax())
+    rows = weight.data.view(vocab, -1)
+    for at in (best + 3 * HEAD_CHUNK + 1, best + vocab // 2, best + vocab // 3, vocab - 1):
+        rows[at % vocab] = rows[best]
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        tokens, status = fh.fused_head(xd, weight, dtype, inv_t, keys)
+        want_tokens, want_status = reference(xd, weight, inv_t, keys)
+        assert tokens.tolist() == want_tokens.tolist()
+        assert status.tolist() == want_status.tolist()
+    first = min(i for i in range(vocab) if torch.equal(rows[i], rows[best]))
+    for _ in range(8):  # which thread takes which chunks varies from call to call
+        assert int(fh.fused_head(x, weight, torch.float32, inv_t, keys)[0][0]) == first
+
+
+def test_nonfinite_weights_give_the_unfused_statuses() -> None:
+    """Every byte random (NaN, inf and subnormal float16 scales): NaN / +inf rows fail as NONFINITE, the others
+    draw the unfused token."""
+    vocab, k = 2 * HEAD_CHUNK + 31, 64
+    for seed in range(4):
+        weight = random_weight(GGMLType.Q8_0, (vocab, k), torch.Generator().manual_seed(seed), scale=0.0)
+        x, inv_t, keys = inputs(4, k, torch.float32, seed)
+        tokens, status = fh.fused_head(x, weight, torch.float32, inv_t, keys)
+        want_tokens, want_status = reference(x, weight, inv_t, keys)
+        assert status.tolist() == want_status.tolist()
+        assert tokens.tolist() == want_tokens.tolist()
+
+
+def test_tokens_do_not_depend_on_the_thread_count() -> None:
+    """Each thread's bests are merged by (value, lowest index): 1 and 2 threads give the same tokens."""
+    weight = random_weight(GGMLType.Q4_K, (40_000, 256), torch.Generator().manual_seed(5))
+    x, inv_t, keys = inputs(4, 256, torch.bfloat16, 5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fh.fused_head(x, weight, torch.bfloat16, inv_t, keys)
+        torch.set_num_threads(2)
+        two = fh.fused_head(x, weight, torch.bfloat16, inv_t, keys)
+    finally:
+        torch.set_num_threads(threads)
+    assert one[0].tolist() == two[0].tolist()
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_other_gemv_paths_draw_the_same_tokens(march: str) -> None:
+    """The AVX2 and generic C builds (the GEMV's other dot-product paths) draw what the native build draws."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 targets")
+    flags = tuple(f for f in fh.CFLAGS if not f.startswith("-march=")) + (f"-march={march}",)
+    lib = fh.load(fh.build(flags))
+    for qtype in (GGMLType.Q8_0, GGMLType.Q5_1, GGMLType.Q6_K):
+        weight = random_weight(qtype, (5 * HEAD_CHUNK + 9, 256), torch.Generator().manual_seed(int(qtype)))
+        for rows in (1, 3):
+            x, inv_t, keys = inputs(rows, 256, torch.float32, rows)
+            got = fh.fused_head(x, weight, torch.float32, inv_t, keys, lib=lib)
+            assert got[0].tolist() == fh.fused_head(x, weight, torch.float32, inv_t, keys)[0].tolist()
+
+
+def test_refuses_what_it_does_not_take() -> None:
+    """More rows than one GEMV pass, another dtype, a K that does not match."""
+    weight = random_weight(GGMLType.Q8_0, (64, 64), torch.Generator().manual_seed(0))
+    inv_t, keys = torch.zeros(1), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="rows"):
+        fh.fused_head(torch.zeros(17, 64), weight, torch.float32, torch.zeros(17), torch.zeros(17, dtype=torch.int64))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        fh.fused_head(torch.zeros(1, 64, dtype=torch.float16), weight, torch.float32, inv_t, keys)
+    with pytest.raises(ValueError, match="cannot multiply"):
+        fh.fused_head(torch.zeros(1, 32), weight, torch.float32, inv_t, keys)
+
+
+def test_eligible_rows_have_no_truncation() -> None:
+    """top_k (below the vocabulary), top_p and min_p each make a batch ineligible."""
+    k, p, m = torch.tensor([0, 50]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])
+    assert fh.eligible(k, p, m, vocab=50)
+    assert not fh.eligible(k, p, m, vocab=51)
+    assert not fh.eligible(torch.tensor([0, 0]), torch.tensor([1.0, 0.9]), m, vocab=50)
+    assert not fh.eligible(torch.tensor([0, 0]), p, torch.tensor([0.0, 0.1]), vocab=50)
+
+
+def _p_value(statistic: float, dof: int) -> float:
+    """Upper tail of the chi-square distribution (the regularized upper incomplete gamma function)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(statistic / 2.0)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_draws_fit_the_exact_softmax(temperature: float) -> None:
+    """32,000 draws (16 rows a call, keys from 32,000 positions) from a 10-token head against softmax(logits / T)
+    of the logits the GEMV computes (deterministic: fixed keys)."""
+    draws, rows, k = 32_000, 16, 64
+    g = torch.Generator().manual_seed(11)
+    weight = random_weight(GGMLType.Q8_0, (10, k), g, scale=0.002)
+    x = torch.randn(1, k, generator=g).expand(rows, k).contiguous()
+    logits = qmatmul(x[:1], weight, backend="cpu")[0]
+    inv_t = torch.full((rows,), 1.0 / temperature, dtype=torch.float32)
+    counts = torch.zeros(10, dtype=torch.float64)
+    for start in range(0, draws, rows):
+        keys = torch.tensor([rng_key(2024, 0, p) for p in range(start, start + rows)], dtype=torch.int64)
+        tokens, status = fh.fused_head(x, weight, torch.float32, inv_t, keys)
+        assert status.tolist() == [0] * rows
+        counts += torch.bincount(tokens, minlength=10).to(torch.float64)
+    scaled = logits * inv_t[0]
+    expected = exact_probabilities(scaled, torch.ones(10, dtype=torch.bool)) * draws
+    assert float(expected.min()) > 20, expected  # every cell large enough for the chi-square approximation
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    assert _p_value(statistic, 9) > 1e-3, (statistic, counts.tolist(), expected.tolist())
