@@ -133,7 +133,7 @@ def test_other_gemv_paths_draw_the_same_tokens(march: str) -> None:
     """The AVX2 and generic C builds (the GEMV's other dot-product paths) draw what the native build draws."""
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 targets")
-    flags = tuple(f for f in fh.CFLAGS if not f.startswith("-march=")) + (f"-march={march}",)
+    flags = (*(f for f in fh.CFLAGS if not f.startswith("-march=")), f"-march={march}")
     lib = fh.load(fh.build(flags))
     for qtype in (GGMLType.Q8_0, GGMLType.Q5_1, GGMLType.Q6_K):
         weight = random_weight(qtype, (5 * HEAD_CHUNK + 9, 256), torch.Generator().manual_seed(int(qtype)))
@@ -148,7 +148,9 @@ def test_refuses_what_it_does_not_take() -> None:
     weight = random_weight(GGMLType.Q8_0, (64, 64), torch.Generator().manual_seed(0))
     inv_t, keys = torch.zeros(1), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="rows"):
-        fh.fused_head(torch.zeros(17, 64), weight, torch.float32, torch.zeros(17), torch.zeros(17, dtype=torch.int64))
+        fh.fused_head(
+            torch.zeros(17, 64), weight, torch.float32, torch.zeros(17), torch.zeros(17, dtype=torch.int64)
+        )
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         fh.fused_head(torch.zeros(1, 64, dtype=torch.float16), weight, torch.float32, inv_t, keys)
     with pytest.raises(ValueError, match="cannot multiply"):

@@ -120,9 +120,7 @@ def eligible(
     vocab: int,
 ) -> bool:
     """Whether every row is one the fused op draws: no truncation (top_k of 0 or >= vocab, top_p 1, min_p 0)."""
-    return bool(
-        (((top_k == 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p == 0.0)).all()
-    )
+    return bool((((top_k == 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p == 0.0)).all())
 
 
 def fused_head(
@@ -139,7 +137,9 @@ def fused_head(
     if x.dtype not in DTYPES or out_dtype not in DTYPES or x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"fused_head reads float32 or bfloat16 rows, got {x.dtype} {tuple(x.shape)}")
     if not supports_weight(weight) or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"fused_head cannot multiply a {weight.qtype.name} weight {weight.shape} by {tuple(x.shape)}")
+        raise ValueError(
+            f"fused_head cannot multiply a {weight.qtype.name} weight {weight.shape} by {tuple(x.shape)}"
+        )
     if rows > MAX_ROWS:
         raise ValueError(f"fused_head takes at most {MAX_ROWS} rows, got {rows}")
     inv_t = inv_temperature.to(torch.float32).contiguous()
