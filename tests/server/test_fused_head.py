@@ -82,7 +82,9 @@ def head_of(llm: LLM) -> FusedHead:
     return model.fused_head
 
 
-def generate_on_off(llm: LLM, params: SamplingParams, prompts: Sequence[Sequence[int]] = PROMPTS) -> list[int]:
+def generate_on_off(
+    llm: LLM, params: SamplingParams, prompts: Sequence[Sequence[int]] = PROMPTS
+) -> list[int]:
     """Generate with the fused head on, then off: the same tokens; the fused steps it counted while on."""
     head = head_of(llm)
     outputs, ran = {}, {}
@@ -90,7 +92,8 @@ def generate_on_off(llm: LLM, params: SamplingParams, prompts: Sequence[Sequence
         head.enabled = on
         before = head.steps
         outputs[on] = [
-            [list(c.token_ids) for c in out.outputs] for out in llm.generate(list(prompts), params, use_tqdm=False)
+            [list(c.token_ids) for c in out.outputs]
+            for out in llm.generate(list(prompts), params, use_tqdm=False)
         ]
         ran[on] = head.steps - before
     head.enabled = True
@@ -138,10 +141,14 @@ def test_greedy_tokens_equal_transformers(arch: str, tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert head_of(llm).steps >= 7
-    hf = cast(Any, AutoModelForCausalLM.from_pretrained(dense_copy(llm.engine.model_path, tmp_path / "dense")))
+    hf = cast(
+        Any, AutoModelForCausalLM.from_pretrained(dense_copy(llm.engine.model_path, tmp_path / "dense"))
+    )
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         ids = torch.tensor([list(prompt)])
-        want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :].tolist()
+        want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[
+            0, ids.shape[1] :
+        ].tolist()
         assert tokens == want
 
 
@@ -182,7 +189,13 @@ def test_more_rows_than_max_rows_and_dense_heads_go_the_logits_way(
     assert head_of(llm).steps <= 1  # the last step alone may have fewer rows left
     for kw in ({"quantization": "none"}, {"kernel_backend": "torch"}):
         dense = LLM(
-            str(path), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64, cache_dir=str(tmp_path), **kw
+            str(path),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=64,
+            max_model_len=64,
+            cache_dir=str(tmp_path),
+            **kw,
         )
         outs = dense.generate(PROMPTS[:2], params, use_tqdm=False)
         assert all(len(out.outputs[0].token_ids) == 4 for out in outs)

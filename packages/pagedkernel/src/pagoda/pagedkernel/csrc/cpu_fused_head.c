@@ -62,7 +62,16 @@ static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, ui
       const float slack = b->best_i >= 0 ? 1e-3f + fabsf(b->best) * 1e-5f : 0.0f;
       if (b->best_i >= 0 && x < b->best - GUMBEL_SPAN - slack) continue;
       const int64_t j = j0 + i;
-      const float s = gumbel_score(x, word_at(key, j));
+      const uint32_t word = word_at(key, j);
+      if (b->best_i >= 0) {
+        /* -log u >= 1 - u = w / 2^24 with w = 2^24 - 2k - 1 >= 2^floor(log2 w), so the score is at most
+         * x + (24 - floor(log2 w)) ln 2 (cpu_sampling.c's race_chunk bound): most words are rejected before the
+         * two logs. */
+        const int32_t w = (int32_t)(1 << 24) - 2 * (int32_t)(word >> 9) - 1;
+        const int32_t lg = (int32_t)(as_bits((float)w) >> 23) - 127;
+        if (!(x + (float)(24 - lg) * 0.6932f >= b->best - slack)) continue;
+      }
+      const float s = gumbel_score(x, word);
       if (b->best_i < 0 || s > b->best || (s == b->best && j < b->best_i)) b->best = s, b->best_i = j;
     }
   }

@@ -38,7 +38,6 @@ class FusedHead:
         # Steps drawn fused (tests and benchmarks read it).
         self.steps = 0
         self._refused: str | None = None  # why the model's head cannot be drawn fused, once known
-        self._weight: QuantizedTensor | None = None
 
     def applies(self, model: DecoderLM, params: SamplingTensors) -> bool:
         """Whether a step of these rows would be drawn fused (decided before its forward pass)."""
@@ -66,19 +65,18 @@ class FusedHead:
         return SampleOutput(token_ids=tokens, status=status, logprobs=None)
 
     def _head(self, model: DecoderLM) -> QuantizedTensor | None:
-        """The LM head's blocks when `compute_logits` is one C GEMV over them, else None (the reason logged once)."""
+        """The LM head's blocks when `compute_logits` is one C GEMV over them, else None (the reason logged once).
+        Looked up per step, not kept: sleep mode and weight reloads may replace the head's blocks."""
         if self._refused is not None or model.head_lora is not None:  # a LoRA head may come and go
             return None
-        if self._weight is None:
-            reason = _refusal(model)
-            if reason is not None:
-                self._refused = reason
-                logger.info("LM-head logits are sampled unfused: %s", reason)
-                return None
-            quantized = model.head().quantized
-            assert quantized is not None
-            self._weight = quantized.parts[0]
-        return self._weight
+        reason = _refusal(model)
+        if reason is not None:
+            self._refused = reason
+            logger.info("LM-head logits are sampled unfused: %s", reason)
+            return None
+        quantized = model.head().quantized
+        assert quantized is not None
+        return quantized.parts[0]
 
 
 def _refusal(model: DecoderLM) -> str | None:
