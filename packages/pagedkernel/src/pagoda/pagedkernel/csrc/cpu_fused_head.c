@@ -37,31 +37,46 @@ static inline int head_beats(float v, int64_t i, const head_best_t *b) {
   return b->best_i < 0 || v > b->best || (v == b->best && i < b->best_i);
 }
 
-/* Reduce logits y[0..len) (column j0 + i is vocabulary index j0 + i) of one row into its best. */
+/* Vectors of HEAD_LANES floats (one AVX-512 register; two AVX2 ones) for the reduction's screening. */
+#define HEAD_LANES 16
+typedef float hvf __attribute__((vector_size(4 * HEAD_LANES)));
+typedef int32_t hvi __attribute__((vector_size(4 * HEAD_LANES)));
+
+static inline int hv_any(hvi m) {
+  int32_t acc = 0;
+  for (int l = 0; l < HEAD_LANES; l++) acc |= m[l];
+  return acc != 0;
+}
+
+/* Reduce logits y[0..HEAD_CHUNK) (column j0 + i is vocabulary index j0 + i; lanes past `len` hold -inf) of one row
+ * into its best. Sixteen lanes at a time: NaN / +inf / finite flags, and the lanes that can beat the best so far
+ * (greedy: at least its value; sampled: within GUMBEL_SPAN of its score), which alone are looked at one by one. */
 static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, uint64_t key, head_best_t *b) {
   const float factor = inv_t == 0.0f ? 1.0f : inv_t; /* x = logits * factor, as torch_sampling.scale */
-  int bad = 0, any = 0;
-  if (inv_t == 0.0f) {
-    float m = b->best;
-    int64_t arg = b->best_i;
-    for (int64_t i = 0; i < len; i++) {
-      const float x = y[i] * factor;
-      bad |= (x != x) | (x == INFINITY);
-      any |= x > -INFINITY;
-      /* chunks arrive in any order: strictly greater, or equal at a lower index than the best from elsewhere */
-      if (x > m || (x == m && (arg < 0 || j0 + i < arg))) m = x, arg = j0 + i;
-    }
-    b->best = m, b->best_i = arg;
-  } else {
-    for (int64_t i = 0; i < len; i++) {
-      const float x = y[i] * factor;
-      bad |= (x != x) | (x == INFINITY);
-      if (!(x > -INFINITY)) continue; /* -inf (and NaN: the row fails anyway) is never drawn */
-      any = 1;
+  hvi bad = (hvi){0}, any = (hvi){0};
+  for (int64_t v = 0; v < HEAD_CHUNK; v += HEAD_LANES) {
+    hvf x;
+    memcpy(&x, y + v, sizeof x);
+    x = x * factor;
+    bad |= (x != x) | (x == INFINITY);
+    any |= x > -INFINITY;
+    /* greedy: lanes >= the best (ties may win on index); sampled: finite lanes not below the race's bound */
+    float lo = b->best;
+    if (inv_t != 0.0f && b->best_i >= 0) lo = b->best - GUMBEL_SPAN - (1e-3f + fabsf(b->best) * 1e-5f);
+    const hvi near = inv_t == 0.0f ? (x >= lo) : ((x >= lo) & (x > -INFINITY));
+    if ((b->best_i >= 0 || inv_t != 0.0f) && !hv_any(near)) continue; /* a greedy row's first lanes: all */
+    for (int l = 0; l < HEAD_LANES && v + l < len; l++) {
+      const float xl = x[l];
+      const int64_t j = j0 + v + l;
+      if (inv_t == 0.0f) {
+        /* chunks arrive in any order: strictly greater, or equal at a lower index than the best from elsewhere */
+        if (b->best_i < 0 || xl > b->best || (xl == b->best && j < b->best_i)) b->best = xl, b->best_i = j;
+        continue;
+      }
+      if (!(xl > -INFINITY)) continue; /* -inf (and NaN: the row fails anyway) is never drawn */
       /* the rounding slack of race_set in cpu_sampling.c: 2-ulp logs on scores up to ~1e6 */
       const float slack = b->best_i >= 0 ? 1e-3f + fabsf(b->best) * 1e-5f : 0.0f;
-      if (b->best_i >= 0 && x < b->best - GUMBEL_SPAN - slack) continue;
-      const int64_t j = j0 + i;
+      if (b->best_i >= 0 && xl < b->best - GUMBEL_SPAN - slack) continue;
       const uint32_t word = word_at(key, j);
       if (b->best_i >= 0) {
         /* -log u >= 1 - u = w / 2^24 with w = 2^24 - 2k - 1 >= 2^floor(log2 w), so the score is at most
@@ -69,14 +84,14 @@ static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, ui
          * two logs. */
         const int32_t w = (int32_t)(1 << 24) - 2 * (int32_t)(word >> 9) - 1;
         const int32_t lg = (int32_t)(as_bits((float)w) >> 23) - 127;
-        if (!(x + (float)(24 - lg) * 0.6932f >= b->best - slack)) continue;
+        if (!(xl + (float)(24 - lg) * 0.6932f >= b->best - slack)) continue;
       }
-      const float s = gumbel_score(x, word);
+      const float s = gumbel_score(xl, word);
       if (b->best_i < 0 || s > b->best || (s == b->best && j < b->best_i)) b->best = s, b->best_i = j;
     }
   }
-  b->bad |= bad;
-  b->any |= any;
+  b->bad |= hv_any(bad);
+  b->any |= hv_any(any);
 }
 
 /* Columns j0..j1 of the logits of every row into buf ([rows, HEAD_CHUNK], float32 or bfloat16 bits): exactly the
@@ -155,6 +170,7 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
         float *yr = y + r * HEAD_CHUNK;
         if (y_bf16)
           for (int64_t i = 0; i < len; i++) yr[i] = as_float((uint32_t)y16[r * HEAD_CHUNK + i] << 16);
+        for (int64_t i = len; i < HEAD_CHUNK; i++) yr[i] = -INFINITY; /* the last chunk's tail: never drawn */
         head_reduce(yr, len, j0, inv_t[r], (uint64_t)keys[r], &mine[r]);
       }
     }
