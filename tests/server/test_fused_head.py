@@ -132,6 +132,18 @@ def test_seeded_samples_equal_the_logits_path(
     assert tokens == 12 and ran >= 11, ran
 
 
+@pytest.mark.parametrize("truncation", [{"top_k": 20}, {"top_p": 0.9}, {"top_k": 50, "top_p": 0.8}], ids=str)
+def test_top_k_top_p_samples_equal_the_logits_path(
+    truncation: dict[str, Any], tiny_gguf: Callable[[str, str], Path], tmp_path: Path
+) -> None:
+    """Seeded top_k / top_p sampling (rows the candidates decide, or that fall back to their logits) draws the same
+    tokens fused and unfused, every step through the fused head."""
+    llm = engine(tiny_gguf("llama", "Q4_1"), tmp_path, "float32")
+    params = SamplingParams(temperature=1.2, seed=11, max_tokens=12, ignore_eos=True, **truncation)
+    ran, tokens = generate_on_off(llm, params)
+    assert tokens == 36 and ran >= 11, ran
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_tokens_equal_transformers(arch: str, tmp_path: Path) -> None:
     """On a Q8_0 file the engine with the fused head gives transformers' greedy tokens on the dense copy of the
@@ -155,19 +167,17 @@ def test_greedy_tokens_equal_transformers(arch: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0.8, min_p=0.1, seed=1, max_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0.0, logprobs=2, max_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0.0, logit_bias={5: 3.0}, max_tokens=4, ignore_eos=True),
     ],
-    ids=["top_k", "top_p", "min_p", "logprobs", "penalty", "logit_bias"],
+    ids=["min_p", "logprobs", "penalty", "logit_bias"],
 )
 def test_rows_it_does_not_take_go_the_logits_way(
     params: SamplingParams, tiny_gguf: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    """Truncation, logprobs, penalties and logits processors: no step runs fused, and the requests still decode."""
+    """min_p, logprobs, penalties and logits processors: no step runs fused, and the requests still decode."""
     llm = engine(tiny_gguf("llama", "Q8_0"), tmp_path, "float32")
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == 4 for out in outs)

@@ -4,12 +4,14 @@
  *
  * The specification is the unfused pair: cpu_quant.c's GEMV (pagoda_quant_matmul, whose per-column code this file
  * includes and calls on each chunk: every logit is bitwise the GEMV's, bfloat16 rounding included) followed by the
- * sampling op (sampling/torch_sampling.py) on rows without min_p, top_k and top_p:
+ * sampling op (sampling/torch_sampling.py) on rows without min_p:
  *   - greedy rows (inv_t 0): the argmax of the logits, the lowest index on ties;
  *   - sampled rows: the argmax of x - log(-log u) over the tokens with x > -inf, x = logit * inv_t in float32 and
  *     u the row key's uniform of each vocabulary index (cpu_gumbel.h: the same bits as rng.py / fmath.py), the
  *     lowest index on ties. An element whose x is more than GUMBEL_SPAN (plus a rounding slack) below the best
  *     score so far cannot win (-log(-log u) <= 24 ln 2), so it is skipped unhashed: the race is exact.
+ *   - top_k / top_p rows: per-chunk candidates, then the exact kept set where they prove it (cpu_head_nucleus.h),
+ *     else status HEAD_FALLBACK: the caller samples that row from its logits.
  * Status per row as the op's: NONFINITE when some x is NaN or +inf, NO_TOKEN when every x is -inf (token 0).
  *
  * Threads: chunks are handed out guided on torch's OpenMP pool (as the GEMV's columns); each thread keeps its own
@@ -21,6 +23,7 @@
 
 #define HEAD_CHUNK 128 /* vocabulary rows per chunk: rows x 128 logits (at most 8 KB) stay in L1 */
 #define HEAD_MAX_ROWS MAX_ROWS /* one pass of the GEMV's columns */
+#define MAX_THREADS_HEAD 256  /* threads whose candidates one row merges */
 
 enum { HEAD_OK = 0, HEAD_NONFINITE = 1, HEAD_NO_TOKEN = 2 };
 
@@ -94,6 +97,8 @@ static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, ui
   b->any |= hv_any(any);
 }
 
+#include "cpu_head_nucleus.h"
+
 /* Columns j0..j1 of the logits of every row into buf ([rows, HEAD_CHUNK], float32 or bfloat16 bits): exactly the
  * code pagoda_quant_matmul runs for those columns (its one-row register path where it takes it). */
 static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight, int64_t row_bytes, int64_t j0,
@@ -122,28 +127,47 @@ static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight
 
 /* tokens[r] and status[r] of each row r < rows: W [n, k] of `type`, x [rows, k] (rows x_stride elements apart,
  * float32 or bfloat16), logits rounded to bfloat16 when y_bf16 (as the unfused GEMV writes them for a bfloat16
- * model), inv_t[r] 0 for a greedy row, keys[r] the row's RNG key. 0 on success, 1 for an unknown type, k not a
- * multiple of the block or more than HEAD_MAX_ROWS rows, 2 when the work space cannot be allocated. */
+ * model), inv_t[r] 0 for a greedy row, top_k[r] 0 and top_p[r] 1 when disabled (cpu_head_nucleus.h), keys[r] the
+ * row's RNG key. A status of HEAD_FALLBACK asks the caller to sample that row from its logits. 0 on success, 1 for
+ * an unknown type, k not a multiple of the block, more than HEAD_MAX_ROWS rows or a top_k above HEAD_MAX_TOP_K,
+ * 2 when the work space cannot be allocated. */
 int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x, int64_t x_stride,
-                      int64_t x_bf16, int64_t rows, int64_t y_bf16, const float *inv_t, const int64_t *keys,
-                      int64_t *tokens, int32_t *status, int64_t num_threads) {
+                      int64_t x_bf16, int64_t rows, int64_t y_bf16, const float *inv_t, const int64_t *top_k,
+                      const float *top_p, const int64_t *keys, int64_t *tokens, int32_t *status,
+                      int64_t num_threads) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   columns_fn columns = columns_for(type);
   if (columns == NULL || k % elems != 0 || rows > HEAD_MAX_ROWS || rows < 0) return 1;
   if (rows == 0) return 0;
+  int64_t kk[HEAD_MAX_ROWS], cap[HEAD_MAX_ROWS], max_cap = 0; /* top_k in force; candidates (0: not truncated) */
+  for (int64_t r = 0; r < rows; r++) {
+    kk[r] = top_k[r] > 0 && top_k[r] < n ? top_k[r] : 0;
+    cap[r] = inv_t[r] != 0.0f && (kk[r] || top_p[r] < 1.0f) ? (kk[r] ? kk[r] + 64 : HEAD_NUCLEUS) : 0;
+    if (kk[r] > HEAD_MAX_TOP_K) return 1;
+    max_cap = cap[r] > max_cap ? cap[r] : max_cap;
+  }
+  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
+  if (num_threads > MAX_THREADS_HEAD) num_threads = MAX_THREADS_HEAD;
   const int64_t xblocks = k / QK, row_bytes = k / elems * bytes;
   int8_t *xq = malloc((size_t)(rows * k));
   float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
   int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
+  nucleus_t *nu = calloc((size_t)(num_threads * rows), sizeof(nucleus_t));
+  cand_t *pool = max_cap ? malloc(sizeof(cand_t) * (size_t)(num_threads * rows * 2 * max_cap)) : NULL;
+  cand_t *all = max_cap ? malloc(sizeof(cand_t) * (size_t)(num_threads * 2 * max_cap)) : NULL;
   void *xb = NULL;
 #if PATH == 2
   xb = aligned_alloc(32, sizeof(xblock) * (size_t)xblocks);
 #endif
-  if (!xq || !xd || !xs || (PATH == 2 && !xb)) {
-    free(xq), free(xd), free(xs), free(xb);
+  if (!xq || !xd || !xs || !nu || (max_cap && (!pool || !all)) || (PATH == 2 && !xb)) {
+    free(xq), free(xd), free(xs), free(nu), free(pool), free(all), free(xb);
     return 2;
   }
+  for (int64_t t = 0; t < num_threads; t++)
+    for (int64_t r = 0; r < rows; r++)
+      nu[t * rows + r] = (nucleus_t){pool + (t * rows + r) * 2 * max_cap, 0, cap[r], -INFINITY, 0, -INFINITY,
+                                     0.0, 0, top_p[r] < 1.0f};
   const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
   for (int64_t r = 0; r < rows; r++)
     quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
@@ -153,10 +177,14 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
 #endif
   head_best_t best[HEAD_MAX_ROWS];
   for (int64_t r = 0; r < rows; r++) best[r] = (head_best_t){-INFINITY, -1, 0, 0};
-  if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
   const int64_t chunks = (n + HEAD_CHUNK - 1) / HEAD_CHUNK;
 #pragma omp parallel num_threads(num_threads)
   {
+#ifdef _OPENMP
+    nucleus_t *my_nu = nu + omp_get_thread_num() * rows;
+#else
+    nucleus_t *my_nu = nu;
+#endif
     head_best_t mine[HEAD_MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) mine[r] = (head_best_t){-INFINITY, -1, 0, 0};
     float y[HEAD_MAX_ROWS * HEAD_CHUNK];
@@ -171,7 +199,10 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
         if (y_bf16)
           for (int64_t i = 0; i < len; i++) yr[i] = as_float((uint32_t)y16[r * HEAD_CHUNK + i] << 16);
         for (int64_t i = len; i < HEAD_CHUNK; i++) yr[i] = -INFINITY; /* the last chunk's tail: never drawn */
-        head_reduce(yr, len, j0, inv_t[r], (uint64_t)keys[r], &mine[r]);
+        if (cap[r])
+          nucleus_chunk(&my_nu[r], yr, j0, inv_t[r], &mine[r].bad, &mine[r].any);
+        else
+          head_reduce(yr, len, j0, inv_t[r], (uint64_t)keys[r], &mine[r]);
       }
     }
 #pragma omp critical
@@ -183,10 +214,17 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
     }
   }
   for (int64_t r = 0; r < rows; r++) {
-    const int st = best[r].bad ? HEAD_NONFINITE : best[r].any ? HEAD_OK : HEAD_NO_TOKEN;
+    int st = best[r].bad ? HEAD_NONFINITE : best[r].any ? HEAD_OK : HEAD_NO_TOKEN;
+    int64_t token = best[r].best_i;
+    if (st == HEAD_OK && cap[r]) {
+      nucleus_t per_thread[MAX_THREADS_HEAD];
+      for (int64_t t = 0; t < num_threads; t++) per_thread[t] = nu[t * rows + r];
+      token = nucleus_draw(per_thread, num_threads, kk[r], top_p[r], (uint64_t)keys[r], all);
+      if (token < 0) st = HEAD_FALLBACK;
+    }
     status[r] = st;
-    tokens[r] = st == HEAD_OK ? best[r].best_i : 0;
+    tokens[r] = st == HEAD_OK ? token : 0;
   }
-  free(xq), free(xd), free(xs), free(xb);
+  free(xq), free(xd), free(xs), free(nu), free(pool), free(all), free(xb);
   return 0;
 }

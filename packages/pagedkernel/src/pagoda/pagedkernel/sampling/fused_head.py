@@ -1,10 +1,11 @@
 """The LM head fused with the draw on the CPU: csrc/cpu_fused_head.c, compiled at first use by `cbuild`.
 
-`fused_head(x, weight, out_dtype, inv_temperature, keys)` returns what `torch_sampling.run` returns on the logits
-`qmatmul(x, weight)` (in `out_dtype`) for rows without min_p, top_k and top_p (greedy rows and plain temperature),
-bit for bit, without writing the `[rows, vocab]` logits: the C file computes them a chunk of vocabulary rows at a
-time with the GEMV's own column code and reduces each chunk at once (argmax, or the Gumbel-max race with the
-sampler's per-(key, index) uniforms). `eligible` says which rows it takes; the others go the unfused way.
+`fused_head(x, weight, inv_temperature, keys, top_k, top_p)` returns what `torch_sampling.run` returns on the
+logits `qmatmul(x, weight)` for rows without min_p, bit for bit, without writing the `[rows, vocab]` logits: the C
+file computes them a chunk of vocabulary rows at a time with the GEMV's own column code and reduces each chunk at
+once (argmax; the Gumbel-max race with the sampler's per-(key, index) uniforms; for top_k / top_p, candidates and
+the dropped mass, from which the exact kept set follows where they prove it: a row they do not is sampled from its
+logits, with the same token). `eligible` says which rows it takes; the others go the unfused way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
+from pagoda.pagedkernel.quant.ops import qmatmul
+from pagoda.pagedkernel.sampling import cpu_sampling
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -46,12 +49,16 @@ SUPPORTED_QTYPES = frozenset(
 )
 # Activation (and logits) dtypes the C file reads and writes as the GEMV does.
 DTYPES = (torch.float32, torch.bfloat16)
+# The largest top_k drawn fused (the C file's HEAD_MAX_TOP_K; its candidates hold top_k + 64 per row and thread).
+MAX_TOP_K = 4096
+# The C op's status for a top_k / top_p row its candidates could not decide (HEAD_FALLBACK).
+FALLBACK = 3
 
 
 @dataclass(frozen=True, slots=True)
 class HeadKernels:
-    """The library's entry point: (type, w, n, k, x, x_stride, x_bf16, rows, y_bf16, inv_t, keys, tokens, status,
-    num_threads) -> int."""
+    """The library's entry point: (type, w, n, k, x, x_stride, x_bf16, rows, y_bf16, inv_t, top_k, top_p, keys,
+    tokens, status, num_threads) -> int."""
 
     run: Any
 
@@ -78,7 +85,7 @@ def load(library: Path) -> HeadKernels:
     """The entry point of a library that `build` made, with its C signature declared."""
     fn = ctypes.CDLL(str(library))[ENTRY]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    argtypes: list[Any] = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64]
+    argtypes: list[Any] = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return HeadKernels(fn)
@@ -119,22 +126,24 @@ def eligible(
     min_p: Tensor,  # float32 [rows]; 0: disabled
     vocab: int,
 ) -> bool:
-    """Whether every row is one the fused op draws: no truncation (top_k of 0 or >= vocab, top_p 1, min_p 0)."""
-    return bool((((top_k == 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p == 0.0)).all())
+    """Whether every row is one the fused op draws: no min_p, and top_k disabled, at least the vocabulary or at most
+    MAX_TOP_K (top_p any)."""
+    k_ok = (top_k == 0) | (top_k >= vocab) | (top_k <= MAX_TOP_K)
+    return bool((k_ok & (min_p == 0.0)).all()) and bool((top_p > 0.0).all())
 
 
-def fused_head(
+def draw(
     x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
     weight: QuantizedTensor,  # [vocab, K]
-    out_dtype: torch.dtype,  # the dtype the unfused GEMV writes the logits in (x's for qmatmul)
     inv_temperature: Tensor,  # float32 [rows]; 0: greedy
     keys: Tensor,  # int64 [rows]
+    top_k: Tensor | None = None,  # int64 [rows]; 0: disabled
+    top_p: Tensor | None = None,  # float32 [rows]; 1: disabled
     lib: HeadKernels | None = None,  # default: this CPU's library
-) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]
-    """One token and one status per row: torch_sampling.run on `qmatmul(x, weight)` in `out_dtype`, bit for bit,
-    for rows without min_p, top_k and top_p (`eligible`)."""
+) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]: status FALLBACK where the candidates proved nothing
+    """The C op alone: one token and one status per row, FALLBACK for a top_k / top_p row it could not decide."""
     rows = x.shape[0]
-    if x.dtype not in DTYPES or out_dtype not in DTYPES or x.dim() != 2 or x.stride(-1) != 1:
+    if x.dtype not in DTYPES or x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"fused_head reads float32 or bfloat16 rows, got {x.dtype} {tuple(x.shape)}")
     if not supports_weight(weight) or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -142,11 +151,15 @@ def fused_head(
         )
     if rows > MAX_ROWS:
         raise ValueError(f"fused_head takes at most {MAX_ROWS} rows, got {rows}")
+    n, k = weight.shape
+    ks = torch.zeros(rows, dtype=torch.int64) if top_k is None else top_k.to(torch.int64).contiguous()
+    ps = torch.ones(rows, dtype=torch.float32) if top_p is None else top_p.to(torch.float32).contiguous()
+    if not eligible(ks, ps, torch.zeros(rows), n):
+        raise ValueError(f"fused_head takes top_k up to {MAX_TOP_K} and no min_p")
     inv_t = inv_temperature.to(torch.float32).contiguous()
     row_keys = keys.to(torch.int64).contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
     status = torch.empty(rows, dtype=torch.int32)
-    n, k = weight.shape
     code = (lib or kernels()).run(
         int(weight.qtype),
         weight.data.data_ptr(),
@@ -156,8 +169,10 @@ def fused_head(
         x.stride(0),
         int(x.dtype == torch.bfloat16),
         rows,
-        int(out_dtype == torch.bfloat16),
+        int(x.dtype == torch.bfloat16),  # the GEMV writes x's dtype (qmatmul)
         inv_t.data_ptr(),
+        ks.data_ptr(),
+        ps.data_ptr(),
         row_keys.data_ptr(),
         tokens.data_ptr(),
         status.data_ptr(),
@@ -167,4 +182,36 @@ def fused_head(
         raise MemoryError("the fused LM head could not allocate its work space")
     if code != 0:
         raise ValueError(f"the fused LM head refused its arguments (status {code})")
+    return tokens, status
+
+
+def fused_head(
+    x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
+    weight: QuantizedTensor,  # [vocab, K]
+    inv_temperature: Tensor,  # float32 [rows]; 0: greedy
+    keys: Tensor,  # int64 [rows]
+    top_k: Tensor | None = None,  # int64 [rows]; 0: disabled
+    top_p: Tensor | None = None,  # float32 [rows]; 1: disabled
+    lib: HeadKernels | None = None,  # default: this CPU's library
+) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]
+    """One token and one status per row: torch_sampling.run on the logits `qmatmul(x, weight)` (x's dtype), bit for
+    bit, for rows without min_p (`eligible`); the rows the C op leaves undecided are sampled from their logits."""
+    tokens, status = draw(x, weight, inv_temperature, keys, top_k, top_p, lib)
+    undecided = (status == FALLBACK).nonzero().squeeze(1)
+    if undecided.numel():
+        logits = qmatmul(x.index_select(0, undecided), weight, backend="cpu")
+        rows = undecided.numel()
+        ks = torch.zeros(rows, dtype=torch.int64) if top_k is None else top_k[undecided]
+        ps = torch.ones(rows) if top_p is None else top_p[undecided]
+        got, got_status, _ = cpu_sampling.run(
+            logits,
+            inv_temperature[undecided],
+            ks,
+            ps,
+            torch.zeros(rows),
+            keys[undecided],
+            with_mask=False,
+        )
+        tokens[undecided] = got
+        status[undecided] = got_status
     return tokens, status

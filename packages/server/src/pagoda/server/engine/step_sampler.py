@@ -111,7 +111,7 @@ class StepSampler:
     @staticmethod
     def token_only(rows: StepRows) -> SamplingTensors | None:
         """The op's parameters of the step's rows when every row only needs a token from the plain op (no held
-        rows, drafts, grammar, logits processors, penalties, logprobs, min_p, top_k or top_p): what the model's
+        rows, drafts, grammar, logits processors, penalties, logprobs or min_p): what the model's
         fused LM head draws (`Executor.execute_sampled`); None otherwise."""
         if rows.drafts or rows.grammar is not None or not rows.specs:
             return None
@@ -122,7 +122,7 @@ class StepSampler:
             p = spec.row.params
             if spec.matcher is not None or not spec.edits.empty or p.logprobs is not None:
                 return None
-            if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
+            if p.min_p > 0.0:
                 return None
         sampling_rows = [spec.row for spec in specs]
         if needs_history(sampling_rows):
@@ -130,6 +130,8 @@ class StepSampler:
         return SamplingTensors.build(
             temperature=[row.params.temperature for row in sampling_rows],
             keys=[row.rng_key() for row in sampling_rows],
+            top_k=[row.params.top_k for row in sampling_rows],
+            top_p=[row.params.top_p for row in sampling_rows],
         )
 
     @staticmethod

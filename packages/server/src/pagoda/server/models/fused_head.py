@@ -9,7 +9,8 @@ step) for what the C op does not compute as `compute_logits` does: a dense (unqu
 the GEMV does not take, a head split in several runs, the `torch` quantized backend, a final logit softcap (torch's
 tanh cannot be matched bit for bit in C), an LM-head LoRA, tensor parallelism, dtypes other than float32 and
 bfloat16, and more than `max_rows` rows (from `cpu_quant.AMX_MIN_ROWS` bfloat16 rows the unfused GEMV runs on AMX).
-Which rows only need a token (no logprobs, processors, penalties, grammar, truncation) the engine decides.
+Which rows only need a token (no logprobs, processors, penalties, grammar, min_p) the engine decides; top_k and
+top_p rows are drawn from candidates where those prove the kept set, else from their logits (same tokens).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class FusedHead:
         self,
         model: DecoderLM,
         hidden: Tensor,  # [rows, hidden_size]: the final hidden states of the rows to sample
-        params: SamplingTensors,  # one row each; no min_p, top_k, top_p (`fused_head.eligible`)
+        params: SamplingTensors,  # one row each; no min_p (`fused_head.eligible`)
     ) -> SampleOutput | None:
         """The rows' tokens and statuses, or None when this step is not one the fused op draws."""
         weight = self._head(model)
@@ -60,7 +61,9 @@ class FusedHead:
             return None
         x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         # the unfused GEMV writes x's dtype (qmatmul), which the sampler then reads
-        tokens, status = fused_head.fused_head(x, weight, x.dtype, params.inverse_temperature(), params.keys)
+        tokens, status = fused_head.fused_head(
+            x, weight, params.inverse_temperature(), params.keys, params.top_k, params.top_p
+        )
         self.steps += 1
         return SampleOutput(token_ids=tokens, status=status, logprobs=None)
 
