@@ -103,8 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm.engine.close()
     if engine_rows:
         print()
-        print("| model | rows | mode | wall per step, unfused | fused | speed-up | same tokens |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print(
+            "| model | rows | mode | wall per step, unfused | fused | speed-up | same tokens | rows sampled unfused |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         print("\n".join(engine_rows))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     return 0
@@ -123,6 +125,7 @@ def engine_table(llm: LLM, label: str, row_counts: Sequence[int], steps: int, ro
                 temperature=temperature, top_p=top_p, seed=3, max_tokens=steps, ignore_eos=True
             )
             walls: dict[bool, list[float]] = {True: [], False: []}
+            steps_before, fallbacks_before = model.fused_head.steps, model.fused_head.fallback_rows
             tokens: dict[bool, list[list[int]]] = {}
             for _ in range(rounds):
                 for on in (False, True):
@@ -136,8 +139,13 @@ def engine_table(llm: LLM, label: str, row_counts: Sequence[int], steps: int, ro
             mode = "greedy" if temperature == 0.0 else f"T = {temperature}"
             mode += f", top_p {top_p}" if top_p < 1.0 else ""
             same = "yes" if tokens[True] == tokens[False] else "NO"
+            fused_rows = (
+                model.fused_head.steps - steps_before
+            ) * rows  # about: the last steps may have fewer
+            fallbacks = model.fused_head.fallback_rows - fallbacks_before
             lines.append(
-                f"| {label} | {rows} | {mode} | {off:.2f} ms | {on_:.2f} ms | {off / on_:.2f}x | {same} |"
+                f"| {label} | {rows} | {mode} | {off:.2f} ms | {on_:.2f} ms | {off / on_:.2f}x | {same} | "
+                f"{fallbacks} / {fused_rows} |"
             )
     return lines
 

@@ -197,21 +197,31 @@ def fused_head(
     """One token and one status per row: torch_sampling.run on the logits `qmatmul(x, weight)` (x's dtype), bit for
     bit, for rows without min_p (`eligible`); the rows the C op leaves undecided are sampled from their logits."""
     tokens, status = draw(x, weight, inv_temperature, keys, top_k, top_p, lib)
+    sample_undecided(x, weight, inv_temperature, keys, top_k, top_p, tokens, status)
+    return tokens, status
+
+
+def sample_undecided(
+    x: Tensor,  # [rows, K]: draw's
+    weight: QuantizedTensor,  # [vocab, K]
+    inv_temperature: Tensor,  # float32 [rows]
+    keys: Tensor,  # int64 [rows]
+    top_k: Tensor | None,  # int64 [rows]
+    top_p: Tensor | None,  # float32 [rows]
+    tokens: Tensor,  # int64 [rows]: draw's, completed in place
+    status: Tensor,  # int32 [rows]: draw's, completed in place
+) -> int:
+    """Sample draw's FALLBACK rows from their logits (`qmatmul`, then the `cpu` sampling op: the tokens the fused op
+    would have drawn); how many there were."""
     undecided = (status == FALLBACK).nonzero().squeeze(1)
-    if undecided.numel():
+    rows = int(undecided.numel())
+    if rows:
         logits = qmatmul(x.index_select(0, undecided), weight, backend="cpu")
-        rows = undecided.numel()
         ks = torch.zeros(rows, dtype=torch.int64) if top_k is None else top_k[undecided]
         ps = torch.ones(rows) if top_p is None else top_p[undecided]
         got, got_status, _ = cpu_sampling.run(
-            logits,
-            inv_temperature[undecided],
-            ks,
-            ps,
-            torch.zeros(rows),
-            keys[undecided],
-            with_mask=False,
+            logits, inv_temperature[undecided], ks, ps, torch.zeros(rows), keys[undecided], with_mask=False
         )
         tokens[undecided] = got
         status[undecided] = got_status
-    return tokens, status
+    return rows

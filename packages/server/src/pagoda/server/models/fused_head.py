@@ -36,8 +36,9 @@ class FusedHead:
     def __init__(self, *, enabled: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.enabled = enabled
         self.max_rows = min(max_rows, cpu_quant.AMX_MIN_ROWS - 1, fused_head.MAX_ROWS)
-        # Steps drawn fused (tests and benchmarks read it).
+        # Steps drawn fused, and top_k / top_p rows whose candidates proved nothing (sampled from their logits).
         self.steps = 0
+        self.fallback_rows = 0
         self._refused: str | None = None  # why the model's head cannot be drawn fused, once known
 
     def applies(self, model: DecoderLM, params: SamplingTensors) -> bool:
@@ -61,9 +62,9 @@ class FusedHead:
             return None
         x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         # the unfused GEMV writes x's dtype (qmatmul), which the sampler then reads
-        tokens, status = fused_head.fused_head(
-            x, weight, params.inverse_temperature(), params.keys, params.top_k, params.top_p
-        )
+        args = (x, weight, params.inverse_temperature(), params.keys, params.top_k, params.top_p)
+        tokens, status = fused_head.draw(*args)
+        self.fallback_rows += fused_head.sample_undecided(*args, tokens, status)
         self.steps += 1
         return SampleOutput(token_ids=tokens, status=status, logprobs=None)
 
