@@ -51,9 +51,29 @@ static inline int hv_any(hvi m) {
   return acc != 0;
 }
 
-/* Reduce logits y[0..HEAD_CHUNK) (column j0 + i is vocabulary index j0 + i; lanes past `len` hold -inf) of one row
- * into its best. Sixteen lanes at a time: NaN / +inf / finite flags, and the lanes that can beat the best so far
- * (greedy: at least its value; sampled: within GUMBEL_SPAN of its score), which alone are looked at one by one. */
+typedef uint64_t hvq __attribute__((vector_size(4 * HEAD_LANES))); /* HEAD_LANES / 2 hashes */
+typedef uint32_t hvu __attribute__((vector_size(4 * HEAD_LANES)));
+
+/* The words of the HEAD_LANES vocabulary indices from `base` (even): one SplitMix64 output per pair of indices,
+ * its low half for the even index and its high half for the odd one (word_at), HEAD_LANES / 2 hashes at once. */
+static inline hvu head_words(uint64_t key, int64_t base) {
+  hvq c;
+  for (int p = 0; p < HEAD_LANES / 2; p++) c[p] = (uint64_t)(base >> 1) + (uint64_t)p + 1;
+  hvq z = key + c * GOLDEN;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  hvu words;
+  memcpy(&words, &z, sizeof words); /* little-endian: lane 2p is the low half of hash p, lane 2p + 1 its high half */
+  return words;
+}
+
+/* Reduce logits y[0..HEAD_CHUNK) (column j0 + i is vocabulary index j0 + i, j0 even; lanes past `len` hold -inf) of
+ * one row into its best. Sixteen lanes at a time: NaN / +inf / finite flags; for a greedy row the lanes at least
+ * its best value, looked at one by one; for a sampled row the lanes within GUMBEL_SPAN (plus the rounding slack of
+ * race_set in cpu_sampling.c) of the best score are hashed together, and the word's bound (-log u >= 1 - u = w / 2^24
+ * with w = 2^24 - 2k - 1 >= 2^floor(log2 w), so the score is at most x + (24 - floor(log2 w)) ln 2: race_chunk's)
+ * leaves the two logs to a handful. */
 static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, uint64_t key, head_best_t *b) {
   const float factor = inv_t == 0.0f ? 1.0f : inv_t; /* x = logits * factor, as torch_sampling.scale */
   hvi bad = (hvi){0}, any = (hvi){0};
@@ -62,34 +82,31 @@ static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, ui
     memcpy(&x, y + v, sizeof x);
     x = x * factor;
     bad |= (x != x) | (x == INFINITY);
-    any |= x > -INFINITY;
-    /* greedy: lanes >= the best (ties may win on index); sampled: finite lanes not below the race's bound */
-    float lo = b->best;
-    if (inv_t != 0.0f && b->best_i >= 0) lo = b->best - GUMBEL_SPAN - (1e-3f + fabsf(b->best) * 1e-5f);
-    const hvi near = inv_t == 0.0f ? (x >= lo) : ((x >= lo) & (x > -INFINITY));
-    if ((b->best_i >= 0 || inv_t != 0.0f) && !hv_any(near)) continue; /* a greedy row's first lanes: all */
-    for (int l = 0; l < HEAD_LANES && v + l < len; l++) {
-      const float xl = x[l];
-      const int64_t j = j0 + v + l;
-      if (inv_t == 0.0f) {
+    const hvi finite = x > -INFINITY;
+    any |= finite;
+    if (inv_t == 0.0f) {
+      /* a greedy row's first lanes are all looked at (even -inf ones), then those >= its best (ties may win) */
+      if (b->best_i >= 0 && !hv_any(x >= b->best)) continue;
+      for (int l = 0; l < HEAD_LANES && v + l < len; l++) {
+        const int64_t j = j0 + v + l;
         /* chunks arrive in any order: strictly greater, or equal at a lower index than the best from elsewhere */
-        if (b->best_i < 0 || xl > b->best || (xl == b->best && j < b->best_i)) b->best = xl, b->best_i = j;
-        continue;
+        if (b->best_i < 0 || x[l] > b->best || (x[l] == b->best && j < b->best_i)) b->best = x[l], b->best_i = j;
       }
-      if (!(xl > -INFINITY)) continue; /* -inf (and NaN: the row fails anyway) is never drawn */
-      /* the rounding slack of race_set in cpu_sampling.c: 2-ulp logs on scores up to ~1e6 */
-      const float slack = b->best_i >= 0 ? 1e-3f + fabsf(b->best) * 1e-5f : 0.0f;
-      if (b->best_i >= 0 && xl < b->best - GUMBEL_SPAN - slack) continue;
-      const uint32_t word = word_at(key, j);
-      if (b->best_i >= 0) {
-        /* -log u >= 1 - u = w / 2^24 with w = 2^24 - 2k - 1 >= 2^floor(log2 w), so the score is at most
-         * x + (24 - floor(log2 w)) ln 2 (cpu_sampling.c's race_chunk bound): most words are rejected before the
-         * two logs. */
-        const int32_t w = (int32_t)(1 << 24) - 2 * (int32_t)(word >> 9) - 1;
-        const int32_t lg = (int32_t)(as_bits((float)w) >> 23) - 127;
-        if (!(xl + (float)(24 - lg) * 0.6932f >= b->best - slack)) continue;
-      }
-      const float s = gumbel_score(xl, word);
+      continue;
+    }
+    const float slack = b->best_i >= 0 ? 1e-3f + fabsf(b->best) * 1e-5f : 0.0f;
+    const float lo = b->best_i >= 0 ? b->best - GUMBEL_SPAN - slack : -INFINITY;
+    if (!hv_any((x >= lo) & finite)) continue; /* -inf (and NaN: the row fails anyway) is never drawn */
+    const hvu words = head_words(key, j0 + v);
+    const hvi w = (int32_t)(1 << 24) - 2 * (hvi)(words >> 9) - 1;
+    const hvi lg = ((hvi)__builtin_convertvector(w, hvf) >> 23) - 127;
+    hvi go = (x + __builtin_convertvector(24 - lg, hvf) * 0.6932f >= b->best - slack) & finite;
+    if (b->best_i < 0) go = finite; /* nothing to beat yet */
+    if (!hv_any(go)) continue;
+    for (int l = 0; l < HEAD_LANES; l++) {
+      if (!go[l]) continue;
+      const int64_t j = j0 + v + l;
+      const float s = gumbel_score(x[l], words[l]);
       if (b->best_i < 0 || s > b->best || (s == b->best && j < b->best_i)) b->best = s, b->best_i = j;
     }
   }
