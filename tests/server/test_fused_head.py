@@ -108,8 +108,8 @@ def generate_on_off(
 def test_greedy_tokens_equal_the_logits_path(
     arch: str, dtype: str, head_type: str, tiny_gguf: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    """Greedy decoding of 1-3 rows a step gives the same tokens fused and unfused, and every decode step ran fused
-    (the prompts' steps are 3 rows at most; prefills draw from the logits as well, by the same op)."""
+    """Greedy decoding of 1-3 rows a step gives the same tokens fused and unfused, and the decode steps ran fused
+    (steps of these prompts have 3 rows at most; their prefill steps run fused too)."""
     llm = engine(tiny_gguf(arch, head_type), tmp_path, dtype)
     ran, tokens = generate_on_off(llm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert tokens == 48
