@@ -1,5 +1,5 @@
 """A damaged kernel cache (issue 43, finding 13): every C library (attention, fused, LoRA, quant, sampling, token
-bitmask) loads through `cbuild.load_or_rebuild`: a truncated cached `.so` is deleted and compiled again; when the
+bitmask, the fused LM head) loads through `cbuild.load_or_rebuild`: a truncated cached `.so` is deleted and compiled again; when the
 rebuild fails too, the library's torch path runs, with a warning. A kernel that does not compile still fails the
 kernel tests (`c_kernel_or_skip`), never turns into a skip."""
 
@@ -20,7 +20,7 @@ from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.fused import cpu_fused
 from pagoda.pagedkernel.lora import cpu_lora
 from pagoda.pagedkernel.quant import cpu_quant
-from pagoda.pagedkernel.sampling import cpu_sampling, token_bitmask, torch_sampling
+from pagoda.pagedkernel.sampling import cpu_sampling, fused_head, token_bitmask, torch_sampling
 from pagoda.pagedkernel.sampling.sampler import get_sampler
 from pagoda.pagedkernel.testing import c_kernel_or_skip
 
@@ -48,6 +48,11 @@ def _forget_lora() -> None:
 def _forget_quant() -> None:
     cpu_quant.kernels.cache_clear()
     cpu_quant.available.cache_clear()
+
+
+def _forget_fused_head() -> None:
+    fused_head.kernels.cache_clear()
+    fused_head.available.cache_clear()
 
 
 def _nothing() -> None:
@@ -80,6 +85,7 @@ LIBRARIES = (
     Library(
         "bitmask", token_bitmask.build, token_bitmask.c_kernel_available, token_bitmask._entry.cache_clear
     ),
+    Library("fused_head", fused_head.build, fused_head.available, _forget_fused_head),
 )
 
 

@@ -38,6 +38,7 @@
 #endif
 
 #include "cpu_dtype.h"
+#include "cpu_gumbel.h"
 
 /* Vectors of LANES floats: sixteen (one register) with AVX-512, eight (one register) otherwise; GCC splits wider
  * generic vectors badly on AVX2 (measured 10x slower). */
@@ -62,28 +63,13 @@ PAGODA_DEFINE_LOADV(loadv, vf, LANES)
 #define MIN_SLICE 16384    /* elements of the smallest vocabulary slice */
 #define RACE_CHUNK (64 * LANES) /* elements the race gathers before hashing (a multiple of SLICE_ALIGN) */
 #define MASS_SCALE 0x1p32f
-#define GUMBEL_SPAN 17.0f /* > 24 ln 2 = 16.64: the most -log(-log u) can add to x */
 
 enum { STATUS_OK = 0, STATUS_NONFINITE = 1, STATUS_NO_TOKEN = 2 };
 
 /* ---- float32 math: the exact operation sequences of sampling/fmath.py ---- */
 
-static inline float as_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-static inline uint32_t as_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
 #define LOG2E 0x1.715476p+0f
-#define LN2_HI 0x1.63p-1f
-#define LN2_LO (-0x1.bd0106p-13f)
 #define EXP_LO (-86.0f)
-#define SQRT_HALF 0x1.6a09e6p-1f
 
 /* exp(x) for x <= 0, LANES at a time: fmath.exp32's operations lane by lane (floor as truncation corrected
  * downwards), 0 below EXP_LO; exp of 0 is exactly 1. */
@@ -111,47 +97,6 @@ static inline vf expv(vf x) {
 
 /* One exp32: the vector's operations on a broadcast, so scalar and vector results are the same bits. */
 static inline float exp32(float x) { return expv((vf){0} + x)[0]; }
-
-static inline float log32(float y) {
-  const uint32_t bits = as_bits(y);
-  const float mantissa = as_float((bits & 0x007fffffu) | 0x3f000000u);
-  const int small = mantissa < SQRT_HALF;
-  const float e = (float)((int32_t)(bits >> 23) - 126 - small);
-  const float x = small ? mantissa + mantissa - 1.0f : mantissa - 1.0f;
-  const float z = x * x;
-  float p = 0x1.204376p-4f;
-  p = p * x + -0x1.d7a37p-4f;
-  p = p * x + 0x1.de4a34p-4f;
-  p = p * x + -0x1.fcba9ep-4f;
-  p = p * x + 0x1.23d37ep-3f;
-  p = p * x + -0x1.555cap-3f;
-  p = p * x + 0x1.999d58p-3f;
-  p = p * x + -0x1.fffff8p-3f;
-  p = p * x + 0x1.555554p-2f;
-  float r = p * x * z;
-  r = r + e * LN2_LO;
-  r = r - 0.5f * z;
-  return x + r + e * LN2_HI;
-}
-
-/* ---- the counter-based RNG: sampling/rng.py ---- */
-
-#define GOLDEN 0x9e3779b97f4a7c15ull
-static inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-/* Word of vocabulary index i: half i % 2 (low half first) of output i / 2 of the row's stream. */
-static inline uint32_t word_at(uint64_t key, int64_t i) {
-  const uint64_t h = mix64(key + ((uint64_t)(i >> 1) + 1) * GOLDEN);
-  return (i & 1) ? (uint32_t)(h >> 32) : (uint32_t)h;
-}
-/* The Gumbel score x - log(-log u) of a word's uniform u = (2k + 1) / 2^24. */
-static inline float gumbel_score(float x, uint32_t word) {
-  const float u = (float)(2 * (word >> 9) + 1) * 0x1p-24f;
-  return x - log32(-log32(u));
-}
 
 /* ---- vector helpers ---- */
 

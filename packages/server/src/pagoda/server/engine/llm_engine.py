@@ -383,9 +383,18 @@ class LLMEngine:
         rows = self.step_sampler.plan(scheduled, self.owners)  # its masks fill while the model runs
         for extension in self.extensions:
             extension.before_execute(scheduled)
-        logits, prompt_hidden = self.executor.execute(scheduled, prompt_lens(scheduled, self.owners))
-        add_prompt_logprobs(self.executor, self.owners, prompt_hidden)
-        sampled = self.step_sampler.sample(rows, logits)
+        lens = prompt_lens(scheduled, self.owners)
+        # Rows that only need a token may be drawn by the model's fused LM head (None: it did not run the step).
+        token_only = self.step_sampler.token_only(rows)
+        fused = None if token_only is None else self.executor.execute_sampled(scheduled, lens, token_only)
+        if fused is not None:
+            drawn, prompt_hidden = fused
+            add_prompt_logprobs(self.executor, self.owners, prompt_hidden)
+            sampled = self.step_sampler.sampled(rows, drawn)
+        else:
+            logits, prompt_hidden = self.executor.execute(scheduled, lens)
+            add_prompt_logprobs(self.executor, self.owners, prompt_hidden)
+            sampled = self.step_sampler.sample(rows, logits)
         sampled.failures.abort_in(self.scheduler)  # their rows get no token: the update skips them
         outputs += self._update(scheduled, sampled)
         for owner in sampled.failures.requests.values():

@@ -9,10 +9,12 @@ from typing import Protocol
 
 import torch
 from pagoda.pagedkernel import KernelBackend
+from pagoda.pagedkernel.sampling import SampleOutput, SamplingTensors, get_sampler
 from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
-from pagoda.server.models.base import CausalLM
+from pagoda.server.models.base import CausalLM, DecoderLM
+from pagoda.server.models.fused_head import FusedHead
 from pagoda.server.models.image_attention import bidirectional_metadata
 from pagoda.server.models.vision import StepImages
 from torch import Tensor
@@ -207,11 +209,64 @@ class ModelRunner:
         Only hidden states come back (hidden_size wide, not vocab wide): the caller runs the LM head over them a
         slice at a time, so a long prompt never holds [prompt_len, vocab] logits at once.
         """
+        ran = self._forward(output, prompt_lens)
+        if ran is None:
+            return torch.empty(0, 0), {}
+        batch, hidden, prompt_hidden = ran
+        if batch.logits_indices.numel() == 0:
+            return torch.empty(0, 0), prompt_hidden
+        if not self.model.computes_logits:  # the pooling runner: its held rows are never read
+            return hidden.new_empty(batch.num_rows, 0), prompt_hidden
+        for hook in self.hooks:
+            hook.select_head_rows(batch.logits_indices)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        for hook in self.hooks:
+            hook.select_head_rows(None)
+        # The count prepare() knew: reading it back from the device tensor would wait for the GPU every step.
+        if logits.shape[0] == batch.num_rows:
+            return logits, prompt_hidden
+        # A prompt that forks into n samples: its logits row is computed once and drawn from n times (output_size
+        # spares repeat_interleave the device sync it would need to size its result).
+        return logits.repeat_interleave(batch.num_samples, dim=0, output_size=batch.num_rows), prompt_hidden
+
+    @torch.inference_mode()
+    def execute_sampled(
+        self,
+        output: SchedulerOutput,
+        prompt_lens: Mapping[str, int],
+        draw: SamplingTensors,  # one row per sample id of the step, in schedule order; only tokens wanted
+    ) -> tuple[SampleOutput, dict[str, PromptHidden]] | None:
+        """`execute` with the rows' tokens drawn straight from the LM head (the model's `fused_head`: bitwise the
+        tokens the sampler would draw from `execute`'s logits); None, before anything ran, when the model or the
+        step is not one it draws (the caller then runs `execute`)."""
+        model = self.model
+        if not isinstance(model, DecoderLM) or self.hooks or not output.scheduled:
+            return None
+        head = getattr(model, "fused_head", None)  # set by the models that have one
+        rows = int(draw.keys.shape[0])
+        if not isinstance(head, FusedHead) or not head.applies(model, draw):
+            return None
+        ran = self._forward(output, prompt_lens)
+        assert ran is not None
+        batch, hidden, prompt_hidden = ran
+        picked = hidden[batch.logits_indices]
+        if picked.shape[0] != rows:  # a prompt forking into n samples: n draws from its one row
+            picked = picked.repeat_interleave(batch.num_samples, dim=0, output_size=rows)
+        out = head.draw(model, picked, draw)
+        if out is None:  # hidden states of a dtype it does not read: the logits, drawn by the specification
+            out = get_sampler("torch")(model.compute_logits(picked), draw)
+        return out, prompt_hidden
+
+    def _forward(
+        self, output: SchedulerOutput, prompt_lens: Mapping[str, int]
+    ) -> tuple[PreparedBatch, Tensor, dict[str, PromptHidden]] | None:  # None: nothing scheduled
+        """The cache moves and the forward pass: the batch, its final hidden states [num_tokens, hidden_size] and
+        the prompt rows of the listed requests."""
         self.kv_cache.swap_out(output.blocks_to_swap_out)
         self.kv_cache.swap_in(output.blocks_to_swap_in)
         self.kv_cache.copy(output.blocks_to_copy)
         if not output.scheduled:
-            return torch.empty(0, 0), {}
+            return None
         batch = self.prepare(output.scheduled)
         for hook in self.hooks:
             hook.prepare(output.scheduled)
@@ -233,18 +288,4 @@ class ModelRunner:
                 first = offset + rows.start - chunk.start
                 prompt_hidden[chunk.request_id] = PromptHidden(rows.start, hidden[first : first + len(rows)])
             offset += chunk.num_tokens
-        if batch.logits_indices.numel() == 0:
-            return torch.empty(0, 0), prompt_hidden
-        if not self.model.computes_logits:  # the pooling runner: its held rows are never read
-            return hidden.new_empty(batch.num_rows, 0), prompt_hidden
-        for hook in self.hooks:
-            hook.select_head_rows(batch.logits_indices)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        for hook in self.hooks:
-            hook.select_head_rows(None)
-        # The count prepare() knew: reading it back from the device tensor would wait for the GPU every step.
-        if logits.shape[0] == batch.num_rows:
-            return logits, prompt_hidden
-        # A prompt that forks into n samples: its logits row is computed once and drawn from n times (output_size
-        # spares repeat_interleave the device sync it would need to size its result).
-        return logits.repeat_interleave(batch.num_samples, dim=0, output_size=batch.num_rows), prompt_hidden
+        return batch, hidden, prompt_hidden

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+from pagoda.pagedkernel.sampling import SampleOutput, SamplingTensors
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.engine.owners import RequestOwners
 from pagoda.server.engine.sample_failures import SampleFailures
@@ -21,6 +22,7 @@ from pagoda.server.request_contract import DrawSpec, EngineRequest, TakesLogprob
 from pagoda.server.sampling import Sampler, TokenLogprobs
 from pagoda.server.sampling.logits_processors import apply_logits_processors
 from pagoda.server.sampling.logprobs import compute_logprobs
+from pagoda.server.sampling.penalties import needs_history
 from pagoda.server.spec.verify import DraftGroup, draft_row_specs, num_accepted, rejection_sample
 from pagoda.server.structured import FilledBitmask, GrammarBitmask
 
@@ -105,6 +107,45 @@ class StepSampler:
         row_owners = tuple(owners.seqs[seq_id] for seq_id in seq_ids)
         grammar = self.grammar_bitmask.start_fill([spec.matcher for spec in specs if spec is not None])
         return StepRows(tuple(seq_ids), row_owners, tuple(specs), grammar, owners.row_takers, tuple(groups))
+
+    @staticmethod
+    def token_only(rows: StepRows) -> SamplingTensors | None:
+        """The op's parameters of the step's rows when every row only needs a token from the plain op (no held
+        rows, drafts, grammar, logits processors, penalties, logprobs or min_p): what the model's
+        fused LM head draws (`Executor.execute_sampled`); None otherwise."""
+        if rows.drafts or rows.grammar is not None or not rows.specs:
+            return None
+        specs = [spec for spec in rows.specs if spec is not None]
+        if len(specs) != len(rows.specs):
+            return None
+        for spec in specs:
+            p = spec.row.params
+            if spec.matcher is not None or not spec.edits.empty or p.logprobs is not None:
+                return None
+            if p.min_p > 0.0:
+                return None
+        sampling_rows = [spec.row for spec in specs]
+        if needs_history(sampling_rows):
+            return None
+        return SamplingTensors.build(
+            temperature=[row.params.temperature for row in sampling_rows],
+            keys=[row.rng_key() for row in sampling_rows],
+            top_k=[row.params.top_k for row in sampling_rows],
+            top_p=[row.params.top_p for row in sampling_rows],
+        )
+
+    @staticmethod
+    def sampled(rows: StepRows, out: SampleOutput) -> SampledStep:
+        """The step of `token_only` rows whose tokens the model drew (`out`: one per row, in order)."""
+        failures = SampleFailures()
+        failed = out.failed_rows()
+        failures.add_sample_failures(failed, list(rows.seq_ids), list(rows.owners))
+        drawn = tuple(
+            (seq_id, token, None)
+            for seq_id, token, owner in zip(rows.seq_ids, out.token_ids.tolist(), rows.owners, strict=True)
+            if owner.request_id not in failures
+        )
+        return SampledStep(drawn, (), failures)
 
     def sample(
         self,

@@ -14,6 +14,7 @@ import torch
 from pagoda.pagedkernel import fused
 from pagoda.server.models.attention import Attention, AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import DecoderLM, sharded_kv_spec
+from pagoda.server.models.fused_head import FusedHead
 from pagoda.server.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
 from pagoda.server.models.native_decode import LayerView, ModelView, NativeDecode
 from pagoda.server.models.parallel import ParallelGroup, SingleRank
@@ -222,6 +223,9 @@ class LlamaForCausalLM(DecoderLM):
         # Decode steps of a few rows run every layer as one native call where it supports the model and step
         # (`native_decode.enabled = False`: always the modules below).
         self.native_decode = NativeDecode()
+        # A small decode step whose rows only need a token draws them from the LM head in one pass
+        # (`fused_head.enabled = False`: always the logits, then the sampler).
+        self.fused_head = FusedHead()
         if self.has_lm_head and not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
+from pagoda.pagedkernel.sampling import SampleOutput, SamplingTensors
 from pagoda.scheduler import SchedulerOutput
 from pagoda.server.engine.model_runner import ModelRunner, PromptHidden
 from pagoda.server.models.parallel import ParallelGroup
@@ -34,6 +35,17 @@ class Executor(ABC):
 
         Tests observe or edit the steps by wrapping an engine's executor (`LLMEngine.executor`) in their own.
         """
+
+    def execute_sampled(
+        self,
+        output: SchedulerOutput,
+        prompt_lens: Mapping[str, int],
+        draw: SamplingTensors,  # one row per sample id of the step, in schedule order; only tokens wanted
+    ) -> tuple[SampleOutput, dict[str, PromptHidden]] | None:
+        """One step whose rows' tokens come straight from the LM head (`ModelRunner.execute_sampled`); None when
+        this executor does not draw fused (the default: a wrapper or several ranks), and the engine runs `execute`.
+        """
+        return None
 
     @abstractmethod
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
@@ -79,6 +91,15 @@ class UniProcExecutor(Executor):
     ) -> tuple[Tensor, dict[str, PromptHidden]]:  # ([num_rows, vocab], request id -> prompt hidden states)
         """The runner's step."""
         return self.driver.execute(output, prompt_lens)
+
+    def execute_sampled(
+        self,
+        output: SchedulerOutput,
+        prompt_lens: Mapping[str, int],
+        draw: SamplingTensors,  # one row per sample id of the step, in schedule order; only tokens wanted
+    ) -> tuple[SampleOutput, dict[str, PromptHidden]] | None:
+        """The runner's step with its tokens drawn from the LM head, where its model and the step allow."""
+        return self.driver.execute_sampled(output, prompt_lens, draw)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [num_rows, vocab] from [num_rows, hidden_size]
         """The runner's LM head."""

@@ -1,0 +1,201 @@
+/* top_k / top_p rows of the fused LM head (cpu_fused_head.c): per-chunk candidates, then the exact kept set.
+ *
+ * The specification is sampling/torch_sampling.py (min_p 0): x = logit * (1 / T), m = max x; top_k keeps x >= the
+ * k-th largest x; top_p keeps the groups of equal x (most likely first) whose strictly-more-likely kept mass is
+ * below top_p * W, masses being trunc(exp32(x - m) * 2^32) and W their sum over the kept set; then the Gumbel-max
+ * race over the kept set.
+ *
+ * Each thread keeps, per row, the largest x it has seen (a buffer of 2C, cut back to its C largest when full:
+ * every element above the cut's value `thr` stays), a running max, and, for top_p, the float64 sum s of exp(x - m)
+ * over the elements it dropped or never kept, counted only within MASS_SPAN of the running max (below that an
+ * element's mass is exactly 0 whatever the final max). At the end the threads' buffers are merged and cut to C:
+ * every element above `low` (the highest cut) is then in the list, with its exact mass. The kept set is decided
+ * from the list when it provably can be:
+ *   - top_k: the k-th largest must lie above `low` (C > k, so only ties spanning the cut fail);
+ *   - top_p: W is the list's exact mass plus the dropped mass, bounded by s * 2^32 * (1 -+ MASS_REL) (see
+ *     MASS_REL; truncation loses < 1 per element); each group is kept when its mass above is below
+ *     top_p * W_lo, dropped (with every later one) when at least top_p * W_hi, and must lie above `low` when kept.
+ * Otherwise the row's status is HEAD_FALLBACK and the caller samples its logits unfused: same tokens either way.
+ */
+#ifndef PAGODA_CPU_HEAD_NUCLEUS_H
+#define PAGODA_CPU_HEAD_NUCLEUS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define HEAD_MAX_TOP_K 4096 /* larger top_k: not fused (the caller's eligibility) */
+#define HEAD_NUCLEUS 1024   /* candidates of a top_p row without top_k */
+#define MASS_SPAN 23.0f     /* exp(-23) * 2^32 < 0.5: an element this far below the max has mass 0 */
+/* exp32(x - m) against exp: x - m rounds in float32 (|x - m| < 32: <= 2^-20 absolute, so ~1e-6 relative) and
+ * exp32 is within a few ulp; with room */
+#define MASS_REL 1e-5
+#define HEAD_FALLBACK 3     /* status: the candidates cannot prove the kept set; sample this row unfused */
+
+typedef struct {
+  float x;
+  int32_t i;
+} cand_t;
+
+/* One thread's state of one top_k / top_p row. */
+typedef struct {
+  cand_t *c;      /* [2 * cap] */
+  int64_t n, cap; /* entries held; C */
+  float thr;      /* every element above thr is held (-inf: none dropped yet) */
+  int pruned;     /* some element was dropped */
+  float m;        /* running max */
+  double s;       /* sum of exp(x - m) of the dropped elements within MASS_SPAN of m when dropped */
+  int64_t ns;     /* how many terms s has */
+  int mass;       /* top_p: track s */
+} nucleus_t;
+
+/* exp32 of sampling/fmath.py, one element: the same operations in the same order (-ffp-contract=off). */
+static inline float exp32_scalar(float x) {
+  if (x < -86.0f) return 0.0f;
+  const float t = x * 0x1.715476p+0f + 0.5f;
+  const float fn = floorf(t);
+  float r = x - fn * LN2_HI;
+  r = r - fn * LN2_LO;
+  const float z = r * r;
+  float p = 0x1.a0d2cep-13f;
+  p = p * r + 0x1.6e879cp-10f;
+  p = p * r + 0x1.11121p-7f;
+  p = p * r + 0x1.555382p-5f;
+  p = p * r + 0x1.555554p-3f;
+  p = p * r + 0x1p-1f;
+  const float y = p * z + r + 1.0f;
+  return y * as_float((uint32_t)((int32_t)fn + 127) << 23);
+}
+
+/* Descending x, then ascending index. */
+static int cand_order(const void *a, const void *b) {
+  const cand_t *p = a, *q = b;
+  if (p->x != q->x) return p->x > q->x ? -1 : 1;
+  return (p->i > q->i) - (p->i < q->i);
+}
+
+static inline void nucleus_rest(nucleus_t *t, float x, float m) {
+  if (t->mass && x >= m - MASS_SPAN) t->s += exp((double)x - (double)m), t->ns++;
+}
+
+/* Cut the buffer back to its `keep` largest (the rest go to s); thr becomes the last one kept. */
+static void nucleus_cut(nucleus_t *t, int64_t keep) {
+  qsort(t->c, (size_t)t->n, sizeof(cand_t), cand_order);
+  if (t->n <= keep) return;
+  for (int64_t e = keep; e < t->n; e++) nucleus_rest(t, t->c[e].x, t->m);
+  t->n = keep;
+  if (!t->pruned || t->c[keep - 1].x > t->thr) t->thr = t->c[keep - 1].x;
+  t->pruned = 1;
+}
+
+/* One finite x at vocabulary index j. */
+static inline void nucleus_feed(nucleus_t *t, float x, int64_t j) {
+  if (x > t->m) {
+    if (t->mass && t->m > -INFINITY) t->s *= exp((double)t->m - (double)x);
+    t->m = x;
+  }
+  if (t->pruned && !(x > t->thr)) {
+    nucleus_rest(t, x, t->m);
+    return;
+  }
+  if (t->n == 2 * t->cap) {
+    nucleus_cut(t, t->cap);
+    if (!(x > t->thr)) {
+      nucleus_rest(t, x, t->m);
+      return;
+    }
+  }
+  t->c[t->n++] = (cand_t){x, (int32_t)j};
+}
+
+/* Feed a chunk's x = y * factor (HEAD_CHUNK values; lanes past the end are -inf). Sixteen lanes at a time, a vector
+ * that holds nothing above thr (nor, for top_p, within MASS_SPAN of the max) is only checked for NaN / +inf. */
+static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor, int *bad, int *any) {
+  hvi vbad = (hvi){0}, vany = (hvi){0};
+  for (int64_t v = 0; v < HEAD_CHUNK; v += HEAD_LANES) {
+    hvf x;
+    memcpy(&x, y + v, sizeof x);
+    x = x * factor;
+    vbad |= (x != x) | (x == INFINITY);
+    const hvi finite = (x > -INFINITY) & (x < INFINITY);
+    vany |= finite;
+    const float lo = t->pruned ? t->thr : -INFINITY;
+    hvi near = (x > lo) & finite;
+    if (t->mass) near |= (x >= t->m - MASS_SPAN) & finite;
+    if (!hv_any(near)) continue;
+    for (int l = 0; l < HEAD_LANES; l++)
+      if (x[l] > -INFINITY && x[l] < INFINITY) nucleus_feed(t, x[l], j0 + v + l);
+  }
+  *bad |= hv_any(vbad);
+  *any |= hv_any(vany);
+}
+
+/* The row's token from the threads' states (each of cap C): its index, or -1 for HEAD_FALLBACK. `top_k` 0 when
+ * disabled, `top_p` 1 when disabled. `all` has room for every thread's 2C entries. */
+static int64_t nucleus_draw(nucleus_t *ts, int64_t threads, int64_t top_k, float top_p, uint64_t key,
+                            cand_t *all) {
+  nucleus_t u = {all, 0, ts[0].cap, -INFINITY, 0, -INFINITY, 0.0, 0, ts[0].mass};
+  for (int64_t t = 0; t < threads; t++) u.m = ts[t].m > u.m ? ts[t].m : u.m;
+  for (int64_t t = 0; t < threads; t++) {
+    const nucleus_t *p = &ts[t];
+    for (int64_t e = 0; e < p->n; e++) all[u.n++] = p->c[e];
+    if (p->pruned) u.thr = u.pruned && u.thr > p->thr ? u.thr : p->thr, u.pruned = 1;
+    if (p->ns) u.s += p->s * exp((double)p->m - (double)u.m), u.ns += p->ns;
+  }
+  nucleus_cut(&u, u.cap); /* sorts, and drops what is past C */
+  const float low = u.pruned ? u.thr : -INFINITY;
+  const float m = u.c[0].x;
+  int64_t n1 = u.n; /* the kept set after top_k: the first n1 */
+  if (top_k > 0) {
+    if (u.n >= top_k) {
+      const float kth = u.c[top_k - 1].x;
+      if (u.pruned && !(kth > low)) return -1;
+      while (n1 > top_k && !(u.c[n1 - 1].x >= kth)) n1--;
+    } else if (u.pruned) {
+      return -1; /* cannot happen: C > top_k */
+    }
+  }
+  int64_t kept = n1;
+  if (top_p < 1.0f) {
+    int64_t w_list = 0;
+    for (int64_t e = 0; e < n1; e++) w_list += (int64_t)(exp32_scalar(u.c[e].x - m) * 0x1p32f);
+    double w_lo = (double)w_list, w_hi = (double)w_list;
+    const int open = top_k == 0 && u.pruned; /* W has mass outside the list */
+    if (open) {
+      const double rest = u.s * 0x1p32;
+      const double lo = rest * (1.0 - MASS_REL) - (double)u.ns - 1.0;
+      w_lo += lo > 0.0 ? floor(lo) : 0.0;
+      w_hi += ceil(rest * (1.0 + MASS_REL) + 1.0);
+    }
+    const double t_lo = (double)top_p * w_lo, t_hi = (double)top_p * w_hi;
+    int64_t above = 0, g = 0;
+    kept = -1;
+    while (g < n1) {
+      int64_t end = g, mass = 0;
+      while (end < n1 && u.c[end].x == u.c[g].x) mass += (int64_t)(exp32_scalar(u.c[end].x - m) * 0x1p32f), end++;
+      if ((double)above >= t_hi) {
+        kept = g;
+        break;
+      }
+      if (!((double)above < t_lo)) return -1; /* between the bounds: undecided */
+      if (u.pruned && !(u.c[g].x > low)) return -1; /* kept, but some of its ties may be missing */
+      above += mass;
+      g = end;
+    }
+    if (kept < 0) {
+      if (open) return -1; /* the nucleus may reach below the list */
+      kept = n1;
+    }
+  } else if (top_k == 0 && u.pruned) {
+    return -1; /* not a truncated row: the caller does not send these */
+  }
+  float best = -INFINITY;
+  int64_t best_i = -1;
+  for (int64_t e = 0; e < kept; e++) {
+    const float s = gumbel_score(u.c[e].x, word_at(key, u.c[e].i));
+    if (best_i < 0 || s > best || (s == best && u.c[e].i < best_i)) best = s, best_i = u.c[e].i;
+  }
+  return best_i;
+}
+
+#endif

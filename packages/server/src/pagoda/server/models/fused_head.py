@@ -1,0 +1,102 @@
+"""The LM head fused with the draw (`pagoda.pagedkernel.sampling.fused_head`): a decode step of a few rows whose rows
+only need a token gets its tokens straight from the hidden states, bitwise what `compute_logits` and the sampler
+would give, without the `[rows, vocab]` logits ever being written.
+
+`FusedHead` is the model's policy object (`model.fused_head` of the Llama family and Gemma 3, like
+`model.native_decode`; the runner asks for it by type): `draw(...)` returns the
+step's tokens, or None and the runner computes logits as usual. It says no (checked once per model, then per
+step) for what the C op does not compute as `compute_logits` does: a dense (unquantized) head or one whose format
+the GEMV does not take, a head split in several runs, the `torch` quantized backend, a final logit softcap (torch's
+tanh cannot be matched bit for bit in C), an LM-head LoRA, tensor parallelism, dtypes other than float32 and
+bfloat16, and more than `max_rows` rows (from `cpu_quant.AMX_MIN_ROWS` bfloat16 rows the unfused GEMV runs on AMX).
+Which rows only need a token (no logprobs, processors, penalties, grammar, min_p) the engine decides; top_k and
+top_p rows are drawn from candidates where those prove the kept set, else from their logits (same tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagoda.pagedkernel.quant import QuantizedTensor, cpu_quant
+from pagoda.pagedkernel.sampling import SamplingTensors, fused_head
+from pagoda.pagedkernel.sampling.params import SampleOutput
+from pagoda.server.models.base import DecoderLM
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+# Rows up to which a step is drawn fused (below cpu_quant.AMX_MIN_ROWS, where the unfused bfloat16 GEMV changes
+# kernels); a decode step of more rows spends its time elsewhere.
+DEFAULT_MAX_ROWS = 4
+
+
+class FusedHead:
+    """Whether and how a model's small decode steps draw their tokens from the LM head in one pass."""
+
+    def __init__(self, *, enabled: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        self.enabled = enabled
+        self.max_rows = min(max_rows, cpu_quant.AMX_MIN_ROWS - 1, fused_head.MAX_ROWS)
+        # Steps drawn fused, and top_k / top_p rows whose candidates proved nothing (sampled from their logits).
+        self.steps = 0
+        self.fallback_rows = 0
+        self._refused: str | None = None  # why the model's head cannot be drawn fused, once known
+
+    def applies(self, model: DecoderLM, params: SamplingTensors) -> bool:
+        """Whether a step of these rows would be drawn fused (decided before its forward pass)."""
+        if not self.enabled or not 0 < params.keys.shape[0] <= self.max_rows:
+            return False
+        weight = self._head(model)
+        return weight is not None and fused_head.eligible(
+            params.top_k, params.top_p, params.min_p, weight.shape[0]
+        )
+
+    def draw(
+        self,
+        model: DecoderLM,
+        hidden: Tensor,  # [rows, hidden_size]: the final hidden states of the rows to sample
+        params: SamplingTensors,  # one row each; no min_p (`fused_head.eligible`)
+    ) -> SampleOutput | None:
+        """The rows' tokens and statuses, or None when this step is not one the fused op draws."""
+        weight = self._head(model)
+        if weight is None or hidden.dtype not in fused_head.DTYPES or not self.applies(model, params):
+            return None
+        x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        # the unfused GEMV writes x's dtype (qmatmul), which the sampler then reads
+        args = (x, weight, params.inverse_temperature(), params.keys, params.top_k, params.top_p)
+        tokens, status = fused_head.draw(*args)
+        self.fallback_rows += fused_head.sample_undecided(*args, tokens, status)
+        self.steps += 1
+        return SampleOutput(token_ids=tokens, status=status, logprobs=None)
+
+    def _head(self, model: DecoderLM) -> QuantizedTensor | None:
+        """The LM head's blocks when `compute_logits` is one C GEMV over them, else None (the reason logged once).
+        Looked up per step, not kept: sleep mode and weight reloads may replace the head's blocks."""
+        if self._refused is not None or model.head_lora is not None:  # a LoRA head may come and go
+            return None
+        reason = _refusal(model)
+        if reason is not None:
+            self._refused = reason
+            logger.info("LM-head logits are sampled unfused: %s", reason)
+            return None
+        quantized = model.head().quantized
+        assert quantized is not None
+        return quantized.parts[0]
+
+
+def _refusal(model: DecoderLM) -> str | None:
+    """Why `model.compute_logits` is not one C GEMV whose logits the fused op reproduces; None: it is."""
+    head = model.head()
+    quantized = head.quantized
+    if quantized is None:
+        return "a dense LM head (the fused op multiplies GGUF blocks)"
+    if len(quantized.parts) != 1 or not fused_head.supports_weight(quantized.parts[0]):
+        return "an LM head of several runs or of a format the C GEMV does not take"
+    if quantized.backend == "torch" or not cpu_quant.available() or not fused_head.available():
+        return "the quantized ops or the fused op's library are not the C ones here"
+    if model.final_logit_softcapping is not None:
+        return "a final logit softcap"
+    if model.group.size != 1 or head.run.per != quantized.parts[0].shape[0]:
+        return "tensor parallelism"
+    if type(model).compute_logits is not DecoderLM.compute_logits or not model.computes_logits:
+        return "a model whose logits are not the LM head's"
+    return None
