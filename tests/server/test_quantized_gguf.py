@@ -31,6 +31,7 @@ from pagoda.server.cli import main
 from pagoda.server.llm import LLM
 from pagoda.server.loader import LoadedModel, load_model
 from pagoda.server.models.layers import Linear, QuantizableWeight
+from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.models.quantized import QuantizedWeight, resident_weight_bytes
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import PagedKV, dense_copy
@@ -304,6 +305,12 @@ def test_engine_on_auto_runs_the_quantized_ops_in_c(
         if isinstance(module, QuantizableWeight) and module.quantized is not None
     ]
     assert weights and all(weight.backend == "auto" for weight in weights)
+    # The module path's ops are the question here: the native decode layers and the fused LM head (their own
+    # tests prove they ran, bitwise these ops) would take the decode steps' few rows past cpu_quant.gemv.
+    model = llm.engine.runner.model
+    assert isinstance(model, LlamaForCausalLM)
+    model.native_decode.enabled = False
+    model.fused_head.enabled = False
     ran.clear()  # what loading did is not the question: the steps' ops are
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([PROMPT, PROMPT[:5], [1, 9, 9]], params, use_tqdm=False)
