@@ -14,7 +14,8 @@ import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.fused import ActivationName
-from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
+from pagoda.pagedkernel.quant import cpu_quant
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -29,18 +30,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_ROWS = 16
 OWNER = "the native decode layers"
 # The GGUF formats cpu_quant.c's GEMV columns multiply.
-SUPPORTED_QTYPES = frozenset(
-    {
-        GGMLType.Q4_0,
-        GGMLType.Q4_1,
-        GGMLType.Q5_0,
-        GGMLType.Q5_1,
-        GGMLType.Q8_0,
-        GGMLType.Q4_K,
-        GGMLType.Q5_K,
-        GGMLType.Q6_K,
-    }
-)
+SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES
 
 
 @dataclass(frozen=True, slots=True)

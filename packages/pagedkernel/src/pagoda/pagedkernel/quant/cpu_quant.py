@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,19 @@ def dequantize(weight: QuantizedTensor, lib: QuantKernels) -> Tensor:  # float32
 
 # The activation and output dtypes the C matmul reads and writes directly (bfloat16: no copies on either side).
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
+# The formats the GEMV's column functions multiply (the native decode layers and the fused LM head call them).
+GEMV_QTYPES = frozenset(
+    {
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+        GGMLType.Q4_K,
+        GGMLType.Q5_K,
+        GGMLType.Q6_K,
+    }
+)
 
 
 def _matmul(

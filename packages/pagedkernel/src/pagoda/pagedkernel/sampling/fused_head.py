@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
+from pagoda.pagedkernel.quant import cpu_quant
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
 from pagoda.pagedkernel.quant.ops import qmatmul
 from pagoda.pagedkernel.sampling import cpu_sampling
 from torch import Tensor
@@ -35,18 +36,7 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 # Rows one call takes (one pass of the GEMV's columns, cpu_quant.c's MAX_ROWS).
 MAX_ROWS = 16
 # The formats cpu_quant.c's GEMV columns multiply.
-SUPPORTED_QTYPES = frozenset(
-    {
-        GGMLType.Q4_0,
-        GGMLType.Q4_1,
-        GGMLType.Q5_0,
-        GGMLType.Q5_1,
-        GGMLType.Q8_0,
-        GGMLType.Q4_K,
-        GGMLType.Q5_K,
-        GGMLType.Q6_K,
-    }
-)
+SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES
 # Activation (and logits) dtypes the C file reads and writes as the GEMV does.
 DTYPES = (torch.float32, torch.bfloat16)
 # The largest top_k drawn fused (the C file's HEAD_MAX_TOP_K; its candidates hold top_k + 64 per row and thread).
