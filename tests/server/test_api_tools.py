@@ -211,6 +211,17 @@ def test_required_and_named_choices_pass_the_schema_to_structured_outputs() -> N
         assert (
             required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
         )
+        # Streamed, the call opens with its id and name, then its arguments arrive in fragments as they are
+        # written (the engine's steps are paced, so the stream is not one merged delta).
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=500, stream=True
+            )
+        )
+        content, streamed, ids, finish = reassemble(chunks)
+        assert (content, streamed, finish) == (None, [("get_weather", WEATHER_ARGS)], "tool_calls")
+        fragments = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or []) if c.id is None]
+        assert len(ids) == 1 and len(fragments) > 1
 
 
 HISTORY_TEMPLATE = (

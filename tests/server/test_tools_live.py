@@ -129,8 +129,8 @@ def test_named_function(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("tool_choice", ["required", WEATHER_CHOICE])
 def test_streamed_calls_reassemble_to_the_whole_response(client: openai.OpenAI, tool_choice: Any) -> None:
-    """Greedy, streamed and whole: the deltas (first with id, type and name, then argument fragments) join to
-    the same calls and finish reason."""
+    """Greedy, streamed and whole: the deltas (first with id, type and name, then the arguments) join to the
+    same calls and finish reason."""
     kwargs: Any = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
     kwargs["parallel_tool_calls"] = False
     whole = client.chat.completions.create(**kwargs, max_tokens=MAX_TOKENS, temperature=0)
@@ -142,8 +142,9 @@ def test_streamed_calls_reassemble_to_the_whole_response(client: openai.OpenAI, 
         whole.choices[0].finish_reason,
     )
     assert_valid(calls)
-    fragments = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or []) if c.id is None]
-    assert len(fragments) > 1 and len(set(ids)) == len(ids)
+    # How many argument fragments arrive depends on how fast this client reads (unread snapshots merge): the
+    # scripted engine's paced test in test_api_tools checks that arguments stream in fragments.
+    assert len(set(ids)) == len(ids)
 
 
 def test_auto_parses_a_call_the_model_was_made_to_write(client: openai.OpenAI) -> None:
