@@ -27,6 +27,7 @@ from typing import Literal, Protocol, get_args
 
 import torch
 from pagoda.server.engine.kv_cache import KVCache
+from pagoda.server.models.base import DecoderLM
 from pagoda.server.models.quantized import QuantizedWeight
 from torch import Tensor, nn
 
@@ -180,6 +181,8 @@ class ModelWeights:
                 device = item.slot.tensor.device
                 _adopt(item.slot.tensor, source if source.device == device else source.to(device))
         self._released, self._offloaded = None, None
+        if isinstance(self.model, DecoderLM):
+            self.model.memory_moved()  # new storages under the same tensors
 
     def _pack(self, dense: Tensor) -> Tensor:
         """A host copy of a packed weight, packed again for the same batch hint (the same reorder as at load)."""
@@ -287,6 +290,8 @@ class EngineSleep:
                     runner.weights.restore()
                 else:
                     runner.kv_cache.reallocate()
+                    if isinstance(runner.weights.model, DecoderLM):
+                        runner.weights.model.memory_moved()  # a new KV pool
             self.asleep.discard(tag)
         if self.followers is not None and woken:
             self.follower_states = tuple(self.followers.wait_sleep_states())

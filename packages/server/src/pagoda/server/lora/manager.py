@@ -104,6 +104,7 @@ class LoRAManager:
             self.hooks[module_name] = hook
         if isinstance(model, DecoderLM):
             self._hook_vocabulary(model, backend)
+            model.memory_moved()  # the projections have hooks now, which the native decode layers do not run
         # Whether long chunks become matmul groups: on the CPU when the projections' op is not the C one.
         self.group_long_chunks = device.type == "cpu" and not all(
             hook.layer is None or hook.layer.runs_in_c for hook in self.hooks.values()

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.layers import Linear, OutputHook, head_dim_of, linear, pack_weight, softcap
@@ -117,6 +117,14 @@ FUSED_QKV_GATE_UP: Mapping[str, PackedShard] = MappingProxyType(
 )
 
 
+class NativeState(Protocol):
+    """Something a native kernel path keeps about a model's memory (a table of addresses, a head's blocks)."""
+
+    def forget(self) -> None:
+        """Drop it: it is looked up or built again at the next step."""
+        ...
+
+
 class DecoderLM(CausalLM):
     """A decoder-only LM with `model.embed_tokens`, an optional untied `lm_head` and optional final softcap."""
 
@@ -131,6 +139,13 @@ class DecoderLM(CausalLM):
     packed_head: Tensor | None = None
     # Set with LoRA: adds each sampled row's LM-head adapter delta to its logits (this rank's run), before softcap.
     head_lora: OutputHook | None = None
+    # What the model's native paths keep about its memory (the native decode stack, the fused head's blocks).
+    native_states: tuple[NativeState, ...] = ()
+
+    def memory_moved(self) -> None:
+        """Its weights or KV caches moved (sleep mode woke) or LoRA hooks came: native paths look them up again."""
+        for state in self.native_states:
+            state.forget()
 
     def head(self) -> ParallelLMHead | VocabParallelEmbedding:
         """The LM head: `lm_head`, or the embedding when tied."""

@@ -227,6 +227,7 @@ class Gemma3ForCausalLM(DecoderLM):
         # A small decode step whose rows only need a token draws them from the LM head in one pass
         # (`fused_head.enabled = False`: always the logits, then the sampler).
         self.fused_head = FusedHead()
+        self.native_states = (self.native_decode, self.fused_head)
         if not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)

@@ -226,6 +226,7 @@ class LlamaForCausalLM(DecoderLM):
         # A small decode step whose rows only need a token draws them from the LM head in one pass
         # (`fused_head.enabled = False`: always the logits, then the sampler).
         self.fused_head = FusedHead()
+        self.native_states = (self.native_decode, self.fused_head)
         if self.has_lm_head and not self.tie_word_embeddings:
             hidden, vocab = int(config.hidden_size), int(config.vocab_size)
             self.lm_head = ParallelLMHead(vocab, hidden, dtype=dtype, device=device, group=self.group)
