@@ -1,7 +1,7 @@
 """A damaged kernel cache (issue 43, finding 13): every C library (attention, fused, LoRA, quant, sampling, token
-bitmask, the fused LM head) loads through `cbuild.load_or_rebuild`: a truncated cached `.so` is deleted and compiled again; when the
-rebuild fails too, the library's torch path runs, with a warning. A kernel that does not compile still fails the
-kernel tests (`c_kernel_or_skip`), never turns into a skip."""
+bitmask, the native decode layers, the fused LM head) loads through `cbuild.load_or_rebuild`: a truncated cached
+`.so` is deleted and compiled again; when the rebuild fails too, the library's torch path runs, with a warning. A
+kernel that does not compile still fails the kernel tests (`c_kernel_or_skip`), never turns into a skip."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from pagoda.pagedkernel import cbuild, cpu_backend
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.cpu_backend import CpuBackend
+from pagoda.pagedkernel.decode import cpu_decode
 from pagoda.pagedkernel.fused import cpu_fused
 from pagoda.pagedkernel.lora import cpu_lora
 from pagoda.pagedkernel.quant import cpu_quant
@@ -48,6 +49,11 @@ def _forget_lora() -> None:
 def _forget_quant() -> None:
     cpu_quant.kernels.cache_clear()
     cpu_quant.available.cache_clear()
+
+
+def _forget_decode() -> None:
+    cpu_decode.kernels.cache_clear()
+    cpu_decode.available.cache_clear()
 
 
 def _forget_fused_head() -> None:
@@ -84,6 +90,12 @@ LIBRARIES = (
     ),
     Library(
         "bitmask", token_bitmask.build, token_bitmask.c_kernel_available, token_bitmask._entry.cache_clear
+    ),
+    Library(
+        "decode",
+        lambda: cpu_decode.build(torch.float32),
+        lambda: cpu_decode.available(torch.float32),
+        _forget_decode,
     ),
     Library("fused_head", fused_head.build, fused_head.available, _forget_fused_head),
 )

@@ -339,6 +339,21 @@ def test_several_tokens_per_sequence_equal_the_ops_bitwise(
             assert_same(mine.v_cache, theirs.v_cache)
 
 
+def test_max_rows_in_one_call_and_the_c_file_refuses_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_ROWS (cpu_quant.GEMV_MAX_ROWS) rows in one call equal the op-by-op chain; one more row, let past the
+    Python check, the C file refuses itself: its DECODE_MAX_ROWS (cpu_quant.c's MAX_ROWS) is the same number."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
+    half = cpu_decode.MAX_ROWS // 2
+    case = make_case(2, torch.float32, 9, (30, 12), q_lens=(cpu_decode.MAX_ROWS - half, half))
+    assert case.x.shape[0] == cpu_decode.MAX_ROWS
+    want = reference(with_fresh_caches(case))
+    assert_same(native(with_fresh_caches(case), torch.float32), want)
+    over = make_case(2, torch.float32, 9, (30, 12), q_lens=(cpu_decode.MAX_ROWS - half + 1, half))
+    monkeypatch.setattr(cpu_decode, "MAX_ROWS", cpu_decode.MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="refused"):
+        native(over, torch.float32)
+
+
 def test_query_start_loc_must_cover_the_rows() -> None:
     """Starts that do not end at the row count, or a sequence without a row, are refused before anything runs."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))

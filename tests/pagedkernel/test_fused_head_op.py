@@ -151,7 +151,8 @@ def test_refuses_what_it_does_not_take() -> None:
     weight = random_weight(GGMLType.Q8_0, (64, 64), torch.Generator().manual_seed(0))
     inv_t, keys = torch.zeros(1), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="rows"):
-        fh.fused_head(torch.zeros(17, 64), weight, torch.zeros(17), torch.zeros(17, dtype=torch.int64))
+        over = fh.MAX_ROWS + 1
+        fh.fused_head(torch.zeros(over, 64), weight, torch.zeros(over), torch.zeros(over, dtype=torch.int64))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         fh.fused_head(torch.zeros(1, 64, dtype=torch.float16), weight, inv_t, keys)
     with pytest.raises(ValueError, match="cannot multiply"):
@@ -159,6 +160,22 @@ def test_refuses_what_it_does_not_take() -> None:
     wide = random_weight(GGMLType.Q8_0, (fh.MAX_TOP_K + 2, 64), torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="top_k"):
         fh.fused_head(torch.zeros(1, 64), wide, torch.ones(1), keys, top_k=torch.tensor([fh.MAX_TOP_K + 1]))
+
+
+def test_max_rows_in_one_call_and_the_c_op_refuses_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_ROWS (cpu_quant.GEMV_MAX_ROWS) rows in one call draw the unfused tokens; one more row, let past the
+    Python check, the C op refuses itself: its HEAD_MAX_ROWS (cpu_quant.c's MAX_ROWS) is the same number."""
+    vocab, k = HEAD_CHUNK + 5, 64
+    weight = random_weight(GGMLType.Q8_0, (vocab, k), torch.Generator().manual_seed(3))
+    x, inv_t, keys = inputs(fh.MAX_ROWS, k, torch.float32, 3)
+    tokens, status = fh.fused_head(x, weight, inv_t, keys)
+    want_tokens, want_status = reference(x, weight, inv_t, keys)
+    assert status.tolist() == want_status.tolist() == [0] * fh.MAX_ROWS
+    assert tokens.tolist() == want_tokens.tolist()
+    x, inv_t, keys = inputs(fh.MAX_ROWS + 1, k, torch.float32, 4)
+    monkeypatch.setattr(fh, "MAX_ROWS", fh.MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="refused its arguments"):
+        fh.draw(x, weight, inv_t, keys)
 
 
 def test_eligible_rows_have_no_min_p_and_a_small_top_k() -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from mixed_gguf import MixedGGUFs
 from pagoda.pagedkernel import KernelBackend, get_backend
 from pagoda.server.loader import CACHE_DIR_ENV
 from pagoda.server.testing import make_tiny_model, make_tiny_tokenizer
@@ -59,6 +60,13 @@ def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
     """A tiny Llama written as an F32 GGUF by gguf's writer, and the Hugging Face model it was written from."""
     return write_tiny_gguf("llama", tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", lambda name: "F32")
+
+
+@pytest.fixture(scope="session")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> MixedGGUFs:
+    """`mixed_gguf(arch, types, embedding="Q8_0")`: a tiny GGUF of `arch` whose matrices cycle through the block
+    formats `types` (neighbours differ: fused q/k/v and gate/up mix them), each written once per session."""
+    return MixedGGUFs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

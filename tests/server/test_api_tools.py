@@ -215,7 +215,12 @@ def test_required_and_named_choices_pass_the_schema_to_structured_outputs() -> N
         # written (the engine's steps are paced, so the stream is not one merged delta).
         chunks = list(
             client.chat.completions.create(
-                model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=500, stream=True
+                model=MODEL,
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice="required",
+                max_tokens=500,
+                stream=True,
             )
         )
         content, streamed, ids, finish = reassemble(chunks)

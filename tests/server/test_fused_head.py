@@ -4,12 +4,13 @@ greedy tokens of transformers, proof that it ran, and the logits path for every 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
+from mixed_gguf import MixedGGUFs
 from pagoda.pagedkernel.sampling import fused_head as fh
 from pagoda.pagedkernel.testing import c_kernel_or_skip
 from pagoda.server.llm import LLM
@@ -26,36 +27,15 @@ PROMPTS: list[Sequence[int]] = [
     [1, 9, 9],
     [5, 17, 80, 81, 9],
 ]
-# Formats cycled over the matrices; the tied LM head (the embedding) is the first name asked for.
+# The tied LM head's (the embedding's) formats, and the other matrices', cycled over them (`mixed_gguf`).
 HEAD_TYPES = ("Q8_0", "Q4_1", "Q6_K")
+BODY_TYPES = ("Q4_1", "Q8_0", "Q5_K")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _library() -> None:
     """Build the library first: a compile error fails these tests (only a missing compiler skips)."""
     c_kernel_or_skip(fh.kernels)
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    """`tiny_gguf(arch, head_type)`: a tiny GGUF of `arch` whose embedding (the tied LM head) is `head_type`."""
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(arch: str, head_type: str) -> Path:
-        if (arch, head_type) not in made:
-            folder = tmp_path_factory.mktemp(f"fused-{arch}-{head_type}")
-            types = ("Q4_1", "Q8_0", "Q5_K")
-
-            def pick(name: str, seen: list[str] = []) -> str:  # noqa: B006 (a counter for this file only)
-                if name == "token_embd.weight":
-                    return head_type
-                seen.append(name)
-                return types[(len(seen) - 1) % len(types)]
-
-            made[arch, head_type] = write_tiny_gguf(arch, folder / "tiny.gguf", pick)[0]
-        return made[arch, head_type]
-
-    return get
 
 
 def engine(path: Path, cache: Path, dtype: str, **kw: Any) -> LLM:
@@ -106,23 +86,21 @@ def generate_on_off(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 def test_greedy_tokens_equal_the_logits_path(
-    arch: str, dtype: str, head_type: str, tiny_gguf: Callable[[str, str], Path], tmp_path: Path
+    arch: str, dtype: str, head_type: str, mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """Greedy decoding of 1-3 rows a step gives the same tokens fused and unfused, and the decode steps ran fused
     (steps of these prompts have 3 rows at most; their prefill steps run fused too)."""
-    llm = engine(tiny_gguf(arch, head_type), tmp_path, dtype)
+    llm = engine(mixed_gguf(arch, BODY_TYPES, head_type), tmp_path, dtype)
     ran, tokens = generate_on_off(llm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert tokens == 48
     assert ran >= 15, ran
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_seeded_samples_equal_the_logits_path(
-    arch: str, tiny_gguf: Callable[[str, str], Path], tmp_path: Path
-) -> None:
+def test_seeded_samples_equal_the_logits_path(arch: str, mixed_gguf: MixedGGUFs, tmp_path: Path) -> None:
     """Seeded temperature sampling (n = 2 samples of each prompt: forked rows with their own keys) draws the
     same tokens fused and unfused, at a temperature that spreads the draws over many tokens too."""
-    llm = engine(tiny_gguf(arch, "Q8_0"), tmp_path, "bfloat16", seed=7)
+    llm = engine(mixed_gguf(arch, BODY_TYPES, "Q8_0"), tmp_path, "bfloat16", seed=7)
     ran, tokens = generate_on_off(
         llm, SamplingParams(temperature=1.0, seed=123, max_tokens=12, ignore_eos=True, n=2), PROMPTS[:2]
     )
@@ -134,11 +112,11 @@ def test_seeded_samples_equal_the_logits_path(
 
 @pytest.mark.parametrize("truncation", [{"top_k": 20}, {"top_p": 0.9}, {"top_k": 50, "top_p": 0.8}], ids=str)
 def test_top_k_top_p_samples_equal_the_logits_path(
-    truncation: dict[str, Any], tiny_gguf: Callable[[str, str], Path], tmp_path: Path
+    truncation: dict[str, Any], mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """Seeded top_k / top_p sampling (rows the candidates decide, or that fall back to their logits) draws the same
     tokens fused and unfused, every step through the fused head."""
-    llm = engine(tiny_gguf("llama", "Q4_1"), tmp_path, "float32")
+    llm = engine(mixed_gguf("llama", BODY_TYPES, "Q4_1"), tmp_path, "float32")
     params = SamplingParams(temperature=1.2, seed=11, max_tokens=12, ignore_eos=True, **truncation)
     ran, tokens = generate_on_off(llm, params)
     assert tokens == 36 and ran >= 11, ran
@@ -175,10 +153,10 @@ def test_greedy_tokens_equal_transformers(arch: str, tmp_path: Path) -> None:
     ids=["min_p", "logprobs", "penalty", "logit_bias"],
 )
 def test_rows_it_does_not_take_go_the_logits_way(
-    params: SamplingParams, tiny_gguf: Callable[[str, str], Path], tmp_path: Path
+    params: SamplingParams, mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """min_p, logprobs, penalties and logits processors: no step runs fused, and the requests still decode."""
-    llm = engine(tiny_gguf("llama", "Q8_0"), tmp_path, "float32")
+    llm = engine(mixed_gguf("llama", BODY_TYPES, "Q8_0"), tmp_path, "float32")
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == 4 for out in outs)
     assert head_of(llm).steps == 0
@@ -187,12 +165,12 @@ def test_rows_it_does_not_take_go_the_logits_way(
 
 
 def test_more_rows_than_max_rows_and_dense_heads_go_the_logits_way(
-    tiny_gguf: Callable[[str, str], Path], tmp_path: Path
+    mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """Five rows a step (above max_rows), a dequantized model (`quantization="none"`) and the torch kernels never
     run fused, and still decode."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    path = tiny_gguf("llama", "Q8_0")
+    path = mixed_gguf("llama", BODY_TYPES, "Q8_0")
     llm = engine(path, tmp_path, "float32", max_num_seqs=8)
     outs = llm.generate([[1, 2, 3 + i] for i in range(5)], params, use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == 4 for out in outs)

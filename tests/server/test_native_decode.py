@@ -4,12 +4,13 @@ does not apply."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
+from mixed_gguf import MixedGGUFs
 from pagoda.pagedkernel.decode import cpu_decode
 from pagoda.pagedkernel.testing import c_kernel_or_skip
 from pagoda.server.llm import LLM
@@ -23,40 +24,14 @@ from pagoda.server.testing import dense_copy
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
-# The formats the native layers multiply, cycled over the matrices so that fused q/k/v and gate/up mix them.
+# The formats the native layers multiply, cycled over the matrices (`mixed_gguf`) so that fused q/k/v and gate/up
+# mix them; the embedding Q8_0, as in the default model.
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PROMPTS: list[Sequence[int]] = [
     [1, 40, 41, 300, 12, 99, 5, 60, 61, 7, 250, 33],
     [1, 9, 9],
     [5, 17, 80, 81, 9],
 ]
-
-
-def cycling(types: Sequence[str]) -> Callable[[str], str]:
-    """A type picker cycling through `types` (the embedding Q8_0, as in the default model)."""
-    seen: list[str] = []
-
-    def pick(name: str) -> str:
-        if name == "token_embd.weight":
-            return "Q8_0"
-        seen.append(name)
-        return types[(len(seen) - 1) % len(types)]
-
-    return pick
-
-
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`mixed_gguf(arch)`: a tiny GGUF of `arch` whose matrices cycle through every format the native layers take."""
-    made: dict[str, Path] = {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            folder = tmp_path_factory.mktemp(f"native-{arch}")
-            made[arch] = write_tiny_gguf(arch, folder / "mixed.gguf", cycling(NATIVE_TYPES))[0]
-        return made[arch]
-
-    return get
 
 
 def engine(path: Path, cache: Path, dtype: str, **kw: Any) -> LLM:
@@ -86,13 +61,13 @@ def model_of(llm: LLM) -> LlamaForCausalLM | Gemma3ForCausalLM:
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_greedy_tokens_equal_the_module_path(
-    arch: str, dtype: str, mixed_gguf: Callable[[str], Path], tmp_path: Path
+    arch: str, dtype: str, mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """The same engine with the native layers on and off gives the same greedy tokens (1-3 rows a step), and the
     native path ran every decode step while on (steps counted) and none while off. Gemma 3's sliding and full
     layers are two KV cache groups with their own block tables and rotary tables."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(getattr(torch, dtype)))
-    llm = engine(mixed_gguf(arch), tmp_path, dtype)
+    llm = engine(mixed_gguf(arch, NATIVE_TYPES), tmp_path, dtype)
     model = model_of(llm)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = {}
@@ -108,13 +83,13 @@ def test_native_greedy_tokens_equal_the_module_path(
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_speculative_steps_run_natively_with_the_same_tokens(
-    arch: str, mixed_gguf: Callable[[str], Path], tmp_path: Path
+    arch: str, mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """With n-gram drafts a step carries a sequence's token and its drafts (several rows of one sequence): those
     steps run natively too, and the greedy tokens equal the module path's (and plain decoding's)."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    llm = engine(mixed_gguf(arch), tmp_path, "float32", speculative_config=spec)
+    llm = engine(mixed_gguf(arch, NATIVE_TYPES), tmp_path, "float32", speculative_config=spec)
     model = model_of(llm)
     native = model.native_decode
     # (rows, the most new tokens of one sequence) of each step that ran natively
@@ -140,7 +115,7 @@ def test_speculative_steps_run_natively_with_the_same_tokens(
     assert outputs[True] == outputs[False]
     assert any(q > 1 for _, q in shapes), shapes  # drafted steps ran natively
     assert llm.engine.counters.spec_decode_num_draft_tokens > 0
-    plain = engine(mixed_gguf(arch), tmp_path / "plain", "float32")
+    plain = engine(mixed_gguf(arch, NATIVE_TYPES), tmp_path / "plain", "float32")
     assert outputs[True] == [
         out.outputs[0].token_ids for out in plain.generate(prompts, params, use_tqdm=False)
     ]
@@ -168,14 +143,14 @@ def test_native_greedy_tokens_equal_transformers(arch: str, tmp_path: Path) -> N
 
 
 def test_dense_weights_and_the_torch_backend_keep_the_module_path(
-    mixed_gguf: Callable[[str], Path], tmp_path: Path
+    mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
     """Dequantized weights (`quantization="none"`) and the torch attention backend are not the native layers'
     numerics: those engines never run them, and still decode."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for kw in ({"quantization": "none"}, {"kernel_backend": "torch"}):
         llm = LLM(
-            str(mixed_gguf("llama")),
+            str(mixed_gguf("llama", NATIVE_TYPES)),
             dtype="float32",
             block_size=4,
             num_kv_blocks=64,

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from mixed_gguf import MixedGGUFs
 from pagoda.pagedkernel import KernelBackend
 from pagoda.pagedkernel.quant import GGMLType, QuantBackendName, cpu_quant, dequantize, torch_quant
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS
@@ -71,32 +72,13 @@ PROMPT = [
 INT8_LOGIT_BOUND = 0.10
 
 
-def round_robin(types: Sequence[str]) -> Callable[[str], str]:
-    """A type picker cycling through `types` over the matrices in writing order (embedding Q8_0, as in the
-    default model)."""
-    seen: list[str] = []
-
-    def pick(name: str) -> str:
-        if name == "token_embd.weight":
-            return "Q8_0"
-        seen.append(name)
-        # Neighbouring matrices differ: fused q/k/v and gate/up mix types (one matmul per run of rows).
-        return types[(len(seen) - 1) % len(types)]
-
-    return pick
-
-
-@pytest.fixture(scope="module")
-def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    """`gguf_files(arch, types)`: a tiny GGUF of `arch` with every matrix of one type, or "mix" (every type)."""
-    made: dict[tuple[str, str], Path] = {}
-    root = tmp_path_factory.mktemp("quant-gguf")
+@pytest.fixture
+def gguf_files(mixed_gguf: MixedGGUFs) -> Callable[[str, str], Path]:
+    """`gguf_files(arch, types)`: a tiny GGUF of `arch` with every matrix of one type, or "mix" (every type, the
+    embedding Q8_0 as in the default model)."""
 
     def get(arch: str, types: str) -> Path:
-        if (arch, types) not in made:
-            pick = round_robin(TYPES) if types == "mix" else (lambda name: types)
-            made[arch, types] = write_tiny_gguf(arch, root / f"{arch}-{types}.gguf", pick)[0]
-        return made[arch, types]
+        return mixed_gguf(arch, TYPES) if types == "mix" else mixed_gguf(arch, (types,), types)
 
     return get
 

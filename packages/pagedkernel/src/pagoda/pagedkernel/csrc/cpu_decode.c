@@ -48,7 +48,7 @@ static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
 
 #include "cpu_quant.c"
 
-#define DECODE_MAX_ROWS 16 /* rows of one call: one pass of the GEMV columns (cpu_quant.c's MAX_ROWS) */
+#define DECODE_MAX_ROWS MAX_ROWS /* rows of one call: one pass of the GEMV columns (cpu_quant.c's) */
 #define MAX_PARTS 3        /* runs of rows of one weight (q, k, v of three GGUF types) */
 #define WEIGHT_FIELDS (1 + 3 * MAX_PARTS)
 /* A layer's fields. Norm weights (0: none): INPUT before attention; ATTN_OUT of the attention output before the

@@ -26,8 +26,9 @@ SOURCE_FILE = "cpu_decode.c"
 # kernel's fallback without OpenMP.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-pthread")
 DTYPES = (torch.float32, torch.bfloat16)
-# Rows one call takes (the GEMV's rows per pass over the weights, cpu_quant.c's MAX_ROWS).
-MAX_ROWS = 16
+# Rows one call takes: the rows qmatmul sends to the GEMV, whose column code the C file calls (its DECODE_MAX_ROWS is
+# cpu_quant.c's MAX_ROWS, the same number: tests/pagedkernel/test_decode_layers.py holds them together).
+MAX_ROWS = cpu_quant.GEMV_MAX_ROWS
 OWNER = "the native decode layers"
 # The GGUF formats cpu_quant.c's GEMV columns multiply.
 SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES

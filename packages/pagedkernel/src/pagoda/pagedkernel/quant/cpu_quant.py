@@ -34,7 +34,8 @@ SOURCE_FILE = "cpu_quant.c"
 # its lanes in the same operations.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 OPENMP_FLAGS = ("-fopenmp",)
-# above this many rows of x, dequantized tiles and torch's matmul beat the int8 dot products
+# above this many rows of x, dequantized tiles and torch's matmul beat the int8 dot products; also the rows one call
+# of the native decode layers or the fused head takes (cpu_quant.c's MAX_ROWS, one pass of the GEMV's columns)
 GEMV_MAX_ROWS = 16
 # from this many bfloat16 rows of x on, the AMX matmul beats the int8 dot products (it pays a dequantization of W
 # per call, which one pass of int8 products undercuts only for a few rows: measured on a Sapphire Rapids)

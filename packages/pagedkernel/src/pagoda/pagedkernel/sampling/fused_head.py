@@ -33,8 +33,9 @@ ENTRY = "pagoda_fused_head"
 OWNER = "the fused LM head"
 # the quantized GEMV's flags: no FMA contraction, so every logit rounds as the GEMV's does
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
-# Rows one call takes (one pass of the GEMV's columns, cpu_quant.c's MAX_ROWS).
-MAX_ROWS = 16
+# Rows one call takes: the rows qmatmul sends to the GEMV, whose column code the C file calls (its HEAD_MAX_ROWS is
+# cpu_quant.c's MAX_ROWS, the same number: tests/pagedkernel/test_fused_head_op.py holds them together).
+MAX_ROWS = cpu_quant.GEMV_MAX_ROWS
 # The formats cpu_quant.c's GEMV columns multiply.
 SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES
 # Activation (and logits) dtypes the C file reads and writes as the GEMV does.

@@ -8,7 +8,7 @@ Dimensions are multiples of 256 so that every type fits every matrix.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,21 @@ def _blocks(weight: Tensor, type_name: str, seed: int) -> tuple[np.ndarray, Any]
 def dequantize_std(raw: Tensor, qtype: GGMLType, shape: tuple[int, int]) -> float:
     """The standard deviation of the values of `raw` blocks."""
     return float(dequantize(QuantizedTensor(raw, qtype, shape)).std())
+
+
+def cycling_types(types: Sequence[str], embedding: str = "Q8_0") -> Callable[[str], str]:
+    """A `write_tiny_gguf` type picker: the embedding (a tied LM head) `embedding`, the other matrices cycling
+    through `types` in writing order."""
+    seen: list[str] = []  # this picker's matrices so far (each picker counts its own file's)
+
+    def pick(name: str) -> str:
+        if name == "token_embd.weight":
+            return embedding
+        seen.append(name)
+        # Neighbouring matrices differ: fused q/k/v and gate/up mix types (one matmul per run of rows).
+        return types[(len(seen) - 1) % len(types)]
+
+    return pick
 
 
 def write_tiny_gguf(
