@@ -20,7 +20,6 @@ import logging
 from collections.abc import Mapping
 
 from pagoda.scheduler import SchedulerOutput
-from pagoda.server.afd_config import FLAG
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.afd_model import (
     ATTENTION_GROUP_PREFIX,
@@ -28,6 +27,7 @@ from pagoda.server.engine.executor.afd_model import (
     AFDRanks,
     UnsupportedModelError,
     attention_side,
+    check_model,
     split_model,
 )
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives
@@ -43,8 +43,7 @@ from pagoda.server.engine.executor.messages import (
 from pagoda.server.engine.model_runner import PromptHidden
 from pagoda.server.engine.setup import EngineConfigError, EngineParts, Placement, build_parts, with_lora
 from pagoda.server.lora.request import AdapterRun
-from pagoda.server.models import TensorParallelError
-from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
+from pagoda.server.models.parallel import ParallelGroup
 from torch import Tensor
 from transformers import AutoConfig
 
@@ -71,13 +70,12 @@ class AFDExecutor(DistributedExecutor):
         forward."""
         ranks = _ranks(config)
         folder = model_folder(config)
-        text = AutoConfig.from_pretrained(folder).get_text_config()
-        # Both sides load tensor-parallel shards among themselves (then keep their halves of every layer).
-        for key, count in (("attention_workers", ranks.attention), ("ffn_workers", ranks.ffn)):
-            try:
-                check_tensor_parallel(text, count)
-            except TensorParallelError as exc:
-                raise EngineConfigError(f"{FLAG} {key} {count}: {exc}") from exc
+        afd = config.parallel_config.attention_ffn_disaggregation
+        assert afd is not None
+        try:  # the CLI checked this before any load (exit 2); LLM(...) gets it here, before any worker starts
+            check_model(AutoConfig.from_pretrained(folder), afd)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
         attention: list[WorkerRole] = ["afd_attention"] * (ranks.attention - 1)
         ffn: list[WorkerRole] = ["ffn"] * ranks.ffn
         roles = attention + ffn
