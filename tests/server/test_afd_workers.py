@@ -17,10 +17,11 @@ from typing import Any, cast
 
 import pytest
 import torch
+from pagoda.server.afd_config import AttentionFFNConfig
 from pagoda.server.cli import main
 from pagoda.server.engine import EngineConfigError
 from pagoda.server.engine.executor import ExecutorError
-from pagoda.server.engine.executor.afd import AFDExecutor
+from pagoda.server.engine.executor.afd import AFDExecutor, check_gpus
 from pagoda.server.engine.executor.afd_model import micro_batches
 from pagoda.server.engine.executor.messages import RankSleepState
 from pagoda.server.llm import LLM
@@ -428,6 +429,26 @@ def test_workers_the_model_cannot_split_over_exit_2(
     assert main(["serve", str(afd_models["llama"]), FLAG, value]) == 2
     err = capsys.readouterr().err
     assert f"pagoda serve: {FLAG} {message}" in err and "cannot start" not in err
+
+
+def test_more_ranks_than_gpus_are_refused() -> None:
+    """Local workers on CUDA take one GPU each (rank r on GPU r): A + F beyond the visible GPUs is a bad flag value,
+    naming both counts and the GPUs; as many as are visible pass."""
+    with pytest.raises(
+        ValueError, match=rf"{FLAG} asks for 2 attention \+ 2 FFN ranks, one GPU each, but 3 GPU"
+    ):
+        check_gpus(AttentionFFNConfig(attention_workers=2, ffn_workers=2), 3)
+    check_gpus(AttentionFFNConfig(attention_workers=2, ffn_workers=2), 4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs would run this AFD engine")
+def test_cuda_without_the_gpus_is_refused_before_any_worker_starts(afd_models: dict[str, Path]) -> None:
+    """On CUDA with fewer visible GPUs than A + F (none here), LLM(...) refuses before any worker starts."""
+    visible = torch.cuda.device_count()
+    with pytest.raises(
+        EngineConfigError, match=f"{FLAG} asks for 1 attention \\+ 1 FFN ranks.*but {visible} GPU"
+    ):
+        make_llm(afd_models["llama"], device="cuda", **AFD_ARGS)
 
 
 def test_unsupported_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -101,19 +101,18 @@ def _check_runner(config: ServeConfig) -> None:
 
 def _check_attention_ffn(config: ServeConfig) -> None:
     """ValueError (exit 2) naming --attention-ffn-disaggregation when the model's config shows that its layers or
-    heads do not split over the asked workers, before any weight loads or worker starts."""
-    afd = config.engine.parallel_config.attention_ffn_disaggregation
-    if afd is None:
+    heads do not split over the asked workers, or local workers would need more GPUs than are visible, before any
+    weight loads or worker starts."""
+    if config.engine.parallel_config.attention_ffn_disaggregation is None:
         return
-    from pagoda.server.engine.executor.afd_model import check_model
+    from pagoda.server.engine.executor.afd import check_launch
     from pagoda.server.engine.executor.distributed import model_folder
-    from transformers import AutoConfig
 
     try:
         folder = model_folder(config.engine)
     except OSError:  # no such model: the load says so, as it does without the flag
         return
-    check_model(AutoConfig.from_pretrained(folder), afd)
+    check_launch(config.engine, folder)
 
 
 def serve(args: argparse.Namespace) -> int:
