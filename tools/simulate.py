@@ -25,7 +25,9 @@ Systems (same trace, same KV memory):
 `--afd` instead prints a cost model (pagoda.server.bench.afd_model) of attention/FFN disaggregation against
 colocated decode: per-token step time, tokens/s per device and speed-up over batch x link bandwidth x context,
 and the break-even batch, for an H100-like device and (`--afd-calibrate`, pagoda.server.bench.afd_calibrate)
-this machine's CPU measured with torch, its gloo loopback as one more link.
+this machine's CPU measured with torch, its gloo loopback as one more link. Its AFD is the built one (attention
+split over the heads among the attention workers, o_proj all-reduced); `--afd-attention sequences` models
+data-parallel attention instead (each attention worker all the attention weights and its share of the sequences).
 """
 
 from __future__ import annotations
@@ -488,7 +490,11 @@ def afd_report(args: argparse.Namespace) -> int:
         )
     )
     shape = afd.AfdShape(
-        args.afd_attn_workers, args.afd_ffn_workers, args.afd_micro_batches, args.afd_max_ffn_workers
+        args.afd_attn_workers,
+        args.afd_ffn_workers,
+        args.afd_micro_batches,
+        args.afd_max_ffn_workers,
+        args.afd_attention,
     )
     a = (
         "chosen per row for the most tokens/s per device"
@@ -496,9 +502,15 @@ def afd_report(args: argparse.Namespace) -> int:
         else shape.attn_workers
     )
     f = f"chosen, at most {shape.max_ffn_workers}" if shape.ffn_workers is None else shape.ffn_workers
+    split = (
+        "attention split over the heads (as built: each worker 1/A of the heads, their weights and KV, o_proj "
+        "all-reduced among them)"
+        if shape.attention == "heads"
+        else "data-parallel attention (not built: each worker all the attention weights, 1/A of the sequences)"
+    )
     print(
-        f"AFD: {shape.micro_batches} micro-batches, A attention workers {a}, F FFN workers {f}; colocated: as few "
-        "data-parallel replicas as hold the KV"
+        f"AFD: {shape.micro_batches} micro-batches, A attention workers {a}, F FFN workers {f}, {split}; "
+        "colocated: as few data-parallel replicas as hold the KV"
     )
     print(
         "slowest stage: attn (attention worker), ffn (FFN worker), link (one transfer), trip (one micro-batch's "
@@ -513,7 +525,7 @@ def afd_report(args: argparse.Namespace) -> int:
             f"\nthis machine as it is: its {os.cpu_count()} cores as 1 attention + 1 FFN worker over gloo loopback, "
             "against colocated decode on one core"
         )
-        pair = afd.AfdShape(1, 1, args.afd_micro_batches)
+        pair = afd.AfdShape(1, 1, args.afd_micro_batches, attention=args.afd_attention)
         afd_table(cfg, devices[-1], links[:1], args.afd_contexts, args.afd_batches, pair)
     return 0
 
@@ -539,6 +551,12 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--afd-ffn-workers", type=int, help="F (default: the best per row)")
     group.add_argument("--afd-max-ffn-workers", type=int, default=8)
     group.add_argument("--afd-micro-batches", type=int, default=2, help="2: ping-pong")
+    group.add_argument(
+        "--afd-attention",
+        choices=("heads", "sequences"),
+        default="heads",
+        help="how attention splits over the A workers: heads (as built) or sequences (data-parallel, not built)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,18 +13,21 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
+from pagoda.server.afd_config import AttentionFFNConfig
 from pagoda.server.cli import main
 from pagoda.server.engine import EngineConfigError
 from pagoda.server.engine.executor import ExecutorError
-from pagoda.server.engine.executor.afd import AFDExecutor
+from pagoda.server.engine.executor.afd import AFDExecutor, check_gpus
 from pagoda.server.engine.executor.afd_model import micro_batches
+from pagoda.server.engine.executor.messages import RankSleepState
 from pagoda.server.llm import LLM
 from pagoda.server.lora import LoRARequest
 from pagoda.server.models.attention import AttentionMetadata
+from pagoda.server.models.quantized import resident_weight_bytes
 from pagoda.server.procs import ProcessHandle
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import ARCHS, make_tiny_model
@@ -184,14 +187,74 @@ def test_two_attention_workers_logprobs_match_plain(afd_models: dict[str, Path],
 
 def test_attention_workers_the_heads_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
     """Three attention workers for four query heads: refused before any worker starts, naming the flag's key."""
-    with pytest.raises(EngineConfigError, match=f"{FLAG} attention_workers 3: .*must divide"):
+    with pytest.raises(
+        EngineConfigError, match=rf"{FLAG} attention_workers 3 must divide num_attention_heads \(4\)"
+    ):
         make_llm(afd_models["llama"], **afd_args(3, 1))
 
 
 def test_ffn_workers_the_mlp_cannot_split_over_are_refused(afd_models: dict[str, Path]) -> None:
     """Three FFN workers for four query heads: refused before any worker starts, naming the flag."""
-    with pytest.raises(EngineConfigError, match=f"{FLAG} ffn_workers 3: .*must divide"):
+    with pytest.raises(
+        EngineConfigError, match=rf"{FLAG} ffn_workers 3 must divide num_attention_heads \(4\)"
+    ):
         make_llm(afd_models["llama"], attention_ffn_disaggregation={"attention_workers": 1, "ffn_workers": 3})
+
+
+def asleep(llm: LLM) -> bool:
+    """engine.is_sleeping, read afresh (a call: mypy keeps no earlier assert's narrowing)."""
+    return llm.engine.is_sleeping
+
+
+def follower_states(llm: LLM) -> list[RankSleepState]:
+    """What every worker said it holds after the engine's last sleep or wake, by rank."""
+    sleeping = llm.engine.sleeping
+    assert sleeping is not None
+    states = list(sleeping.follower_states)
+    assert all(isinstance(state, RankSleepState) for state in states)
+    return cast(list[RankSleepState], states)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("arch", "attention", "ffn"), [("gemma3", 1, 1), ("llama", 2, 2)])
+def test_afd_sleeps_and_wakes_with_the_plain_greedy_tokens(
+    arch: str, attention: int, ffn: int, afd_models: dict[str, Path], llms: LLMFactory
+) -> None:
+    """Sleep mode with AFD: at level 1 and at level 2 the driver and every attention worker free their KV pools
+    and release their weights, and every FFN worker its MLPs (each worker answers: no weight byte, no KV tensor);
+    a wake (whole, or weights and then the KV pool) restores them all, and the greedy tokens before the first
+    sleep and after every wake are the plain engine's."""
+    prompts = random_prompts(PROMPT_LENS)
+    want = greedy_tokens(llms(make_llm, afd_models[arch]), prompts)
+    afd = llms(make_llm, afd_models[arch], enable_sleep_mode=True, **afd_args(attention, ffn))
+    engine = afd.engine
+    assert greedy_tokens(afd, prompts) == want
+    driver_bytes = resident_weight_bytes(engine.runner.model)
+    assert driver_bytes > 0
+    workers = range(1, attention + ffn)
+    holds_kv = [rank < attention for rank in workers]  # attention workers hold KV pools, FFN workers none
+    awake: list[list[RankSleepState]] = []
+    for level in (1, 2):
+        afd.sleep(level)
+        assert asleep(afd)
+        assert resident_weight_bytes(engine.runner.model) == 0 and engine.runner.kv_cache.device_caches == []
+        assert follower_states(afd) == [
+            RankSleepState(rank, weight_bytes=0, kv_tensors=0) for rank in workers
+        ]
+        if level == 1:
+            afd.wake_up()
+        else:  # one part at a time: every worker follows each
+            afd.wake_up(["weights"])
+            assert all(s.weight_bytes > 0 and s.kv_tensors == 0 for s in follower_states(afd))
+            afd.wake_up(["kv_cache"])
+        assert not asleep(afd)
+        assert resident_weight_bytes(engine.runner.model) == driver_bytes
+        states = follower_states(afd)
+        assert all(s.weight_bytes > 0 for s in states)
+        assert [s.kv_tensors > 0 for s in states] == holds_kv
+        awake.append(states)
+        assert greedy_tokens(afd, prompts) == want, level
+    assert awake[0] == awake[1]  # every worker's weights read back whole, both times
 
 
 @pytest.mark.timeout(300)
@@ -345,6 +408,56 @@ def test_tensor_parallel_with_afd_exits_2(capsys: pytest.CaptureFixture[str]) ->
     flags = [FLAG, '{"attention_workers": 1, "ffn_workers": 1}', "--tensor-parallel-size", "2"]
     assert main(["serve", "unused-model", *flags]) == 2
     assert FLAG in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            '{"attention_workers": 3, "ffn_workers": 1}',
+            "attention_workers 3 must divide num_attention_heads (4)",
+        ),
+        ('{"attention_workers": 1, "ffn_workers": 3}', "ffn_workers 3 must divide num_attention_heads (4)"),
+        ('{"attention_workers": 1, "ffn_workers": 5}', "ffn_workers 5 must divide num_attention_heads (4)"),
+    ],
+)
+def test_workers_the_model_cannot_split_over_exit_2(
+    value: str, message: str, afd_models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Counts the tiny model's four query heads cannot split over are a bad flag value, known from its config at
+    launch: exit 2 naming the flag and the reason, before any weight loads or worker starts."""
+    assert main(["serve", str(afd_models["llama"]), FLAG, value]) == 2
+    err = capsys.readouterr().err
+    assert f"pagoda serve: {FLAG} {message}" in err and "cannot start" not in err
+
+
+def test_more_ranks_than_gpus_are_refused() -> None:
+    """Local workers on CUDA take one GPU each (rank r on GPU r): A + F beyond the visible GPUs is a bad flag value,
+    naming both counts and the GPUs; as many as are visible pass."""
+    with pytest.raises(
+        ValueError, match=rf"{FLAG} asks for 2 attention \+ 2 FFN ranks, one GPU each, but 3 GPU"
+    ):
+        check_gpus(AttentionFFNConfig(attention_workers=2, ffn_workers=2), 3)
+    check_gpus(AttentionFFNConfig(attention_workers=2, ffn_workers=2), 4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs would run this AFD engine")
+def test_cuda_without_the_gpus_is_refused_before_any_worker_starts(afd_models: dict[str, Path]) -> None:
+    """On CUDA with fewer visible GPUs than A + F (none here), LLM(...) refuses before any worker starts."""
+    visible = torch.cuda.device_count()
+    with pytest.raises(
+        EngineConfigError, match=f"{FLAG} asks for 1 attention \\+ 1 FFN ranks.*but {visible} GPU"
+    ):
+        make_llm(afd_models["llama"], device="cuda", **AFD_ARGS)
+
+
+def test_unsupported_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model whose layers do not split here (a vision-language model) is a bad flag value at launch: exit 2
+    naming the flag and the model class."""
+    folder = make_tiny_vlm("llava", tmp_path / "vlm", small=True)
+    assert main(["serve", str(folder), FLAG, '{"attention_workers": 1, "ffn_workers": 1}']) == 2
+    err = capsys.readouterr().err
+    assert f"{FLAG} runs the Llama family and Gemma 3 text models, not LlavaForConditionalGeneration" in err
 
 
 def test_unsupported_model_is_refused(tmp_path: Path) -> None:

@@ -99,6 +99,22 @@ def _check_runner(config: ServeConfig) -> None:
     check_model_folder(model.model, model.runner)
 
 
+def _check_attention_ffn(config: ServeConfig) -> None:
+    """ValueError (exit 2) naming --attention-ffn-disaggregation when the model's config shows that its layers or
+    heads do not split over the asked workers, or local workers would need more GPUs than are visible, before any
+    weight loads or worker starts."""
+    if config.engine.parallel_config.attention_ffn_disaggregation is None:
+        return
+    from pagoda.server.engine.executor.afd import check_launch
+    from pagoda.server.engine.executor.distributed import model_folder
+
+    try:
+        folder = model_folder(config.engine)
+    except OSError:  # no such model: the load says so, as it does without the flag
+        return
+    check_launch(config.engine, folder)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the engine, log its KV capacity, serve until SIGTERM; return the exit status."""
     # No cyclic garbage collection until the start is done (`gc.freeze()` in _serve_engine): the imports and the
@@ -127,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
         _check_gguf(config)
         _check_draft_model(config)
         _check_runner(config)
+        _check_attention_ffn(config)
         # fp8 where it cannot run is a bad flag (exit 2), not a failed start
         check_kv_cache_dtype(config.engine)
         check_kv_tier_flags(config.engine.cache_config)

@@ -379,7 +379,8 @@ def argument_table() -> list[Flag]:
                 "ranks (the engine's process and A - 1 workers) hold the KV cache and run attention, split over "
                 "the heads as --tensor-parallel-size A splits them, F FFN processes hold the MLP weights (split "
                 "tensor-parallel when F > 1), activations cross every layer with two micro-batches in ping-pong "
-                "(Llama family and Gemma 3; LoRA adapters on any projection); None: off",
+                "(Llama family and Gemma 3; LoRA adapters on any projection; with --enable-sleep-mode every rank "
+                "sleeps and wakes); None: off",
             },
         ),
         # engine cores

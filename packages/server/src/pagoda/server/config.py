@@ -475,12 +475,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """ValueError naming the field."""
         _typed("speculative_config", self.speculative_config, SpeculativeConfig)
-        if self.parallel_config.attention_ffn_disaggregation is not None:
-            # The FFN rank's MLP weights would have to sleep and wake with the driver's: not built yet.
-            if self.model_config.enable_sleep_mode:
-                raise ValueError(f"{AFD_FLAG} does not run with enable_sleep_mode (yet)")
-            if self.model_config.runner == "pooling":
-                raise ValueError(f"{AFD_FLAG} runs the generate runner only, not --runner pooling")
+        afd = self.parallel_config.attention_ffn_disaggregation
+        if afd is not None and self.model_config.runner == "pooling":
+            raise ValueError(f"{AFD_FLAG} runs the generate runner only, not --runner pooling")
 
     @classmethod
     def from_flat(cls, **names: object) -> EngineConfig:

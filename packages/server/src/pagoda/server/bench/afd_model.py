@@ -3,15 +3,25 @@
 Colocated decode: each device holds every weight and the KV of its sequences and runs whole layers; a batch
 that does not fit one device's memory is split over data-parallel replicas, each reading all the weights.
 
-AFD (MegaScale-Infer, Step-3 AFD): A attention workers hold the attention weights and the KV (the batch's
-sequences split between them); F FFN workers each hold 1/F of every MLP (its intermediate columns, the dense
-analogue of experts spread over workers). Every layer, each micro-batch's hidden states ([tokens, hidden]) go
-attention -> FFN and the partial sums come back FFN -> attention; m micro-batches (2: ping-pong) take turns so
-that each side works on one while the other is in flight. With t_a (one attention worker's share of a
-micro-batch), t_f (one FFN worker on a micro-batch) and t_c (one transfer, each direction on its own link), the
-round-robin schedule over L layers takes exactly
+AFD as built (`--attention-ffn-disaggregation`, engine/executor/afd.py; `AttentionSplit` "heads"): A attention
+workers split every layer's heads as tensor parallelism does: each holds 1/A of the query heads and of the
+q/k/v/o weights, and 1/A of the KV heads and so of every sequence's KV (with fewer KV heads than workers each
+holds the one KV head its query heads read: past A = KV heads the KV no longer shrinks), and runs every sequence
+of the micro-batch on its heads; o_proj's partial sums are all-reduced among the A workers ([tokens, hidden],
+ring, over the same kind of link). Attention worker 0 sends each micro-batch's MLP input ([tokens, hidden]) to
+each of the F FFN workers, and the first FFN worker sends the output back to each of the A attention workers.
+F FFN workers each hold 1/F of every MLP (its intermediate columns, the dense analogue of experts spread over
+workers). Both sides load tensor-parallel shards, so A and F must split the heads (the KV heads and the count
+dividing one another) and the MLP width, as the engine checks at launch. The alternative, data-parallel attention
+("sequences", MegaScale-Infer's shape, not built): each attention worker holds all the attention weights and the
+KV of its share of the sequences, sends its rows to every FFN worker, and needs no all-reduce.
 
-    step = L * max(m * t_max, t_a + t_f + 2 t_c) + min(m * t_max, t_a + t_f + 2 t_c) - t_max,   t_max = max(t_a, t_f, t_c)
+m micro-batches (2: ping-pong) take turns so that each side works on one while the other is in flight. With t_a
+(one attention worker on its part of a micro-batch), t_f (one FFN worker on a micro-batch), t_c and t_r (the
+transfer there and back, each direction on its own link), the round-robin schedule over L layers takes exactly
+
+    step = L * max(m * t_max, t_a + t_f + t_c + t_r) + min(m * t_max, t_a + t_f + t_c + t_r) - t_max,
+    t_max = max(t_a, t_f, t_c, t_r)
 
 that is, the slowest stage once per layer per micro-batch plus the pipeline fill, or, when m micro-batches are
 too few to hide the transfers, one micro-batch's whole round trip per layer (`pingpong_reference` is the
@@ -19,8 +29,10 @@ schedule itself, event by event).
 
 Every op is a roofline: a fixed overhead plus the longer of its bytes over the bandwidth and its FLOPs over the
 compute rate; weights and KV have their own bandwidths (a CPU streams a bf16 GEMV far below its copy bandwidth).
-Decoder layers only (embedding and LM head left out); norms, rotary, the partial-sum reduction and KV writes are
-ignored; layers of one model are averaged (sliding-window layers read at most their window).
+Decoder layers only (embedding and LM head left out, and with them the head split's vocabulary-parallel
+all-reduce and gather); norms, rotary, the FFN workers' partial-sum reduction and KV writes are ignored, and the
+attention workers' all-reduce does not contend with the FFN transfers; layers of one model are averaged
+(sliding-window layers read at most their window).
 """
 
 from __future__ import annotations
@@ -31,6 +43,12 @@ import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
+
+# How the attention workers split attention: "heads" as built (tensor-parallel, every worker every sequence),
+# "sequences" the data-parallel alternative (every worker all the attention weights, its share of the sequences).
+AttentionSplit = Literal["heads", "sequences"]
+ATTENTION_SPLITS: tuple[AttentionSplit, ...] = get_args(AttentionSplit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +108,10 @@ class Disaggregated:
     step_s: float
     attn_workers: int
     ffn_workers: int
-    t_attn_s: float
+    t_attn_s: float  # one attention worker on a micro-batch, the head split's all-reduce included
     t_ffn_s: float
-    t_link_s: float
+    t_link_s: float  # one micro-batch's transfer attention -> FFN
+    t_return_s: float  # and back, FFN -> attention
     micro_batches: int
 
     @property
@@ -103,9 +122,10 @@ class Disaggregated:
     @property
     def bottleneck(self) -> str:
         """Which stage sets the pace: attention, ffn, link, or round trip (too few micro-batches to hide it)."""
-        stages = {"attention": self.t_attn_s, "ffn": self.t_ffn_s, "link": self.t_link_s}
+        link = max(self.t_link_s, self.t_return_s)
+        stages = {"attention": self.t_attn_s, "ffn": self.t_ffn_s, "link": link}
         t_max = max(stages.values())
-        if self.t_attn_s + self.t_ffn_s + 2 * self.t_link_s > self.micro_batches * t_max:
+        if self.t_attn_s + self.t_ffn_s + self.t_link_s + self.t_return_s > self.micro_batches * t_max:
             return "round trip"
         return max(stages, key=lambda k: stages[k])
 
@@ -116,15 +136,17 @@ class Disaggregated:
 
 @dataclass(frozen=True, slots=True)
 class AfdShape:
-    """A and F (None: chosen for the most tokens per second per device), micro-batches, the most F tried."""
+    """A and F (None: chosen for the most tokens per second per device), micro-batches, the most F tried, and how
+    attention splits over the A workers (the built head split by default)."""
 
     attn_workers: int | None = None
     ffn_workers: int | None = None
     micro_batches: int = 2
     max_ffn_workers: int = 8
+    attention: AttentionSplit = "heads"
 
 
-INFEASIBLE = Disaggregated(math.inf, 0, 0, math.inf, math.inf, math.inf, 1)
+INFEASIBLE = Disaggregated(math.inf, 0, 0, math.inf, math.inf, math.inf, math.inf, 1)
 
 LLAMA_8B = ModelConfig("llama-8b", 4096, 14336, 32, 32, 8, 128)
 SMOLLM2_135M = ModelConfig("smollm2-135m", 576, 1536, 30, 9, 3, 64)
@@ -147,6 +169,25 @@ def attn_weight_bytes(cfg: ModelConfig) -> int:
     """One layer's q, k, v and o projections, in bytes."""
     q_and_o = 2 * cfg.hidden * cfg.heads * cfg.head_dim
     k_and_v = 2 * cfg.hidden * cfg.kv_heads * cfg.head_dim
+    return (q_and_o + k_and_v) * cfg.dtype_bytes
+
+
+def splits_over(cfg: ModelConfig, workers: int) -> bool:
+    """Whether tensor-parallel shards over `workers` exist, as the engine checks them (models/parallel.py): the
+    count divides the query heads and the MLP width, and it and the KV heads divide one another."""
+    kv_ok = cfg.kv_heads % workers == 0 or workers % cfg.kv_heads == 0
+    return workers >= 1 and cfg.heads % workers == 0 and cfg.intermediate % workers == 0 and kv_ok
+
+
+def kv_share(cfg: ModelConfig, shards: int) -> float:
+    """The share of the KV heads one of `shards` head-split workers holds (one KV head when they are fewer)."""
+    return max(1, cfg.kv_heads // shards) / cfg.kv_heads
+
+
+def attn_shard_bytes(cfg: ModelConfig, shards: int) -> float:
+    """One layer's q/k/v/o weights that one of `shards` head-split workers holds, in bytes (1: all of them)."""
+    q_and_o = 2 * cfg.hidden * cfg.heads * cfg.head_dim / shards
+    k_and_v = 2 * cfg.hidden * cfg.kv_heads * cfg.head_dim * kv_share(cfg, shards)
     return (q_and_o + k_and_v) * cfg.dtype_bytes
 
 
@@ -182,25 +223,30 @@ def roofline(bytes_: float, bandwidth: float, flops: float, rate: float) -> floa
     return max(bytes_ / bandwidth, flops / rate)
 
 
-def projection_time(cfg: ModelConfig, dev: Device, seqs: int) -> float:
-    """q/k/v/o projections of one layer for `seqs` tokens (no overhead)."""
-    weights = attn_weight_bytes(cfg)
+def projection_time(cfg: ModelConfig, dev: Device, seqs: int, shards: int = 1) -> float:
+    """q/k/v/o projections of one layer for `seqs` tokens by one of `shards` head-split workers (no overhead)."""
+    weights = attn_shard_bytes(cfg, shards)
     return roofline(weights, dev.weight_bw, 2 * seqs * weights / cfg.dtype_bytes, dev.flops)
 
 
-def attention_core_time(cfg: ModelConfig, dev: Device, seqs: int, context: int) -> float:
-    """Scores and weighted sum of one layer over each sequence's KV (no overhead)."""
+def attention_core_time(cfg: ModelConfig, dev: Device, seqs: int, context: int, shards: int = 1) -> float:
+    """Scores and weighted sum of one layer over each sequence's KV, on one of `shards` head-split workers' heads
+    (no overhead)."""
     tokens = seqs * kv_tokens_per_layer(cfg, context)
-    return roofline(
-        tokens * kv_bytes_per_token(cfg), dev.kv_bw, 4 * tokens * cfg.heads * cfg.head_dim, dev.flops
-    )
+    kv = tokens * kv_bytes_per_token(cfg) * kv_share(cfg, shards)
+    return roofline(kv, dev.kv_bw, 4 * tokens * cfg.heads / shards * cfg.head_dim, dev.flops)
 
 
-def attention_time(cfg: ModelConfig, dev: Device, seqs: int, context: int) -> float:
-    """One layer's attention for `seqs` decoding sequences at `context`: overhead + projections + core."""
+def attention_time(cfg: ModelConfig, dev: Device, seqs: int, context: int, shards: int = 1) -> float:
+    """One layer's attention for `seqs` decoding sequences at `context` on one of `shards` head-split workers:
+    overhead + projections + core (the all-reduce among the workers not included)."""
     if seqs <= 0:
         return 0.0
-    return dev.overhead_s + projection_time(cfg, dev, seqs) + attention_core_time(cfg, dev, seqs, context)
+    return (
+        dev.overhead_s
+        + projection_time(cfg, dev, seqs, shards)
+        + attention_core_time(cfg, dev, seqs, context, shards)
+    )
 
 
 def mlp_time(cfg: ModelConfig, dev: Device, tokens: int, shards: int = 1) -> float:
@@ -218,17 +264,41 @@ def link_time(link: Link, nbytes: float) -> float:
     return link.latency_s + nbytes / link.bandwidth
 
 
-def pingpong_step(t_attn: float, t_ffn: float, t_link: float, layers: int, micro_batches: int) -> float:
-    """Closed form of the round-robin AFD schedule: slowest stage per layer and micro-batch, plus the fill."""
-    t_max = max(t_attn, t_ffn, t_link)
-    round_trip = t_attn + t_ffn + 2 * t_link
+def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
+    """A ring all-reduce of `nbytes` among `ranks` over `link`: 2 (ranks - 1) steps of 1/ranks of the bytes each
+    (nothing for one rank)."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) * link_time(link, nbytes / ranks)
+
+
+def pingpong_step(
+    t_attn: float,
+    t_ffn: float,
+    t_link: float,
+    layers: int,
+    micro_batches: int,
+    t_return: float | None = None,
+) -> float:
+    """Closed form of the round-robin AFD schedule: slowest stage per layer and micro-batch, plus the fill.
+    `t_return`: the transfer back (None: as long as `t_link`, the one there)."""
+    back = t_link if t_return is None else t_return
+    t_max = max(t_attn, t_ffn, t_link, back)
+    round_trip = t_attn + t_ffn + t_link + back
     busy = micro_batches * t_max
     return layers * max(busy, round_trip) + min(busy, round_trip) - t_max
 
 
-def pingpong_reference(t_attn: float, t_ffn: float, t_link: float, layers: int, micro_batches: int) -> float:
+def pingpong_reference(
+    t_attn: float,
+    t_ffn: float,
+    t_link: float,
+    layers: int,
+    micro_batches: int,
+    t_return: float | None = None,
+) -> float:
     """The same schedule event by event: attention, send, FFN, return per layer, each resource in turn."""
-    durations = (t_attn, t_link, t_ffn, t_link)
+    durations = (t_attn, t_link, t_ffn, t_link if t_return is None else t_return)
     stages = 4 * layers
     end: dict[tuple[int, int], float] = {}
     for stage in range(stages):
@@ -251,8 +321,26 @@ def colocated(cfg: ModelConfig, dev: Device, batch: int, context: int) -> Coloca
     return Colocated(cfg.layers * layer, replicas, seqs)
 
 
-def min_attn_workers(cfg: ModelConfig, dev: Device, batch: int, context: int) -> int | None:
-    """Fewest attention workers whose memory holds the attention weights and the batch's KV (None: none do)."""
+def head_split_fits(cfg: ModelConfig, dev: Device, batch: int, context: int, attn_workers: int) -> bool:
+    """Whether A head-split attention workers exist for the model and each holds its shard of the attention
+    weights and of the batch's KV."""
+    if not splits_over(cfg, attn_workers):
+        return False
+    held = cfg.layers * attn_shard_bytes(cfg, attn_workers)
+    kv = batch * kv_bytes_per_seq(cfg, context) * kv_share(cfg, attn_workers)
+    return held + kv <= dev.capacity_bytes
+
+
+def min_attn_workers(
+    cfg: ModelConfig, dev: Device, batch: int, context: int, attention: AttentionSplit = "heads"
+) -> int | None:
+    """Fewest attention workers whose memory holds their attention weights and KV (None: none do). Heads: the
+    smallest A that splits the model's heads whose shards fit (A beyond the KV heads holds no less KV);
+    sequences: each worker all the attention weights and whole sequences."""
+    if attention == "heads":
+        return next(
+            (a for a in range(1, cfg.heads + 1) if head_split_fits(cfg, dev, batch, context, a)), None
+        )
     room = dev.capacity_bytes - cfg.layers * attn_weight_bytes(cfg)
     per_seq = kv_bytes_per_seq(cfg, context)
     if room < per_seq:
@@ -265,6 +353,12 @@ def min_ffn_workers(cfg: ModelConfig, dev: Device) -> int:
     return max(1, math.ceil(cfg.layers * mlp_weight_bytes(cfg) / dev.capacity_bytes))
 
 
+def ffn_workers_allowed(cfg: ModelConfig, ffn_workers: int, attention: AttentionSplit) -> bool:
+    """Whether F FFN workers can run: as built (heads) they load tensor-parallel shards, so F must split the
+    model as A must; the data-parallel alternative is not built and takes any F."""
+    return ffn_workers >= 1 and (attention == "sequences" or splits_over(cfg, ffn_workers))
+
+
 def disaggregated_at(
     cfg: ModelConfig,
     dev: Device,
@@ -274,25 +368,50 @@ def disaggregated_at(
     attn_workers: int,
     ffn_workers: int,
     micro_batches: int = 2,
+    attention: AttentionSplit = "heads",
 ) -> Disaggregated:
-    """AFD with exactly A attention and F FFN workers (infinite step when they cannot hold the model)."""
-    least_a = min_attn_workers(cfg, dev, batch, context)
-    if batch < 1 or least_a is None or attn_workers < least_a or ffn_workers < min_ffn_workers(cfg, dev):
+    """AFD with exactly A attention and F FFN workers (infinite step when they cannot hold or split the model)."""
+    if (
+        batch < 1
+        or ffn_workers < min_ffn_workers(cfg, dev)
+        or not ffn_workers_allowed(cfg, ffn_workers, attention)
+    ):
         return INFEASIBLE
     m = min(micro_batches, batch)
     mb = math.ceil(batch / m)
-    seqs = math.ceil(mb / attn_workers)
-    t_a = attention_time(cfg, dev, seqs, context)
+    row = cfg.hidden * cfg.dtype_bytes
     t_f = mlp_time(cfg, dev, mb, ffn_workers)
-    # An attention worker sends its rows to every FFN worker; an FFN worker receives every row once.
-    t_c = link_time(link, max(ffn_workers * seqs, mb) * cfg.hidden * cfg.dtype_bytes)
-    step = pingpong_step(t_a, t_f, t_c, cfg.layers, m)
-    return Disaggregated(step, attn_workers, ffn_workers, t_a, t_f, t_c, m)
+    if attention == "heads":
+        if not head_split_fits(cfg, dev, batch, context, attn_workers):
+            return INFEASIBLE
+        # Every worker runs every sequence on its heads, then all-reduces o_proj's [tokens, hidden] among them.
+        t_a = attention_time(cfg, dev, mb, context, attn_workers) + all_reduce_time(
+            link, attn_workers, mb * row
+        )
+        t_c = link_time(link, ffn_workers * mb * row)  # attention worker 0 sends every FFN worker the rows
+        t_r = link_time(
+            link, attn_workers * mb * row
+        )  # the first FFN worker every attention worker the output
+    else:
+        least_a = min_attn_workers(cfg, dev, batch, context, "sequences")
+        if least_a is None or attn_workers < least_a:
+            return INFEASIBLE
+        seqs = math.ceil(mb / attn_workers)
+        t_a = attention_time(cfg, dev, seqs, context)
+        # An attention worker sends its rows to every FFN worker; an FFN worker receives every row once.
+        t_c = t_r = link_time(link, max(ffn_workers * seqs, mb) * row)
+    step = pingpong_step(t_a, t_f, t_c, cfg.layers, m, t_r)
+    return Disaggregated(step, attn_workers, ffn_workers, t_a, t_f, t_c, t_r, m)
 
 
-def attn_worker_choices(batch: int, least: int, micro_batches: int) -> list[int]:
-    """The A worth trying: from the memory floor `least`, the smallest A for each share of a micro-batch
-    (more workers with the same share only add devices)."""
+def attn_worker_choices(
+    cfg: ModelConfig, batch: int, least: int, micro_batches: int, attention: AttentionSplit = "heads"
+) -> list[int]:
+    """The A worth trying from the memory floor `least`. Heads: every A that splits the model's heads (each
+    more worker reads less but adds to the all-reduce). Sequences: the smallest A for each share of a
+    micro-batch (more workers with the same share only add devices)."""
+    if attention == "heads":
+        return [a for a in range(least, cfg.heads + 1) if splits_over(cfg, a)]
     mb = math.ceil(batch / min(micro_batches, batch))
     return sorted({max(least, math.ceil(mb / seqs)) for seqs in range(1, math.ceil(mb / least) + 1)})
 
@@ -301,7 +420,7 @@ def disaggregated(
     cfg: ModelConfig, dev: Device, link: Link, batch: int, context: int, shape: AfdShape = AfdShape()
 ) -> Disaggregated:
     """AFD at the shape's A and F, or where they are None at those with the most tokens/s per device."""
-    least_a = min_attn_workers(cfg, dev, batch, context)
+    least_a = min_attn_workers(cfg, dev, batch, context, shape.attention)
     if least_a is None or batch < 1:
         return INFEASIBLE
     least_f = min_ffn_workers(cfg, dev)
@@ -315,9 +434,9 @@ def disaggregated(
         if shape.attn_workers is not None:
             attns = [shape.attn_workers]
         else:
-            attns = attn_worker_choices(batch, least_a, m)
+            attns = attn_worker_choices(cfg, batch, least_a, m, shape.attention)
         for a in attns:
-            plan = disaggregated_at(cfg, dev, link, batch, context, a, f, m)
+            plan = disaggregated_at(cfg, dev, link, batch, context, a, f, m, shape.attention)
             if plan.tokens_per_device_s(batch) > best.tokens_per_device_s(batch):
                 best = plan
     return best

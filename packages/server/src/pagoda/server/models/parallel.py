@@ -59,26 +59,31 @@ class TensorParallelError(ValueError):
     """The model cannot be split over that many ranks (the message names the head count that forbids it)."""
 
 
-def check_tensor_parallel(config: PretrainedConfig, size: int) -> None:
-    """Refuse a `size` that the config's attention heads, KV heads or MLP width cannot be split over."""
+def check_tensor_parallel(
+    config: PretrainedConfig,
+    size: int,
+    name: str = "tensor_parallel_size",
+    hint: str = "choose a --tensor-parallel-size that divides it",
+) -> None:
+    """Refuse a `size` that the config's attention heads, KV heads or MLP width cannot be split over; the message
+    names the setting (`name`) and says what to change (`hint`)."""
     if size == 1:
         return
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     inner = int(config.intermediate_size)
-    hint = "choose a --tensor-parallel-size that divides it"
     if heads % size:
         raise TensorParallelError(
-            f"tensor_parallel_size {size} must divide num_attention_heads ({heads}) of this model; {hint}"
+            f"{name} {size} must divide num_attention_heads ({heads}) of this model; {hint}"
         )
     if kv_heads % size and size % kv_heads:
         raise TensorParallelError(
-            f"tensor_parallel_size {size} and num_key_value_heads ({kv_heads}) must divide one another (KV heads "
-            f"are split when there are more than ranks, replicated when fewer); {hint}"
+            f"{name} {size} and num_key_value_heads ({kv_heads}) must divide one another (KV heads are split "
+            f"when there are more than ranks, replicated when fewer); {hint}"
         )
     if inner % size:
         raise TensorParallelError(
-            f"tensor_parallel_size {size} must divide intermediate_size ({inner}) of this model; {hint}"
+            f"{name} {size} must divide intermediate_size ({inner}) of this model; {hint}"
         )
 
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 
+import torch
 from pagoda.scheduler import SchedulerOutput
-from pagoda.server.afd_config import FLAG
+from pagoda.server.afd_config import FLAG, AttentionFFNConfig
 from pagoda.server.config import EngineConfig
 from pagoda.server.engine.executor.afd_model import (
     ATTENTION_GROUP_PREFIX,
@@ -28,6 +30,7 @@ from pagoda.server.engine.executor.afd_model import (
     AFDRanks,
     UnsupportedModelError,
     attention_side,
+    check_model,
     split_model,
 )
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives
@@ -41,10 +44,16 @@ from pagoda.server.engine.executor.messages import (
     WorkerRole,
 )
 from pagoda.server.engine.model_runner import PromptHidden
-from pagoda.server.engine.setup import EngineConfigError, EngineParts, Placement, build_parts, with_lora
+from pagoda.server.engine.setup import (
+    EngineConfigError,
+    EngineParts,
+    Placement,
+    build_parts,
+    select_device,
+    with_lora,
+)
 from pagoda.server.lora.request import AdapterRun
-from pagoda.server.models import TensorParallelError
-from pagoda.server.models.parallel import ParallelGroup, check_tensor_parallel
+from pagoda.server.models.parallel import ParallelGroup
 from torch import Tensor
 from transformers import AutoConfig
 
@@ -59,6 +68,30 @@ def _ranks(config: EngineConfig) -> AFDRanks:
     return AFDRanks.of(afd)
 
 
+def check_gpus(afd: AttentionFFNConfig, visible: int) -> None:
+    """ValueError naming the flag when local workers on CUDA, one GPU each (rank r on GPU r), would need more GPUs
+    than the `visible` ones."""
+    ranks = afd.attention_workers + afd.ffn_workers
+    if ranks > visible:
+        raise ValueError(
+            f"{FLAG} asks for {afd.attention_workers} attention + {afd.ffn_workers} FFN ranks, one GPU each, but "
+            f"{visible} GPU(s) are visible; choose counts that sum to at most {visible}, or place the workers "
+            "with --distributed-executor-backend ray"
+        )
+
+
+def check_launch(config: EngineConfig, folder: Path) -> None:
+    """ValueError naming the flag for what the model's config or this machine refuses of the asked workers,
+    before any weight loads: layers or heads that do not split over them, or too few GPUs for local workers."""
+    afd = config.parallel_config.attention_ffn_disaggregation
+    if afd is None:
+        return
+    check_model(AutoConfig.from_pretrained(folder), afd)
+    local = config.parallel_config.distributed_executor_backend == "mp"
+    if local and select_device(config).type == "cuda":
+        check_gpus(afd, torch.cuda.device_count())
+
+
 class AFDExecutor(DistributedExecutor):
     """Ranks 0..A-1 run attention (and hold the KV cache), ranks A..A+F-1 the MLPs; see the module docstring."""
 
@@ -71,13 +104,10 @@ class AFDExecutor(DistributedExecutor):
         forward."""
         ranks = _ranks(config)
         folder = model_folder(config)
-        text = AutoConfig.from_pretrained(folder).get_text_config()
-        # Both sides load tensor-parallel shards among themselves (then keep their halves of every layer).
-        for key, count in (("attention_workers", ranks.attention), ("ffn_workers", ranks.ffn)):
-            try:
-                check_tensor_parallel(text, count)
-            except TensorParallelError as exc:
-                raise EngineConfigError(f"{FLAG} {key} {count}: {exc}") from exc
+        try:  # the CLI checked this before any load (exit 2); LLM(...) gets it here, before any worker starts
+            check_launch(config, folder)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
         attention: list[WorkerRole] = ["afd_attention"] * (ranks.attention - 1)
         ffn: list[WorkerRole] = ["ffn"] * ranks.ffn
         roles = attention + ffn

@@ -23,7 +23,7 @@ from typing import Protocol, cast
 
 import torch
 from pagoda.scheduler import ScheduledRequest
-from pagoda.server.afd_config import AttentionFFNConfig
+from pagoda.server.afd_config import FLAG, AttentionFFNConfig
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, Work
 from pagoda.server.lora.manager import LoRAManager, LoRARows
 from pagoda.server.lora.request import AdapterRun
@@ -31,7 +31,10 @@ from pagoda.server.models.attention import AttentionMetadata, LayerKVCache
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
+from pagoda.server.models.parallel import TensorParallelError, check_tensor_parallel
+from pagoda.server.models.registry import UnsupportedArchitectureError, model_class
 from torch import Tensor, nn
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +111,40 @@ class UnsupportedModelError(ValueError):
     """The model's layers do not split around their MLPs here (only the Llama family and Gemma 3 text do)."""
 
 
+# Exact types: a vision-language model or a classifier built on these decoders is not split (yet).
+_SPLIT_CLASSES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, Gemma3ForCausalLM)
+
+
+def _unsupported(cls: type[CausalLM]) -> UnsupportedModelError:
+    """The refusal of a model class whose layers do not split here."""
+    return UnsupportedModelError(f"{FLAG} runs the Llama family and Gemma 3 text models, not {cls.__name__}")
+
+
 def split_model(model: CausalLM) -> tuple[SplitModel, list[SplitLayer], nn.Module]:
     """The model as attention/FFN disaggregation runs it: itself, its layers, its final norm; refuses others."""
-    # Exact types: a vision-language model or a classifier built on these decoders is not split (yet).
-    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
-        raise UnsupportedModelError(
-            f"--attention-ffn-disaggregation runs the Llama family and Gemma 3 text models, not "
-            f"{type(model).__name__}"
-        )
+    if type(model) not in _SPLIT_CLASSES:
+        raise _unsupported(type(model))
     inner = model.get_submodule("model")
     layers = cast(list[SplitLayer], list(cast(nn.ModuleList, inner.get_submodule("layers"))))
     return cast(SplitModel, model), layers, inner.get_submodule("norm")
+
+
+def check_model(hf_config: PretrainedConfig, afd: AttentionFFNConfig) -> None:
+    """ValueError naming the flag when a model's config (before any weight loads) shows that its layers do not
+    split around their MLPs here, or that its heads or MLP width do not split over the asked workers."""
+    try:
+        cls = model_class(hf_config)
+    except UnsupportedArchitectureError:
+        return  # not a model of this engine at all: the load refuses it as it does without the flag
+    if cls not in _SPLIT_CLASSES:
+        raise _unsupported(cls)
+    text = hf_config.get_text_config()
+    # Both sides load tensor-parallel shards among themselves (then keep their halves of every layer).
+    for key, count in (("attention_workers", afd.attention_workers), ("ffn_workers", afd.ffn_workers)):
+        try:
+            check_tensor_parallel(text, count, name=f"{FLAG} {key}", hint=f"choose {key} that divides it")
+        except TensorParallelError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class RemoteMLP(nn.Module):

@@ -113,4 +113,4 @@ class FFNCounts(msgspec.Struct, frozen=True):
     wait_seconds: float  # wall time waiting for the attention rank's activations and its receives
 
 
-FFNCommand = FFNForward | FFNReport | Shutdown
+FFNCommand = FFNForward | FFNReport | Sleep | WakeUp | Shutdown  # Sleep / WakeUp: only with sleep mode on

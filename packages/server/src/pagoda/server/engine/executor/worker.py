@@ -17,7 +17,7 @@ from typing import TypeVar
 import msgspec
 import torch
 import zmq
-from pagoda.server.engine.executor.afd_ffn import FFNCounters, run_ffn_forward
+from pagoda.server.engine.executor.afd_ffn import FFNCounters, FFNSleep, run_ffn_forward
 from pagoda.server.engine.executor.afd_model import (
     ATTENTION_GROUP_PREFIX,
     FFN_GROUP_PREFIX,
@@ -25,6 +25,8 @@ from pagoda.server.engine.executor.afd_model import (
     AFDRanks,
     attention_side,
     ffn_side,
+    keep_mlps,
+    split_model,
 )
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, make_file_store, make_store
 from pagoda.server.engine.executor.messages import (
@@ -34,6 +36,7 @@ from pagoda.server.engine.executor.messages import (
     FFNCommand,
     FFNCounts,
     FFNForward,
+    FFNReport,
     RankSleepState,
     Sleep,
     Start,
@@ -54,7 +57,7 @@ from pagoda.server.engine.setup import (
 from pagoda.server.engine.sleep import EngineSleep, ModelWeights, SleepingRunner, check_level, check_tags
 from pagoda.server.lora.build import build_manager
 from pagoda.server.lora.manager import LoRAManager
-from pagoda.server.models.parallel import SingleRank
+from pagoda.server.models.parallel import ParallelGroup, SingleRank
 from pagoda.server.models.quantized import resident_weight_bytes
 from pagoda.server.procs import ChildSpec, Program, Shutdown
 from pagoda.server.procs.child import run_process
@@ -149,6 +152,9 @@ def _run_ffn(
     mlps = ffn_side(model, lora)
     hidden_size = int(model.get_parameter("model.norm.weight").shape[0])
     del model
+    sleeping = (
+        _ffn_sleep(spec, mlps, placement, shard_group) if spec.config.model_config.enable_sleep_mode else None
+    )
     socket.send(msgspec.msgpack.encode(WorkerReady(info=spec.rank, pid=os.getpid(), token=spec.keys.token)))
     if _receive(socket, msgspec.msgpack.Decoder(Start), parent_pid) is None:
         return
@@ -183,7 +189,14 @@ def _run_ffn(
             finally:
                 if lora is not None:
                     lora.clear()
-        else:  # FFNReport
+        elif isinstance(command, Sleep | WakeUp) and sleeping is not None:  # sent only with sleep mode on
+            if isinstance(command, Sleep):
+                sleeping.sleep(check_level(command.level))
+            else:
+                sleeping.wake_up(check_tags(command.tags))
+            state = RankSleepState(spec.rank, resident_weight_bytes(mlps), kv_tensors=0)  # no KV pool here
+            socket.send(msgspec.msgpack.encode(state))
+        elif isinstance(command, FFNReport):
             counts = FFNCounts(
                 spec.rank,
                 counters.forwards,
@@ -201,6 +214,20 @@ def _adapter_rows(lora: LoRAManager, command: FFNForward) -> Callable[[int], Non
     lora.prepare([run for part in command.adapters for run in part])
     rows = [lora.rows_of(part) for part in command.adapters]
     return lambda tag: lora.use(rows[tag])
+
+
+def _ffn_sleep(
+    spec: WorkerSpec, mlps: torch.nn.ModuleList, placement: Placement, group: ParallelGroup
+) -> FFNSleep:
+    """Sleep mode's state of an FFN rank: its MLPs, read back at wake as its shard's MLPs (the rest of the fresh
+    shard is dropped with it)."""
+    folder = Path(spec.model_folder)
+
+    def reload_mlps() -> torch.nn.Module:
+        _, layers, _ = split_model(reload_model(spec.config, folder, placement, group=group))
+        return keep_mlps(layers)
+
+    return FFNSleep(ModelWeights(mlps, reload_mlps, pack_rows(spec.config)), placement.device)
 
 
 def _shard_sleep(
