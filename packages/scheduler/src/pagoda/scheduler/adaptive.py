@@ -13,7 +13,9 @@ The choice, per step (times from the cost model):
    beside the decodes in it are `room`.
 2. **TTFT**: for the prompts in queue order (running prefills, then waiting), the k-th must finish its
    remaining tokens (with those before it) by its deadline: prefill rate `need_k` per step. Prompts whose
-   deadline no rate can meet any more are lost: they stop driving the budget and queue behind the others.
+   deadline no rate can meet any more are lost: they stop driving the budget, their tokens no longer count
+   ahead of the prompts behind them, and they queue behind the others; a lost prompt already running (scheduled
+   before any waiting one) has its chunks capped at half the planned prefill while others can still make it.
 3. `need <= room`: the step computes `room` prefill tokens (throughput within every stream's TPOT). Otherwise
    both cannot hold: it keeps whichever side fewer sequences would miss (ties keep TPOT), takes `need` or
    `room` accordingly and counts the sacrifice (`sacrificed["ttft" | "tpot"]`, steps).
@@ -210,14 +212,19 @@ class AdaptivePolicy:
         wants: list[int] = []
         total = 0
         pending = [*prefills, *waiting]
+        lost_running = 0  # prompt tokens of running prefills whose TTFT is lost (they come first in a step)
         for request in pending:
-            total += request.num_tokens - request.num_computed_tokens
+            remaining = request.num_tokens - request.num_computed_tokens
             ttft = self.slo.targets(request)[0]
             if ttft is None or request.num_output_tokens:
+                total += remaining
                 continue
-            slack = request.arrival_time + ttft - now - fixed - total * c
-            if slack > 0:  # else lost: no rate meets it any more
+            slack = request.arrival_time + ttft - now - fixed - (total + remaining) * c
+            if slack > 0:
+                total += remaining
                 wants.append(math.ceil(total * fixed / slack))
+            elif request in prefills:  # lost: no rate meets it any more; it no longer delays those behind it
+                lost_running = max(lost_running, remaining)
         need = max(wants, default=0)
         # 3. Both, or the side fewer sequences miss (a step without decodes has no TPOT to keep).
         prefill = room
@@ -238,6 +245,11 @@ class AdaptivePolicy:
             prefill = max(prefill, floor)
         budget = max(1, min(ceiling, num_rows + prefill))
         chunk = max(1, min(budget, max(prefill, floor)))
+        if lost_running and wants:
+            # A running prefill whose TTFT is lost is scheduled before the waiting prompts that can still meet
+            # theirs: cap every chunk at what the step plans for those (at least the floor), so the lost one takes
+            # a share of the budget and the rest goes to them.
+            chunk = max(1, min(chunk, max(floor, need // 2)))
         # 4. Seats: new sequences join while a decode-only step of the batch and a minimal prefill stay within
         # the tightest live target; past it, only when the prompts that can still meet their TTFT outnumber the
         # streams that can still meet their TPOT (the same count as in 3), or one has waited past the aging bound.
