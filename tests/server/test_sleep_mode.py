@@ -106,6 +106,7 @@ def test_engine_sleep_covers_every_pool_and_the_draft_model(
     before = _greedy(llm)
     llm.sleep(2)
     for runner in sleeping.runners:
+        assert runner.kv_cache is not None  # an engine's runners each have their pool
         assert runner.kv_cache.device_caches == [] and runner.kv_cache.host_caches == []
         assert resident_weight_bytes(runner.weights.model) == 0
     llm.wake_up()

@@ -199,7 +199,9 @@ def _adopt(tensor: Tensor, source: Tensor) -> None:
 class SleepingRunner:
     """One model runner's parts that sleep: its KV pool and its weights (the target model's, a draft model's)."""
 
-    kv_cache: KVCache
+    kv_cache: (
+        KVCache | None
+    )  # None: a process that holds no KV pool (an FFN rank of attention/FFN disaggregation)
     weights: ModelWeights
 
 
@@ -264,7 +266,8 @@ class EngineSleep:
             self.followers.send_sleep(level)
         freed = 0
         for runner in self.runners:
-            freed += runner.kv_cache.release()
+            if runner.kv_cache is not None:
+                freed += runner.kv_cache.release()
             freed += runner.weights.release(offload=offload)
         return_freed_memory(self.device)
         if self.followers is not None:
@@ -288,7 +291,7 @@ class EngineSleep:
             for runner in self.runners:
                 if tag == "weights":
                     runner.weights.restore()
-                else:
+                elif runner.kv_cache is not None:
                     runner.kv_cache.reallocate()
                     if isinstance(runner.weights.model, DecoderLM):
                         runner.weights.model.memory_moved()  # a new KV pool

@@ -40,12 +40,10 @@ class FusedHead:
         self.steps = 0
         self.fallback_rows = 0
         self._refused: str | None = None  # why the model's head cannot be drawn fused, once known
-        self._weight: QuantizedTensor | None = (
-            None  # the head's blocks, once `_refusal` said yes (until forget)
-        )
-        self._applied: SamplingTensors | None = (
-            None  # the params `applies` last said yes to (draw asks again)
-        )
+        # The head's blocks, once `_refusal` said yes (until forget).
+        self._weight: QuantizedTensor | None = None
+        # The params `applies` last said yes to (the runner asks before the forward pass, `draw` again after).
+        self._applied: SamplingTensors | None = None
 
     def applies(self, model: DecoderLM, params: SamplingTensors) -> bool:
         """Whether a step of these rows would be drawn fused (decided before its forward pass)."""

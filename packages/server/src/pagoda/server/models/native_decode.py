@@ -104,9 +104,8 @@ class NativeDecode:
         # The first K cache's address when the stack was built: a cheap guard that the pool did not move unseen
         # (what moves it, sleep mode, calls `forget`).
         self._kv_key: tuple[int, int] = (0, 0)
-        self._declined: tuple[int, int] | None = (
-            None  # `_kv_key` of a refusal that may pass later (until forget)
-        )
+        # `_kv_key` of a refusal that may pass later (LoRA hooks, the cache's dtype), kept until `forget`.
+        self._declined: tuple[int, int] | None = None
 
     def run(
         self,

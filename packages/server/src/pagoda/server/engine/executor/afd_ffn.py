@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from pagoda.server.engine.executor.afd_model import AFDRanks
 from pagoda.server.engine.executor.comm import ProcessGroupCollectives, Work
-from pagoda.server.engine.sleep import ModelWeights, SleepLevel, WakeTag, return_freed_memory
 from torch import Tensor, nn
 
 
@@ -64,25 +63,3 @@ def run_ffn_forward(
             link.wait(work)
     counters.forwards += 1
     counters.micro_batches += len(num_tokens)
-
-
-class FFNSleep:
-    """Sleep mode on an FFN rank: its MLP weights released (at level 1 on CUDA offloaded to host memory, else read
-    back from the checkpoint at wake) and restored; it holds no KV pool, so a wake of "kv_cache" alone does
-    nothing here."""
-
-    def __init__(self, weights: ModelWeights, device: torch.device) -> None:
-        self.weights = weights
-        self.device = device
-
-    def sleep(self, level: SleepLevel) -> None:
-        """Release the MLP weights; a second sleep is a no-op, as the engine's."""
-        if self.weights.released:
-            return
-        self.weights.release(offload=level == 1 and self.device.type == "cuda")
-        return_freed_memory(self.device)
-
-    def wake_up(self, tags: Sequence[WakeTag]) -> None:
-        """Restore the MLP weights when `tags` name them (restoring awake weights does nothing)."""
-        if "weights" in tags:
-            self.weights.restore()

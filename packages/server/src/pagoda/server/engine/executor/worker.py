@@ -17,7 +17,7 @@ from typing import TypeVar
 import msgspec
 import torch
 import zmq
-from pagoda.server.engine.executor.afd_ffn import FFNCounters, FFNSleep, run_ffn_forward
+from pagoda.server.engine.executor.afd_ffn import FFNCounters, run_ffn_forward
 from pagoda.server.engine.executor.afd_model import (
     ATTENTION_GROUP_PREFIX,
     FFN_GROUP_PREFIX,
@@ -218,16 +218,17 @@ def _adapter_rows(lora: LoRAManager, command: FFNForward) -> Callable[[int], Non
 
 def _ffn_sleep(
     spec: WorkerSpec, mlps: torch.nn.ModuleList, placement: Placement, group: ParallelGroup
-) -> FFNSleep:
-    """Sleep mode's state of an FFN rank: its MLPs, read back at wake as its shard's MLPs (the rest of the fresh
-    shard is dropped with it)."""
+) -> EngineSleep:
+    """Sleep mode's state of an FFN rank: its MLPs (no KV pool), read back at wake as its shard's MLPs (the rest of
+    the fresh shard is dropped with it); released at level 1 on CUDA to host memory, as the engine's weights."""
     folder = Path(spec.model_folder)
 
     def reload_mlps() -> torch.nn.Module:
         _, layers, _ = split_model(reload_model(spec.config, folder, placement, group=group))
         return keep_mlps(layers)
 
-    return FFNSleep(ModelWeights(mlps, reload_mlps, pack_rows(spec.config)), placement.device)
+    weights = ModelWeights(mlps, reload_mlps, pack_rows(spec.config))
+    return EngineSleep([SleepingRunner(None, weights)], placement.device)
 
 
 def _shard_sleep(
