@@ -212,8 +212,8 @@ class AdaptivePolicy:
         wants: list[int] = []
         total = 0
         pending = [*prefills, *waiting]
-        lost_running = 0  # prompt tokens of running prefills whose TTFT is lost (they come first in a step)
-        for request in pending:
+        lost_running = False  # whether a running prefill's TTFT is lost (running ones come first in a step)
+        for index, request in enumerate(pending):
             remaining = request.num_tokens - request.num_computed_tokens
             ttft = self.slo.targets(request)[0]
             if ttft is None or request.num_output_tokens:
@@ -223,8 +223,8 @@ class AdaptivePolicy:
             if slack > 0:
                 total += remaining
                 wants.append(math.ceil(total * fixed / slack))
-            elif request in prefills:  # lost: no rate meets it any more; it no longer delays those behind it
-                lost_running = max(lost_running, remaining)
+            elif index < len(prefills):  # lost (no rate meets it): it no longer delays those behind it
+                lost_running = True
         need = max(wants, default=0)
         # 3. Both, or the side fewer sequences miss (a step without decodes has no TPOT to keep).
         prefill = room
