@@ -166,10 +166,8 @@ def cpu_name() -> str:
 
 
 def attn_weight_bytes(cfg: ModelConfig) -> int:
-    """One layer's q, k, v and o projections, in bytes."""
-    q_and_o = 2 * cfg.hidden * cfg.heads * cfg.head_dim
-    k_and_v = 2 * cfg.hidden * cfg.kv_heads * cfg.head_dim
-    return (q_and_o + k_and_v) * cfg.dtype_bytes
+    """One layer's q, k, v and o projections, in bytes (one worker's share when it holds them all)."""
+    return round(attn_shard_bytes(cfg, 1))
 
 
 def splits_over(cfg: ModelConfig, workers: int) -> bool:
