@@ -193,7 +193,15 @@ def test_native_build_takes_the_best_path() -> None:
         assert path is KernelPath.GENERIC
 
 
-@pytest.mark.parametrize(("march", "path"), [("x86-64-v3", KernelPath.AVX2), ("x86-64", KernelPath.GENERIC)])
+@pytest.mark.parametrize(
+    ("march", "path"),
+    [
+        ("x86-64-v3", KernelPath.AVX2),
+        ("x86-64", KernelPath.GENERIC),
+        # AVX-512 VNNI without VBMI (Cascade Lake): the quad order's 256-bit form with vpdpbusd
+        ("cascadelake", KernelPath.AVX512_VNNI),
+    ],
+)
 def test_every_path_gives_the_same_bits(
     march: str, path: KernelPath, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,6 +210,8 @@ def test_every_path_gives_the_same_bits(
         pytest.skip("x86-64 target flags")
     if path is KernelPath.AVX2 and "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
+    if path is KernelPath.AVX512_VNNI and not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI")
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_quant.CFLAGS)
     other = cpu_quant.load(cpu_quant.build(flags))
@@ -223,6 +233,42 @@ def test_every_path_gives_the_same_bits(
         cpu_quant.gemv(x[:1], weight, one_theirs, native)
         assert torch.equal(one_mine, one_theirs) and torch.equal(one_mine, theirs[:1]), qtype.name
         assert torch.equal(cpu_quant.dequantize(weight, other), cpu_quant.dequantize(weight, native))
+
+
+@pytest.mark.parametrize("k", [544, 576, 608])
+def test_quad_order_short_last_group_on_every_path(
+    k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_1 goes four blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks per row the last group is short (1, 2,
+    3 blocks). Every build (native, AVX2, generic C) and every row count (one row: two columns at a time; several:
+    passes of 8) give the same bits, each within the int8 bound of the exact product."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 target flags")
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
+    builds = [cpu_quant.kernels()] + [
+        cpu_quant.load(
+            cpu_quant.build(tuple(f"-march={m}" if f == "-march=native" else f for f in cpu_quant.CFLAGS))
+        )
+        for m in marches
+    ]
+    g = torch.Generator().manual_seed(k)
+    weight = random_weight(GGMLType.Q4_1, (N, k), g)
+    x = torch.randn(11, k, generator=g) * torch.rand(11, k, generator=g) * 3
+    w = dequantize(weight, backend="torch")
+    exact = x.double() @ w.double().t()
+    first: torch.Tensor | None = None
+    for lib in builds:
+        many = nan_out(11, N)
+        cpu_quant.gemv(x, weight, many, lib)
+        assert ((many.double() - exact).abs() <= int8_error_bound(x, w)).all()
+        for r in (0, 5, 10):
+            one = nan_out(1, N)
+            cpu_quant.gemv(x[r : r + 1], weight, one, lib)
+            assert torch.equal(one, many[r : r + 1])
+        if first is None:
+            first = many
+        assert torch.equal(many, first)
 
 
 def test_the_build_without_openmp_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

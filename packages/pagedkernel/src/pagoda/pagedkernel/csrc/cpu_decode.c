@@ -86,6 +86,7 @@ typedef struct {
   int8_t *q;
   float *d;
   int32_t *s;
+  xquad *g; /* every row's quad form (cpu_quad.h), rows quad_groups(k) apart */
 #if PATH == 2
   xblock *xb; /* the one-row VNNI path's form of row 0 */
 #endif
@@ -93,8 +94,10 @@ typedef struct {
 
 static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_t k, qx_t *qx) {
   const int x_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
-  for (int64_t r = 0; r < rows; r++)
+  for (int64_t r = 0; r < rows; r++) {
     quantize_row(x + r * x_stride, x_bf16, k, qx->q + r * k, qx->d + r * (k / QK), qx->s + r * (k / QK));
+    prepare_quad(qx->q + r * k, qx->d + r * (k / QK), qx->s + r * (k / QK), k, qx->g + r * quad_groups(k));
+  }
 #if PATH == 2
   if (rows == 1) prepare_x(qx->q, k / QK, qx->xb);
 #endif
@@ -117,7 +120,7 @@ static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1,
     return;
   }
 #endif
-  columns_for(type)(w, j0, j1, k, qx->q, qx->d, qx->s, rows, y, y_stride, y_bf16);
+  columns_for(type)(w, j0, j1, k, qx->q, qx->d, qx->s, qx->g, rows, y, y_stride, y_bf16);
 }
 
 /* Columns j0..j1 of x W^T for a weight of several runs: each run's share, at its own column offset. */
@@ -284,11 +287,12 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     qx.q = malloc((size_t)(rows * widest));
     qx.d = malloc(sizeof(float) * (size_t)(rows * widest / QK));
     qx.s = malloc(sizeof(int32_t) * (size_t)(rows * widest / QK));
+    qx.g = aligned_alloc(64, sizeof(xquad) * (size_t)(rows * quad_groups(widest)));
 #if PATH == 2
     qx.xb = aligned_alloc(32, sizeof(xblock) * (size_t)(widest / QK));
-    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.xb;
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g && qx.xb;
 #else
-    const int ok = res && h && qrow && qx.q && qx.d && qx.s;
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g;
 #endif
     if (!ok) __atomic_store_n(&status, 2, __ATOMIC_RELAXED);
     team_barrier(); /* every thread knows whether all allocations succeeded */
@@ -384,7 +388,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
       }
       if (thread == 0) memcpy(x, res, sizeof(scalar_t) * (size_t)(rows * hidden));
     }
-    free(res), free(h), free(qrow), free(qx.q), free(qx.d), free(qx.s);
+    free(res), free(h), free(qrow), free(qx.q), free(qx.d), free(qx.s), free(qx.g);
 #if PATH == 2
     free(qx.xb);
 #endif

@@ -120,7 +120,7 @@ static void head_reduce(const float *y, int64_t len, int64_t j0, float inv_t, ui
  * code pagoda_quant_matmul runs for those columns (its one-row register path where it takes it). */
 static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight, int64_t row_bytes, int64_t j0,
                          int64_t j1, int64_t k, const int8_t *xq, const float *xd, const int32_t *xs,
-                         const void *xb_any, int64_t rows, void *buf, int y_bf16) {
+                         const void *xb_any, const xquad *xg, int64_t rows, void *buf, int y_bf16) {
   const uint8_t *w = weight + j0 * row_bytes;
 #if PATH >= 1
   if (rows == 1 && ONE_ROW_TYPE(type)) {
@@ -139,7 +139,7 @@ static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight
   }
 #endif
   (void)xb_any;
-  columns(w, 0, j1 - j0, k, xq, xd, xs, rows, buf, HEAD_CHUNK, y_bf16);
+  columns(w, 0, j1 - j0, k, xq, xd, xs, xg, rows, buf, HEAD_CHUNK, y_bf16);
 }
 
 /* tokens[r] and status[r] of each row r < rows: W [n, k] of `type`, x [rows, k] (rows x_stride elements apart,
@@ -177,8 +177,10 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
 #if PATH == 2
   xb = aligned_alloc(32, sizeof(xblock) * (size_t)xblocks);
 #endif
-  if (!xq || !xd || !xs || !nu || (max_cap && (!pool || !all)) || (PATH == 2 && !xb)) {
-    free(xq), free(xd), free(xs), free(nu), free(pool), free(all), free(xb);
+  const int64_t groups = QUAD_TYPE(type) ? quad_groups(k) : 0; /* x's quad form only for a quad-order weight */
+  xquad *xg = groups ? aligned_alloc(64, sizeof(xquad) * (size_t)(rows * groups)) : NULL;
+  if (!xq || !xd || !xs || !nu || (max_cap && (!pool || !all)) || (PATH == 2 && !xb) || (groups && !xg)) {
+    free(xq), free(xd), free(xs), free(nu), free(pool), free(all), free(xb), free(xg);
     return 2;
   }
   for (int64_t t = 0; t < num_threads; t++)
@@ -186,9 +188,11 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
       nu[t * rows + r] = (nucleus_t){pool + (t * rows + r) * 2 * max_cap, 0, cap[r], -INFINITY, 0, -INFINITY,
                                      0.0, 0, top_p[r] < 1.0f};
   const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
-  for (int64_t r = 0; r < rows; r++)
+  for (int64_t r = 0; r < rows; r++) {
     quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
                  xs + r * xblocks);
+    if (groups) prepare_quad(xq + r * k, xd + r * xblocks, xs + r * xblocks, k, xg + r * groups);
+  }
 #if PATH == 2
   prepare_x(xq, xblocks, (xblock *)xb);
 #endif
@@ -209,7 +213,7 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
 #pragma omp for schedule(guided) nowait
     for (int64_t c = 0; c < chunks; c++) {
       const int64_t j0 = c * HEAD_CHUNK, j1 = j0 + HEAD_CHUNK < n ? j0 + HEAD_CHUNK : n, len = j1 - j0;
-      head_columns(type, columns, weight, row_bytes, j0, j1, k, xq, xd, xs, xb, rows, y_bf16 ? (void *)y16 : y,
+      head_columns(type, columns, weight, row_bytes, j0, j1, k, xq, xd, xs, xb, xg, rows, y_bf16 ? (void *)y16 : y,
                    (int)y_bf16);
       for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * HEAD_CHUNK;
@@ -242,6 +246,6 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
     status[r] = st;
     tokens[r] = st == HEAD_OK ? token : 0;
   }
-  free(xq), free(xd), free(xs), free(nu), free(pool), free(all), free(xb);
+  free(xq), free(xd), free(xs), free(nu), free(pool), free(all), free(xb), free(xg);
   return 0;
 }

@@ -14,7 +14,8 @@
  *   - PATH 1, AVX2: vpmaddubsw then vpmaddwd on the same operands (|w| <= 128, |x| <= 127: no saturation);
  *   - PATH 0, generic C: the same eight lane sums in scalar code.
  * The lanes are exact, and the float steps after them are the same operations in the same order on every path,
- * so the three paths give bitwise the same y (tested). The path is chosen by the target's features at build
+ * so the three paths give bitwise the same y (tested). Q4_1 takes another order, four blocks at a time and the
+ * same on every path too (cpu_quad.h: at one row its GEMV was bound by instructions per block, not by memory). The path is chosen by the target's features at build
  * (-march=native picks the best this CPU has); pagoda_quant_path() says which one was compiled.
  *
  * Many rows of bfloat16 x go to pagoda_quant_matmul_amx where the target has AMX (at the end of this file).
@@ -646,12 +647,8 @@ static void quantize_row(const void *xrow, int x_bf16, int64_t k, int8_t *q, flo
   }
 }
 
-/* y[index] = the sum of acc's eight lanes (in lane order) plus off, as float32 or rounded to bfloat16. */
-INLINE void store_output(facc acc, float off, void *y, int64_t index, int y_bf16) {
-  float lanes[8], sum = 0.0f;
-  acc_store(acc, lanes);
-  for (int l = 0; l < 8; l++) sum = sum + lanes[l];
-  const float value = sum + off;
+/* y[index] = value, as float32 or rounded to bfloat16. */
+INLINE void store_value(float value, void *y, int64_t index, int y_bf16) {
   if (y_bf16) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
@@ -659,6 +656,14 @@ INLINE void store_output(facc acc, float off, void *y, int64_t index, int y_bf16
   } else {
     ((float *)y)[index] = value;
   }
+}
+
+/* y[index] = the sum of acc's eight lanes (in lane order) plus off, as float32 or rounded to bfloat16. */
+INLINE void store_output(facc acc, float off, void *y, int64_t index, int y_bf16) {
+  float lanes[8], sum = 0.0f;
+  acc_store(acc, lanes);
+  for (int l = 0; l < 8; l++) sum = sum + lanes[l];
+  store_value(sum + off, y, index, y_bf16);
 }
 
 #ifndef PREFETCH_AHEAD
@@ -724,13 +729,12 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
 }
 
 #if PATH >= 1
-/* The 32 weights of one Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 block in a register, its scale and (the last two) its
- * minimum: the bytes and floats `unpack` writes. */
+/* The 32 weights of one Q4_0 / Q5_0 / Q8_0 / Q5_1 block in a register, its scale and (Q5_1) its minimum: the bytes
+ * and floats `unpack` writes. (Q4_1 goes four blocks at a time: cpu_quad.h.) */
 INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d, float *m) {
   *d = f16(b);
   if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
   if (type == Q4_0) return _mm256_sub_epi8(nibbles_v(b + 2), _mm256_set1_epi8(8));
-  if (type == Q4_1) return *m = f16(b + 2), nibbles_v(b + 4);
   if (type == Q5_1) return *m = f16(b + 2), fives_v(b + 4, b + 8);
   return _mm256_sub_epi8(fives_v(b + 2, b + 6), _mm256_set1_epi8(16));
 }
@@ -741,22 +745,19 @@ INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d, float *m)
   if (has_offset) o = o + m * xd[b] * (float)xs[b]
 
 /* The formats of the one-row register paths, and a call of ONE_ROW (defined by the caller) per format. */
-#define ONE_ROW_TYPE(t) ((t) == Q8_0 || (t) == Q5_0 || (t) == Q4_0 || (t) == Q4_1 || (t) == Q5_1)
+#define ONE_ROW_TYPE(t) ((t) == Q8_0 || (t) == Q5_0 || (t) == Q4_0 || (t) == Q5_1)
 #define ONE_ROW_DISPATCH(t)              \
   do {                                   \
     if ((t) == Q8_0) ONE_ROW(Q8_0);      \
     else if ((t) == Q5_0) ONE_ROW(Q5_0); \
-    else if ((t) == Q4_1) ONE_ROW(Q4_1); \
     else if ((t) == Q5_1) ONE_ROW(Q5_1); \
     else ONE_ROW(Q4_0);                  \
   } while (0)
 
-/* matmul_columns for one row of x and a 32-element format (Q4_0, Q5_0, Q8_0, and Q4_1, Q5_1 with their minima's
- * sums in the same order), every block kept in registers (no unpack buffer, no prepared array): the same integer
- * lanes and the same float steps in the same order, so the same y, bit for bit. A decode step's matmuls are all
- * one row, and the tied LM head (Q8_0 in the default model's file) is most of the bytes a step reads. The default
- * model's layers are Q4_1: measured on a 2-core AMD EPYC (Zen 4) at one row, its 30 layers' GEMVs took ~9 ms
- * through matmul_columns' unpacking (about 7 GB/s of weights), see the server README for the step. */
+/* matmul_columns for one row of x and a 32-element format (Q4_0, Q5_0, Q8_0, and Q5_1 with its minima's sums in
+ * the same order), every block kept in registers (no unpack buffer, no prepared array): the same integer lanes and
+ * the same float steps in the same order, so the same y, bit for bit. A decode step's matmuls are all one row, and
+ * the tied LM head (Q8_0 in the default model's file) is most of the bytes a step reads. */
 #if PATH == 2
 /* One block of the row of x as the VNNI one-row path reads it: the signed q, and each lane's -128 times the sum
  * of its four q. Then vpdpbusd(bias, w + 128, q) is the lane's sum of q w exactly (w + 128 is w ^ 0x80 as an
@@ -872,10 +873,10 @@ INLINE __attribute__((always_inline)) void few_rows_column(const int R, const in
   for (int r = 0; r < R; r++) store_output(acc[r], off[r], y, (r0 + r) * y_stride + index, y_bf16);
 }
 
-/* matmul_columns for two or more rows of a 32-element format (Q4_0, Q5_0, Q8_0, Q4_1, Q5_1), the weights decoded
- * in registers instead of unpacked to memory 256 at a time: the same y, bit for bit. Why: a speculative step (a
- * token and its drafts) or a few decode rows multiply every weight by a handful of rows, and matmul_columns'
- * unpacking cost those steps ~2.7x a one-row step on the default model's Q4_1 layers (measured, 2-core Zen 4). */
+/* matmul_columns for two or more rows of a 32-element format (Q4_0, Q5_0, Q8_0, Q5_1), the weights decoded in
+ * registers instead of unpacked to memory 256 at a time: the same y, bit for bit. Why: a speculative step (a token
+ * and its drafts) or a few decode rows multiply every weight by a handful of rows, and matmul_columns' unpacking
+ * cost those steps ~2.7x a one-row step (measured on Q4_1 layers, 2-core Zen 4, before Q4_1 took the quad order). */
 INLINE void few_rows_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                              const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, void *y,
                              int64_t y_stride, int y_bf16) {
@@ -904,9 +905,17 @@ INLINE void few_rows_columns(const int64_t type, const uint8_t *weight, int64_t 
 }
 #endif
 
-/* Columns of one format for any rows: the few-row register path where it takes the format, else matmul_columns. */
+#include "cpu_quad.h"
+
+/* Columns of one format for any rows: the quad order for its formats (x in quad form: xg), else the few-row
+ * register path where it takes the format, else matmul_columns. */
 INLINE void any_rows_columns(const int64_t type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq,
-                             const float *xd, const int32_t *xs, int64_t rows, void *y, int64_t y_stride, int y_bf16) {
+                             const float *xd, const int32_t *xs, const xquad *xg, int64_t rows, void *y,
+                             int64_t y_stride, int y_bf16) {
+  if (QUAD_TYPE(type)) {
+    quad_columns(type, w, j0, j1, k, xg, rows, y, y_stride, y_bf16);
+    return;
+  }
 #if PATH >= 1
   if (rows > 1 && ONE_ROW_TYPE(type)) {
     few_rows_columns(type, w, j0, j1, k, xq, xd, xs, rows, y, y_stride, y_bf16);
@@ -918,8 +927,9 @@ INLINE void any_rows_columns(const int64_t type, const uint8_t *w, int64_t j0, i
 
 #define COLUMNS_FOR(T)                                                                                           \
   static void columns_##T(const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq, const float *xd, \
-                          const int32_t *xs, int64_t rows, void *y, int64_t y_stride, int y_bf16) {             \
-    any_rows_columns(T, w, j0, j1, k, xq, xd, xs, rows, y, y_stride, y_bf16);                                  \
+                          const int32_t *xs, const xquad *xg, int64_t rows, void *y, int64_t y_stride,          \
+                          int y_bf16) {                                                                          \
+    any_rows_columns(T, w, j0, j1, k, xq, xd, xs, xg, rows, y, y_stride, y_bf16);                              \
   }
 COLUMNS_FOR(Q4_0)
 COLUMNS_FOR(Q4_1)
@@ -933,7 +943,7 @@ COLUMNS_FOR(I4_G64)
 COLUMNS_FOR(I4_G128)
 
 typedef void (*columns_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,
-                           const int32_t *, int64_t, void *, int64_t, int);
+                           const int32_t *, const xquad *, int64_t, void *, int64_t, int);
 
 static columns_fn columns_for(int64_t type) {
   switch (type) {
@@ -967,14 +977,18 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
   int8_t *xq = malloc((size_t)(rows * k));
   float *xd = malloc(sizeof(float) * (size_t)(rows * xblocks));
   int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * xblocks));
-  if (!xq || !xd || !xs) {
-    free(xq), free(xd), free(xs);
+  const int64_t groups = QUAD_TYPE(type) ? quad_groups(k) : 0; /* x's quad form only for a quad-order weight */
+  xquad *xg = groups ? aligned_alloc(64, sizeof(xquad) * (size_t)(rows * groups)) : NULL;
+  if (!xq || !xd || !xs || (groups && !xg)) {
+    free(xq), free(xd), free(xs), free(xg);
     return 2;
   }
   const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
-  for (int64_t r = 0; r < rows; r++)
+  for (int64_t r = 0; r < rows; r++) {
     quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
                  xs + r * xblocks);
+    if (groups) prepare_quad(xq + r * k, xd + r * xblocks, xs + r * xblocks, k, xg + r * groups);
+  }
   if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
   /* Chunks of 64 contiguous columns (43 KB of a Q8_0 LM head), handed out guided: each thread first takes long
    * contiguous runs (what the prefetchers stream best: a dynamic schedule's interleaved chunks made the LM head
@@ -987,7 +1001,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
 #if PATH == 2
     xblock *xb = aligned_alloc(32, sizeof(xblock) * (size_t)xblocks);
     if (!xb) {
-      free(xq), free(xd), free(xs);
+      free(xq), free(xd), free(xs), free(xg);
       return 2;
     }
     prepare_x(xq, xblocks, xb);
@@ -1004,16 +1018,16 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
 #if PATH == 2
     free(xb);
 #endif
-    free(xq), free(xd), free(xs);
+    free(xq), free(xd), free(xs), free(xg);
     return 0;
   }
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(guided)
   for (int64_t c = 0; c < chunks; c++) {
     int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-    columns(weight, j0, j1, k, xq, xd, xs, rows, y, y_stride, (int)y_bf16);
+    columns(weight, j0, j1, k, xq, xd, xs, xg, rows, y, y_stride, (int)y_bf16);
   }
-  free(xq), free(xd), free(xs);
+  free(xq), free(xd), free(xs), free(xg);
   return 0;
 }
 
