@@ -271,6 +271,36 @@ def test_quad_order_short_last_group_on_every_path(
         assert torch.equal(many, first)
 
 
+def test_non_finite_x_quantizes_alike_on_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x's int8 quantization is vectorized on the AVX2 and VNNI paths: a NaN (skipped by the block's maximum, then
+    -127), an infinity (the block's scale infinite, its finite values 0) and a zero block give the same bits as the
+    generic C path's scalar loop, for a per-block format and the quad order."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 target flags")
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
+    builds = [cpu_quant.kernels()] + [
+        cpu_quant.load(
+            cpu_quant.build(tuple(f"-march={m}" if f == "-march=native" else f for f in cpu_quant.CFLAGS))
+        )
+        for m in marches
+    ]
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, K, generator=g)
+    x[0, 5] = float("nan")  # early in its block, and late in the next (the last of a block's vectors)
+    x[0, 32 + 29] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 64:96] = 0.0
+    for qtype in (GGMLType.Q8_0, GGMLType.Q4_1):
+        weight = random_weight(qtype, (N, K), g)
+        outs = []
+        for lib in builds:
+            out = nan_out(3, N)
+            cpu_quant.gemv(x, weight, out, lib)
+            outs.append(out.view(torch.int32))
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), qtype.name
+
+
 def test_the_build_without_openmp_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler without OpenMP gets a single-threaded library with the same bits."""
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))

@@ -42,15 +42,16 @@ static void prepare_quad(const int8_t *xq, const float *xd, const int32_t *xs, i
     memset(x, 0, sizeof *x);
     for (int64_t jj = 0; jj < 4 && 4 * gi + jj < blocks; jj++) {
       const int64_t b = 4 * gi + jj;
-      for (int t = 0; t < 16; t++) {
 #if PATH == 2
-        x->lo[16 * jj + t] = (int8_t)((uint8_t)xq[b * QK + t] ^ 0x80);
-        x->hi[16 * jj + t] = (int8_t)((uint8_t)xq[b * QK + 16 + t] ^ 0x80);
+      const __m128i top = _mm_set1_epi8((char)0x80);
+      _mm_storeu_si128((__m128i *)(x->lo + 16 * jj),
+                       _mm_xor_si128(_mm_loadu_si128((const __m128i *)(xq + b * QK)), top));
+      _mm_storeu_si128((__m128i *)(x->hi + 16 * jj),
+                       _mm_xor_si128(_mm_loadu_si128((const __m128i *)(xq + b * QK + 16)), top));
 #else
-        x->lo[16 * jj + t] = xq[b * QK + t];
-        x->hi[16 * jj + t] = xq[b * QK + 16 + t];
+      memcpy(x->lo + 16 * jj, xq + b * QK, 16);
+      memcpy(x->hi + 16 * jj, xq + b * QK + 16, 16);
 #endif
-      }
       x->s[2 * jj] = xd[b];
       x->s[2 * jj + 1] = xd[b] * (float)xs[b];
     }

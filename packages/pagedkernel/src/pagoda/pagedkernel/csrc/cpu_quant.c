@@ -617,6 +617,50 @@ static inline void acc_store(facc acc, float out[8]) { memcpy(out, acc.v, sizeof
  * (stored as q + 128, unsigned, for the VNNI path's unsigned-by-signed products). x is float32, or bfloat16
  * (x_bf16) read exactly as the float32 it widens to. */
 static void quantize_row(const void *xrow, int x_bf16, int64_t k, int8_t *q, float *dx, int32_t *qsum) {
+#if PATH >= 1
+  /* The same steps eight lanes at a time (a decode step quantizes ~3k elements per layer on both threads: the
+   * scalar loop, with fmaxf a libm call, was ~0.3 ms of a 7 ms step): the maximum is exact in any order (a NaN
+   * lane is skipped as fmaxf skips it: vmaxps returns its second operand, the running maximum, for a NaN), the
+   * products are the same, vcvtps2dq rounds to nearest even as nearbyintf does (and gives INT_MIN for a NaN or an
+   * overflow, as the scalar conversion does), and the sums are exact integers. */
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / QK; b++) {
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) {
+      if (x_bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)xrow + b * QK + 8 * i));
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      } else {
+        v[i] = _mm256_loadu_ps((const float *)xrow + b * QK + 8 * i);
+      }
+    }
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4), d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    __m256i r[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+      r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+      r[i] = _mm256_max_epi32(_mm256_min_epi32(r[i], lim), nlim);
+      sum = _mm256_add_epi32(sum, r[i]);
+    }
+    /* int32 -> int8 in element order: the packs interleave 128-bit halves, the permute restores the order */
+    const __m256i p16 = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+    __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#if PATH == 2
+    p8 = _mm256_xor_si256(p8, _mm256_set1_epi8((char)0x80));
+#endif
+    _mm256_storeu_si256((__m256i *)(q + b * QK), p8);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+    dx[b] = d;
+    qsum[b] = _mm_cvtsi128_si32(s4);
+  }
+#else
   for (int64_t b = 0; b < k / QK; b++) {
     float v[QK];
     if (x_bf16) {
@@ -645,6 +689,7 @@ static void quantize_row(const void *xrow, int x_bf16, int64_t k, int8_t *q, flo
     dx[b] = d;
     qsum[b] = sum;
   }
+#endif
 }
 
 /* y[index] = value, as float32 or rounded to bfloat16. */
