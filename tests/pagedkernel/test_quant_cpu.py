@@ -235,6 +235,17 @@ def test_every_path_gives_the_same_bits(
         assert torch.equal(cpu_quant.dequantize(weight, other), cpu_quant.dequantize(weight, native))
 
 
+def every_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[cpu_quant.QuantKernels]:
+    """The native library, then the generic x86-64 build and (where the CPU runs it) the AVX2 one, built into
+    tmp_path; skips off x86-64."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 target flags")
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
+    flags = [tuple(f"-march={m}" if f == "-march=native" else f for f in cpu_quant.CFLAGS) for m in marches]
+    return [cpu_quant.kernels()] + [cpu_quant.load(cpu_quant.build(f)) for f in flags]
+
+
 @pytest.mark.parametrize("k", [544, 576, 608])
 def test_quad_order_short_last_group_on_every_path(
     k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -242,16 +253,7 @@ def test_quad_order_short_last_group_on_every_path(
     """Q4_1 goes four blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks per row the last group is short (1, 2,
     3 blocks). Every build (native, AVX2, generic C) and every row count (one row: two columns at a time; several:
     passes of 8) give the same bits, each within the int8 bound of the exact product."""
-    if platform.machine() != "x86_64":
-        pytest.skip("x86-64 target flags")
-    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
-    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
-    builds = [cpu_quant.kernels()] + [
-        cpu_quant.load(
-            cpu_quant.build(tuple(f"-march={m}" if f == "-march=native" else f for f in cpu_quant.CFLAGS))
-        )
-        for m in marches
-    ]
+    builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(k)
     weight = random_weight(GGMLType.Q4_1, (N, k), g)
     x = torch.randn(11, k, generator=g) * torch.rand(11, k, generator=g) * 3
@@ -275,16 +277,7 @@ def test_non_finite_x_quantizes_alike_on_every_path(tmp_path: Path, monkeypatch:
     """x's int8 quantization is vectorized on the AVX2 and VNNI paths: a NaN (skipped by the block's maximum, then
     -127), an infinity (the block's scale infinite, its finite values 0) and a zero block give the same bits as the
     generic C path's scalar loop, for a per-block format and the quad order."""
-    if platform.machine() != "x86_64":
-        pytest.skip("x86-64 target flags")
-    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
-    marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
-    builds = [cpu_quant.kernels()] + [
-        cpu_quant.load(
-            cpu_quant.build(tuple(f"-march={m}" if f == "-march=native" else f for f in cpu_quant.CFLAGS))
-        )
-        for m in marches
-    ]
+    builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, K, generator=g)
     x[0, 5] = float("nan")  # early in its block, and late in the next (the last of a block's vectors)
