@@ -92,14 +92,17 @@ typedef struct {
 #endif
 } qx_t;
 
-static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_t k, qx_t *qx) {
-  const int x_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
-  for (int64_t r = 0; r < rows; r++) {
-    quantize_row(x + r * x_stride, x_bf16, k, qx->q + r * k, qx->d + r * (k / QK), qx->s + r * (k / QK));
-    prepare_quad(qx->q + r * k, qx->d + r * (k / QK), qx->s + r * (k / QK), k, qx->g + r * quad_groups(k));
-  }
+/* x's rows quantized for weight w, with only the forms w's formats read: the quad form for a quad-order part, the
+ * one-row VNNI form for a one-row register part. */
+static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_t k, const qweight_t *w,
+                       qx_t *qx) {
+  int quad = 0;
+  for (int64_t p = 0; p < w->parts; p++) quad |= QUAD_TYPE(w->type[p]);
+  quantize_rows(x, x_stride, PAGODA_DTYPE == PAGODA_BFLOAT16, rows, k, qx->q, qx->d, qx->s, quad ? qx->g : NULL);
 #if PATH == 2
-  if (rows == 1) prepare_x(qx->q, k / QK, qx->xb);
+  int one_row = 0;
+  for (int64_t p = 0; p < w->parts; p++) one_row |= ONE_ROW_TYPE(w->type[p]);
+  if (rows == 1 && one_row) prepare_x(qx->q, k / QK, qx->xb);
 #endif
 }
 
@@ -317,7 +320,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
         int64_t j0, n;
         /* input norm and QKV */
         for (int64_t r = 0; r < rows; r++) norm_row(res + r * hidden, in_norm, hidden, eps, uo, h + r * hidden);
-        quantize_x(h, hidden, rows, hidden, &qx);
+        quantize_x(h, hidden, rows, hidden, &wqkv, &qx);
         while ((n = claim(count, qkv_n, nthreads, 16, 512, &j0)) > 0)
           weight_columns(&wqkv, j0, j0 + n, hidden, &qx, rows, qkv, qkv_n);
         team_barrier();
@@ -345,7 +348,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
         if (prefetch) prefetch_share(&wo, q_size, thread, nthreads, 1 << 18);
         team_barrier();
         /* output projection, residual add and post-attention norm */
-        quantize_x(att, q_size, rows, q_size, &qx);
+        quantize_x(att, q_size, rows, q_size, &wo, &qx);
         while ((n = claim(count + 16, hidden, nthreads, 16, 512, &j0)) > 0)
           weight_columns(&wo, j0, j0 + n, q_size, &qx, rows, o, hidden);
         team_barrier();
@@ -359,7 +362,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
           norm_row(res + r * hidden, mlp_norm, hidden, eps, uo, h + r * hidden);
         }
         /* gate and up columns j.. of both halves, then SiLU(gate) * up of those columns */
-        quantize_x(h, hidden, rows, hidden, &qx);
+        quantize_x(h, hidden, rows, hidden, &wgu, &qx);
         while ((n = claim(count + 24, inner, nthreads, 16, ACT_CHUNK, &j0)) > 0) {
           scalar_t gate[DECODE_MAX_ROWS * ACT_CHUNK], up[DECODE_MAX_ROWS * ACT_CHUNK];
           weight_columns(&wgu, j0, j0 + n, hidden, &qx, rows, gate - j0, ACT_CHUNK);
@@ -369,7 +372,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
         }
         team_barrier();
         /* down projection and residual add */
-        quantize_x(act, inner, rows, inner, &qx);
+        quantize_x(act, inner, rows, inner, &wdown, &qx);
         while ((n = claim(count + 32, hidden, nthreads, 16, 512, &j0)) > 0)
           weight_columns(&wdown, j0, j0 + n, inner, &qx, rows, down, hidden);
         if (prefetch && l + 1 < num_layers) {

@@ -187,12 +187,7 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
     for (int64_t r = 0; r < rows; r++)
       nu[t * rows + r] = (nucleus_t){pool + (t * rows + r) * 2 * max_cap, 0, cap[r], -INFINITY, 0, -INFINITY,
                                      0.0, 0, top_p[r] < 1.0f};
-  const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
-  for (int64_t r = 0; r < rows; r++) {
-    quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
-                 xs + r * xblocks);
-    if (groups) prepare_quad(xq + r * k, xd + r * xblocks, xs + r * xblocks, k, xg + r * groups);
-  }
+  quantize_rows(x, x_stride, (int)x_bf16, rows, k, xq, xd, xs, xg);
 #if PATH == 2
   prepare_x(xq, xblocks, (xblock *)xb);
 #endif

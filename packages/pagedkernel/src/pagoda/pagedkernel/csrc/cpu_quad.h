@@ -234,9 +234,8 @@ INLINE void quad_tile(const int C, const int R, const uint8_t *w, int64_t row_by
 
 /* Columns j0..j1 of y for any rows of a quad-order format: rows in passes of FEW_ROWS, one row two columns at a
  * time (two independent sum chains); the plain path one output at a time. */
-INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
-                         const xquad *g, int64_t rows, void *y, int64_t y_stride, int y_bf16) {
-  (void)type; /* Q4_1, the one quad-order format */
+INLINE void quad_columns(const uint8_t *weight, int64_t j0, int64_t j1, int64_t k, const xquad *g, int64_t rows,
+                         void *y, int64_t y_stride, int y_bf16) {
   const int64_t groups = quad_groups(k), row_bytes = k / QK * QUAD_BLOCK_BYTES;
 #if PATH >= 1
   prefetch_start(weight + j0 * row_bytes);

@@ -15,8 +15,9 @@
  *   - PATH 0, generic C: the same eight lane sums in scalar code.
  * The lanes are exact, and the float steps after them are the same operations in the same order on every path,
  * so the three paths give bitwise the same y (tested). Q4_1 takes another order, four blocks at a time and the
- * same on every path too (cpu_quad.h: at one row its GEMV was bound by instructions per block, not by memory). The path is chosen by the target's features at build
- * (-march=native picks the best this CPU has); pagoda_quant_path() says which one was compiled.
+ * same on every path too (cpu_quad.h: at one row its GEMV was bound by instructions per block, not by memory).
+ * The path is chosen by the target's features at build (-march=native picks the best this CPU has);
+ * pagoda_quant_path() says which one was compiled.
  *
  * Many rows of bfloat16 x go to pagoda_quant_matmul_amx where the target has AMX (at the end of this file).
  *
@@ -952,13 +953,26 @@ INLINE void few_rows_columns(const int64_t type, const uint8_t *weight, int64_t 
 
 #include "cpu_quad.h"
 
+/* Rows of x (x_stride elements apart, float32 or bfloat16) quantized for the GEMV: quantize_row's q, dx and qsum
+ * (rows k, k / QK apart), and where xg is not NULL each row's quad form (quad_groups(k) apart). */
+static void quantize_rows(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t k, int8_t *xq,
+                          float *xd, int32_t *xs, xquad *xg) {
+  const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+  const int64_t xblocks = k / QK;
+  for (int64_t r = 0; r < rows; r++) {
+    quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, x_bf16, k, xq + r * k, xd + r * xblocks,
+                 xs + r * xblocks);
+    if (xg) prepare_quad(xq + r * k, xd + r * xblocks, xs + r * xblocks, k, xg + r * quad_groups(k));
+  }
+}
+
 /* Columns of one format for any rows: the quad order for its formats (x in quad form: xg), else the few-row
  * register path where it takes the format, else matmul_columns. */
 INLINE void any_rows_columns(const int64_t type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq,
                              const float *xd, const int32_t *xs, const xquad *xg, int64_t rows, void *y,
                              int64_t y_stride, int y_bf16) {
   if (QUAD_TYPE(type)) {
-    quad_columns(type, w, j0, j1, k, xg, rows, y, y_stride, y_bf16);
+    quad_columns(w, j0, j1, k, xg, rows, y, y_stride, y_bf16);
     return;
   }
 #if PATH >= 1
@@ -1028,12 +1042,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
     free(xq), free(xd), free(xs), free(xg);
     return 2;
   }
-  const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
-  for (int64_t r = 0; r < rows; r++) {
-    quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, (int)x_bf16, k, xq + r * k, xd + r * xblocks,
-                 xs + r * xblocks);
-    if (groups) prepare_quad(xq + r * k, xd + r * xblocks, xs + r * xblocks, k, xg + r * groups);
-  }
+  quantize_rows(x, x_stride, (int)x_bf16, rows, k, xq, xd, xs, xg);
   if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
   /* Chunks of 64 contiguous columns (43 KB of a Q8_0 LM head), handed out guided: each thread first takes long
    * contiguous runs (what the prefetchers stream best: a dynamic schedule's interleaved chunks made the LM head
