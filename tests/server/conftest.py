@@ -1,13 +1,16 @@
-"""Fixtures for the server tests: tiny model folders built once per session, an isolated GGUF cache."""
+"""Fixtures for the server tests: tiny model folders built once per session, an isolated GGUF cache, LLMs shut down
+after each test."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mixed_gguf import MixedGGUFs
 from pagoda.pagedkernel import KernelBackend, get_backend
+from pagoda.server.llm import LLM
 from pagoda.server.loader import CACHE_DIR_ENV
 from pagoda.server.testing import make_tiny_model, make_tiny_tokenizer
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
@@ -90,3 +93,19 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         yield address
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def llms() -> Iterator[Callable[..., LLM]]:
+    """`llms(make, *args, **kwargs)`: an LLM built by `make`, shut down (workers stopped) after the test (the tensor
+    parallel and AFD tests, whose workers must not outlive it)."""
+    built: list[LLM] = []
+
+    def build(make: Callable[..., LLM], *args: Any, **kwargs: Any) -> LLM:
+        llm = make(*args, **kwargs)
+        built.append(llm)
+        return llm
+
+    yield build
+    for llm in built:
+        llm.engine.close()

@@ -10,7 +10,6 @@ engines run float32 and eager (no torch.compile), on a tiny random-weight model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,12 @@ from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.testing import make_tiny_model
 from pagoda.server.testing.compare import assert_same_logprobs
-from test_afd_workers import afd_args, afd_executor, greedy_tokens
+from test_afd_workers import LLMFactory, afd_args, afd_executor, greedy_tokens
 from test_engine import PROMPT_LENS, make_llm, random_prompts
 
 pytestmark = pytest.mark.gpu
 
 ARCHS_ON_CUDA = ("llama", "gemma3")
-LLMFactory = Callable[..., LLM]
 
 
 def needs_devices(attention: int, ffn: int) -> pytest.MarkDecorator:
@@ -54,19 +52,9 @@ def cuda_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS_ON_CUDA}
 
 
-@pytest.fixture
-def llms() -> Iterator[LLMFactory]:
-    """`llms(model_dir, **kwargs)`: an LLM on CUDA (float32, eager), shut down (workers stopped) after the test."""
-    built: list[LLM] = []
-
-    def build(model_dir: Path, **kwargs: Any) -> LLM:
-        llm = make_llm(model_dir, device="cuda", enforce_eager=True, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield build
-    for llm in built:
-        llm.engine.close()
+def on_cuda(model_dir: Path, **kwargs: Any) -> LLM:
+    """An LLM of `model_dir` on CUDA (float32, eager)."""
+    return make_llm(model_dir, device="cuda", enforce_eager=True, **kwargs)
 
 
 @pytest.mark.timeout(600)
@@ -84,9 +72,9 @@ def test_afd_on_cuda_greedy_equals_plain(
     executor said it formed its group over NCCL, both micro-batches were at the FFN ranks at once, and every FFN
     worker ran every micro-batch of every forward."""
     prompts = random_prompts(PROMPT_LENS)
-    want = greedy_tokens(llms(cuda_models[arch]), prompts)
+    want = greedy_tokens(llms(on_cuda, cuda_models[arch]), prompts)
     with caplog.at_level(logging.INFO, logger="pagoda.engine"):
-        afd = llms(cuda_models[arch], **afd_args(attention, ffn))
+        afd = llms(on_cuda, cuda_models[arch], **afd_args(attention, ffn))
     assert f"{attention + ffn} ranks over NCCL" in caplog.text
     assert greedy_tokens(afd, prompts) == want
     executor = afd_executor(afd)
@@ -109,6 +97,8 @@ def test_afd_on_cuda_logprobs_match_plain(
     over NCCL): within float32 rounding of the plain CUDA engine's."""
     prompts = random_prompts((10, 7))
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
-    want = llms(cuda_models["gemma3"]).generate(prompts, params, use_tqdm=False)
-    got = llms(cuda_models["gemma3"], **afd_args(attention, ffn)).generate(prompts, params, use_tqdm=False)
+    want = llms(on_cuda, cuda_models["gemma3"]).generate(prompts, params, use_tqdm=False)
+    got = llms(on_cuda, cuda_models["gemma3"], **afd_args(attention, ffn)).generate(
+        prompts, params, use_tqdm=False
+    )
     assert_same_logprobs(want, got, max_tokens=4, tolerance=1e-4)

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -56,21 +56,6 @@ def afd_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One tiny random-weight model folder per architecture (the Llama family and Gemma 3)."""
     root = tmp_path_factory.mktemp("afd-models")
     return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
-
-
-@pytest.fixture
-def llms() -> Iterator[LLMFactory]:
-    """`llms(make, *args, **kwargs)`: an LLM built by `make`, shut down (workers stopped) after the test."""
-    built: list[LLM] = []
-
-    def build(make: Callable[..., LLM], *args: Any, **kwargs: Any) -> LLM:
-        llm = make(*args, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield build
-    for llm in built:
-        llm.engine.close()
 
 
 def afd_executor(llm: LLM) -> AFDExecutor:

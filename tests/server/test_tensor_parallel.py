@@ -67,21 +67,6 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_tiny_model(arch, root / name, **extra) for name, (arch, extra) in VARIANTS.items()}
 
 
-@pytest.fixture
-def llms() -> Iterator[LLMFactory]:
-    """`llms(make, *args, **kwargs)`: an LLM built by `make`, shut down (workers stopped) after the test."""
-    built: list[LLM] = []
-
-    def build(make: Callable[..., LLM], *args: Any, **kwargs: Any) -> LLM:
-        llm = make(*args, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield build
-    for llm in built:
-        llm.engine.close()
-
-
 def worker_pids(llm: LLM) -> list[int]:
     """The worker processes of a TP engine with the mp backend."""
     executor = llm.engine.executor
