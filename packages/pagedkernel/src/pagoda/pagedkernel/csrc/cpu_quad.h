@@ -252,16 +252,7 @@ INLINE void quad_columns(const uint8_t *weight, int64_t j0, int64_t j1, int64_t 
       const xquad *gr = g + r0 * groups;
       void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
 #define QUAD(R) quad_tile(1, R, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16)
-      switch (rows - r0 < FEW_ROWS ? rows - r0 : FEW_ROWS) {
-        case 1: QUAD(1); break;
-        case 2: QUAD(2); break;
-        case 3: QUAD(3); break;
-        case 4: QUAD(4); break;
-        case 5: QUAD(5); break;
-        case 6: QUAD(6); break;
-        case 7: QUAD(7); break;
-        default: QUAD(8); break;
-      }
+      FOR_PASS_ROWS(rows, r0, QUAD)
 #undef QUAD
     }
   }

@@ -896,6 +896,20 @@ INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j
 /* Rows of one pass of the few-row path: R sums in registers (R ymm accumulators beside the block's three). */
 #define FEW_ROWS 8
 
+/* F(R) for the rows of the pass starting at r0 (at most FEW_ROWS), R a constant in each call so that F is
+ * specialised per row count. */
+#define FOR_PASS_ROWS(rows, r0, F)                                     \
+  switch ((rows) - (r0) < FEW_ROWS ? (rows) - (r0) : FEW_ROWS) {       \
+    case 1: F(1); break;                                               \
+    case 2: F(2); break;                                               \
+    case 3: F(3); break;                                               \
+    case 4: F(4); break;                                               \
+    case 5: F(5); break;                                               \
+    case 6: F(6); break;                                               \
+    case 7: F(7); break;                                               \
+    default: F(8); break;                                              \
+  }
+
 /* Column j of y for rows r0 .. r0 + R of x (R a constant once inlined): each weight block decoded into a register
  * once (block32) and prepared once (prepare_v, as matmul_columns prepares its unpacked bytes), then every row's
  * acc_step on it, and the minima's terms in block order: the same lanes and float steps as matmul_columns. */
@@ -935,16 +949,7 @@ INLINE void few_rows_columns(const int64_t type, const uint8_t *weight, int64_t 
     prefetch_ahead(wrow, row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += FEW_ROWS) {
 #define FEW(R) few_rows_column(R, type, wrow, blocks, bytes, has_offset, xq, xd, xs, r0, y, j, y_stride, y_bf16)
-      switch (rows - r0 < FEW_ROWS ? rows - r0 : FEW_ROWS) {
-        case 1: FEW(1); break;
-        case 2: FEW(2); break;
-        case 3: FEW(3); break;
-        case 4: FEW(4); break;
-        case 5: FEW(5); break;
-        case 6: FEW(6); break;
-        case 7: FEW(7); break;
-        default: FEW(8); break;
-      }
+      FOR_PASS_ROWS(rows, r0, FEW)
 #undef FEW
     }
   }
