@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagoda.blockalloc import BlockManager
@@ -332,3 +333,38 @@ def test_a_running_prompt_whose_ttft_is_lost_does_not_hold_up_those_that_can_mee
             if (first := policy.slo.first_token_time.get(f"c{k}")) is not None:
                 assert first - arrived <= 0.150, (k, first - arrived)
     assert sched.get_request("doc") is not None  # the lost one still had prompt left when they were done
+
+
+@pytest.mark.parametrize("pressure", [0.0, 0.5])
+def test_under_sustained_pressure_the_streams_are_kept(pressure: float) -> None:
+    """The case of `test_many_waiting_prompts_outweigh_one_stream` after a run of steps that could not keep both
+    objectives (`pressure` 0.5): a prompt saved now would join a batch that cannot keep its TPOT either, so TTFT
+    is given up and the step keeps to the stream's room; without that history TPOT is given up as before."""
+    clock = Clock()
+    sched, policy, model = make(clock)
+    sched.add_request(req("d", 8, 100, 0.0, tpot_ms=30))
+    for _ in range(3):
+        run_step(sched, model, clock)
+    sched.add_request(req("p0", 150, 2, clock.now, ttft_ms=1000))
+    sched.add_request(req("p1", 150, 2, clock.now, ttft_ms=45))
+    sched.add_request(req("p2", 150, 2, clock.now, ttft_ms=78))
+    policy.pressure = pressure
+    out = run_step(sched, model, clock)
+    if pressure:
+        assert policy.sacrificed == {"ttft": 1, "tpot": 0}
+        assert step_seconds(out) <= 0.09
+    else:
+        assert policy.sacrificed == {"ttft": 0, "tpot": 1}
+    assert policy.pressure == pytest.approx(pressure + 0.1 * (1 - pressure))  # this step's conflict counted
+
+
+def test_no_slack_is_borrowed_while_prompts_wait() -> None:
+    """A stream may borrow the slack its next decode-only steps will bank, but only when those steps will be
+    decode-only: with a prompt queued, a step keeps to the stream's own allowance (its target here)."""
+    clock = Clock()
+    sched, _, model = make(clock)
+    sched.add_request(req("d", 8, 200, 0.0, tpot_ms=30))
+    run_step(sched, model, clock)  # its first token: no slack banked yet
+    sched.add_request(req("p", 600, 2, clock.now))  # no TTFT target: only TPOT shapes the step
+    out = run_step(sched, model, clock)
+    assert step_seconds(out) <= 0.030 + 1e-9

@@ -85,6 +85,18 @@ def test_prefill_room_inverts_predict() -> None:
     assert model.prefill_room(0.001, 8, 4000) == 0
 
 
+def test_decode_rows_within_inverts_predict() -> None:
+    """The rows for a time limit are the most decode rows whose modelled step (with the prefill, each row reading
+    its context) fits in it; none when the fixed cost alone is over, `largest` at most."""
+    model = StepTimeModel(prior=TRUE, prior_weight=1.0)
+    rows = model.decode_rows_within(0.2, 32, 300.0)
+    assert 0 < rows < 1 << 16
+    assert model.predict(rows, 32, int(rows * 300.0) + 32) <= 0.2
+    assert model.predict(rows + 1, 32, int((rows + 1) * 300.0) + 32) > 0.2
+    assert model.decode_rows_within(0.001, 32, 300.0) == 0
+    assert model.decode_rows_within(1e6, 32, 300.0, largest=64) == 64
+
+
 def test_bad_arguments_are_refused() -> None:
     """Forgetting outside (0, 1], a non-positive ridge and a negative time are errors."""
     with pytest.raises(ValueError, match="forgetting"):

@@ -7,10 +7,11 @@ the step's measured wall time (`Scheduler.record_step`), which the policy feeds 
 The choice, per step (times from the cost model):
 
 1. **TPOT**: every decoding stream may take a step of at most `allowance = first_token + tpot * n - now`
-   (n outputs so far: after the step its mean gap is still within its target), plus the slack its next (up to 8)
-   decode-only steps will bank if they are shorter than its target (TPOT is a mean over the stream), capped at
-   3 x its target so that slack is spent gradually. The step's time limit is the least allowance; the prefill tokens that fit
-   beside the decodes in it are `room`.
+   (n outputs so far: after the step its mean gap is still within its target), plus, while no prompt is queued or
+   prefilling, the slack its next (up to 8) decode-only steps will bank if they are shorter than its target (TPOT
+   is a mean over the stream), capped at 3 x its target so that slack is spent gradually. (With prompts queued
+   the next steps carry prefill too and bank nothing: borrowing there let every step run long under load.) The
+   step's time limit is the least allowance; the prefill tokens that fit beside the decodes in it are `room`.
 2. **TTFT**: for the prompts in queue order (running prefills, then waiting), the k-th must finish its
    remaining tokens (with those before it) by its deadline: prefill rate `need_k` per step. Prompts whose
    deadline no rate can meet any more are lost: they stop driving the budget, their tokens no longer count
@@ -18,10 +19,16 @@ The choice, per step (times from the cost model):
    before any waiting one) has its chunks capped at half the planned prefill while others can still make it.
 3. `need <= room`: the step computes `room` prefill tokens (throughput within every stream's TPOT). Otherwise
    both cannot hold: it keeps whichever side fewer sequences would miss (ties keep TPOT), takes `need` or
-   `room` accordingly and counts the sacrifice (`sacrificed["ttft" | "tpot"]`, steps).
-4. **Seats**: new sequences join while a decode-only step of the batch stays within the tightest TPOT target,
-   with room for a minimal prefill; past it, only when more waiting prompts can still meet their TTFT than
-   running streams their TPOT.
+   `room` accordingly and counts the sacrifice (`sacrificed["ttft" | "tpot"]`, steps). TPOT is given up only
+   while such conflicts are rare (`pressure`, the share of recent steps that had one, below 0.3): under a
+   sustained overload the prompts saved would join a batch that cannot keep their TPOT either, and a request
+   counts (goodput) only when it meets both, so the streams are kept and the queue sheds the prompts whose
+   TTFT is lost (simulated, `tools/simulate_adaptive.py`: chats at 8/s on a 2-core CPU's step costs, 59 of 184
+   met both before these rules, 155 after).
+4. **Seats**: the running batch holds at most the decode rows that a step with a minimal prefill carries within
+   the tightest TPOT target of its streams (lost ones included: a stream that joins would get such a target);
+   past them, only when more waiting prompts can still meet their TTFT than running streams their TPOT, while
+   conflicts are rare, and requests past the aging bound.
 
 A stream whose TPOT is lost already (its allowance is below a decode-only step) and a prompt whose TTFT is lost
 stop weighing in these counts: keeping one lost objective never costs one that can still be met.
@@ -55,6 +62,9 @@ _MAX_ALLOWANCE = 3.0
 # A stream may borrow the slack its next this-many decode-only steps will bank (each shorter than its target):
 # its mean gap, what TPOT measures, recovers by its end.
 _BORROW_STEPS = 8
+# The weight of each step in `pressure`, and the pressure from which TPOT is no longer given up for TTFT.
+_PRESSURE_WEIGHT = 0.1
+_MAX_PRESSURE = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,8 @@ class AdaptivePolicy:
         self.slo = SLOTracker(config.slo_ttft_ms, config.slo_tpot_ms)
         self.last_shape: StepShape | None = None
         self.sacrificed: dict[SLOName, int] = {"ttft": 0, "tpot": 0}
+        # How often recent steps could not keep both objectives: a moving average of 0 (both held) or 1.
+        self.pressure = 0.0
 
     # ------------------------------------------------------------ queue order
 
@@ -190,21 +202,20 @@ class AdaptivePolicy:
         # (so that the others still can) but never counts as a stream a longer step would make miss.
         allowances: list[float] = []  # of the streams that can still meet their TPOT
         limit = math.inf
-        tightest = math.inf
         decode_step = self.model.predict(num_rows, 0, context)
         for request in decodes:
             tpot = self.slo.targets(request)[1] or default_tpot
             first = self.slo.first_token_time.get(request.request_id)
             allowance = tpot if first is None else first + tpot * request.num_output_tokens - now
-            ahead = request.sampling_params.max_tokens - request.num_output_tokens - 1
-            allowance += max(0.0, tpot - decode_step) * min(max(ahead, 0), _BORROW_STEPS)
+            if not prefills and not waiting:  # its next steps are decode-only: they will bank slack
+                ahead = request.sampling_params.max_tokens - request.num_output_tokens - 1
+                allowance += max(0.0, tpot - decode_step) * min(max(ahead, 0), _BORROW_STEPS)
             allowance = min(allowance, _MAX_ALLOWANCE * tpot)
             if allowance < decode_step:
                 limit = min(limit, tpot)
             else:
                 allowances.append(allowance)
                 limit = min(limit, allowance)
-                tightest = min(tightest, tpot)
         room = ceiling if math.isinf(limit) else self.model.prefill_room(limit, num_rows, context)
         # 2. TTFT: the prefill rate each prompt's deadline needs, with the prompts before it.
         a, b, c, d = self.model.coefficients
@@ -228,19 +239,24 @@ class AdaptivePolicy:
         need = max(wants, default=0)
         # 3. Both, or the side fewer sequences miss (a step without decodes has no TPOT to keep).
         prefill = room
-        if need > room and decodes:
+        conflict = need > room and bool(decodes)
+        self.pressure += _PRESSURE_WEIGHT * (conflict - self.pressure)
+        if conflict:
             step_s = self.model.predict(num_rows, need, context + need)
             missed_tpot = sum(step_s > allowance for allowance in allowances)
             missed_ttft = sum(rate > room for rate in wants)
-            if missed_tpot < missed_ttft:
+            # Under sustained pressure (overload) a prompt saved now joins a batch that cannot keep its own
+            # TPOT either, and goodput needs both: the streams are kept.
+            if missed_tpot < missed_ttft and self.pressure < _MAX_PRESSURE:
                 prefill = need
                 self.sacrificed["tpot"] += missed_tpot > 0
             else:
                 self.sacrificed["ttft"] += 1
-        # Prompts always advance: by `min_prefill` while a stream can still meet its TPOT, else (no stream to
-        # keep, or all lost) by at least the latency profile's chunk, so that a lost long prompt does not crawl
-        # ahead of the prompts queued behind it.
-        floor = self.min_prefill if allowances else max(self.min_prefill, self._latency_chunk())
+        # Prompts always advance: by `min_prefill` beside decoding streams, else by at least the latency profile's
+        # chunk, so that a lost long prompt does not crawl ahead of the prompts queued behind it. (Streams whose
+        # TPOT is lost still bound the step: dropping that bound once all were lost let every prompt in at full
+        # speed, and every new stream missed its TPOT in turn; measured at 8 chats/s.)
+        floor = self.min_prefill if decodes else max(self.min_prefill, self._latency_chunk())
         if pending:
             prefill = max(prefill, floor)
         budget = max(1, min(ceiling, num_rows + prefill))
@@ -250,19 +266,28 @@ class AdaptivePolicy:
             # theirs: cap every chunk at what the step plans for those (at least the floor), so the lost one takes
             # a share of the budget and the rest goes to them.
             chunk = max(1, min(chunk, max(floor, need // 2)))
-        # 4. Seats: new sequences join while a decode-only step of the batch and a minimal prefill stay within
-        # the tightest live target; past it, only when the prompts that can still meet their TTFT outnumber the
-        # streams that can still meet their TPOT (the same count as in 3), or one has waited past the aging bound.
+        # 4. Seats: the decode rows a step with a minimal prefill carries within the tightest TPOT target of the
+        # batch; past them, only when the prompts that can still meet their TTFT outnumber the streams that can
+        # still meet their TPOT while conflicts are rare (as in 3), and for requests past the aging bound.
         seats = config.max_num_seqs
-        if decode_step + c * self.min_prefill > tightest:
+        if decodes:
+            # A stream that joins gets a target like theirs (lost ones included: their targets still say what a
+            # stream of this batch needs), so the batch stays within the tightest of them with a minimal prefill.
+            target = min(self.slo.targets(r)[1] or default_tpot for r in decodes)
+            fit = self.model.decode_rows_within(target, self.min_prefill, per_row, config.max_num_seqs)
+            waiting_ttft = [self.slo.targets(r)[0] for r in waiting]
             live_waiting = sum(
-                1 for r in waiting if (ttft := self.slo.targets(r)[0]) is None or now - r.arrival_time < ttft
+                1 for r, t in zip(waiting, waiting_ttft, strict=True) if t is None or now - r.arrival_time < t
             )
-            aged = any(
-                now - r.arrival_time >= max(_AGING_S, 4 * (self.slo.targets(r)[0] or 0.0)) for r in waiting
+            num_aged = sum(
+                1
+                for r, t in zip(waiting, waiting_ttft, strict=True)
+                if now - r.arrival_time >= max(_AGING_S, 4 * (t or 0.0))
             )
-            if live_waiting <= len(allowances) and not aged:
-                seats = len(running)
+            # Past the fit, prompts that can still meet their TTFT may join only when they outnumber the streams
+            # that can still meet their TPOT and conflicts are rare (as in 3); aged requests always get a seat.
+            if not (live_waiting > len(allowances) and self.pressure < _MAX_PRESSURE):
+                seats = max(fit, len(running) + num_aged)
         seats = max(1, min(config.max_num_seqs, seats))
         if not config.enable_chunked_prefill or any(r.encoder_spans for r in pending):
             budget, chunk = ceiling, ceiling  # a whole prompt (or an atomic image) must fit one step

@@ -126,3 +126,18 @@ class StepTimeModel:
         if per_token <= 0:
             return 1 << 30
         return int(left / per_token)
+
+    def decode_rows_within(
+        self, seconds: float, prefill_tokens: int, context_per_row: float, largest: int = 1 << 16
+    ) -> int:
+        """The most decode rows (each reading `context_per_row` tokens) a step beside `prefill_tokens` of prefill
+        may carry in `seconds`; 0 when even one does not fit, `largest` at most."""
+        low, high = 0, largest  # predict(low) fits (or low == 0); search the last row count that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            context = int(middle * context_per_row) + prefill_tokens
+            if self.predict(middle, prefill_tokens, context) <= seconds:
+                low = middle
+            else:
+                high = middle - 1
+        return low
