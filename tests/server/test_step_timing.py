@@ -3,12 +3,17 @@ straight on), reported to the scheduler after the update."""
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
 from typing import cast
 
+import pytest
 from pagoda.scheduler import SchedulerOutput
+from pagoda.server.engine import step_timing
+from pagoda.server.engine.executor.base import Executor
 from pagoda.server.engine.sample_failures import SampleFailures
 from pagoda.server.engine.step_sampler import SampledStep
-from pagoda.server.engine.step_timing import StepTimer
+from pagoda.server.engine.step_timing import StepTimer, measure_step_prior
 
 
 class Clock:
@@ -69,3 +74,31 @@ def test_a_wait_an_idle_step_or_a_long_gap_is_not_counted() -> None:
     turn(timer, clock, sched, 0.2, 0.010)
     turn(timer, clock, sched, 2.0, 0.010)  # past the longest gap the loop's own work takes
     assert [round(s, 6) for _, s in sched.steps] == [0.010, 0.010, 0.010, 0.010]
+
+
+def test_the_probes_recover_a_machines_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe steps timed on a machine whose step costs are known exactly: the fitted prior is that machine's
+    (a, b, c, d), and every probe stayed within the engine's limits."""
+    truth = (0.006, 0.0011, 0.0015, 0.0008)
+    seen: list[SchedulerOutput] = []
+
+    def timed(run: partial[object], device: object, rounds: int) -> float:
+        step = cast(SchedulerOutput, run.args[0])
+        seen.append(step)
+        rows = sum(1 for c in step.scheduled if c.num_tokens == 1)
+        prefill = sum(c.num_tokens for c in step.scheduled) - rows
+        context = sum(c.seq_len for c in step.scheduled)
+        a, b, c, d = truth
+        return a + b * rows + c * prefill + d * context / 1000
+
+    monkeypatch.setattr(step_timing, "_best_seconds", timed)
+    executor = SimpleNamespace(
+        driver=SimpleNamespace(kv_cache=SimpleNamespace(shape=SimpleNamespace(block_size=16)), device="cpu"),
+        num_blocks=256,
+        execute=lambda step, lens: None,
+    )
+    prior = measure_step_prior(cast(Executor, executor), 512, 2048, 16)
+    assert prior == pytest.approx(truth, rel=1e-3)
+    assert len(seen) == 8
+    assert all(s.num_batched_tokens <= 512 and len(s.scheduled) <= 17 for s in seen)
+    assert all(c.seq_len <= 2048 and max(c.block_table) < 256 for s in seen for c in s.scheduled)

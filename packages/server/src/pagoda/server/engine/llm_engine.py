@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
+    AdaptivePolicy,
     EncoderSpan,
     KVBlockManager,
     Scheduler,
@@ -52,7 +53,7 @@ from pagoda.server.engine.sleep import EngineSleep, SleepModeError, check_level,
 from pagoda.server.engine.sleep_setup import engine_sleep
 from pagoda.server.engine.speculation import Drafting, speculation_for
 from pagoda.server.engine.step_sampler import SampledStep, StepSampler
-from pagoda.server.engine.step_timing import StepTimer
+from pagoda.server.engine.step_timing import StepTimer, probed_step_model
 from pagoda.server.handoff import Resume
 from pagoda.server.kv_events import start_kv_events
 from pagoda.server.kv_events.keys import KVEventsKeys
@@ -181,6 +182,10 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
         self.speculate = speculation_for(config, self.scheduler, self.executor, self.draft)  # None: no drafts
+        if isinstance(
+            self.scheduler.policy, AdaptivePolicy
+        ):  # its step-time model starts from this machine's
+            self.scheduler.policy.model = probed_step_model(self.scheduler, self.executor)
         self.owners = RequestOwners()  # unfinished user requests, by id, by sequence, by capability
         # Final snapshots of aborted requests, returned by the next step.
         self._aborted: list[RequestOutput] = []
