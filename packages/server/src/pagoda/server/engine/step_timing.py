@@ -18,7 +18,7 @@ from functools import partial
 from pagoda.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepSample, StepTimeModel
 from pagoda.server.engine.executor.base import Executor
 from pagoda.server.engine.extension import Extension
-from pagoda.server.engine.preemption_costs import _best_seconds
+from pagoda.server.engine.preemption_costs import _best_seconds, _probe_step
 from pagoda.server.engine.step_sampler import SampledStep
 
 logger = logging.getLogger("pagoda.engine")
@@ -64,19 +64,8 @@ def _probe(
         )
         for i in range(rows)
     ]
-    if prefill:
-        chunks.append(
-            ScheduledRequest(
-                request_id="step-probe-prefill",
-                token_ids=(0,) * prefill,
-                start=0,
-                num_tokens=prefill,
-                block_table=tuple(range(-(-prefill // block_size))),
-                slots=tuple(range(prefill)),
-                num_samples=1,
-                sample_ids=("step-probe-prefill",),
-            )
-        )
+    if prefill:  # the preemption probe's prefill chunk
+        chunks.append(_probe_step(prefill, block_size).scheduled[0])
     return SchedulerOutput(tuple(chunks), (), (), (), (), (), rows + prefill)
 
 
