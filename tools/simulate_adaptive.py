@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import argparse
 
+from pagoda.blockalloc import BlockManager
 from pagoda.scheduler.config import SchedulingProfileName
 from pagoda.scheduler.testing.slo_sim import CPU_COSTS, PHASES, phased_trace, simulate
 from tqdm import tqdm
 
 PROFILES: tuple[SchedulingProfileName | None, ...] = (None, "throughput", "latency", "balanced", "adaptive")
+
+
+def block_manager(num_blocks: int, block_size: int, enable_prefix_caching: bool) -> BlockManager:
+    """The allocator of each simulated run."""
+    return BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -39,7 +45,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     runs = [(rate, profile) for rate in args.chat_rates for profile in PROFILES]
     met: dict[tuple[float, SchedulingProfileName | None], int] = {}
     for rate, profile in tqdm(runs, desc="simulating", unit="run"):
-        result = simulate(profile, phased_trace(args.seed, args.phase_seconds, rate, args.document_rate))
+        result = simulate(
+            profile, phased_trace(args.seed, args.phase_seconds, rate, args.document_rate), block_manager
+        )
         met[rate, profile] = sum(r.met for r in result.values())
         best = max((met.get((rate, p), 0) for p in ("throughput", "latency", "balanced")), default=0)
         ratios = ""

@@ -4,15 +4,21 @@ a fake machine with a 2-core CPU's step costs): goodput, requests meeting both o
 from __future__ import annotations
 
 import pytest
+from pagoda.blockalloc import BlockManager
 from pagoda.scheduler.config import SchedulingProfileName
 from pagoda.scheduler.testing.slo_sim import PHASES, phased_trace, simulate
 
 FIXED: tuple[SchedulingProfileName, ...] = ("throughput", "latency", "balanced")
 
 
+def block_manager(num_blocks: int, block_size: int, enable_prefix_caching: bool) -> BlockManager:
+    """The allocator of each simulated run."""
+    return BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+
+
 def goodput(profile: SchedulingProfileName | None, chat_rate: float) -> dict[str, int]:
     """Requests meeting both objectives per phase, and over the trace ("all")."""
-    result = simulate(profile, phased_trace(0, 20.0, chat_rate))
+    result = simulate(profile, phased_trace(0, 20.0, chat_rate), block_manager)
     met = {phase: result[phase].met for phase in PHASES}
     return {**met, "all": sum(met.values())}
 

@@ -13,19 +13,23 @@ and TPOT (the mean gap after it).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagoda.blockalloc import BlockManager
 from pagoda.scheduler.adaptive import AdaptivePolicy
 from pagoda.scheduler.config import SchedulerConfig, SchedulingProfileName
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.policy import build_policy
 from pagoda.scheduler.profiles import apply_profile
+from pagoda.scheduler.protocols import KVBlockManager
 from pagoda.scheduler.request import Request
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.scheduler.testing.sim import SimSamplingParams, TokenCacheModel
 
 PHASES = ("chatty", "documents", "mixed")
+# Builds the KV manager of a run: (num_blocks, block_size, enable_prefix_caching). The caller passes one (e.g.
+# `pagoda.blockalloc.BlockManager`): the scheduler package imports no allocator.
+KVFactory = Callable[[int, int, bool], KVBlockManager]
 # Gemma 3 270M (bfloat16) on a 2-core AMD EPYC Zen 4, measured offline: a one-row decode step ~6 ms, ~1.1 ms a
 # further row, ~1.5 ms a prefill token (a 1,024-token prompt in 1.6 s).
 CPU_COSTS = (0.006, 0.0011, 0.0015, 0.0008)
@@ -96,6 +100,7 @@ def step_seconds(out: SchedulerOutput, costs: tuple[float, float, float, float])
 def simulate(
     profile: SchedulingProfileName | None,
     trace: list[TraceItem],
+    make_kv: KVFactory,
     *,
     costs: tuple[float, float, float, float] = CPU_COSTS,
     slo_ttft_s: float = 2.5,
@@ -105,7 +110,7 @@ def simulate(
     seed: int = 1,
     noise: tuple[float, float] = (0.9, 1.15),
 ) -> dict[str, PhaseResult]:
-    """Run `trace` under `profile` (None: the default configuration); per phase, who met which objective. Only
+    """Run `trace` under `profile` (None: the default configuration) over `make_kv`'s allocator; per phase, who met which objective. Only
     `adaptive` is told the objectives, as in the server benchmark. Each step takes the machine's time times a
     factor drawn uniformly from `noise` (seeded)."""
     clock = _Clock()
@@ -122,7 +127,7 @@ def simulate(
         policy.clock = clock
     scheduler = Scheduler(
         config,
-        BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching),
+        make_kv(num_blocks, block_size, config.enable_prefix_caching),
         policy,
     )
     runner = TokenCacheModel(num_blocks, block_size)
