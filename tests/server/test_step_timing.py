@@ -9,6 +9,7 @@ from typing import cast
 
 import pytest
 from pagoda.scheduler import SchedulerOutput
+from pagoda.scheduler.testing.slo_sim import step_seconds as machine_seconds
 from pagoda.server.engine import step_timing
 from pagoda.server.engine.executor.base import Executor
 from pagoda.server.engine.sample_failures import SampleFailures
@@ -85,11 +86,7 @@ def test_the_probes_recover_a_machines_step_costs(monkeypatch: pytest.MonkeyPatc
     def timed(run: partial[object], device: object, rounds: int) -> float:
         step = cast(SchedulerOutput, run.args[0])
         seen.append(step)
-        rows = sum(1 for c in step.scheduled if c.num_tokens == 1)
-        prefill = sum(c.num_tokens for c in step.scheduled) - rows
-        context = sum(c.seq_len for c in step.scheduled)
-        a, b, c, d = truth
-        return a + b * rows + c * prefill + d * context / 1000
+        return machine_seconds(step, truth)
 
     monkeypatch.setattr(step_timing, "_best_seconds", timed)
     executor = SimpleNamespace(

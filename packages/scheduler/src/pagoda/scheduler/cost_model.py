@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.scheduler.output import SchedulerOutput
+
 NUM_FEATURES = 4
 # A prior for a small model on a CPU (seconds): what the model predicts before it has seen a step.
 DEFAULT_PRIOR: tuple[float, float, float, float] = (0.02, 0.001, 0.0003, 0.001)
@@ -31,6 +33,19 @@ class StepSample:
     prefill_tokens: int  # tokens of the other chunks (prompts, recomputes)
     context_tokens: int  # sum of the chunks' context lengths after the step (what attention reads)
     seconds: float
+
+    @classmethod
+    def of(cls, output: SchedulerOutput, seconds: float) -> StepSample:
+        """The shape of a scheduled step (a chunk of one token and its drafts that samples is decode rows; any other
+        chunk is prefill) with its measured time."""
+        rows = prefill = context = 0
+        for chunk in output.scheduled:
+            if chunk.num_tokens <= 1 + len(chunk.spec_token_ids) and chunk.num_samples:
+                rows += chunk.num_tokens
+            else:
+                prefill += chunk.num_tokens
+            context += chunk.seq_len
+        return cls(rows, prefill, context, seconds)
 
 
 def features(decode_rows: int, prefill_tokens: int, context_tokens: int) -> tuple[float, float, float, float]:

@@ -398,15 +398,8 @@ class Scheduler:
         the SLO tracker notes the first tokens it produced."""
         if self._planner is None and self.slo is None:
             return
-        rows = prefill = context = 0
-        for chunk in output.scheduled:
-            if chunk.num_tokens <= 1 + len(chunk.spec_token_ids) and chunk.num_samples:
-                rows += chunk.num_tokens
-            else:
-                prefill += chunk.num_tokens
-            context += chunk.seq_len
         if self._planner is not None:
-            self._planner.observe_step(StepSample(rows, prefill, context, seconds), self.running)
+            self._planner.observe_step(StepSample.of(output, seconds), self.running)
         elif self.slo is not None:
             self.slo.first_tokens(self.running, self._clock())
 

@@ -3,8 +3,9 @@
 `sim`: `TokenCacheModel`, a token-level stand-in for the model runner, and `reference_output`, what it must
 produce; `SimSamplingParams`, a minimal `SamplingParamsLike`. (`ContiguousKVManager`, which the engine runs too, is
 `pagoda.scheduler.ContiguousKVManager` since 0.3.0.) `measure`: `kv_occupancy`, the share of reserved KV slots
-that hold real tokens. `costs`: `ThresholdPreemptionCosts`, a forced cost model for `preemption_mode="auto"`. `slo_sim`: goodput of a
-scheduling profile on a phased trace, simulated on a fake machine (imported from its module).
+that hold real tokens. `costs`: `ThresholdPreemptionCosts`, a forced cost model for `preemption_mode="auto"`.
+`slo_sim`: goodput of a scheduling profile on a phased trace, simulated on a fake machine (imported from its
+module).
 """
 
 from pagoda.scheduler.testing.costs import ThresholdPreemptionCosts

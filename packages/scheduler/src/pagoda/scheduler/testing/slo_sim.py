@@ -1,5 +1,5 @@
-"""Goodput of a scheduling profile on a phased trace, simulated: the real scheduler, allocator and policy on a
-fake machine whose step time is `a + b * decode_rows + c * prefill_tokens + d * context_tokens / 1000` (seconds,
+"""Goodput of a scheduling profile on a phased trace, simulated: the real scheduler and policy (and the caller's
+allocator) on a fake machine whose step time is `a + b * decode_rows + c * prefill_tokens + d * context_tokens / 1000` (seconds,
 times a seeded noise factor), with a simulated clock. Seconds per trace instead of minutes per server, so that a
 policy change can be judged on overloads a benchmark run takes a quarter of an hour to show
 (`tools/simulate_adaptive.py`, `tests/scheduler/test_adaptive_sim.py`).
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pagoda.scheduler.adaptive import AdaptivePolicy
 from pagoda.scheduler.config import SchedulerConfig, SchedulingProfileName
+from pagoda.scheduler.cost_model import StepSample
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.policy import build_policy
 from pagoda.scheduler.profiles import apply_profile
@@ -30,7 +31,7 @@ PHASES = ("chatty", "documents", "mixed")
 # Builds the KV manager of a run: (num_blocks, block_size, enable_prefix_caching). The caller passes one (e.g.
 # `pagoda.blockalloc.BlockManager`): the scheduler package imports no allocator.
 KVFactory = Callable[[int, int, bool], KVBlockManager]
-# Gemma 3 270M (bfloat16) on a 2-core AMD EPYC Zen 4, measured offline: a one-row decode step ~6 ms, ~1.1 ms a
+# The default model (Gemma 3 270M, its Q4_K_M GGUF) on a 2-core AMD EPYC Zen 4, measured offline: a one-row decode step ~6 ms, ~1.1 ms a
 # further row, ~1.5 ms a prefill token (a 1,024-token prompt in 1.6 s).
 CPU_COSTS = (0.006, 0.0011, 0.0015, 0.0008)
 
@@ -91,10 +92,8 @@ class _Clock:
 def step_seconds(out: SchedulerOutput, costs: tuple[float, float, float, float]) -> float:
     """The fake machine's time for a step (before noise)."""
     a, b, c, d = costs
-    rows = sum(1 for chunk in out.scheduled if chunk.num_tokens == 1 and chunk.num_samples)
-    prefill = sum(chunk.num_tokens for chunk in out.scheduled) - rows
-    context = sum(chunk.seq_len for chunk in out.scheduled)
-    return a + b * rows + c * prefill + d * context / 1000
+    shape = StepSample.of(out, 0.0)  # the shape the scheduler reports to its policy
+    return a + b * shape.decode_rows + c * shape.prefill_tokens + d * shape.context_tokens / 1000
 
 
 def simulate(
@@ -110,9 +109,9 @@ def simulate(
     seed: int = 1,
     noise: tuple[float, float] = (0.9, 1.15),
 ) -> dict[str, PhaseResult]:
-    """Run `trace` under `profile` (None: the default configuration) over `make_kv`'s allocator; per phase, who met which objective. Only
-    `adaptive` is told the objectives, as in the server benchmark. Each step takes the machine's time times a
-    factor drawn uniformly from `noise` (seeded)."""
+    """Run `trace` under `profile` (None: the default configuration) over `make_kv`'s allocator; per phase, who
+    met which objective. Only `adaptive` is told the objectives, as in the server benchmark. Each step takes the
+    machine's time times a factor drawn uniformly from `noise` (seeded)."""
     clock = _Clock()
     told = profile == "adaptive"
     config = SchedulerConfig(

@@ -182,9 +182,8 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, structured.grammar_cache_bytes
         )
         self.speculate = speculation_for(config, self.scheduler, self.executor, self.draft)  # None: no drafts
-        if isinstance(
-            self.scheduler.policy, AdaptivePolicy
-        ):  # its step-time model starts from this machine's
+        # The adaptive policy's step-time model starts from this machine's costs, measured now.
+        if isinstance(self.scheduler.policy, AdaptivePolicy):
             self.scheduler.policy.model = probed_step_model(self.scheduler, self.executor)
         self.owners = RequestOwners()  # unfinished user requests, by id, by sequence, by capability
         # Final snapshots of aborted requests, returned by the next step.

@@ -87,7 +87,7 @@ def measure_step_prior(
         if index == 0:
             executor.execute(step, {})  # warm-up
         seconds = _best_seconds(partial(executor.execute, step, {}), device, 2)
-        fit.observe(StepSample(rows, prefill, sum(c.seq_len for c in step.scheduled), seconds))
+        fit.observe(StepSample.of(step, seconds))
     a, b, c, d = fit.coefficients
     return a, b, c, d
 
