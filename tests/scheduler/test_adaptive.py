@@ -43,7 +43,8 @@ def step_seconds(out: SchedulerOutput) -> float:
 def make(
     clock: Clock, num_blocks: int = 256, block_size: int = 4, **config: object
 ) -> tuple[Scheduler, AdaptivePolicy, TokenCacheModel]:
-    """An adaptive scheduler whose cost model starts at the machine's truth."""
+    """An adaptive scheduler whose cost model starts at the machine's truth, planning to the objectives themselves
+    (no headroom: the fake machine has nothing the scheduler does not see)."""
     cfg = SchedulerConfig(
         **{
             "max_num_batched_tokens": 1024,
@@ -53,7 +54,9 @@ def make(
             **config,
         }  # type: ignore[arg-type]
     )
-    policy = AdaptivePolicy(cfg, model=StepTimeModel(prior=COSTS, prior_weight=1e6), clock=clock)
+    policy = AdaptivePolicy(
+        cfg, model=StepTimeModel(prior=COSTS, prior_weight=1e6), clock=clock, headroom=0.0
+    )
     kv = BlockManager(num_blocks, block_size, enable_prefix_caching=cfg.enable_prefix_caching)
     return Scheduler(cfg, kv, policy), policy, TokenCacheModel(num_blocks, block_size)
 
@@ -353,3 +356,50 @@ def test_no_slack_is_borrowed_while_prompts_wait() -> None:
     sched.add_request(req("p", 600, 2, clock.now))  # no TTFT target: only TPOT shapes the step
     out = run_step(sched, model, clock)
     assert step_seconds(out) <= 0.030 + 1e-9
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.1])
+def test_the_plan_keeps_a_share_of_each_objective_as_headroom(headroom: float) -> None:
+    """A stream with a 30 ms TPOT and a long prompt queued: the step fills to the stream's target less the
+    headroom (what the scheduler does not see: the HTTP path, the token's delivery, the model's error), no
+    further; with none it runs up to the target itself."""
+    clock = Clock()
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_model_len=1024, scheduling_profile="adaptive")
+    model = StepTimeModel(prior=COSTS, prior_weight=1e6)
+    policy = AdaptivePolicy(cfg, model=model, clock=clock, headroom=headroom)
+    sched = Scheduler(cfg, BlockManager(256, 4), policy)
+    runner = TokenCacheModel(256, 4)
+    sched.add_request(req("d", 8, 200, 0.0, tpot_ms=30))
+    run_step(sched, runner, clock)
+    sched.add_request(req("p", 600, 2, clock.now))
+    seconds = step_seconds(run_step(sched, runner, clock))
+    assert (
+        0.030 * (1 - headroom) - 0.0003 < seconds <= 0.030 * (1 - headroom) + 1e-9
+    )  # within a prefill token
+
+
+def test_a_bad_headroom_is_refused() -> None:
+    """A headroom outside [0, 1) is a ValueError naming it."""
+    with pytest.raises(ValueError, match="headroom"):
+        AdaptivePolicy(SchedulerConfig(scheduling_profile="adaptive"), headroom=1.0)
+
+
+def test_requests_whose_ttft_was_lost_past_the_aging_bound_run_one_at_a_time_ahead_of_live_ones() -> None:
+    """Five requests whose TTFT was lost 11 s ago and five live ones, two seats: one lost request at a time goes
+    ahead (the lane: none starves), the other seat serves the live ones first, and everything finishes."""
+    clock = Clock()
+    sched, _, model = make(clock, max_num_seqs=2)
+    for i in range(5):
+        sched.add_request(req(f"lost{i}", 8, 20, 0.0, ttft_ms=100))
+    clock.now = 11.0
+    for i in range(5):
+        sched.add_request(req(f"live{i}", 8, 20, clock.now, ttft_ms=100_000))
+    order: list[str] = []
+    while sched.has_unfinished_requests():
+        out = run_step(sched, model, clock)
+        running = [c.request_id for c in out.scheduled]
+        live_waiting = any(sched.get_request(f"live{i}") in sched.waiting for i in range(5))
+        assert not (live_waiting and sum(r.startswith("lost") for r in running) > 1), running
+        order += [r for r in running if r not in order]
+    assert order[:2] == ["lost0", "live0"]
+    assert set(order) == {f"{kind}{i}" for kind in ("lost", "live") for i in range(5)}

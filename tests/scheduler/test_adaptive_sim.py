@@ -23,14 +23,17 @@ def goodput(profile: SchedulingProfileName | None, chat_rate: float) -> dict[str
     return {**met, "all": sum(met.values())}
 
 
-def test_under_a_chatty_overload_adaptive_keeps_the_streams_it_admits() -> None:
-    """Chats at 8/s, past what the machine decodes within 150 ms a token: the fixed profiles admit every chat
-    and most miss TPOT (the latency profile's 32 seats do best); adaptive sheds the chats whose TTFT is lost
-    instead of slowing every stream (before the overload rules it met 75 requests, fewer than latency's 118)."""
-    adaptive = goodput("adaptive", 8.0)
-    best = max(goodput(profile, 8.0)["all"] for profile in FIXED)
-    assert adaptive["all"] >= 1.5 * best, (adaptive, best)
-    assert adaptive["all"] >= 3 * goodput(None, 8.0)["all"]
+@pytest.mark.parametrize(("chat_rate", "ratio"), [(8.0, 1.8), (10.0, 2.5)])
+def test_under_a_chatty_overload_adaptive_keeps_the_streams_it_admits(chat_rate: float, ratio: float) -> None:
+    """Chats at 8 and 10/s, past what the machine decodes within 150 ms a token: the fixed profiles admit every
+    chat and most miss TPOT or TTFT (the latency profile's 32 seats do best); adaptive sheds the chats whose TTFT
+    is lost instead of slowing every stream, plans with headroom and serves the long-lost ones one at a time.
+    (Without the headroom and that lane it met 141 and 81 requests, 1.52x and 1.45x the best fixed profile; with
+    them 196 and 212, 2.11x and 3.79x.)"""
+    adaptive = goodput("adaptive", chat_rate)
+    best = max(goodput(profile, chat_rate)["all"] for profile in FIXED)
+    assert adaptive["all"] >= ratio * best, (adaptive, best)
+    assert adaptive["all"] >= 3 * goodput(None, chat_rate)["all"]
 
 
 @pytest.mark.parametrize("chat_rate", [2.0, 6.0])

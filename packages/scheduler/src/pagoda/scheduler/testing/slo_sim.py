@@ -31,9 +31,11 @@ PHASES = ("chatty", "documents", "mixed")
 # Builds the KV manager of a run: (num_blocks, block_size, enable_prefix_caching). The caller passes one (e.g.
 # `pagoda.blockalloc.BlockManager`): the scheduler package imports no allocator.
 KVFactory = Callable[[int, int, bool], KVBlockManager]
-# The default model (Gemma 3 270M, its Q4_K_M GGUF) on a 2-core AMD EPYC Zen 4, measured offline: a one-row decode step ~6 ms, ~1.1 ms a
-# further row, ~1.5 ms a prefill token (a 1,024-token prompt in 1.6 s).
-CPU_COSTS = (0.006, 0.0011, 0.0015, 0.0008)
+# The default model (Gemma 3 270M, its Q4_K_M GGUF) served on a 2-core AMD EPYC Zen 4, the benchmark client on the
+# same cores: a least-squares fit of 6,964 steps the server timed while serving the phased trace
+# (`tools/bench_adaptive.py`, chats at 8-10/s): 17 ms a step, 2.4 ms a decode row (its streamed token included),
+# 0.95 ms a prefill token, 4 ms per 1,000 context tokens. Offline the same engine steps in 5.9 ms + 1.4 ms a row.
+CPU_COSTS = (0.017, 0.0024, 0.00095, 0.004)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +73,9 @@ def phased_trace(
             at = start + rng.expovariate(rate)
             while at < start + phase_seconds:
                 if kind == "chat":
-                    lengths = (int(rng.randint(16, 64) * 1.3), rng.randint(16, 64))
+                    lengths = (rng.randint(16, 64) + 1, rng.randint(16, 64))
                 else:
-                    lengths = (int(rng.randint(1500, 3000) * 1.2), rng.randint(8, 32))
+                    lengths = (rng.randint(1500, 3000) + 1, rng.randint(8, 32))
                 items.append(TraceItem(at, phase, *lengths))
                 at += rng.expovariate(rate)
     return sorted(items, key=lambda item: item.at)
