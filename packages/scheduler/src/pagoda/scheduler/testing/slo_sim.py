@@ -31,10 +31,10 @@ PHASES = ("chatty", "documents", "mixed")
 # Builds the KV manager of a run: (num_blocks, block_size, enable_prefix_caching). The caller passes one (e.g.
 # `pagoda.blockalloc.BlockManager`): the scheduler package imports no allocator.
 KVFactory = Callable[[int, int, bool], KVBlockManager]
-# The default model (Gemma 3 270M, its Q4_K_M GGUF) served on a 2-core AMD EPYC Zen 4, the benchmark client on the
-# same cores: a least-squares fit of 6,964 steps the server timed while serving the phased trace
-# (`tools/bench_adaptive.py`, chats at 8-10/s): 17 ms a step, 2.4 ms a decode row (its streamed token included),
-# 0.95 ms a prefill token, 4 ms per 1,000 context tokens. Offline the same engine steps in 5.9 ms + 1.4 ms a row.
+# The default model (Gemma 3 270M, its Q4_K_M GGUF) served on a 2-core AMD EPYC Zen 4: a least-squares fit of 6,964
+# steps the server timed while serving the phased trace (`tools/bench_adaptive.py`, chats at 8-10/s): 17 ms a step,
+# 2.4 ms a decode row, 0.95 ms a prefill token, 4 ms per 1,000 context tokens. (Past 16 rows the LM head leaves the
+# int8 GEMV: a 28-row decode step takes 64-76 ms offline too.)
 CPU_COSTS = (0.017, 0.0024, 0.00095, 0.004)
 
 
