@@ -180,9 +180,11 @@ class AdaptivePolicy:
         """Insert by (class, deadline, arrival): a preempted request keeps its deadline, so it returns early."""
         bisect.insort_right(queue, request, key=self._key)
 
-    def _aged(self, request: Request, since: float) -> bool:
-        """Whether `request`, waiting for its first token `since` arrival (seconds), is past the aging bound."""
-        return since >= max(_AGING_S, 4 * (self._targets(request)[0] or 0.0))
+    @staticmethod
+    def _aged(ttft: float | None, since: float) -> bool:
+        """Whether a request with planned TTFT `ttft`, waiting for its first token `since` arrival (seconds), is past
+        the aging bound."""
+        return since >= max(_AGING_S, 4 * (ttft or 0.0))
 
     def _queue_groups(self, waiting: Sequence[Request], now: float) -> _QueueGroups:
         """The waiting requests by urgency (`_QueueGroups`), each group in queue order."""
@@ -191,7 +193,7 @@ class AdaptivePolicy:
             ttft = self._targets(request)[0]
             waited = now - request.arrival_time
             lost = ttft is not None and waited > ttft and not request.num_output_tokens
-            if self._aged(request, waited):
+            if self._aged(ttft, waited):
                 (groups.aged_lost if lost else groups.aged).append(request)
             elif lost:
                 groups.lost.append(request)
@@ -239,10 +241,11 @@ class AdaptivePolicy:
 
     def _in_lane(self, request: Request, now: float) -> bool:
         """Whether running `request` had its TTFT lost past the aging bound (so it holds the lane)."""
-        if self._targets(request)[0] is None:
+        ttft = self._targets(request)[0]
+        if ttft is None:
             return False
         first = self.slo.first_token_time.get(request.request_id)
-        return self._aged(request, (now if first is None else first) - request.arrival_time)
+        return self._aged(ttft, (now if first is None else first) - request.arrival_time)
 
     def plan_step(
         self, running: Sequence[Request], waiting: Sequence[Request], config: SchedulerConfig
