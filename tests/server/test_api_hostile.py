@@ -19,9 +19,6 @@ from pagoda.server.api.errors import APIError
 from pagoda.server.config import RequestLimits
 
 JSON = {"content-type": "application/json"}
-# /health must answer within this while a 4 MB prompt is tokenized: generous, since the stall it guards
-# against (tokenizing on the event loop) lasted seconds.
-HEALTH_BOUND_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +159,14 @@ def test_health_answers_while_a_4mb_prompt_is_tokenized() -> None:
                     await asyncio.sleep(0.05)
                 return await rejected, latencies, running.engine.num_steps
 
+        start = time.monotonic()
         rejected, latencies, steps = asyncio.run(scenario())
+        took = time.monotonic() - start
         assert_400(rejected, "prompt")
-        assert max(latencies) < HEALTH_BOUND_SECONDS, max(latencies)
+        # On the loop, the tokenization (most of `took`: ~7 s here, the rest is 4 MB of JSON) would hold one /health
+        # answer for nearly all of it; off it, the worst answer waits for what still holds the GIL (0.13 s alone,
+        # 1.5 s seen under a full test run's load, when `took` grows too). A share of `took`, not seconds.
+        assert max(latencies) < took / 4, (max(latencies), took)
         assert len(latencies) > 3, "the prompt was rejected before /health was asked; the test proves nothing"
         assert steps == 0
         good = httpx.post(f"{running.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})

@@ -67,3 +67,26 @@ def test_each_key_sees_its_own_requests_and_the_admin_all(live: LiveServer) -> N
     assert {rows(views[ALICE])[0][0], rows(views[BOB])[0][0]} == {row[0] for row in rows(admin)}
     for thread in threads:
         thread.join(timeout=300)
+
+
+def test_owners_keep_a_request_until_a_frame_has_shown_it_and_it_left() -> None:
+    """RequestOwners: an engine core's map can lag its requests by many frames (a loaded core answers late), so a
+    request no frame has shown yet stays owned (up to `unseen_s`); once shown, two frames without it forget it."""
+    from pagoda.server.dashboard.tenants import CALLER, RequestOwners
+
+    owners = RequestOwners(unseen_s=10.0)
+    token = CALLER.set("alice")
+    try:
+        owners.add(["a", "b"], now=0.0)
+    finally:
+        CALLER.reset(token)
+    for t in range(8):  # eight lagging frames show neither
+        owners.keep_only(set(), now=float(t))
+    assert owners.owned_by("alice") == {"a", "b"}
+    owners.keep_only({"a:0"}, now=8.0)  # `a` shown (a sequence of it), `b` still not
+    owners.keep_only(set(), now=9.0)
+    assert owners.owned_by("alice") == {"a", "b"}
+    owners.keep_only(set(), now=9.5)  # `a` missing from two frames after it was shown: finished
+    assert owners.owned_by("alice") == {"b"}
+    owners.keep_only(set(), now=11.0)  # `b` never shown in 10 s (finished between two frames): forgotten
+    assert owners.owned_by("alice") == set() and owners.owned_by("bob") == set()

@@ -8,9 +8,11 @@ rows and block tables.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 # The digest of the key of the request the current task serves (None: no keys, or outside a request). A context
@@ -18,40 +20,62 @@ from typing import Any
 CALLER: ContextVar[str | None] = ContextVar("pagoda_caller", default=None)
 # Owned request ids kept at most (oldest forgotten first): a bound for a server no viewer prunes.
 MAX_OWNED = 16384
+# Seconds a request no frame has shown stays owned (one that finished between two frames is never shown).
+UNSEEN_S = 60.0
 _TABLE_FIELDS = ("tables", "swapped_tables")
+
+
+@dataclass(slots=True)
+class _Owned:
+    """One submitted request: its key's digest, when it was submitted, whether a frame has shown it yet."""
+
+    caller: str
+    added: float
+    seen: bool = False
 
 
 class RequestOwners:
     """Engine request id -> the digest of the key that submitted it."""
 
-    def __init__(self, limit: int = MAX_OWNED) -> None:
-        """An empty map of at most `limit` ids."""
+    def __init__(self, limit: int = MAX_OWNED, unseen_s: float = UNSEEN_S) -> None:
+        """An empty map of at most `limit` ids; one no frame has shown is forgotten after `unseen_s` seconds."""
         self.limit = limit
-        self.by_id: OrderedDict[str, str] = OrderedDict()
+        self.unseen_s = unseen_s
+        self.by_id: OrderedDict[str, _Owned] = OrderedDict()
         self.missing: set[str] = set()  # ids the last frame did not show
 
-    def add(self, request_ids: Iterable[str]) -> None:
+    def add(self, request_ids: Iterable[str], now: float | None = None) -> None:
         """Record the current task's caller (`CALLER`) as the owner of `request_ids` (nothing without one)."""
         caller = CALLER.get()
         if caller is None:
             return
+        added = time.monotonic() if now is None else now
         for request_id in request_ids:
-            self.by_id[request_id] = caller
+            self.by_id[request_id] = _Owned(caller, added)
         while len(self.by_id) > self.limit:
             self.by_id.popitem(last=False)
 
-    def keep_only(self, seq_ids: set[str]) -> None:
-        """Forget the requests no sequence of `seq_ids` (a frame's) belongs to, two frames running: a finished
-        request is gone from the queues, and a new one may miss one frame (engine-core maps lag a period)."""
+    def keep_only(self, seq_ids: set[str], now: float | None = None) -> None:
+        """Forget the requests no sequence of `seq_ids` (a frame's) belongs to, two frames running, once a frame
+        has shown them (a finished request is gone from the queues); one never shown yet is kept `unseen_s`: an
+        engine core's map lags its requests by as many periods as the core is slow to answer."""
+        now = time.monotonic() if now is None else now
         live = {part for seq_id in seq_ids for part in _request_ids(seq_id)}
-        missing = {r for r in self.by_id if r not in live}
+        missing = set()
+        for request_id, owned in self.by_id.items():
+            if request_id in live:
+                owned.seen = True
+            else:
+                missing.add(request_id)
         for request_id in missing & self.missing:
-            del self.by_id[request_id]
+            owned = self.by_id[request_id]
+            if owned.seen or now - owned.added > self.unseen_s:
+                del self.by_id[request_id]
         self.missing = missing
 
     def owned_by(self, caller: str) -> set[str]:
         """The request ids `caller` submitted."""
-        return {request_id for request_id, owner in self.by_id.items() if owner == caller}
+        return {request_id for request_id, owned in self.by_id.items() if owned.caller == caller}
 
 
 def _request_ids(seq_id: str) -> tuple[str, ...]:
