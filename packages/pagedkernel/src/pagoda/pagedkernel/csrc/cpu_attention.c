@@ -30,6 +30,28 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 
+/* No product and add is fused unless written as fma8 / fma16: under fp-contract=fast the compiler fuses where it
+ * sees a product meet an add, and where a value meets two products (the rescaled accumulator acc * corr and the
+ * first p * v) or one loop hands its sums to the next (the 8-column tails), which fusion it made changed with the
+ * row count of each specialisation, and a row's output with it (found by
+ * tests/pagedkernel/test_attention_row_invariance.py). Every fusion is written out instead, the same for any row
+ * count. (The decode layers include this file: the pragma holds there too, inside their push / pop.) */
+#pragma GCC optimize("fp-contract=off")
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* a * b + c, one rounding where the build has FMA instructions (two otherwise, on every path alike). */
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 /* bfloat16 bits (the key scales) as float32, exactly. */
 static inline float bf16_to_f32(uint16_t b) {
   const uint32_t u = (uint32_t)b << 16;
@@ -86,6 +108,8 @@ static inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
 #define PAGODA_WIDE 1
 #include <immintrin.h>
 typedef float v16f __attribute__((vector_size(64)));
+static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16f fma16(v16f a, v16f b, v16f c) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 static inline v16f loadf16(const float *p) {
   v16f v;
   memcpy(&v, p, sizeof v);
@@ -159,9 +183,76 @@ typedef struct {
   int64_t begin, end;
 } range_t;
 
-/* sc[r][j] = q_r . k_j for the n keys of one block (rows `row` elements apart). Meanwhile the block's V rows
- * (read next, by pv_block) and the next block's K rows (kn, NULL if none) are prefetched: blocks sit anywhere in
- * the pool, so no hardware prefetcher can guess them; measured 20% faster on a pool larger than the caches. */
+#ifdef PAGODA_WIDE
+#define QK_ROWS 8 /* rows whose scores one pass over a key computes (the AVX-512 loop keeps 8 rows' sums) */
+#else
+#define QK_ROWS 4
+#endif
+
+/* sc[r][j] = q_r . k_j for up to QK_ROWS rows and one key, each row's sum in the same order whatever R is: a
+ * speculative step verifies a token and its drafts in items of several rows where plain decoding computed each
+ * token in an item of its own, and its tokens must be bitwise plain decoding's. The order of one row: with
+ * AVX-512 and D >= 32, 32 columns a step into two 16-lane sums, added; where D is a multiple of 32 the 16 lanes
+ * reduced as hsum4x16 reduces them (four rows at once, a row left over padded with zero rows: its lane is the same
+ * sum); otherwise those 16 lanes become the two 8-lane sums the loops below go on with: 16 columns a step, then 8,
+ * reduced by hsum. */
+static inline __attribute__((always_inline)) void qk_rows(const int R, const int64_t D, float (*qf)[MAX_HEAD_DIM],
+                                                          const cache_t *kr, int64_t j,
+                                                          float (*sc)[MAX_BLOCK_SIZE]) {
+  /* Two accumulators per row: independent FMA chains hide the FMA latency. */
+  v8f acc[QK_ROWS][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (v8f){0};
+  int64_t d = 0;
+#ifdef PAGODA_WIDE
+  if (D >= 32) {
+    v16f wide[QK_ROWS][2];
+    for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = (v16f){0};
+    for (; d + 32 <= D; d += 32) {
+      const v16f k0 = loadc16(kr + d), k1 = loadc16(kr + d + 16);
+      for (int r = 0; r < R; ++r) {
+        wide[r][0] = fma16(loadf16(qf[r] + d), k0, wide[r][0]);
+        wide[r][1] = fma16(loadf16(qf[r] + d + 16), k1, wide[r][1]);
+      }
+    }
+    v16f w[QK_ROWS];
+    for (int r = 0; r < R; ++r) w[r] = wide[r][0] + wide[r][1];
+    if (d == D) { /* the common case (head_dim a multiple of 32): four rows per reduction */
+      int r = 0;
+      for (; r + 4 <= R; r += 4) {
+        float sums[4];
+        _mm_storeu_ps(sums, hsum4x16(w + r));
+        for (int i = 0; i < 4; ++i) sc[r + i][j] = sums[i];
+      }
+      for (; r < R; ++r) {
+        const v16f one[4] = {w[r], (v16f){0}, (v16f){0}, (v16f){0}};
+        sc[r][j] = _mm_cvtss_f32(hsum4x16(one));
+      }
+      return;
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = (v8f){w[r][0], w[r][1], w[r][2], w[r][3], w[r][4], w[r][5], w[r][6], w[r][7]};
+      acc[r][1] = (v8f){w[r][8], w[r][9], w[r][10], w[r][11], w[r][12], w[r][13], w[r][14], w[r][15]};
+    }
+  }
+#endif
+  for (; d + 16 <= D; d += 16) {
+    const v8f k0 = loadc8(kr + d), k1 = loadc8(kr + d + 8);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = fma8(loadf(qf[r] + d), k0, acc[r][0]);
+      acc[r][1] = fma8(loadf(qf[r] + d + 8), k1, acc[r][1]);
+    }
+  }
+  for (; d < D; d += 8) {
+    const v8f k0 = loadc8(kr + d);
+    for (int r = 0; r < R; ++r) acc[r][0] = fma8(loadf(qf[r] + d), k0, acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r) sc[r][j] = hsum(acc[r][0] + acc[r][1]);
+}
+
+/* sc[r][j] = q_r . k_j for the n keys of one block (rows `row` elements apart), QK_ROWS rows at a time (each
+ * row's order as qk_rows says). Meanwhile the block's V rows (read next, by pv_block) and the next block's K rows
+ * (kn, NULL if none) are prefetched: blocks sit anywhere in the pool, so no hardware prefetcher can guess them;
+ * measured 20% faster on a pool larger than the caches. */
 static inline __attribute__((always_inline)) void qk_block(const int R, const int64_t D, float (*qf)[MAX_HEAD_DIM],
                                                            const cache_t *kb, const cache_t *vb,
                                                            const cache_t *kn, int64_t row, int64_t n,
@@ -173,51 +264,8 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
       __builtin_prefetch(vb + j * row + c);
       if (kn) __builtin_prefetch(kn + j * row + c);
     }
-    /* Two accumulators per row while they fit in registers: independent FMA chains hide the FMA latency. */
-    v8f acc[MAX_ROWS][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (v8f){0};
-    int64_t d = 0;
-#ifdef PAGODA_WIDE
-    if (R <= 8 && D >= 32) {
-      v16f wide[MAX_ROWS][2];
-      for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = (v16f){0};
-      for (; d + 32 <= D; d += 32) {
-        const v16f k0 = loadc16(kr + d), k1 = loadc16(kr + d + 16);
-        for (int r = 0; r < R; ++r) {
-          wide[r][0] += loadf16(qf[r] + d) * k0;
-          wide[r][1] += loadf16(qf[r] + d + 16) * k1;
-        }
-      }
-      v16f w[MAX_ROWS];
-      for (int r = 0; r < R; ++r) w[r] = wide[r][0] + wide[r][1];
-      if (d == D && R % 4 == 0) { /* the common case (head_dim a multiple of 32): four rows per reduction */
-        for (int r = 0; r < R; r += 4) {
-          float sums[4];
-          _mm_storeu_ps(sums, hsum4x16(w + r));
-          for (int i = 0; i < 4; ++i) sc[r + i][j] = sums[i];
-        }
-        continue;
-      }
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = (v8f){w[r][0], w[r][1], w[r][2], w[r][3], w[r][4], w[r][5], w[r][6], w[r][7]};
-        acc[r][1] = (v8f){w[r][8], w[r][9], w[r][10], w[r][11], w[r][12], w[r][13], w[r][14], w[r][15]};
-      }
-    }
-#endif
-    if (R <= 4) {
-      for (; d + 16 <= D; d += 16) {
-        const v8f k0 = loadc8(kr + d), k1 = loadc8(kr + d + 8);
-        for (int r = 0; r < R; ++r) {
-          acc[r][0] += loadf(qf[r] + d) * k0;
-          acc[r][1] += loadf(qf[r] + d + 8) * k1;
-        }
-      }
-    }
-    for (; d < D; d += 8) {
-      const v8f k0 = loadc8(kr + d);
-      for (int r = 0; r < R; ++r) acc[r][0] += loadf(qf[r] + d) * k0;
-    }
-    for (int r = 0; r < R; ++r) sc[r][j] = hsum(acc[r][0] + acc[r][1]);
+    for (int r0 = 0; r0 < R; r0 += QK_ROWS)
+      qk_rows(R - r0 < QK_ROWS ? R - r0 : QK_ROWS, D, qf + r0, kr, j, sc + r0);
   }
 }
 
@@ -239,8 +287,8 @@ static inline __attribute__((always_inline)) void pv_block(const int R, const in
       for (int64_t j = 0; j < n; ++j) {
         const v16f v0 = loadc16(vb + j * row + d), v1 = loadc16(vb + j * row + d + 16);
         for (int r = 0; r < R; ++r) {
-          a[r][0] += p[r][j] * v0;
-          a[r][1] += p[r][j] * v1;
+          a[r][0] = fma16(splat16(p[r][j]), v0, a[r][0]);
+          a[r][1] = fma16(splat16(p[r][j]), v1, a[r][1]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -260,8 +308,8 @@ static inline __attribute__((always_inline)) void pv_block(const int R, const in
       for (int64_t j = 0; j < n; ++j) {
         const v8f v0 = loadc8(vb + j * row + d), v1 = loadc8(vb + j * row + d + 8);
         for (int r = 0; r < R; ++r) {
-          a[r][0] += p[r][j] * v0;
-          a[r][1] += p[r][j] * v1;
+          a[r][0] = fma8(splat8(p[r][j]), v0, a[r][0]);
+          a[r][1] = fma8(splat8(p[r][j]), v1, a[r][1]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -272,10 +320,12 @@ static inline __attribute__((always_inline)) void pv_block(const int R, const in
   }
   for (; d < D; d += 8) {
     v8f a[MAX_ROWS];
-    for (int r = 0; r < R; ++r) a[r] = loadf(acc[r] + d) * corr[r];
+    for (int r = 0; r < R; ++r) {
+      a[r] = loadf(acc[r] + d) * corr[r];
+    }
     for (int64_t j = 0; j < n; ++j) {
       const v8f v = loadc8(vb + j * row + d);
-      for (int r = 0; r < R; ++r) a[r] += p[r][j] * v;
+      for (int r = 0; r < R; ++r) a[r] = fma8(splat8(p[r][j]), v, a[r]);
     }
     for (int r = 0; r < R; ++r) storef(acc[r] + d, a[r]);
   }
@@ -315,7 +365,10 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
   }
   const int32_t *table = p->block_tables + s * p->max_blocks;
   const int64_t end = hi[R - 1] + 1; /* never past the last written slot: unwritten slots may hold NaN bits */
-  for (int64_t t0 = lo[0]; t0 < end;) {
+  /* Whole blocks from the first row's first block on (its keys before lo[0], written tokens of this sequence,
+   * masked): each row's keys then sit in the same lanes of the same chunks whichever row starts its item, so a
+   * windowed row's softmax sums in the same order alone as in a tile. */
+  for (int64_t t0 = lo[0] / BS * BS; t0 < end;) {
     const int64_t b = t0 / BS, off = t0 % BS;
     const int64_t n = t0 + (BS - off) <= end ? BS - off : end - t0;
     const int64_t base = ((int64_t)table[b] * BS + off) * row + h * D;

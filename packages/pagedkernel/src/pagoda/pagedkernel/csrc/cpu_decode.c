@@ -24,10 +24,9 @@
  */
 #include "cpu_fused.c"
 
-/* The attention kernel is built without -ffp-contract=off (its library's flags): its dot products are compiled
- * the same way here so that the scores round as they do there. */
+/* The attention kernel's options (its own fp-contract pragma: every fusion written out) stay inside this push /
+ * pop, so that its scores round as they do in its library. */
 #pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
 #include "cpu_attention.c"
 
 /* attend_item for one (sequence, KV head, tile of tokens) item: its rows (tokens x G query heads), a constant
