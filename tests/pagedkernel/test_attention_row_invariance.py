@@ -64,32 +64,11 @@ def test_each_prefill_row_equals_the_same_query_decoded_alone(
         seed=head_dim + group,
         poison_unused=True,
     )
-    together = cpu_backend._attention(
-        c.q,
-        c.k_cache,
-        c.v_cache,
-        c.block_tables,
-        c.query_start_loc,
-        c.context_lens,
-        c.scale,
-        window,
-        softcap,
-        None,
-        kernels,
-    )
+    paged = (c.k_cache, c.v_cache, c.block_tables)
+    run = cpu_backend._attention
+    together = run(c.q, *paged, c.query_start_loc, c.context_lens, c.scale, window, softcap, None, kernels)
     one = torch.tensor([0, 1], dtype=torch.int32)
     for t in range(q_len):
-        alone = cpu_backend._attention(
-            c.q[t : t + 1],
-            c.k_cache,
-            c.v_cache,
-            c.block_tables,
-            one,
-            torch.tensor([ctx - q_len + t + 1], dtype=torch.int32),
-            c.scale,
-            window,
-            softcap,
-            None,
-            kernels,
-        )
+        at = torch.tensor([ctx - q_len + t + 1], dtype=torch.int32)
+        alone = run(c.q[t : t + 1], *paged, one, at, c.scale, window, softcap, None, kernels)
         assert torch.equal(alone[0], together[t]), f"query {t}: {(alone[0] - together[t]).abs().max()}"

@@ -293,15 +293,16 @@ LENS = (1, 4, 5, 9, 12, 30)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, arch: str) -> None:
-    """Outputs and written K/V rows are bitwise the op-by-op chain's, for 1-4 rows, on 1 and 2 threads, for
-    Llama's layer, Qwen 3's (q/k norms) and Gemma 3's."""
+    """Outputs and written K/V rows are bitwise the op-by-op chain's, for 1-4 rows, on 1, 2 and 3 threads, for
+    Llama's layer, Qwen 3's (q/k norms) and Gemma 3's. (On 3 threads one or two rows' 2 or 4 (row, KV head) items
+    would leave a thread idle: the step cuts each KV head's query heads into items of their own.)"""
     c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
     for seed, lens in enumerate([LENS[-rows:], LENS[:rows][::-1]]):
         case = make_case(rows, dtype, seed, lens, gemma=arch == "gemma3", qk_norms=arch == "qwen3")
         ref_case = with_fresh_caches(case)
         want = reference(ref_case)
         assert not want.isnan().any()
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             got_case = with_fresh_caches(case)
             got = native(got_case, dtype, num_threads=threads, prefetch=threads == 2)
             assert_same(got, want)

@@ -175,6 +175,8 @@ typedef struct {
 
 typedef struct {
   int64_t seq, kv_head, first_token, num_tokens; /* tokens first_token .. + num_tokens of the sequence's queries */
+  int64_t first_head, num_group_heads; /* of the KV head's group of query heads: these (all G but in a decode
+                                        * step that splits a group over threads, cpu_decode.c) */
 } item_t;
 
 typedef struct {
@@ -350,9 +352,9 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
   float sc[MAX_ROWS][MAX_BLOCK_SIZE];
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
   int64_t lo[MAX_ROWS], hi[MAX_ROWS]; /* row r sees keys lo[r] .. hi[r] */
-  /* Row r = t * G + g: query token first_token + t, query head h * G + g. */
+  /* Row r = t * n + i (n = num_group_heads): query token first_token + t, query head h * G + first_head + i. */
   for (int r = 0; r < R; ++r) {
-    const int64_t t = it->first_token + r / G, head = h * G + r % G;
+    const int64_t n = it->num_group_heads, t = it->first_token + r / n, head = h * G + it->first_head + r % n;
     const scalar_t *qr = p->q + ((q_start + t) * p->num_heads + head) * D;
     for (int64_t d = 0; d < D; ++d) {
       qf[r][d] = load1(qr + d) * p->scale;
@@ -440,7 +442,7 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     t0 += n;
   }
   for (int r = 0; r < R; ++r) {
-    const int64_t t = it->first_token + r / G, head = h * G + r % G;
+    const int64_t n = it->num_group_heads, t = it->first_token + r / n, head = h * G + it->first_head + r % n;
     scalar_t *o = p->out + ((q_start + t) * p->num_heads + head) * D;
     const float inv = 1.f / l[r]; /* l > 0: every row sees at least its own key */
     for (int64_t d = 0; d < D; ++d) o[d] = store1(acc[r][d] * inv);
@@ -509,7 +511,7 @@ int pagoda_paged_attention(const void *q, void *out, const void *k_cache, const 
     const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t t = 0; t < q_len; t += tile) {
-        items[n] = (item_t){s, h, t, q_len - t < tile ? q_len - t : tile};
+        items[n] = (item_t){s, h, t, q_len - t < tile ? q_len - t : tile, 0, G};
         cost[n] = item_cost(&p, &items[n]);
         total += cost[n++];
       }

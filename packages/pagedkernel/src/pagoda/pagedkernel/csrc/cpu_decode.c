@@ -217,6 +217,18 @@ static void rotate_and_write(const scalar_t *qkv_row, scalar_t *qrow_r, int64_t 
   }
 }
 
+/* Items per (row, KV head) of a one-token step: 1 when there are as many (row, KV head) items as threads, else
+ * the fewest equal cuts of the G query heads that give every thread an item (a single KV head, as Gemma 3 270M's,
+ * left one of two threads idle through every layer's attention). Cutting 3 KV heads for 2 threads (SmolLM2's)
+ * measured slower than one thread attending twice: the items' cost is the keys they read, and the cut adds a
+ * barrier. */
+static int64_t head_parts(int64_t pairs, int64_t G, int64_t threads) {
+  if (pairs >= threads) return 1;
+  for (int64_t p = 2; p < G; p++)
+    if (G % p == 0 && pairs * p >= threads) return p;
+  return G;
+}
+
 /* Run `num_layers` decoder layers over x ([rows, hidden], updated in place: the residual stream after the last
  * layer, before the final norm). Sequence s's new tokens are rows query_start_loc[s] .. query_start_loc[s + 1]
  * (num_seqs sequences; one row each in a plain decode step, the token and its drafts in a speculative one); in a
@@ -241,12 +253,16 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     return 1;
   for (int64_t s = 0; s < num_seqs; s++)
     if (query_start_loc[s + 1] <= query_start_loc[s]) return 1;
-  /* one token per sequence: each (row, KV head) item writes its key and attends at once; otherwise every key of
-   * the step is written first (a barrier), then the attention items run */
-  const int one_token = num_seqs == rows;
-  const int64_t tile = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
   if (num_threads < 1) num_threads = 1;
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+  /* One token per sequence: each (row, KV head) item writes its key and attends at once, unless there are fewer
+   * of those items than threads (one stream of a model with a single KV head: one thread attends alone); then each
+   * KV head's query heads are cut into `parts` items, as
+   * several tokens per sequence are: every key of the step is written first (a barrier), then the attention items
+   * run. A row's output does not depend on the rows its item holds (cpu_attention.c), so neither on the cut. */
+  const int64_t parts = num_seqs == rows ? head_parts(rows * num_kv_heads, G, num_threads) : 1;
+  const int one_token = num_seqs == rows && parts == 1;
+  const int64_t tile = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
   const int64_t widest = hidden > inner ? (hidden > q_size ? hidden : q_size) : (inner > q_size ? inner : q_size);
   /* shared: the step's QKV, attention output, O output, activation and down output, and (several tokens per
    * sequence) the rotated query rows, which other threads' attention items read; and the claim counters, each on
@@ -258,16 +274,19 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
   /* the attention items: (sequence, KV head, first token, tokens), as pagoda_paged_attention cuts them */
   int64_t num_items = 0;
   for (int64_t s = 0; s < num_seqs; s++)
-    num_items += num_kv_heads * ((query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile);
+    num_items += num_kv_heads * parts * ((query_start_loc[s + 1] - query_start_loc[s] + tile - 1) / tile);
   item_t *items = malloc(sizeof(item_t) * (size_t)num_items);
   if (!counters || !buf || !items) {
     free(counters), free(buf), free(items);
     return 2;
   }
+  const int64_t part_heads = (G + parts - 1) / parts;
   for (int64_t s = 0, i = 0; s < num_seqs; s++) {
     const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
     for (int64_t kh = 0; kh < num_kv_heads; kh++)
-      for (int64_t t = 0; t < q_len; t += tile) items[i++] = (item_t){s, kh, t, q_len - t < tile ? q_len - t : tile};
+      for (int64_t t = 0; t < q_len; t += tile)
+        for (int64_t g0 = 0; g0 < G; g0 += part_heads)
+          items[i++] = (item_t){s, kh, t, q_len - t < tile ? q_len - t : tile, g0, G - g0 < part_heads ? G - g0 : part_heads};
   }
   scalar_t *qkv = buf, *att = qkv + rows * qkv_n, *o = att + rows * q_size, *act = o + rows * hidden;
   scalar_t *down = act + rows * inner, *qshared = down + rows * hidden;
@@ -342,7 +361,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
           team_barrier();
           p.q = qshared;
           while (claim(count + 8, num_items, nthreads, 1, 1, &j0) > 0)
-            decode_attend(&p, &items[j0], items[j0].num_tokens * G);
+            decode_attend(&p, &items[j0], items[j0].num_tokens * items[j0].num_group_heads);
         }
         if (prefetch) prefetch_share(&wo, q_size, thread, nthreads, 1 << 18);
         team_barrier();
