@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -47,3 +48,32 @@ def in_background(fn: Callable[[], object]) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
     return thread
+
+
+@contextmanager
+def generating(base_url: str, headers: dict[str, str], body: dict[str, Any]) -> Iterator[threading.Thread]:
+    """A completion (`body`, streamed) running until the block ends, then aborted by closing its connection.
+
+    A request that lasts as long as the test needs it, on any machine: a fixed `max_tokens` of a tiny model can be
+    done within one dashboard period on a fast one (what made the dashboard tests flaky), so give it a large one."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with (
+            httpx.Client(timeout=300) as client,
+            client.stream(
+                "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, headers=headers
+            ) as response,
+        ):
+            assert response.status_code == 200, response.read()
+            for _ in response.iter_lines():
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join(120)

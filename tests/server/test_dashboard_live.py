@@ -8,28 +8,31 @@ from typing import Any
 
 import httpx
 import pytest
-from dashboard_support import KEY, counts, in_background, wait_for_frame
+from dashboard_support import KEY, counts, generating, wait_for_frame
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = " ".join(f"w{i}" for i in range(40))  # about 150 tokens: several blocks of 16
+MAX_LEN = 16384
+LONG = MAX_LEN - 512  # tokens a request may run for: far longer than any test waits (each is aborted)
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
-    server = LiveServer(model, "--api-key", KEY, "--max-model-len", "2048", "--log-level", "info")
+    model = make_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=MAX_LEN
+    )
+    server = LiveServer(model, "--api-key", KEY, "--max-model-len", str(MAX_LEN), "--log-level", "info")
     try:
         yield server
     finally:
         assert server.stop() == 0
 
 
-def _complete(live: LiveServer, prompt: str, max_tokens: int, **extra: Any) -> None:
-    body = {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
-    r = httpx.post(f"{live.base_url}/v1/completions", json=body, headers=AUTH, timeout=300)
-    assert r.status_code == 200, r.text
+def _body(prompt: str, **extra: Any) -> dict[str, Any]:
+    """A long completion of `prompt` (aborted by `generating` once the test has seen what it waits for)."""
+    return {"model": "test-model", "prompt": prompt, "max_tokens": LONG, "ignore_eos": True, **extra}
 
 
 def test_without_the_key_a_401_and_no_data(live: LiveServer) -> None:
@@ -74,18 +77,17 @@ def test_query_key_sets_a_cookie_redirects_to_the_clean_url_and_is_never_logged(
 
 
 def test_map_shows_used_blocks_while_running_and_none_after(live: LiveServer) -> None:
-    thread = in_background(lambda: _complete(live, PROMPT, 1500))
-    running = wait_for_frame(
-        live.base_url,
-        AUTH,
-        lambda f: bool(f["replicas"][0]["queues"]["running"]) and counts(f)["owned"] > 0,
-    )
+    with generating(live.base_url, AUTH, _body(PROMPT)):
+        running = wait_for_frame(
+            live.base_url,
+            AUTH,
+            lambda f: bool(f["replicas"][0]["queues"]["running"]) and counts(f)["owned"] > 0,
+        )
     replica = running["replicas"][0]
     (row,) = replica["queues"]["running"]
     request_id, computed, total, prompt_len = row[:4]
     assert computed <= total and prompt_len > 16
     assert request_id in replica["tables"]
-    thread.join(300)
     idle = wait_for_frame(
         live.base_url,
         AUTH,
@@ -98,22 +100,19 @@ def test_map_shows_used_blocks_while_running_and_none_after(live: LiveServer) ->
 
 
 def test_n4_and_a_repeated_prefix_show_shared_blocks(live: LiveServer) -> None:
-    fork = in_background(lambda: _complete(live, "fork " + PROMPT, 600, n=4, temperature=1.0))
-    frame = wait_for_frame(live.base_url, AUTH, lambda f: counts(f)["shared"] > 0)
+    with generating(live.base_url, AUTH, _body("fork " + PROMPT, n=4, temperature=1.0)):
+        frame = wait_for_frame(live.base_url, AUTH, lambda f: counts(f)["shared"] > 0)
     refs = frame["replicas"][0]["refs"]
     assert max(refs[0::2]) >= 4  # the prompt's blocks are held by all four samples
-    fork.join(300)
     wait_for_frame(live.base_url, AUTH, lambda f: f["stats"]["running"] == 0)
     prefix = "shared system prompt " + PROMPT
-    first = in_background(lambda: _complete(live, prefix + " question one", 1500))
-    wait_for_frame(live.base_url, AUTH, lambda f: f["stats"]["running"] == 1)
-    second = in_background(lambda: _complete(live, prefix + " question two", 200))
-    frame = wait_for_frame(
-        live.base_url, AUTH, lambda f: f["stats"]["running"] == 2 and counts(f)["shared"] > 0
-    )
+    with generating(live.base_url, AUTH, _body(prefix + " question one")):
+        wait_for_frame(live.base_url, AUTH, lambda f: f["stats"]["running"] == 1)
+        with generating(live.base_url, AUTH, _body(prefix + " question two")):
+            frame = wait_for_frame(
+                live.base_url, AUTH, lambda f: f["stats"]["running"] == 2 and counts(f)["shared"] > 0
+            )
     tables = frame["replicas"][0]["tables"]
     assert len(tables) == 2
     a, b = tables.values()
     assert a[0] == b[0]  # both tables start at the same (shared) block
-    second.join(300)
-    first.join(300)

@@ -7,30 +7,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from dashboard_support import KEY, counts, in_background, wait_for_frame
+from dashboard_support import KEY, counts, generating, wait_for_frame
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 READY_S = 300  # two engine-core processes start a fresh interpreter each on a busy machine
-FLAGS = ("--max-model-len", "2048", "--max-num-seqs", "8", "--log-level", "info", "--api-key", KEY)
+MAX_LEN = 16384
+FLAGS = ("--max-model-len", str(MAX_LEN), "--max-num-seqs", "8", "--log-level", "info", "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """Two engine-core replicas, round robin: consecutive requests land on both."""
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
+    model = make_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=MAX_LEN
+    )
     flags = (*FLAGS, "--data-parallel-size", "2", "--routing-policy", "round_robin")
     with serving(Path(model), *flags, ready_timeout=READY_S) as live:
         yield live
 
 
-def _complete(live: LiveServer, prompt: str, max_tokens: int) -> None:
-    body = {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    r = httpx.post(f"{live.base_url}/v1/completions", json=body, headers=AUTH, timeout=300)
-    assert r.status_code == 200, r.text
+def _body(prompt: str) -> dict[str, Any]:
+    """A completion far longer than the test waits (`generating` aborts it once the frame was seen)."""
+    return {"model": "test-model", "prompt": prompt, "max_tokens": MAX_LEN - 512, "ignore_eos": True}
 
 
 def _both_busy(frame: dict[str, Any]) -> bool:
@@ -46,17 +47,17 @@ def _both_busy(frame: dict[str, Any]) -> bool:
 def test_each_replica_shows_its_own_block_map(dp2: LiveServer) -> None:
     """A request on each replica: both maps show used blocks, each table in its own replica's map; none after."""
     prompt = " ".join(f"w{i}" for i in range(40))
-    first = in_background(lambda: _complete(dp2, "one " + prompt, 1500))
-    second = in_background(lambda: _complete(dp2, "two " + prompt, 1500))
-    frame = wait_for_frame(dp2.base_url, AUTH, _both_busy)
+    with (
+        generating(dp2.base_url, AUTH, _body("one " + prompt)),
+        generating(dp2.base_url, AUTH, _body("two " + prompt)),
+    ):
+        frame = wait_for_frame(dp2.base_url, AUTH, _both_busy)
     replicas = frame["replicas"]
     assert [r["replica"] for r in replicas] == [0, 1]
     for r in replicas:
         ((request_id, *_),) = r["queues"]["running"]
         assert list(r["tables"]) == [request_id]  # the map of the replica running it, and only that one
         assert r["num_blocks"] > 0 and r["block_size"] == 16
-    first.join(300)
-    second.join(300)
     idle = wait_for_frame(
         dp2.base_url,
         AUTH,

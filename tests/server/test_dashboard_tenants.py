@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-from dashboard_support import in_background, wait_for_frame
+from dashboard_support import generating, wait_for_frame
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer
 
 ALICE, BOB, ADMIN = "sk-dash-alice", "sk-dash-bob", "sk-dash-admin"
+MAX_LEN = 16384
 
 
 def auth(key: str) -> dict[str, str]:
@@ -23,8 +23,10 @@ def auth(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """Two tenant keys and an admin key."""
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=4096)
-    flags = ["--api-key", ALICE, "--api-key", BOB, "--admin-api-key", ADMIN, "--max-model-len", "2048"]
+    model = make_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=MAX_LEN
+    )
+    flags = ["--api-key", ALICE, "--api-key", BOB, "--admin-api-key", ADMIN, "--max-model-len", str(MAX_LEN)]
     server = LiveServer(model, *flags)
     try:
         yield server
@@ -32,10 +34,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         assert server.stop() == 0
 
 
-def _complete(live: LiveServer, key: str, prompt: str) -> None:
-    body = {"model": "test-model", "prompt": prompt, "max_tokens": 1800, "ignore_eos": True}
-    r = httpx.post(f"{live.base_url}/v1/completions", json=body, headers=auth(key), timeout=300)
-    assert r.status_code == 200, r.text
+def _body(prompt: str) -> dict[str, Any]:
+    """A completion far longer than the test waits (`generating` aborts it once the frames were seen)."""
+    return {"model": "test-model", "prompt": prompt, "max_tokens": MAX_LEN - 512, "ignore_eos": True}
 
 
 def rows(frame: dict[str, Any]) -> list[list[Any]]:
@@ -45,28 +46,26 @@ def rows(frame: dict[str, Any]) -> list[list[Any]]:
 
 
 def test_each_key_sees_its_own_requests_and_the_admin_all(live: LiveServer) -> None:
-    threads = [
-        in_background(lambda: _complete(live, ALICE, "alice " * 30)),
-        in_background(lambda: _complete(live, BOB, "bob " * 30)),
-    ]
-    admin = wait_for_frame(
-        live.base_url, auth(ADMIN), lambda f: len(f["replicas"][0]["queues"]["running"]) == 2
-    )
-    assert len(admin["replicas"][0]["tables"]) == 2
-    views = {}
-    for key in (ALICE, BOB):
-        # A frame while both still run: the anonymous map counts both requests' blocks.
-        frame = wait_for_frame(live.base_url, auth(key), lambda f: f["stats"]["running"] == 2)
-        views[key] = frame
-        mine = rows(frame)
-        assert len(mine) == 1, mine
-        assert len(frame["replicas"][0]["tables"]) == 1
-        assert set(frame["replicas"][0]["tables"]) == {mine[0][0]}
-        assert frame["replicas"][0]["counts"]["owned"] >= 2  # the map is whole
+    with (
+        generating(live.base_url, auth(ALICE), _body("alice " * 30)),
+        generating(live.base_url, auth(BOB), _body("bob " * 30)),
+    ):
+        admin = wait_for_frame(
+            live.base_url, auth(ADMIN), lambda f: len(f["replicas"][0]["queues"]["running"]) == 2
+        )
+        assert len(admin["replicas"][0]["tables"]) == 2
+        views = {}
+        for key in (ALICE, BOB):
+            # A frame while both still run: the anonymous map counts both requests' blocks.
+            frame = wait_for_frame(live.base_url, auth(key), lambda f: f["stats"]["running"] == 2)
+            views[key] = frame
+            mine = rows(frame)
+            assert len(mine) == 1, mine
+            assert len(frame["replicas"][0]["tables"]) == 1
+            assert set(frame["replicas"][0]["tables"]) == {mine[0][0]}
+            assert frame["replicas"][0]["counts"]["owned"] >= 2  # the map is whole
     assert rows(views[ALICE])[0][0] != rows(views[BOB])[0][0]
     assert {rows(views[ALICE])[0][0], rows(views[BOB])[0][0]} == {row[0] for row in rows(admin)}
-    for thread in threads:
-        thread.join(timeout=300)
 
 
 def test_owners_keep_a_request_until_a_frame_has_shown_it_and_it_left() -> None:

@@ -43,6 +43,15 @@ typedef float v8f __attribute__((vector_size(32)));
 
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* a * b + c for one float, fused as fma8 is. */
+static inline float fma1(float a, float b, float c) {
+#if defined(__FMA__)
+  return fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 /* a * b + c, one rounding where the build has FMA instructions (two otherwise, on every path alike). */
 static inline v8f fma8(v8f a, v8f b, v8f c) {
 #if defined(__FMA__)
@@ -146,18 +155,18 @@ static inline v8f exp8(v8f x) {
   const v8f lo = (v8f){0} - 87.0f; /* below this expf underflows to (nearly) 0 */
   const v8i under = x < lo;
   x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
-  const v8f t = x * 1.44269504088896341f + 0.5f;
+  const v8f t = fma8(x, splat8(1.44269504088896341f), splat8(0.5f));
   v8i n = __builtin_convertvector(t, v8i); /* truncation; floor for negative t below */
   n += (v8i)(__builtin_convertvector(n, v8f) > t); /* true is -1 */
   const v8f fn = __builtin_convertvector(n, v8f);
-  const v8f r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  v8f y = 1.9875691500E-4f + r * 0.f;
-  y = y * r + 1.3981999507E-3f;
-  y = y * r + 8.3334519073E-3f;
-  y = y * r + 4.1665795894E-2f;
-  y = y * r + 1.6666665459E-1f;
-  y = y * r + 5.0000001201E-1f;
-  y = y * (r * r) + r + 1.f;
+  const v8f r = fma8(fn, splat8(2.12194440e-4f), fma8(fn, splat8(-0.693359375f), x));
+  v8f y = fma8(r, splat8(0.f), splat8(1.9875691500E-4f));
+  y = fma8(y, r, splat8(1.3981999507E-3f));
+  y = fma8(y, r, splat8(8.3334519073E-3f));
+  y = fma8(y, r, splat8(4.1665795894E-2f));
+  y = fma8(y, r, splat8(1.6666665459E-1f));
+  y = fma8(y, r, splat8(5.0000001201E-1f));
+  y = fma8(y, r * r, r) + 1.f;
   const v8i scale = (n + 127) << 23;
   return (v8f)((v8i)(y * (v8f)scale) & ~under);
 }
@@ -195,8 +204,8 @@ typedef struct {
  * speculative step verifies a token and its drafts in items of several rows where plain decoding computed each
  * token in an item of its own, and its tokens must be bitwise plain decoding's. The order of one row: with
  * AVX-512 and D >= 32, 32 columns a step into two 16-lane sums, added; where D is a multiple of 32 the 16 lanes
- * reduced as hsum4x16 reduces them (four rows at once, a row left over padded with zero rows: its lane is the same
- * sum); otherwise those 16 lanes become the two 8-lane sums the loops below go on with: 16 columns a step, then 8,
+ * reduced as hsum4x16 reduces them (four rows at once, the rows left over padded with zero rows: each lane is
+ * the same sum); otherwise those 16 lanes become the two 8-lane sums the loops below go on with: 16 columns a step, then 8,
  * reduced by hsum. */
 static inline __attribute__((always_inline)) void qk_rows(const int R, const int64_t D, float (*qf)[MAX_HEAD_DIM],
                                                           const cache_t *kr, int64_t j,
@@ -225,9 +234,12 @@ static inline __attribute__((always_inline)) void qk_rows(const int R, const int
         _mm_storeu_ps(sums, hsum4x16(w + r));
         for (int i = 0; i < 4; ++i) sc[r + i][j] = sums[i];
       }
-      for (; r < R; ++r) {
-        const v16f one[4] = {w[r], (v16f){0}, (v16f){0}, (v16f){0}};
-        sc[r][j] = _mm_cvtss_f32(hsum4x16(one));
+      if (r < R) { /* the 1-3 rows left, padded with zero rows into one more reduction */
+        v16f rest[4] = {(v16f){0}, (v16f){0}, (v16f){0}, (v16f){0}};
+        for (int i = 0; r + i < R; ++i) rest[i] = w[r + i];
+        float sums[4];
+        _mm_storeu_ps(sums, hsum4x16(rest));
+        for (int i = 0; r + i < R; ++i) sc[r + i][j] = sums[i];
       }
       return;
     }
@@ -432,7 +444,7 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
         storef(sc[r] + j, e);
         sum += e;
       }
-      l[r] = l[r] * corr[r] + hsum(sum);
+      l[r] = fma1(l[r], corr[r], hsum(sum));
       m[r] = new_m;
 #ifdef PAGODA_KV_INT8
       for (int64_t j = 0; j < n; ++j) sc[r][j] *= sv[j]; /* each key's V scale, applied to its weight */
