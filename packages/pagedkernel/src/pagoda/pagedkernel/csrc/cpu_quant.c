@@ -870,23 +870,54 @@ INLINE void one_row_columns_vnni(const int64_t type, const uint8_t *weight, int6
   }
 }
 #else
+/* acc_step on the AVX2 path for a block whose two scales are one (d): the same lanes (|w| times x with w's signs,
+ * pair sums), and prepare_v's lane scale times dx is d * dx in every lane, so one broadcast of that product gives
+ * the same bits as the prepared block did, without preparing it. */
+INLINE __m256 one_row_step(__m256 acc, __m256i w, float d, __m256i xv, float dx) {
+  const __m256i lanes =
+      _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), _mm256_set1_epi16(1));
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx)));
+}
+
+/* matmul_columns for one row on the AVX2 path: two columns at a time (two independent sum chains, x's block loaded
+ * once for both) with the weights prefetched ahead, as the VNNI path goes. Measured on a 2-core AMD EPYC Zen 4
+ * built for x86-64-v3, Gemma 3 270M's fused 262k-row Q8_0 head was 37% of a one-stream step (10.2 ms): the
+ * per-block work, not the bytes, set its pace. */
 INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                             const int8_t *xq, const float *xd, const int32_t *xs, void *y, int y_bf16) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t blocks = k / QK, row_bytes = blocks * bytes;
-  for (int64_t j = j0; j < j1; j++) {
-    const uint8_t *wrow = weight + j * row_bytes;
-    facc a = acc_zero();
-    float o = 0.0f; /* without a minimum an offset sum of zero, as matmul_columns adds: the same zero's sign */
+  int64_t j = j0;
+  prefetch_start(weight + j0 * row_bytes);
+  for (; j + 2 <= j1; j += 2) {
+    const uint8_t *w0 = weight + j * row_bytes, *w1 = w0 + row_bytes;
+    prefetch_ahead(w0, 2 * row_bytes);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float o0 = 0.0f, o1 = 0.0f; /* without a minimum an offset sum of zero, as matmul_columns adds */
     for (int64_t b = 0; b < blocks; b++) {
-      float d, m = 0.0f;
-      const __m256i w = block32(type, wrow + b * bytes, &d, &m);
-      const wprep p = prepare_v(w, d, d);
-      a = acc_step(a, &p, xq + b * QK, xd[b]);
-      ONE_ROW_OFFSET(o, m, b);
+      float d0, d1, m0 = 0.0f, m1 = 0.0f;
+      const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0), v1 = block32(type, w1 + b * bytes, &d1, &m1);
+      const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+      a0 = one_row_step(a0, v0, d0, xv, xd[b]);
+      a1 = one_row_step(a1, v1, d1, xv, xd[b]);
+      ONE_ROW_OFFSET(o0, m0, b);
+      ONE_ROW_OFFSET(o1, m1, b);
     }
-    store_output(a, o, y, j, y_bf16);
+    store_output(a0, o0, y, j, y_bf16);
+    store_output(a1, o1, y, j + 1, y_bf16);
+  }
+  for (; j < j1; j++) {
+    const uint8_t *w0 = weight + j * row_bytes;
+    __m256 a0 = _mm256_setzero_ps();
+    float o0 = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+      float d0, m0 = 0.0f;
+      const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0);
+      a0 = one_row_step(a0, v0, d0, _mm256_loadu_si256((const __m256i *)(xq + b * QK)), xd[b]);
+      ONE_ROW_OFFSET(o0, m0, b);
+    }
+    store_output(a0, o0, y, j, y_bf16);
   }
 }
 #endif
