@@ -113,7 +113,7 @@ static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1,
 #if PATH >= 1
   if (rows == 1 && ONE_ROW_TYPE(type)) {
 #if PATH == 2
-#define ONE_ROW(T) one_row_columns_vnni(T, w, j0, j1, k, qx->xb, qx->d, qx->s, y, y_bf16)
+#define ONE_ROW(T) one_row_columns(T, w, j0, j1, k, qx->xb, qx->d, qx->s, y, y_bf16)
 #else
 #define ONE_ROW(T) one_row_columns(T, w, j0, j1, k, qx->q, qx->d, qx->s, y, y_bf16)
 #endif

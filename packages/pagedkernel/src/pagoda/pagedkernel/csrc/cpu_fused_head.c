@@ -128,7 +128,7 @@ static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight
     const int64_t len = j1 - j0;
 #if PATH == 2
     const xblock *xb = (const xblock *)xb_any;
-#define ONE_ROW(T) one_row_columns_vnni(T, w, 0, len, k, xb, xd, xs, y, y_bf16)
+#define ONE_ROW(T) one_row_columns(T, w, 0, len, k, xb, xd, xs, y, y_bf16)
 #else
     (void)xb_any;
 #define ONE_ROW(T) one_row_columns(T, w, 0, len, k, xq, xd, xs, y, y_bf16)

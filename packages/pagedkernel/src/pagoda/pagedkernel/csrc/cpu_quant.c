@@ -800,10 +800,6 @@ INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d, float *m)
     else ONE_ROW(Q4_0);                  \
   } while (0)
 
-/* matmul_columns for one row of x and a 32-element format (Q4_0, Q5_0, Q8_0, and Q5_1 with its minima's sums in
- * the same order), every block kept in registers (no unpack buffer, no prepared array): the same integer lanes and
- * the same float steps in the same order, so the same y, bit for bit. A decode step's matmuls are all one row, and
- * the tied LM head (Q8_0 in the default model's file) is most of the bytes a step reads. */
 #if PATH == 2
 /* One block of the row of x as the VNNI one-row path reads it: the signed q, and each lane's -128 times the sum
  * of its four q. Then vpdpbusd(bias, w + 128, q) is the lane's sum of q w exactly (w + 128 is w ^ 0x80 as an
@@ -830,45 +826,9 @@ INLINE __m256 one_row_step(__m256 acc, __m256i w, float d, const xblock *xb, flo
   return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx)));
 }
 
-/* one_row_columns on the VNNI path: two columns at a time (two independent sum chains, x's block read once for
- * both). Measured on a Sapphire Rapids Xeon, the default model's Q8_0 LM head (262,144 x 640, 178 MB, two
- * threads): 12.5 -> 7.4 ms, 24 GB/s, about what two cores read there. */
-INLINE void one_row_columns_vnni(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
-                                 const xblock *xb, const float *xd, const int32_t *xs, void *y, int y_bf16) {
-  int elems, bytes, has_offset;
-  type_info(type, &elems, &bytes, &has_offset);
-  const int64_t blocks = k / QK, row_bytes = blocks * bytes;
-  int64_t j = j0;
-  prefetch_start(weight + j0 * row_bytes);
-  for (; j + 2 <= j1; j += 2) {
-    const uint8_t *w0 = weight + j * row_bytes, *w1 = w0 + row_bytes;
-    prefetch_ahead(w0, 2 * row_bytes);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    float o0 = 0.0f, o1 = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-      float d0, d1, m0 = 0.0f, m1 = 0.0f;
-      const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0), v1 = block32(type, w1 + b * bytes, &d1, &m1);
-      a0 = one_row_step(a0, v0, d0, xb + b, xd[b]);
-      a1 = one_row_step(a1, v1, d1, xb + b, xd[b]);
-      ONE_ROW_OFFSET(o0, m0, b);
-      ONE_ROW_OFFSET(o1, m1, b);
-    }
-    store_output(a0, o0, y, j, y_bf16);
-    store_output(a1, o1, y, j + 1, y_bf16);
-  }
-  for (; j < j1; j++) {
-    const uint8_t *w0 = weight + j * row_bytes;
-    __m256 a0 = _mm256_setzero_ps();
-    float o0 = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-      float d0, m0 = 0.0f;
-      const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0);
-      a0 = one_row_step(a0, v0, d0, xb + b, xd[b]);
-      ONE_ROW_OFFSET(o0, m0, b);
-    }
-    store_output(a0, o0, y, j, y_bf16);
-  }
-}
+/* x's block b as the VNNI one-row step reads it (a row's prepared form, `xrow_t` its element). */
+typedef xblock xrow_t;
+INLINE const xblock *x_at(const xrow_t *x, int64_t b) { return x + b; }
 #else
 /* acc_step on the AVX2 path for a block whose two scales are one (d): the same lanes (|w| times x with w's signs,
  * pair sums), and prepare_v's lane scale times dx is d * dx in every lane, so one broadcast of that product gives
@@ -879,12 +839,23 @@ INLINE __m256 one_row_step(__m256 acc, __m256i w, float d, __m256i xv, float dx)
   return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx)));
 }
 
-/* matmul_columns for one row on the AVX2 path: two columns at a time (two independent sum chains, x's block loaded
- * once for both) with the weights prefetched ahead, as the VNNI path goes. Measured on a 2-core AMD EPYC Zen 4
- * built for x86-64-v3, Gemma 3 270M's fused 262k-row Q8_0 head was 37% of a one-stream step (10.2 ms): the
- * per-block work, not the bytes, set its pace. */
+/* x's block b as the AVX2 one-row step reads it (the quantized row itself, `xrow_t` its element). */
+typedef int8_t xrow_t;
+INLINE __m256i x_at(const xrow_t *x, int64_t b) { return _mm256_loadu_si256((const __m256i *)(x + b * QK)); }
+#endif
+
+/* matmul_columns for one row of x (its one-row form: prepared blocks on the VNNI path, the quantized row on AVX2)
+ * and a 32-element format (Q4_0, Q5_0, Q8_0, and Q5_1 with its minima's sums in the same order), every block kept
+ * in registers (no unpack buffer, no prepared weight array): the same integer lanes and the same float steps in
+ * the same order, so the same y, bit for bit. Two columns at a time (two independent sum chains, x's block read
+ * once for both), the weights prefetched ahead. A decode step's matmuls are all one row, and the tied LM head
+ * (Q8_0 in the default model's file) is most of the bytes a step reads. Measured: on a Sapphire Rapids Xeon
+ * (VNNI), the default model's Q8_0 LM head (262,144 x 640, 178 MB, two threads) 12.5 -> 7.4 ms, 24 GB/s, about
+ * what two cores read there; on a 2-core AMD EPYC Zen 4 built for x86-64-v3 (AVX2), where that head, fused with
+ * the draw, was 37% of a one-stream step (10.2 ms) and its per-block work set the pace, the step 9.0 -> 8.4-8.8 ms
+ * (the AVX2 form had gone one column at a time, a prepared block each, without prefetching). */
 INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
-                            const int8_t *xq, const float *xd, const int32_t *xs, void *y, int y_bf16) {
+                            const xrow_t *x, const float *xd, const int32_t *xs, void *y, int y_bf16) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
   const int64_t blocks = k / QK, row_bytes = blocks * bytes;
@@ -898,9 +869,8 @@ INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j
     for (int64_t b = 0; b < blocks; b++) {
       float d0, d1, m0 = 0.0f, m1 = 0.0f;
       const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0), v1 = block32(type, w1 + b * bytes, &d1, &m1);
-      const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-      a0 = one_row_step(a0, v0, d0, xv, xd[b]);
-      a1 = one_row_step(a1, v1, d1, xv, xd[b]);
+      a0 = one_row_step(a0, v0, d0, x_at(x, b), xd[b]);
+      a1 = one_row_step(a1, v1, d1, x_at(x, b), xd[b]);
       ONE_ROW_OFFSET(o0, m0, b);
       ONE_ROW_OFFSET(o1, m1, b);
     }
@@ -914,13 +884,12 @@ INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j
     for (int64_t b = 0; b < blocks; b++) {
       float d0, m0 = 0.0f;
       const __m256i v0 = block32(type, w0 + b * bytes, &d0, &m0);
-      a0 = one_row_step(a0, v0, d0, _mm256_loadu_si256((const __m256i *)(xq + b * QK)), xd[b]);
+      a0 = one_row_step(a0, v0, d0, x_at(x, b), xd[b]);
       ONE_ROW_OFFSET(o0, m0, b);
     }
     store_output(a0, o0, y, j, y_bf16);
   }
 }
-#endif
 #endif
 
 #if PATH >= 1
@@ -1095,7 +1064,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
       return 2;
     }
     prepare_x(xq, xblocks, xb);
-#define ONE_ROW(T) one_row_columns_vnni(T, weight, j0, j1, k, xb, xd, xs, y, (int)y_bf16)
+#define ONE_ROW(T) one_row_columns(T, weight, j0, j1, k, xb, xd, xs, y, (int)y_bf16)
 #else
 #define ONE_ROW(T) one_row_columns(T, weight, j0, j1, k, xq, xd, xs, y, (int)y_bf16)
 #endif
