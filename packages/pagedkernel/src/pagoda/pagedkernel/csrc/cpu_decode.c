@@ -257,10 +257,11 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
   /* One token per sequence: each (row, KV head) item writes its key and attends at once, unless there are fewer
    * of those items than threads (one stream of a model with a single KV head: one thread attends alone); then each
-   * KV head's query heads are cut into `parts` items, as
-   * several tokens per sequence are: every key of the step is written first (a barrier), then the attention items
-   * run. A row's output does not depend on the rows its item holds (cpu_attention.c), so neither on the cut. */
-  const int64_t parts = num_seqs == rows ? head_parts(rows * num_kv_heads, G, num_threads) : 1;
+   * KV head's query heads are cut into items of part_heads, and the step goes as several tokens per sequence do:
+   * every key of the step is written first (a barrier), then the attention items run. A row's output does not
+   * depend on the rows its item holds (cpu_attention.c), so neither on the cut. */
+  const int64_t cuts = num_seqs == rows ? head_parts(rows * num_kv_heads, G, num_threads) : 1;
+  const int64_t part_heads = (G + cuts - 1) / cuts, parts = (G + part_heads - 1) / part_heads;
   const int one_token = num_seqs == rows && parts == 1;
   const int64_t tile = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
   const int64_t widest = hidden > inner ? (hidden > q_size ? hidden : q_size) : (inner > q_size ? inner : q_size);
@@ -280,7 +281,6 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     free(counters), free(buf), free(items);
     return 2;
   }
-  const int64_t part_heads = (G + parts - 1) / parts;
   for (int64_t s = 0, i = 0; s < num_seqs; s++) {
     const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
     for (int64_t kh = 0; kh < num_kv_heads; kh++)
