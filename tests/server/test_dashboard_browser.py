@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from cdp import Browser
-from dashboard_support import KEY, in_background
+from dashboard_support import KEY, generating, in_background
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer
 
@@ -77,22 +77,27 @@ def test_page_loads_with_the_key_and_without_it_shows_nothing(browser: Browser, 
     )
 
 
+def _body(prompt: str, max_tokens: int = 1800, **extra: Any) -> dict[str, Any]:
+    """A completion longer than the test waits for (`generating` aborts it once the page showed what it should):
+    a fixed short one can finish within one frame on a fast machine."""
+    return {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
 def test_map_shows_used_blocks_while_requests_run_and_none_after(browser: Browser, live: LiveServer) -> None:
     _login(browser, live)
-    thread = in_background(lambda: _complete(live, PROMPT, 1800))
-    used = browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0 && c; }})()")
-    assert used["owned"] > 0
-    assert "Running (1)" in browser.evaluate("document.getElementById('replicas').innerText")
-    # Hovering a block shows its state, ref count and owner.
-    block = browser.evaluate("window.pagodaDashboard.firstBlock(0, 'owned')")
-    assert block >= 0
-    pos = browser.evaluate(f"window.pagodaDashboard.blockCenter(0, {block})")
-    browser.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": pos["x"], "y": pos["y"]})
-    tip = browser.wait_for(
-        "!document.getElementById('tip').hidden && document.getElementById('tip').textContent"
-    )
-    assert f"block {block}: owned, ref count 1" in tip and "held by cmpl-" in tip
-    thread.join(600)
+    with generating(live.base_url, AUTH, _body(PROMPT)):
+        used = browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0 && c; }})()")
+        assert used["owned"] > 0
+        assert "Running (1)" in browser.evaluate("document.getElementById('replicas').innerText")
+        # Hovering a block shows its state, ref count and owner.
+        block = browser.evaluate("window.pagodaDashboard.firstBlock(0, 'owned')")
+        assert block >= 0
+        pos = browser.evaluate(f"window.pagodaDashboard.blockCenter(0, {block})")
+        browser.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": pos["x"], "y": pos["y"]})
+        tip = browser.wait_for(
+            "!document.getElementById('tip').hidden && document.getElementById('tip').textContent"
+        )
+        assert f"block {block}: owned, ref count 1" in tip and "held by cmpl-" in tip
     after = browser.wait_for(
         f"(() => {{ const c = {COUNTS}; return c && c.owned + c.shared + c.swapped === 0 && c; }})()"
     )
@@ -102,17 +107,14 @@ def test_map_shows_used_blocks_while_requests_run_and_none_after(browser: Browse
 
 def test_n4_and_a_repeated_prefix_show_shared_blocks(browser: Browser, live: LiveServer) -> None:
     _login(browser, live)
-    fork = in_background(lambda: _complete(live, "fork " + PROMPT, 400, n=4))
-    browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared > 0; }})()")
-    fork.join(600)
+    with generating(live.base_url, AUTH, _body("fork " + PROMPT, 1000, n=4)):
+        browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared > 0; }})()")
     browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared + c.owned === 0; }})()")
     prefix = "system prompt " + PROMPT
-    first = in_background(lambda: _complete(live, prefix + " one", 800))
-    browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0; }})()")
-    second = in_background(lambda: _complete(live, prefix + " two", 200))
-    browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared > 0; }})()")
-    second.join(600)
-    first.join(600)
+    with generating(live.base_url, AUTH, _body(prefix + " one")):
+        browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0; }})()")
+        with generating(live.base_url, AUTH, _body(prefix + " two")):
+            browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared > 0; }})()")
 
 
 def test_dom_and_heap_stay_bounded_over_60_s_of_frames(browser: Browser, live: LiveServer) -> None:
