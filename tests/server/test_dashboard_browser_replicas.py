@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 from cdp import Browser
-from dashboard_support import KEY, in_background
+from dashboard_support import KEY, generating
 from pagoda.server.testing import make_tiny_model
 from test_api_live import LiveServer, serving
 
@@ -52,10 +52,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield server
 
 
-def _complete(live: LiveServer, prompt: str, max_tokens: int) -> None:
-    body = {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    r = httpx.post(f"{live.base_url}/v1/completions", json=body, headers=AUTH, timeout=600)
-    assert r.status_code == 200, r.text
+def _body(prompt: str) -> dict[str, Any]:
+    """A completion longer than the test waits for (`generating` aborts it once the page showed both maps busy):
+    a fixed short one can finish within one frame on a fast machine."""
+    return {"model": "test-model", "prompt": prompt, "max_tokens": 1800, "ignore_eos": True}
 
 
 @pytest.mark.timeout(900)
@@ -63,34 +63,34 @@ def test_two_replicas_side_by_side_with_a_map_per_kv_group(live: LiveServer, tmp
     with Browser() as browser:
         browser.navigate(f"{live.base_url}/dashboard?api_key={KEY}")
         browser.wait_for(_counts(1))  # both replicas' maps arrived
-        first = in_background(lambda: _complete(live, "one " + PROMPT, 1500))
-        second = in_background(lambda: _complete(live, "two " + PROMPT, 1500))
-        both = browser.wait_for(
-            f"(() => {{ const a = {_counts(0)}, b = {_counts(1)}; return a && b && a.owned > 0 && b.owned > 0"
-            " && [a, b]; })()"
-        )
-        assert all(c["owned"] > 0 for c in both)
-        replicas = browser.evaluate(
-            "[...document.querySelectorAll('#replicas .replica')].map((r) => ({"
-            " title: r.querySelector('h2').textContent,"
-            " labels: [...r.querySelectorAll('.group-label')].map((l) => l.textContent),"
-            " groupMaps: [...r.querySelectorAll('.groups canvas.map')].filter((c) => c.offsetHeight > 0).length,"
-            " oneMapHidden: r.querySelector(':scope > canvas.map').hidden,"
-            " top: Math.round(r.getBoundingClientRect().top) }))"
-        )
-        assert [r["title"].split(" —")[0] for r in replicas] == ["Replica 0", "Replica 1"]
-        assert replicas[0]["top"] == replicas[1]["top"]  # side by side
-        for r in replicas:
-            assert r["groupMaps"] == 3 and r["oneMapHidden"]  # one map per KV cache group instead of one
-            full, *windows = r["labels"]
-            assert "full attention" in full and all("sliding window 8 tokens" in w for w in windows)
-            assert len(windows) == 2
-        path = Path(os.environ.get("PAGODA_DASHBOARD_REPLICAS_SCREENSHOT", tmp_path / "replicas.png"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        browser.screenshot(path)
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        first.join(600)
-        second.join(600)
+        with (
+            generating(live.base_url, AUTH, _body("one " + PROMPT)),
+            generating(live.base_url, AUTH, _body("two " + PROMPT)),
+        ):
+            both = browser.wait_for(
+                f"(() => {{ const a = {_counts(0)}, b = {_counts(1)}; return a && b && a.owned > 0 && b.owned > 0"
+                " && [a, b]; })()"
+            )
+            assert all(c["owned"] > 0 for c in both)
+            replicas = browser.evaluate(
+                "[...document.querySelectorAll('#replicas .replica')].map((r) => ({"
+                " title: r.querySelector('h2').textContent,"
+                " labels: [...r.querySelectorAll('.group-label')].map((l) => l.textContent),"
+                " groupMaps: [...r.querySelectorAll('.groups canvas.map')].filter((c) => c.offsetHeight > 0).length,"
+                " oneMapHidden: r.querySelector(':scope > canvas.map').hidden,"
+                " top: Math.round(r.getBoundingClientRect().top) }))"
+            )
+            assert [r["title"].split(" —")[0] for r in replicas] == ["Replica 0", "Replica 1"]
+            assert replicas[0]["top"] == replicas[1]["top"]  # side by side
+            for r in replicas:
+                assert r["groupMaps"] == 3 and r["oneMapHidden"]  # one map per KV cache group instead of one
+                full, *windows = r["labels"]
+                assert "full attention" in full and all("sliding window 8 tokens" in w for w in windows)
+                assert len(windows) == 2
+            path = Path(os.environ.get("PAGODA_DASHBOARD_REPLICAS_SCREENSHOT", tmp_path / "replicas.png"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            browser.screenshot(path)
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         browser.wait_for(
             f"(() => {{ const a = {_counts(0)}, b = {_counts(1)}; return a && b && a.owned + b.owned === 0"
             " && a.cached > 0 && b.cached > 0; })()"
