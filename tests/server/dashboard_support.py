@@ -51,12 +51,16 @@ def in_background(fn: Callable[[], object]) -> threading.Thread:
 
 
 @contextmanager
-def generating(base_url: str, headers: dict[str, str], body: dict[str, Any]) -> Iterator[threading.Thread]:
-    """A completion (`body`, streamed) running until the block ends, then aborted by closing its connection.
+def generating(
+    base_url: str, headers: dict[str, str], prompt: str, max_tokens: int, **extra: Any
+) -> Iterator[threading.Thread]:
+    """A streamed completion of `prompt` (EOS ignored; `extra` body fields) running until the block ends, then
+    aborted by closing its connection.
 
     A request that lasts as long as the test needs it, on any machine: a fixed `max_tokens` of a tiny model can be
     done within one dashboard period on a fast one (what made the dashboard tests flaky), so give it a large one."""
     stop = threading.Event()
+    body = {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
     def run() -> None:
         with (

@@ -27,6 +27,9 @@ COUNTS = (
     "window.pagodaDashboard && window.pagodaDashboard.frames > 0 && window.pagodaDashboard.decodedCounts(0)"
 )
 
+# Tokens a request may run for (the 2,048-token context less the prompt): aborted once the page showed its state.
+LONG = 1800
+
 pytestmark = pytest.mark.browser
 
 
@@ -77,15 +80,9 @@ def test_page_loads_with_the_key_and_without_it_shows_nothing(browser: Browser, 
     )
 
 
-def _body(prompt: str, max_tokens: int = 1800, **extra: Any) -> dict[str, Any]:
-    """A completion longer than the test waits for (`generating` aborts it once the page showed what it should):
-    a fixed short one can finish within one frame on a fast machine."""
-    return {"model": "test-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
-
-
 def test_map_shows_used_blocks_while_requests_run_and_none_after(browser: Browser, live: LiveServer) -> None:
     _login(browser, live)
-    with generating(live.base_url, AUTH, _body(PROMPT)):
+    with generating(live.base_url, AUTH, PROMPT, LONG):
         used = browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0 && c; }})()")
         assert used["owned"] > 0
         assert "Running (1)" in browser.evaluate("document.getElementById('replicas').innerText")
@@ -107,13 +104,13 @@ def test_map_shows_used_blocks_while_requests_run_and_none_after(browser: Browse
 
 def test_n4_and_a_repeated_prefix_show_shared_blocks(browser: Browser, live: LiveServer) -> None:
     _login(browser, live)
-    with generating(live.base_url, AUTH, _body("fork " + PROMPT, 1000, n=4)):
+    with generating(live.base_url, AUTH, "fork " + PROMPT, 1000, n=4):
         browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared > 0; }})()")
     browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared + c.owned === 0; }})()")
     prefix = "system prompt " + PROMPT
-    with generating(live.base_url, AUTH, _body(prefix + " one")):
+    with generating(live.base_url, AUTH, prefix + " one", LONG):
         browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.owned > 0; }})()")
-        with generating(live.base_url, AUTH, _body(prefix + " two")):
+        with generating(live.base_url, AUTH, prefix + " two", LONG):
             browser.wait_for(f"(() => {{ const c = {COUNTS}; return c && c.shared > 0; }})()")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cdp import Browser
@@ -29,6 +28,9 @@ def _counts(replica: int) -> str:
         f"window.pagodaDashboard.decodedCounts({replica}) : null"
     )
 
+
+# Tokens a request may run for (the 2,048-token context less the prompt): aborted once the page showed both maps.
+LONG = 1800
 
 pytestmark = pytest.mark.browser
 
@@ -52,20 +54,14 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield server
 
 
-def _body(prompt: str) -> dict[str, Any]:
-    """A completion longer than the test waits for (`generating` aborts it once the page showed both maps busy):
-    a fixed short one can finish within one frame on a fast machine."""
-    return {"model": "test-model", "prompt": prompt, "max_tokens": 1800, "ignore_eos": True}
-
-
 @pytest.mark.timeout(900)
 def test_two_replicas_side_by_side_with_a_map_per_kv_group(live: LiveServer, tmp_path: Path) -> None:
     with Browser() as browser:
         browser.navigate(f"{live.base_url}/dashboard?api_key={KEY}")
         browser.wait_for(_counts(1))  # both replicas' maps arrived
         with (
-            generating(live.base_url, AUTH, _body("one " + PROMPT)),
-            generating(live.base_url, AUTH, _body("two " + PROMPT)),
+            generating(live.base_url, AUTH, "one " + PROMPT, LONG),
+            generating(live.base_url, AUTH, "two " + PROMPT, LONG),
         ):
             both = browser.wait_for(
                 f"(() => {{ const a = {_counts(0)}, b = {_counts(1)}; return a && b && a.owned > 0 && b.owned > 0"

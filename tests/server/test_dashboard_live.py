@@ -4,7 +4,6 @@ requests run, share blocks (n = 4, a repeated prefix) and finish."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -28,11 +27,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield server
     finally:
         assert server.stop() == 0
-
-
-def _body(prompt: str, **extra: Any) -> dict[str, Any]:
-    """A long completion of `prompt` (aborted by `generating` once the test has seen what it waits for)."""
-    return {"model": "test-model", "prompt": prompt, "max_tokens": LONG, "ignore_eos": True, **extra}
 
 
 def test_without_the_key_a_401_and_no_data(live: LiveServer) -> None:
@@ -77,7 +71,7 @@ def test_query_key_sets_a_cookie_redirects_to_the_clean_url_and_is_never_logged(
 
 
 def test_map_shows_used_blocks_while_running_and_none_after(live: LiveServer) -> None:
-    with generating(live.base_url, AUTH, _body(PROMPT)):
+    with generating(live.base_url, AUTH, PROMPT, LONG):
         running = wait_for_frame(
             live.base_url,
             AUTH,
@@ -100,15 +94,15 @@ def test_map_shows_used_blocks_while_running_and_none_after(live: LiveServer) ->
 
 
 def test_n4_and_a_repeated_prefix_show_shared_blocks(live: LiveServer) -> None:
-    with generating(live.base_url, AUTH, _body("fork " + PROMPT, n=4, temperature=1.0)):
+    with generating(live.base_url, AUTH, "fork " + PROMPT, LONG, n=4, temperature=1.0):
         frame = wait_for_frame(live.base_url, AUTH, lambda f: counts(f)["shared"] > 0)
     refs = frame["replicas"][0]["refs"]
     assert max(refs[0::2]) >= 4  # the prompt's blocks are held by all four samples
     wait_for_frame(live.base_url, AUTH, lambda f: f["stats"]["running"] == 0)
     prefix = "shared system prompt " + PROMPT
-    with generating(live.base_url, AUTH, _body(prefix + " question one")):
+    with generating(live.base_url, AUTH, prefix + " question one", LONG):
         wait_for_frame(live.base_url, AUTH, lambda f: f["stats"]["running"] == 1)
-        with generating(live.base_url, AUTH, _body(prefix + " question two")):
+        with generating(live.base_url, AUTH, prefix + " question two", LONG):
             frame = wait_for_frame(
                 live.base_url, AUTH, lambda f: f["stats"]["running"] == 2 and counts(f)["shared"] > 0
             )

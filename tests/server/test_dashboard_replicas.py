@@ -15,6 +15,7 @@ from test_api_live import LiveServer, serving
 AUTH = {"Authorization": f"Bearer {KEY}"}
 READY_S = 300  # two engine-core processes start a fresh interpreter each on a busy machine
 MAX_LEN = 16384
+LONG = MAX_LEN - 512  # tokens a request may run for: far longer than the test waits (it is aborted)
 FLAGS = ("--max-model-len", str(MAX_LEN), "--max-num-seqs", "8", "--log-level", "info", "--api-key", KEY)
 
 
@@ -27,11 +28,6 @@ def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     flags = (*FLAGS, "--data-parallel-size", "2", "--routing-policy", "round_robin")
     with serving(Path(model), *flags, ready_timeout=READY_S) as live:
         yield live
-
-
-def _body(prompt: str) -> dict[str, Any]:
-    """A completion far longer than the test waits (`generating` aborts it once the frame was seen)."""
-    return {"model": "test-model", "prompt": prompt, "max_tokens": MAX_LEN - 512, "ignore_eos": True}
 
 
 def _both_busy(frame: dict[str, Any]) -> bool:
@@ -48,8 +44,8 @@ def test_each_replica_shows_its_own_block_map(dp2: LiveServer) -> None:
     """A request on each replica: both maps show used blocks, each table in its own replica's map; none after."""
     prompt = " ".join(f"w{i}" for i in range(40))
     with (
-        generating(dp2.base_url, AUTH, _body("one " + prompt)),
-        generating(dp2.base_url, AUTH, _body("two " + prompt)),
+        generating(dp2.base_url, AUTH, "one " + prompt, LONG),
+        generating(dp2.base_url, AUTH, "two " + prompt, LONG),
     ):
         frame = wait_for_frame(dp2.base_url, AUTH, _both_busy)
     replicas = frame["replicas"]

@@ -13,6 +13,7 @@ from test_api_live import LiveServer
 
 ALICE, BOB, ADMIN = "sk-dash-alice", "sk-dash-bob", "sk-dash-admin"
 MAX_LEN = 16384
+LONG = MAX_LEN - 512  # tokens a request may run for: far longer than the test waits (it is aborted)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -34,11 +35,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         assert server.stop() == 0
 
 
-def _body(prompt: str) -> dict[str, Any]:
-    """A completion far longer than the test waits (`generating` aborts it once the frames were seen)."""
-    return {"model": "test-model", "prompt": prompt, "max_tokens": MAX_LEN - 512, "ignore_eos": True}
-
-
 def rows(frame: dict[str, Any]) -> list[list[Any]]:
     """Every queue row of replica 0."""
     queues = frame["replicas"][0]["queues"]
@@ -47,8 +43,8 @@ def rows(frame: dict[str, Any]) -> list[list[Any]]:
 
 def test_each_key_sees_its_own_requests_and_the_admin_all(live: LiveServer) -> None:
     with (
-        generating(live.base_url, auth(ALICE), _body("alice " * 30)),
-        generating(live.base_url, auth(BOB), _body("bob " * 30)),
+        generating(live.base_url, auth(ALICE), "alice " * 30, LONG),
+        generating(live.base_url, auth(BOB), "bob " * 30, LONG),
     ):
         admin = wait_for_frame(
             live.base_url, auth(ADMIN), lambda f: len(f["replicas"][0]["queues"]["running"]) == 2
