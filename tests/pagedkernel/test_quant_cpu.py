@@ -115,8 +115,8 @@ def test_tiles_cover_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_gemv_row_groups(qtype: GGMLType) -> None:
     """The C kernel called with more rows than one group (16) computes each row as it would alone (one row of
-    Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 takes the one-row register path, several rows the few-row register path in
-    passes of 8, 37 = 4 x 8 + 5: the same bits as matmul_columns, which Q4_K takes)."""
+    Q4_0 / Q5_1 takes the one-row register path, several rows the few-row register path in passes of 8, 37 = 4 x 8
+    + 5: the same bits as matmul_columns, which Q4_K takes; Q5_0 / Q8_0 / Q4_1 the quad order at any row count)."""
     g = torch.Generator().manual_seed(4)
     weight = random_weight(qtype, (N, K), g)
     x = torch.randn(37, K, generator=g)
@@ -246,16 +246,17 @@ def every_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[cpu_qua
     return [cpu_quant.kernels()] + [cpu_quant.load(cpu_quant.build(f)) for f in flags]
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [544, 576, 608])
 def test_quad_order_short_last_group_on_every_path(
-    k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q4_1 goes four blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks per row the last group is short (1, 2,
-    3 blocks). Every build (native, AVX2, generic C) and every row count (one row: two columns at a time; several:
-    passes of 8) give the same bits, each within the int8 bound of the exact product."""
+    """Q4_1, Q5_0 and Q8_0 go four blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks per row the last group
+    is short (1, 2, 3 blocks). Every build (native, AVX2, generic C) and every row count (one row: two columns at a
+    time; several: passes of 8) give the same bits, each within the int8 bound of the exact product."""
     builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(k)
-    weight = random_weight(GGMLType.Q4_1, (N, k), g)
+    weight = random_weight(qtype, (N, k), g)
     x = torch.randn(11, k, generator=g) * torch.rand(11, k, generator=g) * 3
     w = dequantize(weight, backend="torch")
     exact = x.double() @ w.double().t()
@@ -276,7 +277,7 @@ def test_quad_order_short_last_group_on_every_path(
 def test_non_finite_x_quantizes_alike_on_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """x's int8 quantization is vectorized on the AVX2 and VNNI paths: a NaN (skipped by the block's maximum, then
     -127), an infinity (the block's scale infinite, its finite values 0) and a zero block give the same bits as the
-    generic C path's scalar loop, for a per-block format and the quad order."""
+    generic C path's scalar loop, for a per-block format and the quad order (a signed and an unsigned format)."""
     builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, K, generator=g)
@@ -284,7 +285,7 @@ def test_non_finite_x_quantizes_alike_on_every_path(tmp_path: Path, monkeypatch:
     x[0, 32 + 29] = float("nan")
     x[1, 40] = float("inf")
     x[2, 64:96] = 0.0
-    for qtype in (GGMLType.Q8_0, GGMLType.Q4_1):
+    for qtype in (GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_1):
         weight = random_weight(qtype, (N, K), g)
         outs = []
         for lib in builds:

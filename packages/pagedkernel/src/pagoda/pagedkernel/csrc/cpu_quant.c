@@ -775,14 +775,12 @@ INLINE void matmul_columns(const int64_t type, const uint8_t *weight, int64_t j0
 }
 
 #if PATH >= 1
-/* The 32 weights of one Q4_0 / Q5_0 / Q8_0 / Q5_1 block in a register, its scale and (Q5_1) its minimum: the bytes
- * and floats `unpack` writes. (Q4_1 goes four blocks at a time: cpu_quad.h.) */
+/* The 32 weights of one Q4_0 / Q5_1 block in a register, its scale and (Q5_1) its minimum: the bytes and floats
+ * `unpack` writes. (Q4_1, Q5_0 and Q8_0 go four blocks at a time: cpu_quad.h.) */
 INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d, float *m) {
   *d = f16(b);
-  if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
   if (type == Q4_0) return _mm256_sub_epi8(nibbles_v(b + 2), _mm256_set1_epi8(8));
-  if (type == Q5_1) return *m = f16(b + 2), fives_v(b + 4, b + 8);
-  return _mm256_sub_epi8(fives_v(b + 2, b + 6), _mm256_set1_epi8(16));
+  return *m = f16(b + 2), fives_v(b + 4, b + 8);
 }
 
 /* A one-row path's running sum of the minima's terms: matmul_columns' `o + offset * dx * qsum` for the formats
@@ -791,12 +789,10 @@ INLINE __m256i block32(const int64_t type, const uint8_t *b, float *d, float *m)
   if (has_offset) o = o + m * xd[b] * (float)xs[b]
 
 /* The formats of the one-row register paths, and a call of ONE_ROW (defined by the caller) per format. */
-#define ONE_ROW_TYPE(t) ((t) == Q8_0 || (t) == Q5_0 || (t) == Q4_0 || (t) == Q5_1)
+#define ONE_ROW_TYPE(t) ((t) == Q4_0 || (t) == Q5_1)
 #define ONE_ROW_DISPATCH(t)              \
   do {                                   \
-    if ((t) == Q8_0) ONE_ROW(Q8_0);      \
-    else if ((t) == Q5_0) ONE_ROW(Q5_0); \
-    else if ((t) == Q5_1) ONE_ROW(Q5_1); \
+    if ((t) == Q5_1) ONE_ROW(Q5_1);      \
     else ONE_ROW(Q4_0);                  \
   } while (0)
 
@@ -977,7 +973,7 @@ INLINE void any_rows_columns(const int64_t type, const uint8_t *w, int64_t j0, i
                              const float *xd, const int32_t *xs, const xquad *xg, int64_t rows, void *y,
                              int64_t y_stride, int y_bf16) {
   if (QUAD_TYPE(type)) {
-    quad_columns(w, j0, j1, k, xg, rows, y, y_stride, y_bf16);
+    quad_columns(type, w, j0, j1, k, xg, rows, y, y_stride, y_bf16);
     return;
   }
 #if PATH >= 1
