@@ -238,17 +238,40 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
 }
 #elif PATH >= 1
 /* A group's weights as two pairs of blocks (0, 1 and 2, 3): u of elements 0..15 (lo) and 16..31 (hi) of the pair
- * side by side, and the blocks' d and m as floats ([d0, m0, .., d3, m3]); missing blocks read as zeros. */
-INLINE void quad_weights(const int64_t type, const uint8_t *w, int have, __m256i lo[2], __m256i hi[2], __m256 *dm) {
+ * side by side, and the blocks' d and m as floats ([d0, m0, .., d3, m3]); missing blocks read as zeros. On AVX2
+ * without VNNI, Q8_0's lo and hi are |w| instead and slo, shi the signed w (whose signs go onto x's q). */
+typedef struct {
+  __m256i lo[2], hi[2];
+#if PATH == 1
+  __m256i slo[2], shi[2];
+#endif
+  __m256 dm;
+} quad_w;
+
+INLINE void quad_weights(const int64_t type, const uint8_t *w, int have, quad_w *q) {
+  q->dm = quad_scales(type, w, have);
   if (type != Q4_1) {
     __m256i v[4];
-    for (int jj = 0; jj < 4; jj++)
-      v[jj] = jj < have ? quad_block_v(type, w + jj * QUAD_BLOCK_BYTES(type)) : _mm256_setzero_si256();
-    for (int p = 0; p < 2; p++) {
-      lo[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x20);
-      hi[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x31);
+    for (int jj = 0; jj < 4; jj++) {
+      const uint8_t *blk = w + jj * QUAD_BLOCK_BYTES(type);
+#if PATH == 1
+      if (type == Q8_0) { /* the signed bytes as stored */
+        v[jj] = jj < have ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : _mm256_setzero_si256();
+        continue;
+      }
+#endif
+      v[jj] = jj < have ? quad_block_v(type, blk) : _mm256_setzero_si256();
     }
-    *dm = quad_scales(type, w, have);
+    for (int p = 0; p < 2; p++) {
+      q->lo[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x20);
+      q->hi[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x31);
+#if PATH == 1
+      if (type == Q8_0) {
+        q->slo[p] = q->lo[p], q->shi[p] = q->hi[p];
+        q->lo[p] = _mm256_abs_epi8(q->slo[p]), q->hi[p] = _mm256_abs_epi8(q->shi[p]);
+      }
+#endif
+    }
     return;
   }
   __m128i qs[4];
@@ -256,41 +279,37 @@ INLINE void quad_weights(const int64_t type, const uint8_t *w, int have, __m256i
     qs[jj] = jj < have ? _mm_loadu_si128((const __m128i *)(w + jj * QUAD_BLOCK_BYTES(Q4_1) + 4)) : _mm_setzero_si128();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int p = 0; p < 2; p++) {
-    const __m256i q = _mm256_set_m128i(qs[2 * p + 1], qs[2 * p]);
-    lo[p] = _mm256_and_si256(q, m4);
-    hi[p] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    const __m256i b = _mm256_set_m128i(qs[2 * p + 1], qs[2 * p]);
+    q->lo[p] = _mm256_and_si256(b, m4);
+    q->hi[p] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
   }
-  *dm = quad_scales(Q4_1, w, have);
 }
 
-/* The integer lanes of a pair (lanes 8 p .. 8 p + 7 of the group), exact: with VNNI vpdpbusd of u by q from x's
- * -c sum q; on AVX2 u by q in 16-bit pair sums (15 or 31 * 127 * 2 fits), plus -c sum q, and Q8_0's u (up to 255,
- * which would saturate) as |w| by q with w's signs (128 * 127 * 2 fits), which needs no correction. */
-INLINE __m256i quad_lanes(const int64_t type, __m256i lo, __m256i hi, const xquad *x, int p) {
+/* The integer lanes of pair p (lanes 8 p .. 8 p + 7 of the group), exact: with VNNI vpdpbusd of u by q from x's
+ * -c sum q; on AVX2 u by q in 16-bit pair sums (15 or 31 * 127 * 2 fits), plus -c sum q, and for Q8_0 (u up to
+ * 255 would saturate) |w| by q with w's signs (128 * 127 * 2 fits), which needs no correction. */
+INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, int p) {
   const __m256i a = _mm256_load_si256((const __m256i *)(x->lo + 32 * p));
   const __m256i b = _mm256_load_si256((const __m256i *)(x->hi + 32 * p));
   const __m256i init = QUAD_BIAS(type) == 128  ? _mm256_load_si256((const __m256i *)(x->b128 + 8 * p))
                        : QUAD_BIAS(type) == 16 ? _mm256_load_si256((const __m256i *)(x->b16 + 8 * p))
                                                : _mm256_setzero_si256();
 #if PATH == 2
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, a), hi, b);
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, q->lo[p], a), q->hi[p], b);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if (type == Q8_0) {
-    const __m256i top = _mm256_set1_epi8((char)0x80), wl = _mm256_xor_si256(lo, top), wh = _mm256_xor_si256(hi, top);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wl), _mm256_sign_epi8(a, wl)), ones),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wh), _mm256_sign_epi8(b, wh)), ones));
-  }
-  return _mm256_add_epi32(init, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a), ones),
-                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, b), ones)));
+  if (type == Q8_0)
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], _mm256_sign_epi8(a, q->slo[p])), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], _mm256_sign_epi8(b, q->shi[p])), ones));
+  return _mm256_add_epi32(init, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], a), ones),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], b), ones)));
 #endif
 }
 
-INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 *o, const __m256i lo[2], const __m256i hi[2],
-                      __m256 dm, const xquad *x) {
-  const __m256 s = _mm256_mul_ps(dm, _mm256_load_ps(x->s));
+INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 *o, const quad_w *q, const xquad *x) {
+  const __m256 s = _mm256_mul_ps(q->dm, _mm256_load_ps(x->s));
   for (int p = 0; p < 2; p++) {
-    const __m256i lanes = quad_lanes(type, lo[p], hi[p], x, p);
+    const __m256i lanes = quad_lanes(type, q, x, p);
     const int a = 4 * p, b = 4 * p + 2; /* d * dx of the pair's blocks */
     const __m256 sp = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
     acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), sp));
@@ -308,10 +327,9 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
   for (int64_t gi = 0; gi < groups; gi++) {
     const int have = blocks - 4 * gi < 4 ? (int)(blocks - 4 * gi) : 4;
     for (int c = 0; c < C; c++) {
-      __m256i lo[2], hi[2];
-      __m256 dm;
-      quad_weights(type, w + c * row_bytes + gi * 4 * QUAD_BLOCK_BYTES(type), have, lo, hi, &dm);
-      for (int r = 0; r < R; r++) quad_step(type, acc[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
+      quad_w q;
+      quad_weights(type, w + c * row_bytes + gi * 4 * QUAD_BLOCK_BYTES(type), have, &q);
+      for (int r = 0; r < R; r++) quad_step(type, acc[c][r], &o[c][r], &q, g + r * groups + gi);
     }
   }
   for (int c = 0; c < C; c++)
