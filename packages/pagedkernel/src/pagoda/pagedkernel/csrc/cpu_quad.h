@@ -163,16 +163,55 @@ INLINE __m256 quad_scales(const int64_t type, const uint8_t *w, int have) {
 #define QUAD_512 1
 /* A group's weights: u of elements 0..15 (lo) and 16..31 (hi) of its four blocks side by side, and the blocks' d
  * and m as floats ([d0, m0, .., d3, m3]). `have` blocks are read (4 but in a short last group). */
+/* Bytes from..from + 64 of a group of n bytes at w, zeros past n (no byte past the group is touched). */
+INLINE __m512i quad_load(const uint8_t *w, int n, int from) {
+  const int m = n - from >= 64 ? 64 : n - from > 0 ? n - from : 0;
+  return m == 64 ? _mm512_loadu_si512(w + from) : _mm512_maskz_loadu_epi8(_cvtu64_mask64((1ull << m) - 1), w + from);
+}
+
+/* Byte index vector of the gathers below: byte 16 jj + e of the result takes byte base + stride jj + e of the
+ * sources (e < 16; constants once inlined). */
+INLINE __m512i quad_gather_index(int base, int stride) {
+  uint8_t idx[64];
+  for (int p = 0; p < 64; p++) idx[p] = (uint8_t)((base + stride * (p / 16) + p % 16) & 127);
+  return _mm512_loadu_si512(idx);
+}
+
+/* Word index vector: words 0..7 take words w0..w7 of the sources (the rest word 0). */
+INLINE __m512i quad_word_index(int w0, int w1, int w2, int w3, int w4, int w5, int w6, int w7) {
+  const uint16_t idx[32] = {(uint16_t)w0, (uint16_t)w1, (uint16_t)w2, (uint16_t)w3,
+                            (uint16_t)w4, (uint16_t)w5, (uint16_t)w6, (uint16_t)w7};
+  return _mm512_loadu_si512(idx);
+}
+
 INLINE void quad_weights(const int64_t type, const uint8_t *w, int have, __m512i *lo, __m512i *hi, __m256 *dm) {
-  if (type != Q4_1) { /* each block decoded in a register, then the four blocks' halves side by side */
-    __m256i v[4];
-    for (int jj = 0; jj < 4; jj++)
-      v[jj] = jj < have ? quad_block_v(type, w + jj * QUAD_BLOCK_BYTES(type)) : _mm256_setzero_si256();
-    const __m512i p01 = _mm512_inserti64x4(_mm512_castsi256_si512(v[0]), v[1], 1);
-    const __m512i p23 = _mm512_inserti64x4(_mm512_castsi256_si512(v[2]), v[3], 1);
-    *lo = _mm512_permutex2var_epi64(p01, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), p23);
-    *hi = _mm512_permutex2var_epi64(p01, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), p23);
-    *dm = quad_scales(type, w, have);
+  if (type == Q5_0) { /* 22-byte blocks: half d, 32 fifth bits, 16 bytes of nibbles; 88 bytes a group */
+    const int n = QUAD_BLOCK_BYTES(Q5_0) * have;
+    const __m512i a = quad_load(w, n, 0), b = quad_load(w, n, 64), m4 = _mm512_set1_epi8(0x0F);
+    const __m512i q = _mm512_permutex2var_epi8(a, quad_gather_index(6, 22), b);
+    /* words 1 + 11 jj and 2 + 11 jj: block jj's fifth bits of elements 0..15 and 16..31; words 11 jj: its d */
+    const __m512i bits = _mm512_permutex2var_epi16(
+        a, quad_word_index(1, 12, 23, 34, 2, 13, 24, 35), b);
+    const __m128i kb = _mm512_castsi512_si128(bits);
+    const __mmask64 klo = _cvtu64_mask64((uint64_t)_mm_cvtsi128_si64(kb)), khi = _cvtu64_mask64((uint64_t)_mm_extract_epi64(kb, 1));
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    *lo = _mm512_mask_add_epi8(_mm512_and_si512(q, m4), klo, _mm512_and_si512(q, m4), fifth);
+    const __m512i h = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    *hi = _mm512_mask_add_epi8(h, khi, h, fifth);
+    *dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_maskz_permutex2var_epi16(
+        0x55, a, quad_word_index(0, 0, 11, 0, 22, 0, 33, 0), b)));
+    return;
+  }
+  if (type == Q8_0) { /* 34-byte blocks: half d, 32 signed bytes; 136 bytes a group */
+    const int n = QUAD_BLOCK_BYTES(Q8_0) * have;
+    const __m512i a = quad_load(w, n, 0), b = quad_load(w, n, 64), c = quad_load(w, n, 128);
+    const __m512i top = _mm512_set1_epi8((char)0x80);
+    *lo = _mm512_xor_si512(_mm512_permutex2var_epi8(a, quad_gather_index(2, 34), b), top);
+    /* block 3's elements 24..31 (bytes 128..135) come from c */
+    const __m512i h = _mm512_permutex2var_epi8(a, quad_gather_index(18, 34), b);
+    *hi = _mm512_xor_si512(_mm512_mask_permutexvar_epi8(h, 0xFF00000000000000ull, quad_gather_index(-8, 0), c), top);
+    *dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_maskz_permutex2var_epi16(
+        0x55, a, quad_word_index(0, 0, 17, 0, 34, 0, 51, 0), b)));
     return;
   }
   /* Q4_1: byte p of the nibbles: block p / 16's byte p % 16; words 10 jj and 10 jj + 1: block jj's d and m */
