@@ -111,12 +111,13 @@ def test_tiles_cover_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q5_1]
+    "qtype",
+    [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q5_1],
 )
 def test_gemv_row_groups(qtype: GGMLType) -> None:
     """The C kernel called with more rows than one group (16) computes each row as it would alone (one row of
     Q4_0 / Q5_1 takes the one-row register path, several rows the few-row register path in passes of 8, 37 = 4 x 8
-    + 5: the same bits as matmul_columns, which Q4_K takes; Q5_0 / Q8_0 / Q4_1 the quad order at any row count)."""
+    + 5: the same bits as matmul_columns; Q5_0 / Q8_0 / Q4_1 / Q4_K the quad order at any row count)."""
     g = torch.Generator().manual_seed(4)
     weight = random_weight(qtype, (N, K), g)
     x = torch.randn(37, K, generator=g)

@@ -16,24 +16,26 @@
  * path and any number of rows give bitwise the same y (tested):
  *   - blocks are taken in groups of four (the last group may be short: its missing blocks add nothing);
  *   - each weight is read as an unsigned byte u = w + c (Q4_1: the nibble, c = 0; Q5_0: the 5-bit value, c = 16;
- *     Q8_0: the signed byte + 128, c = 128);
+ *     Q8_0: the signed byte + 128, c = 128); Q4_K's 32-element sub-blocks are its blocks (u the nibble, d the
+ *     super-block's d times the sub-block's 6-bit scale, m minus dmin times its 6-bit minimum, each one float
+ *     product), four of them (half a super-block) a group;
  *   - lane 4 jj + l (jj the block in its group, l = 0..3) of 16 float lanes: acc += (float)L * (d * dx), L the
  *     exact integer sum of w q over elements 4l..4l+3 and 16+4l..16+4l+3 of block jj (sum u q - c sum q), d its
  *     scale, dx x's;
- *   - Q4_1's minimum per block: o[jj] += m * (dx * (float)qsum), qsum the sum of x's q over the block;
+ *   - the minimum per block (Q4_1, Q4_K): o[jj] += m * (dx * (float)qsum), qsum the sum of x's q over the block;
  *     (in the vectors d, m of a group are the words [d0, m0, .., d3, m3], m = 0 for the formats without one, and
  *     x's factors [dx0, dx0 qsum0, ..]: one multiply gives both products of all four blocks);
- *   - y = tree(acc) (+ tree(o) for Q4_1): acc[i] + acc[i + 8], then + [i + 4], + [i + 2], + [i + 1]; o[0] + o[2]
+ *   - y = tree(acc) (+ tree(o) with minima): acc[i] + acc[i + 8], then + [i + 4], + [i + 2], + [i + 1]; o[0] + o[2]
  *     and o[1] + o[3], then their sum (the additions a vector reduction makes, written out for the plain path).
  */
 
-#define QUAD_TYPE(t) ((t) == Q4_1 || (t) == Q5_0 || (t) == Q8_0)
-/* Bytes per block: Q4_1 half d, half m, 16 bytes of nibbles; Q5_0 half d, 4 bytes of fifth bits, 16 of nibbles;
- * Q8_0 half d, 32 signed bytes. */
-#define QUAD_BLOCK_BYTES(t) ((t) == Q4_1 ? 20 : (t) == Q5_0 ? 22 : 34)
+#define QUAD_TYPE(t) ((t) == Q4_1 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q4_K)
+/* Bytes per 32 elements: Q4_1 half d, half m, 16 bytes of nibbles; Q5_0 half d, 4 bytes of fifth bits, 16 of
+ * nibbles; Q8_0 half d, 32 signed bytes; Q4_K an eighth of its 144-byte super-block (its groups are its halves). */
+#define QUAD_BLOCK_BYTES(t) ((t) == Q4_1 ? 20 : (t) == Q5_0 ? 22 : (t) == Q8_0 ? 34 : 18)
 /* c: what the unsigned form of a weight adds to its value. */
 #define QUAD_BIAS(t) ((t) == Q8_0 ? 128 : (t) == Q5_0 ? 16 : 0)
-#define QUAD_MIN(t) ((t) == Q4_1)
+#define QUAD_MIN(t) ((t) == Q4_1 || (t) == Q4_K)
 
 /* One group of four blocks of a row of x in the form every path reads: q (signed) of each block's elements 0..15
  * and 16..31, four blocks side by side, each block's dx and dx * qsum (interleaved), and each lane's -16 and -128
@@ -77,9 +79,30 @@ static void prepare_quad(const int8_t *xq, const float *xd, const int32_t *xs, i
   }
 }
 
-/* Block b's bytes as the quad order reads them: u = w + c of elements 0..31, its scale d and minimum m (0 for the
- * formats without one). */
-static inline void quad_block(const int64_t type, const uint8_t *blk, uint8_t u[32], float *d, float *m) {
+/* Q4_K: the scales [d sc, -(dmin mn)] of half h's four sub-blocks of the super-block at sb. */
+static inline void k4_scales(const uint8_t *sb, int64_t h, float dm[8]) {
+  uint8_t sc[8], mn[8];
+  k_scales(sb + 4, sc, mn);
+  const float d = f16(sb), dmin = f16(sb + 2);
+  for (int jj = 0; jj < 4; jj++) {
+    dm[2 * jj] = d * (float)sc[4 * h + jj];
+    dm[2 * jj + 1] = -(dmin * (float)mn[4 * h + jj]);
+  }
+}
+
+/* Block b of the row at w as the quad order reads it: u = w + c of elements 0..31, its scale d and minimum m (0
+ * for the formats without one). */
+static inline void quad_block(const int64_t type, const uint8_t *w, int64_t b, uint8_t u[32], float *d, float *m) {
+  if (type == Q4_K) {
+    const uint8_t *sb = w + b / 8 * 144, *qs = sb + 16 + 32 * (b % 8 / 2);
+    const int shift = (int)(b % 2) * 4;
+    float dm[8];
+    k4_scales(sb, b % 8 / 4, dm);
+    *d = dm[2 * (b % 4)], *m = dm[2 * (b % 4) + 1];
+    for (int e = 0; e < 32; e++) u[e] = (uint8_t)((qs[e] >> shift) & 0x0F);
+    return;
+  }
+  const uint8_t *blk = w + b * QUAD_BLOCK_BYTES(type);
   *d = f16(blk);
   *m = type == Q4_1 ? f16(blk + 2) : 0.0f;
   if (type == Q8_0) {
@@ -114,7 +137,7 @@ static float quad_dot(const int64_t type, const uint8_t *w, int64_t blocks, cons
     const int jj = (int)(b % 4);
     uint8_t u[32];
     float d, m;
-    quad_block(type, w + b * QUAD_BLOCK_BYTES(type), u, &d, &m);
+    quad_block(type, w, b, u, &d, &m);
     const float s = d * x->s[2 * jj], mo = m * x->s[2 * jj + 1];
     for (int l = 0; l < 4; l++) {
       int32_t lane = c == 128 ? x->b128[4 * jj + l] : c == 16 ? x->b16[4 * jj + l] : 0;
@@ -148,8 +171,29 @@ INLINE __m256i quad_block_v(const int64_t type, const uint8_t *blk) {
   return fives_v(blk + 2, blk + 6);
 }
 
-/* A group's d (and m) half words as a vector of four pairs [d, m] (m = 0 without a minimum); missing blocks 0. */
-INLINE __m256 quad_scales(const int64_t type, const uint8_t *w, int have) {
+/* Group gi's scales as a vector of four pairs [d, m] (m = 0 without a minimum) from the row at w; missing blocks
+ * 0. */
+INLINE __m256 quad_scales(const int64_t type, const uint8_t *row, int64_t gi, int have) {
+  if (type == Q4_K) { /* k4_scales in vectors: the same bytes, and each float the same one product */
+    const uint8_t *sb = row + gi / 2 * 144;
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 4)); /* 12 scale bytes (and 4 of qs) */
+    __m128i v;
+    if (gi % 2 == 0) { /* [sc0, mn0, .., sc3, mn3]: bytes 0..3 and 4..7, six bits each */
+      v = _mm_and_si128(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 0, 0, 0, 0, 0, 0, 0, 0)),
+                        _mm_set1_epi8(0x3F));
+    } else { /* low four bits from bytes 8..11 (sc the low nibble, mn the high), top two from bytes 0..7's bits 6-7 */
+      const __m128i a = _mm_shuffle_epi8(sc, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 0, 0, 0, 0, 0, 0, 0, 0));
+      const __m128i b = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 0, 0, 0, 0, 0, 0, 0, 0));
+      const __m128i m4 = _mm_set1_epi8(0x0F), odd = _mm_set1_epi16((short)0xFF00);
+      const __m128i low = _mm_blendv_epi8(_mm_and_si128(a, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4), odd);
+      v = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));
+    }
+    /* [d, -dmin] four times: -(dmin * mn) is (-dmin) * mn exactly */
+    const __m128 dd = _mm_xor_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)u32le(sb))), _mm_setr_ps(0.0f, -0.0f, 0.0f, 0.0f));
+    const __m256 d4 = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(dd)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d4);
+  }
+  const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(type);
   uint32_t h[4] = {0};
   for (int jj = 0; jj < have; jj++) {
     const uint8_t *blk = w + jj * QUAD_BLOCK_BYTES(type);
@@ -184,7 +228,18 @@ INLINE __m512i quad_word_index(int w0, int w1, int w2, int w3, int w4, int w5, i
   return _mm512_loadu_si512(idx);
 }
 
-INLINE void quad_weights(const int64_t type, const uint8_t *w, int have, __m512i *lo, __m512i *hi, __m256 *dm) {
+INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, __m512i *lo, __m512i *hi,
+                         __m256 *dm) {
+  const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(type);
+  if (type == Q4_K) { /* half gi % 2 of a super-block: sub-blocks 0, 1 the low and high nibbles of bytes 0..31 */
+    const __m512i q = _mm512_loadu_si512(row + gi / 2 * 144 + 16 + 64 * (gi % 2)), m4 = _mm512_set1_epi8(0x0F);
+    const __m512i a = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(2, 2, 0, 0)); /* bytes 0..15 twice, 32..47 twice */
+    const __m512i b = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 3, 1, 1)); /* bytes 16..31 twice, 48..63 twice */
+    *lo = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(a, m4), _mm512_and_si512(_mm512_srli_epi16(a, 4), m4));
+    *hi = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(b, m4), _mm512_and_si512(_mm512_srli_epi16(b, 4), m4));
+    *dm = quad_scales(type, row, gi, have);
+    return;
+  }
   if (type == Q5_0) { /* 22-byte blocks: half d, 32 fifth bits, 16 bytes of nibbles; 88 bytes a group */
     const int n = QUAD_BLOCK_BYTES(Q5_0) * have;
     const __m512i a = quad_load(w, n, 0), b = quad_load(w, n, 64), m4 = _mm512_set1_epi8(0x0F);
@@ -262,7 +317,7 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
     for (int c = 0; c < C; c++) {
       __m512i lo, hi;
       __m256 dm;
-      quad_weights(type, w + c * row_bytes + gi * 4 * QUAD_BLOCK_BYTES(type), have, &lo, &hi, &dm);
+      quad_weights(type, w + c * row_bytes, gi, have, &lo, &hi, &dm);
       for (int r = 0; r < R; r++) quad_step(type, &acc[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
     }
   }
@@ -287,8 +342,14 @@ typedef struct {
   __m256 dm;
 } quad_w;
 
-INLINE void quad_weights(const int64_t type, const uint8_t *w, int have, quad_w *q) {
-  q->dm = quad_scales(type, w, have);
+INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, quad_w *q) {
+  q->dm = quad_scales(type, row, gi, have);
+  if (type == Q4_K) { /* pair p: sub-blocks 2p, 2p + 1, the low and high nibbles of bytes 32p .. 32p + 31 */
+    const uint8_t *qs = row + gi / 2 * 144 + 16 + 64 * (gi % 2);
+    for (int p = 0; p < 2; p++) q->lo[p] = nibbles_v(qs + 32 * p), q->hi[p] = nibbles_v(qs + 32 * p + 16);
+    return;
+  }
+  const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(type);
   if (type != Q4_1) {
     __m256i v[4];
     for (int jj = 0; jj < 4; jj++) {
@@ -367,7 +428,7 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
     const int have = blocks - 4 * gi < 4 ? (int)(blocks - 4 * gi) : 4;
     for (int c = 0; c < C; c++) {
       quad_w q;
-      quad_weights(type, w + c * row_bytes + gi * 4 * QUAD_BLOCK_BYTES(type), have, &q);
+      quad_weights(type, w + c * row_bytes, gi, have, &q);
       for (int r = 0; r < R; r++) quad_step(type, acc[c][r], &o[c][r], &q, g + r * groups + gi);
     }
   }
