@@ -27,15 +27,22 @@
  *     x's factors [dx0, dx0 qsum0, ..]: one multiply gives both products of all four blocks);
  *   - y = tree(acc) (+ tree(o) with minima): acc[i] + acc[i + 8], then + [i + 4], + [i + 2], + [i + 1]; o[0] + o[2]
  *     and o[1] + o[3], then their sum (the additions a vector reduction makes, written out for the plain path).
+ * Q6_K (scales per 16 elements, values u = q6 of 0..63, c = 32) keeps a block's halves apart: lane 4 jj + l of one
+ * sum (lo) takes elements 4l..4l+3 of block jj with the scale of elements 0..15, of another (hi) elements
+ * 16+4l..16+4l+3 with the scale of 16..31; each lane four products, -32 times their q's sum, times (d sc) * dx (d sc
+ * one float product, as dequantization rounds it); y = tree(lo + hi, lane by lane). That costs twice the float steps
+ * of the others per block, still a quarter of the per-block form's.
  */
 
-#define QUAD_TYPE(t) ((t) == Q4_1 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q4_K)
+#define QUAD_TYPE(t) ((t) == Q4_1 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q4_K || (t) == Q6_K)
 /* Bytes per 32 elements: Q4_1 half d, half m, 16 bytes of nibbles; Q5_0 half d, 4 bytes of fifth bits, 16 of
  * nibbles; Q8_0 half d, 32 signed bytes; Q4_K an eighth of its 144-byte super-block (its groups are its halves). */
 #define QUAD_BLOCK_BYTES(t) ((t) == Q4_1 ? 20 : (t) == Q5_0 ? 22 : (t) == Q8_0 ? 34 : 18)
 /* c: what the unsigned form of a weight adds to its value. */
 #define QUAD_BIAS(t) ((t) == Q8_0 ? 128 : (t) == Q5_0 ? 16 : 0)
 #define QUAD_MIN(t) ((t) == Q4_1 || (t) == Q4_K)
+/* Q6_K's scales are per 16 elements: its lanes do not join a block's halves (below). */
+#define QUAD_SPLIT(t) ((t) == Q6_K)
 
 /* One group of four blocks of a row of x in the form every path reads: q (signed) of each block's elements 0..15
  * and 16..31, four blocks side by side, each block's dx and dx * qsum (interleaved), and each lane's -16 and -128
@@ -43,6 +50,8 @@
 typedef struct {
   int8_t lo[64], hi[64];
   int32_t b16[16], b128[16];
+  int32_t b32lo[16], b32hi[16]; /* Q6_K's: -32 times the sum of each lane's four q of lo, and of hi */
+  float dx[16];                 /* each lane's block's dx */
   float s[8];
 } __attribute__((aligned(64))) xquad;
 
@@ -68,10 +77,13 @@ static void prepare_quad(const int8_t *xq, const float *xd, const int32_t *xs, i
       memcpy(x->hi + 16 * jj, xq + b * QK + 16, 16);
 #endif
       for (int l = 0; l < 4; l++) {
-        int32_t sum = 0;
-        for (int e = 4 * l; e < 4 * l + 4; e++) sum += x->lo[16 * jj + e] + x->hi[16 * jj + e];
-        x->b16[4 * jj + l] = -16 * sum;
-        x->b128[4 * jj + l] = -128 * sum;
+        int32_t lo = 0, hi = 0;
+        for (int e = 4 * l; e < 4 * l + 4; e++) lo += x->lo[16 * jj + e], hi += x->hi[16 * jj + e];
+        x->b16[4 * jj + l] = -16 * (lo + hi);
+        x->b128[4 * jj + l] = -128 * (lo + hi);
+        x->b32lo[4 * jj + l] = -32 * lo;
+        x->b32hi[4 * jj + l] = -32 * hi;
+        x->dx[4 * jj + l] = xd[b];
       }
       x->s[2 * jj] = xd[b];
       x->s[2 * jj + 1] = xd[b] * (float)xs[b];
@@ -93,6 +105,16 @@ static inline void k4_scales(const uint8_t *sb, int64_t h, float dm[8]) {
 /* Block b of the row at w as the quad order reads it: u = w + c of elements 0..31, its scale d and minimum m (0
  * for the formats without one). */
 static inline void quad_block(const int64_t type, const uint8_t *w, int64_t b, uint8_t u[32], float *d, float *m) {
+  if (type == Q6_K) { /* q6_values' sub-block b % 8 unsigned; d the scale of its elements 0..15, m of 16..31 */
+    const uint8_t *sb = w + b / 8 * 210;
+    const int64_t h = b % 8 / 4, j = b % 4;
+    const uint8_t *ql = sb + 64 * h + 32 * (j % 2), *qh = sb + 128 + 32 * h;
+    for (int e = 0; e < 32; e++)
+      u[e] = (uint8_t)(((ql[e] >> (4 * (j / 2))) & 0x0F) | (((qh[e] >> (2 * j)) & 3) << 4));
+    const float dd = f16(sb + 208);
+    *d = dd * (float)(int8_t)sb[192 + 2 * (b % 8)], *m = dd * (float)(int8_t)sb[192 + 2 * (b % 8) + 1];
+    return;
+  }
   if (type == Q4_K) {
     const uint8_t *sb = w + b / 8 * 144, *qs = sb + 16 + 32 * (b % 8 / 2);
     const int shift = (int)(b % 2) * 4;
@@ -131,6 +153,26 @@ static inline float quad_reduce(const float acc[16], const float o[4], int has_m
 /* One column of one row in plain C: the specification the vector paths follow. */
 static float quad_dot(const int64_t type, const uint8_t *w, int64_t blocks, const xquad *g) {
   float acc[16] = {0}, o[4] = {0};
+  if (QUAD_SPLIT(type)) {
+    float hi[16] = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+      const xquad *x = g + b / 4;
+      const int jj = (int)(b % 4);
+      uint8_t u[32];
+      float dlo, dhi;
+      quad_block(type, w, b, u, &dlo, &dhi);
+      const float slo = dlo * x->s[2 * jj], shi = dhi * x->s[2 * jj];
+      for (int l = 0; l < 4; l++) {
+        int32_t a = x->b32lo[4 * jj + l], c = x->b32hi[4 * jj + l];
+        for (int e = 4 * l; e < 4 * l + 4; e++)
+          a += (int32_t)u[e] * x->lo[16 * jj + e], c += (int32_t)u[e + 16] * x->hi[16 * jj + e];
+        acc[4 * jj + l] = acc[4 * jj + l] + (float)a * slo;
+        hi[4 * jj + l] = hi[4 * jj + l] + (float)c * shi;
+      }
+    }
+    for (int i = 0; i < 16; i++) acc[i] = acc[i] + hi[i];
+    return quad_reduce(acc, o, 0);
+  }
   const int32_t c = QUAD_BIAS(type);
   for (int64_t b = 0; b < blocks; b++) {
     const xquad *x = g + b / 4;
@@ -174,6 +216,12 @@ INLINE __m256i quad_block_v(const int64_t type, const uint8_t *blk) {
 /* Group gi's scales as a vector of four pairs [d, m] (m = 0 without a minimum) from the row at w; missing blocks
  * 0. */
 INLINE __m256 quad_scales(const int64_t type, const uint8_t *row, int64_t gi, int have) {
+  if (type == Q6_K) { /* [d sc of elements 0..15, of 16..31] of each block: the stored order of the scales */
+    const uint8_t *sb = row + gi / 2 * 210;
+    const __m256 d = _mm256_set1_ps(f16(sb + 208));
+    const __m128i sc = _mm_loadl_epi64((const __m128i *)(sb + 192 + 8 * (gi % 2)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  }
   if (type == Q4_K) { /* k4_scales in vectors: the same bytes, and each float the same one product */
     const uint8_t *sb = row + gi / 2 * 144;
     const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 4)); /* 12 scale bytes (and 4 of qs) */
@@ -231,6 +279,23 @@ INLINE __m512i quad_word_index(int w0, int w1, int w2, int w3, int w4, int w5, i
 INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, __m512i *lo, __m512i *hi,
                          __m256 *dm) {
   const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(type);
+  if (type == Q6_K) { /* half gi % 2 of a super-block: q6_values' four sub-blocks, u = q6 */
+    const uint8_t *sb = row + gi / 2 * 210, *qh = sb + 128 + 32 * (gi % 2);
+    const __m512i ql = _mm512_loadu_si512(sb + 64 * (gi % 2)), m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+    /* sub-blocks 0..3: low nibbles of ql 0..31, of 32..63, high nibbles of 0..31, of 32..63; qh's bits 2 jj, 2 jj + 1 */
+    const __m512i a = _mm512_shuffle_i64x2(ql, ql, _MM_SHUFFLE(2, 0, 2, 0)); /* ql 0..15, 32..47, 0..15, 32..47 */
+    const __m512i b = _mm512_shuffle_i64x2(ql, ql, _MM_SHUFFLE(3, 1, 3, 1)); /* ql 16..31, 48..63, twice */
+    const __m512i cnt = _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
+                                          0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL);
+    const __m512i hl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qh));
+    const __m512i hh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qh + 16)));
+    const __m512i nl = _mm512_mask_blend_epi64(0xF0, _mm512_and_si512(a, m4), _mm512_and_si512(_mm512_srli_epi16(a, 4), m4));
+    const __m512i nh = _mm512_mask_blend_epi64(0xF0, _mm512_and_si512(b, m4), _mm512_and_si512(_mm512_srli_epi16(b, 4), m4));
+    *lo = _mm512_or_si512(nl, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hl, cnt), m2), 4));
+    *hi = _mm512_or_si512(nh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hh, cnt), m2), 4));
+    *dm = quad_scales(type, row, gi, have);
+    return;
+  }
   if (type == Q4_K) { /* half gi % 2 of a super-block: sub-blocks 0, 1 the low and high nibbles of bytes 0..31 */
     const __m512i q = _mm512_loadu_si512(row + gi / 2 * 144 + 16 + 64 * (gi % 2)), m4 = _mm512_set1_epi8(0x0F);
     const __m512i a = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(2, 2, 0, 0)); /* bytes 0..15 twice, 32..47 twice */
@@ -292,8 +357,18 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
 
 /* One row's step on a group: the lanes (starting from x's -c sum q), scaled by d * dx, into acc; with minima
  * d * dx and m * dx * qsum into o. */
-INLINE void quad_step(const int64_t type, __m512 *acc, __m256 *o, __m512i lo, __m512i hi, __m256 dm, const xquad *x) {
+INLINE void quad_step(const int64_t type, __m512 *acc, __m512 *acc_hi, __m256 *o, __m512i lo, __m512i hi, __m256 dm,
+                      const xquad *x) {
   const __m512i sidx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  if (QUAD_SPLIT(type)) { /* acc: lo's sums, acc_hi: hi's; each lane's scale of its half times dx */
+    const __m512i hidx = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+    const __m512 dx = _mm512_load_ps(x->dx), d = _mm512_castps256_ps512(dm);
+    const __m512i a = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32lo), lo, _mm512_load_si512(x->lo));
+    const __m512i b = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32hi), hi, _mm512_load_si512(x->hi));
+    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(_mm512_permutexvar_ps(sidx, d), dx)));
+    *acc_hi = _mm512_add_ps(*acc_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(_mm512_permutexvar_ps(hidx, d), dx)));
+    return;
+  }
   const __m512i init = QUAD_BIAS(type) == 128  ? _mm512_load_si512(x->b128)
                        : QUAD_BIAS(type) == 16 ? _mm512_load_si512(x->b16)
                                                : _mm512_setzero_si512();
@@ -308,22 +383,23 @@ INLINE void quad_step(const int64_t type, __m512 *acc, __m256 *o, __m512i lo, __
 INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_t *w, int64_t row_bytes, int64_t k,
                       const xquad *g, int64_t groups, void *y, int64_t index, int64_t y_stride, int y_bf16) {
   const int64_t blocks = k / QK;
-  __m512 acc[2][FEW_ROWS];
+  __m512 acc[2][FEW_ROWS], acc_hi[2][FEW_ROWS];
   __m256 o[2][FEW_ROWS];
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps(), o[c][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+      acc[c][r] = acc_hi[c][r] = _mm512_setzero_ps(), o[c][r] = _mm256_setzero_ps();
   for (int64_t gi = 0; gi < groups; gi++) {
     const int have = blocks - 4 * gi < 4 ? (int)(blocks - 4 * gi) : 4;
     for (int c = 0; c < C; c++) {
       __m512i lo, hi;
       __m256 dm;
       quad_weights(type, w + c * row_bytes, gi, have, &lo, &hi, &dm);
-      for (int r = 0; r < R; r++) quad_step(type, &acc[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
+      for (int r = 0; r < R; r++) quad_step(type, &acc[c][r], &acc_hi[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
     }
   }
   for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++) {
-      const __m512 a = acc[c][r];
+      const __m512 a = QUAD_SPLIT(type) ? _mm512_add_ps(acc[c][r], acc_hi[c][r]) : acc[c][r];
       const float v = quad_reduce_v(_mm512_castps512_ps256(a),
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)), o[c][r],
                                     QUAD_MIN(type));
@@ -342,8 +418,29 @@ typedef struct {
   __m256 dm;
 } quad_w;
 
+/* Q6_K's fifth and sixth bits of 16 bytes of qh: bits s, s + 1 of each byte, as bits 4, 5. */
+INLINE __m128i q6_high(__m128i h, int s) {
+  return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, s), _mm_set1_epi8(3)), 4);
+}
+
 INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, quad_w *q) {
   q->dm = quad_scales(type, row, gi, have);
+  if (type == Q6_K) { /* pair 0: sub-blocks 0, 1 (low nibbles of ql 0..31, 32..63), pair 1: 2, 3 (high nibbles) */
+    const uint8_t *sb = row + gi / 2 * 210, *ql = sb + 64 * (gi % 2), *qh = sb + 128 + 32 * (gi % 2);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int half = 0; half < 2; half++) { /* elements 0..15 (lo), 16..31 (hi) */
+      const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * half));
+      const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * half));
+      const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * half));
+      const __m256i p0 = _mm256_set_m128i(_mm_or_si128(_mm_and_si128(c, m4), q6_high(h, 2)),
+                                          _mm_or_si128(_mm_and_si128(a, m4), q6_high(h, 0)));
+      const __m256i p1 = _mm256_set_m128i(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), m4), q6_high(h, 6)),
+                                          _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), q6_high(h, 4)));
+      if (half == 0) q->lo[0] = p0, q->lo[1] = p1;
+      else q->hi[0] = p0, q->hi[1] = p1;
+    }
+    return;
+  }
   if (type == Q4_K) { /* pair p: sub-blocks 2p, 2p + 1, the low and high nibbles of bytes 32p .. 32p + 31 */
     const uint8_t *qs = row + gi / 2 * 144 + 16 + 64 * (gi % 2);
     for (int p = 0; p < 2; p++) q->lo[p] = nibbles_v(qs + 32 * p), q->hi[p] = nibbles_v(qs + 32 * p + 16);
@@ -406,7 +503,38 @@ INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, i
 #endif
 }
 
-INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 *o, const quad_w *q, const xquad *x) {
+/* Q6_K's integer lanes of pair p: lo's and hi's apart, each from its -32 sum q. */
+INLINE void quad_split_lanes(const quad_w *q, const xquad *x, int p, __m256i *a, __m256i *b) {
+  const __m256i xl = _mm256_load_si256((const __m256i *)(x->lo + 32 * p));
+  const __m256i xh = _mm256_load_si256((const __m256i *)(x->hi + 32 * p));
+  const __m256i bl = _mm256_load_si256((const __m256i *)(x->b32lo + 8 * p));
+  const __m256i bh = _mm256_load_si256((const __m256i *)(x->b32hi + 8 * p));
+#if PATH == 2
+  *a = _mm256_dpbusd_epi32(bl, q->lo[p], xl);
+  *b = _mm256_dpbusd_epi32(bh, q->hi[p], xh);
+#else /* u <= 63: 63 * 127 * 2 fits the 16-bit pair sums */
+  const __m256i ones = _mm256_set1_epi16(1);
+  *a = _mm256_add_epi32(bl, _mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], xl), ones));
+  *b = _mm256_add_epi32(bh, _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], xh), ones));
+#endif
+}
+
+INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m256 *o, const quad_w *q,
+                      const xquad *x) {
+  if (QUAD_SPLIT(type)) { /* each lane's scale of its half ([dlo, dhi] per block in dm) times dx */
+    for (int p = 0; p < 2; p++) {
+      __m256i a, b;
+      quad_split_lanes(q, x, p, &a, &b);
+      const int l = 4 * p, h = 4 * p + 2;
+      const __m256 dx = _mm256_load_ps(x->dx + 8 * p);
+      const __m256 sl = _mm256_mul_ps(_mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l, l, l, l, h, h, h, h)), dx);
+      const __m256 sh = _mm256_mul_ps(
+          _mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l + 1, l + 1, l + 1, l + 1, h + 1, h + 1, h + 1, h + 1)), dx);
+      acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(a), sl));
+      acc_hi[p] = _mm256_add_ps(acc_hi[p], _mm256_mul_ps(_mm256_cvtepi32_ps(b), sh));
+    }
+    return;
+  }
   const __m256 s = _mm256_mul_ps(q->dm, _mm256_load_ps(x->s));
   for (int p = 0; p < 2; p++) {
     const __m256i lanes = quad_lanes(type, q, x, p);
@@ -420,22 +548,25 @@ INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 *o, const quad_w
 INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_t *w, int64_t row_bytes, int64_t k,
                       const xquad *g, int64_t groups, void *y, int64_t index, int64_t y_stride, int y_bf16) {
   const int64_t blocks = k / QK;
-  __m256 acc[2][FEW_ROWS][2];
+  __m256 acc[2][FEW_ROWS][2], acc_hi[2][FEW_ROWS][2];
   __m256 o[2][FEW_ROWS];
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = o[c][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+      acc[c][r][0] = acc[c][r][1] = acc_hi[c][r][0] = acc_hi[c][r][1] = o[c][r] = _mm256_setzero_ps();
   for (int64_t gi = 0; gi < groups; gi++) {
     const int have = blocks - 4 * gi < 4 ? (int)(blocks - 4 * gi) : 4;
     for (int c = 0; c < C; c++) {
       quad_w q;
       quad_weights(type, w + c * row_bytes, gi, have, &q);
-      for (int r = 0; r < R; r++) quad_step(type, acc[c][r], &o[c][r], &q, g + r * groups + gi);
+      for (int r = 0; r < R; r++) quad_step(type, acc[c][r], acc_hi[c][r], &o[c][r], &q, g + r * groups + gi);
     }
   }
   for (int c = 0; c < C; c++)
-    for (int r = 0; r < R; r++)
-      store_value(quad_reduce_v(acc[c][r][0], acc[c][r][1], o[c][r], QUAD_MIN(type)), y, r * y_stride + index + c,
-                  y_bf16);
+    for (int r = 0; r < R; r++) {
+      __m256 a0 = acc[c][r][0], a1 = acc[c][r][1];
+      if (QUAD_SPLIT(type)) a0 = _mm256_add_ps(a0, acc_hi[c][r][0]), a1 = _mm256_add_ps(a1, acc_hi[c][r][1]);
+      store_value(quad_reduce_v(a0, a1, o[c][r], QUAD_MIN(type)), y, r * y_stride + index + c, y_bf16);
+    }
 }
 #endif
 
@@ -443,7 +574,9 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
  * time (two independent sum chains); the plain path one output at a time. */
 INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                          const xquad *g, int64_t rows, void *y, int64_t y_stride, int y_bf16) {
-  const int64_t groups = quad_groups(k), row_bytes = k / QK * QUAD_BLOCK_BYTES(type);
+  int elems, bytes, has_offset;
+  type_info(type, &elems, &bytes, &has_offset);
+  const int64_t groups = quad_groups(k), row_bytes = k / elems * bytes;
 #if PATH >= 1
   prefetch_start(weight + j0 * row_bytes);
   int64_t j = j0;
