@@ -275,6 +275,35 @@ def test_quad_order_short_last_group_on_every_path(
         assert torch.equal(many, first)
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_k_quants_quad_order_on_every_path(
+    qtype: GGMLType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_K and Q6_K go four 32-element sub-blocks at a time (cpu_quad.h; Q6_K's halves in two sums, and from 8 rows
+    two columns a pass of 4 rows): every build and every row count (1, a pass of 8 and one of 3, two-column passes)
+    give the same bits, within the int8 bound of the exact product."""
+    builds = every_build(tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(int(qtype))
+    weight = random_weight(qtype, (N, K), g)
+    x = torch.randn(11, K, generator=g) * torch.rand(11, K, generator=g) * 3
+    w = dequantize(weight, backend="torch")
+    exact = x.double() @ w.double().t()
+    first: torch.Tensor | None = None
+    for lib in builds:
+        many, few = nan_out(11, N), nan_out(5, N)
+        cpu_quant.gemv(x, weight, many, lib)
+        cpu_quant.gemv(x[:5], weight, few, lib)
+        assert ((many.double() - exact).abs() <= int8_error_bound(x, w)).all()
+        assert torch.equal(few, many[:5])
+        for r in (0, 10):
+            one = nan_out(1, N)
+            cpu_quant.gemv(x[r : r + 1], weight, one, lib)
+            assert torch.equal(one, many[r : r + 1])
+        if first is None:
+            first = many
+        assert torch.equal(many, first)
+
+
 def test_non_finite_x_quantizes_alike_on_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """x's int8 quantization is vectorized on the AVX2 and VNNI paths: a NaN (skipped by the block's maximum, then
     -127), an infinity (the block's scale infinite, its finite values 0) and a zero block give the same bits as the

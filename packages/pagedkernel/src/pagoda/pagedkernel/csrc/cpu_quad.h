@@ -357,18 +357,25 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
 
 /* One row's step on a group: the lanes (starting from x's -c sum q), scaled by d * dx, into acc; with minima
  * d * dx and m * dx * qsum into o. */
-INLINE void quad_step(const int64_t type, __m512 *acc, __m512 *acc_hi, __m256 *o, __m512i lo, __m512i hi, __m256 dm,
-                      const xquad *x) {
+/* Q6_K's lane scales of a group, for all its rows: each lane's d sc of the lo half and of the hi half. */
+INLINE void quad_split_scales(__m256 dm, __m512 *dlo, __m512 *dhi) {
+  const __m512 d = _mm512_castps256_ps512(dm);
+  *dlo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), d);
+  *dhi = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7), d);
+}
+
+/* Q6_K's row step: acc lo's sums, acc_hi hi's, each lane's scale of its half (dlo, dhi) times dx. */
+INLINE void quad_split_step(__m512 *acc, __m512 *acc_hi, __m512i lo, __m512i hi, __m512 dlo, __m512 dhi,
+                            const xquad *x) {
+  const __m512 dx = _mm512_load_ps(x->dx);
+  const __m512i a = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32lo), lo, _mm512_load_si512(x->lo));
+  const __m512i b = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32hi), hi, _mm512_load_si512(x->hi));
+  *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dlo, dx)));
+  *acc_hi = _mm512_add_ps(*acc_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(dhi, dx)));
+}
+
+INLINE void quad_step(const int64_t type, __m512 *acc, __m256 *o, __m512i lo, __m512i hi, __m256 dm, const xquad *x) {
   const __m512i sidx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-  if (QUAD_SPLIT(type)) { /* acc: lo's sums, acc_hi: hi's; each lane's scale of its half times dx */
-    const __m512i hidx = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-    const __m512 dx = _mm512_load_ps(x->dx), d = _mm512_castps256_ps512(dm);
-    const __m512i a = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32lo), lo, _mm512_load_si512(x->lo));
-    const __m512i b = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32hi), hi, _mm512_load_si512(x->hi));
-    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(_mm512_permutexvar_ps(sidx, d), dx)));
-    *acc_hi = _mm512_add_ps(*acc_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(_mm512_permutexvar_ps(hidx, d), dx)));
-    return;
-  }
   const __m512i init = QUAD_BIAS(type) == 128  ? _mm512_load_si512(x->b128)
                        : QUAD_BIAS(type) == 16 ? _mm512_load_si512(x->b16)
                                                : _mm512_setzero_si512();
@@ -394,7 +401,13 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
       __m512i lo, hi;
       __m256 dm;
       quad_weights(type, w + c * row_bytes, gi, have, &lo, &hi, &dm);
-      for (int r = 0; r < R; r++) quad_step(type, &acc[c][r], &acc_hi[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
+      if (QUAD_SPLIT(type)) {
+        __m512 dlo, dhi;
+        quad_split_scales(dm, &dlo, &dhi);
+        for (int r = 0; r < R; r++) quad_split_step(&acc[c][r], &acc_hi[c][r], lo, hi, dlo, dhi, g + r * groups + gi);
+      } else {
+        for (int r = 0; r < R; r++) quad_step(type, &acc[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
+      }
     }
   }
   for (int c = 0; c < C; c++)
@@ -585,6 +598,23 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
       prefetch_ahead(weight + j * row_bytes, 2 * row_bytes);
       quad_tile(type, 2, 1, weight + j * row_bytes, row_bytes, k, g, groups, y, j, y_stride, y_bf16);
     }
+  /* Q6_K reads five lines of x a group and row: eight rows of a long row of x (2048: 40 KB) spill out of L1 while
+   * a column sweeps them (measured: 0.097 ms for 8 rows of Gemma 3's down projection against 0.072 for 7). From 8
+   * rows on, two columns share each pass over 4 rows' x instead: 0.081 ms, 16 rows 0.151 against 0.231 ms. */
+  for (; QUAD_SPLIT(type) && rows >= 8 && j + 2 <= j1; j += 2) {
+    const uint8_t *wrow = weight + j * row_bytes;
+    prefetch_ahead(wrow, 2 * row_bytes);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const xquad *gr = g + r0 * groups;
+      void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
+      switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: quad_tile(type, 2, 1, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
+        case 2: quad_tile(type, 2, 2, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
+        case 3: quad_tile(type, 2, 3, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
+        default: quad_tile(type, 2, 4, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
+      }
+    }
+  }
   for (; j < j1; j++) {
     const uint8_t *wrow = weight + j * row_bytes;
     prefetch_ahead(wrow, row_bytes);
