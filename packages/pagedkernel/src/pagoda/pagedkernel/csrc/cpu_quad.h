@@ -429,6 +429,7 @@ typedef struct {
   __m256i slo[2], shi[2];
 #endif
   __m256 dm;
+  __m256 dlo[2], dhi[2]; /* Q6_K: each lane's d sc of its lo half and of its hi half, pair by pair */
 } quad_w;
 
 /* Q6_K's fifth and sixth bits of 16 bytes of qh: bits s, s + 1 of each byte, as bits 4, 5. */
@@ -451,6 +452,11 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
                                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), q6_high(h, 4)));
       if (half == 0) q->lo[0] = p0, q->lo[1] = p1;
       else q->hi[0] = p0, q->hi[1] = p1;
+    }
+    for (int p = 0; p < 2; p++) {
+      const int l = 4 * p, h = 4 * p + 2;
+      q->dlo[p] = _mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l, l, l, l, h, h, h, h));
+      q->dhi[p] = _mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l + 1, l + 1, l + 1, l + 1, h + 1, h + 1, h + 1, h + 1));
     }
     return;
   }
@@ -538,11 +544,8 @@ INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m25
     for (int p = 0; p < 2; p++) {
       __m256i a, b;
       quad_split_lanes(q, x, p, &a, &b);
-      const int l = 4 * p, h = 4 * p + 2;
       const __m256 dx = _mm256_load_ps(x->dx + 8 * p);
-      const __m256 sl = _mm256_mul_ps(_mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l, l, l, l, h, h, h, h)), dx);
-      const __m256 sh = _mm256_mul_ps(
-          _mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l + 1, l + 1, l + 1, l + 1, h + 1, h + 1, h + 1, h + 1)), dx);
+      const __m256 sl = _mm256_mul_ps(q->dlo[p], dx), sh = _mm256_mul_ps(q->dhi[p], dx);
       acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(a), sl));
       acc_hi[p] = _mm256_add_ps(acc_hi[p], _mm256_mul_ps(_mm256_cvtepi32_ps(b), sh));
     }
@@ -601,6 +604,7 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
   /* Q6_K reads five lines of x a group and row: eight rows of a long row of x (2048: 40 KB) spill out of L1 while
    * a column sweeps them (measured: 0.097 ms for 8 rows of Gemma 3's down projection against 0.072 for 7). From 8
    * rows on, two columns share each pass over 4 rows' x instead: 0.081 ms, 16 rows 0.151 against 0.231 ms. */
+#ifdef QUAD_512
   for (; QUAD_SPLIT(type) && rows >= 8 && j + 2 <= j1; j += 2) {
     const uint8_t *wrow = weight + j * row_bytes;
     prefetch_ahead(wrow, 2 * row_bytes);
@@ -615,14 +619,21 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
       }
     }
   }
+#endif
+  /* The 256-bit form holds a row's Q6_K sums in four registers of sixteen: passes of 4 rows (8 spilled them). */
+#ifdef QUAD_512
+  const int64_t pass = FEW_ROWS;
+#else
+  const int64_t pass = QUAD_SPLIT(type) ? 4 : FEW_ROWS;
+#endif
   for (; j < j1; j++) {
     const uint8_t *wrow = weight + j * row_bytes;
     prefetch_ahead(wrow, row_bytes);
-    for (int64_t r0 = 0; r0 < rows; r0 += FEW_ROWS) {
+    for (int64_t r0 = 0; r0 < rows; r0 += pass) {
       const xquad *gr = g + r0 * groups;
       void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
 #define QUAD(R) quad_tile(type, 1, R, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16)
-      FOR_PASS_ROWS(rows, r0, QUAD)
+      FOR_PASS_ROWS(rows, r0, pass, QUAD)
 #undef QUAD
     }
   }

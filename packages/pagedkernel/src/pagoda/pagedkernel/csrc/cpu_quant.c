@@ -892,10 +892,10 @@ INLINE void one_row_columns(const int64_t type, const uint8_t *weight, int64_t j
 /* Rows of one pass of the few-row path: R sums in registers (R ymm accumulators beside the block's three). */
 #define FEW_ROWS 8
 
-/* F(R) for the rows of the pass starting at r0 (at most FEW_ROWS), R a constant in each call so that F is
+/* F(R) for the rows of the pass starting at r0 (at most pass <= FEW_ROWS), R a constant in each call so that F is
  * specialised per row count. */
-#define FOR_PASS_ROWS(rows, r0, F)                                     \
-  switch ((rows) - (r0) < FEW_ROWS ? (rows) - (r0) : FEW_ROWS) {       \
+#define FOR_PASS_ROWS(rows, r0, pass, F)                               \
+  switch ((rows) - (r0) < (pass) ? (rows) - (r0) : (pass)) {           \
     case 1: F(1); break;                                               \
     case 2: F(2); break;                                               \
     case 3: F(3); break;                                               \
@@ -945,7 +945,7 @@ INLINE void few_rows_columns(const int64_t type, const uint8_t *weight, int64_t 
     prefetch_ahead(wrow, row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += FEW_ROWS) {
 #define FEW(R) few_rows_column(R, type, wrow, blocks, bytes, has_offset, xq, xd, xs, r0, y, j, y_stride, y_bf16)
-      FOR_PASS_ROWS(rows, r0, FEW)
+      FOR_PASS_ROWS(rows, r0, FEW_ROWS, FEW)
 #undef FEW
     }
   }
