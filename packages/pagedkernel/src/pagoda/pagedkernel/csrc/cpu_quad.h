@@ -1,5 +1,5 @@
-/* The quad order: Q4_1, Q5_0 and Q8_0 weights times int8 rows of x, four blocks (128 elements) at a time
- * (included by cpu_quant.c).
+/* The quad order: Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights times int8 rows of x, four 32-element blocks (128
+ * elements) at a time (included by cpu_quant.c).
  *
  * Why: at one row a Q4_1 GEMV is bound by the instructions per 32-element block, not by memory. The per-block form
  * (block32 + one_row_step) spends ~22 instructions on 20 bytes: two scalar half conversions, a broadcast, the
@@ -8,9 +8,10 @@
  * read of the same bytes: 1.8 ms). Four blocks at a time: one byte permute gathers their 64 bytes of nibbles, one
  * word permute their scales and minima (one half-to-float conversion for eight), and each float lane sums eight
  * products of a block (its quarter of elements 0..15 and the same quarter of 16..31) instead of four: 1.3 ms in
- * cache, 2.1 ms from DRAM. Q5_0 and Q8_0 (Gemma 3's layers and LM head) take the same order for the rows of a
- * few-row step: there the per-block form spent seven vector operations per block and row (a 16-row step's
- * 262,144-row Q8_0 head 24.6 ms, ten times one row's), where four blocks share them here.
+ * cache, 2.1 ms from DRAM. Q5_0, Q8_0, Q4_K and Q6_K (Gemma 3's layers and LM head) take the same order: there the
+ * per-block form spent about seven vector operations per block and row (a 16-row step's 262,144-row Q8_0 head
+ * 24 ms, ten times one row's; Q4_K and Q6_K unpacked each super-block to memory first), where four blocks share
+ * them here (the head at 16 rows 12 ms; pagedkernel README, cpu backend).
  *
  * The arithmetic, the same on every path (AVX-512 with VNNI, AVX2 with or without VNNI, plain C), so that every
  * path and any number of rows give bitwise the same y (tested):
@@ -36,7 +37,8 @@
 
 #define QUAD_TYPE(t) ((t) == Q4_1 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q4_K || (t) == Q6_K)
 /* Bytes per 32 elements: Q4_1 half d, half m, 16 bytes of nibbles; Q5_0 half d, 4 bytes of fifth bits, 16 of
- * nibbles; Q8_0 half d, 32 signed bytes; Q4_K an eighth of its 144-byte super-block (its groups are its halves). */
+ * nibbles; Q8_0 half d, 32 signed bytes; Q4_K an eighth of its 144-byte super-block (its groups are its halves;
+ * Q6_K's too, found from the super-block's 210 bytes). */
 #define QUAD_BLOCK_BYTES(t) ((t) == Q4_1 ? 20 : (t) == Q5_0 ? 22 : (t) == Q8_0 ? 34 : 18)
 /* c: what the unsigned form of a weight adds to its value. */
 #define QUAD_BIAS(t) ((t) == Q8_0 ? 128 : (t) == Q5_0 ? 16 : 0)
@@ -46,7 +48,8 @@
 
 /* One group of four blocks of a row of x in the form every path reads: q (signed) of each block's elements 0..15
  * and 16..31, four blocks side by side, each block's dx and dx * qsum (interleaved), and each lane's -16 and -128
- * times the sum of its eight q (the c sum q of the formats whose weights are read as w + c). */
+ * times the sum of its eight q (the c sum q of the formats whose weights are read as w + c). A format's steps touch
+ * only the cache lines of the fields they read. */
 typedef struct {
   int8_t lo[64], hi[64];
   int32_t b16[16], b128[16];
