@@ -247,45 +247,26 @@ def every_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[cpu_qua
     return [cpu_quant.kernels()] + [cpu_quant.load(cpu_quant.build(f)) for f in flags]
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [544, 576, 608])
-def test_quad_order_short_last_group_on_every_path(
+QUAD_CASES = [
+    *((qtype, k) for qtype in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0) for k in (544, 576, 608)),
+    (GGMLType.Q4_K, K),
+    (GGMLType.Q6_K, K),
+]
+
+
+@pytest.mark.parametrize(("qtype", "k"), QUAD_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_quad_order_on_every_path_and_row_count(
     qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q4_1, Q5_0 and Q8_0 go four blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks per row the last group
-    is short (1, 2, 3 blocks). Every build (native, AVX2, generic C) and every row count (one row: two columns at a
-    time; several: passes of 8) give the same bits, each within the int8 bound of the exact product."""
+    """Q4_1, Q5_0, Q8_0, Q4_K and Q6_K go four 32-element blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks
+    per row the last group is short (1, 2, 3 blocks); Q4_K's groups are half super-blocks, Q6_K keeps a block's
+    halves in two sums and from 8 rows takes two columns a pass of 4 rows. Every build (native, AVX2, generic C)
+    and every row count (one row: two columns at a time; 5; 11: a pass of 8 and one of 3) give the same bits, each
+    within the int8 bound of the exact product."""
     builds = every_build(tmp_path, monkeypatch)
-    g = torch.Generator().manual_seed(k)
+    g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
     x = torch.randn(11, k, generator=g) * torch.rand(11, k, generator=g) * 3
-    w = dequantize(weight, backend="torch")
-    exact = x.double() @ w.double().t()
-    first: torch.Tensor | None = None
-    for lib in builds:
-        many = nan_out(11, N)
-        cpu_quant.gemv(x, weight, many, lib)
-        assert ((many.double() - exact).abs() <= int8_error_bound(x, w)).all()
-        for r in (0, 5, 10):
-            one = nan_out(1, N)
-            cpu_quant.gemv(x[r : r + 1], weight, one, lib)
-            assert torch.equal(one, many[r : r + 1])
-        if first is None:
-            first = many
-        assert torch.equal(many, first)
-
-
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
-def test_k_quants_quad_order_on_every_path(
-    qtype: GGMLType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Q4_K and Q6_K go four 32-element sub-blocks at a time (cpu_quad.h; Q6_K's halves in two sums, and from 8 rows
-    two columns a pass of 4 rows): every build and every row count (1, a pass of 8 and one of 3, two-column passes)
-    give the same bits, within the int8 bound of the exact product."""
-    builds = every_build(tmp_path, monkeypatch)
-    g = torch.Generator().manual_seed(int(qtype))
-    weight = random_weight(qtype, (N, K), g)
-    x = torch.randn(11, K, generator=g) * torch.rand(11, K, generator=g) * 3
     w = dequantize(weight, backend="torch")
     exact = x.double() @ w.double().t()
     first: torch.Tensor | None = None
@@ -295,7 +276,7 @@ def test_k_quants_quad_order_on_every_path(
         cpu_quant.gemv(x[:5], weight, few, lib)
         assert ((many.double() - exact).abs() <= int8_error_bound(x, w)).all()
         assert torch.equal(few, many[:5])
-        for r in (0, 10):
+        for r in (0, 5, 10):
             one = nan_out(1, N)
             cpu_quant.gemv(x[r : r + 1], weight, one, lib)
             assert torch.equal(one, many[r : r + 1])

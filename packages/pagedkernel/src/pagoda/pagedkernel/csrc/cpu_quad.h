@@ -155,43 +155,32 @@ static inline float quad_reduce(const float acc[16], const float o[4], int has_m
 
 /* One column of one row in plain C: the specification the vector paths follow. */
 static float quad_dot(const int64_t type, const uint8_t *w, int64_t blocks, const xquad *g) {
-  float acc[16] = {0}, o[4] = {0};
-  if (QUAD_SPLIT(type)) {
-    float hi[16] = {0};
-    for (int64_t b = 0; b < blocks; b++) {
-      const xquad *x = g + b / 4;
-      const int jj = (int)(b % 4);
-      uint8_t u[32];
-      float dlo, dhi;
-      quad_block(type, w, b, u, &dlo, &dhi);
-      const float slo = dlo * x->s[2 * jj], shi = dhi * x->s[2 * jj];
-      for (int l = 0; l < 4; l++) {
-        int32_t a = x->b32lo[4 * jj + l], c = x->b32hi[4 * jj + l];
-        for (int e = 4 * l; e < 4 * l + 4; e++)
-          a += (int32_t)u[e] * x->lo[16 * jj + e], c += (int32_t)u[e + 16] * x->hi[16 * jj + e];
-        acc[4 * jj + l] = acc[4 * jj + l] + (float)a * slo;
-        hi[4 * jj + l] = hi[4 * jj + l] + (float)c * shi;
-      }
-    }
-    for (int i = 0; i < 16; i++) acc[i] = acc[i] + hi[i];
-    return quad_reduce(acc, o, 0);
-  }
+  float acc[16] = {0}, hi[16] = {0}, o[4] = {0};
   const int32_t c = QUAD_BIAS(type);
   for (int64_t b = 0; b < blocks; b++) {
     const xquad *x = g + b / 4;
     const int jj = (int)(b % 4);
     uint8_t u[32];
-    float d, m;
+    float d, m; /* Q6_K: the scales of the block's two halves */
     quad_block(type, w, b, u, &d, &m);
-    const float s = d * x->s[2 * jj], mo = m * x->s[2 * jj + 1];
+    const float s = d * x->s[2 * jj];
     for (int l = 0; l < 4; l++) {
-      int32_t lane = c == 128 ? x->b128[4 * jj + l] : c == 16 ? x->b16[4 * jj + l] : 0;
+      const int i = 4 * jj + l;
+      int32_t lo_sum = 0, hi_sum = 0;
       for (int e = 4 * l; e < 4 * l + 4; e++)
-        lane += (int32_t)u[e] * x->lo[16 * jj + e] + (int32_t)u[e + 16] * x->hi[16 * jj + e];
-      acc[4 * jj + l] = acc[4 * jj + l] + (float)lane * s;
+        lo_sum += (int32_t)u[e] * x->lo[16 * jj + e], hi_sum += (int32_t)u[e + 16] * x->hi[16 * jj + e];
+      if (QUAD_SPLIT(type)) {
+        acc[i] = acc[i] + (float)(x->b32lo[i] + lo_sum) * s;
+        hi[i] = hi[i] + (float)(x->b32hi[i] + hi_sum) * (m * x->s[2 * jj]);
+      } else {
+        const int32_t bias = c == 128 ? x->b128[i] : c == 16 ? x->b16[i] : 0;
+        acc[i] = acc[i] + (float)(bias + lo_sum + hi_sum) * s;
+      }
     }
-    if (QUAD_MIN(type)) o[jj] = o[jj] + mo;
+    if (QUAD_MIN(type)) o[jj] = o[jj] + m * x->s[2 * jj + 1];
   }
+  if (QUAD_SPLIT(type))
+    for (int i = 0; i < 16; i++) acc[i] = acc[i] + hi[i];
   return quad_reduce(acc, o, QUAD_MIN(type));
 }
 
