@@ -14,8 +14,9 @@
  *   - PATH 1, AVX2: vpmaddubsw then vpmaddwd on the same operands (|w| <= 128, |x| <= 127: no saturation);
  *   - PATH 0, generic C: the same eight lane sums in scalar code.
  * The lanes are exact, and the float steps after them are the same operations in the same order on every path,
- * so the three paths give bitwise the same y (tested). Q4_1 takes another order, four blocks at a time and the
- * same on every path too (cpu_quad.h: at one row its GEMV was bound by instructions per block, not by memory).
+ * so the three paths give bitwise the same y (tested). Q4_1, Q5_0, Q8_0, Q4_K and Q6_K take another order, four
+ * blocks at a time and the same on every path too (cpu_quad.h: the per-block form was bound by instructions per
+ * block and row, not by memory); the per-block form remains Q4_0's, Q5_1's, Q5_K's and the int4 group formats'.
  * The path is chosen by the target's features at build (-march=native picks the best this CPU has);
  * pagoda_quant_path() says which one was compiled.
  *
@@ -841,11 +842,12 @@ INLINE __m256i x_at(const xrow_t *x, int64_t b) { return _mm256_loadu_si256((con
 #endif
 
 /* matmul_columns for one row of x (its one-row form: prepared blocks on the VNNI path, the quantized row on AVX2)
- * and a 32-element format (Q4_0, Q5_0, Q8_0, and Q5_1 with its minima's sums in the same order), every block kept
+ * and a 32-element format (Q4_0, and Q5_1 with its minima's sums in the same order), every block kept
  * in registers (no unpack buffer, no prepared weight array): the same integer lanes and the same float steps in
  * the same order, so the same y, bit for bit. Two columns at a time (two independent sum chains, x's block read
  * once for both), the weights prefetched ahead. A decode step's matmuls are all one row, and the tied LM head
- * (Q8_0 in the default model's file) is most of the bytes a step reads. Measured: on a Sapphire Rapids Xeon
+ * (Q8_0 in the default model's file, which took this path until the quad order) is most of the bytes a step
+ * reads. Measured: on a Sapphire Rapids Xeon
  * (VNNI), the default model's Q8_0 LM head (262,144 x 640, 178 MB, two threads) 12.5 -> 7.4 ms, 24 GB/s, about
  * what two cores read there; on a 2-core AMD EPYC Zen 4 built for x86-64-v3 (AVX2), where that head, fused with
  * the draw, was 37% of a one-stream step (10.2 ms) and its per-block work set the pace, the step 9.0 -> 8.4-8.8 ms
@@ -929,7 +931,7 @@ INLINE __attribute__((always_inline)) void few_rows_column(const int R, const in
   for (int r = 0; r < R; r++) store_output(acc[r], off[r], y, (r0 + r) * y_stride + index, y_bf16);
 }
 
-/* matmul_columns for two or more rows of a 32-element format (Q4_0, Q5_0, Q8_0, Q5_1), the weights decoded in
+/* matmul_columns for two or more rows of a 32-element format (Q4_0, Q5_1), the weights decoded in
  * registers instead of unpacked to memory 256 at a time: the same y, bit for bit. Why: a speculative step (a token
  * and its drafts) or a few decode rows multiply every weight by a handful of rows, and matmul_columns' unpacking
  * cost those steps ~2.7x a one-row step (measured on Q4_1 layers, 2-core Zen 4, before Q4_1 took the quad order). */
