@@ -79,6 +79,18 @@ static void prepare_quad(const int8_t *xq, const float *xd, const int32_t *xs, i
       memcpy(x->lo + 16 * jj, xq + b * QK, 16);
       memcpy(x->hi + 16 * jj, xq + b * QK + 16, 16);
 #endif
+#if PATH >= 1
+      /* each lane's four q summed in vectors (ones by q in pair sums, then pairs of those: exact), the same ints */
+      const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1), zero = _mm_setzero_si128();
+      const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(ones8, _mm_loadu_si128((const __m128i *)(x->lo + 16 * jj))), ones16);
+      const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(ones8, _mm_loadu_si128((const __m128i *)(x->hi + 16 * jj))), ones16);
+      const __m128i both = _mm_add_epi32(lo, hi);
+      _mm_storeu_si128((__m128i *)(x->b16 + 4 * jj), _mm_sub_epi32(zero, _mm_slli_epi32(both, 4)));
+      _mm_storeu_si128((__m128i *)(x->b128 + 4 * jj), _mm_sub_epi32(zero, _mm_slli_epi32(both, 7)));
+      _mm_storeu_si128((__m128i *)(x->b32lo + 4 * jj), _mm_sub_epi32(zero, _mm_slli_epi32(lo, 5)));
+      _mm_storeu_si128((__m128i *)(x->b32hi + 4 * jj), _mm_sub_epi32(zero, _mm_slli_epi32(hi, 5)));
+      _mm_storeu_ps(x->dx + 4 * jj, _mm_set1_ps(xd[b]));
+#else
       for (int l = 0; l < 4; l++) {
         int32_t lo = 0, hi = 0;
         for (int e = 4 * l; e < 4 * l + 4; e++) lo += x->lo[16 * jj + e], hi += x->hi[16 * jj + e];
@@ -88,6 +100,7 @@ static void prepare_quad(const int8_t *xq, const float *xd, const int32_t *xs, i
         x->b32hi[4 * jj + l] = -32 * hi;
         x->dx[4 * jj + l] = xd[b];
       }
+#endif
       x->s[2 * jj] = xd[b];
       x->s[2 * jj + 1] = xd[b] * (float)xs[b];
     }
