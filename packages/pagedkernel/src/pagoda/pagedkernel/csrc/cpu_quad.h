@@ -360,13 +360,11 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
   *dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(widx, a)));
 }
 
-/* One row's step on a group: the lanes (starting from x's -c sum q), scaled by d * dx, into acc; with minima
- * d * dx and m * dx * qsum into o. */
-/* Q6_K's lane scales of a group, for all its rows: each lane's d sc of the lo half and of the hi half. */
-INLINE void quad_split_scales(__m256 dm, __m512 *dlo, __m512 *dhi) {
-  const __m512 d = _mm512_castps256_ps512(dm);
-  *dlo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), d);
-  *dhi = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7), d);
+/* Lane 4 jj + l of a group takes word 2 jj + half of v ([d0, m0, .., d3, m3]: half 0 each block's d, or Q6_K's
+ * [d sc of lo, of hi] per block: half 0 lo's, 1 hi's). */
+INLINE __m512 quad_lane_words(__m256 v, int half) {
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(half)), _mm512_castps256_ps512(v));
 }
 
 /* Q6_K's row step: acc lo's sums, acc_hi hi's, each lane's scale of its half (dlo, dhi) times dx. */
@@ -379,15 +377,16 @@ INLINE void quad_split_step(__m512 *acc, __m512 *acc_hi, __m512i lo, __m512i hi,
   *acc_hi = _mm512_add_ps(*acc_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(dhi, dx)));
 }
 
+/* One row's step on a group: the lanes (starting from x's -c sum q), scaled by d * dx, into acc; with minima
+ * d * dx and m * dx * qsum into o. */
 INLINE void quad_step(const int64_t type, __m512 *acc, __m256 *o, __m512i lo, __m512i hi, __m256 dm, const xquad *x) {
-  const __m512i sidx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const __m512i init = QUAD_BIAS(type) == 128  ? _mm512_load_si512(x->b128)
                        : QUAD_BIAS(type) == 16 ? _mm512_load_si512(x->b16)
                                                : _mm512_setzero_si512();
   const __m512i lanes =
       _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo, _mm512_load_si512(x->lo)), hi, _mm512_load_si512(x->hi));
   const __m256 s = _mm256_mul_ps(dm, _mm256_load_ps(x->s));
-  *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(lanes), _mm512_permutexvar_ps(sidx, _mm512_castps256_ps512(s))));
+  *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(lanes), quad_lane_words(s, 0)));
   if (QUAD_MIN(type)) *o = _mm256_add_ps(*o, s);
 }
 
@@ -407,8 +406,7 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
       __m256 dm;
       quad_weights(type, w + c * row_bytes, gi, have, &lo, &hi, &dm);
       if (QUAD_SPLIT(type)) {
-        __m512 dlo, dhi;
-        quad_split_scales(dm, &dlo, &dhi);
+        const __m512 dlo = quad_lane_words(dm, 0), dhi = quad_lane_words(dm, 1);
         for (int r = 0; r < R; r++) quad_split_step(&acc[c][r], &acc_hi[c][r], lo, hi, dlo, dhi, g + r * groups + gi);
       } else {
         for (int r = 0; r < R; r++) quad_step(type, &acc[c][r], &o[c][r], lo, hi, dm, g + r * groups + gi);
@@ -437,6 +435,13 @@ typedef struct {
   __m256 dlo[2], dhi[2]; /* Q6_K: each lane's d sc of its lo half and of its hi half, pair by pair */
 } quad_w;
 
+/* Lanes 8 p .. 8 p + 7 (blocks 2 p, 2 p + 1, four lanes each) take words 4 p + half and 4 p + 2 + half of v (as
+ * quad_lane_words, pair p's half of it). */
+INLINE __m256 quad_pair_words(__m256 v, int p, int half) {
+  const int a = 4 * p + half, b = a + 2;
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
+}
+
 /* Q6_K's fifth and sixth bits of 16 bytes of qh: bits s, s + 1 of each byte, as bits 4, 5. */
 INLINE __m128i q6_high(__m128i h, int s) {
   return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, s), _mm_set1_epi8(3)), 4);
@@ -458,11 +463,7 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
       if (half == 0) q->lo[0] = p0, q->lo[1] = p1;
       else q->hi[0] = p0, q->hi[1] = p1;
     }
-    for (int p = 0; p < 2; p++) {
-      const int l = 4 * p, h = 4 * p + 2;
-      q->dlo[p] = _mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l, l, l, l, h, h, h, h));
-      q->dhi[p] = _mm256_permutevar8x32_ps(q->dm, _mm256_setr_epi32(l + 1, l + 1, l + 1, l + 1, h + 1, h + 1, h + 1, h + 1));
-    }
+    for (int p = 0; p < 2; p++) q->dlo[p] = quad_pair_words(q->dm, p, 0), q->dhi[p] = quad_pair_words(q->dm, p, 1);
     return;
   }
   if (type == Q4_K) { /* pair p: sub-blocks 2p, 2p + 1, the low and high nibbles of bytes 32p .. 32p + 31 */
@@ -559,9 +560,7 @@ INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m25
   const __m256 s = _mm256_mul_ps(q->dm, _mm256_load_ps(x->s));
   for (int p = 0; p < 2; p++) {
     const __m256i lanes = quad_lanes(type, q, x, p);
-    const int a = 4 * p, b = 4 * p + 2; /* d * dx of the pair's blocks */
-    const __m256 sp = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
-    acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), sp));
+    acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), quad_pair_words(s, p, 0)));
   }
   if (QUAD_MIN(type)) *o = _mm256_add_ps(*o, s);
 }
@@ -591,6 +590,22 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
 }
 #endif
 
+#if PATH >= 1
+/* Columns index..index + C of y (C at wrow, row_bytes apart) for every row of x, in passes of `pass` rows (<=
+ * FEW_ROWS): each pass one quad_tile, R a constant in each call. */
+#define QUAD_TILE(R) quad_tile(type, C, R, wrow, row_bytes, k, gr, groups, yr, index, y_stride, y_bf16)
+INLINE void quad_passes(const int64_t type, const int C, const int64_t pass, const uint8_t *wrow, int64_t row_bytes,
+                        int64_t k, const xquad *g, int64_t groups, int64_t rows, void *y, int64_t index,
+                        int64_t y_stride, int y_bf16) {
+  for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+    const xquad *gr = g + r0 * groups;
+    void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
+    FOR_PASS_ROWS(rows, r0, pass, QUAD_TILE)
+  }
+}
+#undef QUAD_TILE
+#endif
+
 /* Columns j0..j1 of y for any rows of a quad-order format: rows in passes of FEW_ROWS, one row two columns at a
  * time (two independent sum chains); the plain path one output at a time. */
 INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
@@ -611,18 +626,8 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
    * rows on, two columns share each pass over 4 rows' x instead: 0.081 ms, 16 rows 0.151 against 0.231 ms. */
 #ifdef QUAD_512
   for (; QUAD_SPLIT(type) && rows >= 8 && j + 2 <= j1; j += 2) {
-    const uint8_t *wrow = weight + j * row_bytes;
-    prefetch_ahead(wrow, 2 * row_bytes);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const xquad *gr = g + r0 * groups;
-      void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
-      switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: quad_tile(type, 2, 1, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
-        case 2: quad_tile(type, 2, 2, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
-        case 3: quad_tile(type, 2, 3, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
-        default: quad_tile(type, 2, 4, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16); break;
-      }
-    }
+    prefetch_ahead(weight + j * row_bytes, 2 * row_bytes);
+    quad_passes(type, 2, 4, weight + j * row_bytes, row_bytes, k, g, groups, rows, y, j, y_stride, y_bf16);
   }
 #endif
   /* The 256-bit form holds a row's Q6_K sums in four registers of sixteen: passes of 4 rows (8 spilled them). */
@@ -632,15 +637,8 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
   const int64_t pass = QUAD_SPLIT(type) ? 4 : FEW_ROWS;
 #endif
   for (; j < j1; j++) {
-    const uint8_t *wrow = weight + j * row_bytes;
-    prefetch_ahead(wrow, row_bytes);
-    for (int64_t r0 = 0; r0 < rows; r0 += pass) {
-      const xquad *gr = g + r0 * groups;
-      void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
-#define QUAD(R) quad_tile(type, 1, R, wrow, row_bytes, k, gr, groups, yr, j, y_stride, y_bf16)
-      FOR_PASS_ROWS(rows, r0, pass, QUAD)
-#undef QUAD
-    }
+    prefetch_ahead(weight + j * row_bytes, row_bytes);
+    quad_passes(type, 1, pass, weight + j * row_bytes, row_bytes, k, g, groups, rows, y, j, y_stride, y_bf16);
   }
 #else
   for (int64_t j = j0; j < j1; j++)
