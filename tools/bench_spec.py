@@ -218,7 +218,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quantization", default=None, help="the engine's --quantization (e.g. gguf for a .gguf --model)"
     )
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="default: each method's own (auto 8, others 4)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         methods = args.methods or [m for m in METHODS if m != "draft_model" or args.draft_model is not None]
         for method in methods:
             spec = METHODS[method]
-            if spec is not None:
+            if spec is not None and args.num_speculative_tokens is not None:
                 spec = {**spec, "num_speculative_tokens": args.num_speculative_tokens}
             if method == "draft_model":
                 spec = {**(spec or {}), "model": draft_model_path(args, Path(scratch))}

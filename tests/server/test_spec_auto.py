@@ -43,7 +43,14 @@ def make_llm(model_dir: Path, **kwargs: Any) -> LLM:
 def test_auto_parses_and_the_flag_takes_it() -> None:
     assert parse_speculative_config('{"method": "auto"}') == SpeculativeConfig("auto")
     config = parse_speculative_config({"method": "auto", "num_speculative_tokens": 6})
-    assert config.num_speculative_tokens == 6
+    assert config.num_speculative_tokens == config.k == 6
+
+
+def test_auto_drafts_up_to_eight_by_default_and_the_fixed_methods_four() -> None:
+    assert parse_speculative_config('{"method": "auto"}').k == 8
+    assert parse_speculative_config('{"method": "ngram"}').k == 4
+    assert parse_speculative_config('{"method": "suffix"}').k == 4
+    assert SpeculativeConfig("auto", num_speculative_tokens=3).k == 3
 
 
 @pytest.mark.parametrize(

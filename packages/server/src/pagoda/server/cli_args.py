@@ -742,8 +742,9 @@ def argument_table() -> list[Flag]:
                 "type": _speculative_config,
                 "metavar": "JSON",
                 "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                '"prompt_lookup_max": 5, "prompt_lookup_min": 2}, "suffix", "auto" (n-gram and suffix drafts '
-                "wherever the measured step costs and acceptance say they pay), or "
+                '"prompt_lookup_max": 5, "prompt_lookup_min": 2}, "suffix", "auto" (n-gram and suffix drafts, '
+                "up to 8 unless num_speculative_tokens says, wherever the measured step costs and acceptance say "
+                "they pay), or "
                 '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; None: off',
             },
         ),

@@ -102,15 +102,15 @@ def speculation_for(
     logger.info(
         "speculative decoding (%s, k=%d): a decode step costs %s (sequences: ms plain / ms per drafted token)",
         spec.method,
-        spec.num_speculative_tokens,
+        spec.k,
         ", ".join(
             f"{d.batch_size}: {d.plain_s * 1e3:.3g} / {d.per_draft_s * 1e3:.2g}" for d in costs.decodes
         ),
     )
     if draft is None:
-        return build_speculation(spec, DraftPolicy(costs, spec.num_speculative_tokens))
+        return build_speculation(spec, DraftPolicy(costs, spec.k))
     logger.info("speculative decoding: a draft model step costs %.3g ms", draft.token_seconds * 1e3)
-    policy = DraftPolicy(costs, spec.num_speculative_tokens, draft_token_s=draft.token_seconds)
+    policy = DraftPolicy(costs, spec.k, draft_token_s=draft.token_seconds)
     return build_speculation(spec, policy, draft.drafter)
 
 

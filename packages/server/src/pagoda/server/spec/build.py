@@ -21,9 +21,9 @@ def build_speculation(
     config: SpeculativeConfig, policy: DraftPolicy | None = None, drafter: DraftModel | None = None
 ) -> Callable[[DraftableRequest], SamplesTokens]:
     """What makes a plain request speculative under `config` (each request gets its own proposer); `policy`
-    backs off by batch size and acceptance (None: always `num_speculative_tokens` drafts); `drafter` is the
+    backs off by batch size and acceptance (None: always `config.k` drafts); `drafter` is the
     engine's draft model (method draft_model: required)."""
-    k = config.num_speculative_tokens
+    k = config.k
 
     # From this batch size on no sequence drafts, whatever its acceptance: a saturated engine pays one comparison
     # per request and step for speculation, not the policy's search.
