@@ -219,7 +219,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--quantization", default=None, help="the engine's --quantization (e.g. gguf for a .gguf --model)"
     )
     parser.add_argument(
-        "--num-speculative-tokens", type=int, default=None, help="default: each method's own (auto 8, others 4)"
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="default: each method's own (auto 8, others 4)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=256)
