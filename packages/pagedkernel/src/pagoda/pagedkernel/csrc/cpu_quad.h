@@ -20,9 +20,10 @@
  *     Q8_0: the signed byte + 128, c = 128); Q4_K's 32-element sub-blocks are its blocks (u the nibble, d the
  *     super-block's d times the sub-block's 6-bit scale, m minus dmin times its 6-bit minimum, each one float
  *     product), four of them (half a super-block) a group;
- *   - lane 4 jj + l (jj the block in its group, l = 0..3) of 16 float lanes: acc += (float)L * (d * dx), L the
- *     exact integer sum of w q over elements 4l..4l+3 and 16+4l..16+4l+3 of block jj (sum u q - c sum q), d its
- *     scale, dx x's;
+ *   - lane 4 jj + l (jj the block in its group, l = 0..3) of 16 float lanes: acc = fma((float)L, d * dx, acc),
+ *     one fused multiply-add (the library fuses nothing else: written out; 4-6% faster from two rows than a
+ *     multiply and an add), L the exact integer sum of w q over elements 4l..4l+3 and 16+4l..16+4l+3 of block jj
+ *     (sum u q - c sum q), d its scale, dx x's;
  *   - the minimum per block (Q4_1, Q4_K): o[jj] += m * (dx * (float)qsum), qsum the sum of x's q over the block;
  *     (in the vectors d, m of a group are the words [d0, m0, .., d3, m3], m = 0 for the formats without one, and
  *     x's factors [dx0, dx0 qsum0, ..]: one multiply gives both products of all four blocks);
@@ -183,11 +184,11 @@ static float quad_dot(const int64_t type, const uint8_t *w, int64_t blocks, cons
       for (int e = 4 * l; e < 4 * l + 4; e++)
         lo_sum += (int32_t)u[e] * x->lo[16 * jj + e], hi_sum += (int32_t)u[e + 16] * x->hi[16 * jj + e];
       if (QUAD_SPLIT(type)) {
-        acc[i] = acc[i] + (float)(x->b32lo[i] + lo_sum) * s;
-        hi[i] = hi[i] + (float)(x->b32hi[i] + hi_sum) * (m * x->s[2 * jj]);
+        acc[i] = fmaf((float)(x->b32lo[i] + lo_sum), s, acc[i]);
+        hi[i] = fmaf((float)(x->b32hi[i] + hi_sum), m * x->s[2 * jj], hi[i]);
       } else {
         const int32_t bias = c == 128 ? x->b128[i] : c == 16 ? x->b16[i] : 0;
-        acc[i] = acc[i] + (float)(bias + lo_sum + hi_sum) * s;
+        acc[i] = fmaf((float)(bias + lo_sum + hi_sum), s, acc[i]);
       }
     }
     if (QUAD_MIN(type)) o[jj] = o[jj] + m * x->s[2 * jj + 1];
@@ -373,8 +374,8 @@ INLINE void quad_split_step(__m512 *acc, __m512 *acc_hi, __m512i lo, __m512i hi,
   const __m512 dx = _mm512_load_ps(x->dx);
   const __m512i a = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32lo), lo, _mm512_load_si512(x->lo));
   const __m512i b = _mm512_dpbusd_epi32(_mm512_load_si512(x->b32hi), hi, _mm512_load_si512(x->hi));
-  *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dlo, dx)));
-  *acc_hi = _mm512_add_ps(*acc_hi, _mm512_mul_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(dhi, dx)));
+  *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dlo, dx), *acc);
+  *acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(dhi, dx), *acc_hi);
 }
 
 /* One row's step on a group: the lanes (starting from x's -c sum q), scaled by d * dx, into acc; with minima
@@ -386,7 +387,7 @@ INLINE void quad_step(const int64_t type, __m512 *acc, __m256 *o, __m512i lo, __
   const __m512i lanes =
       _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo, _mm512_load_si512(x->lo)), hi, _mm512_load_si512(x->hi));
   const __m256 s = _mm256_mul_ps(dm, _mm256_load_ps(x->s));
-  *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(lanes), quad_lane_words(s, 0)));
+  *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), quad_lane_words(s, 0), *acc);
   if (QUAD_MIN(type)) *o = _mm256_add_ps(*o, s);
 }
 
@@ -552,15 +553,15 @@ INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m25
       quad_split_lanes(q, x, p, &a, &b);
       const __m256 dx = _mm256_load_ps(x->dx + 8 * p);
       const __m256 sl = _mm256_mul_ps(q->dlo[p], dx), sh = _mm256_mul_ps(q->dhi[p], dx);
-      acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(a), sl));
-      acc_hi[p] = _mm256_add_ps(acc_hi[p], _mm256_mul_ps(_mm256_cvtepi32_ps(b), sh));
+      acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sl, acc[p]);
+      acc_hi[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), sh, acc_hi[p]);
     }
     return;
   }
   const __m256 s = _mm256_mul_ps(q->dm, _mm256_load_ps(x->s));
   for (int p = 0; p < 2; p++) {
     const __m256i lanes = quad_lanes(type, q, x, p);
-    acc[p] = _mm256_add_ps(acc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), quad_pair_words(s, p, 0)));
+    acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), quad_pair_words(s, p, 0), acc[p]);
   }
   if (QUAD_MIN(type)) *o = _mm256_add_ps(*o, s);
 }

@@ -39,7 +39,7 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__)
 #define PATH 2
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__) /* the quad order's fused multiply-add (every AVX2 x86-64 has it) */
 #define PATH 1
 #else
 #define PATH 0
