@@ -261,8 +261,8 @@ def test_quad_order_on_every_path_and_row_count(
     """Q4_1, Q5_0, Q8_0, Q4_K and Q6_K go four 32-element blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks
     per row the last group is short (1, 2, 3 blocks); Q4_K's groups are half super-blocks, Q6_K keeps a block's
     halves in two sums and from 8 rows takes two columns a pass of 4 rows. Every build (native, AVX2, generic C)
-    and every row count (one row: two columns at a time; 5; 11: a pass of 8 and one of 3) give the same bits, each
-    within the int8 bound of the exact product."""
+    and every row count (1, 2 and 3 rows: two columns at a time on AVX-512, one row so on AVX2; 5; 11: a pass of 8
+    and one of 3) give the same bits, each within the int8 bound of the exact product."""
     builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
@@ -276,10 +276,10 @@ def test_quad_order_on_every_path_and_row_count(
         cpu_quant.gemv(x[:5], weight, few, lib)
         assert ((many.double() - exact).abs() <= int8_error_bound(x, w)).all()
         assert torch.equal(few, many[:5])
-        for r in (0, 5, 10):
-            one = nan_out(1, N)
-            cpu_quant.gemv(x[r : r + 1], weight, one, lib)
-            assert torch.equal(one, many[r : r + 1])
+        for r, rows in ((0, 1), (5, 1), (10, 1), (1, 2), (6, 3)):
+            part = nan_out(rows, N)
+            cpu_quant.gemv(x[r : r + rows], weight, part, lib)
+            assert torch.equal(part, many[r : r + rows])
         if first is None:
             first = many
         assert torch.equal(many, first)

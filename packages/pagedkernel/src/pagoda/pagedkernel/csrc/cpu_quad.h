@@ -617,20 +617,21 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
 #if PATH >= 1
   prefetch_start(weight + j0 * row_bytes);
   int64_t j = j0;
-  if (rows == 1)
-    for (; j + 2 <= j1; j += 2) {
-      prefetch_ahead(weight + j * row_bytes, 2 * row_bytes);
-      quad_tile(type, 2, 1, weight + j * row_bytes, row_bytes, k, g, groups, y, j, y_stride, y_bf16);
-    }
-  /* Q6_K reads five lines of x a group and row: eight rows of a long row of x (2048: 40 KB) spill out of L1 while
-   * a column sweeps them (measured: 0.097 ms for 8 rows of Gemma 3's down projection against 0.072 for 7). From 8
-   * rows on, two columns share each pass over 4 rows' x instead: 0.081 ms, 16 rows 0.151 against 0.231 ms. */
+  /* Two columns share each pass over up to 4 rows of x where that pays:
+   * - up to 3 rows (one on the 256-bit form): two independent sum chains a row (measured on Zen 4 at 2 and 3
+   *   rows: 10-25% faster than one column; at 4 the registers run out);
+   * - Q6_K from 8 rows: it reads five lines of x a group and row, and eight rows of a long row of x (2048: 40 KB)
+   *   spill out of L1 while a column sweeps them (0.097 ms for 8 rows of Gemma 3's down projection against 0.072
+   *   for 7); two columns a pass of 4 rows: 0.081 ms, 16 rows 0.151 against 0.231 ms. */
 #ifdef QUAD_512
-  for (; QUAD_SPLIT(type) && rows >= 8 && j + 2 <= j1; j += 2) {
+  const int two_columns = rows <= 3 || (QUAD_SPLIT(type) && rows >= 8);
+#else
+  const int two_columns = rows == 1;
+#endif
+  for (; two_columns && j + 2 <= j1; j += 2) {
     prefetch_ahead(weight + j * row_bytes, 2 * row_bytes);
     quad_passes(type, 2, 4, weight + j * row_bytes, row_bytes, k, g, groups, rows, y, j, y_stride, y_bf16);
   }
-#endif
   /* The 256-bit form holds a row's Q6_K sums in four registers of sixteen: passes of 4 rows (8 spilled them). */
 #ifdef QUAD_512
   const int64_t pass = FEW_ROWS;
