@@ -8,8 +8,9 @@ thread, then on `--threads` threads at once (ctypes releases the GIL), best of `
 
     python tools/bench_peak.py [--threads 2] [--seconds 0.3] [--json peak.json]
 
-Measured on the 2-core AMD EPYC Zen 4 of the test machines (2026-12-05): int8 `vpdpbusd` ~500 G multiply-adds a
-second on both cores, bfloat16 `vdpbf16ps` ~245 G; the numbers issue #44's saturation paragraph (README) uses.
+Measured on the 2-core AMD EPYC Zen 4 of the test machines (2026-12-05, the machine faster and slower by the hour):
+int8 `vpdpbusd` 430-500 G multiply-adds a second on both cores, bfloat16 `vdpbf16ps` 200-245 G, float32 FMA ~80 G;
+the numbers issue #44's saturation paragraph (README) uses.
 """
 
 from __future__ import annotations
