@@ -37,6 +37,20 @@ SOURCE = r"""
 volatile float pagoda_peak_sink_f;
 volatile int32_t pagoda_peak_sink_i;
 #define CHAINS 16
+#if defined(__AVX2__)
+static float sum8f(__m256 v) {
+  float t[8], s = 0.0f;
+  _mm256_storeu_ps(t, v);
+  for (int e = 0; e < 8; e++) s += t[e];
+  return s;
+}
+static int32_t sum8i(__m256i v) {
+  int32_t t[8], s = 0;
+  _mm256_storeu_si256((__m256i *)t, v);
+  for (int e = 0; e < 8; e++) s += t[e];
+  return s;
+}
+#endif
 
 /* float32 fused multiply-adds: multiply-adds done in `steps` steps (0 without FMA). */
 int64_t pagoda_peak_fma(int64_t steps) {
@@ -57,11 +71,7 @@ int64_t pagoda_peak_fma(int64_t steps) {
   for (int64_t i = 0; i < steps; i++)
     for (int j = 0; j < CHAINS; j++) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
   float s = 0.0f;
-  for (int j = 0; j < CHAINS; j++) {
-    float v[8];
-    _mm256_storeu_ps(v, acc[j]);
-    for (int e = 0; e < 8; e++) s += v[e];
-  }
+  for (int j = 0; j < CHAINS; j++) s += sum8f(acc[j]);
   pagoda_peak_sink_f = s;
   return steps * CHAINS * 8;
 #else
@@ -90,11 +100,7 @@ int64_t pagoda_peak_int8(int64_t steps) {
     for (int j = 0; j < CHAINS; j++)
       acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
   int32_t s = 0;
-  for (int j = 0; j < CHAINS; j++) {
-    int32_t v[8];
-    _mm256_storeu_si256((__m256i *)v, acc[j]);
-    for (int e = 0; e < 8; e++) s += v[e];
-  }
+  for (int j = 0; j < CHAINS; j++) s += sum8i(acc[j]);
   pagoda_peak_sink_i = s;
   return steps * CHAINS * 32;
 #else
