@@ -59,6 +59,11 @@ typedef struct {
   float s[8];
 } __attribute__((aligned(64))) xquad;
 
+/* Row r0 of y (y_stride values a row, bfloat16 or float32 values). */
+static inline void *y_row(void *y, int64_t r0, int64_t y_stride, int y_bf16) {
+  return (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
+}
+
 /* Groups of four blocks of a row of k elements (the last one short where k / 32 is not a multiple of 4). */
 static inline int64_t quad_groups(int64_t k) { return (k / QK + 3) / 4; }
 
@@ -600,7 +605,7 @@ INLINE void quad_passes(const int64_t type, const int C, const int64_t pass, con
                         int64_t y_stride, int y_bf16) {
   for (int64_t r0 = 0; r0 < rows; r0 += pass) {
     const xquad *gr = g + r0 * groups;
-    void *yr = (char *)y + (size_t)(r0 * y_stride) * (y_bf16 ? sizeof(uint16_t) : sizeof(float));
+    void *yr = y_row(y, r0, y_stride, y_bf16);
     FOR_PASS_ROWS(rows, r0, pass, QUAD_TILE)
   }
 }

@@ -977,10 +977,9 @@ INLINE void any_rows_columns(const int64_t type, const uint8_t *w, int64_t j0, i
   if (QUAD_TYPE(type)) {
     /* Blocks of MAX_ROWS rows, each over the chunk's columns: past 16 rows x's quad form no longer stays in L1
      * while a column sweeps it (the 262k-row Q8_0 head at 24 rows 2.6x its time at 16, then 1.6x). */
-    const size_t y_size = y_bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS)
       quad_columns(type, w, j0, j1, k, xg + r0 * quad_groups(k), rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS,
-                   (char *)y + (size_t)(r0 * y_stride) * y_size, y_stride, y_bf16);
+                   y_row(y, r0, y_stride, y_bf16), y_stride, y_bf16);
     return;
   }
 #if PATH >= 1
