@@ -19,9 +19,9 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.cbuild import cpu_flags
-from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
+from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul, repack
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS, KernelPath
-from pagoda.pagedkernel.quant.formats import OWN_TYPES
+from pagoda.pagedkernel.quant.formats import OWN_TYPES, REPACKED_TYPES
 from pagoda.pagedkernel.quant.testing import (
     assert_bit_exact,
     float32_error_bound,
@@ -31,7 +31,9 @@ from pagoda.pagedkernel.quant.testing import (
 )
 
 ALL_TYPES = list(GGMLType)
-GGUF_TYPES = [t for t in GGMLType if t not in OWN_TYPES]  # the ones gguf's reference decodes too
+GGUF_TYPES = [
+    t for t in GGMLType if t not in OWN_TYPES | REPACKED_TYPES
+]  # the ones gguf's reference decodes too
 K = 768  # a multiple of every block (32 and 256)
 N = 77  # a multiple of nothing
 
@@ -405,3 +407,68 @@ def test_many_bfloat16_rows_are_the_dense_bfloat16_matmul(qtype: GGMLType) -> No
     if rounded:
         dense = x @ exact.to(torch.bfloat16).t()
         torch.testing.assert_close(out, dense)  # and so it is the dense bfloat16 matmul
+
+
+def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # float32 [rows, K] -> [rows, N]
+    """cpu_rows16.h's arithmetic written out: x quantized per 32 elements as quantize_row does (dx = max|x| / 127,
+    q = round(x / dx) to nearest even), L the exact integer sum of each block's products, then per block in order
+    acc = fma(L, d * dx, acc): the fused multiply-add's one rounding taken from its exact float64 value (L * (d dx)
+    has at most 45 significant bits, so only the add rounds before the final float32 rounding)."""
+    rows, k = x.shape
+    blocks = k // 32
+    xb = x.reshape(rows, blocks, 32)
+    dx = xb.abs().amax(-1) / 127.0  # float32, as the C division
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)  # round half to even, as nearbyintf
+    raw = repack.unpack(weight).blocks().reshape(weight.shape[0], blocks, 34)
+    d = raw[..., :2].contiguous().view(torch.float16).to(torch.float32)[..., 0]  # [N, blocks]
+    w = raw[..., 2:].view(torch.int8).to(torch.int64)  # [N, blocks, 32]
+    lanes = torch.einsum("rbi,nbi->rnb", q, w)  # exact integers
+    acc = torch.zeros(rows, weight.shape[0], dtype=torch.float32)
+    for b in range(blocks):
+        factor = (d[None, :, b] * dx[:, None, b]).to(torch.float64)  # the float32 product d * dx
+        acc = (lanes[..., b].to(torch.float64) * factor + acc.to(torch.float64)).to(torch.float32)
+    return acc
+
+
+@pytest.mark.parametrize("k", [544, 768])
+def test_repacked_q8_0_on_every_path_and_row_count(
+    k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q8_0_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13) on every build (VNNI, AVX2, generic C)
+    and at every row count (1-3, 8: one pass; 9, 11: a pass of 8 and a short one; 19: more than GEMV_MAX_ROWS in
+    one call) gives the bits of its written-out arithmetic, the same for a row whatever rows share its call."""
+    builds = every_build(tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(k)
+    weight = random_weight(GGMLType.Q8_0_R16, (N, k), g)
+    x = torch.randn(19, k, generator=g) * torch.rand(19, k, generator=g) * 3
+    want = r16_reference(x, weight)
+    w = dequantize(weight, backend="torch")
+    assert ((want.double() - x.double() @ w.double().t()).abs() <= int8_error_bound(x, w)).all()
+    for lib in builds:
+        for r, rows in ((0, 19), (0, 1), (18, 1), (1, 2), (6, 3), (2, 8), (3, 9), (5, 11)):
+            got = nan_out(rows, N)
+            cpu_quant.gemv(x[r : r + rows], weight, got, lib)
+            assert torch.equal(got, want[r : r + rows]), (lib.path, rows)
+        half = torch.full((19, N), float("nan"), dtype=torch.bfloat16)
+        cpu_quant.gemv(
+            x.bfloat16(), weight, half, lib
+        )  # bfloat16 in and out: read exactly, rounded at the end
+        assert torch.equal(half, r16_reference(x.bfloat16().float(), weight).bfloat16())
+
+
+def test_repacked_q8_0_takes_the_gemv_at_any_row_count() -> None:
+    """qmatmul multiplies a repacked weight by its int8 kernel for many rows too (past GEMV_MAX_ROWS and the AMX /
+    tiled thresholds), bfloat16 rows included; the float paths refuse it by name."""
+    g = torch.Generator().manual_seed(3)
+    weight = random_weight(GGMLType.Q8_0_R16, (40, 64), g)
+    x = torch.randn(600, 64, generator=g)
+    assert torch.equal(qmatmul(x, weight, backend="cpu"), r16_reference(x, weight))
+    assert torch.equal(
+        qmatmul(x.bfloat16(), weight, backend="cpu"), r16_reference(x.bfloat16().float(), weight).bfloat16()
+    )
+    lib = cpu_quant.kernels()
+    with pytest.raises(ValueError, match="vector does not take the repacked Q8_0_R16"):
+        cpu_quant.vector(x[:20], weight, torch.empty(20, 40), lib)
+    with pytest.raises(ValueError, match="amx does not take the repacked Q8_0_R16"):
+        cpu_quant.amx(x[:20].bfloat16(), weight, torch.empty(20, 40), lib)

@@ -17,11 +17,14 @@ from pagoda.pagedkernel.quant import (
     ggml_type,
     qmatmul,
     quantize,
+    repack,
 )
-from pagoda.pagedkernel.quant.formats import OWN_TYPES
+from pagoda.pagedkernel.quant.formats import OWN_TYPES, REPACKED_TYPES
 from pagoda.pagedkernel.quant.testing import assert_bit_exact, random_weight
 
-ALL_TYPES = [t for t in GGMLType if t not in OWN_TYPES]  # GGUF's types (ours are tested below on their own)
+ALL_TYPES = [
+    t for t in GGMLType if t not in OWN_TYPES | REPACKED_TYPES
+]  # GGUF's types (ours are tested below on their own)
 # Types gguf's Python code can also quantize (the K-quants it only dequantizes).
 GGUF_QUANTIZABLE = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
 
@@ -192,3 +195,35 @@ def test_quantize_refuses_what_it_cannot_write() -> None:
         quantize(torch.zeros(2, 96), GGMLType.I4_G128)
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.zeros(64), GGMLType.Q8_0)
+
+
+def test_repacked_q8_0_layout_as_specified() -> None:
+    """Q8_0_R16 (repack.py, written out here): rows in tiles of 16 (20 rows: a tile and one of 4); per tile and
+    32-element block, the tile's float16 scales, then bytes q + 128 as [8 groups of 4][rows of the tile][4]. The
+    conversions go both ways, in place too, and rows are taken and dequantized as Q8_0's; its id is clear of gguf."""
+    assert GGMLType.Q8_0_R16.name not in gguf.GGMLQuantizationType.__members__
+    assert int(GGMLType.Q8_0_R16) not in {int(t) for t in gguf.GGMLQuantizationType}
+    n, k = 20, 64
+    q8 = random_weight(GGMLType.Q8_0, (n, k), torch.Generator().manual_seed(1))
+    src = q8.data.reshape(n, k // 32, 34).numpy()
+    expected = bytearray()
+    for t0 in range(0, n, 16):
+        width = min(16, n - t0)
+        for b in range(k // 32):
+            for r in range(width):
+                expected += bytes(src[t0 + r, b, :2])
+            for grp in range(8):
+                for r in range(width):
+                    expected += bytes(int(v) ^ 0x80 for v in src[t0 + r, b, 2 + 4 * grp : 6 + 4 * grp])
+    packed = repack.repack(q8)
+    assert packed.qtype is GGMLType.Q8_0_R16 and packed.shape == q8.shape
+    assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
+    assert torch.equal(repack.unpack(packed).data, q8.data)
+    ids = torch.tensor([19, 0, 17, 5, 16])
+    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(q8, ids).data)
+    assert torch.equal(dequantize(packed, backend="torch"), dequantize(q8, backend="torch"))
+    copy = QuantizedTensor(q8.data.clone(), q8.qtype, q8.shape)
+    in_place = repack.repack(copy, in_place=True)
+    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+    with pytest.raises(ValueError, match="expected a Q8_0 weight, got Q4_1"):
+        repack.repack(random_weight(GGMLType.Q4_1, (16, 32), torch.Generator().manual_seed(0)))

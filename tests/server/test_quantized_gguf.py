@@ -18,9 +18,17 @@ import pytest
 import torch
 from mixed_gguf import MixedGGUFs
 from pagoda.pagedkernel import KernelBackend
-from pagoda.pagedkernel.quant import GGMLType, QuantBackendName, cpu_quant, dequantize, torch_quant
+from pagoda.pagedkernel.quant import (
+    GGMLType,
+    QuantBackendName,
+    cpu_quant,
+    dequantize,
+    qmatmul,
+    repack,
+    torch_quant,
+)
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS
-from pagoda.pagedkernel.quant.formats import OWN_TYPES
+from pagoda.pagedkernel.quant.formats import OWN_TYPES, REPACKED_TYPES
 from pagoda.pagedkernel.quant.testing import (
     float32_error_bound,
     float32_typical_error,
@@ -41,7 +49,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 CPU = torch.device("cpu")
-TYPES = [t.name for t in GGMLType if t not in OWN_TYPES]  # the types a GGUF file can hold
+TYPES = [t.name for t in GGMLType if t not in OWN_TYPES | REPACKED_TYPES]  # the types a GGUF file can hold
 PROMPT = [
     1,
     40,
@@ -204,7 +212,13 @@ def test_int8_activation_decode_stays_within_the_logit_bound(
     path = gguf_files(arch, "mix")
     quantized = load(path, tmp_path, keep=True, backend="cpu")
     dense = load(path, tmp_path, keep=False)
-    assert quantized_types(quantized) == set(TYPES)
+    held = quantized_types(quantized)
+    if (
+        cpu_quant.repacked_layout(GGMLType.Q8_0) is not None
+    ):  # the Q8_0 vocabulary table, laid out for the CPU
+        assert "Q8_0_R16" in held
+        held = held - {"Q8_0_R16"} | {"Q8_0"}
+    assert held == set(TYPES)
     checked = [0]
     handles = check_each_layer(quantized.model, checked)
     got = decode_logits(quantized, torch_backend)
@@ -392,3 +406,51 @@ def test_runs_of_rows_of_different_types_write_their_own_columns(
     want = torch.cat([QuantizedWeight.of([p], backend).matmul(flat) for p in parts], dim=-1)
     assert got.shape == (2, rows, 21) and got.dtype == dtype
     assert torch.equal(got.reshape(-1, 21), want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("forced", [False, True], ids=["as-this-cpu-prefers", "forced"])
+def test_the_vocabulary_table_is_repacked_for_the_cpu_kernel(
+    arch: str,
+    forced: bool,
+    gguf_files: Callable[[str, str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the `cpu` backend of a build that prefers it (`cpu_quant.repacked_layout`: AVX-512 VNNI; `forced` makes
+    every build take it, the plain C kernel on others), a Q8_0 vocabulary table (llama's LM head and embedding,
+    Gemma 3's tied one) is held as Q8_0_R16: the file's bytes repacked, the embedding's rows looked up as before,
+    the logits those of the int8 kernel on that layout. The other layers and the torch backend keep the file's
+    format. Skipped only without a C compiler."""
+    c_kernel_or_skip(cpu_quant.kernels)
+    if forced:
+        monkeypatch.setattr(
+            cpu_quant, "repacked_layout", lambda q: GGMLType.Q8_0_R16 if q is GGMLType.Q8_0 else None
+        )
+    want = cpu_quant.repacked_layout(GGMLType.Q8_0) or GGMLType.Q8_0
+    path = gguf_files(arch, "Q8_0")
+    on_cpu = load(path, tmp_path, keep=True, backend="cpu").model
+    on_torch = load(path, tmp_path, keep=True, backend="torch").model
+    assert types_held(on_torch) == {"Q8_0"}
+    vocabulary = {"model.embed_tokens", "lm_head"}
+    for name, module in on_cpu.named_modules():
+        if not isinstance(module, QuantizableWeight) or module.quantized is None:
+            continue
+        (part,) = module.quantized.parts if name in vocabulary else module.quantized.parts[:1]
+        assert part.qtype is (want if name in vocabulary else GGMLType.Q8_0), name
+        if name in vocabulary:
+            source = on_torch.get_submodule(name).quantized
+            assert source is not None
+            rows_back = repack.unpack(part) if part.qtype is GGMLType.Q8_0_R16 else part
+            assert torch.equal(rows_back.data, source.parts[0].data), name
+    head = on_cpu.head().quantized
+    assert head is not None
+    ids = torch.tensor([0, 7, head.shape[0] - 1, 3])
+    torch_head = on_torch.head().quantized
+    assert torch_head is not None
+    assert torch.equal(head.rows(ids, torch.float32), torch_head.rows(ids, torch.float32))
+    hidden = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = qmatmul(hidden, head.parts[0], backend="cpu")  # the layout's own kernel
+    if want is GGMLType.Q8_0_R16:
+        assert torch.equal(expected, qmatmul(hidden, repack.repack(torch_head.parts[0]), backend="cpu"))
+    assert torch.equal(on_cpu.head().scores(hidden)[:, : head.shape[0]], expected)

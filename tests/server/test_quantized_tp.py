@@ -13,6 +13,8 @@ from pathlib import Path
 import pagoda.server.loader.weights as weights
 import pytest
 import torch
+from pagoda.pagedkernel.quant import repack
+from pagoda.pagedkernel.quant.formats import REPACKED_TYPES
 from pagoda.server.llm import LLM
 from pagoda.server.loader import WeightLoadError, load_model
 from pagoda.server.models.layers import QuantizableWeight
@@ -57,9 +59,13 @@ def llms() -> Iterator[list[LLM]]:
 
 
 def blocks_of(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """Each quantized layer's runs of uint8 rows, by module name."""
+    """Each quantized layer's runs of uint8 rows, by module name (a repacked vocabulary table read back as its
+    rows: a shard's last tile differs from the whole table's)."""
     return {
-        name: [part.data for part in module.quantized.parts]
+        name: [
+            (repack.unpack(part) if part.qtype in REPACKED_TYPES else part).data
+            for part in module.quantized.parts
+        ]
         for name, module in model.named_modules()
         if isinstance(module, QuantizableWeight) and module.quantized is not None
     }

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
+from pagoda.pagedkernel.quant import repack
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, REPACKED_TYPES, GGMLType, QuantizedTensor
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,12 @@ def dequantize_rows(
     bitwise what `.to(torch.bfloat16)` of the float32 values gives, NaNs aside: any NaN is a NaN)."""
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"dequantize_rows writes a contiguous float32 or bfloat16 tensor, got {out.dtype}")
+    if weight.qtype in REPACKED_TYPES:  # the rows in their own format first (a gather, no arithmetic)
+        for first in range(start, stop, repack.CHUNK_ROWS):
+            last = min(stop, first + repack.CHUNK_ROWS)
+            rows = repack.take_rows(weight, torch.arange(first, last))
+            dequantize_rows(rows, 0, last - first, out[first - start : last - start], lib)
+        return
     data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
     blocks_per_row = weight.shape[-1] // BLOCK_SIZES[weight.qtype][0]
     code = lib.dequantize(
@@ -212,6 +219,14 @@ GEMV_QTYPES = frozenset(
 )
 
 
+def repacked_layout(qtype: GGMLType) -> GGMLType | None:
+    """The layout this CPU's kernels multiply a `qtype` weight fastest in (`repack.py`), where that is not `qtype`
+    itself: Q8_0_R16 for Q8_0 on a build with AVX-512 VNNI (its tiles are 512-bit operands); else None."""
+    if qtype is not GGMLType.Q8_0 or not available():
+        return None
+    return GGMLType.Q8_0_R16 if kernels().path is KernelPath.AVX512_VNNI else None
+
+
 def _matmul(
     run: Any,
     x: Tensor,  # [rows, K], rows contiguous
@@ -245,6 +260,12 @@ def _check_rows(what: str, x: Tensor, out: Tensor) -> None:
         raise ValueError(f"{what} reads and writes float32 or bfloat16 rows, got {x.dtype} -> {out.dtype}")
 
 
+def _refuse_repacked(weight: QuantizedTensor, what: str) -> None:
+    """A repacked layout is multiplied by `gemv` alone (these paths dequantize panels of row-major blocks)."""
+    if weight.qtype in REPACKED_TYPES:
+        raise ValueError(f"{what} does not take the repacked {weight.qtype.name} layout: gemv multiplies it")
+
+
 def gemv(
     x: Tensor,  # float32 or bfloat16 [rows, K], rows contiguous
     weight: QuantizedTensor,  # [N, K]
@@ -266,6 +287,7 @@ def amx(
     """out = x @ W^T on the AMX tile unit: W dequantized to bfloat16 32 rows at a time into a panel that stays in
     cache (one pass over W for every row of x), products summed in float32; a bfloat16 out is rounded to nearest
     even. Needs `lib.matmul_amx`."""
+    _refuse_repacked(weight, "amx")
     if lib.matmul_amx is None:
         raise ValueError("this build of the quantized ops has no AMX matmul")
     if x.dtype != torch.bfloat16 or out.dtype not in GEMV_DTYPES or x.stride(-1) != 1 or out.stride(-1) != 1:
@@ -286,6 +308,7 @@ def vector(
     pairs where the build has AVX-512 BF16 (`matmul_dpbf16`: W rounded to bfloat16, the numerics of a dense
     bfloat16 matmul); a bfloat16 out is rounded to nearest even."""
     _check_rows("vector", x, out)
+    _refuse_repacked(weight, "vector")
     pairs = x.dtype == torch.bfloat16 and lib.matmul_dpbf16 is not None
     _matmul(lib.matmul_dpbf16 if pairs else lib.matmul_fma, x, weight, out, "vector quantized matmul")
 

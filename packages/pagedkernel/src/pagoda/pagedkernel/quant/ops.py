@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 from pagoda.pagedkernel.quant import cpu_quant, torch_quant
-from pagoda.pagedkernel.quant.formats import QuantizedTensor
+from pagoda.pagedkernel.quant.formats import REPACKED_TYPES, QuantizedTensor
 from torch import Tensor
 
 QuantBackendName = Literal["auto", "torch", "cpu"]
@@ -53,7 +53,8 @@ def qmatmul(
     On the `cpu` backend few rows use int8 activations (see the README for the error bound); more rows multiply
     the exact dequantized weights in float32 (in bfloat16, rounded to nearest even, for bfloat16 x: on the AMX
     tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one, else by AVX-512 BF16 dot products where it
-    has those), and so does the `torch` backend, in float32.
+    has those), and so does the `torch` backend, in float32. A repacked layout (`repack.py`) takes int8 activations
+    for any number of rows on the `cpu` backend (its kernel outruns the float paths at every row count).
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
@@ -75,8 +76,12 @@ def qmatmul(
         return out.copy_(y)
     lib = cpu_quant.kernels()
     y = out if out is not None else torch.empty((x.shape[0], n), dtype=x.dtype)
+    rows = x.shape[0]
+    # A repacked layout's int8 kernel runs near the int8 peak for any number of rows: past the bfloat16 paths'.
+    int8_only = weight.qtype in REPACKED_TYPES
     if (
-        x.shape[0] >= cpu_quant.AMX_MIN_ROWS
+        not int8_only
+        and x.shape[0] >= cpu_quant.AMX_MIN_ROWS
         and lib.matmul_amx is not None
         and x.dtype == torch.bfloat16
         and x.stride(-1) == 1
@@ -84,13 +89,12 @@ def qmatmul(
     ):
         cpu_quant.amx(x, weight, y, lib)
         return y
-    rows = x.shape[0]
-    if rows >= cpu_quant.VECTOR_MAX_ROWS and n * k <= cpu_quant.WHOLE_ELEMENTS:
+    if not int8_only and rows >= cpu_quant.VECTOR_MAX_ROWS and n * k <= cpu_quant.WHOLE_ELEMENTS:
         cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
     # float32 and bfloat16 rows go to the kernels as they are (they widen bfloat16 exactly and round a bfloat16
     # output as torch would): no conversion copies around the matmul.
-    run = cpu_quant.gemv if rows <= cpu_quant.GEMV_MAX_ROWS else cpu_quant.vector
+    run = cpu_quant.gemv if rows <= cpu_quant.GEMV_MAX_ROWS or int8_only else cpu_quant.vector
     xin = x if x.dtype in cpu_quant.GEMV_DTYPES and x.stride(-1) == 1 else x.to(torch.float32).contiguous()
     if y.dtype in cpu_quant.GEMV_DTYPES and y.stride(-1) == 1:
         run(xin, weight, y, lib)

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from pagoda.pagedkernel.quant import repack
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
 from torch import Tensor
 
@@ -34,6 +35,8 @@ def random_weight(
 ) -> QuantizedTensor:
     """Random blocks of `qtype` for a tensor of `shape`; the float16 scales are drawn in [scale/2, scale] with a
     random sign (scale=0: every byte random, so NaN, inf and subnormal halves occur too)."""
+    if qtype is GGMLType.Q8_0_R16:  # a layout of Q8_0's blocks
+        return repack.repack(random_weight(GGMLType.Q8_0, shape, generator, scale=scale))
     block, size = BLOCK_SIZES[qtype]
     rows = 1
     for d in shape[:-1]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from pagoda.pagedkernel.quant import repack
 from pagoda.pagedkernel.quant.formats import QK_K, GGMLType, QuantizedTensor
 from torch import Tensor
 
@@ -131,7 +132,9 @@ DECODERS: dict[GGMLType, Callable[[Tensor], Tensor]] = {
 
 
 def dequantize(weight: QuantizedTensor) -> Tensor:  # float32 weight.shape
-    """The float32 values `weight`'s blocks encode (the specification)."""
+    """The float32 values `weight`'s blocks encode (the specification; a repacked layout through its rows)."""
+    if weight.qtype is GGMLType.Q8_0_R16:
+        return dequantize(repack.unpack(weight))
     return DECODERS[weight.qtype](weight.blocks()).reshape(weight.shape)
 
 

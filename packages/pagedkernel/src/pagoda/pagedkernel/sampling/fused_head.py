@@ -21,7 +21,7 @@ import torch
 from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.quant import cpu_quant
-from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, REPACKED_TYPES, QuantizedTensor
 from pagoda.pagedkernel.quant.ops import qmatmul
 from pagoda.pagedkernel.sampling import cpu_sampling
 from torch import Tensor
@@ -36,8 +36,8 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 # Rows one call takes: the rows qmatmul sends to the GEMV, whose column code the C file calls (its HEAD_MAX_ROWS is
 # cpu_quant.c's MAX_ROWS, the same number: tests/pagedkernel/test_fused_head_op.py holds them together).
 MAX_ROWS = cpu_quant.GEMV_MAX_ROWS
-# The formats cpu_quant.c's GEMV columns multiply.
-SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES
+# The formats cpu_quant.c's GEMV columns multiply, and Q8_0 repacked for them (quant/repack.py).
+SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES | REPACKED_TYPES
 # Activation (and logits) dtypes the C file reads and writes as the GEMV does.
 DTYPES = (torch.float32, torch.bfloat16)
 # The largest top_k drawn fused (the C file's HEAD_MAX_TOP_K; its candidates hold top_k + 64 per row and thread).

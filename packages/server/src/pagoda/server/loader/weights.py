@@ -14,7 +14,12 @@ from pagoda.server.loader.huge_pages import huge_page_region, release_file_pages
 from pagoda.server.loader.quantized_cache import byte_range, columns_of, quantized_types
 from pagoda.server.models.base import CausalLM
 from pagoda.server.models.layers import MergedLinear, QuantizableWeight
-from pagoda.server.models.parallel_layers import SlicedLoad, SourceSlice
+from pagoda.server.models.parallel_layers import (
+    ParallelLMHead,
+    SlicedLoad,
+    SourceSlice,
+    VocabParallelEmbedding,
+)
 from pagoda.server.models.quantized import QuantizedWeight, run_bytes, run_copies, runs_of
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
@@ -241,7 +246,10 @@ def _install_quantized(
     places: Iterator[Tensor | None] = iter(region) if region is not None else itertools.repeat(None)
     for owner, weight_runs in installs:
         memory = [next(places) for _ in weight_runs]
-        owner.set_quantized(QuantizedWeight.placed(weight_runs, memory, backend))
+        # A vocabulary table's readers (row lookups, the LM head's GEMV, the fused head) all take the CPU's
+        # repacked layout, which multiplies many rows at about the int8 peak (pagedkernel README, cpu backend).
+        vocabulary = isinstance(owner, VocabParallelEmbedding | ParallelLMHead)
+        owner.set_quantized(QuantizedWeight.placed(weight_runs, memory, backend, repacked=vocabulary))
     if region is not None:  # the checkpoint's pages the copies read need not stay resident too
         release_file_pages([quantized.data for parts in pending.values() for _, quantized in parts.values()])
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pagoda.pagedkernel.quant import QuantBackendName, QuantizedTensor, dequantize, qmatmul
+from pagoda.pagedkernel.quant import QuantBackendName, QuantizedTensor, cpu_quant, dequantize, qmatmul, repack
 from torch import Tensor, nn
 
 
@@ -36,21 +36,30 @@ class QuantizedWeight:
         # the run's parts are concatenated into a new tensor (a run of one part is kept as it is).
         memory: Sequence[Tensor | None],
         backend: QuantBackendName = "auto",
+        *,
+        repacked: bool = False,
     ) -> QuantizedWeight:
         """The weight of `runs_of`'s runs, each run one tensor: `memory`'s (the loader's region of huge pages,
-        filled straight from the checkpoint, no concatenation first), or a new one."""
+        filled straight from the checkpoint, no concatenation first), or a new one. `repacked`: each run laid out
+        as the CPU's kernels multiply it fastest (`cpu_quant.repacked_layout`; in place where the memory is ours),
+        for a weight whose every reader takes that layout."""
         merged: list[QuantizedTensor] = []
         for run, place in zip(runs, memory, strict=True):
             first = run[0]
             rows = sum(part.shape[0] for part in run)
-            if len(run) == 1 and place is None:
-                merged.append(first)
-                continue
-            if place is None:
-                data = torch.cat([part.data.reshape(part.rows, -1) for part in run])
+            owned = len(run) > 1 or place is not None  # the bytes are a copy made here, not the checkpoint's
+            if not owned:
+                part = first
+            elif place is None:
+                part = QuantizedTensor(
+                    torch.cat([p.data.reshape(p.rows, -1) for p in run]), first.qtype, (rows, first.shape[1])
+                )
             else:
-                data = place.view(rows, -1)
-            merged.append(QuantizedTensor(data, first.qtype, (rows, first.shape[1])))
+                part = QuantizedTensor(place.view(rows, -1), first.qtype, (rows, first.shape[1]))
+            use_cpu = backend != "torch" and part.data.device.type == "cpu"
+            if repacked and use_cpu and cpu_quant.repacked_layout(part.qtype) is not None:
+                part = repack.repack(part, in_place=owned)
+            merged.append(part)
         return cls(tuple(merged), backend)
 
     @property
@@ -82,9 +91,7 @@ class QuantizedWeight:
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # int64 [num_tokens] -> [num_tokens, K]
         """The rows `ids` (an embedding lookup), dequantizing only those rows."""
         (part,) = self.parts  # an embedding table is one checkpoint tensor
-        picked = part.data.reshape(part.rows, -1).index_select(0, ids)  # uint8 [num_tokens, row_bytes]
-        gathered = QuantizedTensor(picked, part.qtype, (int(ids.shape[0]), part.shape[1]))
-        return dequantize(gathered, backend=self.backend).to(dtype)
+        return dequantize(repack.take_rows(part, ids), backend=self.backend).to(dtype)
 
     def dense(self) -> Tensor:  # float32 [N, K]
         """The exact float32 values (for a layer that cannot keep the blocks)."""
