@@ -39,6 +39,7 @@ from pagoda.pagedkernel.testing import c_kernel_or_skip
 from pagoda.server.cli import main
 from pagoda.server.llm import LLM
 from pagoda.server.loader import LoadedModel, load_model
+from pagoda.server.models.base import DecoderLM
 from pagoda.server.models.layers import Linear, QuantizableWeight
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.models.quantized import QuantizedWeight, resident_weight_bytes
@@ -431,6 +432,7 @@ def test_the_vocabulary_table_is_repacked_for_the_cpu_kernel(
     path = gguf_files(arch, "Q8_0")
     on_cpu = load(path, tmp_path, keep=True, backend="cpu").model
     on_torch = load(path, tmp_path, keep=True, backend="torch").model
+    assert isinstance(on_cpu, DecoderLM) and isinstance(on_torch, DecoderLM)
     assert types_held(on_torch) == {"Q8_0"}
     vocabulary = {"model.embed_tokens", "lm_head"}
     for name, module in on_cpu.named_modules():
@@ -439,10 +441,10 @@ def test_the_vocabulary_table_is_repacked_for_the_cpu_kernel(
         (part,) = module.quantized.parts if name in vocabulary else module.quantized.parts[:1]
         assert part.qtype is (want if name in vocabulary else GGMLType.Q8_0), name
         if name in vocabulary:
-            source = on_torch.get_submodule(name).quantized
-            assert source is not None
+            source = on_torch.get_submodule(name)
+            assert isinstance(source, QuantizableWeight) and source.quantized is not None
             rows_back = repack.unpack(part) if part.qtype is GGMLType.Q8_0_R16 else part
-            assert torch.equal(rows_back.data, source.parts[0].data), name
+            assert torch.equal(rows_back.data, source.quantized.parts[0].data), name
     head = on_cpu.head().quantized
     assert head is not None
     ids = torch.tensor([0, 7, head.shape[0] - 1, 3])
