@@ -409,38 +409,66 @@ def test_many_bfloat16_rows_are_the_dense_bfloat16_matmul(qtype: GGMLType) -> No
         torch.testing.assert_close(out, dense)  # and so it is the dense bfloat16 matmul
 
 
+def source_fields(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A repacked weight's blocks read back in its source format and decoded here: float32 d and m [N, blocks] (m
+    zero without a minimum), the unsigned values u [N, blocks, 32] and what u adds to the value (z)."""
+    source = repack.unpack(weight)
+    raw = source.blocks().reshape(weight.shape[0], weight.shape[1] // 32, -1)
+
+    def half(at: int) -> torch.Tensor:
+        return raw[..., at : at + 2].contiguous().view(torch.float16).to(torch.float32)[..., 0]
+
+    d, m = half(0), torch.zeros(raw.shape[:2])
+    if source.qtype is GGMLType.Q8_0:
+        return d, m, (raw[..., 2:].to(torch.int64) + 128) % 256, 128
+    nibbles = raw[..., -16:].to(torch.int64)
+    u = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)
+    if source.qtype is GGMLType.Q4_1:
+        return d, half(2), u, 0
+    qh = raw[..., 2:6].to(torch.int64)
+    fifth = torch.stack([(qh[..., j // 8] >> (j % 8)) & 1 for j in range(32)], dim=-1)
+    return d, m, u | fifth << 4, 16
+
+
 def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # float32 [rows, K] -> [rows, N]
     """cpu_rows16.h's arithmetic written out: x quantized per 32 elements as quantize_row does (dx = max|x| / 127,
-    q = round(x / dx) to nearest even), L the exact integer sum of each block's products, then per block in order
-    acc = fma(L, d * dx, acc): the fused multiply-add's one rounding taken from its exact float64 value (L * (d dx)
-    has at most 45 significant bits, so only the add rounds before the final float32 rounding)."""
+    q = round(x / dx) to nearest even), L the exact integer sum of each block's (u - z) q, then per block in order
+    acc = fma(L, d * dx, acc), and with a minimum acc = fma(m, dx * sum q, acc): each fused multiply-add's one
+    rounding taken from its exact float64 value (a product of at most 19 and 24 significant bits is exact there,
+    so only the add rounds before the final float32 rounding)."""
     rows, k = x.shape
     blocks = k // 32
     xb = x.reshape(rows, blocks, 32)
     dx = xb.abs().amax(-1) / 127.0  # float32, as the C division
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)  # round half to even, as nearbyintf
-    raw = repack.unpack(weight).blocks().reshape(weight.shape[0], blocks, 34)
-    d = raw[..., :2].contiguous().view(torch.float16).to(torch.float32)[..., 0]  # [N, blocks]
-    w = raw[..., 2:].view(torch.int8).to(torch.int64)  # [N, blocks, 32]
-    lanes = torch.einsum("rbi,nbi->rnb", q, w)  # exact integers
+    d, m, u, z = source_fields(weight)
+    lanes = torch.einsum("rbi,nbi->rnb", q, u - z)  # exact integers
+    sums = q.sum(-1).to(torch.float32)  # [rows, blocks]
     acc = torch.zeros(rows, weight.shape[0], dtype=torch.float32)
+
+    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
+
     for b in range(blocks):
-        factor = (d[None, :, b] * dx[:, None, b]).to(torch.float64)  # the float32 product d * dx
-        acc = (lanes[..., b].to(torch.float64) * factor + acc.to(torch.float64)).to(torch.float32)
+        acc = fma(lanes[..., b].to(torch.float32), d[None, :, b] * dx[:, None, b], acc)
+        if bool(m.any()):
+            acc = fma(m[None, :, b].expand_as(acc), (dx[:, b] * sums[:, b])[:, None].expand_as(acc), acc)
     return acc
 
 
+@pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [544, 768])
-def test_repacked_q8_0_on_every_path_and_row_count(
-    k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_repacked_layouts_on_every_path_and_row_count(
+    qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q8_0_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13) on every build (VNNI, AVX2, generic C)
-    and at every row count (1-3, 8: one pass; 9, 11: a pass of 8 and a short one; 19: more than GEMV_MAX_ROWS in
-    one call) gives the bits of its written-out arithmetic, the same for a row whatever rows share its call."""
+    """Q8_0_R16, Q4_1_R16 and Q5_0_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13) on every build
+    (VNNI, AVX2, generic C) and at every row count (1-3, 8: one pass; 9, 11: a pass of 8 and a short one; 19: more
+    than GEMV_MAX_ROWS in one call) give the bits of their written-out arithmetic, the same for a row whatever
+    rows share its call, within the int8 bound of the exact product."""
     builds = every_build(tmp_path, monkeypatch)
-    g = torch.Generator().manual_seed(k)
-    weight = random_weight(GGMLType.Q8_0_R16, (N, k), g)
+    g = torch.Generator().manual_seed(k + int(qtype))
+    weight = random_weight(qtype, (N, k), g)
     x = torch.randn(19, k, generator=g) * torch.rand(19, k, generator=g) * 3
     want = r16_reference(x, weight)
     w = dequantize(weight, backend="torch")

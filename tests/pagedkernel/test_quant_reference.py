@@ -197,33 +197,72 @@ def test_quantize_refuses_what_it_cannot_write() -> None:
         quantize(torch.zeros(64), GGMLType.Q8_0)
 
 
-def test_repacked_q8_0_layout_as_specified() -> None:
-    """Q8_0_R16 (repack.py, written out here): rows in tiles of 16 (20 rows: a tile and one of 4); per tile and
-    32-element block, the tile's float16 scales, then bytes q + 128 as [8 groups of 4][rows of the tile][4]. The
-    conversions go both ways, in place too, and rows are taken and dequantized as Q8_0's; its id is clear of gguf."""
-    assert GGMLType.Q8_0_R16.name not in gguf.GGMLQuantizationType.__members__
-    assert int(GGMLType.Q8_0_R16) not in {int(t) for t in gguf.GGMLQuantizationType}
+@pytest.mark.parametrize("source", [GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q5_0], ids=lambda t: t.name)
+def test_repacked_layouts_as_specified(source: GGMLType) -> None:
+    """The `_R16` layouts (repack.py, written out here): rows in tiles of 16 (20 rows: a tile and one of 4); per
+    tile and 32-element block, the tile's float16 scales (Q4_1: then its minima), then the values u: Q8_0's bytes
+    q + 128 as [8 groups of 4][rows of the tile][4]; Q4_1's nibbles and Q5_0's low four bits as [4 pairs of
+    groups][rows][4] (the pair's first group low), Q5_0's fifth bits then as a bit string in [group][row][4] order.
+    The conversions go both ways, in place too, and rows are taken and dequantized as the source format's; the
+    ids are clear of gguf's."""
+    layout = repack.LAYOUT_OF[source]
+    assert layout.name not in gguf.GGMLQuantizationType.__members__
+    assert int(layout) not in {int(t) for t in gguf.GGMLQuantizationType}
     n, k = 20, 64
-    q8 = random_weight(GGMLType.Q8_0, (n, k), torch.Generator().manual_seed(1))
-    src = q8.data.reshape(n, k // 32, 34).numpy()
+    weight = random_weight(source, (n, k), torch.Generator().manual_seed(1))
+    size = BLOCK_SIZES[source][1]
+    src = weight.data.reshape(n, k // 32, size).numpy()
+    halves = 4 if source is GGMLType.Q4_1 else 2
+
+    def u(row: int, b: int, j: int) -> int:  # element j's unsigned value in the source block
+        block = src[row, b]
+        if source is GGMLType.Q8_0:
+            return int(block[2 + j]) ^ 0x80
+        byte = int(block[size - 16 + j % 16])
+        nibble = byte & 15 if j < 16 else byte >> 4
+        if source is GGMLType.Q4_1:
+            return nibble
+        qh = int.from_bytes(bytes(block[2:6]), "little")
+        return nibble | ((qh >> j) & 1) << 4
+
     expected = bytearray()
     for t0 in range(0, n, 16):
         width = min(16, n - t0)
         for b in range(k // 32):
-            for r in range(width):
-                expected += bytes(src[t0 + r, b, :2])
-            for grp in range(8):
+            for at in range(0, halves, 2):
                 for r in range(width):
-                    expected += bytes(int(v) ^ 0x80 for v in src[t0 + r, b, 2 + 4 * grp : 6 + 4 * grp])
-    packed = repack.repack(q8)
-    assert packed.qtype is GGMLType.Q8_0_R16 and packed.shape == q8.shape
+                    expected += bytes(src[t0 + r, b, at : at + 2])
+            if source is GGMLType.Q8_0:
+                for grp in range(8):
+                    for r in range(width):
+                        expected += bytes(u(t0 + r, b, 4 * grp + e) for e in range(4))
+                continue
+            for pair in range(4):
+                for r in range(width):
+                    expected += bytes(
+                        (u(t0 + r, b, 8 * pair + e) & 15) | (u(t0 + r, b, 8 * pair + 4 + e) & 15) << 4
+                        for e in range(4)
+                    )
+            if source is GGMLType.Q5_0:
+                bits = [
+                    u(t0 + r, b, 4 * grp + e) >> 4 for grp in range(8) for r in range(width) for e in range(4)
+                ]
+                expected += bytes(sum(bits[i + j] << j for j in range(8)) for i in range(0, len(bits), 8))
+    packed = repack.repack(weight)
+    assert packed.qtype is layout and packed.shape == weight.shape
     assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
-    assert torch.equal(repack.unpack(packed).data, q8.data)
+    assert torch.equal(repack.unpack(packed).data, weight.data)
     ids = torch.tensor([19, 0, 17, 5, 16])
-    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(q8, ids).data)
-    assert torch.equal(dequantize(packed, backend="torch"), dequantize(q8, backend="torch"))
-    copy = QuantizedTensor(q8.data.clone(), q8.qtype, q8.shape)
+    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
+    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
+    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
     in_place = repack.repack(copy, in_place=True)
     assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
-    with pytest.raises(ValueError, match="expected a Q8_0 weight, got Q4_1"):
-        repack.repack(random_weight(GGMLType.Q4_1, (16, 32), torch.Generator().manual_seed(0)))
+
+
+def test_repack_refuses_other_formats() -> None:
+    """Only Q8_0, Q4_1 and Q5_0 have a repacked layout; unpacking wants one of those layouts."""
+    with pytest.raises(ValueError, match="expected a weight of Q8_0, Q4_1, Q5_0, got Q6_K"):
+        repack.repack(random_weight(GGMLType.Q6_K, (16, 256), torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=r"got Q8_0$"):
+        repack.unpack(random_weight(GGMLType.Q8_0, (16, 32), torch.Generator().manual_seed(0)))

@@ -86,6 +86,7 @@ typedef struct {
   float *d;
   int32_t *s;
   xquad *g; /* every row's quad form (cpu_quad.h), rows quad_groups(k) apart */
+  int8_t *r; /* the rows' signed q for repacked parts (cpu_rows16.h): q itself where q is signed already */
 #if PATH == 2
   xblock *xb; /* the one-row VNNI path's form of row 0 */
 #endif
@@ -98,6 +99,9 @@ static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_
   int quad = 0;
   for (int64_t p = 0; p < w->parts; p++) quad |= QUAD_TYPE(w->type[p]);
   quantize_rows(x, x_stride, PAGODA_DTYPE == PAGODA_BFLOAT16, rows, k, qx->q, qx->d, qx->s, quad ? qx->g : NULL);
+  int repacked = 0;
+  for (int64_t p = 0; p < w->parts; p++) repacked |= R16_TYPE(w->type[p]);
+  if (repacked) r16_signed_x(qx->q, qx->r, rows * k);
 #if PATH == 2
   int one_row = 0;
   for (int64_t p = 0; p < w->parts; p++) one_row |= ONE_ROW_TYPE(w->type[p]);
@@ -122,7 +126,7 @@ static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1,
     return;
   }
 #endif
-  columns_for(type)(w, j0, j1, k, qx->q, qx->d, qx->s, qx->g, rows, y, y_stride, y_bf16);
+  columns_for(type)(w, j0, j1, k, R16_TYPE(type) ? qx->r : qx->q, qx->d, qx->s, qx->g, rows, y, y_stride, y_bf16);
 }
 
 /* Columns j0..j1 of x W^T for a weight of several runs: each run's share, at its own column offset. */
@@ -157,6 +161,7 @@ static int64_t claim(int64_t *counter, int64_t n, int64_t nthreads, int64_t leas
     if (at >= n) return 0;
     int64_t size = (n - at) / (2 * nthreads);
     size = size < least ? least : size > most ? most : size;
+    size -= size % least; /* runs start on multiples of `least`: a repacked part's tiles of 16 stay whole */
     if (size > n - at) size = n - at;
     if (__atomic_compare_exchange_n(counter, &at, at + size, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
       *j0 = at;
@@ -311,8 +316,10 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     qx.g = aligned_alloc(64, sizeof(xquad) * (size_t)(rows * quad_groups(widest)));
 #if PATH == 2
     qx.xb = aligned_alloc(32, sizeof(xblock) * (size_t)(widest / QK));
-    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g && qx.xb;
+    qx.r = malloc((size_t)(rows * widest));
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g && qx.xb && qx.r;
 #else
+    qx.r = qx.q;
     const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g;
 #endif
     if (!ok) __atomic_store_n(&status, 2, __ATOMIC_RELAXED);
@@ -411,7 +418,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     }
     free(res), free(h), free(qrow), free(qx.q), free(qx.d), free(qx.s), free(qx.g);
 #if PATH == 2
-    free(qx.xb);
+    free(qx.xb), free(qx.r);
 #endif
   }
   free(counters), free(buf), free(items);

@@ -1,34 +1,61 @@
-/* Q8_0_R16: Q8_0 weights repacked sixteen rows (output columns) to a tile, times int8 rows of x (included by
- * cpu_quant.c; the layout's specification is pagoda/pagedkernel/quant/repack.py).
+/* Q8_0_R16, Q4_1_R16, Q5_0_R16: Q8_0, Q4_1 and Q5_0 weights repacked sixteen rows (output columns) to a tile,
+ * times int8 rows of x (included by cpu_quant.c; the layouts' specification is pagoda/pagedkernel/quant/repack.py).
  *
  * Why: the quad order reads one weight row at a time and sums its lanes across (a horizontal sum per output), so
  * from a few rows of x it is bound by instructions at ~40-45% of the int8 dot-product peak. Here a 512-bit register
  * holds four k of sixteen columns, so each vpdpbusd is sixteen outputs' four products with x's four bytes
- * broadcast, and y leaves sixteen columns at a time with no horizontal sum. Measured on a 2-core AMD EPYC Zen 4
- * (a stand-alone prototype, float32 scales): SmolLM2's 49,152 x 576 Q8_0 head at 16 rows 2.38 -> 1.03 ms (about
- * the int8 peak), Gemma 3's 262,144 x 640 at 32 rows 21.0 ms (the bfloat16 vector path) -> 14.2 ms.
+ * broadcast, and y leaves sixteen columns at a time with no horizontal sum. Measured on a 2-core AMD EPYC Zen 4:
+ * SmolLM2's 49,152 x 576 Q8_0 head at 16 rows 2.08 -> 1.05 ms (about the int8 peak), Gemma 3's 262,144 x 640 at 32
+ * rows ~21 ms (the bfloat16 vector path) -> 12.4 ms.
  *
  * Layout: rows in tiles of sixteen (the last tile holds the n % 16 rows left, W of them); a tile of W rows keeps
- * the 34 W bytes of each 32-element block b together: the W rows' float16 scales, then the bytes q + 128 (q the
- * signed Q8_0 value) as [8 groups of 4 elements][W rows][4 bytes]. A tile of W rows starts where row 16 t would in
- * Q8_0 (the same bytes in all).
+ * each 32-element block of its rows together, W times the format's bytes per block: the W rows' float16 scales d
+ * (Q4_1: then their minima m), then the unsigned values u of element 4 g + e (group g = 0..7, e = 0..3) of row c:
+ *   - Q8_0: bytes u = q + 128 as [8 groups][W rows][4];
+ *   - Q4_1 (u the nibble), Q5_0 (u the 5-bit value, q + 16): bytes [4 pairs p][W rows][4] holding u & 15 of group
+ *     2p in the low nibble and of group 2p + 1 in the high one; Q5_0 then 4 W bytes of fifth bits, bit
+ *     (g W + c) 4 + e of the little-endian bit string being bit 4 of that u.
+ * A tile of W rows starts where row 16 t would in the source format (the same bytes in all).
  *
  * The arithmetic, the same on every path (AVX-512 VNNI, plain C), so every path and any number of rows give
- * bitwise the same y (tested): for row r of x and column c, L_b = the exact integer sum over block b of
- * (u - 128) q (x's signed q; on the VNNI path sum u q less 128 sum q, the same integer), then
- * acc = fma((float)L_b, d_cb * dx_rb, acc) in block order from 0, and y = acc (rounded to bfloat16 where asked).
+ * bitwise the same y (tested): for row r of x and column c, per block b in order from acc = 0,
+ * L = the exact integer sum of (u - z) q over the block (z = 128, 0, 16; x's signed q; the VNNI path sums u q from
+ * -z sum q, the same integer), acc = fma((float)L, d * dx, acc), and for Q4_1 then acc = fma(m, dx * (float)sum q,
+ * acc); y = acc (rounded to bfloat16 where asked).
  */
 
 #define R16_TILE 16
-#define R16_TYPE(t) ((t) == Q8_0_R16)
+#define R16_TYPE(t) ((t) == Q8_0_R16 || (t) == Q4_1_R16 || (t) == Q5_0_R16)
+/* Bytes per row and block; bytes of float16 fields (d, and Q4_1's m) per row; what u adds to the value (z). */
+#define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : 22)
+#define R16_HALVES(t) ((t) == Q4_1_R16 ? 4 : 2)
+#define R16_BIAS(t) ((t) == Q8_0_R16 ? 128 : (t) == Q5_0_R16 ? 16 : 0)
 
-/* x's rows as the tiles read them: signed q (the VNNI path's quantize_row writes q + 128 for the other formats'
- * products; here the weights are the unsigned operand). */
-static void prepare_r16(int8_t *xq, int64_t n) {
+/* Bits at..at + n of a little-endian bit string (at % 8 + n <= 64), as the low bits of a word; reads no byte past
+ * the last bit's. */
+static inline uint64_t r16_bits(const uint8_t *p, int64_t at, int n) {
+  uint64_t v = 0;
+  memcpy(&v, p + at / 8, (size_t)((at % 8 + n + 7) / 8));
+  v >>= at % 8;
+  return n >= 64 ? v : v & ((1ull << n) - 1ull);
+}
+
+/* Element 4 g + e's u of row c in a tile's block tb of W rows (the plain form of the layout). */
+static inline int32_t r16_u(const int64_t type, const uint8_t *tb, int w, int c, int g, int e) {
+  const uint8_t *v = tb + R16_HALVES(type) * w;
+  if (type == Q8_0_R16) return v[(g * w + c) * 4 + e];
+  const int32_t nib = (v[((g / 2) * w + c) * 4 + e] >> (4 * (g % 2))) & 15;
+  if (type == Q4_1_R16) return nib;
+  return nib | (int32_t)r16_bits(v + 16 * w, ((int64_t)g * w + c) * 4 + e, 1) << 4;
+}
+
+/* x's rows as the tiles read them, into out (out may be xq itself): signed q (the VNNI path's quantize_row writes
+ * q + 128 for the other formats' products; here the weights are the unsigned operand). */
+static void r16_signed_x(const int8_t *xq, int8_t *out, int64_t n) {
 #if PATH == 2
-  for (int64_t i = 0; i < n; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80u);
+  for (int64_t i = 0; i < n; i++) out[i] = (int8_t)((uint8_t)xq[i] ^ 0x80u);
 #else
-  (void)xq, (void)n;
+  if (out != xq) memcpy(out, xq, (size_t)n);
 #endif
 }
 
@@ -38,34 +65,65 @@ INLINE void r16_store(const float *v, int w, void *y, int64_t index, int y_bf16)
 }
 
 #if PATH == 2
+/* Groups g and g + 1 of a tile's block (tb, W rows, mask m of W lanes) as sixteen lanes of four u bytes each. */
+INLINE void r16_pair(const int64_t type, const uint8_t *tb, int w, __mmask16 m, int g, __m512i *v0, __m512i *v1) {
+  const uint8_t *v = tb + R16_HALVES(type) * w;
+  if (type == Q8_0_R16) {
+    *v0 = _mm512_maskz_loadu_epi32(m, v + g * 4 * w);
+    *v1 = _mm512_maskz_loadu_epi32(m, v + (g + 1) * 4 * w);
+    return;
+  }
+  const __m512i nib = _mm512_maskz_loadu_epi32(m, v + (g / 2) * 4 * w), low = _mm512_set1_epi8(15);
+  *v0 = _mm512_and_si512(nib, low);
+  *v1 = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low);
+  if (type == Q5_0_R16) { /* each group's 4 W fifth bits as a byte mask, then bit 4 of those bytes */
+    const uint8_t *bits = v + 16 * w;
+    const __m512i fifth = _mm512_set1_epi8(16);
+    __mmask64 b0, b1;
+    if (w == R16_TILE) { /* a whole tile: each group's bits are the 64-bit word 8 g bytes in */
+      b0 = _load_mask64((const __mmask64 *)(bits + 8 * g)), b1 = _load_mask64((const __mmask64 *)(bits + 8 * g + 8));
+    } else {
+      b0 = (__mmask64)r16_bits(bits, (int64_t)g * 4 * w, 4 * w);
+      b1 = (__mmask64)r16_bits(bits, (int64_t)(g + 1) * 4 * w, 4 * w);
+    }
+    *v0 = _mm512_or_si512(*v0, _mm512_maskz_mov_epi8(b0, fifth));
+    *v1 = _mm512_or_si512(*v1, _mm512_maskz_mov_epi8(b1, fifth));
+  }
+}
+
 /* One tile of W <= 16 columns (tw its bytes) for rows r0 .. r0 + R of x (R a constant once inlined): per block,
- * each row's sixteen lane sums start at -128 sum q and take eight vpdpbusd (weights by x's four bytes broadcast),
- * then one conversion and one fused multiply-add by d * dx. */
-INLINE void r16_tile(const int R, const uint8_t *tw, int w, int64_t blocks, const int8_t *xq, const float *xd,
-                     const int32_t *xs, int64_t k, int64_t r0, void *y, int64_t y_stride, int64_t col, int y_bf16,
-                     int prefetch) {
+ * each row's sixteen lane sums start at -z sum q and take eight vpdpbusd (the values by x's four bytes
+ * broadcast), then one conversion and one fused multiply-add by d * dx (and Q4_1's m * (dx * sum q)). */
+INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, int64_t blocks, const int8_t *xq,
+                     const float *xd, const int32_t *xs, int64_t k, int64_t r0, void *y, int64_t y_stride,
+                     int64_t col, int y_bf16, int prefetch) {
   const __mmask16 m = (__mmask16)((1u << w) - 1u);
-  const int64_t block_bytes = 34 * (int64_t)w, group = 4 * (int64_t)w;
+  const int64_t block_bytes = R16_BYTES(type) * (int64_t)w;
   __m512 acc[8];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t *tb = tw + b * block_bytes;
     if (prefetch) prefetch_ahead(tb, block_bytes);
     __m512i s[8];
-    for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(-128 * xs[(r0 + r) * (k / QK) + b]);
-    const uint8_t *u = tb + 2 * w;
-    for (int g = 0; g < 8; g++) {
-      const __m512i wv = _mm512_maskz_loadu_epi32(m, u + g * group);
+    for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(-R16_BIAS(type) * xs[(r0 + r) * (k / QK) + b]);
+    for (int g = 0; g < 8; g += 2) {
+      __m512i v0, v1;
+      r16_pair(type, tb, w, m, g, &v0, &v1);
       for (int r = 0; r < R; r++) {
-        int32_t x4;
-        memcpy(&x4, xq + (r0 + r) * k + b * QK + 4 * g, sizeof x4);
-        s[r] = _mm512_dpbusd_epi32(s[r], wv, _mm512_set1_epi32(x4));
+        int32_t x0, x1;
+        memcpy(&x0, xq + (r0 + r) * k + b * QK + 4 * g, sizeof x0);
+        memcpy(&x1, xq + (r0 + r) * k + b * QK + 4 * g + 4, sizeof x1);
+        s[r] = _mm512_dpbusd_epi32(s[r], v0, _mm512_set1_epi32(x0));
+        s[r] = _mm512_dpbusd_epi32(s[r], v1, _mm512_set1_epi32(x1));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
     for (int r = 0; r < R; r++) {
-      const __m512 f = _mm512_mul_ps(d, _mm512_set1_ps(xd[(r0 + r) * (k / QK) + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), f, acc[r]);
+      const int64_t xb = (r0 + r) * (k / QK) + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[xb])), acc[r]);
+      if (type == Q4_1_R16)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)),
+                                 _mm512_set1_ps(xd[xb] * (float)xs[xb]), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) {
@@ -76,17 +134,18 @@ INLINE void r16_tile(const int R, const uint8_t *tw, int w, int64_t blocks, cons
 }
 #else
 /* The plain form of the same arithmetic, one row of x. */
-static void r16_tile_row(const uint8_t *tw, int w, int64_t blocks, const int8_t *xr, const float *xdr, void *y,
-                         int64_t index, int y_bf16) {
-  const int64_t block_bytes = 34 * (int64_t)w;
+static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t blocks, const int8_t *xr,
+                         const float *xdr, const int32_t *xsr, void *y, int64_t index, int y_bf16) {
+  const int64_t block_bytes = R16_BYTES(type) * (int64_t)w;
   float acc[R16_TILE] = {0};
   for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t *tb = tw + b * block_bytes, *u = tb + 2 * w;
+    const uint8_t *tb = tw + b * block_bytes;
     for (int c = 0; c < w; c++) {
       int32_t l = 0;
       for (int g = 0; g < 8; g++)
-        for (int e = 0; e < 4; e++) l += ((int32_t)u[g * 4 * w + 4 * c + e] - 128) * (int32_t)xr[b * QK + 4 * g + e];
+        for (int e = 0; e < 4; e++) l += (r16_u(type, tb, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
       acc[c] = fmaf((float)l, f16(tb + 2 * c) * xdr[b], acc[c]);
+      if (type == Q4_1_R16) acc[c] = fmaf(f16(tb + 2 * w + 2 * c), xdr[b] * (float)xsr[b], acc[c]);
     }
   }
   r16_store(acc, w, y, index, y_bf16);
@@ -95,27 +154,36 @@ static void r16_tile_row(const uint8_t *tw, int w, int64_t blocks, const int8_t 
 
 /* Columns j0..j1 of y (j0 a multiple of 16; j1 one too, or the last column) for every row of x: tile by tile, the
  * rows in passes of up to eight (their sums in registers) while the tile's bytes stay in L1. */
-static void columns_Q8_0_R16(const uint8_t *weight, int64_t j0, int64_t j1, int64_t k, const int8_t *xq,
-                             const float *xd, const int32_t *xs, const xquad *xg, int64_t rows, void *y,
-                             int64_t y_stride, int y_bf16) {
-  (void)xg;
-  const int64_t blocks = k / QK, row_bytes = blocks * 34;
+INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
+                        const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, void *y,
+                        int64_t y_stride, int y_bf16) {
+  const int64_t blocks = k / QK, row_bytes = blocks * R16_BYTES(type);
 #if PATH == 2
   prefetch_start(weight + j0 * row_bytes);
-#else
-  (void)xs;
 #endif
   for (int64_t j = j0; j < j1; j += R16_TILE) {
     const int w = (int)(j1 - j < R16_TILE ? j1 - j : R16_TILE);
     const uint8_t *tw = weight + j * row_bytes;
 #if PATH == 2
     for (int64_t r0 = 0; r0 < rows; r0 += FEW_ROWS) {
-#define R16(R) r16_tile(R, tw, w, blocks, xq, xd, xs, k, r0, y, y_stride, j, y_bf16, r0 == 0)
+#define R16(R) r16_tile(R, type, tw, w, blocks, xq, xd, xs, k, r0, y, y_stride, j, y_bf16, r0 == 0)
       FOR_PASS_ROWS(rows, r0, FEW_ROWS, R16)
 #undef R16
     }
 #else
-    for (int64_t r = 0; r < rows; r++) r16_tile_row(tw, w, blocks, xq + r * k, xd + r * blocks, y, r * y_stride + j, y_bf16);
+    for (int64_t r = 0; r < rows; r++)
+      r16_tile_row(type, tw, w, blocks, xq + r * k, xd + r * blocks, xs + r * blocks, y, r * y_stride + j, y_bf16);
 #endif
   }
 }
+
+#define R16_COLUMNS_FOR(T)                                                                                      \
+  static void columns_##T(const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const int8_t *xq, const float *xd, \
+                          const int32_t *xs, const xquad *xg, int64_t rows, void *y, int64_t y_stride,          \
+                          int y_bf16) {                                                                          \
+    (void)xg;                                                                                                    \
+    r16_columns(T, w, j0, j1, k, xq, xd, xs, rows, y, y_stride, y_bf16);                                        \
+  }
+R16_COLUMNS_FOR(Q8_0_R16)
+R16_COLUMNS_FOR(Q4_1_R16)
+R16_COLUMNS_FOR(Q5_0_R16)

@@ -15,7 +15,7 @@ from pagoda.pagedkernel import cbuild, csrc
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.fused import ActivationName
 from pagoda.pagedkernel.quant import cpu_quant
-from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, QuantizedTensor
+from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, REPACKED_TYPES, QuantizedTensor
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_ROWS = cpu_quant.GEMV_MAX_ROWS
 OWNER = "the native decode layers"
 # The GGUF formats cpu_quant.c's GEMV columns multiply.
-SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES
+SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES | REPACKED_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,10 @@ def available(dtype: torch.dtype) -> bool:
 def supports_weight(parts: Sequence[QuantizedTensor], max_parts: int = 3) -> bool:
     """Whether a weight's runs of rows are ones the C GEMV multiplies (formats, count, K a multiple of blocks)."""
     if not 1 <= len(parts) <= max_parts:
+        return False
+    # The layers claim columns in runs on multiples of 16 from the weight's first row: a repacked part's tiles stay
+    # whole when every part's rows are a multiple of 16.
+    if any(p.qtype in REPACKED_TYPES for p in parts) and any(p.shape[0] % 16 for p in parts):
         return False
     for part in parts:
         if part.qtype not in SUPPORTED_QTYPES or len(part.shape) != 2 or part.data.device.type != "cpu":

@@ -219,12 +219,17 @@ GEMV_QTYPES = frozenset(
 )
 
 
-def repacked_layout(qtype: GGMLType) -> GGMLType | None:
+def repacked_layout(qtype: GGMLType, *, prompts: bool = False) -> GGMLType | None:
     """The layout this CPU's kernels multiply a `qtype` weight fastest in (`repack.py`), where that is not `qtype`
-    itself: Q8_0_R16 for Q8_0 on a build with AVX-512 VNNI (its tiles are 512-bit operands); else None."""
-    if qtype is not GGMLType.Q8_0 or not available():
+    itself: the `_R16` tiles of Q8_0, Q4_1 and Q5_0 on a build with AVX-512 VNNI (its tiles are 512-bit operands);
+    else None. `prompts`: the weight also multiplies prompts' many rows, which a build with AMX runs faster on its
+    bfloat16 tiles (the repacked layout has only the int8 kernel): None there."""
+    if qtype not in repack.LAYOUT_OF or not available():
         return None
-    return GGMLType.Q8_0_R16 if kernels().path is KernelPath.AVX512_VNNI else None
+    lib = kernels()
+    if lib.path is not KernelPath.AVX512_VNNI or (prompts and lib.matmul_amx is not None):
+        return None
+    return repack.LAYOUT_OF[qtype]
 
 
 def _matmul(

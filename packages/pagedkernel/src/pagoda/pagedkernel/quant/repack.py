@@ -1,12 +1,18 @@
-"""Q8_0 repacked sixteen rows to a tile (`GGMLType.Q8_0_R16`): the layout's specification, and conversions both ways.
+"""Q8_0, Q4_1 and Q5_0 repacked sixteen rows to a tile (`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16`): the layouts'
+specification, and conversions both ways.
 
 Rows are taken in tiles of `TILE_ROWS` (the last tile holds the rows left over, W < 16 of them). A tile of W rows
-keeps each 32-element block of its rows together, 34 W bytes: the W rows' float16 scales (2 bytes each, in row
-order), then their values as [8 groups of 4 elements][W rows][4 bytes], each byte q + 128 (q Q8_0's signed value).
-Tile t starts at byte 16 t * row_bytes, where row 16 t starts in Q8_0: the tensor has exactly Q8_0's bytes.
+keeps each 32-element block of its rows together, W times the source format's bytes per block: the W rows' float16
+scales d in row order (Q4_1: then their minima m), then the unsigned values u of element 4 g + e (group g = 0..7,
+e = 0..3) of each row c:
+  - Q8_0: bytes u = q + 128 (q the signed value) as [8 groups][W rows][4];
+  - Q4_1 (u the nibble) and Q5_0 (u the 5-bit value q + 16): bytes [4 pairs p][W rows][4] holding u & 15 of group
+    2 p in the low nibble and of group 2 p + 1 in the high one; Q5_0 then 4 W bytes of fifth bits, bit
+    (g W + c) 4 + e of the little-endian bit string being bit 4 of that u.
+Tile t starts at byte 16 t * row_bytes, where row 16 t starts in the source format: the same bytes in all.
 
 Why: the CPU's int8 kernel (csrc/cpu_rows16.h) then loads four elements of sixteen rows as one 512-bit operand of
-`vpdpbusd` (weights the unsigned operand, x's four bytes broadcast), so it sums sixteen outputs per instruction
+`vpdpbusd` (the values the unsigned operand, x's four bytes broadcast), so it sums sixteen outputs per instruction
 with no horizontal sums: about the int8 peak from a few rows of x, where the row-major quad order reaches ~40%.
 """
 
@@ -17,81 +23,174 @@ from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTen
 from torch import Tensor
 
 TILE_ROWS = 16
-_BLOCK = BLOCK_SIZES[GGMLType.Q8_0][1]  # 34 bytes: a float16 scale, 32 signed values
 _VALUES = 32
-# Rows converted per step: bounds the index tensors (rows x blocks x 34 int64) to tens of MB.
+# Each repacked layout and the format whose blocks it holds.
+LAYOUT_OF: dict[GGMLType, GGMLType] = {
+    GGMLType.Q8_0: GGMLType.Q8_0_R16,
+    GGMLType.Q4_1: GGMLType.Q4_1_R16,
+    GGMLType.Q5_0: GGMLType.Q5_0_R16,
+}
+SOURCE_OF: dict[GGMLType, GGMLType] = {layout: source for source, layout in LAYOUT_OF.items()}
+# Rows converted per step: bounds the temporaries to tens of MB (a multiple of the tile).
 CHUNK_ROWS = 4096
+_BIT = torch.arange(8, dtype=torch.uint8)
 
 
-def _offsets(lane: Tensor, width: Tensor) -> Tensor:  # int64 [m], [m] -> int64 [m, 34]
-    """Where each byte of a row's Q8_0 block lies within its tile's block (row `lane` of a tile of `width` rows)."""
-    lane, width = lane[:, None], width[:, None]
-    scale = 2 * lane + torch.arange(2, device=lane.device)
-    element = torch.arange(_VALUES, device=lane.device)
-    values = 2 * width + (element // 4) * 4 * width + 4 * lane + element % 4
-    return torch.cat((scale, values), dim=1)
+def _halves(qtype: GGMLType) -> int:
+    """Bytes of float16 fields per row and block (d, and Q4_1's m)."""
+    return 4 if qtype is GGMLType.Q4_1 else 2
 
 
-def _positions(rows: Tensor, total_rows: int, blocks: int) -> Tensor:  # int64 [m] -> int64 [m, blocks, 34]
-    """Byte positions in a Q8_0_R16 tensor of `total_rows` rows of each listed row's Q8_0 bytes, block by block."""
-    tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
-    full = total_rows // TILE_ROWS
-    width = torch.where(tile < full, TILE_ROWS, total_rows - full * TILE_ROWS)
-    start = tile * TILE_ROWS * blocks * _BLOCK  # tile t begins where row 16 t does
-    block = torch.arange(blocks, device=rows.device)[None, :, None] * _BLOCK * width[:, None, None]
-    return start[:, None, None] + block + _offsets(lane, width)[:, None, :]
+def _decode(
+    qtype: GGMLType, blocks: Tensor
+) -> tuple[Tensor, Tensor]:  # uint8 [..., size] -> [..., H], [..., 32]
+    """A source block's float16 bytes and its 32 unsigned values u."""
+    h = _halves(qtype)
+    if qtype is GGMLType.Q8_0:
+        return blocks[..., :h], blocks[..., h:] ^ 0x80
+    nibbles = blocks[..., -16:]
+    u = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)
+    if qtype is GGMLType.Q5_0:
+        qh = blocks[..., h : h + 4]  # bit j of the little-endian word: bit 4 of element j
+        fifth = (qh.unsqueeze(-1) >> _BIT.to(qh.device)) & 1  # [..., 4, 8]
+        u = u | (fifth.flatten(-2) << 4)
+    return blocks[..., :h], u
 
 
-def _flip_values(blocks: Tensor) -> Tensor:  # uint8 [..., 34] -> uint8 [..., 34]
-    """Q8_0's signed values <-> the layout's q + 128 (the same xor both ways); the scale bytes stay."""
-    out = blocks.clone()
-    out[..., 2:] ^= 0x80
-    return out
+def _encode(qtype: GGMLType, halves: Tensor, u: Tensor) -> Tensor:  # [..., H], [..., 32] -> uint8 [..., size]
+    """The source block of float16 bytes and values (the inverse of `_decode`)."""
+    if qtype is GGMLType.Q8_0:
+        return torch.cat((halves, u ^ 0x80), dim=-1)
+    nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+    if qtype is GGMLType.Q4_1:
+        return torch.cat((halves, nibbles), dim=-1)
+    qh = ((u >> 4).reshape(*u.shape[:-1], 4, 8) << _BIT.to(u.device)).sum(-1, dtype=torch.uint8)
+    return torch.cat((halves, qh, nibbles), dim=-1)
 
 
-def _check(weight: QuantizedTensor, qtype: GGMLType) -> Tensor:  # -> flat uint8 [nbytes]
-    """The weight's bytes, flat, once its type is checked (ValueError naming the type otherwise)."""
-    if weight.qtype is not qtype:
-        raise ValueError(f"expected a {qtype.name} weight, got {weight.qtype.name}")
-    return weight.data.reshape(-1)
+def _tiles(
+    qtype: GGMLType, halves: Tensor, u: Tensor
+) -> Tensor:  # [T, W, B, H], [T, W, B, 32] -> [T, B, W size]
+    """Tiles of W rows laid out as the module docstring says."""
+    t, w, b, h = halves.shape
+    head = halves.reshape(t, w, b, h // 2, 2).permute(0, 2, 3, 1, 4).reshape(t, b, h * w)
+    values = u.reshape(t, w, b, 8, 4).permute(0, 2, 3, 1, 4)  # [T, B, 8 groups, W, 4]
+    if qtype is GGMLType.Q8_0:
+        return torch.cat((head, values.reshape(t, b, 32 * w)), dim=-1)
+    low = (values & 15).reshape(t, b, 4, 2, w, 4)
+    pairs = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(t, b, 16 * w)
+    if qtype is GGMLType.Q4_1:
+        return torch.cat((head, pairs), dim=-1)
+    bits = (values >> 4).reshape(t, b, 4 * w, 8)
+    packed = (bits << _BIT.to(u.device)).sum(-1, dtype=torch.uint8)
+    return torch.cat((head, pairs, packed), dim=-1)
+
+
+def _untiles(qtype: GGMLType, tiles: Tensor, w: int) -> tuple[Tensor, Tensor]:  # [T, B, W size] -> halves, u
+    """The inverse of `_tiles`: [T, W, B, H] float16 bytes and [T, W, B, 32] values."""
+    t, b, _ = tiles.shape
+    h = _halves(qtype)
+    halves = tiles[..., : h * w].reshape(t, b, h // 2, w, 2).permute(0, 3, 1, 2, 4).reshape(t, w, b, h)
+    rest = tiles[..., h * w :]
+    if qtype is GGMLType.Q8_0:
+        values = rest.reshape(t, b, 8, w, 4)
+    else:
+        pairs = rest[..., : 16 * w].reshape(t, b, 4, 1, w, 4)
+        values = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(t, b, 8, w, 4)
+        if qtype is GGMLType.Q5_0:
+            packed = rest[..., 16 * w :]
+            bits = ((packed.unsqueeze(-1) >> _BIT.to(tiles.device)) & 1).reshape(t, b, 8, w, 4)
+            values = values | (bits << 4)
+    return halves, values.permute(0, 3, 1, 2, 4).reshape(t, w, b, _VALUES)
+
+
+def _checked(
+    weight: QuantizedTensor, allowed: dict[GGMLType, GGMLType]
+) -> Tensor:  # -> uint8 [rows, row_bytes]
+    """The weight's bytes as rows, once its type is checked (ValueError naming the types otherwise)."""
+    if weight.qtype not in allowed:
+        names = ", ".join(t.name for t in allowed)
+        raise ValueError(f"expected a weight of {names}, got {weight.qtype.name}")
+    return weight.data.reshape(weight.rows, weight.row_bytes)
+
+
+def _convert(rows: Tensor, source: GGMLType, to_tiles: bool) -> Tensor:  # uint8 [m, row_bytes] -> the same
+    """m consecutive rows from tile 0 (m a multiple of 16, or the weight's last rows) converted to tiles or back."""
+    m, row_bytes = rows.shape
+    size = BLOCK_SIZES[source][1]
+    blocks = row_bytes // size
+    out = []
+    for start, w in ((0, TILE_ROWS), (m // TILE_ROWS * TILE_ROWS, m % TILE_ROWS)):
+        count = (m // TILE_ROWS) if w == TILE_ROWS else (1 if w else 0)
+        if not count:
+            continue
+        part = rows[start : start + count * w]
+        if to_tiles:
+            halves, u = _decode(source, part.reshape(count, w, blocks, size))
+            out.append(_tiles(source, halves, u).reshape(count * w, row_bytes))
+        else:
+            halves, u = _untiles(source, part.reshape(count, blocks, w * size), w)
+            out.append(_encode(source, halves, u).reshape(count * w, row_bytes))
+    return torch.cat(out) if len(out) > 1 else out[0] if out else rows.clone()
 
 
 def repack(weight: QuantizedTensor, *, in_place: bool = False) -> QuantizedTensor:
-    """Q8_0 -> Q8_0_R16: a new tensor, or (in_place) the same bytes rewritten a chunk of rows at a time (no second
-    copy of the weight, e.g. of a model's LM head at load)."""
-    flat = _check(weight, GGMLType.Q8_0)
-    rows, blocks = weight.rows, weight.shape[-1] // _VALUES
-    out = flat if in_place else torch.empty_like(flat)
-    for start in range(0, rows, CHUNK_ROWS):  # a multiple of the tile: chunks hold whole tiles
-        stop = min(rows, start + CHUNK_ROWS)
-        ids = torch.arange(start, stop, device=flat.device)
-        src = flat[start * blocks * _BLOCK : stop * blocks * _BLOCK].reshape(stop - start, blocks, _BLOCK)
-        out[_positions(ids, rows, blocks)] = _flip_values(src)
-    data = out.reshape(weight.data.shape)
-    return QuantizedTensor(data, GGMLType.Q8_0_R16, weight.shape)
-
-
-def take_rows(weight: QuantizedTensor, ids: Tensor) -> QuantizedTensor:  # ids int64 [m]
-    """Rows `ids` of a 2-D view of the weight as a [m, K] tensor of its format, or Q8_0's for a Q8_0_R16 weight
-    (an embedding lookup, or a run of rows to dequantize)."""
-    width = weight.shape[-1]
-    if weight.qtype is not GGMLType.Q8_0_R16:
-        picked = weight.data.reshape(weight.rows, -1).index_select(0, ids)  # uint8 [m, row_bytes]
-        return QuantizedTensor(picked, weight.qtype, (int(ids.shape[0]), width))
-    flat = weight.data.reshape(-1)
-    blocks = width // _VALUES
-    picked = _flip_values(flat[_positions(ids, weight.rows, blocks)])  # [m, blocks, 34]
-    return QuantizedTensor(picked.reshape(int(ids.shape[0]), -1), GGMLType.Q8_0, (int(ids.shape[0]), width))
+    """Q8_0 / Q4_1 / Q5_0 -> its `_R16` layout: a new tensor, or (in_place) the same bytes rewritten a chunk of rows
+    at a time (no second copy of the weight, e.g. of a model's LM head at load)."""
+    rows = _checked(weight, LAYOUT_OF)
+    out = rows if in_place else torch.empty_like(rows)
+    for start in range(0, weight.rows, CHUNK_ROWS):  # chunks of whole tiles
+        stop = min(weight.rows, start + CHUNK_ROWS)
+        out[start:stop] = _convert(rows[start:stop], weight.qtype, to_tiles=True)
+    return QuantizedTensor(out.reshape(weight.data.shape), LAYOUT_OF[weight.qtype], weight.shape)
 
 
 def unpack(weight: QuantizedTensor) -> QuantizedTensor:
-    """Q8_0_R16 -> Q8_0 (a new tensor of the same shape)."""
-    _check(weight, GGMLType.Q8_0_R16)
-    parts = [
-        take_rows(
-            weight, torch.arange(start, min(weight.rows, start + CHUNK_ROWS), device=weight.data.device)
-        ).data
-        for start in range(0, weight.rows, CHUNK_ROWS)
-    ]
-    data = torch.cat(parts) if parts else weight.data.reshape(0, weight.row_bytes)
-    return QuantizedTensor(data.reshape(weight.data.shape), GGMLType.Q8_0, weight.shape)
+    """A `_R16` layout -> its source format (a new tensor of the same shape)."""
+    rows = _checked(weight, SOURCE_OF)
+    source = SOURCE_OF[weight.qtype]
+    out = torch.empty_like(rows)
+    for start in range(0, weight.rows, CHUNK_ROWS):
+        stop = min(weight.rows, start + CHUNK_ROWS)
+        out[start:stop] = _convert(rows[start:stop], source, to_tiles=False)
+    return QuantizedTensor(out.reshape(weight.data.shape), source, weight.shape)
+
+
+def _q8_0_positions(
+    ids: Tensor, total_rows: int, blocks: int
+) -> Tensor:  # int64 [m] -> int64 [m, blocks, 34]
+    """Byte positions in a Q8_0_R16 tensor of `total_rows` rows of each listed row's Q8_0 bytes, block by block: a
+    lookup of a few rows without converting their tiles."""
+    size = BLOCK_SIZES[GGMLType.Q8_0][1]
+    tile, lane = ids // TILE_ROWS, ids % TILE_ROWS
+    full = total_rows // TILE_ROWS
+    width = torch.where(tile < full, TILE_ROWS, total_rows - full * TILE_ROWS)[:, None]
+    element = torch.arange(_VALUES, device=ids.device)
+    scale = 2 * lane[:, None] + torch.arange(2, device=ids.device)
+    values = 2 * width + (element // 4) * 4 * width + 4 * lane[:, None] + element % 4
+    within = torch.cat((scale, values), dim=1)  # [m, 34] within one block of the row's tile
+    block = torch.arange(blocks, device=ids.device)[None, :, None] * size * width[:, :, None]
+    return (tile * TILE_ROWS * blocks * size)[:, None, None] + block + within[:, None, :]
+
+
+def take_rows(weight: QuantizedTensor, ids: Tensor) -> QuantizedTensor:  # ids int64 [m]
+    """Rows `ids` of a 2-D view of the weight as an [m, K] tensor of its format, or of the source format for a
+    repacked layout (an embedding lookup, or a run of rows to dequantize)."""
+    shape = (int(ids.shape[0]), weight.shape[-1])
+    rows = weight.data.reshape(weight.rows, weight.row_bytes)
+    if weight.qtype not in SOURCE_OF:
+        return QuantizedTensor(rows.index_select(0, ids), weight.qtype, shape)
+    source = SOURCE_OF[weight.qtype]
+    if source is GGMLType.Q8_0:  # a vocabulary table's lookups: gathered byte by byte
+        blocks = weight.shape[-1] // _VALUES
+        picked = rows.reshape(-1)[_q8_0_positions(ids, weight.rows, blocks)]  # [m, blocks, 34] of the layout
+        picked[..., 2:] ^= 0x80
+        return QuantizedTensor(picked.reshape(shape[0], -1), source, shape)
+    # Other layouts: the tiles holding the rows, converted back whole.
+    tiles = torch.unique(ids // TILE_ROWS)
+    starts = tiles * TILE_ROWS
+    back = torch.cat(
+        [_convert(rows[s : min(weight.rows, s + TILE_ROWS)], source, to_tiles=False) for s in starts.tolist()]
+    )
+    where = torch.searchsorted(tiles, ids // TILE_ROWS) * TILE_ROWS + ids % TILE_ROWS
+    return QuantizedTensor(back.index_select(0, where), source, shape)

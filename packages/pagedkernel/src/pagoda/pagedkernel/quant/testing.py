@@ -35,8 +35,8 @@ def random_weight(
 ) -> QuantizedTensor:
     """Random blocks of `qtype` for a tensor of `shape`; the float16 scales are drawn in [scale/2, scale] with a
     random sign (scale=0: every byte random, so NaN, inf and subnormal halves occur too)."""
-    if qtype is GGMLType.Q8_0_R16:  # a layout of Q8_0's blocks
-        return repack.repack(random_weight(GGMLType.Q8_0, shape, generator, scale=scale))
+    if qtype in repack.SOURCE_OF:  # a layout of another format's blocks
+        return repack.repack(random_weight(repack.SOURCE_OF[qtype], shape, generator, scale=scale))
     block, size = BLOCK_SIZES[qtype]
     rows = 1
     for d in shape[:-1]:

@@ -133,7 +133,7 @@ DECODERS: dict[GGMLType, Callable[[Tensor], Tensor]] = {
 
 def dequantize(weight: QuantizedTensor) -> Tensor:  # float32 weight.shape
     """The float32 values `weight`'s blocks encode (the specification; a repacked layout through its rows)."""
-    if weight.qtype is GGMLType.Q8_0_R16:
+    if weight.qtype in repack.SOURCE_OF:
         return dequantize(repack.unpack(weight))
     return DECODERS[weight.qtype](weight.blocks()).reshape(weight.shape)
 
