@@ -6,7 +6,8 @@ rows, `fused.rotary`, the cpu backend's `reshape_and_cache` and `paged_decode_at
 rounding in the same place (float32 accumulation in the same lanes, the same dtype roundings), so the tolerance the
 arithmetic gives is zero: outputs and the written cache rows must be bitwise equal. Unused cache slots hold NaN
 (attention must never read them) and so does the slot each new token goes to (it must be written before it is
-read); context lengths cross block boundaries (block size 4); 1-4 rows, two layers, mixed GGUF formats. Steps
+read); context lengths cross block boundaries (block size 4); 1-4 rows, three layers, mixed GGUF formats and
+repacked layouts. Steps
 whose sequences bring several tokens each (a speculative step's token and drafts, up to the GEMV's 16 rows) are
 checked against the prefill attention op, which the module path calls for them.
 """
@@ -48,6 +49,12 @@ FORMATS = (
         "o": [(GGMLType.Q8_0, SHAPE.hidden)],
         "gate_up": [(GGMLType.Q5_K, 2 * SHAPE.inner)],
         "down": [(GGMLType.Q4_0, SHAPE.hidden)],
+    },
+    {  # the repacked layouts (sixteen rows to a tile), beside a plain run whose x is unsigned on the VNNI path
+        "qkv": [(GGMLType.Q5_0_R16, Q), (GGMLType.Q8_0_R16, KV), (GGMLType.Q5_0, KV)],
+        "o": [(GGMLType.Q4_1_R16, SHAPE.hidden)],
+        "gate_up": [(GGMLType.Q5_0_R16, 2 * SHAPE.inner)],
+        "down": [(GGMLType.Q4_1_R16, SHAPE.hidden)],
     },
 )
 
@@ -153,7 +160,7 @@ def make_case(
                 k_cache=k_cache,
                 v_cache=v_cache,
                 sliding_window=None if index == 0 else 6,
-                rope=index if gemma else 0,
+                rope=group,  # Gemma: each attention kind its own table, as its own cache group
                 group=group,
                 **extra,
             )
