@@ -465,7 +465,7 @@ def test_repacked_layouts_on_every_path_and_row_count(
     """Q8_0_R16, Q4_1_R16 and Q5_0_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13) on every build
     (VNNI, AVX2, generic C) and at every row count (1-3, 8: one pass; 9, 11: a pass of 8 and a short one; 19: more
     than GEMV_MAX_ROWS in one call) give the bits of their written-out arithmetic, the same for a row whatever
-    rows share its call, within the int8 bound of the exact product."""
+    rows share its call, within the int8 bound of the exact product; dequantized bit-exact."""
     builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
@@ -483,6 +483,14 @@ def test_repacked_layouts_on_every_path_and_row_count(
             x.bfloat16(), weight, half, lib
         )  # bfloat16 in and out: read exactly, rounded at the end
         assert torch.equal(half, r16_reference(x.bfloat16().float(), weight).bfloat16())
+        # dequantized by whole tiles in C (rows 16.. end: three tiles and the short one), and by any rows
+        assert_bit_exact(cpu_quant.dequantize(weight, lib), w)
+        tail = torch.full((N - 16, k), float("nan"), dtype=torch.bfloat16)
+        cpu_quant.dequantize_rows(weight, 16, N, tail, lib)
+        assert torch.equal(tail, w[16:].bfloat16())
+        odd = torch.full((5, k), float("nan"))
+        cpu_quant.dequantize_rows(weight, 3, 8, odd, lib)  # off the tiles: the rows gathered first
+        assert torch.equal(odd, w[3:8])
 
 
 def test_repacked_q8_0_takes_the_gemv_at_any_row_count() -> None:

@@ -969,6 +969,8 @@ static void quantize_rows(const void *x, int64_t x_stride, int x_bf16, int64_t r
                           float *xd, int32_t *xs, xquad *xg) {
   const size_t x_size = x_bf16 ? sizeof(uint16_t) : sizeof(float);
   const int64_t xblocks = k / QK;
+  /* each row on its own: a prompt's thousands of rows in parallel (one thread took ~10% of a 2,048-row GEMV) */
+#pragma omp parallel for schedule(static) if (rows * k >= (1 << 16))
   for (int64_t r = 0; r < rows; r++) {
     quantize_row((const char *)x + (size_t)(r * x_stride) * x_size, x_bf16, k, xq + r * k, xd + r * xblocks,
                  xs + r * xblocks);

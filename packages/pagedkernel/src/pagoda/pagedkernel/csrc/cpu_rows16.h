@@ -25,6 +25,8 @@
  */
 
 #define R16_TILE 16
+#define R16_ROW_BLOCK_BYTES (256 * 1024) /* x's int8 rows per block of many rows: half a Zen 4 L2 */
+#define R16_PASS 8 /* rows of x whose sums stay in registers over a tile (FEW_ROWS on the VNNI path) */
 #define R16_TYPE(t) ((t) == Q8_0_R16 || (t) == Q4_1_R16 || (t) == Q5_0_R16)
 /* Bytes per row and block; bytes of float16 fields (d, and Q4_1's m) per row; what u adds to the value (z). */
 #define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : 22)
@@ -161,19 +163,24 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 #if PATH == 2
   prefetch_start(weight + j0 * row_bytes);
 #endif
-  for (int64_t j = j0; j < j1; j += R16_TILE) {
-    const int w = (int)(j1 - j < R16_TILE ? j1 - j : R16_TILE);
-    const uint8_t *tw = weight + j * row_bytes;
+  /* Many rows (a prompt) in blocks whose x stays in L2 while the chunk's tiles (in L1) pass over it. */
+  const int64_t fit = R16_ROW_BLOCK_BYTES / k / R16_PASS * R16_PASS, block_rows = fit > R16_PASS ? fit : R16_PASS;
+  for (int64_t rb = 0; rb < rows; rb += block_rows) {
+    const int64_t rend = rows - rb < block_rows ? rows : rb + block_rows;
+    for (int64_t j = j0; j < j1; j += R16_TILE) {
+      const int w = (int)(j1 - j < R16_TILE ? j1 - j : R16_TILE);
+      const uint8_t *tw = weight + j * row_bytes;
 #if PATH == 2
-    for (int64_t r0 = 0; r0 < rows; r0 += FEW_ROWS) {
+      for (int64_t r0 = rb; r0 < rend; r0 += FEW_ROWS) {
 #define R16(R) r16_tile(R, type, tw, w, blocks, xq, xd, xs, k, r0, y, y_stride, j, y_bf16, r0 == 0)
-      FOR_PASS_ROWS(rows, r0, FEW_ROWS, R16)
+        FOR_PASS_ROWS(rend, r0, FEW_ROWS, R16)
 #undef R16
-    }
+      }
 #else
-    for (int64_t r = 0; r < rows; r++)
-      r16_tile_row(type, tw, w, blocks, xq + r * k, xd + r * blocks, xs + r * blocks, y, r * y_stride + j, y_bf16);
+      for (int64_t r = rb; r < rend; r++)
+        r16_tile_row(type, tw, w, blocks, xq + r * k, xd + r * blocks, xs + r * blocks, y, r * y_stride + j, y_bf16);
 #endif
+    }
   }
 }
 
@@ -187,3 +194,32 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 R16_COLUMNS_FOR(Q8_0_R16)
 R16_COLUMNS_FOR(Q4_1_R16)
 R16_COLUMNS_FOR(Q5_0_R16)
+
+/* Rows r0..r1 of a repacked weight [n, k] (r0 a multiple of 16; r1 too, or n) into dst as float32 rows, or rounded
+ * to bfloat16 (bf16): the values d (u - z) (+ m) its source format's dequantization gives, bit for bit (the library
+ * fuses no multiply-add). 0 on success, 1 for a type that is not a repacked layout or rows off the tiles. */
+int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, int64_t k, int64_t r0, int64_t r1,
+                                void *dst, int64_t bf16, int64_t num_threads) {
+  if (!R16_TYPE(type) || k % QK || r0 % R16_TILE || r0 < 0 || r1 > n || (r1 % R16_TILE && r1 != n)) return 1;
+  const int64_t blocks = k / QK, row_bytes = blocks * R16_BYTES(type), tiles = (r1 - r0 + R16_TILE - 1) / R16_TILE;
+  if (num_threads < 1 || tiles < 4) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t t = 0; t < tiles; t++) {
+    const int64_t j = r0 + t * R16_TILE;
+    const int w = (int)(r1 - j < R16_TILE ? r1 - j : R16_TILE);
+    for (int64_t b = 0; b < blocks; b++) {
+      const uint8_t *tb = weight + j * row_bytes + b * R16_BYTES(type) * w;
+      for (int c = 0; c < w; c++) {
+        const float d = f16(tb + 2 * c), m = type == Q4_1_R16 ? f16(tb + 2 * w + 2 * c) : 0.0f;
+        const int64_t at = (j - r0 + c) * k + b * QK;
+        for (int g = 0; g < 8; g++)
+          for (int e = 0; e < 4; e++) {
+            float v = d * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
+            if (type == Q4_1_R16) v = v + m;
+            store_value(v, dst, at + 4 * g + e, (int)bf16);
+          }
+      }
+    }
+  }
+  return 0;
+}

@@ -77,6 +77,8 @@ class QuantKernels:
     # ctypes function of matmul's arguments (x bfloat16 only): the AVX-512 BF16 many-row matmul, or None where the
     # build has no AVX-512 BF16
     matmul_dpbf16: Any | None = None
+    # ctypes function: (type, w, n, k, row0, row1, dst, bf16, num_threads) -> int, rows of a repacked layout
+    dequantize_r16: Any | None = None
 
 
 def build(flags: tuple[str, ...] = CFLAGS) -> Path:
@@ -116,7 +118,15 @@ def load(library: Path) -> QuantKernels:
         _declared(lib["pagoda_quant_matmul_fma"]),
         _amx_matmul(lib),
         _declared(lib["pagoda_quant_matmul_dpbf16"]) if hasattr(lib, "pagoda_quant_matmul_dpbf16") else None,
+        _dequantize_r16(lib),
     )
+
+
+def _dequantize_r16(lib: ctypes.CDLL) -> Any:
+    """The repacked layouts' dequantization, declared."""
+    run = lib["pagoda_quant_dequantize_r16"]
+    run.argtypes, run.restype = [_I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64], ctypes.c_int
+    return run
 
 
 def _declared(mm: Any) -> Any:
@@ -176,6 +186,15 @@ def dequantize_rows(
     bitwise what `.to(torch.bfloat16)` of the float32 values gives, NaNs aside: any NaN is a NaN)."""
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"dequantize_rows writes a contiguous float32 or bfloat16 tensor, got {out.dtype}")
+    aligned = start % repack.TILE_ROWS == 0 and (stop % repack.TILE_ROWS == 0 or stop == weight.rows)
+    if weight.qtype in REPACKED_TYPES and aligned and lib.dequantize_r16 is not None:  # whole tiles
+        data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+        args = (weight.rows, weight.shape[-1], start, stop, out.data_ptr(), int(out.dtype == torch.bfloat16))
+        _check(
+            lib.dequantize_r16(int(weight.qtype), data.data_ptr(), *args, torch.get_num_threads()),
+            "dequantize",
+        )
+        return
     if weight.qtype in REPACKED_TYPES:  # the rows in their own format first (a gather, no arithmetic)
         for first in range(start, stop, repack.CHUNK_ROWS):
             last = min(stop, first + repack.CHUNK_ROWS)
@@ -219,15 +238,11 @@ GEMV_QTYPES = frozenset(
 )
 
 
-def repacked_layout(qtype: GGMLType, *, prompts: bool = False) -> GGMLType | None:
-    """The layout this CPU's kernels multiply a `qtype` weight fastest in (`repack.py`), where that is not `qtype`
-    itself: the `_R16` tiles of Q8_0, Q4_1 and Q5_0 on a build with AVX-512 VNNI (its tiles are 512-bit operands);
-    else None. `prompts`: the weight also multiplies prompts' many rows, which a build with AMX runs faster on its
-    bfloat16 tiles (the repacked layout has only the int8 kernel): None there."""
-    if qtype not in repack.LAYOUT_OF or not available():
-        return None
-    lib = kernels()
-    if lib.path is not KernelPath.AVX512_VNNI or (prompts and lib.matmul_amx is not None):
+def repacked_layout(qtype: GGMLType) -> GGMLType | None:
+    """The layout this CPU's kernels multiply a `qtype` weight fastest in at a few to a few hundred rows
+    (`repack.py`), where that is not `qtype` itself: the `_R16` tiles of Q8_0, Q4_1 and Q5_0 on a build with
+    AVX-512 VNNI (its tiles are 512-bit operands); else None."""
+    if qtype not in repack.LAYOUT_OF or not available() or kernels().path is not KernelPath.AVX512_VNNI:
         return None
     return repack.LAYOUT_OF[qtype]
 

@@ -54,7 +54,7 @@ def qmatmul(
     the exact dequantized weights in float32 (in bfloat16, rounded to nearest even, for bfloat16 x: on the AMX
     tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one, else by AVX-512 BF16 dot products where it
     has those), and so does the `torch` backend, in float32. A repacked layout (`repack.py`) takes int8 activations
-    for any number of rows on the `cpu` backend (its kernel outruns the float paths at every row count).
+    at any number of rows on the `cpu` backend (its kernel outruns the vector paths).
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")

@@ -38,13 +38,11 @@ class QuantizedWeight:
         backend: QuantBackendName = "auto",
         *,
         repacked: bool = False,
-        prompts: bool = True,
     ) -> QuantizedWeight:
         """The weight of `runs_of`'s runs, each run one tensor: `memory`'s (the loader's region of huge pages,
         filled straight from the checkpoint, no concatenation first), or a new one. `repacked`: each run laid out
-        as the CPU's kernels multiply it fastest (`cpu_quant.repacked_layout`, told whether the weight multiplies
-        prompts' many rows; in place where the memory is ours); a layer's run only when its rows are whole tiles
-        of 16 (the native decode layers' column runs keep to them)."""
+        as the CPU's kernels multiply it fastest (`cpu_quant.repacked_layout`; in place where the memory is ours),
+        for a weight whose every reader takes that layout."""
         merged: list[QuantizedTensor] = []
         for run, place in zip(runs, memory, strict=True):
             first = run[0]
@@ -59,13 +57,7 @@ class QuantizedWeight:
             else:
                 part = QuantizedTensor(place.view(rows, -1), first.qtype, (rows, first.shape[1]))
             use_cpu = backend != "torch" and part.data.device.type == "cpu"
-            whole_tiles = not prompts or rows % repack.TILE_ROWS == 0
-            if (
-                repacked
-                and use_cpu
-                and whole_tiles
-                and cpu_quant.repacked_layout(part.qtype, prompts=prompts)
-            ):
+            if repacked and use_cpu and cpu_quant.repacked_layout(part.qtype) is not None:
                 part = repack.repack(part, in_place=owned)
             merged.append(part)
         return cls(tuple(merged), backend)
