@@ -493,18 +493,26 @@ def test_repacked_layouts_on_every_path_and_row_count(
         assert torch.equal(odd, w[3:8])
 
 
-def test_repacked_q8_0_takes_the_gemv_at_any_row_count() -> None:
-    """qmatmul multiplies a repacked weight by its int8 kernel for many rows too (past GEMV_MAX_ROWS and the AMX /
-    tiled thresholds), bfloat16 rows included; the float paths refuse it by name."""
+@pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES), ids=lambda t: t.name)
+def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLType) -> None:
+    """qmatmul multiplies a repacked weight by its int8 kernel up to VECTOR_MAX_ROWS rows (past GEMV_MAX_ROWS and
+    the AMX threshold), bfloat16 rows included; from there a weight small enough is dequantized whole (the C
+    dequantization of whole tiles) for torch's matmul, as a row-major one is; the vector and AMX paths refuse it by
+    name."""
     g = torch.Generator().manual_seed(3)
-    weight = random_weight(GGMLType.Q8_0_R16, (40, 64), g)
-    x = torch.randn(600, 64, generator=g)
-    assert torch.equal(qmatmul(x, weight, backend="cpu"), r16_reference(x, weight))
+    weight = random_weight(qtype, (40, 64), g)
+    x = torch.randn(cpu_quant.VECTOR_MAX_ROWS, 64, generator=g)
+    few = x[:300]
+    assert torch.equal(qmatmul(few, weight, backend="cpu"), r16_reference(few, weight))
     assert torch.equal(
-        qmatmul(x.bfloat16(), weight, backend="cpu"), r16_reference(x.bfloat16().float(), weight).bfloat16()
+        qmatmul(few.bfloat16(), weight, backend="cpu"),
+        r16_reference(few.bfloat16().float(), weight).bfloat16(),
     )
+    w = dequantize(weight, backend="torch")
+    assert torch.equal(qmatmul(x, weight, backend="cpu"), x @ w.t())
+    assert torch.equal(qmatmul(x.bfloat16(), weight, backend="cpu"), x.bfloat16() @ w.bfloat16().t())
     lib = cpu_quant.kernels()
-    with pytest.raises(ValueError, match="vector does not take the repacked Q8_0_R16"):
+    with pytest.raises(ValueError, match=f"vector does not take the repacked {qtype.name}"):
         cpu_quant.vector(x[:20], weight, torch.empty(20, 40), lib)
-    with pytest.raises(ValueError, match="amx does not take the repacked Q8_0_R16"):
+    with pytest.raises(ValueError, match=f"amx does not take the repacked {qtype.name}"):
         cpu_quant.amx(x[:20].bfloat16(), weight, torch.empty(20, 40), lib)

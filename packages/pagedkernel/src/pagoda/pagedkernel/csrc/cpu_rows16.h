@@ -195,6 +195,52 @@ R16_COLUMNS_FOR(Q8_0_R16)
 R16_COLUMNS_FOR(Q4_1_R16)
 R16_COLUMNS_FOR(Q5_0_R16)
 
+#if PATH == 2
+/* One block of a tile of W columns (tb) into rows of dst (column c's elements at index at + c * k ..): per pair of
+ * groups, each quarter of the values (four columns' four elements) widened, less z, times its columns' d (plus
+ * Q4_1's m): the plain loop's operations on sixteen lanes. */
+INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tb, int w, void *dst, int64_t at, int64_t k,
+                                 int bf16) {
+  const __mmask16 m = (__mmask16)((1u << w) - 1u);
+  const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
+  const __m512 mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : _mm512_setzero_ps();
+  const __m512i z = _mm512_set1_epi32(R16_BIAS(type));
+  const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  for (int g = 0; g < 8; g += 2) {
+    __m512i v[2];
+    r16_pair(type, tb, w, m, g, &v[0], &v[1]);
+    for (int h = 0; h < 2; h++) {
+      uint8_t u[64];
+      _mm512_storeu_si512(u, v[h]);
+      for (int i = 0; 4 * i < w; i++) {
+        const __m512i idx = _mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i));
+        const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + 16 * i))), z);
+        __m512 val = _mm512_mul_ps(_mm512_permutexvar_ps(idx, d), _mm512_cvtepi32_ps(q));
+        if (type == Q4_1_R16) val = _mm512_add_ps(val, _mm512_permutexvar_ps(idx, mn));
+        const int64_t to = at + 4 * (g + h);
+        if (!bf16) { /* four floats a column: one 16-byte move each */
+          float f[16];
+          _mm512_storeu_ps(f, val);
+          for (int c = 4 * i; c < 4 * i + 4 && c < w; c++) memcpy((float *)dst + to + c * k, f + 4 * (c - 4 * i), 16);
+          continue;
+        }
+#ifdef __AVX512BF16__
+        /* the instruction's rounding is torch's here: a nonzero value is a multiple of 2^-24, never subnormal */
+        uint16_t hb[16];
+        _mm256_storeu_si256((__m256i *)hb, (__m256i)_mm512_cvtneps_pbh(val));
+        for (int c = 4 * i; c < 4 * i + 4 && c < w; c++) memcpy((uint16_t *)dst + to + c * k, hb + 4 * (c - 4 * i), 8);
+#else
+        float f[16];
+        _mm512_storeu_ps(f, val);
+        for (int c = 4 * i; c < 4 * i + 4 && c < w; c++)
+          for (int e = 0; e < 4; e++) store_value(f[4 * (c - 4 * i) + e], dst, to + c * k + e, 1);
+#endif
+      }
+    }
+  }
+}
+#endif
+
 /* Rows r0..r1 of a repacked weight [n, k] (r0 a multiple of 16; r1 too, or n) into dst as float32 rows, or rounded
  * to bfloat16 (bf16): the values d (u - z) (+ m) its source format's dequantization gives, bit for bit (the library
  * fuses no multiply-add). 0 on success, 1 for a type that is not a repacked layout or rows off the tiles. */
@@ -209,6 +255,9 @@ int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, 
     const int w = (int)(r1 - j < R16_TILE ? r1 - j : R16_TILE);
     for (int64_t b = 0; b < blocks; b++) {
       const uint8_t *tb = weight + j * row_bytes + b * R16_BYTES(type) * w;
+#if PATH == 2
+      r16_dequantize_block(type, tb, w, dst, (j - r0) * k + b * QK, k, (int)bf16);
+#else
       for (int c = 0; c < w; c++) {
         const float d = f16(tb + 2 * c), m = type == Q4_1_R16 ? f16(tb + 2 * w + 2 * c) : 0.0f;
         const int64_t at = (j - r0 + c) * k + b * QK;
@@ -219,6 +268,7 @@ int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, 
             store_value(v, dst, at + 4 * g + e, (int)bf16);
           }
       }
+#endif
     }
   }
   return 0;

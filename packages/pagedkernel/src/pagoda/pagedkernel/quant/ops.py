@@ -54,7 +54,8 @@ def qmatmul(
     the exact dequantized weights in float32 (in bfloat16, rounded to nearest even, for bfloat16 x: on the AMX
     tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one, else by AVX-512 BF16 dot products where it
     has those), and so does the `torch` backend, in float32. A repacked layout (`repack.py`) takes int8 activations
-    at any number of rows on the `cpu` backend (its kernel outruns the vector paths).
+    at any number of rows on the `cpu` backend (its kernel outruns the vector paths), except from
+    `cpu_quant.VECTOR_MAX_ROWS` rows of a weight small enough to dequantize whole for torch's matmul.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
@@ -89,7 +90,7 @@ def qmatmul(
     ):
         cpu_quant.amx(x, weight, y, lib)
         return y
-    if not int8_only and rows >= cpu_quant.VECTOR_MAX_ROWS and n * k <= cpu_quant.WHOLE_ELEMENTS:
+    if rows >= cpu_quant.VECTOR_MAX_ROWS and n * k <= cpu_quant.WHOLE_ELEMENTS:  # a repacked one too, whole
         cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
     # float32 and bfloat16 rows go to the kernels as they are (they widen bfloat16 exactly and round a bfloat16

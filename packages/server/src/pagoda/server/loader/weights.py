@@ -246,12 +246,11 @@ def _install_quantized(
     places: Iterator[Tensor | None] = iter(region) if region is not None else itertools.repeat(None)
     for owner, weight_runs in installs:
         memory = [next(places) for _ in weight_runs]
-        # A vocabulary table's readers (row lookups, the LM head's GEMV, the fused head) all take the CPU's repacked
-        # layout, whose int8 kernel runs at about the int8 peak from a few rows (pagedkernel README, cpu backend). The
-        # layers keep the file's layout: with prompts' thousands of rows among the decode steps, their repacked
-        # layouts served 32 requests at once 5-15% slower (measured; the README says where that stands).
+        # Every reader of the blocks (the module path's qmatmul, the native decode layers, the fused head, row
+        # lookups) takes the CPU's repacked layouts, whose int8 kernel runs at about the int8 peak from a few rows
+        # (pagedkernel README, cpu backend); a vocabulary table multiplies only the rows sampled, never a prompt's.
         vocabulary = isinstance(owner, VocabParallelEmbedding | ParallelLMHead)
-        placed = QuantizedWeight.placed(weight_runs, memory, backend, repacked=vocabulary)
+        placed = QuantizedWeight.placed(weight_runs, memory, backend, repacked=True, prompts=not vocabulary)
         owner.set_quantized(placed)
     if region is not None:  # the checkpoint's pages the copies read need not stay resident too
         release_file_pages([quantized.data for parts in pending.values() for _, quantized in parts.values()])

@@ -38,11 +38,13 @@ class QuantizedWeight:
         backend: QuantBackendName = "auto",
         *,
         repacked: bool = False,
+        prompts: bool = True,
     ) -> QuantizedWeight:
         """The weight of `runs_of`'s runs, each run one tensor: `memory`'s (the loader's region of huge pages,
         filled straight from the checkpoint, no concatenation first), or a new one. `repacked`: each run laid out
-        as the CPU's kernels multiply it fastest (`cpu_quant.repacked_layout`; in place where the memory is ours),
-        for a weight whose every reader takes that layout."""
+        as the CPU's kernels multiply it fastest (`cpu_quant.repacked_layout`, told whether the weight multiplies
+        prompts' rows; in place where the memory is ours); a layer's run only when its rows are whole tiles of 16
+        (the native decode layers' column runs keep to them)."""
         merged: list[QuantizedTensor] = []
         for run, place in zip(runs, memory, strict=True):
             first = run[0]
@@ -57,7 +59,9 @@ class QuantizedWeight:
             else:
                 part = QuantizedTensor(place.view(rows, -1), first.qtype, (rows, first.shape[1]))
             use_cpu = backend != "torch" and part.data.device.type == "cpu"
-            if repacked and use_cpu and cpu_quant.repacked_layout(part.qtype) is not None:
+            whole_tiles = not prompts or rows % repack.TILE_ROWS == 0
+            layout = cpu_quant.repacked_layout(part.qtype, prompts=prompts) if repacked and use_cpu else None
+            if layout is not None and whole_tiles:
                 part = repack.repack(part, in_place=owned)
             merged.append(part)
         return cls(tuple(merged), backend)
