@@ -120,12 +120,11 @@ INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, 
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
+    const __m512 mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : d;
     for (int r = 0; r < R; r++) {
       const int64_t xb = (r0 + r) * (k / QK) + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[xb])), acc[r]);
-      if (type == Q4_1_R16)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)),
-                                 _mm512_set1_ps(xd[xb] * (float)xs[xb]), acc[r]);
+      if (type == Q4_1_R16) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xd[xb] * (float)xs[xb]), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) {

@@ -78,11 +78,12 @@ def qmatmul(
     lib = cpu_quant.kernels()
     y = out if out is not None else torch.empty((x.shape[0], n), dtype=x.dtype)
     rows = x.shape[0]
-    # A repacked layout's int8 kernel runs near the int8 peak for any number of rows: past the bfloat16 paths'.
+    # A repacked layout has only its int8 kernel (near the int8 peak, past the vector and AMX paths) and, for a
+    # prompt's many rows, the tiled path below.
     int8_only = weight.qtype in REPACKED_TYPES
     if (
         not int8_only
-        and x.shape[0] >= cpu_quant.AMX_MIN_ROWS
+        and rows >= cpu_quant.AMX_MIN_ROWS
         and lib.matmul_amx is not None
         and x.dtype == torch.bfloat16
         and x.stride(-1) == 1

@@ -119,19 +119,19 @@ def _convert(rows: Tensor, source: GGMLType, to_tiles: bool) -> Tensor:  # uint8
     m, row_bytes = rows.shape
     size = BLOCK_SIZES[source][1]
     blocks = row_bytes // size
+    whole = m // TILE_ROWS * TILE_ROWS
     out = []
-    for start, w in ((0, TILE_ROWS), (m // TILE_ROWS * TILE_ROWS, m % TILE_ROWS)):
-        count = (m // TILE_ROWS) if w == TILE_ROWS else (1 if w else 0)
-        if not count:
+    for start, stop, w in ((0, whole, TILE_ROWS), (whole, m, m - whole)):  # the whole tiles, then a short one
+        if stop == start:
             continue
-        part = rows[start : start + count * w]
+        part, count = rows[start:stop], (stop - start) // w
         if to_tiles:
             halves, u = _decode(source, part.reshape(count, w, blocks, size))
-            out.append(_tiles(source, halves, u).reshape(count * w, row_bytes))
+            out.append(_tiles(source, halves, u).reshape(stop - start, row_bytes))
         else:
             halves, u = _untiles(source, part.reshape(count, blocks, w * size), w)
-            out.append(_encode(source, halves, u).reshape(count * w, row_bytes))
-    return torch.cat(out) if len(out) > 1 else out[0] if out else rows.clone()
+            out.append(_encode(source, halves, u).reshape(stop - start, row_bytes))
+    return torch.cat(out) if out else rows.clone()
 
 
 def repack(weight: QuantizedTensor, *, in_place: bool = False) -> QuantizedTensor:
@@ -183,9 +183,10 @@ def take_rows(weight: QuantizedTensor, ids: Tensor) -> QuantizedTensor:  # ids i
     source = SOURCE_OF[weight.qtype]
     if source is GGMLType.Q8_0:  # a vocabulary table's lookups: gathered byte by byte
         blocks = weight.shape[-1] // _VALUES
-        picked = rows.reshape(-1)[_q8_0_positions(ids, weight.rows, blocks)]  # [m, blocks, 34] of the layout
-        picked[..., 2:] ^= 0x80
-        return QuantizedTensor(picked.reshape(shape[0], -1), source, shape)
+        picked = rows.reshape(-1)[_q8_0_positions(ids, weight.rows, blocks)]  # [m, blocks, 34]: scale, then u
+        return QuantizedTensor(
+            _encode(source, picked[..., :2], picked[..., 2:]).reshape(shape[0], -1), source, shape
+        )
     # Other layouts: the tiles holding the rows, converted back whole.
     tiles = torch.unique(ids // TILE_ROWS)
     starts = tiles * TILE_ROWS
