@@ -8,8 +8,10 @@ arithmetic gives is zero: outputs and the written cache rows must be bitwise equ
 (attention must never read them) and so does the slot each new token goes to (it must be written before it is
 read); context lengths cross block boundaries (block size 4); 1-4 rows, three layers, mixed GGUF formats and
 repacked layouts. Steps
-whose sequences bring several tokens each (a speculative step's token and drafts, up to the GEMV's 16 rows) are
-checked against the prefill attention op, which the module path calls for them.
+whose sequences bring several tokens each (a speculative step's token and drafts, a short prompt chunk) are
+checked against the prefill attention op, which the module path calls for them; steps past the GEMV's 16 rows
+(where qmatmul sends row-major weights to its vector path, repacked ones still to their int8 tiles) up to the
+call's 64.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ import torch
 from pagoda.pagedkernel import csrc, fused, get_backend
 from pagoda.pagedkernel.cbuild import cpu_flags
 from pagoda.pagedkernel.decode import DecodeLayer, DecodeShape, DecodeStack, cpu_decode
-from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, qmatmul
+from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, qmatmul
 from pagoda.pagedkernel.quant.testing import random_weight
 from pagoda.pagedkernel.testing import c_kernel_or_skip
 from torch import Tensor
 
 SHAPE = DecodeShape(hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, inner=512, eps=1e-5, scale=64**-0.5)
 BLOCK_SIZE = 4
-NUM_BLOCKS = 48
+NUM_BLOCKS = 48  # at least: a case of more sequences has MAX_BLOCKS for each
 MAX_BLOCKS = 8
 Q, KV = SHAPE.num_heads * SHAPE.head_dim, SHAPE.num_kv_heads * SHAPE.head_dim
 # Each layer's weights: runs of rows of several formats (q / k / v and gate / up of different types, as llama.cpp's
@@ -102,9 +104,10 @@ def make_case(
     groups = 2 if gemma else 1
     num_seqs = rows
     news = [1] * num_seqs if q_lens is None else list(q_lens)
+    num_blocks = max(NUM_BLOCKS, num_seqs * MAX_BLOCKS)
     tables = torch.stack(
         [
-            torch.randperm(NUM_BLOCKS, generator=gen)[: num_seqs * MAX_BLOCKS].reshape(num_seqs, MAX_BLOCKS)
+            torch.randperm(num_blocks, generator=gen)[: num_seqs * MAX_BLOCKS].reshape(num_seqs, MAX_BLOCKS)
             for _ in range(groups)
         ]
     ).to(torch.int32)
@@ -127,7 +130,7 @@ def make_case(
     layers = []
     for index, formats in enumerate(FORMATS):
         group = index % groups
-        shape = (NUM_BLOCKS, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
+        shape = (num_blocks, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
         v_cache = torch.full(shape, float("nan"), dtype=dtype)
         for r in range(num_seqs):
@@ -347,9 +350,38 @@ def test_several_tokens_per_sequence_equal_the_ops_bitwise(
             assert_same(mine.v_cache, theirs.v_cache)
 
 
+# Past the GEMV's 16 rows: one token for each of 17 or 24 sequences (every (row, KV head) item at once), and
+# sequences of several tokens (17 rows; 40, with a chunk of 17 tokens of one sequence).
+WIDE = [((1,) * 17, None), ((1,) * 24, None), ((16, 1), (30, 5)), ((17, 1, 9, 13), (30, 5, 12, 20))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_lens", "lens"), WIDE)
+def test_rows_past_the_gemv_equal_the_ops_bitwise(
+    q_lens: tuple[int, ...], lens: tuple[int, ...] | None, dtype: torch.dtype, arch: str
+) -> None:
+    """From 17 rows the ops multiply a row-major weight on the vector unit (bfloat16 pairs or float32) and a
+    repacked one on its int8 tiles, in one weight where its runs mix them: the native call does the same, bitwise,
+    on 1 and 2 threads."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
+    context = lens if lens is not None else [LENS[i % len(LENS)] for i in range(len(q_lens))]
+    case = make_case(len(q_lens), dtype, 11, context, gemma=arch == "gemma3", q_lens=q_lens)
+    assert cpu_quant.GEMV_MAX_ROWS < case.x.shape[0] <= cpu_decode.MAX_ROWS
+    ref_case = with_fresh_caches(case)
+    want = reference(ref_case)
+    assert not want.isnan().any()
+    for threads in (1, 2):
+        got_case = with_fresh_caches(case)
+        assert_same(native(got_case, dtype, num_threads=threads, prefetch=threads == 2), want)
+        for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
+            assert_same(mine.k_cache, theirs.k_cache)
+            assert_same(mine.v_cache, theirs.v_cache)
+
+
 def test_max_rows_in_one_call_and_the_c_file_refuses_more(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MAX_ROWS (cpu_quant.GEMV_MAX_ROWS) rows in one call equal the op-by-op chain; one more row, let past the
-    Python check, the C file refuses itself: its DECODE_MAX_ROWS (cpu_quant.c's MAX_ROWS) is the same number."""
+    """MAX_ROWS rows in one call equal the op-by-op chain; one more row, let past the Python check, the C file
+    refuses itself: its DECODE_MAX_ROWS is the same number."""
     c_kernel_or_skip(lambda: cpu_decode.kernels(torch.float32))
     half = cpu_decode.MAX_ROWS // 2
     case = make_case(2, torch.float32, 9, (30, 12), q_lens=(cpu_decode.MAX_ROWS - half, half))

@@ -37,17 +37,15 @@ PROMPTS: list[Sequence[int]] = [
 def engine(path: Path, cache: Path, dtype: str, **kw: Any) -> LLM:
     """The engine on the default (`auto`: C) kernels, small blocks so that contexts cross block boundaries. No prefix
     caching: a second run of the same prompts would prefill fewer rows (another GEMV, other roundings)."""
+    sizes: dict[str, Any] = {"num_kv_blocks": 128, "max_model_len": 64, "max_num_seqs": 4} | kw
     return LLM(
         str(path),
         enable_prefix_caching=False,
         quantization="gguf",
         dtype=dtype,
         block_size=4,
-        num_kv_blocks=128,
-        max_model_len=64,
-        max_num_seqs=4,
         cache_dir=str(cache),
-        **kw,
+        **sizes,
     )
 
 
@@ -79,6 +77,38 @@ def test_native_greedy_tokens_equal_the_module_path(
         assert (ran >= 15) if on else ran == 0, ran  # 15 decode steps at least (prefills stay on the modules)
     assert outputs[True] == outputs[False]
     assert all(len(tokens) == 16 for tokens in outputs[True])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_past_the_gemv_rows_run_natively_with_the_same_tokens(
+    arch: str, dtype: str, mixed_gguf: MixedGGUFs, tmp_path: Path
+) -> None:
+    """20 sequences decoding together (past the GEMV's 16 rows: row-major weights on the vector path, as the
+    modules run them): those steps run natively, with the module path's greedy tokens."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(getattr(torch, dtype)))
+    llm = engine(
+        mixed_gguf(arch, NATIVE_TYPES), tmp_path, dtype, num_kv_blocks=256, max_num_seqs=24, max_model_len=32
+    )
+    model = model_of(llm)
+    rows: list[int] = []
+    run = model.native_decode.run
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        out = run(*args)
+        if out is not None:
+            rows.append(int(args[1].shape[0]))
+        return out
+
+    model.native_decode.run = spy  # type: ignore[method-assign, assignment]
+    prompts = [[1, 3 + i, 40 + 7 * i, 9, 200 - i] for i in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for on in (True, False):
+        model.native_decode.enabled = on
+        outputs[on] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[True] == outputs[False]
+    assert rows.count(20) >= 7, rows  # every decode step of the 20 rows ran natively
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

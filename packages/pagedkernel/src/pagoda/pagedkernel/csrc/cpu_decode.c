@@ -1,11 +1,11 @@
-/* A decode step's decoder layers (Llama family, Gemma 3) in one native call: for a few rows (one query token per
- * sequence, or a few per sequence: a speculative step's token and its drafts), every layer's RMSNorm, QKV GEMV, (q/k norms and) rotary, KV write, paged attention, output
+/* A decode step's decoder layers (Llama family, Gemma 3) in one native call: for up to 64 rows (one query token
+ * per sequence, or a few per sequence: a speculative step's token and its drafts, a short prompt chunk), every layer's RMSNorm, QKV GEMV, (q/k norms and) rotary, KV write, paged attention, output
  * projection, (norm,) add + norm, gate/up GEMV, SiLU or GELU, down GEMV, (norm and) residual add, on one thread
  * team for the whole call.
  *
  * The specification is the server's torch layers (pagoda.server.models.llama.LlamaDecoderLayer and
  * gemma3.Gemma3DecoderLayer) as they run on the CPU: this file includes the kernels that layer calls (cpu_fused.c's norm, rotary and activation, cpu_attention.c's
- * attention item, cpu_quant.c's GEMV columns) and chains them with the same roundings, so its output is bitwise
+ * attention item, cpu_quant.c's GEMV columns and vector panels) and chains them with the same roundings, so its output is bitwise
  * that layer's (tested). What it removes is everything between the kernels: ~10 Python module calls, ~15 ctypes
  * entries and ~10 OpenMP parallel regions per layer, each microseconds at one row.
  *
@@ -47,7 +47,16 @@ static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
 
 #include "cpu_quant.c"
 
-#define DECODE_MAX_ROWS MAX_ROWS /* rows of one call: one pass of the GEMV columns (cpu_quant.c's) */
+/* Rows of one call. Up to MAX_ROWS (cpu_quant.c's: one pass of the GEMV columns) every part takes int8 x, as
+ * qmatmul sends those rows to the GEMV; past it a row-major part goes as qmatmul's `vector` path (vector_panel,
+ * the one it runs: bfloat16 pairs for bfloat16 x where the build has them, else float32) and a repacked one stays
+ * on its int8 tiles. */
+#define DECODE_MAX_ROWS 64
+#ifdef FMA_DP
+#define VECTOR_DP (PAGODA_DTYPE == PAGODA_BFLOAT16)
+#else
+#define VECTOR_DP 0
+#endif
 #define MAX_PARTS 3        /* runs of rows of one weight (q, k, v of three GGUF types) */
 #define WEIGHT_FIELDS (1 + 3 * MAX_PARTS)
 /* A layer's fields. Norm weights (0: none): INPUT before attention; ATTN_OUT of the attention output before the
@@ -87,21 +96,38 @@ typedef struct {
   int32_t *s;
   xquad *g; /* every row's quad form (cpu_quad.h), rows quad_groups(k) apart */
   int8_t *r; /* the rows' signed q for repacked parts (cpu_rows16.h): q itself where q is signed already */
+  uint32_t *xp;   /* past MAX_ROWS rows: x laid out for row-major parts' vector_panel (every row block) */
+  uint32_t *panel; /* and that thread's dequantized panel and tile sums */
+  float *acc;
 #if PATH == 2
   xblock *xb; /* the one-row VNNI path's form of row 0 */
 #endif
 } qx_t;
 
-/* x's rows quantized for weight w, with only the forms w's formats read: the quad form for a quad-order part, the
- * one-row VNNI form for a one-row register part. */
+/* Whether a part of this type multiplies `rows` rows on the vector unit (see DECODE_MAX_ROWS). */
+static inline int vector_part(int64_t type, int64_t rows) { return rows > MAX_ROWS && !R16_TYPE(type); }
+
+/* x's rows quantized for weight w, with only the forms w's formats read: int8 rows for an int8 part, with the quad
+ * form for a quad-order part, the signed copy for a repacked one, the one-row VNNI form for a one-row register
+ * part; the vector unit's layout for a row-major part past MAX_ROWS rows. */
 static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_t k, const qweight_t *w,
                        qx_t *qx) {
-  int quad = 0;
-  for (int64_t p = 0; p < w->parts; p++) quad |= QUAD_TYPE(w->type[p]);
-  quantize_rows(x, x_stride, PAGODA_DTYPE == PAGODA_BFLOAT16, rows, k, qx->q, qx->d, qx->s, quad ? qx->g : NULL);
-  int repacked = 0;
-  for (int64_t p = 0; p < w->parts; p++) repacked |= R16_TYPE(w->type[p]);
+  int int8 = 0, quad = 0, repacked = 0, vector = 0;
+  for (int64_t p = 0; p < w->parts; p++) {
+    const int64_t type = w->type[p];
+    if (vector_part(type, rows)) {
+      vector = 1;
+      continue;
+    }
+    int8 = 1, quad |= QUAD_TYPE(type), repacked |= R16_TYPE(type);
+  }
+  const int x_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
+  if (int8) quantize_rows(x, x_stride, x_bf16, rows, k, qx->q, qx->d, qx->s, quad ? qx->g : NULL);
   if (repacked) r16_signed_x(qx->q, qx->r, rows * k);
+  const int64_t slots = VECTOR_DP ? k / 2 : k;
+  if (vector)
+    for (int64_t mb = 0; mb * FMA_MT < rows; mb++)
+      vector_pack(x, x_stride, x_bf16, rows, mb, k, VECTOR_DP, qx->xp + mb * slots * FMA_MT);
 #if PATH == 2
   int one_row = 0;
   for (int64_t p = 0; p < w->parts; p++) one_row |= ONE_ROW_TYPE(w->type[p]);
@@ -114,6 +140,15 @@ static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_
 static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1, int64_t k, const qx_t *qx,
                          int64_t rows, scalar_t *y, int64_t y_stride) {
   const int y_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
+  if (vector_part(type, rows)) { /* panels of FMA_PANEL columns, every row block at once */
+    int elems, bytes, has_offset;
+    type_info(type, &elems, &bytes, &has_offset);
+    for (int64_t a = j0; a < j1; a += FMA_PANEL)
+      vector_panel(dequantize_for(type), elems, w, k / elems * bytes, k, VECTOR_DP, a,
+                   j1 - a < FMA_PANEL ? j1 - a : FMA_PANEL, qx->xp, 0, (rows + FMA_MT - 1) / FMA_MT, rows,
+                   qx->panel, qx->acc, y, y_stride, y_bf16);
+    return;
+  }
 #if PATH >= 1
   if (rows == 1 && ONE_ROW_TYPE(type)) {
 #if PATH == 2
@@ -227,6 +262,9 @@ static void rotate_and_write(const scalar_t *qkv_row, scalar_t *qrow_r, int64_t 
  * left one of two threads idle through every layer's attention). Cutting 3 KV heads for 2 threads (SmolLM2's)
  * measured slower than one thread attending twice: the items' cost is the keys they read, and the cut adds a
  * barrier. */
+/* n rounded up to a multiple of 64 (aligned_alloc's sizes). */
+static inline size_t aligned64(size_t n) { return (n + 63) / 64 * 64; }
+
 static int64_t head_parts(int64_t pairs, int64_t G, int64_t threads) {
   if (pairs >= threads) return 1;
   for (int64_t p = 2; p < G; p++)
@@ -314,13 +352,19 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
     qx.d = malloc(sizeof(float) * (size_t)(rows * widest / QK));
     qx.s = malloc(sizeof(int32_t) * (size_t)(rows * widest / QK));
     qx.g = aligned_alloc(64, sizeof(xquad) * (size_t)(rows * quad_groups(widest)));
+    const int64_t vec_blocks = rows > MAX_ROWS ? (rows + FMA_MT - 1) / FMA_MT : 0; /* 4-byte slots <= widest */
+    qx.xp = vec_blocks ? aligned_alloc(64, aligned64(4 * (size_t)(vec_blocks * FMA_MT * widest))) : NULL;
+    qx.panel = vec_blocks ? aligned_alloc(64, aligned64(4 * (size_t)(FMA_PANEL * widest))) : NULL;
+    qx.acc = vec_blocks ? aligned_alloc(64, aligned64(sizeof(float) * (size_t)(vec_blocks * FMA_PANEL * FMA_MT)))
+                        : NULL;
+    const int vec_ok = !vec_blocks || (qx.xp && qx.panel && qx.acc);
 #if PATH == 2
     qx.xb = aligned_alloc(32, sizeof(xblock) * (size_t)(widest / QK));
     qx.r = malloc((size_t)(rows * widest));
-    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g && qx.xb && qx.r;
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g && qx.xb && qx.r && vec_ok;
 #else
     qx.r = qx.q;
-    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g;
+    const int ok = res && h && qrow && qx.q && qx.d && qx.s && qx.g && vec_ok;
 #endif
     if (!ok) __atomic_store_n(&status, 2, __ATOMIC_RELAXED);
     team_barrier(); /* every thread knows whether all allocations succeeded */
@@ -417,6 +461,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
       if (thread == 0) memcpy(x, res, sizeof(scalar_t) * (size_t)(rows * hidden));
     }
     free(res), free(h), free(qrow), free(qx.q), free(qx.d), free(qx.s), free(qx.g);
+    free(qx.xp), free(qx.panel), free(qx.acc);
 #if PATH == 2
     free(qx.xb), free(qx.r);
 #endif

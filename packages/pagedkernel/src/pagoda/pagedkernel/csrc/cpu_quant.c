@@ -1289,6 +1289,56 @@ INLINE void dp_tile(const uint32_t *restrict xp, const uint32_t *restrict w, int
 }
 #endif
 
+/* x's row block mb laid out for vector_panel: dp = 0 in floats (fma_pack), dp = 1 in bfloat16 pairs (dp_pack;
+ * bfloat16 x). */
+static void vector_pack(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t mb, int64_t k, int dp,
+                        uint32_t *dst) {
+#ifdef FMA_DP
+  if (dp) {
+    dp_pack((const uint16_t *)x, x_stride, rows, mb, k / 2, dst);
+    return;
+  }
+#endif
+  (void)dp;
+  fma_pack(x, x_stride, x_bf16, rows, mb, k, (float *)dst);
+}
+
+/* Columns j0 .. j0 + cols (cols <= FMA_PANEL) of y = x W^T for x's row blocks g0 .. g1, laid out by vector_pack
+ * at xp (block g0 first): the panel's W rows dequantized into `panel` (FMA_PANEL * slots 4-byte slots), summed
+ * over k per micro tile in `acc` (FMA_PANEL * FMA_MT floats per block), stored into y. dp as vector_pack's. Each
+ * output is its x row's and W row's sum in k order, whatever the panel, the blocks or the thread. */
+static void vector_panel(dequantize_fn deq, int elems, const uint8_t *weight, int64_t row_bytes, int64_t k, int dp,
+                         int64_t j0, int64_t cols, const uint32_t *xp, int64_t g0, int64_t g1, int64_t rows,
+                         uint32_t *panel, float *acc, void *y, int64_t y_stride, int y_bf16) {
+  const int64_t slots = dp ? k / 2 : k;
+  for (int64_t r = 0; r < cols; r++) {
+    const uint8_t *src = weight + (j0 + r) * row_bytes;
+    prefetch_ahead(src, row_bytes); /* as in the AMX matmul */
+    if (dp) deq(src, NULL, (uint16_t *)(panel + r * slots), QK, 0, k / elems);
+    else deq(src, (float *)(panel + r * slots), NULL, QK, 0, k / elems);
+  }
+  /* a last tile's missing rows: zeros, so that its unused lanes stay finite */
+  memset(panel + cols * slots, 0, 4 * (size_t)(((cols + FMA_NR - 1) / FMA_NR * FMA_NR - cols) * slots));
+  for (int64_t k0 = 0; k0 < slots; k0 += FMA_KC) {
+    const int64_t kc = slots - k0 < FMA_KC ? slots - k0 : FMA_KC;
+    for (int64_t t0 = 0; t0 < cols; t0 += FMA_NR) {
+      for (int64_t mb = g0; mb < g1; mb++) {
+        float *c = acc + ((mb - g0) * FMA_PANEL + t0) * FMA_MT;
+        const uint32_t *xs = xp + ((mb - g0) * slots + k0) * FMA_MT, *ws = panel + t0 * slots + k0;
+#ifdef FMA_DP
+        if (dp) dp_tile(xs, ws, kc, slots, k0 == 0, c);
+        else
+#endif
+          fma_tile((const float *)xs, (const float *)ws, kc, slots, k0 == 0, c);
+        if (k0 + kc < slots) continue;
+        const int64_t tr = rows - mb * FMA_MT < FMA_MT ? rows - mb * FMA_MT : FMA_MT;
+        const int64_t tc = cols - t0 < FMA_NR ? cols - t0 : FMA_NR;
+        fma_store(c, tr, tc, y, y_stride, y_bf16, mb * FMA_MT, j0 + t0);
+      }
+    }
+  }
+}
+
 /* The driver of both vector-unit matmuls: dp = 0 multiplies in float32 (fma_pack, fma_tile: k slots of one
  * float), dp = 1 in bfloat16 pairs (dp_pack, dp_tile: k / 2 slots of one pair). Every buffer counts 4-byte slots. */
 static int vector_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x, int64_t x_stride,
@@ -1324,45 +1374,13 @@ static int vector_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t
       const int64_t g1 = g0 + group < blocks ? g0 + group : blocks;
       /* laid out just before use, so that it is still in L2 (the loop below waits for every block) */
 #pragma omp for schedule(static)
-      for (int64_t mb = g0; mb < g1; mb++) {
-        uint32_t *dst = xp + (mb - g0) * slots * FMA_MT;
-#ifdef FMA_DP
-        if (dp) {
-          dp_pack((const uint16_t *)x, x_stride, rows, mb, slots, dst);
-          continue;
-        }
-#endif
-        fma_pack(x, x_stride, (int)x_bf16, rows, mb, k, (float *)dst);
-      }
+      for (int64_t mb = g0; mb < g1; mb++)
+        vector_pack(x, x_stride, (int)x_bf16, rows, mb, k, dp, xp + (mb - g0) * slots * FMA_MT);
 #pragma omp for schedule(guided)
       for (int64_t p = 0; p < panels; p++) {
         const int64_t j0 = p * FMA_PANEL, cols = n - j0 < FMA_PANEL ? n - j0 : FMA_PANEL;
-        for (int64_t r = 0; r < cols; r++) {
-          const uint8_t *src = weight + (j0 + r) * row_bytes;
-          prefetch_ahead(src, row_bytes); /* as in the AMX matmul */
-          if (dp) deq(src, NULL, (uint16_t *)(panel + r * slots), QK, 0, k / elems);
-          else deq(src, (float *)(panel + r * slots), NULL, QK, 0, k / elems);
-        }
-        /* a last tile's missing rows: zeros, so that its unused lanes stay finite */
-        memset(panel + cols * slots, 0, 4 * (size_t)(((cols + FMA_NR - 1) / FMA_NR * FMA_NR - cols) * slots));
-        for (int64_t k0 = 0; k0 < slots; k0 += FMA_KC) {
-          const int64_t kc = slots - k0 < FMA_KC ? slots - k0 : FMA_KC;
-          for (int64_t t0 = 0; t0 < cols; t0 += FMA_NR) {
-            for (int64_t mb = g0; mb < g1; mb++) {
-              float *c = acc + ((mb - g0) * FMA_PANEL + t0) * FMA_MT;
-              const uint32_t *xs = xp + ((mb - g0) * slots + k0) * FMA_MT, *ws = panel + t0 * slots + k0;
-#ifdef FMA_DP
-              if (dp) dp_tile(xs, ws, kc, slots, k0 == 0, c);
-              else
-#endif
-                fma_tile((const float *)xs, (const float *)ws, kc, slots, k0 == 0, c);
-              if (k0 + kc < slots) continue;
-              const int64_t tr = rows - mb * FMA_MT < FMA_MT ? rows - mb * FMA_MT : FMA_MT;
-              const int64_t tc = cols - t0 < FMA_NR ? cols - t0 : FMA_NR;
-              fma_store(c, tr, tc, y, y_stride, (int)y_bf16, mb * FMA_MT, j0 + t0);
-            }
-          }
-        }
+        vector_panel(deq, elems, weight, row_bytes, k, dp, j0, cols, xp, g0, g1, rows, panel, acc, y, y_stride,
+                     (int)y_bf16);
       }
     }
   }

@@ -26,9 +26,10 @@ SOURCE_FILE = "cpu_decode.c"
 # kernel's fallback without OpenMP.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-pthread")
 DTYPES = (torch.float32, torch.bfloat16)
-# Rows one call takes: the rows qmatmul sends to the GEMV, whose column code the C file calls (its DECODE_MAX_ROWS is
-# cpu_quant.c's MAX_ROWS, the same number: tests/pagedkernel/test_decode_layers.py holds them together).
-MAX_ROWS = cpu_quant.GEMV_MAX_ROWS
+# Rows one call takes (the C file's DECODE_MAX_ROWS, the same number: tests/pagedkernel/test_decode_layers.py holds
+# them together). Each weight multiplies them as qmatmul would: up to GEMV_MAX_ROWS on the int8 GEMV, past it a
+# row-major part on the vector path (its panel code, which the C file calls) and a repacked one on its int8 tiles.
+MAX_ROWS = 64
 OWNER = "the native decode layers"
 # The GGUF formats cpu_quant.c's GEMV columns multiply.
 SUPPORTED_QTYPES = cpu_quant.GEMV_QTYPES | REPACKED_TYPES

@@ -1,4 +1,4 @@
-"""The decode-step seam of the Llama family and Gemma 3: a step of a few decode rows runs every decoder layer as one
+"""The decode-step seam of the Llama family and Gemma 3: a step of up to 64 decode rows runs every decoder layer as one
 native call (`pagoda.pagedkernel.decode`), bitwise what the torch modules compute on the `cpu` kernels.
 
 `NativeDecode` is the model's policy object: `run(...)` either runs the layers natively and returns their output,
@@ -31,10 +31,11 @@ logger = logging.getLogger(__name__)
 
 
 def default_max_rows() -> int:
-    """Rows up to which a step runs natively: every row count the GEMV kernels take in one pass (the module path
-    runs the same GEMV there, plus per-op overhead), except from the row count at which the module path multiplies
-    on the AMX tile unit instead, where the CPU has one (the native layers compute what the modules compute, bit for
-    bit)."""
+    """Rows up to which a step runs natively: every row count the C layers take (they multiply as the module path
+    does, the int8 GEMV to 16 rows, past it the vector path or a repacked weight's tiles, without its per-op
+    overhead: 32 rows of Gemma 3 270M 18.5 -> 14.1 ms a forward on a 2-core Zen 4), except from the row count at
+    which the module path multiplies on the AMX tile unit instead, where the CPU has one (the native layers compute
+    what the modules compute, bit for bit)."""
     if cpu_quant.kernels().matmul_amx is not None:
         return min(decode.MAX_ROWS, cpu_quant.AMX_MIN_ROWS - 1)
     return decode.MAX_ROWS
