@@ -295,6 +295,19 @@ def assert_same(got: Tensor, want: Tensor) -> None:
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (got - want).abs().max()
 
 
+def assert_native_is_the_ops(case: Case, dtype: torch.dtype, threads: Sequence[int]) -> None:
+    """The native call's output and cache writes bitwise the op chain's, on each thread count (prefetching on 2)."""
+    ref_case = with_fresh_caches(case)
+    want = reference(ref_case)
+    assert not want.isnan().any()
+    for count in threads:
+        got_case = with_fresh_caches(case)
+        assert_same(native(got_case, dtype, num_threads=count, prefetch=count == 2), want)
+        for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
+            assert_same(mine.k_cache, theirs.k_cache)  # the NaN slots left alone, the new rows written
+            assert_same(mine.v_cache, theirs.v_cache)
+
+
 # Context lengths: the first token of a sequence, ends and starts of blocks, past the sliding window.
 LENS = (1, 4, 5, 9, 12, 30)
 
@@ -309,16 +322,7 @@ def test_native_layers_equal_the_ops_bitwise(rows: int, dtype: torch.dtype, arch
     c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
     for seed, lens in enumerate([LENS[-rows:], LENS[:rows][::-1]]):
         case = make_case(rows, dtype, seed, lens, gemma=arch == "gemma3", qk_norms=arch == "qwen3")
-        ref_case = with_fresh_caches(case)
-        want = reference(ref_case)
-        assert not want.isnan().any()
-        for threads in (1, 2, 3):
-            got_case = with_fresh_caches(case)
-            got = native(got_case, dtype, num_threads=threads, prefetch=threads == 2)
-            assert_same(got, want)
-            for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
-                assert_same(mine.k_cache, theirs.k_cache)  # the NaN slots left alone, the new rows written
-                assert_same(mine.v_cache, theirs.v_cache)
+        assert_native_is_the_ops(case, dtype, threads=(1, 2, 3))
 
 
 # A speculative step's shapes: one sequence's token and 4 drafts; several sequences with drafts beside plain
@@ -339,15 +343,7 @@ def test_several_tokens_per_sequence_equal_the_ops_bitwise(
         len(q_lens), dtype, 7, lens, gemma=arch == "gemma3", qk_norms=arch == "qwen3", q_lens=q_lens
     )
     assert case.x.shape[0] == sum(q_lens) <= cpu_decode.MAX_ROWS
-    ref_case = with_fresh_caches(case)
-    want = reference(ref_case)
-    assert not want.isnan().any()
-    for threads in (1, 2):
-        got_case = with_fresh_caches(case)
-        assert_same(native(got_case, dtype, num_threads=threads, prefetch=threads == 2), want)
-        for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
-            assert_same(mine.k_cache, theirs.k_cache)
-            assert_same(mine.v_cache, theirs.v_cache)
+    assert_native_is_the_ops(case, dtype, threads=(1, 2))
 
 
 # Past the GEMV's 16 rows: one token for each of 17 or 24 sequences (every (row, KV head) item at once), and
@@ -368,15 +364,7 @@ def test_rows_past_the_gemv_equal_the_ops_bitwise(
     context = lens if lens is not None else [LENS[i % len(LENS)] for i in range(len(q_lens))]
     case = make_case(len(q_lens), dtype, 11, context, gemma=arch == "gemma3", q_lens=q_lens)
     assert cpu_quant.GEMV_MAX_ROWS < case.x.shape[0] <= cpu_decode.MAX_ROWS
-    ref_case = with_fresh_caches(case)
-    want = reference(ref_case)
-    assert not want.isnan().any()
-    for threads in (1, 2):
-        got_case = with_fresh_caches(case)
-        assert_same(native(got_case, dtype, num_threads=threads, prefetch=threads == 2), want)
-        for mine, theirs in zip(got_case.layers, ref_case.layers, strict=True):
-            assert_same(mine.k_cache, theirs.k_cache)
-            assert_same(mine.v_cache, theirs.v_cache)
+    assert_native_is_the_ops(case, dtype, threads=(1, 2))
 
 
 def test_max_rows_in_one_call_and_the_c_file_refuses_more(monkeypatch: pytest.MonkeyPatch) -> None:
