@@ -16,6 +16,7 @@ from pagoda.pagedkernel.testing import c_kernel_or_skip
 from pagoda.server.llm import LLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
+from pagoda.server.models.native_decode import NativeDecode
 from pagoda.server.sampling_params import SamplingParams
 from pagoda.server.spec.build import build_speculation
 from pagoda.server.spec.config import parse_speculative_config
@@ -56,6 +57,22 @@ def model_of(llm: LLM) -> LlamaForCausalLM | Gemma3ForCausalLM:
     return model
 
 
+def native_steps(native: NativeDecode) -> list[tuple[int, int]]:
+    """From now on, (rows, the most new tokens of one sequence) of each step that runs natively, appended as the
+    steps run."""
+    shapes: list[tuple[int, int]] = []
+    run = native.run
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        out = run(*args)
+        if out is not None:
+            shapes.append((int(args[1].shape[0]), int(args[4].max_query_len)))
+        return out
+
+    native.run = spy  # type: ignore[method-assign, assignment]
+    return shapes
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_greedy_tokens_equal_the_module_path(
@@ -91,16 +108,7 @@ def test_steps_past_the_gemv_rows_run_natively_with_the_same_tokens(
         mixed_gguf(arch, NATIVE_TYPES), tmp_path, dtype, num_kv_blocks=256, max_num_seqs=24, max_model_len=32
     )
     model = model_of(llm)
-    rows: list[int] = []
-    run = model.native_decode.run
-
-    def spy(*args: Any) -> torch.Tensor | None:
-        out = run(*args)
-        if out is not None:
-            rows.append(int(args[1].shape[0]))
-        return out
-
-    model.native_decode.run = spy  # type: ignore[method-assign, assignment]
+    shapes = native_steps(model.native_decode)
     prompts = [[1, 3 + i, 40 + 7 * i, 9, 200 - i] for i in range(20)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = {}
@@ -108,7 +116,9 @@ def test_steps_past_the_gemv_rows_run_natively_with_the_same_tokens(
         model.native_decode.enabled = on
         outputs[on] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs[True] == outputs[False]
-    assert rows.count(20) >= 7, rows  # every decode step of the 20 rows ran natively
+    assert [rows for rows, _ in shapes].count(20) >= 7, (
+        shapes
+    )  # every decode step of the 20 rows ran natively
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -122,17 +132,7 @@ def test_speculative_steps_run_natively_with_the_same_tokens(
     llm = engine(mixed_gguf(arch, NATIVE_TYPES), tmp_path, "float32", speculative_config=spec)
     model = model_of(llm)
     native = model.native_decode
-    # (rows, the most new tokens of one sequence) of each step that ran natively
-    shapes: list[tuple[int, int]] = []
-    run = native.run
-
-    def spy(*args: Any) -> torch.Tensor | None:
-        out = run(*args)
-        if out is not None:
-            shapes.append((int(args[1].shape[0]), int(args[4].max_query_len)))
-        return out
-
-    native.run = spy  # type: ignore[method-assign, assignment]
+    shapes = native_steps(native)
     # A flat step cost makes the policy draft all 3 whatever this machine's load measured at start.
     flat = DraftPolicy(StepCostModel(one_token_s=1.0, per_token_s=0.0), 3, margin=1.0)
     llm.engine.speculate = build_speculation(parse_speculative_config(spec), flat)

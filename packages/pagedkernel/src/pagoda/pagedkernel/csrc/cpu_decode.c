@@ -257,14 +257,14 @@ static void rotate_and_write(const scalar_t *qkv_row, scalar_t *qrow_r, int64_t 
   }
 }
 
+/* n rounded up to a multiple of 64 (aligned_alloc's sizes). */
+static inline size_t aligned64(size_t n) { return (n + 63) / 64 * 64; }
+
 /* Items per (row, KV head) of a one-token step: 1 when there are as many (row, KV head) items as threads, else
  * the fewest equal cuts of the G query heads that give every thread an item (a single KV head, as Gemma 3 270M's,
  * left one of two threads idle through every layer's attention). Cutting 3 KV heads for 2 threads (SmolLM2's)
  * measured slower than one thread attending twice: the items' cost is the keys they read, and the cut adds a
  * barrier. */
-/* n rounded up to a multiple of 64 (aligned_alloc's sizes). */
-static inline size_t aligned64(size_t n) { return (n + 63) / 64 * 64; }
-
 static int64_t head_parts(int64_t pairs, int64_t G, int64_t threads) {
   if (pairs >= threads) return 1;
   for (int64_t p = 2; p < G; p++)
