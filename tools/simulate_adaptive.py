@@ -5,6 +5,7 @@ a server run takes (`tools/bench_adaptive.py`), so a policy change can be judged
 
     .venv/bin/python tools/simulate_adaptive.py                       # chat rates 2, 4, 6, 8, 10 requests/s
     .venv/bin/python tools/simulate_adaptive.py --chat-rates 8 --phase-seconds 60
+    .venv/bin/python tools/simulate_adaptive.py --machine native --chat-rates 20 25 30 40
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler.config import SchedulingProfileName
-from pagoda.scheduler.testing.slo_sim import CPU_COSTS, PHASES, phased_trace, simulate
+from pagoda.scheduler.testing.slo_sim import MACHINES, PHASES, phased_trace, simulate
 from tqdm import tqdm
 
 PROFILES: tuple[SchedulingProfileName | None, ...] = (None, "throughput", "latency", "balanced", "adaptive")
@@ -33,10 +34,17 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--phase-seconds", type=float, default=20.0)
     parser.add_argument("--document-rate", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--machine",
+        choices=sorted(MACHINES),
+        default="modules",
+        help="the step costs: the 2-core CPU's decode steps module by module, or in one native call (slo_sim)",
+    )
     args = parser.parse_args(argv)
     if min(args.chat_rates) <= 0 or args.phase_seconds <= 0 or args.document_rate <= 0:
         parser.error("--chat-rates, --phase-seconds and --document-rate must be > 0")
-    a, b, c, d = CPU_COSTS
+    costs = MACHINES[args.machine]
+    a, b, c, d = costs
     rows = [
         f"fake machine: {a * 1e3:g} ms + {b * 1e3:g} ms a decode row + {c * 1e3:g} ms a prefill token + "
         f"{d * 1e3:g} ms per 1,000 context tokens; TTFT <= 2.5 s, TPOT <= 150 ms; phases of {args.phase_seconds:g} s",
@@ -46,7 +54,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     met: dict[tuple[float, SchedulingProfileName | None], int] = {}
     for rate, profile in tqdm(runs, desc="simulating", unit="run"):
         result = simulate(
-            profile, phased_trace(args.seed, args.phase_seconds, rate, args.document_rate), block_manager
+            profile,
+            phased_trace(args.seed, args.phase_seconds, rate, args.document_rate),
+            block_manager,
+            costs=costs,
         )
         met[rate, profile] = sum(r.met for r in result.values())
         best = max((met.get((rate, p), 0) for p in ("throughput", "latency", "balanced")), default=0)

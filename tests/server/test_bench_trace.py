@@ -99,3 +99,14 @@ def test_the_runner_reports_the_issues_ratios() -> None:
     assert "all: adaptive / best fixed (latency) = 1.20x (target >= 1.1x)" in lines
     assert "all: adaptive / default = 2.40x (target >= 1.2x)" in lines
     assert "Xeon" in tool.cpu_name() or tool.cpu_name()
+
+
+def test_the_client_drops_idle_connections_before_the_server_closes_them() -> None:
+    """A pooled connection is dropped before the server's keep-alive timeout: at equal timeouts a request sent as
+    the server closes its idle connection fails (a ReadError after the documents phase's quiet seconds)."""
+    from pagoda.server.api.http_protocol import HTTPConfig
+    from pagoda.server.config import HTTPLimits
+
+    server = HTTPConfig(object(), HTTPLimits())
+    expiry = bench_serving.client_limits().keepalive_expiry
+    assert expiry is not None and expiry < server.timeout_keep_alive

@@ -36,6 +36,11 @@ KVFactory = Callable[[int, int, bool], KVBlockManager]
 # 2.4 ms a decode row, 0.95 ms a prefill token, 4 ms per 1,000 context tokens. (Past 16 rows the LM head leaves the
 # int8 GEMV: a 28-row decode step takes 64-76 ms offline too.)
 CPU_COSTS = (0.017, 0.0024, 0.00095, 0.004)
+# The same model and CPU once a decode step of up to 64 rows ran in one native call (the adaptive server's start-up
+# probes, 2026-12-05): 8.2 ms a step, 0.72 ms a decode row, 0.31 ms a prefill token, 0.05 ms per 1,000 context
+# tokens. About 3x the capacity of `CPU_COSTS`: the chatty overload moves from 8-10 chats/s to 25-40.
+NATIVE_CPU_COSTS = (0.00816, 0.000717, 0.000308, 0.0000511)
+MACHINES: dict[str, tuple[float, float, float, float]] = {"modules": CPU_COSTS, "native": NATIVE_CPU_COSTS}
 
 
 @dataclass(frozen=True, slots=True)

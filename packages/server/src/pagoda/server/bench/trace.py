@@ -116,11 +116,11 @@ async def run_trace(
 ) -> dict[str, Any]:
     """Send the trace to `target` at its arrival times (`send` streams one request, as the serving benchmark's);
     the run's goodput per phase, latencies and the scheduler's shape over time."""
-    from pagoda.server.bench.serving import BenchRequest, RequestResult
+    from pagoda.server.bench.serving import BenchRequest, RequestResult, client_limits
 
     slos = dict(args.goodput)
     results = [RequestResult() for _ in trace]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = client_limits()
     shape: list[list[float]] = []
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         start = time.perf_counter()
