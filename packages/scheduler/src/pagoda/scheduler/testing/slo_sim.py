@@ -13,8 +13,9 @@ and TPOT (the mean gap after it).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from pagoda.scheduler.adaptive import AdaptivePolicy
 from pagoda.scheduler.config import SchedulerConfig, SchedulingProfileName
@@ -40,7 +41,10 @@ CPU_COSTS = (0.017, 0.0024, 0.00095, 0.004)
 # probes, 2026-12-05): 8.2 ms a step, 0.72 ms a decode row, 0.31 ms a prefill token, 0.05 ms per 1,000 context
 # tokens. About 3x the capacity of `CPU_COSTS`: the chatty overload moves from 8-10 chats/s to 25-40.
 NATIVE_CPU_COSTS = (0.00816, 0.000717, 0.000308, 0.0000511)
-MACHINES: dict[str, tuple[float, float, float, float]] = {"modules": CPU_COSTS, "native": NATIVE_CPU_COSTS}
+# The step costs by name (`tools/simulate_adaptive.py --machine`), read-only.
+MACHINES: Mapping[str, tuple[float, float, float, float]] = MappingProxyType(
+    {"modules": CPU_COSTS, "native": NATIVE_CPU_COSTS}
+)
 
 
 @dataclass(frozen=True, slots=True)
