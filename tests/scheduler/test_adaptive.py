@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pagoda.blockalloc import BlockManager
 from pagoda.scheduler import (
@@ -212,8 +212,82 @@ def traces(
     return config, block_size, num_blocks, costs, tuple(arrivals)
 
 
+# Found by CI: under the priority order a waiting request of class 1 whose TTFT was lost (r7, the adaptive lane's)
+# preempted a running one of class 2 (r5, 2 samples filling both seats), which, aged, went back ahead of it in the
+# admission order of the same step: preempted and readmitted every step, neither progressed.
+_LIVELOCK = (
+    SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=1,
+        max_model_len=MAX_LEN,
+        enable_prefix_caching=True,
+        watermark=0.0,
+        scheduling_policy="priority",
+        scheduling_profile="adaptive",
+    ),
+    2,
+    31,
+    (0.02, 0.001, 0.0001, 0.0005),
+    (
+        Arrival(0.403, (0,) * 9, 25, 1, 0, None, None),
+        Arrival(0.458, (0,) * 13 + (8,), 10, 1, 1, None, None),
+        Arrival(0.153, (4, 2, 2, 2, 4, 5, 5, 7), 13, 2, 1, RequestSLO(100.0, 2.0), None),
+        Arrival(0.227, (7, 1, 8, 8, 4, 2), 16, 1, 0, None, 0.208),
+        Arrival(
+            0.288,
+            (4, 2, 3, 1, 6, 3, 6, 5, 9, 9, 4, 3, 8, 4, 5, 3, 6, 6, 3, 7, 1, 8, 7, 6),
+            19,
+            1,
+            2,
+            RequestSLO(5.0, 50.0),
+            None,
+        ),
+        Arrival(0.105, (1, 5, 3, 9, 2, 8, 8), 12, 2, 2, None, None),
+        Arrival(0.257, (4, 7, 1, 0, 0, 4, 1, 8, 6), 39, 2, 1, RequestSLO(5.0, 50.0), 0.441),
+        Arrival(0.325, (9,), 32, 2, 1, RequestSLO(100.0, 2.0), None),
+        Arrival(0.304, (2,), 34, 1, 1, None, None),
+    ),
+)
+
+
+# Found after that fix: a stream of class 2 recomputed after a preemption (r5) decodes with a tight TPOT, so the
+# adaptive step seats 1; a waiting request of class 1 with 2 samples (r2) preempted it anyway, could not be seated,
+# and the stream was readmitted the step after: every other step, for ever.
+_SEATLESS = (
+    SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=10,
+        max_model_len=MAX_LEN,
+        enable_prefix_caching=False,
+        watermark=0.0,
+        scheduling_policy="priority",
+        scheduling_profile="adaptive",
+        slo_ttft_ms=((None, 50.0),),
+    ),
+    1,
+    67,
+    (0.02, 0.001, 0.0001, 0.0005),
+    (
+        Arrival(0.04947237389304095, (0, 0, 0), 30, 1, 0, None, None),
+        Arrival(0.0, (0,), 1, 1, 0, None, None),
+        Arrival(0.3403909503694665, (0,) * 11 + (2, 1, 1, 0, 7), 6, 2, 1, None, None),
+        Arrival(
+            2.1843063519607735e-152, (7, 8, 1, 1, 8, 8, 3), 14, 1, 0, RequestSLO(5.0, 2.0), 0.845505941378174
+        ),
+        Arrival(0.34330278189541324, (3, 7, 8, 6, 6, 5), 22, 1, 2, None, None),
+        Arrival(0.022774885610117205, (1, 6, 6), 35, 1, 2, RequestSLO(100.0, 2.0), None),
+        Arrival(0.0, (9, 5, 2, 4, 4, 1, 2), 24, 2, 2, RequestSLO(5.0, 2.0), 0.06251102267841492),
+        Arrival(0.02, (8,), 5, 2, 2, None, 1.5367990838734635e-291),
+        Arrival(2.5782334622564564e-280, (3, 7, 4, 5, 7, 5, 0, 6), 17, 1, 1, RequestSLO(5.0, 2.0), 1e-300),
+        Arrival(0.000308, (2, 5, 0, 2, 3, 8, 6, 8, 9, 2, 2, 1), 23, 2, 1, RequestSLO(5.0, 2.0), None),
+    ),
+)
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(traces())
+@example(_LIVELOCK)
+@example(_SEATLESS)
 def test_random_traces_keep_limits_invariants_and_tokens_and_finish(
     trace: tuple[SchedulerConfig, int, int, tuple[float, float, float, float], tuple[Arrival, ...]],
 ) -> None:

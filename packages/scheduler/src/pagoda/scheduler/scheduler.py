@@ -539,6 +539,8 @@ class Scheduler:
         if not candidates:
             return
         head = candidates[0]
+        if not self._seats_after_victims(head, step):
+            return
         # The policy first: FCFS never preempts for a waiting request, and then the fit is not even checked.
         while (victim := self.policy.preempt_for(head, self.running)) is not None:
             if self._admission_chunk(head, step) is not None:
@@ -546,6 +548,18 @@ class Scheduler:
             if victim not in self.running:
                 raise ValueError(f"policy chose {victim.request_id!r}, not a running request")
             self._preempt(victim, step, "recompute")
+
+    def _seats_after_victims(self, head: Request, step: _Step) -> bool:
+        """Whether `head` would have its seats in this step once every victim the policy would give up for it is
+        gone. If not, preempting them only throws their work away (an adaptive step's seats, planned with them
+        decoding, can be fewer than a waiting request's samples: it was preempting a stream every other step and
+        admitting nobody, found by the random traces)."""
+        remaining = list(self.running)
+        freed = 0
+        while (victim := self.policy.preempt_for(head, remaining)) is not None and victim in remaining:
+            remaining.remove(victim)
+            freed += victim.num_seqs
+        return self.num_running_seqs - freed + head.num_seqs <= step.max_num_seqs
 
     def _preemption_choice(self, victim: Request) -> PreemptionChoice:
         """The configured mode, or for "auto" the cheaper one for this victim by the cost model."""
@@ -709,6 +723,12 @@ class Scheduler:
         for request in candidates:
             if step.budget == 0:
                 break
+            # A request preempted this step for a more urgent one does not come back in the same step: a policy
+            # whose admission order differs from its preemption order (adaptive's aged requests go before the lane
+            # one of an earlier priority class) would otherwise readmit the victim ahead of the request it made room
+            # for, every step, and neither would progress (found by the random traces).
+            if request.request_id in step.preempted:
+                continue
             if self.rules and not self._passes(request, held_by):
                 continue
             chunk = self._admission_chunk(request, step)
