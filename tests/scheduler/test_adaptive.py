@@ -212,19 +212,25 @@ def traces(
     return config, block_size, num_blocks, costs, tuple(arrivals)
 
 
+def _priority_adaptive(budget: int, prefix_caching: bool, ttft_ms: float | None = None) -> SchedulerConfig:
+    """Two seats under the priority order and the adaptive profile: the configuration of the pinned traces."""
+    return SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_LEN,
+        enable_prefix_caching=prefix_caching,
+        watermark=0.0,
+        scheduling_policy="priority",
+        scheduling_profile="adaptive",
+        slo_ttft_ms=() if ttft_ms is None else ((None, ttft_ms),),
+    )
+
+
 # Found by CI: under the priority order a waiting request of class 1 whose TTFT was lost (r7, the adaptive lane's)
 # preempted a running one of class 2 (r5, 2 samples filling both seats), which, aged, went back ahead of it in the
 # admission order of the same step: preempted and readmitted every step, neither progressed.
 _LIVELOCK = (
-    SchedulerConfig(
-        max_num_seqs=2,
-        max_num_batched_tokens=1,
-        max_model_len=MAX_LEN,
-        enable_prefix_caching=True,
-        watermark=0.0,
-        scheduling_policy="priority",
-        scheduling_profile="adaptive",
-    ),
+    _priority_adaptive(1, True),
     2,
     31,
     (0.02, 0.001, 0.0001, 0.0005),
@@ -254,16 +260,7 @@ _LIVELOCK = (
 # adaptive step seats 1; a waiting request of class 1 with 2 samples (r2) preempted it anyway, could not be seated,
 # and the stream was readmitted the step after: every other step, for ever.
 _SEATLESS = (
-    SchedulerConfig(
-        max_num_seqs=2,
-        max_num_batched_tokens=10,
-        max_model_len=MAX_LEN,
-        enable_prefix_caching=False,
-        watermark=0.0,
-        scheduling_policy="priority",
-        scheduling_profile="adaptive",
-        slo_ttft_ms=((None, 50.0),),
-    ),
+    _priority_adaptive(10, False, 50.0),
     1,
     67,
     (0.02, 0.001, 0.0001, 0.0005),
