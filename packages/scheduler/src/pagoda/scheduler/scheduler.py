@@ -539,27 +539,41 @@ class Scheduler:
         if not candidates:
             return
         head = candidates[0]
-        if not self._seats_after_victims(head, step):
-            return
         # The policy first: FCFS never preempts for a waiting request, and then the fit is not even checked.
-        while (victim := self.policy.preempt_for(head, self.running)) is not None:
+        victim = self._victim_for(head, self.running)
+        if victim is None or self._admission_chunk(head, step) is not None:
+            return
+        if not self._seats_free_up(head, step):
+            return
+        while victim is not None:
+            self._preempt(victim, step, "recompute")
             if self._admission_chunk(head, step) is not None:
                 return
-            if victim not in self.running:
-                raise ValueError(f"policy chose {victim.request_id!r}, not a running request")
-            self._preempt(victim, step, "recompute")
+            victim = self._victim_for(head, self.running)
 
-    def _seats_after_victims(self, head: Request, step: _Step) -> bool:
-        """Whether `head` would have its seats in this step once every victim the policy would give up for it is
-        gone. If not, preempting them only throws their work away (an adaptive step's seats, planned with them
-        decoding, can be fewer than a waiting request's samples: it was preempting a stream every other step and
-        admitting nobody, found by the random traces)."""
+    def _victim_for(self, head: Request, running: Sequence[Request]) -> Request | None:
+        """The running request the policy gives up next for waiting `head` (None: it waits); ValueError if the
+        policy names one that is not running."""
+        victim = self.policy.preempt_for(head, running)
+        if victim is not None and victim not in running:
+            raise ValueError(f"policy chose {victim.request_id!r}, not a running request")
+        return victim
+
+    def _seats_free_up(self, head: Request, step: _Step) -> bool:
+        """Whether the victims the policy would give up for `head` free enough of this step's seats for its
+        samples (asked in turn, as the preemption loop will, only until they do). If not, preempting them would
+        only throw their work away: an adaptive step's seats, planned with them decoding, can be fewer than a
+        waiting request's samples (it was preempting a stream every other step and admitting nobody, found by
+        the random traces)."""
         remaining = list(self.running)
-        freed = 0
-        while (victim := self.policy.preempt_for(head, remaining)) is not None and victim in remaining:
+        seats = self.num_running_seqs + head.num_seqs
+        while seats > step.max_num_seqs:
+            victim = self._victim_for(head, remaining)
+            if victim is None:
+                return False
             remaining.remove(victim)
-            freed += victim.num_seqs
-        return self.num_running_seqs - freed + head.num_seqs <= step.max_num_seqs
+            seats -= victim.num_seqs
+        return True
 
     def _preemption_choice(self, victim: Request) -> PreemptionChoice:
         """The configured mode, or for "auto" the cheaper one for this victim by the cost model."""
