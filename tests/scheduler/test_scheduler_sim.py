@@ -1,4 +1,4 @@
-"""The simulation helpers (contiguous adapter, token model) and smoke runs of the two scheduler tools."""
+"""The simulation helpers (contiguous adapter, token model) and smoke runs of the scheduler tools."""
 
 from __future__ import annotations
 
@@ -104,3 +104,24 @@ def test_bench_scheduler_tool_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--sizes", "4", "8", "--steps", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:1] == ["8"] for line in lines)
+
+
+@pytest.mark.parametrize(("machine", "fixed_ms"), [("modules", "17 ms"), ("native", "8.16 ms")])
+def test_simulate_adaptive_names_the_machine_and_has_a_row_per_profile(machine: str, fixed_ms: str) -> None:
+    """tools/simulate_adaptive.py: --machine picks the step costs the header names; one row per profile, adaptive
+    with its two ratios."""
+    rows = load_tool("simulate_adaptive").main(
+        ["--machine", machine, "--chat-rates", "2", "--phase-seconds", "4"]
+    )
+    assert rows[0].startswith(f"fake machine: {fixed_ms} + ")
+    profiles = [row.split(" | ")[1] for row in rows[2:]]
+    assert profiles == ["default", "throughput", "latency", "balanced", "adaptive"]
+    assert rows[-1].count("x") == 2
+
+
+def test_simulate_adaptive_refuses_a_bad_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown --machine is refused by argparse (exit 2, naming the flag)."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("simulate_adaptive").main(["--machine", "gpu"])
+    assert exit_info.value.code == 2
+    assert "--machine" in capsys.readouterr().err

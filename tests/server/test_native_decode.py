@@ -116,9 +116,8 @@ def test_steps_past_the_gemv_rows_run_natively_with_the_same_tokens(
         model.native_decode.enabled = on
         outputs[on] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs[True] == outputs[False]
-    assert [rows for rows, _ in shapes].count(20) >= 7, (
-        shapes
-    )  # every decode step of the 20 rows ran natively
+    # every decode step of the 20 rows ran natively
+    assert [rows for rows, _ in shapes].count(20) >= 7, shapes
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
