@@ -28,20 +28,6 @@
  * pop, so that its scores round as they do in its library. */
 #pragma GCC push_options
 #include "cpu_attention.c"
-
-/* attend_item for one (sequence, KV head, tile of tokens) item: its rows (tokens x G query heads), a constant
- * where common. */
-static void decode_attend(const problem_t *p, const item_t *it, int64_t rows) {
-  switch (rows) {
-    case 1: attend_item(1, p, it); break;
-    case 2: attend_item(2, p, it); break;
-    case 3: attend_item(3, p, it); break;
-    case 4: attend_item(4, p, it); break;
-    case 6: attend_item(6, p, it); break;
-    case 8: attend_item(8, p, it); break;
-    default: attend_item((int)rows, p, it); break;
-  }
-}
 #pragma GCC pop_options
 #undef MAX_ROWS
 
@@ -401,7 +387,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
             const int64_t r = j0 / num_kv_heads, kh = j0 % num_kv_heads;
             rotate_and_write(qkv + r * qkv_n, qrow + r * q_size, kh, G, D, q_size, kv_size, q_norm, k_norm, eps, uo,
                              gcos + r * (D / 2), gsin + r * (D / 2), gslots[r], k_cache, v_cache);
-            decode_attend(&p, &items[j0], G);
+            attend_rows(&p, &items[j0], G);
           }
         } else { /* every row's rotary and K/V write, then the attention items over them (any thread's rows) */
           while (claim(count + 40, rows * num_kv_heads, nthreads, 1, 1, &j0) > 0) {
@@ -412,7 +398,7 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
           team_barrier();
           p.q = qshared;
           while (claim(count + 8, num_items, nthreads, 1, 1, &j0) > 0)
-            decode_attend(&p, &items[j0], items[j0].num_tokens * items[j0].num_group_heads);
+            attend_rows(&p, &items[j0], items[j0].num_tokens * items[j0].num_group_heads);
         }
         if (prefetch) prefetch_share(&wo, q_size, thread, nthreads, 1 << 18);
         team_barrier();
