@@ -283,6 +283,137 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
   }
 }
 
+#if defined(PAGODA_WIDE) && defined(__AVX512BF16__) && PAGODA_DTYPE == PAGODA_BFLOAT16 && !defined(PAGODA_KV_INT8)
+/* bfloat16 caches on a CPU with AVX-512 BF16: the scores by vdpbf16ps, keys in lanes. The query and the keys are
+ * bfloat16 already, so each product is exact in float32 and only the sums round (as in a bfloat16 matmul with
+ * float32 accumulation, what SDPA computes for a bfloat16 model); the scale multiplies the float32 sum. Where the
+ * float32 path above spends, per row and key, one horizontal sum and a conversion of every key element, this one
+ * transposes sixteen keys' element pairs once for all the rows and then takes, per row, D / 2 instructions of two
+ * products for sixteen keys: SmolLM2's head_dim of 64 (16 float32 products per row and key otherwise) was where
+ * the horizontal sums weighed most. */
+#define PAGODA_BF16_DOT 1
+#define BF16_DOT_ROWS 8 /* rows one pass over the transposed keys keeps in registers (two sums each) */
+
+/* A 16 x 16 transpose of 32-bit elements (here pairs of bfloat16) in registers. */
+static inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
+/* sc[r][j] = scale * (q_r . k_j) for the n keys of one block, sixteen keys a pass (D a multiple of 32; qp holds
+ * each row's query as bfloat16 pairs). A row's sum is the same whatever R: per lane, the even pairs' products
+ * in one chain and the odd pairs' in another (two chains per row hide the instruction's latency when a decode
+ * item has one or two rows), added, times the scale. Prefetches as qk_block does. */
+static inline __attribute__((always_inline)) void qk_block_bf16(const int R, const int64_t D,
+                                                                const uint32_t (*qp)[MAX_HEAD_DIM / 2],
+                                                                float scale, const cache_t *kb, const cache_t *vb,
+                                                                const cache_t *kn, int64_t row, int64_t n,
+                                                                float (*sc)[MAX_BLOCK_SIZE]) {
+  uint32_t kt[MAX_HEAD_DIM / 2][16] __attribute__((aligned(64))); /* [pair][key] */
+  const int64_t U = D / 2, line = 64 / sizeof(cache_t);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = n - j0 < 16 ? n - j0 : 16;
+    for (int64_t j = j0; j < j0 + m; ++j)
+      for (int64_t c = 0; c < D; c += line) {
+        __builtin_prefetch(vb + j * row + c);
+        if (kn) __builtin_prefetch(kn + j * row + c);
+      }
+    for (int64_t u0 = 0; u0 < U; u0 += 16) {
+      __m512i t[16];
+      for (int j = 0; j < 16; ++j) /* keys past n are zeros, never read: the slots may be unwritten */
+        t[j] = j < m ? _mm512_loadu_si512(kb + (j0 + j) * row + 2 * u0) : _mm512_setzero_si512();
+      transpose16x16(t);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[u0 + i], t[i]);
+    }
+    for (int r0 = 0; r0 < R; r0 += BF16_DOT_ROWS) {
+      const int rows = R - r0 < BF16_DOT_ROWS ? R - r0 : BF16_DOT_ROWS;
+      __m512 even[BF16_DOT_ROWS], odd[BF16_DOT_ROWS];
+      for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+      for (int64_t u = 0; u < U; u += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kt[u]), k1 = (__m512bh)_mm512_load_si512(kt[u + 1]);
+        for (int r = 0; r < rows; ++r) {
+          even[r] = _mm512_dpbf16_ps(even[r], k0, (__m512bh)_mm512_set1_epi32((int)qp[r0 + r][u]));
+          odd[r] = _mm512_dpbf16_ps(odd[r], k1, (__m512bh)_mm512_set1_epi32((int)qp[r0 + r][u + 1]));
+        }
+      }
+      for (int r = 0; r < rows; ++r)
+        _mm512_storeu_ps(sc[r0 + r] + j0, _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+/* acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j by vdpbf16ps over pairs of keys: the weights rounded to
+ * bfloat16 (as SDPA rounds them for a bfloat16 model's P @ V), each value column's pair (v_j, v_j+1) next to the
+ * weights' pair, so one instruction adds two keys' exact products to sixteen columns. A row's sum runs over its
+ * pairs in order, the same whatever R; the odd key at the end is paired with a zero weight and a zero row (the
+ * slot after it may be unwritten). D a multiple of 32; rows eight at a time. */
+static inline __attribute__((always_inline)) void pv_block_bf16(const int R, const int64_t D,
+                                                                float (*acc)[MAX_HEAD_DIM], const float *corr,
+                                                                const cache_t *vb, int64_t row, int64_t n,
+                                                                float (*p)[MAX_BLOCK_SIZE]) {
+  uint32_t pp[MAX_ROWS][MAX_BLOCK_SIZE / 2] __attribute__((aligned(64))); /* [row][pair of keys] */
+  const int64_t pairs = (n + 1) / 2;
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < n; j += 16)
+      _mm256_store_si256((__m256i *)((uint16_t *)pp[r] + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p[r] + j)));
+    if (n & 1) pp[r][n / 2] &= 0xffffu; /* the weight past the last key: zero */
+  }
+  /* Lane 2c of a pair vector: column c of key j; lane 2c + 1: of key j + 1 (vpermt2w indices: 32 + k picks b). */
+  __m512i lo_idx, hi_idx;
+  {
+    uint16_t lo[32], hi[32];
+    for (int i = 0; i < 32; ++i) {
+      lo[i] = (uint16_t)((i & 1) * 32 + i / 2);
+      hi[i] = (uint16_t)((i & 1) * 32 + 16 + i / 2);
+    }
+    lo_idx = _mm512_loadu_si512(lo);
+    hi_idx = _mm512_loadu_si512(hi);
+  }
+  for (int64_t d = 0; d < D; d += 32)
+    for (int r0 = 0; r0 < R; r0 += BF16_DOT_ROWS) {
+      const int rows = R - r0 < BF16_DOT_ROWS ? R - r0 : BF16_DOT_ROWS;
+      __m512 a[BF16_DOT_ROWS][2];
+      for (int r = 0; r < rows; ++r) {
+        a[r][0] = _mm512_mul_ps(_mm512_loadu_ps(acc[r0 + r] + d), _mm512_set1_ps(corr[r0 + r]));
+        a[r][1] = _mm512_mul_ps(_mm512_loadu_ps(acc[r0 + r] + d + 16), _mm512_set1_ps(corr[r0 + r]));
+      }
+      for (int64_t i = 0; i < pairs; ++i) {
+        const __m512i v0 = _mm512_loadu_si512(vb + 2 * i * row + d);
+        const __m512i v1 = 2 * i + 1 < n ? _mm512_loadu_si512(vb + (2 * i + 1) * row + d) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(v0, lo_idx, v1);
+        const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(v0, hi_idx, v1);
+        for (int r = 0; r < rows; ++r) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r0 + r][i]);
+          a[r][0] = _mm512_dpbf16_ps(a[r][0], lo, w);
+          a[r][1] = _mm512_dpbf16_ps(a[r][1], hi, w);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        _mm512_storeu_ps(acc[r0 + r] + d, a[r][0]);
+        _mm512_storeu_ps(acc[r0 + r] + d + 16, a[r][1]);
+      }
+    }
+}
+#endif
+
 /* acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j, with the rows' sums in registers: sixteen columns at a time
  * for up to four rows (eight independent FMA chains: with one chain per row the FMA latency, not the loads, set
  * the pace; measured 2x on this loop), else eight. */
@@ -361,8 +492,12 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
 #ifdef PAGODA_KV_INT8
   float qs[MAX_ROWS][MAX_HEAD_DIM] __attribute__((aligned(64))); /* qf times the current block's K scales */
 #endif
-  float sc[MAX_ROWS][MAX_BLOCK_SIZE];
+  float sc[MAX_ROWS][MAX_BLOCK_SIZE] __attribute__((aligned(64)));
   float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
+#ifdef PAGODA_BF16_DOT
+  uint32_t qp[MAX_ROWS][MAX_HEAD_DIM / 2] __attribute__((aligned(64))); /* the raw query rows, as pairs */
+  const int bf16_dot = D % 32 == 0;
+#endif
   int64_t lo[MAX_ROWS], hi[MAX_ROWS]; /* row r sees keys lo[r] .. hi[r] */
   /* Row r = t * n + i (n = num_group_heads): query token first_token + t, query head h * G + first_head + i. */
   for (int r = 0; r < R; ++r) {
@@ -372,6 +507,9 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
       qf[r][d] = load1(qr + d) * p->scale;
       acc[r][d] = 0.f;
     }
+#ifdef PAGODA_BF16_DOT
+    memcpy(qp[r], qr, D * sizeof(scalar_t));
+#endif
     hi[r] = ctx - q_len + t;
     lo[r] = first_key(p, hi[r]);
     m[r] = -INFINITY;
@@ -400,7 +538,12 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     const int64_t first_slot = (int64_t)table[b] * BS + off;
     for (int64_t j = 0; j < n; ++j) sv[j] = p->v_scale[(first_slot + j) * p->num_kv_heads + h];
 #else
-    qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+#ifdef PAGODA_BF16_DOT
+    if (bf16_dot)
+      qk_block_bf16(R, D, qp, p->scale, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+    else
+#endif
+      qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
 #endif
     const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
     for (int r = 0; r < R; ++r) {
@@ -450,7 +593,12 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
       for (int64_t j = 0; j < n; ++j) sc[r][j] *= sv[j]; /* each key's V scale, applied to its weight */
 #endif
     }
-    pv_block(R, D, acc, corr, p->v_cache + base, row, n, sc);
+#ifdef PAGODA_BF16_DOT
+    if (bf16_dot)
+      pv_block_bf16(R, D, acc, corr, p->v_cache + base, row, n, sc);
+    else
+#endif
+      pv_block(R, D, acc, corr, p->v_cache + base, row, n, sc);
     t0 += n;
   }
   for (int r = 0; r < R; ++r) {
