@@ -284,79 +284,62 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
 }
 
 #if defined(PAGODA_WIDE) && defined(__AVX512BF16__) && PAGODA_DTYPE == PAGODA_BFLOAT16 && !defined(PAGODA_KV_INT8)
-/* bfloat16 caches on a CPU with AVX-512 BF16: the scores by vdpbf16ps, keys in lanes. The query and the keys are
+/* bfloat16 caches on a CPU with AVX-512 BF16: the scores and P @ V by vdpbf16ps. The query and the keys are
  * bfloat16 already, so each product is exact in float32 and only the sums round (as in a bfloat16 matmul with
- * float32 accumulation, what SDPA computes for a bfloat16 model); the scale multiplies the float32 sum. Where the
- * float32 path above spends, per row and key, one horizontal sum and a conversion of every key element, this one
- * transposes sixteen keys' element pairs once for all the rows and then takes, per row, D / 2 instructions of two
- * products for sixteen keys: SmolLM2's head_dim of 64 (16 float32 products per row and key otherwise) was where
- * the horizontal sums weighed most. */
+ * float32 accumulation, what SDPA computes for a bfloat16 model); the scale multiplies the float32 sum. Half the
+ * vector instructions of the float32 loops above, and no conversion of the cache's elements. */
 #define PAGODA_BF16_DOT 1
-#define BF16_DOT_ROWS 8 /* rows one pass over the transposed keys keeps in registers (two sums each) */
+#define BF16_DOT_ROWS 8 /* rows of one P @ V pass (two 16-column sums each) */
 
-/* A 16 x 16 transpose of 32-bit elements (here pairs of bfloat16) in registers. */
-static inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int k = 0; k < 4; ++k) {
-      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
-      t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
+/* sc[r][j] = scale * (q_r . k_j) for up to QK_ROWS rows and one key (D a multiple of 32; qp: each row's query as
+ * bfloat16 pairs), each row's sum in the same order whatever R: 64 columns a step, the first 32 into one 16-lane
+ * sum and the next 32 into another (two products a lane each), added, then reduced by hsum4x16 four rows at a
+ * time (the rows left over padded with zero rows). The keys are read in order, as qk_rows reads them: a layout
+ * that transposed sixteen keys into lanes first (no horizontal sums) was faster on cached keys and 1.2-1.7x
+ * slower on keys streamed from memory (a long context, a large batch), measured. */
+static inline __attribute__((always_inline)) void qk_rows_bf16(const int R, const int64_t D,
+                                                               const uint32_t (*qp)[MAX_HEAD_DIM / 2],
+                                                               float scale, const cache_t *kr, int64_t j,
+                                                               float (*sc)[MAX_BLOCK_SIZE]) {
+  __m512 first[QK_ROWS], second[QK_ROWS];
+  for (int r = 0; r < R; ++r) first[r] = second[r] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr + d), k1 = (__m512bh)_mm512_loadu_si512(kr + d + 32);
+    for (int r = 0; r < R; ++r) {
+      first[r] = _mm512_dpbf16_ps(first[r], k0, (__m512bh)_mm512_load_si512(qp[r] + d / 2));
+      second[r] = _mm512_dpbf16_ps(second[r], k1, (__m512bh)_mm512_load_si512(qp[r] + d / 2 + 16));
     }
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
-    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+  if (d < D) { /* 32 columns left */
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr + d);
+    for (int r = 0; r < R; ++r)
+      first[r] = _mm512_dpbf16_ps(first[r], k0, (__m512bh)_mm512_load_si512(qp[r] + d / 2));
+  }
+  v16f w[4];
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    for (int i = 0; i < 4; ++i) w[i] = r0 + i < R ? (v16f)_mm512_add_ps(first[r0 + i], second[r0 + i]) : (v16f){0};
+    float sums[4];
+    _mm_storeu_ps(sums, hsum4x16(w));
+    for (int i = 0; i < 4 && r0 + i < R; ++i) sc[r0 + i][j] = sums[i] * scale;
   }
 }
 
-/* sc[r][j] = scale * (q_r . k_j) for the n keys of one block, sixteen keys a pass (D a multiple of 32; qp holds
- * each row's query as bfloat16 pairs). A row's sum is the same whatever R: per lane, the even pairs' products
- * in one chain and the odd pairs' in another (two chains per row hide the instruction's latency when a decode
- * item has one or two rows), added, times the scale. Prefetches as qk_block does. */
+/* qk_block's loop (the same prefetches) over qk_rows_bf16. */
 static inline __attribute__((always_inline)) void qk_block_bf16(const int R, const int64_t D,
                                                                 const uint32_t (*qp)[MAX_HEAD_DIM / 2],
                                                                 float scale, const cache_t *kb, const cache_t *vb,
                                                                 const cache_t *kn, int64_t row, int64_t n,
                                                                 float (*sc)[MAX_BLOCK_SIZE]) {
-  uint32_t kt[MAX_HEAD_DIM / 2][16] __attribute__((aligned(64))); /* [pair][key] */
-  const int64_t U = D / 2, line = 64 / sizeof(cache_t);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t m = n - j0 < 16 ? n - j0 : 16;
-    for (int64_t j = j0; j < j0 + m; ++j)
-      for (int64_t c = 0; c < D; c += line) {
-        __builtin_prefetch(vb + j * row + c);
-        if (kn) __builtin_prefetch(kn + j * row + c);
-      }
-    for (int64_t u0 = 0; u0 < U; u0 += 16) {
-      __m512i t[16];
-      for (int j = 0; j < 16; ++j) /* keys past n are zeros, never read: the slots may be unwritten */
-        t[j] = j < m ? _mm512_loadu_si512(kb + (j0 + j) * row + 2 * u0) : _mm512_setzero_si512();
-      transpose16x16(t);
-      for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[u0 + i], t[i]);
+  const int64_t line = 64 / sizeof(cache_t);
+  for (int64_t j = 0; j < n; ++j) {
+    const cache_t *kr = kb + j * row;
+    for (int64_t c = 0; c < D; c += line) {
+      __builtin_prefetch(vb + j * row + c);
+      if (kn) __builtin_prefetch(kn + j * row + c);
     }
-    for (int r0 = 0; r0 < R; r0 += BF16_DOT_ROWS) {
-      const int rows = R - r0 < BF16_DOT_ROWS ? R - r0 : BF16_DOT_ROWS;
-      __m512 even[BF16_DOT_ROWS], odd[BF16_DOT_ROWS];
-      for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-      for (int64_t u = 0; u < U; u += 2) {
-        const __m512bh k0 = (__m512bh)_mm512_load_si512(kt[u]), k1 = (__m512bh)_mm512_load_si512(kt[u + 1]);
-        for (int r = 0; r < rows; ++r) {
-          even[r] = _mm512_dpbf16_ps(even[r], k0, (__m512bh)_mm512_set1_epi32((int)qp[r0 + r][u]));
-          odd[r] = _mm512_dpbf16_ps(odd[r], k1, (__m512bh)_mm512_set1_epi32((int)qp[r0 + r][u + 1]));
-        }
-      }
-      for (int r = 0; r < rows; ++r)
-        _mm512_storeu_ps(sc[r0 + r] + j0, _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), _mm512_set1_ps(scale)));
-    }
+    for (int r0 = 0; r0 < R; r0 += QK_ROWS)
+      qk_rows_bf16(R - r0 < QK_ROWS ? R - r0 : QK_ROWS, D, qp + r0, scale, kr, j, sc + r0);
   }
 }
 
