@@ -116,6 +116,30 @@ def test_narrower_builds_agree_with_the_reference(case: Case, march: str) -> Non
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(
+    "avx512_bf16" not in cbuild.cpu_flags(), reason="the bfloat16 dot products need AVX-512 BF16"
+)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5], CASES[7]], ids=str)
+def test_bfloat16_dot_products_run_and_agree_with_the_float32_loops(case: Case) -> None:
+    """On a CPU with AVX-512 BF16 the bfloat16 library takes its scores and P @ V by vdpbf16ps (head_dim a
+    multiple of 32): its output is not the float32 loops' (built with -mno-avx512bf16), so the path runs, and both
+    are the reference's attention within bfloat16's error."""
+    native = cpu_backend.load(cpu_backend.build(torch.bfloat16))
+    loops = cpu_backend.load(
+        cpu_backend.build(torch.bfloat16, cflags=(*cpu_backend.CFLAGS, "-mno-avx512bf16"))
+    )
+    bs = case.block_size
+    c = _case(case, [(1, 1), (bs + 1, 3), (300, 24), (130, 130), (77, 1)], torch.bfloat16, seed=3)
+    window, softcap = case.sliding_window, case.logit_softcap
+    args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.query_start_loc, c.context_lens, c.scale)
+    ref = reference_attention(c, sliding_window=window, logit_softcap=softcap)
+    outs = [cpu_backend._attention(*args, window, softcap, None, kernels) for kernels in (native, loops)]
+    assert not torch.equal(outs[0], outs[1])
+    for out in outs:
+        assert out.isfinite().all()
+        assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 def test_result_does_not_depend_on_the_thread_count(cpu: CpuBackend) -> None:
     """Each work item runs whole on one thread, so 1, 2 or 7 threads give bitwise the same output."""
     c = _case(CASES[1], [(300, 1)] * 9 + [(200, 40), (64, 64)], torch.float32)

@@ -263,26 +263,6 @@ static inline __attribute__((always_inline)) void qk_rows(const int R, const int
   for (int r = 0; r < R; ++r) sc[r][j] = hsum(acc[r][0] + acc[r][1]);
 }
 
-/* sc[r][j] = q_r . k_j for the n keys of one block (rows `row` elements apart), QK_ROWS rows at a time (each
- * row's order as qk_rows says). Meanwhile the block's V rows (read next, by pv_block) and the next block's K rows
- * (kn, NULL if none) are prefetched: blocks sit anywhere in the pool, so no hardware prefetcher can guess them;
- * measured 20% faster on a pool larger than the caches. */
-static inline __attribute__((always_inline)) void qk_block(const int R, const int64_t D, float (*qf)[MAX_HEAD_DIM],
-                                                           const cache_t *kb, const cache_t *vb,
-                                                           const cache_t *kn, int64_t row, int64_t n,
-                                                           float (*sc)[MAX_BLOCK_SIZE]) {
-  const int64_t line = 64 / sizeof(cache_t);
-  for (int64_t j = 0; j < n; ++j) {
-    const cache_t *kr = kb + j * row;
-    for (int64_t c = 0; c < D; c += line) {
-      __builtin_prefetch(vb + j * row + c);
-      if (kn) __builtin_prefetch(kn + j * row + c);
-    }
-    for (int r0 = 0; r0 < R; r0 += QK_ROWS)
-      qk_rows(R - r0 < QK_ROWS ? R - r0 : QK_ROWS, D, qf + r0, kr, j, sc + r0);
-  }
-}
-
 #if defined(PAGODA_WIDE) && defined(__AVX512BF16__) && PAGODA_DTYPE == PAGODA_BFLOAT16 && !defined(PAGODA_KV_INT8)
 /* bfloat16 caches on a CPU with AVX-512 BF16: the scores and P @ V by vdpbf16ps. The query and the keys are
  * bfloat16 already, so each product is exact in float32 and only the sums round (as in a bfloat16 matmul with
@@ -325,12 +305,18 @@ static inline __attribute__((always_inline)) void qk_rows_bf16(const int R, cons
   }
 }
 
-/* qk_block's loop (the same prefetches) over qk_rows_bf16. */
-static inline __attribute__((always_inline)) void qk_block_bf16(const int R, const int64_t D,
-                                                                const uint32_t (*qp)[MAX_HEAD_DIM / 2],
-                                                                float scale, const cache_t *kb, const cache_t *vb,
-                                                                const cache_t *kn, int64_t row, int64_t n,
-                                                                float (*sc)[MAX_BLOCK_SIZE]) {
+#endif
+
+/* sc[r][j] = q_r . k_j for the n keys of one block (rows `row` elements apart), QK_ROWS rows at a time (each
+ * row's order as qk_rows says). Meanwhile the block's V rows (read next, by pv_block) and the next block's K rows
+ * (kn, NULL if none) are prefetched: blocks sit anywhere in the pool, so no hardware prefetcher can guess them;
+ * measured 20% faster on a pool larger than the caches. With qp (bfloat16 builds with AVX-512 BF16; else NULL)
+ * the scores are qk_rows_bf16's of its bfloat16 pairs, times `scale`. */
+static inline __attribute__((always_inline)) void qk_block(const int R, const int64_t D, float (*qf)[MAX_HEAD_DIM],
+                                                           const uint32_t (*qp)[MAX_HEAD_DIM / 2], float scale,
+                                                           const cache_t *kb, const cache_t *vb,
+                                                           const cache_t *kn, int64_t row, int64_t n,
+                                                           float (*sc)[MAX_BLOCK_SIZE]) {
   const int64_t line = 64 / sizeof(cache_t);
   for (int64_t j = 0; j < n; ++j) {
     const cache_t *kr = kb + j * row;
@@ -338,10 +324,21 @@ static inline __attribute__((always_inline)) void qk_block_bf16(const int R, con
       __builtin_prefetch(vb + j * row + c);
       if (kn) __builtin_prefetch(kn + j * row + c);
     }
-    for (int r0 = 0; r0 < R; r0 += QK_ROWS)
-      qk_rows_bf16(R - r0 < QK_ROWS ? R - r0 : QK_ROWS, D, qp + r0, scale, kr, j, sc + r0);
+    for (int r0 = 0; r0 < R; r0 += QK_ROWS) {
+      const int rows = R - r0 < QK_ROWS ? R - r0 : QK_ROWS;
+#ifdef PAGODA_BF16_DOT
+      if (qp) {
+        qk_rows_bf16(rows, D, qp + r0, scale, kr, j, sc + r0);
+        continue;
+      }
+#endif
+      qk_rows(rows, D, qf + r0, kr, j, sc + r0);
+    }
   }
+  (void)qp, (void)scale; /* only read by the bfloat16 path */
 }
+
+#if defined(PAGODA_BF16_DOT)
 
 /* acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j by vdpbf16ps over pairs of keys: the weights rounded to
  * bfloat16 (as SDPA rounds them for a bfloat16 model's P @ V), each value column's pair (v_j, v_j+1) next to the
@@ -515,7 +512,7 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
     for (int64_t d = 0; d < D; ++d) ksf[d] = bf16_to_f32(ks[d]);
     for (int r = 0; r < R; ++r)
       for (int64_t d = 0; d < D; d += 8) storef(qs[r] + d, loadf(qf[r] + d) * loadf(ksf + d));
-    qk_block(R, D, qs, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+    qk_block(R, D, qs, NULL, 1.f, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
     /* The value rows' scales, one per slot (only the n read: the rest of the block may be unwritten). */
     float sv[MAX_BLOCK_SIZE];
     const int64_t first_slot = (int64_t)table[b] * BS + off;
@@ -523,10 +520,10 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
 #else
 #ifdef PAGODA_BF16_DOT
     if (bf16_dot)
-      qk_block_bf16(R, D, qp, p->scale, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+      qk_block(R, D, qf, qp, p->scale, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
     else
 #endif
-      qk_block(R, D, qf, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
+      qk_block(R, D, qf, NULL, 1.f, p->k_cache + base, p->v_cache + base, kn, row, n, sc);
 #endif
     const int64_t n8 = (n + 7) & ~(int64_t)7; /* the exps run eight keys at a time; lanes past n give 0 */
     for (int r = 0; r < R; ++r) {
