@@ -340,6 +340,13 @@ static inline __attribute__((always_inline)) void qk_block(const int R, const in
 
 #if defined(PAGODA_BF16_DOT)
 
+/* vpermt2w indices interleaving two keys' value rows: lane 2c of the result is column c of the first (index c),
+ * lane 2c + 1 column c of the second (32 + c); PAIR_LO for columns 0-15 of a 32-column chunk, PAIR_HI for 16-31. */
+static const uint16_t PAIR_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t PAIR_HI[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
 /* acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j by vdpbf16ps over pairs of keys: the weights rounded to
  * bfloat16 (as SDPA rounds them for a bfloat16 model's P @ V), each value column's pair (v_j, v_j+1) next to the
  * weights' pair, so one instruction adds two keys' exact products to sixteen columns. A row's sum runs over its
@@ -356,17 +363,7 @@ static inline __attribute__((always_inline)) void pv_block_bf16(const int R, con
       _mm256_store_si256((__m256i *)((uint16_t *)pp[r] + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p[r] + j)));
     if (n & 1) pp[r][n / 2] &= 0xffffu; /* the weight past the last key: zero */
   }
-  /* Lane 2c of a pair vector: column c of key j; lane 2c + 1: of key j + 1 (vpermt2w indices: 32 + k picks b). */
-  __m512i lo_idx, hi_idx;
-  {
-    uint16_t lo[32], hi[32];
-    for (int i = 0; i < 32; ++i) {
-      lo[i] = (uint16_t)((i & 1) * 32 + i / 2);
-      hi[i] = (uint16_t)((i & 1) * 32 + 16 + i / 2);
-    }
-    lo_idx = _mm512_loadu_si512(lo);
-    hi_idx = _mm512_loadu_si512(hi);
-  }
+  const __m512i lo_idx = _mm512_loadu_si512(PAIR_LO), hi_idx = _mm512_loadu_si512(PAIR_HI);
   for (int64_t d = 0; d < D; d += 32)
     for (int r0 = 0; r0 < R; r0 += BF16_DOT_ROWS) {
       const int rows = R - r0 < BF16_DOT_ROWS ? R - r0 : BF16_DOT_ROWS;
@@ -477,18 +474,20 @@ static inline __attribute__((always_inline)) void attend_item(const int R, const
 #ifdef PAGODA_BF16_DOT
   uint32_t qp[MAX_ROWS][MAX_HEAD_DIM / 2] __attribute__((aligned(64))); /* the raw query rows, as pairs */
   const int bf16_dot = D % 32 == 0;
+#else
+  const int bf16_dot = 0;
 #endif
   int64_t lo[MAX_ROWS], hi[MAX_ROWS]; /* row r sees keys lo[r] .. hi[r] */
   /* Row r = t * n + i (n = num_group_heads): query token first_token + t, query head h * G + first_head + i. */
   for (int r = 0; r < R; ++r) {
     const int64_t n = it->num_group_heads, t = it->first_token + r / n, head = h * G + it->first_head + r % n;
     const scalar_t *qr = p->q + ((q_start + t) * p->num_heads + head) * D;
-    for (int64_t d = 0; d < D; ++d) {
-      qf[r][d] = load1(qr + d) * p->scale;
-      acc[r][d] = 0.f;
-    }
+    for (int64_t d = 0; d < D; ++d) acc[r][d] = 0.f;
+    if (!bf16_dot) /* the float32 loops' query, prescaled */
+      for (int64_t d = 0; d < D; ++d) qf[r][d] = load1(qr + d) * p->scale;
 #ifdef PAGODA_BF16_DOT
-    memcpy(qp[r], qr, D * sizeof(scalar_t));
+    else
+      memcpy(qp[r], qr, D * sizeof(scalar_t));
 #endif
     hi[r] = ctx - q_len + t;
     lo[r] = first_key(p, hi[r]);
