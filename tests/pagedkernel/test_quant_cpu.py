@@ -29,6 +29,7 @@ from pagoda.pagedkernel.quant.testing import (
     int8_error_bound,
     random_weight,
 )
+from pagoda.pagedkernel.quant.torch_quant import k_scales
 
 ALL_TYPES = list(GGMLType)
 GGUF_TYPES = [
@@ -410,9 +411,20 @@ def test_many_bfloat16_rows_are_the_dense_bfloat16_matmul(qtype: GGMLType) -> No
 
 
 def source_fields(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A repacked weight's blocks read back in its source format and decoded here: float32 d and m [N, blocks] (m
-    zero without a minimum), the unsigned values u [N, blocks, 32] and what u adds to the value (z)."""
+    """A repacked weight's blocks read back in its source format and decoded here: float32 d and m [N, blocks] per
+    32-element block (m zero without a minimum; Q4_K's d * sc and -(dmin * m), exact float32 products), the
+    unsigned values u [N, blocks, 32] and what u adds to the value (z)."""
     source = repack.unpack(weight)
+    if source.qtype is GGMLType.Q4_K:
+        sup = source.blocks().reshape(weight.shape[0], weight.shape[1] // 256, 144)
+        ds = sup[..., 0:4].contiguous().view(torch.float16).to(torch.float32)  # [N, super-blocks, 2]: d, dmin
+        sc, mins = k_scales(sup[..., 4:16].reshape(-1, 12))
+        sc, mins = sc.reshape(*sup.shape[:2], 8), mins.reshape(*sup.shape[:2], 8)
+        nibbles = sup[..., 16:].reshape(*sup.shape[:2], 4, 32).to(torch.int64)
+        u = torch.stack((nibbles & 15, nibbles >> 4), dim=-2).reshape(weight.shape[0], -1, 32)
+        d = (ds[..., :1] * sc.to(torch.float32)).reshape(weight.shape[0], -1)
+        m = -(ds[..., 1:] * mins.to(torch.float32)).reshape(weight.shape[0], -1)
+        return d, m, u, 0
     raw = source.blocks().reshape(weight.shape[0], weight.shape[1] // 32, -1)
 
     def half(at: int) -> torch.Tensor:
@@ -462,10 +474,12 @@ def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # 
 def test_repacked_layouts_on_every_path_and_row_count(
     qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q8_0_R16, Q4_1_R16 and Q5_0_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13) on every build
+    """Q8_0_R16, Q4_1_R16, Q5_0_R16 and Q4_K_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13; K 544
+    or 768, Q4_K's 512 or 768: whole super-blocks) on every build
     (VNNI, AVX2, generic C) and at every row count (1-3, 8: one pass; 9, 11: a pass of 8 and a short one; 19: more
     than GEMV_MAX_ROWS in one call) give the bits of their written-out arithmetic, the same for a row whatever
     rows share its call, within the int8 bound of the exact product; dequantized bit-exact."""
+    k = k // 256 * 256 if qtype is GGMLType.Q4_K_R16 else k
     builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
@@ -500,8 +514,9 @@ def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLT
     dequantization of whole tiles) for torch's matmul, as a row-major one is; the vector and AMX paths refuse it by
     name."""
     g = torch.Generator().manual_seed(3)
-    weight = random_weight(qtype, (40, 64), g)
-    x = torch.randn(cpu_quant.VECTOR_MAX_ROWS, 64, generator=g)
+    k = 256 if qtype is GGMLType.Q4_K_R16 else 64  # whole blocks of the source format
+    weight = random_weight(qtype, (40, k), g)
+    x = torch.randn(cpu_quant.VECTOR_MAX_ROWS, k, generator=g)
     few = x[:300]
     assert torch.equal(qmatmul(few, weight, backend="cpu"), r16_reference(few, weight))
     assert torch.equal(

@@ -260,9 +260,67 @@ def test_repacked_layouts_as_specified(source: GGMLType) -> None:
     assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
 
 
+def test_q4_k_repacked_layout_as_specified() -> None:
+    """`Q4_K_R16` (repack.py, written out here from ggml's Q4_K block: d, dmin, twelve bytes of 6-bit scales and
+    minima as ggml's get_scale_min_k4 reads them, 32-byte groups whose low nibbles are sub-block 2 g and high ones
+    2 g + 1): per tile of 16 rows (20 rows: a tile and one of 4) and super-block, the rows' d, their dmin, [8
+    sub-blocks][rows] bytes of the low four bits of sc (low nibble) and m, one little-endian word per row of their
+    high two bits (sc_j at 2 j, m_j at 16 + 2 j), then each sub-block's nibbles as Q4_1_R16's values. Both ways, in
+    place too, rows taken and dequantized as Q4_K's; the id is clear of gguf's."""
+    layout = repack.LAYOUT_OF[GGMLType.Q4_K]
+    assert layout is GGMLType.Q4_K_R16 and int(layout) not in {int(t) for t in gguf.GGMLQuantizationType}
+    n, k = 20, 512
+    weight = random_weight(GGMLType.Q4_K, (n, k), torch.Generator().manual_seed(2))
+    src = weight.data.reshape(n, k // 256, 144).numpy()
+
+    def scale_min(row: int, s: int, j: int) -> tuple[int, int]:  # ggml's get_scale_min_k4
+        q = [int(v) for v in src[row, s, 4:16]]
+        if j < 4:
+            return q[j] & 63, q[j + 4] & 63
+        return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+    def u(row: int, s: int, j: int, i: int) -> int:  # element i of sub-block j
+        byte = int(src[row, s, 16 + 32 * (j // 2) + i])
+        return byte & 15 if j % 2 == 0 else byte >> 4
+
+    expected = bytearray()
+    for t0 in range(0, n, 16):
+        rows = range(t0, min(n, t0 + 16))
+        for s in range(k // 256):
+            for at in (0, 2):
+                for r in rows:
+                    expected += bytes(src[r, s, at : at + 2])
+            for j in range(8):
+                expected += bytes(
+                    (scale_min(r, s, j)[0] & 15) | (scale_min(r, s, j)[1] & 15) << 4 for r in rows
+                )
+            for r in rows:
+                word = sum(
+                    (scale_min(r, s, j)[0] >> 4) << 2 * j | (scale_min(r, s, j)[1] >> 4) << 16 + 2 * j
+                    for j in range(8)
+                )
+                expected += word.to_bytes(4, "little")
+            for j in range(8):
+                for pair in range(4):
+                    for r in rows:
+                        expected += bytes(
+                            u(r, s, j, 8 * pair + e) | u(r, s, j, 8 * pair + 4 + e) << 4 for e in range(4)
+                        )
+    packed = repack.repack(weight)
+    assert packed.qtype is layout and packed.shape == weight.shape
+    assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
+    assert torch.equal(repack.unpack(packed).data, weight.data)
+    ids = torch.tensor([19, 0, 17, 5, 16])
+    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
+    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
+    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
+    in_place = repack.repack(copy, in_place=True)
+    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+
+
 def test_repack_refuses_other_formats() -> None:
-    """Only Q8_0, Q4_1 and Q5_0 have a repacked layout; unpacking wants one of those layouts."""
-    with pytest.raises(ValueError, match="expected a weight of Q8_0, Q4_1, Q5_0, got Q6_K"):
+    """Only Q8_0, Q4_1, Q5_0 and Q4_K have a repacked layout; unpacking wants one of those layouts."""
+    with pytest.raises(ValueError, match="expected a weight of Q8_0, Q4_1, Q5_0, Q4_K, got Q6_K"):
         repack.repack(random_weight(GGMLType.Q6_K, (16, 256), torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match=r"got Q8_0$"):
         repack.unpack(random_weight(GGMLType.Q8_0, (16, 32), torch.Generator().manual_seed(0)))

@@ -47,7 +47,7 @@
 
 /* GGUF type ids (gguf's GGMLQuantizationType), and Pagoda's own int4 group formats (formats.py). */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, I4_G64 = 1064, I4_G128 = 1128,
-       Q8_0_R16 = 1208, Q4_1_R16 = 1203, Q5_0_R16 = 1206 };
+       Q8_0_R16 = 1208, Q4_1_R16 = 1203, Q5_0_R16 = 1206, Q4_K_R16 = 1212 };
 
 #define QK 32        /* elements per activation block (and per block of the 32-element formats) */
 #define QK_K 256     /* elements per K-quant super-block */
@@ -60,7 +60,7 @@ static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
   *elems = 0;
   *bytes = 0;
   *has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K || type == I4_G64 || type == I4_G128 ||
-                type == Q4_1_R16;
+                type == Q4_1_R16 || type == Q4_K_R16;
   switch (type) {
     case Q4_0: *elems = QK, *bytes = 18; break;
     case Q4_1: *elems = QK, *bytes = 20; break;
@@ -71,6 +71,7 @@ static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
     case Q8_0_R16: *elems = QK, *bytes = 34; break;
     case Q4_1_R16: *elems = QK, *bytes = 20; break;
     case Q5_0_R16: *elems = QK, *bytes = 22; break;
+    case Q4_K_R16: *elems = QK_K, *bytes = 144; break;
     case Q4_K: *elems = QK_K, *bytes = 144; break;
     case Q5_K: *elems = QK_K, *bytes = 176; break;
     case Q6_K: *elems = QK_K, *bytes = 210; break;
@@ -1035,6 +1036,7 @@ static columns_fn columns_for(int64_t type) {
     case Q8_0_R16: return columns_Q8_0_R16;
     case Q4_1_R16: return columns_Q4_1_R16;
     case Q5_0_R16: return columns_Q5_0_R16;
+    case Q4_K_R16: return columns_Q4_K_R16;
     default: return NULL;
   }
 }

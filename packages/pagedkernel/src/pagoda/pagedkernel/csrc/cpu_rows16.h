@@ -1,5 +1,5 @@
-/* Q8_0_R16, Q4_1_R16, Q5_0_R16: Q8_0, Q4_1 and Q5_0 weights repacked sixteen rows (output columns) to a tile,
- * times int8 rows of x (included by cpu_quant.c; the layouts' specification is pagoda/pagedkernel/quant/repack.py).
+/* Q8_0_R16, Q4_1_R16, Q5_0_R16, Q4_K_R16: Q8_0, Q4_1, Q5_0 and Q4_K weights repacked sixteen rows (output columns)
+ * to a tile, times int8 rows of x (included by cpu_quant.c; the layouts' specification is pagoda/pagedkernel/quant/repack.py).
  *
  * Why: the quad order reads one weight row at a time and sums its lanes across (a horizontal sum per output), so
  * from a few rows of x it is bound by instructions at ~40-45% of the int8 dot-product peak. Here a 512-bit register
@@ -15,23 +15,56 @@
  *   - Q4_1 (u the nibble), Q5_0 (u the 5-bit value, q + 16): bytes [4 pairs p][W rows][4] holding u & 15 of group
  *     2p in the low nibble and of group 2p + 1 in the high one; Q5_0 then 4 W bytes of fifth bits, bit
  *     (g W + c) 4 + e of the little-endian bit string being bit 4 of that u.
+ * Q4_K_R16 keeps each 256-element super-block of the W rows together (144 W bytes): the W rows' float16 d, then
+ * their float16 dmin, then 8 W bytes [sub-block j][W rows] holding the low four bits of the 6-bit scale sc_j (low
+ * nibble) and of the minimum m_j (high nibble), then W little-endian 32-bit words of their high two bits (bits
+ * 2 j: sc_j's, bits 16 + 2 j: m_j's), then each of the eight 32-element sub-blocks' nibbles as Q4_1_R16's values;
+ * a sub-block's d is d * sc_j and its minimum -(dmin * m_j), both exact in float32.
  * A tile of W rows starts where row 16 t would in the source format (the same bytes in all).
  *
  * The arithmetic, the same on every path (AVX-512 VNNI, plain C), so every path and any number of rows give
  * bitwise the same y (tested): for row r of x and column c, per block b in order from acc = 0,
  * L = the exact integer sum of (u - z) q over the block (z = 128, 0, 16; x's signed q; the VNNI path sums u q from
- * -z sum q, the same integer), acc = fma((float)L, d * dx, acc), and for Q4_1 then acc = fma(m, dx * (float)sum q,
- * acc); y = acc (rounded to bfloat16 where asked).
+ * -z sum q, the same integer), acc = fma((float)L, d * dx, acc), and for Q4_1 and Q4_K then acc = fma(m,
+ * dx * (float)sum q, acc); y = acc (rounded to bfloat16 where asked).
  */
 
 #define R16_TILE 16
 #define R16_ROW_BLOCK_BYTES (256 * 1024) /* x's int8 rows per block of many rows: half a Zen 4 L2 */
 #define R16_PASS 8 /* rows of x whose sums stay in registers over a tile (FEW_ROWS on the VNNI path) */
-#define R16_TYPE(t) ((t) == Q8_0_R16 || (t) == Q4_1_R16 || (t) == Q5_0_R16)
-/* Bytes per row and block; bytes of float16 fields (d, and Q4_1's m) per row; what u adds to the value (z). */
-#define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : 22)
+#define R16_TYPE(t) ((t) == Q8_0_R16 || (t) == Q4_1_R16 || (t) == Q5_0_R16 || (t) == Q4_K_R16)
+#define R16_K(t) ((t) == Q4_K_R16) /* super-blocks of 256 elements with a scale and a minimum per 32 */
+#define R16_MIN(t) ((t) == Q4_1_R16 || (t) == Q4_K_R16) /* blocks with a minimum */
+/* Bytes per row and block (a K layout: per super-block / 8); bytes of float16 fields (d, and Q4_1's m) per row and
+ * block (a K layout's are per super-block); what u adds to the value (z). */
+#define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : (t) == Q4_K_R16 ? 18 : 22)
 #define R16_HALVES(t) ((t) == Q4_1_R16 ? 4 : 2)
 #define R16_BIAS(t) ((t) == Q8_0_R16 ? 128 : (t) == Q5_0_R16 ? 16 : 0)
+#define R16_K_BYTES 144 /* Q4_K's bytes per row and super-block */
+
+/* Block b's values (u) in a tile tw of W rows. */
+static inline const uint8_t *r16_values(const int64_t type, const uint8_t *tw, int w, int64_t b) {
+  if (R16_K(type)) return tw + (b / 8) * R16_K_BYTES * w + 16 * w + (b % 8) * 16 * w;
+  return tw + b * R16_BYTES(type) * w + R16_HALVES(type) * w;
+}
+
+/* Column c's d and minimum (0 without one) of block b in a tile tw of W rows, as the arithmetic takes them: a K
+ * layout's d * sc_j and -(dmin * m_j) (exact float32 products of a float16 and a 6-bit integer). */
+static inline void r16_scales(const int64_t type, const uint8_t *tw, int w, int64_t b, int c, float *d, float *m) {
+  if (R16_K(type)) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES * w;
+    const int j = (int)(b % 8), low = ts[4 * w + j * w + c];
+    uint32_t hi;
+    memcpy(&hi, ts + 12 * w + 4 * c, sizeof hi);
+    const int sc = (low & 15) | (int)((hi >> (2 * j)) & 3) << 4, mn = (low >> 4) | (int)((hi >> (16 + 2 * j)) & 3) << 4;
+    *d = f16(ts + 2 * c) * (float)sc;
+    *m = -(f16(ts + 2 * w + 2 * c) * (float)mn);
+    return;
+  }
+  const uint8_t *tb = tw + b * R16_BYTES(type) * w;
+  *d = f16(tb + 2 * c);
+  *m = type == Q4_1_R16 ? f16(tb + 2 * w + 2 * c) : 0.0f;
+}
 
 /* Bits at..at + n of a little-endian bit string (at % 8 + n <= 64), as the low bits of a word; reads no byte past
  * the last bit's. */
@@ -42,12 +75,11 @@ static inline uint64_t r16_bits(const uint8_t *p, int64_t at, int n) {
   return n >= 64 ? v : v & ((1ull << n) - 1ull);
 }
 
-/* Element 4 g + e's u of row c in a tile's block tb of W rows (the plain form of the layout). */
-static inline int32_t r16_u(const int64_t type, const uint8_t *tb, int w, int c, int g, int e) {
-  const uint8_t *v = tb + R16_HALVES(type) * w;
+/* Element 4 g + e's u of row c in a block of W rows whose values start at v (the plain form of the layout). */
+static inline int32_t r16_u(const int64_t type, const uint8_t *v, int w, int c, int g, int e) {
   if (type == Q8_0_R16) return v[(g * w + c) * 4 + e];
   const int32_t nib = (v[((g / 2) * w + c) * 4 + e] >> (4 * (g % 2))) & 15;
-  if (type == Q4_1_R16) return nib;
+  if (type != Q5_0_R16) return nib;
   return nib | (int32_t)r16_bits(v + 16 * w, ((int64_t)g * w + c) * 4 + e, 1) << 4;
 }
 
@@ -67,9 +99,8 @@ INLINE void r16_store(const float *v, int w, void *y, int64_t index, int y_bf16)
 }
 
 #if PATH == 2
-/* Groups g and g + 1 of a tile's block (tb, W rows, mask m of W lanes) as sixteen lanes of four u bytes each. */
-INLINE void r16_pair(const int64_t type, const uint8_t *tb, int w, __mmask16 m, int g, __m512i *v0, __m512i *v1) {
-  const uint8_t *v = tb + R16_HALVES(type) * w;
+/* Groups g and g + 1 of a block of W rows (values at v, mask m of W lanes) as sixteen lanes of four u bytes each. */
+INLINE void r16_pair(const int64_t type, const uint8_t *v, int w, __mmask16 m, int g, __m512i *v0, __m512i *v1) {
   if (type == Q8_0_R16) {
     *v0 = _mm512_maskz_loadu_epi32(m, v + g * 4 * w);
     *v1 = _mm512_maskz_loadu_epi32(m, v + (g + 1) * 4 * w);
@@ -93,19 +124,41 @@ INLINE void r16_pair(const int64_t type, const uint8_t *tb, int w, __mmask16 m, 
   }
 }
 
+/* r16_scales for the W columns of block b at once (lanes past W zero). */
+INLINE void r16_scales_v(const int64_t type, const uint8_t *tw, int w, __mmask16 m, int64_t b, __m512 *d, __m512 *mn) {
+  if (R16_K(type)) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES * w;
+    const int j = (int)(b % 8);
+    const __m512i low = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, ts + 4 * w + j * w));
+    const __m512i hi = _mm512_maskz_loadu_epi32(m, ts + 12 * w), three = _mm512_set1_epi32(3);
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(15)),
+                                       _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2 * j), three), 4));
+    const __m512i mi = _mm512_or_si512(_mm512_srli_epi32(low, 4),
+                                       _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 16 + 2 * j), three), 4));
+    *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, ts)), _mm512_cvtepi32_ps(sc));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, ts + 2 * w));
+    const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u); /* negated, -0 for 0, as the plain path's minus */
+    *mn = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mi))), sign));
+    return;
+  }
+  const uint8_t *tb = tw + b * R16_BYTES(type) * w;
+  *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
+  *mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : _mm512_setzero_ps();
+}
+
 /* One tile of W <= 16 columns (tw its bytes) for rows r0 .. r0 + R of x (R a constant once inlined): per block,
  * each row's sixteen lane sums start at -z sum q and take eight vpdpbusd (the values by x's four bytes
- * broadcast), then one conversion and one fused multiply-add by d * dx (and Q4_1's m * (dx * sum q)). */
+ * broadcast), then one conversion and one fused multiply-add by d * dx (and a minimum's m * (dx * sum q)). */
 INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, int64_t blocks, const int8_t *xq,
                      const float *xd, const int32_t *xs, int64_t k, int64_t r0, void *y, int64_t y_stride,
                      int64_t col, int y_bf16, int prefetch) {
   const __mmask16 m = (__mmask16)((1u << w) - 1u);
-  const int64_t block_bytes = R16_BYTES(type) * (int64_t)w;
+  const int64_t block_bytes = R16_BYTES(type) * (int64_t)w; /* a K layout's: on average (its bytes stream as one) */
   __m512 acc[8];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t *tb = tw + b * block_bytes;
-    if (prefetch) prefetch_ahead(tb, block_bytes);
+    const uint8_t *tb = r16_values(type, tw, w, b);
+    if (prefetch) prefetch_ahead(tw + b * block_bytes, block_bytes);
     __m512i s[8];
     for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(-R16_BIAS(type) * xs[(r0 + r) * (k / QK) + b]);
     for (int g = 0; g < 8; g += 2) {
@@ -119,12 +172,12 @@ INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, 
         s[r] = _mm512_dpbusd_epi32(s[r], v1, _mm512_set1_epi32(x1));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
-    const __m512 mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : d;
+    __m512 d, mn;
+    r16_scales_v(type, tw, w, m, b, &d, &mn);
     for (int r = 0; r < R; r++) {
       const int64_t xb = (r0 + r) * (k / QK) + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[xb])), acc[r]);
-      if (type == Q4_1_R16) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xd[xb] * (float)xs[xb]), acc[r]);
+      if (R16_MIN(type)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xd[xb] * (float)xs[xb]), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) {
@@ -137,16 +190,17 @@ INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, 
 /* The plain form of the same arithmetic, one row of x. */
 static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t blocks, const int8_t *xr,
                          const float *xdr, const int32_t *xsr, void *y, int64_t index, int y_bf16) {
-  const int64_t block_bytes = R16_BYTES(type) * (int64_t)w;
   float acc[R16_TILE] = {0};
   for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t *tb = tw + b * block_bytes;
+    const uint8_t *v = r16_values(type, tw, w, b);
     for (int c = 0; c < w; c++) {
       int32_t l = 0;
       for (int g = 0; g < 8; g++)
-        for (int e = 0; e < 4; e++) l += (r16_u(type, tb, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
-      acc[c] = fmaf((float)l, f16(tb + 2 * c) * xdr[b], acc[c]);
-      if (type == Q4_1_R16) acc[c] = fmaf(f16(tb + 2 * w + 2 * c), xdr[b] * (float)xsr[b], acc[c]);
+        for (int e = 0; e < 4; e++) l += (r16_u(type, v, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
+      float d, m;
+      r16_scales(type, tw, w, b, c, &d, &m);
+      acc[c] = fmaf((float)l, d * xdr[b], acc[c]);
+      if (R16_MIN(type)) acc[c] = fmaf(m, xdr[b] * (float)xsr[b], acc[c]);
     }
   }
   r16_store(acc, w, y, index, y_bf16);
@@ -193,16 +247,18 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 R16_COLUMNS_FOR(Q8_0_R16)
 R16_COLUMNS_FOR(Q4_1_R16)
 R16_COLUMNS_FOR(Q5_0_R16)
+R16_COLUMNS_FOR(Q4_K_R16)
 
 #if PATH == 2
 /* One block of a tile of W columns (tb) into rows of dst (column c's elements at index at + c * k ..): per pair of
  * groups, each quarter of the values (four columns' four elements) widened, less z, times its columns' d (plus
  * Q4_1's m): the plain loop's operations on sixteen lanes. */
-INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tb, int w, void *dst, int64_t at, int64_t k,
-                                 int bf16) {
+INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, int64_t b, void *dst, int64_t at,
+                                 int64_t k, int bf16) {
   const __mmask16 m = (__mmask16)((1u << w) - 1u);
-  const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
-  const __m512 mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : _mm512_setzero_ps();
+  const uint8_t *tb = r16_values(type, tw, w, b);
+  __m512 d, mn;
+  r16_scales_v(type, tw, w, m, b, &d, &mn);
   const __m512i z = _mm512_set1_epi32(R16_BIAS(type));
   const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
   for (int g = 0; g < 8; g += 2) {
@@ -215,7 +271,7 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tb, int w, v
         const __m512i idx = _mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i));
         const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + 16 * i))), z);
         __m512 val = _mm512_mul_ps(_mm512_permutexvar_ps(idx, d), _mm512_cvtepi32_ps(q));
-        if (type == Q4_1_R16) val = _mm512_add_ps(val, _mm512_permutexvar_ps(idx, mn));
+        if (R16_MIN(type)) val = _mm512_add_ps(val, _mm512_permutexvar_ps(idx, mn));
         const int64_t to = at + 4 * (g + h);
         if (!bf16) { /* four floats a column: one 16-byte move each */
           float f[16];
@@ -245,25 +301,27 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tb, int w, v
  * fuses no multiply-add). 0 on success, 1 for a type that is not a repacked layout or rows off the tiles. */
 int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, int64_t k, int64_t r0, int64_t r1,
                                 void *dst, int64_t bf16, int64_t num_threads) {
-  if (!R16_TYPE(type) || k % QK || r0 % R16_TILE || r0 < 0 || r1 > n || (r1 % R16_TILE && r1 != n)) return 1;
+  if (!R16_TYPE(type) || k % (R16_K(type) ? QK_K : QK) || r0 % R16_TILE || r0 < 0 || r1 > n || (r1 % R16_TILE && r1 != n)) return 1;
   const int64_t blocks = k / QK, row_bytes = blocks * R16_BYTES(type), tiles = (r1 - r0 + R16_TILE - 1) / R16_TILE;
   if (num_threads < 1 || tiles < 4) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t t = 0; t < tiles; t++) {
     const int64_t j = r0 + t * R16_TILE;
     const int w = (int)(r1 - j < R16_TILE ? r1 - j : R16_TILE);
+    const uint8_t *tw = weight + j * row_bytes;
     for (int64_t b = 0; b < blocks; b++) {
-      const uint8_t *tb = weight + j * row_bytes + b * R16_BYTES(type) * w;
 #if PATH == 2
-      r16_dequantize_block(type, tb, w, dst, (j - r0) * k + b * QK, k, (int)bf16);
+      r16_dequantize_block(type, tw, w, b, dst, (j - r0) * k + b * QK, k, (int)bf16);
 #else
+      const uint8_t *tb = r16_values(type, tw, w, b);
       for (int c = 0; c < w; c++) {
-        const float d = f16(tb + 2 * c), m = type == Q4_1_R16 ? f16(tb + 2 * w + 2 * c) : 0.0f;
+        float d, m;
+        r16_scales(type, tw, w, b, c, &d, &m);
         const int64_t at = (j - r0 + c) * k + b * QK;
         for (int g = 0; g < 8; g++)
           for (int e = 0; e < 4; e++) {
             float v = d * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
-            if (type == Q4_1_R16) v = v + m;
+            if (R16_MIN(type)) v = v + m;
             store_value(v, dst, at + 4 * g + e, (int)bf16);
           }
       }

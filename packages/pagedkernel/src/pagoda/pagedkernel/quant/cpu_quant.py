@@ -240,7 +240,7 @@ GEMV_QTYPES = frozenset(
 
 def repacked_layout(qtype: GGMLType, *, prompts: bool = False) -> GGMLType | None:
     """The layout this CPU's kernels multiply a `qtype` weight fastest in (`repack.py`), where that is not `qtype`
-    itself: the `_R16` tiles of Q8_0, Q4_1 and Q5_0 on a build with AVX-512 VNNI (its tiles are 512-bit operands);
+    itself: the `_R16` tiles of Q8_0, Q4_1, Q5_0 and Q4_K on a build with AVX-512 VNNI (512-bit operands);
     else None. `prompts`: the weight also multiplies prompts' tens to hundreds of rows, which a build with AMX
     runs on its bfloat16 tiles (the repacked layout has only the int8 kernel below `VECTOR_MAX_ROWS`): None there."""
     if qtype not in repack.LAYOUT_OF or not available():

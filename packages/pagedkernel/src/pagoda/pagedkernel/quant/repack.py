@@ -1,5 +1,5 @@
-"""Q8_0, Q4_1 and Q5_0 repacked sixteen rows to a tile (`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16`): the layouts'
-specification, and conversions both ways.
+"""Q8_0, Q4_1, Q5_0 and Q4_K repacked sixteen rows to a tile (`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16`, `Q4_K_R16`): the
+layouts' specification, and conversions both ways.
 
 Rows are taken in tiles of `TILE_ROWS` (the last tile holds the rows left over, W < 16 of them). A tile of W rows
 keeps each 32-element block of its rows together, W times the source format's bytes per block: the W rows' float16
@@ -9,6 +9,11 @@ e = 0..3) of each row c:
   - Q4_1 (u the nibble) and Q5_0 (u the 5-bit value q + 16): bytes [4 pairs p][W rows][4] holding u & 15 of group
     2 p in the low nibble and of group 2 p + 1 in the high one; Q5_0 then 4 W bytes of fifth bits, bit
     (g W + c) 4 + e of the little-endian bit string being bit 4 of that u.
+`Q4_K_R16` keeps each 256-element super-block of the W rows together instead (W times Q4_K's 144 bytes): the W rows'
+float16 d, then their float16 dmin, then W bytes per sub-block j = 0..7 ([8][W]) holding the low four bits of the
+6-bit scale sc_j (low nibble) and of the 6-bit minimum m_j (high nibble), then one little-endian 32-bit word per row
+with their high two bits (sc_j's at bit 2 j, m_j's at bit 16 + 2 j), then each 32-element sub-block's nibbles u as
+Q4_1's values above. Its value is (d sc_j) u - dmin m_j, as Q4_K's.
 Tile t starts at byte 16 t * row_bytes, where row 16 t starts in the source format: the same bytes in all.
 
 Why: the CPU's int8 kernel (csrc/cpu_rows16.h) then loads four elements of sixteen rows as one 512-bit operand of
@@ -29,6 +34,7 @@ LAYOUT_OF: dict[GGMLType, GGMLType] = {
     GGMLType.Q8_0: GGMLType.Q8_0_R16,
     GGMLType.Q4_1: GGMLType.Q4_1_R16,
     GGMLType.Q5_0: GGMLType.Q5_0_R16,
+    GGMLType.Q4_K: GGMLType.Q4_K_R16,
 }
 SOURCE_OF: dict[GGMLType, GGMLType] = {layout: source for source, layout in LAYOUT_OF.items()}
 # Rows converted per step: bounds the temporaries to tens of MB (a multiple of the tile).
@@ -104,6 +110,71 @@ def _untiles(qtype: GGMLType, tiles: Tensor, w: int) -> tuple[Tensor, Tensor]:  
     return halves, values.permute(0, 3, 1, 2, 4).reshape(t, w, b, _VALUES)
 
 
+def _k_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 144] -> see below
+    """A Q4_K block's four float16 bytes (d, dmin), its eight 6-bit scales then eight 6-bit minima [..., 16], and its
+    values u [..., 8 sub-blocks, 32]."""
+    packed = blocks[..., 4:16]
+    low, mins, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat(
+        (low & 0x3F, (mixed & 15) | ((low >> 2) & 0x30), mins & 0x3F, (mixed >> 4) | ((mins >> 2) & 0x30)),
+        dim=-1,
+    )
+    nibbles = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)  # low nibbles: sub-block 2 g, high: 2 g + 1
+    u = torch.stack((nibbles & 15, nibbles >> 4), dim=-2).reshape(*blocks.shape[:-1], 8, 32)
+    return blocks[..., :4], scales, u
+
+
+def _k_block(halves: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of `_k_fields`
+    """Q4_K blocks [..., 144] from their float16 bytes, scales and minima, and values."""
+    sc, mins = scales[..., :8], scales[..., 8:]
+    packed = torch.cat(
+        (
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4),
+        ),
+        dim=-1,
+    )
+    pairs = u.reshape(*u.shape[:-2], 4, 2, 32)
+    return torch.cat((halves, packed, (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).flatten(-2)), dim=-1)
+
+
+def _k_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 144] -> [T, B, 144 W]
+    """Tiles of W rows of Q4_K blocks laid out as `Q4_K_R16`."""
+    t, w, b, _ = blocks.shape
+    halves, scales, u = _k_fields(blocks)
+    head = (
+        halves.reshape(t, w, b, 2, 2).permute(0, 2, 3, 1, 4).reshape(t, b, 4 * w)
+    )  # d of each row, then dmin
+    low = ((scales[..., :8] & 15) | ((scales[..., 8:] & 15) << 4)).permute(0, 2, 3, 1).reshape(t, b, 8 * w)
+    shifts = torch.arange(0, 16, 2, dtype=torch.int64, device=blocks.device)
+    high = ((scales[..., :8] >> 4).to(torch.int64) << shifts) | (
+        (scales[..., 8:] >> 4).to(torch.int64) << (shifts + 16)
+    )
+    words = high.sum(-1)  # [T, W, B]: the bits do not overlap
+    word_bytes = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    values = u.reshape(t, w, b, 8, 4, 2, 4).permute(0, 2, 3, 4, 1, 5, 6)  # [T, B, sub, pair, W, 2 groups, 4]
+    pairs = values[..., 0, :] | (values[..., 1, :] << 4)
+    parts = (head, low, word_bytes.permute(0, 2, 1, 3).reshape(t, b, 4 * w), pairs.reshape(t, b, 128 * w))
+    return torch.cat(parts, dim=-1)
+
+
+def _k_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 144 W] -> [T, W, B, 144]
+    """The inverse of `_k_tiles`."""
+    t, b, _ = tiles.shape
+    halves = tiles[..., : 4 * w].reshape(t, b, 2, w, 2).permute(0, 3, 1, 2, 4).reshape(t, w, b, 4)
+    low = tiles[..., 4 * w : 12 * w].reshape(t, b, 8, w).permute(0, 3, 1, 2)  # [T, W, B, 8]
+    words = tiles[..., 12 * w : 16 * w].reshape(t, b, w, 4).permute(0, 2, 1, 3).to(torch.int64)
+    word = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    shifts = torch.arange(0, 16, 2, dtype=torch.int64, device=tiles.device)
+    sc = (low & 15) | (((word[..., None] >> shifts) & 3) << 4).to(torch.uint8)
+    mins = (low >> 4) | (((word[..., None] >> (shifts + 16)) & 3) << 4).to(torch.uint8)
+    pairs = tiles[..., 16 * w :].reshape(t, b, 8, 4, 1, w, 4)
+    values = torch.cat((pairs & 15, pairs >> 4), dim=4)  # [T, B, sub, pair, 2, W, 4]
+    u = values.permute(0, 5, 1, 2, 3, 4, 6).reshape(t, w, b, 8, 32)
+    return _k_block(halves, torch.cat((sc, mins), dim=-1), u)
+
+
 def _checked(
     weight: QuantizedTensor, allowed: dict[GGMLType, GGMLType]
 ) -> Tensor:  # -> uint8 [rows, row_bytes]
@@ -125,7 +196,13 @@ def _convert(rows: Tensor, source: GGMLType, to_tiles: bool) -> Tensor:  # uint8
         if stop == start:
             continue
         part, count = rows[start:stop], (stop - start) // w
-        if to_tiles:
+        if source is GGMLType.Q4_K:
+            shaped = (
+                part.reshape(count, w, blocks, size) if to_tiles else part.reshape(count, blocks, w * size)
+            )
+            converted = _k_tiles(shaped) if to_tiles else _k_untiles(shaped, w)
+            out.append(converted.reshape(stop - start, row_bytes))
+        elif to_tiles:
             halves, u = _decode(source, part.reshape(count, w, blocks, size))
             out.append(_tiles(source, halves, u).reshape(stop - start, row_bytes))
         else:
@@ -135,7 +212,7 @@ def _convert(rows: Tensor, source: GGMLType, to_tiles: bool) -> Tensor:  # uint8
 
 
 def repack(weight: QuantizedTensor, *, in_place: bool = False) -> QuantizedTensor:
-    """Q8_0 / Q4_1 / Q5_0 -> its `_R16` layout: a new tensor, or (in_place) the same bytes rewritten a chunk of rows
+    """Q8_0 / Q4_1 / Q5_0 / Q4_K -> its `_R16` layout: a new tensor, or (in_place) the same bytes rewritten a chunk of rows
     at a time (no second copy of the weight, e.g. of a model's LM head at load)."""
     rows = _checked(weight, LAYOUT_OF)
     out = rows if in_place else torch.empty_like(rows)
@@ -187,11 +264,15 @@ def take_rows(weight: QuantizedTensor, ids: Tensor) -> QuantizedTensor:  # ids i
         return QuantizedTensor(
             _encode(source, picked[..., :2], picked[..., 2:]).reshape(shape[0], -1), source, shape
         )
-    # Other layouts: the tiles holding the rows, converted back whole.
+    # Other layouts: the tiles holding the rows, converted back whole (the whole tiles in one conversion, then the
+    # short last one).
     tiles = torch.unique(ids // TILE_ROWS)
-    starts = tiles * TILE_ROWS
-    back = torch.cat(
-        [_convert(rows[s : min(weight.rows, s + TILE_ROWS)], source, to_tiles=False) for s in starts.tolist()]
-    )
+    full = weight.rows // TILE_ROWS
+    whole = tiles[tiles < full]
+    tiled = rows[: full * TILE_ROWS].reshape(full, TILE_ROWS * weight.row_bytes)[whole]
+    parts = [_convert(tiled.reshape(-1, weight.row_bytes), source, to_tiles=False)]
+    if len(whole) < len(tiles):
+        parts.append(_convert(rows[full * TILE_ROWS :], source, to_tiles=False))
+    back = torch.cat(parts)
     where = torch.searchsorted(tiles, ids // TILE_ROWS) * TILE_ROWS + ids % TILE_ROWS
     return QuantizedTensor(back.index_select(0, where), source, shape)
