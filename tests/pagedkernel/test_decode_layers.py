@@ -55,8 +55,8 @@ FORMATS = (
     {  # the repacked layouts (sixteen rows to a tile), beside a plain run whose x is unsigned on the VNNI path
         "qkv": [(GGMLType.Q5_0_R16, Q), (GGMLType.Q8_0_R16, KV), (GGMLType.Q5_0, KV)],
         "o": [(GGMLType.Q4_K_R16, SHAPE.hidden)],
-        "gate_up": [(GGMLType.Q5_0_R16, 2 * SHAPE.inner)],
-        "down": [(GGMLType.Q4_1_R16, SHAPE.hidden)],
+        "gate_up": [(GGMLType.Q5_0_R16, SHAPE.inner), (GGMLType.Q4_1_R16, SHAPE.inner)],
+        "down": [(GGMLType.Q6_K_R16, SHAPE.hidden)],
     },
 )
 

@@ -411,10 +411,25 @@ def test_many_bfloat16_rows_are_the_dense_bfloat16_matmul(qtype: GGMLType) -> No
 
 
 def source_fields(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A repacked weight's blocks read back in its source format and decoded here: float32 d and m [N, blocks] per
-    32-element block (m zero without a minimum; Q4_K's d * sc and -(dmin * m), exact float32 products), the
-    unsigned values u [N, blocks, 32] and what u adds to the value (z)."""
+    """A repacked weight's blocks read back in its source format and decoded here: float32 d [N, blocks, halves] per
+    32-element block or each half of it (Q6_K's 16-element sub-blocks) and m [N, blocks] (zero without a minimum;
+    Q4_K's d * sc and -(dmin * m), Q6_K's d * sc: exact float32 products), the unsigned values u [N, blocks, 32]
+    and what u adds to the value (z)."""
     source = repack.unpack(weight)
+    if source.qtype is GGMLType.Q6_K:
+        # ggml's order: per half of 128, quarter j from ql's nibbles and qh's bits 2 j
+        sup = source.blocks().reshape(weight.shape[0], weight.shape[1] // 256, 210).to(torch.int64)
+        ql, qh = (
+            sup[..., :128].reshape(*sup.shape[:2], 2, 2, 32),
+            sup[..., 128:192].reshape(*sup.shape[:2], 2, 32),
+        )
+        u = torch.stack(
+            [(ql[..., j % 2, :] >> 4 * (j // 2)) & 15 | ((qh >> 2 * j) & 3) << 4 for j in range(4)], dim=-2
+        ).reshape(weight.shape[0], -1, 32)
+        sc = source.blocks().reshape(*sup.shape[:2], 210)[..., 192:208].contiguous().view(torch.int8)
+        d16 = source.blocks().reshape(*sup.shape[:2], 210)[..., 208:].contiguous().view(torch.float16)
+        d = (d16.to(torch.float32) * sc.to(torch.float32)).reshape(weight.shape[0], -1, 2)
+        return d, torch.zeros(d.shape[:2]), u, 32
     if source.qtype is GGMLType.Q4_K:
         sup = source.blocks().reshape(weight.shape[0], weight.shape[1] // 256, 144)
         ds = sup[..., 0:4].contiguous().view(torch.float16).to(torch.float32)  # [N, super-blocks, 2]: d, dmin
@@ -422,7 +437,7 @@ def source_fields(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, 
         sc, mins = sc.reshape(*sup.shape[:2], 8), mins.reshape(*sup.shape[:2], 8)
         nibbles = sup[..., 16:].reshape(*sup.shape[:2], 4, 32).to(torch.int64)
         u = torch.stack((nibbles & 15, nibbles >> 4), dim=-2).reshape(weight.shape[0], -1, 32)
-        d = (ds[..., :1] * sc.to(torch.float32)).reshape(weight.shape[0], -1)
+        d = (ds[..., :1] * sc.to(torch.float32)).reshape(weight.shape[0], -1, 1)
         m = -(ds[..., 1:] * mins.to(torch.float32)).reshape(weight.shape[0], -1)
         return d, m, u, 0
     raw = source.blocks().reshape(weight.shape[0], weight.shape[1] // 32, -1)
@@ -430,7 +445,7 @@ def source_fields(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, 
     def half(at: int) -> torch.Tensor:
         return raw[..., at : at + 2].contiguous().view(torch.float16).to(torch.float32)[..., 0]
 
-    d, m = half(0), torch.zeros(raw.shape[:2])
+    d, m = half(0)[..., None], torch.zeros(raw.shape[:2])
     if source.qtype is GGMLType.Q8_0:
         return d, m, (raw[..., 2:].to(torch.int64) + 128) % 256, 128
     nibbles = raw[..., -16:].to(torch.int64)
@@ -444,8 +459,9 @@ def source_fields(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # float32 [rows, K] -> [rows, N]
     """cpu_rows16.h's arithmetic written out: x quantized per 32 elements as quantize_row does (dx = max|x| / 127,
-    q = round(x / dx) to nearest even), L the exact integer sum of each block's (u - z) q, then per block in order
-    acc = fma(L, d * dx, acc), and with a minimum acc = fma(m, dx * sum q, acc): each fused multiply-add's one
+    q = round(x / dx) to nearest even), L the exact integer sum of each block's (or half block's, Q6_K) (u - z) q,
+    then per block (and half) in order acc = fma(L, d * dx, acc), and with a minimum acc = fma(m, dx * sum q, acc):
+    each fused multiply-add's one
     rounding taken from its exact float64 value (a product of at most 19 and 24 significant bits is exact there,
     so only the add rounds before the final float32 rounding)."""
     rows, k = x.shape
@@ -455,7 +471,11 @@ def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # 
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)  # round half to even, as nearbyintf
     d, m, u, z = source_fields(weight)
-    lanes = torch.einsum("rbi,nbi->rnb", q, u - z)  # exact integers
+    halves = d.shape[-1]
+    split = q.reshape(rows, blocks, halves, 32 // halves)
+    lanes = torch.einsum(
+        "rbhi,nbhi->rnbh", split, (u - z).reshape(*u.shape[:2], halves, 32 // halves)
+    )  # exact
     sums = q.sum(-1).to(torch.float32)  # [rows, blocks]
     acc = torch.zeros(rows, weight.shape[0], dtype=torch.float32)
 
@@ -463,7 +483,8 @@ def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # 
         return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
 
     for b in range(blocks):
-        acc = fma(lanes[..., b].to(torch.float32), d[None, :, b] * dx[:, None, b], acc)
+        for h in range(halves):
+            acc = fma(lanes[..., b, h].to(torch.float32), d[None, :, b, h] * dx[:, None, b], acc)
         if bool(m.any()):
             acc = fma(m[None, :, b].expand_as(acc), (dx[:, b] * sums[:, b])[:, None].expand_as(acc), acc)
     return acc
@@ -474,12 +495,12 @@ def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # 
 def test_repacked_layouts_on_every_path_and_row_count(
     qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q8_0_R16, Q4_1_R16, Q5_0_R16 and Q4_K_R16 (sixteen rows to a tile; N = 77: four tiles and one of 13; K 544
-    or 768, Q4_K's 512 or 768: whole super-blocks) on every build
+    """Q8_0_R16, Q4_1_R16, Q5_0_R16, Q4_K_R16 and Q6_K_R16 (sixteen rows to a tile; N = 77: four tiles and one of
+    13; K 544 or 768, the K formats' 512 or 768: whole super-blocks) on every build
     (VNNI, AVX2, generic C) and at every row count (1-3, 8: one pass; 9, 11: a pass of 8 and a short one; 19: more
     than GEMV_MAX_ROWS in one call) give the bits of their written-out arithmetic, the same for a row whatever
     rows share its call, within the int8 bound of the exact product; dequantized bit-exact."""
-    k = k // 256 * 256 if qtype is GGMLType.Q4_K_R16 else k
+    k = k // 256 * 256 if qtype in (GGMLType.Q4_K_R16, GGMLType.Q6_K_R16) else k
     builds = every_build(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
@@ -514,7 +535,7 @@ def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLT
     dequantization of whole tiles) for torch's matmul, as a row-major one is; the vector and AMX paths refuse it by
     name."""
     g = torch.Generator().manual_seed(3)
-    k = 256 if qtype is GGMLType.Q4_K_R16 else 64  # whole blocks of the source format
+    k = 256 if qtype in (GGMLType.Q4_K_R16, GGMLType.Q6_K_R16) else 64  # whole blocks of the source format
     weight = random_weight(qtype, (40, k), g)
     x = torch.randn(cpu_quant.VECTOR_MAX_ROWS, k, generator=g)
     few = x[:300]

@@ -318,9 +318,63 @@ def test_q4_k_repacked_layout_as_specified() -> None:
     assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
 
 
+def test_q6_k_repacked_layout_as_specified() -> None:
+    """`Q6_K_R16` (repack.py, written out here from ggml's dequantize_row_q6_K: per half of 128 elements, element l
+    of quarter j has ql[32 (j % 2) + l]'s low (j < 2) or high nibble and bits 2 j of qh[l], value q - 32 by scale
+    (32 j + l) / 16): per tile of 16 rows (20 rows: a tile and one of 4) and super-block, the rows' d, their
+    sixteen scale bytes as [scale][rows], then per 32-element block its low four bits as Q4_1_R16's values and
+    [2 quads of groups][rows][4] bytes whose bits 2 i are the high two bits of group 4 quad + i. Both ways, in place
+    too, rows taken and dequantized as Q6_K's; the id is clear of gguf's."""
+    layout = repack.LAYOUT_OF[GGMLType.Q6_K]
+    assert layout is GGMLType.Q6_K_R16 and int(layout) not in {int(t) for t in gguf.GGMLQuantizationType}
+    n, k = 20, 512
+    weight = random_weight(GGMLType.Q6_K, (n, k), torch.Generator().manual_seed(3))
+    src = weight.data.reshape(n, k // 256, 210).numpy()
+
+    def u(row: int, s: int, element: int) -> int:  # q + 32 of an element of super-block s
+        half, rest = divmod(element, 128)
+        quarter, lane = divmod(rest, 32)
+        ql = int(src[row, s, 64 * half + 32 * (quarter % 2) + lane])
+        qh = int(src[row, s, 128 + 32 * half + lane])
+        return (ql >> 4 * (quarter // 2)) & 15 | ((qh >> 2 * quarter) & 3) << 4
+
+    expected = bytearray()
+    for t0 in range(0, n, 16):
+        rows = range(t0, min(n, t0 + 16))
+        for s in range(k // 256):
+            for r in rows:
+                expected += bytes(src[r, s, 208:210])
+            for j in range(16):
+                expected += bytes(int(src[r, s, 192 + j]) for r in rows)
+            for b in range(8):
+                for pair in range(4):
+                    for r in rows:
+                        expected += bytes(
+                            (u(r, s, 32 * b + 8 * pair + e) & 15)
+                            | (u(r, s, 32 * b + 8 * pair + 4 + e) & 15) << 4
+                            for e in range(4)
+                        )
+                for quad in range(2):
+                    for r in rows:
+                        expected += bytes(
+                            sum((u(r, s, 32 * b + 16 * quad + 4 * i + e) >> 4) << 2 * i for i in range(4))
+                            for e in range(4)
+                        )
+    packed = repack.repack(weight)
+    assert packed.qtype is layout and packed.shape == weight.shape
+    assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
+    assert torch.equal(repack.unpack(packed).data, weight.data)
+    ids = torch.tensor([19, 0, 17, 5, 16])
+    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
+    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
+    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
+    in_place = repack.repack(copy, in_place=True)
+    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+
+
 def test_repack_refuses_other_formats() -> None:
-    """Only Q8_0, Q4_1, Q5_0 and Q4_K have a repacked layout; unpacking wants one of those layouts."""
-    with pytest.raises(ValueError, match="expected a weight of Q8_0, Q4_1, Q5_0, Q4_K, got Q6_K"):
-        repack.repack(random_weight(GGMLType.Q6_K, (16, 256), torch.Generator().manual_seed(0)))
+    """Only Q8_0, Q4_1, Q5_0, Q4_K and Q6_K have a repacked layout; unpacking wants one of those layouts."""
+    with pytest.raises(ValueError, match="expected a weight of Q8_0, Q4_1, Q5_0, Q4_K, Q6_K, got Q5_K"):
+        repack.repack(random_weight(GGMLType.Q5_K, (16, 256), torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match=r"got Q8_0$"):
         repack.unpack(random_weight(GGMLType.Q8_0, (16, 32), torch.Generator().manual_seed(0)))

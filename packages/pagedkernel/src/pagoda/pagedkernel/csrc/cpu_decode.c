@@ -105,7 +105,7 @@ static void quantize_x(const scalar_t *x, int64_t x_stride, int64_t rows, int64_
       vector = 1;
       continue;
     }
-    int8 = 1, quad |= QUAD_TYPE(type), repacked |= R16_TYPE(type);
+    int8 = 1, quad |= QUAD_TYPE(type), repacked |= R16_SIGNED_X(type);
   }
   const int x_bf16 = PAGODA_DTYPE == PAGODA_BFLOAT16;
   if (int8) quantize_rows(x, x_stride, x_bf16, rows, k, qx->q, qx->d, qx->s, quad ? qx->g : NULL);
@@ -147,7 +147,7 @@ static void part_columns(int64_t type, const uint8_t *w, int64_t j0, int64_t j1,
     return;
   }
 #endif
-  columns_for(type)(w, j0, j1, k, R16_TYPE(type) ? qx->r : qx->q, qx->d, qx->s, qx->g, rows, y, y_stride, y_bf16);
+  columns_for(type)(w, j0, j1, k, R16_SIGNED_X(type) ? qx->r : qx->q, qx->d, qx->s, qx->g, rows, y, y_stride, y_bf16);
 }
 
 /* Columns j0..j1 of x W^T for a weight of several runs: each run's share, at its own column offset. */

@@ -188,7 +188,7 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
       nu[t * rows + r] = (nucleus_t){pool + (t * rows + r) * 2 * max_cap, 0, cap[r], -INFINITY, 0, -INFINITY,
                                      0.0, 0, top_p[r] < 1.0f};
   quantize_rows(x, x_stride, (int)x_bf16, rows, k, xq, xd, xs, xg);
-  if (R16_TYPE(type)) r16_signed_x(xq, xq, rows * k);
+  if (R16_SIGNED_X(type)) r16_signed_x(xq, xq, rows * k);
 #if PATH == 2
   prepare_x(xq, xblocks, (xblock *)xb);
 #endif

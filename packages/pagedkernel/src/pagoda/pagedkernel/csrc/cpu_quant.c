@@ -47,7 +47,8 @@
 
 /* GGUF type ids (gguf's GGMLQuantizationType), and Pagoda's own int4 group formats (formats.py). */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, I4_G64 = 1064, I4_G128 = 1128,
-       Q8_0_R16 = 1208, Q4_1_R16 = 1203, Q5_0_R16 = 1206, Q4_K_R16 = 1212 };
+       Q8_0_R16 = 1208, Q4_1_R16 = 1203, Q5_0_R16 = 1206, Q4_K_R16 = 1212,
+       Q6_K_R16 = 1214 };
 
 #define QK 32        /* elements per activation block (and per block of the 32-element formats) */
 #define QK_K 256     /* elements per K-quant super-block */
@@ -72,6 +73,7 @@ static void type_info(int64_t type, int *elems, int *bytes, int *has_offset) {
     case Q4_1_R16: *elems = QK, *bytes = 20; break;
     case Q5_0_R16: *elems = QK, *bytes = 22; break;
     case Q4_K_R16: *elems = QK_K, *bytes = 144; break;
+    case Q6_K_R16: *elems = QK_K, *bytes = 210; break;
     case Q4_K: *elems = QK_K, *bytes = 144; break;
     case Q5_K: *elems = QK_K, *bytes = 176; break;
     case Q6_K: *elems = QK_K, *bytes = 210; break;
@@ -1037,6 +1039,7 @@ static columns_fn columns_for(int64_t type) {
     case Q4_1_R16: return columns_Q4_1_R16;
     case Q5_0_R16: return columns_Q5_0_R16;
     case Q4_K_R16: return columns_Q4_K_R16;
+    case Q6_K_R16: return columns_Q6_K_R16;
     default: return NULL;
   }
 }
@@ -1064,7 +1067,7 @@ int pagoda_quant_matmul(int64_t type, const uint8_t *weight, int64_t n, int64_t 
     return 2;
   }
   quantize_rows(x, x_stride, (int)x_bf16, rows, k, xq, xd, xs, xg);
-  if (R16_TYPE(type)) r16_signed_x(xq, xq, rows * k);
+  if (R16_SIGNED_X(type)) r16_signed_x(xq, xq, rows * k);
   if (num_threads < 1 || n * k < (1 << 16)) num_threads = 1; /* waking threads would cost more */
   /* Chunks of 64 contiguous columns (43 KB of a Q8_0 LM head), handed out guided: each thread first takes long
    * contiguous runs (what the prefetchers stream best: a dynamic schedule's interleaved chunks made the LM head

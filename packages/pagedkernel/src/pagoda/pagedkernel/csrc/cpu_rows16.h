@@ -1,5 +1,5 @@
-/* Q8_0_R16, Q4_1_R16, Q5_0_R16, Q4_K_R16: Q8_0, Q4_1, Q5_0 and Q4_K weights repacked sixteen rows (output columns)
- * to a tile, times int8 rows of x (included by cpu_quant.c; the layouts' specification is pagoda/pagedkernel/quant/repack.py).
+/* Q8_0_R16, Q4_1_R16, Q5_0_R16, Q4_K_R16, Q6_K_R16: Q8_0, Q4_1, Q5_0, Q4_K and Q6_K weights repacked sixteen rows
+ * (output columns) to a tile, times int8 rows of x (included by cpu_quant.c; the layouts' specification is pagoda/pagedkernel/quant/repack.py).
  *
  * Why: the quad order reads one weight row at a time and sums its lanes across (a horizontal sum per output), so
  * from a few rows of x it is bound by instructions at ~40-45% of the int8 dot-product peak. Here a 512-bit register
@@ -19,46 +19,67 @@
  * their float16 dmin, then 8 W bytes [sub-block j][W rows] holding the low four bits of the 6-bit scale sc_j (low
  * nibble) and of the minimum m_j (high nibble), then W little-endian 32-bit words of their high two bits (bits
  * 2 j: sc_j's, bits 16 + 2 j: m_j's), then each of the eight 32-element sub-blocks' nibbles as Q4_1_R16's values;
- * a sub-block's d is d * sc_j and its minimum -(dmin * m_j), both exact in float32.
+ * a sub-block's d is d * sc_j and its minimum -(dmin * m_j), both exact in float32. Q6_K_R16 likewise (210 W bytes):
+ * the W rows' float16 d, their signed 8-bit scales [16 sub-blocks of 16][W], then per 32-element block its low four
+ * bits as Q4_1_R16's values and 8 W bytes [2 quads of groups][W rows][4] whose bits 2 i hold the high two bits of
+ * group 4 quad + i's element; u = q + 32, and each half of a block takes its own d * sc (exact).
  * A tile of W rows starts where row 16 t would in the source format (the same bytes in all).
  *
  * The arithmetic, the same on every path (AVX-512 VNNI, plain C), so every path and any number of rows give
  * bitwise the same y (tested): for row r of x and column c, per block b in order from acc = 0,
  * L = the exact integer sum of (u - z) q over the block (z = 128, 0, 16; x's signed q; the VNNI path sums u q from
  * -z sum q, the same integer), acc = fma((float)L, d * dx, acc), and for Q4_1 and Q4_K then acc = fma(m,
- * dx * (float)sum q, acc); y = acc (rounded to bfloat16 where asked).
+ * dx * (float)sum q, acc); for Q6_K L and d per half of the block (elements 0-15, then 16-31), two such fused
+ * multiply-adds; y = acc (rounded to bfloat16 where asked). Q6_K's VNNI products take x as the unsigned operand
+ * (q + 128, the form quantize_row writes there) and the signed u - z, less 128 times the half's sum of u - z.
  */
 
 #define R16_TILE 16
 #define R16_ROW_BLOCK_BYTES (256 * 1024) /* x's int8 rows per block of many rows: half a Zen 4 L2 */
 #define R16_PASS 8 /* rows of x whose sums stay in registers over a tile (FEW_ROWS on the VNNI path) */
-#define R16_TYPE(t) ((t) == Q8_0_R16 || (t) == Q4_1_R16 || (t) == Q5_0_R16 || (t) == Q4_K_R16)
-#define R16_K(t) ((t) == Q4_K_R16) /* super-blocks of 256 elements with a scale and a minimum per 32 */
+#define R16_TYPE(t) ((t) == Q8_0_R16 || (t) == Q4_1_R16 || (t) == Q5_0_R16 || (t) == Q4_K_R16 || (t) == Q6_K_R16)
+#define R16_K(t) ((t) == Q4_K_R16 || (t) == Q6_K_R16) /* super-blocks of 256 elements */
+/* Whether the kernel reads x's signed q (r16_signed_x), not the VNNI path's unsigned q + 128 (Q6_K: see above). */
+#define R16_SIGNED_X(t) (R16_TYPE(t) && (t) != Q6_K_R16)
 #define R16_MIN(t) ((t) == Q4_1_R16 || (t) == Q4_K_R16) /* blocks with a minimum */
-/* Bytes per row and block (a K layout: per super-block / 8); bytes of float16 fields (d, and Q4_1's m) per row and
- * block (a K layout's are per super-block); what u adds to the value (z). */
-#define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : (t) == Q4_K_R16 ? 18 : 22)
+/* Bytes per row and block (not K layouts); bytes of float16 fields (d, and Q4_1's m) per row and block; what u adds
+ * to the value (z); a K layout's bytes per row and super-block, and before its first block's values. */
+#define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : 22)
 #define R16_HALVES(t) ((t) == Q4_1_R16 ? 4 : 2)
-#define R16_BIAS(t) ((t) == Q8_0_R16 ? 128 : (t) == Q5_0_R16 ? 16 : 0)
-#define R16_K_BYTES 144 /* Q4_K's bytes per row and super-block */
+#define R16_BIAS(t) ((t) == Q8_0_R16 ? 128 : (t) == Q5_0_R16 ? 16 : (t) == Q6_K_R16 ? 32 : 0)
+#define R16_K_BYTES(t) ((t) == Q4_K_R16 ? 144 : 210)
+#define R16_K_HEAD(t) ((t) == Q4_K_R16 ? 16 : 18)
+#define R16_K_BLOCK(t) ((t) == Q4_K_R16 ? 16 : 24) /* a 32-element block's values per row */
+/* Bytes of a row of k elements (of every row: a tile of W rows is W times this). */
+#define R16_ROW_BYTES(t, k) (R16_K(t) ? (k) / QK_K * R16_K_BYTES(t) : (k) / QK * R16_BYTES(t))
 
 /* Block b's values (u) in a tile tw of W rows. */
 static inline const uint8_t *r16_values(const int64_t type, const uint8_t *tw, int w, int64_t b) {
-  if (R16_K(type)) return tw + (b / 8) * R16_K_BYTES * w + 16 * w + (b % 8) * 16 * w;
+  if (R16_K(type)) return tw + ((b / 8) * R16_K_BYTES(type) + R16_K_HEAD(type) + (b % 8) * R16_K_BLOCK(type)) * w;
   return tw + b * R16_BYTES(type) * w + R16_HALVES(type) * w;
+}
+
+/* Q6_K_R16: column c's d * sc of half h (elements 16 h ..) of block b (an exact float32 product). */
+static inline float r16_q6_scale(const uint8_t *tw, int w, int64_t b, int h, int c) {
+  const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(Q6_K_R16) * w;
+  return f16(ts + 2 * c) * (float)(int8_t)ts[2 * w + (2 * (b % 8) + h) * w + c];
 }
 
 /* Column c's d and minimum (0 without one) of block b in a tile tw of W rows, as the arithmetic takes them: a K
  * layout's d * sc_j and -(dmin * m_j) (exact float32 products of a float16 and a 6-bit integer). */
 static inline void r16_scales(const int64_t type, const uint8_t *tw, int w, int64_t b, int c, float *d, float *m) {
-  if (R16_K(type)) {
-    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES * w;
+  if (type == Q4_K_R16) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
     const int j = (int)(b % 8), low = ts[4 * w + j * w + c];
     uint32_t hi;
     memcpy(&hi, ts + 12 * w + 4 * c, sizeof hi);
     const int sc = (low & 15) | (int)((hi >> (2 * j)) & 3) << 4, mn = (low >> 4) | (int)((hi >> (16 + 2 * j)) & 3) << 4;
     *d = f16(ts + 2 * c) * (float)sc;
     *m = -(f16(ts + 2 * w + 2 * c) * (float)mn);
+    return;
+  }
+  if (type == Q6_K_R16) { /* a scale per half of the block: r16_q6_scale */
+    *d = 0.0f, *m = 0.0f;
     return;
   }
   const uint8_t *tb = tw + b * R16_BYTES(type) * w;
@@ -79,6 +100,7 @@ static inline uint64_t r16_bits(const uint8_t *p, int64_t at, int n) {
 static inline int32_t r16_u(const int64_t type, const uint8_t *v, int w, int c, int g, int e) {
   if (type == Q8_0_R16) return v[(g * w + c) * 4 + e];
   const int32_t nib = (v[((g / 2) * w + c) * 4 + e] >> (4 * (g % 2))) & 15;
+  if (type == Q6_K_R16) return nib | ((v[16 * w + ((g / 4) * w + c) * 4 + e] >> (2 * (g % 4))) & 3) << 4;
   if (type != Q5_0_R16) return nib;
   return nib | (int32_t)r16_bits(v + 16 * w, ((int64_t)g * w + c) * 4 + e, 1) << 4;
 }
@@ -122,12 +144,20 @@ INLINE void r16_pair(const int64_t type, const uint8_t *v, int w, __mmask16 m, i
     *v0 = _mm512_or_si512(*v0, _mm512_maskz_mov_epi8(b0, fifth));
     *v1 = _mm512_or_si512(*v1, _mm512_maskz_mov_epi8(b1, fifth));
   }
+  if (type == Q6_K_R16) { /* group 4 h + i's two bits at 2 i of the quad's bytes, moved to bits 4-5 (16-bit shifts:
+                             what crosses into the next byte lands outside 0x30) */
+    const __m512i hb = _mm512_maskz_loadu_epi32(m, v + 16 * w + (g / 4) * 4 * w), bits45 = _mm512_set1_epi8(0x30);
+    const int i = g % 4; /* 0 or 2: this pair's groups are i and i + 1 of the quad */
+    const __m512i h0 = i == 0 ? _mm512_slli_epi16(hb, 4) : hb, h1 = i == 0 ? _mm512_slli_epi16(hb, 2) : _mm512_srli_epi16(hb, 2);
+    *v0 = _mm512_or_si512(*v0, _mm512_and_si512(h0, bits45));
+    *v1 = _mm512_or_si512(*v1, _mm512_and_si512(h1, bits45));
+  }
 }
 
 /* r16_scales for the W columns of block b at once (lanes past W zero). */
 INLINE void r16_scales_v(const int64_t type, const uint8_t *tw, int w, __mmask16 m, int64_t b, __m512 *d, __m512 *mn) {
-  if (R16_K(type)) {
-    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES * w;
+  if (type == Q4_K_R16) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
     const int j = (int)(b % 8);
     const __m512i low = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, ts + 4 * w + j * w));
     const __m512i hi = _mm512_maskz_loadu_epi32(m, ts + 12 * w), three = _mm512_set1_epi32(3);
@@ -141,9 +171,20 @@ INLINE void r16_scales_v(const int64_t type, const uint8_t *tw, int w, __mmask16
     *mn = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mi))), sign));
     return;
   }
+  if (type == Q6_K_R16) { /* a scale per half of the block: r16_q6_scales_v */
+    *d = _mm512_setzero_ps(), *mn = _mm512_setzero_ps();
+    return;
+  }
   const uint8_t *tb = tw + b * R16_BYTES(type) * w;
   *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
   *mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : _mm512_setzero_ps();
+}
+
+/* Q6_K_R16: the W columns' d * sc of half h of block b (lanes past W zero). */
+INLINE __m512 r16_q6_scales_v(const uint8_t *tw, int w, __mmask16 m, int64_t b, int h) {
+  const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(Q6_K_R16) * w;
+  const __m512i sc = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, ts + 2 * w + (2 * (b % 8) + h) * w));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, ts)), _mm512_cvtepi32_ps(sc));
 }
 
 /* One tile of W <= 16 columns (tw its bytes) for rows r0 .. r0 + R of x (R a constant once inlined): per block,
@@ -153,12 +194,41 @@ INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, 
                      const float *xd, const int32_t *xs, int64_t k, int64_t r0, void *y, int64_t y_stride,
                      int64_t col, int y_bf16, int prefetch) {
   const __mmask16 m = (__mmask16)((1u << w) - 1u);
-  const int64_t block_bytes = R16_BYTES(type) * (int64_t)w; /* a K layout's: on average (its bytes stream as one) */
+  /* a K layout's bytes per block on average: its super-blocks stream as one */
+  const int64_t block_bytes = (R16_K(type) ? R16_K_BYTES(type) / 8 : R16_BYTES(type)) * (int64_t)w;
   __m512 acc[8];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t *tb = r16_values(type, tw, w, b);
     if (prefetch) prefetch_ahead(tw + b * block_bytes, block_bytes);
+    if (type == Q6_K_R16) { /* per half: sixteen lanes of the sum of (q + 128)(u - 32), less 128 sum (u - 32) */
+      const __m512i z = _mm512_set1_epi8(32), ones = _mm512_set1_epi8(1);
+      for (int h = 0; h < 2; h++) {
+        __m512i s[8], c = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+        for (int g = 4 * h; g < 4 * h + 4; g += 2) {
+          __m512i v0, v1;
+          r16_pair(type, tb, w, m, g, &v0, &v1);
+          v0 = _mm512_sub_epi8(v0, z), v1 = _mm512_sub_epi8(v1, z);
+          c = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, ones, v0), ones, v1);
+          for (int r = 0; r < R; r++) {
+            int32_t x0, x1;
+            memcpy(&x0, xq + (r0 + r) * k + b * QK + 4 * g, sizeof x0);
+            memcpy(&x1, xq + (r0 + r) * k + b * QK + 4 * g + 4, sizeof x1);
+            s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(x0), v0);
+            s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(x1), v1);
+          }
+        }
+        const __m512 d = r16_q6_scales_v(tw, w, m, b, h);
+        const __m512i bias = _mm512_slli_epi32(c, 7);
+        for (int r = 0; r < R; r++) {
+          const float dx = xd[(r0 + r) * (k / QK) + b];
+          const __m512 l = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], bias));
+          acc[r] = _mm512_fmadd_ps(l, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+        }
+      }
+      continue;
+    }
     __m512i s[8];
     for (int r = 0; r < R; r++) s[r] = _mm512_set1_epi32(-R16_BIAS(type) * xs[(r0 + r) * (k / QK) + b]);
     for (int g = 0; g < 8; g += 2) {
@@ -194,6 +264,15 @@ static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t b
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t *v = r16_values(type, tw, w, b);
     for (int c = 0; c < w; c++) {
+      if (type == Q6_K_R16) { /* each half of the block with its own scale */
+        for (int h = 0; h < 2; h++) {
+          int32_t l = 0;
+          for (int g = 4 * h; g < 4 * h + 4; g++)
+            for (int e = 0; e < 4; e++) l += (r16_u(type, v, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
+          acc[c] = fmaf((float)l, r16_q6_scale(tw, w, b, h, c) * xdr[b], acc[c]);
+        }
+        continue;
+      }
       int32_t l = 0;
       for (int g = 0; g < 8; g++)
         for (int e = 0; e < 4; e++) l += (r16_u(type, v, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
@@ -212,7 +291,7 @@ static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t b
 INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                         const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, void *y,
                         int64_t y_stride, int y_bf16) {
-  const int64_t blocks = k / QK, row_bytes = blocks * R16_BYTES(type);
+  const int64_t blocks = k / QK, row_bytes = R16_ROW_BYTES(type, k);
 #if PATH == 2
   prefetch_start(weight + j0 * row_bytes);
 #endif
@@ -248,6 +327,7 @@ R16_COLUMNS_FOR(Q8_0_R16)
 R16_COLUMNS_FOR(Q4_1_R16)
 R16_COLUMNS_FOR(Q5_0_R16)
 R16_COLUMNS_FOR(Q4_K_R16)
+R16_COLUMNS_FOR(Q6_K_R16)
 
 #if PATH == 2
 /* One block of a tile of W columns (tb) into rows of dst (column c's elements at index at + c * k ..): per pair of
@@ -257,8 +337,9 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, i
                                  int64_t k, int bf16) {
   const __mmask16 m = (__mmask16)((1u << w) - 1u);
   const uint8_t *tb = r16_values(type, tw, w, b);
-  __m512 d, mn;
+  __m512 d, mn, halves[2];
   r16_scales_v(type, tw, w, m, b, &d, &mn);
+  if (type == Q6_K_R16) halves[0] = r16_q6_scales_v(tw, w, m, b, 0), halves[1] = r16_q6_scales_v(tw, w, m, b, 1);
   const __m512i z = _mm512_set1_epi32(R16_BIAS(type));
   const __m512i lane_col = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
   for (int g = 0; g < 8; g += 2) {
@@ -270,7 +351,7 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, i
       for (int i = 0; 4 * i < w; i++) {
         const __m512i idx = _mm512_add_epi32(lane_col, _mm512_set1_epi32(4 * i));
         const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + 16 * i))), z);
-        __m512 val = _mm512_mul_ps(_mm512_permutexvar_ps(idx, d), _mm512_cvtepi32_ps(q));
+        __m512 val = _mm512_mul_ps(_mm512_permutexvar_ps(idx, type == Q6_K_R16 ? halves[g / 4] : d), _mm512_cvtepi32_ps(q));
         if (R16_MIN(type)) val = _mm512_add_ps(val, _mm512_permutexvar_ps(idx, mn));
         const int64_t to = at + 4 * (g + h);
         if (!bf16) { /* four floats a column: one 16-byte move each */
@@ -302,7 +383,7 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, i
 int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, int64_t k, int64_t r0, int64_t r1,
                                 void *dst, int64_t bf16, int64_t num_threads) {
   if (!R16_TYPE(type) || k % (R16_K(type) ? QK_K : QK) || r0 % R16_TILE || r0 < 0 || r1 > n || (r1 % R16_TILE && r1 != n)) return 1;
-  const int64_t blocks = k / QK, row_bytes = blocks * R16_BYTES(type), tiles = (r1 - r0 + R16_TILE - 1) / R16_TILE;
+  const int64_t blocks = k / QK, row_bytes = R16_ROW_BYTES(type, k), tiles = (r1 - r0 + R16_TILE - 1) / R16_TILE;
   if (num_threads < 1 || tiles < 4) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t t = 0; t < tiles; t++) {
@@ -320,7 +401,8 @@ int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, 
         const int64_t at = (j - r0 + c) * k + b * QK;
         for (int g = 0; g < 8; g++)
           for (int e = 0; e < 4; e++) {
-            float v = d * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
+            const float dg = type == Q6_K_R16 ? r16_q6_scale(tw, w, b, g / 4, c) : d;
+            float v = dg * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
             if (R16_MIN(type)) v = v + m;
             store_value(v, dst, at + 4 * g + e, (int)bf16);
           }

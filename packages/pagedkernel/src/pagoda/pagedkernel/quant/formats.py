@@ -7,7 +7,7 @@ Two formats are Pagoda's own, for `--quantization int4` with groups of 64 or 128
 scale d and minimum m per group, then the group's 4-bit values q, 16 bytes per 32 values in Q4_1's nibble order;
 value = d * q + m. They are numbered above 1000, clear of gguf's ids, and never appear in a GGUF file.
 
-`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16` and `Q4_K_R16` are those formats repacked for the CPU's int8 kernel: the same
+`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16`, `Q4_K_R16` and `Q6_K_R16` are those formats repacked for the CPU's int8 kernel: the same
 bytes per row, rows interleaved sixteen to a tile (`repack.py` specifies the layouts and converts both ways). They
 are layouts made at load, never read from a file.
 """
@@ -34,10 +34,11 @@ class GGMLType(enum.IntEnum):
     Q6_K = 14
     I4_G64 = 1064  # Pagoda's own (see above): int4, one scale and minimum per 64 values
     I4_G128 = 1128  # the same per 128 values
-    Q4_1_R16 = 1203  # Q4_1, Q5_0, Q8_0 and Q4_K with rows interleaved sixteen to a tile (repack.py)
+    Q4_1_R16 = 1203  # Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with rows interleaved sixteen to a tile (repack.py)
     Q5_0_R16 = 1206
     Q8_0_R16 = 1208
     Q4_K_R16 = 1212
+    Q6_K_R16 = 1214
 
 
 QK_K = 256  # elements of a K-quant super-block
@@ -59,13 +60,16 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q5_0_R16: (32, 2 + 4 + 16),
     GGMLType.Q8_0_R16: (32, 2 + 32),
     GGMLType.Q4_K_R16: (QK_K, 2 + 2 + 12 + QK_K // 2),
+    GGMLType.Q6_K_R16: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
 }
 
 # Pagoda's own formats: not GGUF types, so never looked up by a GGUF tensor's type name.
 OWN_TYPES = frozenset({GGMLType.I4_G64, GGMLType.I4_G128})
 # Layouts of another format's blocks (made at load by `repack.py`, never in a file): multiplied by the int8 GEMV
 # alone.
-REPACKED_TYPES = frozenset({GGMLType.Q4_1_R16, GGMLType.Q5_0_R16, GGMLType.Q8_0_R16, GGMLType.Q4_K_R16})
+REPACKED_TYPES = frozenset(
+    {GGMLType.Q4_1_R16, GGMLType.Q5_0_R16, GGMLType.Q8_0_R16, GGMLType.Q4_K_R16, GGMLType.Q6_K_R16}
+)
 
 
 def ggml_type(qtype: int | str) -> GGMLType:

@@ -1,5 +1,5 @@
-"""Q8_0, Q4_1, Q5_0 and Q4_K repacked sixteen rows to a tile (`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16`, `Q4_K_R16`): the
-layouts' specification, and conversions both ways.
+"""Q8_0, Q4_1, Q5_0, Q4_K and Q6_K repacked sixteen rows to a tile (`Q8_0_R16`, `Q4_1_R16`, `Q5_0_R16`, `Q4_K_R16`,
+`Q6_K_R16`): the layouts' specification, and conversions both ways.
 
 Rows are taken in tiles of `TILE_ROWS` (the last tile holds the rows left over, W < 16 of them). A tile of W rows
 keeps each 32-element block of its rows together, W times the source format's bytes per block: the W rows' float16
@@ -13,7 +13,11 @@ e = 0..3) of each row c:
 float16 d, then their float16 dmin, then W bytes per sub-block j = 0..7 ([8][W]) holding the low four bits of the
 6-bit scale sc_j (low nibble) and of the 6-bit minimum m_j (high nibble), then one little-endian 32-bit word per row
 with their high two bits (sc_j's at bit 2 j, m_j's at bit 16 + 2 j), then each 32-element sub-block's nibbles u as
-Q4_1's values above. Its value is (d sc_j) u - dmin m_j, as Q4_K's.
+Q4_1's values above. Its value is (d sc_j) u - dmin m_j, as Q4_K's. `Q6_K_R16` (W times Q6_K's 210 bytes per
+super-block): the W rows' float16 d, their signed 8-bit scales as [16 sub-blocks of 16][W], then per 32-element block
+(elements 32 j.. of the super-block in ggml's order) its values' low four bits as Q4_1's values above, then 8 W bytes
+[2 quads of groups][W rows][4] whose bits 2 i hold the high two bits of group 4 quad + i's element; u = q + 32, the
+value (d sc) (u - 32) with each 16 elements' own sc.
 Tile t starts at byte 16 t * row_bytes, where row 16 t starts in the source format: the same bytes in all.
 
 Why: the CPU's int8 kernel (csrc/cpu_rows16.h) then loads four elements of sixteen rows as one 512-bit operand of
@@ -22,6 +26,8 @@ with no horizontal sums: about the int8 peak from a few rows of x, where the row
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from pagoda.pagedkernel.quant.formats import BLOCK_SIZES, GGMLType, QuantizedTensor
@@ -35,6 +41,7 @@ LAYOUT_OF: dict[GGMLType, GGMLType] = {
     GGMLType.Q4_1: GGMLType.Q4_1_R16,
     GGMLType.Q5_0: GGMLType.Q5_0_R16,
     GGMLType.Q4_K: GGMLType.Q4_K_R16,
+    GGMLType.Q6_K: GGMLType.Q6_K_R16,
 }
 SOURCE_OF: dict[GGMLType, GGMLType] = {layout: source for source, layout in LAYOUT_OF.items()}
 # Rows converted per step: bounds the temporaries to tens of MB (a multiple of the tile).
@@ -175,6 +182,71 @@ def _k_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 144 W] -> [T, W
     return _k_block(halves, torch.cat((sc, mins), dim=-1), u)
 
 
+def _q6_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 210] -> see below
+    """A Q6_K block's float16 bytes d [..., 2], its sixteen scale bytes, and its values u = q + 32 [..., 8 blocks,
+    32] in element order (ggml's: per half of 128, quarter l's elements are the low nibbles of ql's first 32 bytes,
+    then of its next 32, then their high nibbles, with qh's bits 2 l)."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 2, 32)  # [half, 32-byte run, 32]
+    low = torch.cat((ql & 15, ql >> 4), dim=-2)  # [half, quarter, 32]
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    high = torch.cat([(qh >> (2 * q)) & 3 for q in range(4)], dim=-2)
+    return blocks[..., 208:210], blocks[..., 192:208], (low | (high << 4)).reshape(*lead, 8, 32)
+
+
+def _q6_block(d: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of `_q6_fields`
+    """Q6_K blocks [..., 210] from their float16 bytes, scale bytes and values."""
+    lead = u.shape[:-2]
+    quarters = u.reshape(*lead, 2, 4, 32)
+    low, high = quarters & 15, quarters >> 4
+    ql = (low[..., 0:2, :] | (low[..., 2:4, :] << 4)).reshape(*lead, 128)
+    qh = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)).reshape(
+        *lead, 64
+    )
+    return torch.cat((ql, qh, scales, d), dim=-1)
+
+
+def _q6_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 210] -> [T, B, 210 W]
+    """Tiles of W rows of Q6_K blocks laid out as `Q6_K_R16`."""
+    t, w, b, _ = blocks.shape
+    d, scales, u = _q6_fields(blocks)
+    head = d.permute(0, 2, 1, 3).reshape(t, b, 2 * w)
+    scale_rows = scales.permute(0, 2, 3, 1).reshape(t, b, 16 * w)
+    values = u.reshape(t, w, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5)  # [T, B, block, group, W, 4]
+    low = (values & 15).reshape(t, b, 8, 4, 2, w, 4)
+    pairs = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).reshape(t, b, 8, 16 * w)
+    high = (values >> 4).reshape(t, b, 8, 2, 4, w, 4)
+    quads = (
+        high[:, :, :, :, 0]
+        | (high[:, :, :, :, 1] << 2)
+        | (high[:, :, :, :, 2] << 4)
+        | (high[:, :, :, :, 3] << 6)
+    )
+    blocks_out = torch.cat((pairs, quads.reshape(t, b, 8, 8 * w)), dim=-1).reshape(t, b, 192 * w)
+    return torch.cat((head, scale_rows, blocks_out), dim=-1)
+
+
+def _q6_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 210 W] -> [T, W, B, 210]
+    """The inverse of `_q6_tiles`."""
+    t, b, _ = tiles.shape
+    d = tiles[..., : 2 * w].reshape(t, b, w, 2).permute(0, 2, 1, 3)
+    scales = tiles[..., 2 * w : 18 * w].reshape(t, b, 16, w).permute(0, 3, 1, 2)
+    blocks = tiles[..., 18 * w :].reshape(t, b, 8, 24 * w)
+    pairs = blocks[..., : 16 * w].reshape(t, b, 8, 4, 1, w, 4)
+    low = torch.cat((pairs & 15, pairs >> 4), dim=4).reshape(t, b, 8, 8, w, 4)
+    quads = blocks[..., 16 * w :].reshape(t, b, 8, 2, 1, w, 4)
+    high = torch.cat([(quads >> (2 * i)) & 3 for i in range(4)], dim=4).reshape(t, b, 8, 8, w, 4)
+    u = (low | (high << 4)).permute(0, 4, 1, 2, 3, 5).reshape(t, w, b, 8, 32)
+    return _q6_block(d, scales, u)
+
+
+# The super-block formats' conversions to tiles and back.
+_SUPER_BLOCKS: dict[GGMLType, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, int], Tensor]]] = {
+    GGMLType.Q4_K: (_k_tiles, _k_untiles),
+    GGMLType.Q6_K: (_q6_tiles, _q6_untiles),
+}
+
+
 def _checked(
     weight: QuantizedTensor, allowed: dict[GGMLType, GGMLType]
 ) -> Tensor:  # -> uint8 [rows, row_bytes]
@@ -196,11 +268,12 @@ def _convert(rows: Tensor, source: GGMLType, to_tiles: bool) -> Tensor:  # uint8
         if stop == start:
             continue
         part, count = rows[start:stop], (stop - start) // w
-        if source is GGMLType.Q4_K:
+        if source in _SUPER_BLOCKS:
+            tiles, untiles = _SUPER_BLOCKS[source]
             shaped = (
                 part.reshape(count, w, blocks, size) if to_tiles else part.reshape(count, blocks, w * size)
             )
-            converted = _k_tiles(shaped) if to_tiles else _k_untiles(shaped, w)
+            converted = tiles(shaped) if to_tiles else untiles(shaped, w)
             out.append(converted.reshape(stop - start, row_bytes))
         elif to_tiles:
             halves, u = _decode(source, part.reshape(count, w, blocks, size))
@@ -212,7 +285,7 @@ def _convert(rows: Tensor, source: GGMLType, to_tiles: bool) -> Tensor:  # uint8
 
 
 def repack(weight: QuantizedTensor, *, in_place: bool = False) -> QuantizedTensor:
-    """Q8_0 / Q4_1 / Q5_0 / Q4_K -> its `_R16` layout: a new tensor, or (in_place) the same bytes rewritten a chunk of rows
+    """Q8_0 / Q4_1 / Q5_0 / Q4_K / Q6_K -> its `_R16` layout: a new tensor, or (in_place) the same bytes rewritten a chunk of rows
     at a time (no second copy of the weight, e.g. of a model's LM head at load)."""
     rows = _checked(weight, LAYOUT_OF)
     out = rows if in_place else torch.empty_like(rows)
