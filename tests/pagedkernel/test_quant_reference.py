@@ -197,6 +197,21 @@ def test_quantize_refuses_what_it_cannot_write() -> None:
         quantize(torch.zeros(64), GGMLType.Q8_0)
 
 
+def assert_repacked_as(weight: QuantizedTensor, layout: GGMLType, expected: bytes) -> None:
+    """`weight` (20 rows) repacks to `layout` with exactly the `expected` bytes, and back; rows taken from both
+    tiles (a whole one and a short one) and the dequantized values are the source's; in place too."""
+    packed = repack.repack(weight)
+    assert packed.qtype is layout and packed.shape == weight.shape
+    assert bytes(packed.data.reshape(-1).numpy()) == expected
+    assert torch.equal(repack.unpack(packed).data, weight.data)
+    ids = torch.tensor([19, 0, 17, 5, 16])
+    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
+    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
+    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
+    in_place = repack.repack(copy, in_place=True)
+    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+
+
 @pytest.mark.parametrize("source", [GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q5_0], ids=lambda t: t.name)
 def test_repacked_layouts_as_specified(source: GGMLType) -> None:
     """The `_R16` layouts (repack.py, written out here): rows in tiles of 16 (20 rows: a tile and one of 4); per
@@ -248,16 +263,7 @@ def test_repacked_layouts_as_specified(source: GGMLType) -> None:
                     u(t0 + r, b, 4 * grp + e) >> 4 for grp in range(8) for r in range(width) for e in range(4)
                 ]
                 expected += bytes(sum(bits[i + j] << j for j in range(8)) for i in range(0, len(bits), 8))
-    packed = repack.repack(weight)
-    assert packed.qtype is layout and packed.shape == weight.shape
-    assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
-    assert torch.equal(repack.unpack(packed).data, weight.data)
-    ids = torch.tensor([19, 0, 17, 5, 16])
-    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
-    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
-    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
-    in_place = repack.repack(copy, in_place=True)
-    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+    assert_repacked_as(weight, layout, bytes(expected))
 
 
 def test_q4_k_repacked_layout_as_specified() -> None:
@@ -306,16 +312,7 @@ def test_q4_k_repacked_layout_as_specified() -> None:
                         expected += bytes(
                             u(r, s, j, 8 * pair + e) | u(r, s, j, 8 * pair + 4 + e) << 4 for e in range(4)
                         )
-    packed = repack.repack(weight)
-    assert packed.qtype is layout and packed.shape == weight.shape
-    assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
-    assert torch.equal(repack.unpack(packed).data, weight.data)
-    ids = torch.tensor([19, 0, 17, 5, 16])
-    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
-    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
-    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
-    in_place = repack.repack(copy, in_place=True)
-    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+    assert_repacked_as(weight, layout, bytes(expected))
 
 
 def test_q6_k_repacked_layout_as_specified() -> None:
@@ -360,16 +357,7 @@ def test_q6_k_repacked_layout_as_specified() -> None:
                             sum((u(r, s, 32 * b + 16 * quad + 4 * i + e) >> 4) << 2 * i for i in range(4))
                             for e in range(4)
                         )
-    packed = repack.repack(weight)
-    assert packed.qtype is layout and packed.shape == weight.shape
-    assert bytes(packed.data.reshape(-1).numpy()) == bytes(expected)
-    assert torch.equal(repack.unpack(packed).data, weight.data)
-    ids = torch.tensor([19, 0, 17, 5, 16])
-    assert torch.equal(repack.take_rows(packed, ids).data, repack.take_rows(weight, ids).data)
-    assert torch.equal(dequantize(packed, backend="torch"), dequantize(weight, backend="torch"))
-    copy = QuantizedTensor(weight.data.clone(), weight.qtype, weight.shape)
-    in_place = repack.repack(copy, in_place=True)
-    assert in_place.data.data_ptr() == copy.data.data_ptr() and torch.equal(in_place.data, packed.data)
+    assert_repacked_as(weight, layout, bytes(expected))
 
 
 def test_repack_refuses_other_formats() -> None:
