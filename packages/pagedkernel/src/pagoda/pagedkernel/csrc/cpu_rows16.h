@@ -1,5 +1,6 @@
 /* Q8_0_R16, Q4_1_R16, Q5_0_R16, Q4_K_R16, Q6_K_R16: Q8_0, Q4_1, Q5_0, Q4_K and Q6_K weights repacked sixteen rows
- * (output columns) to a tile, times int8 rows of x (included by cpu_quant.c; the layouts' specification is pagoda/pagedkernel/quant/repack.py).
+ * (output columns) to a tile, times int8 rows of x (included by cpu_quant.c; the layouts' specification is
+ * pagoda/pagedkernel/quant/repack.py).
  *
  * Why: the quad order reads one weight row at a time and sums its lanes across (a horizontal sum per output), so
  * from a few rows of x it is bound by instructions at ~40-45% of the int8 dot-product peak. Here a 512-bit register
