@@ -134,12 +134,12 @@ def test_tokens_do_not_depend_on_the_thread_count() -> None:
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_other_gemv_paths_draw_the_same_tokens(march: str) -> None:
     """The AVX2 and generic C builds (the GEMV's other dot-product paths) draw what the native build draws (a
-    repacked head too, whose tail tile is 9 rows)."""
+    repacked head too, whose tail tile is 9 rows: Q6_K_R16's products take x unsigned on the VNNI path)."""
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 targets")
     flags = (*(f for f in fh.CFLAGS if not f.startswith("-march=")), f"-march={march}")
     lib = fh.load(fh.build(flags))
-    for qtype in (GGMLType.Q8_0, GGMLType.Q5_1, GGMLType.Q6_K, GGMLType.Q8_0_R16):
+    for qtype in (GGMLType.Q8_0, GGMLType.Q5_1, GGMLType.Q6_K, GGMLType.Q8_0_R16, GGMLType.Q6_K_R16):
         weight = random_weight(qtype, (5 * HEAD_CHUNK + 9, 256), torch.Generator().manual_seed(int(qtype)))
         for rows in (1, 3):
             x, inv_t, keys = inputs(rows, 256, torch.float32, rows)
