@@ -117,7 +117,7 @@ def _untiles(qtype: GGMLType, tiles: Tensor, w: int) -> tuple[Tensor, Tensor]:  
     return halves, values.permute(0, 3, 1, 2, 4).reshape(t, w, b, _VALUES)
 
 
-def _k_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 144] -> see below
+def _q4k_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 144] -> see below
     """A Q4_K block's four float16 bytes (d, dmin), its eight 6-bit scales then eight 6-bit minima [..., 16], and its
     values u [..., 8 sub-blocks, 32]."""
     packed = blocks[..., 4:16]
@@ -131,7 +131,7 @@ def _k_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 1
     return blocks[..., :4], scales, u
 
 
-def _k_block(halves: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of `_k_fields`
+def _q4k_block(halves: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of `_q4k_fields`
     """Q4_K blocks [..., 144] from their float16 bytes, scales and minima, and values."""
     sc, mins = scales[..., :8], scales[..., 8:]
     packed = torch.cat(
@@ -146,10 +146,10 @@ def _k_block(halves: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the invers
     return torch.cat((halves, packed, (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).flatten(-2)), dim=-1)
 
 
-def _k_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 144] -> [T, B, 144 W]
+def _q4k_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 144] -> [T, B, 144 W]
     """Tiles of W rows of Q4_K blocks laid out as `Q4_K_R16`."""
     t, w, b, _ = blocks.shape
-    halves, scales, u = _k_fields(blocks)
+    halves, scales, u = _q4k_fields(blocks)
     head = (
         halves.reshape(t, w, b, 2, 2).permute(0, 2, 3, 1, 4).reshape(t, b, 4 * w)
     )  # d of each row, then dmin
@@ -166,8 +166,8 @@ def _k_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 144] -> [T, B, 144 W]
     return torch.cat(parts, dim=-1)
 
 
-def _k_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 144 W] -> [T, W, B, 144]
-    """The inverse of `_k_tiles`."""
+def _q4k_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 144 W] -> [T, W, B, 144]
+    """The inverse of `_q4k_tiles`."""
     t, b, _ = tiles.shape
     halves = tiles[..., : 4 * w].reshape(t, b, 2, w, 2).permute(0, 3, 1, 2, 4).reshape(t, w, b, 4)
     low = tiles[..., 4 * w : 12 * w].reshape(t, b, 8, w).permute(0, 3, 1, 2)  # [T, W, B, 8]
@@ -179,10 +179,10 @@ def _k_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 144 W] -> [T, W
     pairs = tiles[..., 16 * w :].reshape(t, b, 8, 4, 1, w, 4)
     values = torch.cat((pairs & 15, pairs >> 4), dim=4)  # [T, B, sub, pair, 2, W, 4]
     u = values.permute(0, 5, 1, 2, 3, 4, 6).reshape(t, w, b, 8, 32)
-    return _k_block(halves, torch.cat((sc, mins), dim=-1), u)
+    return _q4k_block(halves, torch.cat((sc, mins), dim=-1), u)
 
 
-def _q6_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 210] -> see below
+def _q6k_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 210] -> see below
     """A Q6_K block's float16 bytes d [..., 2], its sixteen scale bytes, and its values u = q + 32 [..., 8 blocks,
     32] in element order (ggml's: per half of 128, quarter l's elements are the low nibbles of ql's first 32 bytes,
     then of its next 32, then their high nibbles, with qh's bits 2 l)."""
@@ -194,7 +194,7 @@ def _q6_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 
     return blocks[..., 208:210], blocks[..., 192:208], (low | (high << 4)).reshape(*lead, 8, 32)
 
 
-def _q6_block(d: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of `_q6_fields`
+def _q6k_block(d: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of `_q6k_fields`
     """Q6_K blocks [..., 210] from their float16 bytes, scale bytes and values."""
     lead = u.shape[:-2]
     quarters = u.reshape(*lead, 2, 4, 32)
@@ -206,10 +206,10 @@ def _q6_block(d: Tensor, scales: Tensor, u: Tensor) -> Tensor:  # the inverse of
     return torch.cat((ql, qh, scales, d), dim=-1)
 
 
-def _q6_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 210] -> [T, B, 210 W]
+def _q6k_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 210] -> [T, B, 210 W]
     """Tiles of W rows of Q6_K blocks laid out as `Q6_K_R16`."""
     t, w, b, _ = blocks.shape
-    d, scales, u = _q6_fields(blocks)
+    d, scales, u = _q6k_fields(blocks)
     head = d.permute(0, 2, 1, 3).reshape(t, b, 2 * w)
     scale_rows = scales.permute(0, 2, 3, 1).reshape(t, b, 16 * w)
     values = u.reshape(t, w, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5)  # [T, B, block, group, W, 4]
@@ -226,8 +226,8 @@ def _q6_tiles(blocks: Tensor) -> Tensor:  # uint8 [T, W, B, 210] -> [T, B, 210 W
     return torch.cat((head, scale_rows, blocks_out), dim=-1)
 
 
-def _q6_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 210 W] -> [T, W, B, 210]
-    """The inverse of `_q6_tiles`."""
+def _q6k_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 210 W] -> [T, W, B, 210]
+    """The inverse of `_q6k_tiles`."""
     t, b, _ = tiles.shape
     d = tiles[..., : 2 * w].reshape(t, b, w, 2).permute(0, 2, 1, 3)
     scales = tiles[..., 2 * w : 18 * w].reshape(t, b, 16, w).permute(0, 3, 1, 2)
@@ -237,13 +237,13 @@ def _q6_untiles(tiles: Tensor, w: int) -> Tensor:  # uint8 [T, B, 210 W] -> [T, 
     quads = blocks[..., 16 * w :].reshape(t, b, 8, 2, 1, w, 4)
     high = torch.cat([(quads >> (2 * i)) & 3 for i in range(4)], dim=4).reshape(t, b, 8, 8, w, 4)
     u = (low | (high << 4)).permute(0, 4, 1, 2, 3, 5).reshape(t, w, b, 8, 32)
-    return _q6_block(d, scales, u)
+    return _q6k_block(d, scales, u)
 
 
 # The super-block formats' conversions to tiles and back.
 _SUPER_BLOCKS: dict[GGMLType, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, int], Tensor]]] = {
-    GGMLType.Q4_K: (_k_tiles, _k_untiles),
-    GGMLType.Q6_K: (_q6_tiles, _q6_untiles),
+    GGMLType.Q4_K: (_q4k_tiles, _q4k_untiles),
+    GGMLType.Q6_K: (_q6k_tiles, _q6k_untiles),
 }
 
 
