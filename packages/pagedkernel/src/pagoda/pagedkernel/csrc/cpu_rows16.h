@@ -43,6 +43,7 @@
 /* Whether the kernel reads x's signed q (r16_signed_x), not the VNNI path's unsigned q + 128 (Q6_K: see above). */
 #define R16_SIGNED_X(t) (R16_TYPE(t) && (t) != Q6_K_R16)
 #define R16_MIN(t) ((t) == Q4_1_R16 || (t) == Q4_K_R16) /* blocks with a minimum */
+#define R16_HALF_SCALES(t) ((t) == Q6_K_R16) /* a scale per 16-element half of a block */
 /* Bytes per row and block (not K layouts); bytes of float16 fields (d, and Q4_1's m) per row and block; what u adds
  * to the value (z); a K layout's bytes per row and super-block, and before its first block's values. */
 #define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : 22)
@@ -60,15 +61,11 @@ static inline const uint8_t *r16_values(const int64_t type, const uint8_t *tw, i
   return tw + b * R16_BYTES(type) * w + R16_HALVES(type) * w;
 }
 
-/* Q6_K_R16: column c's d * sc of half h (elements 16 h ..) of block b (an exact float32 product). */
-static inline float r16_q6_scale(const uint8_t *tw, int w, int64_t b, int h, int c) {
-  const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(Q6_K_R16) * w;
-  return f16(ts + 2 * c) * (float)(int8_t)ts[2 * w + (2 * (b % 8) + h) * w + c];
-}
-
-/* Column c's d and minimum (0 without one) of block b in a tile tw of W rows, as the arithmetic takes them: a K
- * layout's d * sc_j and -(dmin * m_j) (exact float32 products of a float16 and a 6-bit integer). */
-static inline void r16_scales(const int64_t type, const uint8_t *tw, int w, int64_t b, int c, float *d, float *m) {
+/* Column c's d and minimum (0 without one) of block b in a tile tw of W rows, as the arithmetic takes them: Q4_K's
+ * d * sc_j and -(dmin * m_j) (exact float32 products of a float16 and a 6-bit integer); Q6_K's d * sc of half h
+ * (elements 16 h ..; exact too), the other layouts' the same for both halves. */
+static inline void r16_scales(const int64_t type, const uint8_t *tw, int w, int64_t b, int h, int c, float *d,
+                              float *m) {
   if (type == Q4_K_R16) {
     const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
     const int j = (int)(b % 8), low = ts[4 * w + j * w + c];
@@ -79,8 +76,10 @@ static inline void r16_scales(const int64_t type, const uint8_t *tw, int w, int6
     *m = -(f16(ts + 2 * w + 2 * c) * (float)mn);
     return;
   }
-  if (type == Q6_K_R16) { /* a scale per half of the block: r16_q6_scale */
-    *d = 0.0f, *m = 0.0f;
+  if (type == Q6_K_R16) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
+    *d = f16(ts + 2 * c) * (float)(int8_t)ts[2 * w + (2 * (b % 8) + h) * w + c];
+    *m = 0.0f;
     return;
   }
   const uint8_t *tb = tw + b * R16_BYTES(type) * w;
@@ -155,8 +154,9 @@ INLINE void r16_pair(const int64_t type, const uint8_t *v, int w, __mmask16 m, i
   }
 }
 
-/* r16_scales for the W columns of block b at once (lanes past W zero). */
-INLINE void r16_scales_v(const int64_t type, const uint8_t *tw, int w, __mmask16 m, int64_t b, __m512 *d, __m512 *mn) {
+/* r16_scales for the W columns of block b (half h) at once (lanes past W zero). */
+INLINE void r16_scales_v(const int64_t type, const uint8_t *tw, int w, __mmask16 m, int64_t b, int h, __m512 *d,
+                         __m512 *mn) {
   if (type == Q4_K_R16) {
     const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
     const int j = (int)(b % 8);
@@ -172,20 +172,16 @@ INLINE void r16_scales_v(const int64_t type, const uint8_t *tw, int w, __mmask16
     *mn = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mi))), sign));
     return;
   }
-  if (type == Q6_K_R16) { /* a scale per half of the block: r16_q6_scales_v */
-    *d = _mm512_setzero_ps(), *mn = _mm512_setzero_ps();
+  if (type == Q6_K_R16) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, ts + 2 * w + (2 * (b % 8) + h) * w));
+    *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, ts)), _mm512_cvtepi32_ps(sc));
+    *mn = _mm512_setzero_ps();
     return;
   }
   const uint8_t *tb = tw + b * R16_BYTES(type) * w;
   *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb));
   *mn = type == Q4_1_R16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, tb + 2 * w)) : _mm512_setzero_ps();
-}
-
-/* Q6_K_R16: the W columns' d * sc of half h of block b (lanes past W zero). */
-INLINE __m512 r16_q6_scales_v(const uint8_t *tw, int w, __mmask16 m, int64_t b, int h) {
-  const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(Q6_K_R16) * w;
-  const __m512i sc = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, ts + 2 * w + (2 * (b % 8) + h) * w));
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, ts)), _mm512_cvtepi32_ps(sc));
 }
 
 /* One tile of W <= 16 columns (tw its bytes) for rows r0 .. r0 + R of x (R a constant once inlined): per block,
@@ -220,7 +216,8 @@ INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, 
             s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(x1), v1);
           }
         }
-        const __m512 d = r16_q6_scales_v(tw, w, m, b, h);
+        __m512 d, none;
+        r16_scales_v(type, tw, w, m, b, h, &d, &none);
         const __m512i bias = _mm512_slli_epi32(c, 7);
         for (int r = 0; r < R; r++) {
           const float dx = xd[(r0 + r) * (k / QK) + b];
@@ -244,7 +241,7 @@ INLINE void r16_tile(const int R, const int64_t type, const uint8_t *tw, int w, 
       }
     }
     __m512 d, mn;
-    r16_scales_v(type, tw, w, m, b, &d, &mn);
+    r16_scales_v(type, tw, w, m, b, 0, &d, &mn);
     for (int r = 0; r < R; r++) {
       const int64_t xb = (r0 + r) * (k / QK) + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[xb])), acc[r]);
@@ -270,7 +267,9 @@ static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t b
           int32_t l = 0;
           for (int g = 4 * h; g < 4 * h + 4; g++)
             for (int e = 0; e < 4; e++) l += (r16_u(type, v, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
-          acc[c] = fmaf((float)l, r16_q6_scale(tw, w, b, h, c) * xdr[b], acc[c]);
+          float d, none;
+          r16_scales(type, tw, w, b, h, c, &d, &none);
+          acc[c] = fmaf((float)l, d * xdr[b], acc[c]);
         }
         continue;
       }
@@ -278,7 +277,7 @@ static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t b
       for (int g = 0; g < 8; g++)
         for (int e = 0; e < 4; e++) l += (r16_u(type, v, w, c, g, e) - R16_BIAS(type)) * (int32_t)xr[b * QK + 4 * g + e];
       float d, m;
-      r16_scales(type, tw, w, b, c, &d, &m);
+      r16_scales(type, tw, w, b, 0, c, &d, &m);
       acc[c] = fmaf((float)l, d * xdr[b], acc[c]);
       if (R16_MIN(type)) acc[c] = fmaf(m, xdr[b] * (float)xsr[b], acc[c]);
     }
@@ -341,11 +340,12 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, i
   const __mmask16 m = (__mmask16)((1u << w) - 1u);
   const uint8_t *tb = r16_values(type, tw, w, b);
   __m512 dv, mv;
-  r16_scales_v(type, tw, w, m, b, &dv, &mv);
+  r16_scales_v(type, tw, w, m, b, 0, &dv, &mv);
   float d[2][R16_TILE], mn[R16_TILE];
-  _mm512_storeu_ps(d[0], type == Q6_K_R16 ? r16_q6_scales_v(tw, w, m, b, 0) : dv);
-  _mm512_storeu_ps(d[1], type == Q6_K_R16 ? r16_q6_scales_v(tw, w, m, b, 1) : dv);
+  _mm512_storeu_ps(d[0], dv);
   _mm512_storeu_ps(mn, mv);
+  if (R16_HALF_SCALES(type)) r16_scales_v(type, tw, w, m, b, 1, &dv, &mv);
+  _mm512_storeu_ps(d[1], dv);
   uint32_t groups[8][R16_TILE], cols[R16_TILE][8]; /* [group][column] four u bytes, then [column][group] */
   for (int g = 0; g < 8; g += 2) {
     __m512i v0, v1;
@@ -401,13 +401,14 @@ int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, 
 #else
       const uint8_t *tb = r16_values(type, tw, w, b);
       for (int c = 0; c < w; c++) {
-        float d, m;
-        r16_scales(type, tw, w, b, c, &d, &m);
+        float d[2], m;
+        r16_scales(type, tw, w, b, 0, c, &d[0], &m);
+        d[1] = d[0];
+        if (R16_HALF_SCALES(type)) r16_scales(type, tw, w, b, 1, c, &d[1], &m);
         const int64_t at = (j - r0 + c) * k + b * QK;
         for (int g = 0; g < 8; g++)
           for (int e = 0; e < 4; e++) {
-            const float dg = type == Q6_K_R16 ? r16_q6_scale(tw, w, b, g / 4, c) : d;
-            float v = dg * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
+            float v = d[g / 4] * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
             if (R16_MIN(type)) v = v + m;
             store_value(v, dst, at + 4 * g + e, (int)bf16);
           }
