@@ -120,12 +120,10 @@ def _untiles(qtype: GGMLType, tiles: Tensor, w: int) -> tuple[Tensor, Tensor]:  
 def _q4k_fields(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # uint8 [..., 144] -> see below
     """A Q4_K block's four float16 bytes (d, dmin), its eight 6-bit scales then eight 6-bit minima [..., 16], and its
     values u [..., 8 sub-blocks, 32]."""
-    packed = blocks[..., 4:16]
-    low, mins, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scales = torch.cat(
-        (low & 0x3F, (mixed & 15) | ((low >> 2) & 0x30), mins & 0x3F, (mixed >> 4) | ((mins >> 2) & 0x30)),
-        dim=-1,
-    )
+    from pagoda.pagedkernel.quant.torch_quant import k_scales  # the specification's unpacking (it imports us)
+
+    sc, mins = k_scales(blocks[..., 4:16].reshape(-1, 12))
+    scales = torch.cat((sc, mins), dim=-1).reshape(*blocks.shape[:-1], 16)
     nibbles = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)  # low nibbles: sub-block 2 g, high: 2 g + 1
     u = torch.stack((nibbles & 15, nibbles >> 4), dim=-2).reshape(*blocks.shape[:-1], 8, 32)
     return blocks[..., :4], scales, u
