@@ -10,7 +10,12 @@ thread, then on `--threads` threads at once (ctypes releases the GIL), best of `
 
 Measured on the 2-core AMD EPYC Zen 4 of the test machines (2026-12-05, the machine faster and slower by the hour):
 int8 `vpdpbusd` 430-500 G multiply-adds a second on both cores, bfloat16 `vdpbf16ps` 200-245 G, float32 FMA ~80 G;
-the numbers issue #44's saturation paragraph (README) uses.
+the numbers issue #44's saturation paragraph (README) uses. Those were taken before the loops were unrolled (below):
+the float32 figure may be low there too. On a 2-core AMD EPYC Zen 3 (AVX2 only, 2026-12-05): float32 FMA 99-101 G
+(51 a thread), int8 `vpmaddubsw` + `vpmaddwd` 96-141 G (63-71 a thread; the second core's share swings on this VM).
+Until then the AVX2 loops measured 25 G and ~95 G: sixteen 256-bit chains and their operands spilled out of AVX2's
+sixteen registers, the rolled loop (-O2) kept the accumulators in memory, and the int8 pair sums of constant
+operands were hoisted out of the loop, which then timed the integer adds alone.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ SOURCE = r"""
 volatile float pagoda_peak_sink_f;
 volatile int32_t pagoda_peak_sink_i;
 #define CHAINS 16
+/* AVX2 has 16 vector registers: 16 chains and the operands spilled (the float32 loop ran at a third of the
+ * rate). 12 chains still cover the latency times the issue rate (4 cycles x 2 a cycle for FMA). */
+#define CHAINS_256 12
+/* Every step's chains unrolled (the pragma before each loop over them): rolled up at -O2, the accumulators lived
+ * in memory and each instruction waited on the store before it (the float32 loop ran at a quarter of the rate). */
 #if defined(__AVX2__)
 static float sum8f(__m256 v) {
   float t[8], s = 0.0f;
@@ -59,21 +69,23 @@ int64_t pagoda_peak_fma(int64_t steps) {
   const __m512 a = _mm512_set1_ps(0.5f), b = _mm512_set1_ps(0.25f);
   for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_set1_ps(0.001f * (float)j);
   for (int64_t i = 0; i < steps; i++)
+    _Pragma("GCC unroll 16")
     for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_fmadd_ps(acc[j], a, b);
   float s = 0.0f;
   for (int j = 0; j < CHAINS; j++) s += _mm512_reduce_add_ps(acc[j]);
   pagoda_peak_sink_f = s;
   return steps * CHAINS * 16;
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[CHAINS];
+  __m256 acc[CHAINS_256];
   const __m256 a = _mm256_set1_ps(0.5f), b = _mm256_set1_ps(0.25f);
-  for (int j = 0; j < CHAINS; j++) acc[j] = _mm256_set1_ps(0.001f * (float)j);
+  for (int j = 0; j < CHAINS_256; j++) acc[j] = _mm256_set1_ps(0.001f * (float)j);
   for (int64_t i = 0; i < steps; i++)
-    for (int j = 0; j < CHAINS; j++) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < CHAINS_256; j++) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
   float s = 0.0f;
-  for (int j = 0; j < CHAINS; j++) s += sum8f(acc[j]);
+  for (int j = 0; j < CHAINS_256; j++) s += sum8f(acc[j]);
   pagoda_peak_sink_f = s;
-  return steps * CHAINS * 8;
+  return steps * CHAINS_256 * 8;
 #else
   (void)steps;
   return 0;
@@ -87,22 +99,29 @@ int64_t pagoda_peak_int8(int64_t steps) {
   const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
   for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_set1_epi32(j);
   for (int64_t i = 0; i < steps; i++)
+    _Pragma("GCC unroll 16")
     for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
   int32_t s = 0;
   for (int j = 0; j < CHAINS; j++) s += _mm512_reduce_add_epi32(acc[j]);
   pagoda_peak_sink_i = s;
   return steps * CHAINS * 64;
 #elif defined(__AVX2__)
-  __m256i acc[CHAINS];
-  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5), ones = _mm256_set1_epi16(1);
-  for (int j = 0; j < CHAINS; j++) acc[j] = _mm256_set1_epi32(j);
-  for (int64_t i = 0; i < steps; i++)
-    for (int j = 0; j < CHAINS; j++)
-      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+  /* The pair sums do not read the accumulators: with constant operands the compiler hoists them out of the loop
+   * (the loop then timed vpaddd alone, ~3x too fast). Each chain multiplies its own bytes, read from memory
+   * every step (the empty asm's memory clobber): the loads go to the load ports, beside the multiplies. */
+  __m256i acc[CHAINS_256], bytes[CHAINS_256];
+  const __m256i a = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  for (int j = 0; j < CHAINS_256; j++) acc[j] = _mm256_set1_epi32(j), bytes[j] = _mm256_set1_epi8((char)(j + 1));
+  for (int64_t i = 0; i < steps; i++) {
+    __asm__ volatile("" : : "r"(bytes) : "memory");
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < CHAINS_256; j++)
+      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, bytes[j]), ones));
+  }
   int32_t s = 0;
-  for (int j = 0; j < CHAINS; j++) s += sum8i(acc[j]);
+  for (int j = 0; j < CHAINS_256; j++) s += sum8i(acc[j]);
   pagoda_peak_sink_i = s;
-  return steps * CHAINS * 32;
+  return steps * CHAINS_256 * 32;
 #else
   (void)steps;
   return 0;
@@ -116,6 +135,7 @@ int64_t pagoda_peak_bf16(int64_t steps) {
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f00), b = (__m512bh)_mm512_set1_epi16(0x3e80);
   for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_set1_ps(0.001f * (float)j);
   for (int64_t i = 0; i < steps; i++)
+    _Pragma("GCC unroll 16")
     for (int j = 0; j < CHAINS; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
   float s = 0.0f;
   for (int j = 0; j < CHAINS; j++) s += _mm512_reduce_add_ps(acc[j]);

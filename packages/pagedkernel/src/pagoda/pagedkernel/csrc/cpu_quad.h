@@ -574,8 +574,8 @@ INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m25
 INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_t *w, int64_t row_bytes, int64_t k,
                       const xquad *g, int64_t groups, void *y, int64_t index, int64_t y_stride, int y_bf16) {
   const int64_t blocks = k / QK;
-  __m256 acc[2][FEW_ROWS][2], acc_hi[2][FEW_ROWS][2];
-  __m256 o[2][FEW_ROWS];
+  __m256 acc[4][FEW_ROWS][2], acc_hi[4][FEW_ROWS][2]; /* C <= 4 columns */
+  __m256 o[4][FEW_ROWS];
   for (int c = 0; c < C; c++)
     for (int r = 0; r < R; r++)
       acc[c][r][0] = acc[c][r][1] = acc_hi[c][r][0] = acc_hi[c][r][1] = o[c][r] = _mm256_setzero_ps();
@@ -613,7 +613,7 @@ INLINE void quad_passes(const int64_t type, const int C, const int64_t pass, con
 #endif
 
 /* Columns j0..j1 of y for any rows of a quad-order format: rows in passes of FEW_ROWS, one row two columns at a
- * time (two independent sum chains); the plain path one output at a time. */
+ * time (two independent sum chains; four for Q5_0 on the 256-bit form); the plain path one output at a time. */
 INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                          const xquad *g, int64_t rows, void *y, int64_t y_stride, int y_bf16) {
   int elems, bytes, has_offset;
@@ -627,11 +627,18 @@ INLINE void quad_columns(const int64_t type, const uint8_t *weight, int64_t j0, 
    *   rows: 10-25% faster than one column; at 4 the registers run out);
    * - Q6_K from 8 rows: it reads five lines of x a group and row, and eight rows of a long row of x (2048: 40 KB)
    *   spill out of L1 while a column sweeps them (0.097 ms for 8 rows of Gemma 3's down projection against 0.072
-   *   for 7); two columns a pass of 4 rows: 0.081 ms, 16 rows 0.151 against 0.231 ms. */
+   *   for 7); two columns a pass of 4 rows: 0.081 ms, 16 rows 0.151 against 0.231 ms.
+   * On the 256-bit form one row of Q5_0 takes four columns a pass: four independent chains overlap the fifth
+   * bits' unpacking (measured on a 2-core Zen 3, AVX2: Gemma 3's gate 63 -> 57 us, its query 34 -> 32 us; Q4_1,
+   * Q8_0, Q4_K and Q6_K level or slower, so they keep two). */
 #ifdef QUAD_512
   const int two_columns = rows <= 3 || (QUAD_SPLIT(type) && rows >= 8);
 #else
   const int two_columns = rows == 1;
+  for (; rows == 1 && type == Q5_0 && j + 4 <= j1; j += 4) {
+    prefetch_ahead(weight + j * row_bytes, 4 * row_bytes);
+    quad_passes(type, 4, 4, weight + j * row_bytes, row_bytes, k, g, groups, rows, y, j, y_stride, y_bf16);
+  }
 #endif
   for (; two_columns && j + 2 <= j1; j += 2) {
     prefetch_ahead(weight + j * row_bytes, 2 * row_bytes);
