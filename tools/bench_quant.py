@@ -73,9 +73,12 @@ class Point:
 
 def packed_linear(x: Tensor, dense: Tensor) -> Callable[[], object] | None:
     """oneDNN's linear on `dense` packed for x's batch size (the engine's dense path in that dtype); None where
-    torch lacks those ops."""
+    torch lacks those ops, or for bfloat16 where the CPU lacks oneDNN's bfloat16 path (AVX2 only: its reorder
+    raises)."""
     mkldnn = torch.ops.mkldnn
     if not (torch._C._has_mkldnn and hasattr(mkldnn, "_reorder_linear_weight")):
+        return None
+    if dense.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
         return None
     packed = mkldnn._reorder_linear_weight(dense, x.shape[0])
     return functools.partial(mkldnn._linear_pointwise, x, packed, None, "none", [], "")
