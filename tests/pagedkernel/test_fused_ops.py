@@ -20,10 +20,15 @@ def assert_matches(got: Tensor, want: Tensor) -> None:
     assert not got.isnan().any() and not want.isnan().any()
     diff = (got.float() - want.float()).abs()
     # Relative to each value, plus a few ulps of the largest (a sum near zero cancels its terms' roundings).
-    bound = 2 * ULP[got.dtype] * want.float().abs() + 4 * ULP[got.dtype] * float(want.float().abs().max())
+    floor = 4 * ULP[got.dtype] * float(want.float().abs().max())
+    bound = 2 * ULP[got.dtype] * want.float().abs() + floor
     assert bool((diff <= bound).all()), float((diff / bound).max())
     if got.dtype != torch.float32:
-        assert float((got != want).float().mean()) <= MAX_FLIPPED
+        # Last-place flips are counted where the values are held relatively: below the floor a value is the
+        # residue of a cancellation (GELU's 1 + tanh z at z ~ -9: torch's float32 gives 0 where the kernel's
+        # exp form keeps ~1e-7; both within the floor), not a rounding of the same value.
+        held = want.float().abs() > floor
+        assert float(((got != want) & held).float().mean()) <= MAX_FLIPPED
 
 
 @pytest.fixture(autouse=True)
