@@ -367,6 +367,28 @@ def test_rows_past_the_gemv_equal_the_ops_bitwise(
     assert_native_is_the_ops(case, dtype, threads=(1, 2))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_in_the_call_is_the_norm_op(dtype: torch.dtype, arch: str) -> None:
+    """With `final_norm` the call writes the last layer's output normed, bitwise the fused rms_norm op on it
+    (Llama's w * x_hat and Gemma's (1 + w) form), leaving the caches as without it; a weight of another size or
+    dtype is refused by name before anything runs."""
+    c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
+    case = make_case(3, dtype, 5, LENS[:3], gemma=arch == "gemma3")
+    weight = (torch.randn(case.shape.hidden, generator=torch.Generator().manual_seed(9)) * 0.5).to(dtype)
+    plain = native(with_fresh_caches(case), dtype)
+    stack = DecodeStack(case.layers, case.shape, dtype)
+    normed_case = with_fresh_caches(case)
+    x = normed_case.x.clone()
+    args = (case.cos, case.sin, case.slots, case.tables, case.lens)
+    stack.run(x, *args, query_start_loc=case.starts, final_norm=weight)
+    uo = case.shape.unit_offset
+    assert_same(x, fused.rms_norm(plain, weight, case.shape.eps, unit_offset=uo, backend="cpu"))
+    for bad in (weight[:-1], weight.to(torch.float16)):
+        with pytest.raises(ValueError, match="final_norm must be a contiguous"):
+            stack.run(x.clone(), *args, query_start_loc=case.starts, final_norm=bad)
+
+
 def test_max_rows_in_one_call_and_the_c_file_refuses_more(monkeypatch: pytest.MonkeyPatch) -> None:
     """MAX_ROWS rows in one call equal the op-by-op chain; one more row, let past the Python check, the C file
     refuses itself: its DECODE_MAX_ROWS is the same number."""

@@ -19,7 +19,15 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from pagoda.pagedkernel.backend import BackendUnavailableError
 from pagoda.pagedkernel.cbuild import cpu_flags
-from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul, repack
+from pagoda.pagedkernel.quant import (
+    GGMLType,
+    QuantizedTensor,
+    cpu_quant,
+    dequantize,
+    dequantize_ids,
+    qmatmul,
+    repack,
+)
 from pagoda.pagedkernel.quant.cpu_quant import GEMV_MAX_ROWS, KernelPath
 from pagoda.pagedkernel.quant.formats import OWN_TYPES, REPACKED_TYPES
 from pagoda.pagedkernel.quant.testing import (
@@ -526,6 +534,9 @@ def test_repacked_layouts_on_every_path_and_row_count(
         odd = torch.full((5, k), float("nan"))
         cpu_quant.dequantize_rows(weight, 3, 8, odd, lib)  # off the tiles: the rows gathered first
         assert torch.equal(odd, w[3:8])
+        # rows by id straight from their tiles: the short tile's last row, tile edges, a repeat
+        ids = torch.tensor([76, 0, 15, 16, 64, 76, 33])
+        assert torch.equal(cpu_quant.dequantize_ids(weight, ids, lib), w[ids])
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES), ids=lambda t: t.name)
@@ -552,3 +563,17 @@ def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLT
         cpu_quant.vector(x[:20], weight, torch.empty(20, 40), lib)
     with pytest.raises(ValueError, match=f"amx does not take the repacked {qtype.name}"):
         cpu_quant.amx(x[:20].bfloat16(), weight, torch.empty(20, 40), lib)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q8_0_R16, GGMLType.Q4_1_R16], ids=lambda t: t.name)
+def test_dequantize_ids_is_an_embedding_lookup(qtype: GGMLType) -> None:
+    """`dequantize_ids` gives `dequantize(weight)[ids]` on both backends, repacked or not, none and one id too; an
+    id out of range is a ValueError naming the range (the C call checks every id before writing)."""
+    weight = random_weight(qtype, (21, 64), torch.Generator().manual_seed(5))
+    w = dequantize(weight, backend="torch")
+    for ids in (torch.tensor([20, 3, 3, 16]), torch.tensor([7]), torch.zeros(0, dtype=torch.int64)):
+        for backend in ("cpu", "torch"):
+            assert torch.equal(dequantize_ids(weight, ids, backend=backend), w[ids]), backend
+    if qtype in REPACKED_TYPES:
+        with pytest.raises(ValueError, match=r"embedding ids must be in 0\.\.20"):
+            dequantize_ids(weight, torch.tensor([3, 21]), backend="cpu")

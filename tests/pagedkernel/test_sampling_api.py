@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pagoda.pagedkernel.sampling import (
     get_sampler,
     rng_key,
 )
+from pagoda.pagedkernel.sampling.params import GREEDY_TEMPERATURE
 from pagoda.pagedkernel.sampling.testing import select_rows
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -154,3 +156,23 @@ def test_missing_compiler(
     assert "sampling runs through torch" in caplog.text
     assert not list(tmp_path.iterdir())
     assert cpu_sampling.available()  # the process's own library was loaded before and stays usable
+
+
+def test_inverse_temperature_of_few_rows_is_the_tensor_ops() -> None:
+    """A few rows' 1 / T (read as Python numbers) has the bits of the tensor ops many rows take: the greedy bound
+    as float32 compares it (the float32 of 1e-5 itself is sampled, the float just below greedy), the quotient
+    rounded once to float32, 0 for greedy rows, NaN and infinity through."""
+    bound = torch.tensor(GREEDY_TEMPERATURE, dtype=torch.float32)
+    edges = [bound.item(), torch.nextafter(bound, torch.tensor(0.0)).item(), 0.0, float("inf"), float("nan")]
+    values = edges + torch.rand(40, generator=torch.Generator().manual_seed(3)).mul(3).tolist()
+    for start in range(0, len(values), 5):
+        t = torch.tensor(values[start : start + 5], dtype=torch.float32)
+        zeros = torch.zeros(5, dtype=torch.int64)
+        params = SamplingTensors(t, zeros, torch.ones(5), torch.zeros(5), zeros)
+        many = SamplingTensors.build(temperature=[1.0] * 9, keys=[0] * 9)  # past the few rows: the tensor ops
+        wide = replace(many, temperature=torch.cat([t, many.temperature[5:]]))
+        assert torch.equal(params.inverse_temperature().isnan(), t.isnan())
+        got, want = params.inverse_temperature(), wide.inverse_temperature()[:5]
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (t, got, want)
+    inverse = SamplingTensors.build(temperature=[edges[0], edges[1]], keys=[0, 0]).inverse_temperature()
+    assert inverse[0] > 0.0 and inverse[1] == 0.0

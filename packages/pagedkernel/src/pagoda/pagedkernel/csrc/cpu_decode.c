@@ -259,7 +259,7 @@ static int64_t head_parts(int64_t pairs, int64_t G, int64_t threads) {
 }
 
 /* Run `num_layers` decoder layers over x ([rows, hidden], updated in place: the residual stream after the last
- * layer, before the final norm). Sequence s's new tokens are rows query_start_loc[s] .. query_start_loc[s + 1]
+ * layer, or with final_norm (not NULL) its norm by those weights, as the fused rms_norm op writes it). Sequence s's new tokens are rows query_start_loc[s] .. query_start_loc[s + 1]
  * (num_seqs sequences; one row each in a plain decode step, the token and its drafts in a speculative one); in a
  * layer of KV cache group g row r's K/V go to cache slot slots[g * rows + r] (negative: not written), and the
  * sequence, context_lens[s] tokens long with its new ones, is read through block_tables[(g * num_seqs + s) *
@@ -272,7 +272,8 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
                          int64_t block_size, float eps, float scale, int64_t unit_offset, int64_t act_kind,
                          float softcap, const scalar_t *cos, const scalar_t *sin, const int64_t *slots,
                          const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
-                         const int32_t *query_start_loc, int64_t num_seqs, int64_t num_threads, int64_t prefetch) {
+                         const int32_t *query_start_loc, int64_t num_seqs, int64_t num_threads, int64_t prefetch,
+                         const scalar_t *final_norm) {
   const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D, qkv_n = q_size + 2 * kv_size;
   const int64_t G = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
   if (rows < 1 || rows > DECODE_MAX_ROWS || num_kv_heads < 1 || num_heads % num_kv_heads || G > 32 || D % 8 ||
@@ -444,7 +445,10 @@ int pagoda_decode_layers(const int64_t *table, int64_t num_layers, scalar_t *x, 
           add_rows(res + r * hidden, branch, res + r * hidden, hidden);
         }
       }
-      if (thread == 0) memcpy(x, res, sizeof(scalar_t) * (size_t)(rows * hidden));
+      if (thread == 0 && final_norm)
+        for (int64_t r = 0; r < rows; r++) norm_row(res + r * hidden, final_norm, hidden, eps, uo, x + r * hidden);
+      else if (thread == 0)
+        memcpy(x, res, sizeof(scalar_t) * (size_t)(rows * hidden));
     }
     free(res), free(h), free(qrow), free(qx.q), free(qx.d), free(qx.s), free(qx.g);
     free(qx.xp), free(qx.panel), free(qx.acc);

@@ -253,6 +253,12 @@ INLINE __m256 quad_scales(const int64_t type, const uint8_t *row, int64_t gi, in
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d4);
   }
   const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(type);
+  if (type != Q4_1 && have == 4) { /* four halves, each in the low word of a 32-bit lane: two 64-bit inserts */
+    const int64_t s = QUAD_BLOCK_BYTES(type);
+    const uint64_t a = (uint64_t)(w[0] | w[1] << 8) | (uint64_t)(w[s] | w[s + 1] << 8) << 32;
+    const uint64_t b = (uint64_t)(w[2 * s] | w[2 * s + 1] << 8) | (uint64_t)(w[3 * s] | w[3 * s + 1] << 8) << 32;
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)b, (long long)a));
+  }
   uint32_t h[4] = {0};
   for (int jj = 0; jj < have; jj++) {
     const uint8_t *blk = w + jj * QUAD_BLOCK_BYTES(type);
@@ -434,9 +440,6 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
  * without VNNI, Q8_0's lo and hi are |w| instead and slo, shi the signed w (whose signs go onto x's q). */
 typedef struct {
   __m256i lo[2], hi[2];
-#if PATH == 1
-  __m256i slo[2], shi[2];
-#endif
   __m256 dm;
   __m256 dlo[2], dhi[2]; /* Q6_K: each lane's d sc of its lo half and of its hi half, pair by pair */
 } quad_w;
@@ -493,12 +496,6 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
     for (int p = 0; p < 2; p++) {
       q->lo[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x20);
       q->hi[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x31);
-#if PATH == 1
-      if (type == Q8_0) {
-        q->slo[p] = q->lo[p], q->shi[p] = q->hi[p];
-        q->lo[p] = _mm256_abs_epi8(q->slo[p]), q->hi[p] = _mm256_abs_epi8(q->shi[p]);
-      }
-#endif
     }
     return;
   }
@@ -527,8 +524,9 @@ INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, i
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if (type == Q8_0)
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], _mm256_sign_epi8(a, q->slo[p])), ones),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], _mm256_sign_epi8(b, q->shi[p])), ones));
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q->lo[p]), _mm256_sign_epi8(a, q->lo[p])), ones),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q->hi[p]), _mm256_sign_epi8(b, q->hi[p])), ones));
   return _mm256_add_epi32(init, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], a), ones),
                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], b), ones)));
 #endif

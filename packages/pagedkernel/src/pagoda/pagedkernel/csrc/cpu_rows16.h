@@ -382,39 +382,60 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, i
 }
 #endif
 
+/* Column c (0..w-1) of the tile tw (w columns) into dst + at: its k values, as the plain loop of
+ * pagoda_quant_dequantize_r16 writes them (d (u - z) (+ m) per element, bit for bit on every path). */
+static void r16_dequantize_column(const int64_t type, const uint8_t *tw, int w, int c, int64_t k, void *dst,
+                                  int64_t at, int bf16) {
+  for (int64_t b = 0; b < k / QK; b++) {
+    const uint8_t *tb = r16_values(type, tw, w, b);
+    float d[2], m;
+    r16_scales(type, tw, w, b, 0, c, &d[0], &m);
+    d[1] = d[0];
+    if (R16_HALF_SCALES(type)) r16_scales(type, tw, w, b, 1, c, &d[1], &m);
+    for (int g = 0; g < 8; g++)
+      for (int e = 0; e < 4; e++) {
+        float v = d[g / 4] * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
+        if (R16_MIN(type)) v = v + m;
+        store_value(v, dst, at + b * QK + 4 * g + e, bf16);
+      }
+  }
+}
+
+/* Rows ids[0..m) of a repacked weight [n, k] into dst ([m, k] float32, or rounded to bfloat16): an embedding
+ * lookup, each row its column of its tile, read alone (a one-token step reads 1 row, not a tile or a gathered
+ * copy). 0 on success, 1 for a type that is not a repacked layout or an id outside 0..n-1 (nothing written). */
+int pagoda_quant_take_r16(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const int64_t *ids, int64_t m,
+                          void *dst, int64_t bf16) {
+  if (!R16_TYPE(type) || k % (R16_K(type) ? QK_K : QK)) return 1;
+  for (int64_t i = 0; i < m; i++)
+    if (ids[i] < 0 || ids[i] >= n) return 1;
+  const int64_t row_bytes = R16_ROW_BYTES(type, k);
+  for (int64_t i = 0; i < m; i++) {
+    const int64_t j = ids[i] - ids[i] % R16_TILE;
+    const int w = (int)(n - j < R16_TILE ? n - j : R16_TILE);
+    r16_dequantize_column(type, weight + j * row_bytes, w, (int)(ids[i] - j), k, dst, i * k, (int)bf16);
+  }
+  return 0;
+}
+
 /* Rows r0..r1 of a repacked weight [n, k] (r0 a multiple of 16; r1 too, or n) into dst as float32 rows, or rounded
  * to bfloat16 (bf16): the values d (u - z) (+ m) its source format's dequantization gives, bit for bit (the library
  * fuses no multiply-add). 0 on success, 1 for a type that is not a repacked layout or rows off the tiles. */
 int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, int64_t k, int64_t r0, int64_t r1,
                                 void *dst, int64_t bf16, int64_t num_threads) {
   if (!R16_TYPE(type) || k % (R16_K(type) ? QK_K : QK) || r0 % R16_TILE || r0 < 0 || r1 > n || (r1 % R16_TILE && r1 != n)) return 1;
-  const int64_t blocks = k / QK, row_bytes = R16_ROW_BYTES(type, k), tiles = (r1 - r0 + R16_TILE - 1) / R16_TILE;
+  const int64_t row_bytes = R16_ROW_BYTES(type, k), tiles = (r1 - r0 + R16_TILE - 1) / R16_TILE;
   if (num_threads < 1 || tiles < 4) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t t = 0; t < tiles; t++) {
     const int64_t j = r0 + t * R16_TILE;
     const int w = (int)(r1 - j < R16_TILE ? r1 - j : R16_TILE);
     const uint8_t *tw = weight + j * row_bytes;
-    for (int64_t b = 0; b < blocks; b++) {
 #if PATH == 2
-      r16_dequantize_block(type, tw, w, b, dst, (j - r0) * k + b * QK, k, (int)bf16);
+    for (int64_t b = 0; b < k / QK; b++) r16_dequantize_block(type, tw, w, b, dst, (j - r0) * k + b * QK, k, (int)bf16);
 #else
-      const uint8_t *tb = r16_values(type, tw, w, b);
-      for (int c = 0; c < w; c++) {
-        float d[2], m;
-        r16_scales(type, tw, w, b, 0, c, &d[0], &m);
-        d[1] = d[0];
-        if (R16_HALF_SCALES(type)) r16_scales(type, tw, w, b, 1, c, &d[1], &m);
-        const int64_t at = (j - r0 + c) * k + b * QK;
-        for (int g = 0; g < 8; g++)
-          for (int e = 0; e < 4; e++) {
-            float v = d[g / 4] * (float)(r16_u(type, tb, w, c, g, e) - R16_BIAS(type));
-            if (R16_MIN(type)) v = v + m;
-            store_value(v, dst, at + 4 * g + e, (int)bf16);
-          }
-      }
+    for (int c = 0; c < w; c++) r16_dequantize_column(type, tw, w, c, k, dst, (j - r0 + c) * k, (int)bf16);
 #endif
-    }
   }
   return 0;
 }

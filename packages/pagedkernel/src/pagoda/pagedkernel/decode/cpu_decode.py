@@ -61,9 +61,10 @@ def load(library: Path) -> DecodeKernels:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     run = lib["pagoda_decode_layers"]
     # (table, layers, x, rows, hidden, heads, kv_heads, head_dim, inner, block_size, eps, scale, unit_offset,
-    #  act_kind, softcap, cos, sin, slots, block_tables, max_blocks, context_lens, threads, prefetch)
+    #  act_kind, softcap, cos, sin, slots, block_tables, max_blocks, context_lens, query_start_loc, num_seqs,
+    #  threads, prefetch, final_norm)
     run.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64, i64, f32]
-    run.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64]
+    run.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr]
     run.restype = ctypes.c_int
     fields, parts = lib["pagoda_decode_layer_fields"], lib["pagoda_decode_max_parts"]
     fields.restype = parts.restype = i64
@@ -210,9 +211,12 @@ class DecodeStack:
         num_threads: int | None = None,  # None: torch's
         prefetch: bool = True,  # ask for the next weights while a phase ends
         query_start_loc: Tensor | None = None,  # int32 [num_seqs + 1]; None: one row per sequence
+        final_norm: Tensor
+        | None = None,  # [hidden], x's dtype: the model's final RMSNorm weight (shape's eps)
     ) -> None:
         """Every layer over the step's rows (sequence i's new tokens are rows query_start_loc[i]:[i + 1]: one in a
-        decode step, a token and its drafts in a speculative one); x holds the last layer's output."""
+        decode step, a token and its drafts in a speculative one); x holds the last layer's output, or with
+        `final_norm` its norm (bitwise the fused rms_norm op's, one Python op fewer a step)."""
         rows = int(x.shape[0])
         shape = self.shape
         if not 1 <= rows <= MAX_ROWS or x.dtype != self.dtype or not x.is_contiguous():
@@ -232,6 +236,12 @@ class DecodeStack:
         num_seqs = int(starts.numel()) - 1
         if starts.dtype != torch.int32 or num_seqs < 1:
             raise ValueError("query_start_loc is int32 [num_seqs + 1], at least one sequence")
+        if final_norm is not None and (
+            final_norm.dtype != x.dtype
+            or final_norm.shape != (shape.hidden,)
+            or not final_norm.is_contiguous()
+        ):
+            raise ValueError(f"final_norm must be a contiguous {x.dtype} [{shape.hidden}] weight")
         if slots.numel() != self.num_groups * rows:
             raise ValueError(f"slot_mapping must hold {self.num_groups} x {rows} slots")
         groups_seqs = tables.numel() // max(int(tables.shape[-1]), 1)
@@ -269,6 +279,7 @@ class DecodeStack:
             num_seqs,
             torch.get_num_threads() if num_threads is None else num_threads,
             int(prefetch),
+            None if final_norm is None else final_norm.data_ptr(),
         )
         if code == 2:
             raise MemoryError("the native decode layers could not allocate their work space")

@@ -79,6 +79,8 @@ class QuantKernels:
     matmul_dpbf16: Any | None = None
     # ctypes function: (type, w, n, k, row0, row1, dst, bf16, num_threads) -> int, rows of a repacked layout
     dequantize_r16: Any | None = None
+    # ctypes function: (type, w, n, k, ids, m, dst, bf16) -> int, the rows ids of a repacked layout
+    take_r16: Any | None = None
 
 
 def build(flags: tuple[str, ...] = CFLAGS) -> Path:
@@ -118,15 +120,17 @@ def load(library: Path) -> QuantKernels:
         _declared(lib["pagoda_quant_matmul_fma"]),
         _amx_matmul(lib),
         _declared(lib["pagoda_quant_matmul_dpbf16"]) if hasattr(lib, "pagoda_quant_matmul_dpbf16") else None,
-        _dequantize_r16(lib),
+        *_dequantize_r16(lib),
     )
 
 
-def _dequantize_r16(lib: ctypes.CDLL) -> Any:
-    """The repacked layouts' dequantization, declared."""
+def _dequantize_r16(lib: ctypes.CDLL) -> tuple[Any, Any]:
+    """The repacked layouts' dequantization of a run of tiles and of rows by id, declared."""
     run = lib["pagoda_quant_dequantize_r16"]
     run.argtypes, run.restype = [_I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64], ctypes.c_int
-    return run
+    take = lib["pagoda_quant_take_r16"]
+    take.argtypes, take.restype = [_I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64], ctypes.c_int
+    return run, take
 
 
 def _declared(mm: Any) -> Any:
@@ -212,6 +216,20 @@ def dequantize_rows(
         torch.get_num_threads(),
     )
     _check(code, "dequantize")
+
+
+def dequantize_ids(weight: QuantizedTensor, ids: Tensor, lib: QuantKernels) -> Tensor:  # float32 [m, K]
+    """Rows `ids` (int64 [m]) of a 2-D view of `weight`, dequantized: an embedding lookup that reads only those
+    rows (a repacked layout's straight from its tiles, one C call); ValueError for an id out of range."""
+    if weight.qtype not in REPACKED_TYPES or lib.take_r16 is None:
+        return dequantize(repack.take_rows(weight, ids), lib)
+    picked = ids.to(torch.int64).contiguous()
+    out = torch.empty((int(picked.shape[0]), weight.shape[-1]), dtype=torch.float32)
+    data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+    args = (weight.rows, weight.shape[-1], picked.data_ptr(), int(picked.shape[0]), out.data_ptr(), 0)
+    if lib.take_r16(int(weight.qtype), data.data_ptr(), *args) != 0:
+        raise ValueError(f"embedding ids must be in 0..{weight.rows - 1}")
+    return out
 
 
 def dequantize(weight: QuantizedTensor, lib: QuantKernels) -> Tensor:  # float32 weight.shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pagoda.pagedkernel.quant import cpu_quant, torch_quant
+from pagoda.pagedkernel.quant import cpu_quant, repack, torch_quant
 from pagoda.pagedkernel.quant.formats import REPACKED_TYPES, QuantizedTensor
 from torch import Tensor
 
@@ -39,6 +39,19 @@ def dequantize(
     if _use_cpu(backend, weight):
         return cpu_quant.dequantize(weight, cpu_quant.kernels())
     return torch_quant.dequantize(weight)
+
+
+def dequantize_ids(
+    weight: QuantizedTensor,  # [N, K]
+    ids: Tensor,  # int64 [m], each in 0..N-1
+    *,
+    backend: QuantBackendName = "auto",
+) -> Tensor:  # float32 [m, K]
+    """Rows `ids` of `weight`, dequantized (an embedding lookup): only those rows are read; the values are
+    `dequantize(weight)[ids]` on every backend."""
+    if _use_cpu(backend, weight):
+        return cpu_quant.dequantize_ids(weight, ids, cpu_quant.kernels())
+    return torch_quant.dequantize(repack.take_rows(weight, ids))
 
 
 def qmatmul(

@@ -333,7 +333,11 @@ def take_rows(weight: QuantizedTensor, ids: Tensor) -> QuantizedTensor:  # ids i
         blocks = weight.shape[-1] // _VALUES
         picked = rows.reshape(-1)[_q8_0_positions(ids, weight.rows, blocks)]  # [m, blocks, 34]: scale, then u
         return QuantizedTensor(
-            _encode(source, picked[..., :2], picked[..., 2:]).reshape(shape[0], -1), source, shape
+            _encode(source, picked[..., :2], picked[..., 2:]).reshape(
+                shape[0], blocks * BLOCK_SIZES[source][1]
+            ),
+            source,
+            shape,
         )
     # Other layouts: the tiles holding the rows, converted back whole (the whole tiles in one conversion, then the
     # short last one).

@@ -119,8 +119,14 @@ def eligible(
 ) -> bool:
     """Whether every row is one the fused op draws: no min_p, and top_k disabled, at least the vocabulary or at most
     MAX_TOP_K (top_p any)."""
-    k_ok = (top_k == 0) | (top_k >= vocab) | (top_k <= MAX_TOP_K)
-    return bool((k_ok & (min_p == 0.0)).all()) and bool((top_p > 0.0).all())
+    # A step's few rows are read faster as Python numbers than by a handful of tensor ops (each of which costs
+    # several microseconds more after the weights' stream has left the caches cold).
+    return not any(min_p.tolist()) and _draws(top_k, top_p, vocab)
+
+
+def _draws(top_k: Tensor, top_p: Tensor, vocab: int) -> bool:  # int64 [rows], float32 [rows]
+    """Whether the op draws these truncations: top_k at most MAX_TOP_K or the vocabulary, top_p positive."""
+    return all(p > 0.0 for p in top_p.tolist()) and all(k <= MAX_TOP_K or k >= vocab for k in top_k.tolist())
 
 
 def draw(
@@ -145,7 +151,7 @@ def draw(
     n, k = weight.shape
     ks = torch.zeros(rows, dtype=torch.int64) if top_k is None else top_k.to(torch.int64).contiguous()
     ps = torch.ones(rows, dtype=torch.float32) if top_p is None else top_p.to(torch.float32).contiguous()
-    if not eligible(ks, ps, torch.zeros(rows), n):
+    if not _draws(ks, ps, n):
         raise ValueError(f"fused_head takes top_k up to {MAX_TOP_K} and no min_p")
     inv_t = inv_temperature.to(torch.float32).contiguous()
     row_keys = keys.to(torch.int64).contiguous()
@@ -204,6 +210,8 @@ def sample_undecided(
 ) -> int:
     """Sample draw's FALLBACK rows from their logits (`qmatmul`, then the `cpu` sampling op: the tokens the fused op
     would have drawn); how many there were."""
+    if FALLBACK not in status.tolist():  # the common case, read without a tensor op
+        return 0
     undecided = (status == FALLBACK).nonzero().squeeze(1)
     rows = int(undecided.numel())
     if rows:

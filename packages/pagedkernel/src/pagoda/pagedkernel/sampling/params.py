@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,10 @@ from torch import Tensor
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1 / T would overflow float32 logits.
 GREEDY_TEMPERATURE = 1e-5
+# The bound as float32 temperatures are compared with it (torch compares in the tensor's dtype).
+_GREEDY_FLOAT32 = struct.unpack("f", struct.pack("f", GREEDY_TEMPERATURE))[0]
+# Rows up to which inverse_temperature reads the temperatures as Python numbers (a decode step's few).
+_FEW_ROWS = 8
 # Truncation masses are trunc(e * 2^MASS_BITS) for e = exp(x - max) in [0, 1], summed exactly in int64; with
 # vocabularies up to 2^21 the sums stay below 2^53, so float64 holds them exactly too.
 MASS_BITS = 32
@@ -72,17 +77,23 @@ class SamplingTensors:
                 raise ValueError(f"row {i}: top_p must be in (0, 1], got {ps[i]}")
             if not 0.0 <= mps[i] <= 1.0:
                 raise ValueError(f"row {i}: min_p must be in [0, 1], got {mps[i]}")
-        return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            min_p=torch.tensor(mps, dtype=torch.float32, device=device),
-            keys=torch.tensor(keys, dtype=torch.int64, device=device),
+        # Views of two tensors, not five: each tensor built costs a decode step several microseconds.
+        floats = torch.tensor([*temperature, *ps, *mps], dtype=torch.float32, device=device)
+        temperatures, top_ps, min_ps = torch.split(floats, [rows] * 3)
+        top_ks, row_keys = torch.split(
+            torch.tensor([*ks, *keys], dtype=torch.int64, device=device), [rows] * 2
         )
+        return cls(temperature=temperatures, top_k=top_ks, top_p=top_ps, min_p=min_ps, keys=row_keys)
 
     def inverse_temperature(self) -> Tensor:  # float32 [rows]
         """1 / T rounded to float32 (every backend multiplies by it), 0 for greedy rows."""
         t = self.temperature.to(torch.float32)
+        if t.device.type == "cpu" and t.numel() <= _FEW_ROWS:
+            # A few rows are faster as Python numbers than as four tensor ops. The same bits: the float64 quotient
+            # rounded to float32 is the float32 quotient (a double rounding is exact for a quotient when the wide
+            # format has at least 2 x 24 + 2 bits), and the bound compared is the float32 one.
+            values = [0.0 if v < _GREEDY_FLOAT32 else 1.0 / v for v in t.tolist()]
+            return torch.tensor(values, dtype=torch.float32)
         greedy = t < GREEDY_TEMPERATURE
         return torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, t))
 

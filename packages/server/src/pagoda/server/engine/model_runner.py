@@ -152,42 +152,55 @@ class ModelRunner:
         # its copy ran. On the CPU `.to` returns the tensor itself and pinning would only cost time.
         pin = self.device.type == "cuda"
 
-        def tensor(values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+        def tensors(dtype: torch.dtype, *values: Sequence[int]) -> tuple[Tensor, ...]:
+            """`values` as 1-D tensors: views of one tensor built (and uploaded) once. A tensor costs several
+            microseconds to build, and a decode step's Python runs with caches the weights' stream left cold."""
+            flat = torch.tensor(list(itertools.chain.from_iterable(values)), dtype=dtype, pin_memory=pin)
+            return torch.split(flat.to(self.device, non_blocking=True), [len(v) for v in values])
 
-        group_slots: tuple[Tensor, ...] = ()
-        group_tables: tuple[Tensor, ...] = ()
-        if scheduled[0].group_block_tables:
-            num_groups = len(scheduled[0].group_block_tables)
-            group_slots = tuple(
-                tensor(list(itertools.chain.from_iterable(c.group_slots[g] for c in scheduled)), torch.int64)
+        # Padding with block 0 (the null block): past a sequence's end, never read.
+        group_tables = [
+            [[*t, *([0] * (width - len(t)))] for t in (c.group_block_tables[g] for c in scheduled)]
+            for g in range(len(scheduled[0].group_block_tables))
+        ]
+        num_groups = len(group_tables)
+        num_seqs = len(scheduled)
+        slot_mapping, ids, pos, logits_indices, num_samples, *group_slots = tensors(
+            torch.int64,
+            slots,
+            input_ids,
+            positions,
+            [row for row, _ in sampling],
+            [n for _, n in sampling],
+            *(
+                list(itertools.chain.from_iterable(c.group_slots[g] for c in scheduled))
                 for g in range(num_groups)
-            )
-            # Padding with block 0 (the null block): past a sequence's end, never read.
-            group_tables = tuple(
-                tensor(
-                    [[*t, *([0] * (width - len(t)))] for t in (c.group_block_tables[g] for c in scheduled)],
-                    torch.int32,
-                )
-                for g in range(num_groups)
-            )
+            ),
+        )
+        tables, context_lens, starts, *flat_group_tables = tensors(
+            torch.int32,
+            list(itertools.chain.from_iterable(block_tables)),
+            [c.seq_len for c in scheduled],
+            query_start_loc,
+            *(list(itertools.chain.from_iterable(t)) for t in group_tables),
+        )
         attn = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(block_tables, torch.int32),
-            context_lens=tensor([c.seq_len for c in scheduled], torch.int32),
-            query_start_loc=tensor(query_start_loc, torch.int32),
+            slot_mapping=slot_mapping,
+            block_tables=tables.view(num_seqs, width),
+            context_lens=context_lens,
+            query_start_loc=starts,
             max_query_len=max(c.num_tokens for c in scheduled),
             is_decode=all(c.num_tokens == 1 for c in scheduled),
             backend=self.backend,
-            group_slot_mappings=group_slots,
-            group_block_tables=group_tables,
+            group_slot_mappings=tuple(group_slots),
+            group_block_tables=tuple(t.view(num_seqs, width) for t in flat_group_tables),
         )
         return PreparedBatch(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            input_ids=ids,
+            positions=pos,
             attn=attn,
-            logits_indices=tensor([row for row, _ in sampling], torch.int64),
-            num_samples=tensor([n for _, n in sampling], torch.int64),
+            logits_indices=logits_indices,
+            num_samples=num_samples,
             num_rows=sum(n for _, n in sampling),
         )
 

@@ -254,9 +254,9 @@ class Gemma3ForCausalLM(DecoderLM):
         """Final hidden states from the input embeddings (a vision-language model's, images merged in unscaled)."""
         rope = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary_emb.items()}
         tables = [rope[kind] for kind in self._rope_kinds()]
-        native = self.native_decode.run(self, x, tables, kv_caches, attn)
+        native = self.native_decode.run(self, x, tables, kv_caches, attn, final_norm=self.model.norm)
         if native is not None:
-            return self.model.norm(native)  # type: ignore[no-any-return]
+            return native
         for layer, layer_type, kv_cache in zip(self.model.layers, self.layer_types, kv_caches, strict=True):
             cos, sin = rope[layer_type]
             x = layer(x, cos, sin, kv_cache, attn)

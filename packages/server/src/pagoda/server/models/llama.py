@@ -253,9 +253,13 @@ class LlamaForCausalLM(DecoderLM):
         """Final hidden states from the input embeddings (a vision-language model's, images merged in; its own
         rotary angles where its positions are not 1-D, as Qwen2-VL's M-RoPE)."""
         cos, sin = self.model.rotary_emb(positions, x.dtype) if rope is None else rope
-        native = None if rope is not None else self.native_decode.run(self, x, [(cos, sin)], kv_caches, attn)
+        native = (
+            None
+            if rope is not None
+            else self.native_decode.run(self, x, [(cos, sin)], kv_caches, attn, final_norm=self.model.norm)
+        )
         if native is not None:
-            return self.model.norm(native)  # type: ignore[no-any-return]
+            return native
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         out: Tensor = self.model.norm(x)

@@ -115,9 +115,11 @@ class NativeDecode:
         ropes: Sequence[tuple[Tensor, Tensor]],  # per rotary table: cos, sin [num_tokens, 1, head_dim // 2]
         kv_caches: Sequence[LayerKVCache],
         attn: AttentionMetadata,
+        final_norm: RMSNorm | None = None,  # the model's norm after its last layer
     ) -> Tensor | None:  # [num_tokens, hidden]
-        """The last decoder layer's output (every layer run natively), or None when this step or model is one the
-        native layers do not run (nothing was written)."""
+        """The last decoder layer's output (every layer run natively), normed by `final_norm` when given (inside
+        the native call where its eps and form are the layers'), or None when this step or model is one the native
+        layers do not run (nothing was written)."""
         if not self.enabled or self._refused is not None or attn.backend.name != "cpu":
             return None
         if self.max_rows is not None and x.shape[0] > self.max_rows:
@@ -145,6 +147,14 @@ class NativeDecode:
             cos, sin = ropes[0]
         else:
             cos, sin = torch.stack([c for c, _ in ropes]), torch.stack([s for _, s in ropes])
+        shape = stack.shape
+        # The norm inside the native call where it computes what the module does (its eps and form the layers').
+        folded = (
+            final_norm is not None
+            and (final_norm.eps, final_norm.unit_offset) == (shape.eps, shape.unit_offset)
+            and final_norm.weight.dtype == x.dtype
+            and final_norm.weight.is_contiguous()
+        )
         stack.run(
             out,
             cos,
@@ -153,9 +163,10 @@ class NativeDecode:
             tables[:, :num_seqs],
             attn.context_lens[:num_seqs],
             query_start_loc=attn.query_start_loc,
+            final_norm=final_norm.weight if folded and final_norm is not None else None,
         )
         self.steps += 1
-        return out
+        return final_norm(out) if final_norm is not None and not folded else out
 
     def forget(self) -> None:
         """Drop the stack: what its table points at moved (sleep mode woke: new weight storages under the same

@@ -11,7 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pagoda.pagedkernel.quant import QuantBackendName, QuantizedTensor, cpu_quant, dequantize, qmatmul, repack
+from pagoda.pagedkernel.quant import (
+    QuantBackendName,
+    QuantizedTensor,
+    cpu_quant,
+    dequantize,
+    dequantize_ids,
+    qmatmul,
+    repack,
+)
 from torch import Tensor, nn
 
 
@@ -95,7 +103,7 @@ class QuantizedWeight:
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # int64 [num_tokens] -> [num_tokens, K]
         """The rows `ids` (an embedding lookup), dequantizing only those rows."""
         (part,) = self.parts  # an embedding table is one checkpoint tensor
-        return dequantize(repack.take_rows(part, ids), backend=self.backend).to(dtype)
+        return dequantize_ids(part, ids, backend=self.backend).to(dtype)
 
     def dense(self) -> Tensor:  # float32 [N, K]
         """The exact float32 values (for a layer that cannot keep the blocks)."""
