@@ -63,8 +63,8 @@ def native_steps(native: NativeDecode) -> list[tuple[int, int]]:
     shapes: list[tuple[int, int]] = []
     run = native.run
 
-    def spy(*args: Any) -> torch.Tensor | None:
-        out = run(*args)
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = run(*args, **kwargs)
         if out is not None:
             shapes.append((int(args[1].shape[0]), int(args[4].max_query_len)))
         return out

@@ -211,8 +211,7 @@ class DecodeStack:
         num_threads: int | None = None,  # None: torch's
         prefetch: bool = True,  # ask for the next weights while a phase ends
         query_start_loc: Tensor | None = None,  # int32 [num_seqs + 1]; None: one row per sequence
-        final_norm: Tensor
-        | None = None,  # [hidden], x's dtype: the model's final RMSNorm weight (shape's eps)
+        final_norm: Tensor | None = None,  # [hidden], x's dtype: the last norm's weight (shape's eps)
     ) -> None:
         """Every layer over the step's rows (sequence i's new tokens are rows query_start_loc[i]:[i + 1]: one in a
         decode step, a token and its drafts in a speculative one); x holds the last layer's output, or with
