@@ -440,6 +440,9 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
  * without VNNI, Q8_0's lo and hi are |w| instead and slo, shi the signed w (whose signs go onto x's q). */
 typedef struct {
   __m256i lo[2], hi[2];
+#if PATH == 1
+  __m256i alo[2], ahi[2]; /* Q8_0's |w| of lo and hi, for a pass of several rows (one row takes it in its lanes) */
+#endif
   __m256 dm;
   __m256 dlo[2], dhi[2]; /* Q6_K: each lane's d sc of its lo half and of its hi half, pair by pair */
 } quad_w;
@@ -456,7 +459,7 @@ INLINE __m128i q6_high(__m128i h, int s) {
   return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, s), _mm_set1_epi8(3)), 4);
 }
 
-INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, quad_w *q) {
+INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, quad_w *q, int rows) {
   q->dm = quad_scales(type, row, gi, have);
   if (type == Q6_K) { /* pair 0: sub-blocks 0, 1 (low nibbles of ql 0..31, 32..63), pair 1: 2, 3 (high nibbles) */
     const uint8_t *sb = row + gi / 2 * 210, *ql = sb + 64 * (gi % 2), *qh = sb + 128 + 32 * (gi % 2);
@@ -496,7 +499,11 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
     for (int p = 0; p < 2; p++) {
       q->lo[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x20);
       q->hi[p] = _mm256_permute2x128_si256(v[2 * p], v[2 * p + 1], 0x31);
+#if PATH == 1
+      if (type == Q8_0 && rows > 1) q->alo[p] = _mm256_abs_epi8(q->lo[p]), q->ahi[p] = _mm256_abs_epi8(q->hi[p]);
+#endif
     }
+    (void)rows;
     return;
   }
   __m128i qs[4];
@@ -513,7 +520,7 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
 /* The integer lanes of pair p (lanes 8 p .. 8 p + 7 of the group), exact: with VNNI vpdpbusd of u by q from x's
  * -c sum q; on AVX2 u by q in 16-bit pair sums (15 or 31 * 127 * 2 fits), plus -c sum q, and for Q8_0 (u up to
  * 255 would saturate) |w| by q with w's signs (128 * 127 * 2 fits), which needs no correction. */
-INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, int p) {
+INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, int p, int rows) {
   const __m256i a = _mm256_load_si256((const __m256i *)(x->lo + 32 * p));
   const __m256i b = _mm256_load_si256((const __m256i *)(x->hi + 32 * p));
   const __m256i init = QUAD_BIAS(type) == 128  ? _mm256_load_si256((const __m256i *)(x->b128 + 8 * p))
@@ -523,10 +530,13 @@ INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, i
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, q->lo[p], a), q->hi[p], b);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if (type == Q8_0)
-    return _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q->lo[p]), _mm256_sign_epi8(a, q->lo[p])), ones),
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q->hi[p]), _mm256_sign_epi8(b, q->hi[p])), ones));
+  if (type == Q8_0) {
+    /* one row: |w| here, so that a group holds four vectors of weights, not eight (which spilled its sums) */
+    const __m256i ulo = rows > 1 ? q->alo[p] : _mm256_abs_epi8(q->lo[p]);
+    const __m256i uhi = rows > 1 ? q->ahi[p] : _mm256_abs_epi8(q->hi[p]);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, _mm256_sign_epi8(a, q->lo[p])), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, _mm256_sign_epi8(b, q->hi[p])), ones));
+  }
   return _mm256_add_epi32(init, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], a), ones),
                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], b), ones)));
 #endif
@@ -549,7 +559,7 @@ INLINE void quad_split_lanes(const quad_w *q, const xquad *x, int p, __m256i *a,
 }
 
 INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m256 *o, const quad_w *q,
-                      const xquad *x) {
+                      const xquad *x, int rows) {
   if (QUAD_SPLIT(type)) { /* each lane's scale of its half ([dlo, dhi] per block in dm) times dx */
     for (int p = 0; p < 2; p++) {
       __m256i a, b;
@@ -563,7 +573,7 @@ INLINE void quad_step(const int64_t type, __m256 acc[2], __m256 acc_hi[2], __m25
   }
   const __m256 s = _mm256_mul_ps(q->dm, _mm256_load_ps(x->s));
   for (int p = 0; p < 2; p++) {
-    const __m256i lanes = quad_lanes(type, q, x, p);
+    const __m256i lanes = quad_lanes(type, q, x, p, rows);
     acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), quad_pair_words(s, p, 0), acc[p]);
   }
   if (QUAD_MIN(type)) *o = _mm256_add_ps(*o, s);
@@ -581,8 +591,8 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
     const int have = blocks - 4 * gi < 4 ? (int)(blocks - 4 * gi) : 4;
     for (int c = 0; c < C; c++) {
       quad_w q;
-      quad_weights(type, w + c * row_bytes, gi, have, &q);
-      for (int r = 0; r < R; r++) quad_step(type, acc[c][r], acc_hi[c][r], &o[c][r], &q, g + r * groups + gi);
+      quad_weights(type, w + c * row_bytes, gi, have, &q, R);
+      for (int r = 0; r < R; r++) quad_step(type, acc[c][r], acc_hi[c][r], &o[c][r], &q, g + r * groups + gi, R);
     }
   }
   for (int c = 0; c < C; c++)
