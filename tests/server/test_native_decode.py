@@ -69,7 +69,7 @@ def native_steps(native: NativeDecode) -> list[tuple[int, int]]:
             shapes.append((int(args[1].shape[0]), int(args[4].max_query_len)))
         return out
 
-    native.run = spy  # type: ignore[method-assign, assignment]
+    native.run = spy  # type: ignore[method-assign]
     return shapes
 
 

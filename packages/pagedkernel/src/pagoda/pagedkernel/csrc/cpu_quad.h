@@ -437,7 +437,8 @@ INLINE void quad_tile(const int64_t type, const int C, const int R, const uint8_
 #elif PATH >= 1
 /* A group's weights as two pairs of blocks (0, 1 and 2, 3): u of elements 0..15 (lo) and 16..31 (hi) of the pair
  * side by side, and the blocks' d and m as floats ([d0, m0, .., d3, m3]); missing blocks read as zeros. On AVX2
- * without VNNI, Q8_0's lo and hi are |w| instead and slo, shi the signed w (whose signs go onto x's q). */
+ * without VNNI, Q8_0's lo and hi are the signed w instead (whose signs go onto x's q), and |w| the unsigned
+ * operand. */
 typedef struct {
   __m256i lo[2], hi[2];
 #if PATH == 1
