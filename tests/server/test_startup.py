@@ -5,8 +5,10 @@ No timing is asserted here (tools/bench_startup.py measures it; the README has t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pagoda.server.api.server import listen_socket
 from pagoda.server.startup import PHASE_FORMAT, process_age
 from pagoda.server.testing import free_port, make_tiny_model, serve_command
 from tool_scripts import load_tool
@@ -88,6 +91,38 @@ def test_health_is_200_only_once_a_completion_is_answered(tmp_path: Path) -> Non
         process.wait(60)
 
 
+def test_the_listen_socket_holds_the_port_and_refuses_connections_until_served() -> None:
+    """`listen_socket` binds without listening: a connection is refused (as /health is before the engine is
+    ready), and no other socket, an ephemeral one included, can bind the port while it is held."""
+    with listen_socket("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        # The kernel hands out ephemeral ports from the same range; none of these may be the held one.
+        for _ in range(200):
+            with socket.socket() as ephemeral:
+                ephemeral.bind(("127.0.0.1", 0))
+                assert ephemeral.getsockname()[1] != port
+
+
+def test_a_port_in_use_fails_the_start_before_the_model_loads(tmp_path: Path) -> None:
+    """`pagoda serve` on a port another process listens on exits 1 naming the address, before any weight is read
+    (the port is bound first, so that nothing the start creates can take it either)."""
+    model = make_tiny_model("llama", tmp_path / "llama")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        command = serve_command(model, ["--log-level", "info"], port=port)
+        out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "startup weights" not in out.stderr and "startup python and imports" in out.stderr
+
+
 # Runs `pagoda serve` in a fresh interpreter with the HTTP server stubbed out: whether the cyclic collector runs
 # while the engine starts and once it serves, and how many objects the freeze moved out of its sight.
 _GC_PROBE = """
@@ -99,7 +134,7 @@ start_engine = cli.start_engine
 def starting(config):
     seen["starting"] = gc.isenabled()
     return start_engine(config)
-def serving(app, llm, config):
+def serving(app, llm, config, sock):
     seen["serving"] = gc.isenabled()
     seen["frozen"] = gc.get_freeze_count()
     return 0

@@ -8,6 +8,7 @@ import argparse
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -153,6 +154,16 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
+    from pagoda.server.api.server import listen_socket
+
+    # The port is bound (not yet listening: /health is refused until the engine is ready) before any engine core
+    # starts, so that none of their own sockets can take it, and a port in use fails before the model loads.
+    address = f"{config.server.host}:{config.server.port}"
+    try:
+        sock = listen_socket(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"pagoda serve: cannot listen on {address}: {exc}", file=sys.stderr)
+        return 1
     # The host KV tier's shared file is the server's: it outlives engine cores (and their restarts), not the server.
     # With --kv-transfer tcp each core keeps a tier of its own (as on separate hosts) and blocks move over TCP.
     tier_file = None
@@ -160,14 +171,15 @@ def serve(args: argparse.Namespace) -> int:
         engine_config, tier_file = with_shared_host_tier(config.engine)
         config = replace(config, engine=engine_config)
     try:
-        return _start_and_serve(config)
+        return _start_and_serve(config, sock)
     finally:
+        sock.close()
         if tier_file is not None:
             tier_file.unlink(missing_ok=True)
 
 
-def _start_and_serve(config: ServeConfig) -> int:
-    """Start the engine (cores) and serve; the exit status."""
+def _start_and_serve(config: ServeConfig, sock: socket.socket) -> int:
+    """Start the engine (cores) and serve on `sock`; the exit status."""
     from pagoda.server.core import CoreConfigError, CoreStartupError
     from pagoda.server.engine.executor import ExecutorError
     from pagoda.server.engine.setup import MaxModelLenError
@@ -189,7 +201,7 @@ def _start_and_serve(config: ServeConfig) -> int:
         client.max_model_len,
     )
     try:
-        return _serve_engine(config, client)
+        return _serve_engine(config, client, sock)
     finally:
         client.close()  # tensor-parallel workers and engine cores exit with the server
 
@@ -205,8 +217,8 @@ def start_engine(config: ServeConfig) -> EngineClient:
     return start_core_client(config.engine, config.core, log_level=log_level)
 
 
-def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
-    """Serve `client` until SIGTERM drained it (0), or until the engine failed for good (1); the exit status."""
+def _serve_engine(config: ServeConfig, client: EngineClient, sock: socket.socket) -> int:
+    """Serve `client` on `sock` until SIGTERM drained it (0), or until the engine failed for good (1); the exit status."""
     from pagoda.server.api import build_app
     from pagoda.server.api.server import run_server
     from pagoda.server.async_llm import AsyncLLM
@@ -233,7 +245,7 @@ def _serve_engine(config: ServeConfig, client: EngineClient) -> int:
     gc.enable()  # disabled since serve() began
     log_phase("gc freeze", start)
     try:
-        return run_server(app, llm, config.server)
+        return run_server(app, llm, config.server, sock)
     finally:
         if llm.engine is not client:  # a rebuilt engine: `serve` closes the first one
             llm.engine.close()

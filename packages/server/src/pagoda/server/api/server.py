@@ -75,9 +75,29 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None) -> int:
-    """Serve `app` on `config`'s address and HTTP limits until a signal drains and stops it (0), or the engine
-    failed for good (ENGINE_FAILURE_EXIT_STATUS); the process's exit status."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), to be taken before the engine starts; OSError if it cannot be.
+
+    Bound first, as vLLM does, so that nothing the start creates (an engine core's block server on an ephemeral
+    port, say) can take the port, and so that a port in use fails in a second rather than after the model loads.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As uvicorn binds: a restarted server need not wait out the last one's TIME_WAIT connections.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_server(
+    app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None, sock: socket.socket | None = None
+) -> int:
+    """Serve `app` on `sock` (or, without one, `config`'s address) with `config`'s HTTP limits until a signal
+    drains and stops it (0), or the engine failed for good (ENGINE_FAILURE_EXIT_STATUS); the exit status."""
     config = config or ServerConfig()
     http = HTTPConfig(
         app,
@@ -89,5 +109,5 @@ def run_server(app: Starlette, llm: AsyncLLM, config: ServerConfig | None = None
         timeout_graceful_shutdown=int(_FLUSH_SECONDS),
     )
     server = DrainingServer(http, llm, config.shutdown_timeout)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return server.exit_status
