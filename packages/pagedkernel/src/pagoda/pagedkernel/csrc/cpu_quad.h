@@ -455,24 +455,51 @@ INLINE __m256 quad_pair_words(__m256 v, int p, int half) {
   return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
 }
 
-/* Q6_K's fifth and sixth bits of 16 bytes of qh: bits s, s + 1 of each byte, as bits 4, 5. */
-INLINE __m128i q6_high(__m128i h, int s) {
-  return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, s), _mm_set1_epi8(3)), 4);
+/* A pair of whole Q5_0 blocks (at a, b) as quad_weights' lo and hi: the pair's 32 bytes of nibbles in one register
+ * (a's in the low lane, b's in the high one: their low nibbles are lo's elements, their high nibbles hi's, as x's
+ * pairs lie), and the fifth bits of both blocks as one 64-bit word, broadcast once and spread to the bytes of lo
+ * and of hi. 17 vector operations a pair, where a fives_v per block and the two lane permutes took 24: on a
+ * 2-core Zen 3 the one-row GEMV is bound by them, not by memory (pagedkernel README, cpu backend). */
+INLINE void q5_pair(const uint8_t *a, const uint8_t *b, __m256i *lo, __m256i *hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 6))),
+                                            _mm_loadu_si128((const __m128i *)(b + 6)), 1);
+  const uint64_t ha = u32le(a + 2), hb = u32le(b + 2);
+  /* bytes 0, 1: a's bits of elements 0..15, bytes 2, 3: b's; bytes 4, 5: a's of 16..31, bytes 6, 7: b's */
+  const uint64_t h = (ha & 0xFFFFu) | (hb & 0xFFFFu) << 16 | (ha >> 16) << 32 | (hb >> 16) << 48;
+  const __m256i hv = _mm256_set1_epi64x((long long)h), bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  /* byte j of lane l takes byte 2 l + j / 8 of h (lo) or 4 + 2 l + j / 8 (hi), then tests its bit j % 8 */
+  const __m256i slo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                                       3, 3, 3, 3);
+  const __m256i shi = _mm256_add_epi8(slo, _mm256_set1_epi8(4));
+  const __m256i blo = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hv, slo), bit), bit);
+  const __m256i bhi = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hv, shi), bit), bit);
+  *lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(blo, fifth));
+  *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(bhi, fifth));
 }
 
 INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int have, quad_w *q, int rows) {
   q->dm = quad_scales(type, row, gi, have);
+  if (type == Q5_0 && have == 4) {
+    const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(Q5_0);
+    for (int p = 0; p < 2; p++)
+      q5_pair(w + 2 * p * QUAD_BLOCK_BYTES(Q5_0), w + (2 * p + 1) * QUAD_BLOCK_BYTES(Q5_0), &q->lo[p], &q->hi[p]);
+    return;
+  }
   if (type == Q6_K) { /* pair 0: sub-blocks 0, 1 (low nibbles of ql 0..31, 32..63), pair 1: 2, 3 (high nibbles) */
     const uint8_t *sb = row + gi / 2 * 210, *ql = sb + 64 * (gi % 2), *qh = sb + 128 + 32 * (gi % 2);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    /* bits 2 s, 2 s + 1 of qh's bytes as bits 4, 5: pair 0 takes s = 0 (low lane), 1 (high); pair 1 s = 2, 3. A
+     * 64-bit shift moves no wanted bit across a byte (the mask keeps bits 4, 5, which came from the same byte). */
+    const __m256i up = _mm256_setr_epi64x(4, 4, 2, 2), down = _mm256_setr_epi64x(0, 0, 2, 2);
     for (int half = 0; half < 2; half++) { /* elements 0..15 (lo), 16..31 (hi) */
-      const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * half));
-      const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * half));
-      const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * half));
-      const __m256i p0 = _mm256_set_m128i(_mm_or_si128(_mm_and_si128(c, m4), q6_high(h, 2)),
-                                          _mm_or_si128(_mm_and_si128(a, m4), q6_high(h, 0)));
-      const __m256i p1 = _mm256_set_m128i(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), m4), q6_high(h, 6)),
-                                          _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), q6_high(h, 4)));
+      const __m256i v = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(ql + 16 * half))),
+          _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * half)), 1);
+      const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qh + 16 * half)));
+      const __m256i p0 = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_sllv_epi64(h, up), m30));
+      const __m256i p1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                         _mm256_and_si256(_mm256_srlv_epi64(h, down), m30));
       if (half == 0) q->lo[0] = p0, q->lo[1] = p1;
       else q->hi[0] = p0, q->hi[1] = p1;
     }
@@ -481,7 +508,13 @@ INLINE void quad_weights(const int64_t type, const uint8_t *row, int64_t gi, int
   }
   if (type == Q4_K) { /* pair p: sub-blocks 2p, 2p + 1, the low and high nibbles of bytes 32p .. 32p + 31 */
     const uint8_t *qs = row + gi / 2 * 144 + 16 + 64 * (gi % 2);
-    for (int p = 0; p < 2; p++) q->lo[p] = nibbles_v(qs + 32 * p), q->hi[p] = nibbles_v(qs + 32 * p + 16);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int p = 0; p < 2; p++) { /* one load a pair: low and high nibbles of bytes 0..31, then their lanes swapped */
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+      const __m256i a = _mm256_and_si256(v, m4), b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      q->lo[p] = _mm256_permute2x128_si256(a, b, 0x20); /* low nibbles of bytes 0..15, then their high nibbles */
+      q->hi[p] = _mm256_permute2x128_si256(a, b, 0x31); /* the same of bytes 16..31 */
+    }
     return;
   }
   const uint8_t *w = row + gi * 4 * QUAD_BLOCK_BYTES(type);
@@ -538,8 +571,10 @@ INLINE __m256i quad_lanes(const int64_t type, const quad_w *q, const xquad *x, i
     return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, _mm256_sign_epi8(a, q->lo[p])), ones),
                             _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, _mm256_sign_epi8(b, q->hi[p])), ones));
   }
-  return _mm256_add_epi32(init, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q->lo[p], a), ones),
-                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(q->hi[p], b), ones)));
+  /* u <= 31: each 16-bit pair sum is at most 2 * 31 * 127, so lo's and hi's add in 16 bits (one madd, exact) */
+  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(q->lo[p], a),
+                                                                    _mm256_maddubs_epi16(q->hi[p], b)),
+                                                   ones));
 #endif
 }
 
