@@ -467,13 +467,9 @@ INLINE void q5_pair(const uint8_t *a, const uint8_t *b, __m256i *lo, __m256i *hi
   const uint64_t ha = u32le(a + 2), hb = u32le(b + 2);
   /* bytes 0, 1: a's bits of elements 0..15, bytes 2, 3: b's; bytes 4, 5: a's of 16..31, bytes 6, 7: b's */
   const uint64_t h = (ha & 0xFFFFu) | (hb & 0xFFFFu) << 16 | (ha >> 16) << 32 | (hb >> 16) << 48;
-  const __m256i hv = _mm256_set1_epi64x((long long)h), bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  /* byte j of lane l takes byte 2 l + j / 8 of h (lo) or 4 + 2 l + j / 8 (hi), then tests its bit j % 8 */
-  const __m256i slo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                                       3, 3, 3, 3);
-  const __m256i shi = _mm256_add_epi8(slo, _mm256_set1_epi8(4));
-  const __m256i blo = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hv, slo), bit), bit);
-  const __m256i bhi = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hv, shi), bit), bit);
+  const __m256i hv = _mm256_set1_epi64x((long long)h);
+  /* byte j of the pair takes bit j % 8 of byte j / 8 of h (lo) or of byte 4 + j / 8 (hi) */
+  const __m256i blo = spread_bits(hv, SPREAD4), bhi = spread_bits(hv, _mm256_add_epi8(SPREAD4, _mm256_set1_epi8(4)));
   *lo = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(blo, fifth));
   *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(bhi, fifth));
 }

@@ -136,13 +136,17 @@ INLINE void nibbles32(const uint8_t *qs, int8_t *w, int bias) {
 }
 
 #if PATH >= 1
-/* Byte j is 0xFF where bit j of the 32-bit word h is set, else 0. */
-static inline __m256i bit_bytes(uint32_t h) {
-  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+/* Byte j is 0xFF where bit j % 8 of byte spread[j] of hv's lane is set, else 0 (spread: byte indices < 16). */
+static inline __m256i spread_bits(__m256i hv, __m256i spread) {
   const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL); /* byte j tests bit j % 8 */
-  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);       /* byte j: byte j / 8 of h */
-  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(hv, spread), bit), bit);
 }
+
+/* byte j: j / 8 (bytes 0..3 of a word, eight times each) */
+#define SPREAD4 _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL)
+
+/* Byte j is 0xFF where bit j of the 32-bit word h is set, else 0. */
+static inline __m256i bit_bytes(uint32_t h) { return spread_bits(_mm256_set1_epi32((int)h), SPREAD4); }
 #endif
 
 #if PATH >= 1
