@@ -8,6 +8,7 @@ generic builds each run and agree bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 from pathlib import Path
@@ -537,6 +538,26 @@ def test_repacked_layouts_on_every_path_and_row_count(
         # rows by id straight from their tiles: the short tile's last row, tile edges, a repeat
         ids = torch.tensor([76, 0, 15, 16, 64, 76, 33])
         assert torch.equal(cpu_quant.dequantize_ids(weight, ids, lib), w[ids])
+
+
+@pytest.mark.parametrize("path", list(KernelPath), ids=lambda p: p.name)
+def test_repacked_layout_policy_per_build(path: KernelPath, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`repacked_layout`: the `_R16` tiles on the VNNI and AVX2 builds (their int8 tiles), none on the generic one
+    (its plain loop is only the specification); a weight that multiplies prompts keeps its format on a build with
+    AMX (its bfloat16 tiles take prompts), and Q6_K on AVX2 (the float32 vector kernel runs its prompts faster);
+    Q4_0 has no repacked layout anywhere."""
+    native = cpu_quant.kernels()
+    monkeypatch.setattr(cpu_quant, "kernels", lambda: dataclasses.replace(native, path=path, matmul_amx=None))
+    tiled = path is not KernelPath.GENERIC
+    for source, layout in repack.LAYOUT_OF.items():
+        assert cpu_quant.repacked_layout(source) is (layout if tiled else None), source.name
+        keeps = path is KernelPath.AVX2 and source is GGMLType.Q6_K
+        assert cpu_quant.repacked_layout(source, prompts=True) is (layout if tiled and not keeps else None)
+    assert cpu_quant.repacked_layout(GGMLType.Q4_0) is None
+    amx = dataclasses.replace(native, path=KernelPath.AVX512_VNNI, matmul_amx=object())
+    monkeypatch.setattr(cpu_quant, "kernels", lambda: amx)
+    assert cpu_quant.repacked_layout(GGMLType.Q8_0, prompts=True) is None
+    assert cpu_quant.repacked_layout(GGMLType.Q8_0) is GGMLType.Q8_0_R16
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES), ids=lambda t: t.name)

@@ -424,8 +424,8 @@ def test_the_vocabulary_table_is_repacked_for_the_cpu_kernel(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the `cpu` backend of a build that prefers it (`cpu_quant.repacked_layout`: AVX-512 VNNI; `forced` makes
-    every build take it, the plain C kernel on others), a Q8_0 vocabulary table (llama's LM head and embedding,
+    """On the `cpu` backend of a build that prefers it (`cpu_quant.repacked_layout`: AVX-512 VNNI or AVX2;
+    `forced` makes every build take it, the plain C kernel on others), a Q8_0 vocabulary table (llama's LM head and embedding,
     Gemma 3's tied one) is held as Q8_0_R16: the file's bytes repacked, the embedding's rows looked up as before,
     the logits those of the int8 kernel on that layout; so are the layers whose rows are whole tiles of 16 (not on
     a build with AMX, whose bfloat16 tiles take their prompts). The torch backend keeps the file's format. Skipped

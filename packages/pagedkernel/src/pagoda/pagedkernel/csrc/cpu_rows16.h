@@ -286,13 +286,161 @@ static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t b
 }
 #endif
 
+#if PATH == 1
+/* The AVX2 form, for whole tiles (a short last tile takes the plain form: the same bits). Eight columns at a time
+ * (half hh of the tile): a 256-bit register holds four u of each, x's four bytes broadcast; the exact integer sums
+ * by vpmaddubsw (u by q in 16-bit pair sums) and vpmaddwd. Why: at one row the quad order spends ~60 operations on
+ * four Q8_0 blocks of a column (unpacking, lane permutes, scales, a horizontal sum each column); here eight
+ * columns' group of four elements is one load and five operations, and a block's scales one conversion for eight
+ * columns. */
+#define R16_PASS_V 4 /* rows of x a pass: R int32 sums, R 16-bit sums and R float sums in sixteen registers */
+#define R16_BOTH_ROWS 2 /* up to this many rows take both halves of a tile in one pass */
+
+/* Group g (elements 4 g .. 4 g + 3) of columns 8 hh .. 8 hh + 7 of a whole tile's block whose values start at v:
+ * the u bytes, four a column. */
+INLINE __m256i r16_group_v(const int64_t type, const uint8_t *v, int g, int hh) {
+  if (type == Q8_0_R16) return _mm256_loadu_si256((const __m256i *)(v + g * 64 + hh * 32));
+  const __m256i nib = _mm256_loadu_si256((const __m256i *)(v + (g / 2) * 64 + hh * 32)), low = _mm256_set1_epi8(15);
+  __m256i u = g % 2 ? _mm256_and_si256(_mm256_srli_epi16(nib, 4), low) : _mm256_and_si256(nib, low);
+  if (type == Q5_0_R16) /* bit (16 g + c) 4 + e of the fifth bits: 32 bits a half, from byte 8 g + 4 hh */
+    u = _mm256_or_si256(u, _mm256_and_si256(bit_bytes(u32le(v + 256 + 8 * g + 4 * hh)), _mm256_set1_epi8(16)));
+  if (type == Q6_K_R16) { /* bits 2 i of the quad's bytes as bits 4, 5 (16-bit shifts: what crosses a byte lands
+                             outside 0x30) */
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(v + 256 + (g / 4) * 64 + hh * 32));
+    const int i = g % 4;
+    const __m256i h = i == 0 ? _mm256_slli_epi16(hb, 4) : i == 1 ? _mm256_slli_epi16(hb, 2) : i == 2 ? hb : _mm256_srli_epi16(hb, 2);
+    u = _mm256_or_si256(u, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+  }
+  return u;
+}
+
+/* r16_scales of columns 8 hh .. 8 hh + 7 of a whole tile: d (Q6_K: of half h) and the minimum (0 without). */
+INLINE void r16_scales8(const int64_t type, const uint8_t *tw, int64_t b, int h, int hh, __m256 *d, __m256 *mn) {
+  const int w = R16_TILE;
+  if (type == Q4_K_R16) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
+    const int j = (int)(b % 8);
+    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ts + 4 * w + j * w + 8 * hh)));
+    const __m256i hi = _mm256_loadu_si256((const __m256i *)(ts + 12 * w + 32 * hh)), three = _mm256_set1_epi32(3);
+    const __m256i sc = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2 * j), three), 4));
+    const __m256i mi = _mm256_or_si256(_mm256_srli_epi32(low, 4),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 16 + 2 * j), three), 4));
+    *d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ts + 16 * hh))), _mm256_cvtepi32_ps(sc));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ts + 2 * w + 16 * hh)));
+    *mn = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mi)), _mm256_set1_ps(-0.0f)); /* -(dmin m) */
+    return;
+  }
+  if (type == Q6_K_R16) {
+    const uint8_t *ts = tw + (b / 8) * R16_K_BYTES(type) * w;
+    const __m128i sc = _mm_loadl_epi64((const __m128i *)(ts + 2 * w + (2 * (b % 8) + h) * w + 8 * hh));
+    *d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ts + 16 * hh))),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    *mn = _mm256_setzero_ps();
+    return;
+  }
+  const uint8_t *tb = tw + b * R16_BYTES(type) * w;
+  *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 16 * hh)));
+  *mn = type == Q4_1_R16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 2 * w + 16 * hh))) : _mm256_setzero_ps();
+}
+
+/* The sum of sixteen signed bytes. */
+static inline int32_t r16_sum16(const int8_t *p) {
+  const __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)0x80)),
+                                 _mm_setzero_si128());
+  return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 128 * 16;
+}
+
+/* Groups g0 .. g1 of columns 8 hh .. 8 hh + 8 NH of R rows into s[r * NH + h] (int32): u by q in 16-bit pair sums,
+ * added in 16 bits over the groups (u <= 15: 8 groups, 8 * 2 * 15 * 127; u <= 31: 4; u <= 63: 2 fit), then one
+ * vpmaddwd; Q8_0 (u - 128 up to 128 in size) as |w| by q with w's signs, each group's pair sums widened at once
+ * (2 * 128 * 127 fits once). */
+INLINE void r16_groups(const int R, const int NH, const int64_t type, const uint8_t *v, int g0, int g1, int hh,
+                       const int8_t *const *xr, int64_t at, __m256i *s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (type == Q8_0_R16) {
+    for (int g = g0; g < g1; g++)
+      for (int h = 0; h < NH; h++) {
+        const __m256i wq = _mm256_xor_si256(r16_group_v(type, v, g, hh + h), _mm256_set1_epi8((char)0x80));
+        const __m256i a = _mm256_abs_epi8(wq);
+        for (int r = 0; r < R; r++) {
+          int32_t x4;
+          memcpy(&x4, xr[r] + at + 4 * g, sizeof x4);
+          const __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(x4), wq));
+          s[r * NH + h] = _mm256_add_epi32(s[r * NH + h], _mm256_madd_epi16(p, ones));
+        }
+      }
+    return;
+  }
+  const int run = type == Q5_0_R16 ? 4 : type == Q6_K_R16 ? 2 : 8; /* groups whose 16-bit sums cannot overflow */
+  for (int g = g0; g < g1; g += run) {
+    __m256i p[2 * FEW_ROWS];
+    for (int i = 0; i < run && g + i < g1; i++)
+      for (int h = 0; h < NH; h++) {
+        const __m256i u = r16_group_v(type, v, g + i, hh + h);
+        for (int r = 0; r < R; r++) {
+          int32_t x4;
+          memcpy(&x4, xr[r] + at + 4 * (g + i), sizeof x4);
+          const __m256i t = _mm256_maddubs_epi16(u, _mm256_set1_epi32(x4));
+          p[r * NH + h] = i == 0 ? t : _mm256_add_epi16(p[r * NH + h], t);
+        }
+      }
+    for (int i = 0; i < R * NH; i++) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
+  }
+}
+
+/* Columns 8 hh .. 8 (hh + NH) of a whole tile tw for rows r0 .. r0 + R of x (R, NH constants once inlined): per
+ * block (Q6_K: per half) each row's exact integer sums (from -z sum q), one conversion and one fused multiply-add
+ * by d * dx, and a minimum's m * (dx * sum q): the plain form's float steps, eight columns a vector. */
+INLINE void r16_tile8(const int R, const int NH, const int64_t type, const uint8_t *tw, int hh, int64_t blocks,
+                      const int8_t *xq, const float *xd, const int32_t *xs, int64_t k, int64_t r0, void *y,
+                      int64_t y_stride, int64_t col, int y_bf16, int prefetch) {
+  const int64_t block_bytes = (R16_K(type) ? R16_K_BYTES(type) / 8 : R16_BYTES(type)) * (int64_t)R16_TILE;
+  const int8_t *xr[FEW_ROWS]; /* R <= R16_PASS_V; FOR_PASS_ROWS instantiates up to FEW_ROWS */
+  __m256 acc[2 * FEW_ROWS];
+  for (int r = 0; r < R; r++) xr[r] = xq + (r0 + r) * k;
+  for (int i = 0; i < R * NH; i++) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t *tb = r16_values(type, tw, R16_TILE, b);
+    if (prefetch) prefetch_ahead(tw + b * block_bytes, block_bytes);
+    const int halves = R16_HALF_SCALES(type) ? 2 : 1;
+    for (int e = 0; e < halves; e++) { /* Q6_K's halves of the block, each with its own scales */
+      __m256i s[2 * FEW_ROWS];
+      for (int r = 0; r < R; r++) {
+        const int64_t xb = (r0 + r) * (k / QK) + b;
+        /* -z times the q's sum: the block's (xs), or Q6_K's half's; Q8_0's products are of u - z already */
+        const int32_t qs = R16_HALF_SCALES(type) ? r16_sum16(xr[r] + b * QK + 16 * e) : xs[xb];
+        for (int h = 0; h < NH; h++) s[r * NH + h] = _mm256_set1_epi32(type == Q8_0_R16 ? 0 : -R16_BIAS(type) * qs);
+      }
+      r16_groups(R, NH, type, tb, 4 * e * (halves - 1), halves == 2 ? 4 * e + 4 : 8, hh, xr, b * QK, s);
+      for (int h = 0; h < NH; h++) {
+        __m256 d, mn;
+        r16_scales8(type, tw, b, e, hh + h, &d, &mn);
+        for (int r = 0; r < R; r++) {
+          const int64_t xb = (r0 + r) * (k / QK) + b;
+          const int i = r * NH + h;
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[xb])), acc[i]);
+          if (R16_MIN(type)) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xd[xb] * (float)xs[xb]), acc[i]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++) {
+      float v[8];
+      _mm256_storeu_ps(v, acc[r * NH + h]);
+      r16_store(v, 8, y, (r0 + r) * y_stride + col + 8 * (hh + h), y_bf16);
+    }
+}
+#endif
+
 /* Columns j0..j1 of y (j0 a multiple of 16; j1 one too, or the last column) for every row of x: tile by tile, the
  * rows in passes of up to eight (their sums in registers) while the tile's bytes stay in L1. */
 INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, int64_t j1, int64_t k,
                         const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, void *y,
                         int64_t y_stride, int y_bf16) {
   const int64_t blocks = k / QK, row_bytes = R16_ROW_BYTES(type, k);
-#if PATH == 2
+#if PATH >= 1
   prefetch_start(weight + j0 * row_bytes);
 #endif
   /* Many rows (a prompt) in blocks whose x stays in L2 while the chunk's tiles (in L1) pass over it. */
@@ -309,6 +457,23 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 #undef R16
       }
 #else
+#if PATH == 1
+      if (w == R16_TILE) {
+        if (rend - rb <= R16_BOTH_ROWS) { /* a few rows: both halves of the tile in one pass over its bytes */
+#define R16(R) r16_tile8(R, 2, type, tw, 0, blocks, xq, xd, xs, k, rb, y, y_stride, j, y_bf16, rb == 0)
+          FOR_PASS_ROWS(rend, rb, R16_BOTH_ROWS, R16)
+#undef R16
+          continue;
+        }
+        for (int hh = 0; hh < 2; hh++)
+          for (int64_t r0 = rb; r0 < rend; r0 += R16_PASS_V) {
+#define R16(R) r16_tile8(R, 1, type, tw, hh, blocks, xq, xd, xs, k, r0, y, y_stride, j, y_bf16, r0 == 0 && hh == 0)
+            FOR_PASS_ROWS(rend, r0, R16_PASS_V, R16)
+#undef R16
+          }
+        continue;
+      }
+#endif
       for (int64_t r = rb; r < rend; r++)
         r16_tile_row(type, tw, w, blocks, xq + r * k, xd + r * blocks, xs + r * blocks, y, r * y_stride + j, y_bf16);
 #endif
@@ -382,6 +547,46 @@ INLINE void r16_dequantize_block(const int64_t type, const uint8_t *tw, int w, i
 }
 #endif
 
+#if PATH == 1
+/* One block of a whole tile into rows of dst (column c's elements at index at + c * k ..), as the VNNI path's
+ * r16_dequantize_block: the groups' u bytes (eight columns' four a register) turned into each column's 32 u in
+ * element order, then eight at a time widened, less z, times the column's d (Q6_K: each half's), plus its minimum:
+ * the plain loop's operations (a prompt's tiled path dequantizes a repacked weight whole: 0.6 s of a 512-token
+ * Gemma 3 prefill spent in the plain loop). */
+INLINE void r16_dequantize_block8(const int64_t type, const uint8_t *tw, int64_t b, void *dst, int64_t at, int64_t k,
+                                  int bf16) {
+  const uint8_t *tb = r16_values(type, tw, R16_TILE, b);
+  float d[2][R16_TILE], mn[R16_TILE];
+  uint32_t groups[8][R16_TILE], cols[R16_TILE][8]; /* [group][column] four u bytes, then [column][group] */
+  for (int hh = 0; hh < 2; hh++) {
+    __m256 dv, mv;
+    r16_scales8(type, tw, b, 0, hh, &dv, &mv);
+    _mm256_storeu_ps(d[0] + 8 * hh, dv);
+    _mm256_storeu_ps(mn + 8 * hh, mv);
+    if (R16_HALF_SCALES(type)) r16_scales8(type, tw, b, 1, hh, &dv, &mv);
+    _mm256_storeu_ps(d[1] + 8 * hh, dv);
+    for (int g = 0; g < 8; g++) _mm256_storeu_si256((__m256i *)(groups[g] + 8 * hh), r16_group_v(type, tb, g, hh));
+  }
+  for (int c = 0; c < R16_TILE; c++)
+    for (int g = 0; g < 8; g++) cols[c][g] = groups[g][c];
+  const __m256i z = _mm256_set1_epi32(R16_BIAS(type));
+  for (int c = 0; c < R16_TILE; c++) {
+    float f[32];
+    for (int i = 0; i < 4; i++) { /* elements 8 i .. 8 i + 7: half i / 2 */
+      const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)cols[c] + 8 * i))), z);
+      __m256 v = _mm256_mul_ps(_mm256_set1_ps(d[i / 2][c]), _mm256_cvtepi32_ps(q));
+      if (R16_MIN(type)) v = _mm256_add_ps(v, _mm256_set1_ps(mn[c]));
+      _mm256_storeu_ps(f + 8 * i, v);
+    }
+    const int64_t to = at + c * k;
+    if (bf16)
+      for (int e = 0; e < 32; e++) store_value(f[e], dst, to + e, 1);
+    else
+      memcpy((float *)dst + to, f, sizeof f);
+  }
+}
+#endif
+
 /* Column c (0..w-1) of the tile tw (w columns) into dst + at: its k values, as the plain loop of
  * pagoda_quant_dequantize_r16 writes them (d (u - z) (+ m) per element, bit for bit on every path). */
 static void r16_dequantize_column(const int64_t type, const uint8_t *tw, int w, int c, int64_t k, void *dst,
@@ -434,6 +639,12 @@ int pagoda_quant_dequantize_r16(int64_t type, const uint8_t *weight, int64_t n, 
 #if PATH == 2
     for (int64_t b = 0; b < k / QK; b++) r16_dequantize_block(type, tw, w, b, dst, (j - r0) * k + b * QK, k, (int)bf16);
 #else
+#if PATH == 1
+    if (w == R16_TILE) {
+      for (int64_t b = 0; b < k / QK; b++) r16_dequantize_block8(type, tw, b, dst, (j - r0) * k + b * QK, k, (int)bf16);
+      continue;
+    }
+#endif
     for (int c = 0; c < w; c++) r16_dequantize_column(type, tw, w, c, k, dst, (j - r0 + c) * k, (int)bf16);
 #endif
   }

@@ -258,12 +258,16 @@ GEMV_QTYPES = frozenset(
 
 def repacked_layout(qtype: GGMLType, *, prompts: bool = False) -> GGMLType | None:
     """The layout this CPU's kernels multiply a `qtype` weight fastest in (`repack.py`), where that is not `qtype`
-    itself: the `_R16` tiles of Q8_0, Q4_1, Q5_0 and Q4_K on a build with AVX-512 VNNI (512-bit operands);
-    else None. `prompts`: the weight also multiplies prompts' tens to hundreds of rows, which a build with AMX
-    runs on its bfloat16 tiles (the repacked layout has only the int8 kernel below `VECTOR_MAX_ROWS`): None there."""
+    itself: the `_R16` tiles of Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on a build with AVX-512 VNNI (512-bit operands) or
+    AVX2 (256-bit: vpmaddubsw); else None. `prompts`: the weight also multiplies prompts' tens to hundreds of rows,
+    which a build with AMX runs on its bfloat16 tiles (the repacked layout has only the int8 kernel below
+    `VECTOR_MAX_ROWS`): None there; and so for Q6_K on AVX2, whose prompt rows the float32 vector kernel runs
+    faster (its halves' scales cost the 256-bit int8 form a third more operations a product)."""
     if qtype not in repack.LAYOUT_OF or not available():
         return None
     lib = kernels()
+    if lib.path is KernelPath.AVX2:
+        return None if prompts and qtype is GGMLType.Q6_K else repack.LAYOUT_OF[qtype]
     if lib.path is not KernelPath.AVX512_VNNI or (prompts and lib.matmul_amx is not None):
         return None
     return repack.LAYOUT_OF[qtype]
