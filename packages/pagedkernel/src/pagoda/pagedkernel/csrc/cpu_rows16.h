@@ -291,8 +291,8 @@ static void r16_tile_row(const int64_t type, const uint8_t *tw, int w, int64_t b
  * (half hh of the tile): a 256-bit register holds four u of each, x's four bytes broadcast; the exact integer sums
  * by vpmaddubsw (u by q in 16-bit pair sums) and vpmaddwd. Why: at one row the quad order spends ~60 operations on
  * four Q8_0 blocks of a column (unpacking, lane permutes, scales, a horizontal sum each column); here eight
- * columns' group of four elements is one load and five operations, and a block's scales one conversion for eight
- * columns. */
+ * columns' group of four elements is one load, x's broadcast and three to six operations (Q8_0: xor, abs, sign,
+ * vpmaddubsw, vpmaddwd, add), and a block's scales one conversion for eight columns. */
 #define R16_PASS_V 4 /* rows of x a pass: R int32 sums, R 16-bit sums and R float sums in sixteen registers */
 #define R16_BOTH_ROWS 2 /* up to this many rows take both halves of a tile in one pass */
 
@@ -412,7 +412,8 @@ INLINE void r16_tile8(const int R, const int NH, const int64_t type, const uint8
         const int32_t qs = R16_HALF_SCALES(type) ? r16_sum16(xr[r] + b * QK + 16 * e) : xs[xb];
         for (int h = 0; h < NH; h++) s[r * NH + h] = _mm256_set1_epi32(type == Q8_0_R16 ? 0 : -R16_BIAS(type) * qs);
       }
-      r16_groups(R, NH, type, tb, 4 * e * (halves - 1), halves == 2 ? 4 * e + 4 : 8, hh, xr, b * QK, s);
+      const int g0 = 8 / halves * e; /* the half's groups (Q6_K: four), else all eight */
+      r16_groups(R, NH, type, tb, g0, g0 + 8 / halves, hh, xr, b * QK, s);
       for (int h = 0; h < NH; h++) {
         __m256 d, mn;
         r16_scales8(type, tw, b, e, hh + h, &d, &mn);
