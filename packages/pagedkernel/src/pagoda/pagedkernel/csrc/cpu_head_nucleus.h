@@ -108,7 +108,7 @@ static inline void nucleus_feed(nucleus_t *t, float x, int64_t j) {
   t->c[t->n++] = (cand_t){x, (int32_t)j};
 }
 
-/* Feed a chunk's x = y * factor (HEAD_CHUNK values; lanes past the end are -inf). Sixteen lanes at a time, a vector
+/* Feed a chunk's x = y * factor (HEAD_CHUNK values; lanes past the end are -inf). HEAD_LANES lanes at a time, a vector
  * that holds nothing above thr (nor, for top_p, within MASS_SPAN of the max) is only checked for NaN / +inf. */
 static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor, int *bad, int *any) {
   hvi vbad = (hvi){0}, vany = (hvi){0};
