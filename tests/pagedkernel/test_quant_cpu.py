@@ -540,6 +540,29 @@ def test_repacked_layouts_on_every_path_and_row_count(
         assert torch.equal(cpu_quant.dequantize_ids(weight, ids, lib), w[ids])
 
 
+@pytest.mark.parametrize(
+    "qtype", [GGMLType.Q6_K_R16, GGMLType.Q5_0_R16, GGMLType.Q8_0_R16], ids=lambda t: t.name
+)
+def test_repacked_layouts_across_blocks_of_rows(
+    qtype: GGMLType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many rows go through the tiles in blocks of rows whose int8 x stays in L2 (cpu_rows16.h's block_rows: 32
+    rows at K = 8,192), Q6_K's half sums of q computed once per block: 32 + 3 rows (a short last block on the
+    many-row pass), 32 + 2 (on the two-row pass) and 32 + 5 give every row the bits of the written-out arithmetic
+    on every build."""
+    k = 8192
+    builds = every_build(tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(int(qtype))
+    weight = random_weight(qtype, (35, k), g)  # two whole tiles and a short one
+    x = torch.randn(37, k, generator=g) * torch.rand(37, k, generator=g) * 3
+    want = r16_reference(x, weight)
+    for lib in builds:
+        for rows in (35, 34, 37):
+            got = nan_out(rows, 35)
+            cpu_quant.gemv(x[:rows], weight, got, lib)
+            assert torch.equal(got, want[:rows]), (lib.path, rows)
+
+
 @pytest.mark.parametrize("path", list(KernelPath), ids=lambda p: p.name)
 def test_repacked_layout_policy_per_build(path: KernelPath, monkeypatch: pytest.MonkeyPatch) -> None:
     """`repacked_layout`: the `_R16` tiles on the VNNI and AVX2 builds (their int8 tiles), none on the generic one

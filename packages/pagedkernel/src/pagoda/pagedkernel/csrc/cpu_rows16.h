@@ -433,6 +433,65 @@ INLINE void r16_tile8(const int R, const int NH, const int64_t type, const uint8
       r16_store(v, 8, y, (r0 + r) * y_stride + col + 8 * (hh + h), y_bf16);
     }
 }
+
+/* Columns 8 hh .. 8 hh + 7 of a whole tile for rows r0 .. r0 + R of x (R <= FEW_ROWS, a constant once inlined),
+ * the form for many rows: per block (Q6_K: per half) the half-tile's groups are unpacked once into uv (L1), then
+ * each row in turn sums them against its broadcast bytes and folds the block into its float sum, so only the R
+ * float sums stay in registers. Why: r16_tile8 keeps R 16-bit, R int32 and R float sums live over a block, more
+ * than AVX2's sixteen registers hold (GCC's Q4_K code added 16-bit sums from the stack), unpacks each group once
+ * per four rows, and Q6_K's half sums of q were summed again for every tile and pass. The same integer sums and
+ * float steps as r16_tile8 (the same bits). hs: Q6_K's half sums of q, [row - hs_row0][block][2]
+ * (r16_half_sums), else unused. */
+INLINE void r16_tile8_many(const int R, const int64_t type, const uint8_t *tw, int hh, int64_t blocks,
+                           const int8_t *xq, const float *xd, const int32_t *xs, const int32_t *hs, int64_t hs_row0,
+                           int64_t k, int64_t r0, void *y, int64_t y_stride, int64_t col, int y_bf16, int prefetch) {
+  const int64_t block_bytes = (R16_K(type) ? R16_K_BYTES(type) / 8 : R16_BYTES(type)) * (int64_t)R16_TILE;
+  const int halves = R16_HALF_SCALES(type) ? 2 : 1, ng = 8 / halves;
+  const int run = type == Q5_0_R16 ? 4 : type == Q6_K_R16 ? 2 : 8; /* as r16_groups */
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[FEW_ROWS];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t *tb = r16_values(type, tw, R16_TILE, b);
+    if (prefetch) prefetch_ahead(tw + b * block_bytes, block_bytes);
+    for (int e = 0; e < halves; e++) {
+      const int g0 = ng * e;
+      __m256i uv[8];
+      for (int i = 0; i < ng; i++) uv[i] = r16_group_v(type, tb, g0 + i, hh);
+      __m256 d, mn;
+      r16_scales8(type, tw, b, e, hh, &d, &mn);
+      for (int r = 0; r < R; r++) {
+        const int8_t *xr = xq + (r0 + r) * k + b * QK + 4 * g0;
+        const int64_t xb = (r0 + r) * (k / QK) + b;
+        const int32_t qs = R16_HALF_SCALES(type) ? hs[((r0 + r - hs_row0) * blocks + b) * 2 + e] : xs[xb];
+        __m256i s = _mm256_set1_epi32(-R16_BIAS(type) * qs);
+        for (int i = 0; i < ng; i += run) {
+          __m256i p = _mm256_setzero_si256();
+          for (int j = i; j < i + run; j++) {
+            int32_t x4;
+            memcpy(&x4, xr + 4 * j, sizeof x4);
+            const __m256i t = _mm256_maddubs_epi16(uv[j], _mm256_set1_epi32(x4));
+            p = j == i ? t : _mm256_add_epi16(p, t);
+          }
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[xb])), acc[r]);
+        if (R16_MIN(type)) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xd[xb] * (float)xs[xb]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float v[8];
+    _mm256_storeu_ps(v, acc[r]);
+    r16_store(v, 8, y, (r0 + r) * y_stride + col + 8 * hh, y_bf16);
+  }
+}
+
+/* Q6_K's sums of q over each 16-element half of each block, for rows r0 .. r1 of x: hs[r - r0][block][2]. */
+static void r16_half_sums(const int8_t *xq, int64_t k, int64_t r0, int64_t r1, int32_t *hs) {
+  for (int64_t r = r0; r < r1; r++)
+    for (int64_t h = 0; h < k / 16; h++) hs[(r - r0) * (k / 16) + h] = r16_sum16(xq + r * k + 16 * h);
+}
 #endif
 
 /* Columns j0..j1 of y (j0 a multiple of 16; j1 one too, or the last column) for every row of x: tile by tile, the
@@ -446,8 +505,17 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 #endif
   /* Many rows (a prompt) in blocks whose x stays in L2 while the chunk's tiles (in L1) pass over it. */
   const int64_t fit = R16_ROW_BLOCK_BYTES / k / R16_PASS * R16_PASS, block_rows = fit > R16_PASS ? fit : R16_PASS;
+#if PATH == 1
+  /* Q6_K's half sums of q for a block of rows, once (not per tile and pass); NULL: one or two rows, or no memory
+   * (then those rows take the plain form) */
+  int32_t *hs = NULL;
+  if (type == Q6_K_R16 && rows > R16_BOTH_ROWS) hs = malloc(sizeof(int32_t) * (size_t)(block_rows * k / 16));
+#endif
   for (int64_t rb = 0; rb < rows; rb += block_rows) {
     const int64_t rend = rows - rb < block_rows ? rows : rb + block_rows;
+#if PATH == 1
+    if (hs) r16_half_sums(xq, k, rb, rend, hs);
+#endif
     for (int64_t j = j0; j < j1; j += R16_TILE) {
       const int w = (int)(j1 - j < R16_TILE ? j1 - j : R16_TILE);
       const uint8_t *tw = weight + j * row_bytes;
@@ -466,13 +534,24 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 #undef R16
           continue;
         }
-        for (int hh = 0; hh < 2; hh++)
+        /* more rows: Q6_K (its half sums at hand) and, from five rows, Q4_1, Q5_0 and Q4_K in passes of eight with
+         * the groups unpacked once (r16_tile8_many); Q8_0, whose two operands a group would both go through
+         * memory there (5-14% slower), and four rows or fewer in passes of four with them in registers */
+        const int many = type == Q6_K_R16 ? hs != NULL : type != Q8_0_R16 && rend - rb > R16_PASS_V;
+        for (int hh = 0; hh < 2 && many; hh++)
+          for (int64_t r0 = rb; r0 < rend; r0 += FEW_ROWS) {
+#define R16(R)                                                                                                      \
+  r16_tile8_many(R, type, tw, hh, blocks, xq, xd, xs, hs, rb, k, r0, y, y_stride, j, y_bf16, r0 == 0 && hh == 0)
+            FOR_PASS_ROWS(rend, r0, FEW_ROWS, R16)
+#undef R16
+          }
+        for (int hh = 0; hh < 2 && !many && type != Q6_K_R16; hh++)
           for (int64_t r0 = rb; r0 < rend; r0 += R16_PASS_V) {
 #define R16(R) r16_tile8(R, 1, type, tw, hh, blocks, xq, xd, xs, k, r0, y, y_stride, j, y_bf16, r0 == 0 && hh == 0)
             FOR_PASS_ROWS(rend, r0, R16_PASS_V, R16)
 #undef R16
           }
-        continue;
+        if (many || type != Q6_K_R16) continue;
       }
 #endif
       for (int64_t r = rb; r < rend; r++)
@@ -480,6 +559,9 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
 #endif
     }
   }
+#if PATH == 1
+  free(hs);
+#endif
 }
 
 #define R16_COLUMNS_FOR(T)                                                                                      \
