@@ -568,7 +568,8 @@ def test_repacked_layout_policy_per_build(path: KernelPath, monkeypatch: pytest.
     """`repacked_layout`: the `_R16` tiles on the VNNI and AVX2 builds (their int8 tiles), none on the generic one
     (its plain loop is only the specification); a weight that multiplies prompts keeps its format on a build with
     AMX (its bfloat16 tiles take prompts), and Q6_K on AVX2 (the float32 vector kernel runs its prompts faster);
-    Q4_0 has no repacked layout anywhere."""
+    Q4_0 has no repacked layout anywhere. `int8_at_any_rows`: the tiles take a prompt's many rows on AVX2 (but
+    Q6_K_R16's), the tiled path elsewhere."""
     native = cpu_quant.kernels()
     monkeypatch.setattr(cpu_quant, "kernels", lambda: dataclasses.replace(native, path=path, matmul_amx=None))
     tiled = path is not KernelPath.GENERIC
@@ -577,6 +578,12 @@ def test_repacked_layout_policy_per_build(path: KernelPath, monkeypatch: pytest.
         keeps = path is KernelPath.AVX2 and source is GGMLType.Q6_K
         assert cpu_quant.repacked_layout(source, prompts=True) is (layout if tiled and not keeps else None)
     assert cpu_quant.repacked_layout(GGMLType.Q4_0) is None
+    # a prompt's many rows of a repacked weight: the int8 tiles on AVX2 (not Q6_K's), the tiled path elsewhere
+    lib = cpu_quant.kernels()
+    for layout in REPACKED_TYPES:
+        int8 = path is KernelPath.AVX2 and layout is not GGMLType.Q6_K_R16
+        assert cpu_quant.int8_at_any_rows(layout, lib) is int8, layout.name
+    assert not cpu_quant.int8_at_any_rows(GGMLType.Q5_0, lib)
     amx = dataclasses.replace(native, path=KernelPath.AVX512_VNNI, matmul_amx=object())
     monkeypatch.setattr(cpu_quant, "kernels", lambda: amx)
     assert cpu_quant.repacked_layout(GGMLType.Q8_0, prompts=True) is None
@@ -587,8 +594,8 @@ def test_repacked_layout_policy_per_build(path: KernelPath, monkeypatch: pytest.
 def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLType) -> None:
     """qmatmul multiplies a repacked weight by its int8 kernel up to VECTOR_MAX_ROWS rows (past GEMV_MAX_ROWS and
     the AMX threshold), bfloat16 rows included; from there a weight small enough is dequantized whole (the C
-    dequantization of whole tiles) for torch's matmul, as a row-major one is; the vector and AMX paths refuse it by
-    name."""
+    dequantization of whole tiles) for torch's matmul, as a row-major one is, except where `int8_at_any_rows` says
+    the int8 kernel runs prompts faster (AVX2); the vector and AMX paths refuse it by name."""
     g = torch.Generator().manual_seed(3)
     k = 256 if qtype in (GGMLType.Q4_K_R16, GGMLType.Q6_K_R16) else 64  # whole blocks of the source format
     weight = random_weight(qtype, (40, k), g)
@@ -600,9 +607,12 @@ def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLT
         r16_reference(few.bfloat16().float(), weight).bfloat16(),
     )
     w = dequantize(weight, backend="torch")
-    assert torch.equal(qmatmul(x, weight, backend="cpu"), x @ w.t())
-    assert torch.equal(qmatmul(x.bfloat16(), weight, backend="cpu"), x.bfloat16() @ w.bfloat16().t())
     lib = cpu_quant.kernels()
+    if cpu_quant.int8_at_any_rows(qtype, lib):
+        assert torch.equal(qmatmul(x, weight, backend="cpu"), r16_reference(x, weight))
+    else:
+        assert torch.equal(qmatmul(x, weight, backend="cpu"), x @ w.t())
+        assert torch.equal(qmatmul(x.bfloat16(), weight, backend="cpu"), x.bfloat16() @ w.bfloat16().t())
     with pytest.raises(ValueError, match=f"vector does not take the repacked {qtype.name}"):
         cpu_quant.vector(x[:20], weight, torch.empty(20, 40), lib)
     with pytest.raises(ValueError, match=f"amx does not take the repacked {qtype.name}"):

@@ -7,8 +7,9 @@ dequantizes W 32 rows at a time into a bfloat16 panel in cache and multiplies it
 elsewhere, above `GEMV_MAX_ROWS` rows, a C kernel dequantizes W a panel at a time into cache and multiplies it on
 the vector unit (`vector`: float32 fused multiply-adds, or AVX-512 BF16 pair dot products for bfloat16 x where the
 CPU has them), except for `VECTOR_MAX_ROWS` rows or more of a weight small enough to dequantize whole, which is
-dequantized and multiplied by torch's matmul (`tiled`: oneDNN's blocking wins there). None of them makes the dense
-weights exist whole in memory for longer than one call, and none for the large matrices at all.
+dequantized and multiplied by torch's matmul (`tiled`: oneDNN's blocking wins there; not for the repacked layouts
+on AVX2, `int8_at_any_rows`). None of them makes the dense weights exist whole in memory for longer than one call,
+and none for the large matrices at all.
 """
 
 from __future__ import annotations
@@ -271,6 +272,16 @@ def repacked_layout(qtype: GGMLType, *, prompts: bool = False) -> GGMLType | Non
     if lib.path is not KernelPath.AVX512_VNNI or (prompts and lib.matmul_amx is not None):
         return None
     return repack.LAYOUT_OF[qtype]
+
+
+def int8_at_any_rows(qtype: GGMLType, lib: QuantKernels) -> bool:
+    """Whether a prompt's `VECTOR_MAX_ROWS` rows or more of a `qtype` weight (small enough to dequantize whole) take
+    the int8 kernel rather than the tiled path: the repacked layouts on AVX2, except Q6_K_R16. Why: on AVX2 torch's
+    float32 matmul ran at 65-80% of the FMA peak, and the int8 tiles' many-row form outran it
+    (`ffn_gate` size, Q5_0 2,048 x 640: 512 rows 1.47x, 2,048 rows 1.17x; Q4_1 1.25-1.37x, Q8_0 1.28-1.43x, Q4_K
+    1.00-1.16x; a 32 x 128-token Gemma 3 prefill 6.64 -> 5.68 s; 2-core AMD EPYC Zen 3), while Q6_K's half sums
+    left it at 0.71x at 2,048 rows. Elsewhere (VNNI, measured with AMX beside it) the tiled path keeps them."""
+    return lib.path is KernelPath.AVX2 and qtype in REPACKED_TYPES and qtype is not GGMLType.Q6_K_R16
 
 
 def _matmul(

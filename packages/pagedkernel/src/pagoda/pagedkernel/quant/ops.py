@@ -68,7 +68,8 @@ def qmatmul(
     tile unit from `cpu_quant.AMX_MIN_ROWS` rows where the CPU has one, else by AVX-512 BF16 dot products where it
     has those), and so does the `torch` backend, in float32. A repacked layout (`repack.py`) takes int8 activations
     at any number of rows on the `cpu` backend (its kernel outruns the vector paths), except from
-    `cpu_quant.VECTOR_MAX_ROWS` rows of a weight small enough to dequantize whole for torch's matmul.
+    `cpu_quant.VECTOR_MAX_ROWS` rows of a weight small enough to dequantize whole for torch's matmul (on VNNI
+    builds, and for Q6_K_R16: `cpu_quant.int8_at_any_rows`).
     """
     if len(weight.shape) != 2:
         raise ValueError(f"qmatmul takes a 2-D weight [N, K], got shape {weight.shape}")
@@ -104,7 +105,11 @@ def qmatmul(
     ):
         cpu_quant.amx(x, weight, y, lib)
         return y
-    if rows >= cpu_quant.VECTOR_MAX_ROWS and n * k <= cpu_quant.WHOLE_ELEMENTS:  # a repacked one too, whole
+    if (
+        rows >= cpu_quant.VECTOR_MAX_ROWS
+        and n * k <= cpu_quant.WHOLE_ELEMENTS
+        and not cpu_quant.int8_at_any_rows(weight.qtype, lib)
+    ):  # a repacked one too, whole
         cpu_quant.tiled(x if x.dtype == torch.bfloat16 else x.to(torch.float32), weight, y, lib)
         return y
     # float32 and bfloat16 rows go to the kernels as they are (they widen bfloat16 exactly and round a bfloat16
