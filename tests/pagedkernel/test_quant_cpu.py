@@ -610,6 +610,10 @@ def test_repacked_layouts_take_the_int8_kernel_below_the_tiled_rows(qtype: GGMLT
     lib = cpu_quant.kernels()
     if cpu_quant.int8_at_any_rows(qtype, lib):
         assert torch.equal(qmatmul(x, weight, backend="cpu"), r16_reference(x, weight))
+        assert torch.equal(
+            qmatmul(x.bfloat16(), weight, backend="cpu"),
+            r16_reference(x.bfloat16().float(), weight).bfloat16(),
+        )
     else:
         assert torch.equal(qmatmul(x, weight, backend="cpu"), x @ w.t())
         assert torch.equal(qmatmul(x.bfloat16(), weight, backend="cpu"), x.bfloat16() @ w.bfloat16().t())

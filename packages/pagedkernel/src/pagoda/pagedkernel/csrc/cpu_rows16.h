@@ -44,6 +44,8 @@
 #define R16_SIGNED_X(t) (R16_TYPE(t) && (t) != Q6_K_R16)
 #define R16_MIN(t) ((t) == Q4_1_R16 || (t) == Q4_K_R16) /* blocks with a minimum */
 #define R16_HALF_SCALES(t) ((t) == Q6_K_R16) /* a scale per 16-element half of a block */
+/* AVX2: groups whose 16-bit vpmaddubsw pair sums add without overflow (u <= 15: 8, u <= 31: 4, u <= 63: 2) */
+#define R16_RUN(t) ((t) == Q5_0_R16 ? 4 : (t) == Q6_K_R16 ? 2 : 8)
 /* Bytes per row and block (not K layouts); bytes of float16 fields (d, and Q4_1's m) per row and block; what u adds
  * to the value (z); a K layout's bytes per row and super-block, and before its first block's values. */
 #define R16_BYTES(t) ((t) == Q8_0_R16 ? 34 : (t) == Q4_1_R16 ? 20 : 22)
@@ -372,7 +374,7 @@ INLINE void r16_groups(const int R, const int NH, const int64_t type, const uint
       }
     return;
   }
-  const int run = type == Q5_0_R16 ? 4 : type == Q6_K_R16 ? 2 : 8; /* groups whose 16-bit sums cannot overflow */
+  const int run = R16_RUN(type);
   for (int g = g0; g < g1; g += run) {
     __m256i p[2 * FEW_ROWS];
     for (int i = 0; i < run && g + i < g1; i++)
@@ -447,7 +449,7 @@ INLINE void r16_tile8_many(const int R, const int64_t type, const uint8_t *tw, i
                            int64_t k, int64_t r0, void *y, int64_t y_stride, int64_t col, int y_bf16, int prefetch) {
   const int64_t block_bytes = (R16_K(type) ? R16_K_BYTES(type) / 8 : R16_BYTES(type)) * (int64_t)R16_TILE;
   const int halves = R16_HALF_SCALES(type) ? 2 : 1, ng = 8 / halves;
-  const int run = type == Q5_0_R16 ? 4 : type == Q6_K_R16 ? 2 : 8; /* as r16_groups */
+  const int run = R16_RUN(type);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[FEW_ROWS];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -537,21 +539,25 @@ INLINE void r16_columns(const int64_t type, const uint8_t *weight, int64_t j0, i
         /* more rows: Q6_K (its half sums at hand) and, from five rows, Q4_1, Q5_0 and Q4_K in passes of eight with
          * the groups unpacked once (r16_tile8_many); Q8_0, whose two operands a group would both go through
          * memory there (5-14% slower), and four rows or fewer in passes of four with them in registers */
-        const int many = type == Q6_K_R16 ? hs != NULL : type != Q8_0_R16 && rend - rb > R16_PASS_V;
-        for (int hh = 0; hh < 2 && many; hh++)
-          for (int64_t r0 = rb; r0 < rend; r0 += FEW_ROWS) {
+        if (type == Q6_K_R16 ? hs != NULL : type != Q8_0_R16 && rend - rb > R16_PASS_V) {
+          for (int hh = 0; hh < 2; hh++)
+            for (int64_t r0 = rb; r0 < rend; r0 += FEW_ROWS) {
 #define R16(R)                                                                                                      \
   r16_tile8_many(R, type, tw, hh, blocks, xq, xd, xs, hs, rb, k, r0, y, y_stride, j, y_bf16, r0 == 0 && hh == 0)
-            FOR_PASS_ROWS(rend, r0, FEW_ROWS, R16)
+              FOR_PASS_ROWS(rend, r0, FEW_ROWS, R16)
 #undef R16
-          }
-        for (int hh = 0; hh < 2 && !many && type != Q6_K_R16; hh++)
-          for (int64_t r0 = rb; r0 < rend; r0 += R16_PASS_V) {
+            }
+          continue;
+        }
+        if (type != Q6_K_R16) { /* Q6_K without its half sums (no memory) takes the plain form below */
+          for (int hh = 0; hh < 2; hh++)
+            for (int64_t r0 = rb; r0 < rend; r0 += R16_PASS_V) {
 #define R16(R) r16_tile8(R, 1, type, tw, hh, blocks, xq, xd, xs, k, r0, y, y_stride, j, y_bf16, r0 == 0 && hh == 0)
-            FOR_PASS_ROWS(rend, r0, R16_PASS_V, R16)
+              FOR_PASS_ROWS(rend, r0, R16_PASS_V, R16)
 #undef R16
-          }
-        if (many || type != Q6_K_R16) continue;
+            }
+          continue;
+        }
       }
 #endif
       for (int64_t r = rb; r < rend; r++)
