@@ -168,28 +168,50 @@ static inline void race_set(race_t *q, float best, int64_t best_i, float cut) {
   if (q->lo < cut) q->lo = cut;
 }
 
+/* Append the lanes of x that m selects (bit l: lane l), and their indices, to xs and at from n, in lane order;
+ * the new count. Without a branch per lane (a lane near the best score is a coin flip on a flat row: a loop over
+ * the set bits mispredicted its way to half the time of a T = 1 draw on the Zen 3): a compress with AVX-512, a
+ * lane permutation with AVX2. Whole vectors are stored, so both arrays need LANES elements of room past n. */
+static inline int64_t append_lanes(float *xs, int32_t *at, int64_t n, vf x, vi index, uint32_t m) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(xs + n, _mm512_maskz_compress_ps((__mmask16)m, (__m512)x));
+  _mm512_storeu_si512(at + n, _mm512_maskz_compress_epi32((__mmask16)m, (__m512i)index));
+#elif defined(__AVX2__)
+  /* first[b]: the selected lanes of a 4-bit mask b as byte indices, lowest byte first */
+  static const uint32_t first[16] = {0x0u,     0x0u,     0x1u,     0x100u,   0x2u,     0x200u,
+                                     0x201u,   0x20100u, 0x3u,     0x300u,   0x301u,   0x30100u,
+                                     0x302u,   0x30200u, 0x30201u, 0x3020100u};
+  const int low = __builtin_popcount(m & 15u);
+  /* the upper half's lanes (4-7) follow the lower half's; the bytes past the selected lanes are don't-cares */
+  const uint64_t order = first[m & 15u] | (uint64_t)(first[m >> 4] + 0x04040404u) << (8 * low);
+  const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)order));
+  _mm256_storeu_ps(xs + n, _mm256_permutevar8x32_ps((__m256)x, perm));
+  _mm256_storeu_si256((__m256i *)(at + n), _mm256_permutevar8x32_epi32((__m256i)index, perm));
+#else
+  for (uint32_t b = m; b; b &= b - 1) {
+    const int l = __builtin_ctz(b);
+    xs[n] = x[l], at[n++] = index[l];
+  }
+  return n;
+#endif
+  return n + __builtin_popcount(m);
+}
+
 /* Enter the kept elements of logits [begin, end) (at most RACE_CHUNK of them, begin even) in the race. Few are
- * near enough to the best score to win (about 3% of a vocabulary of real logits at T = 1, one or two in a fifth
- * of the blocks): they are gathered first, without a branch per block, then hashed eight at a time, and a bound
- * from each word rejects all but a handful before the two logs. */
+ * near enough to the best score to win on a peaked row (about 3% of a vocabulary of real logits at T = 1), half
+ * or more on a flat one (Gemma 3's 262k logits after a random prompt): they are gathered first, then hashed eight
+ * at a time, and a bound from each word rejects all but a handful before the two logs. */
 static void race_chunk(race_t *q, const row_t *rw, const scalar_t *row, int64_t begin, int64_t end) {
-  int32_t at[RACE_CHUNK + 8];
-  float xs[RACE_CHUNK + 8];
-  uint32_t masks[RACE_CHUNK / LANES];
-  uint64_t blocks = 0; /* bit b: block b has a near lane */
+  int32_t at[RACE_CHUNK + LANES];
+  float xs[RACE_CHUNK + LANES];
   const float lo = q->lo; /* it only rises during the chunk: gathering with the first is conservative */
+  vi lane;
+  for (int l = 0; l < LANES; ++l) lane[l] = l;
+  int64_t n = 0;
   for (int64_t b = 0; b * LANES < end - begin; ++b) {
     const vf x = load_tail(row, begin + b * LANES, end) * rw->inv_t;
-    masks[b] = mask_bits((x >= lo) & (x > -INFINITY)); /* lanes past the end read -inf */
-    blocks |= (uint64_t)(masks[b] != 0) << b;
-  }
-  int64_t n = 0;
-  for (; blocks; blocks &= blocks - 1) {
-    const int b = __builtin_ctzll(blocks);
-    for (uint32_t m = masks[b]; m; m &= m - 1) {
-      const int32_t i = b * LANES + __builtin_ctz(m);
-      at[n] = i, xs[n++] = load1(row + begin + i) * rw->inv_t;
-    }
+    const uint32_t m = mask_bits((x >= lo) & (x > -INFINITY)); /* lanes past the end read -inf */
+    n = append_lanes(xs, at, n, x, lane + (int32_t)(b * LANES), m);
   }
   for (int l = 0; l < 8; ++l) at[n + l] = 0, xs[n + l] = -INFINITY; /* the last group's unused lanes */
   typedef uint64_t v8q __attribute__((vector_size(64)));
@@ -213,8 +235,14 @@ static void race_chunk(race_t *q, const row_t *rw, const scalar_t *row, int64_t 
     const v8i j = (int32_t)(1 << 24) - 2 * (v8i)(words >> 9) - 1;
     const v8i lg = ((v8i)__builtin_convertvector(j, v8f) >> 23) - 127;
     const v8i go = x + __builtin_convertvector(24 - lg, v8f) * 0.6932f >= q->best - q->slack; /* -inf: no */
-    for (int l = 0; l < 8; ++l) {
-      if (!go[l]) continue;
+#if defined(__AVX2__)
+    uint32_t lanes = (uint32_t)_mm256_movemask_ps((__m256)go); /* usually none: one branch, not eight */
+#else
+    uint32_t lanes = 0;
+    for (int l = 0; l < 8; ++l) lanes |= (uint32_t)(go[l] & 1) << l;
+#endif
+    for (; lanes; lanes &= lanes - 1) {
+      const int l = __builtin_ctz(lanes);
       if (rw->min_p > 0.0f && !(exp32(x[l] - rw->m) >= rw->min_p)) continue;
       const float s = gumbel_score(x[l], words[l]);
       if (s > q->best || (s == q->best && (int64_t)i[l] < q->best_i)) race_set(q, s, (int64_t)i[l], rw->cut);
