@@ -233,6 +233,30 @@ def test_top_p_undecided_rows_fall_back() -> None:
     )
 
 
+def test_top_p_counts_the_mass_outside_the_candidates() -> None:
+    """A top_p row whose nucleus lies among its candidates but a quarter of whose mass is in tokens outside them
+    (200 tokens at logits 6-7 over 51,000 at -0.5-0): the C op must count the dropped tokens' mass, or it decides
+    a nucleus too small and its draws differ from the unfused pair's. Logits laid out as Q8_0 blocks times
+    x = e_0."""
+    vocab, k = 400 * HEAD_CHUNK, 32
+    g = torch.Generator().manual_seed(5)
+    logits = -0.5 * torch.rand(vocab, generator=g)
+    logits[torch.randperm(vocab, generator=g)[:200]] = 6.0 + torch.rand(200, generator=g)
+    raw = torch.zeros(vocab, 34, dtype=torch.uint8)
+    raw[:, :2] = (logits / 100.0).to(torch.float16).view(torch.uint8).reshape(vocab, 2)
+    raw[:, 2] = 100  # q of element 0; the other 31 are 0
+    weight = QuantizedTensor(raw, GGMLType.Q8_0, (vocab, k))
+    rows = 16
+    x = torch.zeros(rows, k)
+    x[:, 0] = 1.0
+    inv_t, top_p = torch.ones(rows), torch.full((rows,), 0.5)
+    for call in range(4):
+        keys = torch.tensor([rng_key(11, call, r) for r in range(rows)], dtype=torch.int64)
+        tokens, status = fh.draw(x, weight, inv_t, keys, top_p=top_p)
+        assert status.tolist() == [0] * rows  # decided from the candidates, not sampled from the logits
+        assert tokens.tolist() == reference(x, weight, inv_t, keys, top_p=top_p)[0].tolist()
+
+
 def test_top_k_ties_at_the_kth_value_are_all_kept() -> None:
     """Rows of equal logits copied across chunks: top_k = 2 keeps every row tied at the 2nd value (the sort-based
     rule); draws over many keys land on each of them and on nothing else."""

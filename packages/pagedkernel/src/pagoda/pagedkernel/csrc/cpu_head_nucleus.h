@@ -27,8 +27,9 @@
 #define HEAD_MAX_TOP_K 4096 /* larger top_k: not fused (the caller's eligibility) */
 #define HEAD_NUCLEUS 1024   /* candidates of a top_p row without top_k */
 #define MASS_SPAN 23.0f     /* exp(-23) * 2^32 < 0.5: an element this far below the max has mass 0 */
-/* exp32(x - m) against exp: x - m rounds in float32 (|x - m| < 32: <= 2^-20 absolute, so ~1e-6 relative) and
- * exp32 is within a few ulp; with room */
+/* s against the list's masses: each term is exp32 (within a few ulp of exp) of an x - m rounded in float32
+ * (|x - m| < 32: <= 2^-20 absolute, so ~1e-6 relative), taken against the max of its time and scaled to the final
+ * one in float64 (another such rounding); with room */
 #define MASS_REL 1e-5
 #define HEAD_FALLBACK 3     /* status: the candidates cannot prove the kept set; sample this row unfused */
 
@@ -78,9 +79,38 @@ static inline void nucleus_rest(nucleus_t *t, float x, float m) {
   if (t->mass && x >= m - MASS_SPAN) t->s += exp((double)x - (double)m), t->ns++;
 }
 
-/* Cut the buffer back to its `keep` largest (the rest go to s); thr becomes the last one kept. */
-static void nucleus_cut(nucleus_t *t, int64_t keep) {
-  qsort(t->c, (size_t)t->n, sizeof(cand_t), cand_order);
+/* Whether a comes before b in cand_order. */
+static inline int cand_before(cand_t a, cand_t b) { return a.x > b.x || (a.x == b.x && a.i < b.i); }
+
+/* Reorder c[0..n) so that c[p] is the entry at position p of cand_order, those before it in any order ahead of it
+ * and the rest after (Wirth's selection; indices are distinct, so the order is strict). Why not qsort: a full
+ * list is cut every C new candidates, and sorting it was a twelfth of a 4-row top_p step on Gemma 3's head. */
+static void cand_select(cand_t *c, int64_t n, int64_t p) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const cand_t pivot = c[p];
+    int64_t i = lo, j = hi;
+    do {
+      while (cand_before(c[i], pivot)) i++;
+      while (cand_before(pivot, c[j])) j--;
+      if (i <= j) {
+        const cand_t swap = c[i];
+        c[i++] = c[j];
+        c[j--] = swap;
+      }
+    } while (i <= j);
+    if (j < p) lo = i;
+    if (p < i) hi = j;
+  }
+}
+
+/* Cut the buffer back to its `keep` largest (the rest go to s); thr becomes the last one kept. `sorted`: the kept
+ * ones end in cand_order (the final merge reads them so), else in any order. */
+static void nucleus_cut(nucleus_t *t, int64_t keep, int sorted) {
+  if (sorted)
+    qsort(t->c, (size_t)t->n, sizeof(cand_t), cand_order);
+  else if (t->n > keep)
+    cand_select(t->c, t->n, keep - 1);
   if (t->n <= keep) return;
   for (int64_t e = keep; e < t->n; e++) nucleus_rest(t, t->c[e].x, t->m);
   t->n = keep;
@@ -99,7 +129,7 @@ static inline void nucleus_feed(nucleus_t *t, float x, int64_t j) {
     return;
   }
   if (t->n == 2 * t->cap) {
-    nucleus_cut(t, t->cap);
+    nucleus_cut(t, t->cap, 0);
     if (!(x > t->thr)) {
       nucleus_rest(t, x, t->m);
       return;
@@ -108,26 +138,78 @@ static inline void nucleus_feed(nucleus_t *t, float x, int64_t j) {
   t->c[t->n++] = (cand_t){x, (int32_t)j};
 }
 
-/* Feed a chunk's x = y * factor (HEAD_CHUNK values; lanes past the end are -inf). HEAD_LANES lanes at a time, a vector
- * that holds nothing above thr (nor, for top_p, within MASS_SPAN of the max) is only checked for NaN / +inf. */
+/* exp32's operations on HEAD_LANES lanes of x in [-86, 0] (floor as truncation corrected downwards). */
+static inline hvf hv_exp32(hvf x) {
+  const hvf t = x * 0x1.715476p+0f + 0.5f;
+  hvi n = __builtin_convertvector(t, hvi);
+  n += (hvi)(__builtin_convertvector(n, hvf) > t); /* true is -1: floor for negative t */
+  const hvf fn = __builtin_convertvector(n, hvf);
+  hvf r = x - fn * LN2_HI;
+  r = r - fn * LN2_LO;
+  const hvf z = r * r;
+  hvf p = (hvf){0} + 0x1.a0d2cep-13f;
+  p = p * r + 0x1.6e879cp-10f;
+  p = p * r + 0x1.11121p-7f;
+  p = p * r + 0x1.555382p-5f;
+  p = p * r + 0x1.555554p-3f;
+  p = p * r + 0x1p-1f;
+  const hvf y = p * z + r + 1.0f;
+  return y * (hvf)((n + 127) << 23);
+}
+
+typedef float hvfh __attribute__((vector_size(2 * HEAD_LANES)));  /* half an hvf */
+typedef double hvd __attribute__((vector_size(4 * HEAD_LANES))); /* an hvfh as doubles: one register */
+
+/* Feed a chunk's x = y * factor (HEAD_CHUNK values; lanes past the end are -inf). The chunk's max is taken first,
+ * so every lane's mass is against a max at least its own x. Then HEAD_LANES lanes at a time: those above thr go to
+ * the list (nucleus_feed); for top_p, once the list has been cut, the others within MASS_SPAN of the max add their
+ * exp(x - m) to s in vectors (exp32 of x - m in float32, summed in float64; why not a scalar exp each: on a flat
+ * row of Gemma 3's 262k logits that was most lanes, and cost a 4-row step more than the whole draw saved). */
 static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor, int *bad, int *any) {
+  enum { V = HEAD_CHUNK / HEAD_LANES };
+  hvf xs[V];
   hvi vbad = (hvi){0}, vany = (hvi){0};
-  for (int64_t v = 0; v < HEAD_CHUNK; v += HEAD_LANES) {
+  hvf top = (hvf){0} - INFINITY;
+  for (int v = 0; v < V; v++) {
     hvf x;
-    memcpy(&x, y + v, sizeof x);
+    memcpy(&x, y + v * HEAD_LANES, sizeof x);
     x = x * factor;
     vbad |= (x != x) | (x == INFINITY);
     const hvi finite = (x > -INFINITY) & (x < INFINITY);
     vany |= finite;
-    const float lo = t->pruned ? t->thr : -INFINITY;
-    hvi near = (x > lo) & finite;
-    if (t->mass) near |= (x >= t->m - MASS_SPAN) & finite;
-    if (!hv_any(near)) continue;
-    for (int l = 0; l < HEAD_LANES; l++)
-      if (x[l] > -INFINITY && x[l] < INFINITY) nucleus_feed(t, x[l], j0 + v + l);
+    top = (hvf)(((hvi)x & (finite & (x > top))) | ((hvi)top & ~(finite & (x > top))));
+    xs[v] = x;
   }
   *bad |= hv_any(vbad);
   *any |= hv_any(vany);
+  float cm = -INFINITY;
+  for (int l = 0; l < HEAD_LANES; l++) cm = top[l] > cm ? top[l] : cm;
+  if (cm > t->m) {
+    if (t->mass && t->m > -INFINITY) t->s *= exp((double)t->m - (double)cm);
+    t->m = cm;
+  }
+  hvd acc = (hvd){0};
+  hvi count = (hvi){0};
+  for (int v = 0; v < V; v++) {
+    const hvf x = xs[v];
+    const hvi finite = (x > -INFINITY) & (x < INFINITY);
+    const hvi keep = (x > (t->pruned ? t->thr : -INFINITY)) & finite;
+    if (t->mass && t->pruned) {
+      const hvi rest = ~keep & finite & (x >= t->m - MASS_SPAN);
+      if (hv_any(rest)) {
+        const hvf e = (hvf)((hvi)hv_exp32((hvf)((hvi)(x - t->m) & rest)) & rest);
+        hvfh half[2];
+        memcpy(half, &e, sizeof half);
+        acc += __builtin_convertvector(half[0], hvd) + __builtin_convertvector(half[1], hvd);
+        count -= rest; /* true is -1 */
+      }
+    }
+    if (!hv_any(keep)) continue;
+    for (int l = 0; l < HEAD_LANES; l++)
+      if (keep[l]) nucleus_feed(t, x[l], j0 + v * HEAD_LANES + l);
+  }
+  for (int l = 0; l < HEAD_LANES / 2; l++) t->s += acc[l];
+  for (int l = 0; l < HEAD_LANES; l++) t->ns += count[l];
 }
 
 /* The row's token from the threads' states (each of cap C): its index, or -1 for HEAD_FALLBACK. `top_k` 0 when
@@ -142,7 +224,7 @@ static int64_t nucleus_draw(nucleus_t *ts, int64_t threads, int64_t top_k, float
     if (p->pruned) u.thr = u.pruned && u.thr > p->thr ? u.thr : p->thr, u.pruned = 1;
     if (p->ns) u.s += p->s * exp((double)p->m - (double)u.m), u.ns += p->ns;
   }
-  nucleus_cut(&u, u.cap); /* sorts, and drops what is past C */
+  nucleus_cut(&u, u.cap, 1); /* sorts, and drops what is past C */
   const float low = u.pruned ? u.thr : -INFINITY;
   const float m = u.c[0].x;
   int64_t n1 = u.n; /* the kept set after top_k: the first n1 */
