@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
+from pagoda.pagedkernel.cbuild import cpu_flags
 from pagoda.pagedkernel.fused import act_and_mul, add_rms_norm, cpu_fused, rms_norm, rotary, torch_fused
 from torch import Tensor
 
@@ -161,6 +165,59 @@ def test_act_and_mul_matches(dtype: torch.dtype, activation: str, rows: int, inn
     assert_matches(got, torch_fused.act_and_mul(x, activation))
     wide = torch.randn(rows, 2 * inner + 8, generator=gen).to(dtype)[:, : 2 * inner]  # rows apart by a stride
     assert_matches(act_and_mul(wide, activation, backend="cpu"), torch_fused.act_and_mul(wide, activation))  # type: ignore[arg-type]
+
+
+def _bits(t: Tensor) -> Tensor:
+    """The stored bits of a float32 / bfloat16 tensor (NaN compares equal to itself)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_other_builds_agree(
+    march: str, dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library built for AVX-512, AVX2 (its comparisons in halves of eight lanes) and plain x86-64 gives the
+    native build's bits for GELU and SiLU (gates of -200 to 200 and NaN: past both of exp's clamps) and for a
+    residual add + norm; every target compiles here (a compile error fails), one this CPU cannot run is not run."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 target flags")
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_fused.CFLAGS)
+    library = cpu_fused.build(dtype, flags)
+    if march == "x86-64-v4" and "avx512bw" not in cpu_flags():
+        pytest.skip("this CPU cannot run -march=x86-64-v4 (built only)")
+    libs = (cpu_fused.kernels(dtype), cpu_fused.load(library))
+    gen = torch.Generator().manual_seed(3)
+    rows, inner = 5, 53
+    x = torch.randn(rows, 2 * inner, generator=gen) * 20
+    x[0, :6] = torch.tensor([float("nan"), 200.0, -200.0, 100.0, -100.0, 0.0])
+    x = x.to(dtype)
+    for kind in cpu_fused.ACTIVATION_IDS.values():
+        outs = [torch.empty(rows, inner, dtype=dtype) for _ in libs]
+        for lib, y in zip(libs, outs, strict=True):
+            assert lib.act_and_mul(x.data_ptr(), rows, x.stride(0), inner, kind, y.data_ptr(), 1) == 0
+        assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+    finite = torch.nan_to_num(x.float()).to(dtype)
+    r, w = (
+        torch.randn(rows, 2 * inner, generator=gen).to(dtype),
+        torch.randn(2 * inner, generator=gen).to(dtype),
+    )
+    got = [(torch.empty_like(finite), torch.empty_like(finite)) for _ in libs]
+    for lib, (total, normed) in zip(libs, got, strict=True):
+        args = (
+            finite.data_ptr(),
+            finite.stride(0),
+            r.data_ptr(),
+            rows,
+            2 * inner,
+            None,
+            w.data_ptr(),
+            1e-6,
+            1,
+        )
+        assert lib.add_norm(*args, total.data_ptr(), normed.data_ptr(), 1) == 0
+    assert torch.equal(_bits(got[0][0]), _bits(got[1][0])) and torch.equal(_bits(got[0][1]), _bits(got[1][1]))
 
 
 def test_act_and_mul_propagates_nan_and_saturates() -> None:

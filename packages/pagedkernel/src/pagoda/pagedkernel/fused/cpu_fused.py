@@ -37,9 +37,9 @@ class FusedKernels:
 OWNER = "the 'cpu' fused ops"
 
 
-def build(dtype: torch.dtype) -> Path:
+def build(dtype: torch.dtype, flags: tuple[str, ...] = CFLAGS) -> Path:
     """The library for `dtype`, compiled unless cached (BackendUnavailableError without a working compiler)."""
-    return csrc.build_for_dtype(SOURCE_FILE, dtype, CFLAGS, owner=OWNER, instead="use backend='torch'")
+    return csrc.build_for_dtype(SOURCE_FILE, dtype, flags, owner=OWNER, instead="use backend='torch'")
 
 
 @functools.cache
