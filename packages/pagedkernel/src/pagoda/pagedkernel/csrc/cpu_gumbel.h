@@ -1,4 +1,5 @@
-/* The sampler's scalar float32 log and its counter-based RNG: the Gumbel score of one (row key, vocabulary index).
+/* The sampler's scalar float32 log, its vector exp and its counter-based RNG: the Gumbel score of one (row key,
+ * vocabulary index).
  *
  * Shared by cpu_sampling.c (the sampling op) and cpu_fused_head.c (the LM head fused with the draw), so that both
  * draw with the same bits: log32 is the exact operation sequence of sampling/fmath.py (compile with
@@ -25,6 +26,32 @@ static inline uint32_t as_bits(float f) {
 #define LN2_LO (-0x1.bd0106p-13f)
 #define SQRT_HALF 0x1.6a09e6p-1f
 #define GUMBEL_SPAN 17.0f /* > 24 ln 2 = 16.64: the most -log(-log u) can add to x */
+#define LOG2E 0x1.715476p+0f
+#define EXP_LO (-86.0f)
+
+/* `static inline V name(V x)`: exp(x) for x <= 0 on a vector V of floats (I: its int32 lanes), sampling/fmath.py's
+ * exp32 operations lane by lane (floor as truncation corrected downwards), 0 below EXP_LO; exp of 0 is exactly 1.
+ * A macro for each file's vector width (cpu_sampling.c's, the fused head's). */
+#define PAGODA_DEFINE_EXP32(name, V, I)                                                                       \
+  static inline V name(V x) {                                                                                 \
+    const I under = x < (V){0} + EXP_LO;                                                                      \
+    const V xs = (V)((I)x & ~under); /* keep the lanes below EXP_LO finite; they return 0 */                  \
+    const V t = xs * LOG2E + 0.5f;                                                                            \
+    I n = __builtin_convertvector(t, I);                                                                      \
+    n += (I)(__builtin_convertvector(n, V) > t); /* true is -1: floor for negative t */                       \
+    const V fn = __builtin_convertvector(n, V);                                                               \
+    V r = xs - fn * LN2_HI;                                                                                   \
+    r = r - fn * LN2_LO;                                                                                      \
+    const V z = r * r;                                                                                        \
+    V p = (V){0} + 0x1.a0d2cep-13f;                                                                           \
+    p = p * r + 0x1.6e879cp-10f;                                                                              \
+    p = p * r + 0x1.11121p-7f;                                                                                \
+    p = p * r + 0x1.555382p-5f;                                                                               \
+    p = p * r + 0x1.555554p-3f;                                                                               \
+    p = p * r + 0x1p-1f;                                                                                      \
+    const V y = p * z + r + 1.0f;                                                                             \
+    return (V)((I)(y * (V)((n + 127) << 23)) & ~under);                                                       \
+  }
 
 static inline float log32(float y) {
   const uint32_t bits = as_bits(y);

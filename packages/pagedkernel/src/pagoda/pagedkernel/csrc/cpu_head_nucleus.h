@@ -50,23 +50,10 @@ typedef struct {
   int mass;       /* top_p: track s */
 } nucleus_t;
 
-/* exp32 of sampling/fmath.py, one element: the same operations in the same order (-ffp-contract=off). */
-static inline float exp32_scalar(float x) {
-  if (x < -86.0f) return 0.0f;
-  const float t = x * 0x1.715476p+0f + 0.5f;
-  const float fn = floorf(t);
-  float r = x - fn * LN2_HI;
-  r = r - fn * LN2_LO;
-  const float z = r * r;
-  float p = 0x1.a0d2cep-13f;
-  p = p * r + 0x1.6e879cp-10f;
-  p = p * r + 0x1.11121p-7f;
-  p = p * r + 0x1.555382p-5f;
-  p = p * r + 0x1.555554p-3f;
-  p = p * r + 0x1p-1f;
-  const float y = p * z + r + 1.0f;
-  return y * as_float((uint32_t)((int32_t)fn + 127) << 23);
-}
+PAGODA_DEFINE_EXP32(hv_exp32, hvf, hvi) /* cpu_gumbel.h */
+
+/* One exp32: the vector's operations on a broadcast (the same bits as cpu_sampling.c's exp32). */
+static inline float exp32_scalar(float x) { return hv_exp32((hvf){0} + x)[0]; }
 
 /* Descending x, then ascending index. */
 static int cand_order(const void *a, const void *b) {
@@ -138,25 +125,6 @@ static inline void nucleus_feed(nucleus_t *t, float x, int64_t j) {
   t->c[t->n++] = (cand_t){x, (int32_t)j};
 }
 
-/* exp32's operations on HEAD_LANES lanes of x in [-86, 0] (floor as truncation corrected downwards). */
-static inline hvf hv_exp32(hvf x) {
-  const hvf t = x * 0x1.715476p+0f + 0.5f;
-  hvi n = __builtin_convertvector(t, hvi);
-  n += (hvi)(__builtin_convertvector(n, hvf) > t); /* true is -1: floor for negative t */
-  const hvf fn = __builtin_convertvector(n, hvf);
-  hvf r = x - fn * LN2_HI;
-  r = r - fn * LN2_LO;
-  const hvf z = r * r;
-  hvf p = (hvf){0} + 0x1.a0d2cep-13f;
-  p = p * r + 0x1.6e879cp-10f;
-  p = p * r + 0x1.11121p-7f;
-  p = p * r + 0x1.555382p-5f;
-  p = p * r + 0x1.555554p-3f;
-  p = p * r + 0x1p-1f;
-  const hvf y = p * z + r + 1.0f;
-  return y * (hvf)((n + 127) << 23);
-}
-
 typedef float hvfh __attribute__((vector_size(2 * HEAD_LANES)));  /* half an hvf */
 typedef double hvd __attribute__((vector_size(4 * HEAD_LANES))); /* an hvfh as doubles: one register */
 
@@ -197,7 +165,7 @@ static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor
     if (t->mass && t->pruned) {
       const hvi rest = ~keep & finite & (x >= t->m - MASS_SPAN);
       if (hv_any(rest)) {
-        const hvf e = (hvf)((hvi)hv_exp32((hvf)((hvi)(x - t->m) & rest)) & rest);
+        const hvf e = (hvf)((hvi)hv_exp32(x - t->m) & rest);
         hvfh half[2];
         memcpy(half, &e, sizeof half);
         acc += __builtin_convertvector(half[0], hvd) + __builtin_convertvector(half[1], hvd);

@@ -68,32 +68,7 @@ enum { STATUS_OK = 0, STATUS_NONFINITE = 1, STATUS_NO_TOKEN = 2 };
 
 /* ---- float32 math: the exact operation sequences of sampling/fmath.py ---- */
 
-#define LOG2E 0x1.715476p+0f
-#define EXP_LO (-86.0f)
-
-/* exp(x) for x <= 0, LANES at a time: fmath.exp32's operations lane by lane (floor as truncation corrected
- * downwards), 0 below EXP_LO; exp of 0 is exactly 1. */
-static inline vf expv(vf x) {
-  const vf lo = (vf){0} + EXP_LO;
-  const vi under = x < lo;
-  const vf xs = (vf)((vi)x & ~under); /* keep the lanes below EXP_LO finite; they return 0 */
-  const vf t = xs * LOG2E + 0.5f;
-  vi n = __builtin_convertvector(t, vi);
-  n += (vi)(__builtin_convertvector(n, vf) > t); /* true is -1: floor for negative t */
-  const vf fn = __builtin_convertvector(n, vf);
-  vf r = xs - fn * LN2_HI;
-  r = r - fn * LN2_LO;
-  const vf z = r * r;
-  vf p = (vf){0} + 0x1.a0d2cep-13f;
-  p = p * r + 0x1.6e879cp-10f;
-  p = p * r + 0x1.11121p-7f;
-  p = p * r + 0x1.555382p-5f;
-  p = p * r + 0x1.555554p-3f;
-  p = p * r + 0x1p-1f;
-  const vf y = p * z + r + 1.0f;
-  const vf scale = (vf)((n + 127) << 23);
-  return (vf)((vi)(y * scale) & ~under);
-}
+PAGODA_DEFINE_EXP32(expv, vf, vi) /* cpu_gumbel.h */
 
 /* One exp32: the vector's operations on a broadcast, so scalar and vector results are the same bits. */
 static inline float exp32(float x) { return expv((vf){0} + x)[0]; }
