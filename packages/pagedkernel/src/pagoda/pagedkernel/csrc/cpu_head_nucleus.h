@@ -145,7 +145,8 @@ static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor
     vbad |= (x != x) | (x == INFINITY);
     const hvi finite = (x > -INFINITY) & (x < INFINITY);
     vany |= finite;
-    top = (hvf)(((hvi)x & (finite & (x > top))) | ((hvi)top & ~(finite & (x > top))));
+    const hvi higher = finite & (x > top);
+    top = (hvf)(((hvi)x & higher) | ((hvi)top & ~higher));
     xs[v] = x;
   }
   *bad |= hv_any(vbad);
