@@ -1,5 +1,5 @@
 """The offline API's images (issue 38): vLLM's dict prompt and LLM.chat's image parts reach the model's processor
-and the engine; refusals are ValueErrors naming the argument. A fake processor on a tiny text model (the engine
+and the engine; refusals are ValueErrors naming the argument; vLLM's tokens dict prompt beside them. A fake processor on a tiny text model (the engine
 gets the token ids; its multi_modal is recorded here, the vision models are tested with their own)."""
 
 from __future__ import annotations
@@ -109,6 +109,28 @@ def test_offline_refusals_name_the_argument(
         )
     # Still serving.
     assert len(model.generate("hello", PARAMS, use_tqdm=False)) == 1
+
+
+def test_tokens_dict_prompt(llm: tuple[LLM, FakeProcessor, list[Any]]) -> None:
+    """`{"prompt_token_ids": [...]}` runs as the bare ids do; a refused prompt names its field, and the prompts
+    before it in the batch are not left queued."""
+    model, _, _ = llm
+    ids = model.tokenizer.encode("the same tokens")
+    (plain,) = model.generate(ids, PARAMS, use_tqdm=False)
+    first, second = model.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": tuple(ids)}], PARAMS)
+    assert list(first.prompt_token_ids) == list(second.prompt_token_ids) == ids
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == plain.outputs[0].token_ids
+    refusals: list[tuple[dict[str, Any], str]] = [
+        ({"prompt_token_ids": "abc"}, "prompts[1].prompt_token_ids"),
+        ({"prompt_token_ids": [1, -1]}, "prompts[1].prompt_token_ids"),
+        ({"prompt_token_ids": [1], "prompt": "x"}, "prompts[1]"),
+    ]
+    for bad, field in refusals:
+        with pytest.raises(MediaError) as info:
+            model.generate([{"prompt_token_ids": ids}, bad], PARAMS, use_tqdm=False)
+        assert info.value.param == field
+        assert not model.engine.get_num_unfinished_requests()
+    assert len(model.generate({"prompt_token_ids": ids}, PARAMS, use_tqdm=False)) == 1
 
 
 def test_text_only_model_refuses_images(llm: tuple[LLM, FakeProcessor, list[Any]]) -> None:

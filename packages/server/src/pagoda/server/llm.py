@@ -15,7 +15,13 @@ from pagoda.server.lora import LoRARequest
 from pagoda.server.multimodal.folder import model_processor
 from pagoda.server.multimodal.inputs import ProcessedPrompt
 from pagoda.server.multimodal.media import MediaPolicy
-from pagoda.server.multimodal.offline import chat_images, check_marker, dict_prompt_images, process_images
+from pagoda.server.multimodal.offline import (
+    chat_images,
+    check_marker,
+    dict_prompt_images,
+    dict_prompt_tokens,
+    process_images,
+)
 from pagoda.server.multimodal.processor import MultiModalProcessor
 from pagoda.server.outputs import RequestOutput
 from pagoda.server.pooling import PoolingParams
@@ -69,8 +75,9 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion; outputs in prompt order. `lora_request` (one, or
-        one per prompt; `LLM(enable_lora=True)`) runs prompts under an adapter, read now if it is new."""
+        """Run every prompt (text, token ids, or vLLM's dict prompts) to completion; outputs in prompt order.
+        `lora_request` (one, or one per prompt; `LLM(enable_lora=True)`) runs prompts under an adapter, read now if
+        it is new. A refused prompt raises, and none of the batch runs."""
         batch = _as_batch(prompts)
         loras = self._loras(lora_request, len(batch))
         if params is None or isinstance(params, SamplingParams):
@@ -80,21 +87,17 @@ class LLM:
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} SamplingParams")
         order: dict[str, int] = {}
-        for index, (prompt, sp, lora) in enumerate(zip(batch, params_list, loras, strict=True)):
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.rules.check_constraint(sp)  # the front end's parse: the engine only compiles
-            if isinstance(prompt, ProcessedPrompt):
-                self.engine.add_request(
-                    request_id, list(prompt.token_ids), sp, lora_request=lora, multi_modal=prompt.multi_modal
-                )
-            elif isinstance(prompt, Mapping):
-                text, images = dict_prompt_images(prompt, index)
-                self._add_text(request_id, text, images, sp, lora, f"prompts[{index}].prompt")
-            elif isinstance(prompt, str):
-                self._add_text(request_id, prompt, [], sp, lora, f"prompts[{index}]")
-            else:
-                self.engine.add_request(request_id, list(prompt), sp, lora_request=lora)
-            order[request_id] = index
+        try:
+            for index, (prompt, sp, lora) in enumerate(zip(batch, params_list, loras, strict=True)):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.rules.check_constraint(sp)  # the front end's parse: the engine only compiles
+                self._add_prompt(request_id, index, prompt, sp, lora)
+                order[request_id] = index
+        except BaseException:
+            # A refused prompt fails the whole call, so the ones queued before it must not run on unseen.
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
         results: list[RequestOutput | None] = [None] * len(batch)
         with tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
@@ -104,6 +107,24 @@ class LLM:
                         bar.update(1)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def _add_prompt(
+        self, request_id: str, index: int, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None
+    ) -> None:
+        """Queue prompt `index` of a batch in whichever of the offline API's forms it comes."""
+        if isinstance(prompt, ProcessedPrompt):
+            self.engine.add_request(
+                request_id, list(prompt.token_ids), params, lora_request=lora, multi_modal=prompt.multi_modal
+            )
+        elif isinstance(prompt, Mapping) and (ids := dict_prompt_tokens(prompt, index)) is not None:
+            self.engine.add_request(request_id, ids, params, lora_request=lora)
+        elif isinstance(prompt, Mapping):
+            text, images = dict_prompt_images(prompt, index)
+            self._add_text(request_id, text, images, params, lora, f"prompts[{index}].prompt")
+        elif isinstance(prompt, str):
+            self._add_text(request_id, prompt, [], params, lora, f"prompts[{index}]")
+        else:
+            self.engine.add_request(request_id, list(prompt), params, lora_request=lora)
 
     def _add_text(
         self,

@@ -3,7 +3,8 @@
 `LLM.generate({"prompt": "... <marker> ...", "multi_modal_data": {"image": img_or_list}})` takes PIL images or
 image URLs; `LLM.chat` takes `image_url` parts (a URL, or `{"url": ...}`) and vLLM's `image_pil` parts. The same
 media policy as the server's: data URLs and PIL images always, file:// only under allowed_local_media_path,
-http(s) only from allowed_media_domains. Refusals are MediaError (a ValueError) naming the argument.
+http(s) only from allowed_media_domains. Refusals are MediaError (a ValueError) naming the argument. vLLM's
+tokens dict prompt, `{"prompt_token_ids": [...]}`, is read here too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,23 @@ from PIL import Image
 def _as_list(value: object) -> list[object]:
     """One image or a list of them, as a list."""
     return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def dict_prompt_tokens(prompt: Mapping[str, Any], index: int) -> list[int] | None:
+    """The token ids of vLLM's tokens dict prompt (`{"prompt_token_ids": [...]}`), None for a text dict prompt;
+    MediaError naming the field when the ids are not a list of non-negative ints or another key comes with them."""
+    if "prompt_token_ids" not in prompt:
+        return None
+    where = f"prompts[{index}]"
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise MediaError(
+            f"{where}.prompt_token_ids: a list of non-negative token ids", f"{where}.prompt_token_ids"
+        )
+    unknown = sorted(set(prompt) - {"prompt_token_ids"})
+    if unknown:
+        raise MediaError(f"{where}: unknown key {unknown[0]!r} beside prompt_token_ids", where)
+    return list(ids)
 
 
 def dict_prompt_images(prompt: Mapping[str, Any], index: int) -> tuple[str, list[tuple[object, str]]]:
