@@ -11,9 +11,15 @@ the `timings` llama-server returns with each completion.
     python tools/bench_spec.py                       # Gemma 3 270M; heavy on a shared machine
     python tools/bench_spec.py --tiny --max-tokens 16 --concurrency 1 2   # a tiny random model (smoke)
     python tools/bench_spec.py --model M --draft-model D   # also the draft_model method, D drafting for M
+    python tools/bench_spec.py --methods none auto --rounds 4   # each method a fresh process, alternated
     python tools/bench_spec.py --model $GGUF --peer "llama.cpp=$BIN/llama-server -m $GGUF -t 2 -np 32 -c 32768 \
         --port {port}" "llama.cpp-ngram=$BIN/llama-server -m $GGUF -t 2 -np 32 -c 32768 --port {port} \
         --spec-type ngram-simple --spec-draft-n-max 4"
+
+With --rounds N each method runs N times, each time in a fresh process, the order reversed every other round;
+the last table gives each cell's median tok/s against the first method's and the range of the per-round ratios
+(a method against the first one in the same round): the measure to read "never below 0.97x" from on a machine
+whose speed drifts, where one process running the methods in a fixed order puts the drift on one of them.
 
 The draft_model method runs when --draft-model is given (or named in --methods; with --tiny its draft is a
 one-layer tiny llama of the same vocabulary).
@@ -26,6 +32,7 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +44,7 @@ import httpx
 from pagoda.server.bench.serving import peer_launched
 from pagoda.server.llm import LLM
 from pagoda.server.sampling_params import SamplingParams
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "spec_text.md"
@@ -63,6 +71,7 @@ class Result:
     tpot_ms: float  # mean time per output token after the first, per request
     acceptance_length: float | None  # 1 + accepted drafts per drafted step (None: no drafts, or a peer)
     acceptance_rate: float | None = None  # accepted / drafted tokens (None: no drafts)
+    round: int = 1  # with --rounds, the round (each method a fresh process in each)
 
 
 # Tokens a chat template adds around one user message (SmolLM2's system and role lines take ~30).
@@ -234,6 +243,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each method in a fresh process this many times, alternating (the order reversed every other"
+        " round), and print each cell's median and per-round ratios to the first method",
+    )
+    parser.add_argument(
         "--peer",
         nargs="+",
         default=[],
@@ -272,58 +288,145 @@ def draft_model_path(args: argparse.Namespace, scratch: Path) -> str:
 
 def main(argv: list[str] | None = None) -> list[Result]:
     """Run every method on every workload and concurrency; print a table."""
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
+    if args.rounds > 1 and args.peer:
+        parser.error("--peer runs in the tool's own process: leave out --rounds")
+    if args.rounds > 1:
+        results = run_rounds(args)
+    else:
+        results, tokenizer = run_methods(args)
+        for spec in args.peer:
+            label, command = spec.split("=", 1)
+            with peer_launched(command) as target:
+                for name, prompt in chosen_workloads(tokenizer, args).items():
+                    for concurrency in args.concurrency:
+                        results.append(
+                            run_peer(label, target.base_url, target.model, name, prompt, concurrency, args)
+                        )
+    print(table(results))
+    if args.rounds > 1:
+        print(summary(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return results
+
+
+def chosen_workloads(tokenizer: Any, args: argparse.Namespace) -> dict[str, list[int]]:
+    """The workloads --workloads names (default: all), their prompts from `tokenizer`."""
+    prompts = workloads(tokenizer, args.max_prompt_tokens, args.seed, args.chat)
+    return {name: ids for name, ids in prompts.items() if not args.workloads or name in args.workloads}
+
+
+def run_methods(args: argparse.Namespace) -> tuple[list[Result], Any]:
+    """Each method in turn, an engine of its own in this process, on every workload and concurrency; the results
+    and the engines' tokenizer."""
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed
     )
     results: list[Result] = []
+    tokenizer: Any = None
     with tempfile.TemporaryDirectory() as scratch:
         shared = engine_args(args, Path(scratch))
         shared["max_model_len"] = args.max_prompt_tokens + args.max_tokens + 8
-        methods = args.methods or [m for m in METHODS if m != "draft_model" or args.draft_model is not None]
-        for method in methods:
+        for method in methods_of(args):
             spec = METHODS[method]
             if spec is not None and args.num_speculative_tokens is not None:
                 spec = {**spec, "num_speculative_tokens": args.num_speculative_tokens}
             if method == "draft_model":
                 spec = {**(spec or {}), "model": draft_model_path(args, Path(scratch))}
             llm = LLM(**shared, speculative_config=spec)
-            prompts = workloads(llm.tokenizer, args.max_prompt_tokens, args.seed, args.chat)
-            if args.workloads:
-                prompts = {name: ids for name, ids in prompts.items() if name in args.workloads}
-            for name, prompt in prompts.items():
+            tokenizer = llm.tokenizer
+            for name, prompt in chosen_workloads(tokenizer, args).items():
                 for concurrency in args.concurrency:
                     results.append(run(llm, method, name, prompt, concurrency, params))
             llm.engine.close()
-        for spec in args.peer:
-            label, command = spec.split("=", 1)
-            with peer_launched(command) as target:
-                for name, prompt in prompts.items():
-                    for concurrency in args.concurrency:
-                        results.append(
-                            run_peer(label, target.base_url, target.model, name, prompt, concurrency, args)
-                        )
-    print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return results, tokenizer
+
+
+def methods_of(args: argparse.Namespace) -> list[str]:
+    """--methods, or every method (draft_model only with --draft-model)."""
+    return list(args.methods or [m for m in METHODS if m != "draft_model" or args.draft_model is not None])
+
+
+def run_rounds(args: argparse.Namespace) -> list[Result]:
+    """--rounds: each method in a fresh process per round, the order reversed every other round, so that neither
+    a machine's drift over the run nor what an earlier engine left in the process (its heap, its threads, the
+    caches it warmed) falls on one method alone."""
+    results: list[Result] = []
+    methods = methods_of(args)
+    with tempfile.TemporaryDirectory() as scratch:
+        for number in tqdm(range(1, args.rounds + 1), desc="rounds", unit="round"):
+            for method in methods if number % 2 else methods[::-1]:
+                out = Path(scratch) / f"{method}-{number}.json"
+                subprocess.run([sys.executable, __file__, *child_argv(args, method, out)], check=True)
+                for row in json.loads(out.read_text()):
+                    results.append(Result(**{**row, "round": number}))
     return results
 
 
+def child_argv(args: argparse.Namespace, method: str, out: Path) -> list[str]:
+    """The flags of one method's run in a round: this run's, with that one method and a JSON file."""
+    argv = ["--model", args.model, "--methods", method, "--json", str(out), "--concurrency"]
+    argv += [str(c) for c in args.concurrency]
+    for flag, value in [
+        ("--draft-model", args.draft_model),
+        ("--quantization", args.quantization),
+        ("--num-speculative-tokens", args.num_speculative_tokens),
+        ("--max-tokens", args.max_tokens),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--temperature", args.temperature),
+        ("--seed", args.seed),
+    ]:
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.workloads:
+        argv += ["--workloads", *args.workloads]
+    return argv + ["--tiny"] * args.tiny + ["--chat"] * args.chat
+
+
+def summary(results: list[Result]) -> str:
+    """Per cell and method: the median tok/s over the rounds, its ratio to the first method's median, and the
+    lowest and highest ratio of one round's run to the first method's run in the same round."""
+    base_method = results[0].method
+    base = {(r.workload, r.concurrency, r.round): r.tok_per_s for r in results if r.method == base_method}
+    cells: dict[tuple[str, str, int], list[Result]] = {}
+    for r in results:
+        cells.setdefault((r.method, r.workload, r.concurrency), []).append(r)
+    medians = {cell: statistics.median(r.tok_per_s for r in runs) for cell, runs in cells.items()}
+    width = max(8, *(len(r.method) for r in results))
+    lines = [
+        f"{'method':{width}} {'workload':10} {'conc':>4} {'rounds':>6} {'median':>9} {'vs base':>7} {'per round':>13}"
+    ]
+    for (method, workload, concurrency), runs in cells.items():
+        ratios = [r.tok_per_s / base[(workload, concurrency, r.round)] for r in runs]
+        of_medians = medians[(method, workload, concurrency)] / medians[(base_method, workload, concurrency)]
+        lines.append(
+            f"{method:{width}} {workload:10} {concurrency:4} {len(runs):6} {medians[(method, workload, concurrency)]:9.1f}"
+            f" {of_medians:6.2f}x {min(ratios):5.2f}-{max(ratios):.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def table(results: list[Result]) -> str:
-    """One row per run, with its tok/s against the first method's (the baseline) on the same cell."""
-    base = {(r.workload, r.concurrency): r.tok_per_s for r in results if r.method == results[0].method}
+    """One row per run, with its tok/s against the first method's (the baseline) on the same cell and round."""
+    base = {
+        (r.workload, r.concurrency, r.round): r.tok_per_s for r in results if r.method == results[0].method
+    }
     width = max(8, *(len(r.method) for r in results)) if results else 8
     head = f"{'method':{width}} {'workload':10} {'conc':>4} {'tok/s':>9} {'vs base':>7} {'TPOT ms':>8}"
-    lines = [f"{head} {'acc len':>7} {'acc rate':>8}"]
+    rounds = any(r.round > 1 for r in results)
+    lines = [f"{head} {'acc len':>7} {'acc rate':>8}" + (" round" if rounds else "")]
     for r in results:
         length = "-" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
         rate = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}"
-        ratio = (
-            r.tok_per_s / base[(r.workload, r.concurrency)] if base.get((r.workload, r.concurrency)) else 0.0
-        )
+        cell = (r.workload, r.concurrency, r.round)
+        ratio = r.tok_per_s / base[cell] if base.get(cell) else 0.0
         lines.append(
             f"{r.method:{width}} {r.workload:10} {r.concurrency:4} {r.tok_per_s:9.1f} {ratio:6.2f}x"
-            f" {r.tpot_ms:8.2f} {length:>7} {rate:>8}"
+            f" {r.tpot_ms:8.2f} {length:>7} {rate:>8}" + (f" {r.round:5}" if rounds else "")
         )
     return "\n".join(lines)
 

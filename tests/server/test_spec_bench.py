@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from tool_scripts import load_tool
 
 bench = load_tool("bench_spec.py")
@@ -61,6 +62,40 @@ def test_a_peer_server_runs_the_same_prompts(tiny_model_path: Callable[[str], Pa
     assert all(r.output_tokens == 5 * r.concurrency and r.tok_per_s > 0 for r in peer_rows)
     assert all(r.acceptance_length is None and r.acceptance_rate is None for r in peer_rows)
     assert "vs base" in bench.table(results) and "peer" in bench.table(results)
+
+
+def test_rounds_run_each_method_in_a_fresh_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--rounds 2: each method runs once a round in a child process, the second round in the reverse order; the
+    summary gives each cell's median and per-round ratios. --rounds below 1, or with --peer, exits 2 naming it."""
+    argv = ["--tiny", "--max-tokens", "6", "--max-prompt-tokens", "24", "--concurrency", "1", "2"]
+    argv += ["--methods", "none", "ngram", "--workloads", "repeat", "--num-speculative-tokens", "2"]
+    results = bench.main([*argv, "--rounds", "2", "--json", str(tmp_path / "rounds.json")])
+    assert [(r.round, r.method, r.concurrency) for r in results] == [
+        (1, "none", 1),
+        (1, "none", 2),
+        (1, "ngram", 1),
+        (1, "ngram", 2),
+        (2, "ngram", 1),
+        (2, "ngram", 2),
+        (2, "none", 1),
+        (2, "none", 2),
+    ]
+    assert all(r.output_tokens == 6 * r.concurrency and r.tok_per_s > 0 for r in results)
+    summary = capsys.readouterr().out.split("per round")[1].splitlines()[1:]
+    assert [line.split()[:4] for line in summary] == [
+        ["none", "repeat", "1", "2"],
+        ["none", "repeat", "2", "2"],
+        ["ngram", "repeat", "1", "2"],
+        ["ngram", "repeat", "2", "2"],
+    ]
+    assert summary[0].split()[5:] == ["1.00x", "1.00-1.00x"]
+    assert len(json.loads((tmp_path / "rounds.json").read_text())) == 8
+    for bad, named in [(["--rounds", "0"], "--rounds"), (["--rounds", "2", "--peer", "x=y"], "--peer")]:
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main([*argv, *bad])
+        assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
 copy_bound = load_tool("spec_copy_bound.py")
