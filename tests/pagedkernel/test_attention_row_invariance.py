@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from pagoda.pagedkernel import cpu_backend
+from pagoda.pagedkernel.cbuild import for_march
 from pagoda.pagedkernel.cpu_backend import CpuKernels
 from pagoda.pagedkernel.testing import make_case
 
@@ -37,9 +38,7 @@ MARCHES = ["native", "x86-64-v3", "x86-64"]
 
 def _kernels(march: str, dtype: torch.dtype) -> CpuKernels:
     """The attention library of `dtype` built for `march` (cached on disk by its flags)."""
-    flags = tuple(
-        f if f != "-march=native" or march == "native" else f"-march={march}" for f in cpu_backend.CFLAGS
-    )
+    flags = for_march(cpu_backend.CFLAGS, march)
     return cpu_backend.load(Path(cpu_backend.build(dtype, cflags=flags)))
 
 

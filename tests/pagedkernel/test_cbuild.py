@@ -92,6 +92,13 @@ def test_cpu_march_replaces_native(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert _answer(native) == (512 if "avx512f" in cbuild.cpu_flags() else 256)
 
 
+def test_for_march_replaces_only_native() -> None:
+    """for_march (the tests' other builds, and PAGODA_CPU_MARCH's) swaps -march=native and leaves other flags."""
+    flags = ("-O3", "-march=native", "-fopenmp", "-march=nativex")
+    assert cbuild.for_march(flags, "x86-64-v3") == ("-O3", "-march=x86-64-v3", "-fopenmp", "-march=nativex")
+    assert cbuild.for_march(flags, "native") == flags
+
+
 def test_alternatives_are_tried_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failing first alternative falls back to the next; when all fail, the error names owner and fallback."""
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))

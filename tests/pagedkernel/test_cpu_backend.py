@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from pagoda.pagedkernel import BackendUnavailableError, KernelBackend, cbuild, cpu_backend, get_backend
+from pagoda.pagedkernel.cbuild import for_march
 from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import PagedCase, make_case, reference_attention, relative_error
@@ -105,7 +106,7 @@ def test_decode_matches_reference(cpu: CpuBackend, case: Case, dtype: torch.dtyp
 def test_narrower_builds_agree_with_the_reference(case: Case, march: str) -> None:
     """The kernel built for AVX2 (256-bit loops, no AVX-512 paths) and for any x86-64 (the generic vector code)
     computes the reference's attention too, for one-token and longer queries, in bfloat16."""
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_backend.CFLAGS)
+    flags = for_march(cpu_backend.CFLAGS, march)
     kernels = cpu_backend.load(cpu_backend.build(torch.bfloat16, cflags=flags))
     bs = case.block_size
     c = _case(case, [(1, 1), (bs + 1, 3), (300, 24), (130, 130)], torch.bfloat16, seed=2)

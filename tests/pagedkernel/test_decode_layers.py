@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from pagoda.pagedkernel import csrc, fused, get_backend
-from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.cbuild import cpu_flags, for_march
 from pagoda.pagedkernel.decode import DecodeLayer, DecodeShape, DecodeStack, cpu_decode
 from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, qmatmul
 from pagoda.pagedkernel.quant.testing import random_weight
@@ -440,7 +440,7 @@ def test_other_targets_build_and_equal_the_native_build(march: str, dtype: torch
         pytest.skip("x86-64 target flags")
     if march == "x86-64-v3" and "avx2" not in cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_decode.CFLAGS)
+    flags = for_march(cpu_decode.CFLAGS, march)
     c_kernel_or_skip(lambda: cpu_decode.kernels(dtype))
     other = cpu_decode.load(cpu_decode.build(dtype, flags))
     case = make_case(3, dtype, 5, (1, 1, 1), gemma=dtype == torch.bfloat16)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.cbuild import cpu_flags, for_march
 from pagoda.pagedkernel.fused import act_and_mul, add_rms_norm, cpu_fused, rms_norm, rotary, torch_fused
 from torch import Tensor
 
@@ -185,7 +185,7 @@ def test_other_builds_agree(
     # first: the native library is built and cached for the process in the real cache, not in tmp_path
     native = cpu_fused.kernels(dtype)
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_fused.CFLAGS)
+    flags = for_march(cpu_fused.CFLAGS, march)
     library = cpu_fused.build(dtype, flags)
     if march == "x86-64-v4" and "avx512bw" not in cpu_flags():
         pytest.skip("this CPU cannot run -march=x86-64-v4 (built only)")

@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 from pagoda.pagedkernel import cpu_backend, kv_quant
+from pagoda.pagedkernel.cbuild import for_march
 from pagoda.pagedkernel.cpu_backend import CpuBackend
 from pagoda.pagedkernel.testing import AttentionConfig as Case
 from pagoda.pagedkernel.testing import (
@@ -266,7 +267,7 @@ def test_generic_c_build_agrees_with_the_native_one(cpu: CpuBackend, dtype: torc
     what the native build computes, within float32 rounding (FMA contraction differs), and the same writes."""
     c = _case(CASES[1], dtype)
     qc = _quantize(cpu, c)
-    generic_flags = tuple("-march=x86-64" if f == "-march=native" else f for f in cpu_backend.CFLAGS)
+    generic_flags = for_march(cpu_backend.CFLAGS, "x86-64")
     generic = cpu_backend.load(
         cpu_backend.build(dtype, int8_cache=True, cflags=generic_flags), int8_cache=True
     )

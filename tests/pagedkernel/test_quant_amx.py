@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.cbuild import cpu_flags, for_march
 from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
 from pagoda.pagedkernel.quant.formats import REPACKED_TYPES
 from pagoda.pagedkernel.quant.testing import outputs_on_threads, random_weight
@@ -120,5 +120,5 @@ def test_native_build_has_amx_where_the_cpu_does(tmp_path: Path, monkeypatch: py
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 target flags")
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
-    v3 = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_quant.CFLAGS)
+    v3 = for_march(cpu_quant.CFLAGS, "x86-64-v3")
     assert cpu_quant.load(cpu_quant.build(v3)).matmul_amx is None

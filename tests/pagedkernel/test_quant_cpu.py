@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 from pagoda.pagedkernel.backend import BackendUnavailableError
-from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.cbuild import cpu_flags, for_march
 from pagoda.pagedkernel.quant import (
     GGMLType,
     QuantizedTensor,
@@ -226,7 +226,7 @@ def test_every_path_gives_the_same_bits(
     if path is KernelPath.AVX512_VNNI and not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_flags():
         pytest.skip("this CPU has no AVX-512 VNNI")
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_quant.CFLAGS)
+    flags = for_march(cpu_quant.CFLAGS, march)
     other = cpu_quant.load(cpu_quant.build(flags))
     assert other.path is path
     native = cpu_quant.kernels()
@@ -255,7 +255,7 @@ def every_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[cpu_qua
         pytest.skip("x86-64 target flags")
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
-    flags = [tuple(f"-march={m}" if f == "-march=native" else f for f in cpu_quant.CFLAGS) for m in marches]
+    flags = [for_march(cpu_quant.CFLAGS, m) for m in marches]
     return [cpu_quant.kernels()] + [cpu_quant.load(cpu_quant.build(f)) for f in flags]
 
 

@@ -15,7 +15,7 @@ import platform
 
 import pytest
 import torch
-from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.cbuild import cpu_flags, for_march
 from pagoda.pagedkernel.quant import GGMLType, QuantizedTensor, cpu_quant, dequantize, qmatmul
 from pagoda.pagedkernel.quant.formats import REPACKED_TYPES
 from pagoda.pagedkernel.quant.testing import (
@@ -46,7 +46,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, cpu_quant.Quan
         patch.setenv("PAGODA_KERNEL_CACHE", str(cache))
         for march, needs in TARGETS.items():
             if needs in flags:
-                target = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_quant.CFLAGS)
+                target = for_march(cpu_quant.CFLAGS, march)
                 libs[march] = cpu_quant.load(cpu_quant.build(target))
     return libs
 

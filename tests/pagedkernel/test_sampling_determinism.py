@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagoda.pagedkernel.cbuild import cpu_flags
+from pagoda.pagedkernel.cbuild import cpu_flags, for_march
 from pagoda.pagedkernel.sampling import SamplingTensors, cpu_sampling, get_sampler, rng_key, triton_sampling
 from pagoda.pagedkernel.sampling.testing import select_rows, tricky_logits
 from torch import Tensor
@@ -133,7 +133,7 @@ def test_other_vector_widths_agree(march: str, tmp_path: Path, monkeypatch: pyte
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 target flags")
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_sampling.CFLAGS)
+    flags = for_march(cpu_sampling.CFLAGS, march)
     library = cpu_sampling.build(torch.float32, flags=flags)
     if march == "x86-64-v4" and "avx512bw" not in cpu_flags():
         pytest.skip("this CPU cannot run -march=x86-64-v4 (built only)")

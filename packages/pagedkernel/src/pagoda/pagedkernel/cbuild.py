@@ -131,9 +131,11 @@ def cache_dir() -> Path:
 def target_flags(flags: Sequence[str]) -> tuple[str, ...]:
     """`flags` with `-march=native` replaced by `-march=$PAGODA_CPU_MARCH` when that is set (e.g. `x86-64-v3`: every
     kernel built for AVX2 only, as for a fleet of older CPUs, or to measure an AVX2 machine's code on a newer one)."""
-    march = os.environ.get("PAGODA_CPU_MARCH", "").strip()
-    if not march:
-        return tuple(flags)
+    return for_march(flags, os.environ.get("PAGODA_CPU_MARCH", "").strip() or "native")
+
+
+def for_march(flags: Sequence[str], march: str) -> tuple[str, ...]:
+    """`flags` with `-march=native` replaced by `-march={march}` (a kernel's flags built for another target)."""
     return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in flags)
 
 
