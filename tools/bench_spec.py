@@ -391,7 +391,7 @@ def summary(results: list[Result]) -> str:
     """Per cell and method: the median tok/s over the rounds, its ratio to the first method's median, and the
     lowest and highest ratio of one round's run to the first method's run in the same round."""
     base_method = results[0].method
-    base = {(r.workload, r.concurrency, r.round): r.tok_per_s for r in results if r.method == base_method}
+    base = base_rates(results)
     cells: dict[tuple[str, str, int], list[Result]] = {}
     for r in results:
         cells.setdefault((r.method, r.workload, r.concurrency), []).append(r)
@@ -402,19 +402,25 @@ def summary(results: list[Result]) -> str:
     ]
     for (method, workload, concurrency), runs in cells.items():
         ratios = [r.tok_per_s / base[(workload, concurrency, r.round)] for r in runs]
-        of_medians = medians[(method, workload, concurrency)] / medians[(base_method, workload, concurrency)]
+        median = medians[(method, workload, concurrency)]
+        of_medians = median / medians[(base_method, workload, concurrency)]
         lines.append(
-            f"{method:{width}} {workload:10} {concurrency:4} {len(runs):6} {medians[(method, workload, concurrency)]:9.1f}"
+            f"{method:{width}} {workload:10} {concurrency:4} {len(runs):6} {median:9.1f}"
             f" {of_medians:6.2f}x {min(ratios):5.2f}-{max(ratios):.2f}x"
         )
     return "\n".join(lines)
 
 
-def table(results: list[Result]) -> str:
-    """One row per run, with its tok/s against the first method's (the baseline) on the same cell and round."""
-    base = {
+def base_rates(results: list[Result]) -> dict[tuple[str, int, int], float]:
+    """The first method's (the baseline's) tok/s per (workload, concurrency, round)."""
+    return {
         (r.workload, r.concurrency, r.round): r.tok_per_s for r in results if r.method == results[0].method
     }
+
+
+def table(results: list[Result]) -> str:
+    """One row per run, with its tok/s against the first method's (the baseline) on the same cell and round."""
+    base = base_rates(results)
     width = max(8, *(len(r.method) for r in results)) if results else 8
     head = f"{'method':{width}} {'workload':10} {'conc':>4} {'tok/s':>9} {'vs base':>7} {'TPOT ms':>8}"
     rounds = any(r.round > 1 for r in results)

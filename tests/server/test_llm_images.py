@@ -1,6 +1,7 @@
 """The offline API's images (issue 38): vLLM's dict prompt and LLM.chat's image parts reach the model's processor
-and the engine; refusals are ValueErrors naming the argument; vLLM's tokens dict prompt beside them. A fake processor on a tiny text model (the engine
-gets the token ids; its multi_modal is recorded here, the vision models are tested with their own)."""
+and the engine; refusals are ValueErrors naming the argument; vLLM's tokens dict prompt beside them. A fake
+processor on a tiny text model (the engine gets the token ids; its multi_modal is recorded here, the vision models
+are tested with their own)."""
 
 from __future__ import annotations
 
