@@ -7,7 +7,8 @@ sampling op), fused as `model.fused_head.draw`. The two alternate call by call (
 both alike); the table gives each one's median over `--repeats` calls and whether their tokens agreed on every
 call (they must: the fused op is bitwise the unfused pair). Random hidden states give flatter distributions than a
 model's own: a second table times the engine's whole decode step (the model's real hidden states) with the fused
-head on and off, alternated run by run (`--engine-steps 0` skips it).
+head on and off, alternated run by run (`--engine-steps 0` skips it). Both tables draw top_p rows fused
+(`FusedHead.truncated` set): the engine's default sends them the logits way, which these numbers decided.
 
     python tools/bench_fused_head.py                                   # SmolLM2-135M (49k) and Gemma 3 270M (262k)
     python tools/bench_fused_head.py --models gemma3-270m --repeats 100 --threads 2
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM(None if name == "default" else name, max_model_len=64, max_num_seqs=4)
         model = llm.engine.runner.model
         assert isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))
+        model.fused_head.truncated = (
+            True  # the engine's default draws top_p steps unfused: measure the op anyway
+        )
         head = model.head()
         assert head.quantized is not None, "the fused head multiplies GGUF blocks"
         weight = head.quantized.parts[0]

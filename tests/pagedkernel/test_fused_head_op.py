@@ -189,6 +189,14 @@ def test_eligible_rows_have_no_min_p_and_a_small_top_k() -> None:
     assert not fh.eligible(k, p, torch.tensor([0.0, 0.1]), vocab=50_000)
 
 
+def test_truncates_means_fewer_tokens_than_the_vocabulary() -> None:
+    """top_k below the vocabulary or top_p below 1 on some row truncates; 0, the vocabulary or more, and 1 do not."""
+    ones = torch.ones(2)
+    assert not fh.truncates(torch.tensor([0, 100]), ones, vocab=100)
+    assert fh.truncates(torch.tensor([0, 99]), ones, vocab=100)
+    assert fh.truncates(torch.tensor([0, 0]), torch.tensor([1.0, 0.95]), vocab=100)
+
+
 # (top_k, top_p) per row of the truncation tests: k alone, p alone, both, k beyond the vocabulary (disabled)
 TRUNCATIONS = [(5, 1.0), (0, 0.9), (50, 0.8), (1, 1.0), (0, 0.5), (300, 0.99), (10**6, 1.0), (0, 0.999)]
 
@@ -231,6 +239,31 @@ def test_top_p_undecided_rows_fall_back() -> None:
     assert (tokens.tolist(), status.tolist()) == tuple(
         t.tolist() for t in reference(x, weight, inv_t, keys, top_p=top_p)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_truncated_rows_write_their_logits(dtype: torch.dtype) -> None:
+    """Given a buffer, the op writes the top_k / top_p rows' logits there (the unfused GEMV's, bit for bit) and
+    leaves the other rows' alone; a fallen-back row is drawn from them without a second GEMV: the unfused token."""
+    vocab, k = 40 * HEAD_CHUNK + 5, 64
+    weight = random_weight(GGMLType.Q8_0, (vocab, k), torch.Generator().manual_seed(11))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12)).to(dtype)
+    x[1] = 1e-3  # flat: its nucleus is far larger than the candidates
+    inv_t, keys = torch.tensor([0.0, 1.0, 1.0]), torch.tensor([rng_key(4, r, 0) for r in range(3)])
+    top_k, top_p = torch.tensor([0, 0, 40]), torch.tensor([1.0, 0.95, 1.0])
+    logits = torch.full((4, vocab), 7.0, dtype=dtype)
+    tokens, status = fh.draw(x, weight, inv_t, keys, top_k, top_p, logits=logits)
+    assert status.tolist() == [0, fh.FALLBACK, 0]
+    want = qmatmul(x, weight, backend="cpu")
+    assert torch.equal(logits[1:3], want[1:3])
+    assert bool((logits[0] == 7.0).all()) and bool(
+        (logits[3] == 7.0).all()
+    )  # greedy and unused rows untouched
+    assert fh.sample_undecided(x[:0], weight, inv_t, keys, top_k, top_p, tokens, status, logits) == 1
+    want_tokens, want_status = reference(x, weight, inv_t, keys, top_k, top_p)
+    assert (tokens.tolist(), status.tolist()) == (want_tokens.tolist(), want_status.tolist())
+    with pytest.raises(ValueError, match="logits"):
+        fh.draw(x, weight, inv_t, keys, top_k, top_p, logits=torch.empty(2, vocab, dtype=dtype))
 
 
 def test_top_p_counts_the_mass_outside_the_candidates() -> None:

@@ -88,6 +88,49 @@ def test_flat_rows_use_the_histogram_path() -> None:
     assert int(mask[0].sum()) > vocab // 2
 
 
+def _cpu_masks_match_a_sort(logits: Tensor, top_p: list[float], top_k: list[int] | None = None) -> Tensor:
+    """The cpu backend's kept mask, checked against the sort on every row (temperature 1, no min_p)."""
+    rows = logits.shape[0]
+    top_k = top_k or [0] * rows
+    params = SamplingTensors.build(temperature=[1.0] * rows, keys=[0] * rows, top_k=top_k, top_p=top_p)
+    mask = get_sampler("cpu").kept_mask(logits, params)
+    for i in range(rows):
+        assert torch.equal(mask[i], sorted_kept_mask(logits[i].float(), top_k[i], top_p[i], 0.0)), i
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_top_p_below_the_head_histogram(dtype: torch.dtype) -> None:
+    """A row whose nucleus reaches more than 16 nats below its maximum: top_p's one-pass histogram covers only the
+    16 nats below it, so the C kernel selects among the rest the slower way, with the same result."""
+    if DEVICE != "cpu":
+        pytest.skip("the cpu backend runs on CPU tensors")
+    g = torch.Generator().manual_seed(5)
+    vocab = 30_000
+    logits = -16.5 - 2.0 * torch.rand(3, vocab, generator=g)  # 30,000 tokens 16.5-18.5 nats below
+    logits[:, 7] = 0.0
+    # the tail holds ~0.09% of the mass: a nucleus of 0.9995 reaches into it, one of 0.9 keeps the maximum alone
+    mask = _cpu_masks_match_a_sort(logits.to(dtype), top_p=[0.9995, 0.99999, 0.9])
+    assert 1 < int(mask[0].sum()) < vocab and int(mask[1].sum()) > int(mask[0].sum())
+    assert int(mask[2].sum()) == 1
+
+
+def test_top_p_threshold_among_many_ties() -> None:
+    """5,000 tokens tied in the bucket that holds the threshold (the C kernel's gather buffer grows past its first
+    1,024), on a vocabulary of Gemma 3's size and one past the 2^19 tokens its tail sums take in one block."""
+    if DEVICE != "cpu":
+        pytest.skip("the cpu backend runs on CPU tensors")
+    g = torch.Generator().manual_seed(6)
+    for vocab in (262_144, 600_000):
+        logits = torch.randn(2, vocab, generator=g) - 12.0  # a tail of ~1e-5 each
+        logits[:, :5000] = -1.0
+        logits[:, 5000] = 0.0
+        logits[1] = torch.randn(vocab, generator=g) * 1.5  # flat: the nucleus is most of the vocabulary
+        mask = _cpu_masks_match_a_sort(logits, top_p=[0.5, 0.9])
+        assert bool(mask[0, :5000].all()) and int(mask[0].sum()) == 5001  # the ties and the maximum
+        assert int(mask[1].sum()) > vocab // 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_masks_match_a_sort(dtype: torch.dtype) -> None:
     """The Triton kernel (interpreted on the CPU): 16 rows of 200 tokens, in two blocks of 128 per row."""

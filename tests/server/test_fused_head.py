@@ -114,10 +114,13 @@ def test_seeded_samples_equal_the_logits_path(arch: str, mixed_gguf: MixedGGUFs,
 def test_top_k_top_p_samples_equal_the_logits_path(
     truncation: dict[str, Any], mixed_gguf: MixedGGUFs, tmp_path: Path
 ) -> None:
-    """Seeded top_k / top_p sampling (rows the candidates decide, or that fall back to their logits) draws the same
-    tokens fused and unfused, every step through the fused head."""
+    """Seeded top_k / top_p sampling: by default no step runs fused (the sampler's passes cost less than the op's
+    candidates); with `truncated` set, every step does (rows the candidates decide, or that fall back to the
+    logits the op wrote) and draws the same tokens as unfused."""
     llm = engine(mixed_gguf("llama", BODY_TYPES, "Q4_1"), tmp_path, "float32")
     params = SamplingParams(temperature=1.2, seed=11, max_tokens=12, ignore_eos=True, **truncation)
+    assert generate_on_off(llm, params) == [0, 36]
+    head_of(llm).truncated = True
     ran, tokens = generate_on_off(llm, params)
     assert tokens == 36 and ran >= 11, ran
 

@@ -157,12 +157,14 @@ static void head_columns(int64_t type, columns_fn columns, const uint8_t *weight
 /* tokens[r] and status[r] of each row r < rows: W [n, k] of `type`, x [rows, k] (rows x_stride elements apart,
  * float32 or bfloat16), logits rounded to bfloat16 when y_bf16 (as the unfused GEMV writes them for a bfloat16
  * model), inv_t[r] 0 for a greedy row, top_k[r] 0 and top_p[r] 1 when disabled (cpu_head_nucleus.h), keys[r] the
- * row's RNG key. A status of HEAD_FALLBACK asks the caller to sample that row from its logits. 0 on success, 1 for
- * an unknown type, k not a multiple of the block, more than HEAD_MAX_ROWS rows or a top_k above HEAD_MAX_TOP_K,
- * 2 when the work space cannot be allocated. */
+ * row's RNG key. A status of HEAD_FALLBACK asks the caller to sample that row from its logits: where `logits` is
+ * not NULL ([rows, n], bfloat16 bits when y_bf16, else float32), the logits of every top_k / top_p row are written
+ * there as they are computed (a flat row's candidates prove nothing, and the logits cost a write, where computing
+ * them again costs the whole GEMV). 0 on success, 1 for an unknown type, k not a multiple of the block, more than
+ * HEAD_MAX_ROWS rows or a top_k above HEAD_MAX_TOP_K, 2 when the work space cannot be allocated. */
 int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k, const void *x, int64_t x_stride,
                       int64_t x_bf16, int64_t rows, int64_t y_bf16, const float *inv_t, const int64_t *top_k,
-                      const float *top_p, const int64_t *keys, int64_t *tokens, int32_t *status,
+                      const float *top_p, const int64_t *keys, int64_t *tokens, int32_t *status, void *logits,
                       int64_t num_threads) {
   int elems, bytes, has_offset;
   type_info(type, &elems, &bytes, &has_offset);
@@ -196,9 +198,12 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
     return 2;
   }
   for (int64_t t = 0; t < num_threads; t++)
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+      const int open = top_p[r] < 1.0f && !kk[r]; /* W holds mass outside the list */
+      const double hopeless = open ? HEAD_GIVE_UP * (double)cap[r] * (1.0 - top_p[r]) / top_p[r] : INFINITY;
       nu[t * rows + r] = (nucleus_t){pool + (t * rows + r) * 2 * max_cap, 0, cap[r], -INFINITY, 0, -INFINITY,
-                                     0.0, 0, top_p[r] < 1.0f};
+                                     0.0, 0, top_p[r] < 1.0f, hopeless, 0};
+    }
   quantize_rows(x, x_stride, (int)x_bf16, rows, k, xq, xd, xs, xg);
   if (R16_SIGNED_X(type)) r16_signed_x(xq, xq, rows * k);
 #if PATH == 2
@@ -225,6 +230,10 @@ int pagoda_fused_head(int64_t type, const uint8_t *weight, int64_t n, int64_t k,
                    (int)y_bf16);
       for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * HEAD_CHUNK;
+        if (logits && cap[r]) {
+          if (y_bf16) memcpy((uint16_t *)logits + r * n + j0, y16 + r * HEAD_CHUNK, sizeof(uint16_t) * (size_t)len);
+          else memcpy((float *)logits + r * n + j0, yr, sizeof(float) * (size_t)len);
+        }
         if (y_bf16)
           for (int64_t i = 0; i < len; i++) yr[i] = as_float((uint32_t)y16[r * HEAD_CHUNK + i] << 16);
         for (int64_t i = len; i < HEAD_CHUNK; i++) yr[i] = -INFINITY; /* the last chunk's tail: never drawn */

@@ -16,6 +16,7 @@
  *     MASS_REL; truncation loses < 1 per element); each group is kept when its mass above is below
  *     top_p * W_lo, dropped (with every later one) when at least top_p * W_hi, and must lie above `low` when kept.
  * Otherwise the row's status is HEAD_FALLBACK and the caller samples its logits unfused: same tokens either way.
+ * A flat row is given up early (HEAD_GIVE_UP): its candidates churn at every chunk and prove nothing in the end.
  */
 #ifndef PAGODA_CPU_HEAD_NUCLEUS_H
 #define PAGODA_CPU_HEAD_NUCLEUS_H
@@ -32,6 +33,11 @@
  * one in float64 (another such rounding); with room */
 #define MASS_REL 1e-5
 #define HEAD_FALLBACK 3     /* status: the candidates cannot prove the kept set; sample this row unfused */
+/* A top_p row is decided only if its list (C masses of at most 1 each, in units of the max) holds top_p of W, so
+ * only if the dropped mass is below C (1 - top_p) / top_p; once a thread's dropped mass s (in units of its max so
+ * far) is this many times that, the row is given up: only a far larger max later could still decide it, and then
+ * the unfused draw gives the same token anyway. */
+#define HEAD_GIVE_UP 2.0
 
 typedef struct {
   float x;
@@ -48,6 +54,8 @@ typedef struct {
   double s;       /* sum of exp(x - m) of the dropped elements within MASS_SPAN of m when dropped */
   int64_t ns;     /* how many terms s has */
   int mass;       /* top_p: track s */
+  double hopeless; /* top_p without top_k: s beyond this gives the row up (see nucleus_chunk); else +inf */
+  int gave_up;
 } nucleus_t;
 
 PAGODA_DEFINE_EXP32(hv_exp32, hvf, hvi) /* cpu_gumbel.h */
@@ -151,6 +159,7 @@ static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor
   }
   *bad |= hv_any(vbad);
   *any |= hv_any(vany);
+  if (t->gave_up) return;
   float cm = -INFINITY;
   for (int l = 0; l < HEAD_LANES; l++) cm = top[l] > cm ? top[l] : cm;
   if (cm > t->m) {
@@ -179,14 +188,18 @@ static void nucleus_chunk(nucleus_t *t, const float *y, int64_t j0, float factor
   }
   for (int l = 0; l < HEAD_LANES / 2; l++) t->s += acc[l];
   for (int l = 0; l < HEAD_LANES; l++) t->ns += count[l];
+  t->gave_up = t->s > t->hopeless;
 }
 
 /* The row's token from the threads' states (each of cap C): its index, or -1 for HEAD_FALLBACK. `top_k` 0 when
  * disabled, `top_p` 1 when disabled. `all` has room for every thread's 2C entries. */
 static int64_t nucleus_draw(nucleus_t *ts, int64_t threads, int64_t top_k, float top_p, uint64_t key,
                             cand_t *all) {
-  nucleus_t u = {all, 0, ts[0].cap, -INFINITY, 0, -INFINITY, 0.0, 0, ts[0].mass};
-  for (int64_t t = 0; t < threads; t++) u.m = ts[t].m > u.m ? ts[t].m : u.m;
+  nucleus_t u = {all, 0, ts[0].cap, -INFINITY, 0, -INFINITY, 0.0, 0, ts[0].mass, INFINITY, 0};
+  for (int64_t t = 0; t < threads; t++) {
+    if (ts[t].gave_up) return -1;
+    u.m = ts[t].m > u.m ? ts[t].m : u.m;
+  }
   for (int64_t t = 0; t < threads; t++) {
     const nucleus_t *p = &ts[t];
     for (int64_t e = 0; e < p->n; e++) all[u.n++] = p->c[e];

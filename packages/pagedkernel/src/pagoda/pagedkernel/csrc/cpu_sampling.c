@@ -13,11 +13,11 @@
  *    with the logits prefetched 2 KB ahead. A row without min_p, top_k and top_p is drawn in this same pass.
  * 2. (only with top_k or top_p) thresholds on x = logits * (1/T), found without sorting the vocabulary: the
  *    k-th largest of the chunk maxima is a lower bound for the k-th largest logit, so only the elements above it
- *    are gathered and selected from (a quickselect over a few hundred values, usually); for top_p one
- *    vectorised pass sums the kept mass W, the chunk maxima bound the threshold from below the same way (their
- *    mass above a value is at most the true mass above it), and a weighted quickselect over the elements above
- *    that bound finds the exact threshold. More than HIST_MIN candidates (flat rows, large k) are first
- *    narrowed to one bucket of a histogram of x - m.
+ *    are gathered and selected from (a quickselect over a few hundred values, usually; more than HIST_MIN
+ *    candidates are first narrowed to one bucket of a histogram of x - m). For top_p one vectorised pass sums
+ *    the kept mass W and builds the histogram of the masses within 16 nats of the maximum (`nucleus`); a second
+ *    gathers the elements of the bucket where the cumulative mass reaches top_p * W, and a weighted quickselect
+ *    over them finds the exact threshold.
  * 3. the Gumbel-max race: argmax of x - log(-log u) over the kept set. The score of an element is at most
  *    x + 24 ln 2 (u's 23 bits bound -log u from below), so elements more than 17 below the best score so far
  *    are skipped without hashing; the rest are gathered per chunk and hashed eight at a time, and a bound from
@@ -315,13 +315,25 @@ static float select_threshold(float *x, int64_t *w, int64_t n, double limit, int
 /* Whether x passes min_p (e = exp32(x - m) >= min_p); min_p = 0 passes every finite x. */
 static inline int min_p_keeps(const row_t *rw, float x) { return rw->min_p <= 0.0f || exp32(x - rw->m) >= rw->min_p; }
 
-/* Histogram buckets of x by d = x - m: HIST_SCALE per nat, everything below -23.3 in the last one. */
-#define HIST_BUCKETS 2048
-#define HIST_SCALE 88.0f
+/* Histogram buckets of x by d = x - m, `scale` per nat from 0 down, everything past the last but one in the last:
+ * HIST_SCALE spans the 23.2 nats where masses are not 0, HEAD_SCALE the 16 where top_p's threshold lies on any
+ * row but a flat one sampled with top_p near 1. */
+#define HIST_BUCKETS 512
+#define HIST_SCALE 22.0f
+#define HEAD_SCALE 32.0f
+#define HIST_COPIES 4 /* lane l adds to copy l % HIST_COPIES */
 #define HIST_MIN 4096 /* more candidates than this: a histogram pass narrows them to one bucket first */
-static inline vi bucketv(vf d) {
-  const vf f = d * -HIST_SCALE;
+static inline vf bucket_position(vf d, float scale) { return d * -scale; }
+static inline vi bucketv(vf d, float scale) {
+  const vf f = bucket_position(d, scale);
   return __builtin_convertvector(pick(f < (float)(HIST_BUCKETS - 1), f, (vf){0} + (HIST_BUCKETS - 1)), vi);
+}
+
+/* Truncation masses trunc(e * 2^32) as integer-valued floats: floats from 2^23 up are integers already, smaller
+ * ones truncate through int32. */
+static inline vf masses(vf e) {
+  const vf f = e * MASS_SCALE;
+  return pick(f < 0x1p23f, __builtin_convertvector(__builtin_convertvector(f, vi), vf), f);
 }
 
 /* The elements one selection runs over, and their weights. */
@@ -331,35 +343,87 @@ typedef struct {
   float tk;      /* x >= tk (top_k's threshold, for top_p) */
   int unit;      /* weights 1 (top_k); else masses trunc(e * 2^32), over x - m >= -23 only (top_p) */
   int bucket;    /* only histogram bucket `bucket`, or every bucket when -1 */
+  float scale;   /* the histogram's buckets per nat */
 } among_t;
 
 enum { COUNT, HISTOGRAM, FILL };
 
+/* The histogram of one selection's weights, in HIST_COPIES copies (summed into the first after the pass): a run of
+ * elements in one bucket then adds to several sums, not to one in a chain of dependent additions (16 KB: in L1).
+ * The selected elements' weights and buckets are first gathered, HIST_BATCH at a time, then added in one tight
+ * loop. No counts: a bucket's elements are gathered into a buffer that grows. */
+#define HIST_BATCH 1024
+typedef struct {
+  int64_t weight[HIST_COPIES * HIST_BUCKETS];
+  float batch_weight[HIST_BATCH + LANES];
+  int32_t batch_bucket[HIST_BATCH + LANES];
+  int64_t batched;
+} hist_t;
+
+static void hist_flush(hist_t *h) {
+  int64_t i = 0;
+  for (; i + HIST_COPIES <= h->batched; i += HIST_COPIES)
+    for (int c = 0; c < HIST_COPIES; ++c)
+      h->weight[c * HIST_BUCKETS + h->batch_bucket[i + c]] += (int64_t)h->batch_weight[i + c];
+  for (; i < h->batched; ++i) h->weight[h->batch_bucket[i]] += (int64_t)h->batch_weight[i];
+  h->batched = 0;
+}
+
+/* Add the batch, then the copies into the first. */
+static void hist_merge(hist_t *h) {
+  hist_flush(h);
+  for (int c = 1; c < HIST_COPIES; ++c)
+    for (int j = 0; j < HIST_BUCKETS; ++j)
+      h->weight[j] += h->weight[c * HIST_BUCKETS + j];
+}
+
+/* Selected elements and their weights, in buffers that grow; failed when memory ran out. */
+typedef struct {
+  float *x;
+  int64_t *w;
+  int64_t n, cap;
+  int failed;
+} fill_t;
+
+static int fill_grow(fill_t *f) {
+  const int64_t cap = 2 * f->cap + 1024;
+  float *x = realloc(f->x, sizeof(float) * (size_t)cap);
+  if (x) f->x = x;
+  int64_t *w = realloc(f->w, sizeof(int64_t) * (size_t)cap);
+  if (w) f->w = w;
+  if (!x || !w) return !(f->failed = 1);
+  f->cap = cap;
+  return 1;
+}
+
 /* One pass over the row's selected elements, in the chunks whose maximum (cm, as x) can pass `above`. COUNT: how
- * many, ignoring min_p (an upper bound); HISTOGRAM: add each weight to hist[bucket]; FILL: write (x, weight) to
- * bx, bw. Returns the count. */
-static int64_t visit(const problem_t *p, int64_t r, const row_t *rw, const float *cm, const among_t *a, int mode,
-                     int64_t *hist, float *bx, int64_t *bw) {
+ * many, ignoring min_p (an upper bound); HISTOGRAM: add each weight to hist; FILL: append (x, weight) to fill.
+ * Returns the count (FILL: stops early when memory runs out). */
+static int64_t visit(const problem_t *p, int64_t r, const row_t *rw, const float *cm, const among_t *among, int mode,
+                     hist_t *hist, fill_t *fill) {
   const scalar_t *row = p->logits + r * p->stride;
+  /* Copies: the stores below could alias the fields, which would be loaded again for every vector otherwise. */
+  const among_t a = *among;
+  const float inv_t = rw->inv_t, min_p = rw->min_p;
   const vf vm = (vf){0} + rw->m;
-  const int exact = mode != COUNT && (rw->min_p > 0.0f || !a->unit);
+  const int exact = mode != COUNT && (min_p > 0.0f || !a.unit);
   const int64_t nchunks = (p->vocab + CHUNK - 1) / CHUNK;
   int64_t n = 0;
   for (int64_t c = 0; c < nchunks; ++c) {
-    if (a->inclusive ? !(cm[c] >= a->above) : !(cm[c] > a->above)) continue;
+    if (a.inclusive ? !(cm[c] >= a.above) : !(cm[c] > a.above)) continue;
     const int64_t end = (c + 1) * CHUNK < p->vocab ? (c + 1) * CHUNK : p->vocab;
     for (int64_t i = c * CHUNK; i < end; i += LANES) {
-      const vf x = load_tail(row, i, end) * rw->inv_t;
+      const vf x = load_tail(row, i, end) * inv_t;
       const vf d = x - vm;
-      vi in = (a->inclusive ? x >= a->above : x > a->above) & (x >= a->tk) & (x > -INFINITY);
-      if (!a->unit) in &= d >= -23.0f;
+      vi in = (a.inclusive ? x >= a.above : x > a.above) & (x >= a.tk) & (x > -INFINITY);
+      if (!a.unit) in &= d >= -23.0f;
       if (!any(in)) continue;
-      if (a->bucket >= 0) in &= bucketv(d) == a->bucket;
+      if (a.bucket >= 0 && !any(in &= bucketv(d, a.scale) == a.bucket)) continue; /* most vectors: no exp */
       vf mass = (vf){0} + 1.0f;
       if (exact) {
         const vf e = expv(d);
-        if (rw->min_p > 0.0f) in &= e >= rw->min_p;
-        if (!a->unit) mass = e * MASS_SCALE;
+        if (min_p > 0.0f) in &= e >= min_p;
+        if (!a.unit) mass = e * MASS_SCALE;
       }
       const uint32_t bits = mask_bits(in);
       if (!bits) continue;
@@ -367,11 +431,17 @@ static int64_t visit(const problem_t *p, int64_t r, const row_t *rw, const float
         n += __builtin_popcount(bits);
         continue;
       }
-      const vi b = mode == HISTOGRAM ? bucketv(d) : (vi){0};
+      if (mode == HISTOGRAM) {
+        if (hist->batched > HIST_BATCH) hist_flush(hist);
+        hist->batched =
+            append_lanes(hist->batch_weight, hist->batch_bucket, hist->batched, mass, bucketv(d, a.scale), bits);
+        n += __builtin_popcount(bits);
+        continue;
+      }
       for (uint32_t m = bits; m; m &= m - 1) {
+        if (fill->n == fill->cap && !fill_grow(fill)) return n;
         const int l = __builtin_ctz(m);
-        if (mode == HISTOGRAM) hist[b[l]] += (int64_t)mass[l], hist[HIST_BUCKETS + b[l]] += 1;
-        else bx[n] = x[l], bw[n] = (int64_t)mass[l];
+        fill->x[fill->n] = x[l], fill->w[fill->n++] = (int64_t)mass[l];
         ++n;
       }
     }
@@ -379,40 +449,128 @@ static int64_t visit(const problem_t *p, int64_t r, const row_t *rw, const float
   return n;
 }
 
+/* The histogram of a selection (a->bucket -1), its copies summed into the first; NULL when out of memory. */
+static hist_t *histogram(const problem_t *p, int64_t r, const row_t *rw, const float *cm, const among_t *a) {
+  hist_t *hist = calloc(1, sizeof(hist_t));
+  if (!hist) return NULL;
+  visit(p, r, rw, cm, a, HISTOGRAM, hist, NULL);
+  hist_merge(hist);
+  return hist;
+}
+
+/* The bucket holding the threshold: buckets are intervals of x, in decreasing order, so the threshold lies in the
+ * first bucket where the weight of it and the buckets before it reaches limit; everything before it is kept (their
+ * weight is *above), everything after dropped. When no bucket reaches limit, every element qualifies: the
+ * threshold is the minimum, in the last bucket holding any (only with unit weights, top_k's: top_p's limit is
+ * below the weight of the buckets, which hold its bound's mass or more). */
+static int threshold_bucket(const hist_t *hist, double limit, int64_t *above) {
+  int j = 0, last = 0;
+  int64_t sum = 0, before_last = 0;
+  for (; j < HIST_BUCKETS && (double)(sum + hist->weight[j]) < limit; sum += hist->weight[j++])
+    if (hist->weight[j]) last = j, before_last = sum;
+  if (j == HIST_BUCKETS) j = last, sum = before_last;
+  *above = sum;
+  return j;
+}
+
+/* The weighted selection over a selection's elements (of bucket a->bucket unless -1; about n of them), with
+ * `above` the weight of those above them. Sets *failed when out of memory. */
+static float select_filled(const problem_t *p, int64_t r, const row_t *rw, const float *cm, const among_t *a,
+                           int64_t n, double limit, int64_t above, int *failed) {
+  fill_t f = {malloc(sizeof(float) * (size_t)(n ? n : 1)), malloc(sizeof(int64_t) * (size_t)(n ? n : 1)), 0, n, 0};
+  float t = INFINITY;
+  if (f.x && f.w) visit(p, r, rw, cm, a, FILL, NULL, &f);
+  if (!f.x || !f.w || f.failed) *failed = 1;
+  else t = select_threshold(f.x, f.w, f.n, limit, above);
+  free(f.x), free(f.w);
+  return t;
+}
+
 /* The threshold of one selection: the smallest selected x whose selected weight above is < limit. Sets *failed
  * when out of memory. */
 static float select_among(const problem_t *p, int64_t r, const row_t *rw, const float *cm, among_t a, double limit,
                           int *failed) {
-  int64_t n = visit(p, r, rw, cm, &a, COUNT, NULL, NULL, NULL), above = 0;
+  int64_t n = visit(p, r, rw, cm, &a, COUNT, NULL, NULL), above = 0;
   if (n > HIST_MIN) {
-    /* Buckets are intervals of x, in decreasing order: the threshold lies in the first bucket where the weight
-     * of it and the buckets before it reaches limit; everything before it is kept, everything after dropped. */
-    int64_t *hist = calloc(2 * HIST_BUCKETS, sizeof(int64_t)); /* weights, then counts */
+    hist_t *hist = histogram(p, r, rw, cm, &a);
     if (!hist) return *failed = 1, INFINITY;
-    visit(p, r, rw, cm, &a, HISTOGRAM, hist, NULL, NULL);
-    /* When no bucket reaches limit, every element qualifies: the threshold is the minimum, in the last bucket
-     * holding any. */
-    int j = 0, last = 0;
-    int64_t before_last = 0;
-    for (; j < HIST_BUCKETS && (double)(above + hist[j]) < limit; above += hist[j++])
-      if (hist[HIST_BUCKETS + j]) last = j, before_last = above;
-    if (j == HIST_BUCKETS) j = last, above = before_last;
-    a.bucket = j;
-    n = hist[HIST_BUCKETS + j];
+    a.bucket = threshold_bucket(hist, limit, &above);
+    n = 1024; /* a first guess: the buffer grows */
     free(hist);
   }
-  float *bx = malloc(sizeof(float) * (size_t)(n ? n : 1));
-  int64_t *bw = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
-  float t = INFINITY;
-  if (bx && bw) t = select_threshold(bx, bw, visit(p, r, rw, cm, &a, FILL, NULL, bx, bw), limit, above);
-  else *failed = 1;
-  free(bx), free(bw);
-  return t;
+  return select_filled(p, r, rw, cm, &a, n, limit, above, failed);
+}
+
+/* top_p's threshold for row r, given top_k's tk (-inf without) and the chunk maxima as x (ax, aw: room for as
+ * many). One pass sums the kept mass W (tokens with x - m < -23 have exp < 2^-32, mass 0: skipped, and dropped,
+ * since everything at or below them has mass 0 too, so the kept mass above them is W >= top_p * W) and builds the
+ * histogram of the kept masses of the head, d = x - m above -16 (HEAD_SCALE). Where the head's mass reaches
+ * limit = top_p * W, the threshold lies in the bucket where the head's cumulative weight does, and a second pass
+ * that computes exp only where an element falls in that bucket gathers its few for the weighted selection. A
+ * flat row sampled with top_p near 1 puts the threshold below the head: then the selection narrows the row the
+ * slower way (chunk-maxima bound, count, histogram over 23.2 nats). Sets *failed when out of memory. */
+static float nucleus(const problem_t *p, int64_t r, const row_t *rw, const float *cm, float tk, float *ax,
+                     int64_t *aw, int *failed) {
+  const scalar_t *row = p->logits + r * p->stride;
+  const int64_t V = p->vocab, nchunks = (V + CHUNK - 1) / CHUNK;
+  hist_t *hist = calloc(1, sizeof(hist_t));
+  if (!hist) return *failed = 1, INFINITY;
+  const vf vm = (vf){0} + rw->m;
+  /* The tail's masses (d <= -511 / 32: below e^-15.96 * 2^32 < 512 each) add exactly in float lanes for 32768
+   * vectors (sums up to 2^24), then go to a double. */
+  double tail_total = 0.0;
+  vf tail = (vf){0};
+  for (int64_t i = 0, block = 0; i < V; i += LANES) {
+    if (++block == 32768) {
+      for (int l = 0; l < LANES; ++l) tail_total += tail[l];
+      tail = (vf){0}, block = 0;
+    }
+    const vf x = load_tail(row, i, V) * rw->inv_t;
+    const vf d = x - vm;
+    vi in = (x >= tk) & (d >= -23.0f);
+    if (!any(in)) continue;
+    const vf e = expv(d);
+    if (rw->min_p > 0.0f) in &= e >= rw->min_p;
+    const vf t = masses(e), f = bucket_position(d, HEAD_SCALE);
+    const vi head = f < (float)(HIST_BUCKETS - 1); /* buckets 0 .. HIST_BUCKETS - 2 */
+    tail += (vf)((vi)t & in & ~head);
+    const uint32_t bits = mask_bits(in & head);
+    if (!bits) continue;
+    if (hist->batched > HIST_BATCH) hist_flush(hist);
+    hist->batched = append_lanes(hist->batch_weight, hist->batch_bucket, hist->batched, t,
+                                 __builtin_convertvector(f, vi), bits);
+  }
+  for (int l = 0; l < LANES; ++l) tail_total += tail[l];
+  hist_merge(hist);
+  int64_t head = 0, above = 0;
+  for (int j = 0; j < HIST_BUCKETS; ++j) head += hist->weight[j];
+  const double limit = (double)rw->top_p * ((double)head + tail_total); /* both exact: below 2^53 */
+  if ((double)head >= limit) {
+    const int j = threshold_bucket(hist, limit, &above);
+    free(hist);
+    /* Chunks whose maximum lies below the bucket hold none of it (d > -(j + 1) / HEAD_SCALE, with room for the
+     * rounding of d and of the bound). */
+    const float edge = rw->m - (float)(j + 1) / HEAD_SCALE - (1e-3f + 1e-5f * fabsf(rw->m));
+    const among_t a = {edge, 0, tk, 0, j, HEAD_SCALE};
+    return select_filled(p, r, rw, cm, &a, 1024, limit, above, failed);
+  }
+  free(hist);
+  /* A lower bound from the kept chunk maxima: the largest of their values whose chunk-maxima mass above is >=
+   * limit has a true mass above >= limit too, so it and everything below it are dropped. */
+  int64_t na = 0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const float x = cm[c];
+    if (x > -INFINITY && x >= tk && min_p_keeps(rw, x)) ax[na] = x, aw[na++] = (int64_t)(exp32(x - rw->m) * MASS_SCALE);
+  }
+  const float t_cm = select_threshold(ax, aw, na, limit, 0);
+  float bound = -INFINITY;
+  for (int64_t c = 0; c < na; ++c)
+    if (ax[c] < t_cm && ax[c] > bound) bound = ax[c];
+  return select_among(p, r, rw, cm, (among_t){bound, 0, tk, 0, -1, HIST_SCALE}, limit, failed);
 }
 
 /* Step 2 for one sampled row: rw->cut. Returns 0, or 1 when out of memory. */
 static int thresholds(const problem_t *p, int64_t r, row_t *rw) {
-  const scalar_t *row = p->logits + r * p->stride;
   const int64_t V = p->vocab, nchunks = (V + CHUNK - 1) / CHUNK;
   const int use_k = rw->top_k > 0 && rw->top_k < V, use_p = rw->top_p < 1.0f;
   rw->cut = -INFINITY;
@@ -432,49 +590,10 @@ static int thresholds(const problem_t *p, int64_t r, row_t *rw) {
       if (cm[c] > -INFINITY && min_p_keeps(rw, cm[c])) ax[na] = cm[c], aw[na++] = 1;
     const double k = (double)rw->top_k;
     const float bound = na >= rw->top_k ? select_threshold(ax, aw, na, k, 0) : -INFINITY;
-    tk = select_among(p, r, rw, cm, (among_t){bound, 1, -INFINITY, 1, -1}, k, &failed);
+    tk = select_among(p, r, rw, cm, (among_t){bound, 1, -INFINITY, 1, -1, HIST_SCALE}, k, &failed);
   }
   float tp = -INFINITY;
-  if (use_p && !failed) {
-    /* The kept mass W. Tokens with x - m < -23 have exp < 2^-32, mass 0: skipped here, and dropped (everything
-     * at or below them has mass 0 too, so the kept mass above them is W >= top_p * W). */
-    vd sum_lo = (vd){0}, sum_hi = (vd){0};
-    const vf vm = (vf){0} + rw->m;
-    for (int64_t i = 0; i < V; i += LANES) {
-      const vf x = load_tail(row, i, V) * rw->inv_t;
-      const vf d = x - vm;
-      vi in = (x >= tk) & (d >= -23.0f);
-      if (!any(in)) continue;
-      const vf e = expv(d);
-      if (rw->min_p > 0.0f) in &= e >= rw->min_p;
-      /* trunc(e * 2^32): floats from 2^23 up are integers already, smaller ones truncate through int32. The
-       * integer-valued doubles add exactly (every partial sum is below 2^53), so the order does not matter. */
-      const vf f = e * MASS_SCALE;
-      const vf t = pick(f < 0x1p23f, __builtin_convertvector(__builtin_convertvector(f, vi), vf), f);
-      const vf kept = (vf)((vi)t & in);
-      vfh lo, hi; /* two register-sized halves: a double vector as wide as LANES floats spills to the stack */
-      memcpy(&lo, &kept, sizeof lo);
-      memcpy(&hi, (const char *)&kept + sizeof lo, sizeof hi);
-      sum_lo += __builtin_convertvector(lo, vd);
-      sum_hi += __builtin_convertvector(hi, vd);
-    }
-    double total = 0.0;
-    for (int l = 0; l < LANES / 2; ++l) total += sum_lo[l] + sum_hi[l];
-    const double limit = (double)rw->top_p * total;
-    /* A lower bound from the kept chunk maxima: the largest of their values whose chunk-maxima mass above is
-     * >= limit has a true mass above >= limit too, so it and everything below it are dropped. */
-    int64_t na = 0;
-    for (int64_t c = 0; c < nchunks; ++c) {
-      const float x = cm[c];
-      if (x > -INFINITY && x >= tk && min_p_keeps(rw, x))
-        ax[na] = x, aw[na++] = (int64_t)(exp32(x - rw->m) * MASS_SCALE);
-    }
-    const float t_cm = select_threshold(ax, aw, na, limit, 0);
-    float bound = -INFINITY;
-    for (int64_t c = 0; c < na; ++c)
-      if (ax[c] < t_cm && ax[c] > bound) bound = ax[c];
-    tp = select_among(p, r, rw, cm, (among_t){bound, 0, tk, 0, -1}, limit, &failed);
-  }
+  if (use_p && !failed) tp = nucleus(p, r, rw, cm, tk, ax, aw, &failed);
   rw->cut = tk > tp ? tk : tp;
 done:
   free(cm), free(ax), free(aw);

@@ -4,8 +4,10 @@
 logits `qmatmul(x, weight)` for rows without min_p, bit for bit, without writing the `[rows, vocab]` logits: the C
 file computes them a chunk of vocabulary rows at a time with the GEMV's own column code and reduces each chunk at
 once (argmax; the Gumbel-max race with the sampler's per-(key, index) uniforms; for top_k / top_p, candidates and
-the dropped mass, from which the exact kept set follows where they prove it: a row they do not is sampled from its
-logits, with the same token). `eligible` says which rows it takes; the others go the unfused way.
+the dropped mass, from which the exact kept set follows where they prove it: a row they do not, a flat one, is
+sampled from its logits, with the same token; the op writes a top_k / top_p row's logits as it computes them into a
+buffer the caller passes, since computing them again would cost the whole GEMV). `eligible` says which rows it
+takes; the others go the unfused way.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ FALLBACK = 3
 @dataclass(frozen=True, slots=True)
 class HeadKernels:
     """The library's entry point: (type, w, n, k, x, x_stride, x_bf16, rows, y_bf16, inv_t, top_k, top_p, keys,
-    tokens, status, num_threads) -> int."""
+    tokens, status, logits, num_threads) -> int."""
 
     run: Any
 
@@ -76,7 +78,25 @@ def load(library: Path) -> HeadKernels:
     """The entry point of a library that `build` made, with its C signature declared."""
     fn = ctypes.CDLL(str(library))[ENTRY]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    argtypes: list[Any] = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64]
+    argtypes: list[Any] = [
+        i64,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+    ]
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return HeadKernels(fn)
@@ -124,6 +144,11 @@ def eligible(
     return not any(min_p.tolist()) and _draws(top_k, top_p, vocab)
 
 
+def truncates(top_k: Tensor, top_p: Tensor, vocab: int) -> bool:  # int64 [rows], float32 [rows]
+    """Whether some row keeps fewer tokens than the vocabulary: top_k below it, or top_p below 1."""
+    return any(p < 1.0 for p in top_p.tolist()) or any(0 < k < vocab for k in top_k.tolist())
+
+
 def _draws(top_k: Tensor, top_p: Tensor, vocab: int) -> bool:  # int64 [rows], float32 [rows]
     """Whether the op draws these truncations: top_k at most MAX_TOP_K or the vocabulary, top_p positive."""
     return all(p > 0.0 for p in top_p.tolist()) and all(k <= MAX_TOP_K or k >= vocab for k in top_k.tolist())
@@ -137,8 +162,12 @@ def draw(
     top_k: Tensor | None = None,  # int64 [rows]; 0: disabled
     top_p: Tensor | None = None,  # float32 [rows]; 1: disabled
     lib: HeadKernels | None = None,  # default: this CPU's library
+    logits: Tensor
+    | None = None,  # x's dtype [>= rows, vocab], contiguous: the top_k / top_p rows' logits go here
 ) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]: status FALLBACK where the candidates proved nothing
-    """The C op alone: one token and one status per row, FALLBACK for a top_k / top_p row it could not decide."""
+    """The C op alone: one token and one status per row, FALLBACK for a top_k / top_p row it could not decide.
+    With `logits`, the truncated rows' logits are written there as the op computes them (the other rows' are left
+    as they were), for `sample_undecided` to sample from instead of computing them again."""
     rows = x.shape[0]
     if x.dtype not in DTYPES or x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"fused_head reads float32 or bfloat16 rows, got {x.dtype} {tuple(x.shape)}")
@@ -149,6 +178,14 @@ def draw(
     if rows > MAX_ROWS:
         raise ValueError(f"fused_head takes at most {MAX_ROWS} rows, got {rows}")
     n, k = weight.shape
+    if logits is not None and (
+        logits.dtype != x.dtype or logits.dim() != 2 or logits.shape[0] < rows or logits.shape[1] != n
+    ):
+        raise ValueError(
+            f"fused_head writes {x.dtype} logits [{rows}, {n}], not into {logits.dtype} {logits.shape}"
+        )
+    if logits is not None and not logits.is_contiguous():
+        raise ValueError("fused_head writes logits into a contiguous tensor")
     ks = torch.zeros(rows, dtype=torch.int64) if top_k is None else top_k.to(torch.int64).contiguous()
     ps = torch.ones(rows, dtype=torch.float32) if top_p is None else top_p.to(torch.float32).contiguous()
     if not _draws(ks, ps, n):
@@ -173,6 +210,7 @@ def draw(
         row_keys.data_ptr(),
         tokens.data_ptr(),
         status.data_ptr(),
+        None if logits is None else logits.data_ptr(),
         torch.get_num_threads(),
     )
     if code == 2:
@@ -193,8 +231,9 @@ def fused_head(
 ) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]
     """One token and one status per row: torch_sampling.run on the logits `qmatmul(x, weight)` (x's dtype), bit for
     bit, for rows without min_p (`eligible`); the rows the C op leaves undecided are sampled from their logits."""
-    tokens, status = draw(x, weight, inv_temperature, keys, top_k, top_p, lib)
-    sample_undecided(x, weight, inv_temperature, keys, top_k, top_p, tokens, status)
+    logits = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    tokens, status = draw(x, weight, inv_temperature, keys, top_k, top_p, lib, logits)
+    sample_undecided(x, weight, inv_temperature, keys, top_k, top_p, tokens, status, logits)
     return tokens, status
 
 
@@ -207,15 +246,21 @@ def sample_undecided(
     top_p: Tensor | None,  # float32 [rows]
     tokens: Tensor,  # int64 [rows]: draw's, completed in place
     status: Tensor,  # int32 [rows]: draw's, completed in place
+    logits: Tensor | None = None,  # [>= rows, vocab]: draw's `logits`, where it wrote them
 ) -> int:
-    """Sample draw's FALLBACK rows from their logits (`qmatmul`, then the `cpu` sampling op: the tokens the fused op
-    would have drawn); how many there were."""
+    """Sample draw's FALLBACK rows from their logits (draw's `logits`, else `qmatmul` again; then the `cpu` sampling
+    op: the tokens the fused op would have drawn); how many there were."""
     if FALLBACK not in status.tolist():  # the common case, read without a tensor op
         return 0
     undecided = (status == FALLBACK).nonzero().squeeze(1)
     rows = int(undecided.numel())
     if rows:
-        logits = qmatmul(x.index_select(0, undecided), weight, backend="cpu")
+        if logits is None:
+            logits = qmatmul(x.index_select(0, undecided), weight, backend="cpu")
+        elif rows == tokens.shape[0]:  # every row: a view, not a copy of megabytes
+            logits = logits[:rows]
+        else:
+            logits = logits.index_select(0, undecided)
         ks = torch.zeros(rows, dtype=torch.int64) if top_k is None else top_k[undecided]
         ps = torch.ones(rows) if top_p is None else top_p[undecided]
         got, got_status, _ = cpu_sampling.run(

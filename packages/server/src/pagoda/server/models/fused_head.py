@@ -9,14 +9,18 @@ step) for what the C op does not compute as `compute_logits` does: a dense (unqu
 the GEMV does not take, a head split in several runs, the `torch` quantized backend, a final logit softcap (torch's
 tanh cannot be matched bit for bit in C), an LM-head LoRA, tensor parallelism, dtypes other than float32 and
 bfloat16, and more than `max_rows` rows (from `cpu_quant.AMX_MIN_ROWS` bfloat16 rows the unfused GEMV runs on AMX).
-Which rows only need a token (no logprobs, processors, penalties, grammar, min_p) the engine decides; top_k and
-top_p rows are drawn from candidates where those prove the kept set, else from their logits (same tokens).
+Which rows only need a token (no logprobs, processors, penalties, grammar, min_p) the engine decides. Steps with a
+top_k or top_p row go the logits way unless `truncated` is set (then the op draws them from candidates where those
+prove the kept set, else from the logits it wrote: the same tokens): measured on a 2-core Zen 4, the op's
+candidates cost more than the sampler's passes over the written logits (server README, "The LM head fused with the
+draw").
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
 from pagoda.pagedkernel.quant import QuantizedTensor, cpu_quant
 from pagoda.pagedkernel.sampling import SamplingTensors, fused_head
 from pagoda.pagedkernel.sampling.params import SampleOutput
@@ -33,9 +37,15 @@ DEFAULT_MAX_ROWS = 4
 class FusedHead:
     """Whether and how a model's small decode steps draw their tokens from the LM head in one pass."""
 
-    def __init__(self, *, enabled: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+    def __init__(
+        self, *, enabled: bool = True, max_rows: int = DEFAULT_MAX_ROWS, truncated: bool = False
+    ) -> None:
         self.enabled = enabled
         self.max_rows = min(max_rows, cpu_quant.AMX_MIN_ROWS - 1, fused_head.MAX_ROWS)
+        self.truncated = truncated  # draw steps with top_k / top_p rows fused too
+        # Where the op writes a top_k / top_p row's logits (a flat row's are sampled from there), kept between
+        # steps: a new buffer's pages would fault in at every step.
+        self._logits: Tensor | None = None
         # Steps drawn fused, and top_k / top_p rows whose candidates proved nothing (sampled from their logits).
         self.steps = 0
         self.fallback_rows = 0
@@ -55,6 +65,8 @@ class FusedHead:
             params.top_k, params.top_p, params.min_p, weight.shape[0]
         ):
             return False
+        if not self.truncated and fused_head.truncates(params.top_k, params.top_p, weight.shape[0]):
+            return False
         self._applied = params
         return True
 
@@ -62,6 +74,7 @@ class FusedHead:
         """Look the head's blocks up again at the next step (sleep mode woke, LoRA hooks came)."""
         self._weight = None
         self._applied = None
+        self._logits = None
 
     def draw(
         self,
@@ -78,8 +91,13 @@ class FusedHead:
         x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         # the unfused GEMV writes x's dtype (qmatmul), which the sampler then reads
         args = (x, weight, params.inverse_temperature(), params.keys, params.top_k, params.top_p)
-        tokens, status = fused_head.draw(*args)
-        self.fallback_rows += fused_head.sample_undecided(*args, tokens, status)
+        logits = None
+        if fused_head.truncates(params.top_k, params.top_p, weight.shape[0]):
+            logits = self._logits
+            if logits is None or logits.dtype != x.dtype or logits.shape[1] != weight.shape[0]:
+                logits = self._logits = torch.empty(self.max_rows, weight.shape[0], dtype=x.dtype)
+        tokens, status = fused_head.draw(*args, logits=logits)
+        self.fallback_rows += fused_head.sample_undecided(*args, tokens, status, logits)
         self.steps += 1
         return SampleOutput(token_ids=tokens, status=status, logprobs=None)
 
