@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from media_support import IMAGE_TOKENS, MARKER, FakeProcessor, data_url, image_bytes
+from pagoda.scheduler import RequestRejectedError
 from pagoda.server.llm import LLM
 from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.multimodal.media import MediaError
@@ -121,15 +122,18 @@ def test_tokens_dict_prompt(llm: tuple[LLM, FakeProcessor, list[Any]]) -> None:
     first, second = model.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": tuple(ids)}], PARAMS)
     assert list(first.prompt_token_ids) == list(second.prompt_token_ids) == ids
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == plain.outputs[0].token_ids
-    refusals: list[tuple[dict[str, Any], str]] = [
+    vocab = model.engine.rules.vocab_size
+    refusals: list[tuple[Any, str]] = [
         ({"prompt_token_ids": "abc"}, "prompts[1].prompt_token_ids"),
-        ({"prompt_token_ids": [1, -1]}, "prompts[1].prompt_token_ids"),
+        ({"prompt_token_ids": [1, -1]}, "prompts[1].prompt_token_ids"),  # the engine's vocabulary check
+        ({"prompt_token_ids": [1, vocab]}, "prompts[1].prompt_token_ids"),
         ({"prompt_token_ids": [1], "prompt": "x"}, "prompts[1]"),
+        ([1, vocab], "prompts[1]"),  # bare ids
     ]
     for bad, field in refusals:
-        with pytest.raises(MediaError) as info:
+        with pytest.raises((MediaError, RequestRejectedError)) as info:
             model.generate([{"prompt_token_ids": ids}, bad], PARAMS, use_tqdm=False)
-        assert info.value.param == field
+        assert isinstance(info.value, MediaError | RequestRejectedError) and info.value.param == field
         assert not model.engine.get_num_unfinished_requests()
     assert len(model.generate({"prompt_token_ids": ids}, PARAMS, use_tqdm=False)) == 1
 

@@ -111,20 +111,29 @@ class LLM:
     def _add_prompt(
         self, request_id: str, index: int, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None
     ) -> None:
-        """Queue prompt `index` of a batch in whichever of the offline API's forms it comes."""
+        """Queue prompt `index` of a batch in whichever of the offline API's forms it comes (a refusal names the
+        argument: `prompts[1]`, `prompts[1].prompt_token_ids`)."""
+        where = f"prompts[{index}]"
         if isinstance(prompt, ProcessedPrompt):
             self.engine.add_request(
-                request_id, list(prompt.token_ids), params, lora_request=lora, multi_modal=prompt.multi_modal
+                request_id,
+                list(prompt.token_ids),
+                params,
+                lora_request=lora,
+                multi_modal=prompt.multi_modal,
+                prompt_param=where,
             )
         elif isinstance(prompt, Mapping) and (ids := dict_prompt_tokens(prompt, index)) is not None:
-            self.engine.add_request(request_id, ids, params, lora_request=lora)
+            self.engine.add_request(
+                request_id, ids, params, lora_request=lora, prompt_param=f"{where}.prompt_token_ids"
+            )
         elif isinstance(prompt, Mapping):
             text, images = dict_prompt_images(prompt, index)
-            self._add_text(request_id, text, images, params, lora, f"prompts[{index}].prompt")
+            self._add_text(request_id, text, images, params, lora, f"{where}.prompt")
         elif isinstance(prompt, str):
-            self._add_text(request_id, prompt, [], params, lora, f"prompts[{index}]")
+            self._add_text(request_id, prompt, [], params, lora, where)
         else:
-            self.engine.add_request(request_id, list(prompt), params, lora_request=lora)
+            self.engine.add_request(request_id, list(prompt), params, lora_request=lora, prompt_param=where)
 
     def _add_text(
         self,
@@ -140,7 +149,9 @@ class LLM:
         if not images:
             check_marker(text, self.mm_processor, name)
             token_ids = self.tokenizer.encode(text)
-            self.engine.add_request(request_id, token_ids, params, prompt=text, lora_request=lora)
+            self.engine.add_request(
+                request_id, token_ids, params, prompt=text, lora_request=lora, prompt_param=name
+            )
             return
         processed = process_images(text, images, self.mm_processor, self.media_policy)
         self.engine.add_request(
@@ -150,6 +161,7 @@ class LLM:
             prompt=text,
             lora_request=lora,
             multi_modal=processed.multi_modal,
+            prompt_param=name,
         )
 
     def embed(

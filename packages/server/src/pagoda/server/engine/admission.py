@@ -70,10 +70,13 @@ class AdmissionRules:
             )
         return max_tokens
 
-    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Every rule for one engine request: the prompt, its max_tokens, and the token ids of its parameters
-        (cheap: the constraint's parse is `check_constraint`, made by the front end)."""
-        self.max_tokens(prompt_token_ids, params.max_tokens)
+    def check(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, prompt_param: str = "prompt"
+    ) -> None:
+        """Every rule for one engine request: the prompt (named `prompt_param` in an error), its max_tokens, and
+        the token ids of its parameters (cheap: the constraint's parse is `check_constraint`, made by the front
+        end)."""
+        self.max_tokens(prompt_token_ids, params.max_tokens, prompt_param)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         self.check_token_ids(params.allowed_token_ids or (), "allowed_token_ids")

@@ -285,15 +285,16 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         multi_modal: MultiModalInputs | None = None,
         resume: Resume | None = None,
+        prompt_param: str = "prompt",
     ) -> None:
         """Queue a request (under `lora_request`'s adapter, if given; with `multi_modal`'s images in its prompt;
-        going on from `resume`'s outputs, drawn by another engine); RequestRejectedError (with `param`) if it can
-        never run."""
+        going on from `resume`'s outputs, drawn by another engine); RequestRejectedError (with `param`: the prompt's
+        is `prompt_param`) if it can never run."""
         if self.is_sleeping:
             raise EngineSleepingError("the engine is sleeping: wake_up() first")
         ids = tuple(prompt_token_ids)
         # A constraint was parsed by the front end (the API, or LLM): only compiling is left, off the step.
-        self.rules.check(ids, params)
+        self.rules.check(ids, params, prompt_param)
         params = self.pooling_rules.admit(params)
         if resume is not None:
             check_resume(params, resume)

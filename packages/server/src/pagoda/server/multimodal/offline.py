@@ -25,15 +25,14 @@ def _as_list(value: object) -> list[object]:
 
 def dict_prompt_tokens(prompt: Mapping[str, Any], index: int) -> list[int] | None:
     """The token ids of vLLM's tokens dict prompt (`{"prompt_token_ids": [...]}`), None for a text dict prompt;
-    MediaError naming the field when the ids are not a list of non-negative ints or another key comes with them."""
+    MediaError naming the field when the ids are not a list of ints or another key comes with them (ids outside the
+    vocabulary are the engine's to refuse, as for every prompt form)."""
     if "prompt_token_ids" not in prompt:
         return None
     where = f"prompts[{index}]"
     ids = prompt["prompt_token_ids"]
-    if not isinstance(ids, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise MediaError(
-            f"{where}.prompt_token_ids: a list of non-negative token ids", f"{where}.prompt_token_ids"
-        )
+    if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+        raise MediaError(f"{where}.prompt_token_ids: a list of token ids", f"{where}.prompt_token_ids")
     unknown = sorted(set(prompt) - {"prompt_token_ids"})
     if unknown:
         raise MediaError(f"{where}: unknown key {unknown[0]!r} beside prompt_token_ids", where)
