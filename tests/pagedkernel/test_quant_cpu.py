@@ -248,15 +248,18 @@ def test_every_path_gives_the_same_bits(
         assert torch.equal(cpu_quant.dequantize(weight, other), cpu_quant.dequantize(weight, native))
 
 
-def every_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[cpu_quant.QuantKernels]:
-    """The native library, then the generic x86-64 build and (where the CPU runs it) the AVX2 one, built into
-    tmp_path; skips off x86-64."""
+@pytest.fixture(scope="module")
+def every_build(tmp_path_factory: pytest.TempPathFactory) -> list[cpu_quant.QuantKernels]:
+    """The native library, then the generic x86-64 build and (where the CPU runs it) the AVX2 one, compiled once for
+    this module's tests into a fresh cache (each test had compiled both again: ~17 s a test); skips off x86-64."""
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 target flags")
-    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     marches = ["x86-64"] + (["x86-64-v3"] if "avx2" in cpu_flags() else [])
-    flags = [for_march(cpu_quant.CFLAGS, m) for m in marches]
-    return [cpu_quant.kernels()] + [cpu_quant.load(cpu_quant.build(f)) for f in flags]
+    native = cpu_quant.kernels()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path_factory.mktemp("every_build")))
+        others = [cpu_quant.load(cpu_quant.build(for_march(cpu_quant.CFLAGS, m))) for m in marches]
+    return [native, *others]
 
 
 QUAD_CASES = [
@@ -268,7 +271,7 @@ QUAD_CASES = [
 
 @pytest.mark.parametrize(("qtype", "k"), QUAD_CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_quad_order_on_every_path_and_row_count(
-    qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qtype: GGMLType, k: int, every_build: list[cpu_quant.QuantKernels]
 ) -> None:
     """Q4_1, Q5_0, Q8_0, Q4_K and Q6_K go four 32-element blocks at a time (cpu_quad.h): with 17, 18 or 19 blocks
     per row the last group is short (1, 2, 3 blocks); Q4_K's groups are half super-blocks, Q6_K keeps a block's
@@ -276,7 +279,7 @@ def test_quad_order_on_every_path_and_row_count(
     and every row count (1, 2 and 3 rows: two columns at a time on AVX-512, one row so on AVX2; 5; 11: a pass of 8
     and one of 3; 19: a block of 16 rows, then one of 3) give the same bits, each within the int8 bound of the exact
     product."""
-    builds = every_build(tmp_path, monkeypatch)
+    builds = every_build
     g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
     x = torch.randn(19, k, generator=g) * torch.rand(19, k, generator=g) * 3
@@ -296,11 +299,11 @@ def test_quad_order_on_every_path_and_row_count(
         assert torch.equal(many, first)
 
 
-def test_non_finite_x_quantizes_alike_on_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_finite_x_quantizes_alike_on_every_path(every_build: list[cpu_quant.QuantKernels]) -> None:
     """x's int8 quantization is vectorized on the AVX2 and VNNI paths: a NaN (skipped by the block's maximum, then
     -127), an infinity (the block's scale infinite, its finite values 0) and a zero block give the same bits as the
     generic C path's scalar loop, for a per-block format and the quad order (a signed and an unsigned format)."""
-    builds = every_build(tmp_path, monkeypatch)
+    builds = every_build
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, K, generator=g)
     x[0, 5] = float("nan")  # early in its block, and late in the next (the last of a block's vectors)
@@ -502,7 +505,7 @@ def r16_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:  # 
 @pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [544, 768])
 def test_repacked_layouts_on_every_path_and_row_count(
-    qtype: GGMLType, k: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qtype: GGMLType, k: int, every_build: list[cpu_quant.QuantKernels]
 ) -> None:
     """Q8_0_R16, Q4_1_R16, Q5_0_R16, Q4_K_R16 and Q6_K_R16 (sixteen rows to a tile; N = 77: four tiles and one of
     13; K 544 or 768, the K formats' 512 or 768: whole super-blocks) on every build
@@ -510,7 +513,7 @@ def test_repacked_layouts_on_every_path_and_row_count(
     than GEMV_MAX_ROWS in one call) give the bits of their written-out arithmetic, the same for a row whatever
     rows share its call, within the int8 bound of the exact product; dequantized bit-exact."""
     k = k // 256 * 256 if qtype in (GGMLType.Q4_K_R16, GGMLType.Q6_K_R16) else k
-    builds = every_build(tmp_path, monkeypatch)
+    builds = every_build
     g = torch.Generator().manual_seed(k + int(qtype))
     weight = random_weight(qtype, (N, k), g)
     x = torch.randn(19, k, generator=g) * torch.rand(19, k, generator=g) * 3
@@ -544,14 +547,14 @@ def test_repacked_layouts_on_every_path_and_row_count(
     "qtype", [GGMLType.Q6_K_R16, GGMLType.Q5_0_R16, GGMLType.Q8_0_R16], ids=lambda t: t.name
 )
 def test_repacked_layouts_across_blocks_of_rows(
-    qtype: GGMLType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qtype: GGMLType, every_build: list[cpu_quant.QuantKernels]
 ) -> None:
     """Many rows go through the tiles in blocks of rows whose int8 x stays in L2 (cpu_rows16.h's block_rows: 32
     rows at K = 8,192), Q6_K's half sums of q computed once per block: 32 + 3 rows (a short last block on the
     many-row pass), 32 + 2 (on the two-row pass) and 32 + 5 give every row the bits of the written-out arithmetic
     on every build."""
     k = 8192
-    builds = every_build(tmp_path, monkeypatch)
+    builds = every_build
     g = torch.Generator().manual_seed(int(qtype))
     weight = random_weight(qtype, (35, k), g)  # two whole tiles and a short one
     x = torch.randn(37, k, generator=g) * torch.rand(37, k, generator=g) * 3
