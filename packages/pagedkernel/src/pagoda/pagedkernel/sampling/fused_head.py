@@ -78,25 +78,8 @@ def load(library: Path) -> HeadKernels:
     """The entry point of a library that `build` made, with its C signature declared."""
     fn = ctypes.CDLL(str(library))[ENTRY]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    argtypes: list[Any] = [
-        i64,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-    ]
+    # (type, w, n, k, x, x_stride, x_bf16, rows, y_bf16, then seven pointers ending in logits, num_threads)
+    argtypes: list[Any] = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, *[ptr] * 7, i64]
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return HeadKernels(fn)
@@ -162,8 +145,8 @@ def draw(
     top_k: Tensor | None = None,  # int64 [rows]; 0: disabled
     top_p: Tensor | None = None,  # float32 [rows]; 1: disabled
     lib: HeadKernels | None = None,  # default: this CPU's library
-    logits: Tensor
-    | None = None,  # x's dtype [>= rows, vocab], contiguous: the top_k / top_p rows' logits go here
+    # x's dtype [>= rows, vocab], contiguous: where the top_k / top_p rows' logits go
+    logits: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # int64 [rows], int32 [rows]: status FALLBACK where the candidates proved nothing
     """The C op alone: one token and one status per row, FALLBACK for a top_k / top_p row it could not decide.
     With `logits`, the truncated rows' logits are written there as the op computes them (the other rows' are left
