@@ -41,7 +41,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[lis
     return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Measure and print the table rows."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -55,7 +55,7 @@ def main() -> int:
         "--attention-workers", type=int, default=1, help="A: the heads split over this many attention ranks"
     )
     parser.add_argument("--ffn-workers", type=int, default=1, help="F: the MLPs split over this many workers")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hidden, layers = args.hidden_size, args.num_layers
     shapes: dict[str, Any] = {
         "hidden_size": hidden,

@@ -130,7 +130,7 @@ def engine_part(num_blocks: int, num_seqs: int, steps: int, repeat: int) -> None
         print(f"  engine-thread share at {FPS:g} frames/s: {take * FPS:.2%} of each second")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run both parts and print their numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-blocks", type=int, default=16384)
@@ -143,7 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--window", type=int, default=512, help="their window, in tokens")
     parser.add_argument("--allocator-only", action="store_true", help="skip part 2 (the real engine)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.num_blocks, args.num_seqs, args.steps, args.repeat = 1024, 32, 3, 5
     allocator_part(args.num_blocks, args.num_seqs, args.repeat, args.sliding_groups, args.window)

@@ -104,7 +104,7 @@ def never_reading(port: int) -> socket.socket:
     return sock
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run the rounds and print the numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path)
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-gib", type=float, default=0.05, help="the KV pool (larger: more blocks, larger frames)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=4096)
         flags = ["--api-key", KEY, "--kv-cache-gib", str(args.kv_cache_gib), "--dtype", "float32"]

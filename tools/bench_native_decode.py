@@ -8,6 +8,10 @@ engine's own work included). The default model is the packaged default (SmolLM2-
     python tools/bench_native_decode.py                  # 1 row, 2 threads, 6 rounds of 64 steps
     python tools/bench_native_decode.py --rows 4 --threads 2 --rounds 8
     python tools/bench_native_decode.py --model gemma3-270m
+    python tools/bench_native_decode.py --tiny llama --rounds 1 --steps 4 --prompt-len 8   # smoke, seconds
+
+`--tiny ARCH` (llama or gemma3) runs a tiny random-weight Q8_0 GGUF model of that architecture instead of --model
+(`pagoda.server.testing.tiny_gguf`, written to a temporary folder with its GGUF cache): no download.
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
 import torch
 from pagoda.pagedkernel.cbuild import cpu_name
+from pagoda.server.config import DTypeName
 from pagoda.server.llm import LLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing.tiny_gguf import GGUF_ARCHS, write_tiny_gguf
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,9 +46,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds, each mode once per round")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per round")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=get_args(DTypeName),
+        help="the engine's dtype (auto: bfloat16 where the CPU multiplies it fast, as measured at each start)",
+    )
+    parser.add_argument(
+        "--tiny",
+        choices=GGUF_ARCHS,
+        help="instead of --model: a tiny random Q8_0 GGUF model of this architecture",
+    )
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-native-decode-") as scratch:
+        return run(args, Path(scratch))
+
+
+def run(args: argparse.Namespace, scratch: Path) -> int:
+    """The benchmark, the tiny model (with --tiny) and its GGUF cache written under `scratch`."""
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, max_model_len=args.prompt_len + args.steps + 8, max_num_seqs=max(args.rows, 1))
+    model_name, options = args.model, {}
+    if args.tiny:
+        model_name = str(write_tiny_gguf(args.tiny, scratch / f"{args.tiny}.gguf", lambda _: "Q8_0")[0])
+        options = {"cache_dir": str(scratch / "cache")}
+    llm = LLM(
+        model_name,
+        max_model_len=args.prompt_len + args.steps + 8,
+        max_num_seqs=max(args.rows, 1),
+        dtype=args.dtype,
+        **options,
+    )
     model = llm.engine.runner.model
     if not isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):
         raise SystemExit(f"{type(model).__name__} has no native decode layers (Llama family, Gemma 3)")
@@ -55,18 +90,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out
 
     type(model).forward = timed  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
-    prompts = [[100 + 37 * i + t for t in range(args.prompt_len)] for i in range(args.rows)]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels built, pools grown
-    results: dict[str, tuple[list[int], list[float]]] = {"modules": ([], []), "native": ([], [])}
-    for _ in range(args.rounds):
-        for mode, (forwards, walls) in results.items():
-            model.native_decode.enabled = mode == "native"
-            forward_times.clear()
-            started = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            walls.append((time.perf_counter() - started) / args.steps * 1e3)
-            forwards.extend(forward_times)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+        prompts = [[100 + 37 * i + t for t in range(args.prompt_len)] for i in range(args.rows)]
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels built, pools grown
+        results: dict[str, tuple[list[int], list[float]]] = {"modules": ([], []), "native": ([], [])}
+        for _ in range(args.rounds):
+            for mode, (forwards, walls) in results.items():
+                model.native_decode.enabled = mode == "native"
+                forward_times.clear()
+                started = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                walls.append((time.perf_counter() - started) / args.steps * 1e3)
+                forwards.extend(forward_times)
+    finally:  # the class is every model's of its type (a test runs more engines in this process)
+        type(model).forward = real_forward  # type: ignore[method-assign]
     print(
         f"{cpu_name()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}, rows {args.rows}, "
         f"load {os.getloadavg()[0]:.2f}, native steps {model.native_decode.steps}"

@@ -123,7 +123,7 @@ def run_transformers(
     return seconds, torch.sigmoid(logits[:, 0]).tolist()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run one engine and print its best time, rate and (if the other engine ran before) the largest difference."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     folder: Path = args.model_dir / f"qwen3-reranker-shape-{args.layers}l"
     build_model(folder, args.layers)
     tokenizer = AutoTokenizer.from_pretrained(folder)

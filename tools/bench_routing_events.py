@@ -8,6 +8,7 @@ same requests one at a time: `--prefixes` system prompts of 8 blocks twice (the 
 third round it prints the hits the router claimed (`router_prefix_hits_total`), the requests the engines really
 served from their caches (`cached_tokens` > 0) and the prefix-cache hit rate: a router is right when it claims
 exactly the hits the caches give. The approximate index never hears of the evictions; the events router does.
+`--routers events` (or `approximate`) starts only that one's server: a smoke run in half the time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagoda.server.testing import LiveServer, make_tiny_model
 
 BLOCK = 16
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # layers x (K, V) x kv heads x head dim x float32, per token x block
+ROUTERS = {"approximate": "approximate index", "events": "events"}  # --routers: their names in the table
 
 
 def metric(base_url: str, name: str) -> float:
@@ -83,23 +85,29 @@ def run(model: Path, flags: list[str], args: argparse.Namespace) -> dict[str, fl
         }
 
 
-def main() -> None:
-    """Both servers in turn; one table."""
+def main(argv: list[str] | None = None) -> None:
+    """Both servers (or those of --routers) in turn; one table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path)
     parser.add_argument("--prefixes", type=int, default=6)
     parser.add_argument("--fillers", type=int, default=4)
     parser.add_argument("--kv-blocks", type=int, default=48)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--routers",
+        nargs="+",
+        choices=ROUTERS,
+        default=list(ROUTERS),
+        help="the servers to run, in this order",
+    )
+    args = parser.parse_args(argv)
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc://{dir}/kv"})
     with tempfile.TemporaryDirectory(prefix="kvrt", dir="/tmp") as tmp:
         model = args.model or make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=4096)
-        results = {
-            "approximate index": run(model, [], args),
-            "events": run(
-                model, ["--routing-kv-events", "--kv-events-config", events.replace("{dir}", tmp)], args
-            ),
+        flags = {
+            "approximate": [],
+            "events": ["--routing-kv-events", "--kv-events-config", events.replace("{dir}", tmp)],
         }
+        results = {ROUTERS[router]: run(model, flags[router], args) for router in args.routers}
     print(
         f"third round: {args.prefixes} system prompts after {args.fillers} fillers, {args.kv_blocks} blocks each"
     )
