@@ -4,6 +4,9 @@ Needs only Python 3.11+ and pip on a fresh machine:
 
     python3 tools/dev.py serve [ARGS...]   # install everything, then `pagoda serve ARGS...`
     python3 tools/dev.py test [PYTEST ARGS...]   # install everything, then mypy strict, ruff and pytest
+
+pytest runs on TEST_WORKERS processes (pytest-xdist, each test file whole on one worker, so that a module's
+fixtures are built once) unless the arguments choose (`-n 0` for one process, `-p no:xdist`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 PACKAGES = ("blockalloc", "pagedkernel", "scheduler", "server")
 STAMP = VENV / ".pagoda-install-stamp"
+# Why two: most of the suite's wall time on a 2-core machine is one busy core (Python, a compiler, a test waiting
+# on a server it started), so a second worker fills the other one; past two, the tests' own two-thread kernels
+# and servers only contend.
+TEST_WORKERS = 2
 
 
 def venv_python() -> Path:
@@ -122,7 +129,15 @@ def run(argv: list[str]) -> int:
         if status != 0:
             print(f"{' '.join(check)} failed", file=sys.stderr)
             return status
-    return subprocess.call([str(python), "-m", "pytest", *rest])
+    return subprocess.call([str(python), "-m", "pytest", *pytest_workers(rest), *rest])
+
+
+def pytest_workers(args: list[str]) -> list[str]:
+    """The xdist arguments dev.py adds to pytest's: none when `args` pick the workers or turn xdist off."""
+    chosen = any(
+        a in {"-n", "--numprocesses", "no:xdist"} or a.startswith(("-n", "--numprocesses=")) for a in args
+    )
+    return [] if chosen else ["-n", str(TEST_WORKERS), "--dist", "loadfile"]
 
 
 if __name__ == "__main__":
