@@ -27,17 +27,15 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import get_args
 
 import torch
+from bench_native_decode import add_model_arguments, tiny_model
 from pagoda.pagedkernel.cbuild import cpu_name
 from pagoda.pagedkernel.sampling import SamplingTensors, get_sampler, rng_key
-from pagoda.server.config import DTypeName
 from pagoda.server.llm import LLM
 from pagoda.server.models.gemma3 import Gemma3ForCausalLM
 from pagoda.server.models.llama import LlamaForCausalLM
 from pagoda.server.sampling_params import SamplingParams
-from pagoda.server.testing.tiny_gguf import GGUF_ARCHS, write_tiny_gguf
 
 SMOLLM2 = "SmolLM2-135M-Instruct (Q4_1)"
 DEFAULT_MODELS = ("default", "gemma3-270m")
@@ -61,19 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--engine-rounds", type=int, default=3, help="engine runs per mode, on and off alternated"
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=get_args(DTypeName),
-        help="the engine's dtype (auto: bfloat16 where the CPU multiplies it fast, as measured at each start)",
-    )
-    parser.add_argument(
-        "--tiny",
-        nargs="+",
-        choices=GGUF_ARCHS,
-        metavar="ARCH",
-        help="instead of --models: tiny random-weight Q8_0 GGUF models of these architectures",
-    )
+    add_model_arguments(parser, instead_of="--models", many=True)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-fused-head-") as scratch:
         return run(args, Path(scratch))
@@ -92,11 +78,7 @@ def run(args: argparse.Namespace, scratch: Path) -> int:
         for name in args.models
     ]
     if args.tiny:
-        cache = {"cache_dir": str(scratch / "cache")}  # the converted GGUFs, removed with `scratch`
-        models = [
-            (f"tiny {arch}", str(write_tiny_gguf(arch, scratch / f"{arch}.gguf", lambda _: "Q8_0")[0]), cache)
-            for arch in args.tiny
-        ]
+        models = [(f"tiny {arch}", *tiny_model(arch, scratch)) for arch in args.tiny]
     for label, name, options in models:
         llm = LLM(name, max_model_len=64, max_num_seqs=4, dtype=args.dtype, **options)
         model = llm.engine.runner.model

@@ -46,6 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds, each mode once per round")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per round")
     parser.add_argument("--prompt-len", type=int, default=128)
+    add_model_arguments(parser, instead_of="--model", many=False)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-native-decode-") as scratch:
+        return run(args, Path(scratch))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, instead_of: str, many: bool) -> None:
+    """--dtype and --tiny (one architecture, or with `many` several), shared with bench_fused_head."""
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -54,21 +62,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tiny",
+        nargs="+" if many else None,
         choices=GGUF_ARCHS,
-        help="instead of --model: a tiny random Q8_0 GGUF model of this architecture",
+        metavar="ARCH",
+        help=f"instead of {instead_of}: a tiny random-weight Q8_0 GGUF model of each architecture given",
     )
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-native-decode-") as scratch:
-        return run(args, Path(scratch))
+
+
+def tiny_model(arch: str, scratch: Path) -> tuple[str, dict[str, str]]:
+    """A tiny random-weight Q8_0 GGUF of `arch` written under `scratch`, and the LLM keywords that put its
+    converted cache there too (removed with `scratch`)."""
+    path = write_tiny_gguf(arch, scratch / f"{arch}.gguf", lambda _: "Q8_0")[0]
+    return str(path), {"cache_dir": str(scratch / "cache")}
 
 
 def run(args: argparse.Namespace, scratch: Path) -> int:
     """The benchmark, the tiny model (with --tiny) and its GGUF cache written under `scratch`."""
     torch.set_num_threads(args.threads)
-    model_name, options = args.model, {}
-    if args.tiny:
-        model_name = str(write_tiny_gguf(args.tiny, scratch / f"{args.tiny}.gguf", lambda _: "Q8_0")[0])
-        options = {"cache_dir": str(scratch / "cache")}
+    model_name, options = tiny_model(args.tiny, scratch) if args.tiny else (args.model, {})
     llm = LLM(
         model_name,
         max_model_len=args.prompt_len + args.steps + 8,
