@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from tool_scripts import load_tool
+from tool_scripts import load_tool, table_cells
 
 bench = load_tool("bench_afd.py")
 
@@ -25,7 +25,7 @@ def test_tiny_run_prints_the_plain_and_afd_rows(capsys: pytest.CaptureFixture[st
         cells[0]: cells[1:]
         for line in out.splitlines()
         if line.startswith(("| plain", "| AFD"))
-        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+        for cells in [table_cells(line)]
     }
     names = list(rows)  # plain with torch's threads, plain with 1, AFD
     assert len(names) == 3 and names[0].startswith("plain, "), rows

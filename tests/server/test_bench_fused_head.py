@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tool_scripts import load_tool
+from tool_scripts import load_tool, table_cells
 
 bench = load_tool("bench_fused_head.py")
 
 
 def _rows(out: str, label: str) -> list[list[str]]:
     """The cells of the table rows of model `label`."""
-    return [
-        [c.strip() for c in line.strip().strip("|").split("|")]
-        for line in out.splitlines()
-        if line.startswith(f"| {label} |")
-    ]
+    return [table_cells(line) for line in out.splitlines() if line.startswith(f"| {label} |")]
 
 
 def test_tiny_models_fill_both_tables(capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,7 +40,8 @@ def test_tiny_models_fill_both_tables(capsys: pytest.CaptureFixture[str]) -> Non
     assert "| model | vocab | LM head | rows | mode | unfused | fused | speed-up | same tokens |" in out, out
     assert "| model | rows | mode | wall per step, unfused | fused | speed-up | same tokens |" in out, out
     for label in ("tiny llama", "tiny gemma3"):
-        op, engine = _rows(out, label)[:3], _rows(out, label)[3:]
+        rows = _rows(out, label)
+        op, engine = rows[:3], rows[3:]
         assert [r[4] for r in op] == ["greedy", "T = 1.0", "T = 1.0, top_p 0.9"], out
         assert [r[2] for r in engine] == ["greedy", "T = 1.0", "T = 1.0, top_p 0.9"], out
         for cells in op:  # vocab, LM head, rows, mode, unfused, fused, speed-up, same tokens

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from tool_scripts import load_tool
+from tool_scripts import load_tool, table_cells
 
 bench = load_tool("bench_images.py")
 
@@ -23,7 +23,7 @@ def test_tiny_llava_table_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "llava tiny (random weights, 448 px PNGs sent), 2 output tokens;" in out, out
     assert "| server | temp | 1 stream TTFT ms (median) | 1 stream images/s |" in out, out
     (row,) = [line for line in out.splitlines() if line.startswith("| pagoda |")]
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    cells = table_cells(row)
     # temp, 1 stream TTFT, images/s, concurrent TTFT median / p90, images/s, TTFT miss, TTFT hit
     assert cells[1] == "0" and len(cells) == 8, row
     numbers = [cells[2], cells[3], *cells[4].split(" / "), cells[5], cells[6], cells[7]]

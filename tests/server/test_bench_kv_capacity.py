@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from pagoda.server.testing import make_tiny_model
+from tool_scripts import table_cells
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +17,7 @@ def _rows(stdout: str) -> dict[str, list[str]]:
     """The capacity table's rows by configuration name."""
     rows = {}
     for line in stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = table_cells(line)
         if cells and cells[0].startswith("hybrid"):
             rows[cells[0]] = cells[1:]
     return rows

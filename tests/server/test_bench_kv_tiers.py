@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tool_scripts import table_cells
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,7 +35,7 @@ def test_bench_kv_tiers_reports_every_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {}
     for line in done.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = table_cells(line)
         if len(cells) == 6 and cells[1][:1].isdigit():
             rows[cells[0]] = float(cells[1])
     assert set(rows) == {"none", "host tier", "disk tier", "ideal (pool holds all)"}, done.stdout

@@ -21,3 +21,8 @@ def load_tool(filename: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def table_cells(line: str) -> list[str]:
+    """The stripped cells of one Markdown table row (`| a | b |` -> ["a", "b"]), as the tools print them."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
