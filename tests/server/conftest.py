@@ -14,22 +14,8 @@ from pagoda.server.llm import LLM
 from pagoda.server.loader import CACHE_DIR_ENV
 from pagoda.server.testing import make_tiny_model, make_tiny_tokenizer
 from pagoda.server.testing.tiny_gguf import write_tiny_gguf
+from ray_head import ray_head
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that start a Ray cluster run first. Why: Ray forks its head processes from this process, and a
-    fork must account for every private mapping the process holds; after hundreds of engines a run's pytest process
-    was once seen holding 27 GB of untouched virtual memory (RSS 1.8 GB), and Ray's fork then failed with ENOMEM on
-    a 24 GB machine. Early, the process is small. (The reservation itself is still to be found.)"""
-    first = [
-        item
-        for item in items
-        if "ray_cluster" in getattr(item, "fixturenames", ()) or "test_ray_" in item.nodeid
-    ]
-    if first:
-        chosen = {id(item) for item in first}
-        items[:] = first + [item for item in items if id(item) not in chosen]
 
 
 @pytest.fixture(scope="session")
@@ -83,16 +69,23 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBa
 
 @pytest.fixture
 def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A local Ray cluster of 2 CPUs for one test; RAY_ADDRESS points a server started meanwhile at it."""
+    """A local Ray cluster of 2 CPUs for one test (`ray_head`: started outside this process, never forked from
+    it), this process a driver of it, and RAY_ADDRESS pointing a server started meanwhile at it."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        address = ray.get_runtime_context().gcs_address
-        monkeypatch.setenv("RAY_ADDRESS", address)
-        yield address
-    finally:
-        ray.shutdown()
+    with ray_head(num_cpus=2) as head:
+        # address="auto" finds the head through RAY_TMPDIR and, being the local cluster, takes its token and turns
+        # token mode on in Ray's cached config (an explicit address never does; a mode set beforehand is believed
+        # without that refresh). The environment is restored after the test.
+        monkeypatch.setenv("RAY_TMPDIR", str(head.tmpdir))
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+        ray.init(address="auto")
+        monkeypatch.setenv("RAY_ADDRESS", head.address)
+        try:
+            yield head.address
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ from pagoda.server.kv_tiers.host import WAYS, HostTierError, SharedHostStore
 
 SLOT = 64
 IDENTITY = hashlib.sha256(b"model").digest()
+# Children are spawned, never forked: a fork from a pytest worker that built many engines can fail with ENOMEM
+# (its large, mostly freed heap is accounted again for the child; tests/server/ray_head.py says more).
+SPAWN = multiprocessing.get_context("spawn")
 
 
 def key(i: int, group: int | None = None) -> bytes:
@@ -126,9 +130,7 @@ def test_a_dead_processs_pins_and_half_writes_are_reclaimed(tmp_path: Path) -> N
     try:
         for i in range(WAYS - 1):
             put(s, key(i), i)
-        child = multiprocessing.get_context("fork").Process(
-            target=_pin_and_die, args=(str(path), key(0), key(5000))
-        )
+        child = SPAWN.Process(target=_pin_and_die, args=(str(path), key(0), key(5000)))
         child.start()
         child.join(30)
         assert child.exitcode == 0
@@ -161,9 +163,11 @@ def test_another_geometry_or_model_is_refused(tmp_path: Path) -> None:
     assert not path.exists()  # the owner removed it
 
 
-def _writer(path: str, start: int, count: int) -> None:
-    """In a child process: store `count` keys from `start`, each filled with its index's low byte."""
+def _writer(path: str, start: int, count: int, together: Barrier) -> None:
+    """In a child process: store `count` keys from `start`, each filled with its index's low byte, starting when
+    every writer has attached (`together`), so that the writes overlap."""
     s = SharedHostStore.open(Path(path), 8 * WAYS * SLOT, SLOT, IDENTITY, owner=False)
+    together.wait(60)
     for i in range(start, start + count):
         got = s.reserve(key(i))
         if got is not None:
@@ -176,8 +180,8 @@ def test_two_processes_writing_at_once_leave_every_slot_whole(tmp_path: Path) ->
     path = tmp_path / "t"
     s = store(path, sets=8)
     try:
-        ctx = multiprocessing.get_context("fork")
-        procs = [ctx.Process(target=_writer, args=(str(path), n * 1000, 300)) for n in range(2)]
+        together = SPAWN.Barrier(2)
+        procs = [SPAWN.Process(target=_writer, args=(str(path), n * 1000, 300, together)) for n in range(2)]
         for p in procs:
             p.start()
         for p in procs:

@@ -10,7 +10,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,16 +272,8 @@ def test_live_server_tp2_gives_tp1_text_and_fails_fast_when_its_worker_dies(
         assert httpx.get(f"{tp.base_url}/health").status_code == 503
 
 
-@pytest.fixture
-def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster of two CPUs for one test."""
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.timeout(600)
-def test_ray_executor_tp2_equals_tp1(ray_cluster: None, tp_models: dict[str, Path], llms: LLMFactory) -> None:
+def test_ray_executor_tp2_equals_tp1(ray_cluster: str, tp_models: dict[str, Path], llms: LLMFactory) -> None:
     """`distributed_executor_backend="ray"`: the worker is a Ray actor in a placement group; TP=1's tokens."""
     prompts = random_prompts(PROMPT_LENS)
     want = greedy_tokens(llms(make_llm, tp_models["gemma3_kv1"]), prompts)
