@@ -44,6 +44,28 @@ def test_draft_model_method(tmp_path: Path) -> None:
     assert all(r.output_tokens == 6 and r.tok_per_s > 0 for r in results)
 
 
+def test_each_engine_is_warmed_up_before_its_first_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every method's engine generates its untimed warm-up (two tokens) before the first timed cell, and the
+    warm-up's tokens are not counted in any cell."""
+    events: list[str] = []
+    warm_up, run = bench.warm_up, bench.run
+
+    def record_warm_up(llm: object, seed: int) -> None:
+        events.append("warm")
+        warm_up(llm, seed)
+
+    def record_run(*args: object) -> object:
+        events.append("run")
+        return run(*args)
+
+    monkeypatch.setattr(bench, "warm_up", record_warm_up)
+    monkeypatch.setattr(bench, "run", record_run)
+    argv = ["--tiny", "--max-tokens", "4", "--max-prompt-tokens", "24", "--concurrency", "1"]
+    results = bench.main([*argv, "--methods", "none", "ngram", "--workloads", "repeat"])
+    assert events == ["warm", "run", "warm", "run"]
+    assert all(r.output_tokens == 4 for r in results)
+
+
 def test_a_peer_server_runs_the_same_prompts(tiny_model_path: Callable[[str], Path]) -> None:
     """--peer LABEL=COMMAND starts a server (here `pagoda serve` on the same tiny model, standing in for
     llama-server) and sends it every workload's prompt at every concurrency, as token ids; its rows sit beside
