@@ -35,14 +35,21 @@ def free_port() -> int:
 
 
 def ensure_ray_token() -> Path:
-    """Ray's default token file (~/.ray/auth_token), created once if missing: exclusively, so two test workers
-    starting clusters at once agree on one token (Ray's own writer truncates and rewrites)."""
+    """Ray's default token file (~/.ray/auth_token), created once if missing: written aside and linked into place,
+    so two test workers starting clusters at once agree on one token and neither reads a half-written file (Ray's
+    own writer truncates and rewrites)."""
     path = Path.home() / ".ray" / "auth_token"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if path.exists():
+        return path
+    fd, aside = tempfile.mkstemp(dir=path.parent, prefix=".auth_token.")  # mode 0600
+    try:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)  # atomic; the first writer wins
+    finally:
+        os.unlink(aside)
     return path
 
 
