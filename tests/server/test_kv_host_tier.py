@@ -10,7 +10,14 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
-from pagoda.server.kv_tiers.host import WAYS, HostTierError, SharedHostStore
+from pagoda.server.kv_tiers.host import (
+    WAYS,
+    HostTierError,
+    SharedHostStore,
+    new_host_tier_path,
+    pid_alive,
+    remove_stale_host_tiers,
+)
 
 SLOT = 64
 IDENTITY = hashlib.sha256(b"model").digest()
@@ -209,3 +216,20 @@ def test_half_full_it_loses_no_block(tmp_path: Path) -> None:
         assert all(s.contains(k) for k in keys)
     finally:
         s.close()
+
+
+def test_files_of_exited_processes_are_removed_and_no_others(tmp_path: Path) -> None:
+    """`remove_stale_host_tiers`: a host tier file whose creating process has exited (a server killed with SIGKILL
+    never removes its own) goes; this process's file, and files of names Pagoda does not make, stay."""
+    child = SPAWN.Process(target=os._exit, args=(0,))
+    child.start()
+    child.join(30)
+    assert child.pid is not None and not pid_alive(child.pid)
+    mine = new_host_tier_path().name  # this process's pid
+    dead = mine.replace(f"pagoda-kv-{os.getpid()}-", f"pagoda-kv-{child.pid}-", 1)
+    names = [mine, dead, f"pagoda-kv-{child.pid}-notours", "pagoda-kv-events-x"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    assert remove_stale_host_tiers(tmp_path) == [tmp_path / dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in names if n != dead)
+    assert remove_stale_host_tiers(tmp_path) == []

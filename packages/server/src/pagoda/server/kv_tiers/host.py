@@ -23,8 +23,10 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,6 +67,39 @@ def default_shm_dir() -> Path:
     """Where shared-memory files live: /dev/shm on Linux (memory, not disk), else the temp folder."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+# A host tier file Pagoda names itself: its creator's pid, then a random suffix.
+_TIER_FILE = re.compile(r"pagoda-kv-(\d+)-[0-9a-f]{12}")
+
+
+def new_host_tier_path() -> Path:
+    """A fresh name for a host tier file this process owns (in `default_shm_dir`), after removing those of
+    processes that have exited (`remove_stale_host_tiers`)."""
+    remove_stale_host_tiers()
+    return default_shm_dir() / f"pagoda-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale_host_tiers(folder: Path | None = None) -> list[Path]:
+    """Remove this user's host tier files (in `folder`, default `default_shm_dir`) whose creating process is gone:
+    a server killed with SIGKILL never removes its file, and on /dev/shm the blocks it held stay in memory until
+    reboot. A file whose pid is alive (or reused) is kept. The removed paths."""
+    folder = default_shm_dir() if folder is None else folder
+    removed: list[Path] = []
+    for path in folder.glob("pagoda-kv-*"):
+        match = _TIER_FILE.fullmatch(path.name)
+        try:
+            if match is None or path.stat().st_uid != os.getuid() or pid_alive(int(match.group(1))):
+                continue
+            held = path.stat().st_blocks * 512
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+        logger.info(
+            "removed %s, the host KV tier of a process that has exited (%.1f MiB held)", path, held / 2**20
+        )
+    return removed
 
 
 def pid_alive(pid: int) -> bool:

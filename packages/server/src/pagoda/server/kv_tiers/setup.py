@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from pagoda.server.engine.kv_cache import KVCache
 from pagoda.server.engine.setup import EngineConfigError
 from pagoda.server.kv_tiers.blocks import BlockRows, kv_identity
 from pagoda.server.kv_tiers.extension import KVTierExtension
-from pagoda.server.kv_tiers.host import SharedHostStore, default_shm_dir
+from pagoda.server.kv_tiers.host import SharedHostStore, new_host_tier_path
 from pagoda.server.kv_tiers.offload import DiskStore, TieredOffload
 from pagoda.server.kv_tiers.peer import KVTransferSpec, PeerTransfer
 
@@ -33,7 +32,7 @@ def with_shared_host_tier(config: EngineConfig) -> tuple[EngineConfig, Path | No
     cache = config.cache_config
     if not cache.kv_tiers_enabled or cache.kv_offloading_shm is not None:
         return config, None
-    path = default_shm_dir() / f"pagoda-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = new_host_tier_path()
     return replace(config, cache_config=replace(cache, kv_offloading_shm=str(path))), path
 
 
@@ -81,7 +80,7 @@ def build_kv_tiers(
     rows = BlockRows(kv_cache)
     identity = kv_identity(model_files_identity(model_path), kv_cache)
     if cache.kv_offloading_shm is None:
-        path, owner = default_shm_dir() / f"pagoda-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}", True
+        path, owner = new_host_tier_path(), True
     else:
         path, owner = Path(cache.kv_offloading_shm), False
     size_gib = cache.kv_offloading_size or DEFAULT_STAGING_GIB
