@@ -4,7 +4,6 @@ tokenizer, and an in-process uvicorn server running the app on a free port."""
 from __future__ import annotations
 
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +22,7 @@ from pagoda.server.multimodal import MultiModalInputs
 from pagoda.server.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from pagoda.server.pooling import SupportedTask
 from pagoda.server.sampling_params import SamplingParams
+from pagoda.server.testing import free_port
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -259,14 +259,6 @@ class FakeEngine:
     ) -> str:
         """What the fake generates for a prompt with no stop strings."""
         return "".join(LETTERS[self.next_letter(prompt_token_ids, index, i, seed)] for i in range(max_tokens))
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

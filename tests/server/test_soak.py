@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from api_fake_engine import free_port
+from pagoda.server.testing import free_port
 from tool_scripts import load_tool
 
 soak = load_tool("soak.py")

@@ -89,15 +89,19 @@ def remove_stale_host_tiers(folder: Path | None = None) -> list[Path]:
     for path in folder.glob("pagoda-kv-*"):
         match = _TIER_FILE.fullmatch(path.name)
         try:
-            if match is None or path.stat().st_uid != os.getuid() or pid_alive(int(match.group(1))):
+            if match is None or pid_alive(int(match.group(1))):
                 continue
-            held = path.stat().st_blocks * 512
+            st = path.stat()
+            if st.st_uid != os.getuid():
+                continue
             path.unlink()
         except OSError:  # gone meanwhile, or not ours to remove
             continue
         removed.append(path)
         logger.info(
-            "removed %s, the host KV tier of a process that has exited (%.1f MiB held)", path, held / 2**20
+            "removed %s, the host KV tier of a process that has exited (%.1f MiB held)",
+            path,
+            st.st_blocks / 2048,
         )
     return removed
 
